@@ -1,0 +1,203 @@
+"""Varlen (packed) non-causal attention backends.
+
+Tokens of many sequences are packed along one axis; ``cu_seqlens`` (int32, shape
+``(S+1,)``, starting at 0) gives each sequence's boundaries. Attention is full within a
+sequence and absent across sequences. All backends take and return ``(N, H, D)``.
+
+Backends:
+- ``flash``: ``flash_attn.flash_attn_varlen_func`` (CUDA, fp16/bf16, if installed).
+- ``torch_varlen``: ``torch.nn.attention.varlen.varlen_attn`` (torch's own flash kernel;
+  CUDA, fp16/bf16).
+- ``sdpa``: per-sequence ``F.scaled_dot_product_attention``, sequences of equal length
+  batched into one call. Runs anywhere, any float dtype; the CPU reference path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from flash_attn import flash_attn_varlen_func as _flash_varlen
+except ImportError:
+    _flash_varlen = None
+
+try:
+    from torch.nn.attention.varlen import varlen_attn as _torch_varlen
+except ImportError:
+    _torch_varlen = None
+
+BACKENDS = ("auto", "flash", "torch_varlen", "sdpa")
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``attn(q, k, v) -> out``, all (N, H, D): what the model calls once per block."""
+
+
+def available_backends(device: torch.device | str | None = None) -> list[str]:
+    """Concrete backends usable for half-precision tensors on ``device`` (default: CUDA if present)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    on_cuda = torch.device(device).type == "cuda"
+    names = []
+    if on_cuda and _flash_varlen is not None:
+        names.append("flash")
+    if on_cuda and _torch_varlen is not None:
+        names.append("torch_varlen")
+    names.append("sdpa")
+    return names
+
+
+def _kernel_usable(q: torch.Tensor) -> bool:
+    return q.is_cuda and q.dtype in _HALF_DTYPES
+
+
+def _resolve_backend(backend: str, q: torch.Tensor) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; valid: {list(BACKENDS)}")
+    if backend == "auto":
+        if _kernel_usable(q) and _flash_varlen is not None:
+            return "flash"
+        if _kernel_usable(q) and _torch_varlen is not None:
+            return "torch_varlen"
+        return "sdpa"
+    if backend in ("flash", "torch_varlen"):
+        missing = _flash_varlen is None if backend == "flash" else _torch_varlen is None
+        if missing:
+            raise RuntimeError(f"attention backend {backend!r} is not available in this environment")
+        if not _kernel_usable(q):
+            raise RuntimeError(
+                f"attention backend {backend!r} needs CUDA fp16/bf16 tensors, "
+                f"got device={q.device} dtype={q.dtype}; use 'sdpa' or 'auto'"
+            )
+    return backend
+
+
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+    if q.dim() != 3 or q.shape != k.shape or q.shape != v.shape:
+        raise ValueError(
+            f"q, k, v must share one (N, H, D) shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens must be 1-D with S+1 >= 1 entries, got shape {tuple(cu_seqlens.shape)}")
+
+
+def _bounds(cu_seqlens: torch.Tensor, n_tokens: int) -> list[int]:
+    """Host copy of cu_seqlens, checked: starts at 0, non-decreasing, ends at N."""
+    bounds = [int(b) for b in cu_seqlens.tolist()]
+    ok = bounds[0] == 0 and bounds[-1] == n_tokens and all(a <= b for a, b in zip(bounds, bounds[1:]))
+    if not ok:
+        raise ValueError(
+            f"cu_seqlens must start at 0, be non-decreasing and end at N={n_tokens}, got {bounds}"
+        )
+    return bounds
+
+
+def _empty_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    # (0, H, D). Built from q, k, v rather than torch.empty so the output stays in the
+    # autograd graph: backward must reach the collectives that produced q, k, v on every
+    # rank, including ranks that hold no tokens.
+    return (q + k + v) * 0.0
+
+
+def _sdpa_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    n_tokens, n_heads, head_dim = q.shape
+    bounds = _bounds(cu_seqlens, n_tokens)
+    starts_by_len: dict[int, list[int]] = {}
+    for start, end in zip(bounds, bounds[1:]):
+        if end > start:
+            starts_by_len.setdefault(end - start, []).append(start)
+
+    rows, pieces = [], []
+    for length, starts in starts_by_len.items():
+        n_seqs = len(starts)
+        # (B, 1) + (1, L) -> (B, L) -> (B*L,): token rows of all sequences of this length
+        idx = (torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)).reshape(-1)
+
+        def batched(x: torch.Tensor) -> torch.Tensor:
+            # (B*L, H, D) -> (B, L, H, D) -> (B, H, L, D): SDPA attends over the L axis
+            return x[idx].reshape(n_seqs, length, n_heads, head_dim).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(batched(q), batched(k), batched(v), scale=scale)
+        # (B, H, L, D) -> (B, L, H, D) -> (B*L, H, D)
+        pieces.append(out.transpose(1, 2).reshape(n_seqs * length, n_heads, head_dim))
+        rows.append(idx)
+    # Every token row belongs to exactly one group, so index_copy fills the whole output.
+    return q.new_zeros(q.shape).index_copy(0, torch.cat(rows), torch.cat(pieces))
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    backend: str = "auto",
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Non-causal attention within each packed sequence. q, k, v: (N, H, D) -> (N, H, D).
+
+    ``max_seqlen`` is the longest sequence (the fused kernels size their grid with it).
+    ``scale`` defaults to ``1/sqrt(D)``.
+    """
+    _check_shapes(q, k, v, cu_seqlens)
+    name = _resolve_backend(backend, q)
+    if q.shape[0] == 0:
+        return _empty_output(q, k, v)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    if name == "sdpa":
+        return _sdpa_varlen(q, k, v, cu_seqlens, scale)
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    max_seqlen = int(max_seqlen)
+    if name == "flash":
+        return _flash_varlen(
+            q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=0.0, softmax_scale=scale, causal=False
+        )
+    return _torch_varlen(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale)
+
+
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """softmax(Q K^T * scale) V per sequence, in fp32 math, cast back to q's dtype. For tests."""
+    _check_shapes(q, k, v, cu_seqlens)
+    bounds = _bounds(cu_seqlens, q.shape[0])
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    outs = [q.new_zeros((0,) + tuple(q.shape[1:]))]
+    for start, end in zip(bounds, bounds[1:]):
+        qs, ks, vs = (x[start:end].float() for x in (q, k, v))
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale  # (H, L, L)
+        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), vs).to(q.dtype))
+    return torch.cat(outs)
+
+
+class LocalAttention:
+    """``attn(q, k, v)`` callable for single-process runs: varlen attention over fixed boundaries."""
+
+    def __init__(
+        self,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        *,
+        backend: str = "auto",
+        scale: float | None = None,
+    ) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown attention backend {backend!r}; valid: {list(BACKENDS)}")
+        self.cu_seqlens = cu_seqlens
+        self.max_seqlen = int(max_seqlen)
+        self.backend = backend
+        self.scale = scale
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return varlen_attention(
+            q, k, v, self.cu_seqlens, self.max_seqlen, backend=self.backend, scale=self.scale
+        )

@@ -1,0 +1,161 @@
+"""Transformer blocks of the packed MMDiT. Everything here except ``attn`` is per token.
+
+``attn(q, k, v)`` receives (N, H, D) tensors of the local tokens after QK-norm and RoPE and
+returns (N, H, D); whether it is local varlen attention or a Ulysses exchange is not the
+blocks' business.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from knapray.attention import AttentionFn
+from knapray.models.config import MMDiTConfig
+from knapray.models.layers import MLP, Modulation, RMSNorm, apply_rope, modulate
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenStreams:
+    """Index maps between packed token order and the (text, image) sub-streams."""
+
+    txt_idx: torch.Tensor
+    """(Nt,) packed rows of text tokens, ascending."""
+    img_idx: torch.Tensor
+    """(Ni,) packed rows of image tokens, ascending."""
+    unorder: torch.Tensor
+    """(N,) gathers cat(text rows, image rows) back into packed order."""
+
+    @classmethod
+    def from_mask(cls, is_text: torch.Tensor) -> TokenStreams:
+        txt_idx = torch.nonzero(is_text).flatten()
+        img_idx = torch.nonzero(~is_text).flatten()
+        return cls(txt_idx, img_idx, torch.argsort(torch.cat((txt_idx, img_idx))))
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x[self.txt_idx], x[self.img_idx]
+
+    def merge(self, x_txt: torch.Tensor, x_img: torch.Tensor) -> torch.Tensor:
+        return torch.cat((x_txt, x_img))[self.unorder]
+
+
+def _layer_norm(dim: int) -> nn.LayerNorm:
+    # No affine parameters: adaLN supplies the scale and shift.
+    return nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+
+
+def _qk_norm(cfg: MMDiTConfig) -> nn.Module:
+    return RMSNorm(cfg.head_dim) if cfg.qk_norm else nn.Identity()
+
+
+class StreamWeights(nn.Module):
+    """One modality's weights in a double-stream block."""
+
+    def __init__(self, cfg: MMDiTConfig) -> None:
+        super().__init__()
+        d = cfg.hidden_size
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.mod = Modulation(d, 6)
+        self.norm1 = _layer_norm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.q_norm, self.k_norm = _qk_norm(cfg), _qk_norm(cfg)
+        self.proj = nn.Linear(d, d)
+        self.norm2 = _layer_norm(d)
+        self.mlp = MLP(d, cfg.mlp_hidden, d)
+
+    def attn_inputs(
+        self, h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = h.shape[0]
+        qkv = self.qkv(modulate(self.norm1(h), shift, scale))
+        # (n, 3*d) -> (n, 3, H, D) -> 3 x (n, H, D)
+        q, k, v = qkv.reshape(n, 3, self.num_heads, self.head_dim).unbind(dim=1)
+        return self.q_norm(q), self.k_norm(k), v
+
+    def finish(self, h: torch.Tensor, attn_out: torch.Tensor, mods: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        _, _, gate1, shift2, scale2, gate2 = mods
+        h = h + gate1 * self.proj(attn_out)
+        return h + gate2 * self.mlp(modulate(self.norm2(h), shift2, scale2))
+
+
+class DoubleStreamBlock(nn.Module):
+    """Flux double-stream block: separate text / image weights, one joint attention."""
+
+    def __init__(self, cfg: MMDiTConfig) -> None:
+        super().__init__()
+        self.txt = StreamWeights(cfg)
+        self.img = StreamWeights(cfg)
+
+    def forward(
+        self,
+        h_txt: torch.Tensor,
+        h_img: torch.Tensor,
+        vec_seq: torch.Tensor,
+        seq_txt: torch.Tensor,
+        seq_img: torch.Tensor,
+        streams: TokenStreams,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionFn,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        mods_txt = self.txt.mod(vec_seq, seq_txt)  # 6 x (Nt, d)
+        mods_img = self.img.mod(vec_seq, seq_img)  # 6 x (Ni, d)
+        q_t, k_t, v_t = self.txt.attn_inputs(h_txt, mods_txt[0], mods_txt[1])
+        q_i, k_i, v_i = self.img.attn_inputs(h_img, mods_img[0], mods_img[1])
+        q, k, v = streams.merge(q_t, q_i), streams.merge(k_t, k_i), streams.merge(v_t, v_i)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        n, n_heads, head_dim = q.shape
+        out = attn(q, k, v).reshape(n, n_heads * head_dim)  # (N, H, D) -> (N, H*D)
+        out_t, out_i = streams.split(out)
+        return self.txt.finish(h_txt, out_t, mods_txt), self.img.finish(h_img, out_i, mods_img)
+
+
+class SingleStreamBlock(nn.Module):
+    """Flux single-stream block, shared weights over all tokens.
+
+    One fused input projection yields q, k, v and the MLP hidden; attention and the MLP run
+    in parallel and one output projection consumes their concatenation.
+    """
+
+    def __init__(self, cfg: MMDiTConfig) -> None:
+        super().__init__()
+        d = cfg.hidden_size
+        self.num_heads, self.head_dim, self.mlp_hidden = cfg.num_heads, cfg.head_dim, cfg.mlp_hidden
+        self.mod = Modulation(d, 3)
+        self.norm = _layer_norm(d)
+        self.linear1 = nn.Linear(d, 3 * d + self.mlp_hidden)
+        self.q_norm, self.k_norm = _qk_norm(cfg), _qk_norm(cfg)
+        self.linear2 = nn.Linear(d + self.mlp_hidden, d)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        vec_seq: torch.Tensor,
+        seq_index: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionFn,
+    ) -> torch.Tensor:
+        n, d = h.shape
+        shift, scale, gate = self.mod(vec_seq, seq_index)
+        qkv, mlp_in = self.linear1(modulate(self.norm(h), shift, scale)).split([3 * d, self.mlp_hidden], dim=-1)
+        # (N, 3*d) -> (N, 3, H, D) -> 3 x (N, H, D)
+        q, k, v = qkv.reshape(n, 3, self.num_heads, self.head_dim).unbind(dim=1)
+        q, k = apply_rope(self.q_norm(q), *rope), apply_rope(self.k_norm(k), *rope)
+        out = attn(q, k, v).reshape(n, d)  # (N, H, D) -> (N, d)
+        return h + gate * self.linear2(torch.cat((out, F.gelu(mlp_in, approximate="tanh")), dim=-1))
+
+
+class FinalLayer(nn.Module):
+    """adaLN LayerNorm + linear to patch features, applied to image tokens."""
+
+    def __init__(self, cfg: MMDiTConfig) -> None:
+        super().__init__()
+        self.mod = Modulation(cfg.hidden_size, 2)
+        self.norm = _layer_norm(cfg.hidden_size)
+        self.linear = nn.Linear(cfg.hidden_size, cfg.patch_dim)
+
+    def forward(self, h_img: torch.Tensor, vec_seq: torch.Tensor, seq_img: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.mod(vec_seq, seq_img)
+        return self.linear(modulate(self.norm(h_img), shift, scale))

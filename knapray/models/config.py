@@ -1,0 +1,101 @@
+"""Typed, validated configuration of the packed MMDiT / DiT."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class MMDiTConfig:
+    """Architecture of a Flux-style MMDiT. ``depth_double=0`` gives a plain single-stream DiT."""
+
+    in_channels: int = 4
+    """Channels of the latent (C in (C, T, H, W))."""
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    """Patch extent along (t, h, w); one image token per patch."""
+    hidden_size: int = 64
+    """Model width d."""
+    num_heads: int = 4
+    """Attention heads; head_dim = hidden_size / num_heads."""
+    depth_double: int = 2
+    """Double-stream blocks (separate text / image weights, joint attention)."""
+    depth_single: int = 2
+    """Single-stream blocks (shared weights over all tokens)."""
+    mlp_ratio: float = 4.0
+    """MLP hidden width as a multiple of hidden_size."""
+    text_dim: int = 32
+    """Width of incoming text-encoder token features; 0 means the model takes no text tokens."""
+    pooled_dim: int = 32
+    """Width of the pooled conditioning vector per sequence; 0 means none (timestep only)."""
+    rope_axes_dim: tuple[int, int, int] = (4, 6, 6)
+    """Head channels rotated by the t, h, w coordinates; each even, summing to head_dim."""
+    rope_theta: float = 10000.0
+    """RoPE base period."""
+    qk_norm: bool = True
+    """RMS-normalize q and k per head before RoPE (stabilizes attention logits)."""
+
+    def __post_init__(self) -> None:
+        self.patch_size = tuple(self.patch_size)
+        self.rope_axes_dim = tuple(self.rope_axes_dim)
+        for name in ("in_channels", "hidden_size", "num_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name in ("depth_double", "depth_single", "text_dim", "pooled_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        if self.depth_double + self.depth_single < 1:
+            raise ValueError(
+                f"need at least one block, got depth_double={self.depth_double}, depth_single={self.depth_single}"
+            )
+        if len(self.patch_size) != 3 or any(not isinstance(p, int) or p < 1 for p in self.patch_size):
+            raise ValueError(f"patch_size must be 3 positive ints (t, h, w), got {self.patch_size!r}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}"
+            )
+        if not (self.mlp_ratio > 0 and math.isfinite(self.mlp_ratio)):
+            raise ValueError(f"mlp_ratio must be a positive number, got {self.mlp_ratio!r}")
+        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
+            raise ValueError(f"rope_theta must be a positive number, got {self.rope_theta!r}")
+        axes = self.rope_axes_dim
+        if len(axes) != 3 or any(not isinstance(a, int) or a < 0 or a % 2 for a in axes):
+            raise ValueError(f"rope_axes_dim must be 3 non-negative even ints (t, h, w), got {axes!r}")
+        if sum(axes) != self.head_dim:
+            raise ValueError(
+                f"rope_axes_dim {axes!r} sums to {sum(axes)}, must equal head_dim="
+                f"hidden_size/num_heads={self.head_dim}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Features per image token: in_channels * pt * ph * pw."""
+        pt, ph, pw = self.patch_size
+        return self.in_channels * pt * ph * pw
+
+    @property
+    def mlp_hidden(self) -> int:
+        return int(self.hidden_size * self.mlp_ratio)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> MMDiTConfig:
+        """Build from a plain mapping (e.g. YAML); unknown keys raise, naming the valid ones."""
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(values) - set(valid))
+        if unknown:
+            raise ValueError(f"unknown MMDiTConfig keys {unknown}; valid: {valid}")
+        return cls(**values)
+
+
+def dit_config(**overrides: Any) -> MMDiTConfig:
+    """A plain DiT: single-stream blocks only, no text tokens (conditioned on timestep + pooled)."""
+    values: dict[str, Any] = {"depth_double": 0, "depth_single": 4, "text_dim": 0}
+    values.update(overrides)
+    return MMDiTConfig.from_dict(values)

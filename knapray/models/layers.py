@@ -1,0 +1,117 @@
+"""Per-token building blocks of the packed DiT / MMDiT: norms, RoPE, embeddings, adaLN."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+TIME_EMBED_DIM = 256
+"""Width of the sinusoidal timestep features fed to the timestep MLP (as in DiT and Flux)."""
+
+
+class RMSNorm(nn.Module):
+    """RMS normalization over the last dimension, computed in fp32, with a learned gain."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return normed.to(x.dtype) * self.weight
+
+
+def rope_frequencies(
+    pos: torch.Tensor, axes_dim: tuple[int, ...], theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles for integer positions.
+
+    pos: (N, A) int64, one coordinate per axis (t, h, w). Axis ``a`` gets ``axes_dim[a]``
+    channels of the head, i.e. ``axes_dim[a] // 2`` rotation frequencies.
+    Returns cos, sin, each (N, sum(axes_dim) // 2) in fp32.
+    """
+    if pos.dim() != 2 or pos.shape[1] != len(axes_dim):
+        raise ValueError(f"pos must be (N, {len(axes_dim)}), got {tuple(pos.shape)}")
+    if pos.dtype.is_floating_point:
+        raise ValueError(f"pos must hold integer positions, got dtype {pos.dtype}")
+    angles = []
+    for axis, dim in enumerate(axes_dim):
+        exponents = torch.arange(0, dim, 2, device=pos.device, dtype=torch.float32) / dim
+        inv_freq = 1.0 / (theta**exponents)  # (dim/2,)
+        # Integer positions are exact in fp32 below 2**24, far beyond any latent grid.
+        angles.append(pos[:, axis].to(torch.float32)[:, None] * inv_freq[None, :])  # (N, dim/2)
+    angle = torch.cat(angles, dim=-1)  # (N, D/2)
+    return angle.cos(), angle.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive channel pairs (2i, 2i+1) of x (N, H, D) by per-token angles (N, D/2)."""
+    n_tokens, n_heads, head_dim = x.shape
+    # (N, H, D) -> (N, H, D/2, 2): channel pairs, rotated in fp32
+    pairs = x.float().reshape(n_tokens, n_heads, head_dim // 2, 2)
+    even, odd = pairs[..., 0], pairs[..., 1]
+    c, s = cos[:, None, :], sin[:, None, :]  # (N, 1, D/2), broadcast over heads
+    rotated = torch.stack((even * c - odd * s, even * s + odd * c), dim=-1)
+    # (N, H, D/2, 2) -> (N, H, D)
+    return rotated.reshape(n_tokens, n_heads, head_dim).to(x.dtype)
+
+
+def timestep_embedding(
+    t: torch.Tensor, dim: int = TIME_EMBED_DIM, max_period: float = 10000.0, time_factor: float = 1000.0
+) -> torch.Tensor:
+    """Sinusoidal features of timesteps t (S,) in [0, 1] -> (S, dim) fp32.
+
+    t is scaled by ``time_factor`` first (Flux convention) so that [0, 1] spans many periods.
+    """
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
+    args = (t.float() * time_factor)[:, None] * freqs[None, :]  # (S, half)
+    emb = torch.cat((args.cos(), args.sin()), dim=-1)
+    if dim % 2:
+        emb = F.pad(emb, (0, 1))
+    return emb
+
+
+class MLP(nn.Module):
+    """Linear -> activation -> Linear. GELU(tanh) in transformer blocks, SiLU in embedders."""
+
+    def __init__(self, in_dim: int, hidden_dim: int, out_dim: int, activation: str = "gelu_tanh") -> None:
+        super().__init__()
+        if activation not in ("gelu_tanh", "silu"):
+            raise ValueError(f"unknown activation {activation!r}; valid: ['gelu_tanh', 'silu']")
+        self.fc1 = nn.Linear(in_dim, hidden_dim)
+        self.fc2 = nn.Linear(hidden_dim, out_dim)
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        h = F.gelu(h, approximate="tanh") if self.activation == "gelu_tanh" else F.silu(h)
+        return self.fc2(h)
+
+
+class Modulation(nn.Module):
+    """adaLN modulation: SiLU(vec) -> Linear -> ``n_chunks`` vectors of width ``dim``.
+
+    Called on one conditioning vector per sequence (S rows), then gathered per token: the
+    Linear costs S·dim·n·dim instead of N·dim·n·dim, which would rival the MLP.
+    """
+
+    def __init__(self, dim: int, n_chunks: int) -> None:
+        super().__init__()
+        self.n_chunks = n_chunks
+        self.lin = nn.Linear(dim, n_chunks * dim)
+
+    def forward(self, vec_seq: torch.Tensor, seq_index: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """vec_seq (S, dim), seq_index (n,) -> n_chunks tensors of (n, dim)."""
+        per_seq = self.lin(F.silu(vec_seq))  # (S, n_chunks*dim)
+        return per_seq[seq_index].chunk(self.n_chunks, dim=-1)
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """adaLN: x * (1 + scale) + shift, all (n, dim)."""
+    return x * (1 + scale) + shift

@@ -1,0 +1,162 @@
+"""Packed-sequence Flux-style MMDiT (and, with depth_double=0, a plain DiT).
+
+The model never sees process groups. A distributed executor calls the stages itself:
+
+    vec = model.condition(timesteps, pooled)            # (S, d), one row per sequence
+    h = model.embed(x_txt, x_img, is_text)              # (N, d), per token
+    h = model.blocks(h, vec_loc, seq_index_loc, pos, is_text, attn)
+    out_img = model.head(h, vec_loc, seq_index_loc, is_text)
+
+Every stage but ``attn`` is per token (or per sequence, gathered per token), so the tokens
+on a rank may be any chunks of any sequences, in any order, as long as ``seq_index`` points
+each token at its sequence's row of ``vec``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from knapray.attention import AttentionFn, LocalAttention
+from knapray.models.blocks import DoubleStreamBlock, FinalLayer, SingleStreamBlock, TokenStreams
+from knapray.models.config import MMDiTConfig
+from knapray.models.layers import MLP, TIME_EMBED_DIM, Modulation, RMSNorm, rope_frequencies, timestep_embedding
+from knapray.models.packing import PackedBatch
+
+
+class MMDiT(nn.Module):
+    """Flux-style MMDiT over packed token batches; attention is injected per call."""
+
+    def __init__(self, cfg: MMDiTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.hidden_size
+        self.img_in = nn.Linear(cfg.patch_dim, d)
+        self.txt_in = nn.Linear(cfg.text_dim, d) if cfg.text_dim else None
+        self.time_in = MLP(TIME_EMBED_DIM, d, d, activation="silu")
+        self.vector_in = MLP(cfg.pooled_dim, d, d, activation="silu") if cfg.pooled_dim else None
+        self.double_blocks = nn.ModuleList(DoubleStreamBlock(cfg) for _ in range(cfg.depth_double))
+        self.single_blocks = nn.ModuleList(SingleStreamBlock(cfg) for _ in range(cfg.depth_single))
+        self.final = FinalLayer(cfg)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, std: float | None = None) -> None:
+        """Re-initialize every parameter from torch's global RNG (seed it for identical ranks).
+
+        ``std=None``: DiT/Flux "adaLN-Zero": xavier linears, zero biases, N(0, 0.02) for the
+        conditioning MLPs, and zero modulation and output layers, so every block starts as the
+        identity. Many gradients are then exactly zero at init.
+        ``std=s``: every linear weight and bias ~ N(0, s) and every RMSNorm gain ~ 1 + N(0, s):
+        a non-degenerate init where every parameter gets a nonzero gradient (for parity tests).
+        """
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                if std is None:
+                    nn.init.xavier_uniform_(module.weight)
+                    nn.init.zeros_(module.bias)
+                else:
+                    nn.init.normal_(module.weight, std=std)
+                    nn.init.normal_(module.bias, std=std)
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+                if std is not None:
+                    module.weight.add_(torch.randn_like(module.weight) * std)
+        if std is not None:
+            return
+        for embedder in (self.time_in, self.vector_in):
+            if embedder is not None:
+                nn.init.normal_(embedder.fc1.weight, std=0.02)
+                nn.init.normal_(embedder.fc2.weight, std=0.02)
+        for module in self.modules():
+            if isinstance(module, Modulation):
+                nn.init.zeros_(module.lin.weight)
+                nn.init.zeros_(module.lin.bias)
+        nn.init.zeros_(self.final.linear.weight)
+        nn.init.zeros_(self.final.linear.bias)
+
+    def condition(self, timesteps: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        """timesteps (S,) float, pooled (S, pooled_dim) -> vec (S, d): one vector per sequence."""
+        s = timesteps.shape[0]
+        if timesteps.dim() != 1 or pooled.shape != (s, self.cfg.pooled_dim):
+            raise ValueError(
+                f"expected timesteps (S,) and pooled (S, {self.cfg.pooled_dim}), "
+                f"got {tuple(timesteps.shape)} and {tuple(pooled.shape)}"
+            )
+        dtype = self.img_in.weight.dtype
+        vec = self.time_in(timestep_embedding(timesteps).to(dtype))
+        if self.vector_in is not None:
+            vec = vec + self.vector_in(pooled.to(dtype))
+        return vec
+
+    def embed(self, x_txt: torch.Tensor, x_img: torch.Tensor, is_text: torch.Tensor) -> torch.Tensor:
+        """x_txt (Nt, text_dim), x_img (Ni, patch_dim), is_text (N,) -> h (N, d) in packed order.
+
+        Row j of x_txt goes to the j-th text position of is_text; likewise for x_img.
+        """
+        streams = TokenStreams.from_mask(is_text)
+        if streams.txt_idx.shape[0] != x_txt.shape[0] or streams.img_idx.shape[0] != x_img.shape[0]:
+            raise ValueError(
+                f"is_text marks {streams.txt_idx.shape[0]} text / {streams.img_idx.shape[0]} image tokens, "
+                f"but x_txt has {x_txt.shape[0]} rows and x_img {x_img.shape[0]}"
+            )
+        h_img = self.img_in(x_img)
+        if self.txt_in is not None:
+            h_txt = self.txt_in(x_txt)
+        elif x_txt.shape[0] == 0:
+            h_txt = h_img.new_zeros(0, self.cfg.hidden_size)
+        else:
+            raise ValueError(f"model has text_dim=0 but got {x_txt.shape[0]} text tokens")
+        return streams.merge(h_txt, h_img)
+
+    def blocks(
+        self,
+        h: torch.Tensor,
+        vec_seq: torch.Tensor,
+        seq_index: torch.Tensor,
+        pos: torch.Tensor,
+        is_text: torch.Tensor,
+        attn: AttentionFn,
+    ) -> torch.Tensor:
+        """Double-stream then single-stream blocks over the local tokens.
+
+        h (N, d); vec_seq (S_loc, d) one row per local sequence; seq_index (N,) long in
+        [0, S_loc); pos (N, 3) int64; is_text (N,) bool. ``attn`` is called exactly once per
+        block (depth_double + depth_single times), also when N == 0.
+        """
+        n, d = h.shape
+        if seq_index.shape != (n,) or is_text.shape != (n,) or pos.shape != (n, 3):
+            raise ValueError(
+                f"for h {tuple(h.shape)} expected seq_index ({n},), is_text ({n},), pos ({n}, 3); got "
+                f"{tuple(seq_index.shape)}, {tuple(is_text.shape)}, {tuple(pos.shape)}"
+            )
+        if vec_seq.dim() != 2 or vec_seq.shape[1] != d:
+            raise ValueError(f"vec_seq must be (S_loc, {d}), got {tuple(vec_seq.shape)}")
+        rope = rope_frequencies(pos, self.cfg.rope_axes_dim, self.cfg.rope_theta)
+        if len(self.double_blocks):
+            streams = TokenStreams.from_mask(is_text)
+            # Kept split across all double blocks; only q, k, v are merged for attention.
+            h_txt, h_img = streams.split(h)
+            seq_txt, seq_img = streams.split(seq_index)
+            for block in self.double_blocks:
+                h_txt, h_img = block(h_txt, h_img, vec_seq, seq_txt, seq_img, streams, rope, attn)
+            h = streams.merge(h_txt, h_img)
+        for block in self.single_blocks:
+            h = block(h, vec_seq, seq_index, rope, attn)
+        return h
+
+    def head(
+        self, h: torch.Tensor, vec_seq: torch.Tensor, seq_index: torch.Tensor, is_text: torch.Tensor
+    ) -> torch.Tensor:
+        """Final adaLN norm + linear on the image tokens -> (Ni, patch_dim), packed order."""
+        is_img = ~is_text
+        return self.final(h[is_img], vec_seq, seq_index[is_img])
+
+    def forward(self, batch: PackedBatch, attn: AttentionFn | None = None) -> torch.Tensor:
+        """Single-process composition; ``attn`` defaults to varlen attention over the batch."""
+        if attn is None:
+            attn = LocalAttention(batch.cu_seqlens, batch.max_seqlen)
+        vec = self.condition(batch.timesteps, batch.pooled)
+        h = self.embed(batch.x_txt, batch.x_img, batch.is_text)
+        h = self.blocks(h, vec, batch.seq_index, batch.pos, batch.is_text, attn)
+        return self.head(h, vec, batch.seq_index, batch.is_text)

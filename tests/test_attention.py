@@ -1,0 +1,143 @@
+"""Varlen attention backends against a plain per-sequence softmax reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from knapray.attention import (
+    LocalAttention,
+    available_backends,
+    reference_attention,
+    varlen_attention,
+)
+
+CPU_BACKENDS = available_backends("cpu")
+LENGTH_CASES = {
+    "one": [7],
+    "mixed": [5, 1, 9, 5, 3, 1, 12, 5],
+    "length_one": [1, 1, 1],
+    "with_empty_sequence": [4, 0, 3],
+}
+
+
+def _cu(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+
+def _qkv(n: int, heads: int = 3, dim: int = 8, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, heads, dim, generator=gen, dtype=torch.float64).float().requires_grad_() for _ in range(3)]
+
+
+def test_cpu_backends_are_sdpa_only() -> None:
+    assert CPU_BACKENDS == ["sdpa"]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS + ["auto"])
+@pytest.mark.parametrize("case", sorted(LENGTH_CASES))
+def test_forward_and_grad_match_reference(backend: str, case: str) -> None:
+    lens = LENGTH_CASES[case]
+    cu = _cu(lens)
+    q, k, v = _qkv(sum(lens))
+    out = varlen_attention(q, k, v, cu, max(lens), backend=backend)
+    ref = reference_attention(q, k, v, cu)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad_out)
+    for g, rg in zip(grads, ref_grads):
+        torch.testing.assert_close(g, rg, rtol=1e-5, atol=1e-6)
+
+
+def test_sequences_do_not_attend_across_boundaries() -> None:
+    lens = [4, 6]
+    q, k, v = (x.detach() for x in _qkv(10))
+    out = varlen_attention(q, k, v, _cu(lens), 6, backend="sdpa")
+    v2 = v.clone()
+    v2[4:] += 100.0  # change only the second sequence's values
+    out2 = varlen_attention(q, k, v2, _cu(lens), 6, backend="sdpa")
+    torch.testing.assert_close(out[:4], out2[:4], rtol=0, atol=0)
+    assert not torch.allclose(out[4:], out2[4:])
+
+
+def test_custom_scale_matches_reference() -> None:
+    lens = [3, 5]
+    q, k, v = _qkv(8)
+    out = varlen_attention(q, k, v, _cu(lens), 5, backend="sdpa", scale=0.3)
+    torch.testing.assert_close(out, reference_attention(q, k, v, _cu(lens), scale=0.3), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS + ["auto"])
+def test_zero_tokens_returns_empty_and_keeps_graph(backend: str) -> None:
+    q, k, v = _qkv(0)
+    out = varlen_attention(q, k, v, torch.zeros(1, dtype=torch.int32), 0, backend=backend)
+    assert out.shape == (0, 3, 8)
+    assert out.requires_grad
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert all(g.shape == (0, 3, 8) for g in grads)
+
+
+def test_bf16_sdpa_close_to_fp32_reference() -> None:
+    lens = [6, 2, 6]
+    q, k, v = (x.detach() for x in _qkv(14))
+    out = varlen_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), _cu(lens), 6, backend="sdpa")
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), reference_attention(q, k, v, _cu(lens)), rtol=2e-2, atol=2e-2)
+
+
+def test_unknown_backend_names_it_and_lists_valid() -> None:
+    q, k, v = _qkv(4)
+    with pytest.raises(ValueError, match=r"'nope'.*sdpa"):
+        varlen_attention(q, k, v, _cu([4]), 4, backend="nope")
+    with pytest.raises(ValueError, match="nope"):
+        LocalAttention(_cu([4]), 4, backend="nope")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal of CUDA-only kernels")
+@pytest.mark.parametrize("backend", ["flash", "torch_varlen"])
+def test_cuda_only_backends_refuse_cpu_tensors(backend: str) -> None:
+    q, k, v = _qkv(4)
+    with pytest.raises(RuntimeError, match=backend):
+        varlen_attention(q, k, v, _cu([4]), 4, backend=backend)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [[1, 4], [0, 5], [0, 3, 2, 4]],
+    ids=["not_from_zero", "wrong_total", "decreasing"],
+)
+def test_bad_cu_seqlens_rejected(bad: list[int]) -> None:
+    q, k, v = _qkv(4)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        varlen_attention(q, k, v, torch.tensor(bad, dtype=torch.int32), 4, backend="sdpa")
+
+
+def test_mismatched_qkv_shapes_rejected() -> None:
+    q, k, _ = _qkv(4)
+    with pytest.raises(ValueError, match=r"\(N, H, D\)"):
+        varlen_attention(q, k, k[:3], _cu([4]), 4, backend="sdpa")
+
+
+def test_local_attention_callable_matches_function() -> None:
+    lens = [2, 5]
+    q, k, v = _qkv(7)
+    attn = LocalAttention(_cu(lens), 5, backend="sdpa")
+    torch.testing.assert_close(attn(q, k, v), varlen_attention(q, k, v, _cu(lens), 5, backend="sdpa"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", [b for b in available_backends("cuda") if b != "sdpa"])
+def test_cuda_kernels_match_reference(backend: str) -> None:
+    lens = LENGTH_CASES["mixed"]
+    q, k, v = (x.detach().cuda().bfloat16().requires_grad_() for x in _qkv(sum(lens), dim=64))
+    cu = _cu(lens).cuda()
+    out = varlen_attention(q, k, v, cu, max(lens), backend=backend)
+    ref = reference_attention(q, k, v, cu)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.float().sum(), (q, k, v))
+    for g, rg in zip(grads, ref_grads):
+        torch.testing.assert_close(g.float(), rg.float(), rtol=5e-2, atol=5e-2)
