@@ -18,8 +18,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
+DEMO_MIX := g8b4i256f1s0,g2b5i512f1s0,g2b5i1024f1s0,g4b1i2048f1s0,g1b10i256f4s0,g3b1i512f4s0,g8b2i256f85s1,g4b1i512f85s1
+
 run: $(STAMP)
-	$(BIN)/python jobs/train.py --config jobs/configs/demo.yaml
+	mkdir -p runs
+	$(BIN)/knapray plan --mix "$(DEMO_MIX)" --topology g8n4 --steps 50 --plot runs/plan-demo.png
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

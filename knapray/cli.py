@@ -1,0 +1,136 @@
+"""The `knapray` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--d-model", type=int, default=3072, help="model width d in the workload model (default 3072, Flux)")
+    p.add_argument("--gamma", type=float, default=0.4, help="relative cost of attention FLOPs (default 0.4)")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from knapray.planning import Topology, WorkloadModel
+    from knapray.planning.runner import load_lengths, mix_ranks, mix_steps, plan_run
+
+    if (args.mix is None) == (args.lengths is None):
+        raise SystemExit("knapray plan: give exactly one of --mix CODES or --lengths FILE")
+    model = WorkloadModel(d_model=args.d_model, gamma=args.gamma)
+    if args.mix is not None:
+        world = args.world_size or mix_ranks(args.mix)
+        steps = list(mix_steps(args.mix, args.steps, args.seed, world_size=world))
+    else:
+        steps = load_lengths(args.lengths)
+        world = len(steps[0])
+    topo = Topology.parse(args.topology, world_size=world, gpus_per_node=args.gpus_per_node)
+    progress = None
+    if not args.json and len(steps) >= 20:
+        from tqdm import tqdm
+
+        progress = tqdm(total=len(steps), desc="planning", unit="step", file=sys.stderr, leave=False)
+    summary = plan_run(steps, topo, model, args.solver, keep_plans=bool(args.export), progress=progress)
+    if progress is not None:
+        progress.close()
+    result = summary.to_dict()
+    if args.export:
+        with open(args.export, "w") as f:
+            json.dump({"world_size": world, "steps": [p.to_json() for p in summary.plans]}, f)
+        result["export"] = args.export
+    if args.plot:
+        from knapray.plots import plot_rank_work
+
+        plot_rank_work(
+            args.plot,
+            summary.baseline_rank_work,
+            summary.rank_work,
+            summary.baseline_imbalance,
+            summary.imbalance,
+            summary.greedy_imbalance or None,
+            title=f"{_short(args.mix or args.lengths)} on {topo}: {world} ranks, {len(steps)} steps",
+        )
+        result["plot"] = args.plot
+    if args.json:
+        print(json.dumps(result))
+    else:
+        _print_plan_table(result)
+    return 0
+
+
+def _short(text: str, width: int = 60) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _print_plan_table(r: dict) -> None:
+    print(f"topology {r['topology']}  ranks {r['world_size']}  steps {r['steps']}  solver {r['solver']}")
+    print(f"{'':<22} {'mean':>9} {'worst':>9}")
+    print(f"{'imbalance unbalanced':<22} {r['baseline_imbalance_mean']:>9.4f} {r['baseline_imbalance_max']:>9.4f}")
+    if "greedy_imbalance_mean" in r:
+        print(f"{'imbalance greedy':<22} {r['greedy_imbalance_mean']:>9.5f} {r['greedy_imbalance_max']:>9.5f}")
+    print(f"{'imbalance ' + r['solver']:<22} {r['imbalance_mean']:>9.5f} {r['imbalance_max']:>9.5f}")
+    print(f"{'tokens moved':<22} {r['moved_token_fraction_mean']:>9.1%}")
+    print(f"{'plan time (ms)':<22} {r['plan_ms_p50']:>9.2f} {r['plan_ms_max']:>9.2f}   (p50, max)")
+    if r["baseline_imbalance_mean"] > 0:
+        print(
+            f"projected step-time speedup vs unbalanced: "
+            f"{r['baseline_imbalance_mean'] / r['imbalance_mean']:.2f}x (compute only)"
+        )
+    if "plot" in r:
+        print(f"plot: {r['plot']}")
+    if "export" in r:
+        print(f"plans: {r['export']}")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "planner":
+        from knapray.benchmarks.planner import run
+
+        rows = run(steps=args.steps, steps_1024=args.steps_1024, seed=args.seed)
+        if args.json:
+            print(json.dumps(rows))
+        return 0
+    raise SystemExit(f"unknown benchmark {args.what!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="knapray", description="Workload-balanced DiT training on Ray")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="plan steps of a data mix and report balance")
+    p.add_argument("--mix", help="paper data codes, e.g. 'g16b4i256f1s0,g4b5i512f1s0,...'")
+    p.add_argument("--lengths", help="JSON file: list of steps, each a list of per-rank lists of lengths")
+    p.add_argument("--topology", default="g8n4", help="bags, e.g. g8n4 or g1n16+g4n2+g8n1 (default g8n4)")
+    p.add_argument("--world-size", type=int, default=None, help="replicate the mix and topology to this many ranks")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="lay bags out so none crosses a node")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--solver", default="knapray", choices=["knapray", "greedy"])
+    _add_model_args(p)
+    p.add_argument("--plot", help="write a PNG of per-rank work before/after")
+    p.add_argument("--export", help="write the plans as JSON")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.set_defaults(func=cmd_plan)
+
+    b = sub.add_parser("bench", help="benchmarks (ratios measured side by side)")
+    b.add_argument("what", choices=["planner"])
+    b.add_argument("--steps", type=int, default=20)
+    b.add_argument("--steps-1024", type=int, default=5)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"knapray {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Plan many steps of a mix or of recorded lengths and summarize: what `knapray plan` runs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from .mix import mix_world_size, parse_mix, sample_step
+from .plan import BalancePlan
+from .solver import plan_balance
+from .topology import Topology
+from .workload import WorkloadModel
+
+
+def mix_steps(mix: str, steps: int, seed: int, world_size: int | None = None) -> Iterable[list[list[int]]]:
+    """Sequence lengths of ``steps`` steps drawn from a mix, deterministic in ``seed``."""
+    codes = parse_mix(mix)
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        yield sample_step(codes, rng, world_size)
+
+
+def mix_ranks(mix: str) -> int:
+    return mix_world_size(parse_mix(mix))
+
+
+def load_lengths(path: str) -> list[list[list[int]]]:
+    """A JSON file holding a list of steps, each a list of per-rank lists of lengths."""
+    with open(path) as f:
+        data = json.load(f)
+    if not isinstance(data, list) or not data or not all(isinstance(s, list) for s in data):
+        raise ValueError(
+            f"{path}: expected a JSON list of steps, each a list of per-rank lists of lengths, "
+            "e.g. [[[300, 1200], [4096]], ...]"
+        )
+    sizes = {len(s) for s in data}
+    if len(sizes) != 1:
+        raise ValueError(f"{path}: every step must list the same number of ranks, got {sorted(sizes)}")
+    return data
+
+
+@dataclass
+class RunSummary:
+    """Per-step results of planning a run, and their summary."""
+
+    topology: str
+    world_size: int
+    solver: str
+    baseline_imbalance: list[float] = field(default_factory=list)
+    imbalance: list[float] = field(default_factory=list)
+    greedy_imbalance: list[float] = field(default_factory=list)
+    moved_token_fraction: list[float] = field(default_factory=list)
+    plan_ms: list[float] = field(default_factory=list)
+    baseline_rank_work: list[np.ndarray] = field(default_factory=list)
+    rank_work: list[np.ndarray] = field(default_factory=list)
+    plans: list[BalancePlan] = field(default_factory=list)
+
+    def add(self, plan: BalancePlan, greedy: BalancePlan | None) -> None:
+        self.baseline_imbalance.append(plan.baseline_imbalance)
+        self.imbalance.append(plan.imbalance)
+        if greedy is not None:
+            self.greedy_imbalance.append(greedy.imbalance)
+        self.moved_token_fraction.append(plan.moved_token_fraction)
+        self.plan_ms.append(plan.plan_time_ms)
+        self.baseline_rank_work.append(plan.baseline_rank_work)
+        self.rank_work.append(plan.rank_work)
+
+    def to_dict(self) -> dict:
+        d = {
+            "topology": self.topology,
+            "world_size": self.world_size,
+            "solver": self.solver,
+            "steps": len(self.imbalance),
+            "baseline_imbalance_mean": float(np.mean(self.baseline_imbalance)),
+            "baseline_imbalance_max": float(np.max(self.baseline_imbalance)),
+            "imbalance_mean": float(np.mean(self.imbalance)),
+            "imbalance_max": float(np.max(self.imbalance)),
+            "moved_token_fraction_mean": float(np.mean(self.moved_token_fraction)),
+            "plan_ms_p50": float(np.median(self.plan_ms)),
+            "plan_ms_max": float(np.max(self.plan_ms)),
+        }
+        if self.greedy_imbalance:
+            d["greedy_imbalance_mean"] = float(np.mean(self.greedy_imbalance))
+            d["greedy_imbalance_max"] = float(np.max(self.greedy_imbalance))
+            d["steps_worse_than_greedy"] = int(
+                np.sum(np.asarray(self.imbalance) > np.asarray(self.greedy_imbalance))
+            )
+        return d
+
+
+def plan_run(
+    steps: Iterable[Sequence[Sequence[int]]],
+    topology: Topology | str,
+    model: WorkloadModel,
+    solver: str = "knapray",
+    compare_greedy: bool = True,
+    keep_plans: bool = False,
+    progress=None,
+) -> RunSummary:
+    summary: RunSummary | None = None
+    for lens in steps:
+        topo = topology if isinstance(topology, Topology) else Topology.parse(topology, len(lens))
+        if summary is None:
+            summary = RunSummary(str(topo), topo.world_size, solver)
+        plan = plan_balance(lens, topo, model, solver=solver)
+        greedy = (
+            plan_balance(lens, topo, model, solver="greedy")
+            if compare_greedy and solver != "greedy"
+            else None
+        )
+        summary.add(plan, greedy)
+        if keep_plans:
+            summary.plans.append(plan)
+        if progress is not None:
+            progress.update(1)
+    if summary is None:
+        raise ValueError("no steps to plan")
+    return summary
