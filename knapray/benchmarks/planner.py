@@ -33,7 +33,8 @@ def run(steps: int = 20, steps_1024: int = 5, seed: int = 0, d_model: int = 3072
         ours = plan_run(lens_steps, topo, model, "knapray", compare_greedy=False)
         greedy = plan_run(lens_steps, topo, model, "greedy", compare_greedy=False)
         o, g = ours.to_dict(), greedy.to_dict()
-        worse = int(np.sum(np.asarray(ours.imbalance) > np.asarray(greedy.imbalance)))
+        # Equal peaks can differ in the last bits (summation order): 1e-12 relative.
+        worse = int(np.sum(np.asarray(ours.imbalance) > np.asarray(greedy.imbalance) * (1 + 1e-12)))
         row = {
             "mix": name,
             "topology": str(topo),

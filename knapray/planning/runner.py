@@ -86,7 +86,7 @@ class RunSummary:
             d["greedy_imbalance_mean"] = float(np.mean(self.greedy_imbalance))
             d["greedy_imbalance_max"] = float(np.max(self.greedy_imbalance))
             d["steps_worse_than_greedy"] = int(
-                np.sum(np.asarray(self.imbalance) > np.asarray(self.greedy_imbalance))
+                np.sum(np.asarray(self.imbalance) > np.asarray(self.greedy_imbalance) * (1 + 1e-12))
             )
         return d
 

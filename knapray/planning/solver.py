@@ -364,7 +364,7 @@ class _Problem:
             part = part[np.argsort(loads[part], kind="stable")][:2]
             cand_t = [np.asarray(members[j], dtype=np.int64) for j in part.tolist()]
             sizes = [c.size for c in cand_t]
-            if sum(sizes) * items.size <= 40_000:
+            if sum(sizes) * items.size <= 4096:
                 t_all = np.concatenate(cand_t)
                 j_all = np.repeat(part, sizes)
                 d = w_b[:, None] - work[t_all][None, :]  # (n_b, n_t)

@@ -1,0 +1,9 @@
+"""CLI: `python datasets/ingest_images.py --help`. Same as `python -m knapray.corpus.ingest`;
+the corpus format is described in datasets/README.md."""
+
+import sys
+
+from knapray.corpus.ingest import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""Training corpora: parquet shards of latents, text embeddings and length columns.
+
+``schema`` defines the row format and decodes/validates rows; ``synthetic`` builds
+corpora from the paper's data codes; ``ingest`` encodes folders of images and videos.
+"""
+
+from knapray.corpus.encoders import HashTextEncoder, LatentEncoder, PixelPatchEncoder, TextEncoder
+from knapray.corpus.schema import CORPUS_SCHEMA, CorruptSample, decode_row, validate_row
+from knapray.corpus.writer import read_corpus, read_schema_json, shard_paths
+
+__all__ = [
+    "CORPUS_SCHEMA",
+    "CorruptSample",
+    "HashTextEncoder",
+    "LatentEncoder",
+    "PixelPatchEncoder",
+    "TextEncoder",
+    "decode_row",
+    "read_corpus",
+    "read_schema_json",
+    "shard_paths",
+    "validate_row",
+]

@@ -1,0 +1,303 @@
+"""Synthetic corpora in the paper's data-code notation.
+
+Every data code ``gGbBiRfFsS`` of a mix contributes ``G*B`` samples per step, so a
+corpus of ``steps`` steps has the mix's proportions. ``scale`` divides the resolution
+(and the text length) so a CPU demo stays at tens to hundreds of tokens per sample;
+scale 1 is the paper's sizes. Latents are smooth random fields (a few low-frequency
+sinusoids mixed across channels) whose generating parameters are also encoded into
+the pooled and text embeddings, so a model can learn the data and its conditioning.
+Everything is deterministic from the seed; a sample's content depends only on
+(seed, sample_id), not on sharding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from knapray.corpus.schema import KINDS, PATCH, visual_token_count
+from knapray.corpus.writer import ShardWriter, build_table, length_stats, write_schema_json
+from knapray.planning.mix import MAX_TEXT_TOKENS, PAPER_MIXES, SPATIAL_TOKEN_STRIDE, DataCode, parse_mix
+
+VAE_DOWNSAMPLE = SPATIAL_TOKEN_STRIDE // PATCH[1]
+FIELD_COMPONENTS = 4
+ROWS_PER_BATCH = 4096
+VALUES_PER_BATCH = 1 << 25  # ~128 MB of float32 latents buffered before a write
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SyntheticConfig:
+    mix: str
+    """Comma-separated data codes, or a paper mix name: low-res, mixed-res, image+video."""
+    steps: int = 1
+    """The corpus holds this many steps of the mix: steps * sum(G*B) samples."""
+    scale: int = 1
+    """Divides resolution and max text tokens; 1 = paper sizes, 8 = a CPU demo."""
+    channels: int = 4
+    """Latent channels C (4 for the demo, 16 for a Flux VAE)."""
+    text_dim: int = 64
+    """Width of a text token embedding."""
+    pooled_dim: int = 32
+    """Width of the pooled text embedding."""
+    max_text_tokens: int = MAX_TEXT_TOKENS
+    """Text tokens per sample are uniform in [0, max_text_tokens // scale]."""
+    shards: int = 4
+    """Number of parquet files (at most the number of samples)."""
+    seed: int = 0
+    """Everything (order, lengths, contents) is a function of the seed."""
+    payload: bool = True
+    """False writes lengths only: payload columns are null (cheap full-size corpora)."""
+    noise: float = 0.05
+    """Std of white noise added to the smooth latent field."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "scale", "channels", "text_dim", "pooled_dim", "shards"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_text_tokens < 0:
+            raise ValueError(f"max_text_tokens must be >= 0, got {self.max_text_tokens}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if not math.isfinite(self.noise) or self.noise < 0:
+            raise ValueError(f"noise must be a finite value >= 0, got {self.noise}")
+        codes = self.codes
+        too_small = [c.code for c in codes if c.resolution // (SPATIAL_TOKEN_STRIDE * self.scale) < 1]
+        if too_small:
+            largest = min(c.resolution for c in codes) // SPATIAL_TOKEN_STRIDE
+            raise ValueError(
+                f"scale {self.scale} leaves {too_small} without a visual token "
+                f"(resolution / scale must be >= {SPATIAL_TOKEN_STRIDE}); "
+                f"valid scales for this mix are 1..{largest}"
+            )
+        samples = self.steps * sum(c.ranks * c.batch for c in codes)
+        if self.shards > samples:
+            raise ValueError(f"shards={self.shards} exceeds the corpus's {samples} samples")
+
+    @property
+    def mix_codes(self) -> str:
+        return PAPER_MIXES.get(self.mix, self.mix)
+
+    @property
+    def codes(self) -> list[DataCode]:
+        return parse_mix(self.mix_codes)
+
+    @property
+    def text_token_limit(self) -> int:
+        return self.max_text_tokens // self.scale
+
+
+@dataclass(frozen=True, slots=True)
+class SampleLengths:
+    """Per-sample shape columns of a synthetic corpus (numpy arrays of one length)."""
+
+    sample_id: np.ndarray
+    code_index: np.ndarray
+    frames: np.ndarray
+    height: np.ndarray
+    width: np.ndarray
+    text_tokens: np.ndarray
+
+    @property
+    def visual_tokens(self) -> np.ndarray:
+        return visual_token_count(self.frames, self.height, self.width)
+
+    @property
+    def seq_len(self) -> np.ndarray:
+        return self.visual_tokens + self.text_tokens
+
+
+def kind_of(code: DataCode) -> str:
+    if code.frames == 1:
+        return KINDS[0]
+    return KINDS[2] if code.compressed else KINDS[1]
+
+
+def latent_side(code: DataCode, scale: int) -> int:
+    """Latent H (= W): tokens per side times the patch, at 1/scale resolution."""
+    return code.resolution // (SPATIAL_TOKEN_STRIDE * scale) * PATCH[1]
+
+
+def sample_lengths(cfg: SyntheticConfig) -> SampleLengths:
+    """Shapes and text lengths of every sample, in corpus order (shuffled across codes)."""
+    codes = cfg.codes
+    per_step = np.repeat(np.arange(len(codes)), [c.ranks * c.batch for c in codes])
+    rng = np.random.default_rng(np.random.SeedSequence(cfg.seed, spawn_key=(0,)))
+    code_index = rng.permutation(np.tile(per_step, cfg.steps))
+    n = code_index.size
+    frames = np.array([c.latent_frames for c in codes], dtype=np.int64)[code_index]
+    side = np.array([latent_side(c, cfg.scale) for c in codes], dtype=np.int64)[code_index]
+    text = rng.integers(0, cfg.text_token_limit + 1, size=n)
+    return SampleLengths(np.arange(n, dtype=np.int64), code_index, frames, side, side.copy(), text)
+
+
+def _param_size(channels: int) -> int:
+    k = FIELD_COMPONENTS
+    return 3 * k + 2 * k + channels * k + channels
+
+
+def smooth_field(
+    rng: np.random.Generator, channels: int, frames: int, height: int, width: int, noise: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """A (C, T, H, W) float32 field of low-frequency sinusoids mixed across channels,
+    and the parameter vector that generated it."""
+    k = FIELD_COMPONENTS
+    freqs = rng.uniform(0.0, 1.5, size=(k, 3))  # cycles across the (t, h, w) extent
+    phases = rng.uniform(0.0, 2 * np.pi, size=k)
+    mixing = rng.normal(size=(channels, k)) / np.sqrt(k)
+    bias = rng.normal(scale=0.3, size=channels)
+    t = np.arange(frames) / frames
+    h = np.arange(height) / height
+    w = np.arange(width) / width
+    arg = (
+        freqs[:, 0, None, None, None] * t[None, :, None, None]
+        + freqs[:, 1, None, None, None] * h[None, None, :, None]
+        + freqs[:, 2, None, None, None] * w[None, None, None, :]
+    )
+    basis = np.sin(2 * np.pi * arg + phases[:, None, None, None])  # (K, T, H, W)
+    field = np.tensordot(mixing, basis, axes=1) + bias[:, None, None, None]  # (C, T, H, W)
+    if noise:
+        field += noise * rng.standard_normal(field.shape)
+    params = np.concatenate([freqs.ravel(), np.cos(phases), np.sin(phases), mixing.ravel(), bias])
+    return field.astype(np.float32), params
+
+
+class _PayloadMaker:
+    """Per-sample latent, text and pooled arrays; fixed projections tie the embeddings
+    to the field's parameters so conditioning carries information."""
+
+    def __init__(self, cfg: SyntheticConfig) -> None:
+        self.cfg = cfg
+        p = _param_size(cfg.channels)
+        rng = np.random.default_rng(np.random.SeedSequence(cfg.seed, spawn_key=(1,)))
+        self.to_pooled = rng.normal(size=(cfg.pooled_dim, p)) / np.sqrt(p)
+        self.to_text = rng.normal(size=(cfg.text_dim, p)) / np.sqrt(p)
+
+    def make(
+        self, sample_id: int, frames: int, height: int, width: int, text_tokens: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        cfg = self.cfg
+        rng = np.random.default_rng(np.random.SeedSequence(cfg.seed, spawn_key=(2, sample_id)))
+        latent, params = smooth_field(rng, cfg.channels, frames, height, width, cfg.noise)
+        pooled = np.tanh(self.to_pooled @ params).astype(np.float32)
+        text = 0.5 * rng.standard_normal((text_tokens, cfg.text_dim)) + 0.5 * (self.to_text @ params)
+        return latent, text.astype(np.float32), pooled
+
+
+def build_synthetic(cfg: SyntheticConfig, out_dir: str | Path, *, progress: bool = True) -> Path:
+    """Write the corpus's shards and schema.json into ``out_dir``; returns schema.json."""
+    lengths = sample_lengths(cfg)
+    codes = cfg.codes
+    n = lengths.sample_id.size
+    kinds = [kind_of(c) for c in codes]
+    names = [c.code for c in codes]
+    writer = ShardWriter(out_dir, rows_per_shard=math.ceil(n / cfg.shards))
+    maker = _PayloadMaker(cfg) if cfg.payload else None
+    latent_values = cfg.channels * lengths.frames * lengths.height * lengths.width
+    bar = tqdm(total=n, desc="synthetic corpus", unit="sample", disable=not progress)
+    start = 0
+    while start < n:
+        stop = start + 1
+        budget = VALUES_PER_BATCH - latent_values[start]
+        while stop < n and stop - start < ROWS_PER_BATCH and (maker is None or budget > 0):
+            budget -= latent_values[stop]
+            stop += 1
+        sl = slice(start, stop)
+        columns: dict[str, Any] = {
+            "sample_id": lengths.sample_id[sl],
+            "kind": [kinds[i] for i in lengths.code_index[sl]],
+            "source": [names[i] for i in lengths.code_index[sl]],
+            "frames": lengths.frames[sl],
+            "height": lengths.height[sl],
+            "width": lengths.width[sl],
+            "channels": np.full(stop - start, cfg.channels),
+            "visual_tokens": lengths.visual_tokens[sl],
+            "text_tokens": lengths.text_tokens[sl],
+            "seq_len": lengths.seq_len[sl],
+        }
+        if maker is None:
+            table = build_table(columns)
+        else:
+            rows = [
+                maker.make(int(i), int(t), int(h), int(w), int(x))
+                for i, t, h, w, x in zip(
+                    lengths.sample_id[sl], lengths.frames[sl], lengths.height[sl],
+                    lengths.width[sl], lengths.text_tokens[sl],
+                )
+            ]
+            table = build_table(columns, *zip(*rows))
+        writer.add(table)
+        bar.update(stop - start)
+        start = stop
+    bar.close()
+    shards = writer.close()
+    counts = length_stats(
+        [kinds[i] for i in lengths.code_index], lengths.seq_len,
+        sources=[names[i] for i in lengths.code_index],
+    )
+    return write_schema_json(
+        out_dir,
+        builder="synthetic",
+        dims={
+            "channels": cfg.channels,
+            "text_dim": cfg.text_dim,
+            "pooled_dim": cfg.pooled_dim,
+            "vae_downsample": VAE_DOWNSAMPLE,
+        },
+        payload=cfg.payload,
+        shards=shards,
+        counts=counts,
+        extra={"mix": cfg.mix_codes, "scale": cfg.scale, "config": asdict(cfg)},
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="build_synthetic",
+        description="Build a synthetic knapray corpus (parquet shards + schema.json) from a "
+        "mix of the paper's data codes gGbBiRfFsS.",
+    )
+    p.add_argument("--mix", required=True,
+                   help=f"data codes like 'g8b4i256f1s0,g2b1i1024f1s0' or a paper mix: {', '.join(PAPER_MIXES)}")
+    p.add_argument("--out", required=True, type=Path, help="output directory (new or empty)")
+    p.add_argument("--steps", type=int, default=1, help="steps of the mix to hold (default 1)")
+    p.add_argument("--scale", type=int, default=1,
+                   help="divide resolution and max text tokens by this (1 = paper sizes; 8 for a CPU demo)")
+    p.add_argument("--channels", type=int, default=4, help="latent channels C (4 demo, 16 Flux; default 4)")
+    p.add_argument("--text-dim", type=int, default=64, help="text token embedding width (default 64)")
+    p.add_argument("--pooled-dim", type=int, default=32, help="pooled text embedding width (default 32)")
+    p.add_argument("--max-text-tokens", type=int, default=MAX_TEXT_TOKENS,
+                   help=f"text tokens per sample before scaling (default {MAX_TEXT_TOKENS})")
+    p.add_argument("--shards", type=int, default=4, help="number of parquet files (default 4)")
+    p.add_argument("--seed", type=int, default=0, help="seed; same seed, same corpus (default 0)")
+    p.add_argument("--noise", type=float, default=0.05, help="white noise std on the latent field")
+    p.add_argument("--no-payload", action="store_true",
+                   help="write lengths only (null latent/text/pooled): cheap full-size corpora for planning")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = SyntheticConfig(
+            mix=args.mix, steps=args.steps, scale=args.scale, channels=args.channels,
+            text_dim=args.text_dim, pooled_dim=args.pooled_dim,
+            max_text_tokens=args.max_text_tokens, shards=args.shards, seed=args.seed,
+            payload=not args.no_payload, noise=args.noise,
+        )
+        path = build_synthetic(cfg, args.out, progress=not args.quiet)
+    except (ValueError, FileExistsError) as e:
+        build_parser().error(str(e))
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
