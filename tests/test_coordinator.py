@@ -1,0 +1,467 @@
+"""BalanceCoordinator: the pure class (no Ray), then the actor and client on a local Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+import sys
+import time
+
+import numpy as np
+import pytest
+import ray
+
+from knapray.coordinator import (
+    BalanceCoordinator,
+    CoordinatorClient,
+    CoordinatorUnavailable,
+    PlanTimeout,
+    StepFailed,
+    create_coordinator,
+    plan_from_gathered,
+)
+from knapray.planning import Topology, WorkloadModel, plan_balance
+
+MODEL = dict(d_model=256, gamma=0.4)
+PLAN_FIELDS = ("seq_lens", "home_rank", "local_index", "bag", "chunk_seq", "chunk_rank", "chunk_start", "chunk_len")
+
+
+def same_plan(a, b) -> bool:
+    return a.topology == b.topology and all(np.array_equal(getattr(a, f), getattr(b, f)) for f in PLAN_FIELDS)
+
+
+def batch(step: int, rank: int) -> tuple[list[int], list[int]]:
+    """Deterministic lengths and ids for (step, rank): uneven counts and lengths."""
+    n = 1 + (step + 2 * rank) % 3
+    lens = [64 * (1 + (7 * step + 3 * rank + 5 * k) % 40) for k in range(n)]
+    return lens, [10_000 * step + 100 * rank + k for k in range(n)]
+
+
+def submit_all(coord: BalanceCoordinator, step: int) -> list[list[int]]:
+    lens_per_rank = []
+    for r in range(coord.world_size):
+        lens, ids = batch(step, r)
+        coord.submit(step, r, lens, ids)
+        lens_per_rank.append(lens)
+    return lens_per_rank
+
+
+def get_all(coord: BalanceCoordinator, step: int, timeout_s: float = 5.0):
+    async def main():
+        return await asyncio.gather(*(coord.get_plan(step, r, timeout_s) for r in range(coord.world_size)))
+
+    return asyncio.run(main())
+
+
+# ---- planning ---------------------------------------------------------------------------------
+
+
+def test_plan_equals_plan_balance_and_is_shared():
+    coord = BalanceCoordinator(world_size=8, topology="g2n2", **MODEL)
+    lens = submit_all(coord, 0)
+    replies = get_all(coord, 0)
+    plan = replies[0][0]
+    assert all(p is plan and done is False for p, done in replies)
+    assert plan.topology == Topology((2, 2), num_groups=2)  # g2n2 replicated over 8 ranks
+    ref = plan_balance(lens, Topology.parse("g2n2", world_size=8), WorkloadModel(**MODEL))
+    assert same_plan(plan, ref)
+    assert plan.imbalance <= plan.baseline_imbalance
+
+
+def test_plan_from_gathered_normalizes_inputs():
+    lens = [batch(3, r)[0] for r in range(4)]
+    topo = Topology.parse("g2n2")
+    as_arrays = plan_from_gathered([np.asarray(x, dtype=np.int32) for x in lens], topo, WorkloadModel(**MODEL))
+    as_lists = plan_from_gathered(lens, topo, WorkloadModel(**MODEL))
+    assert same_plan(as_arrays, as_lists)
+
+
+def test_get_before_complete_waits_then_completes():
+    coord = BalanceCoordinator(world_size=4, topology="g2n2", **MODEL)
+
+    async def main():
+        for r in range(3):
+            coord.submit(0, r, *batch(0, r))
+        waiter = asyncio.ensure_future(coord.get_plan(0, 2, timeout_s=5))
+        await asyncio.sleep(0.02)
+        assert not waiter.done()  # rank 3 has not submitted
+        coord.submit(1, 0, *batch(1, 0))  # a prefetch for the next step does not complete step 0
+        await asyncio.sleep(0.01)
+        assert not waiter.done()
+        coord.submit(0, 3, *batch(0, 3))
+        plan, done = await asyncio.wait_for(waiter, 1)
+        return plan, done
+
+    plan, done = asyncio.run(main())
+    assert done is False and plan.num_sequences == sum(len(batch(0, r)[0]) for r in range(4))
+
+
+def test_get_times_out_naming_missing_ranks():
+    coord = BalanceCoordinator(world_size=4, topology="g2n2", **MODEL)
+    coord.submit(0, 0, *batch(0, 0))
+    coord.submit(0, 2, *batch(0, 2))
+    with pytest.raises(PlanTimeout, match=r"ranks \[1, 3\]"):
+        asyncio.run(coord.get_plan(0, 0, timeout_s=0.05))
+
+
+def test_bad_submission_fails_the_step_for_every_rank(monkeypatch):
+    coord = BalanceCoordinator(world_size=2, topology="g1n2", **MODEL)
+    coord.submit(0, 0, [100, 200], [1, 2])
+    coord.submit(0, 0, [100, 200], [1, 2])  # an identical resend is fine
+    with pytest.raises(StepFailed, match="rank 0 submitted twice"):
+        coord.submit(0, 0, [100], [1])
+    with pytest.raises(StepFailed, match="submitted twice"):
+        asyncio.run(coord.get_plan(0, 1, timeout_s=1))  # fails fast instead of hanging
+    with pytest.raises(StepFailed, match="2 sequence lengths but 1 sample ids"):
+        coord.submit(1, 1, [100, 200], [7])
+    with pytest.raises(StepFailed, match="exhausted=True"):
+        coord.submit(2, 1, [100], [7], exhausted=True)
+    # The solver's own errors reach every rank too.
+    def refuse(*args, **kwargs):
+        raise ValueError("sequence of length 100 is over the budget")
+
+    monkeypatch.setattr("knapray.coordinator.plan_balance", refuse)
+    c2 = BalanceCoordinator(world_size=2, topology="g2n1", **MODEL)
+    c2.submit(0, 0, [1], [1])
+    with pytest.raises(StepFailed, match="planning failed: sequence of length 100 is over the budget"):
+        c2.submit(0, 1, [100], [2])
+    with pytest.raises(StepFailed, match="planning failed"):
+        asyncio.run(c2.get_plan(0, 0, timeout_s=1))
+
+
+def test_old_plans_are_evicted():
+    coord = BalanceCoordinator(world_size=2, topology="g1n2", keep_steps=2, **MODEL)
+    for t in range(4):
+        submit_all(coord, t)
+    assert get_all(coord, 3)[0][0].num_sequences > 0
+    with pytest.raises(StepFailed, match="no longer held"):
+        asyncio.run(coord.get_plan(0, 0))
+
+
+def test_submit_before_world_size_is_known():
+    coord = BalanceCoordinator(topology="bags_of:8", **MODEL)
+    with pytest.raises(StepFailed, match="begin_run"):
+        coord.submit(0, 0, [100], [1])
+    assert coord.begin_run(4) == Topology((4,))
+    coord.submit(0, 0, [100], [1])
+    assert not coord.is_ready(0)
+
+
+# ---- ledger -----------------------------------------------------------------------------------
+
+
+def run_steps(coord: BalanceCoordinator, steps, commit: bool = True) -> None:
+    for t in steps:
+        submit_all(coord, t)
+        assert get_all(coord, t)[0][1] is False
+        if commit:
+            coord.commit_step(t)
+
+
+def rows_by_step(rows, steps):
+    return [r for r in rows if r[0] in steps]
+
+
+def test_ledger_commit_truncate_and_state_dict_round_trip():
+    coord = BalanceCoordinator(world_size=4, topology="g2n2", **MODEL)
+    run_steps(coord, range(3), commit=False)
+    assert coord.ledger_rows() == []  # planned but not yet trained
+    coord.commit_step(1)  # cumulative: steps 0 and 1
+    assert sorted({r[0] for r in coord.ledger_rows()}) == [0, 1]
+    coord.commit_step(2)
+    coord.commit_step(2)  # idempotent
+    rows = coord.ledger_rows()
+    expected = [(t, i, r, 0) for t in range(3) for r in range(4) for i in batch(t, r)[1]]
+    assert rows == expected
+    with pytest.raises(StepFailed, match="already committed"):
+        coord.submit(2, 0, *batch(2, 0))
+
+    run_steps(coord, range(3, 5))
+    ckpt = pickle.loads(pickle.dumps(coord.state_dict()))  # rides in the training checkpoint
+    stats_at_ckpt = coord.stats()
+    run_steps(coord, range(5, 7))
+
+    # A fresh coordinator (e.g. the actor restarted empty) restores the checkpoint taken at step 4.
+    fresh = BalanceCoordinator(world_size=4, topology="g2n2", **MODEL)
+    fresh.load_state_dict(ckpt)
+    assert fresh.ledger_rows() == rows_by_step(coord.ledger_rows(), range(5))
+    assert fresh.stats() == stats_at_ckpt
+
+    # The live coordinator cuts back to that checkpoint: steps 5, 6 will be trained again.
+    coord.truncate(4)
+    assert coord.attempt == 1 and coord.committed_step == 4
+    assert coord.ledger_rows() == fresh.ledger_rows()
+    run_steps(coord, range(5, 7))
+    rows = coord.ledger_rows()
+    assert {r[3] for r in rows_by_step(rows, range(5))} == {0}
+    assert {r[3] for r in rows_by_step(rows, range(5, 7))} == {1}
+    assert len(rows) == len(expected) + sum(len(batch(t, r)[1]) for t in range(3, 7) for r in range(4))
+
+    # Restoring into a live coordinator never lowers its attempt counter.
+    coord.load_state_dict(ckpt)
+    assert coord.attempt == 1 and coord.ledger_rows() == fresh.ledger_rows()
+
+
+def test_begin_run_resume_from_checkpoint_state():
+    coord = BalanceCoordinator(world_size=2, topology="g1n2", **MODEL)
+    run_steps(coord, range(3))
+    ckpt = coord.state_dict()
+    restarted = BalanceCoordinator(topology="g1n2", **MODEL)
+    assert restarted.begin_run(2, resume_step=2, state=ckpt) == Topology((1, 1))
+    assert restarted.attempt == 1 and restarted.ledger_rows() == coord.ledger_rows()
+    run_steps(restarted, [3])
+    assert {r[3] for r in restarted.ledger_rows() if r[0] == 3} == {1}
+    with pytest.raises(ValueError, match="resume_step"):
+        restarted.begin_run(2, state=ckpt)
+    restarted.begin_run(2)  # a fresh run starts the ledger over
+    assert restarted.ledger_rows() == [] and restarted.attempt == 0
+
+
+# ---- epoch end --------------------------------------------------------------------------------
+
+
+def length_of(sample_id: int) -> int:
+    return 32 * (1 + (sample_id * 37) % 50)
+
+
+async def run_epoch(coord, shards, batch_size, start, epoch, plans):
+    """Every rank iterates its shard; it submits step t+1 before getting step t's plan."""
+    done_at: dict[int, int] = {}
+
+    async def rank_loop(r: int) -> None:
+        batches = [shards[r][i : i + batch_size] for i in range(0, len(shards[r]), batch_size)]
+
+        def submit(t: int) -> None:
+            k = t - start
+            if k < len(batches):
+                coord.submit(t, r, [length_of(i) for i in batches[k]], batches[k], False, epoch)
+            else:
+                coord.submit(t, r, [], [], True, epoch)
+
+        t = start
+        submit(t)
+        while True:
+            submit(t + 1)
+            plan, done = await coord.get_plan(t, r, timeout_s=5)
+            if done:
+                done_at[r] = t
+                return
+            if r == 0:
+                plans[t] = plan
+            await asyncio.sleep(0)  # the step computes; the other ranks run meanwhile
+            if r == 0:
+                coord.commit_step(t)
+            t += 1
+
+    await asyncio.gather(*(rank_loop(r) for r in range(len(shards))))
+    return done_at
+
+
+def test_epoch_done_with_uneven_shards():
+    coord = BalanceCoordinator(world_size=4, topology="g2n2", **MODEL)
+    sizes = [9, 6, 2, 0]  # batches of 2: ranks run dry after 5, 3, 1 and 0 steps
+    ids = iter(range(1000))
+    shards = [[next(ids) for _ in range(n)] for n in sizes]
+    plans: dict = {}
+    done_at = asyncio.run(run_epoch(coord, shards, 2, 0, 0, plans))
+    assert done_at == {r: 5 for r in range(4)}  # everyone leaves at the same step
+    assert coord.epoch == 1
+    ledger_ids = [row[1] for row in coord.ledger_rows()]
+    all_ids = [i for s in shards for i in s]
+    assert sorted(ledger_ids) == sorted(all_ids)  # nothing lost, nothing twice
+    # Rank 3 never had data, yet it got work from the others whenever there were at least
+    # as many sequences as bags (one sequence runs on one bag).
+    assert all(p.seq_offsets[4] == p.seq_offsets[3] for p in plans.values())
+    assert all(p.rank_work[3] > 0 for p in plans.values() if p.num_sequences >= 2)
+
+    # The next epoch continues with the next step numbers; stale prefetches are dropped.
+    shards2 = [[i + 1000 for i in s] for s in shards]
+    done2 = asyncio.run(run_epoch(coord, shards2, 2, 6, 1, plans))
+    assert done2 == {r: 11 for r in range(4)} and coord.epoch == 2
+    assert sorted(row[1] for row in coord.ledger_rows()) == sorted(all_ids + [i for s in shards2 for i in s])
+
+
+def test_epoch_end_found_even_if_the_prefetched_next_step_completes_first():
+    coord = BalanceCoordinator(world_size=2, topology="g1n2", **MODEL)
+    coord.submit(0, 0, [100], [1], epoch=0)
+    coord.submit(0, 1, [200], [2], epoch=0)
+    coord.submit(1, 0, [], [], exhausted=True, epoch=0)
+    coord.submit(2, 0, [], [], exhausted=True, epoch=0)  # prefetches of step 2 arrive
+    coord.submit(2, 1, [], [], exhausted=True, epoch=0)  # before rank 1's step 1
+    coord.submit(1, 1, [], [], exhausted=True, epoch=0)
+    assert [done for _, done in get_all(coord, 1)] == [True, True]
+    assert coord.epoch == 1
+    coord.submit(2, 0, [300], [3], epoch=1)  # the new epoch reuses step 2 cleanly
+    coord.submit(2, 1, [400], [4], epoch=1)
+    plan, done = get_all(coord, 2)[0]
+    assert not done and plan.seq_lens.tolist() == [300, 400]
+
+
+# ---- statistics -------------------------------------------------------------------------------
+
+
+def test_speed_factors_from_timings():
+    coord = BalanceCoordinator(world_size=4, topology="g1n4", **MODEL)
+    for t in range(6):
+        submit_all(coord, t)
+        plan = get_all(coord, t)[0][0]
+        for r in range(4):
+            slow = 2.0 if r == 2 else 1.0  # rank 2 computes at half speed
+            coord.report_timing(t, r, compute_s=slow * plan.rank_work[r] * 1e-12, comm_s=0.001, wait_plan_s=0.0005)
+    np.testing.assert_allclose(coord.speed_factors(), [1.0, 1.0, 0.5, 1.0], rtol=1e-9)
+    stats = coord.stats()
+    assert stats["steps_planned"] == 6
+    assert stats["mean_imbalance"] <= stats["mean_baseline_imbalance"]
+    assert stats["plan_ms_p50"] > 0 and stats["wait_plan_s_mean"] == pytest.approx(0.0005)
+    assert sum(stats["length_histogram"].values()) == sum(len(batch(t, r)[0]) for t in range(6) for r in range(4))
+    with pytest.raises(ValueError, match="compute_s must be a finite number"):
+        coord.report_timing(0, 0, compute_s=float("nan"), comm_s=0, wait_plan_s=0)
+
+
+def test_length_histogram_bins_are_log2():
+    coord = BalanceCoordinator(world_size=1, topology="g1n1", **MODEL)
+    coord.submit(0, 0, [1, 2, 3, 4, 1023, 1024], list(range(6)))
+    assert coord.stats()["length_histogram"] == {1: 1, 2: 2, 4: 1, 512: 1, 1024: 1}
+
+
+# ---- topology ---------------------------------------------------------------------------------
+
+
+def test_topology_for_concrete_spec_replicates_or_fails_clearly():
+    coord = BalanceCoordinator(topology="g2n2", **MODEL)
+    assert coord.topology_for(8) == Topology((2, 2), num_groups=2)
+    with pytest.raises(ValueError, match=r"world size 6 does not fit topology 'g2n2' \(4 ranks"):
+        coord.topology_for(6)
+    with pytest.raises(ValueError, match="world size must be an integer >= 1"):
+        coord.topology_for(0)
+
+
+@pytest.mark.parametrize(
+    "rule, gpus_per_node, world, bag",
+    [
+        ("bags_of:8", None, 12, 4),
+        ("bags_of:8", None, 24, 8),
+        ("bags_of:8", None, 6, 2),
+        ("bags_of:8", None, 7, 1),
+        ("bags_of:4", None, 32, 4),
+        ("bags_of:8", 4, 16, 4),
+        ("bags_of:8", 6, 12, 2),
+        ("auto", None, 16, 8),  # no length history yet: one node's worth
+    ],
+)
+def test_topology_for_rules(rule, gpus_per_node, world, bag):
+    coord = BalanceCoordinator(topology=rule, gpus_per_node=gpus_per_node, **MODEL)
+    assert coord.topology_for(world) == Topology((bag,) * (world // bag))
+
+
+def test_auto_topology_uses_length_history(caplog):
+    uniform = BalanceCoordinator(world_size=4, topology="auto", **MODEL)
+    skewed = BalanceCoordinator(world_size=4, topology="auto", **MODEL)
+    for t in range(4):
+        for r in range(4):
+            uniform.submit(t, r, [1024, 1024], [8 * t + 2 * r, 8 * t + 2 * r + 1])
+            lens = [16384] if r == t else [256, 256]
+            skewed.submit(t, r, lens, [10 * t + 2 * r + k for k in range(len(lens))])
+    assert uniform.topology_for(8) == Topology((1,) * 8)  # already balanced: smallest bags
+    # One 16k-token sequence per 4 ranks: g4 bags balance it perfectly, g8 is no better.
+    chosen = skewed.topology_for(8)
+    assert chosen == Topology((4, 4))
+    with caplog.at_level(logging.INFO, logger="knapray.coordinator"):
+        assert skewed.begin_run(8) == chosen
+    assert any("topology changed" in m and "8" in m for m in caplog.messages)
+
+
+def test_config_errors_name_the_bad_value():
+    with pytest.raises(ValueError, match="bags_of:N"):
+        BalanceCoordinator(topology="bags_of:x")
+    with pytest.raises(ValueError, match="'g8x4'"):
+        BalanceCoordinator(topology="g8x4")
+    with pytest.raises(ValueError, match=r"unknown coordinator config keys \['topo'\]; valid: world_size"):
+        BalanceCoordinator(topo="g8n4")
+    with pytest.raises(ValueError, match="unknown solver 'lpt'; valid: knapray"):
+        BalanceCoordinator(solver="lpt")
+
+
+# ---- Ray: the named actor and the client ------------------------------------------------------
+
+NAMESPACE = "knapray-test"
+
+
+@pytest.fixture(scope="module")
+def ray_ns():
+    """Local Ray for this module; reuses one that is already running (and leaves it up)."""
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=4, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
+    # Ship this module's functions by value: workers of a Ray started elsewhere may not
+    # have the tests directory on their path.
+    module = sys.modules[__name__]
+    ray.cloudpickle.register_pickle_by_value(module)
+    yield NAMESPACE
+    ray.cloudpickle.unregister_pickle_by_value(module)
+    if started:
+        ray.shutdown()
+
+
+@ray.remote(num_cpus=1)
+def rank_worker(name: str, namespace: str, rank: int, steps: int):
+    """One training rank: prefetches step t+1 before asking for step t's plan."""
+    client = CoordinatorClient(name, namespace, rank, timeout_s=20)
+    client.submit_async(0, *batch(0, rank))
+    plans = []
+    for t in range(steps):
+        if t + 1 < steps:
+            client.submit_async(t + 1, *batch(t + 1, rank))
+        plan, done = client.get_plan(t)
+        plans.append((plan, done))
+        client.report_timing_async(t, compute_s=0.01, comm_s=0.0, wait_plan_s=client.last_wait_s)
+    if rank == 0:
+        client.commit(steps - 1)
+    return plans
+
+
+@pytest.mark.ray
+def test_ray_ranks_receive_identical_plans(ray_ns):
+    name = f"coord-plans-{time.monotonic_ns()}"
+    handle = create_coordinator(name, ray_ns, world_size=4, topology="g2n2", **MODEL)
+    assert create_coordinator(name, ray_ns, world_size=4, topology="g2n2", **MODEL) is not None  # get_if_exists
+    results = ray.get([rank_worker.remote(name, ray_ns, r, 3) for r in range(4)], timeout=60)
+    for t in range(3):
+        lens = [batch(t, r)[0] for r in range(4)]
+        ref = plan_from_gathered(lens, Topology.parse("g2n2"), WorkloadModel(**MODEL))
+        for r in range(4):
+            plan, done = results[r][t]
+            assert done is False and same_plan(plan, ref)
+    rows = ray.get(handle.ledger_rows.remote())
+    assert sorted(row[1] for row in rows) == sorted(i for t in range(3) for r in range(4) for i in batch(t, r)[1])
+    stats = ray.get(handle.stats.remote())
+    assert stats["steps_planned"] == 3 and stats["topology"] == "g2n2"
+    ray.kill(handle, no_restart=True)
+
+
+@pytest.mark.ray
+def test_ray_client_raises_unavailable_instead_of_hanging(ray_ns):
+    name = f"coord-kill-{time.monotonic_ns()}"
+    handle = create_coordinator(name, ray_ns, world_size=2, topology="g1n2", **MODEL)
+    client = CoordinatorClient(name, ray_ns, rank=0, timeout_s=1.5)
+
+    # The coordinator's own errors come through as themselves.
+    client.submit_async(0, [100, 200], [1])
+    with pytest.raises(StepFailed, match="2 sequence lengths but 1 sample ids"):
+        client.get_plan(0)
+
+    # A step another rank never submits: unavailable within the timeout, naming the rank.
+    client.submit_async(1, [100], [1])
+    t0 = time.monotonic()
+    with pytest.raises(CoordinatorUnavailable, match=r"ranks \[1\]"):
+        client.get_plan(1)
+    assert time.monotonic() - t0 < 1.5 + 2.0
+
+    ray.kill(handle, no_restart=True)
+    t0 = time.monotonic()
+    with pytest.raises(CoordinatorUnavailable):
+        client.get_plan(2)
+    assert time.monotonic() - t0 < 1.5 + 2.0
+    with pytest.raises(CoordinatorUnavailable, match="no coordinator actor"):
+        CoordinatorClient(name, ray_ns, rank=1, timeout_s=1.5).get_plan(2)
