@@ -94,6 +94,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
     raise SystemExit(f"unknown benchmark {args.what!r}")
 
 
+def cmd_parity(args: argparse.Namespace) -> int:
+    from knapray.parity import passed, run_parity
+
+    report = run_parity(
+        args.world_size, [args.topology], args.mix, scale=args.scale, seed=args.seed,
+        num_heads=args.heads, max_text_tokens=args.max_text_tokens,
+    )
+    ok = passed(report, args.tol)
+    report["_meta"].update({"tolerance": args.tol, "passed": ok})
+    if args.json:
+        print(json.dumps(report))
+    else:
+        m = report["_meta"]
+        print(f"parity: {m['world_size']} gloo ranks, {m['sequences']} sequences / {m['tokens']} tokens, "
+              f"fp32, tolerance {args.tol:g} (max|a-b|/max|b| per tensor)")
+        print(f"{'case':<16} {'outputs':>10} {'loss':>10} {'grads(max)':>11}  worst parameter")
+        for case, r in report.items():
+            if case.startswith("_"):
+                continue
+            print(f"{case:<16} {r['out_rel']:>10.2e} {r['loss_rel']:>10.2e} {r['grad_rel_max']:>11.2e}  "
+                  f"{r['worst_param']}")
+        print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="knapray", description="Workload-balanced DiT training on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -112,6 +137,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--export", help="write the plans as JSON")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.set_defaults(func=cmd_plan)
+
+    q = sub.add_parser("parity", help="balanced vs unbalanced vs single-process reference (gloo)")
+    q.add_argument("--world-size", type=int, default=4)
+    q.add_argument("--topology", default="g1n2+g2n1")
+    q.add_argument("--mix", default="g1b3i256f1s0,g1b1i512f1s0,g1b2i128f2s0,g1b1i128f1s0",
+                   help="data codes; the mix's ranks must divide --world-size")
+    q.add_argument("--scale", type=int, default=4, help="divide resolutions and text lengths (CPU size)")
+    q.add_argument("--max-text-tokens", type=int, default=392)
+    q.add_argument("--heads", type=int, default=4, help="attention heads (every bag size must divide it)")
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--tol", type=float, default=1e-5)
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=cmd_parity)
 
     b = sub.add_parser("bench", help="benchmarks (ratios measured side by side)")
     b.add_argument("what", choices=["planner"])

@@ -35,7 +35,7 @@ def planning_inputs(draw):
     big = draw(st.booleans())
     hi = 5000 if big else 64
     lens = [
-        draw(st.lists(st.integers(gmin, hi), min_size=0, max_size=6)) for _ in range(topo.world_size)
+        draw(st.lists(st.integers(1, hi), min_size=0, max_size=6)) for _ in range(topo.world_size)
     ]
     return topo, lens
 
@@ -53,13 +53,16 @@ def _check_plan(plan, topo, lens):
         assert starts[0] == 0
         np.testing.assert_array_equal(starts[1:], (starts + clens)[:-1])
         assert starts[-1] + clens[-1] == plan.seq_lens[s]
-        # Chunks: contiguous, lengths differ by at most one, none empty (L >= g).
-        assert clens.max() - clens.min() <= 1 and clens.min() >= 1
+        # Chunks: contiguous, lengths differ by at most one; empty only if L < g.
+        assert clens.max() - clens.min() <= 1
+        assert clens.min() >= 1 or plan.seq_lens[s] < g
         # Chunk c runs on the c-th rank of the sequence's bag, in the same balance group.
         np.testing.assert_array_equal(plan.chunk_rank[idx], list(topo.bag_ranks(int(plan.bag[s]))))
         home_group = plan.home_rank[s] // topo.group_size
         assert topo.group_of_bag[plan.bag[s]] == home_group
-        assert plan.seq_lens[s] >= g
+        # A bag larger than L only if no bag of the group fits it (then a smallest one).
+        if plan.seq_lens[s] < g:
+            assert g == min(topo.group_bags) > plan.seq_lens[s]
     # Send / receive counts consistent across ranks.
     m = plan.send_matrix
     assert m.sum() == sum(flat)
@@ -188,12 +191,17 @@ def test_node_aware_layout():
         ([[5], [5, -3], [5], [5]], r"rank 1, sequence 1: length -3"),
         ([[5.5], [5], [5], [5]], "must be a flat list of integers"),
         ([[[5]], [5], [5], [5]], "must be a flat list of integers"),
-        ([[1], [5], [5], [5]], "shorter than the smallest bag"),
     ],
 )
 def test_bad_lengths(lens, msg):
     with pytest.raises(ValueError, match=msg):
         plan_balance(lens, Topology.parse("g2n2"), MODEL)
+
+
+def test_sequence_shorter_than_every_bag_runs_with_empty_chunks():
+    plan = plan_balance([[3], [5000], [], [40]], Topology.parse("g4n1"), MODEL)
+    idx = np.flatnonzero(plan.chunk_seq == 0)
+    assert sorted(plan.chunk_len[idx].tolist()) == [0, 1, 1, 1]
 
 
 def test_oversize_sequence_and_unknown_solver():

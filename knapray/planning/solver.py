@@ -2,7 +2,7 @@
 
 This is makespan scheduling on "uniform machines": bag ``j`` of ``g_j`` GPUs finishes when
 its per-GPU load ``P_j = Σ W(L)/g_j`` is done, and a sequence may only go to a bag with
-``g_j <= L``. Two solvers:
+``g_j <= L`` (one shorter than every bag goes to a smallest bag, some chunks empty). Two solvers:
 
 ``greedy``  KnapFormer's published baseline (kept exact for comparison).
 ``knapray`` (default) starts from the better of two constructions (LPT for uniform
@@ -146,15 +146,6 @@ def _solve_group(
     if n == 0:
         return np.zeros(0, np.int64), {"start": "empty"}
     gmax = int(bag_sizes.max())
-    gmin = int(bag_sizes.min())
-    short = np.flatnonzero(lens < gmin)
-    if short.size:
-        s = int(short[0])
-        raise ValueError(
-            f"sequence of length {int(lens[s])} (rank {int(home[s])} of its balance group) is "
-            f"shorter than the smallest bag (g{gmin}); a sequence needs at least one token per "
-            "GPU of its bag: add a smaller bag to the topology"
-        )
     if max_tokens_per_gpu is not None:
         too_long = np.flatnonzero(-(-lens // gmax) > max_tokens_per_gpu)
         if too_long.size:
@@ -206,7 +197,10 @@ class _Problem:
     ):
         self.model = model
         self.token_work = float(model.linear(1.0))
-        self.lens = lens
+        self.true_lens = lens
+        # For placement, a sequence shorter than every bag counts as long enough for the
+        # smallest ones: it runs there with some empty chunks (nothing better exists).
+        self.lens = np.maximum(lens, bag_sizes.min())
         self.home = home
         self.work = work
         self.bag_sizes = bag_sizes
@@ -230,8 +224,8 @@ class _Problem:
         remainder tokens go round-robin over its ranks (see ``_make_chunks``), so its
         busiest rank has ``ceil`` of the leftover tokens."""
         g = self.bag_sizes[assign]
-        base, rem = np.divmod(self.lens, g)
-        attn = np.bincount(assign, weights=self.model.attention(self.lens) / g, minlength=self.k)
+        base, rem = np.divmod(self.true_lens, g)
+        attn = np.bincount(assign, weights=self.model.attention(self.true_lens) / g, minlength=self.k)
         base_tok = np.bincount(assign, weights=base, minlength=self.k)
         rem_tok = np.bincount(assign, weights=rem, minlength=self.k)
         top_tok = base_tok + np.ceil(rem_tok / self.bag_sizes - 1e-9)
@@ -239,8 +233,9 @@ class _Problem:
 
     def moved_tokens(self, assign: np.ndarray) -> float:
         """Tokens leaving their home rank (a home-bag sequence keeps ~1/g of its tokens)."""
+        lens = self.true_lens
         at_home = assign == self.home_bag
-        return float(self.lens.sum() - (self.lens[at_home] / self.bag_sizes[assign[at_home]]).sum())
+        return float(lens.sum() - (lens[at_home] / self.bag_sizes[assign[at_home]]).sum())
 
     def choose(self, candidates: list[tuple[str, np.ndarray, int]]) -> tuple[str, np.ndarray, int]:
         """The best-balanced candidate; among those within half a token's work of it (the

@@ -1,0 +1,169 @@
+"""DeepSpeed-Ulysses attention inside a bag of ``g`` ranks.
+
+Each rank of a bag holds, after routing, chunk ``p`` (its place in the bag) of every
+sequence the bag runs, in the bag's agreed order (global sequence order). Attention needs
+whole sequences, so one all-to-all trades tokens for heads:
+
+    (N_p tokens, H heads)  ->  (all T tokens of the bag, H/g heads)
+
+varlen attention runs over the bag's whole sequences, and a second all-to-all trades back.
+The token permutation between "grouped by source rank" (what the all-to-all delivers) and
+"grouped by sequence" (what attention needs) comes from the plan, so nothing but q, k, v
+and the output travel. q, k and v move in one exchange.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from knapray.planning import BalancePlan
+
+from .comms import all_to_all_varsize
+from .router import concat_ranges
+
+
+@dataclass(frozen=True, eq=False)
+class UlyssesLayout:
+    """One rank's view of its bag for one plan (pure; built by ``UlyssesLayout.build``)."""
+
+    bag: int
+    bag_size: int
+    rank_in_bag: int
+    local_tokens: int
+    """N_p: tokens this rank holds (its routed tokens)."""
+    recv_splits: tuple[int, ...]
+    """Tokens each bag rank holds (= tokens received from it in the first exchange)."""
+    seq_order: torch.Tensor
+    """(T,) int64: rows of the received buffer (grouped by source rank) in whole-sequence
+    order."""
+    rank_order: torch.Tensor
+    """(T,) int64: inverse of ``seq_order``."""
+    cu_seqlens: torch.Tensor
+    """(S_bag + 1,) int32: boundaries of the bag's whole sequences."""
+    max_seqlen: int
+
+    @classmethod
+    def build(cls, plan: BalancePlan, rank: int, device: torch.device | str | None = None) -> "UlyssesLayout":
+        topo = plan.topology
+        bag = int(topo.bag_of_rank[rank])
+        g = int(topo.bag_sizes[bag])
+        seqs = plan.bag_sequences(bag)
+        # Chunks are sorted by (sequence, chunk) and a sequence on this bag has g of them.
+        seq_first = np.cumsum(plan.bag_size_of_seq) - plan.bag_size_of_seq
+        chunk_ids = seq_first[seqs][:, None] + np.arange(g)  # (S_bag, g)
+        lens = plan.chunk_len[chunk_ids]  # (S_bag, g): tokens of sequence s on bag rank c
+        per_rank = lens.sum(axis=0)  # (g,)
+        # Received row of (s, c, t): rank c's block offset + rows of c before s + t.
+        block_start = np.cumsum(per_rank) - per_rank  # (g,)
+        before = np.cumsum(lens, axis=0) - lens  # (S_bag, g)
+        starts = block_start[None, :] + before  # (S_bag, g)
+        # Row-major ravel walks sequence by sequence, chunk by chunk: whole-sequence order.
+        seq_order = concat_ranges(starts.ravel(), lens.ravel())
+        seq_lens = plan.seq_lens[seqs]
+        cu = np.concatenate([[0], np.cumsum(seq_lens)])
+
+        def t(a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.as_tensor(np.ascontiguousarray(a), dtype=dtype, device=device)
+
+        p = rank - int(topo.bag_starts[bag])
+        return cls(
+            bag=bag,
+            bag_size=g,
+            rank_in_bag=p,
+            local_tokens=int(per_rank[p]),
+            recv_splits=tuple(int(n) for n in per_rank),
+            seq_order=t(seq_order),
+            rank_order=t(np.argsort(seq_order, kind="stable")),
+            cu_seqlens=t(cu, torch.int32),
+            max_seqlen=int(seq_lens.max()) if seq_lens.size else 0,
+        )
+
+
+class UlyssesAttention:
+    """``attn(q, k, v)``: (N_p, H, D) each -> (N_p, H, D), attention over the bag's whole
+    sequences. A bag of one rank runs plain local varlen attention.
+
+    Collective within the bag: every rank of the bag must call it the same number of times
+    (once per attention layer), also when it holds no tokens (N_p == 0), and must run the
+    backward through every call. H must be divisible by the bag size.
+    """
+
+    def __init__(
+        self,
+        plan: BalancePlan,
+        rank: int,
+        group: dist.ProcessGroup | None,
+        *,
+        backend: str = "auto",
+        scale: float | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.layout = UlyssesLayout.build(plan, rank, device)
+        g = self.layout.bag_size
+        if g > 1 and group is None:
+            raise ValueError(
+                f"rank {rank} is in a bag of {g} ranks: pass the bag's process group "
+                "(BagGroups.bag_group)"
+            )
+        if g > 1 and dist.is_initialized() and dist.get_world_size(group) != g:
+            raise ValueError(
+                f"rank {rank}'s bag has {g} ranks but the group given has "
+                f"{dist.get_world_size(group)}; pass BagGroups.bag_group of the same topology"
+            )
+        self.group = group
+        self.backend = backend
+        self.scale = scale
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        from knapray.attention import varlen_attention  # attention backends load lazily
+
+        lay = self.layout
+        if lay.seq_order.device != q.device:
+            self.layout = lay = replace(
+                lay,
+                seq_order=lay.seq_order.to(q.device),
+                rank_order=lay.rank_order.to(q.device),
+                cu_seqlens=lay.cu_seqlens.to(q.device),
+            )
+        if q.dim() != 3 or q.shape != k.shape or q.shape != v.shape:
+            raise ValueError(
+                f"q, k, v must share one (N, H, D) shape, got {tuple(q.shape)}, "
+                f"{tuple(k.shape)}, {tuple(v.shape)}"
+            )
+        n, h, d = q.shape
+        g = lay.bag_size
+        if n != lay.local_tokens:
+            raise ValueError(
+                f"this rank holds {lay.local_tokens} routed tokens under the plan, got q with {n} rows"
+            )
+        if h % g:
+            raise ValueError(
+                f"{h} heads cannot be split over a bag of {g} ranks; the bag size must divide "
+                f"the head count (see knapray.distributed.check_heads)"
+            )
+
+        def attend(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
+            return varlen_attention(
+                qs, ks, vs, lay.cu_seqlens, lay.max_seqlen, backend=self.backend, scale=self.scale
+            )
+
+        if g == 1:
+            return attend(q, k, v)
+        hg = h // g
+        # (N, H, D) x3 -> (N, 3, H, D) -> (N, 3, g, H/g, D) -> (g, N, 3, H/g, D) -> (g*N, 3, H/g, D):
+        # block j holds every local token with bag rank j's heads
+        qkv = torch.stack((q, k, v), dim=1).reshape(n, 3, g, hg, d).permute(2, 0, 1, 3, 4)
+        qkv = qkv.reshape(g * n, 3, hg, d)
+        # -> (T, 3, H/g, D), grouped by source rank
+        qkv = all_to_all_varsize(qkv, [n] * g, lay.recv_splits, self.group)
+        qkv = qkv.index_select(0, lay.seq_order)  # grouped by source rank -> whole sequences
+        out = attend(*qkv.unbind(1))  # (T, H/g, D)
+        out = out.index_select(0, lay.rank_order)  # whole sequences -> grouped by source rank
+        # (T, H/g, D) -> (g*N, H/g, D): block j is this rank's tokens with bag rank j's heads
+        out = all_to_all_varsize(out, lay.recv_splits, [n] * g, self.group)
+        # (g*N, H/g, D) -> (g, N, H/g, D) -> (N, g, H/g, D) -> (N, H, D)
+        return out.reshape(g, n, hg, d).permute(1, 0, 2, 3).reshape(n, h, d)

@@ -1,0 +1,212 @@
+"""`knapray parity`: balanced and unbalanced execution against a single-process reference.
+
+Spawns ``world_size`` local gloo processes; each builds the same seeded model and the same
+per-rank batches, runs one forward+backward per topology (balanced) and once with the
+identity plan (unbalanced), and sums gradients across ranks. The parent computes the
+single-process reference on all batches at once and reports, per case, the largest
+relative difference of the outputs, of the loss and of every parameter gradient
+(``max|a-b| / max|b|`` per tensor).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+
+from knapray.models import MMDiT, MMDiTConfig, pack_samples
+from knapray.models.flow import add_noise, flow_loss
+from knapray.planning import Topology, WorkloadModel, identity_plan, plan_balance
+from knapray.planning.mix import MAX_TEXT_TOKENS
+from knapray.train.synthetic import concat_batches, mix_batches
+
+UNBALANCED = "unbalanced"
+DEFAULT_TOL = 1e-5
+
+
+def parity_config(num_heads: int = 4) -> MMDiTConfig:
+    """A small MMDiT that still has every part: double and single blocks, text, RoPE."""
+    return MMDiTConfig(
+        in_channels=4, patch_size=(1, 2, 2), hidden_size=16 * num_heads, num_heads=num_heads,
+        depth_double=1, depth_single=1, text_dim=16, pooled_dim=16, rope_axes_dim=(4, 6, 6),
+    )
+
+
+def _build_model(cfg: MMDiTConfig, seed: int) -> MMDiT:
+    torch.manual_seed(seed)
+    model = MMDiT(cfg)
+    model.init_weights(std=0.1)  # non-degenerate: every parameter gets a gradient
+    return model
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _batches(cfg: MMDiTConfig, mix: str, scale: int, seed: int, world: int,
+             max_text_tokens: int, empty_ranks: tuple[int, ...]):
+    batches = mix_batches(mix, cfg, scale=scale, seed=seed, world_size=world, max_text_tokens=max_text_tokens)
+    empty = add_noise(pack_samples([], cfg), torch.zeros(0, cfg.patch_dim))
+    return [empty if r in empty_ranks else b for r, b in enumerate(batches)]
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, specs: list[str], mix: str,
+            scale: int, seed: int, cfg_dict: dict, max_text_tokens: int,
+            empty_ranks: tuple[int, ...]) -> None:
+    import torch.distributed as dist
+
+    from knapray.distributed import BagGroups
+    from knapray.distributed.grads import allreduce_gradients
+    from knapray.train.balanced import balanced_forward
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=120),
+    )
+    try:
+        cfg = MMDiTConfig(**cfg_dict)
+        model = _build_model(cfg, seed)
+        batches = _batches(cfg, mix, scale, seed, world, max_text_tokens, empty_ranks)
+        batch = batches[rank]
+        lens = [b.seq_lens.tolist() for b in batches]
+        global_tokens = sum(b.x_img.shape[0] for b in batches)
+        workload = WorkloadModel(d_model=cfg.hidden_size)
+        results = {}
+        for spec in specs:
+            if spec == UNBALANCED:
+                plan, bag_group, route_group = identity_plan(lens, workload), None, None
+            else:
+                topo = Topology.parse(spec, world_size=world)
+                groups = BagGroups.build(topo, cfg.num_heads)
+                plan = plan_balance(lens, topo, workload)
+                bag_group, route_group = groups.bag_group, groups.balance_group
+            model.zero_grad(set_to_none=True)
+            out = balanced_forward(model, batch, plan, rank, bag_group=bag_group, route_group=route_group)
+            loss = flow_loss(out, batch.targets, global_tokens)
+            loss.backward()
+            allreduce_gradients(model.parameters())
+            results[spec] = {
+                "out": out.detach(),
+                "loss": loss.detach(),
+                "imbalance": plan.imbalance,
+                "baseline_imbalance": plan.baseline_imbalance,
+                "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()} if rank == 0 else None,
+            }
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _coverage(spec: str, lens: list[list[int]], world: int, n_text, cfg: MMDiTConfig) -> dict:
+    """What the case exercised: the cases a parity check must cover, counted from the plan
+    (every rank derived the same plan from the same lengths)."""
+    workload = WorkloadModel(d_model=cfg.hidden_size)
+    if spec == UNBALANCED:
+        plan = identity_plan(lens, workload)
+    else:
+        plan = plan_balance(lens, Topology.parse(spec, world_size=world), workload)
+    g = plan.bag_size_of_seq
+    recv = plan.recv_counts
+    return {
+        "ranks_without_sequences": int(sum(1 for r in lens if not r)),
+        "ranks_computing_nothing": int((recv == 0).sum()),
+        "sequences_shorter_than_bag": int((plan.seq_lens < g).sum()),
+        "chunks_without_text": int((plan.chunk_start >= n_text[plan.chunk_seq]).sum()),
+        "moved_token_fraction": plan.moved_token_fraction,
+    }
+
+
+def passed(report: dict, tol: float = DEFAULT_TOL) -> bool:
+    return all(
+        max(r["out_rel"], r["loss_rel"], r["grad_rel_max"]) <= tol
+        for k, r in report.items() if not k.startswith("_")
+    )
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    scale = b.abs().max().item() if b.numel() else 0.0
+    diff = (a - b).abs().max().item() if b.numel() else 0.0
+    return diff / scale if scale > 0 else diff
+
+
+def run_parity(
+    world_size: int,
+    topologies: list[str],
+    mix: str,
+    *,
+    scale: int = 8,
+    seed: int = 0,
+    num_heads: int = 4,
+    include_unbalanced: bool = True,
+    max_text_tokens: int = MAX_TEXT_TOKENS,
+    empty_ranks: tuple[int, ...] = (),
+) -> dict:
+    """Run the check; returns {case: {out_rel, loss_rel, grad_rel_max, worst_param, ...}}."""
+    import torch.multiprocessing as mp
+
+    from knapray.distributed import check_heads
+
+    cfg = parity_config(num_heads)
+    for spec in topologies:
+        topo = Topology.parse(spec, world_size=world_size)  # clear errors before spawning
+        check_heads(cfg.num_heads, topo)
+    batches = _batches(cfg, mix, scale, seed, world_size, max_text_tokens, tuple(empty_ranks))
+    specs = list(topologies) + ([UNBALANCED] if include_unbalanced else [])
+
+    # The reference: one process, all sequences, plain local attention.
+    model = _build_model(cfg, seed)
+    full = concat_batches(batches)
+    ref_out = model(full)
+    ref_loss = flow_loss(ref_out, full.targets, full.x_img.shape[0])
+    ref_loss.backward()
+    ref_grads = {n: p.grad.detach() for n, p in model.named_parameters()}
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(
+            _worker,
+            args=(world_size, _free_port(), tmp, specs, mix, scale, seed, dataclasses.asdict(cfg),
+                  max_text_tokens, tuple(empty_ranks)),
+            nprocs=world_size,
+            join=True,
+        )
+        per_rank = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world_size)]
+    lens = [b.seq_lens.tolist() for b in batches]
+    n_text = torch.stack([(full.is_text & (full.seq_index == i)).sum() for i in range(full.num_sequences)]) \
+        if full.num_sequences else torch.zeros(0, dtype=torch.int64)
+    report = {}
+    for spec in specs:
+        out = torch.cat([per_rank[r][spec]["out"] for r in range(world_size)])
+        loss = sum(per_rank[r][spec]["loss"] for r in range(world_size))
+        grads = per_rank[0][spec]["grads"]
+        rels = {n: _rel(grads[n], ref_grads[n]) for n in ref_grads}
+        worst = max(rels, key=rels.get)
+        report[spec] = {
+            "out_rel": _rel(out, ref_out.detach()),
+            "loss_rel": abs(float(loss) - ref_loss.item()) / abs(ref_loss.item()),
+            "grad_rel_max": rels[worst],
+            "worst_param": worst,
+            "num_params": len(rels),
+            "imbalance": per_rank[0][spec]["imbalance"],
+            "baseline_imbalance": per_rank[0][spec]["baseline_imbalance"],
+            **_coverage(spec, lens, world_size, n_text.numpy(), cfg),
+        }
+    report["_meta"] = {
+        "world_size": world_size,
+        "mix": mix,
+        "scale": scale,
+        "seed": seed,
+        "sequences": int(full.num_sequences),
+        "tokens": int(full.seq_lens.sum()),
+        "seconds": time.perf_counter() - t0,
+    }
+    return report

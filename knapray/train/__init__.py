@@ -1,0 +1,1 @@
+"""Training: balanced execution of the model, the per-worker loop, the Ray Train wiring."""

@@ -1,0 +1,102 @@
+"""Run a function on N local gloo processes (CPU) and collect what every rank returns.
+
+``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes, initializes a
+gloo process group over a free TCP port on 127.0.0.1 with a 60 s timeout, calls
+``fn(rank, world_size, *args)`` on each, and returns the results in rank order. ``fn`` must
+be picklable (a module-level function) and return picklable values. If a rank raises,
+the remaining ranks are stopped and a RuntimeError carries every failing rank's traceback.
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+GLOO_TIMEOUT = timedelta(seconds=60)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(
+    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, results: Any
+) -> None:
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=GLOO_TIMEOUT,
+        )
+        try:
+            out = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, out))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 180.0
+) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outputs: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
+    first_error_at: float | None = None
+    try:
+        while len(outputs) + len(errors) < world_size:
+            now = time.monotonic()
+            # After a failure, give the others a moment to report, then stop them.
+            if now > deadline or (first_error_at is not None and now > first_error_at + 5.0):
+                break
+            try:
+                rank, ok, value = results.get(timeout=0.5)
+            except queue.Empty:
+                for r, p in enumerate(procs):
+                    reported = r in outputs or r in errors
+                    if not reported and p.exitcode not in (None, 0):
+                        errors[r] = f"process exited with code {p.exitcode} without reporting"
+                        first_error_at = first_error_at or time.monotonic()
+                continue
+            if ok:
+                outputs[rank] = value
+            else:
+                errors[rank] = value
+                first_error_at = first_error_at or time.monotonic()
+    finally:
+        for p in procs:
+            p.join(timeout=5.0 if not errors else 0.5)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5.0)
+    missing = [r for r in range(world_size) if r not in outputs and r not in errors]
+    if errors or missing:
+        parts = [f"--- rank {r} failed:\n{tb}" for r, tb in sorted(errors.items())]
+        if missing:
+            parts.append(f"--- ranks {missing} did not report (stopped or timed out)")
+        raise RuntimeError(f"distributed run of {fn.__name__} failed:\n" + "\n".join(parts))
+    return [outputs[r] for r in range(world_size)]
