@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: run test setup clean bench
+.PHONY: run test setup clean bench plan-demo
 
 setup: $(STAMP)
 
@@ -18,11 +18,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
-DEMO_MIX := g8b4i256f1s0,g2b5i512f1s0,g2b5i1024f1s0,g4b1i2048f1s0,g1b10i256f4s0,g3b1i512f4s0,g8b2i256f85s1,g4b1i512f85s1
+PAPER_MIX := g8b4i256f1s0,g2b5i512f1s0,g2b5i1024f1s0,g4b1i2048f1s0,g1b10i256f4s0,g3b1i512f4s0,g8b2i256f85s1,g4b1i512f85s1
 
+# The main job: a balanced training run (4 Ray Train workers, embedded local Ray) on a
+# small synthetic image+video corpus (built on first use), then the same steps unbalanced.
 run: $(STAMP)
+	$(BIN)/python jobs/train.py --config jobs/configs/demo.yaml --compare-unbalanced
+
+# The planner on the paper's image+video mix at full size (32 GPUs, g8n4), with a plot.
+plan-demo: $(STAMP)
 	mkdir -p runs
-	$(BIN)/knapray plan --mix "$(DEMO_MIX)" --topology g8n4 --steps 50 --plot runs/plan-demo.png
+	$(BIN)/knapray plan --mix "$(PAPER_MIX)" --topology g8n4 --steps 50 --plot runs/plan-demo.png
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

@@ -935,6 +935,7 @@ class CoordinatorClient:
         self.name, self.namespace, self.rank, self.timeout_s = name, namespace, rank, timeout_s
         self._handle = None
         self._epoch: int | None = None
+        self._requested: dict[int, Any] = {}  # step -> get_plan ObjectRef asked for early
         self.last_wait_s = 0.0
         """Seconds the last ``get_plan`` waited (report it as ``wait_plan_s``)."""
 
@@ -983,12 +984,25 @@ class CoordinatorClient:
             int(step), self.rank, [int(x) for x in seq_lens], [int(x) for x in sample_ids], bool(exhausted), epoch
         )
 
+    def request_plan(self, step: int) -> None:
+        """Ask for ``step``'s plan now, without waiting, so that ``get_plan(step)`` later
+        finds it already delivered (one round trip off the critical path)."""
+        if step not in self._requested:
+            try:
+                self._requested[int(step)] = self._actor().get_plan.remote(int(step), self.rank, 0.9 * self.timeout_s)
+            except CoordinatorUnavailable:
+                pass  # get_plan will ask again and report it
+
     def get_plan(self, step: int) -> tuple[BalancePlan | None, bool]:
         """``(plan, epoch_done)`` for ``step``; ``CoordinatorUnavailable`` after ``timeout_s``."""
         t0 = time.perf_counter()
         # The actor gives up a little earlier than we do, so a step that never completes
         # comes back with its message (which ranks are missing) rather than a bare timeout.
-        ref = self._actor().get_plan.remote(int(step), self.rank, 0.9 * self.timeout_s)
+        ref = self._requested.pop(int(step), None)
+        for old in [s for s in self._requested if s < step]:
+            self._requested.pop(old)
+        if ref is None:
+            ref = self._actor().get_plan.remote(int(step), self.rank, 0.9 * self.timeout_s)
         plan, done = self._get(ref, f"plan for step {step}")
         if done:
             # The next epoch's submissions must not be mistaken for stale prefetches.

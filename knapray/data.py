@@ -1,0 +1,436 @@
+"""Ray Data side of training: read the corpus, cut each rank's shard into steps, pack batches.
+
+Three pieces, used in this order by a training worker:
+
+1. ``corpus_dataset`` (driver): a Ray Dataset over the corpus's parquet shards in a
+   deterministic order, handed to ``TorchTrainer(datasets={"train": ...})``.
+2. ``StepStream`` (worker): turns this rank's rows (from ``get_dataset_shard("train")``,
+   or any iterable of rows) into steps of decoded samples, one step ahead, so the step
+   after the current one can be sent to the coordinator while the current one computes.
+   Corrupt rows are reported and skipped, samples the ledger already holds are skipped.
+3. ``build_packed_batch`` (worker): a step's samples -> a ``PackedBatch`` with flow-matching
+   timesteps, noise and targets drawn from a per-(seed, step, rank) generator.
+
+``corpus_info`` / ``check_model_config`` compare the corpus's schema.json with the model
+config once at start-up, so a mismatch fails with both values named instead of a shape
+error deep inside the model.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from knapray.corpus import CorruptSample, decode_row, read_schema_json, shard_paths
+from knapray.models.config import MMDiTConfig
+from knapray.models.flow import add_noise, sample_timesteps
+from knapray.models.packing import PackedBatch, pack_samples
+
+if TYPE_CHECKING:
+    import ray.data
+
+logger = logging.getLogger(__name__)
+
+Row = Mapping[str, Any]
+OnCorrupt = Callable[[Any, str], None]
+
+
+# --- corpus description ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class CorpusInfo:
+    """What a reader needs from a corpus's schema.json."""
+
+    path: Path
+    """The corpus directory."""
+    channels: int
+    """Latent channels C."""
+    text_dim: int
+    """Width of a text token embedding."""
+    pooled_dim: int
+    """Width of the pooled text embedding."""
+    patch: tuple[int, int, int]
+    """Patch (t, h, w) that the visual_tokens and seq_len columns count."""
+    payload: bool
+    """False for a lengths-only corpus (null latent/text/pooled)."""
+    num_samples: int
+    """Rows in the whole corpus."""
+    max_seq_len: int
+    """Longest sample (tokens)."""
+    shards: tuple[str, ...]
+    """Shard file names, in corpus order."""
+
+
+def corpus_info(path: str | Path) -> CorpusInfo:
+    """Read ``<path>/schema.json``; raises FileNotFoundError / ValueError naming the file."""
+    doc = read_schema_json(path)
+    dims = doc["dims"]
+    return CorpusInfo(
+        path=Path(path),
+        channels=int(dims["channels"]),
+        text_dim=int(dims["text_dim"]),
+        pooled_dim=int(dims["pooled_dim"]),
+        patch=tuple(int(p) for p in dims["patch"]),  # type: ignore[arg-type]
+        payload=bool(doc["payload"]),
+        num_samples=int(doc["counts"]["samples"]),
+        max_seq_len=int(doc["counts"]["seq_len"]["max"]),
+        shards=tuple(doc["shards"]),
+    )
+
+
+def check_model_config(info: CorpusInfo, cfg: MMDiTConfig) -> None:
+    """Raise ValueError if the model cannot train on this corpus, naming both values of
+    every mismatch. The patch must be equal, not merely compatible: the corpus's seq_len
+    column (what the balancer plans with) counts patches of the corpus's size."""
+    if not info.payload:
+        raise ValueError(
+            f"corpus {info.path} is lengths-only (schema.json payload=false): it has no "
+            "latents to train on; rebuild it without --no-payload"
+        )
+    problems = []
+    if info.channels != cfg.in_channels:
+        problems.append(
+            f"latent channels: corpus channels={info.channels}, model in_channels={cfg.in_channels}"
+        )
+    if info.text_dim != cfg.text_dim:
+        problems.append(f"text width: corpus text_dim={info.text_dim}, model text_dim={cfg.text_dim}")
+    if info.pooled_dim != cfg.pooled_dim:
+        problems.append(
+            f"pooled width: corpus pooled_dim={info.pooled_dim}, model pooled_dim={cfg.pooled_dim}"
+        )
+    if tuple(info.patch) != tuple(cfg.patch_size):
+        problems.append(
+            f"patch: corpus patch={tuple(info.patch)} (its seq_len column counts these), "
+            f"model patch_size={tuple(cfg.patch_size)}"
+        )
+    if problems:
+        raise ValueError(f"corpus {info.path} does not match the model config: " + "; ".join(problems))
+
+
+# --- Ray Data (driver side) ----------------------------------------------------------------
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """A 32-bit seed for (seed, epoch): the shard order of ``corpus_dataset`` and a good
+    ``local_shuffle_seed`` for ``shard_batches``. Stable across processes and restarts
+    (Python's ``hash`` is not, for strings)."""
+    if seed < 0 or epoch < 0:
+        raise ValueError(f"seed and epoch must be >= 0, got seed={seed}, epoch={epoch}")
+    return int(np.random.SeedSequence(seed, spawn_key=(epoch,)).generate_state(1)[0])
+
+
+def shard_order(num_shards: int, *, shuffle_seed: int | None, epoch: int = 0) -> list[int]:
+    """Indices of the corpus's shards in the order an epoch reads them: corpus order
+    without a seed, else a permutation that depends only on (shuffle_seed, epoch)."""
+    if shuffle_seed is None:
+        return list(range(num_shards))
+    rng = np.random.default_rng(epoch_seed(shuffle_seed, epoch))
+    return rng.permutation(num_shards).tolist()
+
+
+def corpus_dataset(
+    path: str | Path,
+    *,
+    shuffle_seed: int | None = None,
+    epoch: int = 0,
+    rows_per_block: int = 32,
+) -> ray.data.Dataset:
+    """A Ray Dataset of the corpus's rows in a deterministic order.
+
+    Shards are read in corpus order, or, with ``shuffle_seed``, in a permutation drawn
+    from (shuffle_seed, epoch). Shuffling whole files keeps the read streaming; a block
+    shuffle (``randomize_block_order``) would read the entire epoch before yielding its
+    first row. Rows keep their order within a shard; use many shards for a finer mix.
+
+    Blocks are cut to ``rows_per_block`` rows because Ray hands whole blocks to the
+    consumers of ``streaming_split``: its parquet reader merges small files into one
+    block, which would give one rank everything. ``samples_per_step`` is a good value.
+
+    ``preserve_order`` is set on this dataset's own context so that the row order, and
+    with it which rows each split receives, is the same on every run. Ray Train replaces
+    a dataset's execution options with ``DataConfig``'s: pass
+    ``DataConfig(execution_options=ingest_execution_options())`` to TorchTrainer.
+    """
+    import ray.data
+
+    if rows_per_block < 1:
+        raise ValueError(f"rows_per_block must be >= 1, got {rows_per_block}")
+    info = corpus_info(path)
+    files = shard_paths(path)
+    names = tuple(p.name for p in files)
+    # A shard missing or left over (an interrupted copy) would silently change the epoch.
+    if names != info.shards:
+        raise ValueError(
+            f"{path}: shards on disk {list(names)} differ from schema.json shards {list(info.shards)}"
+        )
+    order = shard_order(len(files), shuffle_seed=shuffle_seed, epoch=epoch)
+    ds = ray.data.read_parquet([str(files[i]) for i in order])
+    ds = ds.repartition(target_num_rows_per_block=rows_per_block)
+    ds.context.execution_options.preserve_order = True
+    return ds
+
+
+def ingest_execution_options() -> ray.data.ExecutionOptions:
+    """The driver's current Ray Data execution options with ``preserve_order`` on, for
+    ``ray.train.DataConfig(execution_options=...)`` (whose default would copy the
+    driver's context and lose the dataset's own setting)."""
+    from ray.data import DataContext
+
+    options = copy.deepcopy(DataContext.get_current().execution_options)
+    options.preserve_order = True
+    return options
+
+
+def shard_batches(
+    shard: Any,
+    *,
+    batch_size: int,
+    shuffle_buffer: int = 0,
+    shuffle_seed: int | None = None,
+    prefetch_batches: int = 2,
+) -> Iterable[dict[str, np.ndarray]]:
+    """Numpy batches of a ``ray.data.DataIterator`` (``get_dataset_shard("train")``),
+    the input ``StepStream`` expects. Numpy, not torch: the payload columns are object
+    arrays of ragged 1-D arrays, which the default torch collate cannot stack.
+    ``shuffle_buffer`` > 0 shuffles rows locally, deterministically when ``shuffle_seed``
+    is given (use ``epoch_seed(seed, epoch)``: a Ray Train dataset is read in the same
+    order every epoch)."""
+    if shuffle_buffer < 0:
+        raise ValueError(f"shuffle_buffer must be >= 0, got {shuffle_buffer}")
+    return shard.iter_batches(
+        batch_format="numpy",
+        batch_size=batch_size,
+        prefetch_batches=prefetch_batches,
+        local_shuffle_buffer_size=shuffle_buffer or None,
+        local_shuffle_seed=shuffle_seed if shuffle_buffer else None,
+    )
+
+
+# --- steps (worker side) -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepMeta:
+    """What the coordinator plans with: one rank's sequences for one step."""
+
+    index: int
+    """Steps taken from this stream before this one."""
+    seq_lens: tuple[int, ...]
+    """Tokens per sample (text + visual), in sample order."""
+    sample_ids: tuple[int, ...]
+    """Corpus sample ids, in sample order."""
+
+    @property
+    def exhausted(self) -> bool:
+        """No samples: this rank's shard is used up (submit ``exhausted=True``)."""
+        return not self.sample_ids
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Step:
+    """One rank's decoded samples for one step (``decode_row`` dicts, numpy arrays)."""
+
+    meta: StepMeta
+    samples: tuple[dict[str, Any], ...]
+
+
+@dataclasses.dataclass(slots=True)
+class StreamStats:
+    samples: int = 0
+    """Samples decoded into steps, the step held ahead included."""
+    skipped: int = 0
+    """Rows dropped because their id was in ``skip_sample_ids``."""
+    corrupt: int = 0
+    """Rows that failed to decode and went to ``on_corrupt``."""
+    corrupt_by_reason: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+def _rows(source: Iterable[Any]) -> Iterator[Row]:
+    """Rows from row dicts, column batches (dict of arrays or lists, as Ray Data's numpy
+    batches) or pyarrow tables/record batches, in order."""
+    for item in source:
+        if isinstance(item, (pa.Table, pa.RecordBatch)):
+            yield from item.to_pylist()
+        elif isinstance(item, Mapping):
+            ids = item.get("sample_id")
+            # A row's sample_id is a scalar; a column batch's is a 1-D array or a list.
+            if isinstance(ids, (np.ndarray, list, tuple)) and np.ndim(ids) == 1:
+                for i in range(len(ids)):
+                    yield {name: column[i] for name, column in item.items()}
+            else:
+                yield item
+        else:
+            raise TypeError(
+                f"StepStream source items must be row dicts, column batches or pyarrow "
+                f"tables, got {type(item).__name__}"
+            )
+
+
+def _log_corrupt(sample_id: Any, reason: str) -> None:
+    logger.warning("skipping corrupt sample %s (%s)", sample_id, reason)
+
+
+class StepStream:
+    """Steps of ``samples_per_step`` decoded samples from one rank's rows, one step ahead.
+
+    ``peek_next()`` is the metadata of the step the next ``next_step()`` returns; it is
+    decoded ahead so the training loop can submit step t+1 while step t computes. Rows
+    whose sample id is in ``skip_sample_ids`` are dropped unread (a resumed run's ledger);
+    rows that ``decode_row`` rejects go to ``on_corrupt(sample_id, reason)`` (reason: the
+    ``CorruptSample`` code) and the step is filled from the following rows. After the last
+    (possibly partial) step, every step is empty and ``exhausted``; iterating the stream
+    stops there.
+    """
+
+    def __init__(
+        self,
+        source: Iterable[Any],
+        *,
+        samples_per_step: int,
+        text_dim: int | None = None,
+        pooled_dim: int | None = None,
+        on_corrupt: OnCorrupt | None = None,
+        skip_sample_ids: Collection[int] = frozenset(),
+    ) -> None:
+        if not isinstance(samples_per_step, int) or samples_per_step < 1:
+            raise ValueError(f"samples_per_step must be an integer >= 1, got {samples_per_step!r}")
+        self.samples_per_step = samples_per_step
+        self.text_dim = text_dim
+        self.pooled_dim = pooled_dim
+        self.on_corrupt: OnCorrupt = on_corrupt or _log_corrupt
+        self.skip_sample_ids = frozenset(int(i) for i in skip_sample_ids)
+        self.stats = StreamStats()
+        self._rows: Iterator[Row] | None = _rows(source)
+        self._ahead: Step | None = None  # filled on first use, not here: reading starts Ray execution
+        self._taken = 0
+
+    @classmethod
+    def for_corpus(cls, source: Iterable[Any], info: CorpusInfo, **kwargs: Any) -> StepStream:
+        """A stream that decodes with the corpus's text and pooled widths."""
+        return cls(source, text_dim=info.text_dim, pooled_dim=info.pooled_dim, **kwargs)
+
+    def peek_next(self) -> StepMeta:
+        """The next step's lengths and ids, before it is taken."""
+        return self._lookahead().meta
+
+    def next_step(self) -> Step:
+        """The next step; decodes the one after it, so ``peek_next`` is ready."""
+        step = self._lookahead()
+        self._taken += 1
+        self._ahead = self._read_step(self._taken)
+        return step
+
+    @property
+    def exhausted(self) -> bool:
+        """True once the next step would be empty."""
+        return self.peek_next().exhausted
+
+    def __iter__(self) -> Iterator[Step]:
+        while not self.exhausted:
+            yield self.next_step()
+
+    def _lookahead(self) -> Step:
+        if self._ahead is None:
+            self._ahead = self._read_step(self._taken)
+        return self._ahead
+
+    def _read_step(self, index: int) -> Step:
+        samples: list[dict[str, Any]] = []
+        while self._rows is not None and len(samples) < self.samples_per_step:
+            row = next(self._rows, None)
+            if row is None:
+                self._rows = None  # drop the source iterator (and what it buffers)
+                break
+            sample = self._decode(row)
+            if sample is not None:
+                samples.append(sample)
+        self.stats.samples += len(samples)
+        meta = StepMeta(
+            index,
+            tuple(int(s["seq_len"]) for s in samples),
+            tuple(int(s["sample_id"]) for s in samples),
+        )
+        return Step(meta, tuple(samples))
+
+    def _decode(self, row: Row) -> dict[str, Any] | None:
+        sid = row.get("sample_id")
+        if sid is not None and int(sid) in self.skip_sample_ids:
+            self.stats.skipped += 1
+            return None
+        try:
+            return decode_row(row, text_dim=self.text_dim, pooled_dim=self.pooled_dim)
+        except CorruptSample as e:
+            self.stats.corrupt += 1
+            self.stats.corrupt_by_reason[e.reason] = self.stats.corrupt_by_reason.get(e.reason, 0) + 1
+            logger.debug("corrupt sample %s: %s", e.sample_id, e.detail)
+            self.on_corrupt(e.sample_id, e.reason)
+            return None
+
+
+# --- packed batches (worker side) ----------------------------------------------------------
+
+
+def batch_generator(seed: int, step: int, rank: int) -> torch.Generator:
+    """A CPU generator for (seed, step, rank): the timesteps and noise of a rank's batch
+    depend on nothing else, so a resumed or re-balanced run draws the same ones."""
+    if min(seed, step, rank) < 0:
+        raise ValueError(f"seed, step and rank must be >= 0, got {seed}, {step}, {rank}")
+    state = np.random.SeedSequence(seed, spawn_key=(step, rank)).generate_state(2, dtype=np.uint32)
+    gen = torch.Generator()
+    gen.manual_seed(int(state[0]) << 32 | int(state[1]))
+    return gen
+
+
+def _as_tensor(array: np.ndarray) -> torch.Tensor:
+    # Arrays decoded from Arrow buffers can be read-only; torch wants writable memory.
+    return torch.from_numpy(np.require(array, dtype=np.float32, requirements="W"))
+
+
+def build_packed_batch(
+    samples: Sequence[Mapping[str, Any]],
+    cfg: MMDiTConfig,
+    *,
+    generator: torch.Generator,
+    timestep_kind: str = "logit_normal",
+) -> PackedBatch:
+    """Pack decoded samples (``Step.samples``) into a noised ``PackedBatch`` with targets.
+
+    From ``generator`` it draws one timestep per sample, then the noise for all image
+    tokens, in that order; ``x_img`` is then x_t = (1-t)·x0 + t·noise and ``targets`` is
+    noise - x0. An empty list (a dry rank) gives an empty batch.
+    """
+    packed_input = []
+    timesteps = sample_timesteps(len(samples), generator=generator, kind=timestep_kind)
+    for sample, t in zip(samples, timesteps.tolist()):
+        latent = sample["latent"]
+        sid = sample.get("sample_id", "?")
+        if latent.ndim != 4 or latent.shape[0] != cfg.in_channels:
+            raise ValueError(
+                f"sample {sid}: latent shape {tuple(latent.shape)} does not match the model's "
+                f"(in_channels={cfg.in_channels}, T, H, W)"
+            )
+        if any(size % p for size, p in zip(latent.shape[1:], cfg.patch_size)):
+            raise ValueError(
+                f"sample {sid}: latent (T, H, W)={tuple(latent.shape[1:])} is not divisible by "
+                f"the model's patch_size={tuple(cfg.patch_size)}"
+            )
+        packed_input.append(
+            {
+                "latent": _as_tensor(latent),
+                "text": _as_tensor(sample["text"]),
+                "pooled": _as_tensor(sample["pooled"]),
+                "timestep": t,
+            }
+        )
+    clean = pack_samples(packed_input, cfg)
+    noise = torch.randn(clean.x_img.shape, generator=generator, dtype=clean.x_img.dtype)
+    return add_noise(clean, noise)

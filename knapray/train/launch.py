@@ -1,0 +1,277 @@
+"""Ray wiring: the only module that touches ray.train. Builds the dataset, creates the
+coordinator actor, runs ``TorchTrainer`` and writes the run directory's summary files."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import numpy as np
+import torch
+
+from .config import TrainConfig, config_from_dict
+from .loop import coordinator_name, train_loop
+
+logger = logging.getLogger(__name__)
+
+
+class RayTrainContext:
+    """TrainContext over ``ray.train``'s worker context."""
+
+    def __init__(self, batch_size: int) -> None:
+        import ray.train
+
+        ctx = ray.train.get_context()
+        self.rank = ctx.get_world_rank()
+        self.world_size = ctx.get_world_size()
+        self.local_rank = ctx.get_local_rank()
+        self._batch_size = batch_size
+        self._ckpt_copy: str | None = None
+
+    def device(self, use_gpu: bool) -> torch.device:
+        if use_gpu and torch.cuda.is_available():
+            torch.cuda.set_device(self.local_rank)
+            return torch.device("cuda", self.local_rank)
+        return torch.device("cpu")
+
+    def rows(self, epoch: int):
+        import ray.train
+
+        from knapray.data import shard_batches
+
+        return shard_batches(ray.train.get_dataset_shard("train"), batch_size=self._batch_size)
+
+    def latest_checkpoint(self) -> str | None:
+        import ray.train
+
+        ckpt = ray.train.get_checkpoint()
+        if ckpt is None:
+            return None
+        self._ckpt_copy = ckpt.to_directory()
+        return self._ckpt_copy
+
+    def report(self, metrics: dict, checkpoint_dir: str | None = None) -> None:
+        import ray.train
+
+        checkpoint = ray.train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
+        ray.train.report(metrics, checkpoint=checkpoint)
+        if checkpoint_dir:
+            shutil.rmtree(checkpoint_dir, ignore_errors=True)  # Ray copied it to storage
+
+
+def _train_func(config: dict) -> dict:
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    cfg = config_from_dict(config)
+    return train_loop(RayTrainContext(cfg.data.samples_per_step), cfg)
+
+
+def ensure_corpus(cfg: TrainConfig) -> None:
+    """Build the synthetic corpus if the config names a mix and it is missing."""
+    if os.path.exists(os.path.join(cfg.data.corpus, "schema.json")):
+        return
+    if not cfg.data.build_mix:
+        raise FileNotFoundError(
+            f"corpus {cfg.data.corpus!r} not found (no schema.json) and data.build_mix is empty; "
+            "build one with datasets/build_synthetic.py or set data.build_mix"
+        )
+    from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
+
+    build_synthetic(
+        SyntheticConfig(
+            mix=cfg.data.build_mix, steps=cfg.data.build_steps, scale=cfg.data.build_scale,
+            channels=cfg.model.in_channels, text_dim=cfg.model.text_dim,
+            pooled_dim=cfg.model.pooled_dim, seed=cfg.data.seed,
+        ),
+        cfg.data.corpus,
+    )
+
+
+def _every_row_data_config(execution_options):
+    """Ray Train's DataConfig splits with ``streaming_split(equal=True)``, which drops up
+    to world_size - 1 rows per epoch to even the shards out. knapray needs no even shards
+    (the coordinator gives a dry rank work from the others), and must not lose a sample:
+    split with ``equal=False``."""
+    from ray.train import DataConfig
+
+    class EveryRowDataConfig(DataConfig):
+        def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
+            output = [{} for _ in range(world_size)]
+            hints = worker_node_ids if self._enable_shard_locality else None
+            for name, ds in datasets.items():
+                if ds.name is None:
+                    ds.set_name(name)
+                ds = ds.copy(ds)
+                ds.context.execution_options = self._resolve_execution_options(name)
+                for i, split in enumerate(ds.streaming_split(world_size, equal=False, locality_hints=hints)):
+                    output[i][name] = split
+            return output
+
+    return EveryRowDataConfig(execution_options=execution_options)
+
+
+def absolute_paths(cfg: TrainConfig) -> TrainConfig:
+    """Workers run in their own directories: resolve paths on the driver."""
+    from dataclasses import replace
+
+    return replace(
+        cfg,
+        data=replace(cfg.data, corpus=os.path.abspath(cfg.data.corpus)),
+        run=replace(cfg.run, storage=os.path.abspath(cfg.run.storage)),
+    )
+
+
+def run_training(cfg: TrainConfig, *, verbose: bool = True) -> dict:
+    """Train on the Ray cluster this process is connected to (``ray.init`` first)."""
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from knapray.coordinator import create_coordinator
+    from knapray.data import corpus_dataset, ingest_execution_options
+
+    from ray.data import DataContext
+
+    DataContext.get_current().enable_progress_bars = False  # the training bar is enough
+    cfg = absolute_paths(cfg)
+    ensure_corpus(cfg)
+    run_dir = cfg.run_dir
+    os.makedirs(run_dir, exist_ok=True)
+    for stale in ("metrics.jsonl",):
+        path = os.path.join(run_dir, stale)
+        if os.path.exists(path) and not _resuming(cfg):
+            os.remove(path)
+    coordinator = create_coordinator(
+        coordinator_name(cfg), topology=cfg.balance.topology, d_model=cfg.model.hidden_size,
+        gamma=cfg.balance.gamma, solver=cfg.balance.solver,
+        gpus_per_node=cfg.balance.gpus_per_node or None,
+    )
+    ds = corpus_dataset(cfg.data.corpus, rows_per_block=cfg.data.samples_per_step)
+    workers: Any = cfg.run.num_workers
+    if cfg.run.min_workers:
+        workers = (cfg.run.min_workers, cfg.run.num_workers)
+    trainer = TorchTrainer(
+        _train_func,
+        train_loop_config=cfg.to_dict(),
+        datasets={"train": ds},
+        dataset_config=_every_row_data_config(ingest_execution_options()),
+        torch_config=TorchConfig(backend="nccl" if cfg.run.use_gpu else "gloo", timeout_s=cfg.run.timeout_s),
+        scaling_config=ScalingConfig(
+            num_workers=workers, use_gpu=cfg.run.use_gpu,
+            resources_per_worker={"CPU": cfg.run.cpus_per_worker},
+        ),
+        run_config=RunConfig(
+            name=cfg.run.name,
+            storage_path=os.path.abspath(os.path.join(cfg.run.storage, "ray")),
+            failure_config=FailureConfig(max_failures=cfg.run.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=2),
+        ),
+    )
+    with _ProgressTail(os.path.join(run_dir, "metrics.jsonl"), cfg.run.max_steps or None, cfg.run.name):
+        result = trainer.fit()
+    summary = result.return_value or {}
+    summary["coordinator_stats"] = ray.get(coordinator.stats.remote())
+    write_run_files(cfg, summary)
+    return summary
+
+
+class _ProgressTail:
+    """A progress bar on the driver, fed by rank 0's metrics.jsonl (workers' own output
+    stays in their logs)."""
+
+    def __init__(self, path: str, total: int | None, name: str) -> None:
+        import threading
+
+        self.path, self.total, self.name = path, total, name
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "_ProgressTail":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        from tqdm import tqdm
+
+        bar = tqdm(total=self.total, desc=self.name, unit="step", dynamic_ncols=True)
+        offset = 0
+        while True:
+            stopping = self._stop.wait(0.5)
+            if os.path.exists(self.path):
+                with open(self.path) as f:
+                    f.seek(offset)
+                    chunk = f.read()
+                lines = chunk.split("\n")
+                offset += len(chunk) - len(lines[-1])  # keep a partly written last line
+                for line in lines[:-1]:
+                    if line.strip():
+                        r = json.loads(line)
+                        bar.update(1)
+                        bar.set_postfix(
+                            loss=f"{r['loss']:.3f}",
+                            imb=f"{r['baseline_imbalance_planned']:.2f}->{r['imbalance_planned']:.3f}",
+                            cmp=f"{r['compute_max_over_mean']:.2f}",
+                            tok_s=f"{r['tokens_per_s']:.0f}",
+                        )
+            if stopping:
+                break
+        bar.close()
+
+
+def _resuming(cfg: TrainConfig) -> bool:
+    return os.path.isdir(os.path.join(cfg.run.storage, "ray", cfg.run.name))
+
+
+def summarize(records: list[dict]) -> dict:
+    """Run-level numbers from rank 0's per-step records (the first step is warm-up)."""
+    if not records:
+        return {"steps": 0}
+    body = records[1:] if len(records) > 2 else records
+    mean = lambda key: float(np.mean([r[key] for r in body]))  # noqa: E731
+    return {
+        "steps": len(records),
+        "loss_first": records[0]["loss"],
+        "loss_last": float(np.mean([r["loss"] for r in records[-3:]])),
+        "imbalance_planned_before": mean("baseline_imbalance_planned"),
+        "imbalance_planned_after": mean("imbalance_planned"),
+        "compute_max_over_mean": mean("compute_max_over_mean"),
+        "tokens_per_s": float(sum(r["tokens"] for r in body) / sum(r["step_s"] for r in body)),
+        "step_s": mean("step_s"),
+        "wait_plan_frac": mean("wait_plan_frac"),
+        "comm_s_mean": float(np.mean([np.mean(r["comm_s"]) for r in body])),
+        "planned_locally": int(sum(r["planned_by"] == "local" for r in records)),
+    }
+
+
+def write_run_files(cfg: TrainConfig, summary: dict) -> None:
+    """summary.json, ledger.jsonl and a PNG of per-rank work before/after balancing."""
+    run_dir = cfg.run_dir
+    records = summary.get("records", [])
+    out = {"config": cfg.to_dict(), "summary": summarize(records),
+           "topology": summary.get("topology"), "world_size": summary.get("world_size"),
+           "coordinator_stats": summary.get("coordinator_stats")}
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        json.dump(out, f, indent=1, default=str)
+    ledger = summary.get("ledger")
+    if ledger is not None:
+        with open(os.path.join(run_dir, "ledger.jsonl"), "w") as f:
+            for row in zip(*(np.asarray(ledger[k]).tolist() for k in ("step", "sample_id", "home_rank", "attempt"))):
+                f.write(json.dumps(dict(zip(("step", "sample_id", "home_rank", "attempt"), row))) + "\n")
+    if records:
+        from knapray.plots import plot_rank_work
+
+        plot_rank_work(
+            os.path.join(run_dir, "rank_work.png"),
+            [np.asarray(r["baseline_rank_work"]) for r in records],
+            [np.asarray(r["rank_work"]) for r in records],
+            [r["baseline_imbalance_planned"] for r in records],
+            [r["imbalance_planned"] for r in records],
+            title=f"{cfg.run.name}: {summary.get('topology')} on {summary.get('world_size')} workers",
+        )

@@ -1,0 +1,317 @@
+"""The per-worker training loop. Runs under Ray Train, torchrun or a test: it takes rank,
+world size, rows, reporting and checkpoints from a ``TrainContext`` and never imports
+ray.train.
+
+One step on one rank:
+
+1. take this step's samples from the ``StepStream`` and send the *next* step's lengths to
+   the coordinator (fire and forget), so its plan is ready when the next step starts;
+2. get this step's plan (waiting is measured; usually it is already there);
+3. one tiny all-reduce agrees on the global image-token count and on whether every rank
+   got the plan; if any did not, all ranks plan locally from an all-gather of lengths
+   with the same solver, so no rank hangs and every rank uses the same plan;
+4. balanced forward + backward (``balanced_forward``), gradients summed across ranks
+   together with the loss and per-rank timings (one collective), clip, AdamW;
+5. rank 0 commits the step to the ledger; every ``checkpoint_every`` steps it writes a
+   checkpoint (model, optimizer, step, coordinator state) that every rank resumes from.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from knapray.coordinator import (
+    BalanceCoordinator,
+    CoordinatorClient,
+    CoordinatorUnavailable,
+    is_epoch_done,
+    plan_from_gathered,
+)
+from knapray.data import StepStream, batch_generator, build_packed_batch, check_model_config, corpus_info
+from knapray.distributed import BagGroups
+from knapray.distributed.comms import comm_timer
+from knapray.distributed.grads import allreduce_gradients
+from knapray.models import MMDiT
+from knapray.models.flow import flow_loss
+from knapray.planning import BalancePlan, Topology, WorkloadModel, identity_plan
+
+from .balanced import balanced_forward
+from .config import TrainConfig
+from .context import TrainContext
+
+logger = logging.getLogger(__name__)
+
+
+def coordinator_name(cfg: TrainConfig) -> str:
+    return f"knapray-coordinator-{cfg.run.name}"
+
+
+STATE_FILE = "state.pt"
+
+
+@dataclass
+class StepRecord:
+    step: int
+    loss: float
+    tokens: int
+    seconds: float
+    imbalance: float
+    baseline_imbalance: float
+    compute_s: list[float]
+    comm_s: list[float]
+    wait_plan_s: float
+    planned_by: str
+    rank_work: list[float]
+    baseline_rank_work: list[float]
+
+    def to_json(self) -> dict:
+        compute = np.asarray(self.compute_s)
+        return {
+            "step": self.step,
+            "loss": self.loss,
+            "tokens": self.tokens,
+            "step_s": self.seconds,
+            "tokens_per_s": self.tokens / self.seconds if self.seconds > 0 else 0.0,
+            "imbalance_planned": self.imbalance,
+            "baseline_imbalance_planned": self.baseline_imbalance,
+            "compute_s": self.compute_s,
+            "compute_max_over_mean": float(compute.max() / compute.mean()) if compute.mean() > 0 else 1.0,
+            "comm_s": self.comm_s,
+            "wait_plan_s": self.wait_plan_s,
+            "wait_plan_frac": self.wait_plan_s / self.seconds if self.seconds > 0 else 0.0,
+            "planned_by": self.planned_by,
+            "rank_work": self.rank_work,
+            "baseline_rank_work": self.baseline_rank_work,
+        }
+
+
+def _split_lengths(plan: BalancePlan) -> list[list[int]]:
+    offs = plan.seq_offsets.tolist()
+    lens = plan.seq_lens.tolist()
+    return [lens[offs[r] : offs[r + 1]] for r in range(plan.world_size)]
+
+
+def _workload(cfg: TrainConfig) -> WorkloadModel:
+    return WorkloadModel(d_model=cfg.model.hidden_size, gamma=cfg.balance.gamma)
+
+
+def _choose_topology(cfg: TrainConfig, client: CoordinatorClient | None, world: int, rank: int,
+                     resume_step: int | None, coord_state: dict | None) -> Topology:
+    """Rank 0 starts the coordinator's run (it answers with the topology for this world),
+    everyone waits on a barrier, then asks. Without a coordinator, the same rule locally."""
+    topo = None
+    if client is not None:
+        try:
+            if rank == 0:
+                client.begin_run(world, resume_step=resume_step, state=coord_state)
+            dist.barrier()
+            topo = client.topology()
+        except CoordinatorUnavailable:
+            topo = None
+    if topo is None:
+        local = BalanceCoordinator(
+            topology=cfg.balance.topology, world_size=world, d_model=cfg.model.hidden_size,
+            gamma=cfg.balance.gamma, solver=cfg.balance.solver,
+            gpus_per_node=cfg.balance.gpus_per_node or None,
+        )
+        topo = local.topology_for(world)
+    # Every rank must build the same groups: agree on rank 0's answer.
+    spec = [(topo.spec, topo.num_groups)]
+    dist.broadcast_object_list(spec, src=0)
+    return Topology.parse(spec[0][0], world_size=world)
+
+
+def _load_checkpoint(path: str | None) -> dict | None:
+    if not path:
+        return None
+    return torch.load(os.path.join(path, STATE_FILE), map_location="cpu", weights_only=False)
+
+
+def train_loop(ctx: TrainContext, cfg: TrainConfig) -> dict:
+    """Train; returns rank 0's summary (other ranks return their own partial view)."""
+    rank, world = ctx.rank, ctx.world_size
+    device = ctx.device(cfg.run.use_gpu)
+    run_dir = cfg.run_dir
+    os.makedirs(run_dir, exist_ok=True)
+    info = corpus_info(cfg.data.corpus)
+    check_model_config(info, cfg.model)
+
+    torch.manual_seed(cfg.data.seed)  # the same initial model on every rank
+    model = MMDiT(cfg.model).to(device)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay
+    )
+    state = _load_checkpoint(ctx.latest_checkpoint())
+    start_step, trained_ids, coord_state = 0, set(), None
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start_step = state["step"] + 1
+        coord_state = state["coordinator"]
+        trained_ids = {int(i) for i in state["trained_ids"]}
+
+    client = (
+        CoordinatorClient(coordinator_name(cfg), None, rank=rank, timeout_s=cfg.balance.coordinator_timeout_s)
+        if cfg.balance.coordinator
+        else None
+    )
+    topo = _choose_topology(cfg, client, world, rank, start_step - 1 if state else None, coord_state)
+    groups = BagGroups.build(topo, cfg.model.num_heads) if cfg.balance.enabled else None
+    workload = _workload(cfg)
+    if rank == 0:
+        logger.info("topology %s for %d ranks (balance %s)", topo, world, cfg.balance.enabled)
+
+    quarantine_path = os.path.join(run_dir, f"quarantine-rank{rank}.jsonl")
+
+    def quarantine(sample_id, reason: str) -> None:
+        with open(quarantine_path, "a") as f:
+            f.write(json.dumps({"sample_id": int(sample_id) if sample_id is not None else None,
+                                "reason": reason, "rank": rank}) + "\n")
+
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    records: list[dict] = []
+    step = start_step
+    local_ledger: list[tuple[int, int, int]] = []  # (step, sample_id, home_rank) when planned locally
+    for epoch in range(cfg.data.epochs):
+        stream = StepStream.for_corpus(
+            ctx.rows(epoch), info, samples_per_step=cfg.data.samples_per_step,
+            on_corrupt=quarantine, skip_sample_ids=trained_ids,
+        )
+        nxt = stream.peek_next()
+        if client is not None:
+            client.submit_async(step, list(nxt.seq_lens), list(nxt.sample_ids), exhausted=nxt.exhausted)
+        while True:
+            if cfg.run.max_steps and step >= cfg.run.max_steps:
+                break
+            t_step = time.perf_counter()
+            current = stream.next_step()
+            nxt = stream.peek_next()
+            if client is not None:  # plan step+1 while this step computes, and ask for it
+                client.submit_async(step + 1, list(nxt.seq_lens), list(nxt.sample_ids), exhausted=nxt.exhausted)
+                client.request_plan(step + 1)
+            t_wait = time.perf_counter()
+            plan, done, got = None, False, 0
+            if client is not None:
+                try:
+                    plan, done = client.get_plan(step)
+                    got = 1
+                except CoordinatorUnavailable as e:
+                    logger.warning("rank %d: coordinator unavailable at step %d (%s); planning locally", rank, step, e)
+            wait_s = time.perf_counter() - t_wait
+            batch = build_packed_batch(
+                current.samples, cfg.model, generator=batch_generator(cfg.data.seed, step, rank)
+            ).to(device)
+            agree = torch.tensor([batch.x_img.shape[0], got], dtype=torch.float64)
+            dist.all_reduce(agree)
+            planned_by = "coordinator"
+            if int(agree[1]) < world:  # someone lacks the plan: everyone plans locally
+                planned_by = "local"
+                gathered: list = [None] * world
+                dist.all_gather_object(
+                    gathered, (list(current.meta.seq_lens), list(current.meta.sample_ids), current.meta.exhausted)
+                )
+                lens = [g[0] for g in gathered]
+                done = is_epoch_done(lens, [g[2] for g in gathered])
+                plan = None if done else plan_from_gathered(lens, topo, workload, cfg.balance.solver)
+                if not done:
+                    local_ledger.extend((step, sid, r) for r, g in enumerate(gathered) for sid in g[1])
+            if done:
+                break
+            global_img = int(agree[0])
+            run_plan = plan if cfg.balance.enabled else identity_plan(_split_lengths(plan), workload)
+
+            # ---- compute ----
+            c0 = time.thread_time()
+            with comm_timer() as comm:
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.run.bf16 and device.type == "cuda"):
+                    out = balanced_forward(
+                        model, batch, run_plan, rank,
+                        bag_group=groups.bag_group if groups else None,
+                        route_group=groups.balance_group if groups else None,
+                    )
+                    loss = flow_loss(out, batch.targets, max(global_img, 1))
+                loss.backward()
+            compute_s = time.thread_time() - c0 - comm.cpu_s
+            # Loss and per-rank timings ride along with the gradients: one collective.
+            extras = torch.zeros(2 + 2 * world, dtype=torch.float32)
+            extras[0] = loss.detach().float()
+            extras[1] = float(batch.seq_lens.sum())
+            extras[2 + rank] = compute_s
+            extras[2 + world + rank] = comm.wall_s
+            extras = allreduce_gradients(model.parameters(), extras=extras)
+            if cfg.optim.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if rank == 0 and client is not None and planned_by == "coordinator":
+                client.commit_async(step)
+            if client is not None:
+                client.report_timing_async(step, compute_s, comm.wall_s, wait_s)
+            rec = StepRecord(
+                step=step, loss=float(extras[0]), tokens=int(extras[1]),
+                seconds=time.perf_counter() - t_step, imbalance=run_plan.imbalance,
+                baseline_imbalance=run_plan.baseline_imbalance,
+                compute_s=extras[2 : 2 + world].tolist(), comm_s=extras[2 + world :].tolist(),
+                wait_plan_s=wait_s, planned_by=planned_by,
+                rank_work=run_plan.rank_work.tolist(), baseline_rank_work=run_plan.baseline_rank_work.tolist(),
+            ).to_json()
+            records.append(rec)
+            trained_ids.update(int(i) for i in current.meta.sample_ids)
+            if rank == 0:
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                if step % cfg.run.log_every == 0:
+                    logger.info(
+                        "step %d loss %.4f tokens/s %.0f imbalance %.2f->%.3f compute max/mean %.2f wait %.1f%%",
+                        step, rec["loss"], rec["tokens_per_s"], rec["baseline_imbalance_planned"],
+                        rec["imbalance_planned"], rec["compute_max_over_mean"], 100 * rec["wait_plan_frac"],
+                    )
+            ckpt_dir = None
+            due = cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0
+            if due:
+                ckpt_dir = _save_checkpoint(rank, step, model, opt, client, trained_ids, world)
+            ctx.report({"step": step, "loss": rec["loss"], "epoch": epoch}, ckpt_dir)
+            step += 1
+        if cfg.run.max_steps and step >= cfg.run.max_steps:
+            break
+    summary = {"steps": step, "records": records, "topology": str(topo), "world_size": world}
+    if rank == 0 and client is not None:
+        try:
+            client.commit(step - 1) if step > start_step else None
+            summary["ledger"] = client.state_dict()["ledger"]
+        except CoordinatorUnavailable:
+            pass
+    summary["local_ledger"] = local_ledger
+    return summary
+
+
+def _save_checkpoint(rank, step, model, opt, client, trained_ids, world) -> str | None:
+    """Rank 0 writes the checkpoint; every rank contributes its trained ids first."""
+    ids: list = [None] * world
+    dist.all_gather_object(ids, sorted(trained_ids))
+    if rank != 0:
+        return None
+    coord_state = None
+    if client is not None:
+        try:
+            client.commit(step)  # the checkpoint covers steps <= step
+            coord_state = client.state_dict()
+        except CoordinatorUnavailable:
+            coord_state = None
+    all_ids = sorted(set().union(*map(set, ids)))
+    path = tempfile.mkdtemp(prefix=f"knapray-ckpt-{step}-")
+    torch.save(
+        {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
+         "coordinator": coord_state, "trained_ids": all_ids},
+        os.path.join(path, STATE_FILE),
+    )
+    return path
