@@ -87,9 +87,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "planner":
         from knapray.benchmarks.planner import run
 
-        rows = run(steps=args.steps, steps_1024=args.steps_1024, seed=args.seed)
+        rows = run(steps=20 if args.steps is None else args.steps, steps_1024=args.steps_1024, seed=args.seed)
         if args.json:
             print(json.dumps(rows))
+        return 0
+    if args.what == "step":
+        from knapray.benchmarks.step import CPU_GAMMA, plot_rank_compute, print_report, run_step_bench
+
+        result = run_step_bench(
+            world_size=args.world_size, steps=6 if args.steps is None else args.steps,
+            warmup=args.warmup, mix=args.mix, scale=args.scale, topology=args.topology,
+            max_text_tokens=args.max_text_tokens, hidden=args.hidden, heads=args.heads,
+            depth_double=args.depth, depth_single=args.depth,
+            gamma=CPU_GAMMA if args.gamma is None else args.gamma, seed=args.seed,
+        )
+        if args.plot:
+            result["plot"] = plot_rank_compute(args.plot, result)
+        print_report(result)
+        if args.plot:
+            print(f"plot: {args.plot}")
+        if args.json:
+            print(json.dumps(result))
         return 0
     raise SystemExit(f"unknown benchmark {args.what!r}")
 
@@ -152,11 +170,25 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=cmd_parity)
 
     b = sub.add_parser("bench", help="benchmarks (ratios measured side by side)")
-    b.add_argument("what", choices=["planner"])
-    b.add_argument("--steps", type=int, default=20)
+    b.add_argument("what", choices=["planner", "step"])
+    b.add_argument("--steps", type=int, default=None, help="steps (default: planner 20, step 6 incl. warm-up)")
     b.add_argument("--steps-1024", type=int, default=5)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--json", action="store_true")
+    st = b.add_argument_group("step benchmark (gloo processes on this machine)")
+    st.add_argument("--world-size", type=int, default=4, help="gloo processes (default 4)")
+    st.add_argument("--warmup", type=int, default=1, help="leading steps left out of the averages (default 1)")
+    st.add_argument("--mix", default="g1b2i512f34s1,g3b4i256f1s0",
+                    help="data codes; skewed by default: rank 0 holds two videos, the others small images")
+    st.add_argument("--scale", type=int, default=4, help="divide resolutions and text lengths (default 4)")
+    st.add_argument("--topology", default="g2n2", help="bags of the balanced run (default g2n2)")
+    st.add_argument("--max-text-tokens", type=int, default=392)
+    st.add_argument("--hidden", type=int, default=192, help="model width (default 192)")
+    st.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    st.add_argument("--depth", type=int, default=2, help="double- and single-stream blocks, each (default 2)")
+    st.add_argument("--gamma", type=float, default=None,
+                    help="attention cost weight of the workload model (default: fitted for CPU, 0.85)")
+    st.add_argument("--plot", help="write a PNG of per-rank compute time, balanced vs unbalanced")
     b.set_defaults(func=cmd_bench)
     return parser
 

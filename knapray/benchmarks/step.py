@@ -1,0 +1,416 @@
+"""Step benchmark: measured per-rank compute of balanced vs unbalanced training steps.
+
+``world_size`` gloo processes on this machine, one thread each, run forward + backward +
+gradient all-reduce of a seeded MMDiT for ``steps`` steps of a skewed data mix. Every
+step draws fresh per-rank batches (seeded per step) and runs them twice, balanced (a
+``plan_balance`` plan on ``topology``) and unbalanced (``identity_plan``: every rank
+computes its own sequences), in alternating order so machine noise hits both modes.
+
+Per rank and step it records:
+
+- ``compute_s``: CPU time of the rank's own thread (``time.thread_time``) over forward +
+  backward, minus the CPU time spent inside all-to-alls. Thread time does not grow while
+  a process waits for a core, so it stays meaningful with 4 processes on 2 cores.
+- ``comm_wall_s``: wall time inside the routing and Ulysses all-to-alls (``comm_timer``).
+  It includes waiting for peers that have not reached the collective yet; on a machine
+  whose cores the ranks share that waiting is most of it.
+- ``comm_isolated_s``: the same exchanges (recorded shapes, splits, groups) replayed after
+  the step, each right after a barrier of its group: the cost of moving the bytes alone.
+- ``step_wall_s``: wall time of the whole step, gradient all-reduce included.
+
+The footnote of the printed table explains the projected speedup.
+
+The default mix puts two long video-like sequences (2 x ~700 tokens at ``scale=4``) on
+rank 0 and four small images (~20-100 tokens, mostly text) on each other rank: ~3x the
+mean predicted work on rank 0. ``g2n2`` is the default topology because it is the one of
+``g2n2`` / ``g1n2+g2n1`` that can balance it: each video alone is more work than a rank's
+fair share, so it must be split over a bag of two, and with ``g1n2+g2n1`` both videos
+land in the one bag of two (predicted imbalance ~1.45 vs ~1.001 for ``g2n2``).
+
+``CPU_GAMMA``: attention on CPU (SDPA, fp32, head_dim 48, one thread) is relatively more
+expensive than on a GPU's flash kernel. Fitting ``t(L) = c0 + c1 L + c2 L^2`` to the
+forward+backward thread time of single sequences of 26..3338 tokens on this model gives
+``gamma = 6 d c2 / c1`` ~0.85 at d=192 (~0.67 at d=128), against 0.4 for GPUs. Every
+run also fits ``compute_s = c0 + c1 tokens + c2 sum(L^2/g)`` to its own (rank, step)
+points (``fit`` in the result; rough, as the points fall in a few clusters), a hint for
+``--gamma`` on another machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import socket
+import tempfile
+import time
+from datetime import timedelta
+
+import numpy as np
+import torch
+
+from knapray.models import MMDiT, MMDiTConfig
+from knapray.planning import Topology, WorkloadModel, identity_plan, plan_balance
+
+DEFAULT_MIX = "g1b2i512f34s1,g3b4i256f1s0"
+DEFAULT_TOPOLOGY = "g2n2"
+DEFAULT_SCALE = 4
+DEFAULT_MAX_TEXT_TOKENS = 392
+CPU_GAMMA = 0.85
+MODES = ("balanced", "unbalanced")
+
+
+def step_config(hidden: int = 192, heads: int = 4, depth_double: int = 2, depth_single: int = 2) -> MMDiTConfig:
+    """An MMDiT wide enough that GEMMs, not Python, dominate a step on one CPU thread."""
+    if hidden % heads:
+        raise ValueError(f"hidden size {hidden} must be divisible by heads {heads}")
+    head_dim = hidden // heads
+    if head_dim % 2 or head_dim < 6:
+        raise ValueError(f"head_dim {head_dim} (hidden/heads) must be even and >= 6")
+    side = (head_dim * 3 // 8) // 2 * 2  # RoPE channels for h and w; t gets the rest
+    rope = (head_dim - 2 * side, side, side)
+    return MMDiTConfig(
+        in_channels=4, patch_size=(1, 2, 2), hidden_size=hidden, num_heads=heads,
+        depth_double=depth_double, depth_single=depth_single, text_dim=16, pooled_dim=16,
+        rope_axes_dim=rope,
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _attention_pairs(plan) -> np.ndarray:
+    """(W,) per rank: sum over its chunks of L^2 / g (the attention share the workload
+    model charges it, without the gamma * attn_coef * d factor)."""
+    lens = plan.seq_lens[plan.chunk_seq].astype(np.float64)
+    g = plan.bag_size_of_seq[plan.chunk_seq]
+    return np.bincount(plan.chunk_rank, weights=lens * lens / g, minlength=plan.world_size)
+
+
+@contextlib.contextmanager
+def _recording_all_to_alls(log: list):
+    """Record the shape, dtype, splits and group of every ``all_to_all_single`` called in
+    the block (this benchmark process only), so the exchanges can be replayed alone."""
+    import torch.distributed as dist
+
+    original = dist.all_to_all_single
+
+    def recording(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        log.append((tuple(output.shape), tuple(input.shape), output.dtype,
+                    output_split_sizes, input_split_sizes, group))
+        return original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+    dist.all_to_all_single = recording
+    try:
+        yield log
+    finally:
+        dist.all_to_all_single = original
+
+
+def _replay_all_to_alls(log: list) -> float:
+    """Wall seconds of the recorded exchanges run again, same sizes and groups, each one
+    started right after a barrier of its group: the transfers without the waiting for
+    peers still computing. Every rank of a group recorded that group's calls in the same
+    order, so the replay (in each rank's own order) cannot deadlock."""
+    import torch.distributed as dist
+
+    total = 0.0
+    for out_shape, in_shape, dtype, out_splits, in_splits, group in log:
+        out, inp = torch.empty(out_shape, dtype=dtype), torch.zeros(in_shape, dtype=dtype)
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
+        total += time.perf_counter() - t0
+    return total
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, opts: dict) -> None:
+    import torch.distributed as dist
+
+    from knapray.distributed import BagGroups
+    from knapray.distributed.comms import comm_timer
+    from knapray.distributed.grads import allreduce_gradients
+    from knapray.models.flow import flow_loss
+    from knapray.train.balanced import balanced_forward
+    from knapray.train.synthetic import mix_batches
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=300),
+    )
+    try:
+        cfg = MMDiTConfig(**opts["cfg"])
+        torch.manual_seed(opts["seed"])
+        model = MMDiT(cfg)
+        model.init_weights(std=0.02)
+        topo = Topology.parse(opts["topology"], world_size=world)
+        groups = BagGroups.build(topo, cfg.num_heads)
+        workload = WorkloadModel(d_model=cfg.hidden_size, gamma=opts["gamma"])
+        records = []
+        for step in range(opts["steps"]):
+            batches = mix_batches(
+                opts["mix"], cfg, scale=opts["scale"], seed=opts["seed"] * 100_003 + step,
+                world_size=world, max_text_tokens=opts["max_text_tokens"],
+            )
+            batch = batches[rank]
+            lens = [b.seq_lens.tolist() for b in batches]
+            global_tokens = sum(b.x_img.shape[0] for b in batches)
+            del batches
+            plans = {
+                "balanced": (plan_balance(lens, topo, workload), groups.bag_group, groups.balance_group),
+                "unbalanced": (identity_plan(lens, workload), None, None),
+            }
+            order = MODES if step % 2 == 0 else MODES[::-1]
+            for mode in order:
+                plan, bag_group, route_group = plans[mode]
+                model.zero_grad(set_to_none=True)
+                dist.barrier()
+                exchanges: list = []
+                w0, c0 = time.perf_counter(), time.thread_time()
+                with comm_timer() as comm, _recording_all_to_alls(exchanges):
+                    out = balanced_forward(model, batch, plan, rank, bag_group=bag_group, route_group=route_group)
+                    loss = flow_loss(out, batch.targets, global_tokens)
+                    loss.backward()
+                c1, w1 = time.thread_time(), time.perf_counter()
+                allreduce_gradients(model.parameters())
+                w2 = time.perf_counter()
+                del out, loss
+                isolated = _replay_all_to_alls(exchanges)
+                records.append({
+                    "step": step,
+                    "mode": mode,
+                    "rank": rank,
+                    "compute_s": (c1 - c0) - comm.cpu_s,
+                    "comm_wall_s": comm.wall_s,
+                    "comm_cpu_s": comm.cpu_s,
+                    "comm_calls": comm.calls,
+                    "comm_isolated_s": isolated,
+                    "comm_bytes": int(sum(
+                        int(np.prod(e[1])) * torch.empty((), dtype=e[2]).element_size() for e in exchanges
+                    )),
+                    "fwd_bwd_wall_s": w1 - w0,
+                    "step_wall_s": w2 - w0,
+                    "tokens": int(plan.recv_counts[rank]),
+                    "attn_pairs": float(_attention_pairs(plan)[rank]),
+                    "planned_work": float(plan.rank_work[rank]),
+                    "planned_imbalance": float(plan.imbalance),
+                    "moved_token_fraction": float(plan.moved_token_fraction),
+                    "plan_ms": float(plan.plan_time_ms),
+                    "sequences": int(sum(len(x) for x in lens)),
+                    "total_tokens": int(sum(sum(x) for x in lens)),
+                })
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, records)
+        if rank == 0:
+            with open(os.path.join(out_dir, "records.json"), "w") as f:
+                json.dump([r for rank_records in gathered for r in rank_records], f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _mode_summary(records: list[dict], mode: str, world: int, warmup: int) -> dict:
+    rows = [r for r in records if r["mode"] == mode and r["step"] >= warmup]
+    steps = sorted({r["step"] for r in rows})
+    if not steps:
+        raise ValueError(f"no measured steps: steps must exceed warmup ({warmup})")
+
+    def per_rank(key: str) -> np.ndarray:
+        # (steps, ranks)
+        m = np.zeros((len(steps), world))
+        for r in rows:
+            m[steps.index(r["step"]), r["rank"]] = r[key]
+        return m
+
+    compute, comm, wall = per_rank("compute_s"), per_rank("comm_wall_s"), per_rank("step_wall_s")
+    isolated = per_rank("comm_isolated_s")
+    planned = per_rank("planned_work")
+    first = {r["step"]: r for r in rows if r["rank"] == 0}
+    return {
+        "steps": len(steps),
+        "compute_max_over_mean": float(np.mean(compute.max(1) / compute.mean(1))),
+        "compute_max_s": float(np.mean(compute.max(1))),
+        "compute_mean_s": float(np.mean(compute)),
+        "comm_wall_mean_s": float(np.mean(comm)),
+        "comm_wall_max_s": float(np.mean(comm.max(1))),
+        "comm_isolated_s": float(np.mean(isolated.max(1))),
+        "comm_bytes_sent": float(np.mean(per_rank("comm_bytes").sum(1))),
+        "step_wall_s": float(np.mean(wall.max(1))),
+        "planned_imbalance": float(np.mean([first[s]["planned_imbalance"] for s in steps])),
+        "planned_max_over_mean": float(np.mean(planned.max(1) / planned.mean(1))),
+        "moved_token_fraction": float(np.mean([first[s]["moved_token_fraction"] for s in steps])),
+        "plan_ms": float(np.mean([first[s]["plan_ms"] for s in steps])),
+        "comm_calls": int(np.mean([r["comm_calls"] for r in rows])),
+        "rank_compute_s": compute.mean(0).tolist(),
+        "rank_tokens": per_rank("tokens").mean(0).tolist(),
+        "per_step_compute_max_over_mean": (compute.max(1) / compute.mean(1)).tolist(),
+    }
+
+
+def _fit_cost(records: list[dict], warmup: int, d_model: int) -> dict:
+    """Least squares ``compute_s = c0 + c1 * tokens + c2 * sum(L^2/g)`` over every measured
+    (rank, step, mode); ``gamma = 6 d c2 / c1`` is the attention weight that would make the
+    workload model proportional to this machine's measured cost."""
+    rows = [r for r in records if r["step"] >= warmup]
+    a = np.array([[1.0, r["tokens"], r["attn_pairs"]] for r in rows])
+    t = np.array([r["compute_s"] for r in rows])
+    coef, *_ = np.linalg.lstsq(a, t, rcond=None)
+    pred = a @ coef
+    r2 = 1.0 - float(np.sum((t - pred) ** 2) / max(np.sum((t - t.mean()) ** 2), 1e-30))
+    gamma = 6.0 * d_model * coef[2] / coef[1] if coef[1] > 0 else float("nan")
+    return {
+        "overhead_s": float(coef[0]),
+        "s_per_token": float(coef[1]),
+        "s_per_attn_pair": float(coef[2]),
+        "gamma": float(gamma),
+        "r2": r2,
+    }
+
+
+def run_step_bench(
+    *,
+    world_size: int = 4,
+    steps: int = 6,
+    warmup: int = 1,
+    mix: str = DEFAULT_MIX,
+    scale: int = DEFAULT_SCALE,
+    topology: str = DEFAULT_TOPOLOGY,
+    max_text_tokens: int = DEFAULT_MAX_TEXT_TOKENS,
+    hidden: int = 192,
+    heads: int = 4,
+    depth_double: int = 2,
+    depth_single: int = 2,
+    gamma: float = CPU_GAMMA,
+    seed: int = 0,
+) -> dict:
+    """Spawn ``world_size`` gloo processes, run the steps, return the summary (see module doc)."""
+    import torch.multiprocessing as mp
+
+    from knapray.distributed import check_heads
+    from knapray.train.synthetic import mix_batches
+
+    if warmup < 0 or steps <= warmup:
+        raise ValueError(f"steps ({steps}) must be larger than warmup ({warmup}) >= 0")
+    # Clear errors here rather than tracebacks from every spawned rank.
+    cfg = step_config(hidden, heads, depth_double, depth_single)
+    topo = Topology.parse(topology, world_size=world_size)
+    check_heads(cfg.num_heads, topo)
+    mix_batches(mix, cfg, scale=scale, seed=seed, world_size=world_size, max_text_tokens=max_text_tokens)
+    opts = {
+        "cfg": dataclasses.asdict(cfg), "mix": mix, "scale": scale, "topology": topology,
+        "max_text_tokens": max_text_tokens, "gamma": gamma, "steps": steps, "seed": seed,
+    }
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(world_size, _free_port(), tmp, opts), nprocs=world_size, join=True)
+        with open(os.path.join(tmp, "records.json")) as f:
+            records = json.load(f)
+    seconds = time.perf_counter() - t0
+    bal = _mode_summary(records, "balanced", world_size, warmup)
+    unbal = _mode_summary(records, "unbalanced", world_size, warmup)
+    speedup = unbal["compute_max_s"] / (bal["compute_max_s"] + bal["comm_isolated_s"])
+    first = [r for r in records if r["rank"] == 0 and r["mode"] == "balanced"]
+    return {
+        "balanced_compute_max_over_mean": bal["compute_max_over_mean"],
+        "unbalanced_compute_max_over_mean": unbal["compute_max_over_mean"],
+        "projected_speedup": speedup,
+        "compute_only_speedup": unbal["compute_max_s"] / bal["compute_max_s"],
+        "balanced": bal,
+        "unbalanced": unbal,
+        "fit": _fit_cost(records, warmup, cfg.hidden_size),
+        "meta": {
+            "world_size": world_size, "steps": steps, "warmup": warmup, "mix": mix, "scale": scale,
+            "topology": str(topo), "max_text_tokens": max_text_tokens, "hidden": hidden,
+            "heads": heads, "depth": [depth_double, depth_single], "gamma": gamma, "seed": seed,
+            "sequences": first[0]["sequences"], "tokens_per_step": float(np.mean([r["total_tokens"] for r in first])),
+            "seconds": seconds,
+        },
+    }
+
+
+def print_report(result: dict) -> None:
+    m = result["meta"]
+    print(
+        f"step benchmark: {m['world_size']} gloo ranks x 1 thread, MMDiT d={m['hidden']} heads={m['heads']} "
+        f"depth {m['depth'][0]}+{m['depth'][1]}, fp32 CPU ({os.cpu_count()} cores)"
+    )
+    print(
+        f"mix {m['mix']} at 1/{m['scale']} resolution: {m['sequences']} sequences, "
+        f"~{m['tokens_per_step']:.0f} tokens/step; topology {m['topology']}, gamma {m['gamma']:g}; "
+        f"{m['steps'] - m['warmup']} steps measured (+{m['warmup']} warm-up), {m['seconds']:.1f} s"
+    )
+    header = (
+        f"{'mode':<11} {'compute':>8} {'compute':>8} {'compute':>8} {'comm wall':>9} {'comm':>8} "
+        f"{'step wall':>9} {'planned':>8}"
+    )
+    sub = (
+        f"{'':<11} {'max/mean':>8} {'mean s':>8} {'max s':>8} {'s':>9} {'alone s':>8} "
+        f"{'s':>9} {'max/mean':>8}"
+    )
+    print(header)
+    print(sub)
+    print("-" * len(header))
+    for mode in MODES:
+        r = result[mode]
+        print(
+            f"{mode:<11} {r['compute_max_over_mean']:>8.3f} {r['compute_mean_s']:>8.4f} "
+            f"{r['compute_max_s']:>8.4f} {r['comm_wall_mean_s']:>9.4f} {r['comm_isolated_s']:>8.4f} "
+            f"{r['step_wall_s']:>9.4f} {r['planned_imbalance']:>8.3f}"
+        )
+    for mode in MODES:
+        per_rank = " ".join(f"{x:.3f}" for x in result[mode]["rank_compute_s"])
+        print(f"  {mode + ' compute per rank (s):':<37} {per_rank}")
+    print(
+        f"projected speedup = unbalanced max compute / (balanced max compute + balanced comm alone) = "
+        f"{result['projected_speedup']:.2f}x  (compute only: {result['compute_only_speedup']:.2f}x)"
+    )
+    f = result["fit"]
+    print(
+        "\ncompute: thread CPU time of forward+backward minus CPU time inside all-to-alls, per rank "
+        "(max/mean over ranks,\n  then the mean over steps). comm wall: wall time inside the routing "
+        "and Ulysses all-to-alls during the step\n  (mean over ranks); with ranks sharing cores it is "
+        "mostly waiting for peers. comm alone: the same exchanges\n  replayed after the step, each "
+        "right after a barrier (slowest rank). step wall: forward+backward+grad all-reduce.\n"
+        "projected speedup: on GPUs, where ranks do not share cores, a synchronous step lasts as long as "
+        "its slowest\n  rank, so the step time is ~ the max per-rank compute (plus, balanced, the "
+        "routing/Ulysses communication).\n  Here 4 ranks share the cores, so the measured step wall "
+        "times follow total CPU work instead."
+    )
+    print(
+        f"cost fit to the measured (rank, step) points: {f['overhead_s'] * 1e3:.1f} ms + "
+        f"{f['s_per_token'] * 1e6:.1f} us/token + attention -> gamma ~{f['gamma']:.2f} "
+        f"(rough; planned with {m['gamma']:g})"
+    )
+
+
+def plot_rank_compute(path: str, result: dict) -> str:
+    """Bars of mean per-rank compute time, unbalanced vs balanced."""
+    from knapray.plots import _plt
+
+    plt = _plt()
+    unbal = np.asarray(result["unbalanced"]["rank_compute_s"])
+    bal = np.asarray(result["balanced"]["rank_compute_s"])
+    ranks = np.arange(unbal.size)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.4
+    ax.bar(ranks - width / 2, unbal, width, color="#b0b0b0",
+           label=f"unbalanced (max/mean {result['unbalanced_compute_max_over_mean']:.2f})")
+    ax.bar(ranks + width / 2, bal, width, color="#2a6fdb",
+           label=f"balanced (max/mean {result['balanced_compute_max_over_mean']:.2f})")
+    ax.set_xticks(ranks)
+    ax.set_xlabel("rank")
+    ax.set_ylabel("compute per step (s, thread CPU time)")
+    m = result["meta"]
+    ax.set_title(
+        f"{m['mix']} on {m['topology']}: projected speedup {result['projected_speedup']:.2f}x", fontsize=9
+    )
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
