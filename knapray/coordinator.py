@@ -58,6 +58,8 @@ uses, so both paths give identical plans.
 from __future__ import annotations
 
 import asyncio
+import os
+import pickle
 import logging
 import time
 from collections import OrderedDict, deque
@@ -158,6 +160,10 @@ class CoordinatorConfig:
     auto_tolerance: float = 0.02
     """``"auto"`` picks the smallest bags whose mean predicted imbalance is within this
     (absolute) of the best: without a communication model, smaller bags mean less traffic."""
+    state_path: str | None = None
+    """If set, the actor persists its state (ledger, epoch, attempt, world, statistics)
+    there after every change of the ledger and reloads it when it is restarted, so losing
+    the coordinator loses nothing that was committed."""
 
     def __post_init__(self) -> None:
         if self.world_size is not None and self.world_size < 1:
@@ -510,6 +516,21 @@ class BalanceCoordinator:
             self._discard(lambda s: s.step <= step and not s.decided, f"committed at step {step} without a plan")
         self._committed_step = max(self._committed_step, step)
 
+    def record_external(self, step: int, sample_ids: Sequence[int], home_ranks: Sequence[int]) -> None:
+        """Ledger rows of a step the ranks planned without the coordinator (it was
+        unreachable): committed as they are, with the current attempt."""
+        step = _check_index("step", step)
+        ids = np.asarray(sample_ids, dtype=np.int64)
+        home = np.asarray(home_ranks, dtype=np.int64)
+        if ids.shape != home.shape or ids.ndim != 1:
+            raise ValueError(f"sample_ids and home_ranks must be equal-length lists, got {ids.shape}, {home.shape}")
+        if step in self._ledger:
+            return  # a resend after a lost acknowledgement
+        self._ledger[step] = _LedgerEntry(ids, home, self._attempt)
+        self._steps.pop(step, None)
+        self._committed_step = max(self._committed_step, step)
+        self._evicted_through = max(self._evicted_through, step)
+
     def ledger_rows(self) -> list[tuple[int, int, int, int]]:
         """``(step, sample_id, home_rank, attempt)`` for every committed sample, by step."""
         rows: list[tuple[int, int, int, int]] = []
@@ -833,6 +854,31 @@ class _CoordinatorActor:
     def __init__(self, config: CoordinatorConfig) -> None:
         logging.basicConfig(level=logging.INFO)
         self._core = BalanceCoordinator(config)
+        self._restore()
+
+    def _restore(self) -> None:
+        """After a restart (Ray calls ``__init__`` again), pick up the persisted state."""
+        path = self._core.config.state_path
+        if not path or not os.path.exists(path):
+            return
+        with open(path, "rb") as f:
+            saved = pickle.load(f)
+        self._core.load_state_dict(saved["state"])
+        if saved.get("world_size"):
+            self._core._set_world(int(saved["world_size"]))
+        log.warning(
+            "coordinator restored from %s: committed step %d, world %s",
+            path, self._core.committed_step, saved.get("world_size"),
+        )
+
+    def _persist(self) -> None:
+        path = self._core.config.state_path
+        if not path:
+            return
+        tmp = f"{path}.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump({"state": self._core.state_dict(), "world_size": self._core.world_size}, f)
+        os.replace(tmp, path)  # atomic: a crash mid-write leaves the previous state
 
     async def config(self) -> CoordinatorConfig:
         return self._core.config
@@ -851,6 +897,11 @@ class _CoordinatorActor:
 
     async def commit_step(self, step) -> None:
         self._core.commit_step(step)
+        self._persist()
+
+    async def record_external(self, step, sample_ids, home_ranks) -> None:
+        self._core.record_external(step, sample_ids, home_ranks)
+        self._persist()
 
     async def report_timing(self, step, rank, compute_s, comm_s, wait_plan_s) -> None:
         try:
@@ -859,7 +910,9 @@ class _CoordinatorActor:
             log.error("rejected timing report: %s", e)
 
     async def begin_run(self, world_size, resume_step=None, state=None) -> Topology:
-        return self._core.begin_run(world_size, resume_step, state)
+        topo = self._core.begin_run(world_size, resume_step, state)
+        self._persist()
+        return topo
 
     async def topology(self) -> Topology | None:
         return self._core.topology
@@ -1009,6 +1062,17 @@ class CoordinatorClient:
             self._epoch = self._current_epoch() + 1
         self.last_wait_s = time.perf_counter() - t0
         return plan, done
+
+    def forget_requests(self) -> None:
+        """Drop plans asked for early (after an outage they point at a dead actor)."""
+        self._requested.clear()
+
+    def record_external(self, step: int, sample_ids: Sequence[int], home_ranks: Sequence[int]) -> None:
+        """Rank 0: ledger rows of a step planned locally while the coordinator was away."""
+        self._get(
+            self._actor().record_external.remote(int(step), [int(i) for i in sample_ids], [int(h) for h in home_ranks]),
+            f"ledger rows of step {step}",
+        )
 
     def commit_async(self, step: int) -> None:
         """Rank 0, after the optimizer step: steps ``<= step`` are trained."""

@@ -300,7 +300,11 @@ class StepStream:
         pooled_dim: int | None = None,
         on_corrupt: OnCorrupt | None = None,
         skip_sample_ids: Collection[int] = frozenset(),
+        max_seq_len: int | None = None,
     ) -> None:
+        if max_seq_len is not None and max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be >= 1 or None, got {max_seq_len}")
+        self.max_seq_len = max_seq_len
         if not isinstance(samples_per_step, int) or samples_per_step < 1:
             raise ValueError(f"samples_per_step must be an integer >= 1, got {samples_per_step!r}")
         self.samples_per_step = samples_per_step
@@ -367,7 +371,14 @@ class StepStream:
             self.stats.skipped += 1
             return None
         try:
-            return decode_row(row, text_dim=self.text_dim, pooled_dim=self.pooled_dim)
+            sample = decode_row(row, text_dim=self.text_dim, pooled_dim=self.pooled_dim)
+            if self.max_seq_len is not None and int(sample["seq_len"]) > self.max_seq_len:
+                raise CorruptSample(
+                    sid, "too_long",
+                    f"{int(sample['seq_len'])} tokens exceed the memory budget of {self.max_seq_len} "
+                    "(max_tokens_per_gpu x the largest bag)",
+                )
+            return sample
         except CorruptSample as e:
             self.stats.corrupt += 1
             self.stats.corrupt_by_reason[e.reason] = self.stats.corrupt_by_reason.get(e.reason, 0) + 1

@@ -61,6 +61,7 @@ class CorruptSample(ValueError):
         "text_size",
         "pooled_size",
         "non_finite",
+        "too_long",  # over the run's memory budget (data.max_tokens_per_gpu x largest bag)
     )
 
     def __init__(self, sample_id: Any, reason: str, detail: str) -> None:

@@ -30,6 +30,12 @@ class DataConfig:
     epochs: int = 1
     """Passes over the corpus."""
     seed: int = 0
+    max_tokens_per_gpu: int = 0
+    """Memory budget: a sample longer than this times the largest bag is quarantined
+    (reason ``too_long``) instead of trained; 0 = no limit."""
+    max_bad_fraction: float = 0.5
+    """Stop the run with an error once more than this fraction of the rows read (after at
+    least 16) had to be quarantined: a mostly broken corpus must not train on nothing."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -70,6 +76,12 @@ class RunConfig:
     """If > 0, elastic: the worker group may run with min_workers..num_workers."""
     use_gpu: bool = False
     cpus_per_worker: float = 0.5
+    resources_per_worker: dict[str, float] = field(default_factory=dict)
+    """Extra Ray resources each worker requests besides ``cpus_per_worker``, e.g.
+    ``{knapray_slot: 1}`` with a custom node resource that fits one worker per node."""
+    elastic_monitor_interval_s: float = 60.0
+    """Elastic runs: how often (seconds) Ray Train checks whether the cluster now holds
+    a different number of workers and restarts the group at that size."""
     max_steps: int = 0
     """Stop after this many steps (0: run the epochs out)."""
     checkpoint_every: int = 10

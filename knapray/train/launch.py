@@ -140,14 +140,17 @@ def run_training(cfg: TrainConfig, *, verbose: bool = True) -> dict:
     ensure_corpus(cfg)
     run_dir = cfg.run_dir
     os.makedirs(run_dir, exist_ok=True)
-    for stale in ("metrics.jsonl",):
-        path = os.path.join(run_dir, stale)
-        if os.path.exists(path) and not _resuming(cfg):
-            os.remove(path)
+    if not _resuming(cfg):  # leftovers of an earlier run of the same name
+        for stale in os.listdir(run_dir):
+            if stale == "metrics.jsonl" or stale.startswith("quarantine-"):
+                os.remove(os.path.join(run_dir, stale))
+    state_path = os.path.join(run_dir, "coordinator-state.pkl")
+    if not _resuming(cfg) and os.path.exists(state_path):
+        os.remove(state_path)  # a fresh run must not inherit an old run's ledger
     coordinator = create_coordinator(
         coordinator_name(cfg), topology=cfg.balance.topology, d_model=cfg.model.hidden_size,
         gamma=cfg.balance.gamma, solver=cfg.balance.solver,
-        gpus_per_node=cfg.balance.gpus_per_node or None,
+        gpus_per_node=cfg.balance.gpus_per_node or None, state_path=state_path,
     )
     ds = corpus_dataset(cfg.data.corpus, rows_per_block=cfg.data.samples_per_step)
     workers: Any = cfg.run.num_workers
@@ -161,7 +164,8 @@ def run_training(cfg: TrainConfig, *, verbose: bool = True) -> dict:
         torch_config=TorchConfig(backend="nccl" if cfg.run.use_gpu else "gloo", timeout_s=cfg.run.timeout_s),
         scaling_config=ScalingConfig(
             num_workers=workers, use_gpu=cfg.run.use_gpu,
-            resources_per_worker={"CPU": cfg.run.cpus_per_worker},
+            resources_per_worker={"CPU": cfg.run.cpus_per_worker, **cfg.run.resources_per_worker},
+            elastic_resize_monitor_interval_s=cfg.run.elastic_monitor_interval_s,
         ),
         run_config=RunConfig(
             name=cfg.run.name,
@@ -257,6 +261,15 @@ def write_run_files(cfg: TrainConfig, summary: dict) -> None:
     out = {"config": cfg.to_dict(), "summary": summarize(records),
            "topology": summary.get("topology"), "world_size": summary.get("world_size"),
            "coordinator_stats": summary.get("coordinator_stats")}
+    quarantined = []
+    for name in sorted(os.listdir(run_dir)):
+        if name.startswith("quarantine-rank"):
+            quarantined.extend(json.loads(line) for line in open(os.path.join(run_dir, name)) if line.strip())
+    if quarantined:
+        with open(os.path.join(run_dir, "quarantine.jsonl"), "w") as f:
+            for q in sorted(quarantined, key=lambda q: (q["sample_id"] is None, q["sample_id"])):
+                f.write(json.dumps(q) + "\n")
+    out["quarantined"] = len(quarantined)
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(out, f, indent=1, default=str)
     ledger = summary.get("ledger")

@@ -72,6 +72,7 @@ class StepRecord:
     planned_by: str
     rank_work: list[float]
     baseline_rank_work: list[float]
+    topology: str = ""
 
     def to_json(self) -> dict:
         compute = np.asarray(self.compute_s)
@@ -91,6 +92,8 @@ class StepRecord:
             "planned_by": self.planned_by,
             "rank_work": self.rank_work,
             "baseline_rank_work": self.baseline_rank_work,
+            "world_size": len(self.rank_work),
+            "topology": self.topology,
         }
 
 
@@ -171,6 +174,10 @@ def train_loop(ctx: TrainContext, cfg: TrainConfig) -> dict:
         logger.info("topology %s for %d ranks (balance %s)", topo, world, cfg.balance.enabled)
 
     quarantine_path = os.path.join(run_dir, f"quarantine-rank{rank}.jsonl")
+    os.makedirs(os.path.join(run_dir, "pids"), exist_ok=True)
+    with open(os.path.join(run_dir, "pids", f"rank{rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))  # for operators (and the chaos script) to find workers
+    max_seq_len = cfg.data.max_tokens_per_gpu * max(topo.bags) if cfg.data.max_tokens_per_gpu else None
 
     def quarantine(sample_id, reason: str) -> None:
         with open(quarantine_path, "a") as f:
@@ -180,11 +187,17 @@ def train_loop(ctx: TrainContext, cfg: TrainConfig) -> dict:
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     records: list[dict] = []
     step = start_step
-    local_ledger: list[tuple[int, int, int]] = []  # (step, sample_id, home_rank) when planned locally
+    # Rank 0: ledger rows of steps planned locally, until the coordinator takes them.
+    pending_rows: dict[int, tuple[list[int], list[int]]] = {}
+    # This rank's sample ids of recent steps: if the coordinator dies, commits sent to it
+    # in the meantime are lost, so rank 0 re-records these steps once it is back.
+    recent_ids: dict[int, list[int]] = {}
+    bad_total = rows_total = 0  # this rank's quarantined / read rows so far
+    world_bad = [0.0, 0.0]  # the same, summed over ranks
     for epoch in range(cfg.data.epochs):
         stream = StepStream.for_corpus(
             ctx.rows(epoch), info, samples_per_step=cfg.data.samples_per_step,
-            on_corrupt=quarantine, skip_sample_ids=trained_ids,
+            on_corrupt=quarantine, skip_sample_ids=trained_ids, max_seq_len=max_seq_len,
         )
         nxt = stream.peek_next()
         if client is not None:
@@ -210,20 +223,45 @@ def train_loop(ctx: TrainContext, cfg: TrainConfig) -> dict:
             batch = build_packed_batch(
                 current.samples, cfg.model, generator=batch_generator(cfg.data.seed, step, rank)
             ).to(device)
-            agree = torch.tensor([batch.x_img.shape[0], got], dtype=torch.float64)
+            st = stream.stats
+            agree = torch.tensor(
+                [batch.x_img.shape[0], got, st.corrupt - bad_total, st.samples + st.corrupt - rows_total],
+                dtype=torch.float64,
+            )
+            bad_total, rows_total = st.corrupt, st.samples + st.corrupt
             dist.all_reduce(agree)
+            _check_bad_fraction(agree, world_bad, cfg, run_dir, step)
             planned_by = "coordinator"
             if int(agree[1]) < world:  # someone lacks the plan: everyone plans locally
                 planned_by = "local"
                 gathered: list = [None] * world
                 dist.all_gather_object(
-                    gathered, (list(current.meta.seq_lens), list(current.meta.sample_ids), current.meta.exhausted)
+                    gathered,
+                    (list(current.meta.seq_lens), list(current.meta.sample_ids), current.meta.exhausted, recent_ids),
                 )
                 lens = [g[0] for g in gathered]
                 done = is_epoch_done(lens, [g[2] for g in gathered])
                 plan = None if done else plan_from_gathered(lens, topo, workload, cfg.balance.solver)
-                if not done:
-                    local_ledger.extend((step, sid, r) for r, g in enumerate(gathered) for sid in g[1])
+                if rank == 0:
+                    # Steps the lost coordinator may never have committed (resent rows of
+                    # steps it did commit are ignored), then this locally planned one.
+                    for t in sorted(set().union(*(g[3] for g in gathered))):
+                        pending_rows.setdefault(t, (
+                            [sid for g in gathered for sid in g[3].get(t, [])],
+                            [r for r, g in enumerate(gathered) for _ in g[3].get(t, [])],
+                        ))
+                    if not done:
+                        pending_rows[step] = (
+                            [sid for g in gathered for sid in g[1]],
+                            [r for r, g in enumerate(gathered) for _ in g[1]],
+                        )
+                if client is not None:
+                    # The coordinator (restarted, or back) may have lost the prefetched
+                    # submission of the next step: send it again (resends are ignored).
+                    client.forget_requests()
+                    client.submit_async(step + 1, list(nxt.seq_lens), list(nxt.sample_ids), exhausted=nxt.exhausted)
+            elif rank == 0 and pending_rows and client is not None:
+                _flush_pending(client, pending_rows)
             if done:
                 break
             global_img = int(agree[0])
@@ -263,9 +301,13 @@ def train_loop(ctx: TrainContext, cfg: TrainConfig) -> dict:
                 compute_s=extras[2 : 2 + world].tolist(), comm_s=extras[2 + world :].tolist(),
                 wait_plan_s=wait_s, planned_by=planned_by,
                 rank_work=run_plan.rank_work.tolist(), baseline_rank_work=run_plan.baseline_rank_work.tolist(),
+                topology=str(topo),
             ).to_json()
             records.append(rec)
             trained_ids.update(int(i) for i in current.meta.sample_ids)
+            recent_ids[step] = [int(i) for i in current.meta.sample_ids]
+            if len(recent_ids) > 32:
+                recent_ids.pop(min(recent_ids))
             if rank == 0:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(rec) + "\n")
@@ -283,15 +325,39 @@ def train_loop(ctx: TrainContext, cfg: TrainConfig) -> dict:
             step += 1
         if cfg.run.max_steps and step >= cfg.run.max_steps:
             break
-    summary = {"steps": step, "records": records, "topology": str(topo), "world_size": world}
+    summary = {"steps": step, "records": records, "topology": str(topo), "world_size": world,
+               "quarantined": bad_total}
     if rank == 0 and client is not None:
         try:
-            client.commit(step - 1) if step > start_step else None
+            _flush_pending(client, pending_rows)
+            if step > start_step:
+                client.commit(step - 1)
             summary["ledger"] = client.state_dict()["ledger"]
-        except CoordinatorUnavailable:
-            pass
-    summary["local_ledger"] = local_ledger
+        except CoordinatorUnavailable as e:
+            logger.error("coordinator unreachable at the end of the run: ledger not written (%s)", e)
     return summary
+
+
+def _flush_pending(client: CoordinatorClient, pending: dict[int, tuple[list[int], list[int]]]) -> None:
+    """Hand the coordinator the ledger rows of locally planned steps (rank 0)."""
+    for t in sorted(pending):
+        try:
+            client.record_external(t, *pending[t])
+        except CoordinatorUnavailable:
+            return  # still away: try again after the next step
+        del pending[t]
+
+
+def _check_bad_fraction(agree: torch.Tensor, totals: list[float], cfg: TrainConfig, run_dir: str, step: int) -> None:
+    """Every rank sees the same summed counts, so every rank raises together."""
+    totals[0] += float(agree[2])
+    totals[1] += float(agree[3])
+    if totals[1] >= 16 and totals[0] > cfg.data.max_bad_fraction * totals[1]:
+        raise RuntimeError(
+            f"corpus {cfg.data.corpus!r} is mostly bad: {int(totals[0])} of {int(totals[1])} rows read by step "
+            f"{step} were quarantined (limit data.max_bad_fraction={cfg.data.max_bad_fraction}); reasons are "
+            f"in {run_dir}/quarantine-rank*.jsonl"
+        )
 
 
 def _save_checkpoint(rank, step, model, opt, client, trained_ids, world) -> str | None:

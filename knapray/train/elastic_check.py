@@ -1,0 +1,340 @@
+"""Elastic restart with a re-planned topology, end to end on a private Ray cluster.
+
+    python -m knapray.train.elastic_check --scenario shrink --out /tmp/elastic-shrink
+    python -m knapray.train.elastic_check --scenario grow --out /tmp/elastic-grow
+
+Builds its own multi-node Ray cluster (``ray.cluster_utils.Cluster``: a head with a few
+CPUs for Ray Data and the driver-side actors, plus worker nodes that each carry one
+``knapray_slot``, the custom resource every training worker asks for, so exactly one
+training worker fits per node), a tiny corpus, and runs ``run_training`` elastically
+(``run.min_workers < run.num_workers``, topology rule ``bags_of:2``) in a background
+thread. The main thread watches rank 0's ``metrics.jsonl`` and, after a few steps,
+
+- ``shrink``: removes one of the 4 worker nodes (4 -> 3 workers, g2n2 -> g1n3);
+- ``grow``: adds 2 worker nodes to the 2 it started with (2 -> 4 workers, g2n1 -> g2n2).
+
+Ray Train restarts the group at the new size from the latest checkpoint; rank 0 asks the
+coordinator for that world's topology, bag groups are rebuilt and the data re-sharded.
+Printed and written to ``OUT/result.json``: the (world size, topology) segments the run
+went through (from the per-step records), the steps trained after the change, the
+timings, and the ledger's exactly-once check. Exit status 0 iff all checks pass.
+
+How fast Ray notices (Ray 2.60, from its source):
+
+- Ray Train's elastic policy counts workers from the resources the
+  ``AutoscalingCoordinator`` actor reserves for the run, and that actor refreshes its view
+  of the cluster's nodes on a 20 s tick (``_AutoscalingCoordinatorActor.TICK_INTERVAL_S``).
+- grow: a running group is reconsidered every ``elastic_resize_monitor_interval_s``
+  (``run.elastic_monitor_interval_s``); once the tick has seen the new nodes it resizes.
+- shrink: the worker on the removed node dies, the group fails (one of
+  ``run.max_failures``), and the restart sizes the group from the same reservation,
+  still counting the dead node until the next tick; the placement group for 4 cannot be
+  placed, and Ray retries only after ``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`` (60 s by
+  default, hence the ~70 s seen before). ``--start-timeout`` lowers it (default 8 s).
+- ``--nudge`` asks the AutoscalingCoordinator to re-read the cluster right after the
+  change (its ``get_reserved_resources(recompute=True)``), which removes the wait for the
+  tick; off by default, so the check measures what a real cluster does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+
+SLOT = "knapray_slot"
+MODEL = [
+    "model.hidden_size=32", "model.num_heads=4", "model.rope_axes_dim=[2,2,4]",
+    "model.depth_double=1", "model.depth_single=1", "model.text_dim=16", "model.pooled_dim=16",
+]
+SCENARIOS = {
+    # name: (nodes at start, min_workers, max_workers, nodes added (+) / removed (-))
+    "shrink": (4, 2, 4, -1),
+    "grow": (2, 2, 4, +2),
+}
+
+
+def _private_ray_env(start_timeout_s: float) -> str:
+    """Ray's temp dir holds ``ray_current_cluster``, which a plain ``ray.init()`` on this
+    machine connects to: give this cluster a private one so that other Ray sessions on
+    the machine neither join it nor lose their own address file when it shuts down."""
+    tmp = tempfile.mkdtemp(prefix="kre", dir="/tmp")  # short: Ray's socket paths live here
+    os.environ["RAY_TMPDIR"] = tmp
+    os.environ.pop("RAY_ADDRESS", None)
+    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(start_timeout_s)
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+    return tmp
+
+
+def build_corpus(out: str, steps: int) -> list[int]:
+    """The tiny corpus of tests/test_train_ray.py: 11 samples per mix step, mixed sizes."""
+    import pyarrow.parquet as pq
+
+    from knapray.corpus import shard_paths
+    from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
+
+    if not os.path.exists(os.path.join(out, "schema.json")):
+        build_synthetic(
+            SyntheticConfig(mix="g1b3i128f1s0,g1b2i64f1s0,g1b5i64f1s0,g1b1i256f1s0", steps=steps, scale=4,
+                            channels=4, text_dim=16, pooled_dim=16, shards=3, seed=1),
+            out, progress=False,
+        )
+    return [i for p in shard_paths(out) for i in pq.read_table(p, columns=["sample_id"])["sample_id"].to_pylist()]
+
+
+def segments(records: list[dict]) -> list[dict]:
+    """Consecutive per-step records with the same (world size, topology), in log order;
+    a step that does not follow the previous one starts a new attempt (a restart)."""
+    out: list[dict] = []
+    prev_step = None
+    attempt = 0
+    for r in records:
+        if prev_step is not None and r["step"] != prev_step + 1:
+            attempt += 1
+        prev_step = r["step"]
+        key = (r.get("world_size", len(r["rank_work"])), r.get("topology", "?"))
+        if out and (out[-1]["world_size"], out[-1]["topology"]) == key and out[-1]["attempt"] == attempt:
+            out[-1]["last_step"] = r["step"]
+            out[-1]["steps"] += 1
+        else:
+            out.append({"attempt": attempt, "world_size": key[0], "topology": key[1],
+                        "first_step": r["step"], "last_step": r["step"], "steps": 1})
+    return out
+
+
+def ledger_check(path: str, all_ids: list[int]) -> dict:
+    rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+    counts = Counter(r["sample_id"] for r in rows)
+    expected = set(all_ids)
+    return {
+        "rows": len(rows),
+        "corpus_samples": len(all_ids),
+        "missing": sorted(expected - set(counts)),
+        "duplicates": sorted(i for i, c in counts.items() if c > 1),
+        "unknown": sorted(set(counts) - expected),
+        "steps": sorted({r["step"] for r in rows}),
+        "exactly_once": bool(rows) and set(counts) == expected and set(counts.values()) == {1},
+    }
+
+
+def _read_records(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        lines = f.read().split("\n")
+    return [json.loads(line) for line in lines[:-1] if line.strip()]  # the last may be partial
+
+
+def run(args: argparse.Namespace) -> dict:
+    t_begin = time.perf_counter()
+    tmp = _private_ray_env(args.start_timeout)
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from knapray.train.config import load_config
+    from knapray.train.launch import run_training
+    from knapray.train.loop import coordinator_name
+
+    start_nodes, min_w, max_w, change = SCENARIOS[args.scenario]
+    out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
+    all_ids = build_corpus(os.path.join(out, "corpus"), args.corpus_steps)
+    storage = os.path.join(out, "runs")
+    shutil.rmtree(storage, ignore_errors=True)  # a fresh run, not a resume of an old one
+    events: list[dict] = []
+
+    def event(what: str, **kw) -> None:
+        e = {"t": round(time.perf_counter() - t_begin, 2), "event": what, **kw}
+        events.append(e)
+        print(f"[elastic_check {e['t']:7.2f}s] {what} {kw if kw else ''}", flush=True)
+
+    node_args = {"num_cpus": 1, "resources": {SLOT: 1}, "object_store_memory": 100 * 1024**2}
+    result: dict = {"scenario": args.scenario}
+    cluster = None
+    try:
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": args.head_cpus, "include_dashboard": False, "object_store_memory": 200 * 1024**2,
+        })
+        workers = [cluster.add_node(wait=False, **node_args) for _ in range(start_nodes)]
+        cluster.wait_for_nodes(timeout=90)
+        ray.init(address=cluster.address, namespace="knapray-elastic", log_to_driver=args.worker_logs,
+                 configure_logging=False)
+        event("cluster up", worker_nodes=len(workers), head_cpus=args.head_cpus)
+
+        cfg = load_config(None, MODEL + [
+            f"data.corpus={os.path.join(out, 'corpus')}", f"data.samples_per_step={args.samples_per_step}",
+            "balance.topology=bags_of:2", f"run.name=elastic-{args.scenario}", f"run.storage={storage}",
+            f"run.num_workers={max_w}", f"run.min_workers={min_w}", "run.cpus_per_worker=0.5",
+            f"run.resources_per_worker={{{SLOT}: 1}}", f"run.elastic_monitor_interval_s={args.monitor}",
+            "run.checkpoint_every=1", "run.max_failures=3", "run.timeout_s=60",
+            "balance.coordinator_timeout_s=20",
+        ])
+        metrics = os.path.join(cfg.run_dir, "metrics.jsonl")
+        box: dict = {}
+
+        def train() -> None:
+            try:
+                box["summary"] = run_training(cfg)
+            except BaseException as e:  # reported below, with the records so far
+                box["error"] = f"{type(e).__name__}: {e}"
+
+        trainer = threading.Thread(target=train, name="run_training", daemon=True)
+        t_fit = time.perf_counter()
+        trainer.start()
+
+        changed_at = None  # (time, last step logged before the change)
+        seen = 0
+        deadline = time.perf_counter() + args.timeout
+        while trainer.is_alive() and time.perf_counter() < deadline:
+            trainer.join(timeout=0.2)
+            records = _read_records(metrics)
+            for r in records[seen:]:
+                w = r.get("world_size", len(r["rank_work"]))
+                if seen == 0 or w != records[seen - 1].get("world_size", len(records[seen - 1]["rank_work"])):
+                    event("training at new size" if seen else "first step", step=r["step"], world_size=w,
+                          topology=r.get("topology"))
+                seen += 1
+            if changed_at is None and records and records[-1]["step"] >= args.change_after_step:
+                step = records[-1]["step"]
+                placement = _placement(cluster, workers, coordinator_name(cfg))
+                event("actor placement", **placement)
+                if change < 0:
+                    # A worker node, not the head (driver, Train controller, data split
+                    # coordinator) and not the balance coordinator's node, if it is on one.
+                    victim = next(n for n in reversed(workers) if n.node_id != placement["coordinator_node_id"])
+                    workers.remove(victim)
+                    cluster.remove_node(victim)
+                    event("removed a worker node", after_step=step, worker_nodes=len(workers))
+                else:
+                    workers += [cluster.add_node(wait=False, **node_args) for _ in range(change)]
+                    cluster.wait_for_nodes(timeout=90)
+                    event(f"added {change} worker nodes", after_step=step, worker_nodes=len(workers))
+                changed_at = (time.perf_counter(), step)
+                if args.nudge:
+                    _refresh_autoscaling_view(len(workers) + 1)
+                    event("nudged the AutoscalingCoordinator to re-read the cluster")
+        if trainer.is_alive():
+            event("TIMEOUT: the run did not finish", timeout_s=args.timeout)
+            box.setdefault("error", f"timeout after {args.timeout}s")
+        else:
+            event("run_training returned" if "summary" in box else "run_training raised", error=box.get("error"))
+        fit_s = time.perf_counter() - t_fit
+
+        records = _read_records(metrics)
+        segs = segments(records)
+        summary = box.get("summary") or {}
+        final = summary.get("records", [])
+        before = [s for s in segs if s["world_size"] == start_nodes]
+        after = [s for s in segs if s["world_size"] == start_nodes + change]
+        t_new = next((e["t"] for e in events if e["event"] == "training at new size"), None)
+        ledger = ledger_check(os.path.join(cfg.run_dir, "ledger.jsonl"), all_ids)
+        checks = {
+            "run finished": "summary" in box,
+            f"trained at world {start_nodes} before the change": bool(before),
+            f"trained at world {start_nodes + change} after the change": bool(after) and segs[-1]["world_size"] == start_nodes + change,
+            "topology changed": len({s["topology"] for s in segs}) > 1,
+            "final attempt ran at the new size": summary.get("world_size") == start_nodes + change,
+            "steps trained after the change": sum(s["steps"] for s in after) > 0,
+            "ledger exactly once": ledger["exactly_once"],
+        }
+        result.update({
+            "ok": all(checks.values()),
+            "checks": checks,
+            "expected": {"world_sizes": [start_nodes, start_nodes + change]},
+            "segments": segs,
+            "world_sizes": [s["world_size"] for s in segs],
+            "topologies": [s["topology"] for s in segs],
+            "change": {"after_step": changed_at[1] if changed_at else None,
+                       "at_s": round(changed_at[0] - t_begin, 2) if changed_at else None,
+                       "new_size_training_at_s": t_new,
+                       "seconds_to_new_size": round(t_new - (changed_at[0] - t_begin), 2)
+                       if changed_at and t_new is not None else None},
+            "steps_after_change": sum(s["steps"] for s in after),
+            "final_attempt": {"world_size": summary.get("world_size"), "topology": summary.get("topology"),
+                              "steps": [r["step"] for r in final]},
+            "ledger": ledger,
+            "error": box.get("error"),
+            "events": events,
+            "timings_s": {"fit": round(fit_s, 2), "total": round(time.perf_counter() - t_begin, 2)},
+            "settings": {"start_timeout_s": args.start_timeout, "monitor_interval_s": args.monitor,
+                         "nudge": args.nudge, "samples_per_step": args.samples_per_step,
+                         "corpus_samples": len(all_ids), "run_dir": cfg.run_dir,
+                         "coordinator": coordinator_name(cfg)},
+        })
+        return result
+    finally:
+        try:
+            ray.shutdown()
+            if cluster is not None:
+                cluster.shutdown()
+        finally:
+            if args.keep_logs:
+                shutil.copytree(os.path.join(tmp, "ray", "session_latest", "logs"), os.path.join(out, "ray-logs"),
+                                dirs_exist_ok=True, ignore_dangling_symlinks=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _placement(cluster, workers, coordinator: str) -> dict:
+    """Which node the balance coordinator actor lives on (head or a worker node)."""
+    import ray
+
+    try:
+        actor = ray.get_actor(coordinator)
+        node = ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()), timeout=10)
+    except Exception as e:  # informational only
+        return {"coordinator_node_id": None, "coordinator_on": f"unknown ({e})"}
+    where = "head" if node == cluster.head_node.node_id else (
+        f"worker node {[n.node_id for n in workers].index(node)}" if node in [n.node_id for n in workers] else "?")
+    return {"coordinator_node_id": node, "coordinator_on": where}
+
+
+def _refresh_autoscaling_view(alive: int) -> None:
+    """Make Ray's AutoscalingCoordinator re-read the cluster's nodes now instead of at its
+    next 20 s tick (``recompute=True`` runs that tick), once the GCS shows ``alive`` nodes."""
+    import ray
+
+    deadline = time.perf_counter() + 30
+    while sum(n["Alive"] for n in ray.nodes()) != alive and time.perf_counter() < deadline:
+        time.sleep(0.1)
+    actor = ray.get_actor("AutoscalingCoordinator", namespace="AutoscalingCoordinator")
+    ray.get(actor.get_reserved_resources.remote("knapray-elastic-check", recompute=True), timeout=10)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--scenario", choices=sorted(SCENARIOS), required=True)
+    p.add_argument("--out", required=True, help="directory for the corpus, the run and result.json")
+    p.add_argument("--corpus-steps", type=int, default=4, help="mix steps in the corpus (11 samples each)")
+    p.add_argument("--samples-per-step", type=int, default=1)
+    p.add_argument("--change-after-step", type=int, default=2,
+                   help="remove/add nodes once this step has been logged")
+    p.add_argument("--start-timeout", type=float, default=8.0,
+                   help="RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (Ray's default is 60)")
+    p.add_argument("--monitor", type=float, default=2.0, help="run.elastic_monitor_interval_s")
+    p.add_argument("--head-cpus", type=int, default=2)
+    p.add_argument("--nudge", action="store_true",
+                   help="have the AutoscalingCoordinator re-read the cluster right after the change")
+    p.add_argument("--worker-logs", action="store_true", help="stream worker/actor logs to this process")
+    p.add_argument("--keep-logs", action="store_true", help="copy the Ray session's logs to OUT/ray-logs")
+    p.add_argument("--timeout", type=float, default=240.0, help="give up on the run after this many seconds")
+    args = p.parse_args(argv)
+    result = run(args)
+    path = os.path.join(os.path.abspath(args.out), "result.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    brief = {k: result.get(k) for k in ("scenario", "ok", "checks", "segments", "change", "steps_after_change",
+                                         "final_attempt", "timings_s", "error")}
+    brief["ledger"] = {k: v for k, v in result.get("ledger", {}).items() if k != "steps"}
+    print(json.dumps(brief, indent=1))
+    print(f"[elastic_check] wrote {path}")
+    return 0 if result.get("ok") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
