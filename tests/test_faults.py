@@ -27,7 +27,7 @@ MODEL = [
 
 def _corpus(out, seed=2):
     build_synthetic(
-        SyntheticConfig(mix="g1b3i128f1s0,g1b2i64f1s0,g1b5i64f1s0,g1b1i256f1s0", steps=4, scale=4,
+        SyntheticConfig(mix="g1b3i128f1s0,g1b2i64f1s0,g1b5i64f1s0,g1b1i256f1s0", steps=6, scale=4,
                         channels=4, text_dim=16, pooled_dim=16, shards=4, seed=seed),
         out, progress=False,
     )
@@ -67,7 +67,8 @@ def _run_with_chaos(cfg, **chaos):
 def test_worker_sigkill_restarts_from_checkpoint_exactly_once(ray_session, clean_corpus, tmp_path):
     corpus_dir, ids = clean_corpus
     cfg = _cfg(corpus_dir, tmp_path, "sigkill", **{"run.max_failures": 1})
-    summary, events = _run_with_chaos(cfg, kill_worker_at=2, worker_rank=1)
+    # Checkpoints after steps 1 and 3: by step 4 Ray Train has registered at least one.
+    summary, events = _run_with_chaos(cfg, kill_worker_at=4, worker_rank=1)
     assert [e["event"] for e in events] == ["worker_sigkill"]
     check = check_exactly_once(os.path.join(cfg.run_dir, "ledger.jsonl"), ids)
     assert check["ok"], check
