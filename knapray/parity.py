@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import tempfile
 import time
-from datetime import timedelta
 
 import torch
+
+from knapray.distributed.local import free_port, init_local_gloo
 
 from knapray.models import MMDiT, MMDiTConfig, pack_samples
 from knapray.models.flow import add_noise, flow_loss
@@ -44,12 +44,6 @@ def _build_model(cfg: MMDiTConfig, seed: int) -> MMDiT:
     return model
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _batches(cfg: MMDiTConfig, mix: str, scale: int, seed: int, world: int,
              max_text_tokens: int, empty_ranks: tuple[int, ...]):
     batches = mix_batches(mix, cfg, scale=scale, seed=seed, world_size=world, max_text_tokens=max_text_tokens)
@@ -66,12 +60,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, specs: list[str], mi
     from knapray.distributed.grads import allreduce_gradients
     from knapray.train.balanced import balanced_forward
 
-    torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=timedelta(seconds=120),
-    )
+    init_local_gloo(rank, world, port, timeout_s=120)
     try:
         cfg = MMDiTConfig(**cfg_dict)
         model = _build_model(cfg, seed)
@@ -174,7 +163,7 @@ def run_parity(
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(
             _worker,
-            args=(world_size, _free_port(), tmp, specs, mix, scale, seed, dataclasses.asdict(cfg),
+            args=(world_size, free_port(), tmp, specs, mix, scale, seed, dataclasses.asdict(cfg),
                   max_text_tokens, tuple(empty_ranks)),
             nprocs=world_size,
             join=True,

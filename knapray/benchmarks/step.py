@@ -42,13 +42,13 @@ import contextlib
 import dataclasses
 import json
 import os
-import socket
 import tempfile
 import time
-from datetime import timedelta
 
 import numpy as np
 import torch
+
+from knapray.distributed.local import free_port, init_local_gloo
 
 from knapray.models import MMDiT, MMDiTConfig
 from knapray.planning import Topology, WorkloadModel, identity_plan, plan_balance
@@ -75,12 +75,6 @@ def step_config(hidden: int = 192, heads: int = 4, depth_double: int = 2, depth_
         depth_double=depth_double, depth_single=depth_single, text_dim=16, pooled_dim=16,
         rope_axes_dim=rope,
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _attention_pairs(plan) -> np.ndarray:
@@ -138,12 +132,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, opts: dict) -> None:
     from knapray.train.balanced import balanced_forward
     from knapray.train.synthetic import mix_batches
 
-    torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=timedelta(seconds=300),
-    )
+    init_local_gloo(rank, world, port, timeout_s=300)
     try:
         cfg = MMDiTConfig(**opts["cfg"])
         torch.manual_seed(opts["seed"])
@@ -307,7 +296,7 @@ def run_step_bench(
     }
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world_size, _free_port(), tmp, opts), nprocs=world_size, join=True)
+        mp.spawn(_worker, args=(world_size, free_port(), tmp, opts), nprocs=world_size, join=True)
         with open(os.path.join(tmp, "records.json")) as f:
             records = json.load(f)
     seconds = time.perf_counter() - t0

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from typing import Any
 
 import numpy as np
