@@ -25,7 +25,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         steps = load_lengths(args.lengths)
         world = len(steps[0])
-    topo = Topology.parse(args.topology, world_size=world, gpus_per_node=args.gpus_per_node)
+    if args.topology == "auto":
+        # Cost model plans on the topology with the lowest predicted step time.
+        from knapray.planning.autotopo import search_topology
+
+        model = _cost_model(args)
+        choice = search_topology(steps[: args.auto_steps], world, model, args.gpus_per_node)
+        topo = choice.topology
+    else:
+        topo = Topology.parse(args.topology, world_size=world, gpus_per_node=args.gpus_per_node)
     progress = None
     if not args.json and len(steps) >= 20:
         from tqdm import tqdm
@@ -35,9 +43,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if progress is not None:
         progress.close()
     result = summary.to_dict()
+    if args.topology == "auto":
+        result["auto"] = choice.summary()
     if args.export:
         with open(args.export, "w") as f:
-            json.dump({"world_size": world, "steps": [p.to_json() for p in summary.plans]}, f)
+            extra = {"cost_model": model.to_dict(), "auto": choice.summary()} if args.topology == "auto" else {}
+            json.dump({"world_size": world, "steps": [p.to_json() for p in summary.plans], **extra}, f)
         result["export"] = args.export
     if args.plot:
         from knapray.plots import plot_rank_work
@@ -77,6 +88,10 @@ def _print_plan_table(r: dict) -> None:
             f"projected step-time speedup vs unbalanced: "
             f"{r['baseline_imbalance_mean'] / r['imbalance_mean']:.2f}x (compute only)"
         )
+    if "auto" in r:
+        a = r["auto"]
+        print(f"auto topology {a['topology']}: predicted step {r['predicted_step_s_mean']:.4f} s, efficiency "
+              f"{r['efficiency']:.4f} (greedy on it {r.get('greedy_efficiency', float('nan')):.4f})")
     if "plot" in r:
         print(f"plot: {r['plot']}")
     if "export" in r:
@@ -137,6 +152,103 @@ def cmd_parity(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _cost_model(args: argparse.Namespace):
+    """CostModel from ``--profile`` and ``--set key=value`` overrides (defaults: 8xH100, Flux)."""
+    from knapray.planning.cost import CostModel
+
+    overrides = {}
+    for item in getattr(args, "set", None) or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set expects key=value, got {item!r}")
+        try:
+            overrides[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key.strip()] = value
+    if getattr(args, "gpus_per_node", None):
+        overrides.setdefault("gpus_per_node", args.gpus_per_node)
+    if getattr(args, "profile", None):
+        return CostModel.from_profile(args.profile, **overrides)
+    return CostModel.from_dict(overrides)
+
+
+def _rank_speeds(items: list[str] | None, world: int) -> list[float] | None:
+    """``--rank-speed 5=0.5``: rank 5 runs at half speed."""
+    if not items:
+        return None
+    speeds = [1.0] * world
+    for item in items:
+        rank, sep, value = item.partition("=")
+        if not sep or not rank.strip().isdigit() or not 0 <= int(rank) < world:
+            raise ValueError(f"--rank-speed expects RANK=SPEED with 0 <= RANK < {world}, got {item!r}")
+        speeds[int(rank)] = float(value)
+    return speeds
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from knapray import sim
+
+    cost = _cost_model(args)
+    if args.paper_table:
+        print("mix          GPUs  auto topology                  eff.    best greedy   eff.    ratio", file=sys.stderr)
+        rows = sim.paper_table(
+            cost=cost, steps=args.steps, seed=args.seed,
+            progress=lambda r: print(
+                f"{r['mix']:<12} {r['world_size']:>4}  {sim._short(r['auto_topology'], 28):<28} "
+                f"{r['auto_efficiency']:.4f}  {r['greedy_topology']:<12} {r['greedy_efficiency']:.4f}  "
+                f"{r['ratio']:.4f}", file=sys.stderr, flush=True),
+        )
+        command = "knapray simulate --paper-table" + (f" --steps {args.steps}" if args.steps != 3 else "")
+        text = sim.table_markdown(rows, command, cost, args.steps)
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write(text)
+        print(text)
+        if args.json:
+            print(json.dumps({"rows": rows}))
+        return 0
+    if (args.mix is None) == (args.lengths is None):
+        raise SystemExit("knapray simulate: give exactly one of --mix CODES|NAME, --lengths FILE or --paper-table")
+    if args.mix is not None:
+        from knapray.planning.runner import mix_ranks
+
+        world = args.world or mix_ranks(sim.resolve_mix(args.mix))
+        speeds = _rank_speeds(args.rank_speed, world)
+        if speeds is not None:
+            cost = cost.with_rank_speed(speeds)
+        result = sim.simulate_mix(args.mix, args.topology, world, cost, steps=args.steps, seed=args.seed)
+    else:
+        from knapray.planning.runner import load_lengths
+
+        steps = load_lengths(args.lengths)
+        speeds = _rank_speeds(args.rank_speed, len(steps[0]))
+        if speeds is not None:
+            cost = cost.with_rank_speed(speeds)
+        result = sim.simulate(steps, args.topology, cost)
+        result["mix"] = args.lengths
+    if args.plot:
+        result["plot"] = sim.plot_rank_times(args.plot, result)
+    sim.print_report(result)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from knapray.calibrate import calibrate, print_report
+
+    lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else None
+    profile = calibrate(
+        hidden=args.hidden, heads=args.heads, depth_double=args.depth_double, depth_single=args.depth_single,
+        lengths=lengths, repeats=args.repeats, device=args.device, dtype=args.dtype, out=args.out,
+        recompute=args.recompute,
+    )
+    print_report(profile)
+    if args.json:
+        print(json.dumps(profile))
+    return 0 if profile["fit"]["mape"] <= args.max_mape else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="knapray", description="Workload-balanced DiT training on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -154,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="write a PNG of per-rank work before/after")
     p.add_argument("--export", help="write the plans as JSON")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("--profile", help="--topology auto: cost model profile JSON (knapray calibrate)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="--topology auto: override a CostModel field")
+    p.add_argument("--auto-steps", type=int, default=2, help="--topology auto: steps the search scores (default 2)")
     p.set_defaults(func=cmd_plan)
 
     q = sub.add_parser("parity", help="balanced vs unbalanced vs single-process reference (gloo)")
@@ -190,6 +305,38 @@ def build_parser() -> argparse.ArgumentParser:
                     help="attention cost weight of the workload model (default: fitted for CPU, 0.85)")
     st.add_argument("--plot", help="write a PNG of per-rank compute time, balanced vs unbalanced")
     b.set_defaults(func=cmd_bench)
+
+    m = sub.add_parser("simulate", help="predicted step time per rank: unbalanced, greedy, knapray (cost model)")
+    m.add_argument("--mix", help="paper mix name (low-res, mixed-res, image+video) or data codes")
+    m.add_argument("--lengths", help="JSON file: list of steps, each a list of per-rank lists of lengths")
+    m.add_argument("--topology", default="auto", help="bags, e.g. g8n4, or 'auto' (default)")
+    m.add_argument("--world", type=int, default=None, help="ranks (a multiple of the mix's ranks; default the mix's)")
+    m.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the cost model's, 8)")
+    m.add_argument("--profile", help="cost model profile JSON (knapray calibrate), default: 8xH100 constants")
+    m.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a CostModel field, e.g. inter_node_bw=25e9")
+    m.add_argument("--rank-speed", action="append", metavar="RANK=SPEED", help="a rank's speed factor, e.g. 5=0.5")
+    m.add_argument("--steps", type=int, default=3, help="steps to simulate (default 3)")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--paper-table", action="store_true", help="auto vs best greedy on the paper mixes at 32 and 1024 GPUs")
+    m.add_argument("--markdown", help="--paper-table: also write the table to this file")
+    m.add_argument("--plot", help="write a PNG of predicted per-rank time")
+    m.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    m.set_defaults(func=cmd_simulate)
+
+    c = sub.add_parser("calibrate", help="time the model's blocks on this device, fit the cost model, write a profile")
+    c.add_argument("--hidden", type=int, default=128, help="model width (default 128: CPU size)")
+    c.add_argument("--heads", type=int, default=4)
+    c.add_argument("--depth-double", type=int, default=1)
+    c.add_argument("--depth-single", type=int, default=1)
+    c.add_argument("--lengths", help="comma-separated sequence lengths (default: 64..2048 on CPU, 512..32768 on GPU)")
+    c.add_argument("--repeats", type=int, default=3, help="timed runs per length; the fastest counts (default 3)")
+    c.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    c.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bfloat16 on GPU, float32 on CPU)")
+    c.add_argument("--recompute", action="store_true", help="add a forward pass per step (activation checkpointing)")
+    c.add_argument("--out", default="profile.json", help="profile JSON to write (default profile.json)")
+    c.add_argument("--max-mape", type=float, default=0.05, help="exit 1 if the fit's mean abs. %% error exceeds this")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_calibrate)
     return parser
 
 

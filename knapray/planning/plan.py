@@ -16,6 +16,7 @@ from functools import cached_property
 
 import numpy as np
 
+from .cost import CostModel, StepTimes
 from .topology import Topology
 from .workload import WorkloadModel
 
@@ -23,7 +24,8 @@ from .workload import WorkloadModel
 @dataclass(frozen=True, eq=False)
 class BalancePlan:
     topology: Topology
-    model: WorkloadModel
+    model: WorkloadModel | CostModel
+    """What the plan balanced: work (``WorkloadModel``) or predicted seconds (``CostModel``)."""
     seq_lens: np.ndarray
     """(S,) length of every sequence, in global order."""
     home_rank: np.ndarray
@@ -83,7 +85,8 @@ class BalancePlan:
 
     @cached_property
     def rank_work(self) -> np.ndarray:
-        """Work per rank under this plan."""
+        """Work per rank under this plan (for a ``CostModel``: compute seconds at speed 1,
+        no communication; ``rank_time`` is the predicted time)."""
         work = self.model.chunk(
             self.chunk_len, self.seq_lens[self.chunk_seq], self.bag_size_of_seq[self.chunk_seq]
         )
@@ -97,6 +100,24 @@ class BalancePlan:
     @property
     def baseline_imbalance(self) -> float:
         return _imbalance(self.baseline_rank_work)
+
+    def step_times(self, cost: CostModel | None = None) -> StepTimes:
+        """Predicted seconds per rank (compute, Ulysses, routing) under ``cost``, by
+        default the plan's own model if it is a ``CostModel``."""
+        cost = cost if cost is not None else self.model
+        if not isinstance(cost, CostModel):
+            raise ValueError("step_times needs a CostModel (the plan was made with a WorkloadModel)")
+        return cost.step_times(self)
+
+    @cached_property
+    def rank_time(self) -> np.ndarray:
+        """(W,) predicted seconds per rank under the plan's ``CostModel``."""
+        return self.step_times().total
+
+    @property
+    def predicted_step_time(self) -> float:
+        """Predicted seconds of the step under the plan's ``CostModel``."""
+        return self.step_times().step_time
 
     # ---- traffic ----------------------------------------------------------------------
 

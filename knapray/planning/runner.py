@@ -8,6 +8,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from .cost import CostModel
 from .mix import mix_world_size, parse_mix, sample_step
 from .plan import BalancePlan
 from .solver import plan_balance
@@ -57,8 +58,17 @@ class RunSummary:
     baseline_rank_work: list[np.ndarray] = field(default_factory=list)
     rank_work: list[np.ndarray] = field(default_factory=list)
     plans: list[BalancePlan] = field(default_factory=list)
+    predicted_step_s: list[float] = field(default_factory=list)
+    """Cost-model plans only: predicted step time, and greedy's on the same topology."""
+    greedy_predicted_step_s: list[float] = field(default_factory=list)
+    ideal_step_s: list[float] = field(default_factory=list)
 
     def add(self, plan: BalancePlan, greedy: BalancePlan | None) -> None:
+        if isinstance(plan.model, CostModel):
+            self.predicted_step_s.append(plan.predicted_step_time)
+            self.ideal_step_s.append(plan.model.ideal_step_time(plan.seq_lens, plan.world_size))
+            if greedy is not None:
+                self.greedy_predicted_step_s.append(plan.model.step_times(greedy).step_time)
         self.baseline_imbalance.append(plan.baseline_imbalance)
         self.imbalance.append(plan.imbalance)
         if greedy is not None:
@@ -82,6 +92,12 @@ class RunSummary:
             "plan_ms_p50": float(np.median(self.plan_ms)),
             "plan_ms_max": float(np.max(self.plan_ms)),
         }
+        if self.predicted_step_s:
+            d["predicted_step_s_mean"] = float(np.mean(self.predicted_step_s))
+            d["efficiency"] = float(np.sum(self.ideal_step_s) / np.sum(self.predicted_step_s))
+        if self.greedy_predicted_step_s:
+            d["greedy_predicted_step_s_mean"] = float(np.mean(self.greedy_predicted_step_s))
+            d["greedy_efficiency"] = float(np.sum(self.ideal_step_s) / np.sum(self.greedy_predicted_step_s))
         if self.greedy_imbalance:
             d["greedy_imbalance_mean"] = float(np.mean(self.greedy_imbalance))
             d["greedy_imbalance_max"] = float(np.max(self.greedy_imbalance))
@@ -94,7 +110,7 @@ class RunSummary:
 def plan_run(
     steps: Iterable[Sequence[Sequence[int]]],
     topology: Topology | str,
-    model: WorkloadModel,
+    model: WorkloadModel | CostModel,
     solver: str = "knapray",
     compare_greedy: bool = True,
     keep_plans: bool = False,

@@ -1,28 +1,40 @@
-"""plan_balance(): assign every sequence to a bag so that per-GPU work is even.
+"""plan_balance(): assign every sequence to a bag so that the busiest GPU finishes first.
 
-This is makespan scheduling on "uniform machines": bag ``j`` of ``g_j`` GPUs finishes when
-its per-GPU load ``P_j = Σ W(L)/g_j`` is done, and a sequence may only go to a bag with
-``g_j <= L`` (one shorter than every bag goes to a smallest bag, some chunks empty). Two solvers:
+With the paper's ``WorkloadModel`` this is makespan scheduling on "uniform machines": bag
+``j`` of ``g_j`` GPUs finishes when its per-GPU load ``P_j = Σ W(L)/g_j`` is done. With a
+``CostModel`` a sequence on bag ``j`` costs each of its GPUs ``compute(L)/g_j +
+ulysses(L, g_j)`` seconds, divided by the bag's speed (its slowest rank's), which is not
+proportional across bag sizes ("unrelated machines"); the plan minimizes the predicted
+step time (routing included). Either way a sequence may only go to a bag with
+``g_j <= L`` (one shorter than every bag goes to a smallest bag, some chunks empty).
+Two solvers:
 
-``greedy``  KnapFormer's published baseline (kept exact for comparison).
-``knapray`` (default) starts from the better of two constructions (LPT for uniform
-            machines, and the greedy itself, so it is never worse than greedy), improves
-            it by moves and swaps out of the most loaded bag until no step helps, then,
-            without raising the makespan, moves sequences back to a bag that contains
-            their home rank so fewer tokens travel.
+``greedy``  KnapFormer's published baseline (kept exact for comparison); it balances the
+            model's work estimate (``W(L)``, or the cost model's compute seconds) and
+            ignores communication and speeds.
+``knapray`` (default) starts from greedy and from LPT (earliest finish), improves both by
+            moves and swaps out of the most loaded bag until no step helps, then, without
+            raising the makespan, moves sequences back to a bag that contains their home
+            rank so fewer tokens travel; of these candidates and greedy itself it keeps the
+            best by exact peak (cost model: predicted step time), so it is never worse
+            than greedy.
 """
 
 from __future__ import annotations
 
 import heapq
 import time
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Sequence, Union
 
 import numpy as np
 
+from .cost import CostModel, StepTimes, rank_times
 from .plan import BalancePlan
 from .topology import Topology
 from .workload import WorkloadModel
+
+Model = Union[WorkloadModel, CostModel]
 
 SOLVERS = ("knapray", "greedy")
 _STOP_REL = 1e-7  # stop refining once the makespan is this close to the ideal
@@ -31,11 +43,14 @@ _STOP_REL = 1e-7  # stop refining once the makespan is this close to the ideal
 def plan_balance(
     seq_lens_per_rank: Sequence[Sequence[int]],
     topology: Topology,
-    model: WorkloadModel | None = None,
+    model: WorkloadModel | CostModel | None = None,
     solver: str = "knapray",
     max_tokens_per_gpu: int | None = None,
 ) -> BalancePlan:
     """Plan one step: ``seq_lens_per_rank[r]`` lists the lengths of rank ``r``'s sequences.
+
+    ``model``: the paper's ``WorkloadModel`` (default) balances estimated work; a
+    ``CostModel`` minimizes predicted step time (communication, per-rank speeds).
 
     ``max_tokens_per_gpu``: optional memory budget; a sequence whose chunk would exceed it
     even on the largest bag is rejected with an error naming it.
@@ -47,11 +62,19 @@ def plan_balance(
     lens, home, local = _flatten(seq_lens_per_rank, topology)
     bag = np.empty(lens.size, dtype=np.int64)
     stats: dict = {"groups": []}
+    is_cost = isinstance(model, CostModel)
+    if is_cost:
+        token_s, speed = model.bag_ulysses_token_s(topology), model.bag_speed(topology)
+    nb = len(topology.group_bags)
     for grp in range(topology.num_groups):
         ranks = topology.group_ranks(grp)
         lo = np.searchsorted(home, ranks.start)
         hi = np.searchsorted(home, ranks.stop)
-        bag_offset = grp * len(topology.group_bags)
+        bag_offset = grp * nb
+        comm = None
+        if is_cost:
+            sl = slice(bag_offset, bag_offset + nb)
+            comm = _GroupComm(token_s[sl], speed[sl], ranks.start)
         sub_bag, sub_stats = _solve_group(
             lens[lo:hi],
             home[lo:hi] - ranks.start,
@@ -59,6 +82,7 @@ def plan_balance(
             model,
             solver,
             max_tokens_per_gpu,
+            comm,
         )
         bag[lo:hi] = sub_bag + bag_offset
         stats["groups"].append(sub_stats)
@@ -81,7 +105,7 @@ def plan_balance(
 
 
 def identity_plan(
-    seq_lens_per_rank: Sequence[Sequence[int]], model: WorkloadModel | None = None
+    seq_lens_per_rank: Sequence[Sequence[int]], model: WorkloadModel | CostModel | None = None
 ) -> BalancePlan:
     """No balancing: every rank computes its own sequences (topology ``g1nW``)."""
     topology = Topology((1,), len(seq_lens_per_rank)) if seq_lens_per_rank else None
@@ -137,9 +161,10 @@ def _solve_group(
     lens: np.ndarray,
     home: np.ndarray,
     bag_sizes: np.ndarray,
-    model: WorkloadModel,
+    model: Model,
     solver: str,
     max_tokens_per_gpu: int | None,
+    comm: _GroupComm | None = None,
 ) -> tuple[np.ndarray, dict]:
     """Bag (index within the group) of each sequence of one balance group."""
     n = lens.size
@@ -154,16 +179,15 @@ def _solve_group(
                 f"sequence of length {int(lens[s])} needs {-(-int(lens[s]) // gmax)} tokens per GPU "
                 f"even on the largest bag (g{gmax}), over the budget of {max_tokens_per_gpu}"
             )
-    work = model(lens)
-    problem = _Problem(lens, home, bag_sizes, work, model)
+    problem = _Problem(lens, home, bag_sizes, model, comm)
     greedy = problem.greedy()
     if solver == "greedy":
         return greedy, {"start": "greedy"}
-    homogeneous = bool(np.all(bag_sizes == bag_sizes[0]))
-    # For equal bags the published greedy *is* LPT, so it is the LPT start too. The home
-    # start (every sequence on the bag holding its home rank) usually needs few moves.
+    # For equal bags of equal speed and no communication term the published greedy *is*
+    # LPT, so it is the LPT start too. The home start (every sequence on the bag holding
+    # its home rank) usually needs few moves.
     starts = [("greedy", greedy)]
-    if not homogeneous:
+    if not problem.uniform_equal:
         starts.append(("lpt", problem.lpt()))
     candidates = [("greedy", greedy, 0)]
     for name, start in starts:
@@ -175,52 +199,119 @@ def _solve_group(
     # Few iterations: this start only has to win where it is nearly as balanced already.
     home, iters = problem.refine(problem.repair(problem.home_start(), cap), 2 * problem.k + 16)
     candidates.append(("home+repair+refine", home, iters))
-    name, assign, iters = problem.choose(candidates)
+    name, assign, iters, score = problem.choose(candidates)
+    if comm is not None:
+        # Routing time is not in the bag loads: charge each bag the routing of its busiest
+        # rank under the chosen plan, refine again, and keep the result if it is better.
+        for _ in range(2):
+            problem.offset = problem.route_offsets(assign)
+            again, more = problem.refine(assign, 2 * problem.k + 16)
+            problem.offset = None
+            if np.array_equal(again, assign):
+                break
+            alt = [(name, assign, iters), (name + "+route", again, iters + more)]
+            name, assign, iters, score = problem.choose(alt)
     stats = {
         "start": name,
         "refine_iters": iters,
-        "makespan_over_ideal": problem.makespan(assign) / problem.ideal,
+        "makespan_over_ideal": problem.makespan(assign) / problem.ideal if problem.ideal > 0 else 1.0,
     }
+    if comm is not None:
+        stats["predicted_step_s"] = score
     return assign, stats
 
 
+@dataclass(frozen=True)
+class _GroupComm:
+    """What a cost model adds for one balance group: per-bag Ulysses seconds per token and
+    speed, and where the group's ranks sit (for routing times)."""
+
+    bag_token_s: np.ndarray
+    """(k,) Ulysses seconds per chunk token on each bag of the group."""
+    bag_speed: np.ndarray
+    """(k,) speed of each bag (its slowest rank)."""
+    rank_offset: int
+    """First rank of the group in the world (sets the ranks' nodes)."""
+
+
 class _Problem:
-    """Loads, sizes and costs of one balance group, shared by the solver steps."""
+    """Per-bag times of one balance group, shared by the solver steps.
+
+    Bag ``b`` finishes when its per-GPU load ``Σ t(s, b)`` is done, with
+    ``t(s, b) = cost[s, cls[b]] / speed[b]``: ``cost`` is the per-GPU time of a sequence on
+    a bag of a class (size, communication), ``W(L)/g`` for the paper's workload model and
+    ``compute(L)/g + ulysses(L, g)`` for a cost model. A sequence may only go to a bag with
+    ``g <= L`` (one shorter than every bag goes to a smallest bag, some chunks empty)."""
 
     def __init__(
         self,
         lens: np.ndarray,
         home: np.ndarray,
         bag_sizes: np.ndarray,
-        work: np.ndarray,
-        model: WorkloadModel,
+        model: Model,
+        comm: _GroupComm | None = None,
     ):
         self.model = model
+        self.comm = comm
         self.token_work = float(model.linear(1.0))
         self.true_lens = lens
         # For placement, a sequence shorter than every bag counts as long enough for the
         # smallest ones: it runs there with some empty chunks (nothing better exists).
         self.lens = np.maximum(lens, bag_sizes.min())
         self.home = home
-        self.work = work
+        self.work = model(lens)
         self.bag_sizes = bag_sizes
+        self.g = bag_sizes.astype(np.float64)
         self.k = bag_sizes.size
         self.home_bag = np.repeat(np.arange(self.k), bag_sizes)[home]
         self.sizes = np.unique(bag_sizes)  # ascending
         self.bags_of_size = [np.flatnonzero(bag_sizes == s) for s in self.sizes]
-        self.ideal = float(work.sum()) / float(bag_sizes.sum())
+        token_s = np.zeros(self.k) if comm is None else comm.bag_token_s
+        speed = np.ones(self.k) if comm is None else comm.bag_speed
+        self.inv_speed = 1.0 / speed
+        # Classes: distinct (size, Ulysses cost); cost[s, c] is per GPU at speed 1.
+        if comm is None:
+            class_g, class_u = self.sizes.astype(np.float64), np.zeros(self.sizes.size)
+            self.cls = np.searchsorted(self.sizes, bag_sizes)
+        else:
+            keys, self.cls = np.unique(np.column_stack([self.g, token_s]), axis=0, return_inverse=True)
+            self.cls = self.cls.reshape(-1)
+            class_g, class_u = keys[:, 0], keys[:, 1]
+        self.cost = self.work[:, None] / class_g[None, :]
+        if class_u.any():
+            self.cost += (lens[:, None] / class_g[None, :]) * class_u[None, :]
+        # Exact per-rank time: (attention/g + per-token cost x tokens) / speed.
+        self.bag_token_cost = self.token_work + token_s
+        # Equal bags of equal speed, no communication term: the published greedy is LPT.
+        self.uniform_equal = (
+            self.cost.shape[1] == 1 and not class_u.any() and bool(np.all(self.inv_speed == self.inv_speed[0]))
+        )
+        # Lower bound on the makespan: every sequence on its cheapest class in GPU-seconds.
+        gpu_s = (self.cost * class_g[None, :]).min(axis=1)
+        self.ideal = float(gpu_s.sum()) / float((self.g * speed).sum())
         # Visit order of the constructions: decreasing work, ties by id (deterministic).
-        self.order = np.argsort(-work, kind="stable")
+        self.order = np.argsort(-self.work, kind="stable")
+        self.offset: np.ndarray | None = None
+        """(k,) fixed seconds added to each bag's load (its ranks' routing), or None."""
+
+    def t(self, s, b):
+        """Time of sequence(s) ``s`` on bag(s) ``b`` (broadcasting)."""
+        return self.cost[s, self.cls[b]] * self.inv_speed[b]
 
     def loads(self, assign: np.ndarray) -> np.ndarray:
-        """Per-GPU load of every bag."""
-        return np.bincount(assign, weights=self.work, minlength=self.k) / self.bag_sizes
+        """Per-GPU time of every bag."""
+        if self.cost.shape[1] == 1:
+            per = self.cost[:, 0]
+        else:
+            per = np.take_along_axis(self.cost, self.cls[assign][:, None], axis=1)[:, 0]
+        loads = np.bincount(assign, weights=per, minlength=self.k) * self.inv_speed
+        return loads if self.offset is None else loads + self.offset
 
     def makespan(self, assign: np.ndarray) -> float:
         return float(self.loads(assign).max())
 
     def max_rank_load(self, assign: np.ndarray) -> float:
-        """Exact work of the busiest rank once sequences are cut into chunks: a bag's
+        """Exact time of the busiest rank once sequences are cut into chunks: a bag's
         remainder tokens go round-robin over its ranks (see ``_make_chunks``), so its
         busiest rank has ``ceil`` of the leftover tokens."""
         g = self.bag_sizes[assign]
@@ -229,7 +320,25 @@ class _Problem:
         base_tok = np.bincount(assign, weights=base, minlength=self.k)
         rem_tok = np.bincount(assign, weights=rem, minlength=self.k)
         top_tok = base_tok + np.ceil(rem_tok / self.bag_sizes - 1e-9)
-        return float((attn + self.model.linear(top_tok)).max())
+        return float(((attn + self.bag_token_cost * top_tok) * self.inv_speed).max())
+
+    def times(self, assign: np.ndarray) -> StepTimes:
+        """Predicted per-rank times of the group (cost model), routing included."""
+        topo = Topology(tuple(self.bag_sizes.tolist()))
+        chunk_seq, chunk_rank, _, chunk_len = _make_chunks(self.true_lens, self.home, assign, topo)
+        return rank_times(
+            self.model, topo, self.true_lens, self.home, chunk_seq, chunk_rank, chunk_len,
+            self.bag_sizes[assign], rank_offset=self.comm.rank_offset,
+            bag_token_s=self.comm.bag_token_s, bag_speed=self.comm.bag_speed,
+        )
+
+    def step_time(self, assign: np.ndarray) -> float:
+        return self.times(assign).step_time
+
+    def route_offsets(self, assign: np.ndarray) -> np.ndarray:
+        """(k,) routing seconds of each bag's busiest-routing rank under ``assign``."""
+        route = self.times(assign).route
+        return np.maximum.reduceat(route, np.concatenate([[0], np.cumsum(self.bag_sizes)[:-1]]))
 
     def moved_tokens(self, assign: np.ndarray) -> float:
         """Tokens leaving their home rank (a home-bag sequence keeps ~1/g of its tokens)."""
@@ -237,29 +346,31 @@ class _Problem:
         at_home = assign == self.home_bag
         return float(lens.sum() - (lens[at_home] / self.bag_sizes[assign[at_home]]).sum())
 
-    def choose(self, candidates: list[tuple[str, np.ndarray, int]]) -> tuple[str, np.ndarray, int]:
-        """The best-balanced candidate; among those within half a token's work of it (the
-        chunking's own resolution) and no worse than greedy, the one that moves fewest tokens."""
-        peak = [self.max_rank_load(a) for _, a, _ in candidates]
+    def choose(self, candidates: list[tuple[str, np.ndarray, int]]) -> tuple[str, np.ndarray, int, float]:
+        """The best candidate by exact peak (workload model) or predicted step time (cost
+        model); among those within half a token's work of it (the chunking's own
+        resolution) and no worse than the first (greedy), the one that moves fewest tokens."""
+        score = self.max_rank_load if self.comm is None else self.step_time
+        peak = [score(a) for _, a, _ in candidates]
         greedy_peak = peak[0]
         best = min(peak)
         tol = 0.5 * self.token_work
         ok = [i for i, p in enumerate(peak) if p <= best + tol and p <= greedy_peak]
         i = min(ok, key=lambda i: (self.moved_tokens(candidates[i][1]), peak[i]))
-        return candidates[i]
+        return (*candidates[i], peak[i])
 
     def home_start(self) -> np.ndarray:
         """Every sequence on the bag holding its home rank (if it is long enough, else on
-        the least loaded bag it fits)."""
+        the bag it fits that would finish it earliest)."""
         assign = self.home_bag.copy()
         misfit = np.flatnonzero(self.lens < self.bag_sizes[assign])
         if misfit.size:
-            loads = self.loads(np.where(self.lens >= self.bag_sizes[assign], assign, 0) * 0 + assign)
+            loads = self.loads(assign)
             for s in misfit[np.argsort(-self.work[misfit], kind="stable")].tolist():
                 fits = np.flatnonzero(self.bag_sizes <= self.lens[s])
-                j = int(fits[np.argmin(loads[fits] + self.work[s] / self.bag_sizes[fits])])
-                loads[assign[s]] -= self.work[s] / self.bag_sizes[assign[s]]
-                loads[j] += self.work[s] / self.bag_sizes[j]
+                j = int(fits[np.argmin(loads[fits] + self.t(s, fits))])
+                loads[assign[s]] -= self.t(s, assign[s])
+                loads[j] += self.t(s, j)
                 assign[s] = j
         return assign
 
@@ -268,8 +379,9 @@ class _Problem:
     def greedy(self) -> np.ndarray:
         """KnapFormer's greedy: by decreasing work, candidate bags are those whose capacity
         (mean per-GPU work x size) covers the sequence and whose size is <= L (else all
-        bags of the largest size that fits), and the least occupied candidate wins."""
-        mean = self.ideal
+        bags of the largest size that fits), and the least occupied candidate wins. It
+        balances the work estimate alone (no communication, no speeds), as published."""
+        mean = float(self.work.sum()) / float(self.bag_sizes.sum())
         cap = [mean * float(s) for s in self.sizes]
         heaps = [[(0.0, int(b)) for b in bags] for bags in self.bags_of_size]
         assign = np.empty(self.lens.size, dtype=np.int64)
@@ -298,25 +410,43 @@ class _Problem:
         return assign
 
     def lpt(self) -> np.ndarray:
-        """LPT for uniform machines: by decreasing work, the bag that would finish the
-        sequence earliest (lowest per-GPU load after adding it), among bags with g <= L."""
-        heaps = [[(0.0, int(b)) for b in bags] for bags in self.bags_of_size]
+        """LPT: by decreasing work, the bag that would finish the sequence earliest (lowest
+        load after adding it), among bags with g <= L. Bags of one class and speed share a
+        heap; with many distinct speeds every bag is looked at."""
+        types, type_of_bag = np.unique(
+            np.column_stack([self.cls, self.inv_speed]), axis=0, return_inverse=True
+        )
+        type_of_bag = type_of_bag.reshape(-1)
         assign = np.empty(self.lens.size, dtype=np.int64)
-        lens, work = self.lens.tolist(), self.work.tolist()
-        sizes = [float(s) for s in self.sizes.tolist()]
+        lens = self.lens.tolist()
+        if len(types) > 16:
+            loads = np.zeros(self.k)
+            every = np.arange(self.k)
+            for s in self.order.tolist():
+                fin = loads + self.t(s, every)
+                fin[self.bag_sizes > lens[s]] = np.inf
+                j = int(np.argmin(fin))
+                loads[j] = fin[j]
+                assign[s] = j
+            return assign
+        heaps = [[(0.0, int(b)) for b in np.flatnonzero(type_of_bag == ti)] for ti in range(len(types))]
+        type_g = [int(self.bag_sizes[h[0][1]]) for h in heaps]
+        # (S, types) time of every sequence on a bag of every type.
+        t_rows = (self.cost[:, types[:, 0].astype(np.int64)] * types[None, :, 1]).tolist()
+        n_types = len(types)
         for s in self.order.tolist():
-            L, w = lens[s], work[s]
-            best_c, best_fin, best_bag = -1, 0.0, 0
-            for c, g in enumerate(sizes):
-                if g > L:
-                    break
-                load, b = heaps[c][0]
-                fin = load + w / g
-                if best_c < 0 or fin < best_fin or (fin == best_fin and b < best_bag):
-                    best_c, best_fin, best_bag = c, fin, b
-            load, b = heaps[best_c][0]
-            heapq.heapreplace(heaps[best_c], (load + w / sizes[best_c], b))
-            assign[s] = b
+            L = lens[s]
+            row = t_rows[s]
+            best_t, best_fin, best_bag = -1, 0.0, 0
+            for ti in range(n_types):
+                if type_g[ti] > L:
+                    continue
+                load, b = heaps[ti][0]
+                fin = load + row[ti]
+                if best_t < 0 or fin < best_fin or (fin == best_fin and b < best_bag):
+                    best_t, best_fin, best_bag = ti, fin, b
+            heapq.heapreplace(heaps[best_t], (best_fin, best_bag))
+            assign[s] = best_bag
         return assign
 
     # -- refinement ------------------------------------------------------------------------
@@ -327,13 +457,15 @@ class _Problem:
         Each accepted step replaces the top bag's load by two strictly smaller loads, so
         the sorted load vector decreases lexicographically and the loop terminates."""
         assign = assign.copy()
-        g = self.bag_sizes.astype(np.float64)
+        g = self.g
         loads = self.loads(assign)
-        members = [list(np.flatnonzero(assign == b)) for b in range(self.k)]
+        # Members of every bag in increasing id (a stable sort groups them in one pass).
+        order = np.argsort(assign, kind="stable")
+        members = [list(m) for m in np.split(order, np.cumsum(np.bincount(assign, minlength=self.k))[:-1])]
         max_iters = max_iters if max_iters is not None else 20 * self.k + 200
         # Below a fraction of one token's work, chunk rounding decides the peak anyway.
         stop = self.ideal + max(self.ideal * _STOP_REL, 0.5 * self.token_work)
-        lens, work = self.lens, self.work
+        lens, cost, cls, inv = self.lens, self.cost, self.cls, self.inv_speed
         n_partners = min(self.k - 1, 4)
         iters = 0
         while iters < max_iters and n_partners > 0:
@@ -342,13 +474,15 @@ class _Problem:
             if top <= stop or not members[b]:
                 break
             items = np.asarray(members[b], dtype=np.int64)
-            w_b, l_b = work[items], lens[items]
+            c_items = cost[items]  # (n_b, classes)
+            t_b = c_items[:, cls[b]] * inv[b]
+            l_b = lens[items]
             # Partners: the least loaded bags, where a move or swap helps most.
             part = np.argpartition(loads, n_partners)[: n_partners + 1]
             part = part[part != b][:n_partners]
             # Moves, all items x all partners at once: (n_b, p).
             g_p = g[part]
-            new = np.maximum(top - w_b[:, None] / g[b], loads[part][None, :] + w_b[:, None] / g_p)
+            new = np.maximum(top - t_b[:, None], loads[part][None, :] + c_items[:, cls[part]] * inv[part])
             new[l_b[:, None] < g_p[None, :]] = np.inf
             flat = int(np.argmin(new))
             best_val = float(new.flat[flat])
@@ -362,10 +496,13 @@ class _Problem:
             if sum(sizes) * items.size <= 4096:
                 t_all = np.concatenate(cand_t)
                 j_all = np.repeat(part, sizes)
-                d = w_b[:, None] - work[t_all][None, :]  # (n_b, n_t)
+                t_tb = cost[t_all, cls[b]] * inv[b]  # (n_t,) t on b
+                t_tj = cost[t_all, cls[j_all]] * inv[j_all]  # (n_t,) t on its own bag
+                t_sj = c_items[:, cls[j_all]] * inv[j_all]  # (n_b, n_t) s on t's bag
+                d_b = t_b[:, None] - t_tb[None, :]  # what b sheds
+                new = np.maximum(top - d_b, loads[j_all][None, :] + t_sj - t_tj[None, :])
                 g_j = g[j_all][None, :]
-                new = np.maximum(top - d / g[b], loads[j_all][None, :] + d / g_j)
-                bad = (d <= 0) | (l_b[:, None] < g_j) | (lens[t_all][None, :] < g[b])
+                bad = (d_b <= 0) | (l_b[:, None] < g_j) | (lens[t_all][None, :] < g[b])
                 new[bad] = np.inf
                 if new.size:
                     flat = int(np.argmin(new))
@@ -377,16 +514,19 @@ class _Problem:
                 for j, oth in zip(part.tolist(), cand_t):
                     if not oth.size:
                         continue
-                    srt = np.argsort(work[oth], kind="stable")
-                    w_sorted = work[oth][srt]
-                    # The swap that leaves both bags equal moves d* of work.
-                    d_star = (top - loads[j]) / (1.0 / g[b] + 1.0 / g[j])
-                    pos = np.searchsorted(w_sorted, w_b - d_star)
+                    t_ob = cost[oth, cls[b]] * inv[b]
+                    srt = np.argsort(t_ob, kind="stable")
+                    t_sorted = t_ob[srt]
+                    t_sj = c_items[:, cls[j]] * inv[j]
+                    # The swap that leaves both bags equal, if costs on j scale like on b.
+                    rho = t_sj / np.maximum(t_b, 1e-300)
+                    target = (loads[j] + t_sj - top + t_b) / (1.0 + rho)
+                    pos = np.searchsorted(t_sorted, target)
                     for cand in (np.clip(pos - 1, 0, oth.size - 1), np.clip(pos, 0, oth.size - 1)):
                         t_items = oth[srt[cand]]
-                        d = w_b - work[t_items]
-                        new = np.maximum(top - d / g[b], loads[j] + d / g[j])
-                        valid = (d > 0) & (l_b >= g[j]) & (lens[t_items] >= g[b])
+                        d_b = t_b - cost[t_items, cls[b]] * inv[b]
+                        new = np.maximum(top - d_b, loads[j] + t_sj - cost[t_items, cls[j]] * inv[j])
+                        valid = (d_b > 0) & (l_b >= g[j]) & (lens[t_items] >= g[b])
                         new = np.where(valid, new, np.inf)
                         i = int(np.argmin(new))
                         if new[i] < best_val:
@@ -399,8 +539,8 @@ class _Problem:
                 members[b].remove(s)
                 members[j].append(s)
                 assign[s] = j
-                loads[b] -= work[s] / g[b]
-                loads[j] += work[s] / g[j]
+                loads[b] -= self.t(s, b)
+                loads[j] += self.t(s, j)
             else:
                 _, s, t, j = action
                 members[b].remove(s)
@@ -408,26 +548,27 @@ class _Problem:
                 members[b].append(t)
                 members[j].append(s)
                 assign[s], assign[t] = j, b
-                loads[b] += (work[t] - work[s]) / g[b]
-                loads[j] += (work[s] - work[t]) / g[j]
+                loads[b] += self.t(t, b) - self.t(s, b)
+                loads[j] += self.t(s, j) - self.t(t, j)
             iters += 1
         return assign, iters
 
     def repair(self, assign: np.ndarray, cap: float) -> np.ndarray:
         """Bring every bag to at most ``cap`` by taking its lightest sequences out, then
-        place them by LPT. From the home assignment this moves few tokens."""
+        place them best-fit. From the home assignment this moves few tokens."""
         assign = assign.copy()
-        g = self.bag_sizes.astype(np.float64)
         loads = self.loads(assign)
         pool: list[int] = []
         for b in np.flatnonzero(loads > cap).tolist():
             items = np.flatnonzero(assign == b)
-            items = items[np.argsort(self.work[items], kind="stable")]
-            excess = (loads[b] - cap) * g[b]
-            take = int(np.searchsorted(np.cumsum(self.work[items]), excess)) + 1
+            t_items = self.t(items, b)
+            srt = np.argsort(t_items, kind="stable")
+            items, t_items = items[srt], t_items[srt]
+            excess = loads[b] - cap
+            take = int(np.searchsorted(np.cumsum(t_items), excess)) + 1
             take = min(take, items.size)
             pool.extend(items[:take].tolist())
-            loads[b] -= self.work[items[:take]].sum() / g[b]
+            loads[b] -= t_items[:take].sum()
         if not pool:
             return assign
         pool_arr = np.asarray(pool, dtype=np.int64)
@@ -436,11 +577,11 @@ class _Problem:
         # cap; one that fits nowhere goes where it finishes earliest.
         for s in pool_arr.tolist():
             fits = np.flatnonzero(self.bag_sizes <= self.lens[s])
-            fin = loads[fits] + self.work[s] / g[fits]
+            fin = loads[fits] + self.t(s, fits)
             room = np.where(fin <= cap, cap - fin, np.inf)
             i = int(np.argmin(room)) if np.isfinite(room).any() else int(np.argmin(fin))
             j = int(fits[i])
-            loads[j] += self.work[s] / g[j]
+            loads[j] = fin[i]
             assign[s] = j
         return assign
 
@@ -450,7 +591,6 @@ class _Problem:
         assign = assign.copy()
         loads = self.loads(assign)
         cap = float(loads.max())
-        g = self.bag_sizes.astype(np.float64)
         away = np.flatnonzero(
             (assign != self.home_bag) & (self.lens >= self.bag_sizes[self.home_bag])
         )
@@ -458,15 +598,15 @@ class _Problem:
             return assign
         away = away[np.argsort(-self.lens[away], kind="stable")]
         loads_l = loads.tolist()
-        g_l = g.tolist()
-        work = self.work
-        for s, h, cur, w in zip(
-            away.tolist(), self.home_bag[away].tolist(), assign[away].tolist(), work[away].tolist()
+        t_home = self.t(away, self.home_bag[away]).tolist()
+        t_cur = self.t(away, assign[away]).tolist()
+        for s, h, cur, th, tc in zip(
+            away.tolist(), self.home_bag[away].tolist(), assign[away].tolist(), t_home, t_cur
         ):
-            new = loads_l[h] + w / g_l[h]
+            new = loads_l[h] + th
             if new <= cap:
                 loads_l[h] = new
-                loads_l[cur] -= w / g_l[cur]
+                loads_l[cur] -= tc
                 assign[s] = h
         return assign
 

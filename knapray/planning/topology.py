@@ -9,6 +9,7 @@ groups (KnapFormer does the same), each planned on its own.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -172,5 +173,79 @@ class Topology:
 def _node_aware_order(bags: list[int], gpus_per_node: int, spec: str) -> list[int]:
     if gpus_per_node < 1:
         raise ValueError(f"gpus_per_node must be >= 1, got {gpus_per_node}")
-    # Largest first: with power-of-two sizes no bag then straddles a node boundary.
-    return sorted(bags, reverse=True)
+    big = sorted((g for g in bags if g > gpus_per_node), reverse=True)
+    nodes = pack_nodes([g for g in bags if g <= gpus_per_node], gpus_per_node)
+    if nodes is None:
+        raise ValueError(
+            f"the bags of {spec!r} that fit in a node cannot be laid out in nodes of "
+            f"{gpus_per_node} GPUs without one crossing a node boundary (every node but the "
+            "last must be filled exactly)"
+        )
+    return big + [g for node in nodes for g in node]
+
+
+def pack_nodes(bags: list[int], gpus_per_node: int) -> list[list[int]] | None:
+    """Bags (each <= ``gpus_per_node``) grouped into nodes, every node filled exactly but
+    the last; largest bags first. None if no such packing exists.
+
+    First fit decreasing finds it for power-of-two sizes (there it is the same as sorting
+    largest first) and most others; a depth-first search over node fillings covers the rest."""
+    sizes = sorted(bags, reverse=True)
+    nodes: list[list[int]] = []
+    free: list[int] = []
+    open_nodes: list[int] = []  # nodes with room left, in opening order
+    for g in sizes:
+        for k, i in enumerate(open_nodes):
+            if free[i] >= g:
+                nodes[i].append(g)
+                free[i] -= g
+                if not free[i]:
+                    del open_nodes[k]
+                break
+        else:
+            nodes.append([g])
+            free.append(gpus_per_node - g)
+            if free[-1]:
+                open_nodes.append(len(nodes) - 1)
+    if len(open_nodes) <= 1:
+        return sorted(nodes, key=lambda node: sum(node) < gpus_per_node)  # the partial node last
+    return _pack_exact(sizes, gpus_per_node)
+
+
+def _pack_exact(sizes: list[int], gpus_per_node: int, budget: int = 20000) -> list[list[int]] | None:
+    counts = Counter(sizes)
+    kinds = sorted(counts, reverse=True)
+    failed: set[tuple[int, ...]] = set()
+    steps = 0
+
+    def fillings(remaining: dict[int, int], room: int, start: int, used: tuple[int, ...] = ()):
+        """Lists of remaining sizes (indices >= start, non-increasing) summing to ``room``."""
+        if room == 0:
+            yield list(used)
+            return
+        for i in range(start, len(kinds)):
+            g = kinds[i]
+            if g <= room and remaining[g] > used.count(g):
+                yield from fillings(remaining, room - g, i, used + (g,))
+
+    def solve(remaining: dict[int, int]) -> list[list[int]] | None:
+        nonlocal steps
+        total = sum(g * n for g, n in remaining.items())
+        if total <= gpus_per_node:
+            return [[g for g in kinds for _ in range(remaining[g])]] if total else []
+        key = tuple(remaining[g] for g in kinds)
+        if key in failed or steps > budget:
+            return None
+        steps += 1
+        for node in fillings(remaining, gpus_per_node, 0):
+            for g in node:
+                remaining[g] -= 1
+            rest = solve(remaining)
+            for g in node:
+                remaining[g] += 1
+            if rest is not None:
+                return [node] + rest
+        failed.add(key)
+        return None
+
+    return solve(dict(counts))

@@ -1,0 +1,373 @@
+"""CostModel: predicted seconds of a training step, compute and communication.
+
+Where ``WorkloadModel`` is the paper's relative work estimate, ``CostModel`` predicts
+time on a machine, so the planner can trade balance against communication and the
+topology search can compare bag layouts. Every constant is a field (override it, or load
+a config dict / a profile written by ``knapray calibrate``).
+
+Compute, per sequence of ``L`` tokens on one GPU of speed 1::
+
+    compute(L) = layers · (a·L + b·L²)
+
+``a`` (seconds per token per layer) and ``b`` (seconds per token pair per layer) are fitted
+(``knapray calibrate``) or derived from FLOPs: per layer and forward pass a token costs
+``24·d²`` FLOPs in projections and MLP (MLP ratio 4; true of Flux's double blocks, whose
+text and image tokens have separate weights, and of its single blocks, whose fused
+``d -> 7d`` and ``5d -> d`` linears are also ``12·d²`` multiply-adds) and attention
+``4·L·d`` (``QKᵀ`` and ``PV``); a training step runs ``1 + backward_factor +
+recompute_passes`` forward-equivalents (forward, backward = 2x forward, and the forward
+recomputed by activation checkpointing: 4), at ``flops_per_s`` achieved.
+
+Ulysses, for a sequence on a bag of ``g > 1`` GPUs, per attention layer and step, each of
+the bag's GPUs takes part in 12 all-to-alls of its ``L/g``-token chunk, ``d`` values of
+``activation_bytes`` each per token (``ulysses_a2a_per_layer``):
+
+- forward: q, k, v (sequence-sharded -> head-sharded) and the output (back): 4;
+- backward: the output's gradient (in) and the gradients of q, k, v (back): 4;
+- the recomputed forward of activation checkpointing: 4 more.
+
+Of each all-to-all a fraction ``(g-1)/g`` of the chunk leaves the GPU: the part bound for
+peers on the same node moves at ``intra_node_bw``, the part for peers on other nodes (a
+bag larger than a node, or one laid out across a boundary) at ``inter_node_bw``; the
+two run on different links, so the slower one sets the time. A sequence on a bag of
+``g`` thus costs each of its GPUs ``compute(L)/g + ulysses(L, g)``.
+
+Routing: route and reverse route of the hidden states (``d`` values per token) in the
+forward pass, and the same two in the backward pass: ``route_a2a_per_step = 4``
+all-to-alls per step of every token a rank sends to or receives from another rank
+(again intra- vs inter-node bandwidth, the busier direction counts).
+
+Speed: rank ``r``'s time is its load divided by ``rank_speed[r]`` (0.5: twice as slow);
+a bag runs at the speed of its slowest member (its ranks meet at every all-to-all).
+
+The step time of a plan is ``max over ranks (busy_r / speed + route_r) + step_overhead_s``;
+its ideal is ``sum compute(L) / sum speed + step_overhead_s`` (perfect balance, no
+communication).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from .topology import Topology
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostModel:
+    """Predicted per-GPU seconds of sequences, per-rank speeds, and communication."""
+
+    d_model: int = 3072
+    """Transformer width ``d`` (Flux: 3072)."""
+    double_blocks: int = 19
+    """Double-stream blocks (Flux: 19)."""
+    single_blocks: int = 38
+    """Single-stream blocks (Flux: 38)."""
+    num_heads: int = 24
+    """Attention heads (Flux: 24); a bag size must divide it for Ulysses."""
+    flops_per_s: float = 400e12
+    """Achieved compute per GPU (bf16 on an H100: 400 TFLOP/s)."""
+    backward_factor: float = 2.0
+    """Backward FLOPs as a multiple of the forward's."""
+    recompute_passes: float = 1.0
+    """Extra forward passes recomputed in the backward (activation checkpointing: 1)."""
+    linear_flops: float = 24.0
+    """Forward FLOPs per token per ``d²`` per layer (projections + MLP of ratio 4)."""
+    attn_flops: float = 4.0
+    """Forward FLOPs per token pair per ``d`` per layer (``QKᵀ`` and ``PV``)."""
+    linear_s: float | None = None
+    """Fitted seconds per token per layer for a whole step (overrides the FLOP estimate)."""
+    attn_s: float | None = None
+    """Fitted seconds per token pair per layer for a whole step (overrides the FLOP estimate)."""
+    step_overhead_s: float = 0.0
+    """Fixed seconds per rank and step (launches, optimizer); the same on every plan."""
+    activation_bytes: int = 2
+    """Bytes per activation value (bf16: 2)."""
+    ulysses_a2a_per_layer: int = 12
+    """All-to-alls of a chunk per attention layer and step (4 forward, 4 backward, 4 recompute)."""
+    route_a2a_per_step: int = 4
+    """All-to-alls of a moved token per step (route and reverse route, forward and backward)."""
+    route_bytes_per_token: float | None = None
+    """Bytes a routed token carries (default: hidden state, ``d · activation_bytes``)."""
+    intra_node_bw: float = 300e9
+    """Achieved all-to-all bytes/s per GPU and direction inside a node (NVLink)."""
+    inter_node_bw: float = 40e9
+    """Achieved all-to-all bytes/s per GPU and direction between nodes (InfiniBand)."""
+    gpus_per_node: int = 8
+    """GPUs per node: ranks ``n·gpus_per_node ..`` share node ``n``."""
+    rank_speed: tuple[float, ...] | None = None
+    """Relative speed of every rank (1: nominal; 0.5: takes twice as long); None: all 1."""
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "num_heads", "activation_bytes", "gpus_per_node"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        for name in ("double_blocks", "single_blocks", "ulysses_a2a_per_layer", "route_a2a_per_step"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+        if self.layers < 1:
+            raise ValueError("need at least one block (double_blocks + single_blocks >= 1)")
+        for name in ("flops_per_s", "intra_node_bw", "inter_node_bw"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and np.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be a positive number, got {v!r}")
+        for name in ("backward_factor", "recompute_passes", "linear_flops", "attn_flops", "step_overhead_s"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and np.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+        for name in ("linear_s", "attn_s", "route_bytes_per_token"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and np.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be None or a number >= 0, got {v!r}")
+        if self.rank_speed is not None:
+            speeds = tuple(float(s) for s in self.rank_speed)
+            bad = [s for s in speeds if not (np.isfinite(s) and s > 0)]
+            if bad or not speeds:
+                raise ValueError(f"rank_speed must be a non-empty list of numbers > 0, got {self.rank_speed!r}")
+            object.__setattr__(self, "rank_speed", speeds)
+
+    # ---- construction ------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "CostModel":
+        """Build from a plain mapping (config file); unknown keys raise, naming the valid ones."""
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(values) - set(valid))
+        if unknown:
+            raise ValueError(f"unknown CostModel keys {unknown}; valid: {valid}")
+        values = dict(values)
+        if values.get("rank_speed") is not None:
+            values["rank_speed"] = tuple(values["rank_speed"])
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        if d["rank_speed"] is not None:
+            d["rank_speed"] = list(d["rank_speed"])
+        return d
+
+    @classmethod
+    def from_profile(cls, path: str, **overrides: Any) -> "CostModel":
+        """Load the ``cost_model`` section of a profile JSON (``knapray calibrate``), or a
+        JSON file that is such a mapping itself; ``overrides`` replace fields."""
+        with open(path) as f:
+            data = json.load(f)
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a JSON object with a 'cost_model' mapping")
+        values = data.get("cost_model", data)
+        if not isinstance(values, dict):
+            raise ValueError(f"{path}: 'cost_model' must be a mapping of CostModel fields")
+        return cls.from_dict({**values, **overrides})
+
+    def replace(self, **changes: Any) -> "CostModel":
+        return dataclasses.replace(self, **changes)
+
+    def with_rank_speed(self, speeds: Any) -> "CostModel":
+        """The same model with per-rank speed factors (None: all 1)."""
+        return dataclasses.replace(self, rank_speed=None if speeds is None else tuple(float(s) for s in speeds))
+
+    # ---- compute -------------------------------------------------------------------------
+
+    @property
+    def layers(self) -> int:
+        return int(self.double_blocks + self.single_blocks)
+
+    @property
+    def passes(self) -> float:
+        """Forward-equivalent passes per step (forward + backward + recompute)."""
+        return 1.0 + self.backward_factor + self.recompute_passes
+
+    @property
+    def linear_s_per_token(self) -> float:
+        """Seconds per token per layer (``a``)."""
+        if self.linear_s is not None:
+            return float(self.linear_s)
+        return self.linear_flops * float(self.d_model) ** 2 * self.passes / self.flops_per_s
+
+    @property
+    def attn_s_per_pair(self) -> float:
+        """Seconds per token pair per layer (``b``)."""
+        if self.attn_s is not None:
+            return float(self.attn_s)
+        return self.attn_flops * float(self.d_model) * self.passes / self.flops_per_s
+
+    def linear(self, tokens: np.ndarray | float) -> np.ndarray:
+        """Seconds of the per-token part for ``tokens`` tokens (all layers)."""
+        return self.layers * self.linear_s_per_token * np.asarray(tokens, dtype=np.float64)
+
+    def attention(self, seq_len: np.ndarray | float) -> np.ndarray:
+        """Seconds of attention of whole sequences (all layers, one GPU)."""
+        length = np.asarray(seq_len, dtype=np.float64)
+        return self.layers * self.attn_s_per_pair * length * length
+
+    def compute(self, seq_len: np.ndarray | float) -> np.ndarray:
+        """Seconds of forward + backward of whole sequences on one GPU of speed 1."""
+        return self.linear(seq_len) + self.attention(seq_len)
+
+    def __call__(self, seq_len: np.ndarray | float) -> np.ndarray:
+        """Work estimate for balancing (compute seconds, no communication): what the
+        KnapFormer greedy balances when it plans with a cost model."""
+        return self.compute(seq_len)
+
+    def chunk(self, chunk_len: np.ndarray, seq_len: np.ndarray, bag_size: np.ndarray) -> np.ndarray:
+        """Compute seconds of one chunk (its tokens' per-token part, ``1/g`` of attention)."""
+        return self.linear(chunk_len) + self.attention(seq_len) / np.asarray(bag_size, dtype=np.float64)
+
+    # ---- communication ----------------------------------------------------------------------
+
+    @property
+    def hidden_bytes(self) -> float:
+        return float(self.d_model * self.activation_bytes)
+
+    def ulysses_token_s(self, bag_size: int, off_node_peers: int = 0) -> float:
+        """Ulysses seconds per chunk token on a GPU of a bag of ``bag_size`` with
+        ``off_node_peers`` of its ``bag_size - 1`` peers on other nodes."""
+        g = int(bag_size)
+        if g <= 1:
+            return 0.0
+        on_node = g - 1 - off_node_peers
+        per_a2a = self.hidden_bytes * max(on_node / g / self.intra_node_bw, off_node_peers / g / self.inter_node_bw)
+        return self.ulysses_a2a_per_layer * self.layers * per_a2a
+
+    def ulysses(self, seq_len: np.ndarray | float, bag_size: int, off_node_peers: int = 0) -> np.ndarray:
+        """Ulysses seconds per GPU of a bag for whole sequences (``L/g`` tokens each)."""
+        return np.asarray(seq_len, dtype=np.float64) / bag_size * self.ulysses_token_s(bag_size, off_node_peers)
+
+    def seq_cost(self, seq_len: np.ndarray | float, bag_size: int, off_node_peers: int = 0) -> np.ndarray:
+        """Seconds each GPU of a bag spends on a sequence: ``compute(L)/g + ulysses(L, g)``."""
+        return self.compute(seq_len) / bag_size + self.ulysses(seq_len, bag_size, off_node_peers)
+
+    def route_token_s(self, inter_node: bool) -> float:
+        """Routing seconds per token a rank sends (or receives) per step."""
+        nbytes = self.hidden_bytes if self.route_bytes_per_token is None else float(self.route_bytes_per_token)
+        bw = self.inter_node_bw if inter_node else self.intra_node_bw
+        return self.route_a2a_per_step * nbytes / bw
+
+    # ---- topology-dependent terms ------------------------------------------------------
+
+    def speeds(self, world_size: int) -> np.ndarray:
+        """(W,) speed of every rank."""
+        if self.rank_speed is None:
+            return np.ones(world_size)
+        if len(self.rank_speed) != world_size:
+            raise ValueError(
+                f"rank_speed lists {len(self.rank_speed)} ranks, but the world has {world_size}"
+            )
+        return np.asarray(self.rank_speed, dtype=np.float64)
+
+    def bag_speed(self, topology: Topology) -> np.ndarray:
+        """(bags,) speed of every bag: its slowest member's."""
+        return np.minimum.reduceat(self.speeds(topology.world_size), topology.bag_starts)
+
+    def off_node_peers(self, topology: Topology) -> np.ndarray:
+        """(bags,) the most peers on other nodes that any GPU of the bag has."""
+        node = np.arange(topology.world_size) // self.gpus_per_node
+        out = np.zeros(topology.num_bags, dtype=np.int64)
+        for b, (start, g) in enumerate(zip(topology.bag_starts.tolist(), topology.bags)):
+            if g == 1:
+                continue
+            lo, hi = node[start], node[start + g - 1]
+            if lo == hi:
+                continue
+            counts = np.bincount(node[start : start + g] - lo)
+            out[b] = g - int(counts[counts > 0].min())
+        return out
+
+    def bag_ulysses_token_s(self, topology: Topology) -> np.ndarray:
+        """(bags,) Ulysses seconds per chunk token on each bag."""
+        off = self.off_node_peers(topology)
+        cache: dict[tuple[int, int], float] = {}
+        out = np.empty(topology.num_bags)
+        for b, (g, o) in enumerate(zip(topology.bags, off.tolist())):
+            key = (g, o)
+            if key not in cache:
+                cache[key] = self.ulysses_token_s(g, o)
+            out[b] = cache[key]
+        return out
+
+    def ideal_step_time(self, seq_lens: np.ndarray, world_size: int) -> float:
+        """Total compute over the ranks' total speed, no communication, plus the overhead."""
+        total = float(self.compute(np.asarray(seq_lens)).sum())
+        return total / float(self.speeds(world_size).sum()) + self.step_overhead_s
+
+    def step_times(self, plan) -> "StepTimes":
+        """Predicted per-rank times of a ``BalancePlan`` (any solver, any model)."""
+        return rank_times(
+            self, plan.topology, plan.seq_lens, plan.home_rank, plan.chunk_seq, plan.chunk_rank, plan.chunk_len,
+            plan.bag_size_of_seq,
+        )
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Predicted seconds per rank of one step under a plan."""
+
+    compute: np.ndarray
+    """(W,) forward + backward compute, divided by the bag's speed."""
+    ulysses: np.ndarray
+    """(W,) Ulysses all-to-alls, divided by the bag's speed."""
+    route: np.ndarray
+    """(W,) route + reverse route all-to-alls."""
+    overhead: float = 0.0
+    """Fixed seconds per rank."""
+
+    @property
+    def total(self) -> np.ndarray:
+        return self.compute + self.ulysses + self.route + self.overhead
+
+    @property
+    def step_time(self) -> float:
+        return float(self.total.max()) if self.total.size else self.overhead
+
+
+def rank_times(
+    model: CostModel,
+    topology: Topology,
+    seq_lens: np.ndarray,
+    home_rank: np.ndarray,
+    chunk_seq: np.ndarray,
+    chunk_rank: np.ndarray,
+    chunk_len: np.ndarray,
+    bag_size_of_seq: np.ndarray,
+    rank_offset: int = 0,
+    bag_token_s: np.ndarray | None = None,
+    bag_speed: np.ndarray | None = None,
+) -> StepTimes:
+    """Per-rank predicted times from chunk arrays (ranks relative to ``rank_offset`` in the
+    world, which sets their nodes; ``topology`` is the one the ranks index into).
+
+    ``bag_token_s`` / ``bag_speed`` (per bag of ``topology``) can be passed precomputed."""
+    w = topology.world_size
+    if bag_token_s is None:
+        bag_token_s = model.bag_ulysses_token_s(topology)
+    if bag_speed is None:
+        bag_speed = model.bag_speed(topology)
+    seq_len_c = seq_lens[chunk_seq].astype(np.float64)
+    g_c = bag_size_of_seq[chunk_seq].astype(np.float64)
+    comp = model.linear(chunk_len) + model.attention(seq_len_c) / g_c
+    bag_of_rank = topology.bag_of_rank
+    uly = chunk_len * bag_token_s[bag_of_rank[chunk_rank]]
+    speed = bag_speed[bag_of_rank]
+    compute = np.bincount(chunk_rank, weights=comp, minlength=w) / speed
+    ulysses = np.bincount(chunk_rank, weights=uly, minlength=w) / speed
+    src = home_rank[chunk_seq]
+    moved = src != chunk_rank
+    route = np.zeros(w)
+    if moved.any():
+        gpn = model.gpus_per_node
+        s, d, n = src[moved], chunk_rank[moved], chunk_len[moved].astype(np.float64)
+        inter = (s + rank_offset) // gpn != (d + rank_offset) // gpn
+        t_intra, t_inter = model.route_token_s(False), model.route_token_s(True)
+        parts = []
+        for mask, t in ((~inter, t_intra), (inter, t_inter)):
+            sent = np.bincount(s[mask], weights=n[mask], minlength=w)
+            recv = np.bincount(d[mask], weights=n[mask], minlength=w)
+            parts.append(np.maximum(sent, recv) * t)
+        route = np.maximum(parts[0], parts[1])
+    return StepTimes(compute, ulysses, route, model.step_overhead_s)

@@ -1,0 +1,280 @@
+"""Cluster step-time simulator: predicted seconds per rank of plans, under a ``CostModel``.
+
+For each step of a data mix (or of recorded lengths) it plans three ways and predicts
+every rank's time (compute, Ulysses all-to-alls, routing; ``CostModel.step_times``):
+
+- ``baseline``: no balancing, every rank computes its own sequences;
+- ``greedy``: KnapFormer's greedy on a fixed topology (with ``--topology auto``: the best
+  of the homogeneous ``g1n*``, ``g2n*``, ``g4n*``, ``g8n*`` that fit the world);
+- ``knapray``: our solver with the cost model, on the given topology or the one
+  ``autotopo`` chooses from *other* steps of the same mix (as the coordinator would, from
+  recent history).
+
+Efficiency is the ideal step time (total compute over the ranks' total speed, no
+communication) over the predicted step time, both summed over the steps.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import numpy as np
+
+from knapray.planning import PAPER_MIXES, Topology, identity_plan, plan_balance
+from knapray.planning.autotopo import composition_spec, search_topology
+from knapray.planning.cost import CostModel, StepTimes
+from knapray.planning.runner import mix_ranks, mix_steps
+
+MODES = ("baseline", "greedy", "knapray")
+FIXED_SIZES = (1, 2, 4, 8)
+HISTORY_SEED_OFFSET = 1000  # auto chooses from steps the evaluation never sees
+
+
+def resolve_mix(mix: str) -> str:
+    """A paper mix's name (``mixed-res``) or data codes."""
+    return PAPER_MIXES.get(mix, mix)
+
+
+def fixed_topologies(world_size: int, gpus_per_node: int, sizes: Sequence[int] = FIXED_SIZES) -> list[Topology]:
+    """``g{g}n{W/g}`` for every ``g`` in ``sizes`` that divides the world (one balance group)."""
+    out = []
+    for g in sizes:
+        if world_size % g == 0:
+            out.append(Topology.parse(f"g{g}n{world_size // g}", world_size=world_size, gpus_per_node=gpus_per_node))
+    return out
+
+
+def simulate(
+    steps: Sequence[Sequence[Sequence[int]]],
+    topology: str | Topology,
+    cost: CostModel,
+    history: Sequence[Sequence[Sequence[int]]] | None = None,
+    gpus_per_node: int | None = None,
+) -> dict:
+    """Predicted step times of ``steps`` (per-rank lengths) for the three modes.
+
+    ``topology``: a spec, a ``Topology``, or ``"auto"`` (chosen from ``history``, default
+    ``steps``)."""
+    t0 = time.perf_counter()
+    steps = [list(s) for s in steps]
+    if not steps:
+        raise ValueError("no steps to simulate")
+    world = len(steps[0])
+    gpn = int(gpus_per_node or cost.gpus_per_node)
+    if gpn != cost.gpus_per_node:
+        cost = cost.replace(gpus_per_node=gpn)
+    cost.speeds(world)  # validates rank_speed against the world
+    auto = None
+    if isinstance(topology, str) and topology == "auto":
+        auto = search_topology(history if history is not None else steps, world, cost, gpn)
+        ours_topo = auto.topology
+        greedy_topos = fixed_topologies(world, gpn)
+    else:
+        ours_topo = topology if isinstance(topology, Topology) else Topology.parse(topology, world, gpn)
+        greedy_topos = [ours_topo]
+    ideal = np.array([cost.ideal_step_time(_flat(s), world) for s in steps])
+    baseline = [cost.step_times(identity_plan(s, cost)) for s in steps]
+    greedy_runs = {
+        str(t): [cost.step_times(plan_balance(s, t, cost, solver="greedy")) for s in steps] for t in greedy_topos
+    }
+    greedy_name = min(greedy_runs, key=lambda k: sum(x.step_time for x in greedy_runs[k]))
+    plan_ms = []
+    ours = []
+    for s in steps:
+        t1 = time.perf_counter()
+        plan = plan_balance(s, ours_topo, cost)
+        plan_ms.append((time.perf_counter() - t1) * 1e3)
+        ours.append(cost.step_times(plan))
+    modes = {
+        "baseline": _mode("g1n%d (no balancing)" % world, baseline, ideal),
+        "greedy": _mode(greedy_name, greedy_runs[greedy_name], ideal),
+        "knapray": _mode(_auto_name(ours_topo) if auto else str(ours_topo), ours, ideal),
+    }
+    modes["knapray"]["plan_ms_p50"] = float(np.median(plan_ms))
+    result = {
+        "world_size": world,
+        "gpus_per_node": gpn,
+        "steps": len(steps),
+        "ideal_step_s": float(ideal.mean()),
+        "modes": modes,
+        "greedy_by_topology": {
+            k: {"step_s": float(np.mean([x.step_time for x in v])),
+                "efficiency": float(ideal.sum() / sum(x.step_time for x in v))}
+            for k, v in greedy_runs.items()
+        },
+        "speedup_vs_greedy": modes["greedy"]["step_s"] / modes["knapray"]["step_s"],
+        "speedup_vs_baseline": modes["baseline"]["step_s"] / modes["knapray"]["step_s"],
+    }
+    if auto is not None:
+        result["auto"] = auto.summary()
+        result["auto"]["layout_full"] = ours_topo.spec
+    result["simulate_s"] = time.perf_counter() - t0
+    return result
+
+
+def simulate_mix(
+    mix: str,
+    topology: str = "auto",
+    world_size: int | None = None,
+    cost: CostModel | None = None,
+    steps: int = 4,
+    seed: int = 0,
+    history_steps: int = 2,
+    gpus_per_node: int | None = None,
+) -> dict:
+    """``simulate`` on ``steps`` steps of a mix (paper name or data codes); ``auto``
+    chooses from ``history_steps`` other steps of the mix."""
+    codes = resolve_mix(mix)
+    world = world_size or mix_ranks(codes)
+    cost = cost or CostModel()
+    evaluated = list(mix_steps(codes, steps, seed, world_size=world))
+    history = list(mix_steps(codes, history_steps, seed + HISTORY_SEED_OFFSET, world_size=world))
+    result = simulate(evaluated, topology, cost, history=history, gpus_per_node=gpus_per_node)
+    result["mix"] = mix
+    return result
+
+
+def paper_table(
+    worlds: Sequence[int] = (32, 1024),
+    cost: CostModel | None = None,
+    steps: int = 3,
+    seed: int = 0,
+    progress=None,
+) -> list[dict]:
+    """``auto`` vs the best greedy x {g1n*, g2n*, g4n*, g8n*} on the paper's three mixes."""
+    rows = []
+    for world in worlds:
+        for name in PAPER_MIXES:
+            r = simulate_mix(name, "auto", world, cost, steps=steps, seed=seed)
+            m = r["modes"]
+            rows.append({
+                "mix": name,
+                "world_size": world,
+                "auto_topology": m["knapray"]["topology"],
+                "auto_num_groups": r["auto"]["num_groups"],
+                "auto_efficiency": m["knapray"]["efficiency"],
+                "auto_step_s": m["knapray"]["step_s"],
+                "greedy_topology": m["greedy"]["topology"],
+                "greedy_efficiency": m["greedy"]["efficiency"],
+                "greedy_step_s": m["greedy"]["step_s"],
+                "baseline_efficiency": m["baseline"]["efficiency"],
+                "ratio": r["speedup_vs_greedy"],
+                "seconds": r["simulate_s"],
+            })
+            if progress is not None:
+                progress(rows[-1])
+    return rows
+
+
+def table_markdown(rows: list[dict], command: str, cost: CostModel, steps: int = 3) -> str:
+    lines = [
+        "# Simulated step time: `auto` topology vs the best fixed greedy",
+        "",
+        f"Command: `{command}`",
+        "",
+        "Predicted by `knapray.planning.CostModel` with its defaults (Flux-size MMDiT: d 3072, "
+        "19 double + 38 single blocks; 400 TFLOP/s bf16 per GPU; backward 2x forward plus a "
+        "recomputed forward; Ulysses 12 all-to-alls per layer; 300 GB/s in a node, 40 GB/s "
+        f"between nodes; {cost.gpus_per_node} GPUs per node). `greedy` is KnapFormer's greedy on the "
+        "best of g1n\\*, g2n\\*, g4n\\*, g8n\\* (one balance group over the world); `auto` is "
+        "knapray's solver on the topology `autotopo` chose from two other steps of the mix "
+        f"(`xN`: N balance groups of that composition). Means over {steps} steps per row. Efficiency = ideal step "
+        "time (total compute / GPUs, no communication) / predicted step time; ratio = greedy "
+        "step time / auto step time; sim s = wall seconds of the row (topology search, "
+        "all plans, predictions) on a 2-core CPU.",
+        "",
+        "| mix | GPUs | auto topology | auto eff. | best greedy | greedy eff. | unbalanced eff. | ratio | sim s |",
+        "|---|---:|---|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['mix']} | {r['world_size']} | `{r['auto_topology']}` | {r['auto_efficiency']:.4f} | "
+            f"`{r['greedy_topology']}` | {r['greedy_efficiency']:.4f} | {r['baseline_efficiency']:.4f} | "
+            f"{r['ratio']:.4f} | {r.get('seconds', float('nan')):.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def print_report(r: dict) -> None:
+    print(f"mix {r.get('mix', '(lengths)')}  ranks {r['world_size']} ({r['gpus_per_node']} per node)  "
+          f"steps {r['steps']}  ideal step {r['ideal_step_s']:.4f} s")
+    print(f"{'mode':<9} {'topology':<34} {'step s':>8} {'eff.':>7} {'compute':>8} {'ulysses':>8} {'route':>7}")
+    for name in MODES:
+        m = r["modes"][name]
+        print(f"{name:<9} {_short(m['topology'], 34):<34} {m['step_s']:>8.4f} {m['efficiency']:>7.4f} "
+              f"{m['compute_s_mean']:>8.4f} {m['ulysses_s_mean']:>8.4f} {m['route_s_mean']:>7.4f}")
+    if "auto" in r:
+        a = r["auto"]
+        print(f"auto: {a['topology']} ({a['candidates']} candidates on {a['search_ranks']} ranks, "
+              f"{a['search_s']:.1f} s)")
+        print("greedy by topology: " + ", ".join(
+            f"{k} {v['efficiency']:.4f}" for k, v in r["greedy_by_topology"].items()))
+    print(f"knapray vs greedy: {r['speedup_vs_greedy']:.4f}x   vs unbalanced: {r['speedup_vs_baseline']:.3f}x "
+          "(predicted step time)")
+    print("compute / ulysses / route: per-rank means in seconds; eff. = ideal / predicted step time")
+
+
+def plot_rank_times(path: str, r: dict) -> str:
+    """Per-rank predicted time (mean over steps) of the three modes, split into compute,
+    Ulysses and routing."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 1, figsize=(11, 8), sharex=True, sharey=True)
+    ranks = np.arange(r["world_size"])
+    for ax, name in zip(axes, MODES):
+        m = r["modes"][name]
+        comp, uly, route = (np.asarray(m[k]) for k in ("rank_compute_s", "rank_ulysses_s", "rank_route_s"))
+        width = 1.0 if ranks.size > 64 else 0.8
+        ax.bar(ranks, comp, width, color="#2a6fdb", label="compute")
+        ax.bar(ranks, uly, width, bottom=comp, color="#e08020", label="Ulysses all-to-all")
+        ax.bar(ranks, route, width, bottom=comp + uly, color="#50a050", label="routing")
+        ax.axhline(r["ideal_step_s"], color="k", lw=0.8, ls="--", label="ideal step")
+        ax.set_title(f"{name}: {_short(m['topology'], 60)}  step {m['step_s']:.3f} s, "
+                     f"efficiency {m['efficiency']:.3f}", fontsize=9)
+        ax.set_ylabel("seconds")
+    axes[0].legend(loc="upper left", fontsize=7, ncol=4)
+    axes[-1].set_xlabel("rank")
+    fig.suptitle(f"predicted per-rank step time (mean over {r['steps']} steps): {r.get('mix', '')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+
+def _auto_name(topology: Topology) -> str:
+    """Bag counts of a balance group, and how many groups there are."""
+    spec = composition_spec(topology)
+    return spec if topology.num_groups == 1 else f"{spec} x{topology.num_groups}"
+
+
+def _flat(step) -> np.ndarray:
+    return np.asarray([x for r in step for x in r], dtype=np.int64)
+
+
+def _mode(topology: str, times: list[StepTimes], ideal: np.ndarray) -> dict:
+    step = np.array([t.step_time for t in times])
+    mean = lambda attr: np.mean([getattr(t, attr) for t in times], axis=0)  # noqa: E731
+    comp, uly, route = mean("compute"), mean("ulysses"), mean("route")
+    return {
+        "topology": topology,
+        "step_s": float(step.mean()),
+        "efficiency": float(ideal.sum() / step.sum()),
+        "compute_s_mean": float(comp.mean()),
+        "ulysses_s_mean": float(uly.mean()),
+        "route_s_mean": float(route.mean()),
+        "rank_s": mean("total").tolist(),
+        "rank_compute_s": comp.tolist(),
+        "rank_ulysses_s": uly.tolist(),
+        "rank_route_s": route.tolist(),
+    }
+
+
+def _short(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
