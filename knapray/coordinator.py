@@ -58,9 +58,9 @@ uses, so both paths give identical plans.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import pickle
-import logging
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field, fields
@@ -69,6 +69,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from .planning import SOLVERS, BalancePlan, Topology, WorkloadModel, plan_balance
+from .planning.autotopo import choose_topology
+from .planning.cost import CostModel
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -98,10 +100,26 @@ class StepFailed(ValueError):
 # ---- pure helpers both planning paths share -----------------------------------------------
 
 
+PLANNERS = ("workload", "cost")
+
+
+def make_planning_model(config: "CoordinatorConfig") -> WorkloadModel | CostModel:
+    """The model plans balance with; the coordinator and the local fallback build the same."""
+    if config.planner == "workload":
+        return WorkloadModel(config.d_model, config.gamma)
+    overrides = dict(config.cost or {})
+    overrides.setdefault("d_model", config.d_model)
+    if config.gpus_per_node:
+        overrides.setdefault("gpus_per_node", config.gpus_per_node)
+    if config.cost_profile:
+        return CostModel.from_profile(config.cost_profile, **overrides)
+    return CostModel.from_dict(overrides)
+
+
 def plan_from_gathered(
     all_lens_per_rank: Sequence[Sequence[int]],
     topology: Topology,
-    model: WorkloadModel | None = None,
+    model: WorkloadModel | CostModel | None = None,
     solver: str = "knapray",
 ) -> BalancePlan:
     """Plan one step from every rank's lengths, in rank order.
@@ -160,6 +178,14 @@ class CoordinatorConfig:
     auto_tolerance: float = 0.02
     """``"auto"`` picks the smallest bags whose mean predicted imbalance is within this
     (absolute) of the best: without a communication model, smaller bags mean less traffic."""
+    planner: str = "workload"
+    """What plans balance: ``"workload"`` (the paper's relative work, ``d_model``/``gamma``)
+    or ``"cost"`` (``CostModel``: predicted seconds, Ulysses and routing communication,
+    per-rank speeds measured live; ``"auto"`` then searches mixed topologies)."""
+    cost: dict | None = None
+    """``CostModel`` fields for ``planner="cost"`` (e.g. num_heads, flops_per_s)."""
+    cost_profile: str | None = None
+    """A ``knapray calibrate`` profile for ``planner="cost"`` (``cost`` overrides it)."""
     state_path: str | None = None
     """If set, the actor persists its state (ledger, epoch, attempt, world, statistics)
     there after every change of the ledger and reloads it when it is restarted, so losing
@@ -179,6 +205,9 @@ class CoordinatorConfig:
         if self.auto_tolerance < 0:
             raise ValueError(f"auto_tolerance must be >= 0, got {self.auto_tolerance}")
         WorkloadModel(self.d_model, self.gamma)  # validates both
+        if self.planner not in PLANNERS:
+            raise ValueError(f"unknown planner {self.planner!r}; valid: {', '.join(PLANNERS)}")
+        make_planning_model(self)  # validates the cost model's fields
         if self.solver not in SOLVERS:
             raise ValueError(f"unknown solver {self.solver!r}; valid: {', '.join(SOLVERS)}")
         _parse_rule(self.topology)
@@ -257,7 +286,7 @@ class BalanceCoordinator:
         if config is not None and overrides:
             raise ValueError(f"give either a CoordinatorConfig or keyword overrides, not both: {sorted(overrides)}")
         self.config = config or CoordinatorConfig.from_kwargs(**overrides)
-        self.model = WorkloadModel(self.config.d_model, self.config.gamma)
+        self.model = make_planning_model(self.config)
         self._world_size: int | None = None
         self._topology: Topology | None = None
         self._steps: dict[int, _Step] = {}
@@ -444,7 +473,7 @@ class BalanceCoordinator:
             self._end_epoch(st)
             return
         try:
-            plan = plan_from_gathered(lens, self._topology, self.model, self.config.solver)
+            plan = plan_from_gathered(lens, self._topology, self._live_model(), self.config.solver)
         except ValueError as e:
             self._fail(st, f"step {st.step}: planning failed: {e}")
         st.plan, st.decided = plan, True
@@ -701,8 +730,24 @@ class BalanceCoordinator:
             return Topology((p,) * (world_size // p))
         return self._auto_topology(world_size)
 
+    def _live_model(self) -> WorkloadModel | CostModel:
+        """The cost model with the measured per-rank speeds, once every rank has some: a
+        slow GPU or a straggling node then gets less work. The workload model has no speeds."""
+        if not isinstance(self.model, CostModel) or self._world_size is None:
+            return self.model
+        speeds = self.speed_factors()
+        if speeds.size != self._world_size or not np.all(np.isfinite(speeds)) or np.any(speeds <= 0):
+            return self.model
+        return self.model.with_rank_speed(speeds)
+
     def _auto_topology(self, world_size: int) -> Topology:
         gpn = self.config.gpus_per_node
+        if isinstance(self.model, CostModel):
+            # Mixed bag sizes by predicted step time (compute and communication).
+            history = self._redealt_history(world_size)
+            topo = choose_topology(history, world_size, self.model, gpn)
+            log.info("auto topology for world size %d (cost model): %s", world_size, topo)
+            return topo
         cap = gpn or _AUTO_MAX_BAG
         steps = [s for s in self._redealt_history(world_size) if any(s)]
         if not steps:

@@ -49,6 +49,13 @@ class BalanceConfig:
     """Attention cost factor of the workload model (d_model comes from the model)."""
     gpus_per_node: int = 0
     """If > 0, bags never cross a node boundary when they fit in one."""
+    planner: str = "workload"
+    """``workload`` (the paper's work estimate) or ``cost`` (predicted seconds with
+    communication and live per-rank speeds; then ``topology: auto`` searches mixed bags)."""
+    cost: dict = field(default_factory=dict)
+    """CostModel fields for ``planner: cost`` (num_heads defaults to the model's)."""
+    cost_profile: str = ""
+    """A ``knapray calibrate`` profile for ``planner: cost``."""
     coordinator: bool = True
     """Plan on the BalanceCoordinator actor (else every rank plans from an all-gather)."""
     coordinator_timeout_s: float = 30.0

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from .config import TrainConfig, config_from_dict
-from .loop import coordinator_name, train_loop
+from .loop import coordinator_config, coordinator_name, train_loop
 
 logger = logging.getLogger(__name__)
 
@@ -146,11 +146,7 @@ def run_training(cfg: TrainConfig, *, verbose: bool = True) -> dict:
     state_path = os.path.join(run_dir, "coordinator-state.pkl")
     if not _resuming(cfg) and os.path.exists(state_path):
         os.remove(state_path)  # a fresh run must not inherit an old run's ledger
-    coordinator = create_coordinator(
-        coordinator_name(cfg), topology=cfg.balance.topology, d_model=cfg.model.hidden_size,
-        gamma=cfg.balance.gamma, solver=cfg.balance.solver,
-        gpus_per_node=cfg.balance.gpus_per_node or None, state_path=state_path,
-    )
+    coordinator = create_coordinator(coordinator_name(cfg), state_path=state_path, **coordinator_config(cfg))
     ds = corpus_dataset(cfg.data.corpus, rows_per_block=cfg.data.samples_per_step)
     workers: Any = cfg.run.num_workers
     if cfg.run.min_workers:

@@ -31,6 +31,8 @@ import torch.distributed as dist
 
 from knapray.coordinator import (
     BalanceCoordinator,
+    CoordinatorConfig,
+    make_planning_model,
     CoordinatorClient,
     CoordinatorUnavailable,
     is_epoch_done,
@@ -42,7 +44,7 @@ from knapray.distributed.comms import comm_timer
 from knapray.distributed.grads import allreduce_gradients
 from knapray.models import MMDiT
 from knapray.models.flow import flow_loss
-from knapray.planning import BalancePlan, Topology, WorkloadModel, identity_plan
+from knapray.planning import BalancePlan, Topology, identity_plan
 
 from .balanced import balanced_forward
 from .config import TrainConfig
@@ -103,8 +105,23 @@ def _split_lengths(plan: BalancePlan) -> list[list[int]]:
     return [lens[offs[r] : offs[r + 1]] for r in range(plan.world_size)]
 
 
-def _workload(cfg: TrainConfig) -> WorkloadModel:
-    return WorkloadModel(d_model=cfg.model.hidden_size, gamma=cfg.balance.gamma)
+def coordinator_config(cfg: TrainConfig) -> dict:
+    """The coordinator's settings from the run config (the driver creates the actor with
+    them; a rank planning locally builds the same planning model from them)."""
+    cost = dict(cfg.balance.cost)
+    if cfg.balance.planner == "cost":
+        cost.setdefault("num_heads", cfg.model.num_heads)
+        cost.setdefault("double_blocks", cfg.model.depth_double)
+        cost.setdefault("single_blocks", cfg.model.depth_single)
+    return dict(
+        topology=cfg.balance.topology, d_model=cfg.model.hidden_size, gamma=cfg.balance.gamma,
+        solver=cfg.balance.solver, gpus_per_node=cfg.balance.gpus_per_node or None,
+        planner=cfg.balance.planner, cost=cost or None, cost_profile=cfg.balance.cost_profile or None,
+    )
+
+
+def _workload(cfg: TrainConfig):
+    return make_planning_model(CoordinatorConfig(**coordinator_config(cfg)))
 
 
 def _choose_topology(cfg: TrainConfig, client: CoordinatorClient | None, world: int, rank: int,
@@ -121,11 +138,7 @@ def _choose_topology(cfg: TrainConfig, client: CoordinatorClient | None, world: 
         except CoordinatorUnavailable:
             topo = None
     if topo is None:
-        local = BalanceCoordinator(
-            topology=cfg.balance.topology, world_size=world, d_model=cfg.model.hidden_size,
-            gamma=cfg.balance.gamma, solver=cfg.balance.solver,
-            gpus_per_node=cfg.balance.gpus_per_node or None,
-        )
+        local = BalanceCoordinator(world_size=world, **coordinator_config(cfg))
         topo = local.topology_for(world)
     # Every rank must build the same groups: agree on rank 0's answer.
     spec = [(topo.spec, topo.num_groups)]
