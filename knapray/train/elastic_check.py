@@ -30,7 +30,9 @@ How fast Ray notices (Ray 2.60, from its source):
   ``run.max_failures``), and the restart sizes the group from the same reservation,
   still counting the dead node until the next tick; the placement group for 4 cannot be
   placed, and Ray retries only after ``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`` (60 s by
-  default, hence the ~70 s seen before). ``--start-timeout`` lowers it (default 8 s).
+  default: the ~70 s in RAY_NOTES). ``--start-timeout`` lowers it (default 8 s); it bounds
+  only the wait for the placement group, not the workers' start-up.
+- Nodes noticed one at a time give one restart per size seen (e.g. 2 -> 3 -> 4).
 - ``--nudge`` asks the AutoscalingCoordinator to re-read the cluster right after the
   change (its ``get_reserved_resources(recompute=True)``), which removes the wait for the
   tick; off by default, so the check measures what a real cluster does.
@@ -89,21 +91,17 @@ def build_corpus(out: str, steps: int) -> list[int]:
 
 
 def segments(records: list[dict]) -> list[dict]:
-    """Consecutive per-step records with the same (world size, topology), in log order;
-    a step that does not follow the previous one starts a new attempt (a restart)."""
+    """Rank 0's per-step records (``metrics.jsonl``, appended by every attempt) cut into
+    attempts: a new one starts where the step does not follow the previous one (a restart
+    from a checkpoint) or the (world size, topology) changes."""
     out: list[dict] = []
-    prev_step = None
-    attempt = 0
     for r in records:
-        if prev_step is not None and r["step"] != prev_step + 1:
-            attempt += 1
-        prev_step = r["step"]
         key = (r.get("world_size", len(r["rank_work"])), r.get("topology", "?"))
-        if out and (out[-1]["world_size"], out[-1]["topology"]) == key and out[-1]["attempt"] == attempt:
+        if out and (out[-1]["world_size"], out[-1]["topology"]) == key and r["step"] == out[-1]["last_step"] + 1:
             out[-1]["last_step"] = r["step"]
             out[-1]["steps"] += 1
         else:
-            out.append({"attempt": attempt, "world_size": key[0], "topology": key[1],
+            out.append({"attempt": len(out), "world_size": key[0], "topology": key[1],
                         "first_step": r["step"], "last_step": r["step"], "steps": 1})
     return out
 
@@ -137,6 +135,7 @@ def run(args: argparse.Namespace) -> dict:
     import ray
     from ray.cluster_utils import Cluster
 
+    from knapray.coordinator import BalanceCoordinator
     from knapray.train.config import load_config
     from knapray.train.launch import run_training
     from knapray.train.loop import coordinator_name
@@ -144,7 +143,8 @@ def run(args: argparse.Namespace) -> dict:
     start_nodes, min_w, max_w, change = SCENARIOS[args.scenario]
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
-    all_ids = build_corpus(os.path.join(out, "corpus"), args.corpus_steps)
+    corpus_steps = args.corpus_steps or {"shrink": 4, "grow": 12}[args.scenario]
+    all_ids = build_corpus(os.path.join(out, f"corpus-{corpus_steps}"), corpus_steps)
     storage = os.path.join(out, "runs")
     shutil.rmtree(storage, ignore_errors=True)  # a fresh run, not a resume of an old one
     events: list[dict] = []
@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> dict:
         event("cluster up", worker_nodes=len(workers), head_cpus=args.head_cpus)
 
         cfg = load_config(None, MODEL + [
-            f"data.corpus={os.path.join(out, 'corpus')}", f"data.samples_per_step={args.samples_per_step}",
+            f"data.corpus={os.path.join(out, f'corpus-{corpus_steps}')}", f"data.samples_per_step={args.samples_per_step}",
             "balance.topology=bags_of:2", f"run.name=elastic-{args.scenario}", f"run.storage={storage}",
             f"run.num_workers={max_w}", f"run.min_workers={min_w}", "run.cpus_per_worker=0.5",
             f"run.resources_per_worker={{{SLOT}: 1}}", f"run.elastic_monitor_interval_s={args.monitor}",
@@ -217,8 +217,11 @@ def run(args: argparse.Namespace) -> dict:
                     event(f"added {change} worker nodes", after_step=step, worker_nodes=len(workers))
                 changed_at = (time.perf_counter(), step)
                 if args.nudge:
-                    _refresh_autoscaling_view(len(workers) + 1)
-                    event("nudged the AutoscalingCoordinator to re-read the cluster")
+                    try:
+                        _refresh_autoscaling_view(len(workers) + 1)
+                        event("nudged the AutoscalingCoordinator to re-read the cluster")
+                    except Exception as e:  # then Ray's own 20 s tick does it
+                        event("nudge failed", error=f"{type(e).__name__}: {e}")
         if trainer.is_alive():
             event("TIMEOUT: the run did not finish", timeout_s=args.timeout)
             box.setdefault("error", f"timeout after {args.timeout}s")
@@ -230,23 +233,32 @@ def run(args: argparse.Namespace) -> dict:
         segs = segments(records)
         summary = box.get("summary") or {}
         final = summary.get("records", [])
-        before = [s for s in segs if s["world_size"] == start_nodes]
-        after = [s for s in segs if s["world_size"] == start_nodes + change]
+        start_w, end_w = start_nodes, start_nodes + change
+        rule = BalanceCoordinator(topology=cfg.balance.topology, world_size=start_w, d_model=cfg.model.hidden_size)
+        expected = {w: str(rule.topology_for(w)) for w in range(min_w, max_w + 1)}
+        worlds = [s["world_size"] for s in segs]
+        after = [s for s in segs if s["world_size"] == end_w]
         t_new = next((e["t"] for e in events if e["event"] == "training at new size"), None)
         ledger = ledger_check(os.path.join(cfg.run_dir, "ledger.jsonl"), all_ids)
         checks = {
             "run finished": "summary" in box,
-            f"trained at world {start_nodes} before the change": bool(before),
-            f"trained at world {start_nodes + change} after the change": bool(after) and segs[-1]["world_size"] == start_nodes + change,
-            "topology changed": len({s["topology"] for s in segs}) > 1,
-            "final attempt ran at the new size": summary.get("world_size") == start_nodes + change,
+            f"started at world {start_w} ({expected[start_w]})":
+                bool(segs) and (segs[0]["world_size"], segs[0]["topology"]) == (start_w, expected[start_w]),
+            f"ended at world {end_w} ({expected[end_w]})":
+                bool(segs) and (segs[-1]["world_size"], segs[-1]["topology"]) == (end_w, expected[end_w]),
+            "world size only moved towards the target": worlds == sorted(worlds, reverse=change < 0),
+            "every attempt used the rule's topology for its world":
+                bool(segs) and all(s["topology"] == expected.get(s["world_size"]) for s in segs),
+            "final attempt ran at the new size": (summary.get("world_size"), summary.get("topology")) == (end_w, expected[end_w]),
+            "resumed from a checkpoint after the change, with no gap":
+                bool(after) and 0 < after[0]["first_step"] <= segs[segs.index(after[0]) - 1]["last_step"] + 1,
             "steps trained after the change": sum(s["steps"] for s in after) > 0,
             "ledger exactly once": ledger["exactly_once"],
         }
         result.update({
             "ok": all(checks.values()),
             "checks": checks,
-            "expected": {"world_sizes": [start_nodes, start_nodes + change]},
+            "expected": {"world_sizes": [start_w, end_w], "topologies": [expected[start_w], expected[end_w]]},
             "segments": segs,
             "world_sizes": [s["world_size"] for s in segs],
             "topologies": [s["topology"] for s in segs],
@@ -257,14 +269,15 @@ def run(args: argparse.Namespace) -> dict:
                        if changed_at and t_new is not None else None},
             "steps_after_change": sum(s["steps"] for s in after),
             "final_attempt": {"world_size": summary.get("world_size"), "topology": summary.get("topology"),
-                              "steps": [r["step"] for r in final]},
+                              "first_step": final[0]["step"] if final else None,
+                              "last_step": final[-1]["step"] if final else None, "steps": len(final)},
             "ledger": ledger,
             "error": box.get("error"),
             "events": events,
             "timings_s": {"fit": round(fit_s, 2), "total": round(time.perf_counter() - t_begin, 2)},
             "settings": {"start_timeout_s": args.start_timeout, "monitor_interval_s": args.monitor,
                          "nudge": args.nudge, "samples_per_step": args.samples_per_step,
-                         "corpus_samples": len(all_ids), "run_dir": cfg.run_dir,
+                         "corpus_steps": corpus_steps, "corpus_samples": len(all_ids), "run_dir": cfg.run_dir,
                          "coordinator": coordinator_name(cfg)},
         })
         return result
@@ -275,6 +288,7 @@ def run(args: argparse.Namespace) -> dict:
                 cluster.shutdown()
         finally:
             if args.keep_logs:
+                shutil.rmtree(os.path.join(out, "ray-logs"), ignore_errors=True)
                 shutil.copytree(os.path.join(tmp, "ray", "session_latest", "logs"), os.path.join(out, "ray-logs"),
                                 dirs_exist_ok=True, ignore_dangling_symlinks=True)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -310,7 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--scenario", choices=sorted(SCENARIOS), required=True)
     p.add_argument("--out", required=True, help="directory for the corpus, the run and result.json")
-    p.add_argument("--corpus-steps", type=int, default=4, help="mix steps in the corpus (11 samples each)")
+    p.add_argument("--corpus-steps", type=int, default=None,
+                   help="mix steps in the corpus, 11 samples each (default: shrink 4, grow 12: a grow must "
+                        "still have steps left when Ray notices the new nodes)")
     p.add_argument("--samples-per-step", type=int, default=1)
     p.add_argument("--change-after-step", type=int, default=2,
                    help="remove/add nodes once this step has been logged")
