@@ -72,7 +72,9 @@ def parse_code(code: str) -> DataCode:
 
 
 def parse_mix(mix: str) -> list[DataCode]:
-    """Parse ``"g16b4i256f1s0,g4b5i512f1s0"`` into data codes."""
+    """Parse ``"g16b4i256f1s0,g4b5i512f1s0"`` (or a paper mix name: ``low-res``,
+    ``mixed-res``, ``image+video``) into data codes."""
+    mix = PAPER_MIXES.get(mix.strip(), mix)
     parts = [p for p in mix.split(",") if p.strip()]
     if not parts:
         raise ValueError(f"empty mix {mix!r}: give at least one data code like 'g8b4i256f1s0'")
