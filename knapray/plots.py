@@ -37,6 +37,8 @@ def plot_rank_work(
     ax1.bar(ranks + width / 2, bal, width, color="#2a6fdb", label="balanced (knapray plan)")
     ax1.axhline(1.0, color="k", lw=0.8, ls="--", label="ideal (mean)")
     ax1.set_xlabel("rank")
+    if base.size <= 64:
+        ax1.set_xticks(ranks[:: max(1, base.size // 32)])
     ax1.set_ylabel("work / mean work (avg over steps)")
     ax1.legend(loc="upper right", fontsize=8)
     ax1.set_title(title or "per-rank work before and after balancing", fontsize=10)
