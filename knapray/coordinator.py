@@ -560,6 +560,20 @@ class BalanceCoordinator:
         self._committed_step = max(self._committed_step, step)
         self._evicted_through = max(self._evicted_through, step)
 
+    def inflight_state(self) -> dict:
+        """Planned but not yet committed steps (small: a few steps), for the actor to
+        persist after every plan, so a commit lost with a dying actor is not a lost step:
+        the restarted actor reloads them and the next (cumulative) commit covers them."""
+        return {"attempt": self._attempt, "uncommitted": {t: (i.copy(), h.copy()) for t, (i, h) in self._uncommitted.items()}}
+
+    def restore_inflight(self, inflight: dict) -> None:
+        if int(inflight.get("attempt", -1)) != self._attempt:
+            return  # from another attempt: those steps were cut back
+        for t, (ids, home) in inflight["uncommitted"].items():
+            if t > self._committed_step and t not in self._ledger:
+                self._uncommitted[int(t)] = (np.asarray(ids, np.int64), np.asarray(home, np.int64))
+                self._evicted_through = max(self._evicted_through, int(t))
+
     def ledger_rows(self) -> list[tuple[int, int, int, int]]:
         """``(step, sample_id, home_rank, attempt)`` for every committed sample, by step."""
         rows: list[tuple[int, int, int, int]] = []
@@ -911,6 +925,9 @@ class _CoordinatorActor:
         self._core.load_state_dict(saved["state"])
         if saved.get("world_size"):
             self._core._set_world(int(saved["world_size"]))
+        if os.path.exists(path + ".inflight"):
+            with open(path + ".inflight", "rb") as f:
+                self._core.restore_inflight(pickle.load(f))
         log.warning(
             "coordinator restored from %s: committed step %d, world %s",
             path, self._core.committed_step, saved.get("world_size"),
@@ -924,15 +941,27 @@ class _CoordinatorActor:
         with open(tmp, "wb") as f:
             pickle.dump({"state": self._core.state_dict(), "world_size": self._core.world_size}, f)
         os.replace(tmp, path)  # atomic: a crash mid-write leaves the previous state
+        self._persist_inflight()
+
+    def _persist_inflight(self) -> None:
+        path = self._core.config.state_path
+        if not path:
+            return
+        with open(path + ".inflight.tmp", "wb") as f:
+            pickle.dump(self._core.inflight_state(), f)
+        os.replace(path + ".inflight.tmp", path + ".inflight")
 
     async def config(self) -> CoordinatorConfig:
         return self._core.config
 
     async def submit(self, step, rank, seq_lens, sample_ids, exhausted=False, epoch=None) -> None:
+        planned = self._core._steps_planned
         try:
             self._core.submit(step, rank, seq_lens, sample_ids, exhausted, epoch)
         except (ValueError, TypeError) as e:
             log.error("rejected submission: %s", e)
+        if self._core._steps_planned != planned:
+            self._persist_inflight()
 
     async def get_plan(self, step, rank, timeout_s=None) -> tuple[BalancePlan | None, bool]:
         return await self._core.get_plan(step, rank, timeout_s)
@@ -1076,11 +1105,16 @@ class CoordinatorClient:
     def submit_async(
         self, step: int, seq_lens: Sequence[int], sample_ids: Sequence[int], exhausted: bool = False
     ) -> None:
-        """Send this rank's sequences for ``step`` without waiting (errors surface in ``get_plan``)."""
-        epoch = self._current_epoch()
-        self._actor().submit.remote(
-            int(step), self.rank, [int(x) for x in seq_lens], [int(x) for x in sample_ids], bool(exhausted), epoch
-        )
+        """Send this rank's sequences for ``step`` without waiting. Fire and forget: if the
+        actor is away, nothing is sent and ``get_plan`` reports it (the loop then plans
+        locally and sends again)."""
+        try:
+            epoch = self._current_epoch()
+            self._actor().submit.remote(
+                int(step), self.rank, [int(x) for x in seq_lens], [int(x) for x in sample_ids], bool(exhausted), epoch
+            )
+        except CoordinatorUnavailable:
+            pass
 
     def request_plan(self, step: int) -> None:
         """Ask for ``step``'s plan now, without waiting, so that ``get_plan(step)`` later
@@ -1120,15 +1154,22 @@ class CoordinatorClient:
         )
 
     def commit_async(self, step: int) -> None:
-        """Rank 0, after the optimizer step: steps ``<= step`` are trained."""
-        self._actor().commit_step.remote(int(step))
+        """Rank 0, after the optimizer step: steps ``<= step`` are trained. Commits are
+        cumulative, so one lost with an unreachable actor is covered by the next."""
+        try:
+            self._actor().commit_step.remote(int(step))
+        except CoordinatorUnavailable:
+            pass
 
     def commit(self, step: int) -> None:
         """Like ``commit_async`` but waits: before reading ``state_dict`` for a checkpoint."""
         self._get(self._actor().commit_step.remote(int(step)), f"commit of step {step}")
 
     def report_timing_async(self, step: int, compute_s: float, comm_s: float, wait_plan_s: float) -> None:
-        self._actor().report_timing.remote(int(step), self.rank, float(compute_s), float(comm_s), float(wait_plan_s))
+        try:
+            self._actor().report_timing.remote(int(step), self.rank, float(compute_s), float(comm_s), float(wait_plan_s))
+        except CoordinatorUnavailable:
+            pass  # statistics only
 
     def begin_run(self, world_size: int, resume_step: int | None = None, state: dict | None = None) -> Topology:
         """Rank 0 (or the driver), before any submit; see ``BalanceCoordinator.begin_run``."""

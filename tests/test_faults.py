@@ -25,9 +25,9 @@ MODEL = [
 ]
 
 
-def _corpus(out, seed=2):
+def _corpus(out, seed=2, steps=6):
     build_synthetic(
-        SyntheticConfig(mix="g1b3i128f1s0,g1b2i64f1s0,g1b5i64f1s0,g1b1i256f1s0", steps=6, scale=4,
+        SyntheticConfig(mix="g1b3i128f1s0,g1b2i64f1s0,g1b5i64f1s0,g1b1i256f1s0", steps=steps, scale=4,
                         channels=4, text_dim=16, pooled_dim=16, shards=4, seed=seed),
         out, progress=False,
     )
@@ -81,7 +81,7 @@ def test_worker_sigkill_restarts_from_checkpoint_exactly_once(ray_session, clean
 def test_coordinator_killed_ranks_plan_locally_exactly_once(ray_session, tmp_path_factory, tmp_path):
     # Same run, also with planted bad rows: they are quarantined with reasons.
     out = tmp_path_factory.mktemp("bad")
-    rows = _corpus(out, seed=3)
+    rows = _corpus(out, seed=3, steps=12)  # long enough to see the coordinator come back
     bad = {}
     shard = shard_paths(out)[1]
     table = pq.read_table(shard).to_pylist()
@@ -93,11 +93,20 @@ def test_coordinator_killed_ranks_plan_locally_exactly_once(ray_session, tmp_pat
     too_long = {r["sample_id"] for r in rows if r["seq_len"] > 80 and r["sample_id"] not in bad}
     assert too_long
     cfg = _cfg(str(out), tmp_path, "coordkill", **{"run.max_failures": 0, "data.max_tokens_per_gpu": 40})
-    summary, events = _run_with_chaos(cfg, kill_coordinator_at=1)
-    assert [e["event"] for e in events] == ["coordinator_killed"]
+    from knapray.coordinator import create_coordinator
+    from knapray.train.loop import coordinator_config, coordinator_name
+
+    # The actor is gone for 3 steps (its node died), then comes back and reloads its state.
+    def recreate():
+        return create_coordinator(coordinator_name(cfg), state_path=os.path.join(cfg.run_dir, "coordinator-state.pkl"),
+                           **coordinator_config(cfg))
+
+    summary, events = _run_with_chaos(cfg, kill_coordinator_at=1, coordinator_down_steps=3,
+                                      recreate_coordinator=recreate)
+    assert [e["event"] for e in events] == ["coordinator_killed", "coordinator_recreated"]
     planned_by = [r["planned_by"] for r in summary["records"]]
     assert "local" in planned_by, planned_by  # ranks planned without it for a while...
-    assert planned_by[-1] == "coordinator"  # ...and went back to it once it was restarted
+    assert planned_by[-1] == "coordinator", (planned_by, events)  # ...and went back to it once it was restarted
     expected = {r["sample_id"] for r in rows} - set(bad) - too_long
     check = check_exactly_once(os.path.join(cfg.run_dir, "ledger.jsonl"), expected)
     assert check["ok"], check

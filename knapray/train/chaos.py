@@ -31,12 +31,19 @@ class Chaos(threading.Thread):
         worker_rank: int = 1,
         kill_coordinator_at: int | None = None,
         coordinator_name: str | None = None,
+        coordinator_down_steps: int | None = None,
+        recreate_coordinator=None,
         poll_s: float = 0.2,
     ) -> None:
+        """``coordinator_down_steps``: instead of letting Ray restart the killed actor at
+        once, keep it dead while the run trains that many more steps (a node that is down
+        for a while: ranks must plan locally meanwhile), then ``recreate_coordinator()``."""
         super().__init__(daemon=True)
         self.run_dir = run_dir
         self.kill_worker_at, self.worker_rank = kill_worker_at, worker_rank
         self.kill_coordinator_at, self.coordinator_name = kill_coordinator_at, coordinator_name
+        self.down_steps, self.recreate = coordinator_down_steps, recreate_coordinator
+        self.recreated = None
         self.poll_s = poll_s
         self.log = ChaosLog()
         self._halt = threading.Event()
@@ -75,8 +82,16 @@ class Chaos(threading.Thread):
                 import ray
 
                 try:
-                    ray.kill(ray.get_actor(self.coordinator_name), no_restart=False)
+                    down = self.down_steps is not None
+                    ray.kill(ray.get_actor(self.coordinator_name), no_restart=down)
                     self.log.events.append({"event": "coordinator_killed", "after_step": step, "t": time.time()})
+                    if down:
+                        while self._last_step() < step + self.down_steps and not self._halt.wait(self.poll_s):
+                            pass
+                        # Keep the handle: a non-detached actor dies with its last reference.
+                        self.recreated = self.recreate()
+                        self.log.events.append({"event": "coordinator_recreated", "after_step": self._last_step(),
+                                                "t": time.time()})
                 except Exception as e:  # noqa: BLE001 - report whatever stopped the kill
                     self.log.events.append({"event": "coordinator_kill_failed", "error": str(e)})
                 self.kill_coordinator_at = None

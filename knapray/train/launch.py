@@ -172,7 +172,11 @@ def run_training(cfg: TrainConfig, *, verbose: bool = True) -> dict:
     with _ProgressTail(os.path.join(run_dir, "metrics.jsonl"), cfg.run.max_steps or None, cfg.run.name):
         result = trainer.fit()
     summary = result.return_value or {}
-    summary["coordinator_stats"] = ray.get(coordinator.stats.remote())
+    try:  # by name: the actor may have been replaced while the run went on
+        summary["coordinator_stats"] = ray.get(ray.get_actor(coordinator_name(cfg)).stats.remote(), timeout=30)
+    except Exception as e:  # noqa: BLE001 - statistics only; the run itself is done
+        logger.warning("coordinator statistics unavailable: %s", e)
+    del coordinator
     write_run_files(cfg, summary)
     return summary
 
