@@ -558,22 +558,7 @@ class _Problem:
                 break
             cache.pop(b, None)
             cache.pop(action[-1], None)
-            if action[0] == "move":
-                _, s, j = action
-                members[b].remove(s)
-                members[j].append(s)
-                assign[s] = j
-                loads[b] -= self.t(s, b)
-                loads[j] += self.t(s, j)
-            else:
-                _, s, t, j = action
-                members[b].remove(s)
-                members[j].remove(t)
-                members[b].append(t)
-                members[j].append(s)
-                assign[s], assign[t] = j, b
-                loads[b] += self.t(t, b) - self.t(s, b)
-                loads[j] += self.t(s, j) - self.t(t, j)
+            _apply(action, b, members, assign, loads, self.t)
             iters += 1
         return assign, iters
 
@@ -637,22 +622,7 @@ class _Problem:
                 break
             arr.pop(b, None)
             arr.pop(action[-1], None)
-            if action[0] == "move":
-                _, s, j = action
-                members[b].remove(s)
-                members[j].append(s)
-                assign[s] = j
-                loads[b] -= w[s]
-                loads[j] += w[s]
-            else:
-                _, s, t, j = action
-                members[b].remove(s)
-                members[j].remove(t)
-                members[b].append(t)
-                members[j].append(s)
-                assign[s], assign[t] = j, b
-                loads[b] += w[t] - w[s]
-                loads[j] += w[s] - w[t]
+            _apply(action, b, members, assign, loads, lambda x, _: w[x])
             iters += 1
         return assign, iters
 
@@ -712,6 +682,27 @@ class _Problem:
                 loads_l[cur] -= tc
                 assign[s] = h
         return assign
+
+
+def _apply(action: tuple, b: int, members: list[list[int]], assign: np.ndarray, loads: np.ndarray, t) -> None:
+    """Carry out a refinement step out of bag ``b``: ``("move", s, j)`` or ``("swap", s,
+    t, j)``; ``t(x, j)`` is the time of sequence ``x`` on bag ``j``."""
+    if action[0] == "move":
+        _, s, j = action
+        members[b].remove(s)
+        members[j].append(s)
+        assign[s] = j
+        loads[b] -= t(s, b)
+        loads[j] += t(s, j)
+    else:
+        _, s, u, j = action
+        members[b].remove(s)
+        members[j].remove(u)
+        members[b].append(u)
+        members[j].append(s)
+        assign[s], assign[u] = j, b
+        loads[b] += t(u, b) - t(s, b)
+        loads[j] += t(s, j) - t(u, j)
 
 
 # ---- chunks -----------------------------------------------------------------------------
