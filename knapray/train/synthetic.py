@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from knapray.corpus.synthetic import latent_side
-from knapray.models import MMDiTConfig, PackedBatch, pack_samples
-from knapray.models.flow import add_noise, sample_timesteps
+from knapray.data import build_packed_batch
+from knapray.models import MMDiTConfig, PackedBatch
 from knapray.planning.mix import MAX_TEXT_TOKENS, SPATIAL_TOKEN_STRIDE, parse_mix, rank_codes
 
 
@@ -38,15 +38,13 @@ def mix_batches(
             n_txt = int(torch.randint(0, text_limit + 1, (1,), generator=gen)) if cfg.text_dim else 0
             samples.append(
                 {
-                    "latent": torch.randn(cfg.in_channels, code.latent_frames, side, side, generator=gen),
-                    "text": torch.randn(n_txt, cfg.text_dim, generator=gen),
-                    "pooled": torch.randn(cfg.pooled_dim, generator=gen),
-                    "timestep": float(sample_timesteps(1, generator=gen)[0]),
+                    "latent": torch.randn(cfg.in_channels, code.latent_frames, side, side, generator=gen).numpy(),
+                    "text": torch.randn(n_txt, cfg.text_dim, generator=gen).numpy(),
+                    "pooled": torch.randn(cfg.pooled_dim, generator=gen).numpy(),
                 }
             )
-        batch = pack_samples(samples, cfg)
-        noise = torch.randn(batch.x_img.shape, generator=gen)
-        batches.append(add_noise(batch, noise))
+        # The same timesteps-then-noise packing as training (knapray.data).
+        batches.append(build_packed_batch(samples, cfg, generator=gen))
     return batches
 
 
