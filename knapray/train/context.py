@@ -7,7 +7,7 @@ loop in one process (tests, debugging) or under torchrun with an iterable of row
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -24,8 +24,8 @@ class TrainContext(Protocol):
     def rows(self, epoch: int) -> Iterable[Any]:
         """This rank's rows (row dicts or column batches) for one epoch."""
 
-    def latest_checkpoint(self) -> str | None:
-        """Directory of the checkpoint to resume from, if any."""
+    def load_checkpoint(self, load: Callable[[str], Any]) -> Any:
+        """``load(directory)`` of the checkpoint to resume from; None if there is none."""
 
     def report(self, metrics: dict, checkpoint_dir: str | None = None) -> None:
         """Report metrics (every rank calls it; a barrier under Ray Train); rank 0 may
@@ -51,8 +51,8 @@ class LocalContext:
     def rows(self, epoch: int) -> Iterable[Any]:
         return self.shards[self.rank]
 
-    def latest_checkpoint(self) -> str | None:
-        return self.checkpoint
+    def load_checkpoint(self, load: Callable[[str], Any]) -> Any:
+        return load(self.checkpoint) if self.checkpoint else None
 
     def report(self, metrics: dict, checkpoint_dir: str | None = None) -> None:
         self.reports.append(dict(metrics, checkpoint=checkpoint_dir))

@@ -29,7 +29,6 @@ class RayTrainContext:
         self.world_size = ctx.get_world_size()
         self.local_rank = ctx.get_local_rank()
         self._batch_size = batch_size
-        self._ckpt_copy: str | None = None
 
     def device(self, use_gpu: bool) -> torch.device:
         if use_gpu and torch.cuda.is_available():
@@ -44,14 +43,17 @@ class RayTrainContext:
 
         return shard_batches(ray.train.get_dataset_shard("train"), batch_size=self._batch_size)
 
-    def latest_checkpoint(self) -> str | None:
+    def load_checkpoint(self, load):
         import ray.train
 
         ckpt = ray.train.get_checkpoint()
         if ckpt is None:
             return None
-        self._ckpt_copy = ckpt.to_directory()
-        return self._ckpt_copy
+        # Read in place (a local checkpoint is not copied): to_directory() would make every
+        # worker of the node share one download directory, and a worker could read a file
+        # another one was still writing (seen as a corrupt checkpoint on resume).
+        with ckpt.as_directory() as path:
+            return load(path)
 
     def report(self, metrics: dict, checkpoint_dir: str | None = None) -> None:
         import ray.train

@@ -146,9 +146,7 @@ def _choose_topology(cfg: TrainConfig, client: CoordinatorClient | None, world: 
     return Topology.parse(spec[0][0], world_size=world)
 
 
-def _load_checkpoint(path: str | None) -> dict | None:
-    if not path:
-        return None
+def _load_checkpoint(path: str) -> dict:
     return torch.load(os.path.join(path, STATE_FILE), map_location="cpu", weights_only=False)
 
 
@@ -166,7 +164,7 @@ def train_loop(ctx: TrainContext, cfg: TrainConfig) -> dict:
     opt = torch.optim.AdamW(
         model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay
     )
-    state = _load_checkpoint(ctx.latest_checkpoint())
+    state = ctx.load_checkpoint(_load_checkpoint)
     start_step, trained_ids, coord_state = 0, set(), None
     if state is not None:
         model.load_state_dict(state["model"])
