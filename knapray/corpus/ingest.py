@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from knapray.corpus.encoders import HashTextEncoder, LatentEncoder, PixelPatchEncoder, TextEncoder
 from knapray.corpus.schema import PATCH, visual_token_count
 from knapray.corpus.writer import ShardWriter, build_table, length_stats, write_schema_json
 from knapray.planning.mix import MAX_TEXT_TOKENS
+from knapray.progress import progress_bar
 
 IMAGE_EXTS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff"})
 VIDEO_EXTS = frozenset({".mp4", ".mov", ".avi", ".mkv", ".webm", ".m4v"})
@@ -230,7 +230,9 @@ def ingest(
             writer.add(build_table(cols, *zip(*(row[1:] for row in batch))))
             batch.clear()
 
-    for path in tqdm(files, desc="ingest", unit="file", disable=not progress):
+    bar = progress_bar(len(files), "ingest", "file", disable=not progress)
+    for path in files:
+        bar.update(1)
         rel = path.relative_to(root).as_posix()
         is_video = path.suffix.lower() in VIDEO_EXTS
         if is_video and decoder is None:
@@ -278,6 +280,7 @@ def ingest(
         batch.append((row, latent, text, pooled))
         if len(batch) >= ROWS_PER_BATCH:
             flush()
+    bar.close()
     flush()
     shards = writer.close()
     for reason, count in sorted(skipped.items()):

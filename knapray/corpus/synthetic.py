@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from knapray.corpus.schema import KINDS, PATCH, visual_token_count
 from knapray.corpus.writer import ShardWriter, build_table, length_stats, write_schema_json
 from knapray.planning.mix import MAX_TEXT_TOKENS, PAPER_MIXES, SPATIAL_TOKEN_STRIDE, DataCode, parse_mix
+from knapray.progress import progress_bar
 
 VAE_DOWNSAMPLE = SPATIAL_TOKEN_STRIDE // PATCH[1]
 FIELD_COMPONENTS = 4
@@ -200,7 +200,7 @@ def build_synthetic(cfg: SyntheticConfig, out_dir: str | Path, *, progress: bool
     writer = ShardWriter(out_dir, rows_per_shard=math.ceil(n / cfg.shards))
     maker = _PayloadMaker(cfg) if cfg.payload else None
     latent_values = cfg.channels * lengths.frames * lengths.height * lengths.width
-    bar = tqdm(total=n, desc="synthetic corpus", unit="sample", disable=not progress)
+    bar = progress_bar(n, "synthetic corpus", "sample", disable=not progress)
     start = 0
     while start < n:
         stop = start + 1
