@@ -14,7 +14,7 @@ import contextlib
 import math
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -55,11 +55,22 @@ class CommTime:
     """Time spent inside all-to-alls while a ``comm_timer`` is active."""
 
     wall_s: float = 0.0
-    """Wall-clock seconds (waiting for peers included)."""
+    """Wall-clock seconds of CPU tensors' exchanges (waiting for peers included)."""
     cpu_s: float = 0.0
     """CPU seconds of the calling thread (packing buffers; gloo's transfers run on its own
     threads), subtracted from the thread time of a step to get its compute time."""
     calls: int = 0
+    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+    """CUDA tensors: an event pair around each exchange on the stream it ran on. Nothing
+    waits for them here; ``device_s`` reads them once the step is over."""
+
+    def device_s(self) -> float:
+        """Seconds of GPU stream time inside the recorded exchanges (waits for them)."""
+        total = 0.0
+        for start, end in self.events:
+            end.synchronize()
+            total += start.elapsed_time(end) / 1e3
+        return total
 
 
 # A process-wide slot, not a context variable: on GPU, autograd runs backward on its own
@@ -70,7 +81,8 @@ _ACTIVE: list[CommTime] = []
 @contextlib.contextmanager
 def comm_timer() -> Iterator[CommTime]:
     """Measure every all-to-all of this module run in the block (forward and backward).
-    Instrumentation only: it changes nothing about what is exchanged."""
+    Instrumentation only: it changes nothing about what is exchanged, and adds no host
+    synchronization (CUDA exchanges are timed with events)."""
     acc = CommTime()
     _ACTIVE.append(acc)
     try:
@@ -86,16 +98,23 @@ def _exchange(
     returns the rows received, grouped by source rank. (sum(send), *T) -> (sum(recv), *T)."""
     acc = _ACTIVE[-1] if _ACTIVE else None
     if acc is not None:
-        w0, c0 = time.perf_counter(), time.thread_time()
+        if x.is_cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            w0, c0 = time.perf_counter(), time.thread_time()
     out = x.new_empty((sum(recv_splits), *x.shape[1:]))
     dist.all_to_all_single(
         out, x.contiguous(), output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group
     )
     if acc is not None:
-        if out.is_cuda:
-            torch.cuda.current_stream().synchronize()
-        acc.wall_s += time.perf_counter() - w0
-        acc.cpu_s += time.thread_time() - c0
+        if x.is_cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            acc.events.append((start, end))
+        else:
+            acc.wall_s += time.perf_counter() - w0
+            acc.cpu_s += time.thread_time() - c0
         acc.calls += 1
     return out
 

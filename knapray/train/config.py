@@ -93,8 +93,7 @@ class RunConfig:
     """Stop after this many steps (0: run the epochs out)."""
     checkpoint_every: int = 10
     max_failures: int = 1
-    bf16: bool = True
-    """bf16 autocast on GPU (ignored on CPU)."""
+    precision: str = "auto"
     log_every: int = 1
     timeout_s: int = 120
     """Collective timeout: a dead peer surfaces as an error instead of a hang."""

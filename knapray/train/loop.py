@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from knapray.coordinator import (
     BalanceCoordinator,
@@ -40,11 +39,13 @@ from knapray.coordinator import (
 )
 from knapray.data import StepStream, batch_generator, build_packed_batch, check_model_config, corpus_info
 from knapray.distributed import BagGroups
-from knapray.distributed.comms import comm_timer
 from knapray.distributed.grads import allreduce_gradients
+from knapray.distributed.step_sync import StepSync
 from knapray.models import MMDiT
+from knapray.models.flops import model_flops
 from knapray.models.flow import flow_loss
 from knapray.planning import BalancePlan, Topology, identity_plan
+from knapray.timing import StepTimer
 
 from .balanced import balanced_forward
 from .config import TrainConfig
@@ -64,6 +65,8 @@ STATE_FILE = "state.pt"
 class StepRecord:
     step: int
     loss: float
+    loss_rel: float
+    """Loss over the loss of predicting zero velocity on the same batch."""
     tokens: int
     seconds: float
     imbalance: float
@@ -75,12 +78,19 @@ class StepRecord:
     rank_work: list[float]
     baseline_rank_work: list[float]
     topology: str = ""
+    flops: float = 0.0
+    """Model FLOPs of the step over all ranks (``knapray.models.flops``)."""
+    clock: str = ""
+    """What measured compute_s / comm_s: ``cuda_events`` or ``thread_time``."""
+    peak_mem_gib: float | None = None
+    """Rank 0's peak allocated device memory so far (CUDA only)."""
 
     def to_json(self) -> dict:
         compute = np.asarray(self.compute_s)
         return {
             "step": self.step,
             "loss": self.loss,
+            "loss_rel": self.loss_rel,
             "tokens": self.tokens,
             "step_s": self.seconds,
             "tokens_per_s": self.tokens / self.seconds if self.seconds > 0 else 0.0,
@@ -96,6 +106,10 @@ class StepRecord:
             "baseline_rank_work": self.baseline_rank_work,
             "world_size": len(self.rank_work),
             "topology": self.topology,
+            "model_tflops": self.flops / self.seconds / 1e12 if self.seconds > 0 else 0.0,
+            "model_tflops_per_gpu": self.flops / self.seconds / 1e12 / len(self.rank_work) if self.seconds > 0 else 0.0,
+            "clock": self.clock,
+            "peak_mem_gib": self.peak_mem_gib,
         }
 
 
@@ -124,16 +138,24 @@ def _workload(cfg: TrainConfig):
     return make_planning_model(CoordinatorConfig(**coordinator_config(cfg)))
 
 
-def _choose_topology(cfg: TrainConfig, client: CoordinatorClient | None, world: int, rank: int,
+def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """``run.precision`` on ``device``: ``auto`` is bf16 on CUDA and fp32 elsewhere."""
+    if precision == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+
+
+def _choose_topology(cfg: TrainConfig, client: CoordinatorClient | None, sync: StepSync,
                      resume_step: int | None, coord_state: dict | None) -> Topology:
     """Rank 0 starts the coordinator's run (it answers with the topology for this world),
     everyone waits on a barrier, then asks. Without a coordinator, the same rule locally."""
     topo = None
+    world = sync.world_size
     if client is not None:
         try:
-            if rank == 0:
+            if sync.rank == 0:
                 client.begin_run(world, resume_step=resume_step, state=coord_state)
-            dist.barrier()
+            sync.barrier()
             topo = client.topology()
         except CoordinatorUnavailable:
             topo = None
@@ -141,9 +163,7 @@ def _choose_topology(cfg: TrainConfig, client: CoordinatorClient | None, world: 
         local = BalanceCoordinator(world_size=world, **coordinator_config(cfg))
         topo = local.topology_for(world)
     # Every rank must build the same groups: agree on rank 0's answer.
-    spec = [(topo.spec, topo.num_groups)]
-    dist.broadcast_object_list(spec, src=0)
-    return Topology.parse(spec[0][0], world_size=world)
+    return Topology.parse(sync.broadcast_object(topo.spec), world_size=world)
 
 
 def _load_checkpoint(path: str) -> dict:
@@ -154,6 +174,8 @@ def train_loop(ctx: TrainContext, cfg: TrainConfig) -> dict:
     """Train; returns rank 0's summary (other ranks return their own partial view)."""
     rank, world = ctx.rank, ctx.world_size
     device = ctx.device(cfg.run.use_gpu)
+    sync = StepSync.build(device)
+    dtype = compute_dtype(cfg.run.precision, device)
     run_dir = cfg.run_dir
     os.makedirs(run_dir, exist_ok=True)
     info = corpus_info(cfg.data.corpus)
@@ -178,7 +200,7 @@ def train_loop(ctx: TrainContext, cfg: TrainConfig) -> dict:
         if cfg.balance.coordinator
         else None
     )
-    topo = _choose_topology(cfg, client, world, rank, start_step - 1 if state else None, coord_state)
+    topo = _choose_topology(cfg, client, sync, start_step - 1 if state else None, coord_state)
     groups = BagGroups.build(topo, cfg.model.num_heads) if cfg.balance.enabled else None
     workload = _workload(cfg)
     if rank == 0:
@@ -235,19 +257,16 @@ def train_loop(ctx: TrainContext, cfg: TrainConfig) -> dict:
                 current.samples, cfg.model, generator=batch_generator(cfg.data.seed, step, rank)
             ).to(device)
             st = stream.stats
-            agree = torch.tensor(
-                [batch.x_img.shape[0], got, st.corrupt - bad_total, st.samples + st.corrupt - rows_total],
-                dtype=torch.float64,
-            )
+            agree, _ = sync.sum_over_ranks(summed={
+                "img_tokens": batch.x_img.shape[0], "have_plan": got,
+                "bad_rows": st.corrupt - bad_total, "rows": st.samples + st.corrupt - rows_total,
+            })
             bad_total, rows_total = st.corrupt, st.samples + st.corrupt
-            dist.all_reduce(agree)
             _check_bad_fraction(agree, world_bad, cfg, run_dir, step)
             planned_by = "coordinator"
-            if int(agree[1]) < world:  # someone lacks the plan: everyone plans locally
+            if int(agree["have_plan"]) < world:  # someone lacks the plan: everyone plans locally
                 planned_by = "local"
-                gathered: list = [None] * world
-                dist.all_gather_object(
-                    gathered,
+                gathered = sync.gather_objects(
                     (list(current.meta.seq_lens), list(current.meta.sample_ids), current.meta.exhausted, recent_ids),
                 )
                 lens = [g[0] for g in gathered]
@@ -275,13 +294,12 @@ def train_loop(ctx: TrainContext, cfg: TrainConfig) -> dict:
                 _flush_pending(client, pending_rows)
             if done:
                 break
-            global_img = int(agree[0])
+            global_img = int(agree["img_tokens"])
             run_plan = plan if cfg.balance.enabled else identity_plan(_split_lengths(plan), workload)
 
             # ---- compute ----
-            c0 = time.thread_time()
-            with comm_timer() as comm:
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.run.bf16 and device.type == "cuda"):
+            with StepTimer(device) as timer:
+                with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
                     out = balanced_forward(
                         model, batch, run_plan, rank,
                         bag_group=groups.bag_group if groups else None,
@@ -289,30 +307,36 @@ def train_loop(ctx: TrainContext, cfg: TrainConfig) -> dict:
                     )
                     loss = flow_loss(out, batch.targets, max(global_img, 1))
                 loss.backward()
-            compute_s = time.thread_time() - c0 - comm.cpu_s
-            # Loss and per-rank timings ride along with the gradients: one collective.
-            extras = torch.zeros(2 + 2 * world, dtype=torch.float32)
-            extras[0] = loss.detach().float()
-            extras[1] = float(batch.seq_lens.sum())
-            extras[2 + rank] = compute_s
-            extras[2 + world + rank] = comm.wall_s
-            extras = allreduce_gradients(model.parameters(), extras=extras)
+            allreduce_gradients(model.parameters(), group=sync.group)
             if cfg.optim.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
+            # The optimizer step is queued: now wait for the step's own kernels (once) and
+            # gather the numbers of the step in one collective.
+            took = timer.result()
+            # The loss of predicting zero velocity on the same batch: the loss over it is
+            # 1.0 at initialization (adaLN-zero) and falls as the model learns, free of the
+            # step-to-step variance of the data and the timesteps.
+            zero_loss = flow_loss(torch.zeros_like(batch.targets), batch.targets, max(global_img, 1))
+            totals, per_rank = sync.sum_over_ranks(
+                summed={"loss": loss.detach(), "zero_loss": zero_loss, "tokens": int(batch.seq_lens.sum())},
+                per_rank={"compute_s": took.compute_s, "comm_s": took.comm_s},
+            )
             if rank == 0 and client is not None and planned_by == "coordinator":
                 client.commit_async(step)
             if client is not None:
-                client.report_timing_async(step, compute_s, comm.wall_s, wait_s)
+                client.report_timing_async(step, took.compute_s, took.comm_s, wait_s)
             rec = StepRecord(
-                step=step, loss=float(extras[0]), tokens=int(extras[1]),
+                step=step, loss=totals["loss"], loss_rel=totals["loss"] / max(totals["zero_loss"], 1e-30),
+                tokens=int(totals["tokens"]),
                 seconds=time.perf_counter() - t_step, imbalance=run_plan.imbalance,
                 baseline_imbalance=run_plan.baseline_imbalance,
-                compute_s=extras[2 : 2 + world].tolist(), comm_s=extras[2 + world :].tolist(),
+                compute_s=per_rank["compute_s"], comm_s=per_rank["comm_s"],
                 wait_plan_s=wait_s, planned_by=planned_by,
                 rank_work=run_plan.rank_work.tolist(), baseline_rank_work=run_plan.baseline_rank_work.tolist(),
-                topology=str(topo),
+                topology=str(topo), flops=model_flops(run_plan.seq_lens.tolist(), cfg.model), clock=took.clock,
+                peak_mem_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
             ).to_json()
             records.append(rec)
             trained_ids.update(int(i) for i in current.meta.sample_ids)
@@ -331,7 +355,7 @@ def train_loop(ctx: TrainContext, cfg: TrainConfig) -> dict:
             ckpt_dir = None
             due = cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0
             if due:
-                ckpt_dir = _save_checkpoint(rank, step, model, opt, client, trained_ids, world)
+                ckpt_dir = _save_checkpoint(sync, step, model, opt, client, trained_ids)
             ctx.report({"step": step, "loss": rec["loss"], "epoch": epoch}, ckpt_dir)
             step += 1
         if cfg.run.max_steps and step >= cfg.run.max_steps:
@@ -359,10 +383,11 @@ def _flush_pending(client: CoordinatorClient, pending: dict[int, tuple[list[int]
         del pending[t]
 
 
-def _check_bad_fraction(agree: torch.Tensor, totals: list[float], cfg: TrainConfig, run_dir: str, step: int) -> None:
+def _check_bad_fraction(agree: dict[str, float], totals: list[float], cfg: TrainConfig, run_dir: str,
+                        step: int) -> None:
     """Every rank sees the same summed counts, so every rank raises together."""
-    totals[0] += float(agree[2])
-    totals[1] += float(agree[3])
+    totals[0] += agree["bad_rows"]
+    totals[1] += agree["rows"]
     if totals[1] >= 16 and totals[0] > cfg.data.max_bad_fraction * totals[1]:
         raise RuntimeError(
             f"corpus {cfg.data.corpus!r} is mostly bad: {int(totals[0])} of {int(totals[1])} rows read by step "
@@ -371,11 +396,10 @@ def _check_bad_fraction(agree: torch.Tensor, totals: list[float], cfg: TrainConf
         )
 
 
-def _save_checkpoint(rank, step, model, opt, client, trained_ids, world) -> str | None:
+def _save_checkpoint(sync: StepSync, step, model, opt, client, trained_ids) -> str | None:
     """Rank 0 writes the checkpoint; every rank contributes its trained ids first."""
-    ids: list = [None] * world
-    dist.all_gather_object(ids, sorted(trained_ids))
-    if rank != 0:
+    ids = sync.gather_objects(sorted(trained_ids))
+    if sync.rank != 0:
         return None
     coord_state = None
     if client is not None:

@@ -1,0 +1,38 @@
+"""Model FLOPs of the transformer blocks, the numerator of model TFLOP/s and MFU.
+
+Per block and forward pass, a sequence of ``L`` tokens costs ``(8 + 4·r)·L·d²`` FLOPs in
+its projections and MLP (q, k, v and output projections 4·d² multiply-adds per token, an
+MLP of ratio ``r`` 2·r·d²; Flux's single-stream blocks fuse the same matrices) and
+``4·L²·d`` in attention (``QKᵀ`` and ``PV``). A training step is forward + backward, three
+forward passes' worth. Embeddings, modulation and the final layer are left out (well
+under 1% at Flux's size), and so is recomputation: activation checkpointing adds hardware
+FLOPs, not model FLOPs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from knapray.models.config import MMDiTConfig
+
+TRAIN_PASSES = 3.0
+
+
+def formula(cfg: MMDiTConfig) -> str:
+    r = cfg.mlp_ratio
+    return (
+        f"model FLOPs = 3 (fwd+bwd) x {cfg.depth_double + cfg.depth_single} blocks x "
+        f"sum over sequences of ({8 + 4 * r:g}*L*d^2 + 4*L^2*d), d={cfg.hidden_size}"
+    )
+
+
+def model_flops(seq_lens: Iterable[int], cfg: MMDiTConfig, passes: float = TRAIN_PASSES) -> float:
+    """FLOPs of ``passes`` passes of every block over whole sequences of ``seq_lens``."""
+    d = float(cfg.hidden_size)
+    linear, attn = 0.0, 0.0
+    for length in seq_lens:
+        n = float(length)
+        linear += n
+        attn += n * n
+    per_pass = (8 + 4 * cfg.mlp_ratio) * linear * d * d + 4.0 * attn * d
+    return passes * (cfg.depth_double + cfg.depth_single) * per_pass
