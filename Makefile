@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: run test setup clean bench plan-demo
+.PHONY: run test setup clean bench plan-demo gpu-check
 
 setup: $(STAMP)
 
@@ -32,6 +32,17 @@ plan-demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+# On a machine with a CUDA GPU and torch installed (no venv, no Ray, no internet needed):
+#   PYTHON=python3 make gpu-check
+# runs the gpu-marked tests, then a 30-step bf16 training run through the torchrun
+# launcher (NCCL, world 1); both always run, and the target fails if either failed.
+PYTHON ?= $(BIN)/python
+gpu-check:
+	@rc=0; \
+	$(PYTHON) -m pytest -q -m gpu -p no:cacheprovider tests || rc=1; \
+	$(PYTHON) -m knapray.testing.gpu_check --steps 30 || rc=1; \
+	exit $$rc
 
 bench: $(STAMP)
 	$(BIN)/knapray bench planner

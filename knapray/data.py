@@ -137,6 +137,19 @@ def shard_order(num_shards: int, *, shuffle_seed: int | None, epoch: int = 0) ->
     return rng.permutation(num_shards).tolist()
 
 
+def checked_shards(path: str | Path) -> list[Path]:
+    """The corpus's shard files, which must be exactly those schema.json lists: a shard
+    missing or left over (an interrupted copy) would silently change the epoch."""
+    info = corpus_info(path)
+    files = shard_paths(path)
+    names = tuple(p.name for p in files)
+    if names != info.shards:
+        raise ValueError(
+            f"{path}: shards on disk {list(names)} differ from schema.json shards {list(info.shards)}"
+        )
+    return files
+
+
 def corpus_dataset(
     path: str | Path,
     *,
@@ -164,14 +177,7 @@ def corpus_dataset(
 
     if rows_per_block < 1:
         raise ValueError(f"rows_per_block must be >= 1, got {rows_per_block}")
-    info = corpus_info(path)
-    files = shard_paths(path)
-    names = tuple(p.name for p in files)
-    # A shard missing or left over (an interrupted copy) would silently change the epoch.
-    if names != info.shards:
-        raise ValueError(
-            f"{path}: shards on disk {list(names)} differ from schema.json shards {list(info.shards)}"
-        )
+    files = checked_shards(path)
     order = shard_order(len(files), shuffle_seed=shuffle_seed, epoch=epoch)
     ds = ray.data.read_parquet([str(files[i]) for i in order])
     ds = ds.repartition(target_num_rows_per_block=rows_per_block)
@@ -213,6 +219,34 @@ def shard_batches(
         local_shuffle_buffer_size=shuffle_buffer or None,
         local_shuffle_seed=shuffle_seed if shuffle_buffer else None,
     )
+
+
+def local_rows(
+    path: str | Path,
+    rank: int,
+    world_size: int,
+    *,
+    shuffle_seed: int | None = None,
+    epoch: int = 0,
+    read_rows: int = 64,
+) -> Iterator[pa.RecordBatch]:
+    """This rank's rows of the corpus without Ray (the torchrun launcher): shards in
+    ``shard_order``, and of the rows in that order every ``world_size``-th, starting at
+    ``rank``. Record batches of at most ``read_rows`` rows are read one at a time, so a
+    rank holds little more than a step's samples in memory."""
+    import pyarrow.parquet as pq
+
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    files = checked_shards(path)
+    index = 0  # global row index of the next row read
+    for i in shard_order(len(files), shuffle_seed=shuffle_seed, epoch=epoch):
+        for batch in pq.ParquetFile(files[i]).iter_batches(batch_size=read_rows):
+            first = (rank - index) % world_size  # first row of this batch that is ours
+            mine = np.arange(first, batch.num_rows, world_size)
+            index += batch.num_rows
+            if mine.size:
+                yield batch.take(pa.array(mine))
 
 
 # --- steps (worker side) -------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Local multi-process worlds (gloo on 127.0.0.1) for parity checks and benchmarks."""
+"""Joining a process group outside Ray: local gloo worlds (127.0.0.1) for parity checks
+and benchmarks, and the world a torchrun launch describes."""
 
 from __future__ import annotations
 
@@ -24,3 +25,26 @@ def init_local_gloo(rank: int, world_size: int, port: int, timeout_s: float = 12
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
+
+
+def init_from_env(use_gpu: bool, timeout_s: float) -> tuple[int, int, int]:
+    """Join the world torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+    MASTER_PORT); without them, a world of one on a free local port. NCCL for GPU runs
+    (after binding this process to its GPU), gloo otherwise. Returns (rank, world, local_rank)."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_gpu:
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", timeout=timedelta(seconds=timeout_s),
+                                device_id=torch.device("cuda", local_rank))
+    else:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    return rank, world, local_rank
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -9,11 +9,11 @@ import os
 import shutil
 from typing import Any
 
-import numpy as np
 import torch
 
 from .config import TrainConfig, config_from_dict
 from .loop import coordinator_config, coordinator_name, train_loop
+from .run_files import clear_stale_run_files, ensure_corpus, summarize, write_run_files  # noqa: F401 (summarize: jobs/train.py)
 
 logger = logging.getLogger(__name__)
 
@@ -70,27 +70,6 @@ def _train_func(config: dict) -> dict:
     return train_loop(RayTrainContext(cfg.data.samples_per_step), cfg)
 
 
-def ensure_corpus(cfg: TrainConfig) -> None:
-    """Build the synthetic corpus if the config names a mix and it is missing."""
-    if os.path.exists(os.path.join(cfg.data.corpus, "schema.json")):
-        return
-    if not cfg.data.build_mix:
-        raise FileNotFoundError(
-            f"corpus {cfg.data.corpus!r} not found (no schema.json) and data.build_mix is empty; "
-            "build one with datasets/build_synthetic.py or set data.build_mix"
-        )
-    from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
-
-    build_synthetic(
-        SyntheticConfig(
-            mix=cfg.data.build_mix, steps=cfg.data.build_steps, scale=cfg.data.build_scale,
-            channels=cfg.model.in_channels, text_dim=cfg.model.text_dim,
-            pooled_dim=cfg.model.pooled_dim, seed=cfg.data.seed,
-        ),
-        cfg.data.corpus,
-    )
-
-
 def _every_row_data_config(execution_options):
     """Ray Train's DataConfig splits with ``streaming_split(equal=True)``, which drops up
     to world_size - 1 rows per epoch to even the shards out. knapray needs no even shards
@@ -142,9 +121,7 @@ def run_training(cfg: TrainConfig, *, verbose: bool = True) -> dict:
     run_dir = cfg.run_dir
     os.makedirs(run_dir, exist_ok=True)
     if not _resuming(cfg):  # leftovers of an earlier run of the same name
-        for stale in os.listdir(run_dir):
-            if stale == "metrics.jsonl" or stale.startswith("quarantine-"):
-                os.remove(os.path.join(run_dir, stale))
+        clear_stale_run_files(run_dir)
     state_path = os.path.join(run_dir, "coordinator-state.pkl")
     if not _resuming(cfg) and os.path.exists(state_path):
         os.remove(state_path)  # a fresh run must not inherit an old run's ledger
@@ -232,60 +209,3 @@ class _ProgressTail:
 
 def _resuming(cfg: TrainConfig) -> bool:
     return os.path.isdir(os.path.join(cfg.run.storage, "ray", cfg.run.name))
-
-
-def summarize(records: list[dict]) -> dict:
-    """Run-level numbers from rank 0's per-step records (the first step is warm-up)."""
-    if not records:
-        return {"steps": 0}
-    body = records[1:] if len(records) > 2 else records
-    mean = lambda key: float(np.mean([r[key] for r in body]))  # noqa: E731
-    return {
-        "steps": len(records),
-        "loss_first": records[0]["loss"],
-        "loss_last": float(np.mean([r["loss"] for r in records[-3:]])),
-        "imbalance_planned_before": mean("baseline_imbalance_planned"),
-        "imbalance_planned_after": mean("imbalance_planned"),
-        "compute_max_over_mean": mean("compute_max_over_mean"),
-        "tokens_per_s": float(sum(r["tokens"] for r in body) / sum(r["step_s"] for r in body)),
-        "step_s": mean("step_s"),
-        "wait_plan_frac": mean("wait_plan_frac"),
-        "comm_s_mean": float(np.mean([np.mean(r["comm_s"]) for r in body])),
-        "planned_locally": int(sum(r["planned_by"] == "local" for r in records)),
-    }
-
-
-def write_run_files(cfg: TrainConfig, summary: dict) -> None:
-    """summary.json, ledger.jsonl and a PNG of per-rank work before/after balancing."""
-    run_dir = cfg.run_dir
-    records = summary.get("records", [])
-    out = {"config": cfg.to_dict(), "summary": summarize(records),
-           "topology": summary.get("topology"), "world_size": summary.get("world_size"),
-           "coordinator_stats": summary.get("coordinator_stats")}
-    quarantined = []
-    for name in sorted(os.listdir(run_dir)):
-        if name.startswith("quarantine-rank"):
-            quarantined.extend(json.loads(line) for line in open(os.path.join(run_dir, name)) if line.strip())
-    if quarantined:
-        with open(os.path.join(run_dir, "quarantine.jsonl"), "w") as f:
-            for q in sorted(quarantined, key=lambda q: (q["sample_id"] is None, q["sample_id"])):
-                f.write(json.dumps(q) + "\n")
-    out["quarantined"] = len(quarantined)
-    with open(os.path.join(run_dir, "summary.json"), "w") as f:
-        json.dump(out, f, indent=1, default=str)
-    ledger = summary.get("ledger")
-    if ledger is not None:
-        with open(os.path.join(run_dir, "ledger.jsonl"), "w") as f:
-            for row in zip(*(np.asarray(ledger[k]).tolist() for k in ("step", "sample_id", "home_rank", "attempt"))):
-                f.write(json.dumps(dict(zip(("step", "sample_id", "home_rank", "attempt"), row))) + "\n")
-    if records:
-        from knapray.plots import plot_rank_work
-
-        plot_rank_work(
-            os.path.join(run_dir, "rank_work.png"),
-            [np.asarray(r["baseline_rank_work"]) for r in records],
-            [np.asarray(r["rank_work"]) for r in records],
-            [r["baseline_imbalance_planned"] for r in records],
-            [r["imbalance_planned"] for r in records],
-            title=f"{cfg.run.name}: {summary.get('topology')} on {summary.get('world_size')} workers",
-        )

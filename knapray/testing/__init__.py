@@ -1,0 +1,1 @@
+"""Tools that check knapray rather than train with it: the GPU check."""

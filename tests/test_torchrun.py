@@ -1,0 +1,59 @@
+"""The launcher without Ray (torchrun) and the GPU check's chain, on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.dist
+def test_gpu_check_chain_on_two_gloo_ranks(tmp_path):
+    """torch.distributed.run -> knapray.train.torchrun -> train_loop on 2 ranks, judged as
+    on a GPU: steps ran, loss fell, speed and the FLOP formula printed."""
+    out = _run(["-m", "knapray.testing.gpu_check", "--cpu", "--nproc", "2", "--topology", "g2n1",
+                "--steps", "8", "--out", str(tmp_path)])
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    text = out.stdout
+    assert "GPU CHECK PASSED" in text
+    assert "steps                8 (thread_time timing, world 2, topology g2n1)" in text
+    for line in ("loss first -> last", "tokens/s", "model TFLOP/s/GPU", "model FLOPs = 3 (fwd+bwd) x 2 blocks"):
+        assert line in text
+    assert (tmp_path / "gpu-check" / "summary.json").exists()
+
+
+def test_torchrun_without_a_corpus_is_one_line_and_exit_2(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"data:\n  corpus: {tmp_path / 'nowhere'}\n")
+    out = _run(["-m", "knapray.train.torchrun", "--config", str(cfg)])
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "data.corpus" in lines[0] and "nowhere" in lines[0], out.stderr
+
+
+def test_torchrun_bad_override_is_one_line_and_exit_2(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("run:\n  name: x\n")
+    out = _run(["-m", "knapray.train.torchrun", "--config", str(cfg), "--set", "optim.lr=fast"])
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "optim.lr" in lines[0] and "fast" in lines[0], out.stderr
+
+
+def test_gpu_check_without_cuda_says_so():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    out = _run(["-m", "knapray.testing.gpu_check"])
+    assert out.returncode == 2 and "no CUDA device" in out.stderr
