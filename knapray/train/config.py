@@ -24,8 +24,9 @@ import math
 import operator
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, get_args, get_origin, get_type_hints
+from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -177,13 +178,13 @@ _YAMLLoader.add_implicit_resolver(_FLOAT, re.compile(r"""^(?:
     |\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
     |[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*
     |[-+]?\.(?:inf|Inf|INF)
-    |\.(?:nan|NaN|NAN))$""", re.X), list("-+0123456789."))
+    |\.(?:nan|NaN|NAN))$""", re.VERBOSE), list("-+0123456789."))
 
 
 def read_yaml(text: str, where: str) -> Any:
     """``text`` as plain YAML values (see ``_YAMLLoader``); ``where`` names it in errors."""
     try:
-        return yaml.load(text, Loader=_YAMLLoader)  # noqa: S506 - a SafeLoader subclass
+        return yaml.load(text, Loader=_YAMLLoader)  # a SafeLoader: no Python objects
     except yaml.YAMLError as e:
         problem = "; ".join(p for p in (getattr(e, "context", None), getattr(e, "problem", None)) if p)
         mark = getattr(e, "problem_mark", None)
