@@ -15,7 +15,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from knapray.train.config import load_config  # noqa: E402
+from knapray.train.config import ConfigError, load_config  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,7 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare-unbalanced", action="store_true",
                    help="also train the same steps without balancing and compare")
     args = p.parse_args(argv)
-    cfg = load_config(args.config, args.set)
+    try:
+        cfg = load_config(args.config, args.set)
+    except ConfigError as e:  # one line that names the key and value; a traceback adds nothing
+        print(f"knapray train: error: {e}", file=sys.stderr)
+        return 2
 
     import ray
 

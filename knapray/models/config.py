@@ -9,29 +9,34 @@ from typing import Any
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class MMDiTConfig:
-    """Architecture of a Flux-style MMDiT. ``depth_double=0`` gives a plain single-stream DiT."""
+    """Architecture of a Flux-style MMDiT. ``depth_double=0`` gives a plain single-stream DiT.
 
-    in_channels: int = 4
+    Field ``metadata`` holds the bounds a run config checks at load with the field's dotted
+    key (knapray/train/config.py); ``__post_init__`` checks them again, and the rules that
+    relate fields, for a config built in code.
+    """
+
+    in_channels: int = dataclasses.field(default=4, metadata={"ge": 1})
     """Channels of the latent (C in (C, T, H, W))."""
-    patch_size: tuple[int, int, int] = (1, 2, 2)
+    patch_size: tuple[int, int, int] = dataclasses.field(default=(1, 2, 2), metadata={"ge": 1})
     """Patch extent along (t, h, w); one image token per patch."""
-    hidden_size: int = 64
+    hidden_size: int = dataclasses.field(default=64, metadata={"ge": 1})
     """Model width d."""
-    num_heads: int = 4
+    num_heads: int = dataclasses.field(default=4, metadata={"ge": 1})
     """Attention heads; head_dim = hidden_size / num_heads."""
-    depth_double: int = 2
+    depth_double: int = dataclasses.field(default=2, metadata={"ge": 0})
     """Double-stream blocks (separate text / image weights, joint attention)."""
-    depth_single: int = 2
+    depth_single: int = dataclasses.field(default=2, metadata={"ge": 0})
     """Single-stream blocks (shared weights over all tokens)."""
-    mlp_ratio: float = 4.0
+    mlp_ratio: float = dataclasses.field(default=4.0, metadata={"gt": 0})
     """MLP hidden width as a multiple of hidden_size."""
-    text_dim: int = 32
+    text_dim: int = dataclasses.field(default=32, metadata={"ge": 0})
     """Width of incoming text-encoder token features; 0 means the model takes no text tokens."""
-    pooled_dim: int = 32
+    pooled_dim: int = dataclasses.field(default=32, metadata={"ge": 0})
     """Width of the pooled conditioning vector per sequence; 0 means none (timestep only)."""
-    rope_axes_dim: tuple[int, int, int] = (4, 6, 6)
+    rope_axes_dim: tuple[int, int, int] = dataclasses.field(default=(4, 6, 6), metadata={"ge": 0})
     """Head channels rotated by the t, h, w coordinates; each even, summing to head_dim."""
-    rope_theta: float = 10000.0
+    rope_theta: float = dataclasses.field(default=10000.0, metadata={"gt": 0})
     """RoPE base period."""
     qk_norm: bool = True
     """RMS-normalize q and k per head before RoPE (stabilizes attention logits)."""

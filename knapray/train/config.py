@@ -1,39 +1,70 @@
-"""Typed run configuration, loaded from YAML; unknown keys are rejected with the valid ones.
+"""Typed run configuration, loaded from YAML; every value is checked at load.
 
-Overrides: ``--set model.hidden_size=128`` (dotted path, YAML-parsed value).
+Overrides: ``--set model.hidden_size=128`` (dotted path, value read as YAML).
+
+Every field is checked against its annotation (int, float, bool, str, a fixed-length
+tuple, ``dict[str, float]``, ``dict``, a nested section) and against the rules in its
+``metadata``:
+
+- ``ge`` / ``gt`` / ``le`` / ``lt``: bounds, on each element of a tuple; a str bound names
+  another field of the same section; a bounded value must be finite (no nan, inf);
+- ``choices``: the valid values;
+- ``check``: a function of the value as written that raises ValueError saying what is
+  wrong and what is valid.
+
+The model section (``MMDiTConfig``) declares its rules the same way and keeps its own
+``__post_init__`` checks. Unknown keys are rejected with the valid ones. Every error is a
+``ConfigError`` (a ValueError): one line naming the dotted key, the value and what is valid.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import operator
 import os
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, get_type_hints
+from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
+from knapray.coordinator import _parse_rule
 from knapray.models import MMDiTConfig
+from knapray.planning import SOLVERS
+
+
+class ConfigError(ValueError):
+    """A bad config file, override or value; the message is one line."""
+
+
+def _got(value: Any) -> str:
+    return f"got {value!r} ({type(value).__name__})"
+
+
+def _directory_name(name: Any) -> None:
+    if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
+        raise ValueError(
+            f"expected a non-empty string usable as one directory name (no '/', not '.' or '..'), {_got(name)}"
+        )
 
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
     corpus: str = "datasets/generated/demo"
-    """Directory of parquet shards + schema.json (built by datasets/build_synthetic.py)."""
-    build_mix: str = ""
-    """If set and the corpus is missing, build a synthetic corpus from this mix first."""
-    build_scale: int = 8
-    """Scale of the synthetic corpus built from ``build_mix`` (8 = CPU demo)."""
-    build_steps: int = 4
-    """Steps of the mix the built corpus holds."""
-    samples_per_step: int = 2
+    """Directory of parquet shards + schema.json. It must exist: knapray never builds or
+    replaces a corpus on its own (build one with ``python -m knapray.corpus.synthetic`` or
+    ingest images with ``python -m knapray.corpus.ingest``)."""
+    samples_per_step: int = field(default=2, metadata={"ge": 1})
     """Samples each rank draws per step (the paper's B)."""
-    epochs: int = 1
+    epochs: int = field(default=1, metadata={"ge": 1})
     """Passes over the corpus."""
-    seed: int = 0
-    max_tokens_per_gpu: int = 0
+    seed: int = field(default=0, metadata={"ge": 0})
+    max_tokens_per_gpu: int = field(default=0, metadata={"ge": 0})
     """Memory budget: a sample longer than this times the largest bag is quarantined
     (reason ``too_long``) instead of trained; 0 = no limit."""
-    max_bad_fraction: float = 0.5
+    max_bad_fraction: float = field(default=0.5, metadata={"ge": 0, "le": 1})
     """Stop the run with an error once more than this fraction of the rows read (after at
     least 16) had to be quarantined: a mostly broken corpus must not train on nothing."""
 
@@ -42,14 +73,14 @@ class DataConfig:
 class BalanceConfig:
     enabled: bool = True
     """False trains unbalanced (every rank computes its own samples): the baseline."""
-    topology: str = "g1n2+g2n1"
-    """Bags (e.g. g8n4), replicated to the world size; or 'auto'."""
-    solver: str = "knapray"
-    gamma: float = 0.4
+    topology: str = field(default="g1n2+g2n1", metadata={"check": _parse_rule})
+    """Bags (e.g. g8n4), replicated to the world size; 'bags_of:N'; or 'auto'."""
+    solver: str = field(default="knapray", metadata={"choices": SOLVERS})
+    gamma: float = field(default=0.4, metadata={"ge": 0})
     """Attention cost factor of the workload model (d_model comes from the model)."""
-    gpus_per_node: int = 0
+    gpus_per_node: int = field(default=0, metadata={"ge": 0})
     """If > 0, bags never cross a node boundary when they fit in one."""
-    planner: str = "workload"
+    planner: str = field(default="workload", metadata={"choices": ("workload", "cost")})
     """``workload`` (the paper's work estimate) or ``cost`` (predicted seconds with
     communication and live per-rank speeds; then ``topology: auto`` searches mixed bags)."""
     cost: dict = field(default_factory=dict)
@@ -58,44 +89,52 @@ class BalanceConfig:
     """A ``knapray calibrate`` profile for ``planner: cost``."""
     coordinator: bool = True
     """Plan on the BalanceCoordinator actor (else every rank plans from an all-gather)."""
-    coordinator_timeout_s: float = 30.0
+    coordinator_timeout_s: float = field(default=30.0, metadata={"gt": 0})
     """After this long without an answer a rank falls back to local planning."""
 
 
 @dataclass(kw_only=True, slots=True)
 class OptimConfig:
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = 1.0
+    lr: float = field(default=1e-3, metadata={"gt": 0})
+    weight_decay: float = field(default=0.0, metadata={"ge": 0})
+    betas: tuple[float, float] = field(default=(0.9, 0.999), metadata={"ge": 0, "lt": 1})
+    grad_clip: float = field(default=1.0, metadata={"ge": 0})
     """Clip the global gradient norm (0 disables)."""
-    warmup_steps: int = 0
+    warmup_steps: int = field(default=0, metadata={"ge": 0})
 
 
 @dataclass(kw_only=True, slots=True)
 class RunConfig:
-    name: str = "demo"
+    name: str = field(default="demo", metadata={"check": _directory_name})
+    """The run's directory name under ``storage`` (also names its coordinator actor)."""
     storage: str = "runs"
     """Run directory parent (absolute or relative to the working directory)."""
-    num_workers: int = 4
+    num_workers: int = field(default=4, metadata={"ge": 1})
     """Ray Train workers (one per GPU on a GPU cluster)."""
-    min_workers: int = 0
+    min_workers: int = field(default=0, metadata={"ge": 0, "le": "num_workers"})
     """If > 0, elastic: the worker group may run with min_workers..num_workers."""
     use_gpu: bool = False
-    cpus_per_worker: float = 0.5
+    cpus_per_worker: float = field(default=0.5, metadata={"gt": 0})
     resources_per_worker: dict[str, float] = field(default_factory=dict)
     """Extra Ray resources each worker requests besides ``cpus_per_worker``, e.g.
     ``{knapray_slot: 1}`` with a custom node resource that fits one worker per node."""
-    elastic_monitor_interval_s: float = 60.0
+    elastic_monitor_interval_s: float = field(default=60.0, metadata={"gt": 0})
     """Elastic runs: how often (seconds) Ray Train checks whether the cluster now holds
     a different number of workers and restarts the group at that size."""
-    max_steps: int = 0
+    max_steps: int = field(default=0, metadata={"ge": 0})
     """Stop after this many steps (0: run the epochs out)."""
-    checkpoint_every: int = 10
-    max_failures: int = 1
-    precision: str = "auto"
-    log_every: int = 1
-    timeout_s: int = 120
+    checkpoint_every: int = field(default=10, metadata={"ge": 0})
+    max_failures: int = field(default=1, metadata={"ge": -1})
+    """Worker-group restarts Ray Train allows (-1: unlimited)."""
+    precision: str = field(default="auto", metadata={"choices": ("auto", "bf16", "fp32")})
+    """Compute precision: ``bf16`` (mixed: fp32 master weights, bf16 compute under autocast,
+    on CUDA and on CPU), ``fp32``, or ``auto``: bf16 on a GPU, fp32 on CPU."""
+    resume: str = field(default="auto", metadata={"choices": ("auto", "never", "must")})
+    """``auto``: continue the run directory's newest checkpoint if its saved config is
+    compatible (same model and data order), else start fresh; ``never``: an existing run
+    directory is an error; ``must``: there must be a checkpoint to continue."""
+    log_every: int = field(default=1, metadata={"ge": 1})
+    timeout_s: int = field(default=120, metadata={"ge": 1})
     """Collective timeout: a dead peer surfaces as an error instead of a hang."""
 
 
@@ -115,54 +154,229 @@ class TrainConfig:
         return os.path.abspath(os.path.join(self.run.storage, self.run.name))
 
 
+# ---- YAML -------------------------------------------------------------------------------
+
+
+class _YAMLLoader(yaml.SafeLoader):
+    """yaml.SafeLoader (it builds no Python objects) with two YAML 1.2 readings: a number in
+    exponent form is a float (3e-4, 1E5, -2.5e-3: YAML 1.1 wants a dot and a signed
+    exponent, else it gives the string "3e-4"), and only true/false are booleans
+    (yes/no/on/off stay strings)."""
+
+
+_BOOL, _FLOAT = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:float"
+_YAMLLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_BOOL, _FLOAT)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_YAMLLoader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+# SafeLoader's float pattern with the exponent's sign optional and the dot-less "3e-4" added.
+_YAMLLoader.add_implicit_resolver(_FLOAT, re.compile(r"""^(?:
+     [-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
+    |\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.VERBOSE), list("-+0123456789."))
+
+
+def read_yaml(text: str, where: str) -> Any:
+    """``text`` as plain YAML values (see ``_YAMLLoader``); ``where`` names it in errors."""
+    try:
+        return yaml.load(text, Loader=_YAMLLoader)  # a SafeLoader: no Python objects
+    except yaml.YAMLError as e:
+        problem = "; ".join(p for p in (getattr(e, "context", None), getattr(e, "problem", None)) if p)
+        mark = getattr(e, "problem_mark", None)
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise ConfigError(f"{where}: not plain YAML: {problem or e}{at}") from None
+
+
+# ---- checks -----------------------------------------------------------------------------
+
+_ATOMS = {bool: "true or false", int: "an int", float: "a number", str: "a string"}
+_PLURAL = {int: "ints", float: "numbers", str: "strings", bool: "booleans"}
+_BOUNDS = {"ge": (">=", operator.ge), "gt": (">", operator.gt), "le": ("<=", operator.le), "lt": ("<", operator.lt)}
+
+
+class _Mismatch(Exception):
+    """A value that is not of its field's annotated type."""
+
+
+def _describe(typ: Any) -> str:
+    """What a value of annotation ``typ`` looks like in YAML."""
+    args = get_args(typ)
+    if typ in _ATOMS:
+        return _ATOMS[typ]
+    if get_origin(typ) is tuple:
+        if len(set(args)) == 1 and args[0] in _PLURAL:
+            return f"a list of {len(args)} {_PLURAL[args[0]]}"
+        return f"a list ({', '.join(_describe(a) for a in args)})"
+    if get_origin(typ) is dict:
+        return f"a mapping of {_PLURAL[args[0]]} to {_PLURAL[args[1]]}"
+    if typ is dict:
+        return "a mapping"
+    raise TypeError(f"no config check for annotation {typ!r}")
+
+
+def _convert(value: Any, typ: Any) -> Any:
+    """``value`` as ``typ`` (an int for a float becomes a float, a list a tuple); raises
+    _Mismatch if it is not one (a bool is no int)."""
+    args = get_args(typ)
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is int and isinstance(value, bool):
+        raise _Mismatch
+    if typ in _ATOMS or typ is dict:
+        if not isinstance(value, typ):
+            raise _Mismatch
+        return value
+    if get_origin(typ) is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise _Mismatch
+        return tuple(_convert(v, a) for v, a in zip(value, args))
+    if get_origin(typ) is dict:
+        if not isinstance(value, dict):
+            raise _Mismatch
+        return {_convert(k, args[0]): _convert(v, args[1]) for k, v in value.items()}
+    raise TypeError(f"no config check for annotation {typ!r}")
+
+
+def _range_text(rules: dict, siblings: dict) -> str:
+    """``rules``' bounds in words: ">= 1", "in [0, 1)", "in [0, num_workers=4]"."""
+    def show(op: str) -> str:
+        bound = rules[op]
+        if isinstance(bound, str):
+            return f"{bound}={siblings[bound]}" if bound in siblings else bound
+        return str(bound)
+
+    lo = next((op for op in ("ge", "gt") if op in rules), None)
+    hi = next((op for op in ("le", "lt") if op in rules), None)
+    if lo and hi:
+        return f"in {'[' if lo == 'ge' else '('}{show(lo)}, {show(hi)}{']' if hi == 'le' else ')'}"
+    return f"{_BOUNDS[lo or hi][0]} {show(lo or hi)}"
+
+
+def _expected(typ: Any, rules: Mapping, siblings: dict, *, finite: bool = False) -> str:
+    """What a field accepts, in words: "an int >= 1", "a list of 2 numbers, each in [0, 1)"."""
+    if "choices" in rules:
+        return f"one of {', '.join(map(repr, rules['choices']))}"
+    what = "a finite number" if finite else _describe(typ)
+    if not any(op in rules for op in _BOUNDS):
+        return what
+    text = _range_text(rules, siblings)
+    return f"{what}, each {text}" if get_origin(typ) is tuple else f"{what} {text}"
+
+
+def _in_range(x: float, rules: Mapping, siblings: dict) -> bool:
+    return math.isfinite(x) and all(
+        compare(x, siblings[rules[op]] if isinstance(rules[op], str) else rules[op])
+        for op, (_, compare) in _BOUNDS.items() if op in rules
+    )
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
 def _build(cls: type, data: Any, path: str) -> Any:
-    if not dataclasses.is_dataclass(cls):
-        return data
+    """``cls`` from the mapping ``data`` (the section at dotted ``path``): every value checked
+    against its annotation and its field's rules, defaults for the keys not given."""
+    where = f"config {path}" if path else "config"
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ValueError(f"config {path or 'root'}: expected a mapping, got {type(data).__name__}")
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(data) - set(names))
+        raise ConfigError(f"{where}: expected a mapping of keys to values, {_got(data)}")
+    fields = dataclasses.fields(cls)
+    names = [f.name for f in fields]
+    unknown = sorted(map(str, set(data) - set(names)))
     if unknown:
-        raise ValueError(
-            f"config {path or 'root'}: unknown key(s) {unknown}; valid keys: {names}"
-        )
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; valid keys: {names}")
     hints = get_type_hints(cls)
-    kwargs = {}
-    for name, value in data.items():
-        sub = f"{path}.{name}" if path else name
-        typ = hints[name]
+    keys = {f.name: f"{path}.{f.name}" if path else f.name for f in fields}
+    values: dict[str, Any] = {}
+    for f in fields:  # types first: a bound may name another field of the section
+        typ, raw = hints[f.name], data.get(f.name)
         if dataclasses.is_dataclass(typ):
-            kwargs[name] = _build(typ, value, sub)
-        elif isinstance(value, list):
-            kwargs[name] = tuple(value)
+            values[f.name] = _build(typ, raw, keys[f.name])
+        elif f.name not in data:
+            values[f.name] = _default(f)
         else:
-            kwargs[name] = value
+            if "check" in f.metadata:
+                try:
+                    f.metadata["check"](raw)
+                except ValueError as e:
+                    raise ConfigError(f"config {keys[f.name]}: {e}") from None
+            try:
+                values[f.name] = _convert(raw, typ)
+            except _Mismatch:
+                raise ConfigError(
+                    f"config {keys[f.name]}: expected {_expected(typ, f.metadata, values)}, {_got(raw)}"
+                ) from None
+    for f in fields:
+        rules, value = f.metadata, values[f.name]
+        bounded = any(op in rules for op in _BOUNDS)
+        elements = value if isinstance(value, tuple) else (value,)
+        if ("choices" in rules and value not in rules["choices"]) or (
+            bounded and not all(_in_range(x, rules, values) for x in elements)
+        ):
+            finite = isinstance(value, float) and not math.isfinite(value)
+            raise ConfigError(
+                f"config {keys[f.name]}: expected {_expected(hints[f.name], rules, values, finite=finite)}, "
+                f"{_got(data.get(f.name, value))}"
+            )
     try:
-        return cls(**kwargs)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"config {path or 'root'}: {e}") from e
+        return cls(**values)
+    except ValueError as e:  # the section's own checks, e.g. MMDiTConfig's that relate fields
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _apply_override(data: dict, item: str) -> None:
+    """Set ``section.key=value`` in ``data``; the path is checked against the sections (a
+    dict-valued field such as ``balance.cost`` may be entered too)."""
+    where = f"config override {item!r}"
+    path, eq, text = item.partition("=")
+    parts = path.split(".")
+    if not eq or not all(parts):
+        raise ConfigError(f"{where}: expected section.key=value, e.g. optim.lr=3e-4")
+    node, cls = data, TrainConfig
+    for i, part in enumerate(parts[:-1]):
+        prefix = ".".join(parts[: i + 1])
+        if cls is not None:
+            hints = get_type_hints(cls)
+            if part not in hints:
+                raise ConfigError(f"{where}: unknown key {prefix!r}; valid keys here: {list(hints)}")
+            typ = hints[part]
+            if not (dataclasses.is_dataclass(typ) or typ is dict or get_origin(typ) is dict):
+                raise ConfigError(f"{where}: {prefix} is a value ({_describe(typ)}), not a section")
+            cls = typ if dataclasses.is_dataclass(typ) else None
+        if node.get(part) is None:  # absent, or an empty section in the file
+            node[part] = {}
+        node = node[part]
+        if not isinstance(node, dict):
+            raise ConfigError(f"{where}: {prefix} is not a section here, it holds {node!r}")
+    node[parts[-1]] = read_yaml(text, where)
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> TrainConfig:
-    data: dict = {}
+    """The config in the YAML file ``path`` (defaults if None) with ``overrides``
+    (``section.key=value``) applied; raises ConfigError naming the first bad item."""
+    data: Any = {}
     if path:
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
+        try:
+            with open(path) as f:
+                text = f.read()
+        except OSError as e:
+            raise ConfigError(f"config file {path!r}: cannot read it ({e.strerror})") from None
+        data = read_yaml(text, f"config file {path!r}")
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path!r}: expected a mapping of sections, {_got(data)}")
     for item in overrides or []:
-        if "=" not in item:
-            raise ValueError(f"override {item!r}: expected dotted.key=value")
-        key, raw = item.split("=", 1)
-        node = data
-        parts = key.split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise ValueError(f"override {item!r}: {p} is not a section")
-        node[parts[-1]] = yaml.safe_load(raw)
+        _apply_override(data, item)
     return _build(TrainConfig, data, "")
 
 
 def config_from_dict(data: dict) -> TrainConfig:
+    """The config from plain values (e.g. ``TrainConfig.to_dict()``), checked as at load."""
     return _build(TrainConfig, data, "")
