@@ -37,7 +37,7 @@ class LayerNorm(nn.Module):
 
     torch's layer_norm kernels accumulate half-precision inputs in fp32, so a bf16 input
     needs no upcast copy. Under autocast layer_norm runs in fp32 and returns fp32; casting
-    back keeps the residual branch in the compute dtype instead of fp32 from here on.
+    back keeps what follows (adaLN modulation, the next linear) in the compute dtype.
     """
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
