@@ -2,7 +2,9 @@
 
 Tokens of many sequences are packed along one axis; ``cu_seqlens`` (int32, shape
 ``(S+1,)``, starting at 0) gives each sequence's boundaries. Attention is full within a
-sequence and absent across sequences. All backends take and return ``(N, H, D)``.
+sequence and absent across sequences. All backends take and return ``(N, H, D)``; q, k
+and v must share one float dtype and one device (the output has that dtype, or the autocast
+dtype under autocast on the ``sdpa`` path, as ``F.scaled_dot_product_attention`` does).
 
 Backends:
 - ``flash``: ``flash_attn.flash_attn_varlen_func`` (CUDA, fp16/bf16, if installed).
@@ -10,6 +12,9 @@ Backends:
   CUDA, fp16/bf16).
 - ``sdpa``: per-sequence ``F.scaled_dot_product_attention``, sequences of equal length
   batched into one call. Runs anywhere, any float dtype; the CPU reference path.
+- ``auto``: a fused kernel (``flash``, else ``torch_varlen``) for CUDA fp16/bf16 tensors,
+  otherwise ``sdpa``. fp32 q, k, v on CUDA take ``sdpa``: the model hands attention bf16
+  tensors under bf16 autocast, so fp32 here means an fp32 run.
 """
 
 from __future__ import annotations
@@ -76,11 +81,29 @@ def _resolve_backend(backend: str, q: torch.Tensor) -> str:
     return backend
 
 
-def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """q, k, v must share one (N, H, D) shape, one float dtype and one device.
+
+    No silent promotion: mixed dtypes would either fail inside a kernel or drop a fused
+    kernel for the slow path, so they are refused here, naming all three.
+    """
     if q.dim() != 3 or q.shape != k.shape or q.shape != v.shape:
         raise ValueError(
             f"q, k, v must share one (N, H, D) shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(
+            f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}; "
+            "cast them to the compute dtype (e.g. a norm returning fp32 under bf16 autocast)"
+        )
+    if not q.dtype.is_floating_point:
+        raise ValueError(f"q, k, v must be floating point, got {q.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+    check_qkv(q, k, v)
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
         raise ValueError(f"cu_seqlens must be 1-D with S+1 >= 1 entries, got shape {tuple(cu_seqlens.shape)}")
 
@@ -128,7 +151,9 @@ def _sdpa_varlen(
         pieces.append(out.transpose(1, 2).reshape(n_seqs * length, n_heads, head_dim))
         rows.append(idx)
     # Every token row belongs to exactly one group, so index_copy fills the whole output.
-    return q.new_zeros(q.shape).index_copy(0, torch.cat(rows), torch.cat(pieces))
+    # The output takes SDPA's dtype: q's, or the autocast dtype under autocast.
+    merged = torch.cat(pieces)
+    return merged.new_zeros(merged.shape).index_copy(0, torch.cat(rows), merged)
 
 
 def varlen_attention(
@@ -144,9 +169,10 @@ def varlen_attention(
     """Non-causal attention within each packed sequence. q, k, v: (N, H, D) -> (N, H, D).
 
     ``max_seqlen`` is the longest sequence (the fused kernels size their grid with it).
-    ``scale`` defaults to ``1/sqrt(D)``.
+    ``scale`` defaults to ``1/sqrt(D)``. q, k, v must share one float dtype and device
+    (``ValueError`` otherwise).
     """
-    _check_shapes(q, k, v, cu_seqlens)
+    _check_inputs(q, k, v, cu_seqlens)
     name = _resolve_backend(backend, q)
     if q.shape[0] == 0:
         return _empty_output(q, k, v)
@@ -167,7 +193,7 @@ def reference_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None = None
 ) -> torch.Tensor:
     """softmax(Q K^T * scale) V per sequence, in fp32 math, cast back to q's dtype. For tests."""
-    _check_shapes(q, k, v, cu_seqlens)
+    _check_inputs(q, k, v, cu_seqlens)
     bounds = _bounds(cu_seqlens, q.shape[0])
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])

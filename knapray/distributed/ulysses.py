@@ -119,7 +119,7 @@ class UlyssesAttention:
         self.scale = scale
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        from knapray.attention import varlen_attention  # attention backends load lazily
+        from knapray.attention import check_qkv, varlen_attention  # attention backends load lazily
 
         lay = self.layout
         if lay.seq_order.device != q.device:
@@ -129,11 +129,8 @@ class UlyssesAttention:
                 rank_order=lay.rank_order.to(q.device),
                 cu_seqlens=lay.cu_seqlens.to(q.device),
             )
-        if q.dim() != 3 or q.shape != k.shape or q.shape != v.shape:
-            raise ValueError(
-                f"q, k, v must share one (N, H, D) shape, got {tuple(q.shape)}, "
-                f"{tuple(k.shape)}, {tuple(v.shape)}"
-            )
+        # Before the exchange: stacking would silently promote mixed dtypes.
+        check_qkv(q, k, v)
         n, h, d = q.shape
         g = lay.bag_size
         if n != lay.local_tokens:

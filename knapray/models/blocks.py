@@ -2,7 +2,9 @@
 
 ``attn(q, k, v)`` receives (N, H, D) tensors of the local tokens after QK-norm and RoPE and
 returns (N, H, D); whether it is local varlen attention or a Ulysses exchange is not the
-blocks' business.
+blocks' business. q, k and v arrive in one dtype, the compute dtype of the residual stream
+(bf16 under bf16 autocast with fp32 parameters, and with bf16 parameters): the norms and
+RoPE compute in fp32 but return their input's dtype.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch.nn.functional as F
 
 from knapray.attention import AttentionFn
 from knapray.models.config import MMDiTConfig
-from knapray.models.layers import MLP, Modulation, RMSNorm, apply_rope, modulate
+from knapray.models.layers import MLP, LayerNorm, Modulation, RMSNorm, apply_rope, modulate
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -42,11 +44,6 @@ class TokenStreams:
         return torch.cat((x_txt, x_img))[self.unorder]
 
 
-def _layer_norm(dim: int) -> nn.LayerNorm:
-    # No affine parameters: adaLN supplies the scale and shift.
-    return nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
-
-
 def _qk_norm(cfg: MMDiTConfig) -> nn.Module:
     return RMSNorm(cfg.head_dim) if cfg.qk_norm else nn.Identity()
 
@@ -59,11 +56,11 @@ class StreamWeights(nn.Module):
         d = cfg.hidden_size
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.mod = Modulation(d, 6)
-        self.norm1 = _layer_norm(d)
+        self.norm1 = LayerNorm(d)
         self.qkv = nn.Linear(d, 3 * d)
         self.q_norm, self.k_norm = _qk_norm(cfg), _qk_norm(cfg)
         self.proj = nn.Linear(d, d)
-        self.norm2 = _layer_norm(d)
+        self.norm2 = LayerNorm(d)
         self.mlp = MLP(d, cfg.mlp_hidden, d)
 
     def attn_inputs(
@@ -124,7 +121,7 @@ class SingleStreamBlock(nn.Module):
         d = cfg.hidden_size
         self.num_heads, self.head_dim, self.mlp_hidden = cfg.num_heads, cfg.head_dim, cfg.mlp_hidden
         self.mod = Modulation(d, 3)
-        self.norm = _layer_norm(d)
+        self.norm = LayerNorm(d)
         self.linear1 = nn.Linear(d, 3 * d + self.mlp_hidden)
         self.q_norm, self.k_norm = _qk_norm(cfg), _qk_norm(cfg)
         self.linear2 = nn.Linear(d + self.mlp_hidden, d)
@@ -153,7 +150,7 @@ class FinalLayer(nn.Module):
     def __init__(self, cfg: MMDiTConfig) -> None:
         super().__init__()
         self.mod = Modulation(cfg.hidden_size, 2)
-        self.norm = _layer_norm(cfg.hidden_size)
+        self.norm = LayerNorm(cfg.hidden_size)
         self.linear = nn.Linear(cfg.hidden_size, cfg.patch_dim)
 
     def forward(self, h_img: torch.Tensor, vec_seq: torch.Tensor, seq_img: torch.Tensor) -> torch.Tensor:

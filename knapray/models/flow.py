@@ -43,6 +43,9 @@ def flow_loss(pred: torch.Tensor, target: torch.Tensor, global_token_count: int)
     balancing. So gradients must be SUM-reduced across ranks; a mean-reducing wrapper (DDP)
     needs the loss multiplied by the world size. A rank with no image tokens returns 0 that
     is still connected to ``pred``.
+
+    Computed in fp32 whatever the dtypes of ``pred`` and ``target`` (a bf16 sum over many
+    tokens would lose the loss's low digits), also under autocast; the loss is fp32.
     """
     if pred.shape != target.shape:
         raise ValueError(f"pred {tuple(pred.shape)} and target {tuple(target.shape)} differ")

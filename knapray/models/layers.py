@@ -13,7 +13,12 @@ TIME_EMBED_DIM = 256
 
 
 class RMSNorm(nn.Module):
-    """RMS normalization over the last dimension, computed in fp32, with a learned gain."""
+    """RMS normalization over the last dimension with a learned gain.
+
+    Computed in fp32, gain included, and returned in the input's dtype (the compute dtype).
+    Multiplying by the gain after casting back would promote to the gain's dtype: with fp32
+    parameters under bf16 autocast, q and k would reach attention in fp32 beside a bf16 v.
+    """
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -21,9 +26,29 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
+        x32 = x.float()  # no copy when x is fp32
         normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return normed.to(x.dtype) * self.weight
+        return (normed * self.weight.float()).to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last dimension without affine parameters (adaLN supplies scale and
+    shift), computed in fp32 and returned in the input's dtype.
+
+    torch's layer_norm kernels accumulate half-precision inputs in fp32, so a bf16 input
+    needs no upcast copy. Under autocast layer_norm runs in fp32 and returns fp32; casting
+    back keeps what follows (adaLN modulation, the next linear) in the compute dtype.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.dim, self.eps = dim, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (self.dim,), eps=self.eps).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}"
 
 
 def rope_frequencies(
@@ -50,7 +75,11 @@ def rope_frequencies(
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive channel pairs (2i, 2i+1) of x (N, H, D) by per-token angles (N, D/2)."""
+    """Rotate consecutive channel pairs (2i, 2i+1) of x (N, H, D) by per-token angles (N, D/2).
+
+    Computed in fp32 (cos, sin are fp32) and returned in x's dtype, so q and k leave RoPE in
+    the same dtype as v.
+    """
     n_tokens, n_heads, head_dim = x.shape
     # (N, H, D) -> (N, H, D/2, 2): channel pairs, rotated in fp32
     pairs = x.float().reshape(n_tokens, n_heads, head_dim // 2, 2)

@@ -75,6 +75,17 @@ class MMDiT(nn.Module):
         nn.init.zeros_(self.final.linear.weight)
         nn.init.zeros_(self.final.linear.bias)
 
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """dtype the inputs (latents, text, pooled and timestep features) are cast to.
+
+        The parameters' dtype: bf16 when they are cast for compute (``.to(torch.bfloat16)``,
+        FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``). Under autocast they
+        stay fp32 and the first linears produce bf16 activations; either way every block
+        then computes in one dtype.
+        """
+        return self.img_in.weight.dtype
+
     def condition(self, timesteps: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         """timesteps (S,) float, pooled (S, pooled_dim) -> vec (S, d): one vector per sequence."""
         s = timesteps.shape[0]
@@ -83,7 +94,7 @@ class MMDiT(nn.Module):
                 f"expected timesteps (S,) and pooled (S, {self.cfg.pooled_dim}), "
                 f"got {tuple(timesteps.shape)} and {tuple(pooled.shape)}"
             )
-        dtype = self.img_in.weight.dtype
+        dtype = self.param_dtype
         vec = self.time_in(timestep_embedding(timesteps).to(dtype))
         if self.vector_in is not None:
             vec = vec + self.vector_in(pooled.to(dtype))
@@ -100,9 +111,10 @@ class MMDiT(nn.Module):
                 f"is_text marks {streams.txt_idx.shape[0]} text / {streams.img_idx.shape[0]} image tokens, "
                 f"but x_txt has {x_txt.shape[0]} rows and x_img {x_img.shape[0]}"
             )
-        h_img = self.img_in(x_img)
+        dtype = self.param_dtype
+        h_img = self.img_in(x_img.to(dtype))
         if self.txt_in is not None:
-            h_txt = self.txt_in(x_txt)
+            h_txt = self.txt_in(x_txt.to(dtype))
         elif x_txt.shape[0] == 0:
             h_txt = h_img.new_zeros(0, self.cfg.hidden_size)
         else:
