@@ -22,8 +22,12 @@ PAPER_MIX := g8b4i256f1s0,g2b5i512f1s0,g2b5i1024f1s0,g4b1i2048f1s0,g1b10i256f4s0
 
 # The main job: a balanced training run (4 Ray Train workers, embedded local Ray) on a
 # small synthetic image+video corpus (built on first use), then the same steps unbalanced.
+# Every `make run` is a new run (its own run directory under runs/).
+DEMO_CORPUS := datasets/generated/demo
 run: $(STAMP)
-	$(BIN)/python jobs/train.py --config jobs/configs/demo.yaml --compare-unbalanced
+	test -f $(DEMO_CORPUS)/schema.json || $(BIN)/python -m knapray.corpus.synthetic --demo --quiet --out $(DEMO_CORPUS)
+	$(BIN)/python jobs/train.py --config jobs/configs/demo.yaml --compare-unbalanced \
+		--set run.name=demo-$$(date +%Y%m%d-%H%M%S)
 
 # The planner on the paper's image+video mix at full size (32 GPUs, g8n4), with a plot.
 plan-demo: $(STAMP)

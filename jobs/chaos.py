@@ -32,12 +32,16 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     from knapray.corpus import shard_paths
-    from knapray.train.chaos import Chaos, check_exactly_once
-    from knapray.train.launch import absolute_paths, ensure_corpus, run_training
-    from knapray.train.loop import coordinator_name
+    from knapray.corpus.synthetic import DEMO, build_synthetic
+    from knapray.testing.chaos import Chaos, check_exactly_once
+    from knapray.train.launch import run_training
+    from knapray.train.run_files import resolve_paths
+    from knapray.train.step_planner import coordinator_name
 
-    cfg = absolute_paths(cfg)
-    ensure_corpus(cfg)
+    cfg = resolve_paths(cfg)
+    if not os.path.exists(os.path.join(cfg.data.corpus, "schema.json")):
+        print(f"[chaos] building the demo corpus in {cfg.data.corpus}", flush=True)
+        build_synthetic(DEMO, cfg.data.corpus, progress=False)
     ids = [i for s in shard_paths(cfg.data.corpus) for i in pq.read_table(s, columns=["sample_id"])["sample_id"].to_pylist()]
     steps = len(ids) // (cfg.run.num_workers * cfg.data.samples_per_step)
     rng = random.Random(args.seed)
@@ -52,8 +56,7 @@ def main(argv: list[str] | None = None) -> int:
              include_dashboard=False, log_to_driver=False)
     import shutil
 
-    shutil.rmtree(cfg.run_dir, ignore_errors=True)
-    shutil.rmtree(os.path.join(cfg.run.storage, "ray", cfg.run.name), ignore_errors=True)
+    shutil.rmtree(cfg.run_dir, ignore_errors=True)  # a fresh run each time
     os.makedirs(cfg.run_dir, exist_ok=True)
     chaos = Chaos(cfg.run_dir, kill_worker_at=kill_worker_at, worker_rank=worker_rank,
                   kill_coordinator_at=kill_coordinator_at, coordinator_name=coordinator_name(cfg))
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     quarantined = set()
     qpath = os.path.join(cfg.run_dir, "quarantine.jsonl")
     if os.path.exists(qpath):
-        quarantined = {json.loads(line)["sample_id"] for line in open(qpath) if line.strip()}
+        quarantined = {r["sample_id"] for r in map(json.loads, filter(str.strip, open(qpath))) if "sample_id" in r}
     check = check_exactly_once(os.path.join(cfg.run_dir, "ledger.jsonl"), set(ids) - quarantined)
     planned = [r["planned_by"] for r in summary.get("records", [])]
     print(f"[chaos] steps after the last restart: {len(planned)} ({planned.count('local')} planned locally "

@@ -29,15 +29,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare-unbalanced", action="store_true",
                    help="also train the same steps without balancing and compare")
     args = p.parse_args(argv)
+    from knapray.train.guard import BadCorpus
+    from knapray.train.run_files import RunError, check_corpus, resolve_paths
+
     try:
-        cfg = load_config(args.config, args.set)
-    except ConfigError as e:  # one line that names the key and value; a traceback adds nothing
+        # Every input is checked here, before Ray or any worker starts.
+        cfg = resolve_paths(load_config(args.config, args.set))
+        check_corpus(cfg)
+    except (ConfigError, RunError) as e:  # one line that names the value; a traceback adds nothing
         print(f"knapray train: error: {e}", file=sys.stderr)
         return 2
 
     import ray
 
-    from knapray.train.launch import run_training, summarize
+    from knapray.train.launch import run_training
 
     address = args.address or os.environ.get("RAY_ADDRESS")
     if address:
@@ -48,10 +53,19 @@ def main(argv: list[str] | None = None) -> int:
         ray.init(num_cpus=args.num_cpus or max(4, int(cfg.run.num_workers * cfg.run.cpus_per_worker) + 2),
                  include_dashboard=False, log_to_driver=False)
     t0 = time.perf_counter()
-    balanced = run_training(cfg)
-    s = summarize(balanced.get("records", []))
+    try:
+        balanced = run_training(cfg)
+    except (RunError, BadCorpus) as e:
+        print(f"knapray train: error: {e}", file=sys.stderr)
+        return 2
+    s = balanced["run"]["summary"]
     print(f"\n[knapray] balanced run: {s['steps']} steps on {balanced.get('world_size')} workers, "
-          f"topology {balanced.get('topology')}, {time.perf_counter() - t0:.0f} s")
+          f"topology {balanced.get('topology')}, {time.perf_counter() - t0:.0f} s; "
+          f"{_quarantine_line(balanced['run'])}")
+    if not s["steps"]:
+        print(f"[knapray] nothing trained: the run was already at run.max_steps or past its last epoch "
+              f"({cfg.run_dir})")
+        return 0
     rows = [("balanced", s)]
     if args.compare_unbalanced:
         from dataclasses import replace
@@ -59,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         base_cfg = replace(cfg, balance=replace(cfg.balance, enabled=False),
                            run=replace(cfg.run, name=cfg.run.name + "-unbalanced"))
         unbalanced = run_training(base_cfg)
-        rows.append(("unbalanced", summarize(unbalanced.get("records", []))))
+        rows.append(("unbalanced", unbalanced["run"]["summary"]))
     print(f"\n{'run':<11} {'steps':>5} {'loss first->last':>17} {'planned imbalance':>18} "
           f"{'compute max/mean':>16} {'tokens/s':>9} {'plan wait':>9}")
     for name, r in rows:
@@ -82,6 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(cfg.run_dir, "comparison.json"), "w") as f:
         json.dump(dict(rows), f, indent=1)
     return 0
+
+
+def _quarantine_line(run: dict) -> str:
+    n = run["quarantined_samples"] + run["quarantined_shards"]
+    if not n:
+        return "nothing quarantined"
+    return (f"quarantined: {run['quarantined_samples']} sample(s), {run['quarantined_shards']} shard(s) "
+            f"({run['quarantined_shard_rows']} rows); see quarantine.jsonl")
 
 
 if __name__ == "__main__":

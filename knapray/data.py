@@ -68,6 +68,8 @@ class CorpusInfo:
     """Longest sample (tokens)."""
     shards: tuple[str, ...]
     """Shard file names, in corpus order."""
+    shard_rows: tuple[int, ...] | None = None
+    """Rows of each shard (None for corpora written before it was recorded)."""
 
 
 def corpus_info(path: str | Path) -> CorpusInfo:
@@ -84,6 +86,7 @@ def corpus_info(path: str | Path) -> CorpusInfo:
         num_samples=int(doc["counts"]["samples"]),
         max_seq_len=int(doc["counts"]["seq_len"]["max"]),
         shards=tuple(doc["shards"]),
+        shard_rows=tuple(int(n) for n in doc["shard_rows"]) if doc.get("shard_rows") is not None else None,
     )
 
 
@@ -156,6 +159,7 @@ def corpus_dataset(
     shuffle_seed: int | None = None,
     epoch: int = 0,
     rows_per_block: int = 32,
+    shards: Sequence[Path] | None = None,
 ) -> ray.data.Dataset:
     """A Ray Dataset of the corpus's rows in a deterministic order.
 
@@ -168,6 +172,8 @@ def corpus_dataset(
     consumers of ``streaming_split``: its parquet reader merges small files into one
     block, which would give one rank everything. ``samples_per_step`` is a good value.
 
+    ``shards``: the files to read (default: all; the driver passes the readable ones).
+
     ``preserve_order`` is set on this dataset's own context so that the row order, and
     with it which rows each split receives, is the same on every run. Ray Train replaces
     a dataset's execution options with ``DataConfig``'s: pass
@@ -177,7 +183,7 @@ def corpus_dataset(
 
     if rows_per_block < 1:
         raise ValueError(f"rows_per_block must be >= 1, got {rows_per_block}")
-    files = checked_shards(path)
+    files = checked_shards(path) if shards is None else list(shards)
     order = shard_order(len(files), shuffle_seed=shuffle_seed, epoch=epoch)
     ds = ray.data.read_parquet([str(files[i]) for i in order])
     ds = ds.repartition(target_num_rows_per_block=rows_per_block)
@@ -221,6 +227,65 @@ def shard_batches(
     )
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class BadShard:
+    """A shard that could not be read (whole or from some row on)."""
+
+    shard: str
+    """File name in the corpus directory."""
+    rows: int | None
+    """Rows lost (None if the corpus does not record the shard's size)."""
+    reason: str
+
+    def to_json(self) -> dict:
+        return {"shard": self.shard, "rows": self.rows, "reason": self.reason}
+
+
+OnBadShard = Callable[[BadShard], None]
+
+
+def check_shards(path: str | Path) -> tuple[list[Path], list[BadShard]]:
+    """Readable shards and the ones that are not, from each file's parquet footer (no data
+    is read): truncated files, garbage, other files under a shard's name and shards whose
+    row count differs from schema.json are found before training starts."""
+    import pyarrow.parquet as pq
+
+    from knapray.corpus.schema import CORPUS_SCHEMA
+
+    info = corpus_info(path)
+    good, bad = [], []
+    for i, file in enumerate(checked_shards(path)):
+        expected = info.shard_rows[i] if info.shard_rows is not None else None
+        try:
+            meta = pq.ParquetFile(file).metadata
+            missing = sorted(set(CORPUS_SCHEMA.names) - set(meta.schema.to_arrow_schema().names))
+            if missing:
+                raise ValueError(f"columns {missing} missing")
+            if expected is not None and meta.num_rows != expected:
+                raise ValueError(f"{meta.num_rows} rows where schema.json records {expected}")
+        except Exception as e:  # noqa: BLE001 - whatever pyarrow raises, the shard is unusable
+            bad.append(BadShard(file.name, expected, f"unreadable: {type(e).__name__}: {e}"))
+            continue
+        good.append(file)
+    return good, bad
+
+
+def read_shard(file: Path, *, read_rows: int, expected_rows: int | None,
+               on_bad_shard: OnBadShard) -> Iterator[pa.RecordBatch]:
+    """Record batches of one shard; if reading fails part-way, ``on_bad_shard`` learns the
+    shard and the rows not read (when the corpus records its size) and the shard ends there."""
+    import pyarrow.parquet as pq
+
+    done = 0
+    try:
+        for batch in pq.ParquetFile(file).iter_batches(batch_size=read_rows):
+            done += batch.num_rows
+            yield batch
+    except Exception as e:  # noqa: BLE001 - a corrupt page, a vanished file: quarantine the rest
+        lost = expected_rows - done if expected_rows is not None else None
+        on_bad_shard(BadShard(file.name, lost, f"unreadable after row {done}: {type(e).__name__}: {e}"))
+
+
 def local_rows(
     path: str | Path,
     rank: int,
@@ -229,19 +294,30 @@ def local_rows(
     shuffle_seed: int | None = None,
     epoch: int = 0,
     read_rows: int = 64,
+    on_bad_shard: OnBadShard | None = None,
 ) -> Iterator[pa.RecordBatch]:
     """This rank's rows of the corpus without Ray (the torchrun launcher): shards in
     ``shard_order``, and of the rows in that order every ``world_size``-th, starting at
     ``rank``. Record batches of at most ``read_rows`` rows are read one at a time, so a
-    rank holds little more than a step's samples in memory."""
-    import pyarrow.parquet as pq
-
+    rank holds little more than a step's samples in memory. A shard that fails to read
+    goes to ``on_bad_shard`` (every rank reports it; default: raise), and the epoch goes on
+    with the next shard. Ranks keep their row assignment as long as they all see the
+    same failure, which a file read fails for every reader alike."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    files = checked_shards(path)
+    info = corpus_info(path)
+    good, _ = check_shards(path)  # the driver quarantined the others before training
+    index_of = {p.name: i for i, p in enumerate(checked_shards(path))}
+
+    def raise_bad(bad: BadShard) -> None:
+        raise ValueError(f"corpus {path}: shard {bad.shard} {bad.reason}")
+
     index = 0  # global row index of the next row read
-    for i in shard_order(len(files), shuffle_seed=shuffle_seed, epoch=epoch):
-        for batch in pq.ParquetFile(files[i]).iter_batches(batch_size=read_rows):
+    for k in shard_order(len(good), shuffle_seed=shuffle_seed, epoch=epoch):
+        i = index_of[good[k].name]
+        expected = info.shard_rows[i] if info.shard_rows is not None else None
+        for batch in read_shard(good[k], read_rows=read_rows, expected_rows=expected,
+                                on_bad_shard=on_bad_shard or raise_bad):
             first = (rank - index) % world_size  # first row of this batch that is ours
             mine = np.arange(first, batch.num_rows, world_size)
             index += batch.num_rows
@@ -333,7 +409,7 @@ class StepStream:
         text_dim: int | None = None,
         pooled_dim: int | None = None,
         on_corrupt: OnCorrupt | None = None,
-        skip_sample_ids: Collection[int] = frozenset(),
+        skip_sample_ids: Collection[int] | np.ndarray = (),
         max_seq_len: int | None = None,
     ) -> None:
         if max_seq_len is not None and max_seq_len < 1:
@@ -345,7 +421,10 @@ class StepStream:
         self.text_dim = text_dim
         self.pooled_dim = pooled_dim
         self.on_corrupt: OnCorrupt = on_corrupt or _log_corrupt
-        self.skip_sample_ids = frozenset(int(i) for i in skip_sample_ids)
+        # Sorted int64: 10 million ids take 80 MB here, a Python set of them ten times that.
+        self.skip_sample_ids = np.unique(np.fromiter((int(i) for i in skip_sample_ids), dtype=np.int64)
+                                         if not isinstance(skip_sample_ids, np.ndarray)
+                                         else skip_sample_ids.astype(np.int64))
         self.stats = StreamStats()
         self._rows: Iterator[Row] | None = _rows(source)
         self._ahead: Step | None = None  # filled on first use, not here: reading starts Ray execution
@@ -399,9 +478,14 @@ class StepStream:
         )
         return Step(meta, tuple(samples))
 
+    def _skipped(self, sample_id: int) -> bool:
+        ids = self.skip_sample_ids
+        i = int(np.searchsorted(ids, sample_id))
+        return i < ids.size and int(ids[i]) == sample_id
+
     def _decode(self, row: Row) -> dict[str, Any] | None:
         sid = row.get("sample_id")
-        if sid is not None and int(sid) in self.skip_sample_ids:
+        if sid is not None and self._skipped(int(sid)):
             self.stats.skipped += 1
             return None
         try:

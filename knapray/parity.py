@@ -23,7 +23,7 @@ from knapray.models import MMDiT, MMDiTConfig, pack_samples
 from knapray.models.flow import add_noise, flow_loss
 from knapray.planning import Topology, WorkloadModel, identity_plan, plan_balance
 from knapray.planning.mix import MAX_TEXT_TOKENS
-from knapray.train.synthetic import concat_batches, mix_batches
+from knapray.testing.batches import concat_batches, mix_batches
 
 UNBALANCED = "unbalanced"
 DEFAULT_TOL = 1e-5

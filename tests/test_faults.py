@@ -14,7 +14,7 @@ import pytest
 
 from knapray.corpus import CORPUS_SCHEMA, shard_paths
 from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
-from knapray.train.chaos import Chaos, check_exactly_once
+from knapray.testing.chaos import Chaos, check_exactly_once
 from knapray.train.config import load_config
 
 pytestmark = pytest.mark.ray
@@ -52,7 +52,7 @@ def clean_corpus(tmp_path_factory):
 
 def _run_with_chaos(cfg, **chaos):
     from knapray.train.launch import run_training
-    from knapray.train.loop import coordinator_name
+    from knapray.train.step_planner import coordinator_name
 
     os.makedirs(cfg.run_dir, exist_ok=True)
     chaos_thread = Chaos(cfg.run_dir, coordinator_name=coordinator_name(cfg), **chaos)
@@ -94,7 +94,7 @@ def test_coordinator_killed_ranks_plan_locally_exactly_once(ray_session, tmp_pat
     assert too_long
     cfg = _cfg(str(out), tmp_path, "coordkill", **{"run.max_failures": 0, "data.max_tokens_per_gpu": 40})
     from knapray.coordinator import create_coordinator
-    from knapray.train.loop import coordinator_config, coordinator_name
+    from knapray.train.step_planner import coordinator_config, coordinator_name
 
     # The actor is gone for 3 steps (its node died), then comes back and reloads its state.
     def recreate():

@@ -79,7 +79,7 @@ def _spy_loop(rank: int, world: int, corpus: str, run_root: str):
     """Run the training loop with every torch.distributed collective wrapped by a spy."""
     from knapray.data import local_rows
     from knapray.train.context import LocalContext
-    from knapray.train.loop import train_loop
+    from knapray.train.trainer import Trainer
 
     calls = []
 
@@ -101,7 +101,7 @@ def _spy_loop(rank: int, world: int, corpus: str, run_root: str):
         "run.checkpoint_every=2", "run.precision=fp32",
     ])
     ctx = LocalContext(shards=[list(local_rows(corpus, r, world)) for r in range(world)], rank=rank, world_size=world)
-    summary = train_loop(ctx, cfg)
+    summary = Trainer(ctx, cfg).train()
     return calls, str(ctx.device(False)), summary["steps"]
 
 

@@ -19,7 +19,7 @@ def _run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
 
 @pytest.mark.dist
 def test_gpu_check_chain_on_two_gloo_ranks(tmp_path):
-    """torch.distributed.run -> knapray.train.torchrun -> train_loop on 2 ranks, judged as
+    """torch.distributed.run -> knapray.train.torchrun -> Trainer on 2 ranks, judged as
     on a GPU: steps ran, loss fell, speed and the FLOP formula printed."""
     out = _run(["-m", "knapray.testing.gpu_check", "--cpu", "--nproc", "2", "--topology", "g2n1",
                 "--steps", "8", "--out", str(tmp_path)])

@@ -130,7 +130,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, opts: dict) -> None:
     from knapray.distributed.grads import allreduce_gradients
     from knapray.models.flow import flow_loss
     from knapray.train.balanced import balanced_forward
-    from knapray.train.synthetic import mix_batches
+    from knapray.testing.batches import mix_batches
 
     init_local_gloo(rank, world, port, timeout_s=300)
     try:
@@ -281,7 +281,7 @@ def run_step_bench(
     import torch.multiprocessing as mp
 
     from knapray.distributed import check_heads
-    from knapray.train.synthetic import mix_batches
+    from knapray.testing.batches import mix_batches
 
     if warmup < 0 or steps <= warmup:
         raise ValueError(f"steps ({steps}) must be larger than warmup ({warmup}) >= 0")

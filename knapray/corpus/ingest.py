@@ -308,6 +308,7 @@ def ingest(
         },
         payload=True,
         shards=shards,
+        shard_rows=writer.shard_rows,
         counts=counts,
         extra={
             "input": str(root),

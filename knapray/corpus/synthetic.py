@@ -252,9 +252,15 @@ def build_synthetic(cfg: SyntheticConfig, out_dir: str | Path, *, progress: bool
         },
         payload=cfg.payload,
         shards=shards,
+        shard_rows=writer.shard_rows,
         counts=counts,
         extra={"mix": cfg.mix_codes, "scale": cfg.scale, "config": asdict(cfg)},
     )
+
+
+DEMO = SyntheticConfig(mix="image+video", steps=2, scale=8, channels=4, text_dim=32, pooled_dim=32)
+"""The corpus of ``make run`` and the chaos demo (jobs/configs/demo.yaml's model): the
+paper's image+video mix at 1/8 resolution, sequences of 4..437 tokens, 178 samples."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -263,7 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Build a synthetic knapray corpus (parquet shards + schema.json) from a "
         "mix of the paper's data codes gGbBiRfFsS.",
     )
-    p.add_argument("--mix", required=True,
+    p.add_argument("--demo", action="store_true",
+                   help="the demo corpus of `make run` (image+video mix, scale 8, 2 steps, text/pooled width 32)")
+    p.add_argument("--mix",
                    help=f"data codes like 'g8b4i256f1s0,g2b1i1024f1s0' or a paper mix: {', '.join(PAPER_MIXES)}")
     p.add_argument("--out", required=True, type=Path, help="output directory (new or empty)")
     p.add_argument("--steps", type=int, default=1, help="steps of the mix to hold (default 1)")
@@ -285,8 +293,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not args.demo and not args.mix:
+        build_parser().error("give --mix (or --demo)")
     try:
-        cfg = SyntheticConfig(
+        cfg = DEMO if args.demo else SyntheticConfig(
             mix=args.mix, steps=args.steps, scale=args.scale, channels=args.channels,
             text_dim=args.text_dim, pooled_dim=args.pooled_dim,
             max_text_tokens=args.max_text_tokens, shards=args.shards, seed=args.seed,

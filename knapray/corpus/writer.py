@@ -70,6 +70,9 @@ class ShardWriter:
             )
         self.rows_per_shard = rows_per_shard
         self.paths: list[Path] = []
+        self.shard_rows: list[int] = []
+        """Rows written to each shard (recorded in schema.json: a reader that cannot read a
+        shard knows how many samples it loses)."""
         self.rows = 0
         self._writer: pq.ParquetWriter | None = None
         self._in_shard = 0
@@ -83,6 +86,7 @@ class ShardWriter:
             assert self._writer is not None
             self._writer.write_table(table.slice(start, take))
             self._in_shard += take
+            self.shard_rows[-1] += take
             self.rows += take
             start += take
 
@@ -92,6 +96,7 @@ class ShardWriter:
         path = self.out_dir / shard_name(len(self.paths))
         self._writer = pq.ParquetWriter(path, CORPUS_SCHEMA)
         self.paths.append(path)
+        self.shard_rows.append(0)
         self._in_shard = 0
 
     def close(self) -> list[Path]:
@@ -133,6 +138,7 @@ def write_schema_json(
     shards: Sequence[Path],
     counts: dict[str, Any],
     extra: dict[str, Any],
+    shard_rows: Sequence[int] | None = None,
 ) -> Path:
     """Describe the corpus next to its shards; readers take dims from here."""
     doc = {
@@ -142,6 +148,7 @@ def write_schema_json(
         "dims": {**dims, "patch": list(PATCH)},
         "payload": payload,
         "shards": [Path(p).name for p in shards],
+        "shard_rows": [int(n) for n in shard_rows] if shard_rows is not None else None,
         "counts": counts,
         **extra,
     }

@@ -101,8 +101,9 @@ class BagGroups:
     layout: RankLayout
     bag_group: dist.ProcessGroup | None
     """Group of the rank's bag (for Ulysses); None for a bag of one rank."""
-    balance_group: dist.ProcessGroup
-    """Group of the rank's balance group (for routing); the world group if there is one."""
+    balance_group: dist.ProcessGroup | None
+    """Group of the rank's balance group (for routing); the world group if there is one;
+    None in a single process without a process group."""
 
     @property
     def rank(self) -> int:
@@ -120,12 +121,12 @@ class BagGroups:
     def build(cls, topology: Topology, num_heads: int | None = None) -> "BagGroups":
         """Create the groups. Collective: every rank of the world must call it, with the
         same topology, because every rank creates every group in the same order (also
-        those it is not in), as ``dist.new_group`` requires."""
+        those it is not in), as ``dist.new_group`` requires. Without a process group the
+        topology must be a world of one."""
         if not dist.is_initialized():
-            raise RuntimeError(
-                "BagGroups.build needs an initialized default process group; call "
-                "torch.distributed.init_process_group first (ParallelDims validates without one)"
-            )
+            # A single process: a world of one needs no group (every exchange is local).
+            dims = ParallelDims(topology, 1, num_heads)
+            return cls(dims=dims, layout=dims.layout(0), bag_group=None, balance_group=None)
         dims = ParallelDims(topology, dist.get_world_size(), num_heads)
         layout = dims.layout(dist.get_rank())
         bag_group = None

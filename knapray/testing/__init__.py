@@ -1,1 +1,2 @@
-"""Tools that check knapray rather than train with it: the GPU check."""
+"""Tools that check knapray rather than train with it: the GPU check, chaos and elastic
+runs, in-memory step batches for parity checks and benchmarks."""

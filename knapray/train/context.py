@@ -1,17 +1,20 @@
-"""What the training loop needs from its launcher, so the loop never imports ray.train.
+"""What the trainer needs from its launcher, so it never imports ray.train.
 
-``RayTrainContext`` (Ray Train workers) lives in ``launch.py``; ``LocalContext`` runs the
-loop in one process (tests, debugging) or under torchrun with an iterable of rows.
+``RayTrainContext`` (Ray Train workers) lives in ``launch.py``, ``TorchrunContext`` in
+``torchrun.py``; ``LocalContext`` runs the trainer over given rows (tests, debugging).
+Checkpoints are not the launcher's business: the trainer keeps them in the run
+directory, the same way under every launcher.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+
+from knapray.data import BadShard
 
 
 class TrainContext(Protocol):
@@ -21,15 +24,13 @@ class TrainContext(Protocol):
 
     def device(self, use_gpu: bool) -> torch.device: ...
 
-    def rows(self, epoch: int) -> Iterable[Any]:
-        """This rank's rows (row dicts or column batches) for one epoch."""
+    def rows(self, epoch: int, on_bad_shard: Callable[[BadShard], None]) -> Iterable[Any]:
+        """This rank's rows (row dicts, column batches or pyarrow batches) for one epoch,
+        in an order that depends on the epoch. A shard that fails to read part-way goes
+        to ``on_bad_shard`` (launchers whose driver checked the shards may never call it)."""
 
-    def load_checkpoint(self, load: Callable[[str], Any]) -> Any:
-        """``load(directory)`` of the checkpoint to resume from; None if there is none."""
-
-    def report(self, metrics: dict, checkpoint_dir: str | None = None) -> None:
-        """Report metrics (every rank calls it; a barrier under Ray Train); rank 0 may
-        attach a checkpoint directory."""
+    def report(self, metrics: dict) -> None:
+        """Report a step's metrics (every rank calls it; a barrier under Ray Train)."""
 
 
 @dataclass
@@ -40,7 +41,6 @@ class LocalContext:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
-    checkpoint: str | None = None
     reports: list[dict] = field(default_factory=list)
 
     def device(self, use_gpu: bool) -> torch.device:
@@ -48,17 +48,8 @@ class LocalContext:
             return torch.device("cuda", self.local_rank)
         return torch.device("cpu")
 
-    def rows(self, epoch: int) -> Iterable[Any]:
+    def rows(self, epoch: int, on_bad_shard: Callable[[BadShard], None]) -> Iterable[Any]:
         return self.shards[self.rank]
 
-    def load_checkpoint(self, load: Callable[[str], Any]) -> Any:
-        return load(self.checkpoint) if self.checkpoint else None
-
-    def report(self, metrics: dict, checkpoint_dir: str | None = None) -> None:
-        self.reports.append(dict(metrics, checkpoint=checkpoint_dir))
-        if checkpoint_dir:
-            self.checkpoint = checkpoint_dir
-
-
-def env_int(name: str, default: int) -> int:
-    return int(os.environ.get(name, default))
+    def report(self, metrics: dict) -> None:
+        self.reports.append(dict(metrics))

@@ -1,19 +1,21 @@
-"""Ray wiring: the only module that touches ray.train. Builds the dataset, creates the
-coordinator actor, runs ``TorchTrainer`` and writes the run directory's summary files."""
+"""Ray wiring: the only module that touches ray.train. Prepares the run directory,
+builds the dataset, creates the coordinator actor, runs ``TorchTrainer`` and writes the
+run directory's summary files."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
-import shutil
+import time
 from typing import Any
 
 import torch
 
 from .config import TrainConfig, config_from_dict
-from .loop import coordinator_config, coordinator_name, train_loop
-from .run_files import clear_stale_run_files, ensure_corpus, summarize, write_run_files  # noqa: F401 (summarize: jobs/train.py)
+from .run_files import prepare_run, resolve_paths, write_run_files
+from .step_planner import coordinator_config, coordinator_name
+from .trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -21,14 +23,15 @@ logger = logging.getLogger(__name__)
 class RayTrainContext:
     """TrainContext over ``ray.train``'s worker context."""
 
-    def __init__(self, batch_size: int) -> None:
+    def __init__(self, cfg: TrainConfig) -> None:
         import ray.train
 
         ctx = ray.train.get_context()
         self.rank = ctx.get_world_rank()
         self.world_size = ctx.get_world_size()
         self.local_rank = ctx.get_local_rank()
-        self._batch_size = batch_size
+        self._batch_size = cfg.data.samples_per_step
+        self._seed = cfg.data.seed
 
     def device(self, use_gpu: bool) -> torch.device:
         if use_gpu and torch.cuda.is_available():
@@ -36,38 +39,32 @@ class RayTrainContext:
             return torch.device("cuda", self.local_rank)
         return torch.device("cpu")
 
-    def rows(self, epoch: int):
+    def rows(self, epoch: int, on_bad_shard):
+        """This worker's split of the dataset, shuffled locally with a seed drawn from
+        (seed, epoch): Ray Train hands the same split order every epoch. The driver
+        checked the shards before training, so ``on_bad_shard`` is not needed here."""
         import ray.train
 
-        from knapray.data import shard_batches
+        from knapray.data import epoch_seed, shard_batches
 
-        return shard_batches(ray.train.get_dataset_shard("train"), batch_size=self._batch_size)
+        return shard_batches(ray.train.get_dataset_shard("train"), batch_size=self._batch_size,
+                             shuffle_buffer=SHUFFLE_ROWS, shuffle_seed=epoch_seed(self._seed, epoch))
 
-    def load_checkpoint(self, load):
+    def report(self, metrics: dict) -> None:
         import ray.train
 
-        ckpt = ray.train.get_checkpoint()
-        if ckpt is None:
-            return None
-        # Read in place (a local checkpoint is not copied): to_directory() would make every
-        # worker of the node share one download directory, and a worker could read a file
-        # another one was still writing (seen as a corrupt checkpoint on resume).
-        with ckpt.as_directory() as path:
-            return load(path)
+        ray.train.report(metrics)
 
-    def report(self, metrics: dict, checkpoint_dir: str | None = None) -> None:
-        import ray.train
 
-        checkpoint = ray.train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
-        ray.train.report(metrics, checkpoint=checkpoint)
-        if checkpoint_dir:
-            shutil.rmtree(checkpoint_dir, ignore_errors=True)  # Ray copied it to storage
+SHUFFLE_ROWS = 256
+"""Rows each worker shuffles among while streaming (a new order every epoch)."""
 
 
 def _train_func(config: dict) -> dict:
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    logging.basicConfig(level=logging.INFO)
     cfg = config_from_dict(config)
-    return train_loop(RayTrainContext(cfg.data.samples_per_step), cfg)
+    return Trainer(RayTrainContext(cfg), cfg).train()
 
 
 def _every_row_data_config(execution_options):
@@ -93,40 +90,34 @@ def _every_row_data_config(execution_options):
     return EveryRowDataConfig(execution_options=execution_options)
 
 
-def absolute_paths(cfg: TrainConfig) -> TrainConfig:
-    """Workers run in their own directories: resolve paths on the driver."""
-    from dataclasses import replace
-
-    return replace(
-        cfg,
-        data=replace(cfg.data, corpus=os.path.abspath(cfg.data.corpus)),
-        run=replace(cfg.run, storage=os.path.abspath(cfg.run.storage)),
-    )
-
-
 def run_training(cfg: TrainConfig, *, verbose: bool = True) -> dict:
-    """Train on the Ray cluster this process is connected to (``ray.init`` first)."""
+    """Train on the Ray cluster this process is connected to (``ray.init`` first).
+    Everything that can be wrong with the run's inputs fails here, before any worker
+    starts (``RunError``, ``BadCorpus``, ``ValueError``: one line naming the value)."""
+    cfg = resolve_paths(cfg)
+    start, lock = prepare_run(cfg)
+    try:
+        print(f"[knapray] {start.message}", flush=True)
+        return _fit(cfg, verbose=verbose)
+    finally:
+        lock.release()
+
+
+def _fit(cfg: TrainConfig, *, verbose: bool) -> dict:
     import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.data import DataContext
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from knapray.coordinator import create_coordinator
-    from knapray.data import corpus_dataset, ingest_execution_options
-
-    from ray.data import DataContext
+    from knapray.data import check_shards, corpus_dataset, ingest_execution_options
 
     DataContext.get_current().enable_progress_bars = False  # the training bar is enough
-    cfg = absolute_paths(cfg)
-    ensure_corpus(cfg)
     run_dir = cfg.run_dir
-    os.makedirs(run_dir, exist_ok=True)
-    if not _resuming(cfg):  # leftovers of an earlier run of the same name
-        clear_stale_run_files(run_dir)
-    state_path = os.path.join(run_dir, "coordinator-state.pkl")
-    if not _resuming(cfg) and os.path.exists(state_path):
-        os.remove(state_path)  # a fresh run must not inherit an old run's ledger
-    coordinator = create_coordinator(coordinator_name(cfg), state_path=state_path, **coordinator_config(cfg))
-    ds = corpus_dataset(cfg.data.corpus, rows_per_block=cfg.data.samples_per_step)
+    coordinator = create_coordinator(coordinator_name(cfg), state_dir=os.path.join(run_dir, "ledger"),
+                                     **coordinator_config(cfg))
+    good, _ = check_shards(cfg.data.corpus)  # prepare_run quarantined the others
+    ds = corpus_dataset(cfg.data.corpus, rows_per_block=cfg.data.samples_per_step, shards=good)
     workers: Any = cfg.run.num_workers
     if cfg.run.min_workers:
         workers = (cfg.run.min_workers, cfg.run.num_workers)
@@ -141,11 +132,12 @@ def run_training(cfg: TrainConfig, *, verbose: bool = True) -> dict:
             resources_per_worker={"CPU": cfg.run.cpus_per_worker, **cfg.run.resources_per_worker},
             elastic_resize_monitor_interval_s=cfg.run.elastic_monitor_interval_s,
         ),
+        # Ray's own run state goes beside ours; checkpoints are the trainer's (run_dir/checkpoints),
+        # so every fit, a restart after a failure included, resumes from the run directory.
         run_config=RunConfig(
-            name=cfg.run.name,
-            storage_path=os.path.abspath(os.path.join(cfg.run.storage, "ray")),
+            name=f"fit-{time.strftime('%Y%m%d-%H%M%S')}",
+            storage_path=os.path.join(run_dir, "ray"),
             failure_config=FailureConfig(max_failures=cfg.run.max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=2),
         ),
     )
     with _ProgressTail(os.path.join(run_dir, "metrics.jsonl"), cfg.run.max_steps or None, cfg.run.name):
@@ -156,7 +148,7 @@ def run_training(cfg: TrainConfig, *, verbose: bool = True) -> dict:
     except Exception as e:  # noqa: BLE001 - statistics only; the run itself is done
         logger.warning("coordinator statistics unavailable: %s", e)
     del coordinator
-    write_run_files(cfg, summary)
+    summary["run"] = write_run_files(cfg, summary)
     return summary
 
 
@@ -205,7 +197,3 @@ class _ProgressTail:
             if stopping:
                 break
         bar.close()
-
-
-def _resuming(cfg: TrainConfig) -> bool:
-    return os.path.isdir(os.path.join(cfg.run.storage, "ray", cfg.run.name))

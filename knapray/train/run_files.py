@@ -1,43 +1,269 @@
-"""Files of a run directory that every launcher writes the same way: the corpus a run
-needs (built only when the config asks for a synthetic one), and at the end
-``summary.json``, ``ledger.jsonl``, ``quarantine.jsonl`` and the per-rank work plot."""
+"""The run directory, handled the same way by every launcher: where it is (never inside
+Ray's upload folder), whether a run starts fresh or resumes (``run.resume``), the lock
+that keeps a second live run out, the saved config, and at the end ``summary.json``,
+``ledger.jsonl``, ``quarantine.jsonl`` and the per-rank work plot."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from .config import TrainConfig
 
 
-def ensure_corpus(cfg: TrainConfig) -> None:
-    """Build the synthetic corpus if the config names a mix and it is missing."""
-    if os.path.exists(os.path.join(cfg.data.corpus, "schema.json")):
-        return
-    if not cfg.data.build_mix:
-        raise FileNotFoundError(
-            f"corpus {cfg.data.corpus!r} not found (no schema.json) and data.build_mix is empty; "
-            "build one with datasets/build_synthetic.py or set data.build_mix"
-        )
-    from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
+RESUME_MODES = ("auto", "never", "must")
+CONFIG_FILE = "config.json"
+LOCK_FILE = "RUNNING.lock"
+RESUME_KEYS = ("model", "data.corpus", "data.samples_per_step", "data.seed")
+"""Config values a resumed run must share with the run it continues: the model's shape
+and the data order. Anything else (learning rate, step limits, topology, world size...)
+may change on resume, and the resume line names what did."""
+RAY_UPLOAD_MARKER = os.path.join("runtime_resources", "working_dir_files")
+DEFAULT_JOB_STORAGE = "~/knapray/runs"
+"""Where a relative run.storage goes when the job runs inside Ray's upload folder."""
 
-    build_synthetic(
-        SyntheticConfig(
-            mix=cfg.data.build_mix, steps=cfg.data.build_steps, scale=cfg.data.build_scale,
-            channels=cfg.model.in_channels, text_dim=cfg.model.text_dim,
-            pooled_dim=cfg.model.pooled_dim, seed=cfg.data.seed,
-        ),
-        cfg.data.corpus,
+
+class RunError(ValueError):
+    """A run cannot start as configured; the message names the value and what is valid."""
+
+
+def inside_ray_upload(path: str) -> bool:
+    """True for a path under the folder ``ray job submit --working-dir`` unpacked (which
+    Ray may delete, and which holds no gitignored data)."""
+    return RAY_UPLOAD_MARKER in os.path.abspath(path)
+
+
+def resolve_paths(cfg: TrainConfig) -> TrainConfig:
+    """Absolute storage and corpus paths, resolved on the driver (workers run elsewhere).
+
+    Inside a ``ray job submit`` upload folder a relative ``run.storage`` would put the run
+    directory into Ray's temporary files: it goes to ``$KNAPRAY_STORAGE`` or
+    ``~/knapray/runs`` instead. A relative ``data.corpus`` there must exist (a
+    gitignored corpus is not uploaded): see ``check_corpus``."""
+    storage = cfg.run.storage
+    if not os.path.isabs(storage) and inside_ray_upload(os.getcwd()):
+        storage = os.path.join(os.path.expanduser(os.environ.get("KNAPRAY_STORAGE", DEFAULT_JOB_STORAGE)), storage)
+    return replace(
+        cfg,
+        data=replace(cfg.data, corpus=os.path.abspath(cfg.data.corpus)),
+        run=replace(cfg.run, storage=os.path.abspath(os.path.expanduser(storage))),
     )
 
 
+def check_corpus(cfg: TrainConfig) -> None:
+    """The corpus must exist before any worker starts: it is never built or replaced
+    implicitly. (A synthetic one is built on request: ``python -m knapray.corpus.synthetic``.)"""
+    path = cfg.data.corpus
+    if os.path.exists(os.path.join(path, "schema.json")):
+        return
+    hint = ""
+    if inside_ray_upload(path):
+        hint = ("; this job runs in the folder ray job submit uploaded, which holds no gitignored data: "
+                "give data.corpus as an absolute path on storage every node reads")
+    raise RunError(f"data.corpus {path!r}: no corpus there (no schema.json){hint}; build one with "
+                   "python -m knapray.corpus.synthetic or python -m knapray.corpus.ingest")
+
+
+def saved_config(run_dir: str) -> dict | None:
+    path = os.path.join(run_dir, CONFIG_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and key.count(".") < 1:
+            out.update(_flat(v, key + "."))
+        else:
+            out[key] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def config_changes(old: dict, new: dict) -> tuple[list[str], list[str]]:
+    """(keys that forbid a resume, other keys that changed), as ``key: old -> new``."""
+    a, b = _flat(old), _flat(json.loads(json.dumps(new)))
+    blocking, other = [], []
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) != b.get(key):
+            line = f"{key}: {a.get(key)!r} -> {b.get(key)!r}"
+            (blocking if any(key == k or key.startswith(k + ".") for k in RESUME_KEYS) else other).append(line)
+    return blocking, other
+
+
+@dataclass(frozen=True)
+class RunStart:
+    resume_from: str | None
+    """The checkpoint directory to resume from (None: a fresh run)."""
+    message: str
+
+
+def decide_start(cfg: TrainConfig, checkpoints: list[str]) -> RunStart:
+    """Fresh run or resume, by ``run.resume`` (auto | never | must), before workers start.
+
+    never: an existing run directory is an error naming it. must: there must be a
+    checkpoint to resume from. auto: resume the newest complete checkpoint if the saved
+    config is compatible (else an error listing what differs); start fresh if there is
+    none."""
+    run_dir, mode = cfg.run_dir, cfg.run.resume
+    if mode not in RESUME_MODES:
+        raise RunError(f"run.resume {mode!r}: valid values are {', '.join(RESUME_MODES)}")
+    exists = os.path.isdir(run_dir) and bool(os.listdir(run_dir))
+    if mode == "never" and exists:
+        raise RunError(f"run directory {run_dir} already exists (run.resume=never): choose another run.name, "
+                       "remove the directory, or set run.resume=auto to continue it")
+    if mode == "must" and not checkpoints:
+        raise RunError(f"run.resume=must but {run_dir} holds no complete checkpoint to resume from")
+    if not checkpoints:
+        return RunStart(None, f"starting run {cfg.run.name!r} in {run_dir}")
+    old = saved_config(run_dir)
+    if old is None:
+        raise RunError(f"run directory {run_dir} has checkpoints but no {CONFIG_FILE}; it was not written by "
+                       "this knapray: choose another run.name")
+    blocking, other = config_changes(old, cfg.to_dict())
+    if blocking:
+        raise RunError(f"cannot resume run {cfg.run.name!r} in {run_dir}: its saved config differs in "
+                       f"{'; '.join(blocking)}; choose another run.name for a new run")
+    changed = f" (changed: {'; '.join(other)})" if other else ""
+    return RunStart(checkpoints[-1], f"resuming run {cfg.run.name!r} from {checkpoints[-1]}{changed}")
+
+
+def prepare_run(cfg: TrainConfig) -> tuple[RunStart, "RunLock"]:
+    """Everything decided before any worker starts (the Ray driver, or rank 0 under
+    torchrun): the corpus exists and its shards are readable enough, fresh run or resume,
+    the run directory's lock, the saved config. Raises ``RunError``/``BadCorpus`` with one
+    line naming the value. The caller releases the lock at the end of the run."""
+    from .checkpoint import completed_checkpoints
+    from .guard import check_corpus_shards
+
+    check_corpus(cfg)
+    start = decide_start(cfg, completed_checkpoints(os.path.join(cfg.run_dir, "checkpoints")))
+    lock = RunLock(cfg.run_dir).acquire()
+    try:
+        if start.resume_from is None:
+            clear_stale_run_files(cfg.run_dir)
+        write_config(cfg)
+        check_corpus_shards(cfg.data.corpus, cfg.run_dir, cfg.data.max_bad_fraction)
+    except BaseException:
+        lock.release()
+        raise
+    return start, lock
+
+
+def write_config(cfg: TrainConfig) -> None:
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    tmp = os.path.join(cfg.run_dir, CONFIG_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(cfg.to_dict(), f, indent=1)
+    os.replace(tmp, os.path.join(cfg.run_dir, CONFIG_FILE))
+
+
+class RunLock:
+    """``RUNNING.lock`` in the run directory, created exclusively: a second live run with
+    the same name is refused. A lock left by a dead process on this host is taken over."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.path = os.path.join(run_dir, LOCK_FILE)
+        self.held = False
+
+    def acquire(self) -> "RunLock":
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                owner = self._owner()
+                if owner is not None and not self._stale(owner):
+                    raise RunError(
+                        f"run directory {os.path.dirname(self.path)} is in use by a live run (pid {owner.get('pid')} "
+                        f"on {owner.get('host')} since {owner.get('started')}); wait for it or choose another run.name"
+                    ) from None
+                os.remove(self.path)  # unreadable, or its process is gone: take it over
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
+            return self
+        raise RunError(f"could not take the lock {self.path}")
+
+    def release(self) -> None:
+        if self.held:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path)
+            self.held = False
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def _owner(self) -> dict | None:
+        try:
+            with open(self.path) as f:
+                owner = json.load(f)
+            return owner if isinstance(owner, dict) else None
+        except (OSError, ValueError):
+            return None
+
+    @staticmethod
+    def _stale(owner: dict) -> bool:
+        if owner.get("host") != socket.gethostname():
+            return False  # another machine's process: cannot tell, assume alive
+        try:
+            os.kill(int(owner.get("pid", -1)), 0)
+        except ProcessLookupError:
+            return True
+        except (PermissionError, ValueError, TypeError):
+            return False
+        return False
+
+
+STALE_FILES = ("metrics.jsonl", "summary.json", "ledger.jsonl", "quarantine.jsonl", "rank_work.png")
+STALE_DIRS = ("ledger", "pids")
+
+
 def clear_stale_run_files(run_dir: str) -> None:
-    """A fresh run under an old run's name: drop its per-step files (metrics, quarantine)."""
-    for stale in os.listdir(run_dir):
-        if stale == "metrics.jsonl" or stale.startswith("quarantine-"):
-            os.remove(os.path.join(run_dir, stale))
+    """A fresh run in a directory without checkpoints: drop what an earlier, unfinished
+    run there left (metrics, quarantine, ledger journal, summary)."""
+    for name in os.listdir(run_dir):
+        path = os.path.join(run_dir, name)
+        if name in STALE_FILES or name.startswith("quarantine-"):
+            os.remove(path)
+        elif name in STALE_DIRS:
+            shutil.rmtree(path)
+
+
+def truncate_metrics(run_dir: str, from_step: int) -> None:
+    """A resumed run redoes the steps after its checkpoint: drop their old lines."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        keep = [line for line in f if line.strip() and json.loads(line)["step"] < from_step]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(keep)
+    os.replace(tmp, path)
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def summarize(records: list[dict]) -> dict:
@@ -61,29 +287,48 @@ def summarize(records: list[dict]) -> dict:
     }
 
 
-def write_run_files(cfg: TrainConfig, summary: dict) -> None:
-    """summary.json, ledger.jsonl and a PNG of per-rank work before/after balancing."""
+def merge_quarantine(run_dir: str) -> list[dict]:
+    """Every quarantine record of the run (per-rank files and the driver's shard check)
+    in one ``quarantine.jsonl``: shards first, then samples by id; a shard reported by
+    several ranks or several attempts is listed once."""
+    records: list[dict] = []
+    for name in sorted(os.listdir(run_dir)):
+        if name.startswith("quarantine-") and name.endswith(".jsonl"):
+            with open(os.path.join(run_dir, name)) as f:
+                records.extend(json.loads(line) for line in f if line.strip())
+    shards = {r["shard"]: r for r in records if "shard" in r}
+    samples = {(r["sample_id"], r["reason"]): r for r in records if "shard" not in r}
+    merged = [shards[k] for k in sorted(shards)] + [
+        samples[k] for k in sorted(samples, key=lambda k: (k[0] is None, k[0] if k[0] is not None else 0, k[1]))]
+    if merged:
+        with open(os.path.join(run_dir, "quarantine.jsonl"), "w") as f:
+            for r in merged:
+                f.write(json.dumps(r) + "\n")
+    return merged
+
+
+def write_run_files(cfg: TrainConfig, summary: dict) -> dict:
+    """summary.json (over every step in metrics.jsonl, resumed attempts included),
+    quarantine.jsonl, ledger.jsonl and a PNG of per-rank work before/after balancing.
+    Returns the run-level summary."""
     run_dir = cfg.run_dir
-    records = summary.get("records", [])
+    records = read_metrics(run_dir)
+    quarantined = merge_quarantine(run_dir)
     out = {"config": cfg.to_dict(), "summary": summarize(records),
            "topology": summary.get("topology"), "world_size": summary.get("world_size"),
-           "coordinator_stats": summary.get("coordinator_stats")}
-    quarantined = []
-    for name in sorted(os.listdir(run_dir)):
-        if name.startswith("quarantine-rank"):
-            quarantined.extend(json.loads(line) for line in open(os.path.join(run_dir, name)) if line.strip())
-    if quarantined:
-        with open(os.path.join(run_dir, "quarantine.jsonl"), "w") as f:
-            for q in sorted(quarantined, key=lambda q: (q["sample_id"] is None, q["sample_id"])):
-                f.write(json.dumps(q) + "\n")
-    out["quarantined"] = len(quarantined)
+           "coordinator_stats": summary.get("coordinator_stats"),
+           "quarantined_samples": sum("shard" not in q for q in quarantined),
+           "quarantined_shards": sum("shard" in q for q in quarantined),
+           "quarantined_shard_rows": sum(q.get("rows") or 0 for q in quarantined if "shard" in q)}
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(out, f, indent=1, default=str)
-    ledger = summary.get("ledger")
-    if ledger is not None:
+    from .ledger_files import ledger_rows
+
+    rows = ledger_rows(run_dir)
+    if rows:
         with open(os.path.join(run_dir, "ledger.jsonl"), "w") as f:
-            for row in zip(*(np.asarray(ledger[k]).tolist() for k in ("step", "sample_id", "home_rank", "attempt"))):
-                f.write(json.dumps(dict(zip(("step", "sample_id", "home_rank", "attempt"), row))) + "\n")
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
     if records:
         from knapray.plots import plot_rank_work
 
@@ -95,3 +340,4 @@ def write_run_files(cfg: TrainConfig, summary: dict) -> None:
             [r["imbalance_planned"] for r in records],
             title=f"{cfg.run.name}: {summary.get('topology')} on {summary.get('world_size')} workers",
         )
+    return out

@@ -1,7 +1,7 @@
 """Elastic restart with a re-planned topology, end to end on a private Ray cluster.
 
-    python -m knapray.train.elastic_check --scenario shrink --out /tmp/elastic-shrink
-    python -m knapray.train.elastic_check --scenario grow --out /tmp/elastic-grow
+    python -m knapray.testing.elastic_check --scenario shrink --out /tmp/elastic-shrink
+    python -m knapray.testing.elastic_check --scenario grow --out /tmp/elastic-grow
 
 Builds its own multi-node Ray cluster (``ray.cluster_utils.Cluster``: a head with a few
 CPUs for Ray Data and the driver-side actors, plus worker nodes that each carry one
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> dict:
     from knapray.coordinator import BalanceCoordinator
     from knapray.train.config import load_config
     from knapray.train.launch import run_training
-    from knapray.train.loop import coordinator_name
+    from knapray.train.step_planner import coordinator_name
 
     start_nodes, min_w, max_w, change = SCENARIOS[args.scenario]
     out = os.path.abspath(args.out)

@@ -1,0 +1,175 @@
+"""Checkpoints in the run directory: model + optimizer with torch.distributed.checkpoint
+(DCP), trainer state as JSON, written atomically, loadable at another world size.
+
+Layout: ``<run dir>/checkpoints/step-000000123/`` holds DCP's files (one data file per
+writing rank, ``.metadata``), ``trainer.json`` (step, epoch, world size, topology, the
+ledger position) and ``COMPLETE``, written last. A save goes to ``step-....partial`` and
+is renamed when every rank has written its part; only directories with ``COMPLETE`` are
+resumed from, so a save cut short by a crash is never read.
+
+DCP saves each tensor's shards once (replicated tensors from one rank, FSDP shards from
+their owners) and reshards on load, so a run saved by 4 ranks resumes on 3 (the elastic
+restart path), sharded or not.
+
+Nothing read from a run directory can execute code: DCP's data files are read with
+``torch.load(weights_only=True)`` by DCP itself, and its pickled ``.metadata`` is read here
+by an unpickler that admits only DCP's own metadata classes, torch sizes, dtypes and
+layouts (``SafeFileSystemReader``). ``trainer.json`` is JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import shutil
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+
+logger = logging.getLogger(__name__)
+
+COMPLETE = "COMPLETE"
+TRAINER_STATE = "trainer.json"
+PARTIAL = ".partial"
+
+# ---- safe reading of DCP's metadata ------------------------------------------------------
+
+_SAFE_GLOBALS = {
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # str -> torch.layout, a table lookup
+    ("collections", "OrderedDict"),
+}
+_SAFE_PREFIX = "torch.distributed.checkpoint."
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _SAFE_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module.startswith(_SAFE_PREFIX):
+            obj = super().find_class(module, name)
+            if isinstance(obj, type):  # DCP's metadata dataclasses and enums, nothing callable else
+                return obj
+        raise pickle.UnpicklingError(
+            f"checkpoint metadata refers to {module}.{name}, which a DCP checkpoint never holds; "
+            "refusing to load it (a planted or foreign file?)"
+        )
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """``FileSystemReader`` whose metadata read admits only DCP's own classes."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp.Metadata:
+        rank = kwargs.get("rank")
+        filename = ".metadata" if rank is None else f"__{rank}.metadata"
+        with open(os.path.join(self.path, filename), "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if not isinstance(metadata, dcp.Metadata):
+            raise pickle.UnpicklingError(f"{self.path}/{filename} does not hold DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp.metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+# ---- the checkpointer ---------------------------------------------------------------------
+
+
+def completed_checkpoints(root: str) -> list[str]:
+    """Marked checkpoint directories under ``root``, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    names = sorted(n for n in os.listdir(root) if n.startswith("step-") and not n.endswith(PARTIAL))
+    return [os.path.join(root, n) for n in names if os.path.exists(os.path.join(root, n, COMPLETE))]
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What a resumed run learns from its checkpoint."""
+
+    path: str
+    trainer: dict
+    """``trainer.json``: step (the last step the checkpoint covers), epoch, world_size, ..."""
+
+    @property
+    def step(self) -> int:
+        return int(self.trainer["step"])
+
+
+class Checkpointer:
+    """Saves and restores model + optimizer + trainer state under ``<run dir>/checkpoints``.
+
+    ``group``: the group DCP coordinates on (a gloo group: its collectives exchange
+    Python objects); None in a single process without a process group.
+    """
+
+    def __init__(self, root: str, *, rank: int, group: dist.ProcessGroup | None, keep: int = 2) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.root, self.rank, self.group, self.keep = root, rank, group, keep
+
+    def completed(self) -> list[str]:
+        return completed_checkpoints(self.root)
+
+    def latest(self) -> str | None:
+        done = self.completed()
+        return done[-1] if done else None
+
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer: dict,
+             barrier) -> str:
+        """Collective: every rank writes its part, then rank 0 finishes the directory.
+        ``barrier()`` must wait for every rank (the caller's step-sync barrier)."""
+        final = os.path.join(self.root, f"step-{step:09d}")
+        partial = final + PARTIAL
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # a crashed save of the same step
+            os.makedirs(partial)
+        barrier()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, storage_writer=dcp.FileSystemWriter(partial),
+                 process_group=self.group)
+        barrier()  # every rank's data file is written
+        if self.rank == 0:
+            _write_json(os.path.join(partial, TRAINER_STATE), dict(trainer, step=step))
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(partial, final)
+            _write_json(os.path.join(final, COMPLETE), {"step": step})
+            for old in self.completed()[: -self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        barrier()  # nobody goes on (or reads it) before it is complete
+        return final
+
+    def load(self, path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Restored:
+        """Collective: load ``path`` into ``model`` and ``optimizer`` (any world size)."""
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        dcp.load(state, storage_reader=SafeFileSystemReader(path), process_group=self.group)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=StateDictOptions(strict=True))
+        with open(os.path.join(path, TRAINER_STATE)) as f:
+            trainer = json.load(f)
+        return Restored(path=path, trainer=trainer)
+
+
+def _write_json(path: str, obj: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,101 @@
+"""The bad-data guard: corrupt samples and unreadable shards go to quarantine files in the
+run directory with their reason, and a run whose corpus is mostly bad stops, on every
+rank at the same step, instead of training on what is left.
+
+Files: each rank appends to ``quarantine-rank<r>.jsonl`` (one JSON object per line:
+``sample_id``, ``reason``, ``rank`` for a sample; ``shard``, ``rows``, ``reason`` for a
+shard); the driver's shard check writes ``quarantine-shards.jsonl``; at the end of the
+run they are merged into ``quarantine.jsonl`` (``knapray.train.run_files``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+from knapray.data import BadShard, StreamStats
+
+SHARD_FILE = "quarantine-shards.jsonl"
+
+
+class BadCorpus(ValueError):
+    """Too much of the corpus could not be read; the message names what and where."""
+
+
+@dataclass
+class BadDataGuard:
+    run_dir: str
+    rank: int
+    corpus: str
+    max_bad_fraction: float
+    bad_rows: float = 0.0
+    """Rows quarantined so far, summed over ranks (what ``check`` saw)."""
+    rows: float = 0.0
+    """Rows read or lost so far, summed over ranks."""
+    _reported: tuple[int, int] = (0, 0)
+    _shard_rows_lost: int = 0
+    _shard_rows_reported: int = 0
+    bad_shards: list[BadShard] = field(default_factory=list)
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.run_dir, f"quarantine-rank{self.rank}.jsonl")
+
+    def on_corrupt(self, sample_id, reason: str) -> None:
+        self._append({"sample_id": int(sample_id) if sample_id is not None else None,
+                      "reason": reason, "rank": self.rank})
+
+    def on_bad_shard(self, bad: BadShard) -> None:
+        """Every rank reading the shard sees the failure; rank 0 records and counts it."""
+        self.bad_shards.append(bad)
+        if self.rank == 0:
+            self._append(bad.to_json())
+            self._shard_rows_lost += bad.rows or 0
+
+    def step_counts(self, stats: StreamStats) -> dict[str, int]:
+        """This rank's new bad and read rows since the last call, for the step's all-reduce."""
+        bad, read = stats.corrupt, stats.samples + stats.corrupt
+        lost = self._shard_rows_lost - self._shard_rows_reported
+        counts = {"bad_rows": bad - self._reported[0] + lost, "rows": read - self._reported[1] + lost}
+        self._reported = (bad, read)
+        self._shard_rows_reported = self._shard_rows_lost
+        return counts
+
+    def check(self, summed: dict[str, float], step: int) -> None:
+        """Raise ``BadCorpus`` once more than ``max_bad_fraction`` of the rows (after at
+        least 16) were bad. Every rank sees the same sums, so every rank raises together."""
+        self.bad_rows += summed["bad_rows"]
+        self.rows += summed["rows"]
+        if self.rows >= 16 and self.bad_rows > self.max_bad_fraction * self.rows:
+            raise BadCorpus(
+                f"corpus {self.corpus!r} is mostly bad: {int(self.bad_rows)} of {int(self.rows)} rows read by step "
+                f"{step} were quarantined (limit data.max_bad_fraction={self.max_bad_fraction}); reasons are in "
+                f"{self.run_dir}/quarantine-rank*.jsonl"
+            )
+
+    def _append(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def check_corpus_shards(corpus: str, run_dir: str, max_bad_fraction: float) -> tuple[list, list[BadShard]]:
+    """The driver's check before any worker starts: unreadable shards are written to
+    ``quarantine-shards.jsonl`` and left out, or, above ``max_bad_fraction`` of the corpus,
+    stop the run with their names. Returns (readable shard paths, bad shards)."""
+    from knapray.data import check_shards, corpus_info
+
+    good, bad = check_shards(corpus)
+    if bad:
+        total = corpus_info(corpus).num_samples
+        lost = sum(b.rows or 0 for b in bad)
+        names = ", ".join(f"{b.shard} ({b.reason})" for b in bad)
+        if not good or (total and lost > max_bad_fraction * total):
+            raise BadCorpus(
+                f"corpus {corpus!r}: {len(bad)} unreadable shard(s) hold {lost} of {total} rows, more than "
+                f"data.max_bad_fraction={max_bad_fraction}: {names}"
+            )
+        with open(os.path.join(run_dir, SHARD_FILE), "w") as f:
+            for b in bad:
+                f.write(json.dumps(b.to_json()) + "\n")
+    return good, bad

@@ -1,0 +1,75 @@
+"""What a step reports: ``StepRecord`` (one line of ``metrics.jsonl``) and the writer that
+appends rank 0's records to the run directory."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class StepRecord:
+    step: int
+    loss: float
+    loss_rel: float
+    """Loss over the loss of predicting zero velocity on the same batch."""
+    tokens: int
+    seconds: float
+    imbalance: float
+    baseline_imbalance: float
+    compute_s: list[float]
+    comm_s: list[float]
+    wait_plan_s: float
+    planned_by: str
+    rank_work: list[float]
+    baseline_rank_work: list[float]
+    topology: str = ""
+    flops: float = 0.0
+    """Model FLOPs of the step over all ranks (``knapray.models.flops``)."""
+    clock: str = ""
+    """What measured compute_s / comm_s: ``cuda_events`` or ``thread_time``."""
+    peak_mem_gib: float | None = None
+    """Rank 0's peak allocated device memory so far (CUDA only)."""
+    epoch: int = 0
+
+    def to_json(self) -> dict:
+        compute = np.asarray(self.compute_s)
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "loss": self.loss,
+            "loss_rel": self.loss_rel,
+            "tokens": self.tokens,
+            "step_s": self.seconds,
+            "tokens_per_s": self.tokens / self.seconds if self.seconds > 0 else 0.0,
+            "imbalance_planned": self.imbalance,
+            "baseline_imbalance_planned": self.baseline_imbalance,
+            "compute_s": self.compute_s,
+            "compute_max_over_mean": float(compute.max() / compute.mean()) if compute.mean() > 0 else 1.0,
+            "comm_s": self.comm_s,
+            "wait_plan_s": self.wait_plan_s,
+            "wait_plan_frac": self.wait_plan_s / self.seconds if self.seconds > 0 else 0.0,
+            "planned_by": self.planned_by,
+            "rank_work": self.rank_work,
+            "baseline_rank_work": self.baseline_rank_work,
+            "world_size": len(self.rank_work),
+            "topology": self.topology,
+            "model_tflops": self.flops / self.seconds / 1e12 if self.seconds > 0 else 0.0,
+            "model_tflops_per_gpu": self.flops / self.seconds / 1e12 / len(self.rank_work) if self.seconds > 0 else 0.0,
+            "clock": self.clock,
+            "peak_mem_gib": self.peak_mem_gib,
+        }
+
+
+class MetricsFile:
+    """``<run dir>/metrics.jsonl``, appended by rank 0 after every step."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+
+    def append(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")

@@ -1,0 +1,263 @@
+"""The trainer: one worker's whole run, under Ray Train, torchrun or a test.
+
+It takes rank, world size, rows and reporting from a ``TrainContext`` and never imports
+ray.train. ``Trainer.__init__`` builds everything (model, optimizer, restore from the
+newest checkpoint, topology, process groups, step planner, bad-data guard);
+``Trainer.train`` runs the epochs; ``Trainer.train_step`` is one step:
+
+1. take this step's samples (``StepStream``) and fetch its plan (``StepPlanner``: the
+   coordinator's, prefetched a step ahead, if it answered);
+2. one small all-reduce on the training device agrees on the step's image tokens,
+   whether every rank has the plan, and the bad-data counts (``BadDataGuard``);
+3. if any rank lacks the plan, every rank plans locally from an all-gather of lengths;
+4. balanced forward + backward (``balanced_forward``) under the run's precision,
+   gradients summed over ranks, clip, optimizer step;
+5. one all-reduce gathers the loss and every rank's compute/communication seconds;
+   rank 0 writes the step's metrics and the step goes into the ledger;
+6. every ``checkpoint_every`` steps, and at the end of the run, a checkpoint
+   (``Checkpointer``: DCP, atomic, resumable at another world size).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import numpy as np
+import torch
+
+from knapray.coordinator import CoordinatorClient, CoordinatorUnavailable
+from knapray.data import Step, StepStream, batch_generator, build_packed_batch, check_model_config, corpus_info
+from knapray.distributed import BagGroups
+from knapray.distributed.grads import allreduce_gradients
+from knapray.distributed.step_sync import StepSync
+from knapray.models import MMDiT
+from knapray.models.flops import model_flops
+from knapray.models.flow import flow_loss
+from knapray.planning import BalancePlan, Topology, identity_plan
+from knapray.timing import StepTimer
+
+from .balanced import balanced_forward
+from .checkpoint import Checkpointer
+from .config import TrainConfig
+from .context import TrainContext
+from .guard import BadDataGuard
+from .ledger_files import LocalLedger, committed_ids
+from .metrics import MetricsFile, StepRecord
+from .run_files import truncate_metrics
+from .step_planner import Planned, StepPlanner, coordinator_config, coordinator_name, planning_model
+
+logger = logging.getLogger(__name__)
+
+
+def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """``run.precision`` on ``device``: ``auto`` is bf16 on CUDA and fp32 elsewhere."""
+    if precision == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+
+
+def _split_lengths(plan: BalancePlan) -> list[list[int]]:
+    offs = plan.seq_offsets.tolist()
+    lens = plan.seq_lens.tolist()
+    return [lens[offs[r] : offs[r + 1]] for r in range(plan.world_size)]
+
+
+class Trainer:
+    def __init__(self, ctx: TrainContext, cfg: TrainConfig) -> None:
+        self.ctx, self.cfg = ctx, cfg
+        self.rank, self.world = ctx.rank, ctx.world_size
+        self.device = ctx.device(cfg.run.use_gpu)
+        self.sync = StepSync.build(self.device)
+        self.dtype = compute_dtype(cfg.run.precision, self.device)
+        self.run_dir = cfg.run_dir
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.info = corpus_info(cfg.data.corpus)
+        check_model_config(self.info, cfg.model)
+
+        torch.manual_seed(cfg.data.seed)  # the same initial model on every rank
+        self.model = MMDiT(cfg.model).to(self.device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                           weight_decay=cfg.optim.weight_decay)
+        self.checkpointer = Checkpointer(os.path.join(self.run_dir, "checkpoints"), rank=self.rank,
+                                         group=self.sync.meta_group)
+        self.step, self.epoch, self.resumed_from = 0, 0, None
+        self.last_saved: int | None = None
+        latest = self.checkpointer.latest()
+        if latest is not None:
+            restored = self.checkpointer.load(latest, self.model, self.optimizer)
+            self.step, self.epoch = restored.step + 1, int(restored.trainer["epoch"])
+            self.resumed_from = self.last_saved = restored.step
+            if self.rank == 0:
+                truncate_metrics(self.run_dir, self.step)
+                logger.info("resumed from %s: step %d, epoch %d", latest, self.step, self.epoch)
+
+        self.client = (
+            CoordinatorClient(coordinator_name(cfg), None, rank=self.rank, timeout_s=cfg.balance.coordinator_timeout_s)
+            if cfg.balance.coordinator else None
+        )
+        self.local_ledger = None
+        if self.client is None and self.rank == 0:
+            self.local_ledger = LocalLedger.open(self.run_dir, resume_step=self.resumed_from)
+        self.topology = self._choose_topology()
+        self.groups = BagGroups.build(self.topology, cfg.model.num_heads) if cfg.balance.enabled else None
+        self.workload = planning_model(cfg)
+        self.planner = StepPlanner(self.sync, self.topology, self.workload, cfg.balance.solver, self.client,
+                                   self.local_ledger)
+        self.guard = BadDataGuard(self.run_dir, self.rank, cfg.data.corpus, cfg.data.max_bad_fraction)
+        self.metrics = MetricsFile(self.run_dir) if self.rank == 0 else None
+        self.max_seq_len = cfg.data.max_tokens_per_gpu * max(self.topology.bags) if cfg.data.max_tokens_per_gpu else None
+        os.makedirs(os.path.join(self.run_dir, "pids"), exist_ok=True)
+        with open(os.path.join(self.run_dir, "pids", f"rank{self.rank}.pid"), "w") as f:
+            f.write(str(os.getpid()))  # for operators (and the chaos script) to find workers
+        if self.rank == 0:
+            logger.info("topology %s for %d ranks (balance %s)", self.topology, self.world, cfg.balance.enabled)
+
+    # ---- set-up pieces ------------------------------------------------------------------
+
+    def _choose_topology(self) -> Topology:
+        """Rank 0 starts the coordinator's run (it answers with the topology for this
+        world), everyone waits on a barrier, then asks; without a coordinator, the same
+        rule locally. Every rank must build the same groups: rank 0's answer wins."""
+        from knapray.coordinator import BalanceCoordinator
+
+        topo = None
+        if self.client is not None:
+            try:
+                if self.rank == 0:
+                    self.client.begin_run(self.world, resume_step=self.resumed_from, state=None)
+                self.sync.barrier()
+                topo = self.client.topology()
+            except CoordinatorUnavailable:
+                topo = None
+        if topo is None:
+            topo = BalanceCoordinator(world_size=self.world, **coordinator_config(self.cfg)).topology_for(self.world)
+        return Topology.parse(self.sync.broadcast_object(topo.spec), world_size=self.world)
+
+    # ---- the run ----------------------------------------------------------------------
+
+    def train(self) -> dict:
+        """Train; returns rank 0's summary (other ranks return their own partial view)."""
+        cfg = self.cfg
+        records: list[dict] = []
+        while self.epoch < cfg.data.epochs and not self._at_max_steps():
+            # A resumed epoch skips the samples the ledger has for it; a new one skips none.
+            skip = committed_ids(self.run_dir, self.epoch, through_step=self.resumed_from) \
+                if self.resumed_from is not None else np.zeros(0, dtype=np.int64)
+            stream = StepStream.for_corpus(
+                self.ctx.rows(self.epoch, self.guard.on_bad_shard), self.info, samples_per_step=cfg.data.samples_per_step,
+                on_corrupt=self.guard.on_corrupt, skip_sample_ids=skip, max_seq_len=self.max_seq_len,
+            )
+            self.planner.begin_epoch(self.step, stream.peek_next())
+            while not self._at_max_steps():
+                rec = self.train_step(stream)
+                if rec is None:  # the epoch is over for every rank
+                    self.epoch += 1
+                    self.resumed_from = None
+                    break
+                records.append(rec)
+                self.step += 1
+        last = self.step - 1 if self.step > 0 else None
+        if last is not None and self.last_saved != last:
+            self._save(last)  # the last steps of a run are never lost
+        try:
+            self.planner.finish(last)
+        except CoordinatorUnavailable as e:
+            logger.error("coordinator unreachable at the end of the run: ledger incomplete (%s)", e)
+        return {"steps": self.step, "records": records, "topology": str(self.topology),
+                "world_size": self.world, "epoch": self.epoch}
+
+    def _at_max_steps(self) -> bool:
+        return bool(self.cfg.run.max_steps) and self.step >= self.cfg.run.max_steps
+
+    def train_step(self, stream: StepStream) -> dict | None:
+        """One step; None (on every rank together) when the epoch is over."""
+        cfg, rank, step = self.cfg, self.rank, self.step
+        t_step = time.perf_counter()
+        current: Step = stream.next_step()
+        nxt = stream.peek_next()
+        fetched = self.planner.fetch(step, current.meta, nxt)
+        batch = build_packed_batch(current.samples, cfg.model,
+                                   generator=batch_generator(cfg.data.seed, step, rank)).to(self.device)
+        agree, _ = self.sync.sum_over_ranks(summed={
+            "img_tokens": batch.x_img.shape[0], "have_plan": fetched.have_plan,
+            **self.guard.step_counts(stream.stats),
+        })
+        self.guard.check(agree, step)
+        planned: Planned = self.planner.resolve(step, fetched, int(agree["have_plan"]) == self.world,
+                                                current.meta, nxt)
+        if planned.epoch_done:
+            return None
+        global_img = max(int(agree["img_tokens"]), 1)
+        run_plan = planned.plan if cfg.balance.enabled else identity_plan(_split_lengths(planned.plan), self.workload)
+
+        # ---- compute ----
+        with StepTimer(self.device) as timer:
+            with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+                out = balanced_forward(
+                    self.model, batch, run_plan, rank,
+                    bag_group=self.groups.bag_group if self.groups else None,
+                    route_group=self.groups.balance_group if self.groups else None,
+                )
+                loss = flow_loss(out, batch.targets, global_img)
+            loss.backward()
+        allreduce_gradients(self.model.parameters(), group=self.sync.group)
+        if cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        # The optimizer step is queued: now wait for the step's own kernels (once) and
+        # gather the step's numbers in one collective.
+        took = timer.result()
+        # The loss of predicting zero velocity on the same batch: the loss over it is 1.0
+        # at initialization (adaLN-zero) and falls as the model learns, free of the
+        # step-to-step variance of the data and the timesteps.
+        zero_loss = flow_loss(torch.zeros_like(batch.targets), batch.targets, global_img)
+        totals, per_rank = self.sync.sum_over_ranks(
+            summed={"loss": loss.detach(), "zero_loss": zero_loss, "tokens": int(batch.seq_lens.sum())},
+            per_rank={"compute_s": took.compute_s, "comm_s": took.comm_s},
+        )
+        self.planner.committed(step, self.epoch, planned, current.meta)
+        if self.client is not None:
+            self.client.report_timing_async(step, took.compute_s, took.comm_s, planned.wait_s)
+        rec = StepRecord(
+            step=step, loss=totals["loss"], loss_rel=totals["loss"] / max(totals["zero_loss"], 1e-30),
+            tokens=int(totals["tokens"]), seconds=time.perf_counter() - t_step, imbalance=run_plan.imbalance,
+            baseline_imbalance=run_plan.baseline_imbalance, compute_s=per_rank["compute_s"],
+            comm_s=per_rank["comm_s"], wait_plan_s=planned.wait_s, planned_by=planned.planned_by,
+            rank_work=run_plan.rank_work.tolist(), baseline_rank_work=run_plan.baseline_rank_work.tolist(),
+            topology=str(self.topology), flops=model_flops(run_plan.seq_lens.tolist(), cfg.model), clock=took.clock,
+            peak_mem_gib=torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None,
+            epoch=self.epoch,
+        ).to_json()
+        if self.metrics is not None:
+            self.metrics.append(rec)
+            if step % cfg.run.log_every == 0:
+                logger.info(
+                    "step %d loss %.4f (rel %.3f) tokens/s %.0f imbalance %.2f->%.3f compute max/mean %.2f wait %.1f%%",
+                    step, rec["loss"], rec["loss_rel"], rec["tokens_per_s"], rec["baseline_imbalance_planned"],
+                    rec["imbalance_planned"], rec["compute_max_over_mean"], 100 * rec["wait_plan_frac"],
+                )
+        if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0:
+            self._save(step)
+        self.ctx.report({"step": step, "loss": rec["loss"], "epoch": self.epoch})
+        return rec
+
+    def _save(self, step: int) -> None:
+        """A checkpoint covering every step <= ``step`` (the ledger first: rank 0 waits
+        for the coordinator's commit, so the ledger position it records is durable)."""
+        position = None
+        if self.rank == 0:
+            if self.client is not None:
+                try:
+                    self.client.commit(step)
+                except CoordinatorUnavailable as e:
+                    logger.warning("checkpoint at step %d: coordinator commit not confirmed (%s)", step, e)
+            elif self.local_ledger is not None:
+                position = self.local_ledger.position()
+        self.checkpointer.save(step, self.model, self.optimizer,
+                               {"epoch": self.epoch, "world_size": self.world, "topology": self.topology.spec,
+                                "ledger": position},
+                               barrier=self.sync.barrier)
+        self.last_saved = step
