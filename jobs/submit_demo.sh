@@ -1,18 +1,38 @@
 #!/usr/bin/env bash
-# Start a local Ray head, submit the demo training as a Ray job, wait for it, stop Ray.
+# Start a private local Ray head, submit the demo training as a Ray job, wait, stop that head.
 # What a user does on a real cluster is the same `ray job submit` against its head.
 #   bash jobs/submit_demo.sh [extra jobs/train.py args, e.g. --set run.max_steps=8]
+# The head gets free ports and its own temp dir, so a Ray already running on this machine
+# is left alone; only the head started here is stopped at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV_BIN="$(pwd)/.venv/bin"
 export PATH="$VENV_BIN:$PATH"
-export RAY_AUTH_MODE=token                   # Ray 2.60 enables token auth by default
+export RAY_AUTH_MODE=token                   # Ray 2.60 enables token auth: the CLI needs this
 export RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=0.2
-trap 'ray stop --force >/dev/null 2>&1 || true' EXIT
-ray stop --force >/dev/null 2>&1 || true
-ray start --head --num-cpus 4 --include-dashboard=true --disable-usage-stats >/dev/null
-echo "[submit_demo] Ray head started; submitting the job"
-# --working-dir ships the checkout (Ray leaves out what .gitignore lists: .venv, runs/, ...).
-ray job submit --working-dir . -- python jobs/train.py --config jobs/configs/demo.yaml \
-    --set run.storage=/tmp/knapray-job-runs "$@"
+
+free_port() { python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+GCS_PORT=$(free_port); DASH_PORT=$(free_port)
+RAY_TMP=$(mktemp -d /tmp/knapray-ray-XXXXXX)
+[ -f datasets/generated/demo/schema.json ] || python -m knapray.corpus.synthetic --demo --quiet --out datasets/generated/demo
+
+# --block keeps `ray start` in the foreground; stopping it (its own process group) stops
+# exactly the processes it started.
+setsid ray start --head --block --port "$GCS_PORT" --dashboard-port "$DASH_PORT" --include-dashboard=true \
+    --num-cpus 4 --temp-dir "$RAY_TMP" --disable-usage-stats >"$RAY_TMP/head.log" 2>&1 &
+HEAD_PID=$!
+cleanup() { kill -TERM -- "-$HEAD_PID" 2>/dev/null || true; wait "$HEAD_PID" 2>/dev/null || true; }
+trap cleanup EXIT
+for _ in $(seq 60); do
+    curl -sf "http://127.0.0.1:$DASH_PORT/api/version" >/dev/null 2>&1 && break
+    sleep 1
+done
+echo "[submit_demo] private Ray head on ports $GCS_PORT (GCS) / $DASH_PORT (jobs); submitting the job"
+# --working-dir ships the checkout (Ray leaves out what .gitignore lists: .venv, runs/,
+# datasets/generated/), so the corpus is given as an absolute path every node can read,
+# and the run directory goes to absolute storage outside Ray's upload folder.
+ray job submit --address "http://127.0.0.1:$DASH_PORT" --working-dir . -- \
+    python jobs/train.py --config jobs/configs/demo.yaml \
+    --set "data.corpus=$(pwd)/datasets/generated/demo" --set run.storage=/tmp/knapray-job-runs \
+    --set "run.name=job-$(date +%Y%m%d-%H%M%S)" "$@"
 echo "[submit_demo] job finished"

@@ -25,6 +25,12 @@ class _Lines:
     def set_postfix(self, **_: Any) -> None:
         pass
 
+    def write(self, text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    def refresh(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

@@ -110,7 +110,7 @@ def _fit(cfg: TrainConfig, *, verbose: bool) -> dict:
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from knapray.coordinator import create_coordinator
-    from knapray.data import check_shards, corpus_dataset, ingest_execution_options
+    from knapray.data import check_shards, corpus_dataset, corpus_info, ingest_execution_options
 
     DataContext.get_current().enable_progress_bars = False  # the training bar is enough
     run_dir = cfg.run_dir
@@ -140,7 +140,15 @@ def _fit(cfg: TrainConfig, *, verbose: bool) -> dict:
             failure_config=FailureConfig(max_failures=cfg.run.max_failures),
         ),
     )
-    with _ProgressTail(os.path.join(run_dir, "metrics.jsonl"), cfg.run.max_steps or None, cfg.run.name):
+    from .run_files import read_metrics
+
+    done_steps = len(read_metrics(run_dir))  # a resumed run's earlier steps
+    total = expected_steps(cfg, corpus_info(cfg.data.corpus).num_samples, done_steps)
+    print(f"[knapray] starting {cfg.run.num_workers} workers"
+          f"{f' (elastic down to {cfg.run.min_workers})' if cfg.run.min_workers else ''}, "
+          f"{'GPU/NCCL' if cfg.run.use_gpu else 'CPU/gloo'}, about {total} steps; worker logs stay in Ray's "
+          "session logs", flush=True)
+    with _ProgressTail(os.path.join(run_dir, "metrics.jsonl"), total, cfg.run.name, skip_lines=done_steps):
         result = trainer.fit()
     summary = result.return_value or {}
     try:  # by name: the actor may have been replaced while the run went on
@@ -152,14 +160,24 @@ def _fit(cfg: TrainConfig, *, verbose: bool) -> dict:
     return summary
 
 
-class _ProgressTail:
-    """A progress bar on the driver, fed by rank 0's metrics.jsonl (workers' own output
-    stays in their logs)."""
+def expected_steps(cfg: TrainConfig, rows: int, start_step: int) -> int:
+    """Steps the run will take, for the progress bar: every rank draws samples_per_step
+    rows per step until the epoch's rows run out, over the epochs left, up to max_steps."""
+    per_epoch = -(-rows // (cfg.run.num_workers * cfg.data.samples_per_step))
+    total = per_epoch * cfg.data.epochs
+    if cfg.run.max_steps:
+        total = min(total, cfg.run.max_steps)
+    return max(total - start_step, 0)
 
-    def __init__(self, path: str, total: int | None, name: str) -> None:
+
+class _ProgressTail:
+    """A progress bar on the driver over the run's steps, fed by rank 0's metrics.jsonl
+    (workers' own output stays in their log files), with a line when an epoch ends."""
+
+    def __init__(self, path: str, total: int, name: str, skip_lines: int) -> None:
         import threading
 
-        self.path, self.total, self.name = path, total, name
+        self.path, self.total, self.name, self.skip_lines = path, total, name, skip_lines
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -172,10 +190,10 @@ class _ProgressTail:
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        from tqdm import tqdm
+        from knapray.progress import progress_bar
 
-        bar = tqdm(total=self.total, desc=self.name, unit="step", dynamic_ncols=True)
-        offset = 0
+        bar = progress_bar(self.total, self.name, "step", dynamic_ncols=True)
+        offset, seen, epoch = 0, 0, None
         while True:
             stopping = self._stop.wait(0.5)
             if os.path.exists(self.path):
@@ -185,15 +203,25 @@ class _ProgressTail:
                 lines = chunk.split("\n")
                 offset += len(chunk) - len(lines[-1])  # keep a partly written last line
                 for line in lines[:-1]:
-                    if line.strip():
-                        r = json.loads(line)
-                        bar.update(1)
-                        bar.set_postfix(
-                            loss=f"{r['loss']:.3f}",
-                            imb=f"{r['baseline_imbalance_planned']:.2f}->{r['imbalance_planned']:.3f}",
-                            cmp=f"{r['compute_max_over_mean']:.2f}",
-                            tok_s=f"{r['tokens_per_s']:.0f}",
-                        )
+                    if not line.strip():
+                        continue
+                    seen += 1
+                    if seen <= self.skip_lines:  # steps of an earlier attempt
+                        continue
+                    r = json.loads(line)
+                    if epoch is not None and r["epoch"] != epoch:
+                        bar.write(f"[knapray] epoch {epoch} done at step {r['step'] - 1}")
+                    epoch = r["epoch"]
+                    bar.update(1)
+                    bar.set_postfix(
+                        loss=f"{r['loss']:.3f}",
+                        imb=f"{r['baseline_imbalance_planned']:.2f}->{r['imbalance_planned']:.3f}",
+                        cmp=f"{r['compute_max_over_mean']:.2f}",
+                        tok_s=f"{r['tokens_per_s']:.0f}",
+                    )
             if stopping:
                 break
+        if bar.n != self.total:  # the estimate was off (quarantined rows, an elastic resize)
+            bar.total = bar.n
+            bar.refresh()
         bar.close()

@@ -329,6 +329,8 @@ def write_run_files(cfg: TrainConfig, summary: dict) -> dict:
         with open(os.path.join(run_dir, "ledger.jsonl"), "w") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
+    # Per-rank pictures need one world size: an elastic run plots its last one.
+    records = [r for r in records if r["world_size"] == records[-1]["world_size"]] if records else []
     if records:
         from knapray.plots import plot_rank_work
 
@@ -339,5 +341,7 @@ def write_run_files(cfg: TrainConfig, summary: dict) -> dict:
             [r["baseline_imbalance_planned"] for r in records],
             [r["imbalance_planned"] for r in records],
             title=f"{cfg.run.name}: {summary.get('topology')} on {summary.get('world_size')} workers",
+            run_label="balanced (knapray plan)" if cfg.balance.enabled else "unbalanced (this run)",
+            measured_compute=[np.asarray(r["compute_s"]) for r in records[1:]],  # step 0 warms up
         )
     return out
