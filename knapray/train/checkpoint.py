@@ -11,14 +11,18 @@ DCP saves each tensor's shards once (replicated tensors from one rank, FSDP shar
 their owners) and reshards on load, so a run saved by 4 ranks resumes on 3 (the elastic
 restart path), sharded or not.
 
-Nothing read from a run directory can execute code: DCP's data files are read with
-``torch.load(weights_only=True)`` by DCP itself, and its pickled ``.metadata`` is read here
-by an unpickler that admits only DCP's own metadata classes, torch sizes, dtypes and
-layouts (``SafeFileSystemReader``). ``trainer.json`` is JSON.
+Nothing read from a run directory can execute code: DCP reads tensors with
+``torch.load(weights_only=True)``, but its default planner unpickles non-tensor values
+(the optimizer's param groups) with ``weights_only=False`` and its ``.metadata`` with plain
+pickle; here the metadata goes through an unpickler that admits only DCP's own metadata
+classes, torch sizes, dtypes and layouts (``SafeFileSystemReader``), and non-tensor
+values through ``torch.load(weights_only=True)`` (``SafeLoadPlanner``). ``trainer.json``
+is JSON.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -30,6 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -87,6 +93,23 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         return metadata
 
 
+class SafeLoadPlanner(dcp.DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` whose non-tensor values load with ``weights_only=True``
+    (plain numbers, strings, lists, dicts, tuples: what optimizer param groups hold)."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def safe_load(state: dict, path: str, group: dist.ProcessGroup | None = None) -> None:
+    """``dcp.load`` of ``path`` into ``state`` in place, with nothing unpickled unsafely."""
+    dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), process_group=group)
+
+
 # ---- the checkpointer ---------------------------------------------------------------------
 
 
@@ -96,6 +119,10 @@ def completed_checkpoints(root: str) -> list[str]:
         return []
     names = sorted(n for n in os.listdir(root) if n.startswith("step-") and not n.endswith(PARTIAL))
     return [os.path.join(root, n) for n in names if os.path.exists(os.path.join(root, n, COMPLETE))]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded; the message names it and why, in one line."""
 
 
 @dataclass(frozen=True)
@@ -158,7 +185,12 @@ class Checkpointer:
         """Collective: load ``path`` into ``model`` and ``optimizer`` (any world size)."""
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optimizer": optim_sd}
-        dcp.load(state, storage_reader=SafeFileSystemReader(path), process_group=self.group)
+        try:
+            safe_load(state, path, self.group)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps each rank's failure
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+            cause = next((line for line in reversed(lines) if "Error:" in line), lines[-1])
+            raise CheckpointError(f"checkpoint {path} cannot be loaded: {cause[:600]}") from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                        options=StateDictOptions(strict=True))
         with open(os.path.join(path, TRAINER_STATE)) as f:
