@@ -9,7 +9,7 @@ Three pieces, used in this order by a training worker:
    after the current one can be sent to the coordinator while the current one computes.
    Corrupt rows are reported and skipped, samples the ledger already holds are skipped.
 3. ``build_packed_batch`` (worker): a step's samples -> a ``PackedBatch`` with flow-matching
-   timesteps, noise and targets drawn from a per-(seed, step, rank) generator.
+   timesteps, noise and targets drawn per sample from a (seed, epoch, sample id) generator.
 
 ``corpus_info`` / ``check_model_config`` compare the corpus's schema.json with the model
 config once at start-up, so a mismatch fails with both values named instead of a shape
@@ -508,12 +508,14 @@ class StepStream:
 # --- packed batches (worker side) ----------------------------------------------------------
 
 
-def batch_generator(seed: int, step: int, rank: int) -> torch.Generator:
-    """A CPU generator for (seed, step, rank): the timesteps and noise of a rank's batch
-    depend on nothing else, so a resumed or re-balanced run draws the same ones."""
-    if min(seed, step, rank) < 0:
-        raise ValueError(f"seed, step and rank must be >= 0, got {seed}, {step}, {rank}")
-    state = np.random.SeedSequence(seed, spawn_key=(step, rank)).generate_state(2, dtype=np.uint32)
+def sample_generator(seed: int, epoch: int, sample_id: int) -> torch.Generator:
+    """A CPU generator for one sample in one epoch: its timestep and noise depend on
+    nothing else, so they are the same whichever rank, step, world size or plan trains it
+    (a run resumed at another world size draws the very same ones)."""
+    if min(seed, epoch) < 0:
+        raise ValueError(f"seed and epoch must be >= 0, got {seed}, {epoch}")
+    key = (epoch, int(sample_id) & 0xFFFFFFFF, (int(sample_id) >> 32) & 0xFFFFFFFF)
+    state = np.random.SeedSequence(seed, spawn_key=key).generate_state(2, dtype=np.uint32)
     gen = torch.Generator()
     gen.manual_seed(int(state[0]) << 32 | int(state[1]))
     return gen
@@ -528,20 +530,23 @@ def build_packed_batch(
     samples: Sequence[Mapping[str, Any]],
     cfg: MMDiTConfig,
     *,
-    generator: torch.Generator,
+    seed: int,
+    epoch: int = 0,
     timestep_kind: str = "logit_normal",
 ) -> PackedBatch:
-    """Pack decoded samples (``Step.samples``) into a noised ``PackedBatch`` with targets.
+    """Pack decoded samples (``Step.samples``, each with its ``sample_id``) into a noised
+    ``PackedBatch`` with targets.
 
-    From ``generator`` it draws one timestep per sample, then the noise for all image
-    tokens, in that order; ``x_img`` is then x_t = (1-t)·x0 + t·noise and ``targets`` is
-    noise - x0. An empty list (a dry rank) gives an empty batch.
+    Each sample draws, from ``sample_generator(seed, epoch, sample_id)``, its timestep and
+    then the noise of its image tokens; ``x_img`` is then x_t = (1-t)·x0 + t·noise and
+    ``targets`` is noise - x0. An empty list (a dry rank) gives an empty batch.
     """
-    packed_input = []
-    timesteps = sample_timesteps(len(samples), generator=generator, kind=timestep_kind)
-    for sample, t in zip(samples, timesteps.tolist()):
+    packed_input, gens = [], []
+    for sample in samples:
         latent = sample["latent"]
-        sid = sample.get("sample_id", "?")
+        sid = sample.get("sample_id")
+        if sid is None:
+            raise ValueError("build_packed_batch needs each sample's sample_id (its noise is drawn from it)")
         if latent.ndim != 4 or latent.shape[0] != cfg.in_channels:
             raise ValueError(
                 f"sample {sid}: latent shape {tuple(latent.shape)} does not match the model's "
@@ -552,14 +557,18 @@ def build_packed_batch(
                 f"sample {sid}: latent (T, H, W)={tuple(latent.shape[1:])} is not divisible by "
                 f"the model's patch_size={tuple(cfg.patch_size)}"
             )
+        gen = sample_generator(seed, epoch, int(sid))
+        gens.append(gen)
         packed_input.append(
             {
                 "latent": _as_tensor(latent),
                 "text": _as_tensor(sample["text"]),
                 "pooled": _as_tensor(sample["pooled"]),
-                "timestep": t,
+                "timestep": float(sample_timesteps(1, generator=gen, kind=timestep_kind)[0]),
             }
         )
     clean = pack_samples(packed_input, cfg)
-    noise = torch.randn(clean.x_img.shape, generator=generator, dtype=clean.x_img.dtype)
-    return add_noise(clean, noise)
+    # (Ni_s, P) per sample, in packing order: the sample's image tokens follow each other
+    counts = torch.bincount(clean.image_seq_index, minlength=len(gens)).tolist()
+    noise = [torch.randn((n, clean.x_img.shape[1]), generator=g, dtype=clean.x_img.dtype) for n, g in zip(counts, gens)]
+    return add_noise(clean, torch.cat(noise) if noise else torch.zeros_like(clean.x_img))

@@ -22,7 +22,7 @@ from knapray.data import (
     Step,
     StepMeta,
     StepStream,
-    batch_generator,
+    sample_generator,
     build_packed_batch,
     check_model_config,
     corpus_dataset,
@@ -208,7 +208,7 @@ def _first_step(corpus: Path, rows: list[dict[str, Any]], size: int = 8) -> Step
 
 def test_build_packed_batch_shapes_and_flow_targets(corpus: Path, rows: list[dict[str, Any]]) -> None:
     step = _first_step(corpus, rows)
-    batch = build_packed_batch(step.samples, CFG, generator=batch_generator(0, 0, 0))
+    batch = build_packed_batch(step.samples, CFG, seed=0)
     assert batch.seq_lens.tolist() == list(step.meta.seq_lens)
     assert batch.x_img.shape == (sum(s["visual_tokens"] for s in step.samples), CFG.patch_dim)
     assert batch.x_txt.shape == (sum(s["text_tokens"] for s in step.samples), CFG.text_dim)
@@ -232,23 +232,31 @@ def test_build_packed_batch_shapes_and_flow_targets(corpus: Path, rows: list[dic
     torch.testing.assert_close(batch.x_txt, clean.x_txt)
 
 
-def test_build_packed_batch_is_deterministic_per_seed_step_rank(
+def test_each_sample_draws_its_own_noise_wherever_it_is_trained(
     corpus: Path, rows: list[dict[str, Any]]
 ) -> None:
     samples = _first_step(corpus, rows).samples
 
-    def build(seed: int, step: int, rank: int) -> Any:
-        return build_packed_batch(samples, CFG, generator=batch_generator(seed, step, rank))
+    def build(picked, seed: int = 5, epoch: int = 0) -> Any:
+        return build_packed_batch(picked, CFG, seed=seed, epoch=epoch)
 
-    a, b = build(5, 3, 1), build(5, 3, 1)
+    a, b = build(samples), build(samples)
     assert torch.equal(a.x_img, b.x_img) and torch.equal(a.timesteps, b.timesteps)
-    for other in (build(5, 3, 0), build(5, 4, 1), build(6, 3, 1)):
+    # The same sample gets the same timestep and noise in any batch, at any position: a run
+    # resumed at another world size, or planned differently, trains on the same inputs.
+    shuffled = build(list(reversed(samples[2:5])))
+    alone = build(samples[3:4])
+    assert shuffled.timesteps[1] == a.timesteps[3] == alone.timesteps[0]
+    start = int(a.seq_lens[:3].sum()) - int(sum(s["text_tokens"] for s in samples[:3]))
+    n3 = samples[3]["visual_tokens"]
+    torch.testing.assert_close(alone.targets, a.targets[start : start + n3], rtol=0, atol=0)
+    for other in (build(samples, seed=6), build(samples, epoch=1)):
         assert not torch.equal(other.timesteps, a.timesteps)
         assert not torch.equal(other.targets, a.targets)
 
 
 def test_empty_step_gives_an_empty_batch() -> None:
-    batch = build_packed_batch([], CFG, generator=batch_generator(0, 9, 2))
+    batch = build_packed_batch([], CFG, seed=0, epoch=2)
     assert batch.num_sequences == 0 and batch.x_img.shape == (0, CFG.patch_dim)
     assert batch.targets is not None and batch.targets.shape == (0, CFG.patch_dim)
 
@@ -263,10 +271,10 @@ def test_build_packed_batch_names_bad_sample_shapes() -> None:
     coarse = MMDiTConfig(patch_size=(1, 4, 4))
     not_divisible = r"sample 17: latent \(T, H, W\)=\(1, 6, 6\) .* patch_size=\(1, 4, 4\)"
     with pytest.raises(ValueError, match=not_divisible):
-        build_packed_batch([sample], coarse, generator=batch_generator(0, 0, 0))
+        build_packed_batch([sample], coarse, seed=0)
     wide = MMDiTConfig(in_channels=16)
     with pytest.raises(ValueError, match=r"sample 17: latent shape \(4, 1, 6, 6\) .*in_channels=16"):
-        build_packed_batch([sample], wide, generator=batch_generator(0, 0, 0))
+        build_packed_batch([sample], wide, seed=0)
 
 
 # --- corpus description and model config ------------------------------------------------------
@@ -327,7 +335,7 @@ def test_shard_order_is_seeded_per_epoch() -> None:
     with pytest.raises(ValueError, match="epoch=-1"):
         epoch_seed(7, -1)
     with pytest.raises(ValueError, match="-2"):
-        batch_generator(0, -2, 0)
+        sample_generator(0, -2, 0)
 
 
 def test_ingest_execution_options_preserve_order_without_touching_the_context() -> None:

@@ -31,6 +31,7 @@ def mix_batches(
     gen = torch.Generator().manual_seed(seed)
     text_limit = max_text_tokens // scale
     batches = []
+    sample_id = 0
     for code in codes:
         side = latent_side(code, scale)
         samples = []
@@ -38,13 +39,15 @@ def mix_batches(
             n_txt = int(torch.randint(0, text_limit + 1, (1,), generator=gen)) if cfg.text_dim else 0
             samples.append(
                 {
+                    "sample_id": sample_id,
                     "latent": torch.randn(cfg.in_channels, code.latent_frames, side, side, generator=gen).numpy(),
                     "text": torch.randn(n_txt, cfg.text_dim, generator=gen).numpy(),
                     "pooled": torch.randn(cfg.pooled_dim, generator=gen).numpy(),
                 }
             )
-        # The same timesteps-then-noise packing as training (knapray.data).
-        batches.append(build_packed_batch(samples, cfg, generator=gen))
+            sample_id += 1
+        # The same per-sample timesteps and noise as training (knapray.data).
+        batches.append(build_packed_batch(samples, cfg, seed=seed))
     return batches
 
 

@@ -57,7 +57,12 @@ class DataConfig:
     replaces a corpus on its own (build one with ``python -m knapray.corpus.synthetic`` or
     ingest images with ``python -m knapray.corpus.ingest``)."""
     samples_per_step: int = field(default=2, metadata={"ge": 1})
-    """Samples each rank draws per step (the paper's B)."""
+    """Samples each rank draws per step (the paper's B), unless ``global_batch`` is set."""
+    global_batch: int = field(default=0, metadata={"ge": 0})
+    """Samples per step over the whole world (0: ``samples_per_step`` on every rank). Each
+    rank then draws global_batch / world_size, so the world size must divide it; under the
+    torchrun launcher a step trains the same samples at any world size, and a run resumed
+    at another one continues the same loss curve."""
     epochs: int = field(default=1, metadata={"ge": 1})
     """Passes over the corpus."""
     seed: int = field(default=0, metadata={"ge": 0})
@@ -152,6 +157,17 @@ class TrainConfig:
     @property
     def run_dir(self) -> str:
         return os.path.abspath(os.path.join(self.run.storage, self.run.name))
+
+    def samples_per_rank(self, world_size: int) -> int:
+        """Samples each rank draws per step in a world of ``world_size``."""
+        g = self.data.global_batch
+        if not g:
+            return self.data.samples_per_step
+        if g % world_size:
+            divisors = [w for w in range(1, g + 1) if g % w == 0]
+            raise ValueError(f"data.global_batch={g} cannot be split over {world_size} ranks; "
+                             f"valid world sizes: {divisors}")
+        return g // world_size
 
 
 # ---- YAML -------------------------------------------------------------------------------

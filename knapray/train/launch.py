@@ -30,7 +30,7 @@ class RayTrainContext:
         self.rank = ctx.get_world_rank()
         self.world_size = ctx.get_world_size()
         self.local_rank = ctx.get_local_rank()
-        self._batch_size = cfg.data.samples_per_step
+        self._batch_size = cfg.samples_per_rank(self.world_size)
         self._seed = cfg.data.seed
 
     def device(self, use_gpu: bool) -> torch.device:
@@ -95,7 +95,7 @@ def run_training(cfg: TrainConfig, *, verbose: bool = True) -> dict:
     Everything that can be wrong with the run's inputs fails here, before any worker
     starts (``RunError``, ``BadCorpus``, ``ValueError``: one line naming the value)."""
     cfg = resolve_paths(cfg)
-    start, lock = prepare_run(cfg)
+    start, lock = prepare_run(cfg, range(cfg.run.min_workers or cfg.run.num_workers, cfg.run.num_workers + 1))
     try:
         print(f"[knapray] {start.message}", flush=True)
         return _fit(cfg, verbose=verbose)
@@ -117,7 +117,7 @@ def _fit(cfg: TrainConfig, *, verbose: bool) -> dict:
     coordinator = create_coordinator(coordinator_name(cfg), state_dir=os.path.join(run_dir, "ledger"),
                                      **coordinator_config(cfg))
     good, _ = check_shards(cfg.data.corpus)  # prepare_run quarantined the others
-    ds = corpus_dataset(cfg.data.corpus, rows_per_block=cfg.data.samples_per_step, shards=good)
+    ds = corpus_dataset(cfg.data.corpus, rows_per_block=cfg.samples_per_rank(cfg.run.num_workers), shards=good)
     workers: Any = cfg.run.num_workers
     if cfg.run.min_workers:
         workers = (cfg.run.min_workers, cfg.run.num_workers)
@@ -163,7 +163,7 @@ def _fit(cfg: TrainConfig, *, verbose: bool) -> dict:
 def expected_steps(cfg: TrainConfig, rows: int, start_step: int) -> int:
     """Steps the run will take, for the progress bar: every rank draws samples_per_step
     rows per step until the epoch's rows run out, over the epochs left, up to max_steps."""
-    per_epoch = -(-rows // (cfg.run.num_workers * cfg.data.samples_per_step))
+    per_epoch = -(-rows // (cfg.run.num_workers * cfg.samples_per_rank(cfg.run.num_workers)))
     total = per_epoch * cfg.data.epochs
     if cfg.run.max_steps:
         total = min(total, cfg.run.max_steps)

@@ -11,6 +11,7 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -21,7 +22,7 @@ from .config import TrainConfig
 RESUME_MODES = ("auto", "never", "must")
 CONFIG_FILE = "config.json"
 LOCK_FILE = "RUNNING.lock"
-RESUME_KEYS = ("model", "data.corpus", "data.samples_per_step", "data.seed")
+RESUME_KEYS = ("model", "data.corpus", "data.samples_per_step", "data.global_batch", "data.seed")
 """Config values a resumed run must share with the run it continues: the model's shape
 and the data order. Anything else (learning rate, step limits, topology, world size...)
 may change on resume, and the resume line names what did."""
@@ -138,14 +139,34 @@ def decide_start(cfg: TrainConfig, checkpoints: list[str]) -> RunStart:
     return RunStart(checkpoints[-1], f"resuming run {cfg.run.name!r} from {checkpoints[-1]}{changed}")
 
 
-def prepare_run(cfg: TrainConfig) -> tuple[RunStart, "RunLock"]:
+def check_world(cfg: TrainConfig, world_size: int) -> None:
+    """The config fits a world of ``world_size`` ranks: the global batch splits over it,
+    a concrete topology covers it, and every bag size divides the head count."""
+    from knapray.coordinator import _parse_rule
+    from knapray.distributed.groups import check_heads
+    from knapray.planning import Topology
+
+    try:
+        cfg.samples_per_rank(world_size)
+        kind, value = _parse_rule(cfg.balance.topology)
+        if kind == "spec":
+            topo = Topology.parse(cfg.balance.topology, world_size=world_size)
+            check_heads(cfg.model.num_heads, topo)
+    except ValueError as e:
+        raise RunError(f"{e} (world of {world_size} ranks)") from None
+
+
+def prepare_run(cfg: TrainConfig, worlds: Iterable[int]) -> tuple[RunStart, "RunLock"]:
     """Everything decided before any worker starts (the Ray driver, or rank 0 under
-    torchrun): the corpus exists and its shards are readable enough, fresh run or resume,
-    the run directory's lock, the saved config. Raises ``RunError``/``BadCorpus`` with one
-    line naming the value. The caller releases the lock at the end of the run."""
+    torchrun): the config fits every world size the run may have (``worlds``), the corpus
+    exists and its shards are readable enough, fresh run or resume, the run directory's
+    lock, the saved config. Raises ``RunError``/``BadCorpus`` with one line naming the
+    value. The caller releases the lock at the end of the run."""
     from .checkpoint import completed_checkpoints
     from .guard import check_corpus_shards
 
+    for world in worlds:
+        check_world(cfg, world)
     check_corpus(cfg)
     start = decide_start(cfg, completed_checkpoints(os.path.join(cfg.run_dir, "checkpoints")))
     lock = RunLock(cfg.run_dir).acquire()

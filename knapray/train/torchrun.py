@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = resolve_paths(load_config(args.config, args.set))
         check_launch(cfg)
         if rank_env == 0:  # before the others can get past joining the world
-            start, lock = prepare_run(cfg)
+            start, lock = prepare_run(cfg, [int(os.environ.get("WORLD_SIZE", "1"))])
             print(f"[knapray] {start.message}", flush=True)
     except (ValueError, OSError) as e:
         print(f"knapray torchrun: error: {e}", file=sys.stderr)

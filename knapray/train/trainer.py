@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from knapray.coordinator import CoordinatorClient, CoordinatorUnavailable
-from knapray.data import Step, StepStream, batch_generator, build_packed_batch, check_model_config, corpus_info
+from knapray.data import Step, StepStream, build_packed_batch, check_model_config, corpus_info
 from knapray.distributed import BagGroups
 from knapray.distributed.grads import allreduce_gradients
 from knapray.distributed.step_sync import StepSync
@@ -71,6 +71,7 @@ class Trainer:
         self.device = ctx.device(cfg.run.use_gpu)
         self.sync = StepSync.build(self.device)
         self.dtype = compute_dtype(cfg.run.precision, self.device)
+        self.samples_per_step = cfg.samples_per_rank(self.world)
         self.run_dir = cfg.run_dir
         os.makedirs(self.run_dir, exist_ok=True)
         self.info = corpus_info(cfg.data.corpus)
@@ -146,7 +147,7 @@ class Trainer:
             skip = committed_ids(self.run_dir, self.epoch, through_step=self.resumed_from) \
                 if self.resumed_from is not None else np.zeros(0, dtype=np.int64)
             stream = StepStream.for_corpus(
-                self.ctx.rows(self.epoch, self.guard.on_bad_shard), self.info, samples_per_step=cfg.data.samples_per_step,
+                self.ctx.rows(self.epoch, self.guard.on_bad_shard), self.info, samples_per_step=self.samples_per_step,
                 on_corrupt=self.guard.on_corrupt, skip_sample_ids=skip, max_seq_len=self.max_seq_len,
             )
             self.planner.begin_epoch(self.step, stream.peek_next())
@@ -178,8 +179,7 @@ class Trainer:
         current: Step = stream.next_step()
         nxt = stream.peek_next()
         fetched = self.planner.fetch(step, current.meta, nxt)
-        batch = build_packed_batch(current.samples, cfg.model,
-                                   generator=batch_generator(cfg.data.seed, step, rank)).to(self.device)
+        batch = build_packed_batch(current.samples, cfg.model, seed=cfg.data.seed, epoch=self.epoch).to(self.device)
         agree, _ = self.sync.sum_over_ranks(summed={
             "img_tokens": batch.x_img.shape[0], "have_plan": fetched.have_plan,
             **self.guard.step_counts(stream.stats),
