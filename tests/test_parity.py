@@ -17,7 +17,7 @@ MIX = "g1b2i256f1s0,g1b1i512f1s0,g1b4i64f1s0,g1b1i128f2s0"
 
 @pytest.mark.dist
 def test_balanced_mmdit_matches_single_process_reference():
-    report = run_parity(4, TOPOLOGIES, MIX, scale=4, seed=3, max_text_tokens=12, empty_ranks=(1,))
+    report = run_parity(4, TOPOLOGIES, MIX, scale=4, seed=5, max_text_tokens=12, empty_ranks=(1,))
     for case in TOPOLOGIES + ["unbalanced"]:
         r = report[case]
         assert r["num_params"] > 30

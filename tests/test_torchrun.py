@@ -34,7 +34,7 @@ def test_gpu_check_chain_on_two_gloo_ranks(tmp_path):
 
 def test_torchrun_without_a_corpus_is_one_line_and_exit_2(tmp_path):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(f"data:\n  corpus: {tmp_path / 'nowhere'}\n")
+    cfg.write_text(f"data:\n  corpus: {tmp_path / 'nowhere'}\nbalance:\n  topology: g1n1\n")
     out = _run(["-m", "knapray.train.torchrun", "--config", str(cfg)])
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
