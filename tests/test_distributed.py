@@ -554,10 +554,12 @@ def test_parallel_dims_validation() -> None:
         dims.layout(8)
 
 
-def test_bag_groups_needs_a_process_group() -> None:
+def test_bag_groups_without_a_process_group_is_a_world_of_one() -> None:
     assert not dist.is_initialized()
-    with pytest.raises(RuntimeError, match="init_process_group"):
-        BagGroups.build(Topology.parse("g1n1"))
+    groups = BagGroups.build(Topology.parse("g1n1"))
+    assert groups.bag_group is None and groups.balance_group is None and groups.rank == 0
+    with pytest.raises(ValueError, match="the world has 1"):
+        BagGroups.build(Topology.parse("g2n1"))
 
 
 def test_group_of_one_needs_no_process_group() -> None:
