@@ -16,7 +16,7 @@ pytest.importorskip("transformers", reason="needs the encoders extra: pip instal
 
 import torch  # noqa: E402
 import tiny_encoders as te  # noqa: E402
-from diffusers import AutoencoderKL, AutoencoderKLWan  # noqa: E402
+from diffusers import AutoencoderKL, AutoencoderKLHunyuanVideo, AutoencoderKLWan  # noqa: E402
 from transformers import (  # noqa: E402
     AutoTokenizer,
     CLIPTextModel,
@@ -38,6 +38,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {
         "vae": te.save_vae(root / "vae"),
         "wan": te.save_wan(root / "wan"),
+        "hunyuan": te.save_hunyuan(root / "hunyuan"),
         "t5": te.save_t5(root / "t5"),
         "clip": te.save_clip(root / "clip", projection=False),
         "clip_proj": te.save_clip(root / "clip_proj", projection=True),
@@ -169,6 +170,19 @@ def test_wan_video_vae_compresses_time_and_normalizes_per_channel(models: dict[s
     np.testing.assert_allclose(clip_latent, ((z - mean) / std).numpy(), atol=ATOL)
 
 
+def test_hunyuan_video_vae_compresses_time_and_scales(models: dict[str, Path]) -> None:
+    info = hf.vae_info(models["hunyuan"])
+    assert (info.channels, info.downsample, info.temporal_downsample, info.scaling_factor) == (4, 4, 4, 0.5)
+    clip = np.random.default_rng(2).integers(0, 256, size=(10, 16, 24, 3), dtype=np.uint8)
+    latent = hf.DiffusersVAE(str(models["hunyuan"])).encode(clip)
+    assert latent.shape == (4, 3, 4, 6)  # 10 frames -> 9 kept (1 + 2 * 4) -> 3 latent frames
+    vae = AutoencoderKLHunyuanVideo.from_pretrained(models["hunyuan"], local_files_only=True).eval()
+    with torch.inference_mode():
+        x = torch.from_numpy(clip[:9]).permute(3, 0, 1, 2)[None].float() / 127.5 - 1.0  # (1, 3, 9, H, W)
+        want = vae.encode(x).latent_dist.mean[0] * 0.5
+    np.testing.assert_allclose(latent, want.numpy(), atol=ATOL)
+
+
 def test_video_through_an_image_vae_is_encoded_frame_by_frame(models: dict[str, Path], tmp_path: Path) -> None:
     from PIL import Image
 
@@ -232,5 +246,5 @@ def test_bad_model_paths_are_one_line_errors_naming_them(
     assert "without text_encoder" in _error_line(base + ["--pooled-encoder", str(models["clip"])], capsys)
     # With the tokenizer given apart (as in a Flux checkpoint's tokenizer_2/) it loads.
     assert main(base[:-1] + [str(tmp_path / "ok"), "--text-encoder", str(bare), "--text-tokenizer",
-                             str(models["t5"]), "--max-side", "64", "--quiet"]) == 0
+                             str(models["t5"]), "--max-side", "128", "--quiet"]) == 0
     assert not (tmp_path / "never").exists()

@@ -67,6 +67,22 @@ def save_wan(out: Path) -> Path:
     return out
 
 
+def save_hunyuan(out: Path) -> Path:
+    """AutoencoderKLHunyuanVideo with 3 blocks: downsample 4, 4 frames per latent frame,
+    scaling_factor 0.5."""
+    import torch
+    from diffusers import AutoencoderKLHunyuanVideo
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLHunyuanVideo(
+        block_out_channels=(8, 8, 8), down_block_types=("HunyuanVideoDownBlock3D",) * 3,
+        up_block_types=("HunyuanVideoUpBlock3D",) * 3, latent_channels=4, norm_num_groups=4,
+        layers_per_block=1, spatial_compression_ratio=4, temporal_compression_ratio=4, scaling_factor=0.5,
+    )
+    vae.save_pretrained(out)
+    return out
+
+
 def save_t5(out: Path) -> Path:
     """T5EncoderModel (d_model 16) with a tokenizer appending </s>, like T5's."""
     import torch
