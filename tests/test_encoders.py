@@ -14,20 +14,19 @@ import pytest
 pytest.importorskip("diffusers", reason="needs the encoders extra: pip install 'knapray[encoders]'")
 pytest.importorskip("transformers", reason="needs the encoders extra: pip install 'knapray[encoders]'")
 
-import torch  # noqa: E402
-import tiny_encoders as te  # noqa: E402
-from diffusers import AutoencoderKL, AutoencoderKLHunyuanVideo, AutoencoderKLWan  # noqa: E402
-from transformers import (  # noqa: E402
+import tiny_encoders as te
+import torch
+from diffusers import AutoencoderKL, AutoencoderKLHunyuanVideo, AutoencoderKLWan
+from transformers import (
     AutoTokenizer,
     CLIPTextModel,
     CLIPTextModelWithProjection,
     T5EncoderModel,
 )
 
-from knapray.corpus import decode_row, read_corpus, read_schema_json  # noqa: E402
-from knapray.corpus import hf  # noqa: E402
-from knapray.corpus.ingest import EncoderSpec, IngestConfig, ingest, main  # noqa: E402
-from knapray.corpus.media import fit_frames, read_image  # noqa: E402
+from knapray.corpus import decode_row, hf, read_corpus, read_schema_json
+from knapray.corpus.ingest import EncoderSpec, IngestConfig, ingest, main
+from knapray.corpus.media import fit_frames, read_image
 
 ATOL = 2e-5  # fp32; batching and padding reorder float sums
 
@@ -233,6 +232,8 @@ def test_bad_model_paths_are_one_line_errors_naming_them(
     missing = str(tmp_path / "no" / "vae")
     assert f"--vae {missing}: no such directory" in _error_line(base + ["--vae", missing], capsys)
     assert "no config.json" in _error_line(base + ["--vae", str(tmp_path)], capsys)
+    (tmp_path / "model_index.json").write_text("{}")  # a whole diffusers pipeline, as downloaded
+    assert "pass the model's sub folder (vae/" in _error_line(base + ["--vae", str(tmp_path)], capsys)
     line = _error_line(base + ["--vae", str(models["t5"])], capsys)
     assert "is not a supported VAE" in line and "AutoencoderKLWan" in line
     line = _error_line(base + ["--text-encoder", str(models["vae"])], capsys)

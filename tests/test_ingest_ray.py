@@ -13,10 +13,10 @@ import pytest
 pytest.importorskip("diffusers", reason="needs the encoders extra: pip install 'knapray[encoders]'")
 pytest.importorskip("transformers", reason="needs the encoders extra: pip install 'knapray[encoders]'")
 
-import tiny_encoders as te  # noqa: E402
+import tiny_encoders as te
 
-from knapray.corpus import decode_row, read_corpus, read_schema_json  # noqa: E402
-from knapray.corpus.ingest import EncoderSpec, IngestConfig, ingest  # noqa: E402
+from knapray.corpus import decode_row, read_corpus, read_schema_json
+from knapray.corpus.ingest import EncoderSpec, IngestConfig, ingest
 
 
 @pytest.mark.ray

@@ -54,6 +54,11 @@ def model_dir(path: str | Path, flag: str) -> Path:
     p = Path(path).expanduser()
     if not p.is_dir():
         raise FileNotFoundError(f"{flag} {path}: no such directory")
+    if not (p / "config.json").is_file() and (p / "model_index.json").is_file():
+        raise FileNotFoundError(
+            f"{flag} {path}: a pipeline directory (model_index.json); pass the model's sub folder "
+            "(vae/, text_encoder/, text_encoder_2/, ...)"
+        )
     if not (p / "config.json").is_file():
         raise FileNotFoundError(
             f"{flag} {path}: no config.json (expected a model directory written by save_pretrained)"

@@ -161,6 +161,24 @@ def _run_local(
         yield stage(decode_batch(batch, opts))
 
 
+def _settle_device(cfg: IngestConfig, spec: EncoderSpec) -> tuple[EncoderSpec, bool]:
+    """The spec with its 'auto' device and dtype settled where the GPUs are known (this
+    process's for ``workers=0``, the cluster's otherwise), and whether Ray actors take a
+    GPU each."""
+    if not spec.uses_models:
+        return spec, False
+    if cfg.workers == 0:
+        return spec.resolved(hf.resolve_device(spec.device)), False
+    use_gpu = spec.device == "cuda"
+    if spec.device == "auto":
+        import ray
+
+        if not ray.is_initialized():
+            ray.init()  # joins the cluster RAY_ADDRESS names, or starts a local one
+        use_gpu = _gpu_count() > 0
+    return spec.resolved("cuda" if use_gpu else "cpu"), use_gpu
+
+
 def ingest(
     input_dir: str | Path,
     out_dir: str | Path,
@@ -191,30 +209,19 @@ def ingest(
     pil_image()
     spec.check()
 
-    stage: EncodeStage | None = None
-    use_gpu = False
+    spec, use_gpu = _settle_device(cfg, spec)
+    build: Callable[[], tuple[LatentEncoder, TextEncoder]] = spec.build
     if made:
-        default_encoder, default_text = spec.build()  # the stand-ins: spec has no models
-        build = prebuilt(encoder or default_encoder, text_encoder or default_text)
-    elif cfg.workers == 0:
-        spec = spec.resolved(hf.resolve_device(spec.device)) if spec.uses_models else spec
-        build = spec.build
-    else:
-        if spec.uses_models and spec.device != "cpu":
-            import ray
-
-            if not ray.is_initialized():
-                ray.init()
-            use_gpu = spec.device == "cuda" or _gpu_count() > 0
-        spec = spec.resolved("cuda" if use_gpu else "cpu") if spec.uses_models else spec
-        build = spec.build
+        standin_encoder, standin_text = spec.build()  # the spec has no models (checked above)
+        build = prebuilt(encoder or standin_encoder, text_encoder or standin_text)
+    stage: EncodeStage | None = None
     if cfg.workers == 0:
         stage = EncodeStage(build, cfg.max_text_tokens)
         info = EncoderInfo.of(stage.encoder, stage.text_encoder)
     elif made:
         info = EncoderInfo.of(*build())
     else:
-        info = spec.describe()
+        info = spec.describe()  # from the configs: the models load in the actors only
 
     decoder = video_decoder()
     opts = DecodeOptions(max_side=cfg.max_side, max_frames=cfg.max_frames, frame_stride=cfg.frame_stride,
