@@ -1,5 +1,7 @@
 """CLI: `python datasets/ingest_images.py --help`. Same as `python -m knapray.corpus.ingest`;
-the corpus format is described in datasets/README.md."""
+the corpus format, the encoder flags (--vae, --text-encoder, --pooled-encoder), captions
+(metadata.jsonl, sidecar .txt) and the Ray Data path (--workers N) are described in
+datasets/README.md."""
 
 import sys
 

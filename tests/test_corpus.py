@@ -382,3 +382,111 @@ def test_schema_json_is_valid_json_with_columns(tiny: tuple[Path, pa.Table]) -> 
     doc = json.loads((out / "schema.json").read_text())
     assert doc["columns"]["latent"].startswith("list<")
     assert doc["shards"] == [p.name for p in shard_paths(out)]
+
+
+# --- captions, batching, the encoders extra ----------------------------------------------
+
+
+def _captioned(root: Path) -> Path:
+    image = pytest.importorskip("PIL.Image", reason="Pillow is needed to write test images")
+    rng = np.random.default_rng(3)
+    for rel in ("a.png", "b.png", "c.png", "sub/d.png", "sub/e.png"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        image.fromarray(rng.integers(0, 256, size=(32, 48, 3), dtype=np.uint8)).save(root / rel)
+    lines = [
+        {"file_name": "a.png", "caption": "one two three", "text": "ignored column"},
+        {"file_name": "b.png", "caption": None},
+        {"file_name": "gone.png", "caption": "names no file"},
+    ]
+    (root / "metadata.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + "\n")
+    # file_name is relative to the metadata file's own folder
+    (root / "sub" / "metadata.jsonl").write_text(json.dumps({"file_name": "d.png", "caption": "four"}) + "\n")
+    (root / "a.txt").write_text("the sidecar loses to metadata.jsonl")
+    (root / "c.txt").write_text("five six")
+    return root
+
+
+def test_metadata_jsonl_captions_win_over_sidecars(tmp_path: Path) -> None:
+    root = _captioned(tmp_path / "in")
+    cfg = ingest_mod.IngestConfig(caption_column="caption")
+    with pytest.warns(UserWarning, match=r"1 metadata.jsonl entries under .* name no media file"):
+        ingest_mod.ingest(root, tmp_path / "c", cfg, progress=False)
+    tokens = {r["source"]: r["text_tokens"] for r in read_corpus(tmp_path / "c").to_pylist()}
+    # HashTextEncoder: one token per word
+    assert tokens == {"a.png": 3, "b.png": 0, "c.png": 2, "sub/d.png": 1, "sub/e.png": 0}
+    doc = read_schema_json(tmp_path / "c")
+    assert doc["captions"] == {"column": "caption", "metadata": 3, "sidecar": 1, "none": 1}
+    assert doc["encoders"]["latent"] == {"class": "PixelPatchEncoder", "channels": 4, "downsample": 8,
+                                         "temporal_downsample": 1, "seed": 0}
+    assert doc["encoders"]["text"] == {"class": "HashTextEncoder", "dim": 64, "pooled_dim": 32}
+
+
+@pytest.mark.parametrize(
+    ("line", "match"),
+    [
+        ("{not json", r"metadata.jsonl:2: not a JSON object"),
+        ('{"text": "no file name"}', r"metadata.jsonl:2: expected an object with 'file_name'"),
+        ('{"file_name": "a.png", "caption": "x"}', r"metadata.jsonl:2: no caption column 'text' .*--caption-column"),
+        ('{"file_name": "a.png", "text": 3}', r"metadata.jsonl:2: 'text' is int, expected a string"),
+        ('{"file_name": "x.png", "text": "a"}', r"metadata.jsonl:2: 'x.png' is captioned twice"),
+    ],
+)
+def test_bad_metadata_lines_name_the_file_and_line(tmp_path: Path, line: str, match: str) -> None:
+    image = pytest.importorskip("PIL.Image", reason="Pillow is needed to write test images")
+    image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(tmp_path / "a.png")
+    (tmp_path / "metadata.jsonl").write_text('{"file_name": "x.png", "text": "a"}\n' + line + "\n")
+    with pytest.raises(ValueError, match=match):
+        ingest_mod.ingest(tmp_path, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_batch_size_does_not_change_the_corpus(tmp_path: Path) -> None:
+    root = _captioned(tmp_path / "in")
+    for name, batch in (("one", 1), ("many", 16)):
+        with pytest.warns(UserWarning, match="name no media file"):
+            ingest_mod.ingest(root, tmp_path / name, ingest_mod.IngestConfig(caption_column="caption", batch_size=batch),
+                              progress=False)
+    assert read_corpus(tmp_path / "one").equals(read_corpus(tmp_path / "many"))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"pooled_encoder": "/x"}, "pooled_encoder is given without text_encoder"),
+        ({"vae": "/x", "encoder_factory": "m:f"}, "give vae or encoder_factory, not both"),
+        ({"device": "tpu"}, r"device 'tpu' is not one of \('auto', 'cpu', 'cuda'\)"),
+        ({"dtype": "int8"}, "dtype 'int8' is not one of"),
+        ({"vae_batch": 0}, "vae_batch must be >= 1, got 0"),
+    ],
+)
+def test_bad_encoder_spec_is_rejected(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ingest_mod.EncoderSpec(**kwargs)
+
+
+def test_core_imports_and_ingests_without_the_encoders_extra(media_dir: Path, tmp_path: Path) -> None:
+    """diffusers/transformers are optional: blocked, the package still imports and ingests
+    with the stand-ins, and asking for a VAE names the extra to install."""
+    import subprocess
+
+    (tmp_path / "vae").mkdir()
+    (tmp_path / "vae" / "config.json").write_text(
+        json.dumps({"_class_name": "AutoencoderKL", "latent_channels": 4, "block_out_channels": [8, 16]})
+    )
+    code = f"""
+import sys, warnings
+sys.modules["diffusers"] = None
+sys.modules["transformers"] = None
+warnings.simplefilter("ignore")
+from knapray.corpus import ingest as m
+print(m.ingest({str(media_dir)!r}, {str(tmp_path / 'c')!r}, progress=False).written)
+try:
+    m.EncoderSpec(vae={str(tmp_path / 'vae')!r}).check()
+except ImportError as e:
+    print(e)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    written, error = out.stdout.strip().splitlines()
+    assert written == "4"
+    assert "need diffusers" in error and "pip install 'knapray[encoders]'" in error

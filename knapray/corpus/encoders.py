@@ -3,7 +3,10 @@
 The defaults need no weights, so the pipeline runs anywhere: ``PixelPatchEncoder`` is
 a fixed average-pool plus RGB->C linear map, ``HashTextEncoder`` turns words into
 deterministic pseudo-embeddings. They are stand-ins for a real VAE and text encoder
-(T5/CLIP); anything with the same attributes and ``encode`` method plugs in.
+(T5/CLIP), which live in :mod:`knapray.corpus.hf`; anything with the same attributes
+and ``encode`` method plugs in. An encoder may also have ``encode_many`` (several
+inputs in one call, for batching on a GPU) and ``describe()`` (what schema.json records
+about it).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -76,6 +79,10 @@ class PixelPatchEncoder:
         latent = np.einsum("cr,thwr->cthw", self._mix, x)  # (C, t, h/d, w/d)
         return np.ascontiguousarray(latent, dtype=np.float32)
 
+    def describe(self) -> dict[str, Any]:
+        return {"channels": self.channels, "downsample": self.downsample,
+                "temporal_downsample": self.temporal_downsample, "seed": self.seed}
+
 
 _WORD = re.compile(r"\w+|[^\w\s]")
 
@@ -112,3 +119,28 @@ class HashTextEncoder:
         if tokens:
             pooled /= len(tokens)
         return text, pooled
+
+    def describe(self) -> dict[str, Any]:
+        return {"dim": self.dim, "pooled_dim": self.pooled_dim}
+
+
+def encoder_record(encoder: object) -> dict[str, Any]:
+    """What schema.json records about an encoder: its class and its ``describe()``."""
+    describe = getattr(encoder, "describe", None)
+    return {"class": type(encoder).__name__, **(describe() if callable(describe) else {})}
+
+
+def encode_latents(encoder: LatentEncoder, items: list[np.ndarray]) -> list[np.ndarray]:
+    """``encoder.encode_many(items)`` where it has one, else one ``encode`` per item."""
+    many = getattr(encoder, "encode_many", None)
+    return list(many(items)) if callable(many) else [encoder.encode(px) for px in items]
+
+
+def encode_captions(
+    encoder: TextEncoder, captions: list[str], max_tokens: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``encoder.encode_many(captions, max_tokens)`` where it has one, else one by one."""
+    many = getattr(encoder, "encode_many", None)
+    if callable(many):
+        return list(many(captions, max_tokens))
+    return [encoder.encode(c, max_tokens) for c in captions]

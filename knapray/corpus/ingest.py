@@ -1,38 +1,66 @@
 """Ingest a folder of images (and videos, when a decoder is importable) into a corpus.
 
 Each file becomes one row: frames are shrunk to at most ``max_side`` pixels, centre-
-cropped to multiples of downsample x patch, encoded by a :class:`LatentEncoder`, and
-its caption (sidecar ``<name>.txt``, else empty) by a :class:`TextEncoder`. Pillow is
-required for images; videos use the first importable of PyAV, OpenCV and imageio and
-are skipped, with a counted warning, when none is. Animated GIF/WebP/PNG files are
-read as videos through Pillow.
+cropped to multiples of downsample x patch, encoded by a latent encoder (a diffusers
+VAE, or the weightless stand-in), and its caption (metadata.jsonl, else a sidecar
+``<name>.txt``, else empty) by a text encoder (T5/CLIP, or the stand-in).
+
+Two ways to run the same stages (:mod:`knapray.corpus.stages`): in this process
+(``workers=0``: small jobs, tests), or as a Ray Data pipeline whose decoding runs as CPU
+tasks and whose encoding runs in a pool of ``workers`` actors, each holding its own
+models, one GPU per actor when the encoders run on CUDA. Both write the same rows in
+the same order: the driver writes the shards either way.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import importlib
 import math
+import time
 import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
-from knapray.corpus.encoders import HashTextEncoder, LatentEncoder, PixelPatchEncoder, TextEncoder
-from knapray.corpus.schema import PATCH, visual_token_count
-from knapray.corpus.writer import ShardWriter, build_table, length_stats, write_schema_json
+from knapray.corpus import hf
+from knapray.corpus.encoders import LatentEncoder, TextEncoder
+from knapray.corpus.media import (
+    CAPTION_SOURCES,
+    IMAGE_EXTS,
+    METADATA_FILE,
+    VIDEO_DECODERS,
+    VIDEO_EXTS,
+    fit_frames,
+    list_media,
+    media_items,
+    pil_image,
+    sample_id_for,
+    video_decoder,
+)
+from knapray.corpus.schema import CORPUS_SCHEMA, PATCH
+from knapray.corpus.stages import (
+    DecodeOptions,
+    EncoderInfo,
+    EncoderSpec,
+    EncodeStage,
+    decode_batch,
+    items_table,
+    load_factory,
+    prebuilt,
+)
+from knapray.corpus.writer import ShardWriter, length_stats, write_schema_json
 from knapray.planning.mix import MAX_TEXT_TOKENS
 from knapray.progress import progress_bar
 
-IMAGE_EXTS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff"})
-VIDEO_EXTS = frozenset({".mp4", ".mov", ".avi", ".mkv", ".webm", ".m4v"})
-VIDEO_DECODERS = ("av", "cv2", "imageio")
-ROWS_PER_BATCH = 256
+__all__ = [
+    "EncoderSpec", "IngestConfig", "IngestReport", "build_parser", "fit_frames", "ingest",
+    "list_media", "load_factory", "main", "sample_id_for", "video_decoder",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -40,20 +68,36 @@ class IngestConfig:
     max_side: int = 512
     """Frames larger than this (longest side, pixels) are shrunk to it, keeping aspect."""
     max_frames: int = 16
-    """Frames kept per video, after striding."""
+    """Frames kept per video, after striding (a video VAE then keeps 1 + k * its temporal
+    factor of them)."""
     frame_stride: int = 1
     """Keep every n-th decoded video frame."""
     max_text_tokens: int = MAX_TEXT_TOKENS
     """Caption tokens beyond this are dropped."""
     shards: int = 1
     """Target number of parquet files (fewer when files are skipped)."""
+    caption_column: str = "text"
+    """The caption's key in metadata.jsonl lines."""
+    batch_size: int = 16
+    """Files per batch: per decode task and per call of an encode actor."""
+    workers: int = 0
+    """0: run in this process, no Ray. N >= 1: Ray Data with an actor pool of N encoders
+    (each loads its own models; one GPU each when the encoders run on CUDA)."""
+    cpus_per_worker: float = 1.0
+    """CPUs Ray reserves for each encode actor (torch uses as many threads)."""
 
     def __post_init__(self) -> None:
-        for name in ("max_side", "max_frames", "frame_stride", "shards"):
+        for name in ("max_side", "max_frames", "frame_stride", "shards", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_text_tokens < 0:
             raise ValueError(f"max_text_tokens must be >= 0, got {self.max_text_tokens}")
+        if self.workers < 0:
+            raise ValueError(f"workers must be >= 0 (0 = no Ray), got {self.workers}")
+        if self.cpus_per_worker <= 0:
+            raise ValueError(f"cpus_per_worker must be > 0, got {self.cpus_per_worker}")
+        if not self.caption_column:
+            raise ValueError("caption_column must be a non-empty metadata.jsonl key")
 
 
 @dataclass(slots=True)
@@ -64,127 +108,75 @@ class IngestReport:
     """Skipped files per reason: too_small, unreadable, video_no_decoder."""
     schema_path: Path | None = None
     """The corpus's schema.json."""
+    seconds: float = 0.0
+    """Wall time of decoding + encoding + writing (Ray start-up included)."""
 
 
-def _pil_image() -> Any:
-    try:
-        from PIL import Image
-    except ImportError as e:
-        raise ImportError(
-            "ingesting images needs Pillow, which is not importable here: pip install Pillow"
-        ) from e
-    return Image
+def _gpu_count() -> float:
+    import ray
+
+    return float(ray.cluster_resources().get("GPU", 0))
 
 
-def video_decoder() -> str | None:
-    """Name of the first importable video decoder, or None."""
-    for name in VIDEO_DECODERS:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            continue
-        return name
-    return None
+def _run_ray(
+    batches: list[pa.Table],
+    opts: DecodeOptions,
+    build: Callable[[], tuple[LatentEncoder, TextEncoder]],
+    cfg: IngestConfig,
+    use_gpu: bool,
+) -> Iterator[pa.Table]:
+    """The stages as a Ray Data pipeline: decode tasks, then an actor pool of encoders.
+    Blocks come back in file order (preserve_order), so the shards match the in-process
+    path's row for row."""
+    import ray
 
-
-def _read_video(path: Path, decoder: str, max_frames: int, stride: int) -> list[np.ndarray]:
-    frames: list[np.ndarray] = []
-
-    def keep(i: int, frame: np.ndarray) -> bool:
-        if i % stride == 0:
-            frames.append(np.asarray(frame)[..., :3])
-        return len(frames) < max_frames
-
-    if decoder == "av":
-        import av
-
-        with av.open(str(path)) as container:
-            for i, fr in enumerate(container.decode(video=0)):
-                if not keep(i, fr.to_ndarray(format="rgb24")):
-                    break
-    elif decoder == "cv2":
-        import cv2
-
-        cap = cv2.VideoCapture(str(path))
-        try:
-            i = 0
-            while True:
-                ok, fr = cap.read()
-                if not ok or not keep(i, cv2.cvtColor(fr, cv2.COLOR_BGR2RGB)):
-                    break
-                i += 1
-        finally:
-            cap.release()
-    else:
-        import imageio.v3 as iio
-
-        for i, fr in enumerate(iio.imiter(path)):
-            if not keep(i, fr):
-                break
-    return frames
-
-
-def _read_image(path: Path, max_frames: int, stride: int) -> list[np.ndarray]:
-    from PIL import ImageSequence
-
-    with _pil_image().open(path) as img:
-        if getattr(img, "n_frames", 1) <= 1:
-            return [np.asarray(img.convert("RGB"))]
-        frames: list[np.ndarray] = []
-        for i, fr in enumerate(ImageSequence.Iterator(img)):
-            if i % stride == 0:
-                frames.append(np.asarray(fr.convert("RGB")))
-            if len(frames) == max_frames:
-                break
-        return frames
-
-
-def fit_frames(frames: list[np.ndarray], multiple: int, max_side: int) -> np.ndarray | None:
-    """Shrink to ``max_side`` (aspect kept) and centre-crop both sides to a multiple of
-    ``multiple``; None if a side would be smaller than ``multiple``."""
-    image = _pil_image()
-    h, w = frames[0].shape[:2]
-    s = min(1.0, max_side / max(h, w))
-    nh, nw = max(1, round(h * s)), max(1, round(w * s))
-    ch, cw = nh // multiple * multiple, nw // multiple * multiple
-    if ch == 0 or cw == 0:
-        return None
-    top, left = (nh - ch) // 2, (nw - cw) // 2
-    out = np.empty((len(frames), ch, cw, 3), dtype=np.uint8)
-    for i, fr in enumerate(frames):
-        if fr.shape[:2] != (h, w):
-            raise ValueError(f"frame {i} is {fr.shape[:2]}, frame 0 is {(h, w)}")
-        if (nh, nw) != (h, w):
-            fr = np.asarray(image.fromarray(fr).resize((nw, nh), image.Resampling.BICUBIC))
-        out[i] = fr[top : top + ch, left : left + cw]
-    return out
-
-
-def sample_id_for(relpath: str) -> int:
-    """A stable 63-bit id from the file's path relative to the input root."""
-    digest = hashlib.blake2b(relpath.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
-def _check_latent(latent: np.ndarray, encoder: LatentEncoder, frames: np.ndarray) -> None:
-    _, h, w, _ = frames.shape
-    d = encoder.downsample
-    ok = (
-        isinstance(latent, np.ndarray)
-        and latent.ndim == 4
-        and latent.shape[0] == encoder.channels
-        and latent.shape[2:] == (h // d, w // d)
-    )
-    if not ok:
-        raise ValueError(
-            f"{type(encoder).__name__}.encode returned shape {getattr(latent, 'shape', None)} for "
-            f"frames {frames.shape}; expected ({encoder.channels}, T, {h // d}, {w // d})"
+    if not ray.is_initialized():
+        ray.init()  # joins the cluster RAY_ADDRESS names, or starts a local one
+    if use_gpu and _gpu_count() < cfg.workers:
+        warnings.warn(
+            f"{cfg.workers} GPU encode workers asked for, the cluster has {_gpu_count():g} GPUs now: "
+            "the rest start when GPUs join",
+            stacklevel=3,
         )
+    ds = ray.data.from_arrow(batches)  # one block per batch of files
+    ds = ds.map_batches(decode_batch, fn_kwargs={"opts": opts}, batch_size=None, batch_format="pyarrow",
+                        num_cpus=1)
+    ds = ds.map_batches(
+        EncodeStage,
+        fn_constructor_kwargs={"build": build, "max_text_tokens": cfg.max_text_tokens},
+        batch_size=None,
+        batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(size=cfg.workers),
+        num_cpus=cfg.cpus_per_worker,
+        num_gpus=1 if use_gpu else 0,
+    )
+    ds.context.execution_options.preserve_order = True
+    yield from ds.iter_batches(batch_size=None, batch_format="pyarrow")
 
 
-def list_media(input_dir: Path) -> list[Path]:
-    exts = IMAGE_EXTS | VIDEO_EXTS
-    return sorted(p for p in input_dir.rglob("*") if p.is_file() and p.suffix.lower() in exts)
+def _run_local(
+    batches: list[pa.Table], opts: DecodeOptions, stage: EncodeStage
+) -> Iterator[pa.Table]:
+    for batch in batches:
+        yield stage(decode_batch(batch, opts))
+
+
+def _settle_device(cfg: IngestConfig, spec: EncoderSpec) -> tuple[EncoderSpec, bool]:
+    """The spec with its 'auto' device and dtype settled where the GPUs are known (this
+    process's for ``workers=0``, the cluster's otherwise), and whether Ray actors take a
+    GPU each."""
+    if not spec.uses_models:
+        return spec, False
+    if cfg.workers == 0:
+        return spec.resolved(hf.resolve_device(spec.device)), False
+    use_gpu = spec.device == "cuda"
+    if spec.device == "auto":
+        import ray
+
+        if not ray.is_initialized():
+            ray.init()  # joins the cluster RAY_ADDRESS names, or starts a local one
+        use_gpu = _gpu_count() > 0
+    return spec.resolved("cuda" if use_gpu else "cpu"), use_gpu
 
 
 def ingest(
@@ -192,96 +184,77 @@ def ingest(
     out_dir: str | Path,
     cfg: IngestConfig | None = None,
     *,
+    encoders: EncoderSpec | None = None,
     encoder: LatentEncoder | None = None,
     text_encoder: TextEncoder | None = None,
     progress: bool = True,
 ) -> IngestReport:
-    """Encode every image/video under ``input_dir`` into a corpus in ``out_dir``."""
+    """Encode every image/video under ``input_dir`` into a corpus in ``out_dir``.
+
+    The encoders come from ``encoders`` (paths to a VAE and T5/CLIP, or the stand-ins),
+    or are given made (``encoder``/``text_encoder``, the missing one a stand-in; with
+    ``workers > 0`` they are pickled into every actor)."""
+    started = time.perf_counter()
     cfg = cfg or IngestConfig()
-    encoder = encoder or PixelPatchEncoder()
-    text_encoder = text_encoder or HashTextEncoder()
-    for obj, proto in ((encoder, LatentEncoder), (text_encoder, TextEncoder)):
-        if not isinstance(obj, proto):
-            raise TypeError(f"{type(obj).__name__} does not implement {proto.__name__}")
+    spec = encoders or EncoderSpec()
+    made = encoder is not None or text_encoder is not None
+    if made and spec.uses_models:
+        raise ValueError("give encoder/text_encoder objects or an EncoderSpec with model paths, not both")
     root = Path(input_dir)
     if not root.is_dir():
         raise FileNotFoundError(f"input directory {root} does not exist")
-    files = list_media(root)
-    if not files:
+    items, orphans = media_items(root, cfg.caption_column)
+    if not items:
         raise ValueError(f"no media under {root}; extensions read: {sorted(IMAGE_EXTS | VIDEO_EXTS)}")
-    _pil_image()
+    pil_image()
+    spec.check()
+
+    spec, use_gpu = _settle_device(cfg, spec)
+    build: Callable[[], tuple[LatentEncoder, TextEncoder]] = spec.build
+    if made:
+        standin_encoder, standin_text = spec.build()  # the spec has no models (checked above)
+        build = prebuilt(encoder or standin_encoder, text_encoder or standin_text)
+    stage: EncodeStage | None = None
+    if cfg.workers == 0:
+        stage = EncodeStage(build, cfg.max_text_tokens)
+        info = EncoderInfo.of(stage.encoder, stage.text_encoder)
+    elif made:
+        info = EncoderInfo.of(*build())
+    else:
+        info = spec.describe()  # from the configs: the models load in the actors only
+
     decoder = video_decoder()
-    multiple = encoder.downsample * PATCH[1]
-    writer = ShardWriter(out_dir, rows_per_shard=math.ceil(len(files) / cfg.shards))
+    opts = DecodeOptions(max_side=cfg.max_side, max_frames=cfg.max_frames, frame_stride=cfg.frame_stride,
+                         multiple=info.downsample * PATCH[1], video_decoder=decoder)
+    batches = [items_table(items[i : i + cfg.batch_size]) for i in range(0, len(items), cfg.batch_size)]
+    tables = _run_local(batches, opts, stage) if stage is not None else _run_ray(batches, opts, build, cfg, use_gpu)
+
+    writer = ShardWriter(out_dir, rows_per_shard=math.ceil(len(items) / cfg.shards))
+    caption_from = {item.source: item.caption_from for item in items}
     skipped: Counter[str] = Counter()
     examples: dict[str, Path] = {}
     seen: dict[int, str] = {}
     kinds: list[str] = []
     seq_lens: list[int] = []
-    batch: list[tuple[dict[str, Any], np.ndarray, np.ndarray, np.ndarray]] = []
-
-    def skip(reason: str, path: Path) -> None:
-        skipped[reason] += 1
-        examples.setdefault(reason, path)
-
-    def flush() -> None:
-        if batch:
-            cols = {k: [row[0][k] for row in batch] for k in batch[0][0]}
-            writer.add(build_table(cols, *zip(*(row[1:] for row in batch))))
-            batch.clear()
-
-    bar = progress_bar(len(files), "ingest", "file", disable=not progress)
-    for path in files:
-        bar.update(1)
-        rel = path.relative_to(root).as_posix()
-        is_video = path.suffix.lower() in VIDEO_EXTS
-        if is_video and decoder is None:
-            skip("video_no_decoder", path)
-            continue
-        try:
-            if is_video:
-                raw = _read_video(path, decoder, cfg.max_frames, cfg.frame_stride)  # type: ignore[arg-type]
-            else:
-                raw = _read_image(path, cfg.max_frames, cfg.frame_stride)
-        except Exception:  # noqa: BLE001 - any decoder failure means an unreadable file
-            skip("unreadable", path)
-            continue
-        if not raw:
-            skip("unreadable", path)
-            continue
-        frames = fit_frames(raw, multiple, cfg.max_side)
-        if frames is None:
-            skip("too_small", path)
-            continue
-        latent = encoder.encode(frames)
-        _check_latent(latent, encoder, frames)
-        caption_path = path.with_suffix(".txt")
-        caption = caption_path.read_text(errors="replace") if caption_path.is_file() else ""
-        text, pooled = text_encoder.encode(caption, cfg.max_text_tokens)
-        if text.ndim != 2 or text.shape[1] != text_encoder.dim or pooled.shape != (text_encoder.pooled_dim,):
-            raise ValueError(
-                f"{type(text_encoder).__name__}.encode returned text {text.shape} and pooled "
-                f"{pooled.shape}; expected (L, {text_encoder.dim}) and ({text_encoder.pooled_dim},)"
-            )
-        sid = sample_id_for(rel)
-        if sid in seen:
-            raise ValueError(f"sample id collision between {seen[sid]!r} and {rel!r}")
-        seen[sid] = rel
-        c, t, h, w = latent.shape
-        visual = visual_token_count(t, h, w)
-        kind = "video" if is_video or len(raw) > 1 else "image"
-        row = {
-            "sample_id": sid, "kind": kind, "source": rel, "frames": t, "height": h,
-            "width": w, "channels": c, "visual_tokens": visual,
-            "text_tokens": text.shape[0], "seq_len": visual + text.shape[0],
-        }
-        kinds.append(kind)
-        seq_lens.append(row["seq_len"])
-        batch.append((row, latent, text, pooled))
-        if len(batch) >= ROWS_PER_BATCH:
-            flush()
+    captions: Counter[str] = Counter({k: 0 for k in CAPTION_SOURCES})
+    bar = progress_bar(len(items), "ingest", "file", disable=not progress)
+    for table in tables:
+        bar.update(table.num_rows)
+        for reason, source in zip(table.column("skip").to_pylist(), table.column("source").to_pylist()):
+            if reason:
+                skipped[reason] += 1
+                examples.setdefault(reason, root / source)
+        kept = table.filter(pc.equal(table.column("skip"), "")).drop_columns(["skip"])
+        for sid, source in zip(kept.column("sample_id").to_pylist(), kept.column("source").to_pylist()):
+            if sid in seen:
+                raise ValueError(f"sample id collision between {seen[sid]!r} and {source!r}")
+            seen[sid] = source
+            captions[caption_from[source]] += 1
+        kinds.extend(kept.column("kind").to_pylist())
+        seq_lens.extend(kept.column("seq_len").to_pylist())
+        # Ray Data hands tables back with every field nullable: restore the corpus schema.
+        writer.add(pa.Table.from_arrays(kept.columns, schema=CORPUS_SCHEMA))
     bar.close()
-    flush()
     shards = writer.close()
     for reason, count in sorted(skipped.items()):
         hint = (
@@ -293,6 +266,8 @@ def ingest(
             f"skipped {count} file(s) under {root} ({reason}), e.g. {examples[reason]}{hint}",
             stacklevel=2,
         )
+    if orphans:
+        warnings.warn(f"{orphans} {METADATA_FILE} entries under {root} name no media file", stacklevel=2)
     if not seen:
         raise ValueError(f"every file under {root} was skipped: {dict(skipped)}")
     counts = length_stats(kinds, np.asarray(seq_lens))
@@ -301,10 +276,10 @@ def ingest(
         out_dir,
         builder="ingest",
         dims={
-            "channels": encoder.channels,
-            "text_dim": text_encoder.dim,
-            "pooled_dim": text_encoder.pooled_dim,
-            "vae_downsample": encoder.downsample,
+            "channels": info.channels,
+            "text_dim": info.text_dim,
+            "pooled_dim": info.pooled_dim,
+            "vae_downsample": info.downsample,
         },
         payload=True,
         shards=shards,
@@ -312,48 +287,66 @@ def ingest(
         counts=counts,
         extra={
             "input": str(root),
-            "encoder": type(encoder).__name__,
-            "text_encoder": type(text_encoder).__name__,
+            "encoder": info.latent_record["class"],
+            "text_encoder": info.text_record["class"],
+            "encoders": {"latent": info.latent_record, "text": info.text_record},
+            "captions": {"column": cfg.caption_column, **dict(captions)},
             "video_decoder": decoder,
             "config": {f: getattr(cfg, f) for f in cfg.__dataclass_fields__},
         },
     )
-    return IngestReport(written=len(seen), skipped=dict(skipped), schema_path=schema_path)
-
-
-def load_factory(spec: str) -> Callable[[], Any]:
-    """``package.module:name`` -> the callable it names (a class or factory)."""
-    module, sep, name = spec.partition(":")
-    if not sep or not module or not name:
-        raise ValueError(f"bad factory {spec!r}: expected 'package.module:name'")
-    obj = getattr(importlib.import_module(module), name, None)
-    if not callable(obj):
-        raise ValueError(f"{spec!r}: {module} has no callable {name!r}")
-    return obj
+    return IngestReport(written=len(seen), skipped=dict(skipped), schema_path=schema_path,
+                        seconds=time.perf_counter() - started)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ingest_images",
         description="Encode a folder of images (and videos, if a decoder is installed) into "
-        "a knapray corpus: parquet shards + schema.json. Captions come from sidecar .txt files.",
+        "a knapray corpus: parquet shards + schema.json. Latents from a diffusers VAE (--vae), "
+        "text from T5/CLIP (--text-encoder, --pooled-encoder), all from local directories; "
+        "without them, weightless stand-ins. Captions from metadata.jsonl, else sidecar .txt.",
     )
     p.add_argument("--input", required=True, type=Path, help="folder searched recursively")
     p.add_argument("--out", required=True, type=Path, help="output directory (new or empty)")
-    p.add_argument("--channels", type=int, default=4, help="latent channels of the default encoder")
-    p.add_argument("--downsample", type=int, default=8, help="spatial downsample of the default encoder")
-    p.add_argument("--text-dim", type=int, default=64, help="text embedding width of the default text encoder")
-    p.add_argument("--pooled-dim", type=int, default=32, help="pooled width of the default text encoder")
-    p.add_argument("--seed", type=int, default=0, help="seed of the default encoder's RGB->C matrix")
-    p.add_argument("--encoder", help="'module:factory' returning a LatentEncoder (e.g. a VAE); "
-                   "replaces --channels/--downsample/--seed")
-    p.add_argument("--text-encoder", help="'module:factory' returning a TextEncoder; "
-                   "replaces --text-dim/--pooled-dim")
-    p.add_argument("--max-side", type=int, default=512, help="shrink frames to this longest side (px)")
-    p.add_argument("--max-frames", type=int, default=16, help="frames kept per video")
-    p.add_argument("--frame-stride", type=int, default=1, help="keep every n-th video frame")
-    p.add_argument("--max-text-tokens", type=int, default=MAX_TEXT_TOKENS, help="caption token limit")
-    p.add_argument("--shards", type=int, default=1, help="target number of parquet files")
+    g = p.add_argument_group("encoders (local directories; pip install 'knapray[encoders]')")
+    g.add_argument("--vae", metavar="DIR", help="diffusers VAE: AutoencoderKL (Flux, SD3, SDXL; videos "
+                   "frame by frame) or AutoencoderKLWan / AutoencoderKLHunyuanVideo (time compressed)")
+    g.add_argument("--text-encoder", metavar="DIR", help="T5 (T5EncoderModel) or CLIP text model: its "
+                   "token embeddings are the text tokens")
+    g.add_argument("--text-tokenizer", metavar="DIR", help="tokenizer of --text-encoder, when not in its "
+                   "directory (Flux: tokenizer_2/)")
+    g.add_argument("--pooled-encoder", metavar="DIR", help="CLIP text model: its pooled output is the "
+                   "pooled vector (default: --text-encoder's when CLIP, the token mean when T5)")
+    g.add_argument("--pooled-tokenizer", metavar="DIR", help="tokenizer of --pooled-encoder, when not in "
+                   "its directory (Flux: tokenizer/)")
+    g.add_argument("--device", default="auto", choices=hf.DEVICES, help="where the models run")
+    g.add_argument("--dtype", default="auto", choices=hf.DTYPES, help="model dtype (auto: bf16 on cuda, "
+                   "fp32 on cpu); rows are float32")
+    g.add_argument("--vae-batch", type=int, default=8, help="frames per VAE call")
+    g.add_argument("--text-batch", type=int, default=32, help="captions per text-model call")
+    g.add_argument("--encoder-factory", metavar="MODULE:NAME", help="callable returning a LatentEncoder, "
+                   "instead of --vae")
+    g.add_argument("--text-encoder-factory", metavar="MODULE:NAME", help="callable returning a "
+                   "TextEncoder, instead of --text-encoder")
+    s = p.add_argument_group("stand-in encoders (used without --vae / --text-encoder)")
+    s.add_argument("--channels", type=int, default=4, help="latent channels")
+    s.add_argument("--downsample", type=int, default=8, help="spatial downsample")
+    s.add_argument("--seed", type=int, default=0, help="seed of the RGB->C matrix")
+    s.add_argument("--text-dim", type=int, default=64, help="text embedding width")
+    s.add_argument("--pooled-dim", type=int, default=32, help="pooled width")
+    r = p.add_argument_group("parallelism")
+    r.add_argument("--workers", type=int, default=0, help="0: in this process, no Ray; N: Ray Data with "
+                   "N encode actors (one GPU each when on cuda); joins RAY_ADDRESS's cluster if set")
+    r.add_argument("--cpus-per-worker", type=float, default=1.0, help="CPUs reserved per encode actor")
+    r.add_argument("--batch-size", type=int, default=16, help="files per decode task / encode call")
+    d = p.add_argument_group("data")
+    d.add_argument("--caption-column", default="text", help="caption key in metadata.jsonl")
+    d.add_argument("--max-side", type=int, default=512, help="shrink frames to this longest side (px)")
+    d.add_argument("--max-frames", type=int, default=16, help="frames kept per video")
+    d.add_argument("--frame-stride", type=int, default=1, help="keep every n-th video frame")
+    d.add_argument("--max-text-tokens", type=int, default=MAX_TEXT_TOKENS, help="caption token limit")
+    d.add_argument("--shards", type=int, default=1, help="target number of parquet files")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -364,23 +357,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = IngestConfig(
             max_side=args.max_side, max_frames=args.max_frames, frame_stride=args.frame_stride,
-            max_text_tokens=args.max_text_tokens, shards=args.shards,
+            max_text_tokens=args.max_text_tokens, shards=args.shards, caption_column=args.caption_column,
+            batch_size=args.batch_size, workers=args.workers, cpus_per_worker=args.cpus_per_worker,
         )
-        encoder = (
-            load_factory(args.encoder)()
-            if args.encoder
-            else PixelPatchEncoder(channels=args.channels, downsample=args.downsample, seed=args.seed)
+        spec = EncoderSpec(
+            vae=args.vae, text_encoder=args.text_encoder, text_tokenizer=args.text_tokenizer,
+            pooled_encoder=args.pooled_encoder, pooled_tokenizer=args.pooled_tokenizer,
+            device=args.device, dtype=args.dtype, vae_batch=args.vae_batch, text_batch=args.text_batch,
+            encoder_factory=args.encoder_factory, text_encoder_factory=args.text_encoder_factory,
+            channels=args.channels, downsample=args.downsample, seed=args.seed,
+            text_dim=args.text_dim, pooled_dim=args.pooled_dim,
         )
-        text_encoder = (
-            load_factory(args.text_encoder)()
-            if args.text_encoder
-            else HashTextEncoder(dim=args.text_dim, pooled_dim=args.pooled_dim)
-        )
-        report = ingest(args.input, args.out, cfg, encoder=encoder, text_encoder=text_encoder,
-                        progress=not args.quiet)
+        report = ingest(args.input, args.out, cfg, encoders=spec, progress=not args.quiet)
     except (ValueError, TypeError, FileNotFoundError, FileExistsError, ImportError) as e:
         parser.error(str(e))
-    print(f"{report.written} samples, skipped {report.skipped or 'none'} -> {report.schema_path}")
+    print(
+        f"{report.written} samples in {report.seconds:.1f} s, skipped {report.skipped or 'none'} "
+        f"-> {report.schema_path}"
+    )
     return 0
 
 

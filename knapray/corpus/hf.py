@@ -1,0 +1,478 @@
+"""Encoders people use, from local directories: diffusers VAEs, transformers T5 and CLIP.
+
+Everything loads with ``local_files_only=True``: nothing is downloaded at run time, and a
+missing directory is a one-line error naming it. diffusers and transformers are an
+optional extra (``pip install 'knapray[encoders]'``), imported only when an adapter is
+built. The ``*_info`` functions read ``config.json`` alone (no weights, no extra
+packages), so a driver learns dims and records without loading a model.
+
+Latent normalization, the one each model's diffusers pipeline applies before the DiT:
+``latent = (z - shift) / std * scaling_factor`` with ``z`` the posterior **mean**, and
+- ``shift``/``std`` the per-channel ``latents_mean``/``latents_std`` when the config has
+  both (Wan, some AutoencoderKL), else ``shift = shift_factor`` (Flux, SD3; 0 when absent)
+  and ``std = 1``;
+- ``scaling_factor`` from the config, 1 when absent (Wan).
+The mean, not a sample, so a corpus is reproducible byte for byte; a trainer that wants
+posterior noise would need the log-variance too, and for the VAEs above the posterior
+standard deviation is small next to the spread of the means.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+IMAGE_VAES = ("AutoencoderKL",)
+VIDEO_VAES = ("AutoencoderKLWan", "AutoencoderKLHunyuanVideo")
+T5_TYPES = {"t5": "T5EncoderModel", "mt5": "MT5EncoderModel", "umt5": "UMT5EncoderModel"}
+CLIP_TYPE = "clip_text_model"
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "fp32", "bf16", "fp16")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "spiece.model", "vocab.json")
+_VERSION_KEYS = ("_diffusers_version", "transformers_version", "_name_or_path", "_commit_hash", "dtype",
+                 "torch_dtype")
+
+
+def _import(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        raise ImportError(
+            f"the VAE/T5/CLIP adapters need {name}, which is not importable here: "
+            "pip install 'knapray[encoders]'"
+        ) from e
+
+
+def model_dir(path: str | Path, flag: str) -> Path:
+    """``path`` as a directory holding a config.json; one-line errors naming ``flag``."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise FileNotFoundError(f"{flag} {path}: no such directory")
+    if not (p / "config.json").is_file() and (p / "model_index.json").is_file():
+        raise FileNotFoundError(
+            f"{flag} {path}: a pipeline directory (model_index.json); pass the model's sub folder "
+            "(vae/, text_encoder/, text_encoder_2/, ...)"
+        )
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{flag} {path}: no config.json (expected a model directory written by save_pretrained)"
+        )
+    return p.resolve()
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    return json.loads((path / "config.json").read_text())
+
+
+def config_sha256(cfg: dict[str, Any]) -> str:
+    """Hash of the model's config without library versions and dtype, so the same
+    architecture and factors give the same hash whichever version saved it."""
+    kept = {k: v for k, v in cfg.items() if k not in _VERSION_KEYS}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def resolve_device(device: str) -> str:
+    """'auto' -> 'cuda' when torch sees a GPU, else 'cpu'."""
+    if device not in DEVICES:
+        raise ValueError(f"device {device!r} is not one of {DEVICES}")
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' asked for, but torch sees no CUDA device here")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """'auto' -> bf16 on a GPU, fp32 on the CPU (bf16 matmuls are slow there)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {DTYPES}")
+    if dtype == "auto":
+        return "bf16" if device == "cuda" else "fp32"
+    return dtype
+
+
+def torch_dtype(dtype: str) -> Any:
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+
+
+# --- VAEs -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class VAEInfo:
+    path: str
+    cls: str
+    """diffusers class named by the config's ``_class_name``."""
+    channels: int
+    downsample: int
+    """Spatial factor: pixels per latent cell along H and W."""
+    temporal_downsample: int
+    """Frames per latent frame after the first; 1 for an image VAE (frames encoded one
+    by one)."""
+    scaling_factor: float
+    shift: tuple[float, ...]
+    """Subtracted before scaling: one value for all channels, or one per channel."""
+    std: tuple[float, ...]
+    """Divided by before scaling: one value, or one per channel."""
+    config_sha256: str
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "class": self.cls,
+            "config_sha256": self.config_sha256,
+            "channels": self.channels,
+            "downsample": self.downsample,
+            "temporal_downsample": self.temporal_downsample,
+            "latent": "posterior mean",
+            "normalization": "(z - shift) / std * scaling_factor",
+            "scaling_factor": self.scaling_factor,
+            "shift": list(self.shift),
+            "std": list(self.std),
+        }
+
+
+def vae_info(path: str | Path, flag: str = "--vae") -> VAEInfo:
+    """Channels, compression and normalization of a diffusers VAE, from its config."""
+    d = model_dir(path, flag)
+    cfg = read_config(d)
+    cls = cfg.get("_class_name")
+    try:
+        if cls == "AutoencoderKL":
+            channels = cfg["latent_channels"]
+            downsample = 2 ** (len(cfg["block_out_channels"]) - 1)
+            temporal = 1
+        elif cls == "AutoencoderKLWan":
+            channels = cfg["z_dim"]
+            downsample = 2 ** (len(cfg["dim_mult"]) - 1) * (cfg.get("patch_size") or 1)
+            temporal = 2 ** sum(bool(t) for t in cfg["temperal_downsample"])
+        elif cls == "AutoencoderKLHunyuanVideo":
+            channels = cfg["latent_channels"]
+            downsample = cfg["spatial_compression_ratio"]
+            temporal = cfg["temporal_compression_ratio"]
+        else:
+            raise ValueError(
+                f"{flag} {path}: _class_name {cls!r} is not a supported VAE; "
+                f"supported: {IMAGE_VAES + VIDEO_VAES}"
+            )
+    except KeyError as e:
+        raise ValueError(f"{flag} {path}: {cls} config lacks {e.args[0]!r}") from None
+    mean, std = cfg.get("latents_mean"), cfg.get("latents_std")
+    if mean and std:
+        if len(mean) != channels or len(std) != channels:
+            raise ValueError(
+                f"{flag} {path}: latents_mean/latents_std have {len(mean)}/{len(std)} values "
+                f"for {channels} channels"
+            )
+        shift, scale = tuple(float(v) for v in mean), tuple(float(v) for v in std)
+    else:
+        shift, scale = (float(cfg.get("shift_factor") or 0.0),), (1.0,)
+    return VAEInfo(
+        path=str(d), cls=cls, channels=int(channels), downsample=int(downsample),
+        temporal_downsample=int(temporal), scaling_factor=float(cfg.get("scaling_factor") or 1.0),
+        shift=shift, std=scale, config_sha256=config_sha256(cfg),
+    )
+
+
+def kept_frames(frames: int, temporal: int) -> int:
+    """Frames a causal video VAE encodes whole: the first, then groups of ``temporal``."""
+    return 1 + (frames - 1) // temporal * temporal
+
+
+@dataclass(slots=True)
+class DiffusersVAE:
+    """A :class:`~knapray.corpus.encoders.LatentEncoder` over a diffusers VAE directory.
+
+    An image VAE (AutoencoderKL: Flux, SD3, SDXL) encodes every frame alone, so a video
+    keeps all its frames (T = F). A video VAE (AutoencoderKLWan, AutoencoderKLHunyuanVideo)
+    compresses time: a clip is cut to ``1 + k * temporal_downsample`` frames (the rest of
+    the clip is dropped) and gives ``1 + k`` latent frames; an image is a 1-frame clip.
+    """
+
+    path: str
+    device: str = "cpu"
+    dtype: str = "fp32"
+    batch_frames: int = 8
+    """Frames per VAE call (for a video VAE: whole clips while they fit)."""
+    info: VAEInfo = field(init=False)
+    channels: int = field(init=False)
+    downsample: int = field(init=False)
+    temporal_downsample: int = field(init=False)
+    _model: Any = field(init=False, repr=False)
+    _shift: Any = field(init=False, repr=False)
+    _std: Any = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.batch_frames < 1:
+            raise ValueError(f"batch_frames must be >= 1, got {self.batch_frames}")
+        self.info = vae_info(self.path)
+        self.channels, self.downsample = self.info.channels, self.info.downsample
+        self.temporal_downsample = self.info.temporal_downsample
+        torch = _import("torch")
+        cls = getattr(_import("diffusers"), self.info.cls)
+        model = cls.from_pretrained(self.info.path, local_files_only=True, torch_dtype=torch_dtype(self.dtype))
+        self._model = model.to(self.device).eval()
+        shape = (1, -1, 1, 1) if self.temporal_downsample == 1 else (1, -1, 1, 1, 1)
+        self._shift = torch.tensor(self.info.shift, dtype=torch.float32, device=self.device).reshape(shape)
+        self._std = torch.tensor(self.info.std, dtype=torch.float32, device=self.device).reshape(shape)
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.info.record(), "dtype": self.dtype}
+
+    def _latent(self, x: Any) -> Any:
+        """(B, 3, [F,] H, W) pixels in [-1, 1] -> normalized float32 posterior mean."""
+        torch = _import("torch")
+        with torch.inference_mode():
+            x = x.to(self.device, torch_dtype(self.dtype))
+            z = self._model.encode(x).latent_dist.mean.float()
+            return ((z - self._shift) / self._std * self.info.scaling_factor).cpu().numpy()
+
+    def encode(self, pixels: np.ndarray) -> np.ndarray:
+        """(F, H, W, 3) uint8 -> (C, T, H/downsample, W/downsample) float32."""
+        return self.encode_many([pixels])[0]
+
+    def encode_many(self, items: list[np.ndarray]) -> list[np.ndarray]:
+        """Encode several files' frames, batching frames (or clips) of one size together."""
+        torch = _import("torch")
+        for px in items:
+            if px.ndim != 4 or px.shape[-1] != 3 or px.shape[1] % self.downsample or px.shape[2] % self.downsample:
+                raise ValueError(
+                    f"expected (F, H, W, 3) frames with H, W multiples of {self.downsample}, got {px.shape}"
+                )
+        out: list[np.ndarray | None] = [None] * len(items)
+        if self.temporal_downsample == 1:
+            # Every frame of every item, grouped by size: (item, frame) per slot.
+            groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
+            for i, px in enumerate(items):
+                f, h, w, _ = px.shape
+                out[i] = np.empty((self.channels, f, h // self.downsample, w // self.downsample), np.float32)
+                groups.setdefault((h, w), []).extend((i, t) for t in range(f))
+            for slots in groups.values():
+                for start in range(0, len(slots), self.batch_frames):
+                    chunk = slots[start : start + self.batch_frames]
+                    px = np.stack([items[i][t] for i, t in chunk])  # (B, H, W, 3)
+                    x = torch.from_numpy(px).permute(0, 3, 1, 2).float() / 127.5 - 1.0  # (B, 3, H, W)
+                    z = self._latent(x)  # (B, C, H/d, W/d)
+                    for (i, t), zi in zip(chunk, z):
+                        out[i][:, t] = zi  # type: ignore[index]
+        else:
+            clips: dict[tuple[int, ...], list[int]] = {}
+            for i, px in enumerate(items):
+                f = kept_frames(px.shape[0], self.temporal_downsample)
+                clips.setdefault((f, *px.shape[1:3]), []).append(i)
+            for (f, _, _), members in clips.items():
+                per_call = max(1, self.batch_frames // f)
+                for start in range(0, len(members), per_call):
+                    chunk = members[start : start + per_call]
+                    px = np.stack([items[i][:f] for i in chunk])  # (B, F, H, W, 3)
+                    x = torch.from_numpy(px).permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0  # (B, 3, F, H, W)
+                    z = self._latent(x)  # (B, C, T, H/d, W/d)
+                    want = 1 + (f - 1) // self.temporal_downsample
+                    if z.shape[2] != want:
+                        raise ValueError(
+                            f"{self.info.cls} at {self.path} turned {f} frames into {z.shape[2]} latent "
+                            f"frames; its config implies {want} (temporal_downsample "
+                            f"{self.temporal_downsample})"
+                        )
+                    for i, zi in zip(chunk, z):
+                        out[i] = np.ascontiguousarray(zi)
+        return out  # type: ignore[return-value]
+
+
+# --- text encoders --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TextModelInfo:
+    path: str
+    tokenizer: str
+    cls: str
+    """transformers class that loads it (T5EncoderModel, CLIPTextModel, ...)."""
+    family: str
+    """'t5' or 'clip'."""
+    dim: int
+    """Token embedding width."""
+    pooled_dim: int
+    """Pooled width: CLIP's pooled output (its projection when it has one); for T5, d_model
+    (the mean of its token embeddings stands in)."""
+    max_positions: int | None
+    """Longest token sequence the model takes (CLIP: 77); None for T5 (relative positions)."""
+    config_sha256: str
+
+    def record(self) -> dict[str, Any]:
+        pooled = {
+            "t5": "mean of the kept token embeddings",
+            "clip": "text_embeds (projection)" if self.cls == "CLIPTextModelWithProjection" else "pooler_output",
+        }[self.family]
+        return {
+            "path": self.path, "tokenizer": self.tokenizer, "class": self.cls,
+            "config_sha256": self.config_sha256, "dim": self.dim, "pooled_dim": self.pooled_dim,
+            "pooled": pooled,
+        }
+
+
+def text_model_info(path: str | Path, tokenizer: str | Path | None = None, flag: str = "--text-encoder") -> TextModelInfo:
+    """What a T5 or CLIP text model directory holds, from its config; the tokenizer comes
+    from ``tokenizer`` or, when None, the model's own directory."""
+    d = model_dir(path, flag)
+    cfg = read_config(d)
+    model_type = cfg.get("model_type")
+    try:
+        if model_type in T5_TYPES:
+            cls, family = T5_TYPES[model_type], "t5"
+            dim = pooled = cfg["d_model"]
+            max_positions = None
+        elif model_type == CLIP_TYPE:
+            projected = "CLIPTextModelWithProjection" in (cfg.get("architectures") or [])
+            cls = "CLIPTextModelWithProjection" if projected else "CLIPTextModel"
+            family, dim = "clip", cfg["hidden_size"]
+            pooled = cfg["projection_dim"] if projected else dim
+            max_positions = cfg["max_position_embeddings"]
+        else:
+            raise ValueError(
+                f"{flag} {path}: model_type {model_type!r} is not a supported text encoder; supported: "
+                f"{sorted(T5_TYPES)} (T5EncoderModel) and {CLIP_TYPE!r} (CLIPTextModel[WithProjection])"
+            )
+    except KeyError as e:
+        raise ValueError(f"{flag} {path}: {model_type} config lacks {e.args[0]!r}") from None
+    tok_flag = flag.replace("encoder", "tokenizer")
+    tok = Path(tokenizer).expanduser() if tokenizer is not None else d
+    if not tok.is_dir():
+        raise FileNotFoundError(f"{tok_flag} {tokenizer}: no such directory")
+    if not any((tok / name).is_file() for name in TOKENIZER_FILES):
+        named = f"{tok_flag} {tokenizer}" if tokenizer is not None else f"{flag} {path}"
+        raise FileNotFoundError(
+            f"{named}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); pass the tokenizer's "
+            f"directory with {tok_flag} (a Flux checkpoint keeps them in tokenizer/ and tokenizer_2/)"
+        )
+    return TextModelInfo(
+        path=str(d), tokenizer=str(tok.resolve()), cls=cls, family=family, dim=int(dim),
+        pooled_dim=int(pooled), max_positions=max_positions, config_sha256=config_sha256(cfg),
+    )
+
+
+class HFTextModel:
+    """A loaded T5 or CLIP text model with its tokenizer."""
+
+    def __init__(self, info: TextModelInfo, device: str, dtype: str) -> None:
+        transformers = _import("transformers")
+        self.info, self.device = info, device
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(info.tokenizer, local_files_only=True)
+        self.tokenizer.padding_side = "right"  # real tokens first: row i keeps hidden[i, :n_i]
+        model = getattr(transformers, info.cls).from_pretrained(
+            info.path, local_files_only=True, dtype=torch_dtype(dtype)
+        )
+        self.model = model.to(device).eval()
+
+    def limit(self, max_tokens: int | None) -> int:
+        """Tokens kept per caption: ``max_tokens`` capped by what the model and tokenizer take."""
+        caps = [self.info.max_positions, self.tokenizer.model_max_length, max_tokens]
+        return int(min((c for c in caps if c is not None and c < 1_000_000), default=1_000_000))
+
+    def run(self, captions: list[str], max_tokens: int | None) -> tuple[list[np.ndarray], np.ndarray | None]:
+        """Per caption: its real tokens' embeddings (n_i, dim) (padding dropped; special
+        tokens such as T5's </s> and CLIP's start/end kept), and for CLIP the pooled
+        vectors (B, pooled_dim)."""
+        torch = _import("torch")
+        batch = self.tokenizer(
+            captions, padding=True, truncation=True, max_length=self.limit(max_tokens), return_tensors="pt"
+        ).to(self.device)
+        with torch.inference_mode():
+            out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        hidden = out.last_hidden_state.float().cpu().numpy()  # (B, L, dim)
+        counts = batch["attention_mask"].sum(dim=1).tolist()
+        tokens = [np.ascontiguousarray(h[:n]) for h, n in zip(hidden, counts)]
+        if self.info.family != "clip":
+            return tokens, None
+        pooled = out.text_embeds if self.info.cls == "CLIPTextModelWithProjection" else out.pooler_output
+        return tokens, pooled.float().cpu().numpy()
+
+
+class HFTextEncoder:
+    """A :class:`~knapray.corpus.encoders.TextEncoder` as Flux conditions: the text model's
+    token embeddings (T5, or CLIP) as ``text``, and a CLIP model's pooled vector as
+    ``pooled`` (the text model's own when it is CLIP and no ``pooled`` model is given;
+    for T5 alone, the mean of the kept token embeddings).
+
+    Tokens are the caption's real ones, capped at ``max_tokens`` (and at 77 for CLIP);
+    an empty caption has no tokens, but still gets CLIP's pooled vector of "".
+    """
+
+    def __init__(
+        self,
+        text: str,
+        *,
+        text_tokenizer: str | None = None,
+        pooled: str | None = None,
+        pooled_tokenizer: str | None = None,
+        device: str = "cpu",
+        dtype: str = "fp32",
+        batch_size: int = 32,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.text_info, self.pooled_info = text_encoder_infos(text, text_tokenizer, pooled, pooled_tokenizer)
+        self.dtype, self.batch_size = dtype, batch_size
+        self.text = HFTextModel(self.text_info, device, dtype)
+        self.pooled_model = HFTextModel(self.pooled_info, device, dtype) if self.pooled_info else None
+        self.dim = self.text_info.dim
+        self.pooled_dim = (self.pooled_info or self.text_info).pooled_dim
+
+    def describe(self) -> dict[str, Any]:
+        return text_encoder_record(self.text_info, self.pooled_info, self.dtype)
+
+    def encode(self, caption: str, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.encode_many([caption], max_tokens)[0]
+
+    def encode_many(self, captions: list[str], max_tokens: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        out: list[tuple[np.ndarray, np.ndarray]] = []
+        for start in range(0, len(captions), self.batch_size):
+            out.extend(self._encode_chunk(captions[start : start + self.batch_size], max_tokens))
+        return out
+
+    def _encode_chunk(self, captions: list[str], max_tokens: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        texts = [np.zeros((0, self.dim), np.float32) for _ in captions]
+        real = [i for i, c in enumerate(captions) if c.strip()] if max_tokens > 0 else []
+        if real:
+            tokens, _ = self.text.run([captions[i] for i in real], max_tokens)
+            for i, t in zip(real, tokens):
+                texts[i] = t
+        if self.pooled_model is not None:
+            pooled = self.pooled_model.run(captions, None)[1]
+        elif self.text_info.family == "clip":
+            pooled = self.text.run(captions, None)[1]
+        else:
+            pooled = np.stack([t.mean(axis=0) if len(t) else np.zeros(self.dim, np.float32) for t in texts])
+        assert pooled is not None
+        return [(t, np.ascontiguousarray(p, dtype=np.float32)) for t, p in zip(texts, pooled)]
+
+
+def text_encoder_infos(
+    text: str, text_tokenizer: str | None, pooled: str | None, pooled_tokenizer: str | None
+) -> tuple[TextModelInfo, TextModelInfo | None]:
+    text_info = text_model_info(text, text_tokenizer, "--text-encoder")
+    pooled_info = text_model_info(pooled, pooled_tokenizer, "--pooled-encoder") if pooled else None
+    if pooled_info is not None and pooled_info.family != "clip":
+        raise ValueError(f"--pooled-encoder {pooled}: is {pooled_info.cls}; the pooled vector comes from CLIP")
+    return text_info, pooled_info
+
+
+def text_encoder_record(text: TextModelInfo, pooled: TextModelInfo | None, dtype: str) -> dict[str, Any]:
+    return {
+        "class": "HFTextEncoder",
+        "dtype": dtype,
+        "text": text.record(),
+        "pooled": (pooled or text).record(),
+        "dim": text.dim,
+        "pooled_dim": (pooled or text).pooled_dim,
+    }

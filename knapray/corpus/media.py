@@ -1,0 +1,197 @@
+"""Finding, captioning and decoding media files for ingestion (no encoders here).
+
+Pillow is required for images; videos use the first importable of PyAV, OpenCV and
+imageio. Animated GIF/WebP/PNG files are read as videos through Pillow. Captions come
+from ``metadata.jsonl`` files (the HuggingFace imagefolder convention) or sidecar
+``<name>.txt`` files; an entry in a metadata.jsonl wins over a sidecar.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+IMAGE_EXTS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff"})
+VIDEO_EXTS = frozenset({".mp4", ".mov", ".avi", ".mkv", ".webm", ".m4v"})
+VIDEO_DECODERS = ("av", "cv2", "imageio")
+METADATA_FILE = "metadata.jsonl"
+CAPTION_SOURCES = ("metadata", "sidecar", "none")
+
+
+@dataclass(frozen=True, slots=True)
+class MediaItem:
+    path: Path
+    """The file."""
+    source: str
+    """Its path relative to the input root, POSIX style (the corpus's ``source``)."""
+    caption: str
+    """Its caption, "" when it has none."""
+    caption_from: str
+    """Where the caption came from: one of CAPTION_SOURCES."""
+
+
+def pil_image() -> Any:
+    try:
+        from PIL import Image
+    except ImportError as e:
+        raise ImportError(
+            "ingesting images needs Pillow, which is not importable here: pip install Pillow"
+        ) from e
+    return Image
+
+
+def video_decoder() -> str | None:
+    """Name of the first importable video decoder, or None."""
+    for name in VIDEO_DECODERS:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            continue
+        return name
+    return None
+
+
+def list_media(input_dir: Path) -> list[Path]:
+    exts = IMAGE_EXTS | VIDEO_EXTS
+    return sorted(p for p in input_dir.rglob("*") if p.is_file() and p.suffix.lower() in exts)
+
+
+def is_video_file(path: Path) -> bool:
+    return path.suffix.lower() in VIDEO_EXTS
+
+
+def read_metadata_captions(root: Path, column: str = "text") -> dict[str, str]:
+    """Captions from every ``metadata.jsonl`` under ``root``: one JSON object per line
+    with ``file_name`` (relative to the metadata file's folder) and ``column``. Returns
+    source (relative to ``root``) -> caption. A null caption is ""."""
+    captions: dict[str, str] = {}
+    for meta in sorted(root.rglob(METADATA_FILE)):
+        base = meta.parent.relative_to(root)
+        for lineno, line in enumerate(meta.read_text(errors="replace").splitlines(), 1):
+            if not line.strip():
+                continue
+            where = f"{meta}:{lineno}"
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not a JSON object ({e.msg})") from None
+            if not isinstance(entry, dict) or "file_name" not in entry:
+                raise ValueError(f"{where}: expected an object with 'file_name', got {line[:80]!r}")
+            if column not in entry:
+                raise ValueError(
+                    f"{where}: no caption column {column!r} (keys: {sorted(entry)}); "
+                    "pick one with --caption-column"
+                )
+            caption = entry[column]
+            if caption is not None and not isinstance(caption, str):
+                raise ValueError(f"{where}: {column!r} is {type(caption).__name__}, expected a string")
+            source = (base / str(entry["file_name"])).as_posix()
+            if source in captions:
+                raise ValueError(f"{where}: {source!r} is captioned twice")
+            captions[source] = caption or ""
+    return captions
+
+
+def media_items(root: Path, caption_column: str = "text") -> tuple[list[MediaItem], int]:
+    """Every media file under ``root`` with its caption, in path order, and the number
+    of metadata.jsonl entries that name no media file (a typo or a removed file)."""
+    files = list_media(root)
+    metadata = read_metadata_captions(root, caption_column)
+    items: list[MediaItem] = []
+    for path in files:
+        source = path.relative_to(root).as_posix()
+        sidecar = path.with_suffix(".txt")
+        if source in metadata:
+            caption, origin = metadata[source], "metadata"
+        elif sidecar.is_file():
+            caption, origin = sidecar.read_text(errors="replace"), "sidecar"
+        else:
+            caption, origin = "", "none"
+        items.append(MediaItem(path, source, caption, origin))
+    orphans = len(set(metadata) - {item.source for item in items})
+    return items, orphans
+
+
+def read_video(path: Path, decoder: str, max_frames: int, stride: int) -> list[np.ndarray]:
+    frames: list[np.ndarray] = []
+
+    def keep(i: int, frame: np.ndarray) -> bool:
+        if i % stride == 0:
+            frames.append(np.asarray(frame)[..., :3])
+        return len(frames) < max_frames
+
+    if decoder == "av":
+        import av
+
+        with av.open(str(path)) as container:
+            for i, fr in enumerate(container.decode(video=0)):
+                if not keep(i, fr.to_ndarray(format="rgb24")):
+                    break
+    elif decoder == "cv2":
+        import cv2
+
+        cap = cv2.VideoCapture(str(path))
+        try:
+            i = 0
+            while True:
+                ok, fr = cap.read()
+                if not ok or not keep(i, cv2.cvtColor(fr, cv2.COLOR_BGR2RGB)):
+                    break
+                i += 1
+        finally:
+            cap.release()
+    else:
+        import imageio.v3 as iio
+
+        for i, fr in enumerate(iio.imiter(path)):
+            if not keep(i, fr):
+                break
+    return frames
+
+
+def read_image(path: Path, max_frames: int, stride: int) -> list[np.ndarray]:
+    from PIL import ImageSequence
+
+    with pil_image().open(path) as img:
+        if getattr(img, "n_frames", 1) <= 1:
+            return [np.asarray(img.convert("RGB"))]
+        frames: list[np.ndarray] = []
+        for i, fr in enumerate(ImageSequence.Iterator(img)):
+            if i % stride == 0:
+                frames.append(np.asarray(fr.convert("RGB")))
+            if len(frames) == max_frames:
+                break
+        return frames
+
+
+def fit_frames(frames: list[np.ndarray], multiple: int, max_side: int) -> np.ndarray | None:
+    """Shrink to ``max_side`` (aspect kept) and centre-crop both sides to a multiple of
+    ``multiple``; None if a side would be smaller than ``multiple``."""
+    image = pil_image()
+    h, w = frames[0].shape[:2]
+    s = min(1.0, max_side / max(h, w))
+    nh, nw = max(1, round(h * s)), max(1, round(w * s))
+    ch, cw = nh // multiple * multiple, nw // multiple * multiple
+    if ch == 0 or cw == 0:
+        return None
+    top, left = (nh - ch) // 2, (nw - cw) // 2
+    out = np.empty((len(frames), ch, cw, 3), dtype=np.uint8)
+    for i, fr in enumerate(frames):
+        if fr.shape[:2] != (h, w):
+            raise ValueError(f"frame {i} is {fr.shape[:2]}, frame 0 is {(h, w)}")
+        if (nh, nw) != (h, w):
+            fr = np.asarray(image.fromarray(fr).resize((nw, nh), image.Resampling.BICUBIC))
+        out[i] = fr[top : top + ch, left : left + cw]
+    return out
+
+
+def sample_id_for(relpath: str) -> int:
+    """A stable 63-bit id from the file's path relative to the input root."""
+    digest = hashlib.blake2b(relpath.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)

@@ -1,0 +1,139 @@
+"""Tiny randomly initialized encoders saved like real checkpoints, for the adapter tests:
+a diffusers AutoencoderKL (Flux-style shift and scale), a Wan video VAE, a T5 encoder and
+a CLIP text model, each with a tokenizer built here (no network: a WordLevel vocabulary
+of the test captions wrapped in PreTrainedTokenizerFast). Also a folder of the sample
+images matplotlib ships, captioned by a metadata.jsonl."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+WORDS = (
+    "a the of in and with red blue fox dog jumps over lazy grace hopper navy uniform "
+    "portrait woman present pack box logo matplotlib word plot"
+).split()
+CAPTIONS = {
+    "grace_hopper.jpg": "a portrait of Grace Hopper in navy uniform",
+    "Minduka_Present_Blue_Pack.png": "a blue present pack",
+    "sub/logo2.png": "the matplotlib logo",
+}
+SIDECAR = "a red fox"  # written beside grace_hopper.jpg: metadata.jsonl must win over it
+VAE_SHIFT, VAE_SCALE = 0.1159, 0.3611  # Flux's factors
+
+
+def _word_level(specials: list[str], template: str):
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+
+    vocab = {w: i for i, w in enumerate(specials + list(WORDS))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(
+        single=template, special_tokens=[(s, vocab[s]) for s in specials if s in template]
+    )
+    return tok, vocab
+
+
+def save_vae(out: Path) -> Path:
+    """AutoencoderKL, block_out_channels (8, 16): 4 latent channels, downsample 2."""
+    import torch
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(
+        block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, sample_size=32,
+        norm_num_groups=8, layers_per_block=1, shift_factor=VAE_SHIFT, scaling_factor=VAE_SCALE,
+    )
+    vae.save_pretrained(out)
+    return out
+
+
+def save_wan(out: Path) -> Path:
+    """AutoencoderKLWan with 4 levels: downsample 8, 4 frames per latent frame, per-channel
+    latents_mean/std."""
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(
+        base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+        temperal_downsample=[False, True, True], latents_mean=[0.1, -0.2, 0.3, 0.0],
+        latents_std=[2.0, 1.5, 0.5, 1.0],
+    )
+    vae.save_pretrained(out)
+    return out
+
+
+def save_hunyuan(out: Path) -> Path:
+    """AutoencoderKLHunyuanVideo with 3 blocks: downsample 4, 4 frames per latent frame,
+    scaling_factor 0.5."""
+    import torch
+    from diffusers import AutoencoderKLHunyuanVideo
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLHunyuanVideo(
+        block_out_channels=(8, 8, 8), down_block_types=("HunyuanVideoDownBlock3D",) * 3,
+        up_block_types=("HunyuanVideoUpBlock3D",) * 3, latent_channels=4, norm_num_groups=4,
+        layers_per_block=1, spatial_compression_ratio=4, temporal_compression_ratio=4, scaling_factor=0.5,
+    )
+    vae.save_pretrained(out)
+    return out
+
+
+def save_t5(out: Path) -> Path:
+    """T5EncoderModel (d_model 16) with a tokenizer appending </s>, like T5's."""
+    import torch
+    from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
+
+    tok, vocab = _word_level(["<pad>", "</s>", "<unk>"], "$A </s>")
+    torch.manual_seed(0)
+    T5EncoderModel(
+        T5Config(vocab_size=len(vocab), d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=4,
+                 pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+    ).save_pretrained(out)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>", model_max_length=512
+    ).save_pretrained(out)
+    return out
+
+
+def save_clip(out: Path, *, projection: bool) -> Path:
+    """CLIPTextModel (hidden 12), or CLIPTextModelWithProjection (projection 10), with a
+    tokenizer adding start and end tokens, like CLIP's."""
+    import torch
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, PreTrainedTokenizerFast
+
+    specials = ["<|startoftext|>", "<|endoftext|>", "<unk>"]
+    tok, vocab = _word_level(specials, "<|startoftext|> $A <|endoftext|>")
+    config = CLIPTextConfig(
+        vocab_size=len(vocab), hidden_size=12, intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=3, projection_dim=10, max_position_embeddings=77,
+        bos_token_id=0, eos_token_id=1, pad_token_id=1,
+    )
+    torch.manual_seed(1)
+    (CLIPTextModelWithProjection if projection else CLIPTextModel)(config).save_pretrained(out)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=specials[0], eos_token=specials[1], pad_token=specials[1],
+        unk_token="<unk>", model_max_length=77,
+    ).save_pretrained(out)
+    return out
+
+
+def sample_images(out: Path) -> Path:
+    """matplotlib's sample images (128x128 RGBA, 600x512, 542x130 RGBA), one in a sub
+    folder, captioned by metadata.jsonl (file_name relative to it); a contradicting
+    sidecar .txt beside one of them."""
+    import matplotlib
+
+    src = Path(matplotlib.get_data_path()) / "sample_data"
+    for rel in CAPTIONS:
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src / Path(rel).name, out / rel)
+    (out / "metadata.jsonl").write_text(
+        "".join(json.dumps({"file_name": rel, "text": cap}) + "\n" for rel, cap in CAPTIONS.items())
+    )
+    (out / "grace_hopper.txt").write_text(SIDECAR)
+    return out
