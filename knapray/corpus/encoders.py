@@ -83,6 +83,15 @@ class PixelPatchEncoder:
         return {"channels": self.channels, "downsample": self.downsample,
                 "temporal_downsample": self.temporal_downsample, "seed": self.seed}
 
+    def decode(self, latent: np.ndarray) -> np.ndarray:
+        """(C, T, h, w) -> (T, h*downsample, w*downsample, 3) uint8: the least-squares RGB
+        of each latent cell (the mix's pseudo-inverse), repeated over its pixel block. What
+        the encoder averaged away does not come back; for previews of samples."""
+        rgb = np.einsum("rc,cthw->thwr", np.linalg.pinv(self._mix), latent.astype(np.float32))
+        d = self.downsample
+        rgb = rgb.repeat(d, axis=1).repeat(d, axis=2)
+        return np.clip((rgb + 1.0) * 127.5, 0, 255).astype(np.uint8)
+
 
 _WORD = re.compile(r"\w+|[^\w\s]")
 

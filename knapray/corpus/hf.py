@@ -241,6 +241,23 @@ class DiffusersVAE:
         """(F, H, W, 3) uint8 -> (C, T, H/downsample, W/downsample) float32."""
         return self.encode_many([pixels])[0]
 
+    def decode(self, latent: np.ndarray) -> np.ndarray:
+        """(C, T, h, w) normalized latent -> (F, h*downsample, w*downsample, 3) uint8: the
+        inverse normalization, then the VAE's decoder (an image VAE frame by frame)."""
+        torch = _import("torch")
+        z = torch.from_numpy(np.ascontiguousarray(latent, dtype=np.float32)).to(self.device)
+        with torch.inference_mode():
+            if self.temporal_downsample == 1:
+                z = z.permute(1, 0, 2, 3)  # (C, T, h, w) -> (T, C, h, w): frames as a batch
+                z = z / self.info.scaling_factor * self._std + self._shift
+                x = self._model.decode(z.to(torch_dtype(self.dtype))).sample.float()  # (T, 3, H, W)
+                x = x.permute(0, 2, 3, 1)
+            else:
+                z = z[None] / self.info.scaling_factor * self._std + self._shift  # (1, C, T, h, w)
+                x = self._model.decode(z.to(torch_dtype(self.dtype))).sample.float()[0]  # (3, F, H, W)
+                x = x.permute(1, 2, 3, 0)
+        return ((x.clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8).cpu().numpy()
+
     def encode_many(self, items: list[np.ndarray]) -> list[np.ndarray]:
         """Encode several files' frames, batching frames (or clips) of one size together."""
         torch = _import("torch")

@@ -28,6 +28,7 @@ import logging
 import os
 import pickle
 import shutil
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,7 +108,9 @@ class SafeLoadPlanner(dcp.DefaultLoadPlanner):
 
 def safe_load(state: dict, path: str, group: dist.ProcessGroup | None = None) -> None:
     """``dcp.load`` of ``path`` into ``state`` in place, with nothing unpickled unsafely."""
-    dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), process_group=group)
+    with warnings.catch_warnings():  # a single process without a process group is intended
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), process_group=group)
 
 
 # ---- the checkpointer ---------------------------------------------------------------------
@@ -168,8 +171,10 @@ class Checkpointer:
             os.makedirs(partial)
         barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, storage_writer=dcp.FileSystemWriter(partial),
-                 process_group=self.group)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save({"model": model_sd, "optimizer": optim_sd}, storage_writer=dcp.FileSystemWriter(partial),
+                     process_group=self.group)
         barrier()  # every rank's data file is written
         if self.rank == 0:
             _write_json(os.path.join(partial, TRAINER_STATE), dict(trainer, step=step))

@@ -20,6 +20,7 @@ The model section (``MMDiTConfig``) declares its rules the same way and keeps it
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import operator
 import os
@@ -390,7 +391,31 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"config file {path!r}: expected a mapping of sections, {_got(data)}")
     for item in overrides or []:
         _apply_override(data, item)
+    _dims_from_corpus(data)
     return _build(TrainConfig, data, "")
+
+
+CORPUS_DIMS = {"in_channels": "channels", "text_dim": "text_dim", "pooled_dim": "pooled_dim"}
+"""Model fields that default to the corpus's ``schema.json`` dims (what its encoders made)."""
+
+
+def _dims_from_corpus(data: dict) -> None:
+    """Fill ``model.in_channels`` / ``text_dim`` / ``pooled_dim`` the config leaves out from
+    the corpus's schema.json, when the corpus is there (the trainer checks the model
+    against the corpus either way)."""
+    data_section = data.get("data") if isinstance(data.get("data"), dict) else {}
+    corpus = data_section.get("corpus", DataConfig().corpus)
+    model = data.setdefault("model", {}) if isinstance(data.get("model", {}), dict) else None
+    if model is None or not isinstance(corpus, str) or all(k in model for k in CORPUS_DIMS):
+        return
+    try:
+        with open(os.path.join(corpus, "schema.json")) as f:
+            dims = json.load(f)["dims"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # no corpus (yet): the model keeps its defaults, and the launcher names the path
+    for field_name, dim in CORPUS_DIMS.items():
+        if field_name not in model and isinstance(dims.get(dim), int):
+            model[field_name] = dims[dim]
 
 
 def config_from_dict(data: dict) -> TrainConfig:

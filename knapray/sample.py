@@ -1,0 +1,304 @@
+"""``knapray sample``: images (and videos) from a trained run, by rectified-flow Euler steps.
+
+    knapray sample --run runs/NAME --caption "a red bicycle" --caption "a cat" \\
+        --size 512x512 --size 768x384 --steps 28 --out grid.png
+
+The model is rebuilt from the run's saved ``config.json`` and loaded from its newest
+checkpoint (``--checkpoint`` picks one), with the EMA weights when the checkpoint has
+them (``--no-ema`` for the raw ones). Captions are encoded with the text encoder the
+corpus records in its ``schema.json`` (a T5/CLIP directory, or the hash stand-in); for a
+corpus without one, ``--like SAMPLE_ID`` borrows a corpus sample's text embeddings. The
+requests, each at its own resolution, are packed into ONE varlen batch (the model's own
+packed attention), and every Euler step is one forward pass over all of them:
+
+    x_1 = noise;  x_{t - dt} = x_t - dt * v(x_t, t)      (x_t = (1-t)·x_0 + t·noise)
+
+with ``--guidance g > 1`` adding classifier-free guidance against empty text. Latents are
+decoded with the corpus's VAE when it has one, the stand-in pixel encoder's inverse, or
+(synthetic corpora) shown as their first three channels. The grid is a PNG with each
+request's caption and size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from knapray.models import MMDiT, PackedBatch, pack_samples
+from knapray.models.packing import unpatchify
+
+
+@dataclass(frozen=True)
+class Request:
+    caption: str | None
+    height: int
+    """Pixels (latent height times the corpus's VAE downsample)."""
+    width: int
+    frames: int = 1
+    like: int | None = None
+    """A corpus sample id whose text embeddings to use instead of a caption."""
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    try:
+        h, w = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--size {text!r}: expected HEIGHTxWIDTH in pixels, e.g. 512x768") from None
+    if h < 1 or w < 1:
+        raise ValueError(f"--size {text!r}: sizes must be positive")
+    return h, w
+
+
+def flow_timesteps(steps: int, shift: float = 1.0) -> list[float]:
+    """``steps + 1`` times from 1 to 0; ``shift`` > 1 spends more steps at high noise (SD3)."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if not shift > 0:
+        raise ValueError(f"shift must be > 0, got {shift}")
+    ts = np.linspace(1.0, 0.0, steps + 1)
+    return (shift * ts / (1 + (shift - 1) * ts)).tolist()
+
+
+# ---- loading a run ------------------------------------------------------------------------
+
+
+def load_run_model(run_dir: str, checkpoint: str | None = None, ema: bool = True,
+                   device: str = "cpu") -> tuple[MMDiT, Any, str, bool]:
+    """(model, TrainConfig, checkpoint path, EMA used) from a run directory."""
+    from knapray.train.checkpoint import completed_checkpoints, safe_load
+    from knapray.train.config import config_from_dict
+
+    cfg_path = os.path.join(run_dir, "config.json")
+    if not os.path.exists(cfg_path):
+        raise ValueError(f"--run {run_dir}: no config.json there; is it a knapray run directory?")
+    with open(cfg_path) as f:
+        cfg = config_from_dict(json.load(f))
+    done = completed_checkpoints(os.path.join(run_dir, "checkpoints"))
+    path = checkpoint or (done[-1] if done else None)
+    if path is None:
+        raise ValueError(f"--run {run_dir}: no complete checkpoint to sample from")
+    if not os.path.exists(os.path.join(path, ".metadata")):
+        raise ValueError(f"--checkpoint {path}: not a checkpoint directory (no .metadata)")
+    model = MMDiT(cfg.model)
+    used_ema = ema and _has_key(path, "ema.")
+    prefix = "ema" if used_ema else "model"
+    state = {prefix: {k: v for k, v in model.state_dict().items()}}
+    safe_load(state, path)
+    model.load_state_dict(state[prefix], strict=True)
+    return model.to(device).eval(), cfg, path, used_ema
+
+
+def _has_key(path: str, prefix: str) -> bool:
+    from knapray.train.checkpoint import SafeFileSystemReader
+
+    meta = SafeFileSystemReader(path).read_metadata()
+    return any(k.startswith(prefix) for k in meta.state_dict_metadata)
+
+
+# ---- conditioning and decoding from the corpus's record ---------------------------------
+
+
+def corpus_codecs(corpus: str, device: str = "cpu") -> tuple[Any, Any, dict]:
+    """(text encoder or None, latent decoder or None, schema dims) rebuilt from the
+    corpus's schema.json."""
+    from knapray.corpus import read_schema_json
+    from knapray.corpus.encoders import HashTextEncoder, PixelPatchEncoder
+
+    doc = read_schema_json(corpus)
+    records = doc.get("encoders") or {}
+    text_rec, latent_rec = records.get("text") or {}, records.get("latent") or {}
+    text = decoder = None
+    if text_rec.get("class") == "HashTextEncoder":
+        text = HashTextEncoder(dim=int(text_rec["dim"]), pooled_dim=int(text_rec["pooled_dim"]))
+    elif text_rec.get("class") == "HFTextEncoder":
+        from knapray.corpus.hf import HFTextEncoder
+
+        t, p = text_rec["text"], text_rec["pooled"]
+        text = HFTextEncoder(t["path"], text_tokenizer=t["tokenizer"],
+                             pooled=p["path"] if p["path"] != t["path"] else None,
+                             pooled_tokenizer=p["tokenizer"] if p["path"] != t["path"] else None, device=device)
+    if latent_rec.get("class") == "PixelPatchEncoder":
+        decoder = PixelPatchEncoder(channels=int(latent_rec["channels"]), downsample=int(latent_rec["downsample"]),
+                                    temporal_downsample=int(latent_rec["temporal_downsample"]),
+                                    seed=int(latent_rec["seed"]))
+    elif "path" in latent_rec:  # a diffusers VAE directory
+        from knapray.corpus.hf import DiffusersVAE
+
+        decoder = DiffusersVAE(latent_rec["path"], device=device)
+    return text, decoder, doc["dims"]
+
+
+def preview(latent: np.ndarray) -> np.ndarray:
+    """(C, T, h, w) -> (T, h, w, 3) uint8 from the first three channels, each stretched
+    to its own range: how a latent without a decoder looks."""
+    x = latent[:3] if latent.shape[0] >= 3 else np.repeat(latent[:1], 3, axis=0)
+    lo = x.min(axis=(1, 2, 3), keepdims=True)
+    hi = x.max(axis=(1, 2, 3), keepdims=True)
+    x = (x - lo) / np.maximum(hi - lo, 1e-6)
+    return (x.transpose(1, 2, 3, 0) * 255).astype(np.uint8)
+
+
+def corpus_text(corpus: str, sample_id: int, text_dim: int, pooled_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """A corpus sample's text and pooled embeddings."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from knapray.corpus import decode_row, shard_paths
+
+    for path in shard_paths(corpus):
+        table = pq.read_table(path)
+        hit = table.filter(pc.equal(table["sample_id"], sample_id))
+        if hit.num_rows:
+            row = decode_row(hit.to_pylist()[0], text_dim=text_dim, pooled_dim=pooled_dim)
+            return row["text"], row["pooled"]
+    raise ValueError(f"--like {sample_id}: no sample with that id in {corpus}")
+
+
+# ---- sampling -----------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def sample_latents(model: MMDiT, conds: list[tuple[np.ndarray, np.ndarray]], shapes: list[tuple[int, int, int]],
+                   *, steps: int, seed: int, guidance: float = 1.0, shift: float = 1.0) -> list[np.ndarray]:
+    """Euler-integrate the learned velocity from noise to data for every request at once.
+
+    ``conds``: (text (L, text_dim), pooled (pooled_dim,)) per request; ``shapes``: latent
+    (T, H, W) per request. Returns latents (C, T, H, W)."""
+    cfg = model.cfg
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(seed)
+    items = []
+    for (text, pooled), (t, h, w) in zip(conds, shapes):
+        items.append({"latent": torch.randn(cfg.in_channels, t, h, w, generator=gen),
+                      "text": torch.as_tensor(text, dtype=torch.float32),
+                      "pooled": torch.as_tensor(pooled, dtype=torch.float32), "timestep": 1.0})
+    if guidance != 1.0:  # the same requests with empty text, for classifier-free guidance
+        items += [dict(it, text=torch.zeros(0, cfg.text_dim), pooled=torch.zeros(cfg.pooled_dim)) for it in items]
+    batch = pack_samples(items, cfg).to(device)
+    n = len(conds)
+    image_rows = batch.image_seq_index  # (Ni,) request of each image token
+    x = batch.x_img.clone()
+    times = flow_timesteps(steps, shift)
+    for t_now, t_next in zip(times, times[1:]):
+        ts = torch.full((batch.num_sequences,), t_now, device=device)
+        v = model(replace(batch, x_img=x, timesteps=ts))  # (Ni, patch_dim)
+        if guidance != 1.0:
+            cond = image_rows < n
+            v_c, v_u = v[cond], v[~cond]
+            v_g = v_u + guidance * (v_c - v_u)
+            v = torch.cat((v_g, v_g))  # both halves move together
+        x = x - (t_now - t_next) * v
+    return _unpack(x[image_rows < n].cpu(), batch, n, cfg)
+
+
+def _unpack(x: torch.Tensor, batch: PackedBatch, n: int, cfg) -> list[np.ndarray]:
+    out, start = [], 0
+    for grid in batch.grids[:n]:
+        count = grid[0] * grid[1] * grid[2]
+        out.append(unpatchify(x[start : start + count], grid, cfg.patch_size, cfg.in_channels).numpy())
+        start += count
+    return out
+
+
+def save_grid(path: str, images: list[np.ndarray], titles: list[str]) -> str:
+    """One row per request (a video's frames side by side, at most 8), titled."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = min(4, len(images))
+    rows = math.ceil(len(images) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 4 * rows), squeeze=False)
+    for ax in axes.ravel():
+        ax.axis("off")
+    for ax, frames, title in zip(axes.ravel(), images, titles):
+        strip = np.concatenate(list(frames[:8]), axis=1)  # (T, H, W, 3) -> (H, T*W, 3)
+        ax.imshow(strip)
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, cfg, ckpt, used_ema = load_run_model(args.run, args.checkpoint, ema=not args.no_ema, device=device)
+    text_encoder, decoder, dims = corpus_codecs(cfg.data.corpus, device)
+    down = int(dims.get("vae_downsample", 8))
+    sizes = [parse_size(s) for s in (args.size or ["256x256"])]
+    prompts: list[tuple[str | None, int | None]] = [(c, None) for c in (args.caption or [])]
+    prompts += [(None, int(i)) for i in (args.like or [])]
+    if not prompts:
+        prompts = [(None, None)]
+    if len(sizes) not in (1, len(prompts)):
+        raise ValueError(f"give one --size for all requests or one per request ({len(prompts)}), got {len(sizes)}")
+    sizes = sizes * len(prompts) if len(sizes) == 1 else sizes
+    pt, ph, pw = cfg.model.patch_size
+    conds, shapes, titles = [], [], []
+    for (caption, like), (h, w) in zip(prompts, sizes):
+        lh, lw = h // down, w // down
+        if lh % ph or lw % pw or lh < ph or lw < pw:
+            raise ValueError(f"--size {h}x{w}: with a VAE downsample of {down} and patches of {ph}x{pw} both sides "
+                             f"must be positive multiples of {down * ph}x{down * pw} pixels")
+        if like is not None:
+            conds.append(corpus_text(cfg.data.corpus, like, cfg.model.text_dim, cfg.model.pooled_dim))
+        elif caption is not None:
+            if text_encoder is None:
+                raise ValueError(f"the corpus {cfg.data.corpus} records no text encoder knapray can rebuild; "
+                                 "use --like SAMPLE_ID to borrow a sample's text embeddings")
+            conds.append(text_encoder.encode(caption, args.max_text_tokens))
+        else:
+            conds.append((np.zeros((0, cfg.model.text_dim), np.float32), np.zeros(cfg.model.pooled_dim, np.float32)))
+        shapes.append((args.frames * pt, lh, lw))
+        titles.append(f"{caption or (f'like sample {like}' if like is not None else 'unconditional')}\n{h}x{w}")
+    latents = sample_latents(model, conds, shapes, steps=args.steps, seed=args.seed, guidance=args.guidance,
+                             shift=args.shift)
+    images = [decoder.decode(z) if decoder is not None else preview(z) for z in latents]
+    out = save_grid(args.out, images, titles)
+    return {"out": out, "checkpoint": ckpt, "ema": used_ema, "requests": len(images),
+            "shapes": [list(im.shape) for im in images], "decoder": type(decoder).__name__ if decoder else "preview"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", required=True, help="run directory (runs/NAME)")
+    p.add_argument("--checkpoint", help="checkpoint directory (default: the run's newest)")
+    p.add_argument("--no-ema", action="store_true", help="the raw weights, not the EMA ones")
+    p.add_argument("--caption", action="append", help="a caption (repeat for several images)")
+    p.add_argument("--like", action="append", metavar="SAMPLE_ID",
+                   help="use a corpus sample's text embeddings (corpora without a text encoder)")
+    p.add_argument("--size", action="append", metavar="HxW",
+                   help="pixels, one for all or one per request (default 256x256)")
+    p.add_argument("--frames", type=int, default=1, help="latent frames (videos; default 1)")
+    p.add_argument("--steps", type=int, default=28, help="Euler steps (default 28)")
+    p.add_argument("--shift", type=float, default=1.0, help="timestep shift, > 1 favours high noise (default 1)")
+    p.add_argument("--guidance", type=float, default=1.0, help="classifier-free guidance scale (default 1: off)")
+    p.add_argument("--max-text-tokens", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    p.add_argument("--out", default="samples.png", help="PNG grid to write (default samples.png)")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="knapray sample", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    report = run(args)
+    print(f"wrote {report['out']} ({report['requests']} images, {'EMA' if report['ema'] else 'raw'} weights of "
+          f"{report['checkpoint']}, decoded by {report['decoder']})")
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
