@@ -49,14 +49,14 @@ def test_resume_from_checkpoint_and_exactly_once(ray_session, corpus, tmp_path):
     from knapray.train.launch import run_training
 
     corpus_dir, all_ids = corpus
-    # First run: steps 0..2; the checkpoint after step 1 covers steps 0 and 1 only.
+    # First run: steps 0..2, checkpoints after step 1 and (the end of the run) step 2.
     first = run_training(_cfg(corpus_dir, tmp_path, max_steps=3))
     assert [r["step"] for r in first["records"]] == [0, 1, 2]
-    # Second run, same name: Ray Train resumes from that checkpoint, so it starts at step 2
-    # (step 2 is trained again) and runs the epoch out.
+    assert sorted(os.listdir(tmp_path / "resume" / "checkpoints")) == ["step-000000001", "step-000000002"]
+    # Second run, same name (run.resume=auto): it continues at step 3 and runs the epoch out.
     second = run_training(_cfg(corpus_dir, tmp_path, max_steps=0))
     steps = [r["step"] for r in second["records"]]
-    assert steps[0] == 2 and steps == list(range(2, 2 + len(steps)))
+    assert steps[0] == 3 and steps == list(range(3, 3 + len(steps)))
     for r in second["records"]:
         assert abs(sum(r["rank_work"]) - sum(r["baseline_rank_work"])) <= 1e-6 * sum(r["rank_work"])
     # The ledger: every corpus sample exactly once, the redone step counted once.
@@ -64,7 +64,9 @@ def test_resume_from_checkpoint_and_exactly_once(ray_session, corpus, tmp_path):
     counts = Counter(r["sample_id"] for r in rows)
     assert sorted(counts) == sorted(all_ids) and set(counts.values()) == {1}
     assert {r["step"] for r in rows} == set(range(0, steps[-1] + 1))
-    assert max(r["attempt"] for r in rows if r["step"] >= 2) > max(r["attempt"] for r in rows if r["step"] < 2)
+    assert max(r["attempt"] for r in rows if r["step"] >= 3) > max(r["attempt"] for r in rows if r["step"] < 3)
+    metrics = [json.loads(line)["step"] for line in open(os.path.join(tmp_path, "resume", "metrics.jsonl"))]
+    assert metrics == list(range(len(metrics)))  # no step written twice
     # Uneven shards: some ranks ran dry before others, yet the epoch ended for all together.
     dry = [r for r in second["records"] if min(r["baseline_rank_work"]) == 0]
     assert dry, "expected a step where a rank had no samples of its own"

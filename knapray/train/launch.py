@@ -114,7 +114,7 @@ def _fit(cfg: TrainConfig, *, verbose: bool) -> dict:
 
     DataContext.get_current().enable_progress_bars = False  # the training bar is enough
     run_dir = cfg.run_dir
-    coordinator = create_coordinator(coordinator_name(cfg), state_dir=os.path.join(run_dir, "ledger"),
+    coordinator = create_coordinator(coordinator_name(cfg), state_path=os.path.join(run_dir, "coordinator-state.pkl"),
                                      **coordinator_config(cfg))
     good, _ = check_shards(cfg.data.corpus)  # prepare_run quarantined the others
     ds = corpus_dataset(cfg.data.corpus, rows_per_block=cfg.samples_per_rank(cfg.run.num_workers), shards=good)
