@@ -4,12 +4,47 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad argument is one line (``knapray plan: error: ...``) and exit code 2, as every
+    other user error of the command."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+        return value
+    return parse
+
+
+def _float_in(*, ge: float | None = None, gt: float | None = None):
+    bound = f">= {ge:g}" if ge is not None else f"> {gt:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or (ge is not None and value < ge) or (gt is not None and value <= gt):
+            raise argparse.ArgumentTypeError(f"expected a finite number {bound}, got {text!r}")
+        return value
+    return parse
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--d-model", type=int, default=3072, help="model width d in the workload model (default 3072, Flux)")
-    p.add_argument("--gamma", type=float, default=0.4, help="relative cost of attention FLOPs (default 0.4)")
+    p.add_argument("--d-model", type=_int_at_least(1), default=3072, help="model width d in the workload model (default 3072, Flux)")
+    p.add_argument("--gamma", type=_float_in(ge=0), default=0.4, help="relative cost of attention FLOPs (default 0.4)")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -17,7 +52,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from knapray.planning.runner import load_lengths, mix_ranks, mix_steps, plan_run
 
     if (args.mix is None) == (args.lengths is None):
-        raise SystemExit("knapray plan: give exactly one of --mix CODES or --lengths FILE")
+        raise ValueError("give exactly one of --mix CODES or --lengths FILE")
     model = WorkloadModel(d_model=args.d_model, gamma=args.gamma)
     if args.mix is not None:
         world = args.world_size or mix_ranks(args.mix)
@@ -124,7 +159,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(result))
         return 0
-    raise SystemExit(f"unknown benchmark {args.what!r}")
+    raise ValueError(f"unknown benchmark {args.what!r}")
 
 
 def cmd_parity(args: argparse.Namespace) -> int:
@@ -208,7 +243,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             print(json.dumps({"rows": rows}))
         return 0
     if (args.mix is None) == (args.lengths is None):
-        raise SystemExit("knapray simulate: give exactly one of --mix CODES|NAME, --lengths FILE or --paper-table")
+        raise ValueError("give exactly one of --mix CODES|NAME, --lengths FILE or --paper-table")
     if args.mix is not None:
         from knapray.planning.runner import mix_ranks
 
@@ -250,17 +285,17 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="knapray", description="Workload-balanced DiT training on Ray")
+    parser = _Parser(prog="knapray", description="Workload-balanced DiT training on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="plan steps of a data mix and report balance")
     p.add_argument("--mix", help="paper data codes, e.g. 'g16b4i256f1s0,g4b5i512f1s0,...'")
     p.add_argument("--lengths", help="JSON file: list of steps, each a list of per-rank lists of lengths")
     p.add_argument("--topology", default="g8n4", help="bags, e.g. g8n4 or g1n16+g4n2+g8n1 (default g8n4)")
-    p.add_argument("--world-size", type=int, default=None, help="replicate the mix and topology to this many ranks")
-    p.add_argument("--gpus-per-node", type=int, default=None, help="lay bags out so none crosses a node")
-    p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--world-size", type=_int_at_least(1), default=None, help="replicate the mix and topology to this many ranks")
+    p.add_argument("--gpus-per-node", type=_int_at_least(1), default=None, help="lay bags out so none crosses a node")
+    p.add_argument("--steps", type=_int_at_least(1), default=50)
+    p.add_argument("--seed", type=_int_at_least(0), default=0)
     p.add_argument("--solver", default="knapray", choices=["knapray", "greedy"])
     _add_model_args(p)
     p.add_argument("--plot", help="write a PNG of per-rank work before/after")
@@ -268,40 +303,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--profile", help="--topology auto: cost model profile JSON (knapray calibrate)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="--topology auto: override a CostModel field")
-    p.add_argument("--auto-steps", type=int, default=2, help="--topology auto: steps the search scores (default 2)")
+    p.add_argument("--auto-steps", type=_int_at_least(1), default=2, help="--topology auto: steps the search scores (default 2)")
     p.set_defaults(func=cmd_plan)
 
     q = sub.add_parser("parity", help="balanced vs unbalanced vs single-process reference (gloo)")
-    q.add_argument("--world-size", type=int, default=4)
+    q.add_argument("--world-size", type=_int_at_least(1), default=4)
     q.add_argument("--topology", default="g1n2+g2n1")
     q.add_argument("--mix", default="g1b3i256f1s0,g1b1i512f1s0,g1b2i128f2s0,g1b1i128f1s0",
                    help="data codes; the mix's ranks must divide --world-size")
-    q.add_argument("--scale", type=int, default=4, help="divide resolutions and text lengths (CPU size)")
-    q.add_argument("--max-text-tokens", type=int, default=392)
-    q.add_argument("--heads", type=int, default=4, help="attention heads (every bag size must divide it)")
-    q.add_argument("--seed", type=int, default=0)
-    q.add_argument("--tol", type=float, default=1e-5)
+    q.add_argument("--scale", type=_int_at_least(1), default=4, help="divide resolutions and text lengths (CPU size)")
+    q.add_argument("--max-text-tokens", type=_int_at_least(0), default=392)
+    q.add_argument("--heads", type=_int_at_least(1), default=4, help="attention heads (every bag size must divide it)")
+    q.add_argument("--seed", type=_int_at_least(0), default=0)
+    q.add_argument("--tol", type=_float_in(gt=0), default=1e-5)
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_parity)
 
     b = sub.add_parser("bench", help="benchmarks (ratios measured side by side)")
     b.add_argument("what", choices=["planner", "step"])
-    b.add_argument("--steps", type=int, default=None, help="steps (default: planner 20, step 6 incl. warm-up)")
-    b.add_argument("--steps-1024", type=int, default=5)
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--steps", type=_int_at_least(1), default=None, help="steps (default: planner 20, step 6 incl. warm-up)")
+    b.add_argument("--steps-1024", type=_int_at_least(1), default=5)
+    b.add_argument("--seed", type=_int_at_least(0), default=0)
     b.add_argument("--json", action="store_true")
     st = b.add_argument_group("step benchmark (gloo processes on this machine)")
-    st.add_argument("--world-size", type=int, default=4, help="gloo processes (default 4)")
-    st.add_argument("--warmup", type=int, default=1, help="leading steps left out of the averages (default 1)")
+    st.add_argument("--world-size", type=_int_at_least(1), default=4, help="gloo processes (default 4)")
+    st.add_argument("--warmup", type=_int_at_least(0), default=1, help="leading steps left out of the averages (default 1)")
     st.add_argument("--mix", default="g1b2i512f34s1,g3b4i256f1s0",
                     help="data codes; skewed by default: rank 0 holds two videos, the others small images")
-    st.add_argument("--scale", type=int, default=4, help="divide resolutions and text lengths (default 4)")
+    st.add_argument("--scale", type=_int_at_least(1), default=4, help="divide resolutions and text lengths (default 4)")
     st.add_argument("--topology", default="g2n2", help="bags of the balanced run (default g2n2)")
-    st.add_argument("--max-text-tokens", type=int, default=392)
-    st.add_argument("--hidden", type=int, default=192, help="model width (default 192)")
-    st.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
-    st.add_argument("--depth", type=int, default=2, help="double- and single-stream blocks, each (default 2)")
-    st.add_argument("--gamma", type=float, default=None,
+    st.add_argument("--max-text-tokens", type=_int_at_least(0), default=392)
+    st.add_argument("--hidden", type=_int_at_least(1), default=192, help="model width (default 192)")
+    st.add_argument("--heads", type=_int_at_least(1), default=4, help="attention heads (default 4)")
+    st.add_argument("--depth", type=_int_at_least(0), default=2, help="double- and single-stream blocks, each (default 2)")
+    st.add_argument("--gamma", type=_float_in(ge=0), default=None,
                     help="attention cost weight of the workload model (default: fitted for CPU, 0.85)")
     st.add_argument("--plot", help="write a PNG of per-rank compute time, balanced vs unbalanced")
     b.set_defaults(func=cmd_bench)
@@ -310,13 +345,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--mix", help="paper mix name (low-res, mixed-res, image+video) or data codes")
     m.add_argument("--lengths", help="JSON file: list of steps, each a list of per-rank lists of lengths")
     m.add_argument("--topology", default="auto", help="bags, e.g. g8n4, or 'auto' (default)")
-    m.add_argument("--world", type=int, default=None, help="ranks (a multiple of the mix's ranks; default the mix's)")
-    m.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the cost model's, 8)")
+    m.add_argument("--world", type=_int_at_least(1), default=None, help="ranks (a multiple of the mix's ranks; default the mix's)")
+    m.add_argument("--gpus-per-node", type=_int_at_least(1), default=None, help="GPUs per node (default: the cost model's, 8)")
     m.add_argument("--profile", help="cost model profile JSON (knapray calibrate), default: 8xH100 constants")
     m.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a CostModel field, e.g. inter_node_bw=25e9")
     m.add_argument("--rank-speed", action="append", metavar="RANK=SPEED", help="a rank's speed factor, e.g. 5=0.5")
-    m.add_argument("--steps", type=int, default=3, help="steps to simulate (default 3)")
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--steps", type=_int_at_least(1), default=3, help="steps to simulate (default 3)")
+    m.add_argument("--seed", type=_int_at_least(0), default=0)
     m.add_argument("--paper-table", action="store_true", help="auto vs best greedy on the paper mixes at 32 and 1024 GPUs")
     m.add_argument("--markdown", help="--paper-table: also write the table to this file")
     m.add_argument("--plot", help="write a PNG of predicted per-rank time")
@@ -324,17 +359,17 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=cmd_simulate)
 
     c = sub.add_parser("calibrate", help="time the model's blocks on this device, fit the cost model, write a profile")
-    c.add_argument("--hidden", type=int, default=128, help="model width (default 128: CPU size)")
-    c.add_argument("--heads", type=int, default=4)
-    c.add_argument("--depth-double", type=int, default=1)
-    c.add_argument("--depth-single", type=int, default=1)
+    c.add_argument("--hidden", type=_int_at_least(1), default=128, help="model width (default 128: CPU size)")
+    c.add_argument("--heads", type=_int_at_least(1), default=4)
+    c.add_argument("--depth-double", type=_int_at_least(0), default=1)
+    c.add_argument("--depth-single", type=_int_at_least(0), default=1)
     c.add_argument("--lengths", help="comma-separated sequence lengths (default: 64..2048 on CPU, 512..32768 on GPU)")
-    c.add_argument("--repeats", type=int, default=3, help="timed runs per length; the fastest counts (default 3)")
+    c.add_argument("--repeats", type=_int_at_least(1), default=3, help="timed runs per length; the fastest counts (default 3)")
     c.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     c.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bfloat16 on GPU, float32 on CPU)")
     c.add_argument("--recompute", action="store_true", help="add a forward pass per step (activation checkpointing)")
     c.add_argument("--out", default="profile.json", help="profile JSON to write (default profile.json)")
-    c.add_argument("--max-mape", type=float, default=0.05, help="exit 1 if the fit's mean abs. %% error exceeds this")
+    c.add_argument("--max-mape", type=_float_in(gt=0), default=0.05, help="exit 1 if the fit's mean abs. %% error exceeds this")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_calibrate)
     return parser
@@ -344,8 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as e:
-        print(f"knapray {args.command}: error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:  # bad input or an unreadable file: one line, exit 2
+        what = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename else str(e)
+        print(f"knapray {args.command}: error: {what}", file=sys.stderr)
         return 2
 
 

@@ -30,13 +30,21 @@ def mix_ranks(mix: str) -> int:
 
 def load_lengths(path: str) -> list[list[list[int]]]:
     """A JSON file holding a list of steps, each a list of per-rank lists of lengths."""
-    with open(path) as f:
-        data = json.load(f)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
     if not isinstance(data, list) or not data or not all(isinstance(s, list) for s in data):
         raise ValueError(
             f"{path}: expected a JSON list of steps, each a list of per-rank lists of lengths, "
             "e.g. [[[300, 1200], [4096]], ...]"
         )
+    if not all(isinstance(r, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in r)
+               for s in data for r in s):
+        raise ValueError(f"{path}: every length must be an integer >= 1, in per-rank lists")
     sizes = {len(s) for s in data}
     if len(sizes) != 1:
         raise ValueError(f"{path}: every step must list the same number of ranks, got {sorted(sizes)}")
