@@ -1,110 +1,14 @@
-"""Entry point for `ray job submit -- python jobs/train.py --config ...` and for `make run`.
-
-Connects to the Ray cluster it was submitted to (RAY_ADDRESS is set by `ray job submit`),
-or starts an embedded local Ray when run directly. With --compare-unbalanced it trains
-the same steps a second time without balancing and prints the two side by side.
-"""
+"""Entry point for `ray job submit -- python jobs/train.py --config ...` and for `make run`
+(the same as `knapray train`; see knapray/train/job.py)."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from knapray.train.config import ConfigError, load_config  # noqa: E402
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="knapray training job")
-    p.add_argument("--config", required=True, help="YAML config (see jobs/configs/)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set run.num_workers=8")
-    p.add_argument("--address", default=None,
-                   help="Ray address (default: $RAY_ADDRESS if set, else an embedded local Ray)")
-    p.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of the embedded local Ray")
-    p.add_argument("--compare-unbalanced", action="store_true",
-                   help="also train the same steps without balancing and compare")
-    args = p.parse_args(argv)
-    from knapray.train.guard import BadCorpus
-    from knapray.train.run_files import RunError, check_corpus, resolve_paths
-
-    try:
-        # Every input is checked here, before Ray or any worker starts.
-        cfg = resolve_paths(load_config(args.config, args.set))
-        check_corpus(cfg)
-    except (ConfigError, RunError) as e:  # one line that names the value; a traceback adds nothing
-        print(f"knapray train: error: {e}", file=sys.stderr)
-        return 2
-
-    import ray
-
-    from knapray.train.launch import run_training
-
-    address = args.address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, log_to_driver=True)
-    else:
-        os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
-        # Workers' logs stay in Ray's session logs; the driver shows a progress bar.
-        ray.init(num_cpus=args.num_cpus or max(4, int(cfg.run.num_workers * cfg.run.cpus_per_worker) + 2),
-                 include_dashboard=False, log_to_driver=False)
-    t0 = time.perf_counter()
-    try:
-        balanced = run_training(cfg)
-    except (RunError, BadCorpus) as e:
-        print(f"knapray train: error: {e}", file=sys.stderr)
-        return 2
-    s = balanced["run"]["summary"]
-    print(f"\n[knapray] balanced run: {s['steps']} steps on {balanced.get('world_size')} workers, "
-          f"topology {balanced.get('topology')}, {time.perf_counter() - t0:.0f} s; "
-          f"{_quarantine_line(balanced['run'])}")
-    if not s["steps"]:
-        print(f"[knapray] nothing trained: the run was already at run.max_steps or past its last epoch "
-              f"({cfg.run_dir})")
-        return 0
-    rows = [("balanced", s)]
-    if args.compare_unbalanced:
-        from dataclasses import replace
-
-        base_cfg = replace(cfg, balance=replace(cfg.balance, enabled=False),
-                           run=replace(cfg.run, name=cfg.run.name + "-unbalanced"))
-        unbalanced = run_training(base_cfg)
-        rows.append(("unbalanced", unbalanced["run"]["summary"]))
-    print(f"\n{'run':<11} {'steps':>5} {'loss first->last':>17} {'planned imbalance':>18} "
-          f"{'compute max/mean':>16} {'tokens/s':>9} {'plan wait':>9}")
-    for name, r in rows:
-        print(f"{name:<11} {r['steps']:>5} {r['loss_first']:>8.4f}->{r['loss_last']:<8.4f} "
-              f"{r['imbalance_planned_after']:>18.3f} {r['compute_max_over_mean']:>16.2f} "
-              f"{r['tokens_per_s']:>9.0f} {r['wait_plan_frac']:>8.1%}")
-    if len(rows) == 2:
-        b, u = rows[0][1], rows[1][1]
-        lb = [r["loss"] for r in balanced.get("records", [])]
-        lu = [r["loss"] for r in unbalanced.get("records", [])]
-        if lb and len(lb) == len(lu):
-            diff = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(lb, lu))
-            print(f"same function: per-step losses of the two runs differ by at most {diff:.1e} (relative)")
-        print(f"balanced vs unbalanced: compute max/mean {u['compute_max_over_mean']:.2f} -> "
-              f"{b['compute_max_over_mean']:.2f} (x{u['compute_max_over_mean'] / b['compute_max_over_mean']:.2f}), "
-              f"planned imbalance {b['imbalance_planned_before']:.2f} -> {b['imbalance_planned_after']:.3f}, "
-              f"tokens/s x{b['tokens_per_s'] / u['tokens_per_s']:.2f} (wall clock; on a CPU box the "
-              "workers share cores, so compute max/mean is the number that transfers to GPUs)")
-    print(f"run directory: {cfg.run_dir} (metrics.jsonl, summary.json, ledger.jsonl, rank_work.png)")
-    with open(os.path.join(cfg.run_dir, "comparison.json"), "w") as f:
-        json.dump(dict(rows), f, indent=1)
-    return 0
-
-
-def _quarantine_line(run: dict) -> str:
-    n = run["quarantined_samples"] + run["quarantined_shards"]
-    if not n:
-        return "nothing quarantined"
-    return (f"quarantined: {run['quarantined_samples']} sample(s), {run['quarantined_shards']} shard(s) "
-            f"({run['quarantined_shard_rows']} rows); see quarantine.jsonl")
-
+from knapray.train.job import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

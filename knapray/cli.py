@@ -284,9 +284,62 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0 if profile["fit"]["mape"] <= args.max_mape else 1
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from knapray.train.job import run
+
+    return run(args)
+
+
+def cmd_ingest(args: argparse.Namespace) -> int:
+    from knapray.corpus.ingest import run
+
+    try:
+        return run(args)
+    except (TypeError, ImportError) as e:  # a factory that does not fit, a missing extra
+        raise ValueError(str(e)) from None
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    from knapray.sample import run
+
+    report = run(args)
+    print(f"wrote {report['out']} ({report['requests']} images, {'EMA' if report['ema'] else 'raw'} weights of "
+          f"{report['checkpoint']}, decoded by {report['decoder']})")
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("knapray")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from knapray.corpus.ingest import DESCRIPTION as INGEST_DESCRIPTION
+    from knapray.corpus.ingest import add_arguments as ingest_arguments
+    from knapray.sample import add_arguments as sample_arguments
+    from knapray.train.job import add_arguments as train_arguments
+
     parser = _Parser(prog="knapray", description="Workload-balanced DiT training on Ray")
+    parser.add_argument("--version", action="version", version=f"knapray {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train on Ray (embedded local Ray, or --address for a cluster)")
+    train_arguments(t)
+    t.set_defaults(func=cmd_train)
+
+    i = sub.add_parser("ingest", help="encode a folder of images/videos into a corpus", description=INGEST_DESCRIPTION)
+    ingest_arguments(i)
+    i.set_defaults(func=cmd_ingest)
+
+    s = sub.add_parser("sample", help="sample images from a trained run's checkpoint (PNG grid)")
+    sample_arguments(s)
+    s.set_defaults(func=cmd_sample)
 
     p = sub.add_parser("plan", help="plan steps of a data mix and report balance")
     p.add_argument("--mix", help="paper data codes, e.g. 'g16b4i256f1s0,g4b5i512f1s0,...'")

@@ -29,10 +29,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
-import torch
 
-from knapray.models import MMDiT, PackedBatch, pack_samples
-from knapray.models.packing import unpatchify
+# torch and the model load in the functions that need them: `knapray --help` and the
+# planning commands parse this module's arguments without paying for torch.
 
 
 @dataclass(frozen=True)
@@ -70,8 +69,9 @@ def flow_timesteps(steps: int, shift: float = 1.0) -> list[float]:
 
 
 def load_run_model(run_dir: str, checkpoint: str | None = None, ema: bool = True,
-                   device: str = "cpu") -> tuple[MMDiT, Any, str, bool]:
-    """(model, TrainConfig, checkpoint path, EMA used) from a run directory."""
+                   device: str = "cpu") -> tuple[Any, Any, str, bool]:
+    """(MMDiT, TrainConfig, checkpoint path, EMA used) from a run directory."""
+    from knapray.models import MMDiT
     from knapray.train.checkpoint import completed_checkpoints, safe_load
     from knapray.train.config import config_from_dict
 
@@ -164,13 +164,24 @@ def corpus_text(corpus: str, sample_id: int, text_dim: int, pooled_dim: int) -> 
 # ---- sampling -----------------------------------------------------------------------------
 
 
-@torch.no_grad()
-def sample_latents(model: MMDiT, conds: list[tuple[np.ndarray, np.ndarray]], shapes: list[tuple[int, int, int]],
+def sample_latents(model, conds: list[tuple[np.ndarray, np.ndarray]], shapes: list[tuple[int, int, int]],
                    *, steps: int, seed: int, guidance: float = 1.0, shift: float = 1.0) -> list[np.ndarray]:
-    """Euler-integrate the learned velocity from noise to data for every request at once.
+    """Euler-integrate the learned velocity of ``model`` (an MMDiT) from noise to data for
+    every request at once.
 
     ``conds``: (text (L, text_dim), pooled (pooled_dim,)) per request; ``shapes``: latent
     (T, H, W) per request. Returns latents (C, T, H, W)."""
+    import torch
+
+    with torch.no_grad():
+        return _integrate(model, conds, shapes, steps=steps, seed=seed, guidance=guidance, shift=shift)
+
+
+def _integrate(model, conds, shapes, *, steps: int, seed: int, guidance: float, shift: float) -> list[np.ndarray]:
+    import torch
+
+    from knapray.models import pack_samples
+
     cfg = model.cfg
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
@@ -198,7 +209,10 @@ def sample_latents(model: MMDiT, conds: list[tuple[np.ndarray, np.ndarray]], sha
     return _unpack(x[image_rows < n].cpu(), batch, n, cfg)
 
 
-def _unpack(x: torch.Tensor, batch: PackedBatch, n: int, cfg) -> list[np.ndarray]:
+def _unpack(x, batch, n: int, cfg) -> list[np.ndarray]:
+    """The first ``n`` requests' image tokens (Ni, P) -> latents (C, T, H, W)."""
+    from knapray.models.packing import unpatchify
+
     out, start = [], 0
     for grid in batch.grids[:n]:
         count = grid[0] * grid[1] * grid[2]
@@ -230,6 +244,8 @@ def save_grid(path: str, images: list[np.ndarray], titles: list[str]) -> str:
 
 
 def run(args: argparse.Namespace) -> dict:
+    import torch
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, cfg, ckpt, used_ema = load_run_model(args.run, args.checkpoint, ema=not args.no_ema, device=device)
     text_encoder, decoder, dims = corpus_codecs(cfg.data.corpus, device)

@@ -48,3 +48,14 @@ def test_bad_json_names_the_file_and_the_place(tmp_path, capsys):
     bad.write_text('[[[1, "x"]]]')
     code, err = _run(["plan", "--lengths", str(bad)], capsys)
     assert code == 2 and "integer >= 1" in err[0]
+
+
+def test_front_door_subcommands_and_version(capsys):
+    for argv in (["train", "--help"], ["ingest", "--help"], ["sample", "--help"], ["--version"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--compare-unbalanced" in out and "--vae" in out and "--caption" in out and "knapray 0." in out
+    code, err = _run(["train", "--config", "/nonexistent.yaml"], capsys)
+    assert code == 2 and len(err) == 1 and "nonexistent.yaml" in err[0]

@@ -299,14 +299,21 @@ def ingest(
                         seconds=time.perf_counter() - started)
 
 
+DESCRIPTION = (
+    "Encode a folder of images (and videos, if a decoder is installed) into "
+    "a knapray corpus: parquet shards + schema.json. Latents from a diffusers VAE (--vae), "
+    "text from T5/CLIP (--text-encoder, --pooled-encoder), all from local directories; "
+    "without them, weightless stand-ins. Captions from metadata.jsonl, else sidecar .txt."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="ingest_images",
-        description="Encode a folder of images (and videos, if a decoder is installed) into "
-        "a knapray corpus: parquet shards + schema.json. Latents from a diffusers VAE (--vae), "
-        "text from T5/CLIP (--text-encoder, --pooled-encoder), all from local directories; "
-        "without them, weightless stand-ins. Captions from metadata.jsonl, else sidecar .txt.",
-    )
+    p = argparse.ArgumentParser(prog="ingest_images", description=DESCRIPTION)
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", required=True, type=Path, help="folder searched recursively")
     p.add_argument("--out", required=True, type=Path, help="output directory (new or empty)")
     g = p.add_argument_group("encoders (local directories; pip install 'knapray[encoders]')")
@@ -348,29 +355,33 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-text-tokens", type=int, default=MAX_TEXT_TOKENS, help="caption token limit")
     d.add_argument("--shards", type=int, default=1, help="target number of parquet files")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        cfg = IngestConfig(
-            max_side=args.max_side, max_frames=args.max_frames, frame_stride=args.frame_stride,
-            max_text_tokens=args.max_text_tokens, shards=args.shards, caption_column=args.caption_column,
-            batch_size=args.batch_size, workers=args.workers, cpus_per_worker=args.cpus_per_worker,
-        )
-        spec = EncoderSpec(
-            vae=args.vae, text_encoder=args.text_encoder, text_tokenizer=args.text_tokenizer,
-            pooled_encoder=args.pooled_encoder, pooled_tokenizer=args.pooled_tokenizer,
-            device=args.device, dtype=args.dtype, vae_batch=args.vae_batch, text_batch=args.text_batch,
-            encoder_factory=args.encoder_factory, text_encoder_factory=args.text_encoder_factory,
-            channels=args.channels, downsample=args.downsample, seed=args.seed,
-            text_dim=args.text_dim, pooled_dim=args.pooled_dim,
-        )
-        report = ingest(args.input, args.out, cfg, encoders=spec, progress=not args.quiet)
+        return run(args)
     except (ValueError, TypeError, FileNotFoundError, FileExistsError, ImportError) as e:
         parser.error(str(e))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Ingest as the parsed arguments say; bad input raises (ValueError, FileExistsError, ...)."""
+    cfg = IngestConfig(
+        max_side=args.max_side, max_frames=args.max_frames, frame_stride=args.frame_stride,
+        max_text_tokens=args.max_text_tokens, shards=args.shards, caption_column=args.caption_column,
+        batch_size=args.batch_size, workers=args.workers, cpus_per_worker=args.cpus_per_worker,
+    )
+    spec = EncoderSpec(
+        vae=args.vae, text_encoder=args.text_encoder, text_tokenizer=args.text_tokenizer,
+        pooled_encoder=args.pooled_encoder, pooled_tokenizer=args.pooled_tokenizer,
+        device=args.device, dtype=args.dtype, vae_batch=args.vae_batch, text_batch=args.text_batch,
+        encoder_factory=args.encoder_factory, text_encoder_factory=args.text_encoder_factory,
+        channels=args.channels, downsample=args.downsample, seed=args.seed,
+        text_dim=args.text_dim, pooled_dim=args.pooled_dim,
+    )
+    report = ingest(args.input, args.out, cfg, encoders=spec, progress=not args.quiet)
     print(
         f"{report.written} samples in {report.seconds:.1f} s, skipped {report.skipped or 'none'} "
         f"-> {report.schema_path}"
