@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -52,13 +53,19 @@ def run(args: argparse.Namespace) -> int:
     from knapray.train.launch import run_training
 
     address = args.address or os.environ.get("RAY_ADDRESS")
+    # Ray's own INFO/WARNING lines stay in its session logs; the console shows knapray's
+    # lines and the progress bar. Workers' output stays in their log files too.
+    quiet = {"logging_level": logging.ERROR, "log_to_driver": False}
     if address:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, **quiet)
     else:
         os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
-        # Workers' logs stay in Ray's session logs; the driver shows a progress bar.
         ray.init(num_cpus=args.num_cpus or max(4, int(cfg.run.num_workers * cfg.run.cpus_per_worker) + 2),
-                 include_dashboard=False, log_to_driver=False)
+                 include_dashboard=False, **quiet)
+    for name in ("ray", "ray.train", "ray.data"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    print(f"[knapray] Ray {'at ' + address if address else 'embedded'}: {ray.cluster_resources().get('CPU', 0):g} CPUs, "
+          f"{ray.cluster_resources().get('GPU', 0):g} GPUs; Ray's and the workers' logs: {_ray_logs_dir()}", flush=True)
     t0 = time.perf_counter()
     try:
         balanced = run_training(cfg)
@@ -103,6 +110,15 @@ def run(args: argparse.Namespace) -> int:
     with open(os.path.join(cfg.run_dir, "comparison.json"), "w") as f:
         json.dump(dict(rows), f, indent=1)
     return 0
+
+
+def _ray_logs_dir() -> str:
+    try:  # not public API; only for the hint
+        from ray._private.worker import _global_node
+
+        return _global_node.get_logs_dir_path()
+    except Exception:  # noqa: BLE001
+        return "the Ray session's logs directory (/tmp/ray/session_latest/logs by default)"
 
 
 def _quarantine_line(run: dict) -> str:
