@@ -21,6 +21,10 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
 
 
+def _probe() -> torch.Tensor:
+    return torch.randn(2, 4, generator=torch.Generator().manual_seed(7))
+
+
 def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
     x = torch.randn(6, 4, generator=torch.Generator().manual_seed(100 + step))
     model(x).pow(2).mean().backward()
@@ -173,8 +177,12 @@ def _fsdp_ema(rank: int, world_size: int, ckpt: str) -> dict:
         return {n: t.detach().full_tensor().numpy() for n, t in tensors}
 
     full = gathered(ema.shadow.items())
-    with ema.swap_into(model):
+    with ema.swap_into(model), torch.no_grad():
         swapped = gathered(model.named_parameters())
+        sampled = model(_probe()).numpy()  # FSDP2 all-gathers the swapped-in shards
+    with torch.no_grad():
+        own_output = model(_probe()).numpy()  # runs the model's own weights again
+    model.reshard()  # the root keeps its all-gathered weights after a forward without backward
     after = gathered(model.named_parameters())
 
     model2, opt2, ema2 = build()
@@ -188,7 +196,8 @@ def _fsdp_ema(rank: int, world_size: int, ckpt: str) -> dict:
         _train_step(model2, opt2, step)
         ema2.update(model2)
     resumed = gathered(ema2.shadow.items())
-    return {"ema": full, "swapped": swapped, "after": after, "resumed": resumed, "updates": ema2.num_updates}
+    return {"ema": full, "swapped": swapped, "after": after, "resumed": resumed, "updates": ema2.num_updates,
+            "sampled": sampled, "own_output": own_output}
 
 
 @pytest.mark.dist
@@ -200,8 +209,12 @@ def test_fsdp2_shards_match_single_process(tmp_path) -> None:
     for step in range(4):
         _train_step(model, opt, step)
         ema.update(model)
+    reference = _model()
+    reference.load_state_dict(ema.shadow)
     for out in results:
         assert out["updates"] == 4
+        torch.testing.assert_close(torch.from_numpy(out["sampled"]), reference(_probe()).detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.from_numpy(out["own_output"]), model(_probe()).detach(), rtol=1e-5, atol=1e-6)
         got = {k: {n: torch.from_numpy(a) for n, a in out[k].items()} for k in ("ema", "swapped", "after", "resumed")}
         for n, p in model.named_parameters():
             torch.testing.assert_close(got["ema"][n], ema.shadow[n], rtol=1e-5, atol=1e-6)

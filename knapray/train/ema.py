@@ -11,6 +11,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from knapray.train.config import OptimConfig
 
@@ -39,7 +40,9 @@ class EMA:
         return min(self.decay, (1 + n) / (10 + n)) if self.warmup else self.decay
 
     def _params(self, model: torch.nn.Module) -> list[torch.Tensor]:
-        """The model's parameters in the shadow's order; raises if the names differ."""
+        """The model's parameters in the shadow's order (FSDP2: its sharded ones); raises if
+        the names differ."""
+        _reshard(model)
         params = dict(model.named_parameters())
         if params.keys() != self.shadow.keys():
             missing, extra = sorted(self.shadow.keys() - params.keys()), sorted(params.keys() - self.shadow.keys())
@@ -76,7 +79,11 @@ class EMA:
     @contextlib.contextmanager
     def swap_into(self, model: torch.nn.Module) -> Iterator[torch.nn.Module]:
         """Run ``model`` with the EMA weights inside the block (e.g. to sample); its own
-        weights are back on exit, also on an error. Holds one extra copy of the weights."""
+        weights are back on exit, also on an error. Holds one extra copy of the weights.
+
+        Under FSDP2 the weights are written into the shards, and the model is resharded on
+        entry and on exit: the root module keeps its all-gathered weights after a forward
+        without backward, and the next forward would run on those stale copies."""
         params = self._params(model)
         with torch.no_grad():
             saved = [p.detach().clone() for p in params]
@@ -85,9 +92,18 @@ class EMA:
         try:
             yield model
         finally:
+            _reshard(model)
             with torch.no_grad():
                 for p, own in zip(params, saved):
                     p.copy_(own)
+
+
+def _reshard(model: torch.nn.Module) -> None:
+    """Register every FSDP2 module's sharded parameters again (frees all-gathered ones); a
+    no-op for a model without FSDP2."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def build_ema(model: torch.nn.Module, cfg: OptimConfig) -> EMA | None:
