@@ -29,6 +29,7 @@ class EMA:
             raise ValueError(f"EMA decay must be in (0, 1), got {decay!r} (0 means no EMA: build none)")
         self.decay, self.warmup = decay, warmup
         self.num_updates = 0
+        _reshard(model)  # shadow the shards even if a forward without backward left them gathered
         with torch.no_grad():
             self.shadow: dict[str, torch.Tensor] = {
                 name: p.detach().clone().float() for name, p in model.named_parameters()
