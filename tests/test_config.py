@@ -257,11 +257,12 @@ def test_unknown_keys_are_rejected_with_the_valid_ones(tmp_path) -> None:
     path.write_text("optim:\n  lrr: 0.1\n")
     assert _error(path=str(path)) == (
         "config optim: unknown key(s) ['lrr']; valid keys: "
-        "['lr', 'weight_decay', 'betas', 'grad_clip', 'warmup_steps']"
+        "['lr', 'weight_decay', 'betas', 'grad_clip', 'warmup_steps', 'schedule', 'decay_steps', 'min_lr_ratio', "
+        "'grad_accum_steps', 'ema_decay', 'ema_warmup']"
     )
     path.write_text("optimizer:\n  lr: 0.1\n")
     assert _error(path=str(path)) == (
-        "config: unknown key(s) ['optimizer']; valid keys: ['model', 'data', 'balance', 'optim', 'run']"
+        "config: unknown key(s) ['optimizer']; valid keys: ['model', 'data', 'balance', 'optim', 'flow', 'run']"
     )
     message = _error("model.hiden_size=8")
     assert message.startswith("config model: unknown key(s) ['hiden_size']; valid keys: [")
@@ -276,7 +277,7 @@ def test_unknown_keys_are_rejected_with_the_valid_ones(tmp_path) -> None:
         ("optim..lr=3", "expected section.key=value"),
         ("optim.lr.x=1", "optim.lr is a value (a number), not a section"),
         ("run.name.x=1", "run.name is a value (a string), not a section"),
-        ("optimizer.lr=1", "unknown key 'optimizer'; valid keys here: ['model', 'data', 'balance', 'optim', 'run']"),
+        ("optimizer.lr=1", "unknown key 'optimizer'; valid keys here: ['model', 'data', 'balance', 'optim', 'flow', 'run']"),
         ("run.x.y=1", "unknown key 'run.x'; valid keys here: ['name', "),
     ],
 )

@@ -33,6 +33,8 @@ import yaml
 
 from knapray.coordinator import _parse_rule
 from knapray.models import MMDiTConfig
+from knapray.models.flow import TIMESTEP_KINDS
+from knapray.models.timesteps import TimestepDistribution
 from knapray.planning import SOLVERS
 
 
@@ -49,6 +51,11 @@ def _directory_name(name: Any) -> None:
         raise ValueError(
             f"expected a non-empty string usable as one directory name (no '/', not '.' or '..'), {_got(name)}"
         )
+
+
+def _finite(value: Any) -> None:
+    if isinstance(value, float) and not math.isfinite(value):  # other non-numbers: the type check
+        raise ValueError(f"expected a finite number, {_got(value)}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -107,6 +114,46 @@ class OptimConfig:
     grad_clip: float = field(default=1.0, metadata={"ge": 0})
     """Clip the global gradient norm (0 disables)."""
     warmup_steps: int = field(default=0, metadata={"ge": 0})
+    """Optimizer steps of linear warm-up: step s < warmup_steps trains at lr·(s+1)/(warmup_steps+1)."""
+    schedule: str = field(default="constant", metadata={"choices": ("constant", "cosine")})
+    """The learning rate after warm-up: ``constant`` (lr), or ``cosine``: from lr down to
+    ``min_lr_ratio``·lr at step ``decay_steps``, then held there."""
+    decay_steps: int = field(default=0, metadata={"ge": 0})
+    """Where the cosine ends; 0: ``run.max_steps``. With both 0 (a run that runs its epochs
+    out has no known length) ``cosine`` is refused when the schedule is built; it must be
+    > ``warmup_steps``. Unused by ``constant``."""
+    min_lr_ratio: float = field(default=0.0, metadata={"ge": 0, "le": 1})
+    """The cosine's final learning rate as a fraction of lr."""
+    grad_accum_steps: int = field(default=1, metadata={"ge": 1})
+    """Micro-batches per optimizer step; the loss is normalized over the image tokens of
+    the whole group, so the step equals one step on all its micro-batches at once."""
+    ema_decay: float = field(default=0.0, metadata={"ge": 0, "lt": 1})
+    """EMA of the weights, updated after every optimizer step (0: none; e.g. 0.9999). Its
+    fp32 copy is checkpointed under ``ema.`` and ``knapray sample`` uses it."""
+    ema_warmup: bool = True
+    """Warm the EMA's decay up: update n (from 0) uses min(ema_decay, (1+n)/(10+n)), so the
+    average follows the fast-moving early weights instead of keeping the initial ones."""
+
+
+@dataclass(kw_only=True, slots=True)
+class FlowConfig:
+    timesteps: str = field(default="logit_normal", metadata={"choices": TIMESTEP_KINDS})
+    """How training draws each sample's timestep t in (0, 1) (t = 1 is pure noise):
+    ``logit_normal``: sigmoid(N(timestep_mean, timestep_std)) (SD3), ``uniform``: U(0, 1)."""
+    timestep_mean: float = field(default=0.0, metadata={"check": _finite})
+    """Mean of the logit-normal's normal (> 0 favors noisier t)."""
+    timestep_std: float = field(default=1.0, metadata={"gt": 0})
+    """Standard deviation of the logit-normal's normal."""
+    timestep_shift: float = field(default=1.0, metadata={"gt": 0})
+    """SD3's resolution shift, applied after drawing: t -> s·t / (1 + (s-1)·t); s > 1 moves
+    t toward noise (SD3 uses 3 at 1024²); 1 leaves t as drawn. ``knapray sample --shift``
+    is its counterpart at sampling time."""
+
+    def distribution(self) -> TimestepDistribution:
+        """The distribution these fields describe (what ``build_packed_batch`` draws from)."""
+        return TimestepDistribution(
+            kind=self.timesteps, mean=self.timestep_mean, std=self.timestep_std, shift=self.timestep_shift
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -140,6 +187,16 @@ class RunConfig:
     compatible (same model and data order), else start fresh; ``never``: an existing run
     directory is an error; ``must``: there must be a checkpoint to continue."""
     log_every: int = field(default=1, metadata={"ge": 1})
+    wandb_project: str = ""
+    """Also log the step metrics to this Weights & Biases project ("": no W&B). The run is
+    named ``run.name`` and a resumed run continues the same W&B run (its id is kept in the
+    run directory); needs the ``wandb`` package (``pip install 'knapray[wandb]'``)."""
+    mlflow_tracking_uri: str = ""
+    """Also log the step metrics to this MLflow tracking server or store ("": the
+    ``MLFLOW_TRACKING_URI`` environment variable when set, else no MLflow); needs the
+    ``mlflow`` package (``pip install 'knapray[mlflow]'``)."""
+    mlflow_experiment: str = "knapray"
+    """The MLflow experiment that holds the run (named ``run.name``)."""
     timeout_s: int = field(default=120, metadata={"ge": 1})
     """Collective timeout: a dead peer surfaces as an error instead of a hang."""
 
@@ -150,6 +207,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     balance: BalanceConfig = field(default_factory=BalanceConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    flow: FlowConfig = field(default_factory=FlowConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def to_dict(self) -> dict:
