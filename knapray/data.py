@@ -31,7 +31,8 @@ import torch
 
 from knapray.corpus import CorruptSample, decode_row, read_schema_json, shard_paths
 from knapray.models.config import MMDiTConfig
-from knapray.models.flow import add_noise, sample_timesteps
+from knapray.models.flow import add_noise
+from knapray.models.timesteps import TimestepDistribution
 from knapray.models.packing import PackedBatch, pack_samples
 
 if TYPE_CHECKING:
@@ -532,7 +533,7 @@ def build_packed_batch(
     *,
     seed: int,
     epoch: int = 0,
-    timestep_kind: str = "logit_normal",
+    timesteps: TimestepDistribution = TimestepDistribution(),
 ) -> PackedBatch:
     """Pack decoded samples (``Step.samples``, each with its ``sample_id``) into a noised
     ``PackedBatch`` with targets.
@@ -564,7 +565,7 @@ def build_packed_batch(
                 "latent": _as_tensor(latent),
                 "text": _as_tensor(sample["text"]),
                 "pooled": _as_tensor(sample["pooled"]),
-                "timestep": float(sample_timesteps(1, generator=gen, kind=timestep_kind)[0]),
+                "timestep": float(timesteps.sample(1, generator=gen)[0]),
             }
         )
     clean = pack_samples(packed_input, cfg)

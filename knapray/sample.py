@@ -72,7 +72,7 @@ def load_run_model(run_dir: str, checkpoint: str | None = None, ema: bool = True
                    device: str = "cpu") -> tuple[Any, Any, str, bool]:
     """(MMDiT, TrainConfig, checkpoint path, EMA used) from a run directory."""
     from knapray.models import MMDiT
-    from knapray.train.checkpoint import completed_checkpoints, safe_load
+    from knapray.train.checkpoint import completed_checkpoints, safe_load, saved_keys
     from knapray.train.config import config_from_dict
 
     cfg_path = os.path.join(run_dir, "config.json")
@@ -87,19 +87,12 @@ def load_run_model(run_dir: str, checkpoint: str | None = None, ema: bool = True
     if not os.path.exists(os.path.join(path, ".metadata")):
         raise ValueError(f"--checkpoint {path}: not a checkpoint directory (no .metadata)")
     model = MMDiT(cfg.model)
-    used_ema = ema and _has_key(path, "ema.")
+    used_ema = ema and any(k.startswith("ema.") for k in saved_keys(path))
     prefix = "ema" if used_ema else "model"
     state = {prefix: {k: v for k, v in model.state_dict().items()}}
     safe_load(state, path)
     model.load_state_dict(state[prefix], strict=True)
     return model.to(device).eval(), cfg, path, used_ema
-
-
-def _has_key(path: str, prefix: str) -> bool:
-    from knapray.train.checkpoint import SafeFileSystemReader
-
-    meta = SafeFileSystemReader(path).read_metadata()
-    return any(k.startswith(prefix) for k in meta.state_dict_metadata)
 
 
 # ---- conditioning and decoding from the corpus's record ---------------------------------

@@ -29,7 +29,7 @@ import os
 import pickle
 import shutil
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -106,6 +106,11 @@ class SafeLoadPlanner(dcp.DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
+def saved_keys(path: str) -> list[str]:
+    """Flattened names of everything a checkpoint holds (``model.img_in.weight``, ...)."""
+    return list(SafeFileSystemReader(path).read_metadata().state_dict_metadata)
+
+
 def safe_load(state: dict, path: str, group: dist.ProcessGroup | None = None) -> None:
     """``dcp.load`` of ``path`` into ``state`` in place, with nothing unpickled unsafely."""
     with warnings.catch_warnings():  # a single process without a process group is intended
@@ -135,6 +140,8 @@ class Restored:
     path: str
     trainer: dict
     """``trainer.json``: step (the last step the checkpoint covers), epoch, world_size, ..."""
+    extra: list[str] = field(default_factory=list)
+    """Names of the ``extra`` state dicts the checkpoint had (and that were loaded)."""
 
     @property
     def step(self) -> int:
@@ -161,9 +168,10 @@ class Checkpointer:
         return done[-1] if done else None
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer: dict,
-             barrier) -> str:
+             barrier, extra: dict[str, dict] | None = None) -> str:
         """Collective: every rank writes its part, then rank 0 finishes the directory.
-        ``barrier()`` must wait for every rank (the caller's step-sync barrier)."""
+        ``barrier()`` must wait for every rank (the caller's step-sync barrier); ``extra``:
+        more state dicts of tensors to save under their names (e.g. ``{"ema": ...}``)."""
         final = os.path.join(self.root, f"step-{step:09d}")
         partial = final + PARTIAL
         if self.rank == 0:
@@ -173,8 +181,8 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save({"model": model_sd, "optimizer": optim_sd}, storage_writer=dcp.FileSystemWriter(partial),
-                     process_group=self.group)
+            dcp.save({"model": model_sd, "optimizer": optim_sd, **(extra or {})},
+                     storage_writer=dcp.FileSystemWriter(partial), process_group=self.group)
         barrier()  # every rank's data file is written
         if self.rank == 0:
             _write_json(os.path.join(partial, TRAINER_STATE), dict(trainer, step=step))
@@ -186,10 +194,15 @@ class Checkpointer:
         barrier()  # nobody goes on (or reads it) before it is complete
         return final
 
-    def load(self, path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Restored:
-        """Collective: load ``path`` into ``model`` and ``optimizer`` (any world size)."""
+    def load(self, path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             extra: dict[str, dict] | None = None) -> Restored:
+        """Collective: load ``path`` into ``model`` and ``optimizer`` (any world size), and
+        the state dicts of ``extra`` in place (their tensors are filled; the caller applies
+        them, e.g. ``ema.load_state_dict``)."""
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optimizer": optim_sd}
+        saved = saved_keys(path)
+        extra = {k: v for k, v in (extra or {}).items() if any(s.startswith(k + ".") for s in saved)}
+        state = {"model": model_sd, "optimizer": optim_sd, **extra}
         try:
             safe_load(state, path, self.group)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps each rank's failure
@@ -200,7 +213,7 @@ class Checkpointer:
                        options=StateDictOptions(strict=True))
         with open(os.path.join(path, TRAINER_STATE)) as f:
             trainer = json.load(f)
-        return Restored(path=path, trainer=trainer)
+        return Restored(path=path, trainer=trainer, extra=sorted(extra))
 
 
 def _write_json(path: str, obj: dict) -> None:

@@ -34,12 +34,15 @@ class StepRecord:
     peak_mem_gib: float | None = None
     """Rank 0's peak allocated device memory so far (CUDA only)."""
     epoch: int = 0
+    lr: float = 0.0
+    """Learning rate the step trained with."""
 
     def to_json(self) -> dict:
         compute = np.asarray(self.compute_s)
         return {
             "step": self.step,
             "epoch": self.epoch,
+            "lr": self.lr,
             "loss": self.loss,
             "loss_rel": self.loss_rel,
             "tokens": self.tokens,

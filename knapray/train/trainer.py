@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from knapray.coordinator import CoordinatorClient, CoordinatorUnavailable
-from knapray.data import Step, StepStream, build_packed_batch, check_model_config, corpus_info
+from knapray.data import Step, StepMeta, StepStream, build_packed_batch, check_model_config, corpus_info
 from knapray.distributed import BagGroups
 from knapray.distributed.grads import allreduce_gradients
 from knapray.distributed.step_sync import StepSync
@@ -44,7 +44,10 @@ from .config import TrainConfig
 from .context import TrainContext
 from .guard import BadDataGuard
 from .ledger_files import LocalLedger, committed_ids
+from .ema import build_ema
 from .metrics import MetricsFile, StepRecord
+from .optim import LRSchedule, build_optimizer
+from .sinks import MetricSinks, scalars_of
 from .run_files import truncate_metrics
 from .step_planner import Planned, StepPlanner, coordinator_config, coordinator_name, planning_model
 
@@ -79,20 +82,32 @@ class Trainer:
 
         torch.manual_seed(cfg.data.seed)  # the same initial model on every rank
         self.model = MMDiT(cfg.model).to(self.device)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                                           weight_decay=cfg.optim.weight_decay)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.ema = build_ema(self.model, cfg.optim)
+        self.timesteps = cfg.flow.distribution()
+        self.accum = cfg.optim.grad_accum_steps
         self.checkpointer = Checkpointer(os.path.join(self.run_dir, "checkpoints"), rank=self.rank,
                                          group=self.sync.meta_group)
         self.step, self.epoch, self.resumed_from = 0, 0, None
         self.last_saved: int | None = None
         latest = self.checkpointer.latest()
         if latest is not None:
-            restored = self.checkpointer.load(latest, self.model, self.optimizer)
+            extra = {"ema": self.ema.state_dict()} if self.ema is not None else None
+            restored = self.checkpointer.load(latest, self.model, self.optimizer, extra)
+            if self.ema is not None and "ema" in restored.extra:
+                self.ema.load_state_dict(extra["ema"])
             self.step, self.epoch = restored.step + 1, int(restored.trainer["epoch"])
             self.resumed_from = self.last_saved = restored.step
             if self.rank == 0:
                 truncate_metrics(self.run_dir, self.step)
                 logger.info("resumed from %s: step %d, epoch %d", latest, self.step, self.epoch)
+        # Optimizer steps so far: checkpoints fall on accumulation boundaries.
+        self.schedule = LRSchedule(self.optimizer, cfg.optim, self._optimizer_steps(cfg.run.max_steps),
+                                   start_step=self._optimizer_steps(self.step))
+        self.micro_steps = 0
+        """Micro-steps whose gradients are accumulated but not yet applied."""
+        self.pending: list[tuple[int, int, Planned, StepMeta]] = []
+        """Those micro-steps, to enter the ledger once their optimizer step is done."""
 
         self.client = (
             CoordinatorClient(coordinator_name(cfg), None, rank=self.rank, timeout_s=cfg.balance.coordinator_timeout_s)
@@ -108,12 +123,16 @@ class Trainer:
                                    self.local_ledger)
         self.guard = BadDataGuard(self.run_dir, self.rank, cfg.data.corpus, cfg.data.max_bad_fraction)
         self.metrics = MetricsFile(self.run_dir) if self.rank == 0 else None
+        self.sinks = MetricSinks(cfg, start_step=self.step) if self.rank == 0 else None
         self.max_seq_len = cfg.data.max_tokens_per_gpu * max(self.topology.bags) if cfg.data.max_tokens_per_gpu else None
         os.makedirs(os.path.join(self.run_dir, "pids"), exist_ok=True)
         with open(os.path.join(self.run_dir, "pids", f"rank{self.rank}.pid"), "w") as f:
             f.write(str(os.getpid()))  # for operators (and the chaos script) to find workers
         if self.rank == 0:
             logger.info("topology %s for %d ranks (balance %s)", self.topology, self.world, cfg.balance.enabled)
+
+    def _optimizer_steps(self, steps: int) -> int:
+        return -(-steps // self.accum)
 
     # ---- set-up pieces ------------------------------------------------------------------
 
@@ -154,14 +173,18 @@ class Trainer:
             while not self._at_max_steps():
                 rec = self.train_step(stream)
                 if rec is None:  # the epoch is over for every rank
+                    self._apply_gradients()  # an accumulation group the epoch cut short
                     self.epoch += 1
                     self.resumed_from = None
                     break
                 records.append(rec)
                 self.step += 1
+        self._apply_gradients()
         last = self.step - 1 if self.step > 0 else None
         if last is not None and self.last_saved != last:
             self._save(last)  # the last steps of a run are never lost
+        if self.sinks is not None:
+            self.sinks.close()
         try:
             self.planner.finish(last)
         except CoordinatorUnavailable as e:
@@ -179,7 +202,8 @@ class Trainer:
         current: Step = stream.next_step()
         nxt = stream.peek_next()
         fetched = self.planner.fetch(step, current.meta, nxt)
-        batch = build_packed_batch(current.samples, cfg.model, seed=cfg.data.seed, epoch=self.epoch).to(self.device)
+        batch = build_packed_batch(current.samples, cfg.model, seed=cfg.data.seed, epoch=self.epoch,
+                                   timesteps=self.timesteps).to(self.device)
         agree, _ = self.sync.sum_over_ranks(summed={
             "img_tokens": batch.x_img.shape[0], "have_plan": fetched.have_plan,
             **self.guard.step_counts(stream.stats),
@@ -202,11 +226,11 @@ class Trainer:
                 )
                 loss = flow_loss(out, batch.targets, global_img)
             loss.backward()
-        allreduce_gradients(self.model.parameters(), group=self.sync.group)
-        if cfg.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.schedule.get_last_lr()[0]  # what this step trains with
+        self.micro_steps += 1
+        self.pending.append((step, self.epoch, planned, current.meta))
+        if self.micro_steps == self.accum:
+            self._apply_gradients()
         # The optimizer step is queued: now wait for the step's own kernels (once) and
         # gather the step's numbers in one collective.
         took = timer.result()
@@ -218,7 +242,6 @@ class Trainer:
             summed={"loss": loss.detach(), "zero_loss": zero_loss, "tokens": int(batch.seq_lens.sum())},
             per_rank={"compute_s": took.compute_s, "comm_s": took.comm_s},
         )
-        self.planner.committed(step, self.epoch, planned, current.meta)
         if self.client is not None:
             self.client.report_timing_async(step, took.compute_s, took.comm_s, planned.wait_s)
         rec = StepRecord(
@@ -229,20 +252,46 @@ class Trainer:
             rank_work=run_plan.rank_work.tolist(), baseline_rank_work=run_plan.baseline_rank_work.tolist(),
             topology=str(self.topology), flops=model_flops(run_plan.seq_lens.tolist(), cfg.model), clock=took.clock,
             peak_mem_gib=torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None,
-            epoch=self.epoch,
+            epoch=self.epoch, lr=lr,
         ).to_json()
         if self.metrics is not None:
             self.metrics.append(rec)
+            self.sinks.log(step, scalars_of(rec))
             if step % cfg.run.log_every == 0:
                 logger.info(
                     "step %d loss %.4f (rel %.3f) tokens/s %.0f imbalance %.2f->%.3f compute max/mean %.2f wait %.1f%%",
                     step, rec["loss"], rec["loss_rel"], rec["tokens_per_s"], rec["baseline_imbalance_planned"],
                     rec["imbalance_planned"], rec["compute_max_over_mean"], 100 * rec["wait_plan_frac"],
                 )
-        if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0:
+        if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0 and not self.micro_steps:
             self._save(step)
         self.ctx.report({"step": step, "loss": rec["loss"], "epoch": self.epoch})
         return rec
+
+    def _apply_gradients(self) -> None:
+        """The optimizer step over the micro-steps accumulated so far: gradients summed over
+        ranks and averaged over the micro-steps, clipped, applied; then the LR schedule, the
+        EMA, and the micro-steps enter the ledger (a step is committed once its update is)."""
+        n = self.micro_steps
+        if not n:
+            return
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        allreduce_gradients(params, group=self.sync.group)
+        if n > 1:  # each micro-step's loss is a mean over its own tokens: average them
+            for p in params:
+                if p.grad is not None:
+                    p.grad.div_(n)
+        if self.cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip)
+        self.optimizer.step()
+        self.schedule.step()
+        if self.ema is not None:
+            self.ema.update(self.model)
+        self.optimizer.zero_grad(set_to_none=True)
+        for step, epoch, planned, meta in self.pending:
+            self.planner.committed(step, epoch, planned, meta)
+        self.pending.clear()
+        self.micro_steps = 0
 
     def _save(self, step: int) -> None:
         """A checkpoint covering every step <= ``step`` (the ledger first: rank 0 waits
@@ -259,5 +308,6 @@ class Trainer:
         self.checkpointer.save(step, self.model, self.optimizer,
                                {"epoch": self.epoch, "world_size": self.world, "topology": self.topology.spec,
                                 "ledger": position},
-                               barrier=self.sync.barrier)
+                               barrier=self.sync.barrier,
+                               extra={"ema": self.ema.state_dict()} if self.ema is not None else None)
         self.last_saved = step
