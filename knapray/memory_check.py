@@ -148,14 +148,16 @@ def measure_step(
         checkpointing=checkpointing, ac_every=ac_every, attention="reference" if device.type == "cpu" else "kernel",
     )
     pred = mem.breakdown(n, text_tokens=int(batch.is_text.sum()), sequences=batch.num_sequences)
-    # A model cast to bf16 keeps bf16 gradients: the prediction's fp32 grads scaled.
-    grad_bytes = pred.grads * torch.finfo(dtype).bits // 32
+    # The model measured here is cast to ``dtype`` (no fp32 master copy): its parameters,
+    # gradients and AdamW moments are in ``dtype``, AdamW's step counters in fp32.
+    shape = mem.shape
+    state = shape.num_params * dtype.itemsize
     result["predicted"] = {
-        "params": pred.params,
-        "grads": pred.grads,
-        "optimizer": pred.optimizer,
+        "params": state,
+        "grads": state,
+        "optimizer": 2 * state + 4 * shape.num_param_tensors,
         "activations": pred.activations,
-        "fwd_bwd_peak": pred.activations + pred.recompute + pred.backward_working + grad_bytes,
+        "fwd_bwd_peak": pred.activations + pred.recompute + pred.backward_working + state,
     }
     result["tokens"] = n
     return result

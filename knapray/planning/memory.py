@@ -22,8 +22,11 @@ What a rank holds at its peak, by category:
     or 4 (fp32); the root module (embedders, final layer) stays gathered all step:
     ``(2p + 4) x`` its parameters.
 ``activations``
-    What autograd keeps from the forward (derived below), plus under checkpointing one
-    block recomputed during backward, plus a backward working set.
+    What autograd keeps from the forward (derived below; checkpointed blocks keep their
+    inputs only).
+``recompute``, ``backward_working``
+    During backward: the largest checkpointed block recomputed in full, and the gradient
+    buffers of the block being differentiated (below).
 ``step_buffers``
     After backward: ``sharding="none"`` on more than one rank all-reduces the gradients
     through one flat fp32 buffer (``knapray.distributed.grads``), 4 B per parameter; the
@@ -70,6 +73,13 @@ two int64 index tensors).
 
 Flux width (d=3072, m=4d, 24 heads, QK-norm), bf16, kernel: 70d B = 210 KiB per token per
 double block, 60d B = 180 KiB per single block (3.28 / 2.81 GiB at 16k tokens).
+
+``precision="bf16"`` counts every activation in bf16, as FSDP2's mixed precision (bf16
+parameters, so bf16 norms) computes them. Under ``torch.autocast`` (``sharding="none"``)
+CUDA runs LayerNorm in fp32, and the fp32 RMSNorm gain makes q and k fp32 (which also
+sends them to the per-sequence SDPA path): by reading the code about 10% more activation
+bytes than counted here; not modelled, not measured (``python -m knapray.memory_check`` on
+a GPU measures it).
 
 Outside the blocks, per token: the embedders' inputs (``patch_dim*b`` per image token,
 ``text_dim*b`` per text token), the final layer on image tokens (``4d*b``: LN input,
