@@ -319,6 +319,51 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+def cmd_memory(args: argparse.Namespace) -> int:
+    from knapray.planning.memory import GIB, memory_model_for_run
+    from knapray.train.config import load_config
+
+    cfg = load_config(args.config)  # a ConfigError (ValueError) names the file or the key
+    mem = memory_model_for_run(
+        cfg, world_size=args.world_size, gpus_per_node=args.gpus_per_node, sharding=args.fsdp,
+        checkpointing=args.ac, ac_every=args.ac_every,
+    )
+    gpu_bytes = int(args.gpu_gib * GIB)
+    fit = mem.max_tokens_per_gpu(gpu_bytes)
+    tokens = args.tokens_per_gpu
+    if tokens is None:
+        tokens = cfg.data.max_tokens_per_gpu or fit
+    br = mem.breakdown(tokens)
+    gib = br.to_gib()
+    result = {
+        "config": args.config, "params": mem.shape.num_params, "world_size": mem.world_size,
+        "gpus_per_node": mem.gpus_per_node, "fsdp": mem.sharding, "shard_size": mem.shard_size,
+        "ac": mem.checkpointing, "ac_every": mem.ac_every, "precision": mem.precision,
+        "tokens_per_gpu": tokens, "breakdown": {k: v for k, v in gib.items() if k != "total"},
+        "total_gib": gib["total"], "peak_phase": br.peak_phase, "gpu_gib": args.gpu_gib,
+        "usable_gib": mem.usable_bytes(gpu_bytes) / GIB, "fits": mem.fits(tokens, gpu_bytes),
+        "max_tokens_per_gpu": fit,
+    }
+    ac = mem.checkpointing + (f" (k={mem.ac_every})" if mem.checkpointing == "every_k" else "")
+    print(f"{cfg.run.name}: {mem.shape.num_params / 1e9:.2f} B parameters, {mem.precision}, "
+          f"{mem.world_size} GPUs ({mem.gpus_per_node} per node), fsdp {mem.sharding} "
+          f"(state sharded over {mem.shard_size}), activation checkpointing {ac}")
+    print(f"per GPU at {tokens} tokens per GPU:")
+    for key, value in result["breakdown"].items():
+        note = "  (optimizer step, after activations are freed)" if key == "step_buffers" else ""
+        print(f"  {key.replace('_', ' '):<18} {value:>9.2f} GiB{note}")
+    print(f"  {'total':<18} {gib['total']:>9.2f} GiB  peak in the {br.peak_phase}; usable of "
+          f"{args.gpu_gib:g} GiB: {result['usable_gib']:.2f} GiB ({mem.reserve_bytes / GIB:g} GiB reserve, "
+          f"{mem.fragmentation:.0%} fragmentation) -> {'fits' if result['fits'] else 'DOES NOT FIT'}")
+    if fit:
+        print(f"largest token budget that fits {args.gpu_gib:g} GiB: {fit} tokens per GPU")
+    else:
+        print(f"the model state alone does not fit {args.gpu_gib:g} GiB: shard it (--fsdp full|hybrid)")
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from knapray.corpus.ingest import DESCRIPTION as INGEST_DESCRIPTION
     from knapray.corpus.ingest import add_arguments as ingest_arguments
@@ -425,6 +470,20 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-mape", type=_float_in(gt=0), default=0.05, help="exit 1 if the fit's mean abs. %% error exceeds this")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_calibrate)
+
+    y = sub.add_parser("memory", help="per-GPU memory of a run config and the largest token budget that fits")
+    y.add_argument("--config", required=True, help="run config YAML (knapray.train.config)")
+    y.add_argument("--world-size", type=_int_at_least(1), default=None, help="GPUs (default: run.num_workers)")
+    y.add_argument("--gpus-per-node", type=_int_at_least(1), default=None, help="default: balance.gpus_per_node, else 8")
+    y.add_argument("--fsdp", default=None, help="none|full|hybrid (default: run.fsdp, else none)")
+    y.add_argument("--ac", default=None,
+                   help="activation checkpointing none|full|every_k (default: run.activation_checkpointing, else none)")
+    y.add_argument("--ac-every", type=_int_at_least(1), default=None, help="k of --ac every_k (default 2)")
+    y.add_argument("--tokens-per-gpu", type=_int_at_least(0), default=None,
+                   help="routed tokens per GPU (default: data.max_tokens_per_gpu, else the largest that fits)")
+    y.add_argument("--gpu-gib", type=_float_in(gt=0), default=80.0, help="GPU memory in GiB (default 80)")
+    y.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    y.set_defaults(func=cmd_memory)
     return parser
 
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from knapray.planning import (
     PAPER_MIXES,
+    CostModel,
     Topology,
     WorkloadModel,
     identity_plan,
@@ -265,3 +266,81 @@ def test_planning_imports_neither_ray_nor_torch_distributed():
                 names = [node.module]
             for name in names:
                 assert not name.startswith(("ray", "torch")), f"{path.name} imports {name}"
+
+
+# ---- memory budget (max_tokens_per_gpu) ------------------------------------------------
+
+
+def _rank_tokens(plan):
+    return np.bincount(plan.chunk_rank, weights=plan.chunk_len, minlength=plan.world_size)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(planning_inputs(), st.sampled_from(["knapray", "greedy"]), st.floats(0.0, 1.3), st.booleans())
+def test_token_budget_is_respected(inp, solver, frac, cost):
+    topo, lens = inp
+    flat = [x for r in lens for x in r]
+    if not flat:
+        return
+    model = CostModel() if cost else MODEL
+    free = plan_balance(lens, topo, model, solver=solver)
+    free_max = int(_rank_tokens(free).max())
+    # Budgets from the least any plan could need (a group's tokens over its GPUs, the
+    # longest sequence over the largest bag) to past the plan without a budget.
+    gs = topo.group_size
+    least = max(
+        max(-(-sum(flat_g) // gs) for flat_g in ([x for r in lens[g * gs:(g + 1) * gs] for x in r]
+                                                 for g in range(topo.num_groups))),
+        max(-(-x // max(topo.group_bags)) for x in flat),
+    )
+    budget = max(least, 1) + int(frac * (free_max - least))
+    try:
+        plan = plan_balance(lens, topo, model, solver=solver, max_tokens_per_gpu=budget)
+    except ValueError as e:
+        # Only a binding budget can fail, and then only for want of a packing.
+        assert budget < free_max
+        assert f"the budget of {budget} tokens per GPU" in str(e) and "found no assignment" in str(e)
+        return
+    assert _rank_tokens(plan).max() <= budget
+    if not cost:
+        _check_plan(plan, topo, lens)
+    if budget >= free_max:
+        # A budget that does not bind changes nothing.
+        np.testing.assert_array_equal(plan.bag, free.bag)
+        assert plan.imbalance == free.imbalance
+
+
+def test_binding_budget_on_a_paper_step():
+    lens = sample_step(parse_mix(PAPER_MIXES["image+video"]), np.random.default_rng(3))
+    topo = Topology.parse("g8n4")
+    free = plan_balance(lens, topo, MODEL)
+    tokens = _rank_tokens(free)
+    budget = int(np.ceil(tokens.mean() + 0.2 * (tokens.max() - tokens.mean())))
+    assert tokens.max() > budget  # it binds
+    for solver in ("knapray", "greedy"):
+        plan = plan_balance(lens, topo, MODEL, solver=solver, max_tokens_per_gpu=budget)
+        assert _rank_tokens(plan).max() <= budget
+        _check_plan(plan, topo, lens)
+    # The price in balance is small here (1.00004 without the budget).
+    plan = plan_balance(lens, topo, MODEL, max_tokens_per_gpu=budget)
+    assert plan.imbalance < 1.002
+
+
+@pytest.mark.parametrize(
+    "lens, spec, budget, msg",
+    [
+        ([[300, 200], [300, 200], [300, 200], [300, 200]], "g2n2", 200,
+         r"the step's 2000 tokens exceed the budget of 200 tokens per GPU: the world's capacity is 800 \(4 GPUs"),
+        ([[120], [120], [120], []], "g2n2", 100,
+         r"found no assignment of the step's 360 tokens .* budget of 100 tokens per GPU \(world capacity 400"),
+        ([[300], [300], [300], [], [], [], [], []], "g2n2", 200,
+         r"balance group 0 \(ranks 0-3\) holds 900 of the step's 900 tokens, over its capacity of 800"),
+        ([[5], [5], [5], [5]], "g2n2", 0, "max_tokens_per_gpu must be a positive integer, got 0"),
+        ([[5], [5], [5], [5]], "g2n2", 2.5, "max_tokens_per_gpu must be a positive integer, got 2.5"),
+    ],
+)
+def test_budget_errors(lens, spec, budget, msg):
+    topo = Topology.parse(spec, world_size=len(lens))
+    for solver in ("knapray", "greedy"):
+        with pytest.raises(ValueError, match=msg):
+            plan_balance(lens, topo, MODEL, solver=solver, max_tokens_per_gpu=budget)

@@ -18,6 +18,14 @@ Two solvers:
             rank so fewer tokens travel; of these candidates and greedy itself it keeps the
             best by exact peak (cost model: predicted step time), so it is never worse
             than greedy.
+
+A memory budget (``max_tokens_per_gpu=T``) caps every rank's routed tokens: bag ``j``
+holds at most ``T * g_j`` tokens (its ranks' chunks differ by at most one token, so its
+busiest rank holds ``ceil(tokens_j / g_j)``). The plan above is kept when it fits; else
+its candidates are repaired (sequences moved or swapped out of bags over their capacity
+into bags with room), a capacity-aware LPT joins them, all are refined by moves and swaps
+that keep every bag within its capacity, and the best is chosen the same way. If none
+fits, a first-fit-decreasing packing by tokens is the last resort before an error.
 """
 
 from __future__ import annotations
@@ -52,14 +60,17 @@ def plan_balance(
     ``model``: the paper's ``WorkloadModel`` (default) balances estimated work; a
     ``CostModel`` minimizes predicted step time (communication, per-rank speeds).
 
-    ``max_tokens_per_gpu``: optional memory budget; a sequence whose chunk would exceed it
-    even on the largest bag is rejected with an error naming it.
+    ``max_tokens_per_gpu``: optional memory budget (see ``knapray memory``): no rank gets
+    more routed tokens than this. A sequence whose chunk would exceed it even on the
+    largest bag, or a step that fits no assignment, is rejected with an error naming the
+    step's tokens, the budget and the capacity.
     """
     t0 = time.perf_counter()
     model = model or WorkloadModel()
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; valid: {', '.join(SOLVERS)}")
     lens, home, local = _flatten(seq_lens_per_rank, topology)
+    budget = _check_budget(max_tokens_per_gpu, lens, topology)
     bag = np.empty(lens.size, dtype=np.int64)
     stats: dict = {"groups": []}
     is_cost = isinstance(model, CostModel)
@@ -75,15 +86,31 @@ def plan_balance(
         if is_cost:
             sl = slice(bag_offset, bag_offset + nb)
             comm = _GroupComm(token_s[sl], speed[sl], ranks.start)
-        sub_bag, sub_stats = _solve_group(
-            lens[lo:hi],
-            home[lo:hi] - ranks.start,
-            np.asarray(topology.group_bags, dtype=np.int64),
-            model,
-            solver,
-            max_tokens_per_gpu,
-            comm,
-        )
+        group_tokens = int(lens[lo:hi].sum())
+        if budget is not None and group_tokens > budget * len(ranks):
+            raise ValueError(
+                f"balance group {grp} (ranks {ranks.start}-{ranks.stop - 1}) holds {group_tokens} of the "
+                f"step's {int(lens.sum())} tokens, over its capacity of {budget * len(ranks)} "
+                f"({len(ranks)} GPUs x {budget} tokens per GPU); the world's capacity is "
+                f"{budget * topology.world_size}"
+            )
+        try:
+            sub_bag, sub_stats = _solve_group(
+                lens[lo:hi],
+                home[lo:hi] - ranks.start,
+                np.asarray(topology.group_bags, dtype=np.int64),
+                model,
+                solver,
+                budget,
+                comm,
+            )
+        except _NoFit:
+            raise ValueError(
+                f"found no assignment of the step's {int(lens.sum())} tokens that keeps every GPU within "
+                f"the budget of {budget} tokens per GPU (world capacity {budget * topology.world_size}; "
+                f"balance group {grp}: {group_tokens} tokens, capacity {budget * len(ranks)}): its long "
+                f"sequences do not pack into bags of {sorted(set(topology.group_bags))} GPUs"
+            ) from None
         bag[lo:hi] = sub_bag + bag_offset
         stats["groups"].append(sub_stats)
     chunk_seq, chunk_rank, chunk_start, chunk_len = _make_chunks(lens, home, bag, topology)
@@ -120,6 +147,34 @@ def identity_plan(
 
 
 # ---- input ------------------------------------------------------------------------------
+
+
+class _NoFit(Exception):
+    """No assignment within the token budget was found."""
+
+
+def _check_budget(max_tokens_per_gpu: int | None, lens: np.ndarray, topology: Topology) -> int | None:
+    """The budget as an int, after the checks every balance group shares."""
+    if max_tokens_per_gpu is None:
+        return None
+    if isinstance(max_tokens_per_gpu, bool) or int(max_tokens_per_gpu) != max_tokens_per_gpu or max_tokens_per_gpu < 1:
+        raise ValueError(f"max_tokens_per_gpu must be a positive integer, got {max_tokens_per_gpu!r}")
+    budget = int(max_tokens_per_gpu)
+    gmax = max(topology.group_bags)
+    too_long = np.flatnonzero(-(-lens // gmax) > budget)
+    if too_long.size:
+        s = int(too_long[0])
+        raise ValueError(
+            f"sequence of length {int(lens[s])} needs {-(-int(lens[s]) // gmax)} tokens per GPU "
+            f"even on the largest bag (g{gmax}), over the budget of {budget}"
+        )
+    total, world = int(lens.sum()), topology.world_size
+    if total > budget * world:
+        raise ValueError(
+            f"the step's {total} tokens exceed the budget of {budget} tokens per GPU: the world's "
+            f"capacity is {budget * world} ({world} GPUs x {budget})"
+        )
+    return budget
 
 
 def _flatten(
@@ -170,19 +225,15 @@ def _solve_group(
     n = lens.size
     if n == 0:
         return np.zeros(0, np.int64), {"start": "empty"}
-    gmax = int(bag_sizes.max())
-    if max_tokens_per_gpu is not None:
-        too_long = np.flatnonzero(-(-lens // gmax) > max_tokens_per_gpu)
-        if too_long.size:
-            s = int(too_long[0])
-            raise ValueError(
-                f"sequence of length {int(lens[s])} needs {-(-int(lens[s]) // gmax)} tokens per GPU "
-                f"even on the largest bag (g{gmax}), over the budget of {max_tokens_per_gpu}"
-            )
     problem = _Problem(lens, home, bag_sizes, model, comm)
+    # Token capacity of every bag (its ranks' chunks differ by at most one token).
+    bag_cap = None if max_tokens_per_gpu is None else max_tokens_per_gpu * bag_sizes
     greedy = problem.greedy()
     if solver == "greedy":
-        return greedy, {"start": "greedy"}
+        if bag_cap is None or problem.fits(greedy, bag_cap):
+            return greedy, {"start": "greedy"}
+        name, assign, _, _ = problem.within_budget([("greedy", greedy, 0)], bag_cap, refine=False)
+        return assign, {"start": name}
     # For equal bags of equal speed and no communication term the published greedy *is*
     # LPT, so it is the LPT start too. The home start (every sequence on the bag holding
     # its home rank) usually needs few moves.
@@ -214,6 +265,11 @@ def _solve_group(
                 break
             alt = [(name, assign, iters), (name + "+route", again, iters + more)]
             name, assign, iters, score = problem.choose(alt)
+    if bag_cap is not None and not problem.fits(assign, bag_cap):
+        # Only when the budget binds: the plan without it stays as it is otherwise. The
+        # chosen plan and greedy are repaired (the other candidates are mostly their
+        # refinements), and a capacity-aware LPT joins them.
+        name, assign, iters, score = problem.within_budget([(name, assign, iters), candidates[0]], bag_cap)
     stats = {
         "start": name,
         "refine_iters": iters,
@@ -681,6 +737,182 @@ class _Problem:
                 loads_l[h] = new
                 loads_l[cur] -= tc
                 assign[s] = h
+        return assign
+
+    # -- memory budget ---------------------------------------------------------------------
+
+    def bag_tokens(self, assign: np.ndarray) -> np.ndarray:
+        """(k,) tokens on every bag."""
+        return np.bincount(assign, weights=self.true_lens, minlength=self.k)
+
+    def fits(self, assign: np.ndarray, cap: np.ndarray) -> bool:
+        return bool(np.all(self.bag_tokens(assign) <= cap))
+
+    def _allowed(self, seqs: np.ndarray) -> np.ndarray:
+        """(len(seqs), k): may the sequence go to the bag (``g <= L``)?"""
+        return self.bag_sizes[None, :] <= self.lens[seqs][:, None]
+
+    def within_budget(
+        self, candidates: list[tuple[str, np.ndarray, int]], cap: np.ndarray, refine: bool = True
+    ) -> tuple[str, np.ndarray, int, float]:
+        """The best assignment with every bag within its token capacity ``cap``, from the
+        candidates (repaired), a capacity-aware LPT (with ``refine``) and, if neither
+        gives one, a packing by tokens; each refined within the capacities if ``refine``.
+        Raises ``_NoFit`` when none is found."""
+        starts = []
+        for name, assign, iters in candidates:
+            fixed = assign if self.fits(assign, cap) else self.shed_tokens(assign, cap)
+            if fixed is not None and not any(np.array_equal(fixed, a) for _, a, _ in starts):
+                starts.append((name + "+budget", fixed, iters))
+        builders = [("lpt+budget", self.lpt_within)] if refine or not starts else []
+        for name, build in builders + [("pack+budget", self.pack_tokens)]:
+            if starts and name == "pack+budget":
+                break
+            assign = build(cap)
+            if assign is not None:
+                starts.append((name, assign, 0))
+        if not starts:
+            raise _NoFit
+        if refine:
+            starts = [(name + "+refine", self.refine_within(a, cap), it) for name, a, it in starts]
+        score = self.max_rank_load if self.comm is None else self.step_time
+        scored = [(score(a), self.moved_tokens(a), i) for i, (_, a, _) in enumerate(starts)]
+        peak, _, i = min(scored)
+        return (*starts[i], peak)
+
+    def shed_tokens(self, assign: np.ndarray, cap: np.ndarray) -> np.ndarray | None:
+        """Bring every bag within its capacity: move sequences out of the most overfull bag
+        into bags with room (one that clears the excess if possible, then the move that
+        finishes earliest), or swap one for a shorter sequence of a bag with room. Each
+        step lowers the total excess, so it ends; None if no step is possible."""
+        assign = assign.copy()
+        loads, tok, lens = self.loads(assign), self.bag_tokens(assign), self.true_lens
+        every = np.arange(self.k)
+        while True:
+            excess = tok - cap
+            b = int(np.argmax(excess))
+            if excess[b] <= 0:
+                return assign
+            items = np.flatnonzero(assign == b)
+            l_s = lens[items]
+            ok = self._allowed(items) & (tok[None, :] + l_s[:, None] <= cap[None, :])
+            ok[:, b] = False
+            if ok.any():
+                fin = np.where(ok, loads[None, :] + self.t(items[:, None], every[None, :]), np.inf)
+                clears = ok & (l_s >= excess[b])[:, None]
+                if clears.any():
+                    fin = np.where(clears, fin, np.inf)
+                i, j = np.unravel_index(int(np.argmin(fin)), fin.shape)
+                s = int(items[i])
+                loads[b] -= self.t(s, b)
+                loads[j] += self.t(s, j)
+                tok[b] -= lens[s]
+                tok[j] += lens[s]
+                assign[s] = j
+                continue
+            others = np.flatnonzero(assign != b)
+            l_o, j_o = lens[others], assign[others]
+            ok = (
+                (l_s[:, None] > l_o[None, :])
+                & (tok[j_o][None, :] - l_o[None, :] + l_s[:, None] <= cap[j_o][None, :])
+                & self._allowed(items)[:, j_o]
+                & (self.bag_sizes[b] <= self.lens[others])[None, :]
+            )
+            if not ok.any():
+                return None
+            new_j = loads[j_o][None, :] - self.t(others, j_o)[None, :] + self.t(items[:, None], j_o[None, :])
+            new_b = loads[b] - self.t(items, b)[:, None] + self.t(others, b)[None, :]
+            i, u = np.unravel_index(int(np.argmin(np.where(ok, np.maximum(new_j, new_b), np.inf))), ok.shape)
+            s, o, j = int(items[i]), int(others[u]), int(j_o[u])
+            loads[b], loads[j] = new_b[i, u], new_j[i, u]
+            tok[b] += lens[o] - lens[s]
+            tok[j] += lens[s] - lens[o]
+            assign[s], assign[o] = j, b
+
+    def lpt_within(self, cap: np.ndarray) -> np.ndarray | None:
+        """LPT restricted to bags with room: by decreasing work, the bag that would finish
+        the sequence earliest among those it fits; None if one fits nowhere."""
+        assign = np.empty(self.lens.size, dtype=np.int64)
+        loads, tok = np.zeros(self.k), np.zeros(self.k)
+        every = np.arange(self.k)
+        for s in self.order.tolist():
+            length = self.true_lens[s]
+            fin = loads + self.t(s, every)
+            fin[(self.bag_sizes > self.lens[s]) | (tok + length > cap)] = np.inf
+            j = int(np.argmin(fin))
+            if not np.isfinite(fin[j]):
+                return None
+            loads[j], tok[j], assign[s] = fin[j], tok[j] + length, j
+        return assign
+
+    def pack_tokens(self, cap: np.ndarray) -> np.ndarray | None:
+        """Best-fit decreasing by tokens, work ignored: the last resort for a tight budget."""
+        assign = np.empty(self.lens.size, dtype=np.int64)
+        room = cap.astype(np.float64)
+        for s in np.argsort(-self.true_lens, kind="stable").tolist():
+            length = self.true_lens[s]
+            left = np.where((self.bag_sizes <= self.lens[s]) & (room >= length), room - length, np.inf)
+            j = int(np.argmin(left))
+            if not np.isfinite(left[j]):
+                return None
+            room[j], assign[s] = left[j], j
+        return assign
+
+    def refine_within(self, assign: np.ndarray, cap: np.ndarray, max_iters: int | None = None) -> np.ndarray:
+        """``refine`` restricted to moves and swaps that keep every bag within ``cap``:
+        out of the most loaded bag, a move to any bag with room or a swap with a sequence
+        of one of the two least loaded bags, while that lowers it."""
+        assign = assign.copy()
+        loads, tok, lens = self.loads(assign), self.bag_tokens(assign), self.true_lens
+        every = np.arange(self.k)
+        max_iters = max_iters if max_iters is not None else 2 * self.k + 16
+        for _ in range(max_iters):
+            b = int(np.argmax(loads))
+            top = loads[b]
+            items = np.flatnonzero(assign == b)
+            if items.size == 0 or self.k < 2:
+                break
+            t_b, l_s = self.t(items, b), lens[items]
+            allowed = self._allowed(items)
+            ok = allowed & (tok[None, :] + l_s[:, None] <= cap[None, :])
+            ok[:, b] = False
+            fin = loads[None, :] + self.t(items[:, None], every[None, :])  # (n_b, k)
+            new = np.where(ok, np.maximum(top - t_b[:, None], fin), np.inf)
+            flat = int(np.argmin(new))
+            best, action = float(new.flat[flat]), ("move", int(items[flat // self.k]), flat % self.k)
+            for j in [int(x) for x in np.argsort(loads, kind="stable") if x != b][:2]:
+                others = np.flatnonzero(assign == j)
+                if not others.size:
+                    continue
+                l_o = lens[others]
+                d_b = t_b[:, None] - self.t(others, b)[None, :]  # what b sheds
+                new_j = loads[j] + self.t(items, j)[:, None] - self.t(others, j)[None, :]
+                ok = (
+                    (d_b > 0) & allowed[:, j][:, None] & (self.bag_sizes[b] <= self.lens[others])[None, :]
+                    & (tok[j] - l_o[None, :] + l_s[:, None] <= cap[j])
+                    & (tok[b] - l_s[:, None] + l_o[None, :] <= cap[b])
+                )
+                new = np.where(ok, np.maximum(top - d_b, new_j), np.inf)
+                flat = int(np.argmin(new))
+                if new.flat[flat] < best:
+                    i, u = divmod(flat, others.size)
+                    best, action = float(new.flat[flat]), ("swap", int(items[i]), int(others[u]), j)
+            if not best < top * (1 - 1e-12):
+                break
+            s, j = action[1], action[-1]
+            if action[0] == "swap":
+                o = action[2]
+                tok[b] += lens[o] - lens[s]
+                tok[j] += lens[s] - lens[o]
+                loads[b] += self.t(o, b) - self.t(s, b)
+                loads[j] += self.t(s, j) - self.t(o, j)
+                assign[s], assign[o] = j, b
+            else:
+                tok[b] -= lens[s]
+                tok[j] += lens[s]
+                loads[b] -= self.t(s, b)
+                loads[j] += self.t(s, j)
+                assign[s] = j
         return assign
 
 

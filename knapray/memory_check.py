@@ -1,0 +1,217 @@
+"""Measure what ``knapray.planning.memory`` predicts, on the real model.
+
+- ``state_bytes``: parameter, gradient and optimizer-state bytes of the live tensors.
+- ``saved_activation_bytes``: bytes of the distinct storages autograd saves during a
+  forward (``saved_tensors_hooks``, deduplicated by storage), parameters left out. Under
+  non-reentrant checkpointing the checkpoint saves its block's inputs through the same
+  hooks and nothing from inside the block, which is what "only block inputs kept" means.
+- ``measure_step``: both, on a packed batch, plus on CUDA the peak allocated during
+  forward + backward above what was allocated before it.
+
+``python -m knapray.memory_check --hidden 3072 --heads 24 --depth-double 3 --depth-single 3
+--tokens 16384`` compares prediction and measurement on this machine's device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from knapray.models import MMDiT, MMDiTConfig, PackedBatch
+from knapray.planning.memory import GIB, MemoryModel, ModelShape
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    s = t.untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+def _distinct_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(n for _, n in {_storage_key(t) for t in tensors if t is not None})
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Bytes of the parameters, their gradients and the optimizer's state tensors."""
+    params = list(model.parameters())
+    opt = 0
+    if optimizer is not None:
+        opt = _distinct_bytes(
+            v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)
+        )
+    return {
+        "params": _distinct_bytes(params),
+        "grads": _distinct_bytes(p.grad for p in params),
+        "optimizer": opt,
+    }
+
+
+def saved_activation_bytes(fn: Callable[[], Any], exclude: Iterable[torch.Tensor] = ()) -> tuple[Any, int]:
+    """Run ``fn()`` and return (its result, bytes of the distinct storages it saved for
+    backward, leaving out those of ``exclude``, e.g. the parameters)."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr, nbytes = _storage_key(t)
+        if ptr not in skip and nbytes:
+            saved[ptr] = max(saved.get(ptr, 0), nbytes)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(saved.values())
+
+
+class Checkpointed(nn.Module):
+    """A block whose forward runs under non-reentrant activation checkpointing."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args: Any) -> Any:
+        return checkpoint(self.block, *args, use_reentrant=False)
+
+
+def checkpoint_blocks(model: MMDiT, every: int = 1) -> MMDiT:
+    """Wrap blocks ``every-1, 2*every-1, ...`` (execution order, double then single) in
+    ``Checkpointed``, in place (``every=1``: all of them). For measuring only: parameter
+    names change."""
+    blocks = [(model.double_blocks, i) for i in range(len(model.double_blocks))]
+    blocks += [(model.single_blocks, i) for i in range(len(model.single_blocks))]
+    for n, (owner, i) in enumerate(blocks):
+        if (n + 1) % every == 0:
+            owner[i] = Checkpointed(owner[i])
+    return model
+
+
+def cast_batch(batch: PackedBatch, dtype: torch.dtype) -> PackedBatch:
+    """The batch with its float features (not timesteps) in ``dtype``, as a model cast to it
+    takes them."""
+    changes = {
+        name: getattr(batch, name).to(dtype)
+        for name in ("x_txt", "x_img", "pooled", "targets")
+        if getattr(batch, name) is not None
+    }
+    return dataclasses.replace(batch, **changes)
+
+
+def measure_step(
+    cfg: MMDiTConfig,
+    batch: PackedBatch,
+    *,
+    dtype: torch.dtype = torch.float32,
+    checkpointing: str = "none",
+    ac_every: int = 2,
+    device: torch.device | str = "cpu",
+    optimizer: bool = True,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """One forward + backward (+ an AdamW step) of ``MMDiT(cfg)`` cast to ``dtype`` on
+    ``batch``; returns measured bytes and the memory model's prediction for the same
+    tokens, sequences and text tokens."""
+    device = torch.device(device)
+    torch.manual_seed(seed)
+    model = MMDiT(cfg).to(device=device, dtype=dtype)
+    if checkpointing != "none":
+        checkpoint_blocks(model, 1 if checkpointing == "full" else ac_every)
+    batch = cast_batch(batch, dtype).to(device)
+    params = list(model.parameters())
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    out, saved = saved_activation_bytes(lambda: model(batch), exclude=params)
+    loss = (out.float() - batch.targets.float()).pow(2).mean()
+    loss.backward()
+    result: dict[str, Any] = {"activations": saved}
+    if cuda:
+        torch.cuda.synchronize(device)
+        result["cuda_fwd_bwd_peak"] = torch.cuda.max_memory_allocated(device) - base
+    opt = None
+    if optimizer:
+        opt = torch.optim.AdamW(params, lr=1e-4)
+        opt.step()
+    result.update(state_bytes(model, opt))
+
+    n = int(batch.seq_lens.sum())
+    mem = MemoryModel(
+        shape=ModelShape.of(cfg), precision="bf16" if dtype == torch.bfloat16 else "fp32",
+        checkpointing=checkpointing, ac_every=ac_every, attention="reference" if device.type == "cpu" else "kernel",
+    )
+    pred = mem.breakdown(n, text_tokens=int(batch.is_text.sum()), sequences=batch.num_sequences)
+    # The model measured here is cast to ``dtype`` (no fp32 master copy): its parameters,
+    # gradients and AdamW moments are in ``dtype``, AdamW's step counters in fp32.
+    shape = mem.shape
+    state = shape.num_params * dtype.itemsize
+    result["predicted"] = {
+        "params": state,
+        "grads": state,
+        "optimizer": 2 * state + 4 * shape.num_param_tensors,
+        "activations": pred.activations,
+        "fwd_bwd_peak": pred.activations + pred.recompute + pred.backward_working + state,
+    }
+    result["tokens"] = n
+    return result
+
+
+def _report(r: dict[str, Any]) -> None:
+    print(f"tokens {r['tokens']}")
+    print(f"{'':<16} {'predicted GiB':>14} {'measured GiB':>13} {'pred/meas':>10}")
+    rows = [("activations", "activations"), ("params", "params"), ("grads", "grads"), ("optimizer", "optimizer")]
+    if "cuda_fwd_bwd_peak" in r:
+        rows.append(("fwd_bwd_peak", "cuda_fwd_bwd_peak"))
+    for pred_key, meas_key in rows:
+        p, m = r["predicted"][pred_key], r[meas_key]
+        ratio = p / m if m else math.nan
+        print(f"{pred_key:<16} {p / GIB:>14.3f} {m / GIB:>13.3f} {ratio:>10.3f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from knapray.models.packing import pack_samples
+
+    p = argparse.ArgumentParser(description="memory model vs measurement on one packed batch")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--depth-double", type=int, default=2)
+    p.add_argument("--depth-single", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=4096, help="image tokens per sequence x sequences (rounded)")
+    p.add_argument("--sequences", type=int, default=4)
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--ac", choices=["none", "full", "every_k"], default="none")
+    p.add_argument("--ac-every", type=int, default=2)
+    p.add_argument("--device", default=None)
+    args = p.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    head_dim = args.hidden // args.heads
+    wide = head_dim * 7 // 16 // 2 * 2  # h and w axes; Flux: 56 of 128
+    axes = (head_dim - 2 * wide, wide, wide)
+    cfg = MMDiTConfig(
+        hidden_size=args.hidden, num_heads=args.heads, depth_double=args.depth_double,
+        depth_single=args.depth_single, rope_axes_dim=axes, text_dim=64, pooled_dim=64,
+    )
+    side = 2 * max(1, round(math.sqrt(args.tokens / args.sequences)))
+    gen = torch.Generator().manual_seed(0)
+    samples = [
+        {"latent": torch.randn(cfg.in_channels, 1, side, side, generator=gen),
+         "text": torch.randn(16, cfg.text_dim, generator=gen),
+         "pooled": torch.randn(cfg.pooled_dim, generator=gen), "timestep": 0.5}
+        for _ in range(args.sequences)
+    ]
+    batch = pack_samples(samples, cfg)
+    batch.targets = torch.randn_like(batch.x_img)
+    _report(measure_step(cfg, batch, dtype=dtype, checkpointing=args.ac, ac_every=args.ac_every, device=device))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

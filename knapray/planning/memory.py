@@ -1,0 +1,535 @@
+"""Per-GPU memory of one training step of the packed MMDiT, and the largest token budget
+that fits a GPU (pure: stdlib only, no torch).
+
+What a rank holds at its peak, by category:
+
+``params``, ``grads``, ``optimizer``
+    fp32 master parameters, their fp32 gradients, AdamW's ``exp_avg`` / ``exp_avg_sq``
+    (8 B per parameter) and one fp32 ``step`` scalar per parameter tensor; divided by the
+    shard group's size under FSDP2 (``full``: the world, ``hybrid``: a node).
+``autocast_weights``
+    ``sharding="none"`` with ``precision="bf16"`` runs under ``torch.autocast`` with fp32
+    parameters: every Linear's weight and bias is cast to bf16 once per forward and the
+    copy is saved for backward, so 2 B per Linear parameter of every block that is not
+    checkpointed (a checkpointed block's copies die with the autocast region and come
+    back one block at a time in its recompute). RMSNorm gains are not cast.
+``fsdp_buffers``
+    FSDP2 (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` for bf16): per
+    block, ``p`` bytes per parameter for the all-gathered parameters of two blocks (the
+    running one and the one prefetched), ``p`` for the running block's unsharded
+    gradients and 4 + 4 for the fp32 reduce-scatter inputs of two blocks (one being
+    filled, one in flight): ``(3p + 8) x`` the largest block's parameters, ``p`` = 2 (bf16)
+    or 4 (fp32); the root module (embedders, final layer) stays gathered all step:
+    ``(2p + 4) x`` its parameters.
+``activations``
+    What autograd keeps from the forward (derived below; checkpointed blocks keep their
+    inputs only).
+``recompute``, ``backward_working``
+    During backward: the largest checkpointed block recomputed in full, and the gradient
+    buffers of the block being differentiated (below).
+``step_buffers``
+    After backward: ``sharding="none"`` on more than one rank all-reduces the gradients
+    through one flat fp32 buffer (``knapray.distributed.grads``), 4 B per parameter; the
+    foreach AdamW step allocates one fp32 temporary per parameter (4 B, sharded).
+
+The peak is the larger of two phases: *backward* (state + autocast copies + FSDP buffers
++ activations) and *optimizer step* (state + step buffers; activations are gone).
+
+Activations, per token, compute dtype ``b`` bytes (2 for bf16, 4 for fp32); ``d`` the
+width, ``m`` the MLP hidden width, ``H`` heads; ``u = 4`` if ``b < 4`` else 0 (an fp32
+copy that, in fp32, is its source); ``q = 1`` with QK-norm, else 0. Counted from
+``knapray/models/blocks.py`` as the distinct storages autograd saves (a product saves a
+factor only when the other factor needs a gradient: RoPE keeps just cos/sin):
+
+double-stream block (per token of either stream)::
+
+    b*(6d           modulation vectors gathered per token (kept whole by the gate views)
+       + 4d         LN1 input, (1+scale1), modulated LN1 output (mul), qkv input
+       + A          attention (below)
+       + 6d         proj input, proj output, h after attention, (1+scale2), LN2 output, fc1 input
+       + 2m + d)    fc1 output (GELU input), GELU output (fc2 input), fc2 output
+    + q*(3d*b if b == 4)              qkv output, kept whole by QK-norm's fp32 view of q
+    + q*2*(u*d + b*d + 4H)            QK-norm of q and k: fp32 input copy, normed output, rsqrt
+    + 4H + 2*2*4                      attention logsumexp; LN mean and rstd (fp32 on CUDA)
+
+single-stream block::
+
+    b*(3d           modulation vectors (kept whole by the gate view)
+       + 4d         LN input, (1+scale), modulated LN output, linear1 input
+       + (3d + m)   linear1 output (GELU input; v and QK-norm's views of it)
+       + A          attention
+       + (d + m)    linear2 input (attention output ++ GELU output)
+       + d)         linear2 output
+    + q*2*(u*d + b*d + 4H) + 4H + 2*4
+
+``A`` is what attention keeps: ``4d`` with a kernel (``attention="kernel"``: flash or
+torch varlen save q, k, v and the output; Ulysses saves the exchanged q/k/v buffer and
+the output, over the bag's whole sequences with H/g heads, i.e. the bag's tokens / g,
+which for a balanced plan is this rank's token count: a bag's ranks hold within one token
+of each other; a local kernel in a single-stream block saves ``3d``, v being a view of
+linear1's output), or ``5d + 16/b`` on the CPU reference path (``attention="reference"``:
+per-sequence SDPA on gathered copies of q, k, v, its output, the output copy packed back,
+two int64 index tensors).
+
+Flux width (d=3072, m=4d, 24 heads, QK-norm), bf16, kernel: 70d B = 210 KiB per token per
+double block, 60d B = 180 KiB per single block (3.28 / 2.81 GiB at 16k tokens).
+
+``precision="bf16"`` counts every activation in bf16, as FSDP2's mixed precision (bf16
+parameters, so bf16 norms) computes them. Under ``torch.autocast`` (``sharding="none"``)
+CUDA runs LayerNorm in fp32, and the fp32 RMSNorm gain makes q and k fp32 (which also
+sends them to the per-sequence SDPA path): by reading the code about 10% more activation
+bytes than counted here; not modelled, not measured (``python -m knapray.memory_check`` on
+a GPU measures it).
+
+Outside the blocks, per token: the embedders' inputs (``patch_dim*b`` per image token,
+``text_dim*b`` per text token), the final layer on image tokens (``4d*b``: LN input,
+(1+scale), LN output, linear input; LN stats; its int64 sequence index), RoPE cos/sin in
+fp32 (``4D`` with ``D = d/H``), and index tensors shared by all blocks (int64: the embedder
+merge's order, the sequence index with single blocks, the stream split / merge orders and
+per-stream sequence indices with double blocks: 8 + 8 + 24 B; the head's bool mask, 1 B).
+Per sequence (``sequences``): the conditioning MLPs' saved rows and one SiLU'd
+conditioning row per modulation call (2 per double block, 1 per single block, 1 final).
+
+Activation checkpointing: a checkpointed block keeps only its input (``d*b`` per token);
+during backward one checkpointed block at a time is recomputed in full (the largest one
+is added). ``every_k`` checkpoints blocks ``k-1, 2k-1, ...`` in execution order (double
+then single blocks, torchtitan's convention). The backward working set per token is the
+gradient of the widest Linear input (``(d+m)*b``) plus the residual stream's gradient and
+a modulation gradient held until its chunk's other grads arrive (``2d*b``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+GIB = 2**30
+
+SHARDING = ("none", "full", "hybrid")
+CHECKPOINTING = ("none", "full", "every_k")
+PRECISIONS = ("bf16", "fp32")
+ATTENTION = ("kernel", "reference")
+
+TIME_EMBED_DIM = 256
+"""Width of the timestep features (``knapray.models.layers.TIME_EMBED_DIM``; a test checks
+the parameter count against the live model)."""
+
+FP32 = 4
+INDEX = 8  # int64
+
+RESERVE_BYTES = 3 * GIB
+"""Memory no tensor of the step can use: CUDA context, NCCL communicator buffers,
+cuBLAS / attention workspaces (about 1 + 1 + 1 GiB on an 8-GPU H100 node)."""
+FRAGMENTATION = 0.10
+"""Fraction of what is left lost to the caching allocator's fragmentation: packed batches
+change shape every step, so freed blocks rarely fit the next request exactly."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """What the memory model needs of an ``MMDiTConfig`` (plain numbers)."""
+
+    hidden_size: int
+    num_heads: int
+    depth_double: int
+    depth_single: int
+    mlp_hidden: int
+    """MLP hidden width (``int(hidden_size * mlp_ratio)``)."""
+    patch_dim: int
+    """Features per image token (``in_channels * prod(patch_size)``)."""
+    text_dim: int = 0
+    pooled_dim: int = 0
+    qk_norm: bool = True
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "qk_norm":
+                if not isinstance(value, bool):
+                    raise ValueError(f"qk_norm must be a bool, got {value!r}")
+                continue
+            low = 1 if f.name in ("hidden_size", "num_heads", "mlp_hidden", "patch_dim") else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{f.name} must be an int >= {low}, got {value!r}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}")
+        if self.depth_double + self.depth_single < 1:
+            raise ValueError("need at least one block (depth_double + depth_single >= 1)")
+
+    @classmethod
+    def of(cls, cfg: Any) -> ModelShape:
+        """From an ``MMDiTConfig`` (or anything with its field names), read by attribute."""
+        if isinstance(cfg, ModelShape):
+            return cfg
+        d = cfg.hidden_size
+        patch = getattr(cfg, "patch_dim", None)
+        if patch is None:
+            patch = cfg.in_channels * math.prod(cfg.patch_size)
+        return cls(
+            hidden_size=d,
+            num_heads=cfg.num_heads,
+            depth_double=cfg.depth_double,
+            depth_single=cfg.depth_single,
+            mlp_hidden=int(d * getattr(cfg, "mlp_ratio", 4.0)),
+            patch_dim=int(patch),
+            text_dim=getattr(cfg, "text_dim", 0),
+            pooled_dim=getattr(cfg, "pooled_dim", 0),
+            qk_norm=bool(getattr(cfg, "qk_norm", True)),
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def num_blocks(self) -> int:
+        return self.depth_double + self.depth_single
+
+    # ---- parameters (exact: the modules of knapray/models) ------------------------------
+
+    def _linear(self, i: int, o: int) -> tuple[int, int]:
+        return i * o + o, 2  # (parameters, tensors)
+
+    def _count(self, linears: list[tuple[int, int]], norms: int) -> tuple[int, int, int]:
+        """(linear parameters, norm parameters, parameter tensors)."""
+        lin = sum(self._linear(i, o)[0] for i, o in linears)
+        norm = norms * self.head_dim if self.qk_norm else 0
+        return lin, norm, 2 * len(linears) + (norms if self.qk_norm else 0)
+
+    @property
+    def double_block(self) -> tuple[int, int, int]:
+        d, m = self.hidden_size, self.mlp_hidden
+        stream = [(d, 6 * d), (d, 3 * d), (d, d), (d, m), (m, d)]
+        return self._count(stream * 2, 4)
+
+    @property
+    def single_block(self) -> tuple[int, int, int]:
+        d, m = self.hidden_size, self.mlp_hidden
+        return self._count([(d, 3 * d), (d, 3 * d + m), (d + m, d)], 2)
+
+    @property
+    def root(self) -> tuple[int, int, int]:
+        """Embedders and the final layer."""
+        d = self.hidden_size
+        lin = [(self.patch_dim, d), (TIME_EMBED_DIM, d), (d, d), (d, 2 * d), (d, self.patch_dim)]
+        if self.text_dim:
+            lin.append((self.text_dim, d))
+        if self.pooled_dim:
+            lin += [(self.pooled_dim, d), (d, d)]
+        return self._count(lin, 0)
+
+    @property
+    def num_params(self) -> int:
+        return self._total(0) + self._total(1)
+
+    @property
+    def num_linear_params(self) -> int:
+        return self._total(0)
+
+    @property
+    def num_param_tensors(self) -> int:
+        return self._total(2)
+
+    def _total(self, i: int) -> int:
+        return (
+            self.depth_double * self.double_block[i] + self.depth_single * self.single_block[i] + self.root[i]
+        )
+
+    # ---- activations, bytes per token (see the module docstring) -----------------------
+
+    def _attention(self, b: int, attention: str) -> int:
+        d = self.hidden_size
+        if attention == "reference":
+            return 5 * d * b + 2 * INDEX + FP32 * self.num_heads
+        return 4 * d * b + FP32 * self.num_heads
+
+    def _qk_norm(self, b: int) -> int:
+        if not self.qk_norm:
+            return 0
+        up = FP32 if b < FP32 else 0
+        return 2 * (up * self.hidden_size + b * self.hidden_size + FP32 * self.num_heads)
+
+    def double_block_bytes(self, b: int, attention: str = "kernel") -> int:
+        d, m = self.hidden_size, self.mlp_hidden
+        qkv_out = 3 * d * b if self.qk_norm and b == FP32 else 0
+        return (
+            b * (6 * d + 4 * d + 6 * d + 2 * m + d) + qkv_out + self._qk_norm(b)
+            + self._attention(b, attention) + 2 * 2 * FP32
+        )
+
+    def single_block_bytes(self, b: int, attention: str = "kernel") -> int:
+        d, m = self.hidden_size, self.mlp_hidden
+        return (
+            b * (3 * d + 4 * d + (3 * d + m) + (d + m) + d) + self._qk_norm(b)
+            + self._attention(b, attention) + 2 * FP32
+        )
+
+    def block_bytes(self, b: int, attention: str = "kernel") -> list[int]:
+        """Per-token saved bytes of every block, in execution order."""
+        return (
+            [self.double_block_bytes(b, attention)] * self.depth_double
+            + [self.single_block_bytes(b, attention)] * self.depth_single
+        )
+
+    def outside_bytes(self, b: int, image: bool) -> int:
+        """Per-token saved bytes outside the blocks: embedder input, final layer (image
+        tokens), RoPE cos/sin, shared index tensors."""
+        d = self.hidden_size
+        shared = INDEX + (INDEX if self.depth_single else 0) + (3 * INDEX if self.depth_double else 0) + 1
+        shared += 2 * FP32 * (self.head_dim // 2)  # RoPE cos, sin
+        if image:
+            return self.patch_dim * b + 4 * d * b + 2 * FP32 + INDEX + shared
+        return self.text_dim * b + shared
+
+    def sequence_bytes(self, b: int) -> int:
+        """Per-sequence saved bytes: conditioning MLPs and the SiLU'd rows every modulation
+        (2 per double block, 1 per single block, 1 final) feeds its Linear."""
+        d = self.hidden_size
+        cond = (TIME_EMBED_DIM + 2 * d) * b + d * b
+        if self.pooled_dim:
+            cond += (self.pooled_dim + 2 * d) * b
+        return cond + d * b * (2 * self.depth_double + self.depth_single + 1)
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Per-GPU bytes by category; ``total`` is the peak over the step's two phases."""
+
+    params: int
+    grads: int
+    optimizer: int
+    autocast_weights: int
+    fsdp_buffers: int
+    activations: int
+    """Saved by the forward (all blocks, or checkpointed blocks' inputs) + outside blocks."""
+    recompute: int
+    """One checkpointed block recomputed during backward (0 without checkpointing)."""
+    backward_working: int
+    step_buffers: int
+    tokens: int
+
+    @property
+    def backward_peak(self) -> int:
+        return (
+            self.params + self.grads + self.optimizer + self.autocast_weights + self.fsdp_buffers
+            + self.activations + self.recompute + self.backward_working
+        )
+
+    @property
+    def step_peak(self) -> int:
+        return self.params + self.grads + self.optimizer + self.step_buffers
+
+    @property
+    def total(self) -> int:
+        return max(self.backward_peak, self.step_peak)
+
+    @property
+    def peak_phase(self) -> str:
+        return "backward" if self.backward_peak >= self.step_peak else "optimizer step"
+
+    def to_gib(self) -> dict[str, float]:
+        out = {
+            f.name: getattr(self, f.name) / GIB for f in fields(self) if f.name != "tokens"
+        }
+        out["total"] = self.total / GIB
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryModel:
+    """Per-GPU memory of a training step: model shape, parallel layout, precision."""
+
+    shape: ModelShape
+    world_size: int = 1
+    gpus_per_node: int = 8
+    sharding: str = "none"
+    """``none`` (replicated), ``full`` (FSDP2 over the world), ``hybrid`` (FSDP2 within a
+    node of ``gpus_per_node``, replicated across nodes)."""
+    checkpointing: str = "none"
+    """``none``, ``full`` (every block) or ``every_k`` (every ``ac_every``-th block)."""
+    ac_every: int = 2
+    precision: str = "bf16"
+    """Compute dtype: ``bf16`` (autocast over fp32 params without sharding, FSDP2 mixed
+    precision with it) or ``fp32``."""
+    attention: str = "kernel"
+    """What attention saves: ``kernel`` (flash / torch varlen, Ulysses: the GPU path) or
+    ``reference`` (the per-sequence SDPA path of ``knapray.attention``: CPU)."""
+    reserve_bytes: int = RESERVE_BYTES
+    fragmentation: float = FRAGMENTATION
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.shape, ModelShape):
+            object.__setattr__(self, "shape", ModelShape.of(self.shape))
+        for name, valid in (
+            ("sharding", SHARDING), ("checkpointing", CHECKPOINTING), ("precision", PRECISIONS),
+            ("attention", ATTENTION),
+        ):
+            if getattr(self, name) not in valid:
+                raise ValueError(f"unknown {name} {getattr(self, name)!r}; valid: {', '.join(valid)}")
+        for name in ("world_size", "gpus_per_node", "ac_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.sharding == "hybrid" and self.world_size % min(self.gpus_per_node, self.world_size):
+            raise ValueError(
+                f"hybrid sharding needs whole nodes: world size {self.world_size} is not a multiple "
+                f"of gpus_per_node={self.gpus_per_node}"
+            )
+        if not 0 <= self.fragmentation < 1:
+            raise ValueError(f"fragmentation must be in [0, 1), got {self.fragmentation!r}")
+        if self.reserve_bytes < 0:
+            raise ValueError(f"reserve_bytes must be >= 0, got {self.reserve_bytes!r}")
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks one parameter's fp32 state is split over."""
+        if self.sharding == "full":
+            return self.world_size
+        if self.sharding == "hybrid":
+            return min(self.gpus_per_node, self.world_size)
+        return 1
+
+    @property
+    def compute_bytes(self) -> int:
+        return 2 if self.precision == "bf16" else 4
+
+    def checkpointed(self) -> list[bool]:
+        """Per block in execution order: is it checkpointed?"""
+        n = self.shape.num_blocks
+        if self.checkpointing == "none":
+            return [False] * n
+        if self.checkpointing == "full":
+            return [True] * n
+        return [(i + 1) % self.ac_every == 0 for i in range(n)]
+
+    # ---- pieces -------------------------------------------------------------------------
+
+    def _sharded(self, total: int) -> int:
+        return -(-total // self.shard_size)
+
+    def activation_bytes(self, tokens: int, *, text_tokens: int = 0, sequences: int = 0) -> tuple[int, int, int]:
+        """(saved by the forward, one block's recompute, backward working set) for a rank
+        holding ``tokens`` routed tokens (``text_tokens`` of them text) of ``sequences``
+        sequences."""
+        if tokens < 0 or not 0 <= text_tokens <= tokens or sequences < 0:
+            raise ValueError(
+                f"need 0 <= text_tokens <= tokens and sequences >= 0, got tokens={tokens}, "
+                f"text_tokens={text_tokens}, sequences={sequences}"
+            )
+        s, b = self.shape, self.compute_bytes
+        d = s.hidden_size
+        per_block = s.block_bytes(b, self.attention)
+        ckpt = self.checkpointed()
+        kept = sum(d * b if c else a for a, c in zip(per_block, ckpt))
+        outside = (tokens - text_tokens) * s.outside_bytes(b, True) + text_tokens * s.outside_bytes(b, False)
+        saved = tokens * kept + outside + sequences * s.sequence_bytes(b)
+        recompute = tokens * max((a for a, c in zip(per_block, ckpt) if c), default=0)
+        working = tokens * (d + s.mlp_hidden + 2 * d) * b
+        return saved, recompute, working
+
+    def _autocast_bytes(self) -> int:
+        if self.precision != "bf16" or self.sharding != "none":
+            return 0
+        s = self.shape
+        lin = [s.double_block[0]] * s.depth_double + [s.single_block[0]] * s.depth_single
+        ckpt = self.checkpointed()
+        kept = sum(p for p, c in zip(lin, ckpt) if not c) + s.root[0]
+        return 2 * (kept + max((p for p, c in zip(lin, ckpt) if c), default=0))
+
+    def _fsdp_bytes(self) -> int:
+        if self.sharding == "none":
+            return 0
+        s = self.shape
+        p = self.compute_bytes
+        largest = max(
+            sum(s.double_block[:2]) if s.depth_double else 0, sum(s.single_block[:2]) if s.depth_single else 0
+        )
+        return (3 * p + 8) * largest + (2 * p + FP32) * sum(s.root[:2])
+
+    def breakdown(self, tokens: int, *, text_tokens: int = 0, sequences: int = 0) -> MemoryBreakdown:
+        """Per-GPU bytes of a step in which this rank holds ``tokens`` routed tokens."""
+        s = self.shape
+        n = s.num_params
+        saved, recompute, working = self.activation_bytes(tokens, text_tokens=text_tokens, sequences=sequences)
+        allreduce = FP32 * n if self.sharding == "none" and self.world_size > 1 else 0
+        return MemoryBreakdown(
+            params=FP32 * self._sharded(n),
+            grads=FP32 * self._sharded(n),
+            optimizer=2 * FP32 * self._sharded(n) + FP32 * s.num_param_tensors,
+            autocast_weights=self._autocast_bytes(),
+            fsdp_buffers=self._fsdp_bytes(),
+            activations=saved,
+            recompute=recompute,
+            backward_working=working,
+            step_buffers=allreduce + FP32 * self._sharded(n),
+            tokens=tokens,
+        )
+
+    def usable_bytes(self, gpu_bytes: int) -> int:
+        """What the step may use of a GPU: minus the fixed reserve, minus fragmentation."""
+        return int((gpu_bytes - self.reserve_bytes) * (1 - self.fragmentation))
+
+    def max_tokens_per_gpu(self, gpu_bytes: int) -> int:
+        """Largest per-GPU token budget whose peak fits ``usable_bytes(gpu_bytes)`` (every
+        token counted as an image token, the costlier kind; per-sequence terms left out).
+        0 if not even the model state fits."""
+        usable = self.usable_bytes(gpu_bytes)
+        empty = self.breakdown(0)
+        if empty.total > usable:
+            return 0
+        per_token = self.breakdown(1).backward_peak - empty.backward_peak
+        # The step phase does not grow with tokens; only the backward phase limits them.
+        return max(0, (usable - empty.backward_peak) // per_token)
+
+    def fits(self, tokens: int, gpu_bytes: int) -> bool:
+        return self.breakdown(tokens).total <= self.usable_bytes(gpu_bytes)
+
+
+def parse_checkpointing(value: Any, every: int | None = None) -> tuple[str, int]:
+    """(mode, k) from ``none`` / ``full`` / ``every_k`` (k from ``every``, default 2) or the
+    shorthand ``every_<k>``."""
+    text = str(value).strip().lower()
+    if text.startswith("every_") and text[6:].isdigit():
+        k = int(text[6:])
+        if k < 1:
+            raise ValueError(f"activation checkpointing {value!r}: k must be >= 1")
+        return ("full" if k == 1 else "every_k"), k
+    if text not in CHECKPOINTING:
+        raise ValueError(
+            f"unknown activation checkpointing {value!r}; valid: {', '.join(CHECKPOINTING)} or every_<k>"
+        )
+    return text, 2 if every is None else every
+
+
+def memory_model_for_run(
+    cfg: Any,
+    *,
+    world_size: int | None = None,
+    gpus_per_node: int | None = None,
+    sharding: str | None = None,
+    checkpointing: str | None = None,
+    ac_every: int | None = None,
+) -> MemoryModel:
+    """The memory model of a run config (``knapray.train.config.TrainConfig``); keyword
+    arguments override it. The run section's ``fsdp``, ``activation_checkpointing`` and
+    ``ac_every`` are read if present (default: none); ``precision: auto`` means bf16 on
+    GPUs (``use_gpu``) and fp32 otherwise."""
+    run = cfg.run
+    precision = getattr(run, "precision", "auto")
+    if precision == "auto":
+        precision = "bf16" if getattr(run, "use_gpu", True) else "fp32"
+    mode, k = parse_checkpointing(
+        checkpointing if checkpointing is not None else getattr(run, "activation_checkpointing", "none"),
+        ac_every if ac_every is not None else getattr(run, "ac_every", None),
+    )
+    per_node = gpus_per_node or getattr(cfg.balance, "gpus_per_node", 0) or 8
+    return MemoryModel(
+        shape=ModelShape.of(cfg.model),
+        world_size=world_size if world_size is not None else run.num_workers,
+        gpus_per_node=per_node,
+        sharding=sharding if sharding is not None else getattr(run, "fsdp", "none"),
+        checkpointing=mode,
+        ac_every=k,
+        precision=precision,
+    )

@@ -1,0 +1,270 @@
+"""The per-GPU memory model (knapray.planning.memory) against the live model, and the
+``knapray memory`` command."""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from knapray.cli import main
+from knapray.memory_check import measure_step
+from knapray.models import MMDiT, MMDiTConfig, dit_config
+from knapray.planning.memory import (
+    GIB,
+    MemoryModel,
+    ModelShape,
+    memory_model_for_run,
+    parse_checkpointing,
+)
+from knapray.testing.batches import mix_batches
+
+FLUX = MMDiTConfig(
+    in_channels=16, patch_size=(1, 2, 2), hidden_size=3072, num_heads=24, depth_double=19, depth_single=38,
+    text_dim=4096, pooled_dim=768, rope_axes_dim=(16, 56, 56),
+)
+SMALL = {
+    "mmdit": MMDiTConfig(hidden_size=64, num_heads=4, depth_double=2, depth_single=2),
+    "dit": dit_config(hidden_size=64, num_heads=4),
+}
+# Two packed batches per model: ~200-450 and ~1000-1200 tokens, text and image.
+MIXES = ["g1b3i256f1s0", "g1b2i512f2s0"]
+
+
+# ---- parameters -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        MMDiTConfig(),
+        dit_config(),
+        MMDiTConfig(qk_norm=False, pooled_dim=0, mlp_ratio=2.5),
+        MMDiTConfig(text_dim=0, depth_double=3, depth_single=0),
+        FLUX,
+    ],
+    ids=["mmdit", "dit", "no-qk-norm", "double-only", "flux"],
+)
+def test_parameter_counts_match_the_model(cfg):
+    with torch.device("meta"):  # Flux size without its 48 GB
+        model = MMDiT(cfg)
+    shape = ModelShape.of(cfg)
+    params = list(model.parameters())
+    assert shape.num_params == sum(p.numel() for p in params)
+    assert shape.num_param_tensors == len(params)
+    linear = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters())
+    assert shape.num_linear_params == linear
+    if cfg is FLUX:
+        assert 11.8e9 < shape.num_params < 12.0e9  # Flux.1: 12 B
+
+
+# ---- prediction vs measurement (CPU) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full", "every_k"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(SMALL))
+def test_prediction_within_15_percent_of_measurement(name, dtype, checkpointing):
+    cfg = SMALL[name]
+    for mix in MIXES:
+        batch = mix_batches(mix, cfg, scale=2, seed=0)[0]
+        r = measure_step(cfg, batch, dtype=dtype, checkpointing=checkpointing, ac_every=2)
+        pred, meas = r["predicted"]["activations"], r["activations"]
+        print(f"{name} {str(dtype)[6:]} ac={checkpointing} tokens={r['tokens']}: "
+              f"predicted {pred} B, measured {meas} B, ratio {pred / meas:.4f}")
+        assert abs(pred / meas - 1) <= 0.15
+        # Parameters, gradients and AdamW state exactly (of the model cast to dtype).
+        for key in ("params", "grads", "optimizer"):
+            assert r[key] == r["predicted"][key]
+    if dtype == torch.float32:  # the memory model's fp32 master state is the same
+        pred = MemoryModel(shape=ModelShape.of(cfg), precision="fp32").breakdown(0)
+        assert (pred.params, pred.grads, pred.optimizer) == (r["params"], r["grads"], r["optimizer"])
+
+
+def test_checkpointing_keeps_only_block_inputs():
+    # Measured: checkpointing every block removes each block's saved tensors except its
+    # input, d * b bytes per token.
+    cfg = SMALL["dit"]
+    batch = mix_batches(MIXES[1], cfg, scale=2, seed=0)[0]
+    plain = measure_step(cfg, batch, optimizer=False)
+    full = measure_step(cfg, batch, checkpointing="full", optimizer=False)
+    shape = ModelShape.of(cfg)
+    per_token_block = shape.single_block_bytes(4, "reference")
+    dropped = (plain["activations"] - full["activations"]) / plain["tokens"]
+    expected = cfg.depth_single * (per_token_block - cfg.hidden_size * 4)
+    assert dropped == pytest.approx(expected, rel=0.05)
+
+
+# ---- the model itself ------------------------------------------------------------------
+
+
+def flux(**kw) -> MemoryModel:
+    return MemoryModel(shape=ModelShape.of(FLUX), **kw)
+
+
+def test_per_block_bytes_of_flux_width():
+    s = ModelShape.of(FLUX)
+    d = s.hidden_size
+    # The module docstring's figures: 70d and 60d bytes per token in bf16, plus the
+    # logsumexp / rsqrt / LN-stats terms (a few dozen bytes).
+    assert 70 * d <= s.double_block_bytes(2) < 70 * d + 64 * s.num_heads
+    assert 60 * d <= s.single_block_bytes(2) < 60 * d + 64 * s.num_heads
+    assert s.single_block_bytes(2, "reference") > s.single_block_bytes(2)
+
+
+def test_sharding_divides_the_state():
+    none, full, hybrid = (flux(world_size=64, sharding=m) for m in ("none", "full", "hybrid"))
+    n = ModelShape.of(FLUX).num_params
+    assert none.breakdown(0).params == 4 * n
+    assert full.breakdown(0).params == 4 * -(-n // 64)
+    assert hybrid.shard_size == 8 and hybrid.breakdown(0).optimizer < none.breakdown(0).optimizer / 7.9
+    # Autocast keeps bf16 copies of the Linear weights only without FSDP, only in bf16.
+    assert none.breakdown(0).autocast_weights == 2 * ModelShape.of(FLUX).num_linear_params
+    assert full.breakdown(0).autocast_weights == 0
+    assert flux(precision="fp32").breakdown(0).autocast_weights == 0
+    # FSDP's gathered blocks and reduce buffers exist only with FSDP.
+    assert none.breakdown(0).fsdp_buffers == 0 < full.breakdown(0).fsdp_buffers
+    with pytest.raises(ValueError, match="hybrid sharding needs whole nodes: world size 12"):
+        flux(world_size=12, sharding="hybrid")
+
+
+def test_checkpointing_modes():
+    tokens = 8192
+    modes = ("none", "every_k", "full")
+    acts = {m: flux(checkpointing=m, sharding="full", world_size=8).breakdown(tokens) for m in modes}
+    assert acts["full"].activations < acts["every_k"].activations < acts["none"].activations
+    assert acts["none"].recompute == 0 < acts["full"].recompute
+    assert acts["full"].total < acts["every_k"].total < acts["none"].total
+    m = MemoryModel(shape=ModelShape.of(dit_config(depth_single=7)), checkpointing="every_k", ac_every=3)
+    assert m.checkpointed() == [False, False, True, False, False, True, False]
+    assert parse_checkpointing("every_3") == ("every_k", 3)
+    assert parse_checkpointing("every_1") == ("full", 1)
+    assert parse_checkpointing("every_k", 4) == ("every_k", 4)
+
+
+def test_max_tokens_is_the_largest_that_fits():
+    gpu = 80 * GIB
+    m = flux(world_size=64, sharding="hybrid", checkpointing="full")
+    t = m.max_tokens_per_gpu(gpu)
+    assert t > 20_000
+    assert m.fits(t, gpu) and not m.fits(t + 1, gpu)
+    assert m.usable_bytes(gpu) == int((gpu - 3 * GIB) * 0.9)
+    # Replicated Flux state (16 B per parameter + autocast copies) does not fit at all.
+    assert flux(world_size=64).max_tokens_per_gpu(gpu) == 0
+    assert flux(world_size=64, sharding="full").max_tokens_per_gpu(gpu) < t
+
+
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        ({"sharding": "zero3"}, "unknown sharding 'zero3'; valid: none, full, hybrid"),
+        ({"checkpointing": "some"}, "unknown checkpointing 'some'; valid: none, full, every_k"),
+        ({"precision": "fp16"}, "unknown precision 'fp16'; valid: bf16, fp32"),
+        ({"world_size": 0}, "world_size must be an int >= 1, got 0"),
+        ({"fragmentation": 1.5}, r"fragmentation must be in \[0, 1\)"),
+    ],
+)
+def test_bad_settings(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        flux(**kw)
+
+
+def test_bad_token_counts():
+    with pytest.raises(ValueError, match="text_tokens <= tokens"):
+        flux().breakdown(10, text_tokens=11)
+    with pytest.raises(ValueError, match="unknown activation checkpointing 'half'"):
+        parse_checkpointing("half")
+
+
+def test_run_config_fields_are_read_when_present():
+    cfg = types.SimpleNamespace(
+        model=FLUX,
+        run=types.SimpleNamespace(num_workers=32, precision="auto", use_gpu=True, fsdp="hybrid",
+                                  activation_checkpointing="every_4"),
+        balance=types.SimpleNamespace(gpus_per_node=4),
+    )
+    m = memory_model_for_run(cfg)
+    assert (m.world_size, m.gpus_per_node, m.sharding, m.checkpointing, m.ac_every, m.precision) == (
+        32, 4, "hybrid", "every_k", 4, "bf16"
+    )
+    m = memory_model_for_run(cfg, world_size=16, sharding="full", checkpointing="none")
+    assert (m.world_size, m.sharding, m.checkpointing) == (16, "full", "none")
+    # A run section without the fields (today's RunConfig): no sharding, no checkpointing.
+    cfg.run = types.SimpleNamespace(num_workers=4, precision="auto", use_gpu=False)
+    m = memory_model_for_run(cfg)
+    assert (m.sharding, m.checkpointing, m.precision, m.gpus_per_node) == ("none", "none", "fp32", 4)
+
+
+# ---- the command -----------------------------------------------------------------------
+
+
+def _write_config(path: Path, model: MMDiTConfig, **run) -> str:
+    import yaml
+
+    m = {k: (list(v) if isinstance(v, tuple) else v) for k, v in
+         ((f, getattr(model, f)) for f in model.__dataclass_fields__)}
+    data = {"model": m, "balance": {"gpus_per_node": 8},
+            "run": {"name": "t", "num_workers": 64, "use_gpu": True, "precision": "bf16", **run}}
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_memory_command_flux(tmp_path, capsys):
+    config = _write_config(tmp_path / "flux.yaml", FLUX)
+    assert main(["memory", "--config", config, "--fsdp", "hybrid", "--ac", "full", "--tokens-per-gpu",
+                 "32768", "--json"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(out[-1])
+    assert result["fits"] and result["tokens_per_gpu"] == 32768 and result["shard_size"] == 8
+    assert result["total_gib"] == pytest.approx(sum(
+        result["breakdown"][k] for k in result["breakdown"] if k != "step_buffers"))
+    assert result["max_tokens_per_gpu"] > 32768
+    assert any(line.strip().startswith("activations") for line in out)
+    # Replicated, the same config does not fit: the command says so and still exits 0.
+    assert main(["memory", "--config", config, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert not result["fits"] and result["max_tokens_per_gpu"] == 0
+
+
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        (["--fsdp", "zero3"], "unknown sharding 'zero3'; valid: none, full, hybrid"),
+        (["--ac", "half"], "unknown activation checkpointing 'half'"),
+        (["--world-size", "12", "--fsdp", "hybrid"], "world size 12 is not a multiple of gpus_per_node=8"),
+        (["--tokens-per-gpu", "-1"], "argument --tokens-per-gpu: expected an integer >= 0, got '-1'"),
+        (["--gpu-gib", "0"], "argument --gpu-gib: expected a finite number > 0, got '0'"),
+    ],
+)
+def test_memory_command_bad_values(tmp_path, capsys, args, msg):
+    config = _write_config(tmp_path / "small.yaml", SMALL["mmdit"])
+    try:
+        code = main(["memory", "--config", config, *args])
+    except SystemExit as e:  # argparse's own exit for a bad argument
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("knapray memory: error:") and msg in err
+
+
+def test_memory_command_missing_config(tmp_path, capsys):
+    assert main(["memory", "--config", str(tmp_path / "nope.yaml")]) == 2
+    assert "nope.yaml" in capsys.readouterr().err
+
+
+# ---- GPU: the CUDA allocator's peak ----------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_cuda_peak_within_15_percent(checkpointing):
+    cfg = MMDiTConfig(hidden_size=1024, num_heads=8, depth_double=2, depth_single=2, rope_axes_dim=(16, 56, 56))
+    batch = mix_batches("g1b2i1024f1s0", cfg, scale=1, seed=0)[0]
+    r = measure_step(cfg, batch, dtype=torch.bfloat16, checkpointing=checkpointing, device="cuda", optimizer=False)
+    print(r)
+    assert abs(r["predicted"]["activations"] / r["activations"] - 1) <= 0.15
+    assert abs(r["predicted"]["fwd_bwd_peak"] / r["cuda_fwd_bwd_peak"] - 1) <= 0.15
