@@ -300,13 +300,9 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    from knapray.sample import run
+    from knapray.sample import print_report, run
 
-    report = run(args)
-    print(f"wrote {report['out']} ({report['requests']} images, {'EMA' if report['ema'] else 'raw'} weights of "
-          f"{report['checkpoint']}, decoded by {report['decoder']})")
-    if args.json:
-        print(json.dumps(report))
+    print_report(run(args), args.json)
     return 0
 
 

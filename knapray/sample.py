@@ -301,12 +301,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="knapray sample", description=__doc__.split("\n\n")[0])
     add_arguments(p)
     args = p.parse_args(argv)
-    report = run(args)
+    print_report(run(args), args.json)
+    return 0
+
+
+def print_report(report: dict, as_json: bool) -> None:
     print(f"wrote {report['out']} ({report['requests']} images, {'EMA' if report['ema'] else 'raw'} weights of "
           f"{report['checkpoint']}, decoded by {report['decoder']})")
-    if args.json:
+    if as_json:
         print(json.dumps(report))
-    return 0
 
 
 if __name__ == "__main__":
