@@ -81,6 +81,14 @@ def test_two_epochs_train_every_sample_once_per_epoch(corpus, tmp_path):
         assert sorted(counts) == sorted(ids) and set(counts.values()) == {1}, epoch
     epochs = [m["epoch"] for m in _metrics(tmp_path / "r")]
     assert epochs == sorted(epochs) and set(epochs) == {0, 1}
+    # What `tensorboard --logdir runs/` shows: every step's scalars.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "r" / "tensorboard"))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert {"loss", "loss_rel", "lr", "tokens_per_s", "imbalance_planned", "model_tflops"} <= set(tags), tags
+    assert [e.step for e in acc.Scalars("loss")] == list(range(len(epochs)))
 
 
 def test_resume_continues_at_the_checkpoint_and_trains_each_sample_once(corpus, tmp_path):

@@ -200,10 +200,10 @@ class Checkpointer:
         the state dicts of ``extra`` in place (their tensors are filled; the caller applies
         them, e.g. ``ema.load_state_dict``)."""
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        saved = saved_keys(path)
-        extra = {k: v for k, v in (extra or {}).items() if any(s.startswith(k + ".") for s in saved)}
-        state = {"model": model_sd, "optimizer": optim_sd, **extra}
         try:
+            saved = saved_keys(path)
+            extra = {k: v for k, v in (extra or {}).items() if any(s.startswith(k + ".") for s in saved)}
+            state = {"model": model_sd, "optimizer": optim_sd, **extra}
             safe_load(state, path, self.group)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps each rank's failure
             lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]

@@ -36,6 +36,8 @@ class StepRecord:
     epoch: int = 0
     lr: float = 0.0
     """Learning rate the step trained with."""
+    peak_tflops: float | None = None
+    """The GPU's dense bf16 peak (for MFU); None on CPU or an unknown GPU."""
 
     def to_json(self) -> dict:
         compute = np.asarray(self.compute_s)
@@ -64,6 +66,8 @@ class StepRecord:
             "model_tflops_per_gpu": self.flops / self.seconds / 1e12 / len(self.rank_work) if self.seconds > 0 else 0.0,
             "clock": self.clock,
             "peak_mem_gib": self.peak_mem_gib,
+            "mfu": (self.flops / self.seconds / 1e12 / len(self.rank_work) / self.peak_tflops
+                    if self.peak_tflops and self.seconds > 0 else None),
         }
 
 

@@ -33,7 +33,7 @@ from knapray.distributed import BagGroups
 from knapray.distributed.grads import allreduce_gradients
 from knapray.distributed.step_sync import StepSync
 from knapray.models import MMDiT
-from knapray.models.flops import model_flops
+from knapray.models.flops import model_flops, peak_tflops
 from knapray.models.flow import flow_loss
 from knapray.planning import BalancePlan, Topology, identity_plan
 from knapray.timing import StepTimer
@@ -74,6 +74,7 @@ class Trainer:
         self.device = ctx.device(cfg.run.use_gpu)
         self.sync = StepSync.build(self.device)
         self.dtype = compute_dtype(cfg.run.precision, self.device)
+        self.peak_tflops = peak_tflops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
         self.samples_per_step = cfg.samples_per_rank(self.world)
         self.run_dir = cfg.run_dir
         os.makedirs(self.run_dir, exist_ok=True)
@@ -252,7 +253,7 @@ class Trainer:
             rank_work=run_plan.rank_work.tolist(), baseline_rank_work=run_plan.baseline_rank_work.tolist(),
             topology=str(self.topology), flops=model_flops(run_plan.seq_lens.tolist(), cfg.model), clock=took.clock,
             peak_mem_gib=torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None,
-            epoch=self.epoch, lr=lr,
+            epoch=self.epoch, lr=lr, peak_tflops=self.peak_tflops,
         ).to_json()
         if self.metrics is not None:
             self.metrics.append(rec)
@@ -265,7 +266,7 @@ class Trainer:
                 )
         if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0 and not self.micro_steps:
             self._save(step)
-        self.ctx.report({"step": step, "loss": rec["loss"], "epoch": self.epoch})
+        self.ctx.report({"step": step, **scalars_of(rec)})  # every rank: Ray's report is a barrier
         return rec
 
     def _apply_gradients(self) -> None:
