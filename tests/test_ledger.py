@@ -269,6 +269,24 @@ def test_restart_restores_in_flight_steps_so_the_next_commit_covers_them(tmp_pat
     assert sorted(ids) == sorted(1000 * t + 10 * r + k for t in range(4) for r in range(2) for k in range(2))
 
 
+def test_a_crash_between_the_records_of_one_commit_loses_no_step(tmp_path):
+    d = tmp_path / "c"
+    coord = BalanceCoordinator(topology="g1n2", state_dir=str(d), **MODEL)
+    coord.begin_run(2)
+    for t in range(2):
+        submit_step(coord, t)
+    seg = segment_paths(d)[-1]
+    size = os.path.getsize(seg)
+    coord.commit_step(1)  # one record per step: 0, then 1
+    coord.close()
+    with open(seg, "r+b") as f:  # the actor died after writing step 0's record
+        f.truncate(size + (os.path.getsize(seg) - size) // 2)
+    restarted = BalanceCoordinator(topology="g1n2", state_dir=str(d), **MODEL)
+    assert restarted.committed_step == 0 and sorted(restarted.ledger.staged()) == [1]
+    restarted.commit_step(1)  # the loop's next (cumulative) commit
+    assert sorted(r[1] for r in restarted.ledger_rows()) == [0, 1, 10, 11, 1000, 1001, 1010, 1011]
+
+
 def test_epoch_state_survives_a_restart(tmp_path):
     d = str(tmp_path / "c")
     coord = BalanceCoordinator(topology="g1n2", state_dir=d, **MODEL)

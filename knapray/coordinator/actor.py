@@ -108,7 +108,7 @@ def create_coordinator(
     max_restarts: int = -1,
     detached: bool = False,
     **config: Any,
-) -> "ActorHandle":
+) -> ActorHandle:
     """Create (or get, if one by that name exists) the named coordinator actor.
 
     ``num_cpus=0``: it is idle most of the time and must not take a CPU a training worker

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from knapray.planning import BalancePlan, Topology
 
 from .steps import PlanTimeout
-
 
 _BULK_TIMEOUT_S = 600.0
 """How long whole-ledger calls may take (ten million rows: seconds, not the plan timeout)."""

@@ -80,7 +80,7 @@ class CoordinatorConfig:
         parse_rule(self.topology)
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> "CoordinatorConfig":
+    def from_kwargs(cls, **kwargs: Any) -> CoordinatorConfig:
         valid = [f.name for f in fields(cls)]
         unknown = sorted(set(kwargs) - set(valid))
         if unknown:

@@ -144,13 +144,11 @@ class Ledger:
         """``step -> (epoch, sample_ids, home_ranks)`` of planned, uncommitted steps."""
         return dict(self._staged)
 
-    def unstage_all(self) -> None:
-        self._staged.clear()
-
     def commit_through(self, step: int) -> list[int]:
         """Every staged step ``<= step`` is trained: one journal record each (fsync'd);
         the committed step becomes ``step``. Returns the steps whose rows were committed."""
         due = sorted(t for t in self._staged if t <= step)
+        committed = []
         for i, t in enumerate(due):
             epoch, ids, home = self._staged.pop(t)
             if self.has_step(t):
@@ -159,9 +157,10 @@ class Ledger:
             # a crash between two records leaves the second one in flight, not lost.
             through = step if i == len(due) - 1 else t
             self._append(Record(COMMIT, t, epoch, self.attempt, through, ids, home))
+            committed.append(t)
         if step > self.committed_step:
             self._append(Record(COMMIT, step, -1, self.attempt, step))  # no rows: the count moves on
-        return due
+        return committed
 
     def add(self, step: int, epoch: int, sample_ids, home_ranks) -> bool:
         """Rows of a step planned elsewhere (the ranks, while the coordinator was away),
@@ -243,6 +242,8 @@ class Ledger:
     def snapshot(self, keep_snapshots: int = 2) -> None:
         """Write the whole ledger as snapshot ``records`` (atomic), start a new journal
         segment, and delete what the newest ``keep_snapshots`` snapshots make unneeded."""
+        if self._store is None:
+            raise RuntimeError("this ledger has no state directory to write a snapshot to")
         meta = [SNAPSHOT_FORMAT, self.records, self.attempt, self.committed_step, self.ledger_id]
         self._store.write_snapshot(self.records, {
             "meta": np.asarray(meta, np.int64), "steps": self._table.view, "sample_id": self._ids.view,

@@ -85,7 +85,7 @@ class Record:
         return head + struct.pack("<I", zlib.crc32(head)) + payload
 
     @classmethod
-    def decode(cls, payload: bytes) -> "Record":
+    def decode(cls, payload: bytes) -> Record:
         """Raises ``ValueError`` if the payload is not a well-formed record."""
         if len(payload) < _HEAD.size:
             raise ValueError(f"record of {len(payload)} bytes is shorter than its {_HEAD.size}-byte header")

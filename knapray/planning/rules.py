@@ -17,8 +17,8 @@ Pure: numpy and the planning package only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
