@@ -105,6 +105,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_list(text: str) -> list[int]:
+    """``"10000,1000000"`` -> ``[10000, 1000000]``, for argparse."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, e.g. 10000,1000000; got {text!r}")
+    return values
+
+
 def _short(text: str, width: int = 60) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
@@ -156,6 +167,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print_report(result)
         if args.plot:
             print(f"plot: {args.plot}")
+        if args.json:
+            print(json.dumps(result))
+        return 0
+    if args.what == "ledger":
+        from knapray.benchmarks.ledger import DEFAULT_SIZES
+        from knapray.benchmarks.ledger import run as run_ledger
+
+        result = run_ledger(
+            sizes=tuple(args.sizes) if args.sizes else DEFAULT_SIZES,
+            steps=30 if args.steps is None else args.steps, directory=args.dir,
+        )
         if args.json:
             print(json.dumps(result))
         return 0
@@ -414,8 +436,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=cmd_parity)
 
     b = sub.add_parser("bench", help="benchmarks (ratios measured side by side)")
-    b.add_argument("what", choices=["planner", "step"])
-    b.add_argument("--steps", type=_int_at_least(1), default=None, help="steps (default: planner 20, step 6 incl. warm-up)")
+    b.add_argument("what", choices=["planner", "step", "ledger"])
+    b.add_argument("--steps", type=_int_at_least(1), default=None,
+                   help="steps (default: planner 20, step 6 incl. warm-up, ledger 30)")
     b.add_argument("--steps-1024", type=_int_at_least(1), default=5)
     b.add_argument("--seed", type=_int_at_least(0), default=0)
     b.add_argument("--json", action="store_true")
@@ -433,6 +456,10 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--gamma", type=_float_in(ge=0), default=None,
                     help="attention cost weight of the workload model (default: fitted for CPU, 0.85)")
     st.add_argument("--plot", help="write a PNG of per-rank compute time, balanced vs unbalanced")
+    lb = b.add_argument_group("ledger benchmark (commit cost by ledger size, on this machine's disk)")
+    lb.add_argument("--sizes", type=_int_list, default=None,
+                    help="ledger sizes in rows, comma-separated (default 10000,1000000,10000000)")
+    lb.add_argument("--dir", default=None, help="where the state directories go (default: the temp directory)")
     b.set_defaults(func=cmd_bench)
 
     m = sub.add_parser("simulate", help="predicted step time per rank: unbalanced, greedy, knapray (cost model)")

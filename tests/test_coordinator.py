@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import pickle
 import sys
@@ -121,7 +122,7 @@ def test_bad_submission_fails_the_step_for_every_rank(monkeypatch):
     def refuse(*args, **kwargs):
         raise ValueError("sequence of length 100 is over the budget")
 
-    monkeypatch.setattr("knapray.coordinator.plan_balance", refuse)
+    monkeypatch.setattr("knapray.coordinator.steps.plan_balance", refuse)
     c2 = BalanceCoordinator(world_size=2, topology="g2n1", **MODEL)
     c2.submit(0, 0, [1], [1])
     with pytest.raises(StepFailed, match="planning failed: sequence of length 100 is over the budget"):
@@ -163,8 +164,9 @@ def rows_by_step(rows, steps):
     return [r for r in rows if r[0] in steps]
 
 
-def test_ledger_commit_truncate_and_state_dict_round_trip():
-    coord = BalanceCoordinator(world_size=4, topology="g2n2", **MODEL)
+def test_ledger_commit_truncate_and_state_dict_round_trip(tmp_path):
+    state_dir = str(tmp_path / "coordinator")
+    coord = BalanceCoordinator(world_size=4, topology="g2n2", state_dir=state_dir, **MODEL)
     run_steps(coord, range(3), commit=False)
     assert coord.ledger_rows() == []  # planned but not yet trained
     coord.commit_step(1)  # cumulative: steps 0 and 1
@@ -179,19 +181,22 @@ def test_ledger_commit_truncate_and_state_dict_round_trip():
 
     run_steps(coord, range(3, 5))
     ckpt = pickle.loads(pickle.dumps(coord.state_dict()))  # rides in the training checkpoint
-    stats_at_ckpt = coord.stats()
+    assert "ledger" not in ckpt and len(pickle.dumps(ckpt)) < 400  # a position, not the rows
     run_steps(coord, range(5, 7))
+    rows_at_6 = coord.ledger_rows()
 
-    # A fresh coordinator (e.g. the actor restarted empty) restores the checkpoint taken at step 4.
-    fresh = BalanceCoordinator(world_size=4, topology="g2n2", **MODEL)
-    fresh.load_state_dict(ckpt)
-    assert fresh.ledger_rows() == rows_by_step(coord.ledger_rows(), range(5))
-    assert fresh.stats() == stats_at_ckpt
+    # The actor restarts: a new coordinator on the same directory has every committed row.
+    coord.close()
+    coord = BalanceCoordinator(world_size=4, topology="g2n2", state_dir=state_dir, **MODEL)
+    assert coord.ledger_rows() == rows_at_6 and coord.committed_step == 6
+    # Loading the checkpoint taken at step 4 goes back to it.
+    coord.load_state_dict(ckpt)
+    assert coord.ledger_rows() == rows_by_step(rows_at_6, range(5)) and coord.attempt == 0
 
-    # The live coordinator cuts back to that checkpoint: steps 5, 6 will be trained again.
+    # The coordinator cuts back to that checkpoint: steps 5, 6 will be trained again.
     coord.truncate(4)
     assert coord.attempt == 1 and coord.committed_step == 4
-    assert coord.ledger_rows() == fresh.ledger_rows()
+    assert coord.ledger_rows() == rows_by_step(rows_at_6, range(5))
     run_steps(coord, range(5, 7))
     rows = coord.ledger_rows()
     assert {r[3] for r in rows_by_step(rows, range(5))} == {0}
@@ -200,16 +205,19 @@ def test_ledger_commit_truncate_and_state_dict_round_trip():
 
     # Restoring into a live coordinator never lowers its attempt counter.
     coord.load_state_dict(ckpt)
-    assert coord.attempt == 1 and coord.ledger_rows() == fresh.ledger_rows()
+    assert coord.attempt == 1 and coord.ledger_rows() == rows_by_step(rows_at_6, range(5))
 
 
-def test_begin_run_resume_from_checkpoint_state():
-    coord = BalanceCoordinator(world_size=2, topology="g1n2", **MODEL)
+def test_begin_run_resume_from_checkpoint_state(tmp_path):
+    state_dir = str(tmp_path / "coordinator")
+    coord = BalanceCoordinator(world_size=2, topology="g1n2", state_dir=state_dir, **MODEL)
     run_steps(coord, range(3))
     ckpt = coord.state_dict()
-    restarted = BalanceCoordinator(topology="g1n2", **MODEL)
+    rows = coord.ledger_rows()
+    coord.close()
+    restarted = BalanceCoordinator(topology="g1n2", state_dir=state_dir, **MODEL)  # the actor, restarted
     assert restarted.begin_run(2, resume_step=2, state=ckpt) == Topology((1, 1))
-    assert restarted.attempt == 1 and restarted.ledger_rows() == coord.ledger_rows()
+    assert restarted.attempt == 1 and restarted.ledger_rows() == rows
     run_steps(restarted, [3])
     assert {r[3] for r in restarted.ledger_rows() if r[0] == 3} == {1}
     with pytest.raises(ValueError, match="resume_step"):
@@ -465,3 +473,55 @@ def test_ray_client_raises_unavailable_instead_of_hanging(ray_ns):
     assert time.monotonic() - t0 < 1.5 + 2.0
     with pytest.raises(CoordinatorUnavailable, match="no coordinator actor"):
         CoordinatorClient(name, ray_ns, rank=1, timeout_s=1.5).get_plan(2)
+
+
+class _Planted:
+    """Unpickling this creates a file: proof that something unpickled it."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def until_up(call, timeout_s: float = 60.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return call()
+        except (CoordinatorUnavailable, ray.exceptions.RayActorError):
+            assert time.monotonic() < deadline, "the actor did not come back"
+            time.sleep(0.2)
+
+
+@pytest.mark.ray
+def test_ray_actor_restart_restores_from_its_files_and_never_reads_the_old_pickle(ray_ns, tmp_path):
+    marker = tmp_path / "was-unpickled"
+    state = tmp_path / "ledger"
+    state.mkdir()
+    # Where earlier versions kept a pickled state, planted: it must never be read.
+    (state / "coordinator-state.pkl").write_bytes(pickle.dumps(_Planted(str(marker))))
+    name = f"coord-restart-{time.monotonic_ns()}"
+    handle = create_coordinator(name, ray_ns, topology="g1n2", state_dir=str(state), **MODEL)
+    clients = [CoordinatorClient(name, ray_ns, rank=r, timeout_s=20) for r in range(2)]
+    clients[0].begin_run(2)
+    for t in range(3):
+        for r, c in enumerate(clients):
+            c.submit_async(t, *batch(t, r))
+        assert [c.get_plan(t)[1] for c in clients] == [False, False]
+    clients[0].commit(1)  # step 2 is planned, not committed, when the actor dies
+    ray.kill(handle, no_restart=False)  # Ray restarts it: __init__ restores from the state directory
+    # Every handle's first call after the restart may fail ("may or may not have been
+    # executed"); the training loop retries through the fallback, the test retries here.
+    position = until_up(clients[0].state_dict)
+    stats = until_up(lambda: ray.get(handle.stats.remote(), timeout=10))
+    assert position["committed_step"] == 1 and stats["committed_step"] == 1 and stats["world_size"] == 2
+    clients[0].commit(2)  # the restored in-flight step is covered by the next commit
+    path = tmp_path / "ledger.jsonl"
+    assert clients[0].write_ledger_jsonl(str(path)) == sum(len(batch(t, r)[1]) for t in range(3) for r in range(2))
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert sorted(row["sample_id"] for row in rows) == sorted(i for t in range(3) for r in range(2) for i in batch(t, r)[1])
+    assert clients[0].epoch_sample_ids(0).size == len(rows)
+    assert (tmp_path / "coordinator-state" / "run.json").exists() and not marker.exists()
+    ray.kill(handle, no_restart=True)

@@ -94,11 +94,12 @@ def test_coordinator_killed_ranks_plan_locally_exactly_once(ray_session, tmp_pat
     assert too_long
     cfg = _cfg(str(out), tmp_path, "coordkill", **{"run.max_failures": 0, "data.max_tokens_per_gpu": 40})
     from knapray.coordinator import create_coordinator
+    from knapray.train.ledger_files import ledger_dir
     from knapray.train.step_planner import coordinator_config, coordinator_name
 
     # The actor is gone for 3 steps (its node died), then comes back and reloads its state.
     def recreate():
-        return create_coordinator(coordinator_name(cfg), state_path=os.path.join(cfg.run_dir, "coordinator-state.pkl"),
+        return create_coordinator(coordinator_name(cfg), state_dir=ledger_dir(cfg.run_dir),
                            **coordinator_config(cfg))
 
     summary, events = _run_with_chaos(cfg, kill_coordinator_at=1, coordinator_down_steps=3,

@@ -13,7 +13,7 @@ restart path), sharded or not.
 
 Nothing read from a run directory can execute code: DCP reads tensors with
 ``torch.load(weights_only=True)``, but its default planner unpickles non-tensor values
-(the optimizer's param groups) with ``weights_only=False`` and its ``.metadata`` with plain
+(the optimizer's param groups) with an unrestricted torch.load and its ``.metadata`` with plain
 pickle; here the metadata goes through an unpickler that admits only DCP's own metadata
 classes, torch sizes, dtypes and layouts (``SafeFileSystemReader``), and non-tensor
 values through ``torch.load(weights_only=True)`` (``SafeLoadPlanner``). ``trainer.json``

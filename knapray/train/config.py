@@ -31,7 +31,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
-from knapray.coordinator import _parse_rule
+from knapray.planning.rules import parse_rule
 from knapray.models import MMDiTConfig
 from knapray.models.flow import TIMESTEP_KINDS
 from knapray.models.timesteps import TimestepDistribution
@@ -86,7 +86,7 @@ class DataConfig:
 class BalanceConfig:
     enabled: bool = True
     """False trains unbalanced (every rank computes its own samples): the baseline."""
-    topology: str = field(default="g1n2+g2n1", metadata={"check": _parse_rule})
+    topology: str = field(default="g1n2+g2n1", metadata={"check": parse_rule})
     """Bags (e.g. g8n4), replicated to the world size; 'bags_of:N'; or 'auto'."""
     solver: str = field(default="knapray", metadata={"choices": SOLVERS})
     gamma: float = field(default=0.4, metadata={"ge": 0})

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .config import TrainConfig, config_from_dict
+from .ledger_files import ledger_dir
 from .run_files import prepare_run, resolve_paths, write_run_files
 from .step_planner import coordinator_config, coordinator_name
 from .trainer import Trainer
@@ -114,7 +115,7 @@ def _fit(cfg: TrainConfig, *, verbose: bool) -> dict:
 
     DataContext.get_current().enable_progress_bars = False  # the training bar is enough
     run_dir = cfg.run_dir
-    coordinator = create_coordinator(coordinator_name(cfg), state_path=os.path.join(run_dir, "coordinator-state.pkl"),
+    coordinator = create_coordinator(coordinator_name(cfg), state_dir=ledger_dir(run_dir),
                                      **coordinator_config(cfg))
     good, _ = check_shards(cfg.data.corpus)  # prepare_run quarantined the others
     ds = corpus_dataset(cfg.data.corpus, rows_per_block=cfg.samples_per_rank(cfg.run.num_workers), shards=good)

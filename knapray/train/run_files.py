@@ -142,13 +142,13 @@ def decide_start(cfg: TrainConfig, checkpoints: list[str]) -> RunStart:
 def check_world(cfg: TrainConfig, world_size: int) -> None:
     """The config fits a world of ``world_size`` ranks: the global batch splits over it,
     a concrete topology covers it, and every bag size divides the head count."""
-    from knapray.coordinator import _parse_rule
+    from knapray.planning.rules import parse_rule
     from knapray.distributed.groups import check_heads
     from knapray.planning import Topology
 
     try:
         cfg.samples_per_rank(world_size)
-        kind, value = _parse_rule(cfg.balance.topology)
+        kind, _ = parse_rule(cfg.balance.topology)
         if kind == "spec":
             topo = Topology.parse(cfg.balance.topology, world_size=world_size)
             check_heads(cfg.model.num_heads, topo)
@@ -341,15 +341,11 @@ def write_run_files(cfg: TrainConfig, summary: dict) -> dict:
            "quarantined_samples": sum("shard" not in q for q in quarantined),
            "quarantined_shards": sum("shard" in q for q in quarantined),
            "quarantined_shard_rows": sum(q.get("rows") or 0 for q in quarantined if "shard" in q)}
+    from .ledger_files import write_ledger_jsonl
+
+    out["ledger_rows"] = write_ledger_jsonl(run_dir, os.path.join(run_dir, "ledger.jsonl"))
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(out, f, indent=1, default=str)
-    from .ledger_files import ledger_rows
-
-    rows = ledger_rows(run_dir)
-    if rows:
-        with open(os.path.join(run_dir, "ledger.jsonl"), "w") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
     # Per-rank pictures need one world size: an elastic run plots its last one.
     records = [r for r in records if r["world_size"] == records[-1]["world_size"]] if records else []
     if records:

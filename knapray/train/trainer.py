@@ -91,6 +91,8 @@ class Trainer:
                                          group=self.sync.meta_group)
         self.step, self.epoch, self.resumed_from = 0, 0, None
         self.last_saved: int | None = None
+        self.ledger_position: dict | None = None
+        """Where the ledger stood at the checkpoint resumed from (the coordinator checks it)."""
         latest = self.checkpointer.latest()
         if latest is not None:
             extra = {"ema": self.ema.state_dict()} if self.ema is not None else None
@@ -99,6 +101,7 @@ class Trainer:
                 self.ema.load_state_dict(extra["ema"])
             self.step, self.epoch = restored.step + 1, int(restored.trainer["epoch"])
             self.resumed_from = self.last_saved = restored.step
+            self.ledger_position = restored.trainer.get("ledger")
             if self.rank == 0:
                 truncate_metrics(self.run_dir, self.step)
                 logger.info("resumed from %s: step %d, epoch %d", latest, self.step, self.epoch)
@@ -147,7 +150,7 @@ class Trainer:
         if self.client is not None:
             try:
                 if self.rank == 0:
-                    self.client.begin_run(self.world, resume_step=self.resumed_from, state=None)
+                    self.client.begin_run(self.world, resume_step=self.resumed_from, state=self.ledger_position)
                 self.sync.barrier()
                 topo = self.client.topology()
             except CoordinatorUnavailable:
@@ -186,6 +189,8 @@ class Trainer:
             self._save(last)  # the last steps of a run are never lost
         if self.sinks is not None:
             self.sinks.close()
+        if self.local_ledger is not None:
+            self.local_ledger.close()
         try:
             self.planner.finish(last)
         except CoordinatorUnavailable as e:
@@ -302,6 +307,7 @@ class Trainer:
             if self.client is not None:
                 try:
                     self.client.commit(step)
+                    position = self.client.state_dict()  # a few numbers: the ledger's position
                 except CoordinatorUnavailable as e:
                     logger.warning("checkpoint at step %d: coordinator commit not confirmed (%s)", step, e)
             elif self.local_ledger is not None:

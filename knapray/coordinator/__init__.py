@@ -1,0 +1,46 @@
+"""The balance coordinator: one Ray actor plans every step once, for all ranks, and keeps
+the ledger of trained samples.
+
+One job per module:
+
+- ``steps``: the per-step protocol (submissions in, one plan per step out, epoch ends),
+  and the pure ``plan_from_gathered`` / ``is_epoch_done`` the local fallback shares;
+- ``ledger``: committed rows, in memory as numpy columns, on disk as an append-only
+  journal with compacted snapshots; its position is what checkpoints carry;
+- ``stats``: length histogram, imbalance / plan-time / wait samples, per-rank averages
+  and speed factors;
+- ``store``: the files (journal and snapshot formats, atomic writes; never pickle);
+- ``coordinator``: ``BalanceCoordinator``, which composes them (runs without Ray);
+- ``actor``: the thin async Ray actor and ``create_coordinator``;
+- ``client``: ``CoordinatorClient``, what a training worker calls;
+- ``config``: ``CoordinatorConfig`` and ``make_planning_model``.
+
+Topology rules (``"g8n4"``, ``"bags_of:N"``, ``"auto"``) are pure planning:
+``knapray.planning.rules``.
+"""
+
+from .actor import create_coordinator
+from .client import CoordinatorClient, CoordinatorUnavailable
+from .config import PLANNERS, CoordinatorConfig, make_planning_model
+from .coordinator import STATE_VERSION, BalanceCoordinator
+from .ledger import Ledger
+from .steps import PlanTimeout, StepFailed, is_epoch_done, plan_from_gathered
+from .store import LedgerFileError, StateStore
+
+__all__ = [
+    "PLANNERS",
+    "STATE_VERSION",
+    "BalanceCoordinator",
+    "CoordinatorClient",
+    "CoordinatorConfig",
+    "CoordinatorUnavailable",
+    "Ledger",
+    "LedgerFileError",
+    "PlanTimeout",
+    "StateStore",
+    "StepFailed",
+    "create_coordinator",
+    "is_epoch_done",
+    "make_planning_model",
+    "plan_from_gathered",
+]

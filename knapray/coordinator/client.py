@@ -1,0 +1,177 @@
+"""``CoordinatorClient``: a training worker's view of the coordinator actor."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from knapray.planning import BalancePlan, Topology
+
+from .steps import PlanTimeout
+
+_BULK_TIMEOUT_S = 600.0
+"""How long whole-ledger calls may take (ten million rows: seconds, not the plan timeout)."""
+
+
+class CoordinatorUnavailable(RuntimeError):
+    """The coordinator gave no plan within the client's timeout (actor dead, restarting,
+    or a step that never completed): plan locally from an all-gather of lengths."""
+
+
+class CoordinatorClient:
+    """A training worker's view of the coordinator: one per rank, created once per run.
+
+    Every call that waits does so for at most ``timeout_s`` and then raises
+    ``CoordinatorUnavailable``; the training loop falls back to ``plan_from_gathered``.
+    """
+
+    def __init__(self, name: str, namespace: str | None = None, rank: int = 0, timeout_s: float = 30.0) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.name, self.namespace, self.rank, self.timeout_s = name, namespace, rank, timeout_s
+        self._handle = None
+        self._epoch: int | None = None
+        self._requested: dict[int, Any] = {}  # step -> get_plan ObjectRef asked for early
+        self.last_wait_s = 0.0
+        """Seconds the last ``get_plan`` waited (report it as ``wait_plan_s``)."""
+
+    def _actor(self):
+        if self._handle is None:
+            import ray
+
+            try:
+                self._handle = ray.get_actor(self.name, namespace=self.namespace)
+            except ValueError as e:
+                raise CoordinatorUnavailable(
+                    f"no coordinator actor {self.name!r} in namespace {self.namespace!r}: {e}"
+                ) from e
+        return self._handle
+
+    def _get(self, ref, what: str, timeout_s: float | None = None):
+        """``ray.get`` that turns every way of not getting an answer in time into
+        ``CoordinatorUnavailable`` and re-raises the coordinator's own errors."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        try:
+            return ray.get(ref, timeout=timeout_s or self.timeout_s)
+        except GetTimeoutError as e:
+            raise CoordinatorUnavailable(
+                f"rank {self.rank}: {what}: no answer within {timeout_s or self.timeout_s:g}s"
+            ) from e
+        except RayActorError as e:
+            self._handle = None  # look it up again next time: it may have been recreated
+            raise CoordinatorUnavailable(f"rank {self.rank}: {what}: coordinator actor unreachable: {e}") from e
+        except RayTaskError as e:
+            if isinstance(e.cause, PlanTimeout):
+                raise CoordinatorUnavailable(f"rank {self.rank}: {what}: {e.cause}") from e
+            raise e.cause from e
+
+    def _current_epoch(self) -> int:
+        # Learned once per client, so a client created mid-run tags submissions correctly.
+        if self._epoch is None:
+            self._epoch = int(self._get(self._actor().epoch.remote(), "epoch"))
+        return self._epoch
+
+    def submit_async(
+        self, step: int, seq_lens: Sequence[int], sample_ids: Sequence[int], exhausted: bool = False
+    ) -> None:
+        """Send this rank's sequences for ``step`` without waiting. Fire and forget: if the
+        actor is away, nothing is sent and ``get_plan`` reports it (the loop then plans
+        locally and sends again)."""
+        try:
+            epoch = self._current_epoch()
+            self._actor().submit.remote(
+                int(step), self.rank, [int(x) for x in seq_lens], [int(x) for x in sample_ids], bool(exhausted), epoch
+            )
+        except CoordinatorUnavailable:
+            pass
+
+    def request_plan(self, step: int) -> None:
+        """Ask for ``step``'s plan now, without waiting, so that ``get_plan(step)`` later
+        finds it already delivered (one round trip off the critical path)."""
+        if step not in self._requested:
+            try:
+                self._requested[int(step)] = self._actor().get_plan.remote(int(step), self.rank, 0.9 * self.timeout_s)
+            except CoordinatorUnavailable:
+                pass  # get_plan will ask again and report it
+
+    def get_plan(self, step: int) -> tuple[BalancePlan | None, bool]:
+        """``(plan, epoch_done)`` for ``step``; ``CoordinatorUnavailable`` after ``timeout_s``."""
+        t0 = time.perf_counter()
+        # The actor gives up a little earlier than we do, so a step that never completes
+        # comes back with its message (which ranks are missing) rather than a bare timeout.
+        ref = self._requested.pop(int(step), None)
+        for old in [s for s in self._requested if s < step]:
+            self._requested.pop(old)
+        if ref is None:
+            ref = self._actor().get_plan.remote(int(step), self.rank, 0.9 * self.timeout_s)
+        plan, done = self._get(ref, f"plan for step {step}")
+        if done:
+            # The next epoch's submissions must not be mistaken for stale prefetches.
+            self._epoch = self._current_epoch() + 1
+        self.last_wait_s = time.perf_counter() - t0
+        return plan, done
+
+    def forget_requests(self) -> None:
+        """Drop plans asked for early (after an outage they point at a dead actor)."""
+        self._requested.clear()
+
+    def record_external(self, step: int, sample_ids: Sequence[int], home_ranks: Sequence[int]) -> None:
+        """Rank 0: ledger rows of a step planned locally while the coordinator was away."""
+        self._get(
+            self._actor().record_external.remote(int(step), [int(i) for i in sample_ids], [int(h) for h in home_ranks]),
+            f"ledger rows of step {step}",
+        )
+
+    def commit_async(self, step: int) -> None:
+        """Rank 0, after the optimizer step: steps ``<= step`` are trained. Commits are
+        cumulative, so one lost with an unreachable actor is covered by the next."""
+        try:
+            self._actor().commit_step.remote(int(step))
+        except CoordinatorUnavailable:
+            pass
+
+    def commit(self, step: int) -> None:
+        """Like ``commit_async`` but waits: before reading ``state_dict`` for a checkpoint."""
+        self._get(self._actor().commit_step.remote(int(step)), f"commit of step {step}")
+
+    def report_timing_async(self, step: int, compute_s: float, comm_s: float, wait_plan_s: float) -> None:
+        try:
+            self._actor().report_timing.remote(int(step), self.rank, float(compute_s), float(comm_s), float(wait_plan_s))
+        except CoordinatorUnavailable:
+            pass  # statistics only
+
+    def begin_run(self, world_size: int, resume_step: int | None = None, state: dict | None = None) -> Topology:
+        """Rank 0 (or the driver), before any submit; see ``BalanceCoordinator.begin_run``."""
+        topo = self._get(self._actor().begin_run.remote(world_size, resume_step, state), "begin_run")
+        self._epoch = None
+        return topo
+
+    def topology(self) -> Topology | None:
+        return self._get(self._actor().topology.remote(), "topology")
+
+    def state_dict(self) -> dict:
+        """What a checkpoint carries: the ledger's position and the epoch state, a few
+        numbers (``BalanceCoordinator.state_dict``); hand it back to ``begin_run`` on resume.
+        Call ``commit(step)`` first so that it covers the checkpoint's step."""
+        return self._get(self._actor().state_dict.remote(), "state_dict")
+
+    def ledger(self) -> dict[str, np.ndarray]:
+        """Every committed row as columns ``step, sample_id, home_rank, attempt, epoch``
+        (through the object store: for small ledgers; see ``write_ledger_jsonl``)."""
+        return self._get(self._actor().ledger_columns.remote(), "ledger", _BULK_TIMEOUT_S)
+
+    def epoch_sample_ids(self, epoch: int) -> np.ndarray:
+        """(n,) sample ids committed in ``epoch``, each once."""
+        return self._get(self._actor().epoch_sample_ids.remote(int(epoch)), f"sample ids of epoch {epoch}",
+                         _BULK_TIMEOUT_S)
+
+    def write_ledger_jsonl(self, path: str) -> int:
+        """The actor writes ``ledger.jsonl`` at ``path`` (on its node: use a shared run
+        directory); returns the number of rows. Nothing crosses the object store."""
+        return self._get(self._actor().write_ledger_jsonl.remote(str(path)), f"ledger.jsonl at {path}",
+                         _BULK_TIMEOUT_S)

@@ -1,0 +1,356 @@
+"""The per-step protocol: submissions in, one plan per step out, the same to every rank.
+
+Step protocol (rank ``r`` of a world of ``W`` ranks, step ``t``)
+----------------------------------------------------------------
+1. ``submit(t, r, seq_lens, sample_ids, exhausted)``, fire-and-forget. Workers send step
+   ``t+1``'s metadata while step ``t`` computes, so planning stays off the critical path.
+   Submissions are accepted in any order, across steps and ranks; an identical resend is
+   ignored, a different one for the same ``(t, r)`` fails the step.
+2. When all ``W`` ranks have submitted ``t``, the coordinator plans once (one
+   ``plan_from_gathered`` call over the world; it plans each balance group on its own) and
+   caches the plan. ``get_plan(t, r)`` waits for that and returns ``(plan, epoch_done)``,
+   the same plan to every rank. If the step cannot be planned (bad submission, solver
+   error) every rank's ``get_plan(t)`` raises ``StepFailed``: all ranks fail the same
+   step instead of some of them hanging in a collective.
+3. Commit rule: after the optimizer step that consumed steps ``<= t``, rank 0 calls
+   ``commit_step(t)``. Commits are cumulative (every planned step ``<= t`` enters the
+   ledger, so gradient accumulation over several planned steps needs one commit) and
+   idempotent. Step-time reports never commit: they also arrive for micro-batches of an
+   accumulation that a crash may still lose. A checkpoint taken at step ``c`` covers
+   every step ``<= c``; rank 0 awaits ``commit_step(c)`` before reading ``state_dict()``.
+4. ``report_timing(t, r, compute_s, comm_s, wait_plan_s)``, fire-and-forget, feeds the
+   per-rank step-time averages and the speed factors.
+
+Epoch end
+---------
+A rank that ran out of data submits an empty list with ``exhausted=True`` for every
+further step; the plan still gives it chunks of the others' sequences. The first step at
+which every rank submitted ``exhausted=True`` (so no rank has a sequence) is answered with
+``(None, True)`` to every rank: all ranks leave the loop at that same step and no
+collective hangs. The epoch counter then goes up by one. Submissions carry the epoch
+their sender is in (``CoordinatorClient`` tracks it), so prefetched submissions for steps
+after the end, sent before the sender learned of it, are recognized as stale and dropped,
+and the next epoch continues with the next step numbers.
+
+This module holds steps 1, 2 and the epoch end; committing (3) is the ledger's
+(``ledger.py``), timings (4) the statistics' (``stats.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from knapray.planning import BalancePlan, Topology, WorkloadModel, plan_balance
+from knapray.planning.cost import CostModel
+
+log = logging.getLogger(__name__)
+
+
+class PlanTimeout(TimeoutError):
+    """No plan for a step within the timeout; the message names the ranks still missing."""
+
+
+class StepFailed(ValueError):
+    """A step can never be planned (bad submission or solver error); raised to every rank."""
+
+
+def plan_from_gathered(
+    all_lens_per_rank: Sequence[Sequence[int]],
+    topology: Topology,
+    model: WorkloadModel | CostModel | None = None,
+    solver: str = "knapray",
+) -> BalancePlan:
+    """Plan one step from every rank's lengths, in rank order.
+
+    The coordinator and the training loop's local fallback (after an all-gather) both call
+    this, so the same lengths give the same plan on either path. Lengths may come as
+    lists, numpy arrays or tensors; they are normalized to int64 first.
+    """
+    lens = [np.asarray(list(map(int, rank_lens)), dtype=np.int64) for rank_lens in all_lens_per_rank]
+    return plan_balance(lens, topology, model or WorkloadModel(), solver=solver)
+
+
+def is_epoch_done(all_lens_per_rank: Sequence[Sequence[int]], exhausted_per_rank: Sequence[bool]) -> bool:
+    """True when every rank is out of data and has no sequence for the step."""
+    return all(exhausted_per_rank) and all(len(lens) == 0 for lens in all_lens_per_rank)
+
+
+@dataclass(frozen=True, slots=True)
+class Submission:
+    seq_lens: tuple[int, ...]
+    sample_ids: tuple[int, ...]
+    exhausted: bool
+
+
+@dataclass(slots=True)
+class Step:
+    step: int
+    epoch: int | None = None
+    """Epoch of the step's submissions (None until the first arrives)."""
+    inbox: dict[int, Submission] = field(default_factory=dict)
+    event: asyncio.Event | None = None
+    decided: bool = False
+    plan: BalancePlan | None = None
+    epoch_done: bool = False
+    error: str | None = None
+
+    def wake(self) -> None:
+        if self.event is not None:
+            self.event.set()
+
+    def lengths(self) -> list[list[int]]:
+        """(W, n_r) every rank's sequence lengths, in rank order."""
+        return [list(self.inbox[r].seq_lens) for r in range(len(self.inbox))]
+
+    def sample_ids(self) -> np.ndarray:
+        """(N,) every rank's sample ids, in rank order (the plan's sequence order)."""
+        return np.fromiter((i for r in range(len(self.inbox)) for i in self.inbox[r].sample_ids), dtype=np.int64)
+
+
+class StepProtocol:
+    """Submissions, plans and epoch ends of the steps in flight.
+
+    ``plan(lengths_per_rank)`` plans a complete step (the coordinator's live model and
+    topology). Not thread-safe: it runs on one asyncio event loop, where only ``get_plan``
+    ever suspends.
+    """
+
+    def __init__(self, keep_steps: int, plan: Callable[[list[list[int]]], BalancePlan]) -> None:
+        self._keep_steps = keep_steps
+        self._plan = plan
+        self._steps: dict[int, Step] = {}
+        self.world_size: int | None = None
+        self.evicted_through = -1
+        """Steps ``<=`` this are no longer held (evicted, committed or cut back)."""
+        self.epoch = 0
+        """Epochs finished so far (the epoch new submissions belong to)."""
+        self.epoch_ends: dict[int, int] = {}
+        """Epoch -> the step at which every rank was found exhausted."""
+        self.stale_submissions = 0
+
+    def submit(
+        self,
+        step: int,
+        rank: int,
+        seq_lens: Sequence[int],
+        sample_ids: Sequence[int],
+        exhausted: bool,
+        epoch: int | None,
+        committed_step: int,
+    ) -> Step | None:
+        """Record rank ``rank``'s sequences for ``step``; plan once every rank has sent.
+
+        Returns the step if this submission completed it (planned, or the epoch ended), else
+        None. ``epoch``: the sender's epoch (None: the current one); a submission from an
+        epoch that already ended is a leftover prefetch and is dropped. Raises
+        ``StepFailed`` (and fails the step for every rank) on a malformed or conflicting
+        submission.
+        """
+        step = check_index("step", step)
+        if epoch is None:
+            epoch = self.epoch
+        end = self.epoch_ends.get(epoch)
+        if epoch < self.epoch and (end is None or step > end):
+            self.stale_submissions += 1
+            return None
+        if epoch > self.epoch:
+            # Only a coordinator that lost its state (actor restart) can be behind its ranks.
+            log.warning("rank %s is in epoch %d, coordinator in %d: adopting it", rank, epoch, self.epoch)
+            self.epoch = epoch
+        if step <= committed_step:
+            raise StepFailed(
+                f"rank {rank} submitted step {step}, but steps <= {committed_step} are already "
+                "committed; step numbers must keep increasing (across epochs too)"
+            )
+        st = self._step(step)
+        if st.error is not None:
+            raise StepFailed(st.error)
+        if st.decided:
+            if st.inbox.get(rank) == _submission_or_none(seq_lens, sample_ids, exhausted):
+                return None  # a resend of what was planned
+            raise StepFailed(f"step {step}: rank {rank} submitted different data after the step was planned")
+        world = self.require_world()
+        if not isinstance(rank, (int, np.integer)) or not 0 <= rank < world:
+            self._fail(st, f"step {step}: rank {rank!r} is not in [0, {world})")
+        lens, ids = _int_tuple(seq_lens), _int_tuple(sample_ids)
+        if lens is None or ids is None:
+            self._fail(st, f"step {step}, rank {rank}: seq_lens and sample_ids must be flat lists of integers")
+        if len(lens) != len(ids):
+            self._fail(st, f"step {step}, rank {rank}: {len(lens)} sequence lengths but {len(ids)} sample ids")
+        if exhausted and lens:
+            self._fail(
+                st,
+                f"step {step}, rank {rank}: exhausted=True means no data left, but {len(lens)} "
+                "sequences came with it; send the last batch with exhausted=False",
+            )
+        sub = Submission(lens, ids, bool(exhausted))
+        old = st.inbox.get(int(rank))
+        if old is not None and old != sub:
+            self._fail(st, f"step {step}: rank {rank} submitted twice with different data")
+        st.inbox[int(rank)] = sub
+        if st.epoch is None:
+            st.epoch = epoch
+        if len(st.inbox) == world:
+            return self._decide(st)
+        return None
+
+    async def get_plan(self, step: int, rank: int, timeout_s: float | None = None) -> tuple[BalancePlan | None, bool]:
+        """``(plan, epoch_done)`` for ``step``, once every rank has submitted it.
+
+        Every rank gets the same plan object; ``(None, True)`` ends the epoch. Raises
+        ``PlanTimeout`` after ``timeout_s`` (naming the ranks still missing) and
+        ``StepFailed`` if the step can never be planned.
+        """
+        step = check_index("step", step)
+        world = self.require_world()
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is not in [0, {world})")
+        st = self._steps.get(step)
+        if st is None:
+            if step <= self.evicted_through:
+                raise StepFailed(
+                    f"step {step} is no longer held (plans are kept for the last "
+                    f"{self._keep_steps} planned steps, and a run restart drops all)"
+                )
+            st = self._step(step)
+        if not st.decided and st.error is None:
+            if st.event is None:
+                st.event = asyncio.Event()
+            try:
+                await asyncio.wait_for(st.event.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                missing = sorted(set(range(world)) - set(st.inbox))
+                raise PlanTimeout(
+                    f"step {step}: no plan after {timeout_s:g}s; waiting for ranks {missing} to submit"
+                ) from None
+        if st.error is not None:
+            raise StepFailed(st.error)
+        return st.plan, st.epoch_done
+
+    def is_ready(self, step: int) -> bool:
+        st = self._steps.get(step)
+        return st is not None and (st.decided or st.error is not None)
+
+    def require_world(self) -> int:
+        if self.world_size is None:
+            raise StepFailed("the coordinator has no world size yet: call begin_run(world_size) first")
+        return self.world_size
+
+    # ---- changes from outside the protocol -----------------------------------------------
+
+    def drop_unplanned_through(self, step: int) -> list[int]:
+        """Steps ``<= step`` never planned here but committed: the ranks planned them
+        locally (the coordinator was away). They are dropped; returns their numbers."""
+        unplanned = sorted(t for t, s in self._steps.items() if t <= step and not s.decided)
+        if unplanned:
+            self._discard(lambda s: s.step <= step and not s.decided, f"committed at step {step} without a plan")
+        return unplanned
+
+    def forget(self, step: int) -> None:
+        """``step`` was planned elsewhere and recorded: never plan it here."""
+        self._steps.pop(step, None)
+        self.evicted_through = max(self.evicted_through, step)
+
+    def hold_back(self, step: int) -> None:
+        """Plans of steps ``<= step`` are gone (restored in-flight steps after a restart)."""
+        self.evicted_through = max(self.evicted_through, step)
+
+    def cut(self, step: int) -> None:
+        """Back to a checkpoint at ``step``: every in-flight step is dropped, epoch ends after
+        ``step`` are forgotten and the epoch counter follows the ones that remain."""
+        self.epoch_ends = {e: t for e, t in self.epoch_ends.items() if t <= step}
+        self.epoch = max(self.epoch_ends, default=-1) + 1
+        self._discard(lambda s: True, f"truncated to step {step}")
+        self.evicted_through = step
+
+    def restart(self, reason: str, epoch: int = 0, epoch_ends: dict[int, int] | None = None,
+                evicted_through: int = -1) -> None:
+        """Drop every in-flight step and take the given epoch state (a new run, or a load)."""
+        self._discard(lambda s: True, reason)
+        self.epoch, self.epoch_ends = epoch, dict(epoch_ends or {})
+        self.evicted_through = evicted_through
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _step(self, step: int) -> Step:
+        st = self._steps.get(step)
+        if st is None:
+            st = self._steps[step] = Step(step)
+        return st
+
+    def _fail(self, st: Step, message: str) -> None:
+        """Fail ``st`` for every rank (their ``get_plan`` raises) and raise to the caller."""
+        if st.error is None:
+            st.error = message
+            st.wake()
+        raise StepFailed(message)
+
+    def _decide(self, st: Step) -> Step:
+        lens = st.lengths()
+        if is_epoch_done(lens, [s.exhausted for s in st.inbox.values()]):
+            st.epoch_done = True
+            st.decided = True
+            st.wake()
+            self._end_epoch(st)
+            return st
+        try:
+            plan = self._plan(lens)
+        except ValueError as e:
+            self._fail(st, f"step {st.step}: planning failed: {e}")
+        st.plan, st.decided = plan, True
+        st.wake()
+        self._evict()
+        return st
+
+    def _evict(self) -> None:
+        decided = sorted(t for t, s in self._steps.items() if s.decided)
+        for t in decided[: -self._keep_steps]:
+            del self._steps[t]
+            self.evicted_through = max(self.evicted_through, t)
+
+    def _end_epoch(self, st: Step) -> None:
+        epoch, step = st.epoch, st.step
+        # Ranks prefetch, so the all-exhausted prefetches for the step after the end can
+        # complete before the end step itself does; the earliest such step is the end.
+        if epoch in self.epoch_ends and self.epoch_ends[epoch] < step:
+            return
+        self.epoch_ends[epoch] = step
+        self.epoch = max(self.epoch, epoch + 1)
+        # Steps after the end hold only prefetches sent before the senders learned of it.
+        self._discard(
+            lambda s: s.step > step and (s.epoch is None or s.epoch <= epoch),
+            f"epoch {epoch} ended at step {step}",
+        )
+        log.info("epoch %d ended at step %d", epoch, step)
+
+    def _discard(self, which: Callable[[Step], bool], reason: str) -> None:
+        for st in [s for s in self._steps.values() if which(s)]:
+            del self._steps[st.step]
+            if not st.decided and st.error is None:
+                st.error = f"step {st.step} was discarded: {reason}"
+                st.wake()
+
+
+def check_index(name: str, value: Any, allow_minus_one: bool = False) -> int:
+    lo = -1 if allow_minus_one else 0
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
+        raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
+    return int(value)
+
+
+def _int_tuple(values: Sequence[int]) -> tuple[int, ...] | None:
+    arr = np.asarray(values)
+    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        return None
+    return tuple(int(v) for v in arr.tolist())
+
+
+def _submission_or_none(seq_lens: Sequence[int], sample_ids: Sequence[int], exhausted: bool) -> Submission | None:
+    lens, ids = _int_tuple(seq_lens), _int_tuple(sample_ids)
+    return None if lens is None or ids is None else Submission(lens, ids, bool(exhausted))

@@ -1,0 +1,156 @@
+"""Topology rules: which bags a world of ``W`` ranks gets, from a rule that holds for any ``W``.
+
+An elastic run changes its world size, so the run config names a *rule*, not a fixed
+topology; the coordinator resolves it again at every (re)start:
+
+- a concrete spec (``"g8n4"``) is replicated into ``W / size`` balance groups;
+- ``"bags_of:N"``: one balance group of ``g{p}`` bags, ``p`` the largest power of two
+  ``<= N`` that divides ``W`` (and ``gpus_per_node``, if given);
+- ``"auto"``: with the workload model, among ``g{2^k}`` (``2^k`` dividing ``W``, at most a
+  node), the smallest bags whose mean imbalance, predicted by planning recent steps'
+  lengths re-dealt onto ``W`` ranks, is within ``auto_tolerance`` of the best; with the
+  cost model, mixed bag sizes by predicted step time (``choose_topology``); with no length
+  history yet, the ``bags_of`` rule with one node's size.
+
+Pure: numpy and the planning package only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .autotopo import choose_topology
+from .cost import CostModel
+from .solver import plan_balance
+from .topology import Topology
+from .workload import WorkloadModel
+
+AUTO_MAX_BAG = 8
+"""Largest bag ``"auto"`` considers without ``gpus_per_node`` (one node)."""
+
+LengthHistory = Sequence[Sequence[Sequence[int]]]
+"""Recent steps, each a list of per-rank lists of sequence lengths."""
+
+
+@dataclass(frozen=True, slots=True)
+class RuleChoice:
+    """A resolved rule: the topology and, for logs, why it was chosen."""
+
+    topology: Topology
+    reason: str
+
+
+def parse_rule(rule: str) -> tuple[str, int | Topology | None]:
+    """``("auto", None)``, ``("bags_of", N)`` or ``("spec", Topology)``; a clear error otherwise."""
+    if not isinstance(rule, str):
+        raise ValueError(f"topology must be a string such as 'g8n4', 'bags_of:8' or 'auto', got {rule!r}")
+    if rule == "auto":
+        return "auto", None
+    if rule.startswith("bags_of:"):
+        arg = rule.split(":", 1)[1]
+        if not arg.isdigit() or int(arg) < 1:
+            raise ValueError(f"topology {rule!r}: expected 'bags_of:N' with an integer N >= 1, e.g. 'bags_of:8'")
+        return "bags_of", int(arg)
+    try:
+        return "spec", Topology.parse(rule)
+    except ValueError as e:
+        raise ValueError(f"topology {rule!r} is neither 'auto', 'bags_of:N' nor a valid spec: {e}") from e
+
+
+def largest_pow2_bag(limit: int, world_size: int, gpus_per_node: int | None) -> int:
+    """Largest power of two ``<= limit`` dividing the world (and the node, if given)."""
+    p = 1
+    while p * 2 <= limit and world_size % (p * 2) == 0 and (
+        gpus_per_node is None or gpus_per_node % (p * 2) == 0
+    ):
+        p *= 2
+    return p
+
+
+def redeal(history: LengthHistory, world_size: int, max_steps: int) -> list[list[list[int]]]:
+    """Recent per-rank batches dealt, in order, into steps of ``world_size`` ranks (a rank's
+    batch size does not change with the world size, the number of ranks does)."""
+    batches = [list(rank) for step in history for rank in step]
+    if not batches:
+        return []
+    if len(batches) < world_size:
+        return [[batches[i % len(batches)] for i in range(world_size)]]
+    n = min(len(batches) // world_size, max_steps)
+    return [batches[i * world_size : (i + 1) * world_size] for i in range(n)]
+
+
+def resolve_rule(
+    rule: str,
+    world_size: int,
+    *,
+    gpus_per_node: int | None = None,
+    history: LengthHistory = (),
+    model: WorkloadModel | CostModel | None = None,
+    solver: str = "knapray",
+    auto_tolerance: float = 0.02,
+    history_steps: int = 32,
+) -> RuleChoice:
+    """The topology ``rule`` gives a world of ``world_size`` ranks (see the module docstring).
+
+    ``history``, ``model``, ``solver``, ``auto_tolerance`` and ``history_steps`` matter
+    only to ``"auto"``.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) or world_size < 1:
+        raise ValueError(f"world size must be an integer >= 1, got {world_size!r}")
+    world_size = int(world_size)
+    kind, arg = parse_rule(rule)
+    gpn = gpus_per_node
+    if kind == "spec":
+        try:
+            topo = Topology.parse(rule, world_size=world_size, gpus_per_node=gpn)
+        except ValueError as e:
+            raise ValueError(
+                f"world size {world_size} does not fit topology {rule!r} "
+                f"({arg.group_size} ranks per balance group): {e}. Use a world size that is a "
+                f"multiple of {arg.group_size}, or topology='bags_of:8' or 'auto' to re-plan "
+                "bags for any world size"
+            ) from e
+        return RuleChoice(topo, f"spec {rule!r} replicated over {world_size} ranks")
+    if kind == "bags_of":
+        p = largest_pow2_bag(arg, world_size, gpn)
+        return RuleChoice(Topology((p,) * (world_size // p)), f"largest power of two <= {arg} dividing the world")
+    return _auto(world_size, gpn, history, model or WorkloadModel(), solver, auto_tolerance, history_steps)
+
+
+def _auto(
+    world_size: int,
+    gpn: int | None,
+    history: LengthHistory,
+    model: WorkloadModel | CostModel,
+    solver: str,
+    tolerance: float,
+    history_steps: int,
+) -> RuleChoice:
+    steps = redeal(history, world_size, history_steps)
+    if isinstance(model, CostModel):
+        # Mixed bag sizes by predicted step time (compute and communication).
+        return RuleChoice(choose_topology(steps, world_size, model, gpn), "auto: cost model's predicted step time")
+    cap = gpn or AUTO_MAX_BAG
+    steps = [s for s in steps if any(s)]
+    if not steps:
+        p = largest_pow2_bag(cap, world_size, gpn)
+        return RuleChoice(Topology((p,) * (world_size // p)), "auto: no length history yet, one node's bags")
+    candidates = []
+    p = 1
+    while p <= cap and world_size % p == 0 and (gpn is None or gpn % p == 0):
+        candidates.append(p)
+        p *= 2
+    scores = {}
+    for p in candidates:
+        topo = Topology((p,) * (world_size // p))
+        scores[p] = float(np.mean([plan_balance([np.asarray(r, np.int64) for r in s], topo, model, solver=solver).imbalance
+                                   for s in steps]))
+    best = min(scores.values())
+    p = min(q for q, v in scores.items() if v <= best + tolerance)
+    return RuleChoice(
+        Topology((p,) * (world_size // p)),
+        f"auto: mean predicted imbalance by bag size {({q: round(v, 4) for q, v in scores.items()})}",
+    )
