@@ -523,5 +523,5 @@ def test_ray_actor_restart_restores_from_its_files_and_never_reads_the_old_pickl
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert sorted(row["sample_id"] for row in rows) == sorted(i for t in range(3) for r in range(2) for i in batch(t, r)[1])
     assert clients[0].epoch_sample_ids(0).size == len(rows)
-    assert (tmp_path / "coordinator-state" / "run.json").exists() and not marker.exists()
+    assert (state / "run.json").exists() and not marker.exists()
     ray.kill(handle, no_restart=True)
