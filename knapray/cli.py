@@ -235,18 +235,32 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from knapray.calibrate import calibrate, print_report
+    from knapray.calibrate import calibrate, print_report, print_validation, validate
 
-    lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else None
+    def progress(done: int, total: int) -> None:
+        if not args.json:
+            print(f"  timed round {done}/{total}", file=sys.stderr, flush=True)
+
+    if args.validate:
+        report = validate(
+            args.validate, scale=args.validate_scale, target_s=args.validate_target_s, per_mix=args.per_mix,
+            repeats=args.repeats, device=args.device, progress=progress,
+        )
+        print_validation(report, args.max_error)
+        if args.json:
+            print(json.dumps(report))
+        return 0 if report["mean_abs_error"] <= args.max_error else 1
+    budgets = [int(x) for x in args.budgets.split(",")] if args.budgets else None
     profile = calibrate(
         hidden=args.hidden, heads=args.heads, depth_double=args.depth_double, depth_single=args.depth_single,
-        lengths=lengths, repeats=args.repeats, device=args.device, dtype=args.dtype, out=args.out,
-        recompute=args.recompute,
+        budgets=budgets, short=args.short, longest=args.longest, repeats=args.repeats, device=args.device, dtype=args.dtype,
+        compile=args.compile, ac=args.ac, per_sequence={"auto": None, "on": True, "off": False}[args.per_sequence],
+        out=args.out, progress=progress,
     )
     print_report(profile)
     if args.json:
         print(json.dumps(profile))
-    return 0 if profile["fit"]["mape"] <= args.max_mape else 1
+    return 0 if profile["fit"]["cv_mape"] <= args.max_error else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -323,18 +337,36 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     m.set_defaults(func=cmd_simulate)
 
-    c = sub.add_parser("calibrate", help="time the model's blocks on this device, fit the cost model, write a profile")
-    c.add_argument("--hidden", type=int, default=128, help="model width (default 128: CPU size)")
-    c.add_argument("--heads", type=int, default=4)
-    c.add_argument("--depth-double", type=int, default=1)
-    c.add_argument("--depth-single", type=int, default=1)
-    c.add_argument("--lengths", help="comma-separated sequence lengths (default: 64..2048 on CPU, 512..32768 on GPU)")
-    c.add_argument("--repeats", type=int, default=3, help="timed runs per length; the fastest counts (default 3)")
+    c = sub.add_parser("calibrate", help="time packed batches on this device, fit the cost model, write a profile; "
+                       "or --validate a profile on held-out batches")
+    c.add_argument("--hidden", type=int, default=128, help="model width (default 128: CPU size; Flux 3072)")
+    c.add_argument("--heads", type=int, default=4, help="attention heads (default 4; Flux 24)")
+    c.add_argument("--depth-double", type=int, default=1, help="double-stream blocks timed (default 1)")
+    c.add_argument("--depth-single", type=int, default=1, help="single-stream blocks timed (default 1)")
+    c.add_argument("--budgets", help="comma-separated token budgets of the packed batches "
+                   "(default: 1024,2048,3072 on CPU, 8192,16384,32768 on GPU)")
+    c.add_argument("--short", type=int, default=None, help="length of the short sequences (default 64 CPU, 256 GPU)")
+    c.add_argument("--longest", type=int, default=None,
+                   help="longest calibrated sequence: the run's longest (default: 2048 on CPU, the largest budget on GPU)")
+    c.add_argument("--repeats", type=int, default=5, help="timed runs per batch; the fastest counts (default 5)")
     c.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     c.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bfloat16 on GPU, float32 on CPU)")
-    c.add_argument("--recompute", action="store_true", help="add a forward pass per step (activation checkpointing)")
+    c.add_argument("--compile", action="store_true", help="torch.compile every block (dynamic shapes), as the run does")
+    c.add_argument("--ac", action="store_true", help="activation checkpointing of every block, as the run does")
+    c.add_argument("--per-sequence", choices=["auto", "on", "off"], default="auto",
+                   help="per-sequence cost term: auto keeps it if leave-one-out cross-validation says so (default)")
     c.add_argument("--out", default="profile.json", help="profile JSON to write (default profile.json)")
-    c.add_argument("--max-mape", type=float, default=0.05, help="exit 1 if the fit's mean abs. %% error exceeds this")
+    c.add_argument("--validate", metavar="PROFILE", help="time held-out packed batches from the paper mixes in the "
+                   "profile's mode; print predicted vs measured; exit 1 if the mean abs. error exceeds --max-error")
+    c.add_argument("--validate-scale", type=int, default=None,
+                   help="--validate: divide the mixes' resolutions by this (default 4 on CPU, 1 on GPU)")
+    c.add_argument("--validate-target-s", type=float, default=None,
+                   help="--validate: seconds a held-out batch should take by the profile's prediction "
+                   "(default 0.15 on CPU, 0.3 on GPU)")
+    c.add_argument("--per-mix", type=int, default=4, help="--validate: held-out batches per paper mix (default 4)")
+    c.add_argument("--max-error", type=float, default=0.05,
+                   help="exit 1 if the mean abs. error (calibration: leave-one-out; validation: held-out) exceeds "
+                   "this (default 0.05)")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_calibrate)
     return parser

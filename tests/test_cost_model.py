@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from knapray.planning import Topology, WorkloadModel, identity_plan, plan_balance
-from knapray.planning.cost import CostModel, rank_times
+from knapray.planning.cost import PROFILE_FORMAT, CostModel, check_mode, rank_times
 from knapray.planning.topology import pack_nodes
 
 # Round numbers: d=100, 2 layers, 1 GFLOP/s, 4 passes, 200 bytes per token (bf16),
@@ -86,9 +86,13 @@ def test_config_round_trip_and_errors(tmp_path):
     model = CostModel(inter_node_bw=25e9, rank_speed=(1.0, 0.5))
     assert CostModel.from_dict(json.loads(json.dumps(model.to_dict()))) == model
     path = tmp_path / "profile.json"
-    path.write_text(json.dumps({"format": "x", "cost_model": {"linear_s": 1e-6, "d_model": 64}}))
+    path.write_text(json.dumps({"format": PROFILE_FORMAT, "cost_model": {"linear_s": 1e-6, "d_model": 64}}))
     loaded = CostModel.from_profile(str(path), gpus_per_node=4)
     assert loaded.linear_s == 1e-6 and loaded.d_model == 64 and loaded.gpus_per_node == 4
+    # A single-sequence profile (format 1) is refused by name.
+    path.write_text(json.dumps({"format": "knapray-cost-profile/1", "cost_model": {"linear_s": 1e-6}}))
+    with pytest.raises(ValueError, match="profile format 'knapray-cost-profile/1' is not"):
+        CostModel.from_profile(str(path))
     with pytest.raises(ValueError, match=r"unknown CostModel keys \['bandwidth'\]; valid: \['d_model'"):
         CostModel.from_dict({"bandwidth": 1})
     with pytest.raises(ValueError, match="intra_node_bw must be a positive number"):
