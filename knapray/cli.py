@@ -189,6 +189,26 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from knapray import sim
 
     cost = _cost_model(args)
+    if args.paper_table and args.topology == sim.PER_STEP:
+        mixes = (*sim.PAPER_MIXES, *sim.NONSTATIONARY_MIXES) + ((args.mix,) if args.mix else ())
+        print("mix                             GPUs  static s  per-step s  ratio   worst  behind", file=sys.stderr)
+        rows = sim.per_step_table(
+            mixes=mixes, cost=cost, steps=args.steps, seed=args.seed,
+            progress=lambda r: print(
+                f"{sim._short(r['mix'], 31):<31} {r['world_size']:>4}  {r['static_step_s']:>8.4f}  "
+                f"{r['per_step_s']:>10.4f}  {r['ratio']:.4f}  {r['worst_step_ratio']:.4f}  {r['steps_behind']}",
+                file=sys.stderr, flush=True),
+        )
+        command = "knapray simulate --paper-table --topology per-step" + (
+            f" --steps {args.steps}" if args.steps != 3 else "") + (f" --mix {args.mix}" if args.mix else "")
+        text = sim.per_step_markdown(rows, command, args.steps)
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write(text)
+        print(text)
+        if args.json:
+            print(json.dumps({"rows": rows}))
+        return 0
     if args.paper_table:
         print("mix          GPUs  auto topology                  eff.    best greedy   eff.    ratio", file=sys.stderr)
         rows = sim.paper_table(
@@ -210,9 +230,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if (args.mix is None) == (args.lengths is None):
         raise SystemExit("knapray simulate: give exactly one of --mix CODES|NAME, --lengths FILE or --paper-table")
     if args.mix is not None:
-        from knapray.planning.runner import mix_ranks
-
-        world = args.world or mix_ranks(sim.resolve_mix(args.mix))
+        world = args.world or sim.schedule_ranks(args.mix)
         speeds = _rank_speeds(args.rank_speed, world)
         if speeds is not None:
             cost = cost.with_rank_speed(speeds)
@@ -321,9 +339,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
 
     m = sub.add_parser("simulate", help="predicted step time per rank: unbalanced, greedy, knapray (cost model)")
-    m.add_argument("--mix", help="paper mix name (low-res, mixed-res, image+video) or data codes")
+    m.add_argument("--mix", help="paper mix name (low-res, mixed-res, image+video), data codes, or a non-stationary "
+                   "schedule alternate:MIX[*K]/MIX[*K]/... (K steps of each in turn, e.g. alternate:low-res/image+video)")
     m.add_argument("--lengths", help="JSON file: list of steps, each a list of per-rank lists of lengths")
-    m.add_argument("--topology", default="auto", help="bags, e.g. g8n4, or 'auto' (default)")
+    m.add_argument("--topology", default="auto", help="bags, e.g. g8n4, 'auto' (default: chosen once from other "
+                   "steps), or 'per-step' (aligned power-of-two blocks of each node chosen every step, vs static auto)")
     m.add_argument("--world", type=int, default=None, help="ranks (a multiple of the mix's ranks; default the mix's)")
     m.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the cost model's, 8)")
     m.add_argument("--profile", help="cost model profile JSON (knapray calibrate), default: 8xH100 constants")
@@ -331,7 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--rank-speed", action="append", metavar="RANK=SPEED", help="a rank's speed factor, e.g. 5=0.5")
     m.add_argument("--steps", type=int, default=3, help="steps to simulate (default 3)")
     m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--paper-table", action="store_true", help="auto vs best greedy on the paper mixes at 32 and 1024 GPUs")
+    m.add_argument("--paper-table", action="store_true", help="auto vs best greedy on the paper mixes at 32 and 1024 "
+                   "GPUs; with --topology per-step: per-step vs static auto on them, alternate:low-res/image+video and "
+                   "alternate:low-res*2/image+video*2 (and --mix, if given)")
     m.add_argument("--markdown", help="--paper-table: also write the table to this file")
     m.add_argument("--plot", help="write a PNG of predicted per-rank time")
     m.add_argument("--json", action="store_true", help="print one JSON object as the last line")
