@@ -26,13 +26,16 @@ Validation (``validate``) times held-out packed batches drawn from the paper mix
 of one GPU by ``plan_balance`` so each is a batch a balanced rank would run, and compares
 the profile's prediction with the measurement.
 
-Timing: on CUDA, wall time between synchronizations, the fastest of ``repeats`` runs. On
-CPU, one intra-op thread and the calling thread's CPU time (``time.thread_time``: other
-processes waiting for the cores do not inflate it), and, because a shared host's load still
-slows a thread by tens of percent for minutes at a time, every run paired with a run of a
-fixed reference batch: a batch counts as the median ratio to its reference, times the
-reference's time at calibration (which the profile records). Batches are timed round
-robin, so a burst of load hits one repeat of every batch rather than every repeat of one.
+Timing: on CUDA, wall time between synchronizations; on CPU, one intra-op thread and the
+calling thread's CPU time (``time.thread_time``: other processes waiting for the cores do
+not inflate it). Batches are timed round robin, ``repeats`` times each, and the fastest
+run counts (the least disturbed); calibration batches far off the first fit
+(``RETIME_FACTOR``) are timed once more and keep their fastest run of all. Other processes on the cores still slow a thread's own
+CPU time (they evict its caches), and by a different factor when the load has changed
+between a calibration and a validation minutes later; so on CPU the validation also
+re-times the profile's calibration batches of its middle budget and scales its
+measurements by the median ratio of their times then and now (the *load factor* it
+prints).
 """
 
 from __future__ import annotations
@@ -71,8 +74,8 @@ CPU_VALIDATE_SCALE, GPU_VALIDATE_SCALE = 4, 1
 CPU_VALIDATE_TARGET_S, GPU_VALIDATE_TARGET_S = 0.15, 0.3
 """Seconds a held-out batch takes by the profile's prediction: ~2k tokens on CPU (inside
 the calibrated budgets), a full rank's batch on GPU."""
-REFERENCE_BATCH = (48, 96, 160, 256, 464)
-"""CPU: the batch every timed run is paired with (1024 tokens of mixed lengths)."""
+RETIME_FACTOR = 2.0
+"""Calibration batches whose fit error exceeds this many times the mean are timed again."""
 MAX_ERROR = 0.05
 """Mean absolute error above which calibration and validation fail (exit 1)."""
 
@@ -193,22 +196,11 @@ class _Bench:
 
         return run
 
-    def time_batches(
-        self, batches: Sequence[Sequence[int]], repeats: int, progress=None, reference_s: float | None = None
-    ) -> tuple[list[float], float | None]:
-        """Seconds of every batch, and (CPU) the reference batch's seconds they are scaled to.
-
-        Every batch runs once untimed first (allocations, kernel selection, compilation),
-        then ``repeats`` timed runs, round robin over the batches so a burst of load
-        elsewhere hits one repeat of every batch rather than every repeat of one.
-
-        GPU: the fastest run counts (the device is the run's own). CPU: a shared host's
-        load slows a thread's CPU time too (caches, memory bandwidth, the host's own
-        scheduling of the virtual cores), by tens of percent for minutes at a time. So
-        every timed run is paired with a run of ``REFERENCE_BATCH`` just before it, the
-        batch counts as the median over repeats of its time over its reference's, times
-        ``reference_s``: the reference's time when the profile was calibrated (default: its
-        fastest run now, which the calibration then records)."""
+    def time_batches(self, batches: Sequence[Sequence[int]], repeats: int, progress=None) -> list[float]:
+        """Fastest of ``repeats`` timed runs of every batch, after one untimed run of each
+        (allocations, kernel selection, compilation). Round robin over the batches, so a
+        burst of load elsewhere hits one repeat of every batch rather than every repeat of
+        one."""
         if repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {repeats}")
         threads = torch.get_num_threads()
@@ -220,26 +212,15 @@ class _Bench:
                 run = self.step_fn(lens, seed=i)
                 run()
                 runs.append(run)
-            ref = None if self.on_gpu else self.step_fn(REFERENCE_BATCH, seed=-1 % 2**31)
-            if ref is not None:
-                ref()
             samples: list[list[float]] = [[] for _ in runs]
-            ref_times: list[float] = []
             for rep in range(repeats):
                 for i, run in enumerate(runs):
-                    if ref is None:
-                        samples[i].append(self._timed(run))
-                    else:
-                        ref_times.append(self._timed(ref))
-                        samples[i].append(self._timed(run) / ref_times[-1])
+                    samples[i].append(self._timed(run))
                 if progress is not None:
                     progress(rep + 1, repeats)
         finally:
             torch.set_num_threads(threads)
-        if ref is None:
-            return [min(x) for x in samples], None
-        anchor = float(reference_s) if reference_s is not None else min(ref_times)
-        return [float(np.median(x)) * anchor for x in samples], anchor
+        return [min(x) for x in samples]
 
     def _timed(self, run) -> float:
         if self.on_gpu:
@@ -269,7 +250,7 @@ def calibrate(
     budgets: Sequence[int] | None = None,
     short: int | None = None,
     longest: int | None = None,
-    repeats: int = 5,
+    repeats: int = 7,
     device: str | None = None,
     dtype: str | None = None,
     compile: bool = False,
@@ -289,10 +270,19 @@ def calibrate(
     longest = int(longest or (budgets[-1] if bench.on_gpu else min(CPU_LONGEST, budgets[-1])))
     named = calibration_batches(budgets, short, longest, seed)
     batches = [lens for _, lens in named]
-    seconds, reference_s = bench.time_batches(batches, repeats, progress)
+    seconds = bench.time_batches(batches, repeats, progress)
     # The per-sequence sdpa path makes one attention call per distinct length.
     seq_counts = "lengths" if bench.backend == "sdpa" else "sequences"
     result = fit_packed(batches, seconds, bench.layers, per_sequence, seq_counts)
+    # A batch far off the fit may have been disturbed on every one of its runs (a burst of
+    # load elsewhere): time those again and keep each one's fastest run of all.
+    err = np.abs(np.asarray(result.predicted_s) - seconds) / np.asarray(seconds)
+    again = np.flatnonzero(err > RETIME_FACTOR * err.mean()).tolist()
+    if again:
+        more = bench.time_batches([batches[i] for i in again], repeats, progress)
+        for i, t in zip(again, more):
+            seconds[i] = min(seconds[i], t)
+        result = fit_packed(batches, seconds, bench.layers, per_sequence, seq_counts)
     cost_fields = {
         "d_model": hidden,
         "num_heads": heads,
@@ -313,7 +303,7 @@ def calibrate(
         + (", forward recomputed (activation checkpointing)" if ac else "")
         + (", blocks compiled (torch.compile dynamic=True)" if compile else ""),
         "repeats": repeats,
-        "reference": None if reference_s is None else {"lengths": list(REFERENCE_BATCH), "seconds": reference_s},
+        "retimed": [named[i][0] for i in again],
         "batches": [{"name": name, "lengths": lens} for name, lens in named],
         "seconds": seconds,
         "fit": result.to_dict(),
@@ -331,7 +321,7 @@ def validate(
     scale: int | None = None,
     target_s: float | None = None,
     per_mix: int = 4,
-    repeats: int = 5,
+    repeats: int = 7,
     mixes: Sequence[str] | None = None,
     device: str | None = None,
     seed: int = 12345,
@@ -355,10 +345,10 @@ def validate(
     target_s = float(target_s or (GPU_VALIDATE_TARGET_S if bench.on_gpu else CPU_VALIDATE_TARGET_S))
     named = validation_batches(cost, list(mixes or PAPER_MIXES), scale, target_s, per_mix, seed)
     batches = [lens for _, lens in named]
-    ref = profile.get("reference")
-    if ref is not None and list(ref.get("lengths", ())) != list(REFERENCE_BATCH):
-        raise ValueError(f"{path}: reference batch {ref.get('lengths')} is not this version's {list(REFERENCE_BATCH)}")
-    measured, _ = bench.time_batches(batches, repeats, progress, None if ref is None else ref["seconds"])
+    anchors = [] if bench.on_gpu else _anchor_batches(profile)
+    times = bench.time_batches([b["lengths"] for b in anchors] + batches, repeats, progress)
+    load = float(np.median([now / b["seconds"] for now, b in zip(times, anchors)])) if anchors else 1.0
+    measured = [t / load for t in times[len(anchors):]]
     predicted = [cost.batch_time(lens) for lens in batches]
     mae, worst = mean_abs_error(predicted, measured)
     return {
@@ -367,6 +357,8 @@ def validate(
         "scale": scale,
         "target_s": target_s,
         "repeats": repeats,
+        "load_factor": load,
+        "anchors": [b["name"] for b in anchors],
         "batches": [
             {"name": name, "sequences": len(lens), "tokens": int(sum(lens)), "longest": int(max(lens)),
              "predicted_s": p, "measured_s": m, "error": (p - m) / m}
@@ -375,6 +367,14 @@ def validate(
         "mean_abs_error": mae,
         "max_abs_error": worst,
     }
+
+
+def _anchor_batches(profile: dict) -> list[dict]:
+    """The profile's calibration batches of its middle token budget, with their seconds."""
+    named = [dict(b, seconds=t) for b, t in zip(profile["batches"], profile["seconds"])]
+    budgets = sorted({sum(b["lengths"]) for b in named})
+    mid = budgets[len(budgets) // 2]
+    return [b for b in named if sum(b["lengths"]) == mid]
 
 
 def print_report(profile: dict) -> None:
@@ -389,7 +389,8 @@ def print_report(profile: dict) -> None:
           f"+ {f['attn_s_per_pair_per_layer']:.3e} sum L^2 + {f['seq_s_per_sequence_per_layer']:.3e} n) s")
     print(f"per-sequence term {'kept' if f['per_sequence_term'] else 'dropped'}: leave-one-out mean abs. error "
           f"{f['cv_mape_with_seq']:.2%} with it, {f['cv_mape_without_seq']:.2%} without")
-    print(f"mean abs. error {f['mape']:.2%}, worst {f['max_ape']:.2%} (leave-one-out {f['cv_mape']:.2%})")
+    print(f"mean abs. error {f['mape']:.2%}, worst {f['max_ape']:.2%} (leave-one-out {f['cv_mape']:.2%})"
+          + (f"; timed twice (far off the first fit): {', '.join(profile['retimed'])}" if profile["retimed"] else ""))
     print(f"command: {profile['command']}")
 
 
@@ -398,6 +399,9 @@ def print_validation(report: dict, max_error: float = MAX_ERROR) -> None:
     print(f"validation of {report['profile']} on {m['device']} ({m['device_name']}), {m['dtype']}, "
           f"compile {m['compile']}, ac {m['ac']}: paper mixes at 1/{report['scale']} resolution, "
           f"balanced onto bags of one (about {report['target_s']} s per batch)")
+    if report["anchors"]:
+        print(f"load factor {report['load_factor']:.3f}: the median of now / then over the re-timed calibration "
+              f"batches {', '.join(report['anchors'])}; measurements below are divided by it")
     print(f"{'batch':<16} {'seqs':>5} {'tokens':>7} {'longest':>7} {'predicted s':>12} {'measured s':>11} {'error':>8}")
     for b in report["batches"]:
         print(f"{b['name']:<16} {b['sequences']:>5} {b['tokens']:>7} {b['longest']:>7} {b['predicted_s']:>12.6f} "

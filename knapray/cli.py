@@ -370,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--short", type=int, default=None, help="length of the short sequences (default 64 CPU, 256 GPU)")
     c.add_argument("--longest", type=int, default=None,
                    help="longest calibrated sequence: the run's longest (default: 2048 on CPU, the largest budget on GPU)")
-    c.add_argument("--repeats", type=int, default=5, help="timed runs per batch; the fastest counts (default 5)")
+    c.add_argument("--repeats", type=int, default=7, help="timed runs per batch; the fastest counts (default 7)")
     c.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     c.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bfloat16 on GPU, float32 on CPU)")
     c.add_argument("--compile", action="store_true", help="torch.compile every block (dynamic shapes), as the run does")
