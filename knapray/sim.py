@@ -282,8 +282,8 @@ def per_step_table(
 
 def per_step_markdown(rows: list[dict], command: str, steps: int) -> str:
     lines = [
-        "| mix | GPUs | static `auto` | static step s | per-step step s | ratio | worst step | steps behind "
-        "| ratio per part | per-step topologies | sim s |",
+        ("| mix | GPUs | static `auto` | static step s | per-step step s | ratio | worst step | steps behind "
+         "| ratio per part | per-step topologies | sim s |"),
         "|---|---:|---|---:|---:|---:|---:|---:|---|---|---:|",
     ]
     for r in rows:

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from knapray.planning import Topology, WorkloadModel, identity_plan, plan_balance
-from knapray.planning.cost import PROFILE_FORMAT, CostModel, check_mode, rank_times
+from knapray.planning.cost import PROFILE_FORMAT, CostModel, rank_times
 from knapray.planning.topology import pack_nodes
 
 # Round numbers: d=100, 2 layers, 1 GFLOP/s, 4 passes, 200 bytes per token (bf16),

@@ -266,7 +266,7 @@ def _fill(budget: int, draw, short: int) -> list[int]:
     lens: list[int] = []
     left = budget
     while left > 0:
-        L = min(left, max(1, int(round(draw()))))
+        L = min(left, max(1, round(draw())))
         lens.append(L)
         left -= L
     if len(lens) > 1 and lens[-1] < short // 2:
@@ -315,7 +315,7 @@ def validation_batches(
         # Deal the sequences round-robin onto the ranks (homes do not matter for bags of one).
         homes = [lens[r::ranks] for r in range(ranks)]
         plan = plan_balance(homes, Topology((1,), ranks), single)
-        picks = sorted({int(round(i)) for i in np.linspace(0, ranks - 1, min(per_mix, ranks))})
+        picks = sorted({round(i) for i in np.linspace(0, ranks - 1, min(per_mix, ranks)).tolist()})
         for r in picks:
             batch = plan.seq_lens[plan.bag == r].tolist()
             if batch:
