@@ -2,8 +2,9 @@
 
 Calibration times forward + backward of ``MMDiT.blocks`` (every double- and single-stream
 block, attention through ``knapray.attention``) on *packed batches*: every token budget x
-every length mix of ``knapray.planning.costfit.calibration_batches`` (all short, about 8
-medium, one long, one long plus short ones, log-uniform spread). It fits (see
+every length mix of ``knapray.planning.costfit.calibration_batches`` (all of one short
+length, short ones of distinct lengths, about 8 medium, long ones, one long plus short
+ones, log-uniform spread). It fits (see
 ``knapray.planning.costfit``)::
 
     t(batch) = c + layers · (a·Σ L + b·Σ L² + s·n)
@@ -30,12 +31,12 @@ Timing: on CUDA, wall time between synchronizations; on CPU, one intra-op thread
 calling thread's CPU time (``time.thread_time``: other processes waiting for the cores do
 not inflate it). Batches are timed round robin, ``repeats`` times each, and the fastest
 run counts (the least disturbed); calibration batches far off the first fit
-(``RETIME_FACTOR``) are timed once more and keep their fastest run of all. Other processes on the cores still slow a thread's own
-CPU time (they evict its caches), and by a different factor when the load has changed
-between a calibration and a validation minutes later; so on CPU the validation also
-re-times the profile's calibration batches of its middle budget and scales its
-measurements by the median ratio of their times then and now (the *load factor* it
-prints).
+(``RETIME_FACTOR``) are timed once more and keep their fastest run of all. Other
+processes on the cores still slow a thread's own CPU time (they evict its caches), and by
+a different factor when the load has changed between a calibration and a validation
+minutes later; so on CPU the validation also re-times the profile's calibration batches
+of its middle budget and divides its measurements by the median ratio of their times now
+and then (the *load factor* it prints).
 """
 
 from __future__ import annotations
