@@ -164,9 +164,10 @@ def test_validate_fails_on_a_wrong_profile(tiny_profile, tmp_path, capsys):
     assert good["anchors"] == [f"{m}@256" for m in CALIBRATION_MIXES] and 0.3 < good["load_factor"] < 3
     for b in good["batches"]:
         assert b["error"] == pytest.approx((b["predicted_s"] - b["measured_s"]) / b["measured_s"])
-    # Per-token cost tripled: every prediction far too high, exit 1.
+    # Every cost tripled (the timings kept): every prediction far too high, exit 1.
     profile = json.loads(tiny_profile.read_text())
-    profile["cost_model"]["linear_s"] *= 3
+    for key in ("linear_s", "attn_s", "seq_s", "layer_overhead_s"):
+        profile["cost_model"][key] *= 3
     wrong = tmp_path / "wrong.json"
     wrong.write_text(json.dumps(profile))
     assert main(["calibrate", "--validate", str(wrong), *args]) == 1
