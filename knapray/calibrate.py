@@ -1,23 +1,42 @@
-"""``knapray calibrate``: time the model's blocks on this device and fit the cost model.
+"""``knapray calibrate``: time packed batches on this device, fit the cost model, validate it.
 
-For each length ``L`` it runs forward + backward of ``MMDiT.blocks`` (every double- and
-single-stream block, attention through ``knapray.attention``) on one sequence of ``L``
-tokens (1/8 text), takes the fastest of ``repeats`` runs, and fits by least squares on
-relative error (every length counts alike)::
+Calibration times forward + backward of ``MMDiT.blocks`` (every double- and single-stream
+block, attention through ``knapray.attention``) on *packed batches*: every token budget x
+every length mix of ``knapray.planning.costfit.calibration_batches`` (all of one short
+length, short ones of distinct lengths, about 8 medium, long ones, one long plus short
+ones, log-uniform spread). It fits (see
+``knapray.planning.costfit``)::
 
-    t(L) = overhead + layers · (a·L + b·L²),   a, b, overhead >= 0
+    t(batch) = c + layers · (a·Σ L + b·Σ L² + s·n)
 
-The profile JSON it writes carries the fit as a ``cost_model`` section that
-``CostModel.from_profile`` loads (``linear_s = a``, ``attn_s = b``,
-``step_overhead_s = overhead``, the model's width, depth and heads), the measurements,
-the fit's mean absolute percentage error, and what it was measured on (device, dtype,
-threads, torch version, attention backend). Communication constants are not measured
-here; they keep the ``CostModel`` defaults unless overridden.
+so the planner gets the *marginal* cost of a sequence in the batch a rank runs, with the
+fixed cost of the step ``c`` paid once per batch. The per-sequence term ``s`` is kept only
+if leave-one-out cross-validation says the data show one.
 
-Timing: on CPU, one intra-op thread and the calling thread's CPU time
-(``time.thread_time``: other processes sharing the cores do not inflate it); on CUDA,
-wall time between synchronizations. ``recompute=True`` adds a forward pass without
-gradients per step, as activation checkpointing would.
+Execution mode: timings hold only for the mode they were taken in, so the run's mode is
+reproduced here and recorded in the profile (``mode``: device, dtype, compile, ac,
+attention backend, device name, torch version): ``compile=True`` compiles every block
+with ``torch.compile(dynamic=True)`` (each batch runs once untimed first, so compilation
+is never timed; attention runs outside the compiled graphs, ``torch.compiler.disable``);
+``ac=True`` wraps every block in ``torch.utils.checkpoint`` (its forward
+is recomputed in the backward). ``CostModel.from_profile(path, run_mode=...)`` refuses a
+profile whose mode differs from the run's.
+
+Validation (``validate``) times held-out packed batches drawn from the paper mixes
+(``PAPER_MIXES``; resolutions divided by ``scale`` to fit the device), planned onto bags
+of one GPU by ``plan_balance`` so each is a batch a balanced rank would run, and compares
+the profile's prediction with the measurement.
+
+Timing: on CUDA, wall time between synchronizations; on CPU, one intra-op thread and the
+calling thread's CPU time (``time.thread_time``: other processes waiting for the cores do
+not inflate it). Batches are timed round robin, ``repeats`` times each, and the fastest
+run counts (the least disturbed); calibration batches far off the first fit
+(``RETIME_FACTOR``) are timed once more and keep their fastest run of all. Other
+processes on the cores still slow a thread's own CPU time (they evict its caches), and by
+a different factor when the load has changed between a calibration and a validation
+minutes later; so on CPU the validation also re-times the profile's calibration batches
+of its middle budget and divides its measurements by the median ratio of their times now
+and then (the *load factor* it prints).
 """
 
 from __future__ import annotations
@@ -30,13 +49,36 @@ from typing import Sequence
 
 import numpy as np
 import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from knapray.attention import LocalAttention, _resolve_backend
 from knapray.models import MMDiT, MMDiTConfig
+from knapray.planning import PAPER_MIXES
+from knapray.planning.cost import MODE_KEYS, PROFILE_FORMAT, CostModel
+from knapray.planning.costfit import (
+    calibration_batches,
+    fit_packed,
+    mean_abs_error,
+    validation_batches,
+)
 
-CPU_LENGTHS = (64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
-GPU_LENGTHS = (512, 1024, 2048, 4096, 8192, 12288, 16384, 24576, 32768)
-FORMAT = "knapray-cost-profile/1"
+CPU_BUDGETS = (1024, 2048, 3072)
+"""On CPU the per-token cost grows once a batch's activations leave the 2 MB L2 cache
+(~4k tokens at width 128), so the budgets stay around the held-out batches' size."""
+GPU_BUDGETS = (8192, 16384, 32768)
+CPU_SHORT, GPU_SHORT = 64, 256
+CPU_LONGEST = 2048
+"""Longest calibrated sequence on CPU (the 1/4-scale paper mixes reach ~1.7k tokens; much
+longer ones leave the caches). On GPU the largest budget."""
+CPU_VALIDATE_SCALE, GPU_VALIDATE_SCALE = 4, 1
+CPU_VALIDATE_TARGET_S, GPU_VALIDATE_TARGET_S = 0.15, 0.3
+"""Seconds a held-out batch takes by the profile's prediction: ~2k tokens on CPU (inside
+the calibrated budgets), a full rank's batch on GPU."""
+RETIME_FACTOR = 2.0
+"""Calibration batches whose fit error exceeds this many times the mean are timed again."""
+MAX_ERROR = 0.05
+"""Mean absolute error above which calibration and validation fail (exit 1)."""
 
 
 def calibration_config(hidden: int, heads: int, depth_double: int, depth_single: int) -> MMDiTConfig:
@@ -54,39 +96,151 @@ def calibration_config(hidden: int, heads: int, depth_double: int, depth_single:
     )
 
 
-def fit(lengths: Sequence[int], seconds: Sequence[float], layers: int) -> dict:
-    """Least squares on relative error of ``t = c + layers·(a·L + b·L²)``, coefficients >= 0."""
-    L = np.asarray(lengths, dtype=np.float64)
-    t = np.asarray(seconds, dtype=np.float64)
-    if L.size < 3 or L.size != t.size:
-        raise ValueError(f"need >= 3 (length, seconds) pairs to fit 3 coefficients, got {L.size} and {t.size}")
-    if np.any(t <= 0):
-        raise ValueError("measured times must be > 0")
-    basis = np.stack([np.ones_like(L), layers * L, layers * L * L], axis=1)
-    w = 1.0 / t
-    best = None
-    # Non-negative least squares by trying every subset of free coefficients (3 of them).
-    for mask in range(1, 8):
-        cols = [i for i in range(3) if mask >> i & 1]
-        coef, *_ = np.linalg.lstsq(basis[:, cols] * w[:, None], np.ones_like(t), rcond=None)
-        if np.any(coef < 0):
-            continue
-        full = np.zeros(3)
-        full[cols] = coef
-        pred = basis @ full
-        err = float(np.mean(((pred - t) / t) ** 2))
-        if best is None or err < best[0]:
-            best = (err, full, pred)
-    _, (c, a, b), pred = best
-    ape = np.abs(pred - t) / t
-    return {
-        "linear_s_per_token_per_layer": float(a),
-        "attn_s_per_pair_per_layer": float(b),
-        "overhead_s": float(c),
-        "mape": float(ape.mean()),
-        "max_ape": float(ape.max()),
-        "fit_seconds": pred.tolist(),
+class Checkpointed(nn.Module):
+    """A block whose forward is recomputed in the backward (activation checkpointing)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args):
+        return checkpoint(self.block, *args, use_reentrant=False)
+
+
+def wrap_blocks(model: MMDiT, compile: bool, ac: bool) -> None:
+    """Apply activation checkpointing, then ``torch.compile(dynamic=True)``, to every block
+    in place (torchtitan's order: the compiled region holds the checkpointed block)."""
+    for blocks in (model.double_blocks, model.single_blocks):
+        for i in range(len(blocks)):
+            block = blocks[i]
+            if ac:
+                block = Checkpointed(block)
+            if compile:
+                block = torch.compile(block, dynamic=True)
+            blocks[i] = block
+
+
+def execution_mode(device: torch.device, dtype: str, compile: bool, ac: bool, backend: str) -> dict:
+    """The ``mode`` a profile records (``knapray.planning.cost.MODE_KEYS``)."""
+    on_gpu = device.type == "cuda"
+    mode = {
+        "device": device.type,
+        "dtype": dtype,
+        "compile": bool(compile),
+        "ac": bool(ac),
+        "attention_backend": backend,
+        "device_name": torch.cuda.get_device_name(device) if on_gpu else (platform.processor() or platform.machine()),
+        "torch": torch.__version__,
     }
+    assert set(mode) == set(MODE_KEYS)
+    return mode
+
+
+class _Bench:
+    """A model of the calibrated size in one execution mode, and closures that run forward +
+    backward of its blocks on a packed batch."""
+
+    def __init__(self, model_dims: dict, device: str | None, dtype: str | None, compile: bool, ac: bool,
+                 seed: int = 0) -> None:
+        self.dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device cuda requested but torch sees no CUDA device")
+        self.on_gpu = self.dev.type == "cuda"
+        self.dtype_name = dtype or ("bfloat16" if self.on_gpu else "float32")
+        if self.dtype_name not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype_name!r}")
+        self.dtype = getattr(torch, self.dtype_name)
+        self.dims = {k: int(model_dims[k]) for k in ("hidden_size", "num_heads", "depth_double", "depth_single")}
+        self.cfg = calibration_config(*self.dims.values())
+        self.layers = self.dims["depth_double"] + self.dims["depth_single"]
+        torch.manual_seed(seed)
+        self.model = MMDiT(self.cfg).to(device=self.dev, dtype=self.dtype)
+        self.model.init_weights(std=0.02)  # non-degenerate: no all-zero modulation shortcuts
+        wrap_blocks(self.model, compile, ac)
+        self.compile = bool(compile)
+        probe = torch.zeros(1, self.cfg.num_heads, self.cfg.head_dim, device=self.dev, dtype=self.dtype)
+        self.backend = _resolve_backend("auto", probe)
+        self.mode = execution_mode(self.dev, self.dtype_name, compile, ac, self.backend)
+
+    def step_fn(self, lengths: Sequence[int], seed: int):
+        """A closure running forward + backward of the blocks on one packed batch."""
+        lens = [int(x) for x in lengths]
+        n_tok, d, dev, dtype = sum(lens), self.cfg.hidden_size, self.dev, self.dtype
+        gen = torch.Generator().manual_seed(seed)
+        h0 = torch.randn(n_tok, d, generator=gen).to(device=dev, dtype=dtype)
+        vec = torch.randn(len(lens), d, generator=gen).to(device=dev, dtype=dtype)
+        seq_index = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(dev)
+        is_text = torch.zeros(n_tok, dtype=torch.bool)
+        pos = torch.zeros(n_tok, 3, dtype=torch.long)
+        start = 0
+        for L in lens:  # 1/8 text first, then an image laid out on a square-ish grid
+            n_txt = L // 8
+            is_text[start : start + n_txt] = True
+            side = max(1, int(np.sqrt(L - n_txt)))
+            img = torch.arange(L - n_txt)
+            pos[start + n_txt : start + L, 1], pos[start + n_txt : start + L, 2] = img // side, img % side
+            start += L
+        is_text, pos = is_text.to(dev), pos.to(dev)
+        cu = torch.tensor([0] + np.cumsum(lens).tolist(), dtype=torch.int32, device=dev)
+        attn = LocalAttention(cu, max(lens))
+        if self.compile:
+            # Attention stays outside the compiled graphs: its kernel is fused already, and
+            # the per-sequence sdpa path would recompile for every number of sequences.
+            attn = torch.compiler.disable(attn.__call__)
+        model = self.model
+
+        def run() -> None:
+            h = h0.detach().requires_grad_(True)
+            out = model.blocks(h, vec, seq_index, pos, is_text, attn)
+            out.float().square().mean().backward()
+            model.zero_grad(set_to_none=True)
+
+        return run
+
+    def time_batches(self, batches: Sequence[Sequence[int]], repeats: int, progress=None) -> list[float]:
+        """Fastest of ``repeats`` timed runs of every batch, after one untimed run of each
+        (allocations, kernel selection, compilation). Round robin over the batches, so a
+        burst of load elsewhere hits one repeat of every batch rather than every repeat of
+        one."""
+        if repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {repeats}")
+        threads = torch.get_num_threads()
+        if not self.on_gpu:
+            torch.set_num_threads(1)
+        try:
+            runs = []
+            for i, lens in enumerate(batches):
+                run = self.step_fn(lens, seed=i)
+                run()
+                runs.append(run)
+            samples: list[list[float]] = [[] for _ in runs]
+            for rep in range(repeats):
+                for i, run in enumerate(runs):
+                    samples[i].append(self._timed(run))
+                if progress is not None:
+                    progress(rep + 1, repeats)
+        finally:
+            torch.set_num_threads(threads)
+        return [min(x) for x in samples]
+
+    def _timed(self, run) -> float:
+        if self.on_gpu:
+            torch.cuda.synchronize(self.dev)
+            t0 = time.perf_counter()
+            run()
+            torch.cuda.synchronize(self.dev)
+            return time.perf_counter() - t0
+        t0 = time.thread_time()
+        run()
+        return time.thread_time() - t0
+
+    def measured_on(self) -> dict:
+        return {
+            "threads": torch.get_num_threads() if self.on_gpu else 1,
+            "timer": "wall time between CUDA synchronizations" if self.on_gpu else "thread CPU time (time.thread_time)",
+            "host": platform.platform(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
 
 
 def calibrate(
@@ -94,84 +248,68 @@ def calibrate(
     heads: int = 4,
     depth_double: int = 1,
     depth_single: int = 1,
-    lengths: Sequence[int] | None = None,
-    repeats: int = 3,
+    budgets: Sequence[int] | None = None,
+    short: int | None = None,
+    longest: int | None = None,
+    repeats: int = 7,
     device: str | None = None,
     dtype: str | None = None,
+    compile: bool = False,
+    ac: bool = False,
+    per_sequence: bool | None = None,
     out: str | None = None,
-    recompute: bool = False,
     seed: int = 0,
+    progress=None,
 ) -> dict:
-    """Measure, fit, and (if ``out``) write the profile; returns it."""
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    on_gpu = dev.type == "cuda"
-    dtype = dtype or ("bfloat16" if on_gpu else "float32")
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
-    torch_dtype = getattr(torch, dtype)
-    lengths = sorted(set(int(x) for x in (lengths or (GPU_LENGTHS if on_gpu else CPU_LENGTHS))))
-    if len(lengths) < 3 or lengths[0] < 8:
-        raise ValueError(f"need >= 3 distinct lengths, each >= 8, got {lengths}")
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    cfg = calibration_config(hidden, heads, depth_double, depth_single)
-    layers = depth_double + depth_single
-    torch.manual_seed(seed)
-    model = MMDiT(cfg).to(device=dev, dtype=torch_dtype)
-    model.init_weights(std=0.02)  # non-degenerate: no all-zero modulation shortcuts
-    threads = torch.get_num_threads()
-    if not on_gpu:
-        torch.set_num_threads(1)
-    try:
-        runs = []
-        for L in lengths:
-            run, backend = _step_fn(model, cfg, L, dev, torch_dtype, recompute)
-            run()  # warm-up (allocations, kernel selection)
-            runs.append(run)
-        # Round robin over lengths, so a burst of load elsewhere hits one repeat of every
-        # length rather than every repeat of one; the fastest repeat is the least disturbed.
-        samples: list[list[float]] = [[] for _ in lengths]
-        for _ in range(repeats):
-            for i, run in enumerate(runs):
-                samples[i].append(_timed(run, dev, on_gpu))
-        seconds = [min(x) for x in samples]
-    finally:
-        torch.set_num_threads(threads)
-    result = fit(lengths, seconds, layers)
-    device_name = torch.cuda.get_device_name(dev) if on_gpu else (platform.processor() or platform.machine())
+    """Time packed batches, fit, and (if ``out``) write the profile; returns it.
+
+    ``per_sequence``: None decides the per-sequence term by cross-validation."""
+    bench = _Bench({"hidden_size": hidden, "num_heads": heads, "depth_double": depth_double,
+                    "depth_single": depth_single}, device, dtype, compile, ac, seed)
+    budgets = sorted({int(b) for b in (budgets or (GPU_BUDGETS if bench.on_gpu else CPU_BUDGETS))})
+    short = int(short or (GPU_SHORT if bench.on_gpu else CPU_SHORT))
+    longest = int(longest or (budgets[-1] if bench.on_gpu else min(CPU_LONGEST, budgets[-1])))
+    named = calibration_batches(budgets, short, longest, seed)
+    batches = [lens for _, lens in named]
+    seconds = bench.time_batches(batches, repeats, progress)
+    # The per-sequence sdpa path makes one attention call per distinct length.
+    seq_counts = "lengths" if bench.backend == "sdpa" else "sequences"
+    result = fit_packed(batches, seconds, bench.layers, per_sequence, seq_counts)
+    # A batch far off the fit may have been disturbed on every one of its runs (a burst of
+    # load elsewhere): time those again and keep each one's fastest run of all.
+    err = np.abs(np.asarray(result.predicted_s) - seconds) / np.asarray(seconds)
+    again = np.flatnonzero(err > RETIME_FACTOR * err.mean()).tolist()
+    if again:
+        more = bench.time_batches([batches[i] for i in again], repeats, progress)
+        for i, t in zip(again, more):
+            seconds[i] = min(seconds[i], t)
+        result = fit_packed(batches, seconds, bench.layers, per_sequence, seq_counts)
+    cost_fields = {
+        "d_model": hidden,
+        "num_heads": heads,
+        "double_blocks": depth_double,
+        "single_blocks": depth_single,
+        **result.cost_fields(),
+        "activation_bytes": torch.tensor([], dtype=bench.dtype).element_size(),
+        # Ulysses all-to-alls per layer: 4 forward + 4 backward, + 4 when the forward is recomputed.
+        "ulysses_a2a_per_layer": 12 if ac else 8,
+        "recompute_passes": 1.0 if ac else 0.0,
+    }
     profile = {
-        "format": FORMAT,
-        "measured_on": {
-            "device": str(dev),
-            "device_name": device_name,
-            "dtype": dtype,
-            "threads": torch.get_num_threads() if on_gpu else 1,
-            "timer": "wall time between CUDA synchronizations" if on_gpu else "thread CPU time (time.thread_time)",
-            "attention_backend": backend,
-            "torch": torch.__version__,
-            "host": platform.platform(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        },
-        "model": {
-            "hidden_size": hidden, "num_heads": heads, "depth_double": depth_double, "depth_single": depth_single,
-            "mlp_ratio": cfg.mlp_ratio,
-        },
-        "passes": "forward + backward of all blocks" + (" + a recomputed forward" if recompute else ""),
+        "format": PROFILE_FORMAT,
+        "mode": bench.mode,
+        "measured_on": bench.measured_on(),
+        "model": {**bench.dims, "mlp_ratio": bench.cfg.mlp_ratio},
+        "passes": "forward + backward of all blocks, packed batches"
+        + (", forward recomputed (activation checkpointing)" if ac else "")
+        + (", blocks compiled (torch.compile dynamic=True)" if compile else ""),
         "repeats": repeats,
-        "lengths": lengths,
+        "retimed": [named[i][0] for i in again],
+        "batches": [{"name": name, "lengths": lens} for name, lens in named],
         "seconds": seconds,
-        "fit": result,
-        "cost_model": {
-            "d_model": hidden,
-            "num_heads": heads,
-            "double_blocks": depth_double,
-            "single_blocks": depth_single,
-            "linear_s": result["linear_s_per_token_per_layer"],
-            "attn_s": result["attn_s_per_pair_per_layer"],
-            "step_overhead_s": result["overhead_s"],
-            "activation_bytes": torch.tensor([], dtype=torch_dtype).element_size(),
-        },
-        "command": _command(hidden, heads, depth_double, depth_single, lengths, repeats, str(dev), dtype, out, recompute),
+        "fit": result.to_dict(),
+        "cost_model": cost_fields,
+        "command": _command(hidden, heads, depth_double, depth_single, budgets, short, longest, repeats, bench, out),
     }
     if out:
         with open(out, "w") as f:
@@ -179,70 +317,112 @@ def calibrate(
     return profile
 
 
+def validate(
+    path: str,
+    scale: int | None = None,
+    target_s: float | None = None,
+    per_mix: int = 4,
+    repeats: int = 7,
+    mixes: Sequence[str] | None = None,
+    device: str | None = None,
+    seed: int = 12345,
+    progress=None,
+) -> dict:
+    """Time held-out packed batches in the profile's own mode and compare with its prediction.
+
+    ``scale`` divides the mixes' resolutions (default 4 on CPU, 1 on GPU); ``target_s``
+    sets how many bags of one the sample step is balanced onto, so that a batch takes about
+    that long by the profile's prediction (default 0.15 s on CPU, 0.3 s on GPU)."""
+    with open(path) as f:
+        profile = json.load(f)
+    mode = profile.get("mode") if isinstance(profile, dict) else None
+    if not isinstance(mode, dict) or not isinstance(profile.get("model"), dict):
+        raise ValueError(f"{path}: not a packed-batch profile (no 'mode' and 'model'); run `knapray calibrate`")
+    bench = _Bench(profile["model"], device or mode["device"], mode["dtype"], mode["compile"], mode["ac"])
+    # The profile must match the mode it is validated in (same check the planner does).
+    run_mode = {k: bench.mode[k] for k in ("device", "dtype", "compile", "ac", "attention_backend")}
+    cost = CostModel.from_profile(path, run_mode=run_mode)
+    scale = int(scale or (GPU_VALIDATE_SCALE if bench.on_gpu else CPU_VALIDATE_SCALE))
+    target_s = float(target_s or (GPU_VALIDATE_TARGET_S if bench.on_gpu else CPU_VALIDATE_TARGET_S))
+    named = validation_batches(cost, list(mixes or PAPER_MIXES), scale, target_s, per_mix, seed)
+    batches = [lens for _, lens in named]
+    anchors = [] if bench.on_gpu else _anchor_batches(profile)
+    times = bench.time_batches([b["lengths"] for b in anchors] + batches, repeats, progress)
+    load = float(np.median([now / b["seconds"] for now, b in zip(times, anchors)])) if anchors else 1.0
+    measured = [t / load for t in times[len(anchors):]]
+    predicted = [cost.batch_time(lens) for lens in batches]
+    mae, worst = mean_abs_error(predicted, measured)
+    return {
+        "profile": path,
+        "mode": bench.mode,
+        "scale": scale,
+        "target_s": target_s,
+        "repeats": repeats,
+        "load_factor": load,
+        "anchors": [b["name"] for b in anchors],
+        "batches": [
+            {"name": name, "sequences": len(lens), "tokens": int(sum(lens)), "longest": int(max(lens)),
+             "predicted_s": p, "measured_s": m, "error": (p - m) / m}
+            for (name, lens), p, m in zip(named, predicted, measured)
+        ],
+        "mean_abs_error": mae,
+        "max_abs_error": worst,
+    }
+
+
+def _anchor_batches(profile: dict) -> list[dict]:
+    """The profile's calibration batches of its middle token budget, with their seconds."""
+    named = [dict(b, seconds=t) for b, t in zip(profile["batches"], profile["seconds"])]
+    budgets = sorted({sum(b["lengths"]) for b in named})
+    mid = budgets[len(budgets) // 2]
+    return [b for b in named if sum(b["lengths"]) == mid]
+
+
 def print_report(profile: dict) -> None:
-    m, f = profile["measured_on"], profile["fit"]
-    print(f"calibration on {m['device']} ({m['device_name']}), {m['dtype']}, attention {m['attention_backend']}, "
-          f"{profile['model']}")
-    print(f"{'length':>8} {'measured s':>12} {'fit s':>12} {'error':>8}")
-    for L, t, p in zip(profile["lengths"], profile["seconds"], f["fit_seconds"]):
-        print(f"{L:>8} {t:>12.6f} {p:>12.6f} {(p - t) / t:>+8.2%}")
-    print(f"fit: t(L) = {f['overhead_s']:.3e} + {profile['cost_model']['double_blocks'] + profile['cost_model']['single_blocks']}"
-          f" x ({f['linear_s_per_token_per_layer']:.3e} L + {f['attn_s_per_pair_per_layer']:.3e} L^2) s")
-    print(f"mean abs. error {f['mape']:.2%}, worst {f['max_ape']:.2%}")
+    m, f = profile["mode"], profile["fit"]
+    print(f"calibration on {m['device']} ({m['device_name']}), {m['dtype']}, compile {m['compile']}, "
+          f"ac {m['ac']}, attention {m['attention_backend']}, torch {m['torch']}, {profile['model']}")
+    print(f"{'batch':<14} {'seqs':>5} {'tokens':>7} {'measured s':>11} {'fit s':>11} {'error':>8}")
+    for b, t, p in zip(profile["batches"], profile["seconds"], f["fit_seconds"]):
+        print(f"{b['name']:<14} {len(b['lengths']):>5} {sum(b['lengths']):>7} {t:>11.6f} {p:>11.6f} "
+              f"{(p - t) / t:>+8.2%}")
+    print(f"fit: t = {f['overhead_s']:.3e} + {f['layers']} x ({f['linear_s_per_token_per_layer']:.3e} N "
+          f"+ {f['attn_s_per_pair_per_layer']:.3e} sum L^2 + {f['seq_s_per_sequence_per_layer']:.3e} n) s")
+    print(f"per-sequence term {'kept' if f['per_sequence_term'] else 'dropped'}: leave-one-out mean abs. error "
+          f"{f['cv_mape_with_seq']:.2%} with it, {f['cv_mape_without_seq']:.2%} without")
+    print(f"mean abs. error {f['mape']:.2%}, worst {f['max_ape']:.2%} (leave-one-out {f['cv_mape']:.2%})"
+          + (f"; timed twice (far off the first fit): {', '.join(profile['retimed'])}" if profile["retimed"] else ""))
     print(f"command: {profile['command']}")
 
 
-def _timed(run, dev, on_gpu: bool) -> float:
-    if on_gpu:
-        torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
-        run()
-        torch.cuda.synchronize(dev)
-        return time.perf_counter() - t0
-    t0 = time.thread_time()
-    run()
-    return time.thread_time() - t0
+def print_validation(report: dict, max_error: float = MAX_ERROR) -> None:
+    m = report["mode"]
+    print(f"validation of {report['profile']} on {m['device']} ({m['device_name']}), {m['dtype']}, "
+          f"compile {m['compile']}, ac {m['ac']}: paper mixes at 1/{report['scale']} resolution, "
+          f"balanced onto bags of one (about {report['target_s']} s per batch)")
+    if report["anchors"]:
+        print(f"load factor {report['load_factor']:.3f}: the median of now / then over the re-timed calibration "
+              f"batches {', '.join(report['anchors'])}; measurements below are divided by it")
+    print(f"{'batch':<16} {'seqs':>5} {'tokens':>7} {'longest':>7} {'predicted s':>12} {'measured s':>11} {'error':>8}")
+    for b in report["batches"]:
+        print(f"{b['name']:<16} {b['sequences']:>5} {b['tokens']:>7} {b['longest']:>7} {b['predicted_s']:>12.6f} "
+              f"{b['measured_s']:>11.6f} {b['error']:>+8.2%}")
+    ok = report["mean_abs_error"] <= max_error
+    print(f"mean abs. error {report['mean_abs_error']:.2%}, worst {report['max_abs_error']:.2%}: "
+          f"{'PASS' if ok else 'FAIL'} (limit {max_error:.0%})")
 
 
-def _step_fn(model: MMDiT, cfg: MMDiTConfig, L: int, dev, dtype, recompute: bool):
-    """A closure running forward + backward of the blocks on one sequence of ``L`` tokens."""
-    n_txt = L // 8
-    d = cfg.hidden_size
-    gen = torch.Generator().manual_seed(L)
-    h0 = torch.randn(L, d, generator=gen).to(device=dev, dtype=dtype)
-    vec = torch.randn(1, d, generator=gen).to(device=dev, dtype=dtype)
-    seq_index = torch.zeros(L, dtype=torch.long, device=dev)
-    is_text = torch.zeros(L, dtype=torch.bool, device=dev)
-    is_text[:n_txt] = True
-    side = max(1, int(np.sqrt(L - n_txt)))
-    img = torch.arange(L - n_txt, device=dev)
-    pos = torch.zeros(L, 3, dtype=torch.long, device=dev)
-    pos[n_txt:, 1], pos[n_txt:, 2] = img // side, img % side
-    cu = torch.tensor([0, L], dtype=torch.int32, device=dev)
-    attn = LocalAttention(cu, L)
-    probe = torch.zeros(1, cfg.num_heads, cfg.head_dim, device=dev, dtype=dtype)
-    backend = _resolve_backend("auto", probe)
-
-    def run() -> None:
-        h = h0.detach().requires_grad_(True)
-        out = model.blocks(h, vec, seq_index, pos, is_text, attn)
-        out.float().square().mean().backward()
-        if recompute:
-            with torch.no_grad():
-                model.blocks(h0, vec, seq_index, pos, is_text, attn)
-        model.zero_grad(set_to_none=True)
-
-    return run, backend
-
-
-def _command(hidden, heads, dd, ds, lengths, repeats, device, dtype, out, recompute) -> str:
+def _command(hidden, heads, dd, ds, budgets, short, longest, repeats, bench: _Bench, out) -> str:
     parts = [
         "knapray calibrate", f"--hidden {hidden}", f"--heads {heads}", f"--depth-double {dd}",
-        f"--depth-single {ds}", "--lengths " + ",".join(str(x) for x in lengths), f"--repeats {repeats}",
-        f"--device {device}", f"--dtype {dtype}",
+        f"--depth-single {ds}", "--budgets " + ",".join(str(x) for x in budgets), f"--short {short}",
+        f"--longest {longest}",
+        f"--repeats {repeats}", f"--device {bench.dev.type}", f"--dtype {bench.dtype_name}",
     ]
-    if recompute:
-        parts.append("--recompute")
+    if bench.mode["compile"]:
+        parts.append("--compile")
+    if bench.mode["ac"]:
+        parts.append("--ac")
     if out:
         parts.append(f"--out {out}")
     return " ".join(parts)

@@ -246,6 +246,26 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from knapray import sim
 
     cost = _cost_model(args)
+    if args.paper_table and args.topology == sim.PER_STEP:
+        mixes = (*sim.PAPER_MIXES, *sim.NONSTATIONARY_MIXES) + ((args.mix,) if args.mix else ())
+        print("mix                             GPUs  static s  per-step s  ratio   worst  behind", file=sys.stderr)
+        rows = sim.per_step_table(
+            mixes=mixes, cost=cost, steps=args.steps, seed=args.seed,
+            progress=lambda r: print(
+                f"{sim._short(r['mix'], 31):<31} {r['world_size']:>4}  {r['static_step_s']:>8.4f}  "
+                f"{r['per_step_s']:>10.4f}  {r['ratio']:.4f}  {r['worst_step_ratio']:.4f}  {r['steps_behind']}",
+                file=sys.stderr, flush=True),
+        )
+        command = "knapray simulate --paper-table --topology per-step" + (
+            f" --steps {args.steps}" if args.steps != 3 else "") + (f" --mix {args.mix}" if args.mix else "")
+        text = sim.per_step_markdown(rows, command, args.steps)
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write(text)
+        print(text)
+        if args.json:
+            print(json.dumps({"rows": rows}))
+        return 0
     if args.paper_table:
         print("mix          GPUs  auto topology                  eff.    best greedy   eff.    ratio", file=sys.stderr)
         rows = sim.paper_table(
@@ -267,9 +287,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if (args.mix is None) == (args.lengths is None):
         raise ValueError("give exactly one of --mix CODES|NAME, --lengths FILE or --paper-table")
     if args.mix is not None:
-        from knapray.planning.runner import mix_ranks
-
-        world = args.world or mix_ranks(sim.resolve_mix(args.mix))
+        world = args.world or sim.schedule_ranks(args.mix)
         speeds = _rank_speeds(args.rank_speed, world)
         if speeds is not None:
             cost = cost.with_rank_speed(speeds)
@@ -292,18 +310,32 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from knapray.calibrate import calibrate, print_report
+    from knapray.calibrate import calibrate, print_report, print_validation, validate
 
-    lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else None
+    def progress(done: int, total: int) -> None:
+        if not args.json:
+            print(f"  timed round {done}/{total}", file=sys.stderr, flush=True)
+
+    if args.validate:
+        report = validate(
+            args.validate, scale=args.validate_scale, target_s=args.validate_target_s, per_mix=args.per_mix,
+            repeats=args.repeats, device=args.device, progress=progress,
+        )
+        print_validation(report, args.max_error)
+        if args.json:
+            print(json.dumps(report))
+        return 0 if report["mean_abs_error"] <= args.max_error else 1
+    budgets = [int(x) for x in args.budgets.split(",")] if args.budgets else None
     profile = calibrate(
         hidden=args.hidden, heads=args.heads, depth_double=args.depth_double, depth_single=args.depth_single,
-        lengths=lengths, repeats=args.repeats, device=args.device, dtype=args.dtype, out=args.out,
-        recompute=args.recompute,
+        budgets=budgets, short=args.short, longest=args.longest, repeats=args.repeats, device=args.device, dtype=args.dtype,
+        compile=args.compile, ac=args.ac, per_sequence={"auto": None, "on": True, "off": False}[args.per_sequence],
+        out=args.out, progress=progress,
     )
     print_report(profile)
     if args.json:
         print(json.dumps(profile))
-    return 0 if profile["fit"]["mape"] <= args.max_mape else 1
+    return 0 if profile["fit"]["cv_mape"] <= args.max_error else 1
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -463,34 +495,57 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
 
     m = sub.add_parser("simulate", help="predicted step time per rank: unbalanced, greedy, knapray (cost model)")
-    m.add_argument("--mix", help="paper mix name (low-res, mixed-res, image+video) or data codes")
+    m.add_argument("--mix", help="paper mix name (low-res, mixed-res, image+video), data codes, or a non-stationary "
+                   "schedule alternate:MIX[*K]/MIX[*K]/... (K steps of each in turn, e.g. alternate:low-res/image+video)")
     m.add_argument("--lengths", help="JSON file: list of steps, each a list of per-rank lists of lengths")
-    m.add_argument("--topology", default="auto", help="bags, e.g. g8n4, or 'auto' (default)")
-    m.add_argument("--world", type=_int_at_least(1), default=None, help="ranks (a multiple of the mix's ranks; default the mix's)")
+    m.add_argument("--topology", default="auto", help="bags, e.g. g8n4, 'auto' (default: chosen once from other "
+                   "steps), or 'per-step' (aligned power-of-two blocks of each node chosen every step, vs static auto)")
+    m.add_argument("--world-size", dest="world", type=_int_at_least(1), default=None,
+                   help="ranks (a multiple of the mix's ranks; default the mix's)")
     m.add_argument("--gpus-per-node", type=_int_at_least(1), default=None, help="GPUs per node (default: the cost model's, 8)")
     m.add_argument("--profile", help="cost model profile JSON (knapray calibrate), default: 8xH100 constants")
     m.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a CostModel field, e.g. inter_node_bw=25e9")
     m.add_argument("--rank-speed", action="append", metavar="RANK=SPEED", help="a rank's speed factor, e.g. 5=0.5")
     m.add_argument("--steps", type=_int_at_least(1), default=3, help="steps to simulate (default 3)")
     m.add_argument("--seed", type=_int_at_least(0), default=0)
-    m.add_argument("--paper-table", action="store_true", help="auto vs best greedy on the paper mixes at 32 and 1024 GPUs")
+    m.add_argument("--paper-table", action="store_true", help="auto vs best greedy on the paper mixes at 32 and 1024 "
+                   "GPUs; with --topology per-step: per-step vs static auto on them, alternate:low-res/image+video and "
+                   "alternate:low-res*2/image+video*2 (and --mix, if given)")
     m.add_argument("--markdown", help="--paper-table: also write the table to this file")
     m.add_argument("--plot", help="write a PNG of predicted per-rank time")
     m.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     m.set_defaults(func=cmd_simulate)
 
-    c = sub.add_parser("calibrate", help="time the model's blocks on this device, fit the cost model, write a profile")
-    c.add_argument("--hidden", type=_int_at_least(1), default=128, help="model width (default 128: CPU size)")
-    c.add_argument("--heads", type=_int_at_least(1), default=4)
-    c.add_argument("--depth-double", type=_int_at_least(0), default=1)
-    c.add_argument("--depth-single", type=_int_at_least(0), default=1)
-    c.add_argument("--lengths", help="comma-separated sequence lengths (default: 64..2048 on CPU, 512..32768 on GPU)")
-    c.add_argument("--repeats", type=_int_at_least(1), default=3, help="timed runs per length; the fastest counts (default 3)")
+    c = sub.add_parser("calibrate", help="time packed batches on this device, fit the cost model, write a profile; "
+                       "or --validate a profile on held-out batches")
+    c.add_argument("--hidden", type=_int_at_least(1), default=128, help="model width (default 128: CPU size; Flux 3072)")
+    c.add_argument("--heads", type=_int_at_least(1), default=4, help="attention heads (default 4; Flux 24)")
+    c.add_argument("--depth-double", type=_int_at_least(0), default=1, help="double-stream blocks timed (default 1)")
+    c.add_argument("--depth-single", type=_int_at_least(0), default=1, help="single-stream blocks timed (default 1)")
+    c.add_argument("--budgets", help="comma-separated token budgets of the packed batches "
+                   "(default: 1024,2048,3072 on CPU, 8192,16384,32768 on GPU)")
+    c.add_argument("--short", type=_int_at_least(1), default=None, help="length of the short sequences (default 64 CPU, 256 GPU)")
+    c.add_argument("--longest", type=_int_at_least(1), default=None,
+                   help="longest calibrated sequence: the run's longest (default: 2048 on CPU, the largest budget on GPU)")
+    c.add_argument("--repeats", type=_int_at_least(1), default=7, help="timed runs per batch; the fastest counts (default 7)")
     c.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     c.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bfloat16 on GPU, float32 on CPU)")
-    c.add_argument("--recompute", action="store_true", help="add a forward pass per step (activation checkpointing)")
+    c.add_argument("--compile", action="store_true", help="torch.compile every block (dynamic shapes), as the run does")
+    c.add_argument("--ac", action="store_true", help="activation checkpointing of every block, as the run does")
+    c.add_argument("--per-sequence", choices=["auto", "on", "off"], default="auto",
+                   help="per-sequence cost term: auto keeps it if leave-one-out cross-validation says so (default)")
     c.add_argument("--out", default="profile.json", help="profile JSON to write (default profile.json)")
-    c.add_argument("--max-mape", type=_float_in(gt=0), default=0.05, help="exit 1 if the fit's mean abs. %% error exceeds this")
+    c.add_argument("--validate", metavar="PROFILE", help="time held-out packed batches from the paper mixes in the "
+                   "profile's mode; print predicted vs measured; exit 1 if the mean abs. error exceeds --max-error")
+    c.add_argument("--validate-scale", type=_int_at_least(1), default=None,
+                   help="--validate: divide the mixes' resolutions by this (default 4 on CPU, 1 on GPU)")
+    c.add_argument("--validate-target-s", type=_float_in(gt=0), default=None,
+                   help="--validate: seconds a held-out batch should take by the profile's prediction "
+                   "(default 0.15 on CPU, 0.3 on GPU)")
+    c.add_argument("--per-mix", type=_int_at_least(1), default=4, help="--validate: held-out batches per paper mix (default 4)")
+    c.add_argument("--max-error", type=_float_in(gt=0), default=0.05,
+                   help="exit 1 if the mean abs. error (calibration: leave-one-out; validation: held-out) exceeds "
+                   "this (default 0.05)")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_calibrate)
 

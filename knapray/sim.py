@@ -8,10 +8,19 @@ every rank's time (compute, Ulysses all-to-alls, routing; ``CostModel.step_times
   of the homogeneous ``g1n*``, ``g2n*``, ``g4n*``, ``g8n*`` that fit the world);
 - ``knapray``: our solver with the cost model, on the given topology or the one
   ``autotopo`` chooses from *other* steps of the same mix (as the coordinator would, from
-  recent history).
+  recent history); with ``per-step``, on a topology chosen every step (``pertopo``: a
+  partition of every node into aligned power-of-two blocks, or the static ``auto``
+  topology when that predicts faster), and the static ``auto`` topology is reported beside
+  it (``static_auto``) with the per-step comparison.
 
 Efficiency is the ideal step time (total compute over the ranks' total speed, no
 communication) over the predicted step time, both summed over the steps.
+
+Mixes: a paper mix's name, data codes, or a non-stationary schedule
+``alternate:MIX[*K]/MIX[*K]/...``: K steps (default 1) of each mix in turn, cycling
+(``alternate:low-res/image+video`` alternates image-only and video-heavy steps;
+``alternate:low-res*3/image+video`` runs three image-only steps per video step). Every
+mix of a schedule must fit the world (its rank count divides it).
 """
 
 from __future__ import annotations
@@ -24,9 +33,16 @@ import numpy as np
 from knapray.planning import PAPER_MIXES, Topology, identity_plan, plan_balance
 from knapray.planning.autotopo import composition_spec, search_topology
 from knapray.planning.cost import CostModel, StepTimes
+from knapray.planning.pertopo import plan_step
 from knapray.planning.runner import mix_ranks, mix_steps
 
 MODES = ("baseline", "greedy", "knapray")
+PER_STEP = "per-step"
+ALTERNATE = "alternate:"
+NONSTATIONARY_MIXES = ("alternate:low-res/image+video", "alternate:low-res*2/image+video*2")
+"""The table's non-stationary mixes: image-only steps alternating with the paper's video mix,
+one step each, and in phases of two steps (the static topology's two history steps then
+see one phase only, as a choice made at the start of a run sees the data of its start)."""
 FIXED_SIZES = (1, 2, 4, 8)
 HISTORY_SEED_OFFSET = 1000  # auto chooses from steps the evaluation never sees
 
@@ -34,6 +50,44 @@ HISTORY_SEED_OFFSET = 1000  # auto chooses from steps the evaluation never sees
 def resolve_mix(mix: str) -> str:
     """A paper mix's name (``mixed-res``) or data codes."""
     return PAPER_MIXES.get(mix, mix)
+
+
+def parse_schedule(mix: str) -> list[tuple[str, str, int]]:
+    """``(name, data codes, steps in a row)`` of every part of a mix: one part for a paper
+    mix or codes, one per ``/``-separated part of ``alternate:A[*K]/B[*K]/...``."""
+    if not mix.startswith(ALTERNATE):
+        return [(mix, resolve_mix(mix), 1)]
+    parts = []
+    for part in mix[len(ALTERNATE):].split("/"):
+        name, star, count = part.strip().partition("*")
+        if not name or (star and not count.strip().isdigit()) or (star and int(count) < 1):
+            raise ValueError(
+                f"bad part {part!r} of {mix!r}: expected MIX or MIX*K (K >= 1 steps in a row), parts joined "
+                "by '/', e.g. 'alternate:low-res/image+video' or 'alternate:low-res*3/image+video'"
+            )
+        parts.append((name, resolve_mix(name), int(count) if star else 1))
+    if len(parts) < 2:
+        raise ValueError(f"{mix!r}: an alternating schedule needs at least two parts joined by '/'")
+    return parts
+
+
+def schedule_ranks(mix: str) -> int:
+    """The smallest world every part of a mix fits (the least common multiple of their ranks)."""
+    return int(np.lcm.reduce([mix_ranks(codes) for _, codes, _ in parse_schedule(mix)]))
+
+
+def schedule_steps(mix: str, steps: int, seed: int, world_size: int) -> tuple[list[str], list[list[list[int]]]]:
+    """Labels and per-rank lengths of ``steps`` steps of a mix (a schedule cycles its parts);
+    each part draws from its own generator, seeded ``seed + part index``."""
+    parts = parse_schedule(mix)
+    gens = [mix_steps(codes, steps, seed + i, world_size=world_size) for i, (_, codes, _) in enumerate(parts)]
+    order = [i for i, (_, _, k) in enumerate(parts) for _ in range(k)]
+    labels, out = [], []
+    for t in range(steps):
+        i = order[t % len(order)]
+        labels.append(parts[i][0])
+        out.append(next(gens[i]))
+    return labels, out
 
 
 def fixed_topologies(world_size: int, gpus_per_node: int, sizes: Sequence[int] = FIXED_SIZES) -> list[Topology]:
@@ -66,8 +120,10 @@ def simulate(
         cost = cost.replace(gpus_per_node=gpn)
     cost.speeds(world)  # validates rank_speed against the world
     auto = None
-    if isinstance(topology, str) and topology == "auto":
-        auto = search_topology(history if history is not None else steps, world, cost, gpn)
+    per_step = isinstance(topology, str) and topology == PER_STEP
+    if isinstance(topology, str) and topology in ("auto", PER_STEP):
+        hist = history if history is not None else steps
+        auto = search_topology(hist, world, cost, gpn)
         ours_topo = auto.topology
         greedy_topos = fixed_topologies(world, gpn)
     else:
@@ -80,16 +136,24 @@ def simulate(
     }
     greedy_name = min(greedy_runs, key=lambda k: sum(x.step_time for x in greedy_runs[k]))
     plan_ms = []
-    ours = []
+    ours, static, chosen = [], [], []
     for s in steps:
         t1 = time.perf_counter()
-        plan = plan_balance(s, ours_topo, cost)
+        if per_step:
+            choice = plan_step(s, cost, base=ours_topo)
+            plan = choice.plan
+            static.append(cost.step_times(plan_balance(s, ours_topo, cost)))
+            chosen.append(choice)
+        else:
+            plan = plan_balance(s, ours_topo, cost)
         plan_ms.append((time.perf_counter() - t1) * 1e3)
         ours.append(cost.step_times(plan))
     modes = {
         "baseline": _mode("g1n%d (no balancing)" % world, baseline, ideal),
         "greedy": _mode(greedy_name, greedy_runs[greedy_name], ideal),
-        "knapray": _mode(_auto_name(ours_topo) if auto else str(ours_topo), ours, ideal),
+        "knapray": _mode(
+            PER_STEP if per_step else (_auto_name(ours_topo) if auto else str(ours_topo)), ours, ideal
+        ),
     }
     modes["knapray"]["plan_ms_p50"] = float(np.median(plan_ms))
     result = {
@@ -109,6 +173,18 @@ def simulate(
     if auto is not None:
         result["auto"] = auto.summary()
         result["auto"]["layout_full"] = ours_topo.spec
+    if per_step:
+        modes["static_auto"] = _mode(_auto_name(ours_topo), static, ideal)
+        ratios = np.array([a.step_time / b.step_time for a, b in zip(static, ours)])
+        result["per_step"] = [
+            {"step_s": b.step_time, "static_auto_s": a.step_time, "source": c.source,
+             "topology": composition_spec(c.topology) if c.source != "base" else _auto_name(c.topology),
+             "candidates": len(c.scores)}
+            for a, b, c in zip(static, ours, chosen)
+        ]
+        result["speedup_vs_static_auto"] = modes["static_auto"]["step_s"] / modes["knapray"]["step_s"]
+        result["per_step_ratio_min"] = float(ratios.min())
+        result["steps_behind_static_auto"] = int(np.sum(ratios < 1 - 1e-12))
     result["simulate_s"] = time.perf_counter() - t0
     return result
 
@@ -123,15 +199,16 @@ def simulate_mix(
     history_steps: int = 2,
     gpus_per_node: int | None = None,
 ) -> dict:
-    """``simulate`` on ``steps`` steps of a mix (paper name or data codes); ``auto``
-    chooses from ``history_steps`` other steps of the mix."""
-    codes = resolve_mix(mix)
-    world = world_size or mix_ranks(codes)
+    """``simulate`` on ``steps`` steps of a mix (paper name, data codes or an
+    ``alternate:`` schedule); ``auto`` (and ``per-step``'s static topology) chooses from
+    ``history_steps`` other steps of the mix (a schedule's first ones, other seeds)."""
+    world = world_size or schedule_ranks(mix)
     cost = cost or CostModel()
-    evaluated = list(mix_steps(codes, steps, seed, world_size=world))
-    history = list(mix_steps(codes, history_steps, seed + HISTORY_SEED_OFFSET, world_size=world))
+    labels, evaluated = schedule_steps(mix, steps, seed, world)
+    _, history = schedule_steps(mix, history_steps, seed + HISTORY_SEED_OFFSET, world)
     result = simulate(evaluated, topology, cost, history=history, gpus_per_node=gpus_per_node)
     result["mix"] = mix
+    result["step_mix"] = labels
     return result
 
 
@@ -167,6 +244,61 @@ def paper_table(
     return rows
 
 
+def per_step_table(
+    worlds: Sequence[int] = (32, 1024),
+    mixes: Sequence[str] = (*PAPER_MIXES, *NONSTATIONARY_MIXES),
+    cost: CostModel | None = None,
+    steps: int = 4,
+    seed: int = 0,
+    progress=None,
+) -> list[dict]:
+    """Per-step topology vs static ``auto`` on every mix and world."""
+    rows = []
+    for world in worlds:
+        for mix in mixes:
+            r = simulate_mix(mix, PER_STEP, world, cost, steps=steps, seed=seed)
+            m = r["modes"]
+            per_mix = {}
+            for lab, p in zip(r["step_mix"], r["per_step"]):
+                a, b = per_mix.get(lab, (0.0, 0.0))
+                per_mix[lab] = (a + p["static_auto_s"], b + p["step_s"])
+            rows.append({
+                "mix": mix,
+                "world_size": world,
+                "static_topology": m["static_auto"]["topology"],
+                "static_step_s": m["static_auto"]["step_s"],
+                "per_step_s": m["knapray"]["step_s"],
+                "ratio": r["speedup_vs_static_auto"],
+                "worst_step_ratio": r["per_step_ratio_min"],
+                "steps_behind": r["steps_behind_static_auto"],
+                "ratio_by_part": {k: a / b for k, (a, b) in per_mix.items()},
+                "chosen": sorted({p["topology"] for p in r["per_step"]}),
+                "seconds": r["simulate_s"],
+            })
+            if progress is not None:
+                progress(rows[-1])
+    return rows
+
+
+def per_step_markdown(rows: list[dict], command: str, steps: int) -> str:
+    lines = [
+        ("| mix | GPUs | static `auto` | static step s | per-step step s | ratio | worst step | steps behind "
+         "| ratio per part | per-step topologies | sim s |"),
+        "|---|---:|---|---:|---:|---:|---:|---:|---|---|---:|",
+    ]
+    for r in rows:
+        parts = ", ".join(f"{k} {v:.4f}" for k, v in r["ratio_by_part"].items()) if len(r["ratio_by_part"]) > 1 else ""
+        chosen = "; ".join(f"`{_short(t, 40)}`" for t in r["chosen"])
+        lines.append(
+            f"| {r['mix']} | {r['world_size']} | `{_short(r['static_topology'], 40)}` | {r['static_step_s']:.4f} | "
+            f"{r['per_step_s']:.4f} | {r['ratio']:.4f} | {r['worst_step_ratio']:.4f} | {r['steps_behind']} | "
+            f"{parts} | {chosen} | {r['seconds']:.1f} |"
+        )
+    head = (f"Command: `{command}` ({steps} steps per row; ratio = static step time / per-step step time, "
+            "means over the steps; worst step = the smallest per-step ratio)")
+    return head + "\n\n" + "\n".join(lines) + "\n"
+
+
 def table_markdown(rows: list[dict], command: str, cost: CostModel, steps: int = 3) -> str:
     lines = [
         "# Simulated step time: `auto` topology vs the best fixed greedy",
@@ -199,10 +331,10 @@ def table_markdown(rows: list[dict], command: str, cost: CostModel, steps: int =
 def print_report(r: dict) -> None:
     print(f"mix {r.get('mix', '(lengths)')}  ranks {r['world_size']} ({r['gpus_per_node']} per node)  "
           f"steps {r['steps']}  ideal step {r['ideal_step_s']:.4f} s")
-    print(f"{'mode':<9} {'topology':<34} {'step s':>8} {'eff.':>7} {'compute':>8} {'ulysses':>8} {'route':>7}")
-    for name in MODES:
+    print(f"{'mode':<11} {'topology':<32} {'step s':>8} {'eff.':>7} {'compute':>8} {'ulysses':>8} {'route':>7}")
+    for name in MODES + (("static_auto",) if "static_auto" in r["modes"] else ()):
         m = r["modes"][name]
-        print(f"{name:<9} {_short(m['topology'], 34):<34} {m['step_s']:>8.4f} {m['efficiency']:>7.4f} "
+        print(f"{name:<11} {_short(m['topology'], 32):<32} {m['step_s']:>8.4f} {m['efficiency']:>7.4f} "
               f"{m['compute_s_mean']:>8.4f} {m['ulysses_s_mean']:>8.4f} {m['route_s_mean']:>7.4f}")
     if "auto" in r:
         a = r["auto"]
@@ -210,6 +342,14 @@ def print_report(r: dict) -> None:
               f"{a['search_s']:.1f} s)")
         print("greedy by topology: " + ", ".join(
             f"{k} {v['efficiency']:.4f}" for k, v in r["greedy_by_topology"].items()))
+    if "per_step" in r:
+        labels = r.get("step_mix") or [""] * len(r["per_step"])
+        print(f"{'step':>4} {'mix':<14} {'static auto s':>13} {'per-step s':>10} {'ratio':>7}  chosen")
+        for i, (lab, p) in enumerate(zip(labels, r["per_step"])):
+            print(f"{i:>4} {_short(lab, 14):<14} {p['static_auto_s']:>13.4f} {p['step_s']:>10.4f} "
+                  f"{p['static_auto_s'] / p['step_s']:>7.4f}  {p['source']}: {_short(p['topology'], 40)}")
+        print(f"per-step vs static auto: {r['speedup_vs_static_auto']:.4f}x (worst step {r['per_step_ratio_min']:.4f}x, "
+              f"{r['steps_behind_static_auto']} steps behind)")
     print(f"knapray vs greedy: {r['speedup_vs_greedy']:.4f}x   vs unbalanced: {r['speedup_vs_baseline']:.3f}x "
           "(predicted step time)")
     print("compute / ulysses / route: per-rank means in seconds; eff. = ideal / predicted step time")

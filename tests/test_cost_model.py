@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from knapray.planning import Topology, WorkloadModel, identity_plan, plan_balance
-from knapray.planning.cost import CostModel, rank_times
+from knapray.planning.cost import PROFILE_FORMAT, CostModel, rank_times
 from knapray.planning.topology import pack_nodes
 
 # Round numbers: d=100, 2 layers, 1 GFLOP/s, 4 passes, 200 bytes per token (bf16),
@@ -82,13 +82,58 @@ def test_rank_times_by_hand():
     assert model.ideal_step_time(lens, 4) == pytest.approx(float(SMALL.compute(lens).sum()) / 3.5)
 
 
+def test_per_sequence_term_and_fixed_cost_by_hand():
+    # s = 1e-3 s per sequence per layer, paid in full by every GPU of a bag; the fixed cost
+    # (0.5 + 2 layers x 0.01) is paid once per rank and step, never per sequence.
+    model = SMALL.replace(seq_s=1e-3, layer_overhead_s=0.01, step_overhead_s=0.5)
+    assert model.fixed_s == pytest.approx(0.52)
+    assert model.compute(10) == pytest.approx(SMALL.compute(10) + 2e-3)
+    assert model.seq_cost(40, 4) == pytest.approx(SMALL.compute(40) / 4 + 2e-3 + SMALL.ulysses(40, 4))
+    np.testing.assert_allclose(model.chunk(np.array([5]), np.array([10]), np.array([2])),
+                               SMALL.chunk(np.array([5]), np.array([10]), np.array([2])) + 2e-3)
+    # Two sequences on a bag of 2 (one rank per node: no Ulysses peers off the node here).
+    topo = Topology((2,))
+    lens, home = np.array([10, 30]), np.array([0, 1])
+    chunk_seq, chunk_rank, chunk_len = np.array([0, 0, 1, 1]), np.array([0, 1, 0, 1]), np.array([5, 5, 15, 15])
+    t = rank_times(model, topo, lens, home, chunk_seq, chunk_rank, chunk_len, np.array([2, 2]))
+    base = rank_times(SMALL, topo, lens, home, chunk_seq, chunk_rank, chunk_len, np.array([2, 2]))
+    np.testing.assert_allclose(t.compute, base.compute + 2 * 2e-3)  # both sequences on both ranks
+    assert t.overhead == pytest.approx(0.52) and base.overhead == 0.0
+    assert model.ideal_step_time(lens, 2) == pytest.approx(float(model.compute(lens).sum()) / 2 + 0.52)
+    # A packed batch: fixed cost once; the per-sequence term per sequence or per distinct length.
+    assert model.batch_time([10, 10, 30]) == pytest.approx(0.52 + float(SMALL.compute(np.array([10, 10, 30])).sum())
+                                                           + 3 * 2e-3)
+    by_length = model.replace(seq_s_counts="lengths")
+    assert by_length.batch_time([10, 10, 30]) == pytest.approx(model.batch_time([10, 10, 30]) - 2e-3)
+    with pytest.raises(ValueError, match="seq_s_counts must be one of"):
+        model.replace(seq_s_counts="calls")
+
+
+def test_solver_charges_the_per_sequence_term_on_every_gpu_of_a_bag():
+    # Many short sequences: with a large per-sequence cost, a bag of 4 saves nothing on it
+    # (each of its GPUs pays it for every sequence), so the plan keeps them on bags of one.
+    topo = Topology.parse("g1n4+g4n1", gpus_per_node=8)
+    lens = [[200] * 20 for _ in range(8)]
+    cheap = CostModel(num_heads=8)
+    dear = cheap.replace(seq_s=cheap.linear_s_per_token * 2000)
+    plan = plan_balance(lens, topo, dear)
+    times = dear.step_times(plan)
+    assert plan.predicted_step_time == pytest.approx(times.step_time)
+    big = np.flatnonzero(topo.bag_sizes == 4)[0]
+    assert (plan.bag == big).sum() < (plan_balance(lens, topo, cheap).bag == big).sum()
+
+
 def test_config_round_trip_and_errors(tmp_path):
     model = CostModel(inter_node_bw=25e9, rank_speed=(1.0, 0.5))
     assert CostModel.from_dict(json.loads(json.dumps(model.to_dict()))) == model
     path = tmp_path / "profile.json"
-    path.write_text(json.dumps({"format": "x", "cost_model": {"linear_s": 1e-6, "d_model": 64}}))
+    path.write_text(json.dumps({"format": PROFILE_FORMAT, "cost_model": {"linear_s": 1e-6, "d_model": 64}}))
     loaded = CostModel.from_profile(str(path), gpus_per_node=4)
     assert loaded.linear_s == 1e-6 and loaded.d_model == 64 and loaded.gpus_per_node == 4
+    # A single-sequence profile (format 1) is refused by name.
+    path.write_text(json.dumps({"format": "knapray-cost-profile/1", "cost_model": {"linear_s": 1e-6}}))
+    with pytest.raises(ValueError, match="profile format 'knapray-cost-profile/1' is not"):
+        CostModel.from_profile(str(path))
     with pytest.raises(ValueError, match=r"unknown CostModel keys \['bandwidth'\]; valid: \['d_model'"):
         CostModel.from_dict({"bandwidth": 1})
     with pytest.raises(ValueError, match="intra_node_bw must be a positive number"):

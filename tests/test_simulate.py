@@ -80,7 +80,7 @@ def test_choose_topology_inputs():
 
 def test_simulate_cli_json_and_plot(tmp_path, capsys):
     plot = tmp_path / "t.png"
-    assert main(["simulate", "--mix", "image+video", "--world", "32", "--steps", "2",
+    assert main(["simulate", "--mix", "image+video", "--world-size", "32", "--steps", "2",
                  "--plot", str(plot), "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert {"world_size", "ideal_step_s", "modes", "greedy_by_topology", "speedup_vs_greedy", "auto"} <= out.keys()

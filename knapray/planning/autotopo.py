@@ -292,7 +292,7 @@ def _demand_seeds(
         lens = np.asarray([x for r in step for x in r], dtype=np.int64)
         if lens.size == 0:
             continue
-        target = cost.ideal_step_time(lens, n) * margin - cost.step_overhead_s
+        target = cost.ideal_step_time(lens, n) * margin - cost.fixed_s
         times = np.stack([cost.seq_cost(lens, g) for g in sizes])  # (sizes, S)
         fits = times <= target
         # The smallest size that fits; the largest if none does.

@@ -5,12 +5,19 @@ time on a machine, so the planner can trade balance against communication and th
 topology search can compare bag layouts. Every constant is a field (override it, or load
 a config dict / a profile written by ``knapray calibrate``).
 
-Compute, per sequence of ``L`` tokens on one GPU of speed 1::
+Compute, per sequence of ``L`` tokens on one GPU of speed 1, is its *marginal* cost in the
+packed batch a rank runs (what adding the sequence to the batch adds)::
 
-    compute(L) = layers · (a·L + b·L²)
+    compute(L) = layers · (s + a·L + b·L²)
 
-``a`` (seconds per token per layer) and ``b`` (seconds per token pair per layer) are fitted
-(``knapray calibrate``) or derived from FLOPs: per layer and forward pass a token costs
+and every rank pays, once per step whatever its batch holds, the fixed
+``fixed_s = step_overhead_s + layers · layer_overhead_s`` (kernel launches and dispatch are
+paid per layer, once for the whole packed batch: never per sequence).
+
+``a`` (seconds per token per layer), ``b`` (seconds per token pair per layer), ``s``
+(seconds per sequence per layer, 0 unless calibration shows one) and ``layer_overhead_s``
+are fitted to timed packed batches (``knapray calibrate``), or ``a`` and ``b`` derived from
+FLOPs: per layer and forward pass a token costs
 ``24·d²`` FLOPs in projections and MLP (MLP ratio 4; true of Flux's double blocks, whose
 text and image tokens have separate weights, and of its single blocks, whose fused
 ``d -> 7d`` and ``5d -> d`` linears are also ``12·d²`` multiply-adds) and attention
@@ -30,7 +37,9 @@ Of each all-to-all a fraction ``(g-1)/g`` of the chunk leaves the GPU: the part 
 peers on the same node moves at ``intra_node_bw``, the part for peers on other nodes (a
 bag larger than a node, or one laid out across a boundary) at ``inter_node_bw``; the
 two run on different links, so the slower one sets the time. A sequence on a bag of
-``g`` thus costs each of its GPUs ``compute(L)/g + ulysses(L, g)``.
+``g`` thus costs each of its GPUs ``layers·s + (compute(L) - layers·s)/g + ulysses(L, g)``:
+every GPU of the bag runs attention over the whole sequence (for ``1/g`` of the heads), so
+each pays the per-sequence term in full.
 
 Routing: route and reverse route of the hidden states (``d`` values per token) in the
 forward pass, and the same two in the backward pass: ``route_a2a_per_step = 4``
@@ -40,15 +49,21 @@ all-to-alls per step of every token a rank sends to or receives from another ran
 Speed: rank ``r``'s time is its load divided by ``rank_speed[r]`` (0.5: twice as slow);
 a bag runs at the speed of its slowest member (its ranks meet at every all-to-all).
 
-The step time of a plan is ``max over ranks (busy_r / speed + route_r) + step_overhead_s``;
-its ideal is ``sum compute(L) / sum speed + step_overhead_s`` (perfect balance, no
+The step time of a plan is ``max over ranks (busy_r / speed + route_r) + fixed_s``;
+its ideal is ``sum compute(L) / sum speed + fixed_s`` (perfect balance, no
 communication).
+
+A profile from ``knapray calibrate`` records the execution mode it was timed in (device,
+dtype, compile, activation checkpointing, attention backend, torch version);
+``from_profile(path, run_mode=...)`` refuses a profile whose mode differs from the run's
+(see ``check_mode``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -83,8 +98,19 @@ class CostModel:
     """Fitted seconds per token per layer for a whole step (overrides the FLOP estimate)."""
     attn_s: float | None = None
     """Fitted seconds per token pair per layer for a whole step (overrides the FLOP estimate)."""
+    seq_s: float = 0.0
+    """Fitted seconds per sequence per layer for a whole step, paid by every GPU that runs
+    a chunk of the sequence (per-sequence kernel work, e.g. attention launched per sequence)."""
+    seq_s_counts: str = "sequences"
+    """What ``seq_s`` is paid per in a packed batch: ``sequences``, or distinct ``lengths``
+    (the per-sequence ``sdpa`` attention backend runs all sequences of one length in one
+    call). The planner charges it per sequence either way, an upper bound; ``batch_time``
+    counts it exactly."""
+    layer_overhead_s: float = 0.0
+    """Fixed seconds per layer and step on every rank, whatever its batch holds (kernel
+    launches and dispatch, paid once per packed batch); fitted by ``knapray calibrate``."""
     step_overhead_s: float = 0.0
-    """Fixed seconds per rank and step (launches, optimizer); the same on every plan."""
+    """Fixed seconds per rank and step outside the layers (optimizer, embedding, loss)."""
     activation_bytes: int = 2
     """Bytes per activation value (bf16: 2)."""
     ulysses_a2a_per_layer: int = 12
@@ -117,7 +143,10 @@ class CostModel:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and np.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be a positive number, got {v!r}")
-        for name in ("backward_factor", "recompute_passes", "linear_flops", "attn_flops", "step_overhead_s"):
+        for name in (
+            "backward_factor", "recompute_passes", "linear_flops", "attn_flops", "step_overhead_s",
+            "seq_s", "layer_overhead_s",
+        ):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and np.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be a number >= 0, got {v!r}")
@@ -125,6 +154,8 @@ class CostModel:
             v = getattr(self, name)
             if v is not None and not (isinstance(v, (int, float)) and np.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be None or a number >= 0, got {v!r}")
+        if self.seq_s_counts not in SEQ_COUNTS:
+            raise ValueError(f"seq_s_counts must be one of {SEQ_COUNTS}, got {self.seq_s_counts!r}")
         if self.rank_speed is not None:
             speeds = tuple(float(s) for s in self.rank_speed)
             bad = [s for s in speeds if not (np.isfinite(s) and s > 0)]
@@ -153,16 +184,45 @@ class CostModel:
         return d
 
     @classmethod
-    def from_profile(cls, path: str, **overrides: Any) -> "CostModel":
+    def from_profile(
+        cls,
+        path: str,
+        run_mode: Mapping[str, Any] | None = None,
+        allow_mode_mismatch: bool = False,
+        **overrides: Any,
+    ) -> "CostModel":
         """Load the ``cost_model`` section of a profile JSON (``knapray calibrate``), or a
-        JSON file that is such a mapping itself; ``overrides`` replace fields."""
+        JSON file that is such a mapping itself; ``overrides`` replace fields.
+
+        ``run_mode``: the execution mode the plans are for (keys of ``MODE_KEYS``, e.g.
+        ``{"device": "cuda", "dtype": "bfloat16", "compile": True, "ac": True}``); the
+        profile's recorded mode must match it (``check_mode``), else ValueError, or only a
+        warning with ``allow_mode_mismatch``. Profiles of the single-sequence format
+        (``knapray-cost-profile/1``) are refused: they price short sequences several times
+        too high."""
         with open(path) as f:
             data = json.load(f)
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a JSON object with a 'cost_model' mapping")
+        fmt = data.get("format")
+        if fmt is not None and fmt != PROFILE_FORMAT:
+            raise ValueError(
+                f"{path}: profile format {fmt!r} is not {PROFILE_FORMAT!r} (packed-batch timings); "
+                "re-run `knapray calibrate` to write a new profile"
+            )
         values = data.get("cost_model", data)
         if not isinstance(values, dict):
             raise ValueError(f"{path}: 'cost_model' must be a mapping of CostModel fields")
+        if run_mode is not None:
+            recorded = data.get("mode")
+            if not isinstance(recorded, dict):
+                problems = [f"{path} records no execution mode, so it cannot be checked against {dict(run_mode)}"]
+            else:
+                problems = check_mode(recorded, run_mode)
+            if problems and not allow_mode_mismatch:
+                raise ValueError(f"{path}: profile does not match the run: " + "; ".join(problems))
+            for p in problems:
+                warnings.warn(f"{path}: {p}", stacklevel=2)
         return cls.from_dict({**values, **overrides})
 
     def replace(self, **changes: Any) -> "CostModel":
@@ -177,6 +237,11 @@ class CostModel:
     @property
     def layers(self) -> int:
         return int(self.double_blocks + self.single_blocks)
+
+    @property
+    def fixed_s(self) -> float:
+        """Fixed seconds every rank spends per step whatever its batch holds."""
+        return self.step_overhead_s + self.layers * self.layer_overhead_s
 
     @property
     def passes(self) -> float:
@@ -206,9 +271,23 @@ class CostModel:
         length = np.asarray(seq_len, dtype=np.float64)
         return self.layers * self.attn_s_per_pair * length * length
 
+    def per_sequence(self, seq_len: np.ndarray | float) -> np.ndarray:
+        """Seconds of the per-sequence part (all layers), paid by every GPU of a bag."""
+        return np.full(np.shape(seq_len), self.layers * self.seq_s, dtype=np.float64)
+
     def compute(self, seq_len: np.ndarray | float) -> np.ndarray:
-        """Seconds of forward + backward of whole sequences on one GPU of speed 1."""
-        return self.linear(seq_len) + self.attention(seq_len)
+        """Marginal seconds of forward + backward of whole sequences in a packed batch on
+        one GPU of speed 1 (the step's fixed cost ``fixed_s`` excluded)."""
+        return self.per_sequence(seq_len) + self.linear(seq_len) + self.attention(seq_len)
+
+    def batch_time(self, seq_lens: np.ndarray | list[int]) -> float:
+        """Predicted seconds of one packed batch on one GPU of speed 1 (a bag of one, no
+        communication): the fixed cost, every sequence's per-token and attention parts, and
+        the per-sequence part counted as ``seq_s_counts`` says."""
+        lens = np.asarray(seq_lens, dtype=np.float64)
+        calls = lens.size if self.seq_s_counts == "sequences" else np.unique(lens).size
+        split = float((self.linear(lens) + self.attention(lens)).sum())
+        return self.fixed_s + split + self.layers * self.seq_s * calls
 
     def __call__(self, seq_len: np.ndarray | float) -> np.ndarray:
         """Work estimate for balancing (compute seconds, no communication): what the
@@ -216,8 +295,12 @@ class CostModel:
         return self.compute(seq_len)
 
     def chunk(self, chunk_len: np.ndarray, seq_len: np.ndarray, bag_size: np.ndarray) -> np.ndarray:
-        """Compute seconds of one chunk (its tokens' per-token part, ``1/g`` of attention)."""
-        return self.linear(chunk_len) + self.attention(seq_len) / np.asarray(bag_size, dtype=np.float64)
+        """Compute seconds of one chunk (its tokens' per-token part, ``1/g`` of attention,
+        the whole per-sequence part)."""
+        return (
+            self.per_sequence(seq_len) + self.linear(chunk_len)
+            + self.attention(seq_len) / np.asarray(bag_size, dtype=np.float64)
+        )
 
     # ---- communication ----------------------------------------------------------------------
 
@@ -240,8 +323,10 @@ class CostModel:
         return np.asarray(seq_len, dtype=np.float64) / bag_size * self.ulysses_token_s(bag_size, off_node_peers)
 
     def seq_cost(self, seq_len: np.ndarray | float, bag_size: int, off_node_peers: int = 0) -> np.ndarray:
-        """Seconds each GPU of a bag spends on a sequence: ``compute(L)/g + ulysses(L, g)``."""
-        return self.compute(seq_len) / bag_size + self.ulysses(seq_len, bag_size, off_node_peers)
+        """Seconds each GPU of a bag spends on a sequence: ``compute(L)/g + ulysses(L, g)``,
+        but the per-sequence part in full."""
+        split = (self.linear(seq_len) + self.attention(seq_len)) / bag_size
+        return self.per_sequence(seq_len) + split + self.ulysses(seq_len, bag_size, off_node_peers)
 
     def route_token_s(self, inter_node: bool) -> float:
         """Routing seconds per token a rank sends (or receives) per step."""
@@ -292,9 +377,9 @@ class CostModel:
         return out
 
     def ideal_step_time(self, seq_lens: np.ndarray, world_size: int) -> float:
-        """Total compute over the ranks' total speed, no communication, plus the overhead."""
+        """Total compute over the ranks' total speed, no communication, plus the fixed cost."""
         total = float(self.compute(np.asarray(seq_lens)).sum())
-        return total / float(self.speeds(world_size).sum()) + self.step_overhead_s
+        return total / float(self.speeds(world_size).sum()) + self.fixed_s
 
     def step_times(self, plan) -> "StepTimes":
         """Predicted per-rank times of a ``BalancePlan`` (any solver, any model)."""
@@ -350,7 +435,7 @@ def rank_times(
         bag_speed = model.bag_speed(topology)
     seq_len_c = seq_lens[chunk_seq].astype(np.float64)
     g_c = bag_size_of_seq[chunk_seq].astype(np.float64)
-    comp = model.linear(chunk_len) + model.attention(seq_len_c) / g_c
+    comp = model.per_sequence(seq_len_c) + model.linear(chunk_len) + model.attention(seq_len_c) / g_c
     bag_of_rank = topology.bag_of_rank
     uly = chunk_len * bag_token_s[bag_of_rank[chunk_rank]]
     speed = bag_speed[bag_of_rank]
@@ -370,4 +455,41 @@ def rank_times(
             recv = np.bincount(d[mask], weights=n[mask], minlength=w)
             parts.append(np.maximum(sent, recv) * t)
         route = np.maximum(parts[0], parts[1])
-    return StepTimes(compute, ulysses, route, model.step_overhead_s)
+    return StepTimes(compute, ulysses, route, model.fixed_s)
+
+
+# ---- execution mode -------------------------------------------------------------------------
+
+SEQ_COUNTS = ("sequences", "lengths")
+"""What a per-sequence cost can be paid per (``CostModel.seq_s_counts``)."""
+
+PROFILE_FORMAT = "knapray-cost-profile/2"
+"""Format of the profiles ``knapray calibrate`` writes (packed-batch timings, a ``mode``)."""
+
+MODE_KEYS = ("device", "dtype", "compile", "ac", "attention_backend", "device_name", "torch")
+"""What a profile's ``mode`` records: device type (cpu, cuda), dtype, torch.compile on or
+off, activation checkpointing on or off, attention backend, device name, torch version."""
+
+MODE_MUST_MATCH = ("device", "dtype", "compile", "ac", "attention_backend")
+"""Keys whose mismatch makes a profile unusable: each changes step time by a large factor
+(compiled vs eager 1.6-1.8x, activation checkpointing about +1/3, bf16 vs fp32 several
+times, fused vs per-sequence attention), and with them what the planner trades off."""
+
+
+def check_mode(recorded: Mapping[str, Any], run_mode: Mapping[str, Any]) -> list[str]:
+    """Why a profile recorded in mode ``recorded`` does not fit a run in ``run_mode``: one
+    line per key of ``MODE_MUST_MATCH`` the run gives and the profile records differently,
+    and (suffixed "(warning)") per differing device name or torch version, which change
+    kernels less. Keys the run leaves out are not checked. Raises on unknown keys."""
+    unknown = sorted(set(run_mode) - set(MODE_KEYS))
+    if unknown:
+        raise ValueError(f"unknown execution-mode keys {unknown}; valid: {list(MODE_KEYS)}")
+    hard, soft = [], []
+    for key in MODE_KEYS:
+        if key not in run_mode:
+            continue
+        want, got = run_mode[key], recorded.get(key)
+        if got != want:
+            line = f"{key} is {got!r} in the profile but {want!r} in the run"
+            (hard if key in MODE_MUST_MATCH else soft).append(line)
+    return hard + [f"{line} (warning)" for line in soft]

@@ -2,8 +2,8 @@
 
 With the paper's ``WorkloadModel`` this is makespan scheduling on "uniform machines": bag
 ``j`` of ``g_j`` GPUs finishes when its per-GPU load ``P_j = Σ W(L)/g_j`` is done. With a
-``CostModel`` a sequence on bag ``j`` costs each of its GPUs ``compute(L)/g_j +
-ulysses(L, g_j)`` seconds, divided by the bag's speed (its slowest rank's), which is not
+``CostModel`` a sequence on bag ``j`` costs each of its GPUs ``CostModel.seq_cost`` seconds
+(``compute(L)/g_j + ulysses(L, g_j)``, the per-sequence part unsplit), divided by the bag's speed (its slowest rank's), which is not
 proportional across bag sizes ("unrelated machines"); the plan minimizes the predicted
 step time (routing included). Either way a sequence may only go to a bag with
 ``g_j <= L`` (one shorter than every bag goes to a smallest bag, some chunks empty).
@@ -299,7 +299,7 @@ class _Problem:
     Bag ``b`` finishes when its per-GPU load ``Σ t(s, b)`` is done, with
     ``t(s, b) = cost[s, cls[b]] / speed[b]``: ``cost`` is the per-GPU time of a sequence on
     a bag of a class (size, communication), ``W(L)/g`` for the paper's workload model and
-    ``compute(L)/g + ulysses(L, g)`` for a cost model. A sequence may only go to a bag with
+    ``CostModel.seq_cost`` for a cost model. A sequence may only go to a bag with
     ``g <= L`` (one shorter than every bag goes to a smallest bag, some chunks empty)."""
 
     def __init__(
@@ -336,7 +336,9 @@ class _Problem:
             keys, self.cls = np.unique(np.column_stack([self.g, token_s]), axis=0, return_inverse=True)
             self.cls = self.cls.reshape(-1)
             class_g, class_u = keys[:, 0], keys[:, 1]
-        self.cost = self.work[:, None] / class_g[None, :]
+        # A cost model's per-sequence part is paid in full by every GPU of the bag.
+        self.seq_fixed = model.per_sequence(lens) if isinstance(model, CostModel) else np.zeros(lens.size)
+        self.cost = (self.work - self.seq_fixed)[:, None] / class_g[None, :] + self.seq_fixed[:, None]
         if class_u.any():
             self.cost += (lens[:, None] / class_g[None, :]) * class_u[None, :]
         # Exact per-rank time: (attention/g + per-token cost x tokens) / speed.
@@ -375,7 +377,9 @@ class _Problem:
         busiest rank has ``ceil`` of the leftover tokens."""
         g = self.bag_sizes[assign]
         base, rem = np.divmod(self.true_lens, g)
-        attn = np.bincount(assign, weights=self.model.attention(self.true_lens) / g, minlength=self.k)
+        attn = np.bincount(
+            assign, weights=self.model.attention(self.true_lens) / g + self.seq_fixed, minlength=self.k
+        )
         base_tok = np.bincount(assign, weights=base, minlength=self.k)
         rem_tok = np.bincount(assign, weights=rem, minlength=self.k)
         top_tok = base_tok + np.ceil(rem_tok / self.bag_sizes - 1e-9)

@@ -1,0 +1,62 @@
+"""Process groups for every aligned power-of-two block of every node, created once.
+
+A topology chosen every step (``knapray.planning.pertopo``) partitions each node into
+aligned blocks (``knapray.planning.blocks``). Creating groups per step would be a
+collective on every rank every step; instead ``BlockGroups.build`` creates one group per
+block of more than one rank at start-up (with 8 GPUs per node: 7 per node), and each step
+looks its bag's group up. Bags of one step never overlap, so the step's Ulysses
+collectives run on disjoint groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from knapray.planning import Topology
+from knapray.planning.blocks import aligned_blocks, check_aligned
+
+
+@dataclass(frozen=True, eq=False)
+class BlockGroups:
+    """This rank's groups of every aligned block it belongs to. Build with ``build``."""
+
+    rank: int
+    world_size: int
+    gpus_per_node: int
+    groups: dict[tuple[int, int], dist.ProcessGroup]
+    """``(first rank, size)`` of every block of more than one rank holding this rank -> its group."""
+
+    @classmethod
+    def build(cls, gpus_per_node: int, num_heads: int | None = None) -> "BlockGroups":
+        """Create a group for every aligned block of more than one rank (sizes dividing
+        ``num_heads``, if given). Collective: every rank calls it, and every rank creates
+        every group in the order of ``aligned_blocks``, as ``dist.new_group`` requires."""
+        if not dist.is_initialized():
+            raise RuntimeError("BlockGroups.build needs an initialized process group")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        groups = {}
+        for start, size in aligned_blocks(world, gpus_per_node, num_heads):
+            if size == 1:
+                continue
+            group = dist.new_group(list(range(start, start + size)))
+            if start <= rank < start + size:
+                groups[(start, size)] = group
+        return cls(rank, world, gpus_per_node, groups)
+
+    def bag_group(self, topology: Topology) -> dist.ProcessGroup | None:
+        """The group of this rank's bag in a step's topology (None for a bag of one).
+        Raises ValueError if the topology's bags are not aligned blocks of this world."""
+        topology.check_world_size(self.world_size)
+        check_aligned(topology, self.gpus_per_node)
+        bag = int(topology.bag_of_rank[self.rank])
+        start, size = int(topology.bag_starts[bag]), int(topology.bag_sizes[bag])
+        if size == 1:
+            return None
+        if (start, size) not in self.groups:
+            raise ValueError(
+                f"no group for block (ranks {start}..{start + size - 1}): it was not created by "
+                "BlockGroups.build (its size does not divide the heads given there)"
+            )
+        return self.groups[(start, size)]
