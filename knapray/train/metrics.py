@@ -38,6 +38,8 @@ class StepRecord:
     """Learning rate the step trained with."""
     peak_tflops: float | None = None
     """The GPU's dense bf16 peak (for MFU); None on CPU or an unknown GPU."""
+    predicted_compute_s: list[float] | None = None
+    """Per-rank compute seconds the cost model predicted for the plan (``planner: cost``)."""
 
     def to_json(self) -> dict:
         compute = np.asarray(self.compute_s)
@@ -66,9 +68,21 @@ class StepRecord:
             "model_tflops_per_gpu": self.flops / self.seconds / 1e12 / len(self.rank_work) if self.seconds > 0 else 0.0,
             "clock": self.clock,
             "peak_mem_gib": self.peak_mem_gib,
+            "predicted_compute_s": self.predicted_compute_s,
+            "prediction_error": _prediction_error(self.predicted_compute_s, self.compute_s),
+            "predicted_step_compute_s": max(self.predicted_compute_s) if self.predicted_compute_s else None,
+            "measured_step_compute_s": max(self.compute_s) if self.compute_s else None,
             "mfu": (self.flops / self.seconds / 1e12 / len(self.rank_work) / self.peak_tflops
                     if self.peak_tflops and self.seconds > 0 else None),
         }
+
+
+def _prediction_error(predicted: list[float] | None, measured: list[float]) -> float | None:
+    """Mean over ranks of |predicted - measured| / measured compute seconds."""
+    if not predicted:
+        return None
+    pairs = [(p, m) for p, m in zip(predicted, measured) if m > 0]
+    return float(np.mean([abs(p - m) / m for p, m in pairs])) if pairs else None
 
 
 class MetricsFile:

@@ -36,6 +36,7 @@ from knapray.models import MMDiT
 from knapray.models.flops import model_flops, peak_tflops
 from knapray.models.flow import flow_loss
 from knapray.planning import BalancePlan, Topology, identity_plan
+from knapray.planning.cost import CostModel
 from knapray.timing import StepTimer
 
 from .balanced import balanced_forward
@@ -259,6 +260,7 @@ class Trainer:
             topology=str(self.topology), flops=model_flops(run_plan.seq_lens.tolist(), cfg.model), clock=took.clock,
             peak_mem_gib=torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None,
             epoch=self.epoch, lr=lr, peak_tflops=self.peak_tflops,
+            predicted_compute_s=self._predicted_compute(run_plan),
         ).to_json()
         if self.metrics is not None:
             self.metrics.append(rec)
@@ -273,6 +275,13 @@ class Trainer:
             self._save(step)
         self.ctx.report({"step": step, **scalars_of(rec)})  # every rank: Ray's report is a barrier
         return rec
+
+    def _predicted_compute(self, plan: BalancePlan) -> list[float] | None:
+        """Per-rank compute seconds the plan's cost model predicts (``planner: cost``)."""
+        if not isinstance(plan.model, CostModel):
+            return None
+        times = plan.step_times()
+        return (times.compute + times.overhead).tolist()
 
     def _apply_gradients(self) -> None:
         """The optimizer step over the micro-steps accumulated so far: gradients summed over
