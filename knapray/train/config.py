@@ -182,6 +182,19 @@ class RunConfig:
     precision: str = field(default="auto", metadata={"choices": ("auto", "bf16", "fp32")})
     """Compute precision: ``bf16`` (mixed: fp32 master weights, bf16 compute under autocast,
     on CUDA and on CPU), ``fp32``, or ``auto``: bf16 on a GPU, fp32 on CPU."""
+    fsdp: str = field(default="none", metadata={"choices": ("none", "full", "hybrid")})
+    """Parameter sharding (FSDP2): ``none`` (every rank holds the model; one flat all-reduce
+    of gradients), ``full`` (parameters, gradients and optimizer state sharded over the
+    world), ``hybrid`` (sharded within a node of ``balance.gpus_per_node`` ranks, replicated
+    across nodes). With bf16 precision FSDP gathers parameters in bf16 and reduces in fp32."""
+    activation_checkpointing: str = field(default="none", metadata={"choices": ("none", "full", "every_k")})
+    """Recompute transformer blocks in backward instead of keeping their activations:
+    ``full`` (every block), ``every_k`` (every ``ac_every``-th block)."""
+    ac_every: int = field(default=2, metadata={"ge": 1})
+    """k of ``activation_checkpointing: every_k``."""
+    compile: bool = False
+    """torch.compile each transformer block (dynamic shapes: packed batches change size
+    every step; recompiles are counted in the metrics)."""
     resume: str = field(default="auto", metadata={"choices": ("auto", "never", "must")})
     """``auto``: continue the run directory's newest checkpoint if its saved config is
     compatible (same model and data order), else start fresh; ``never``: an existing run

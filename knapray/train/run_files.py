@@ -148,6 +148,10 @@ def check_world(cfg: TrainConfig, world_size: int) -> None:
 
     try:
         cfg.samples_per_rank(world_size)
+        gpn = cfg.balance.gpus_per_node
+        if cfg.run.fsdp == "hybrid" and (not gpn or world_size % gpn):
+            raise ValueError(f"run.fsdp=hybrid shards within a node: balance.gpus_per_node must be set and divide "
+                             f"the world size, got gpus_per_node={gpn}")
         kind, _ = parse_rule(cfg.balance.topology)
         if kind == "spec":
             topo = Topology.parse(cfg.balance.topology, world_size=world_size)
