@@ -149,7 +149,7 @@ def _fit(cfg: TrainConfig, *, verbose: bool) -> dict:
           f"{f' (elastic down to {cfg.run.min_workers})' if cfg.run.min_workers else ''}, "
           f"{'GPU/NCCL' if cfg.run.use_gpu else 'CPU/gloo'}, about {total} steps; worker logs stay in Ray's "
           "session logs", flush=True)
-    with _ProgressTail(os.path.join(run_dir, "metrics.jsonl"), total, cfg.run.name, skip_lines=done_steps):
+    with _ProgressTail(os.path.join(run_dir, "metrics.jsonl"), total, cfg.run.name, start_step=done_steps):
         result = trainer.fit()
     summary = result.return_value or {}
     try:  # by name: the actor may have been replaced while the run went on
@@ -175,10 +175,10 @@ class _ProgressTail:
     """A progress bar on the driver over the run's steps, fed by rank 0's metrics.jsonl
     (workers' own output stays in their log files), with a line when an epoch ends."""
 
-    def __init__(self, path: str, total: int, name: str, skip_lines: int) -> None:
+    def __init__(self, path: str, total: int, name: str, start_step: int) -> None:
         import threading
 
-        self.path, self.total, self.name, self.skip_lines = path, total, name, skip_lines
+        self.path, self.total, self.name, self.start_step = path, total, name, start_step
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -194,22 +194,28 @@ class _ProgressTail:
         from knapray.progress import progress_bar
 
         bar = progress_bar(self.total, self.name, "step", dynamic_ncols=True)
-        offset, seen, epoch = 0, 0, None
+        offset, last_step, epoch = 0, self.start_step - 1, None
         while True:
             stopping = self._stop.wait(0.5)
             if os.path.exists(self.path):
+                if os.path.getsize(self.path) < offset:
+                    # A restarted worker group rewrote the file back to its checkpoint:
+                    # read it again, and count only steps the bar has not shown.
+                    offset = 0
+                    bar.write("[knapray] workers restarted from the last checkpoint")
                 with open(self.path) as f:
                     f.seek(offset)
                     chunk = f.read()
                 lines = chunk.split("\n")
                 offset += len(chunk) - len(lines[-1])  # keep a partly written last line
                 for line in lines[:-1]:
-                    if not line.strip():
+                    try:
+                        r = json.loads(line)
+                    except ValueError:
                         continue
-                    seen += 1
-                    if seen <= self.skip_lines:  # steps of an earlier attempt
+                    if r["step"] <= last_step:  # an earlier attempt's, or redone after a restart
                         continue
-                    r = json.loads(line)
+                    last_step = r["step"]
                     if epoch is not None and r["epoch"] != epoch:
                         bar.write(f"[knapray] epoch {epoch} done at step {r['step'] - 1}")
                     epoch = r["epoch"]
