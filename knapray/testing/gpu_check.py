@@ -1,14 +1,20 @@
-"""The GPU check: a short bf16 training run through the torchrun launcher, judged.
+"""The GPU check: short bf16 training runs through the torchrun launcher, judged.
 
     python3 -m knapray.testing.gpu_check            # one GPU: NCCL, world 1, topology g1n1
-    python3 -m knapray.testing.gpu_check --cpu      # the same chain on gloo with a tiny model
+    python3 -m knapray.testing.gpu_check --cpu      # the first run's chain on gloo with a tiny model
 
-It builds a small synthetic mixed-resolution image+video corpus, writes a run config,
-launches ``torch.distributed.run -m knapray.train.torchrun`` (so it needs neither Ray nor
-an install: only torch, numpy, pyarrow and pyyaml), and reads the run's metrics.jsonl.
-It prints loss first -> last, tokens/s, model TFLOP/s (the formula is printed with it)
-and peak memory, and exits 1 if a step failed, fewer steps ran than asked, or the loss
-did not fall.
+Each run builds (once) a synthetic corpus, writes a run config, launches
+``torch.distributed.run -m knapray.train.torchrun`` (so it needs neither Ray nor an install:
+only torch, numpy, pyarrow and pyyaml) and reads the run's metrics.jsonl. Per run it prints
+loss first -> last, tokens/s, model TFLOP/s (the formula is printed with it), recompiles
+and peak memory, and the check exits 1 if a step failed, fewer steps ran than asked, the
+loss did not fall, or a run with a speed bar stayed below it. The runs:
+
+``eager``          the 1536-wide MMDiT (2 double + 4 single blocks) on mixed-resolution
+                   images and videos (4k-20k tokens per step), eager, no FSDP
+``fsdp-compile``   a 3072-wide MMDiT (2 double + 4 single, 24 heads) on packed ~16k-token
+                   steps, FSDP (bf16 params, fp32 reduce), compiled blocks: bar 450 TFLOP/s
+``fsdp-compile-ac`` the same with every block checkpointed: bar 350 TFLOP/s
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -30,67 +36,82 @@ from knapray.models.config import MMDiTConfig
 from knapray.models.flops import formula
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-WARMUP_STEPS = 3
-"""Leading steps left out of speed numbers (allocator warm-up, kernel selection)."""
+WARMUP_STEPS = 5
+"""Leading steps left out of speed numbers (allocator warm-up, kernel selection, compiles)."""
 
 
 @dataclass(frozen=True)
-class CheckSize:
-    """Model and data of one check."""
+class Check:
+    """One judged training run: model, data, run settings and an optional speed bar."""
 
+    name: str
     model: dict
     mix: str
     scale: int
     corpus_steps: int
     samples_per_step: int
-    text_dim: int
-    pooled_dim: int
     lr: float
+    run: dict = field(default_factory=dict)
+    min_tflops: float | None = None
+    """Bar on the median model TFLOP/s per GPU after warm-up (None: no bar)."""
+
+    @property
+    def corpus_key(self) -> str:
+        m = self.model
+        return f"{self.mix}-s{self.scale}-n{self.corpus_steps}-c{m['in_channels']}-t{m['text_dim']}-p{m['pooled_dim']}"
 
 
-GPU = CheckSize(
-    # The 1536-wide MMDiT of the GPU issue's reproduction: 2 double + 4 single blocks.
-    model=dict(in_channels=16, patch_size=[1, 2, 2], hidden_size=1536, num_heads=24, depth_double=2,
-               depth_single=4, text_dim=256, pooled_dim=64, rope_axes_dim=[16, 24, 24]),
-    # 1k-token images, 4k-token images and 6.4k-token videos (+ up to 392 text tokens):
-    # packed steps of 4 samples hold ~4k-20k tokens.
-    mix="g1b4i512f1s0,g1b2i1024f1s0,g1b1i256f85s1", scale=1, corpus_steps=20, samples_per_step=4,
-    text_dim=256, pooled_dim=64, lr=2e-4,
+WIDE = dict(in_channels=16, patch_size=[1, 2, 2], hidden_size=1536, num_heads=24, depth_double=2,
+            depth_single=4, text_dim=256, pooled_dim=64, rope_axes_dim=[16, 24, 24])
+FLUX_WIDTH = dict(WIDE, hidden_size=3072, rope_axes_dim=[16, 56, 56])
+GPU_CHECKS = (
+    # 1k-token images, 4k-token images and 6.4k-token videos (+ up to 392 text tokens).
+    Check(name="eager", model=WIDE, mix="g1b4i512f1s0,g1b2i1024f1s0,g1b1i256f85s1", scale=1, corpus_steps=20,
+          samples_per_step=4, lr=2e-4),
+    # 1024^2 images: 4096 visual + up to 392 text tokens each; 4 per step: ~16.4k-18k tokens.
+    Check(name="fsdp-compile", model=FLUX_WIDTH, mix="g1b1i1024f1s0", scale=1, corpus_steps=140,
+          samples_per_step=4, lr=1e-4, run={"fsdp": "full", "compile": True}, min_tflops=450.0),
+    Check(name="fsdp-compile-ac", model=FLUX_WIDTH, mix="g1b1i1024f1s0", scale=1, corpus_steps=140,
+          samples_per_step=4, lr=1e-4, run={"fsdp": "full", "compile": True, "activation_checkpointing": "full"},
+          min_tflops=350.0),
 )
-CPU = CheckSize(
-    model=dict(in_channels=4, patch_size=[1, 2, 2], hidden_size=64, num_heads=4, depth_double=1,
-               depth_single=1, text_dim=32, pooled_dim=32, rope_axes_dim=[4, 6, 6]),
-    mix="image+video", scale=8, corpus_steps=2, samples_per_step=2, text_dim=32, pooled_dim=32, lr=1e-3,
+CPU_CHECK = Check(
+    name="cpu", model=dict(in_channels=4, patch_size=[1, 2, 2], hidden_size=64, num_heads=4, depth_double=1,
+                           depth_single=1, text_dim=32, pooled_dim=32, rope_axes_dim=[4, 6, 6]),
+    mix="image+video", scale=8, corpus_steps=2, samples_per_step=2, lr=1e-3,
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python3 -m knapray.testing.gpu_check", description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
+    p.add_argument("--steps", type=int, default=30, help="training steps per run (default 30)")
     p.add_argument("--cpu", action="store_true", help="gloo on CPU with a tiny model (tests the chain)")
+    p.add_argument("--only", action="append", choices=[c.name for c in GPU_CHECKS],
+                   help="run only these GPU checks (default: all)")
     p.add_argument("--nproc", type=int, default=1, help="ranks (default 1)")
     p.add_argument("--topology", default=None, help="bags (default g1n<nproc>)")
     p.add_argument("--out", default=None, help="work directory (default: a temporary one, removed)")
-    p.add_argument("--timeout", type=int, default=540, help="seconds the training run may take (default 540)")
+    p.add_argument("--timeout", type=int, default=540, help="seconds one training run may take (default 540)")
     return p
 
 
-def write_config(size: CheckSize, corpus: Path, run_root: Path, *, steps: int, topology: str, cpu: bool) -> Path:
+def write_config(check: Check, corpus: Path, run_root: Path, *, steps: int, topology: str, cpu: bool) -> Path:
     cfg = {
-        "model": size.model,
-        "data": {"corpus": str(corpus), "samples_per_step": size.samples_per_step, "epochs": 1, "seed": 0},
+        "model": check.model,
+        "data": {"corpus": str(corpus), "samples_per_step": check.samples_per_step, "epochs": 1, "seed": 0},
         "balance": {"topology": topology, "coordinator": False},
-        "optim": {"lr": size.lr, "grad_clip": 1.0},
-        "run": {"name": "gpu-check", "storage": str(run_root), "use_gpu": not cpu,
+        "optim": {"lr": check.lr, "grad_clip": 1.0},
+        "run": {"name": check.name, "storage": str(run_root), "use_gpu": not cpu,
                 "precision": "fp32" if cpu else "bf16", "max_steps": steps, "checkpoint_every": 0,
-                "log_every": 1, "timeout_s": 300},
+                "log_every": 1, "timeout_s": 300, **check.run},
     }
-    path = run_root / "gpu-check.yaml"
+    path = run_root / f"{check.name}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
 
 
-def judge(records: list[dict], steps: int, cfg: MMDiTConfig) -> tuple[list[str], list[str]]:
+def judge(records: list[dict], steps: int, cfg: MMDiTConfig, min_tflops: float | None = None
+          ) -> tuple[list[str], list[str]]:
     """(report lines, failures) from rank 0's per-step records."""
     failures = []
     if len(records) < steps:
@@ -112,18 +133,62 @@ def judge(records: list[dict], steps: int, cfg: MMDiTConfig) -> tuple[list[str],
     seconds = sum(r["step_s"] for r in body)
     world = records[0]["world_size"]
     tflops = [r["model_tflops_per_gpu"] for r in body]
+    median = float(np.median(tflops))
     peaks = [r["peak_mem_gib"] for r in records if r.get("peak_mem_gib") is not None]
+    mfu = [r["mfu"] for r in body if r.get("mfu") is not None]
     lines = [
         f"steps                {len(records)} ({records[0]['clock']} timing, world {world}, topology {records[0]['topology']})",
         f"loss first -> last   {losses[0]:.4f} -> {losses[-1]:.4f}",
         f"relative loss        {first:.4f} -> {last:.4f} (mean of the first / last {k} steps; loss over the "
         "loss of predicting zero velocity on the same batch)",
         f"tokens/s             {tokens / seconds:,.0f} (steps {WARMUP_STEPS}.., {tokens / len(body):,.0f} tokens per step)",
-        f"model TFLOP/s/GPU    mean {np.mean(tflops):.3g}, median {np.median(tflops):.3g}, best {np.max(tflops):.3g}",
+        f"model TFLOP/s/GPU    median {median:.3g}, mean {np.mean(tflops):.3g}, best {np.max(tflops):.3g}"
+        + (f" (MFU median {np.median(mfu):.1%})" if mfu else ""),
         f"                     {formula(cfg)}, over the step's wall time",
+        f"recompiles           {records[-1].get('recompiles', 0)}",
         f"peak memory          {max(peaks):.2f} GiB (rank 0, allocated)" if peaks else "peak memory          n/a (CPU)",
     ]
+    if min_tflops is not None:
+        met = median >= min_tflops
+        lines.append(f"bar                  median >= {min_tflops:g} TFLOP/s/GPU: {'met' if met else 'NOT met'}")
+        if not met:
+            failures.append(f"median {median:.1f} model TFLOP/s/GPU, below the bar of {min_tflops:g}")
     return lines, failures
+
+
+def run_check(check: Check, work: Path, *, steps: int, nproc: int, topology: str, cpu: bool, timeout: int) -> list[str]:
+    """Run one check; prints its report and returns its failures."""
+    corpus = work / f"corpus-{check.corpus_key}"
+    if not (corpus / "schema.json").exists():
+        from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
+
+        t0 = time.perf_counter()
+        build_synthetic(SyntheticConfig(mix=check.mix, steps=check.corpus_steps, scale=check.scale,
+                                        channels=check.model["in_channels"], text_dim=check.model["text_dim"],
+                                        pooled_dim=check.model["pooled_dim"], shards=4, seed=0), corpus, progress=False)
+        print(f"corpus: {check.mix} at 1/{check.scale} scale built in {time.perf_counter() - t0:.1f} s", flush=True)
+    config = write_config(check, corpus, work, steps=steps, topology=topology, cpu=cpu)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "knapray.train.torchrun", "--config", str(config)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p),
+               PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    print(f"== {check.name}: {json.dumps(check.run) if check.run else 'eager, no FSDP'}; "
+          f"d={check.model['hidden_size']}, {check.model['depth_double']}+{check.model['depth_single']} blocks", flush=True)
+    print("$ " + " ".join(cmd[1:]), flush=True)
+    t0 = time.perf_counter()
+    try:
+        rc = subprocess.run(cmd, env=env, cwd=REPO_ROOT, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        rc = 124
+    print(f"training exited with {rc} after {time.perf_counter() - t0:.0f} s", flush=True)
+    metrics = work / check.name / "metrics.jsonl"
+    records = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
+    lines, failures = judge(records, steps, MMDiTConfig.from_dict(check.model), check.min_tflops)
+    if rc != 0:
+        failures.insert(0, f"the training run exited with {rc}")
+    print("\n".join(lines))
+    print(f"{check.name}: {'FAILED: ' + '; '.join(failures) if failures else 'passed'}", flush=True)
+    return [f"{check.name}: {f}" for f in failures]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,40 +201,17 @@ def main(argv: list[str] | None = None) -> int:
     if not args.cpu and not torch.cuda.is_available():
         print("gpu_check: error: no CUDA device here (use --cpu to check the chain on CPU)", file=sys.stderr)
         return 2
-    size = CPU if args.cpu else GPU
+    checks = [CPU_CHECK] if args.cpu else [c for c in GPU_CHECKS if not args.only or c.name in args.only]
     topology = args.topology or f"g1n{args.nproc}"
     device = "cpu (gloo)" if args.cpu else f"{torch.cuda.get_device_name(0)} (NCCL)"
-    print(f"== knapray GPU check: {device}, torch {torch.__version__}, {args.nproc} rank(s), {args.steps} steps",
-          flush=True)
+    print(f"== knapray GPU check: {device}, torch {torch.__version__}, {args.nproc} rank(s), {args.steps} steps "
+          f"per run, runs: {', '.join(c.name for c in checks)}", flush=True)
     work = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="knapray-gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)
-    corpus = work / "corpus"
-    if not (corpus / "schema.json").exists():
-        from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
-
-        t0 = time.perf_counter()
-        build_synthetic(SyntheticConfig(mix=size.mix, steps=size.corpus_steps, scale=size.scale,
-                                        channels=size.model["in_channels"], text_dim=size.text_dim,
-                                        pooled_dim=size.pooled_dim, shards=4, seed=0), corpus, progress=False)
-        print(f"corpus: {size.mix} at 1/{size.scale} scale built in {time.perf_counter() - t0:.1f} s", flush=True)
-    config = write_config(size, corpus, work, steps=args.steps, topology=topology, cpu=args.cpu)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-           "-m", "knapray.train.torchrun", "--config", str(config)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p),
-               PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    print("$ " + " ".join(cmd[1:]), flush=True)
-    t0 = time.perf_counter()
-    try:
-        rc = subprocess.run(cmd, env=env, cwd=REPO_ROOT, timeout=args.timeout).returncode
-    except subprocess.TimeoutExpired:
-        rc = 124
-    print(f"training exited with {rc} after {time.perf_counter() - t0:.0f} s", flush=True)
-    metrics = work / "gpu-check" / "metrics.jsonl"
-    records = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
-    lines, failures = judge(records, args.steps, MMDiTConfig.from_dict(size.model))
-    if rc != 0:
-        failures.insert(0, f"the training run exited with {rc}")
-    print("\n".join(lines))
+    failures = []
+    for check in checks:
+        failures += run_check(check, work, steps=args.steps, nproc=args.nproc, topology=topology, cpu=args.cpu,
+                              timeout=args.timeout)
     if not args.out:
         import shutil
 
