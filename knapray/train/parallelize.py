@@ -189,16 +189,56 @@ class _EagerAttention:
 
     @torch.compiler.disable
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.attn(q, k, v)
+        out = self.attn(q, k, v)  # (N, H, D): the compiled rest of the block takes it as an input
+        _mark_token_axes("h", out)
+        return out
 
 
 def _size_oblivious():
-    # Token counts of 0 or 1 (a text-less rank, one sequence, an empty rank) would otherwise
-    # each get their own specialization; no duck sizing, so a token count that happens to
-    # equal the hidden size at the first call is not tied to it.
+    # The token axes are unbacked (see TOKEN_AXES); sizes dynamo derives from them after the
+    # attention graph break (the resume function's inputs) are backed, and these rules keep
+    # them from being specialized to 0 or 1 too. No duck sizing: a token count that happens
+    # to equal the hidden size at the first call is not tied to it.
     from torch.fx.experimental import _config as fx_config
 
     return fx_config.patch(backed_size_oblivious=True, use_duck_shape=False)
+
+
+def _dense(x: Any) -> Any:
+    """x with every tensor in row-major strides. Dynamo guards on input strides, and an empty
+    tensor (a rank without tokens) may carry any (e.g. 0 from an expand), which
+    ``contiguous()`` keeps; a copy does not."""
+    if isinstance(x, torch.Tensor):
+        if x.is_contiguous() and (x.numel() or x.stride() == torch.empty(x.shape, device="meta").stride()):
+            return x
+        return x.clone(memory_format=torch.contiguous_format)
+    if isinstance(x, tuple):
+        return tuple(_dense(t) for t in x)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return dataclasses.replace(x, **{f.name: _dense(getattr(x, f.name)) for f in dataclasses.fields(x)})
+    return x
+
+
+TOKEN_AXES = {
+    "h_txt": "Nt", "seq_txt": "Nt", "h_img": "Ni", "seq_img": "Ni", "h": "N", "seq_index": "N",
+    "rope": "N", "vec_seq": "S", "txt_idx": "Nt", "img_idx": "Ni", "unorder": "N",
+}
+"""Which count dim 0 of a block argument (or of a field of ``TokenStreams``) has: Nt text
+tokens, Ni image tokens, N tokens, S sequences. Each is one unbacked size in the compiled
+blocks: never specialized to 0 or 1, tied across the arguments that share it."""
+
+
+def _mark_token_axes(name: str, value: Any) -> None:
+    from torch._dynamo.decorators import mark_unbacked
+
+    if isinstance(value, torch.Tensor) and name in TOKEN_AXES:
+        mark_unbacked(value, 0, shape_id=TOKEN_AXES[name])
+    elif isinstance(value, tuple):
+        for item in value:
+            _mark_token_axes(name, item)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            _mark_token_axes(f.name, getattr(value, f.name))
 
 
 def _compiled_forward(block: nn.Module, compiled: Callable) -> Callable:
@@ -206,7 +246,12 @@ def _compiled_forward(block: nn.Module, compiled: Callable) -> Callable:
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(block, *args, **kwargs)
-        bound.arguments["attn"] = _EagerAttention(bound.arguments["attn"])
+        for name, value in bound.arguments.items():
+            if name == "attn":
+                bound.arguments[name] = _EagerAttention(value)
+            else:
+                bound.arguments[name] = value = _dense(value)
+                _mark_token_axes(name, value)
         with _size_oblivious():
             return compiled(*bound.args, **bound.kwargs)
 
