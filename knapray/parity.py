@@ -68,6 +68,7 @@ class Parallelism:
 
     fsdp: str = "none"
     ac: str = "none"
+    ac_every: int = 2
     compile: bool = False
     compile_backend: str = "inductor"
     gpus_per_node: int | None = None
