@@ -185,11 +185,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_parity(args: argparse.Namespace) -> int:
-    from knapray.parity import passed, run_parity
+    from knapray.parity import Parallelism, passed, run_parity
 
     report = run_parity(
         args.world_size, [args.topology], args.mix, scale=args.scale, seed=args.seed,
         num_heads=args.heads, max_text_tokens=args.max_text_tokens,
+        empty_ranks=tuple(args.empty_ranks), textless_ranks=tuple(args.textless_ranks),
+        parallelism=Parallelism(fsdp=args.fsdp, ac=args.ac, ac_every=args.ac_every, compile=args.compile,
+                                compile_backend=args.compile_backend, gpus_per_node=args.gpus_per_node),
     )
     ok = passed(report, args.tol)
     report["_meta"].update({"tolerance": args.tol, "passed": ok})
@@ -199,12 +202,15 @@ def cmd_parity(args: argparse.Namespace) -> int:
         m = report["_meta"]
         print(f"parity: {m['world_size']} gloo ranks, {m['sequences']} sequences / {m['tokens']} tokens, "
               f"fp32, tolerance {args.tol:g} (max|a-b|/max|b| per tensor)")
-        print(f"{'case':<16} {'outputs':>10} {'loss':>10} {'grads(max)':>11}  worst parameter")
+        print(f"model: fsdp {m['fsdp']}" + (f" ({m['gpus_per_node']} ranks per node)" if m["fsdp"] == "hybrid" else "")
+              + f", activation checkpointing {m['ac']}, compile "
+              + (f"{m['compile_backend']} (recompiles per rank {m['recompiles']})" if m["compile"] else "off"))
+        print(f"{'case':<16} {'outputs':>10} {'loss':>10} {'grads(max)':>11} {'grad norm':>10}  worst parameter")
         for case, r in report.items():
             if case.startswith("_"):
                 continue
-            print(f"{case:<16} {r['out_rel']:>10.2e} {r['loss_rel']:>10.2e} {r['grad_rel_max']:>11.2e}  "
-                  f"{r['worst_param']}")
+            print(f"{case:<16} {r['out_rel']:>10.2e} {r['loss_rel']:>10.2e} {r['grad_rel_max']:>11.2e} "
+                  f"{r['grad_norm_rel']:>10.2e}  {r['worst_param']}")
         print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 
@@ -464,6 +470,19 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--heads", type=_int_at_least(1), default=4, help="attention heads (every bag size must divide it)")
     q.add_argument("--seed", type=_int_at_least(0), default=0)
     q.add_argument("--tol", type=_float_in(gt=0), default=1e-5)
+    q.add_argument("--fsdp", default="none", choices=["none", "full", "hybrid"],
+                   help="shard the model with FSDP2 over the world (full) or within nodes (hybrid)")
+    q.add_argument("--gpus-per-node", type=_int_at_least(1), default=None,
+                   help="ranks per 'node' for --fsdp hybrid (e.g. 2 on 4 ranks = 2 nodes)")
+    q.add_argument("--ac", default="none", choices=["none", "full", "every_k"],
+                   help="activation checkpointing of blocks (every_k: every --ac-every-th)")
+    q.add_argument("--ac-every", type=_int_at_least(1), default=2, help="k for --ac every_k (default 2)")
+    q.add_argument("--compile", action="store_true", help="torch.compile each block")
+    q.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default inductor)")
+    q.add_argument("--empty-ranks", type=_int_at_least(0), nargs="*", default=[], metavar="RANK",
+                   help="ranks that hold no sequences")
+    q.add_argument("--textless-ranks", type=_int_at_least(0), nargs="*", default=[], metavar="RANK",
+                   help="ranks whose sequences hold no text tokens")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_parity)
 

@@ -1,11 +1,17 @@
 """`knapray parity`: balanced and unbalanced execution against a single-process reference.
 
 Spawns ``world_size`` local gloo processes; each builds the same seeded model and the same
-per-rank batches, runs one forward+backward per topology (balanced) and once with the
-identity plan (unbalanced), and sums gradients across ranks. The parent computes the
-single-process reference on all batches at once and reports, per case, the largest
-relative difference of the outputs, of the loss and of every parameter gradient
-(``max|a-b| / max|b|`` per tensor).
+per-rank batches, parallelizes it (``knapray.train.parallelize``: FSDP full / hybrid,
+activation checkpointing, compile; none by default), runs one forward+backward per topology
+(balanced) and once with the identity plan (unbalanced), and sums gradients across ranks
+(FSDP: during backward). The parent computes the single-process reference on all batches
+at once and reports, per case, the largest relative difference of the outputs, of the loss,
+of every parameter gradient (``max|a-b| / max|b|`` per tensor; a sharded gradient is
+gathered whole first) and of the global gradient norm (sharded: reduced over the mesh).
+
+``empty_ranks`` hold no sequences; ``textless_ranks`` hold sequences without text tokens.
+The coverage fields say what the routed chunks exercised: ranks computing nothing, ranks
+whose chunks hold no text (text weights unused there), ranks without image tokens.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import os
 import tempfile
 import time
 
+import numpy as np
 import torch
 
 from knapray.distributed.local import free_port, init_local_gloo
@@ -45,26 +52,44 @@ def _build_model(cfg: MMDiTConfig, seed: int) -> MMDiT:
 
 
 def _batches(cfg: MMDiTConfig, mix: str, scale: int, seed: int, world: int,
-             max_text_tokens: int, empty_ranks: tuple[int, ...]):
+             max_text_tokens: int, empty_ranks: tuple[int, ...], textless_ranks: tuple[int, ...] = ()):
     batches = mix_batches(mix, cfg, scale=scale, seed=seed, world_size=world, max_text_tokens=max_text_tokens)
+    if textless_ranks:
+        # The same draws with a text limit of 0: the same images, no text tokens.
+        textless = mix_batches(mix, cfg, scale=scale, seed=seed, world_size=world, max_text_tokens=0)
+        batches = [textless[r] if r in textless_ranks else b for r, b in enumerate(batches)]
     empty = add_noise(pack_samples([], cfg), torch.zeros(0, cfg.patch_dim))
     return [empty if r in empty_ranks else b for r, b in enumerate(batches)]
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Parallelism:
+    """How the distributed runs parallelize the model (knapray.train.parallelize)."""
+
+    fsdp: str = "none"
+    ac: str = "none"
+    ac_every: int = 2
+    compile: bool = False
+    compile_backend: str = "inductor"
+    gpus_per_node: int | None = None
+
+
 def _worker(rank: int, world: int, port: int, out_dir: str, specs: list[str], mix: str,
             scale: int, seed: int, cfg_dict: dict, max_text_tokens: int,
-            empty_ranks: tuple[int, ...]) -> None:
+            empty_ranks: tuple[int, ...], textless_ranks: tuple[int, ...], par: dict) -> None:
     import torch.distributed as dist
 
     from knapray.distributed import BagGroups
-    from knapray.distributed.grads import allreduce_gradients
     from knapray.train.balanced import balanced_forward
+    from knapray.train.parallelize import parallelize
 
     init_local_gloo(rank, world, port, timeout_s=120)
     try:
         cfg = MMDiTConfig(**cfg_dict)
         model = _build_model(cfg, seed)
-        batches = _batches(cfg, mix, scale, seed, world, max_text_tokens, empty_ranks)
+        # Before the specs' BagGroups: both create process groups, in one order on every rank.
+        parallel = parallelize(model, **par, world_size=world, device_type="cpu")
+        batches = _batches(cfg, mix, scale, seed, world, max_text_tokens, empty_ranks, textless_ranks)
         batch = batches[rank]
         lens = [b.seq_lens.tolist() for b in batches]
         global_tokens = sum(b.x_img.shape[0] for b in batches)
@@ -82,17 +107,29 @@ def _worker(rank: int, world: int, port: int, out_dir: str, specs: list[str], mi
             out = balanced_forward(model, batch, plan, rank, bag_group=bag_group, route_group=route_group)
             loss = flow_loss(out, batch.targets, global_tokens)
             loss.backward()
-            allreduce_gradients(model.parameters())
+            parallel.reduce_gradients()
+            # max_norm=inf: the norm is measured, the gradients are scaled by exactly 1.
+            grad_norm = parallel.clip_grad_norm_(float("inf"))
+            # full_tensor is a collective: every rank gathers every sharded gradient.
+            grads = {n: _full(p.grad).detach().clone() for n, p in model.named_parameters()}
             results[spec] = {
                 "out": out.detach(),
                 "loss": loss.detach(),
+                "grad_norm": float(grad_norm),
                 "imbalance": plan.imbalance,
                 "baseline_imbalance": plan.baseline_imbalance,
-                "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()} if rank == 0 else None,
+                "grads": grads if rank == 0 else None,
             }
+        results["_recompiles"] = parallel.recompiles
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _coverage(spec: str, lens: list[list[int]], world: int, n_text, cfg: MMDiTConfig) -> dict:
@@ -105,9 +142,15 @@ def _coverage(spec: str, lens: list[list[int]], world: int, n_text, cfg: MMDiTCo
         plan = plan_balance(lens, Topology.parse(spec, world_size=world), workload)
     g = plan.bag_size_of_seq
     recv = plan.recv_counts
+    # Text tokens lead each sequence: a chunk holds those of [start, start + len).
+    chunk_text = np.clip(n_text[plan.chunk_seq] - plan.chunk_start, 0, plan.chunk_len)
+    rank_text = np.bincount(plan.chunk_rank, weights=chunk_text, minlength=world)
+    rank_img = np.bincount(plan.chunk_rank, weights=plan.chunk_len - chunk_text, minlength=world)
     return {
         "ranks_without_sequences": int(sum(1 for r in lens if not r)),
         "ranks_computing_nothing": int((recv == 0).sum()),
+        "ranks_without_text": int((rank_text == 0).sum()),
+        "ranks_without_image_tokens": int((rank_img == 0).sum()),
         "sequences_shorter_than_bag": int((plan.seq_lens < g).sum()),
         "chunks_without_text": int((plan.chunk_start >= n_text[plan.chunk_seq]).sum()),
         "moved_token_fraction": plan.moved_token_fraction,
@@ -116,7 +159,7 @@ def _coverage(spec: str, lens: list[list[int]], world: int, n_text, cfg: MMDiTCo
 
 def passed(report: dict, tol: float = DEFAULT_TOL) -> bool:
     return all(
-        max(r["out_rel"], r["loss_rel"], r["grad_rel_max"]) <= tol
+        max(r["out_rel"], r["loss_rel"], r["grad_rel_max"], r["grad_norm_rel"]) <= tol
         for k, r in report.items() if not k.startswith("_")
     )
 
@@ -138,17 +181,28 @@ def run_parity(
     include_unbalanced: bool = True,
     max_text_tokens: int = MAX_TEXT_TOKENS,
     empty_ranks: tuple[int, ...] = (),
+    textless_ranks: tuple[int, ...] = (),
+    parallelism: Parallelism | None = None,
 ) -> dict:
     """Run the check; returns {case: {out_rel, loss_rel, grad_rel_max, worst_param, ...}}."""
     import torch.multiprocessing as mp
 
     from knapray.distributed import check_heads
+    from knapray.train.parallelize import ParallelConfig
 
     cfg = parity_config(num_heads)
     for spec in topologies:
         topo = Topology.parse(spec, world_size=world_size)  # clear errors before spawning
         check_heads(cfg.num_heads, topo)
-    batches = _batches(cfg, mix, scale, seed, world_size, max_text_tokens, tuple(empty_ranks))
+    for name, ranks in (("empty_ranks", empty_ranks), ("textless_ranks", textless_ranks)):
+        bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < world_size)]
+        if bad:
+            raise ValueError(f"{name} {bad} are not ranks of a world of {world_size}")
+    par = dataclasses.asdict(parallelism or Parallelism())
+    pcfg = ParallelConfig(**par)
+    if pcfg.fsdp != "none":
+        pcfg.mesh_shape(world_size)
+    batches = _batches(cfg, mix, scale, seed, world_size, max_text_tokens, tuple(empty_ranks), tuple(textless_ranks))
     specs = list(topologies) + ([UNBALANCED] if include_unbalanced else [])
 
     # The reference: one process, all sequences, plain local attention.
@@ -158,13 +212,14 @@ def run_parity(
     ref_loss = flow_loss(ref_out, full.targets, full.x_img.shape[0])
     ref_loss.backward()
     ref_grads = {n: p.grad.detach() for n, p in model.named_parameters()}
+    ref_norm = torch.nn.utils.get_total_norm(list(ref_grads.values())).item()
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(
             _worker,
             args=(world_size, free_port(), tmp, specs, mix, scale, seed, dataclasses.asdict(cfg),
-                  max_text_tokens, tuple(empty_ranks)),
+                  max_text_tokens, tuple(empty_ranks), tuple(textless_ranks), par),
             nprocs=world_size,
             join=True,
         )
@@ -184,6 +239,7 @@ def run_parity(
             "loss_rel": abs(float(loss) - ref_loss.item()) / abs(ref_loss.item()),
             "grad_rel_max": rels[worst],
             "worst_param": worst,
+            "grad_norm_rel": max(abs(per_rank[r][spec]["grad_norm"] - ref_norm) for r in range(world_size)) / ref_norm,
             "num_params": len(rels),
             "imbalance": per_rank[0][spec]["imbalance"],
             "baseline_imbalance": per_rank[0][spec]["baseline_imbalance"],
@@ -194,6 +250,8 @@ def run_parity(
         "mix": mix,
         "scale": scale,
         "seed": seed,
+        **par,
+        "recompiles": [per_rank[r]["_recompiles"] for r in range(world_size)],
         "sequences": int(full.num_sequences),
         "tokens": int(full.seq_lens.sum()),
         "seconds": time.perf_counter() - t0,

@@ -3,6 +3,8 @@ of the MMDiT match a single-process reference, for every topology, unbalanced to
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from knapray.cli import main
@@ -40,3 +42,27 @@ def test_parity_cli_rejects_bad_setups(capsys):
     assert "not a positive multiple of 8" in capsys.readouterr().err
     assert main(["parity", "--world-size", "4", "--topology", "g2n2", "--heads", "3"]) == 2
     assert "3 attention heads cannot be split over a bag of 2" in capsys.readouterr().err
+
+
+@pytest.mark.dist
+def test_parity_cli_runs_fsdp_and_checkpointing(capsys):
+    rc = main(["parity", "--world-size", "4", "--topology", "g2n2", "--mix", MIX, "--scale", "4", "--seed", "3",
+               "--max-text-tokens", "12", "--fsdp", "full", "--ac", "full", "--empty-ranks", "1",
+               "--textless-ranks", "2", "--json"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and report["_meta"]["passed"]
+    meta = report["_meta"]
+    assert (meta["fsdp"], meta["ac"], meta["compile"]) == ("full", "full", False)
+    for case in ("g2n2", "unbalanced"):
+        assert report[case]["grad_norm_rel"] <= 1e-5
+        assert report[case]["ranks_without_sequences"] == 1 and report[case]["ranks_without_text"] >= 1
+
+
+def test_parity_cli_rejects_bad_parallelism(capsys):
+    assert main(["parity", "--world-size", "4", "--topology", "g2n2", "--fsdp", "hybrid"]) == 2
+    assert "fsdp hybrid shards within a node: pass gpus_per_node" in capsys.readouterr().err
+    assert main(["parity", "--world-size", "4", "--topology", "g2n2", "--fsdp", "hybrid",
+                 "--gpus-per-node", "3"]) == 2
+    assert "world size 4 is not a multiple of gpus_per_node=3" in capsys.readouterr().err
+    assert main(["parity", "--world-size", "4", "--topology", "g2n2", "--textless-ranks", "4"]) == 2
+    assert "textless_ranks [4] are not ranks of a world of 4" in capsys.readouterr().err

@@ -2,6 +2,9 @@
 
 The loss of every rank is its local sum divided by the *global* token count, so the
 single-process gradient is the SUM of the ranks' gradients (not the mean DDP takes).
+
+Only for replicated parameters (``parallelize(fsdp="none")``): FSDP reduce-scatters sharded
+gradients itself during backward, with the same summed semantics.
 """
 
 from __future__ import annotations
@@ -23,7 +26,16 @@ def allreduce_gradients(
     A parameter this rank did not use (``grad is None``, e.g. text weights on a rank whose
     chunks hold no text) takes part with zeros, so every rank sends the same buffer layout.
     """
+    from torch.distributed.tensor import DTensor
+
     params = [p for p in params if p.requires_grad]
+    sharded = [i for i, p in enumerate(params) if isinstance(p, DTensor)]
+    if sharded:
+        raise ValueError(
+            f"{len(sharded)} parameters are sharded DTensors (e.g. shape {tuple(params[sharded[0]].shape)}, "
+            f"placements {params[sharded[0]].placements}): FSDP already summed their gradients during "
+            "backward (ParallelModel.reduce_gradients knows which path applies)"
+        )
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return extras
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]

@@ -1,0 +1,409 @@
+"""FSDP2, activation checkpointing and torch.compile, applied to a finished ``MMDiT`` from
+outside ``models/`` (torchtitan's habit). ``parallelize`` mutates the model in place and
+returns a ``ParallelModel`` handle with what the trainer needs after backward.
+
+A balanced step does not call ``model.forward``: it calls ``model.condition``, ``model.embed``,
+``model.blocks`` and ``model.head`` (knapray/train/balanced.py). So every parameter lives in
+a child FSDP unit that runs through its module's ``__call__`` exactly once per step:
+
+    time_in, vector_in, img_in, txt_in   one unit each (embedders: their inputs need no grad,
+                                         so FSDP reduces them in its end-of-backward callback)
+    double_blocks[i], single_blocks[i]   one unit per block
+    final                                one unit, kept gathered from forward into backward
+
+and the root (``fully_shard(model)``) owns no parameter: it is there for FSDP's lazy init
+and its end-of-backward callback, and the four stage methods are registered as forward
+methods so the first stage call of a step enters through the root. A root that owned
+parameters would reduce them when the gradient reached the inputs of ``blocks`` (the first
+stage whose inputs need grad), before ``embed``'s backward had run; ``parallelize`` refuses
+such a model by name.
+
+Gradients keep the unsharded semantics (knapray/distributed/grads.py): each rank's loss is
+its local sum over the GLOBAL token count, so the reference gradient is the SUM over ranks.
+FSDP divides by the world size by default; the divide factor is set to 1 and the collectives
+to plain SUM (gloo has no PREMUL_SUM). Every rank takes part in every reduce-scatter with the
+same buffers: parameters a rank did not use (no text in its chunks, no image tokens) send
+zeros, and every unit's forward runs on every rank (also on zero tokens), so the units'
+reduce-scatters come in the same order everywhere.
+
+Activation checkpointing and compile replace a block's ``forward`` on the instance (inside
+FSDP's hooks, so a recompute finds the block's parameters gathered): parameter names, and so
+state dicts, are the same as the plain model's.
+
+Compile: each block class's ``forward`` is compiled once per model, shapes dynamic from the
+first call (the token count changes every step), with size-oblivious sizes so a rank with 0
+or 1 text tokens, sequences or tokens does not get its own specialization. Attention stays
+eager behind ``torch.compiler.disable`` (one graph break per block; its callable holds the
+step's cu_seqlens / Ulysses layout, which would otherwise become guards). Data-dependent
+index building (``TokenStreams.from_mask``, RoPE tables) already happens in
+``MMDiT.blocks``, outside the compiled blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from knapray.distributed.grads import allreduce_gradients
+from knapray.models import MMDiT
+
+FSDP_MODES = ("none", "full", "hybrid")
+AC_MODES = ("none", "full", "every_k")
+FSDP_DTYPES = (torch.float32, torch.bfloat16)
+STAGE_METHODS = ("condition", "embed", "blocks", "head")
+"""The MMDiT methods a balanced step calls; each enters FSDP through the root."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelConfig:
+    """What ``parallelize`` applies; checked in ``__post_init__``, no process group needed."""
+
+    fsdp: str = "none"
+    """``none``: every rank holds the whole model, gradients summed by one flat all-reduce;
+    ``full``: FSDP2 shards parameters, gradients and optimizer state over the world;
+    ``hybrid``: shards within a node, replicates across nodes (2-D mesh)."""
+    ac: str = "none"
+    """Activation checkpointing of transformer blocks: ``none``, ``full`` (every block) or
+    ``every_k`` (blocks 0, k, 2k, ... in double-then-single order)."""
+    ac_every: int = 2
+    """k for ``ac="every_k"``."""
+    compile: bool = False
+    """torch.compile each block (dynamic shapes; attention stays eager)."""
+    compile_backend: str = "inductor"
+    """torch.compile backend (``aot_eager`` compiles fast, for tests)."""
+    param_dtype: torch.dtype = torch.float32
+    """dtype FSDP gathers parameters in for compute (bf16 in a bf16 run). FSDP only."""
+    reduce_dtype: torch.dtype = torch.float32
+    """dtype FSDP reduces gradients in. FSDP only."""
+    gpus_per_node: int | None = None
+    """Ranks per node; ``hybrid`` shards over this many ranks and replicates across nodes."""
+
+    def __post_init__(self) -> None:
+        if self.fsdp not in FSDP_MODES:
+            raise ValueError(f"fsdp must be one of {list(FSDP_MODES)}, got {self.fsdp!r}")
+        if self.ac not in AC_MODES:
+            raise ValueError(f"ac must be one of {list(AC_MODES)}, got {self.ac!r}")
+        if not isinstance(self.ac_every, int) or isinstance(self.ac_every, bool) or self.ac_every < 1:
+            raise ValueError(f"ac_every must be an int >= 1, got {self.ac_every!r}")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile must be a bool, got {self.compile!r}")
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value not in FSDP_DTYPES:
+                raise ValueError(f"{name} must be one of {[str(d) for d in FSDP_DTYPES]}, got {value!r}")
+        if self.fsdp == "none" and (self.param_dtype, self.reduce_dtype) != (torch.float32, torch.float32):
+            raise ValueError(
+                f"param_dtype={self.param_dtype} / reduce_dtype={self.reduce_dtype} apply to FSDP only "
+                "(fsdp full|hybrid); with fsdp none the run's precision (autocast) sets the compute dtype"
+            )
+        gpn = self.gpus_per_node
+        if gpn is not None and (not isinstance(gpn, int) or isinstance(gpn, bool) or gpn < 1):
+            raise ValueError(f"gpus_per_node must be an int >= 1, got {gpn!r}")
+        if self.fsdp == "hybrid" and gpn is None:
+            raise ValueError("fsdp hybrid shards within a node: pass gpus_per_node (e.g. 8)")
+
+    def mesh_shape(self, world_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """(shape, axis names) of the FSDP device mesh for ``world_size`` ranks (FSDP only).
+
+        ``full``: (world,) ("shard",); ``hybrid``: (nodes, gpus_per_node)
+        ("replicate", "shard"): ranks n*g .. n*g+g-1 form node n's shard group."""
+        if self.fsdp == "none":
+            raise ValueError("fsdp none has no device mesh")
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        if self.fsdp == "full":
+            return (world_size,), ("shard",)
+        gpn = self.gpus_per_node
+        if world_size % gpn:
+            raise ValueError(
+                f"fsdp hybrid: world size {world_size} is not a multiple of gpus_per_node={gpn}"
+            )
+        return (world_size // gpn, gpn), ("replicate", "shard")
+
+    def checkpointed(self, block_index: int) -> bool:
+        """Whether block ``block_index`` (double blocks first, then single) is checkpointed."""
+        if self.ac == "none":
+            return False
+        return self.ac == "full" or block_index % self.ac_every == 0
+
+
+def build_fsdp_mesh(cfg: ParallelConfig, *, world_size: int, device_type: str):
+    """The FSDP DeviceMesh over the default process group. Collective (it creates process
+    groups): every rank calls it at the same point relative to other group creation, e.g.
+    ``BagGroups.build``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape, names = cfg.mesh_shape(world_size)
+    if not dist.is_initialized() or dist.get_world_size() != world_size:
+        actual = dist.get_world_size() if dist.is_initialized() else "no process group"
+        raise ValueError(f"FSDP mesh for world_size={world_size}, but the default process group has {actual}")
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+class CompileStats:
+    """How often torch.compile compiled this model's blocks.
+
+    ``recompiles`` counts compilations of a code object (a block's forward, or its resume
+    function after the attention graph break) that this model had compiled before: a guard
+    failed, typically a new shape specialization. It belongs in per-step metrics; it should
+    stay flat after the first steps."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        self.compiles = 0
+        """First compilations of a code object (one per block class and graph-break piece)."""
+        self.recompiles = 0
+        self._frames: set[int] = set()
+        self._seen: set[tuple[int, int]] = set()
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        from torch._guards import CompileContext
+
+        cid = CompileContext.current_compile_id()
+        key = (cid.frame_id, cid.frame_compile_id) if cid is not None else None
+        if key is not None and key not in self._seen:  # dynamo may hand one compile over twice
+            self._seen.add(key)
+            if key[0] in self._frames:
+                self.recompiles += 1
+            else:
+                self._frames.add(key[0])
+                self.compiles += 1
+        return torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
+
+
+class _EagerAttention:
+    """The step's attention callable, run outside the compiled graph (a graph break)."""
+
+    __slots__ = ("attn",)
+
+    def __init__(self, attn: Callable) -> None:
+        self.attn = attn
+
+    @torch.compiler.disable
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = self.attn(q, k, v)  # (N, H, D): the compiled rest of the block takes it as an input
+        _mark_token_axes("h", out)
+        return out
+
+
+def _size_oblivious():
+    # The token axes are unbacked (see TOKEN_AXES); sizes dynamo derives from them after the
+    # attention graph break (the resume function's inputs) are backed, and these rules keep
+    # them from being specialized to 0 or 1 too. No duck sizing: a token count that happens
+    # to equal the hidden size at the first call is not tied to it.
+    from torch.fx.experimental import _config as fx_config
+
+    return fx_config.patch(backed_size_oblivious=True, use_duck_shape=False)
+
+
+def _dense(x: Any) -> Any:
+    """x with every tensor in row-major strides. Dynamo guards on input strides, and an empty
+    tensor (a rank without tokens) may carry any (e.g. 0 from an expand), which
+    ``contiguous()`` keeps; a copy does not."""
+    if isinstance(x, torch.Tensor):
+        if x.is_contiguous() and (x.numel() or x.stride() == torch.empty(x.shape, device="meta").stride()):
+            return x
+        return x.clone(memory_format=torch.contiguous_format)
+    if isinstance(x, tuple):
+        return tuple(_dense(t) for t in x)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return dataclasses.replace(x, **{f.name: _dense(getattr(x, f.name)) for f in dataclasses.fields(x)})
+    return x
+
+
+TOKEN_AXES = {
+    "h_txt": "Nt", "seq_txt": "Nt", "h_img": "Ni", "seq_img": "Ni", "h": "N", "seq_index": "N",
+    "rope": "N", "vec_seq": "S", "txt_idx": "Nt", "img_idx": "Ni", "unorder": "N",
+}
+"""Which count dim 0 of a block argument (or of a field of ``TokenStreams``) has: Nt text
+tokens, Ni image tokens, N tokens, S sequences. Each is one unbacked size in the compiled
+blocks: never specialized to 0 or 1, tied across the arguments that share it."""
+
+
+def _mark_token_axes(name: str, value: Any) -> None:
+    from torch._dynamo.decorators import mark_unbacked
+
+    if isinstance(value, torch.Tensor) and name in TOKEN_AXES:
+        mark_unbacked(value, 0, shape_id=TOKEN_AXES[name])
+    elif isinstance(value, tuple):
+        for item in value:
+            _mark_token_axes(name, item)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            _mark_token_axes(f.name, getattr(value, f.name))
+
+
+def _compiled_forward(block: nn.Module, compiled: Callable) -> Callable:
+    signature = inspect.signature(type(block).forward)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(block, *args, **kwargs)
+        for name, value in bound.arguments.items():
+            if name == "attn":
+                bound.arguments[name] = _EagerAttention(value)
+            else:
+                bound.arguments[name] = value = _dense(value)
+                _mark_token_axes(name, value)
+        with _size_oblivious():
+            return compiled(*bound.args, **bound.kwargs)
+
+    return forward
+
+
+def _checkpointed_forward(forward: Callable) -> Callable:
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        # Recompute in backward re-runs the block's attention, Ulysses exchanges included:
+        # every rank of a bag recomputes the same blocks in the same order.
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
+def _blocks(model: MMDiT) -> list[nn.Module]:
+    return [*model.double_blocks, *model.single_blocks]
+
+
+def _embedders(model: MMDiT) -> list[nn.Module]:
+    return [m for m in (model.time_in, model.vector_in, model.img_in, model.txt_in) if m is not None]
+
+
+def _apply_fsdp(model: MMDiT, mesh, cfg: ParallelConfig) -> None:
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+    units = [*_embedders(model), *_blocks(model), model.final]
+    in_units = {id(p) for unit in units for p in unit.parameters()}
+    orphans = [n for n, p in model.named_parameters() if id(p) not in in_units]
+    if orphans:
+        raise ValueError(
+            f"parameters {orphans} belong to no FSDP unit (embedders, blocks, final); the root "
+            "would reduce them before embed's backward ran. Put them in one of those modules"
+        )
+    param_dtype = None if cfg.param_dtype == torch.float32 else cfg.param_dtype
+    # Embedders take raw fp32 inputs (latents, text features, timestep features) and cast
+    # them; everything after them is already in the compute dtype, and RoPE's cos/sin must
+    # stay fp32, as in the unsharded bf16 path.
+    embed_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=cfg.reduce_dtype)
+    body_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=cfg.reduce_dtype, cast_forward_inputs=False)
+    for unit in _embedders(model):
+        fully_shard(unit, mesh=mesh, mp_policy=embed_mp)
+    for block in _blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=body_mp)
+    # The last unit of forward is the first of backward: resharding it would gather it again.
+    fully_shard(model.final, mesh=mesh, mp_policy=body_mp, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=body_mp)
+    for name in STAGE_METHODS:
+        register_fsdp_forward_method(model, name)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # summed over ranks, as without FSDP
+            module.set_force_sum_reduction_for_comms(True)  # SUM, not PREMUL_SUM (gloo)
+            module.set_reduce_scatter_unused_params(True)  # zeros for unused params: same buffers on every rank
+
+
+@dataclasses.dataclass(eq=False)
+class ParallelModel:
+    """What the trainer needs from a parallelized model, after backward.
+
+    Call order per step: forward (``balanced_forward``) and ``loss.backward()``, then
+    ``reduce_gradients``, then ``clip_grad_norm_``, then the optimizer step. Build the
+    optimizer after ``parallelize`` (FSDP replaces parameters by sharded DTensors). State
+    dicts: ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)``
+    works for every mode, with the plain model's parameter names."""
+
+    model: MMDiT
+    config: ParallelConfig
+    mesh: Any = None
+    """The FSDP DeviceMesh, None without FSDP."""
+    compile_stats: CompileStats | None = None
+
+    @property
+    def sharded(self) -> bool:
+        return self.mesh is not None
+
+    @property
+    def recompiles(self) -> int:
+        """Recompilations so far (0 without compile): a number for per-step metrics."""
+        return self.compile_stats.recompiles if self.compile_stats is not None else 0
+
+    def reduce_gradients(self, group: dist.ProcessGroup | None = None) -> None:
+        """Sum gradients over ranks. FSDP already did, overlapped with backward (a no-op);
+        without FSDP one flat all-reduce over ``group`` (None: the world)."""
+        if not self.sharded:
+            allreduce_gradients(self.model.parameters(), group=group)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale gradients so their global L2 norm is at most ``max_norm``; returns the norm
+        before clipping (a 0-d tensor, the same on every rank). Call after
+        ``reduce_gradients``. Sharded gradients: the norm is reduced over the mesh."""
+        return clip_grad_norm_(self.model.parameters(), max_norm)
+
+
+def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` that also takes FSDP's DTensor gradients: their
+    local norms are partial, ``full_tensor`` sums their squares over the mesh."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in params if p.grad is not None]
+    if not params:
+        return torch.zeros(())
+    total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def parallelize(
+    model: MMDiT,
+    *,
+    fsdp: str = "none",
+    ac: str = "none",
+    ac_every: int = 2,
+    compile: bool = False,
+    compile_backend: str = "inductor",
+    param_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
+    gpus_per_node: int | None = None,
+    world_size: int = 1,
+    device_type: str = "cpu",
+) -> ParallelModel:
+    """Apply compile, activation checkpointing and FSDP (in that order, inside out) to
+    ``model`` in place. Fields as in ``ParallelConfig``; ``world_size`` and ``device_type``
+    ("cuda", "cpu") size and place the FSDP mesh. Collective with FSDP (builds the mesh).
+
+    Call it once, on a model whose parameters are on the training device, before building
+    the optimizer and before loading a checkpoint."""
+    cfg = ParallelConfig(
+        fsdp=fsdp, ac=ac, ac_every=ac_every, compile=compile, compile_backend=compile_backend,
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, gpus_per_node=gpus_per_node,
+    )
+    if not isinstance(model, MMDiT):
+        raise TypeError(f"parallelize takes an MMDiT, got {type(model).__name__}")
+    stats = None
+    if cfg.compile:
+        stats = CompileStats(cfg.compile_backend)
+        # One compiled function per block class, shared by its blocks (the module is an
+        # input, not a guard); isolated so another model's compiles are not counted here.
+        compiled = {
+            cls: torch.compile(cls.forward, backend=stats, dynamic=True, isolate_recompiles=True)
+            for cls in {type(b) for b in _blocks(model)}
+        }
+    for i, block in enumerate(_blocks(model)):
+        if cfg.compile:
+            block.forward = _compiled_forward(block, compiled[type(block)])
+        if cfg.checkpointed(i):
+            block.forward = _checkpointed_forward(block.forward)
+    mesh = None
+    if cfg.fsdp != "none":
+        mesh = build_fsdp_mesh(cfg, world_size=world_size, device_type=device_type)
+        _apply_fsdp(model, mesh, cfg)
+    return ParallelModel(model=model, config=cfg, mesh=mesh, compile_stats=stats)

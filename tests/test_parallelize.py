@@ -1,0 +1,284 @@
+"""FSDP2, activation checkpointing and compile applied by knapray.train.parallelize, each
+against the single-process reference.
+
+- pure: ParallelConfig checks and mesh shapes, no process group;
+- one process: checkpointing gives bit-identical gradients and re-runs attention per
+  checkpointed block; parameter names do not change; compile over 20 varying packed batches
+  (empty, text-less, one sequence, 0..~100 tokens) matches eager and recompiles <= 2 times;
+- 4 gloo ranks (``knapray.parity``): balanced + FSDP full / hybrid + checkpointing against
+  the reference for g1n4, g2n2, g1n2+g2n1 and unbalanced, with a rank holding no sequences
+  and a rank holding no text (routed chunks without text: text weights unused there);
+- 2 gloo ranks: bf16 parameters under FSDP (fp32 reduce), global grad-norm clipping of
+  sharded gradients, DCP state-dict names, the flat all-reduce refusing sharded parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from knapray.attention import LocalAttention
+from knapray.models import MMDiT, add_noise, flow_loss, pack_samples
+from knapray.parity import Parallelism, parity_config, passed, run_parity
+from knapray.train.parallelize import ParallelConfig, parallelize
+from knapray.testing.batches import mix_batches
+
+# As tests/test_parity.py: rank 1 holds nothing; short sequences split over bags; long ones
+# split into chunks whose later parts hold no text.
+MIX = "g1b2i256f1s0,g1b1i512f1s0,g1b4i64f1s0,g1b1i128f2s0"
+TOPOLOGIES = ["g1n4", "g2n2", "g1n2+g2n1"]
+TOL = 1e-5
+
+
+def _model(seed: int = 0) -> MMDiT:
+    torch.manual_seed(seed)
+    model = MMDiT(parity_config())
+    model.init_weights(std=0.1)
+    return model
+
+
+# ---- pure checks ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"fsdp": "zero3"}, "fsdp must be one of ['none', 'full', 'hybrid'], got 'zero3'"),
+        ({"ac": "some"}, "ac must be one of ['none', 'full', 'every_k'], got 'some'"),
+        ({"ac": "every_k", "ac_every": 0}, "ac_every must be an int >= 1, got 0"),
+        ({"fsdp": "full", "param_dtype": torch.float16}, "param_dtype must be one of"),
+        ({"param_dtype": torch.bfloat16}, "apply to FSDP only"),
+        ({"fsdp": "hybrid"}, "fsdp hybrid shards within a node: pass gpus_per_node"),
+        ({"fsdp": "hybrid", "gpus_per_node": 0}, "gpus_per_node must be an int >= 1, got 0"),
+        ({"compile": "yes"}, "compile must be a bool, got 'yes'"),
+    ],
+)
+def test_config_rejects_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        ParallelConfig(**kwargs)
+
+
+def test_mesh_shapes_and_checkpointed_blocks():
+    assert ParallelConfig(fsdp="full").mesh_shape(4) == ((4,), ("shard",))
+    assert ParallelConfig(fsdp="hybrid", gpus_per_node=2).mesh_shape(4) == ((2, 2), ("replicate", "shard"))
+    assert ParallelConfig(fsdp="hybrid", gpus_per_node=8).mesh_shape(32) == ((4, 8), ("replicate", "shard"))
+    with pytest.raises(ValueError, match="world size 6 is not a multiple of gpus_per_node=4"):
+        ParallelConfig(fsdp="hybrid", gpus_per_node=4).mesh_shape(6)
+    with pytest.raises(ValueError, match="fsdp none has no device mesh"):
+        ParallelConfig().mesh_shape(4)
+    every3 = ParallelConfig(ac="every_k", ac_every=3)
+    assert [every3.checkpointed(i) for i in range(7)] == [True, False, False, True, False, False, True]
+    assert all(ParallelConfig(ac="full").checkpointed(i) for i in range(5))
+    assert not any(ParallelConfig().checkpointed(i) for i in range(5))
+
+
+# ---- one process: activation checkpointing and compile ----------------------------------
+
+
+class CountingAttention:
+    def __init__(self, inner):
+        self.inner, self.calls = inner, 0
+
+    def __call__(self, q, k, v):
+        self.calls += 1
+        return self.inner(q, k, v)
+
+
+@pytest.mark.parametrize("ac, ac_every, recomputed", [("full", 2, 4), ("every_k", 2, 2), ("every_k", 3, 2)])
+def test_checkpointing_gives_identical_gradients_and_recomputes(ac, ac_every, recomputed):
+    cfg = dataclasses.replace(parity_config(), depth_double=2, depth_single=2)  # blocks 0..3
+    batch = mix_batches(MIX, cfg, scale=4, seed=1, world_size=None, max_text_tokens=40)[0]
+
+    def run(model):
+        attn = CountingAttention(LocalAttention(batch.cu_seqlens, batch.max_seqlen))
+        out = model(batch, attn)
+        flow_loss(out, batch.targets, batch.x_img.shape[0]).backward()
+        return out, attn.calls, {n: p.grad for n, p in model.named_parameters()}
+
+    def build():
+        torch.manual_seed(0)
+        model = MMDiT(cfg)
+        model.init_weights(std=0.1)
+        return model
+
+    ref_out, ref_calls, ref_grads = run(build())
+    model = build()
+    parallelize(model, ac=ac, ac_every=ac_every)
+    out, calls, grads = run(model)
+    assert torch.equal(out, ref_out)
+    assert list(grads) == list(ref_grads)  # names unchanged: state dicts interchange
+    for name, grad in ref_grads.items():
+        assert torch.equal(grads[name], grad), name
+    # Backward re-ran the forward (attention included) of each checkpointed block.
+    assert ref_calls == 4 and calls == 4 + recomputed
+
+
+def _varying_batches(cfg, steps: int = 20):
+    """Packed batches whose token count and sequence mix change every step: an empty batch,
+    text-less batches, single sequences, 1..~110 tokens."""
+    mixes = ["g1b2i256f1s0,g1b1i512f1s0", "g1b4i64f1s0", "g1b1i128f2s0,g1b3i256f1s0", "g1b1i512f1s0",
+             "g1b1i64f1s0"]
+    batches = []
+    for step in range(steps):
+        if step == 7:
+            batches.append(add_noise(pack_samples([], cfg), torch.zeros(0, cfg.patch_dim)))
+            continue
+        text = 0 if step % 5 == 3 else 48
+        batches.append(mix_batches(mixes[step % len(mixes)], cfg, scale=4, seed=step, world_size=None,
+                                   max_text_tokens=text)[0])
+    return batches
+
+
+def test_compile_matches_eager_and_recompiles_at_most_twice_over_20_steps():
+    cfg = parity_config()
+    eager, model = _model(), _model()
+    par = parallelize(model, compile=True, ac="every_k", ac_every=2)  # inductor, as in training
+    batches = _varying_batches(cfg)
+    assert len({int(b.seq_lens.sum()) for b in batches}) >= 12
+    assert any(b.num_sequences == 0 for b in batches)
+    assert any(b.num_sequences and not b.is_text.any() for b in batches)
+    assert any(b.num_sequences == 1 for b in batches)
+    for step, batch in enumerate(batches):
+        outs = []
+        for m in (eager, model):
+            m.zero_grad(set_to_none=True)
+            out = m(batch)
+            flow_loss(out, batch.targets, max(batch.x_img.shape[0], 1)).backward()
+            outs.append(out.detach())
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5, msg=f"step {step}")
+        for (name, p), q in zip(eager.named_parameters(), model.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=f"step {step} {name}")
+    stats = par.compile_stats
+    # Double and single block class, each cut in two by the eager attention.
+    assert stats.compiles == 4
+    assert par.recompiles <= 2, stats.recompiles
+
+
+# ---- 4 gloo ranks: parity of balanced + FSDP (+ checkpointing) --------------------------
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    "parallelism, textless",
+    [
+        (Parallelism(fsdp="full", ac="full"), (2,)),
+        (Parallelism(fsdp="hybrid", ac="every_k", gpus_per_node=2), (0, 3)),
+    ],
+    ids=["full-ac_full", "hybrid-ac_every2"],
+)
+def test_balanced_fsdp_matches_single_process_reference(parallelism, textless):
+    report = run_parity(4, TOPOLOGIES, MIX, scale=4, seed=3, max_text_tokens=12, empty_ranks=(1,),
+                        textless_ranks=textless, parallelism=parallelism)
+    assert report["_meta"]["fsdp"] == parallelism.fsdp and report["_meta"]["ac"] == parallelism.ac
+    for case in TOPOLOGIES + ["unbalanced"]:
+        r = report[case]
+        assert r["num_params"] > 30
+        for key in ("out_rel", "loss_rel", "grad_rel_max", "grad_norm_rel"):
+            assert r[key] <= TOL, (case, key, r)
+        assert r["ranks_without_sequences"] == 1
+        # Some rank computed chunks without a text token: its text weights got no use.
+        assert r["ranks_without_text"] >= 1, (case, r)
+    assert report["unbalanced"]["ranks_computing_nothing"] == 1
+    assert report["unbalanced"]["ranks_without_image_tokens"] == 1
+    assert report["g2n2"]["sequences_shorter_than_bag"] > 0
+    assert passed(report)
+
+
+# ---- 2 gloo ranks: bf16 parameters, clipping, state dicts --------------------------------
+
+
+def _bf16_fsdp_worker(rank: int, world: int) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    from knapray.distributed.grads import allreduce_gradients
+
+    cfg = parity_config()
+    batches = mix_batches("g1b2i256f1s0,g1b3i128f1s0", cfg, scale=4, seed=5, world_size=2, max_text_tokens=24)
+    batch = batches[rank]
+    model = _model()
+    names = [n for n, _ in model.named_parameters()]
+    par = parallelize(model, fsdp="full", ac="full", param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                      world_size=world, device_type="cpu")
+    seen = {}
+    model.double_blocks[0].register_forward_pre_hook(
+        lambda m, args: seen.update(h=args[0].dtype, vec=args[2].dtype, rope=args[6][0].dtype))
+    attn_dtypes = set()
+    inner = LocalAttention(batch.cu_seqlens, batch.max_seqlen)
+
+    def attn(q, k, v):
+        attn_dtypes.add((q.dtype, k.dtype, v.dtype))
+        return inner(q, k, v)
+
+    out = model(batch, attn)
+    loss = flow_loss(out, batch.targets, sum(b.x_img.shape[0] for b in batches))
+    loss.backward()
+    par.reduce_gradients()
+    refused = ""
+    try:
+        allreduce_gradients(model.parameters())
+    except ValueError as e:
+        refused = str(e)
+    norm = par.clip_grad_norm_(0.5)
+    clipped_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).full_tensor()
+    sd = get_model_state_dict(model)
+    # numpy: tensors do not survive the trip through the result queue
+    grads = {n: p.grad.full_tensor().numpy() for n, p in model.named_parameters()}
+    return {
+        "out_dtype": out.dtype, "loss_dtype": loss.dtype, "out": out.detach().float().numpy(), "loss": loss.item(),
+        "block_inputs": seen, "attn_dtypes": attn_dtypes,
+        "param_types": {(type(p).__name__, p.dtype) for p in model.parameters()},
+        "grad_types": {(type(p.grad).__name__, p.grad.dtype) for p in model.parameters()},
+        "finite": all(bool(np.isfinite(g).all()) for g in grads.values()),
+        "norm": float(norm), "clipped_norm": float(clipped_norm),
+        "grads": grads if rank == 0 else None, "names": names, "sd_names": list(sd),
+        "sd_sharded": all(isinstance(v, DTensor) for v in sd.values()), "refused": refused,
+    }
+
+
+@pytest.mark.dist
+def test_bf16_params_under_fsdp_train_close_to_fp32_with_clipping():
+    from test_precision import GRAD_RTOL, LOSS_RTOL, OUT_RTOL
+
+    res = run_distributed(_bf16_fsdp_worker, 2)
+    cfg = parity_config()
+    batches = mix_batches("g1b2i256f1s0,g1b3i128f1s0", cfg, scale=4, seed=5, world_size=2, max_text_tokens=24)
+    ref = _model()
+    total = sum(b.x_img.shape[0] for b in batches)
+    ref_outs, ref_loss = [], 0.0
+    for b in batches:
+        out = ref(b)
+        loss = flow_loss(out, b.targets, total)
+        loss.backward()
+        ref_outs.append(out.detach())
+        ref_loss += loss.item()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    ref_norm = torch.nn.utils.get_total_norm(list(ref_grads.values())).item()
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    for r in res:
+        assert r["out_dtype"] == torch.bfloat16 and r["loss_dtype"] == torch.float32
+        # Gathered in bf16 for compute; RoPE tables stay fp32 (FSDP casts only embedder inputs).
+        assert r["block_inputs"] == {"h": torch.bfloat16, "vec": torch.bfloat16, "rope": torch.float32}
+        assert r["attn_dtypes"] == {(torch.bfloat16,) * 3}
+        # Sharded parameters, their gradients and so the optimizer stay fp32.
+        assert r["param_types"] == {("DTensor", torch.float32)}
+        assert r["grad_types"] == {("DTensor", torch.float32)}
+        assert r["finite"]
+        assert "sharded DTensors" in r["refused"]
+        assert r["norm"] == pytest.approx(res[0]["norm"], rel=0)  # one global norm on every rank
+        assert r["clipped_norm"] == pytest.approx(0.5, rel=1e-4)
+        assert r["sd_names"] == r["names"] and r["sd_sharded"]
+    for r, ref_out in zip(res, ref_outs):
+        assert rel(torch.from_numpy(r["out"]), ref_out) < OUT_RTOL
+    assert abs(sum(r["loss"] for r in res) - ref_loss) < LOSS_RTOL * ref_loss
+    assert res[0]["norm"] == pytest.approx(ref_norm, rel=GRAD_RTOL)
+    # Clipped by 0.5 / norm: undo it to compare with the unclipped reference.
+    grads = torch.cat([torch.from_numpy(res[0]["grads"][n]).flatten() for n in ref_grads]) * (res[0]["norm"] / 0.5)
+    assert rel(grads, torch.cat([g.flatten() for g in ref_grads.values()])) < GRAD_RTOL
