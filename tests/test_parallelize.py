@@ -171,7 +171,7 @@ def test_compile_matches_eager_and_recompiles_at_most_twice_over_20_steps():
     ids=["full-ac_full", "hybrid-ac_every2"],
 )
 def test_balanced_fsdp_matches_single_process_reference(parallelism, textless):
-    report = run_parity(4, TOPOLOGIES, MIX, scale=4, seed=3, max_text_tokens=12, empty_ranks=(1,),
+    report = run_parity(4, TOPOLOGIES, MIX, scale=4, seed=5, max_text_tokens=12, empty_ranks=(1,),
                         textless_ranks=textless, parallelism=parallelism)
     assert report["_meta"]["fsdp"] == parallelism.fsdp and report["_meta"]["ac"] == parallelism.ac
     for case in TOPOLOGIES + ["unbalanced"]:

@@ -263,15 +263,18 @@ def corpus60(tmp_path_factory):
 
 @pytest.mark.dist
 def test_resume_at_another_world_size_continues_the_same_loss_curve(corpus60, tmp_path):
-    """4 ranks train steps 0-2 and checkpoint; 3 ranks resume and train 3-5. With a global
-    batch each step trains the same samples with the same noise at any world size, so the
-    losses match an uninterrupted 4-rank run's step for step, up to fp32 reassociation."""
+    """4 ranks train steps 0-2 with FSDP (sharded over the world, every block checkpointed)
+    and save a sharded checkpoint; 3 ranks resume it and train 3-5. With a global batch each
+    step trains the same samples with the same noise at any world size, so the losses match
+    an uninterrupted, unsharded 4-rank run's step for step, up to fp32 reassociation."""
     common = ["data.global_batch=12", "balance.topology=bags_of:2", "data.epochs=2"]
     whole = _train(corpus60, tmp_path / "whole", *common, "run.max_steps=6", nproc=4)
     assert whole.returncode == 0, whole.stderr[-3000:]
-    first = _train(corpus60, tmp_path / "split", *common, "run.max_steps=3", "run.checkpoint_every=0", nproc=4)
+    sharded = ["run.fsdp=full", "run.activation_checkpointing=full"]
+    first = _train(corpus60, tmp_path / "split", *common, *sharded, "run.max_steps=3", "run.checkpoint_every=0",
+                   nproc=4)
     assert first.returncode == 0, first.stderr[-3000:]
-    second = _train(corpus60, tmp_path / "split", *common, "run.max_steps=6", nproc=3)
+    second = _train(corpus60, tmp_path / "split", *common, *sharded, "run.max_steps=6", nproc=3)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resuming run 'r'" in second.stdout
     ref = _metrics(tmp_path / "whole" / "r")

@@ -38,6 +38,8 @@ class StepRecord:
     """Learning rate the step trained with."""
     peak_tflops: float | None = None
     """The GPU's dense bf16 peak (for MFU); None on CPU or an unknown GPU."""
+    recompiles: int = 0
+    """torch.compile recompilations so far in this process (0 without compile)."""
     predicted_compute_s: list[float] | None = None
     """Per-rank compute seconds the cost model predicted for the plan (``planner: cost``)."""
 
@@ -68,6 +70,7 @@ class StepRecord:
             "model_tflops_per_gpu": self.flops / self.seconds / 1e12 / len(self.rank_work) if self.seconds > 0 else 0.0,
             "clock": self.clock,
             "peak_mem_gib": self.peak_mem_gib,
+            "recompiles": self.recompiles,
             "predicted_compute_s": self.predicted_compute_s,
             "prediction_error": _prediction_error(self.predicted_compute_s, self.compute_s),
             "predicted_step_compute_s": max(self.predicted_compute_s) if self.predicted_compute_s else None,

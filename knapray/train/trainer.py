@@ -30,7 +30,6 @@ import torch
 from knapray.coordinator import CoordinatorClient, CoordinatorUnavailable
 from knapray.data import Step, StepMeta, StepStream, build_packed_batch, check_model_config, corpus_info
 from knapray.distributed import BagGroups
-from knapray.distributed.grads import allreduce_gradients
 from knapray.distributed.step_sync import StepSync
 from knapray.models import MMDiT
 from knapray.models.flops import model_flops, peak_tflops
@@ -48,6 +47,7 @@ from .ledger_files import LocalLedger, committed_ids
 from .ema import build_ema
 from .metrics import MetricsFile, StepRecord
 from .optim import LRSchedule, build_optimizer
+from .parallelize import parallelize
 from .sinks import MetricSinks, scalars_of
 from .run_files import truncate_metrics
 from .step_planner import Planned, StepPlanner, coordinator_config, coordinator_name, planning_model
@@ -84,6 +84,17 @@ class Trainer:
 
         torch.manual_seed(cfg.data.seed)  # the same initial model on every rank
         self.model = MMDiT(cfg.model).to(self.device)
+        # FSDP / checkpointing / compile from outside the model; then the optimizer and the
+        # EMA (over FSDP's sharded parameters), then the checkpoint.
+        sharded = cfg.run.fsdp != "none"
+        self.parallel = parallelize(
+            self.model, fsdp=cfg.run.fsdp, ac=cfg.run.activation_checkpointing, ac_every=cfg.run.ac_every,
+            compile=cfg.run.compile, param_dtype=self.dtype if sharded else torch.float32,
+            reduce_dtype=torch.float32, gpus_per_node=cfg.balance.gpus_per_node or None, world_size=self.world,
+            device_type=self.device.type,
+        )
+        # FSDP gathers parameters in the compute dtype itself; without it, bf16 is autocast.
+        self.autocast = not sharded and self.dtype != torch.float32
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.ema = build_ema(self.model, cfg.optim)
         self.timesteps = cfg.flow.distribution()
@@ -225,7 +236,7 @@ class Trainer:
 
         # ---- compute ----
         with StepTimer(self.device) as timer:
-            with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+            with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.autocast):
                 out = balanced_forward(
                     self.model, batch, run_plan, rank,
                     bag_group=self.groups.bag_group if self.groups else None,
@@ -260,7 +271,7 @@ class Trainer:
             topology=str(self.topology), flops=model_flops(run_plan.seq_lens.tolist(), cfg.model), clock=took.clock,
             peak_mem_gib=torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None,
             epoch=self.epoch, lr=lr, peak_tflops=self.peak_tflops,
-            predicted_compute_s=self._predicted_compute(run_plan),
+            predicted_compute_s=self._predicted_compute(run_plan), recompiles=self.parallel.recompiles,
         ).to_json()
         if self.metrics is not None:
             self.metrics.append(rec)
@@ -290,14 +301,13 @@ class Trainer:
         n = self.micro_steps
         if not n:
             return
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        allreduce_gradients(params, group=self.sync.group)
+        self.parallel.reduce_gradients(group=self.sync.group)  # FSDP reduced them in backward already
         if n > 1:  # each micro-step's loss is a mean over its own tokens: average them
-            for p in params:
+            for p in self.model.parameters():
                 if p.grad is not None:
                     p.grad.div_(n)
         if self.cfg.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip)
+            self.parallel.clip_grad_norm_(self.cfg.optim.grad_clip)
         self.optimizer.step()
         self.schedule.step()
         if self.ema is not None:
