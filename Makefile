@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: run test setup clean bench plan-demo gpu-check
+.PHONY: run test test-quick setup clean bench plan-demo gpu-check
 
 setup: $(STAMP)
 
@@ -36,6 +36,10 @@ plan-demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+# The pure and single-process tiers only (no gloo processes, no Ray): about 1.5 minutes.
+test-quick: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not ray and not dist and not gpu" tests
 
 # On a machine with a CUDA GPU and torch installed (no venv, no Ray, no internet needed):
 #   PYTHON=python3 make gpu-check

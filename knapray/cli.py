@@ -16,6 +16,21 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def _add_parallel_args(group, also: str, backends: list[str] | None = None) -> None:
+    """--fsdp/--gpus-per-node/--ac/--ac-every/--compile/--compile-backend, as ``parallelize``
+    takes them (knapray parity and knapray bench step share them)."""
+    group.add_argument("--fsdp", default="none", choices=["none", "full", "hybrid"],
+                       help=f"{also}FSDP2 sharding over the world (full) or within nodes (hybrid)")
+    group.add_argument("--gpus-per-node", type=_int_at_least(1), default=None,
+                       help="ranks per 'node' for --fsdp hybrid (e.g. 2 on 4 ranks = 2 nodes)")
+    group.add_argument("--ac", default="none", choices=["none", "full", "every_k"],
+                       help=f"{also}activation checkpointing of blocks (every_k: every --ac-every-th)")
+    group.add_argument("--ac-every", type=_int_at_least(1), default=2, help="k for --ac every_k (default 2)")
+    group.add_argument("--compile", action="store_true", help=f"{also}torch.compile of each block")
+    group.add_argument("--compile-backend", default="inductor", choices=backends,
+                       help="torch.compile backend (default inductor; aot_eager compiles fast)")
+
+
 def _int_at_least(low: int):
     def parse(text: str) -> int:
         try:
@@ -161,6 +176,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             max_text_tokens=args.max_text_tokens, hidden=args.hidden, heads=args.heads,
             depth_double=args.depth, depth_single=args.depth,
             gamma=CPU_GAMMA if args.gamma is None else args.gamma, seed=args.seed,
+            fsdp=args.fsdp, ac=args.ac, ac_every=args.ac_every, compile=args.compile,
+            compile_backend=args.compile_backend, gpus_per_node=args.gpus_per_node,
         )
         if args.plot:
             result["plot"] = plot_rank_compute(args.plot, result)
@@ -169,6 +186,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print(f"plot: {args.plot}")
         if args.json:
             print(json.dumps(result))
+        if not result["math_ok"]:
+            print(f"error: a variant computes different math: relative loss / grad norm difference "
+                  f"{result['math_rel_max']:.2e} from the baseline exceeds {result['math_tol']:g}", file=sys.stderr)
+            return 1
         return 0
     if args.what == "ledger":
         from knapray.benchmarks.ledger import DEFAULT_SIZES
@@ -470,15 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--heads", type=_int_at_least(1), default=4, help="attention heads (every bag size must divide it)")
     q.add_argument("--seed", type=_int_at_least(0), default=0)
     q.add_argument("--tol", type=_float_in(gt=0), default=1e-5)
-    q.add_argument("--fsdp", default="none", choices=["none", "full", "hybrid"],
-                   help="shard the model with FSDP2 over the world (full) or within nodes (hybrid)")
-    q.add_argument("--gpus-per-node", type=_int_at_least(1), default=None,
-                   help="ranks per 'node' for --fsdp hybrid (e.g. 2 on 4 ranks = 2 nodes)")
-    q.add_argument("--ac", default="none", choices=["none", "full", "every_k"],
-                   help="activation checkpointing of blocks (every_k: every --ac-every-th)")
-    q.add_argument("--ac-every", type=_int_at_least(1), default=2, help="k for --ac every_k (default 2)")
-    q.add_argument("--compile", action="store_true", help="torch.compile each block")
-    q.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default inductor)")
+    _add_parallel_args(q, "")
     q.add_argument("--empty-ranks", type=_int_at_least(0), nargs="*", default=[], metavar="RANK",
                    help="ranks that hold no sequences")
     q.add_argument("--textless-ranks", type=_int_at_least(0), nargs="*", default=[], metavar="RANK",
@@ -507,6 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--gamma", type=_float_in(ge=0), default=None,
                     help="attention cost weight of the workload model (default: fitted for CPU, 0.85)")
     st.add_argument("--plot", help="write a PNG of per-rank compute time, balanced vs unbalanced")
+    _add_parallel_args(st, "also measure the balanced step with ", backends=["inductor", "aot_eager"])
     lb = b.add_argument_group("ledger benchmark (commit cost by ledger size, on this machine's disk)")
     lb.add_argument("--sizes", type=_int_list, default=None,
                     help="ledger sizes in rows, comma-separated (default 10000,1000000,10000000)")

@@ -359,3 +359,16 @@ def test_train_job_exits_2_without_a_traceback() -> None:
     assert proc.stderr.splitlines() == [
         "knapray train: error: config run.max_steps: expected an int >= 0, got -1 (int)"
     ]
+
+
+def test_per_step_topology_needs_the_cost_planner_and_whole_nodes():
+    from knapray.train.run_files import RunError, check_world
+
+    with pytest.raises(ConfigError, match=r"^config balance: topology 'per-step' chooses bags by predicted step "
+                                          r"time: it needs planner: cost, got planner 'workload'$"):
+        load_config(None, ["balance.topology=per-step"])
+    cfg = load_config(None, ["balance.topology=per-step", "balance.planner=cost", "balance.gpus_per_node=4"])
+    assert cfg.balance.topology == "per-step"
+    check_world(cfg, 8)
+    with pytest.raises(RunError, match="world size 6 is not a multiple of gpus_per_node=4"):
+        check_world(cfg, 6)

@@ -78,6 +78,27 @@ def test_plan_from_gathered_normalizes_inputs():
     assert same_plan(as_arrays, as_lists)
 
 
+def test_memory_budget_caps_every_rank_and_falls_back_with_a_warning(caplog):
+    # Rank 0's one long sequence is worth many short ones (attention), so balancing work
+    # alone gives the other ranks 2000 tokens each; a budget of 1800 must hold anyway.
+    lens = [[1000], [20] * 100, [20] * 100, [20] * 100]
+    model = dict(d_model=64, gamma=0.4)
+    free = plan_from_gathered(lens, Topology.parse("g1n4"), WorkloadModel(**model))
+    assert free.rank_tokens.max() == 2000  # the budget binds
+    coord = BalanceCoordinator(world_size=4, topology="g1n4", max_tokens_per_gpu=1800, **model)
+    for r, ls in enumerate(lens):
+        coord.submit(0, r, ls, list(range(1000 * r, 1000 * r + len(ls))))
+    plan, _ = get_all(coord, 0)[0]
+    assert plan.rank_tokens.max() <= 1800 and plan.rank_tokens.sum() == 7000
+    # More tokens than the world holds: planned without the budget, and said so.
+    with caplog.at_level(logging.WARNING, logger="knapray.coordinator.steps"):
+        over = plan_from_gathered(lens, Topology.parse("g1n4"), WorkloadModel(**model), max_tokens_per_gpu=1700)
+    assert over.rank_tokens.sum() == 7000
+    assert "does not fit this step" in caplog.text and "7000 tokens exceed the budget of 1700" in caplog.text
+    with pytest.raises(ValueError, match="max_tokens_per_gpu must be a positive integer"):
+        BalanceCoordinator(world_size=4, max_tokens_per_gpu=0)
+
+
 def test_get_before_complete_waits_then_completes():
     coord = BalanceCoordinator(world_size=4, topology="g2n2", **MODEL)
 

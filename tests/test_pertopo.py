@@ -158,3 +158,45 @@ def test_simulate_cli_per_step(capsys):
     assert len(out["per_step"]) == 2 and out["steps_behind_static_auto"] == 0
     assert main(["simulate", "--mix", "alternate:low-res*0/mixed-res", "--topology", "per-step"]) == 2
     assert "MIX*K" in capsys.readouterr().err
+
+
+def test_per_step_keeps_the_memory_budget_and_says_when_nothing_can():
+    cost = CostModel(gpus_per_node=4)
+    step = [[256, 256], [8192, 4096, 1024], [8192, 4096], [8192, 256, 256]]
+    free = plan_step(step, cost)
+    assert free.topology.bags == [1, 1, 1, 1] and free.plan.rank_tokens.max() == 9984
+    kept = plan_step(step, cost, max_tokens_per_gpu=8705)
+    assert kept.plan.rank_tokens.max() <= 8705 and kept.topology.bags == [4]
+    assert kept.scores["g1n4"] == np.inf  # the unbudgeted winner was left out
+    assert kept.predicted_step_s >= free.predicted_step_s
+    with pytest.raises(ValueError, match="no layout of .* keeps the memory budget of 4000 tokens per GPU"):
+        plan_step([[16384], [256], [256], [256]], cost, max_tokens_per_gpu=4000)
+
+
+def test_rule_per_step_and_the_step_plan_both_paths_use():
+    from knapray.coordinator import plan_from_gathered
+    from knapray.planning.rules import parse_rule, per_step_node, resolve_rule
+    from knapray.planning.workload import WorkloadModel
+
+    assert parse_rule("per-step") == ("per_step", None)
+    assert per_step_node("per-step", 16, 8) == 8 and per_step_node("per-step", 4, 8) == 4
+    assert per_step_node("per-step", 6, None) == 6 and per_step_node("auto", 16, 8) is None
+    with pytest.raises(ValueError, match="world size 12 is not a multiple of gpus_per_node=8"):
+        per_step_node("per-step", 12, 8)
+    with pytest.raises(ValueError, match="needs the cost model"):
+        resolve_rule("per-step", 8, model=WorkloadModel())
+    cost = CostModel(gpus_per_node=4)
+    steps = {"images": [[256] * 4] * 4, "video": [[16384], [256] * 3, [256] * 3, [256] * 3]}
+    base = resolve_rule("per-step", 4, model=cost, history=list(steps.values())).topology
+    for lens in steps.values():
+        plan = plan_from_gathered(lens, base, cost, per_step_node=4)
+        ref = plan_step(lens, cost, gpus_per_node=4, base=base).plan
+        assert plan.topology == ref.topology and np.array_equal(plan.bag, ref.bag)
+        assert plan.predicted_step_time <= plan_balance(lens, base, cost).predicted_step_time * (1 + 1e-12)
+    assert {str(plan_from_gathered(s, base, cost, per_step_node=4).topology) for s in steps.values()} \
+        == {"g1n4", "g4n1"}
+    # A budget no layout keeps: planned without it (and warned), as on a static topology.
+    over = plan_from_gathered(steps["video"], base, cost, max_tokens_per_gpu=4000, per_step_node=4)
+    assert over.rank_tokens.max() > 4000
+    with pytest.raises(ValueError, match="needs the cost model"):
+        plan_from_gathered(steps["video"], base, WorkloadModel(), per_step_node=4)

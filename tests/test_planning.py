@@ -32,7 +32,6 @@ def planning_inputs(draw):
     topo = Topology.parse(spec)
     reps = draw(st.integers(1, 2))
     topo = topo.replicate_to(topo.world_size * reps)
-    gmin = min(topo.bags)
     big = draw(st.booleans())
     hi = 5000 if big else 64
     lens = [

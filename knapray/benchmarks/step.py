@@ -20,6 +20,15 @@ Per rank and step it records:
 
 The footnote of the printed table explains the projected speedup.
 
+Variants (``--fsdp``, ``--ac``, ``--compile``): the balanced step is also run, on the same
+batches and plans, by models parallelized with each requested feature alone and with all of
+them together (``knapray.train.parallelize``). Each variant has its own model, built from the
+same seed (``parallelize`` mutates in place), so every variant computes the same loss and
+gradients as the eager baseline (``balanced``: fsdp none, no checkpointing, eager); the
+largest relative difference of the global loss and of the gradient norm is reported per
+variant and the run fails above ``LOSS_TOL``: a benchmark that compares different math is
+wrong. Every step runs all modes and variants in rotating order so machine noise hits all.
+
 The default mix puts two long video-like sequences (2 x ~700 tokens at ``scale=4``) on
 rank 0 and four small images (~20-100 tokens, mostly text) on each other rank: ~3x the
 mean predicted work on rank 0. ``g2n2`` is the default topology because it is the one of
@@ -51,6 +60,7 @@ import torch
 from knapray.distributed.local import free_port, init_local_gloo
 
 from knapray.models import MMDiT, MMDiTConfig
+from knapray.parity import Parallelism
 from knapray.planning import Topology, WorkloadModel, identity_plan, plan_balance
 
 DEFAULT_MIX = "g1b2i512f34s1,g3b4i256f1s0"
@@ -59,6 +69,51 @@ DEFAULT_SCALE = 4
 DEFAULT_MAX_TEXT_TOKENS = 392
 CPU_GAMMA = 0.85
 MODES = ("balanced", "unbalanced")
+BASELINE = "balanced"
+LOSS_TOL = 1e-4
+"""Largest relative difference (global loss, gradient norm) a variant may show against the
+baseline in fp32: the same math in another order differs by ~1e-7."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class StepVariant(Parallelism):
+    """One way to parallelize the model for the balanced step (``parallelize`` keywords)."""
+
+    name: str
+
+    def parallelize_kwargs(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "name"}
+
+
+def step_variants(
+    *, fsdp: str = "none", ac: str = "none", ac_every: int = 2, compile: bool = False,
+    compile_backend: str = "inductor", gpus_per_node: int | None = None, world_size: int = 1,
+) -> list[StepVariant]:
+    """The variants to measure beside the eager baseline: each requested feature alone, then
+    all of them together when more than one was requested. Checked here (ValueError), before
+    any process is spawned."""
+    from knapray.train.parallelize import ParallelConfig
+
+    cfg = ParallelConfig(fsdp=fsdp, ac=ac, ac_every=ac_every, compile=compile,
+                         compile_backend=compile_backend, gpus_per_node=gpus_per_node)
+    if cfg.fsdp != "none":
+        cfg.mesh_shape(world_size)
+    if compile_backend not in ("inductor", "aot_eager"):
+        raise ValueError(f"compile_backend must be one of ['inductor', 'aot_eager'], got {compile_backend!r}")
+    ac_name = f"ac every_{ac_every}" if ac == "every_k" else f"ac {ac}"
+    alone = []
+    if fsdp != "none":
+        alone.append(StepVariant(name=f"fsdp {fsdp}", fsdp=fsdp, gpus_per_node=gpus_per_node))
+    if ac != "none":
+        alone.append(StepVariant(name=ac_name, ac=ac, ac_every=ac_every))
+    if compile:
+        alone.append(StepVariant(name=f"compile {compile_backend}", compile=True, compile_backend=compile_backend))
+    if len(alone) > 1:
+        alone.append(StepVariant(
+            name="+".join(v.name for v in alone), fsdp=fsdp, ac=ac, ac_every=ac_every, compile=compile,
+            compile_backend=compile_backend, gpus_per_node=gpus_per_node,
+        ))
+    return alone
 
 
 def step_config(hidden: int = 192, heads: int = 4, depth_double: int = 2, depth_single: int = 2) -> MMDiTConfig:
@@ -127,20 +182,27 @@ def _worker(rank: int, world: int, port: int, out_dir: str, opts: dict) -> None:
 
     from knapray.distributed import BagGroups
     from knapray.distributed.comms import comm_timer
-    from knapray.distributed.grads import allreduce_gradients
     from knapray.models.flow import flow_loss
     from knapray.train.balanced import balanced_forward
+    from knapray.train.parallelize import clip_grad_norm_, parallelize
     from knapray.testing.batches import mix_batches
 
     init_local_gloo(rank, world, port, timeout_s=300)
     try:
         cfg = MMDiTConfig(**opts["cfg"])
-        torch.manual_seed(opts["seed"])
-        model = MMDiT(cfg)
-        model.init_weights(std=0.02)
         topo = Topology.parse(opts["topology"], world_size=world)
         groups = BagGroups.build(topo, cfg.num_heads)
         workload = WorkloadModel(d_model=cfg.hidden_size, gamma=opts["gamma"])
+        # One model per variant, the same initial weights in each (parallelize mutates in
+        # place). Every rank builds them in one order: FSDP meshes create process groups.
+        variants = [StepVariant(**v) for v in opts["variants"]]
+        parallel = {}
+        for name, kwargs in [(BASELINE, {}), *((v.name, v.parallelize_kwargs()) for v in variants)]:
+            torch.manual_seed(opts["seed"])
+            model = MMDiT(cfg)
+            model.init_weights(std=0.02)
+            parallel[name] = parallelize(model, **kwargs, world_size=world, device_type="cpu")
+        modes = [*MODES, *(v.name for v in variants)]
         records = []
         for step in range(opts["steps"]):
             batches = mix_batches(
@@ -151,13 +213,14 @@ def _worker(rank: int, world: int, port: int, out_dir: str, opts: dict) -> None:
             lens = [b.seq_lens.tolist() for b in batches]
             global_tokens = sum(b.x_img.shape[0] for b in batches)
             del batches
-            plans = {
-                "balanced": (plan_balance(lens, topo, workload), groups.bag_group, groups.balance_group),
-                "unbalanced": (identity_plan(lens, workload), None, None),
-            }
-            order = MODES if step % 2 == 0 else MODES[::-1]
-            for mode in order:
-                plan, bag_group, route_group = plans[mode]
+            balanced = (plan_balance(lens, topo, workload), groups.bag_group, groups.balance_group)
+            plans = {"unbalanced": (identity_plan(lens, workload), None, None)}
+            # Rotating order: each mode runs first, second, ... equally often.
+            k = step % len(modes)
+            for mode in modes[k:] + modes[:k]:
+                plan, bag_group, route_group = plans.get(mode, balanced)
+                par = parallel.get(mode, parallel[BASELINE])
+                model = par.model
                 model.zero_grad(set_to_none=True)
                 dist.barrier()
                 exchanges: list = []
@@ -167,10 +230,13 @@ def _worker(rank: int, world: int, port: int, out_dir: str, opts: dict) -> None:
                     loss = flow_loss(out, batch.targets, global_tokens)
                     loss.backward()
                 c1, w1 = time.thread_time(), time.perf_counter()
-                allreduce_gradients(model.parameters())
+                par.reduce_gradients()  # FSDP: already reduce-scattered in backward
                 w2 = time.perf_counter()
-                del out, loss
+                del out
                 isolated = _replay_all_to_alls(exchanges)
+                # Outside the timed step: the check that every variant computes the same
+                # gradients (the norm is reduced over FSDP's mesh; max_norm=inf scales by 1).
+                grad_norm = float(clip_grad_norm_(model.parameters(), float("inf")))
                 records.append({
                     "step": step,
                     "mode": mode,
@@ -185,6 +251,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str, opts: dict) -> None:
                     )),
                     "fwd_bwd_wall_s": w1 - w0,
                     "step_wall_s": w2 - w0,
+                    "loss": float(loss.detach()),
+                    "grad_norm": grad_norm,
+                    "recompiles": par.recompiles,
+                    "compiles": par.compile_stats.compiles if par.compile_stats is not None else 0,
                     "tokens": int(plan.recv_counts[rank]),
                     "attn_pairs": float(_attention_pairs(plan)[rank]),
                     "planned_work": float(plan.rank_work[rank]),
@@ -194,6 +264,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, opts: dict) -> None:
                     "sequences": int(sum(len(x) for x in lens)),
                     "total_tokens": int(sum(sum(x) for x in lens)),
                 })
+                del loss
         gathered: list = [None] * world
         dist.all_gather_object(gathered, records)
         if rank == 0:
@@ -201,6 +272,24 @@ def _worker(rank: int, world: int, port: int, out_dir: str, opts: dict) -> None:
                 json.dump([r for rank_records in gathered for r in rank_records], f)
     finally:
         dist.destroy_process_group()
+
+
+def _math_check(records: list[dict], mode: str) -> dict:
+    """Largest relative difference, over all steps (warm-up included), of ``mode``'s global
+    loss (summed over ranks) and gradient norm (the same on every rank) from the baseline's."""
+
+    def per_step(key: str, m: str, reduce) -> dict:
+        out: dict = {}
+        for r in records:
+            if r["mode"] == m:
+                out.setdefault(r["step"], []).append(r[key])
+        return {s: reduce(v) for s, v in out.items()}
+
+    def worst(key: str, reduce) -> float:
+        ref, got = per_step(key, BASELINE, reduce), per_step(key, mode, reduce)
+        return max(abs(got[s] - ref[s]) / max(abs(ref[s]), 1e-30) for s in ref)
+
+    return {"loss_rel_max": worst("loss", sum), "grad_norm_rel_max": worst("grad_norm", max)}
 
 
 def _mode_summary(records: list[dict], mode: str, world: int, warmup: int) -> dict:
@@ -241,11 +330,35 @@ def _mode_summary(records: list[dict], mode: str, world: int, warmup: int) -> di
     }
 
 
+def _variant_row(v: StepVariant, summary: dict, base: dict, records: list[dict], warmup: int) -> dict:
+    """One line of the variants table: its times, their ratios to the baseline's, recompiles
+    and the math check."""
+    mine = [r for r in records if r["mode"] == v.name]
+    return {
+        **dataclasses.asdict(v),
+        "steps": summary["steps"],
+        "step_wall_s": summary["step_wall_s"],
+        "compute_max_s": summary["compute_max_s"],
+        "compute_mean_s": summary["compute_mean_s"],
+        "compute_max_over_mean": summary["compute_max_over_mean"],
+        "wall_ratio": summary["step_wall_s"] / base["step_wall_s"],
+        "compute_max_ratio": summary["compute_max_s"] / base["compute_max_s"],
+        "rank_compute_s": summary["rank_compute_s"],
+        # Counted per rank over the whole run; after the warm-up they should stay flat.
+        "compiles": max(r["compiles"] for r in mine),
+        "recompiles": max(r["recompiles"] for r in mine),
+        "recompiles_after_warmup": max(r["recompiles"] for r in mine)
+        - max([r["recompiles"] for r in mine if r["step"] < warmup], default=0),
+        **_math_check(records, v.name),
+    }
+
+
 def _fit_cost(records: list[dict], warmup: int, d_model: int) -> dict:
     """Least squares ``compute_s = c0 + c1 * tokens + c2 * sum(L^2/g)`` over every measured
-    (rank, step, mode); ``gamma = 6 d c2 / c1`` is the attention weight that would make the
-    workload model proportional to this machine's measured cost."""
-    rows = [r for r in records if r["step"] >= warmup]
+    (rank, step, mode) of the eager model (variants left out: checkpointing and compile
+    change the cost per token); ``gamma = 6 d c2 / c1`` is the attention weight that would
+    make the workload model proportional to this machine's measured cost."""
+    rows = [r for r in records if r["step"] >= warmup and r["mode"] in MODES]
     a = np.array([[1.0, r["tokens"], r["attn_pairs"]] for r in rows])
     t = np.array([r["compute_s"] for r in rows])
     coef, *_ = np.linalg.lstsq(a, t, rcond=None)
@@ -276,8 +389,17 @@ def run_step_bench(
     depth_single: int = 2,
     gamma: float = CPU_GAMMA,
     seed: int = 0,
+    fsdp: str = "none",
+    ac: str = "none",
+    ac_every: int = 2,
+    compile: bool = False,
+    compile_backend: str = "inductor",
+    gpus_per_node: int | None = None,
 ) -> dict:
-    """Spawn ``world_size`` gloo processes, run the steps, return the summary (see module doc)."""
+    """Spawn ``world_size`` gloo processes, run the steps, return the summary (see module doc).
+
+    ``fsdp``, ``ac``, ``ac_every``, ``compile``, ``compile_backend``, ``gpus_per_node``: the
+    variants measured beside the eager baseline (``step_variants``); none by default."""
     import torch.multiprocessing as mp
 
     from knapray.distributed import check_heads
@@ -290,9 +412,12 @@ def run_step_bench(
     topo = Topology.parse(topology, world_size=world_size)
     check_heads(cfg.num_heads, topo)
     mix_batches(mix, cfg, scale=scale, seed=seed, world_size=world_size, max_text_tokens=max_text_tokens)
+    variants = step_variants(fsdp=fsdp, ac=ac, ac_every=ac_every, compile=compile, compile_backend=compile_backend,
+                             gpus_per_node=gpus_per_node, world_size=world_size)
     opts = {
         "cfg": dataclasses.asdict(cfg), "mix": mix, "scale": scale, "topology": topology,
         "max_text_tokens": max_text_tokens, "gamma": gamma, "steps": steps, "seed": seed,
+        "variants": [dataclasses.asdict(v) for v in variants],
     }
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -304,6 +429,12 @@ def run_step_bench(
     unbal = _mode_summary(records, "unbalanced", world_size, warmup)
     speedup = unbal["compute_max_s"] / (bal["compute_max_s"] + bal["comm_isolated_s"])
     first = [r for r in records if r["rank"] == 0 and r["mode"] == "balanced"]
+    unbal.update(_math_check(records, "unbalanced"))
+    rows = [_variant_row(StepVariant(name=BASELINE), bal, bal, records, warmup)]
+    rows += [_variant_row(v, _mode_summary(records, v.name, world_size, warmup), bal, records, warmup)
+             for v in variants]
+    worst = max([unbal["loss_rel_max"], unbal["grad_norm_rel_max"]]
+                + [max(r["loss_rel_max"], r["grad_norm_rel_max"]) for r in rows])
     return {
         "balanced_compute_max_over_mean": bal["compute_max_over_mean"],
         "unbalanced_compute_max_over_mean": unbal["compute_max_over_mean"],
@@ -312,6 +443,10 @@ def run_step_bench(
         "balanced": bal,
         "unbalanced": unbal,
         "fit": _fit_cost(records, warmup, cfg.hidden_size),
+        "variants": rows,
+        "math_rel_max": worst,
+        "math_tol": LOSS_TOL,
+        "math_ok": bool(worst <= LOSS_TOL),
         "meta": {
             "world_size": world_size, "steps": steps, "warmup": warmup, "mix": mix, "scale": scale,
             "topology": str(topo), "max_text_tokens": max_text_tokens, "hidden": hidden,
@@ -375,6 +510,56 @@ def print_report(result: dict) -> None:
         f"{f['s_per_token'] * 1e6:.1f} us/token + attention -> gamma ~{f['gamma']:.2f} "
         f"(rough; planned with {m['gamma']:g})"
     )
+
+    if len(result.get("variants", ())) > 1:
+        print_variants(result)
+    print(
+        f"same math: largest relative difference of loss / grad norm from the baseline "
+        f"{result['math_rel_max']:.1e} (limit {result['math_tol']:g})"
+    )
+
+
+def print_variants(result: dict) -> None:
+    """The variants table: the balanced step parallelized each way, side by side."""
+    rows = result["variants"]
+    width = max(24, *(len(_variant_label(r)) for r in rows))
+    header = (
+        f"{'variant (balanced step)':<{width}} {'step wall':>9} {'x base':>6} {'compute':>8} {'x base':>6} "
+        f"{'compute':>8} {'recompiles':>10} {'loss':>8} {'grad norm':>9}"
+    )
+    sub = (
+        f"{'':<{width}} {'s':>9} {'':>6} {'max s':>8} {'':>6} {'max/mean':>8} {'(warm-up)':>10} "
+        f"{'rel diff':>8} {'rel diff':>9}"
+    )
+    print()
+    print(header)
+    print(sub)
+    print("-" * len(header))
+    for r in rows:
+        recompiles = (f"{r['recompiles_after_warmup']} ({r['recompiles'] - r['recompiles_after_warmup']})"
+                      if r["compile"] else "-")
+        print(
+            f"{_variant_label(r):<{width}} {r['step_wall_s']:>9.4f} {'x' + format(r['wall_ratio'], '.2f'):>6} "
+            f"{r['compute_max_s']:>8.4f} {'x' + format(r['compute_max_ratio'], '.2f'):>6} "
+            f"{r['compute_max_over_mean']:>8.3f} {recompiles:>10} {r['loss_rel_max']:>8.1e} "
+            f"{r['grad_norm_rel_max']:>9.1e}"
+        )
+    print(
+        "x base: the variant's time over the eager baseline's (same batches, same plans, run in rotating "
+        "order each step).\n"
+        "  On this CPU the ratios say what each feature costs, not what it saves on GPUs: activation "
+        "checkpointing\n  recomputes each checkpointed block's forward in backward (about one forward "
+        "more, the price of its\n  memory savings); compile's gains are GPU ones (fused kernels, fewer "
+        "launches, less memory traffic),\n  on one CPU thread it can be a wash or slower; FSDP on one "
+        "machine adds parameter all-gathers and\n  gradient reduce-scatters over shared cores and saves "
+        "only memory. recompiles: after the warm-up\n  (during it). loss / grad norm rel diff: largest "
+        "over all steps of |variant - baseline| / |baseline|\n  (global loss, gradient norm): the "
+        "variants compute the same math."
+    )
+
+
+def _variant_label(row: dict) -> str:
+    return "baseline (eager)" if row["name"] == BASELINE else row["name"]
 
 
 def plot_rank_compute(path: str, result: dict) -> str:

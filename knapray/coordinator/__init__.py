@@ -8,12 +8,12 @@ One job per module:
 - ``ledger``: committed rows, in memory as numpy columns, on disk as an append-only
   journal with compacted snapshots; its position is what checkpoints carry;
 - ``stats``: length histogram, imbalance / plan-time / wait samples, per-rank averages
-  and speed factors;
+  and speed factors, and the live re-fit of the cost model (``planning.livefit``) it feeds;
 - ``store``: the files (journal and snapshot formats, atomic writes; never pickle);
 - ``coordinator``: ``BalanceCoordinator``, which composes them (runs without Ray);
 - ``actor``: the thin async Ray actor and ``create_coordinator``;
 - ``client``: ``CoordinatorClient``, what a training worker calls;
-- ``config``: ``CoordinatorConfig`` and ``make_planning_model``.
+- ``config``: ``CoordinatorConfig``, ``make_planning_model`` and ``make_live_fit``.
 
 Topology rules (``"g8n4"``, ``"bags_of:N"``, ``"auto"``) are pure planning:
 ``knapray.planning.rules``.
@@ -21,7 +21,7 @@ Topology rules (``"g8n4"``, ``"bags_of:N"``, ``"auto"``) are pure planning:
 
 from .actor import create_coordinator
 from .client import CoordinatorClient, CoordinatorUnavailable
-from .config import PLANNERS, CoordinatorConfig, make_planning_model
+from .config import PLANNERS, CoordinatorConfig, make_live_fit, make_planning_model
 from .coordinator import STATE_VERSION, BalanceCoordinator
 from .ledger import Ledger
 from .steps import PlanTimeout, StepFailed, is_epoch_done, plan_from_gathered
@@ -41,6 +41,7 @@ __all__ = [
     "StepFailed",
     "create_coordinator",
     "is_epoch_done",
+    "make_live_fit",
     "make_planning_model",
     "plan_from_gathered",
 ]

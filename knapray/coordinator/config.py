@@ -7,6 +7,7 @@ from typing import Any
 
 from knapray.planning import SOLVERS, WorkloadModel
 from knapray.planning.cost import CostModel
+from knapray.planning.livefit import LiveFit
 from knapray.planning.rules import parse_rule
 
 PLANNERS = ("workload", "cost")
@@ -21,7 +22,8 @@ class CoordinatorConfig:
     topology: str = "bags_of:8"
     """A concrete spec (``"g8n4"``, replicated over multiples of its size), ``"bags_of:N"``
     (one balance group of equal bags, the largest power of two ``<= N`` dividing the world
-    and, if given, ``gpus_per_node``) or ``"auto"`` (see ``knapray.planning.rules``)."""
+    and, if given, ``gpus_per_node``), ``"auto"`` or ``"per-step"`` (every step chooses its
+    own aligned blocks of each node; needs ``planner="cost"``; see ``knapray.planning.rules``)."""
     gpus_per_node: int | None = None
     """If given, bags never straddle a node boundary."""
     d_model: int = 3072
@@ -30,6 +32,9 @@ class CoordinatorConfig:
     """Relative attention cost, for the workload model."""
     solver: str = "knapray"
     """``plan_balance`` solver."""
+    max_tokens_per_gpu: int | None = None
+    """Memory budget: no rank is routed more tokens in a step (``knapray memory`` says
+    what fits); None: no limit."""
     keep_steps: int = 8
     """Planned steps whose plans stay in memory (ranks are at most ~2 steps apart)."""
     history_steps: int = 32
@@ -47,6 +52,10 @@ class CoordinatorConfig:
     """``CostModel`` fields for ``planner="cost"`` (e.g. num_heads, flops_per_s)."""
     cost_profile: str | None = None
     """A ``knapray calibrate`` profile for ``planner="cost"`` (``cost`` overrides it)."""
+    live_fit: bool = True
+    """With ``planner="cost"``: re-fit the cost model's compute coefficients and per-rank
+    speeds from the measured per-rank times while training (``knapray.planning.livefit``);
+    False plans with the configured model as it is."""
     state_dir: str | None = None
     """If set, the directory (created if missing) where the coordinator keeps its ledger
     journal, ledger snapshots and run state (see ``knapray.coordinator.store``). A
@@ -69,6 +78,10 @@ class CoordinatorConfig:
             raise ValueError(f"ema_alpha must be in (0, 1], got {self.ema_alpha}")
         if self.auto_tolerance < 0:
             raise ValueError(f"auto_tolerance must be >= 0, got {self.auto_tolerance}")
+        if self.max_tokens_per_gpu is not None and (
+                isinstance(self.max_tokens_per_gpu, bool) or int(self.max_tokens_per_gpu) != self.max_tokens_per_gpu
+                or self.max_tokens_per_gpu < 1):
+            raise ValueError(f"max_tokens_per_gpu must be a positive integer or None, got {self.max_tokens_per_gpu!r}")
         if self.snapshot_every < 1:
             raise ValueError(f"snapshot_every must be >= 1, got {self.snapshot_every}")
         WorkloadModel(self.d_model, self.gamma)  # validates both
@@ -77,7 +90,9 @@ class CoordinatorConfig:
         make_planning_model(self)  # validates the cost model's fields
         if self.solver not in SOLVERS:
             raise ValueError(f"unknown solver {self.solver!r}; valid: {', '.join(SOLVERS)}")
-        parse_rule(self.topology)
+        if parse_rule(self.topology)[0] == "per_step" and self.planner != "cost":
+            raise ValueError(f"topology 'per-step' chooses bags by predicted step time: it needs planner 'cost', "
+                             f"got planner {self.planner!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> CoordinatorConfig:
@@ -86,6 +101,13 @@ class CoordinatorConfig:
         if unknown:
             raise ValueError(f"unknown coordinator config keys {unknown}; valid: {', '.join(valid)}")
         return cls(**kwargs)
+
+
+def make_live_fit(config: CoordinatorConfig) -> LiveFit | None:
+    """The live re-fit of the planning model (``planner="cost"`` with ``live_fit``), or None."""
+    if config.planner != "cost" or not config.live_fit:
+        return None
+    return LiveFit(make_planning_model(config))
 
 
 def make_planning_model(config: CoordinatorConfig) -> WorkloadModel | CostModel:

@@ -46,9 +46,9 @@ import numpy as np
 
 from knapray.planning import BalancePlan, Topology, WorkloadModel
 from knapray.planning.cost import CostModel
-from knapray.planning.rules import resolve_rule
+from knapray.planning.rules import PER_STEP, per_step_node, resolve_rule
 
-from .config import CoordinatorConfig, make_planning_model
+from .config import CoordinatorConfig, make_live_fit, make_planning_model
 from .ledger import Ledger
 from .stats import RunningStats
 from .steps import StepProtocol, check_index, plan_from_gathered
@@ -77,7 +77,7 @@ class BalanceCoordinator:
         self._world_size: int | None = None
         self._topology: Topology | None = None
         self._steps = StepProtocol(self.config.keep_steps, self._plan)
-        self._stats = RunningStats(self.config.history_steps, self.config.ema_alpha)
+        self._stats = RunningStats(self.config.history_steps, self.config.ema_alpha, live=make_live_fit(self.config))
         self._store = StateStore(self.config.state_dir) if self.config.state_dir else None
         self.ledger = Ledger(self._store, snapshot_every=self.config.snapshot_every)
         if self._store is not None:
@@ -147,17 +147,25 @@ class BalanceCoordinator:
         return self._steps.is_ready(step)
 
     def _plan(self, lens: list[list[int]]) -> BalancePlan:
-        return plan_from_gathered(lens, self._topology, self._live_model(), self.config.solver)
+        """One step's plan: on the run's topology, or (rule ``"per-step"``) on the step's own
+        aligned blocks with it as the base; the local fallback calls the same function."""
+        c = self.config
+        node = per_step_node(c.topology, self._world_size, c.gpus_per_node)
+        return plan_from_gathered(lens, self._topology, self._live_model(), c.solver, c.max_tokens_per_gpu, node)
 
     def _live_model(self) -> WorkloadModel | CostModel:
-        """The cost model with the measured per-rank speeds, once every rank has some: a
-        slow GPU or a straggling node then gets less work. The workload model has no speeds."""
+        """The cost model re-fitted to the measured per-rank times (``LiveFit``: its
+        coefficients and per-rank speeds, so a slow GPU or a straggling node gets less
+        work), or, with the live fit off, the configured one. The workload model has no
+        speeds."""
         if not isinstance(self.model, CostModel) or self._world_size is None:
             return self.model
-        speeds = self._stats.speed_factors()
-        if speeds.size != self._world_size or not np.all(np.isfinite(speeds)) or np.any(speeds <= 0):
+        if self._stats.live is None:
             return self.model
-        return self.model.with_rank_speed(speeds)
+        model = self._stats.live.model()
+        if model.rank_speed is not None and len(model.rank_speed) != self._world_size:
+            model = model.with_rank_speed(None)  # fitted for another world size
+        return model
 
     # ---- ledger -------------------------------------------------------------------------
 
@@ -307,8 +315,8 @@ class BalanceCoordinator:
             c.topology, world_size, gpus_per_node=c.gpus_per_node, history=self._stats.length_history,
             model=self.model, solver=c.solver, auto_tolerance=c.auto_tolerance, history_steps=c.history_steps,
         )
-        if c.topology == "auto":
-            log.info("auto topology for world size %d: %s (%s)", world_size, choice.topology, choice.reason)
+        if c.topology in ("auto", PER_STEP):
+            log.info("%s topology for world size %d: %s (%s)", c.topology, world_size, choice.topology, choice.reason)
         return choice.topology
 
     # ---- timing and statistics ----------------------------------------------------------

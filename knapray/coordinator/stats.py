@@ -2,18 +2,25 @@
 
 Length histogram and recent per-rank lengths (for ``"auto"`` topology selection),
 imbalance / plan-time / plan-wait samples, and per-rank moving averages of measured step
-times from which the per-rank speed factors come. They describe the data and the
-machines, not a run, so they survive new runs; they are bounded in size.
+times. With a ``LiveFit`` (``planner: cost``) every step's plan features wait here until
+every rank has reported its compute seconds, then feed the fit, which gives the cost model
+its coefficients and the per-rank speed factors; without one (``planner: workload``) the
+speed factors are moving averages of planned work per measured second. They describe the
+data and the machines, not a run, so they survive new runs; they are bounded in size.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict, deque
 from typing import Any
 
 import numpy as np
 
 from knapray.planning import BalancePlan
+from knapray.planning.livefit import LiveFit, RankFeatures
+
+log = logging.getLogger(__name__)
 
 HIST_BINS = 48  # log2 length bins: bin k holds lengths in [2^k, 2^(k+1))
 RECENT = 1024  # samples kept for running means and percentiles
@@ -23,8 +30,13 @@ _SAMPLES = ("baseline_imbalance", "imbalance", "moved_fraction", "plan_ms", "wai
 
 
 class RunningStats:
-    def __init__(self, history_steps: int, ema_alpha: float, world_size: int = 0) -> None:
+    def __init__(self, history_steps: int, ema_alpha: float, world_size: int = 0,
+                 live: LiveFit | None = None) -> None:
         self._alpha = ema_alpha
+        self.live = live
+        """Re-fits the cost model from measured times (``planner: cost``), or None."""
+        self._fit_pending: OrderedDict[int, tuple[RankFeatures, np.ndarray]] = OrderedDict()
+        """Planned steps' features and the compute seconds reported so far (NaN: not yet)."""
         self.length_hist = np.zeros(HIST_BINS, dtype=np.int64)
         self.length_history: deque[list[list[int]]] = deque(maxlen=history_steps)
         """Recent planned steps' per-rank lengths (W, n_r)."""
@@ -37,6 +49,7 @@ class RunningStats:
     def reset_ranks(self, world_size: int) -> None:
         """Per-rank averages only mean something for one world: start them over."""
         self._ema = {k: np.full(world_size, np.nan) for k in EMAS}
+        self._fit_pending = OrderedDict()
 
     @property
     def ranks(self) -> int:
@@ -47,6 +60,10 @@ class RunningStats:
         self._work_by_step[step] = plan.rank_work.copy()
         while len(self._work_by_step) > WORK_STEPS:
             self._work_by_step.popitem(last=False)
+        if self.live is not None and plan.world_size == self.ranks:
+            self._fit_pending[step] = (RankFeatures.of_plan(plan), np.full(plan.world_size, np.nan))
+            while len(self._fit_pending) > WORK_STEPS:
+                self._fit_pending.popitem(last=False)
         if plan.num_sequences:
             bins = np.minimum(np.log2(plan.seq_lens).astype(np.int64), HIST_BINS - 1)
             self.length_hist += np.bincount(bins, minlength=HIST_BINS)
@@ -70,14 +87,25 @@ class RunningStats:
             # Ratio of averages, not average of ratios: robust to steps with little work.
             self._ema_update("work", rank, float(work[rank]))
             self._ema_update("work_time", rank, float(compute_s))
+        pending = self._fit_pending.get(step)
+        if pending is not None:
+            features, seconds = pending
+            seconds[rank] = float(compute_s)
+            if np.all(np.isfinite(seconds)):  # every rank has reported the step
+                del self._fit_pending[step]
+                self.live.observe(step, features, seconds)
 
     def _ema_update(self, name: str, rank: int, value: float) -> None:
         arr = self._ema[name]
         arr[rank] = value if np.isnan(arr[rank]) else (1 - self._alpha) * arr[rank] + self._alpha * value
 
     def speed_factors(self) -> np.ndarray:
-        """(W,) each rank's speed (planned work per measured compute second) relative to the
-        median rank; 1.0 where no timing is known yet. A rank twice as slow gets ~0.5."""
+        """(W,) each rank's speed relative to the median rank; 1.0 where none is known yet. A
+        rank twice as slow gets ~0.5. From the live fit if there is one, else planned work
+        per measured compute second."""
+        if self.live is not None:
+            speeds = self.live.speeds
+            return speeds if speeds is not None and speeds.size == self.ranks else np.ones(self.ranks)
         speed = self._ema["work"] / self._ema["work_time"]
         known = np.isfinite(speed) & (speed > 0)
         factors = np.ones(self.ranks)
@@ -114,6 +142,7 @@ class RunningStats:
             "speed_factors": self.speed_factors().tolist() if self.ranks else [],
             "length_histogram": {int(2**k): int(c) for k, c in enumerate(self.length_hist) if c},
             "unledgered_steps": self.unledgered_steps,
+            **({"live_fit": self.live.summary()} if self.live is not None else {}),
         }
 
     # ---- persistence (plain JSON) ---------------------------------------------------------------
@@ -126,6 +155,7 @@ class RunningStats:
             "ema": {k: [None if np.isnan(x) else float(x) for x in v] for k, v in self._ema.items()},
             "steps_planned": self.steps_planned,
             "unledgered_steps": self.unledgered_steps,
+            **({"live_fit": self.live.to_json()} if self.live is not None else {}),
         }
 
     def load_json(self, state: dict[str, Any]) -> None:
@@ -145,3 +175,6 @@ class RunningStats:
             self._ema = ema
         self.steps_planned = int(state["steps_planned"])
         self.unledgered_steps = int(state["unledgered_steps"])
+        if self.live is not None and state.get("live_fit") is not None:
+            if not self.live.load_json(state["live_fit"], world_size=self.ranks or None):
+                log.warning("saved live cost fit not restored: it was fitted for another model or profile")

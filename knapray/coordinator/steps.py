@@ -48,6 +48,7 @@ import numpy as np
 
 from knapray.planning import BalancePlan, Topology, WorkloadModel, plan_balance
 from knapray.planning.cost import CostModel
+from knapray.planning.pertopo import plan_step
 
 log = logging.getLogger(__name__)
 
@@ -65,15 +66,48 @@ def plan_from_gathered(
     topology: Topology,
     model: WorkloadModel | CostModel | None = None,
     solver: str = "knapray",
+    max_tokens_per_gpu: int | None = None,
+    per_step_node: int | None = None,
 ) -> BalancePlan:
     """Plan one step from every rank's lengths, in rank order.
 
     The coordinator and the training loop's local fallback (after an all-gather) both call
     this, so the same lengths give the same plan on either path. Lengths may come as
     lists, numpy arrays or tensors; they are normalized to int64 first.
+
+    ``max_tokens_per_gpu``: the run's memory budget (``data.max_tokens_per_gpu``): no rank
+    is routed more tokens. A step that no assignment fits (more tokens than the world
+    holds, or a bin packing the solver cannot close) is planned without the budget and
+    logged as a warning naming the step's busiest rank: an out-of-memory risk the user
+    sees, rather than a run that stops on one unlucky draw.
+
+    ``per_step_node``: ranks per node of a run whose steps choose their own bags (rule
+    ``"per-step"``, ``knapray.planning.rules.per_step_node``): the step is planned on the
+    partition of every node into aligned blocks that ``plan_step`` predicts fastest, with
+    ``topology`` (the run's static one) among the candidates; the plan's ``topology`` says
+    which. Needs a ``CostModel``. None: the step is planned on ``topology``.
     """
     lens = [np.asarray(list(map(int, rank_lens)), dtype=np.int64) for rank_lens in all_lens_per_rank]
-    return plan_balance(lens, topology, model or WorkloadModel(), solver=solver)
+    model = model or WorkloadModel()
+    if per_step_node is not None and not isinstance(model, CostModel):
+        raise ValueError("a topology chosen every step needs the cost model (balance.planner: cost), "
+                         f"got {type(model).__name__}")
+
+    def plan_on(budget: int | None) -> BalancePlan:
+        if per_step_node is None:
+            return plan_balance(lens, topology, model, solver=solver, max_tokens_per_gpu=budget)
+        return plan_step(lens, model, gpus_per_node=per_step_node, base=topology, solver=solver,
+                         max_tokens_per_gpu=budget).plan
+
+    if max_tokens_per_gpu:
+        try:
+            return plan_on(max_tokens_per_gpu)
+        except ValueError as e:
+            plan = plan_on(None)
+            log.warning("memory budget of %d tokens per GPU does not fit this step (%s): planned without it, "
+                        "busiest rank gets %d tokens", max_tokens_per_gpu, e, int(plan.rank_tokens.max()))
+            return plan
+    return plan_on(None)
 
 
 def is_epoch_done(all_lens_per_rank: Sequence[Sequence[int]], exhausted_per_rank: Sequence[bool]) -> bool:

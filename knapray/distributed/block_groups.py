@@ -5,7 +5,8 @@ aligned blocks (``knapray.planning.blocks``). Creating groups per step would be 
 collective on every rank every step; instead ``BlockGroups.build`` creates one group per
 block of more than one rank at start-up (with 8 GPUs per node: 7 per node), and each step
 looks its bag's group up. Bags of one step never overlap, so the step's Ulysses
-collectives run on disjoint groups.
+collectives run on disjoint groups. ``StepGroups`` picks a step's groups: the run's static
+topology's (``BagGroups``) when the step runs on it, the blocks' otherwise.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import torch.distributed as dist
 
 from knapray.planning import Topology
 from knapray.planning.blocks import aligned_blocks, check_aligned
+
+from .groups import BagGroups
 
 
 @dataclass(frozen=True, eq=False)
@@ -60,3 +63,31 @@ class BlockGroups:
                 "BlockGroups.build (its size does not divide the heads given there)"
             )
         return self.groups[(start, size)]
+
+
+@dataclass(frozen=True, eq=False)
+class StepGroups:
+    """The groups a step's plan runs on, looked up from the plan's topology.
+
+    ``base``: the groups of the run's static topology (a per-step run may plan a step on
+    it: it need not be made of aligned blocks, and its balance groups route apart);
+    ``blocks``: the aligned blocks' groups of a run whose steps choose their own bags
+    (None for a static run). Every topology ``plan_step`` chooses is one balance group
+    over the world, so its tokens route over the world."""
+
+    base: BagGroups
+    blocks: BlockGroups | None = None
+
+    def for_topology(self, topology: Topology) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+        """``(bag_group, route_group)`` of this rank for a step planned on ``topology``
+        (``balanced_forward``'s arguments; None: a bag of one / the world)."""
+        base = self.base.dims.topology
+        if topology.bags == base.bags and topology.group_size == base.group_size:
+            return self.base.bag_group, self.base.balance_group
+        if self.blocks is None:
+            raise ValueError(f"the step is planned on {topology}, not on the run's topology {base}, and no "
+                             "block groups were built (balance.topology 'per-step' builds them)")
+        if topology.num_groups != 1:
+            raise ValueError(f"a topology chosen for a step is one balance group over the world, got {topology} "
+                             f"({topology.num_groups} groups)")
+        return self.blocks.bag_group(topology), None

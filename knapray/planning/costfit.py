@@ -171,23 +171,35 @@ def _predict(coef: np.ndarray, x: np.ndarray, layers: int) -> np.ndarray:
 
 
 def _nnls_relative(x: np.ndarray, t: np.ndarray, layers: int, with_seq: bool) -> np.ndarray:
-    """Non-negative least squares on relative error: the best unconstrained fit over every
-    subset of free coefficients whose solution is non-negative (4 coefficients: 15 subsets)."""
-    basis = _design(x, layers)
+    """Non-negative least squares on relative error (see ``nnls_relative``)."""
+    return nnls_relative(_design(x, layers), t, free=[0, 1, 2, 3] if with_seq else [0, 1, 2])
+
+
+def nnls_relative(
+    basis: np.ndarray, t: np.ndarray, free: Sequence[int] | None = None, offset: np.ndarray | None = None,
+    weight: np.ndarray | None = None,
+) -> np.ndarray:
+    """Coefficients ``>= 0`` minimizing ``Σ weight · ((basis @ coef + offset - t) / t)²``:
+    the best unconstrained fit over every subset of the ``free`` columns (default: all)
+    whose solution is non-negative (4 columns: 15 subsets). Columns not free get 0."""
+    n = basis.shape[1]
+    free = list(range(n)) if free is None else list(free)
+    target = t if offset is None else t - offset
     # Scale columns to unit size so lstsq's rank cut-off treats them alike.
-    norm = np.abs(basis).max(axis=0)
+    norm = np.abs(basis).max(axis=0) if basis.shape[0] else np.ones(n)
     norm[norm == 0] = 1.0
-    scaled = basis / norm / t[:, None]
-    free = [0, 1, 2, 3] if with_seq else [0, 1, 2]
-    best_err, best = np.inf, np.zeros(4)
+    row = 1.0 / t if weight is None else np.sqrt(weight) / t
+    scaled = basis / norm * row[:, None]
+    y = target * row
+    best_err, best = np.inf, np.zeros(n)
     for mask in range(1, 1 << len(free)):
         cols = [free[i] for i in range(len(free)) if mask >> i & 1]
-        coef, *_ = np.linalg.lstsq(scaled[:, cols], np.ones_like(t), rcond=None)
+        coef, *_ = np.linalg.lstsq(scaled[:, cols], y, rcond=None)
         if np.any(coef < 0):
             continue
-        full = np.zeros(4)
+        full = np.zeros(n)
         full[cols] = coef
-        err = float(np.sum((scaled @ full - 1.0) ** 2))
+        err = float(np.sum((scaled @ full - y) ** 2))
         if err < best_err - 1e-15:
             best_err, best = err, full
     return best / norm

@@ -18,6 +18,11 @@ by predicted step time (``CostModel``) of the ``knapray`` solver's plan on them:
 3. optionally a ``base`` topology (the run's static one, whose groups exist too) is a
    candidate as well, so the step is never predicted slower than on it.
 
+With a memory budget (``max_tokens_per_gpu``) a layout whose plan cannot keep it (a
+sequence too long for the largest bag, or no assignment that fits) is left out; if no
+layout keeps it, ``plan_step`` raises ValueError (``plan_from_gathered`` then plans the
+step without the budget and warns, as on a static topology).
+
 A composition becomes node partitions by placing blocks largest first, each on the node
 whose own sequences want blocks of that size most (so long sequences are routed inside
 their node), ties to the lowest node; inside a node blocks go largest first, which keeps
@@ -72,11 +77,15 @@ def plan_step(
     gpus_per_node: int | None = None,
     base: Topology | None = None,
     max_evals: int = 24,
+    solver: str = "knapray",
+    max_tokens_per_gpu: int | None = None,
 ) -> StepTopology:
     """Choose this step's partition of every node into aligned blocks and plan on it.
 
     ``base``: a topology of the run (the static one) also tried as is. ``max_evals``:
-    plans computed at most (every candidate costs one ``plan_balance``)."""
+    plans computed at most (every candidate costs one ``plan_balance``, with ``solver``).
+    ``max_tokens_per_gpu``: the memory budget every candidate's plan keeps (layouts that
+    cannot are skipped; ValueError if none can)."""
     t0 = time.perf_counter()
     cost = cost if cost is not None else CostModel()
     gpn = int(gpus_per_node or cost.gpus_per_node)
@@ -97,13 +106,21 @@ def plan_step(
     home_node = np.repeat(np.arange(world) // node, [len(r) for r in step])
 
     scores: dict[str, float] = {}
+    infeasible: dict[str, str] = {}
     best: list = [np.inf, None, "", None]  # score, plan, source, counts
 
     def evaluate(topo: Topology, source: str, counts: dict[int, int] | None) -> float:
         name = str(topo)
         if name in scores:
             return scores[name]
-        plan = plan_balance(step, topo, cost)
+        try:
+            plan = plan_balance(step, topo, cost, solver=solver, max_tokens_per_gpu=max_tokens_per_gpu)
+        except ValueError as e:
+            if max_tokens_per_gpu is None:
+                raise
+            infeasible[name] = str(e)  # this layout cannot keep the memory budget
+            scores[name] = np.inf
+            return np.inf
         s = plan.predicted_step_time
         scores[name] = s
         if s < best[0]:
@@ -113,7 +130,7 @@ def plan_step(
     base_s = evaluate(base, "base", None) if base is not None else None
     if lens.size == 0:
         topo = Topology((1,), world) if base is None else base
-        plan = plan_balance(step, topo, cost)
+        plan = plan_balance(step, topo, cost, solver=solver)
         return StepTopology(plan, plan.predicted_step_time, "empty", base_s, scores, time.perf_counter() - t0)
     want = _wanted_sizes(lens, cost, sizes, world)
 
@@ -155,6 +172,12 @@ def plan_step(
                     counts, current, improved = cand, s, True
                     break
     score, plan, source, _ = best
+    if plan is None:
+        first = next(iter(infeasible.items()))
+        raise ValueError(
+            f"no layout of {len(scores)} tried keeps the memory budget of {max_tokens_per_gpu} tokens per GPU "
+            f"(e.g. {first[0]}: {first[1]})"
+        )
     return StepTopology(plan, float(score), source, base_s, scores, time.perf_counter() - t0)
 
 

@@ -72,6 +72,11 @@ class BalancePlan:
         """(C,) home rank of each chunk's sequence (the rank that sends it)."""
         return self.home_rank[self.chunk_seq]
 
+    @cached_property
+    def rank_tokens(self) -> np.ndarray:
+        """(W,) tokens each rank computes under this plan (what a memory budget caps)."""
+        return np.bincount(self.chunk_rank, weights=self.chunk_len, minlength=self.world_size).astype(np.int64)
+
     # ---- work -------------------------------------------------------------------------
 
     @cached_property

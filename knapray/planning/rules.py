@@ -10,7 +10,11 @@ topology; the coordinator resolves it again at every (re)start:
   node), the smallest bags whose mean imbalance, predicted by planning recent steps'
   lengths re-dealt onto ``W`` ranks, is within ``auto_tolerance`` of the best; with the
   cost model, mixed bag sizes by predicted step time (``choose_topology``); with no length
-  history yet, the ``bags_of`` rule with one node's size.
+  history yet, the ``bags_of`` rule with one node's size;
+- ``"per-step"`` (cost model only): every step chooses its own partition of each node into
+  aligned power-of-two blocks (``knapray.planning.pertopo``); the rule's topology is the
+  ``"auto"`` one, with nodes of ``gpus_per_node`` ranks (the world if not given), which
+  every step also tries as is (``per_step_node`` says a run plans per step, and its node).
 
 Pure: numpy and the planning package only.
 """
@@ -28,6 +32,9 @@ from .solver import plan_balance
 from .topology import Topology
 from .workload import WorkloadModel
 
+PER_STEP = "per-step"
+"""The rule whose steps each choose their own bags (``knapray.planning.pertopo``)."""
+
 AUTO_MAX_BAG = 8
 """Largest bag ``"auto"`` considers without ``gpus_per_node`` (one node)."""
 
@@ -44,11 +51,14 @@ class RuleChoice:
 
 
 def parse_rule(rule: str) -> tuple[str, int | Topology | None]:
-    """``("auto", None)``, ``("bags_of", N)`` or ``("spec", Topology)``; a clear error otherwise."""
+    """``("auto", None)``, ``("per_step", None)``, ``("bags_of", N)`` or ``("spec", Topology)``;
+    a clear error otherwise."""
     if not isinstance(rule, str):
-        raise ValueError(f"topology must be a string such as 'g8n4', 'bags_of:8' or 'auto', got {rule!r}")
+        raise ValueError(f"topology must be a string such as 'g8n4', 'bags_of:8', 'auto' or 'per-step', got {rule!r}")
     if rule == "auto":
         return "auto", None
+    if rule == PER_STEP:
+        return "per_step", None
     if rule.startswith("bags_of:"):
         arg = rule.split(":", 1)[1]
         if not arg.isdigit() or int(arg) < 1:
@@ -57,7 +67,23 @@ def parse_rule(rule: str) -> tuple[str, int | Topology | None]:
     try:
         return "spec", Topology.parse(rule)
     except ValueError as e:
-        raise ValueError(f"topology {rule!r} is neither 'auto', 'bags_of:N' nor a valid spec: {e}") from e
+        raise ValueError(f"topology {rule!r} is neither 'auto', 'per-step', 'bags_of:N' nor a valid spec: {e}") from e
+
+
+def per_step_node(rule: str, world_size: int, gpus_per_node: int | None) -> int | None:
+    """Ranks per node of a run whose steps choose their own bags (rule ``"per-step"``):
+    ``gpus_per_node``, or the whole world if not given (a world smaller than a node is one
+    node); None for every other rule. Raises ValueError if the nodes are not whole."""
+    if parse_rule(rule)[0] != "per_step":
+        return None
+    if not gpus_per_node or world_size <= gpus_per_node:
+        return int(world_size)
+    if world_size % gpus_per_node:
+        raise ValueError(
+            f"topology 'per-step' partitions whole nodes into blocks: world size {world_size} is not a "
+            f"multiple of gpus_per_node={gpus_per_node}"
+        )
+    return int(gpus_per_node)
 
 
 def largest_pow2_bag(limit: int, world_size: int, gpus_per_node: int | None) -> int:
@@ -96,7 +122,7 @@ def resolve_rule(
     """The topology ``rule`` gives a world of ``world_size`` ranks (see the module docstring).
 
     ``history``, ``model``, ``solver``, ``auto_tolerance`` and ``history_steps`` matter
-    only to ``"auto"``.
+    only to ``"auto"`` and ``"per-step"``.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) or world_size < 1:
         raise ValueError(f"world size must be an integer >= 1, got {world_size!r}")
@@ -117,6 +143,13 @@ def resolve_rule(
     if kind == "bags_of":
         p = largest_pow2_bag(arg, world_size, gpn)
         return RuleChoice(Topology((p,) * (world_size // p)), f"largest power of two <= {arg} dividing the world")
+    if kind == "per_step":
+        if not isinstance(model, CostModel):
+            raise ValueError("topology 'per-step' chooses bags by predicted step time: it needs the cost model "
+                             "(balance.planner: cost)")
+        node = per_step_node(rule, world_size, gpn)
+        base = _auto(world_size, node, history, model, solver, auto_tolerance, history_steps)
+        return RuleChoice(base.topology, f"per-step in nodes of {node} ranks; base (tried every step): {base.reason}")
     return _auto(world_size, gpn, history, model or WorkloadModel(), solver, auto_tolerance, history_steps)
 
 

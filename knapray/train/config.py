@@ -75,7 +75,8 @@ class DataConfig:
     """Passes over the corpus."""
     seed: int = field(default=0, metadata={"ge": 0})
     max_tokens_per_gpu: int = field(default=0, metadata={"ge": 0})
-    """Memory budget: a sample longer than this times the largest bag is quarantined
+    """Memory budget (``knapray memory`` says what fits): the planner routes no rank more
+    tokens in a step, and a sample longer than this times the largest bag is quarantined
     (reason ``too_long``) instead of trained; 0 = no limit."""
     max_bad_fraction: float = field(default=0.5, metadata={"ge": 0, "le": 1})
     """Stop the run with an error once more than this fraction of the rows read (after at
@@ -87,7 +88,10 @@ class BalanceConfig:
     enabled: bool = True
     """False trains unbalanced (every rank computes its own samples): the baseline."""
     topology: str = field(default="g1n2+g2n1", metadata={"check": parse_rule})
-    """Bags (e.g. g8n4), replicated to the world size; 'bags_of:N'; or 'auto'."""
+    """Bags (e.g. g8n4), replicated to the world size; 'bags_of:N'; 'auto'; or 'per-step'
+    (with ``planner: cost``: every step chooses its own partition of each node of
+    ``gpus_per_node`` ranks, the world if 0, into aligned power-of-two blocks; the 'auto'
+    topology is the run's static one, tried every step too)."""
     solver: str = field(default="knapray", metadata={"choices": SOLVERS})
     gamma: float = field(default=0.4, metadata={"ge": 0})
     """Attention cost factor of the workload model (d_model comes from the model)."""
@@ -100,10 +104,18 @@ class BalanceConfig:
     """CostModel fields for ``planner: cost`` (num_heads defaults to the model's)."""
     cost_profile: str = ""
     """A ``knapray calibrate`` profile for ``planner: cost``."""
+    live_fit: bool = True
+    """With ``planner: cost``: re-fit the cost model's compute coefficients and per-rank
+    speeds from the measured per-rank times while training; false plans with it as given."""
     coordinator: bool = True
     """Plan on the BalanceCoordinator actor (else every rank plans from an all-gather)."""
     coordinator_timeout_s: float = field(default=30.0, metadata={"gt": 0})
     """After this long without an answer a rank falls back to local planning."""
+
+    def __post_init__(self) -> None:
+        if self.topology == "per-step" and self.planner != "cost":
+            raise ValueError(f"topology 'per-step' chooses bags by predicted step time: it needs planner: cost, "
+                             f"got planner {self.planner!r}")
 
 
 @dataclass(kw_only=True, slots=True)

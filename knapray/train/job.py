@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     from knapray.train.config import ConfigError, load_config
     from knapray.train.guard import BadCorpus
-    from knapray.train.run_files import RunError, check_corpus, resolve_paths
+    from knapray.train.run_files import RunError, check_corpus, prediction_line, resolve_paths
 
     try:
         # Every input is checked here, before Ray or any worker starts.
@@ -60,8 +60,12 @@ def run(args: argparse.Namespace) -> int:
         ray.init(address=address, **quiet)
     else:
         os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
-        ray.init(num_cpus=args.num_cpus or max(4, int(cfg.run.num_workers * cfg.run.cpus_per_worker) + 2),
-                 include_dashboard=False, **quiet)
+        num_cpus = args.num_cpus or max(4, int(cfg.run.num_workers * cfg.run.cpus_per_worker) + 2)
+        # The raylet warns on the console when more workers start at once than the machine
+        # has cores (a run starts its workers, the coordinator and data actors together);
+        # an embedded Ray expects exactly that many.
+        os.environ.setdefault("RAY_worker_maximum_startup_concurrency", str(num_cpus * 4))
+        ray.init(num_cpus=num_cpus, include_dashboard=False, **quiet)
     for name in ("ray", "ray.train", "ray.data"):
         logging.getLogger(name).setLevel(logging.ERROR)
     print(f"[knapray] Ray {'at ' + address if address else 'embedded'}: {ray.cluster_resources().get('CPU', 0):g} CPUs, "
@@ -76,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n[knapray] balanced run: {s['steps']} steps on {balanced.get('world_size')} workers, "
           f"topology {balanced.get('topology')}, {time.perf_counter() - t0:.0f} s; "
           f"{_quarantine_line(balanced['run'])}")
+    if "prediction_error_last" in s:
+        print(f"[knapray] {prediction_line(s)}")
     if not s["steps"]:
         print(f"[knapray] nothing trained: the run was already at run.max_steps or past its last epoch "
               f"({cfg.run_dir})")

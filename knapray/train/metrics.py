@@ -41,7 +41,10 @@ class StepRecord:
     recompiles: int = 0
     """torch.compile recompilations so far in this process (0 without compile)."""
     predicted_compute_s: list[float] | None = None
-    """Per-rank compute seconds the cost model predicted for the plan (``planner: cost``)."""
+    """Per-rank compute seconds (fixed cost included) the cost model that planned the step
+    predicted (``planner: cost``; the live re-fit's model once it has replaced the prior).
+    ``prediction_error`` is their mean relative error against ``compute_s``;
+    ``step_prediction_error`` that of the slowest rank's (the step's compute time)."""
 
     def to_json(self) -> dict:
         compute = np.asarray(self.compute_s)
@@ -75,6 +78,7 @@ class StepRecord:
             "prediction_error": _prediction_error(self.predicted_compute_s, self.compute_s),
             "predicted_step_compute_s": max(self.predicted_compute_s) if self.predicted_compute_s else None,
             "measured_step_compute_s": max(self.compute_s) if self.compute_s else None,
+            "step_prediction_error": _step_error(self.predicted_compute_s, self.compute_s),
             "mfu": (self.flops / self.seconds / 1e12 / len(self.rank_work) / self.peak_tflops
                     if self.peak_tflops and self.seconds > 0 else None),
         }
@@ -86,6 +90,13 @@ def _prediction_error(predicted: list[float] | None, measured: list[float]) -> f
         return None
     pairs = [(p, m) for p, m in zip(predicted, measured) if m > 0]
     return float(np.mean([abs(p - m) / m for p, m in pairs])) if pairs else None
+
+
+def _step_error(predicted: list[float] | None, measured: list[float]) -> float | None:
+    """|predicted - measured| / measured of the step's compute time (the slowest rank's)."""
+    if not predicted or not measured or max(measured) <= 0:
+        return None
+    return abs(max(predicted) - max(measured)) / max(measured)
 
 
 class MetricsFile:

@@ -141,8 +141,9 @@ def decide_start(cfg: TrainConfig, checkpoints: list[str]) -> RunStart:
 
 def check_world(cfg: TrainConfig, world_size: int) -> None:
     """The config fits a world of ``world_size`` ranks: the global batch splits over it,
-    a concrete topology covers it, and every bag size divides the head count."""
-    from knapray.planning.rules import parse_rule
+    a concrete topology covers it, and every bag size divides the head count (a per-step
+    topology: the world is whole nodes)."""
+    from knapray.planning.rules import parse_rule, per_step_node
     from knapray.distributed.groups import check_heads
     from knapray.planning import Topology
 
@@ -153,6 +154,7 @@ def check_world(cfg: TrainConfig, world_size: int) -> None:
             raise ValueError(f"run.fsdp=hybrid shards within a node: balance.gpus_per_node must be set and divide "
                              f"the world size, got gpus_per_node={gpn}")
         kind, _ = parse_rule(cfg.balance.topology)
+        per_step_node(cfg.balance.topology, world_size, gpn or None)  # whole nodes
         if kind == "spec":
             topo = Topology.parse(cfg.balance.topology, world_size=world_size)
             check_heads(cfg.model.num_heads, topo)
@@ -309,7 +311,52 @@ def summarize(records: list[dict]) -> dict:
         "wait_plan_frac": mean("wait_plan_frac"),
         "comm_s_mean": float(np.mean([np.mean(r["comm_s"]) for r in body])),
         "planned_locally": int(sum(r["planned_by"] == "local" for r in records)),
+        "topologies": distinct_topologies(records),
+        "distinct_topologies": len(distinct_topologies(records)),
+        **prediction_summary(records),
     }
+
+
+def distinct_topologies(records: list[dict]) -> dict[str, int]:
+    """Steps per topology the steps ran on, most used first (one entry for a static
+    topology; with ``balance.topology: per-step`` every partition the steps chose)."""
+    counts: dict[str, int] = {}
+    for r in records:
+        counts[r["topology"]] = counts.get(r["topology"], 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+PREDICTION_HEAD, PREDICTION_AFTER = 5, 20
+"""The cost model's prediction error is averaged over a run's first ``PREDICTION_HEAD``
+steps and over its steps after the first ``PREDICTION_AFTER`` (the live re-fit's)."""
+
+
+def prediction_summary(records: list[dict]) -> dict:
+    """Mean per-rank (``prediction_error``) and step-time (``step_prediction_error``)
+    errors of the cost model's compute predictions over the first ``PREDICTION_HEAD``
+    steps that have one (``planner: cost``: the configured model) and over those after
+    the first ``PREDICTION_AFTER`` (the live fit; the last ``PREDICTION_HEAD`` if the run is
+    shorter), with their step ranges; empty without predictions."""
+    rows = [r for r in records if r.get("prediction_error") is not None]
+    if not rows:
+        return {}
+    head = rows[:PREDICTION_HEAD]
+    tail = rows[PREDICTION_AFTER:] or rows[-PREDICTION_HEAD:]
+    mean = lambda rs, key: float(np.mean([r[key] for r in rs]))  # noqa: E731
+    return {"prediction_error_first": mean(head, "prediction_error"),
+            "prediction_error_last": mean(tail, "prediction_error"),
+            "step_prediction_error_first": mean(head, "step_prediction_error"),
+            "step_prediction_error_last": mean(tail, "step_prediction_error"),
+            "prediction_steps_first": [head[0]["step"], head[-1]["step"]],
+            "prediction_steps_last": [tail[0]["step"], tail[-1]["step"]]}
+
+
+def prediction_line(s: dict) -> str:
+    """One console line of ``prediction_summary``'s numbers."""
+    (a, b), (c, d) = s["prediction_steps_first"], s["prediction_steps_last"]
+    return (f"cost model vs measured compute: per rank off {s['prediction_error_first']:.1%} (steps {a}-{b}) -> "
+            f"{s['prediction_error_last']:.1%} (steps {c}-{d}); step time off {s['step_prediction_error_first']:.1%} "
+            f"-> {s['step_prediction_error_last']:.1%}")
 
 
 def merge_quarantine(run_dir: str) -> list[dict]:

@@ -10,12 +10,19 @@ Per step, on every rank:
 3. ``resolve(fetched, everyone_has_plan)``: the coordinator's plan, or, if any rank lacks
    it, a plan every rank computes itself from an all-gather of lengths with the same
    solver (so all ranks always run the same plan, and nobody waits in a collective for a
-   rank that has none).
+   rank that has none; with ``balance.topology: per-step`` the plan carries the step's own
+   bags, chosen by the same deterministic search as on the coordinator).
 4. After the optimizer step, ``committed(step, planned)``: rank 0 records the step in
    the ledger: by a commit to the coordinator (which knows the step's samples), or, for a
    locally planned step, by rows it hands the coordinator once it is back (steps the
    coordinator may have lost are re-sent from every rank's recent ids), or, without a
    coordinator, by appending to the run's own ledger journal.
+5. ``observe(step, plan, compute_s)``: every rank's measured compute seconds (all-reduced,
+   so the same everywhere) feed the live re-fit of the cost model (``LiveFit``), which
+   local plans use; every rank fits the same data the same way, and the all-gather of a
+   local plan carries each rank's fit digest, so a rank that somehow fitted differently
+   makes every rank plan that step with the configured model instead of deadlocking on
+   different plans.
 """
 
 from __future__ import annotations
@@ -29,12 +36,14 @@ from knapray.coordinator import (
     CoordinatorConfig,
     CoordinatorUnavailable,
     is_epoch_done,
+    make_live_fit,
     make_planning_model,
     plan_from_gathered,
 )
 from knapray.data import StepMeta
 from knapray.distributed.step_sync import StepSync
 from knapray.planning import BalancePlan, Topology
+from knapray.planning.livefit import LiveFit, RankFeatures
 
 from .config import TrainConfig
 
@@ -56,12 +65,18 @@ def coordinator_config(cfg: TrainConfig) -> dict:
         topology=cfg.balance.topology, d_model=cfg.model.hidden_size, gamma=cfg.balance.gamma,
         solver=cfg.balance.solver, gpus_per_node=cfg.balance.gpus_per_node or None,
         planner=cfg.balance.planner, cost=cost or None, cost_profile=cfg.balance.cost_profile or None,
+        max_tokens_per_gpu=cfg.data.max_tokens_per_gpu or None, live_fit=cfg.balance.live_fit,
     )
 
 
 def planning_model(cfg: TrainConfig):
     """What plans balance; the coordinator builds the same from ``coordinator_config``."""
     return make_planning_model(CoordinatorConfig(**coordinator_config(cfg)))
+
+
+def live_fit(cfg: TrainConfig) -> LiveFit | None:
+    """The local plans' live re-fit of the planning model (as the coordinator's), or None."""
+    return make_live_fit(CoordinatorConfig(**coordinator_config(cfg)))
 
 
 RECENT_STEPS = 32
@@ -90,10 +105,20 @@ class Planned:
 
 class StepPlanner:
     def __init__(self, sync: StepSync, topology: Topology, workload, solver: str,
-                 client: CoordinatorClient | None, local_ledger=None) -> None:
+                 client: CoordinatorClient | None, local_ledger=None, max_tokens_per_gpu: int | None = None,
+                 live: LiveFit | None = None, per_step_node: int | None = None) -> None:
         """``local_ledger``: rank 0's ledger when there is no coordinator (it has
-        ``append(step, epoch, sample_ids, home_ranks)``); None elsewhere."""
+        ``append(step, epoch, sample_ids, home_ranks)``); None elsewhere.
+        ``max_tokens_per_gpu``: the memory budget local plans keep (as the coordinator's do).
+        ``live``: the live re-fit of ``workload`` local plans use (``planner: cost``).
+        ``per_step_node``: ranks per node when every step chooses its own bags
+        (``balance.topology: per-step``; ``topology`` is then the base), else None."""
         self.sync, self.topology, self.workload, self.solver = sync, topology, workload, solver
+        self.per_step_node = per_step_node
+        self.live = live
+        self.live_disagreements = 0
+        """Local plans made with the configured model because the ranks' fits differed."""
+        self.max_tokens_per_gpu = max_tokens_per_gpu
         self.client = client
         self.local_ledger = local_ledger
         self._pending: dict[int, tuple[list[int], list[int]]] = {}
@@ -127,10 +152,12 @@ class StepPlanner:
                 self._flush_pending()
             return Planned(fetched.plan, fetched.epoch_done, "coordinator", fetched.wait_s)
         gathered = self.sync.gather_objects(
-            (list(this.seq_lens), list(this.sample_ids), this.exhausted, self._recent))
+            (list(this.seq_lens), list(this.sample_ids), this.exhausted, self._recent,
+             None if self.live is None else self.live.digest()))
         lens = [g[0] for g in gathered]
         done = is_epoch_done(lens, [g[2] for g in gathered])
-        plan = None if done else plan_from_gathered(lens, self.topology, self.workload, self.solver)
+        plan = None if done else plan_from_gathered(lens, self.topology, self._local_model([g[4] for g in gathered]),
+                                                    self.solver, self.max_tokens_per_gpu, self.per_step_node)
         rows = None
         if self.sync.rank == 0:
             rows = ([sid for g in gathered for sid in g[1]], [r for r, g in enumerate(gathered) for _ in g[1]])
@@ -148,6 +175,25 @@ class StepPlanner:
             self.client.forget_requests()
             self._submit(step + 1, nxt)
         return Planned(plan, done, "local", fetched.wait_s, rows)
+
+    def observe(self, step: int, plan: BalancePlan, compute_s: list[float]) -> None:
+        """The step's plan (the one that ran) and every rank's measured compute seconds, in
+        rank order: the same on every rank, so every rank's live fit stays the same."""
+        if self.live is not None:
+            # With a coordinator, the fit runs only when a step has to be planned locally.
+            self.live.observe(step, RankFeatures.of_plan(plan), compute_s, refit=self.client is None)
+
+    def _local_model(self, digests: list[str | None]):
+        """The live model if every rank's fit is the same (it is, unless their numerics
+        differ), else the configured one: all ranks decide alike from the same digests."""
+        if self.live is None:
+            return self.workload
+        if len(set(digests)) == 1:
+            return self.live.model()
+        self.live_disagreements += 1
+        logger.warning("rank %d: the ranks' live cost fits differ (%d distinct); this step is planned with "
+                       "the configured model", self.sync.rank, len(set(digests)))
+        return self.workload
 
     def committed(self, step: int, epoch: int, planned: Planned, this: StepMeta) -> None:
         """After the optimizer step that trained ``step``."""

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from knapray.distributed.local import init_from_env, shutdown
 
-    from .run_files import write_run_files
+    from .run_files import prediction_line, write_run_files
     from .trainer import Trainer
 
     # No Ray, so no coordinator actor: the ranks plan each step from an all-gather.
@@ -94,8 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             out = write_run_files(cfg, summary)
             n_q = out["quarantined_samples"] + out["quarantined_shards"]
-            print(f"[knapray] done: {summary['steps']} steps on {world} ranks, topology {summary['topology']}; "
+            per_step = (f" (per-step: {out['summary']['distinct_topologies']} distinct topologies)"
+                        if cfg.balance.topology == "per-step" and out["summary"].get("steps") else "")
+            print(f"[knapray] done: {summary['steps']} steps on {world} ranks, topology {summary['topology']}{per_step}; "
                   f"{n_q} quarantined; run directory {cfg.run_dir}", flush=True)
+            if "prediction_error_last" in out["summary"]:
+                print(f"[knapray] {prediction_line(out['summary'])}", flush=True)
     finally:
         shutdown()
         if lock is not None:

@@ -30,12 +30,15 @@ import torch
 from knapray.coordinator import CoordinatorClient, CoordinatorUnavailable
 from knapray.data import Step, StepMeta, StepStream, build_packed_batch, check_model_config, corpus_info
 from knapray.distributed import BagGroups
+from knapray.distributed.block_groups import BlockGroups, StepGroups
 from knapray.distributed.step_sync import StepSync
 from knapray.models import MMDiT
 from knapray.models.flops import model_flops, peak_tflops
 from knapray.models.flow import flow_loss
 from knapray.planning import BalancePlan, Topology, identity_plan
+from knapray.planning.blocks import block_sizes
 from knapray.planning.cost import CostModel
+from knapray.planning.rules import per_step_node
 from knapray.timing import StepTimer
 
 from .balanced import balanced_forward
@@ -49,8 +52,8 @@ from .metrics import MetricsFile, StepRecord
 from .optim import LRSchedule, build_optimizer
 from .parallelize import parallelize
 from .sinks import MetricSinks, scalars_of
-from .run_files import truncate_metrics
-from .step_planner import Planned, StepPlanner, coordinator_config, coordinator_name, planning_model
+from .run_files import distinct_topologies, truncate_metrics
+from .step_planner import Planned, StepPlanner, coordinator_config, coordinator_name, live_fit, planning_model
 
 logger = logging.getLogger(__name__)
 
@@ -133,24 +136,40 @@ class Trainer:
         if self.client is None and self.rank == 0:
             self.local_ledger = LocalLedger.open(self.run_dir, resume_step=self.resumed_from)
         self.topology = self._choose_topology()
-        self.groups = BagGroups.build(self.topology, cfg.model.num_heads) if cfg.balance.enabled else None
+        """The run's static topology (with ``per-step``: the base every step also tries); checkpoints keep it."""
+        self.per_step_node = per_step_node(cfg.balance.topology, self.world, cfg.balance.gpus_per_node or None)
+        self.groups = self._build_groups() if cfg.balance.enabled else None
         self.workload = planning_model(cfg)
         self.planner = StepPlanner(self.sync, self.topology, self.workload, cfg.balance.solver, self.client,
-                                   self.local_ledger)
+                                   self.local_ledger, cfg.data.max_tokens_per_gpu or None, live=live_fit(cfg),
+                                   per_step_node=self.per_step_node)
         self.guard = BadDataGuard(self.run_dir, self.rank, cfg.data.corpus, cfg.data.max_bad_fraction)
         self.metrics = MetricsFile(self.run_dir) if self.rank == 0 else None
         self.sinks = MetricSinks(cfg, start_step=self.step) if self.rank == 0 else None
-        self.max_seq_len = cfg.data.max_tokens_per_gpu * max(self.topology.bags) if cfg.data.max_tokens_per_gpu else None
+        largest_bag = max(self.topology.bags) if self.per_step_node is None else max(
+            max(self.topology.bags), max(block_sizes(self.per_step_node, cfg.model.num_heads)))
+        self.max_seq_len = cfg.data.max_tokens_per_gpu * largest_bag if cfg.data.max_tokens_per_gpu else None
         os.makedirs(os.path.join(self.run_dir, "pids"), exist_ok=True)
         with open(os.path.join(self.run_dir, "pids", f"rank{self.rank}.pid"), "w") as f:
             f.write(str(os.getpid()))  # for operators (and the chaos script) to find workers
         if self.rank == 0:
-            logger.info("topology %s for %d ranks (balance %s)", self.topology, self.world, cfg.balance.enabled)
+            logger.info("topology %s for %d ranks (balance %s)%s", self.topology, self.world, cfg.balance.enabled,
+                        "" if self.per_step_node is None else
+                        f"; per-step: every step chooses aligned blocks of nodes of {self.per_step_node} ranks, "
+                        f"{self.topology} is the base it also tries")
 
     def _optimizer_steps(self, steps: int) -> int:
         return -(-steps // self.accum)
 
     # ---- set-up pieces ------------------------------------------------------------------
+
+    def _build_groups(self) -> StepGroups:
+        """The static topology's groups and, for a per-step run, a group for every aligned
+        block of each node: created once, by every rank in the same order."""
+        heads = self.cfg.model.num_heads
+        base = BagGroups.build(self.topology, heads)
+        blocks = BlockGroups.build(self.per_step_node, heads) if self.per_step_node is not None else None
+        return StepGroups(base, blocks)
 
     def _choose_topology(self) -> Topology:
         """Rank 0 starts the coordinator's run (it answers with the topology for this
@@ -208,6 +227,7 @@ class Trainer:
         except CoordinatorUnavailable as e:
             logger.error("coordinator unreachable at the end of the run: ledger incomplete (%s)", e)
         return {"steps": self.step, "records": records, "topology": str(self.topology),
+                "step_topologies": distinct_topologies(records),
                 "world_size": self.world, "epoch": self.epoch}
 
     def _at_max_steps(self) -> bool:
@@ -232,16 +252,15 @@ class Trainer:
         if planned.epoch_done:
             return None
         global_img = max(int(agree["img_tokens"]), 1)
-        run_plan = planned.plan if cfg.balance.enabled else identity_plan(_split_lengths(planned.plan), self.workload)
+        run_plan = planned.plan if cfg.balance.enabled else identity_plan(_split_lengths(planned.plan),
+                                                                          planned.plan.model)
 
         # ---- compute ----
         with StepTimer(self.device) as timer:
+            bag_group, route_group = self.groups.for_topology(run_plan.topology) if self.groups else (None, None)
             with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.autocast):
-                out = balanced_forward(
-                    self.model, batch, run_plan, rank,
-                    bag_group=self.groups.bag_group if self.groups else None,
-                    route_group=self.groups.balance_group if self.groups else None,
-                )
+                out = balanced_forward(self.model, batch, run_plan, rank, bag_group=bag_group,
+                                       route_group=route_group)
                 loss = flow_loss(out, batch.targets, global_img)
             loss.backward()
         lr = self.schedule.get_last_lr()[0]  # what this step trains with
@@ -262,13 +281,14 @@ class Trainer:
         )
         if self.client is not None:
             self.client.report_timing_async(step, took.compute_s, took.comm_s, planned.wait_s)
+        self.planner.observe(step, run_plan, per_rank["compute_s"])
         rec = StepRecord(
             step=step, loss=totals["loss"], loss_rel=totals["loss"] / max(totals["zero_loss"], 1e-30),
             tokens=int(totals["tokens"]), seconds=time.perf_counter() - t_step, imbalance=run_plan.imbalance,
             baseline_imbalance=run_plan.baseline_imbalance, compute_s=per_rank["compute_s"],
             comm_s=per_rank["comm_s"], wait_plan_s=planned.wait_s, planned_by=planned.planned_by,
             rank_work=run_plan.rank_work.tolist(), baseline_rank_work=run_plan.baseline_rank_work.tolist(),
-            topology=str(self.topology), flops=model_flops(run_plan.seq_lens.tolist(), cfg.model), clock=took.clock,
+            topology=str(planned.plan.topology), flops=model_flops(run_plan.seq_lens.tolist(), cfg.model), clock=took.clock,
             peak_mem_gib=torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None,
             epoch=self.epoch, lr=lr, peak_tflops=self.peak_tflops,
             predicted_compute_s=self._predicted_compute(run_plan), recompiles=self.parallel.recompiles,
@@ -277,10 +297,13 @@ class Trainer:
             self.metrics.append(rec)
             self.sinks.log(step, scalars_of(rec))
             if step % cfg.run.log_every == 0:
+                err = rec["prediction_error"]
                 logger.info(
-                    "step %d loss %.4f (rel %.3f) tokens/s %.0f imbalance %.2f->%.3f compute max/mean %.2f wait %.1f%%",
+                    "step %d loss %.4f (rel %.3f) tokens/s %.0f imbalance %.2f->%.3f compute max/mean %.2f wait %.1f%%%s%s",
                     step, rec["loss"], rec["loss_rel"], rec["tokens_per_s"], rec["baseline_imbalance_planned"],
                     rec["imbalance_planned"], rec["compute_max_over_mean"], 100 * rec["wait_plan_frac"],
+                    "" if err is None else f" predicted compute off {err:.1%}",
+                    "" if self.per_step_node is None else f" topology {rec['topology']}",
                 )
         if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0 and not self.micro_steps:
             self._save(step)
