@@ -47,8 +47,12 @@ def test_forward_and_grad_match_reference(backend: str, case: str) -> None:
     grad_out = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
     ref_grads = torch.autograd.grad(ref, (q, k, v), grad_out)
+    # Gradients are compared at the project's fp32 parity bound (1e-5). They may not be held
+    # tighter: a length-one sequence's dK is an exact cancellation (P = 1, so dS = dO.v - dO.o
+    # = 0) that fp32 leaves at ~1e-6, and how much depends on the CPU's SIMD width (CI saw
+    # 1.06e-6 where this machine sees less).
     for g, rg in zip(grads, ref_grads):
-        torch.testing.assert_close(g, rg, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(g, rg, rtol=1e-5, atol=1e-5)
 
 
 def test_sequences_do_not_attend_across_boundaries() -> None:
