@@ -404,3 +404,16 @@ def test_sample_timesteps_seeded_and_in_range() -> None:
         assert a.min() > 0 and a.max() < 1 and abs(a.mean().item() - 0.5) < 0.05
     with pytest.raises(ValueError, match="'beta'.*uniform"):
         sample_timesteps(3, generator=torch.Generator(), kind="beta")
+
+
+def test_token_streams_are_index_copies_that_split_and_merge_back() -> None:
+    from knapray.models.blocks import TokenStreams
+
+    is_text = torch.tensor([True, False, False, True, False, True])
+    streams = TokenStreams.from_mask(is_text)
+    assert streams.txt_idx.tolist() == [0, 3, 5] and streams.img_idx.tolist() == [1, 2, 4]
+    # Not views: compiled blocks guard on an input's _base, so every step must pass the same kind.
+    assert all(t._base is None for t in (streams.txt_idx, streams.img_idx, streams.unorder))
+    x = torch.arange(12.0).view(6, 2)
+    txt, img = streams.split(x)
+    assert torch.equal(txt, x[is_text]) and torch.equal(streams.merge(txt, img), x)

@@ -33,8 +33,10 @@ class TokenStreams:
 
     @classmethod
     def from_mask(cls, is_text: torch.Tensor) -> TokenStreams:
-        txt_idx = torch.nonzero(is_text).flatten()
-        img_idx = torch.nonzero(~is_text).flatten()
+        # Copies, not views of nonzero's (N, 1) result: compiled blocks guard on whether an
+        # input is a view (its ``_base``), so every step must hand them the same kind.
+        txt_idx = torch.nonzero(is_text).flatten().clone()
+        img_idx = torch.nonzero(~is_text).flatten().clone()
         return cls(txt_idx, img_idx, torch.argsort(torch.cat((txt_idx, img_idx))))
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
