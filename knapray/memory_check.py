@@ -2,7 +2,8 @@
 
 - ``state_bytes``: parameter, gradient and optimizer-state bytes of the live tensors.
 - ``saved_activation_bytes``: bytes of the distinct storages autograd saves during a
-  forward (``saved_tensors_hooks``, deduplicated by storage), parameters left out. Under
+  forward (``saved_tensors_hooks``, deduplicated by storage), parameters left out (also
+  those FSDP gathers for the forward). DTensors count by their local shard. Under
   non-reentrant checkpointing the checkpoint saves its block's inputs through the same
   hooks and nothing from inside the block, which is what "only block inputs kept" means.
 - ``measure_step``: both, on a packed batch, plus on CUDA the peak allocated during
@@ -29,6 +30,8 @@ from knapray.planning.memory import GIB, MemoryModel, ModelShape
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    if hasattr(t, "to_local"):  # an FSDP DTensor: this rank's shard
+        t = t.to_local()
     s = t.untyped_storage()
     return s.data_ptr(), s.nbytes()
 
@@ -55,10 +58,13 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
 def saved_activation_bytes(fn: Callable[[], Any], exclude: Iterable[torch.Tensor] = ()) -> tuple[Any, int]:
     """Run ``fn()`` and return (its result, bytes of the distinct storages it saved for
     backward, leaving out those of ``exclude``, e.g. the parameters)."""
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    skip = {_storage_key(t)[0] for t in exclude}
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
+        # A Parameter is a weight, not an activation, even one FSDP gathered for this forward.
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):  # e.g. linear's weight.t()
+            return t
         ptr, nbytes = _storage_key(t)
         if ptr not in skip and nbytes:
             saved[ptr] = max(saved.get(ptr, 0), nbytes)

@@ -85,6 +85,14 @@ def test_bench_step_variants_side_by_side(capsys):
         assert v["loss_rel_max"] < 1e-5 and v["grad_norm_rel_max"] < 1e-5, name
     for name in rows:
         assert not rows[name]["compile"] and rows[name]["compiles"] == 0 == rows[name]["recompiles"]
+    # What the features buy, measured on the same step: FSDP halves each of the 2 ranks'
+    # parameters + gradients (its shards, plus padding) and leaves activations alone;
+    # checkpointing keeps only block inputs and leaves the weights alone.
+    assert base["saved_ratio"] == base["state_ratio"] == 1.0 and base["saved_mb"] > 0 and base["state_mb"] > 0
+    assert 0.45 < rows["fsdp full"]["state_ratio"] < 0.6
+    assert rows["fsdp full"]["saved_ratio"] == pytest.approx(1.0, rel=0.05)
+    assert rows["ac full"]["saved_ratio"] < 0.5 and rows["ac full"]["state_ratio"] == 1.0
+    assert rows[both]["saved_ratio"] < 0.5 and rows[both]["state_ratio"] < 0.6
     assert r["unbalanced"]["loss_rel_max"] < 1e-5
     assert r["math_ok"] and r["math_rel_max"] < 1e-5 and r["math_tol"] == 1e-4
     assert r["projected_speedup"] > 0  # the old keys are still there

@@ -28,6 +28,11 @@ gradients as the eager baseline (``balanced``: fsdp none, no checkpointing, eage
 largest relative difference of the global loss and of the gradient norm is reported per
 variant and the run fails above ``LOSS_TOL``: a benchmark that compares different math is
 wrong. Every step runs all modes and variants in rotating order so machine noise hits all.
+After the timed steps, one untimed step per variant on the last step's batches measures, per
+rank, what each feature is for: ``saved_mb``, the distinct bytes autograd saves for backward
+during the forward (``memory_check.saved_activation_bytes``; parameters, gathered or not,
+left out), and ``state_mb``, the bytes of this rank's parameters and gradients (local shards
+under FSDP); the table shows the largest rank's and their ratio to the baseline's.
 
 The default mix puts two long video-like sequences (2 x ~700 tokens at ``scale=4``) on
 rank 0 and four small images (~20-100 tokens, mostly text) on each other rank: ~3x the
@@ -204,6 +209,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, opts: dict) -> None:
             parallel[name] = parallelize(model, **kwargs, world_size=world, device_type="cpu")
         modes = [*MODES, *(v.name for v in variants)]
         records = []
+        memory: dict[str, dict] = {}
         for step in range(opts["steps"]):
             batches = mix_batches(
                 opts["mix"], cfg, scale=opts["scale"], seed=opts["seed"] * 100_003 + step,
@@ -265,6 +271,17 @@ def _worker(rank: int, world: int, port: int, out_dir: str, opts: dict) -> None:
                     "total_tokens": int(sum(sum(x) for x in lens)),
                 })
                 del loss
+        # Untimed: what each variant keeps in memory on the last step's batch and plans.
+        for mode in modes:
+            plan, bag_group, route_group = plans.get(mode, balanced)
+            memory[mode] = _measure_memory(
+                parallel.get(mode, parallel[BASELINE]).model,
+                lambda m, p=plan, b=bag_group, r=route_group: balanced_forward(
+                    m, batch, p, rank, bag_group=b, route_group=r),
+                batch.targets, global_tokens, flow_loss,
+            )
+        for r in records:
+            r.update(memory[r["mode"]])
         gathered: list = [None] * world
         dist.all_gather_object(gathered, records)
         if rank == 0:
@@ -272,6 +289,20 @@ def _worker(rank: int, world: int, port: int, out_dir: str, opts: dict) -> None:
                 json.dump([r for rank_records in gathered for r in rank_records], f)
     finally:
         dist.destroy_process_group()
+
+
+def _measure_memory(model, forward, targets, global_tokens: int, loss_fn) -> dict:
+    """One untimed forward + backward of ``forward(model)``: MB saved for backward by the
+    forward (parameters left out) and MB of this rank's parameters + gradients after it."""
+    from knapray.memory_check import saved_activation_bytes, state_bytes
+
+    model.zero_grad(set_to_none=True)
+    out, saved = saved_activation_bytes(lambda: forward(model), exclude=model.parameters())
+    loss_fn(out, targets, global_tokens).backward()
+    del out
+    state = state_bytes(model)
+    model.zero_grad(set_to_none=True)
+    return {"saved_mb": saved / 2**20, "state_mb": (state["params"] + state["grads"]) / 2**20}
 
 
 def _math_check(records: list[dict], mode: str) -> dict:
@@ -349,6 +380,9 @@ def _variant_row(v: StepVariant, summary: dict, base: dict, records: list[dict],
         "recompiles": max(r["recompiles"] for r in mine),
         "recompiles_after_warmup": max(r["recompiles"] for r in mine)
         - max([r["recompiles"] for r in mine if r["step"] < warmup], default=0),
+        # Measured once per rank after the timed steps; the largest rank's.
+        "saved_mb": max(r["saved_mb"] for r in mine),
+        "state_mb": max(r["state_mb"] for r in mine),
         **_math_check(records, v.name),
     }
 
@@ -433,6 +467,9 @@ def run_step_bench(
     rows = [_variant_row(StepVariant(name=BASELINE), bal, bal, records, warmup)]
     rows += [_variant_row(v, _mode_summary(records, v.name, world_size, warmup), bal, records, warmup)
              for v in variants]
+    for row in rows:
+        row["saved_ratio"] = row["saved_mb"] / rows[0]["saved_mb"]
+        row["state_ratio"] = row["state_mb"] / rows[0]["state_mb"]
     worst = max([unbal["loss_rel_max"], unbal["grad_norm_rel_max"]]
                 + [max(r["loss_rel_max"], r["grad_norm_rel_max"]) for r in rows])
     return {
@@ -525,11 +562,12 @@ def print_variants(result: dict) -> None:
     width = max(24, *(len(_variant_label(r)) for r in rows))
     header = (
         f"{'variant (balanced step)':<{width}} {'step wall':>9} {'x base':>6} {'compute':>8} {'x base':>6} "
-        f"{'compute':>8} {'recompiles':>10} {'loss':>8} {'grad norm':>9}"
+        f"{'compute':>8} {'saved':>8} {'x base':>6} {'params+':>8} {'x base':>6} {'recompiles':>10} "
+        f"{'loss':>8} {'grad norm':>9}"
     )
     sub = (
-        f"{'':<{width}} {'s':>9} {'':>6} {'max s':>8} {'':>6} {'max/mean':>8} {'(warm-up)':>10} "
-        f"{'rel diff':>8} {'rel diff':>9}"
+        f"{'':<{width}} {'s':>9} {'':>6} {'max s':>8} {'':>6} {'max/mean':>8} {'MB':>8} {'':>6} "
+        f"{'grads MB':>8} {'':>6} {'(warm-up)':>10} {'rel diff':>8} {'rel diff':>9}"
     )
     print()
     print(header)
@@ -541,7 +579,8 @@ def print_variants(result: dict) -> None:
         print(
             f"{_variant_label(r):<{width}} {r['step_wall_s']:>9.4f} {'x' + format(r['wall_ratio'], '.2f'):>6} "
             f"{r['compute_max_s']:>8.4f} {'x' + format(r['compute_max_ratio'], '.2f'):>6} "
-            f"{r['compute_max_over_mean']:>8.3f} {recompiles:>10} {r['loss_rel_max']:>8.1e} "
+            f"{r['compute_max_over_mean']:>8.3f} {r['saved_mb']:>8.2f} {'x' + format(r['saved_ratio'], '.2f'):>6} "
+            f"{r['state_mb']:>8.2f} {'x' + format(r['state_ratio'], '.2f'):>6} {recompiles:>10} {r['loss_rel_max']:>8.1e} "
             f"{r['grad_norm_rel_max']:>9.1e}"
         )
     print(
@@ -552,7 +591,9 @@ def print_variants(result: dict) -> None:
         "more, the price of its\n  memory savings); compile's gains are GPU ones (fused kernels, fewer "
         "launches, less memory traffic),\n  on one CPU thread it can be a wash or slower; FSDP on one "
         "machine adds parameter all-gathers and\n  gradient reduce-scatters over shared cores and saves "
-        "only memory. recompiles: after the warm-up\n  (during it). loss / grad norm rel diff: largest "
+        "only memory. saved MB: what autograd keeps for backward\n  (activations; weights left out), "
+        "params+grads MB: this rank's parameters and gradients (its shards under FSDP),\n  both "
+        "measured on one untimed step after the timed ones, largest rank. recompiles: after the warm-up\n  (during it). loss / grad norm rel diff: largest "
         "over all steps of |variant - baseline| / |baseline|\n  (global loss, gradient norm): the "
         "variants compute the same math."
     )
