@@ -100,3 +100,25 @@ def run_distributed(
             parts.append(f"--- ranks {missing} did not report (stopped or timed out)")
         raise RuntimeError(f"distributed run of {fn.__name__} failed:\n" + "\n".join(parts))
     return [outputs[r] for r in range(world_size)]
+
+
+TINY_MMDIT = ["model.hidden_size=32", "model.num_heads=4", "model.rope_axes_dim=[4,2,2]", "model.depth_double=1",
+              "model.depth_single=1", "model.text_dim=16", "model.pooled_dim=16"]
+"""Config overrides for the smallest MMDiT the trainer tests use (text/pooled dims of the
+tiny synthetic corpora)."""
+
+
+def local_trainer(rank: int, world: int, corpus: str, run_root: str, name: str, overrides: list[str]):
+    """A ``Trainer`` over a ``LocalContext`` on this gloo rank: the corpus's shards read
+    locally, no coordinator, fp32, no checkpoints unless ``overrides`` ask for them."""
+    from knapray.data import local_rows
+    from knapray.train.config import load_config
+    from knapray.train.context import LocalContext
+    from knapray.train.trainer import Trainer
+
+    cfg = load_config(None, [
+        f"data.corpus={corpus}", "data.samples_per_step=2", "balance.coordinator=false", f"run.name={name}",
+        f"run.storage={run_root}", "run.checkpoint_every=0", "run.precision=fp32", *overrides,
+    ])
+    ctx = LocalContext(shards=[list(local_rows(corpus, r, world)) for r in range(world)], rank=rank, world_size=world)
+    return Trainer(ctx, cfg)

@@ -124,24 +124,13 @@ def test_a_static_run_refuses_a_step_on_another_topology():
 
 # ---- a training run ------------------------------------------------------------------------
 
-MODEL = ["model.hidden_size=32", "model.num_heads=4", "model.rope_axes_dim=[4,2,2]", "model.depth_double=1",
-         "model.depth_single=1", "model.text_dim=16", "model.pooled_dim=16"]
-
-
 def _train_per_step(rank: int, world: int, corpus: str, run_root: str):
-    from knapray.data import local_rows
-    from knapray.train.config import load_config
-    from knapray.train.context import LocalContext
-    from knapray.train.trainer import Trainer
+    from dist_utils import TINY_MMDIT, local_trainer
 
-    cfg = load_config(None, MODEL + [
-        f"data.corpus={corpus}", "data.samples_per_step=2", "balance.topology=per-step", "balance.planner=cost",
-        "balance.cost={d_model: 3072}", "balance.live_fit=false",
-        "balance.coordinator=false", "run.name=perstep", f"run.storage={run_root}", "run.max_steps=6",
-        "run.checkpoint_every=0", "run.precision=fp32",
+    trainer = local_trainer(rank, world, corpus, run_root, "perstep", TINY_MMDIT + [
+        "balance.topology=per-step", "balance.planner=cost", "balance.cost={d_model: 3072}",
+        "balance.live_fit=false", "run.max_steps=6",
     ])
-    ctx = LocalContext(shards=[list(local_rows(corpus, r, world)) for r in range(world)], rank=rank, world_size=world)
-    trainer = Trainer(ctx, cfg)
     summary = trainer.train()
     return str(trainer.topology), summary["step_topologies"], [r["loss"] for r in summary["records"]]
 

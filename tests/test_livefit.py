@@ -202,18 +202,11 @@ MODEL = ["model.hidden_size=64", "model.num_heads=4", "model.rope_axes_dim=[4,6,
 
 
 def _train_cost_planner(rank: int, world: int, corpus: str, run_root: str):
-    from knapray.data import local_rows
-    from knapray.train.config import load_config
-    from knapray.train.context import LocalContext
-    from knapray.train.trainer import Trainer
+    from dist_utils import local_trainer
 
-    cfg = load_config(None, MODEL + [
-        f"data.corpus={corpus}", "data.samples_per_step=2", "balance.topology=g1n2", "balance.planner=cost",
-        "balance.coordinator=false", "run.name=live", f"run.storage={run_root}", "run.max_steps=30",
-        "run.checkpoint_every=0", "run.precision=fp32",
+    trainer = local_trainer(rank, world, corpus, run_root, "live", MODEL + [
+        "balance.topology=g1n2", "balance.planner=cost", "run.max_steps=30",
     ])
-    ctx = LocalContext(shards=[list(local_rows(corpus, r, world)) for r in range(world)], rank=rank, world_size=world)
-    trainer = Trainer(ctx, cfg)
     summary = trainer.train()
     live = trainer.planner.live
     return summary["steps"], live.digest(), live.fitted, trainer.planner.live_disagreements

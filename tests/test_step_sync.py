@@ -16,7 +16,6 @@ from dist_utils import run_distributed
 from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
 from knapray.distributed.step_sync import StepSync
 from knapray.timing import StepTimer
-from knapray.train.config import load_config
 
 TINY_MODEL = [
     "model.hidden_size=32", "model.num_heads=4", "model.rope_axes_dim=[2,2,4]",
@@ -77,9 +76,7 @@ OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "barrier", "
 
 def _spy_loop(rank: int, world: int, corpus: str, run_root: str):
     """Run the training loop with every torch.distributed collective wrapped by a spy."""
-    from knapray.data import local_rows
-    from knapray.train.context import LocalContext
-    from knapray.train.trainer import Trainer
+    from dist_utils import local_trainer
 
     calls = []
 
@@ -95,13 +92,11 @@ def _spy_loop(rank: int, world: int, corpus: str, run_root: str):
 
     for name in TENSOR_COLLECTIVES + OBJECT_COLLECTIVES:
         setattr(dist, name, wrap(name, getattr(dist, name)))
-    cfg = load_config(None, TINY_MODEL + [
-        f"data.corpus={corpus}", "data.samples_per_step=2", "balance.topology=g2n1",
-        "balance.coordinator=false", "run.name=spy", f"run.storage={run_root}", "run.max_steps=3",
-        "run.checkpoint_every=2", "run.precision=fp32",
+    trainer = local_trainer(rank, world, corpus, run_root, "spy", TINY_MODEL + [
+        "balance.topology=g2n1", "run.max_steps=3", "run.checkpoint_every=2",
     ])
-    ctx = LocalContext(shards=[list(local_rows(corpus, r, world)) for r in range(world)], rank=rank, world_size=world)
-    summary = Trainer(ctx, cfg).train()
+    summary = trainer.train()
+    ctx = trainer.ctx
     return calls, str(ctx.device(False)), summary["steps"]
 
 
