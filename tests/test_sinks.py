@@ -13,7 +13,9 @@ import sys
 import types
 
 import pytest
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+pytest.importorskip("tensorboard")  # a knapray dependency; the GPU machine has only torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
 from knapray.train.config import load_config
 from knapray.train.sinks import MLFLOW_ID_FILE, TENSORBOARD_DIR, WANDB_ID_FILE, MetricSinks, enabled_sinks, scalars_of
@@ -188,3 +190,25 @@ def test_configured_but_not_installed(tmp_path, monkeypatch, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="knapray.train.sinks"):
         assert enabled_sinks(_cfg(tmp_path)) == ["tensorboard"]
     assert "MLFLOW_TRACKING_URI is set but mlflow is not installed" in caplog.text
+
+
+def test_tensorboard_auto_on_off_where_it_is_not_installed(tmp_path, monkeypatch, caplog) -> None:
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    with caplog.at_level(logging.WARNING, logger="knapray.train.sinks"):
+        assert enabled_sinks(_cfg(tmp_path)) == []  # auto: the run goes on without it
+    assert "the tensorboard package is not installed" in caplog.text
+    got = []
+    with MetricSinks(_cfg(tmp_path), callbacks=(lambda step, s: got.append(step),)) as sinks:
+        sinks.log(0, {"loss": 1.0})
+    assert got == [0] and not os.path.exists(os.path.join(tmp_path, "r", TENSORBOARD_DIR))
+    with pytest.raises(RuntimeError, match=r"run.tensorboard='on' but the tensorboard package is not installed"):
+        enabled_sinks(_cfg(tmp_path, "run.tensorboard=on"))
+    monkeypatch.delitem(sys.modules, "tensorboard")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="knapray.train.sinks"):
+        assert enabled_sinks(_cfg(tmp_path, "run.tensorboard=off")) == []
+        assert enabled_sinks(_cfg(tmp_path, "run.tensorboard=on")) == ["tensorboard"]
+    assert not caplog.text
+    with MetricSinks(_cfg(tmp_path, "run.tensorboard=off")) as sinks:
+        sinks.log(0, {"loss": 1.0})
+    assert not os.path.exists(os.path.join(tmp_path, "r", TENSORBOARD_DIR))

@@ -32,6 +32,33 @@ def test_gpu_check_chain_on_two_gloo_ranks(tmp_path):
     assert (tmp_path / "cpu" / "summary.json").exists() and "cpu: passed" in text
 
 
+# What the GPU machine lacks: it has torch (CUDA), numpy, pyarrow, pyyaml, matplotlib, pytest
+# and hypothesis, nothing else (no Ray, no TensorBoard, no tqdm, no extras).
+GPU_MACHINE_LACKS = ("ray", "tensorboard", "tqdm", "diffusers", "transformers", "tokenizers", "sentencepiece",
+                     "safetensors", "accelerate", "wandb", "mlflow", "flash_attn", "jsonschema", "pytest_timeout")
+
+
+@pytest.mark.dist
+def test_make_gpu_check_runs_where_only_torch_and_its_basics_are_installed(tmp_path):
+    """``make gpu-check``'s two commands in a Python that hides every other package (as the
+    GPU machine has none of them): the test collection has no errors, and the training
+    chain runs, without TensorBoard (a warning) and without Ray."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", KNAPRAY_HIDE_MODULES=",".join(GPU_MACHINE_LACKS),
+               PYTHONPATH=os.pathsep.join([str(REPO / "tests" / "bare_torch"), str(REPO)]))
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+    probe = run("-c", "import importlib.util as u; print([u.find_spec(m) for m in ('ray', 'tensorboard', 'tqdm')])")
+    assert probe.stdout.strip() == "[None, None, None]", probe.stderr  # the hiding works
+    tests = run("-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-p", "no:timeout", "tests")
+    assert tests.returncode == 0 and "error" not in tests.stdout.lower(), tests.stdout[-3000:]
+    out = run("-m", "knapray.testing.gpu_check", "--cpu", "--steps", "4", "--out", str(tmp_path))
+    assert out.returncode == 0 and "GPU CHECK PASSED" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "the tensorboard package is not installed" in out.stdout + out.stderr
+    assert not (tmp_path / "cpu" / "tensorboard").exists() and (tmp_path / "cpu" / "metrics.jsonl").exists()
+
+
 def test_torchrun_without_a_corpus_is_one_line_and_exit_2(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"data:\n  corpus: {tmp_path / 'nowhere'}\nbalance:\n  topology: g1n1\n")

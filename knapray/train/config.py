@@ -212,6 +212,11 @@ class RunConfig:
     compatible (same model and data order), else start fresh; ``never``: an existing run
     directory is an error; ``must``: there must be a checkpoint to continue."""
     log_every: int = field(default=1, metadata={"ge": 1})
+    tensorboard: str = field(default="auto", metadata={"choices": ("auto", "on", "off")})
+    """TensorBoard event files in the run directory (``tensorboard/``): ``auto`` writes them
+    when the tensorboard package is installed (a knapray dependency) and warns once where it
+    is not (a bare torch machine), ``on`` requires it, ``off`` writes none. Every step is in
+    ``metrics.jsonl`` either way."""
     wandb_project: str = ""
     """Also log the step metrics to this Weights & Biases project ("": no W&B). The run is
     named ``run.name`` and a resumed run continues the same W&B run (its id is kept in the

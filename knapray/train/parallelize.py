@@ -201,7 +201,21 @@ def _size_oblivious():
     # to equal the hidden size at the first call is not tied to it.
     from torch.fx.experimental import _config as fx_config
 
-    return fx_config.patch(backed_size_oblivious=True, use_duck_shape=False)
+    # Both settings exist in the torch 2.13 this is developed on; an older torch (>= 2.5 is
+    # allowed) without one runs with its default rather than failing to compile.
+    wanted = {"backed_size_oblivious": True, "use_duck_shape": False}
+    return fx_config.patch(**{k: v for k, v in wanted.items() if hasattr(fx_config, k)})
+
+
+@functools.cache
+def _mark_unbacked() -> Callable:
+    """``mark_unbacked(tensor, dim, shape_id)``; where this torch's has no ``shape_id`` the
+    axes are left untied (each its own unbacked size: more runtime checks, same results)."""
+    from torch._dynamo.decorators import mark_unbacked
+
+    if "shape_id" in inspect.signature(mark_unbacked).parameters:
+        return mark_unbacked
+    return lambda t, dim, shape_id: mark_unbacked(t, dim)
 
 
 def _dense(x: Any) -> Any:
@@ -229,10 +243,8 @@ blocks: never specialized to 0 or 1, tied across the arguments that share it."""
 
 
 def _mark_token_axes(name: str, value: Any) -> None:
-    from torch._dynamo.decorators import mark_unbacked
-
     if isinstance(value, torch.Tensor) and name in TOKEN_AXES:
-        mark_unbacked(value, 0, shape_id=TOKEN_AXES[name])
+        _mark_unbacked()(value, 0, shape_id=TOKEN_AXES[name])
     elif isinstance(value, tuple):
         for item in value:
             _mark_token_axes(name, item)

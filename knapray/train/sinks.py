@@ -1,5 +1,7 @@
 """Where rank 0 sends each step's scalars: TensorBoard event files in the run directory
-(always), Weights & Biases and MLflow when configured, and callbacks.
+(``run.tensorboard``: by default whenever the package is installed), Weights & Biases and
+MLflow when configured, and callbacks. ``metrics.jsonl`` (``run_files``) has every step
+whatever the sinks.
 
 ``MetricSinks`` lives on rank 0 only. A callback that is a barrier over all ranks
 (``ray.train.report``) must not be one of its callbacks: the trainer calls that on every
@@ -42,10 +44,17 @@ def enabled_sinks(cfg: TrainConfig) -> list[str]:
     """The sinks a run with ``cfg`` logs to, e.g. ["tensorboard", "wandb"]. A sink set in
     the config whose package is missing is an error naming the key (call this early, before
     workers start); MLflow set by the environment alone is skipped then, with a warning."""
-    sinks = ["tensorboard"]
-    if not _installed("tensorboard"):
-        raise RuntimeError("TensorBoard logging needs the tensorboard package (a knapray dependency): "
-                           "reinstall knapray (make setup)")
+    sinks = []
+    if cfg.run.tensorboard != "off":
+        if _installed("tensorboard"):
+            sinks.append("tensorboard")
+        elif cfg.run.tensorboard == "on":
+            raise RuntimeError("run.tensorboard='on' but the tensorboard package is not installed: "
+                               "pip install tensorboard (a knapray dependency: make setup), or set "
+                               "run.tensorboard=auto|off")
+        else:
+            logger.warning("the tensorboard package is not installed: no TensorBoard event files "
+                           "(metrics.jsonl has every step); pip install tensorboard to get them")
     if cfg.run.wandb_project:
         if not _installed("wandb"):
             raise RuntimeError(f"run.wandb_project={cfg.run.wandb_project!r} but the wandb package is not "
@@ -109,9 +118,11 @@ class MetricSinks:
         self.callbacks = tuple(callbacks)
         run_dir = cfg.run_dir
         os.makedirs(run_dir, exist_ok=True)
-        from torch.utils.tensorboard import SummaryWriter
+        self._tb = None
+        if "tensorboard" in self.names:
+            from torch.utils.tensorboard import SummaryWriter
 
-        self._tb = SummaryWriter(os.path.join(run_dir, TENSORBOARD_DIR), purge_step=start_step or None)
+            self._tb = SummaryWriter(os.path.join(run_dir, TENSORBOARD_DIR), purge_step=start_step or None)
         self._wandb = self._mlflow = None
         # A tracker run's id is kept in the run directory: a resumed run logs on to the same run.
         if "wandb" in self.names:
@@ -154,8 +165,9 @@ class MetricSinks:
             if not isinstance(value, numbers.Real) or isinstance(value, bool):
                 raise ValueError(f"metric {tag!r}: expected a real number, got {value!r} ({type(value).__name__})")
             values[tag] = float(value)
-        for tag, value in values.items():
-            self._tb.add_scalar(tag, value, global_step=step)
+        if self._tb is not None:
+            for tag, value in values.items():
+                self._tb.add_scalar(tag, value, global_step=step)
         if self._wandb is not None:
             self._wandb.log(values, step=step)
         if self._mlflow is not None:
@@ -168,7 +180,8 @@ class MetricSinks:
         if self._closed:
             return
         self._closed = True
-        self._tb.close()
+        if self._tb is not None:
+            self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
         if self._mlflow is not None:
