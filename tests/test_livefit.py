@@ -195,6 +195,21 @@ def test_local_plans_fall_back_to_the_configured_model_if_rank_fits_differ():
     assert planner.live_disagreements == 1
 
 
+def test_only_a_balanced_run_with_the_cost_planner_fits_live():
+    """An unbalanced run does not run the coordinator's plans: its times must not fit them."""
+    from knapray.train.config import load_config
+    from knapray.train.step_planner import coordinator_config, live_fit
+
+    def cfg(*sets):
+        return load_config(None, ["balance.topology=g1n2", *sets])
+
+    assert isinstance(live_fit(cfg("balance.planner=cost")), LiveFit)
+    assert live_fit(cfg("balance.planner=cost", "balance.enabled=false")) is None
+    assert coordinator_config(cfg("balance.planner=cost", "balance.enabled=false"))["live_fit"] is False
+    assert live_fit(cfg("balance.planner=cost", "balance.live_fit=false")) is None
+    assert live_fit(cfg("balance.planner=workload")) is None
+
+
 # ---- a CPU training run --------------------------------------------------------------------
 
 MODEL = ["model.hidden_size=64", "model.num_heads=4", "model.rope_axes_dim=[4,6,6]", "model.depth_double=1",

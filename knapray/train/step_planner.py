@@ -65,7 +65,10 @@ def coordinator_config(cfg: TrainConfig) -> dict:
         topology=cfg.balance.topology, d_model=cfg.model.hidden_size, gamma=cfg.balance.gamma,
         solver=cfg.balance.solver, gpus_per_node=cfg.balance.gpus_per_node or None,
         planner=cfg.balance.planner, cost=cost or None, cost_profile=cfg.balance.cost_profile or None,
-        max_tokens_per_gpu=cfg.data.max_tokens_per_gpu or None, live_fit=cfg.balance.live_fit,
+        max_tokens_per_gpu=cfg.data.max_tokens_per_gpu or None,
+        # An unbalanced run (balance.enabled false) does not run the coordinator's plans,
+        # so its times must not fit them: no live fit there.
+        live_fit=cfg.balance.live_fit and cfg.balance.enabled,
     )
 
 
