@@ -417,3 +417,17 @@ def test_token_streams_are_index_copies_that_split_and_merge_back() -> None:
     x = torch.arange(12.0).view(6, 2)
     txt, img = streams.split(x)
     assert torch.equal(txt, x[is_text]) and torch.equal(streams.merge(txt, img), x)
+
+
+def test_step_record_throughput_over_wall_time_and_over_forward_backward() -> None:
+    from knapray.models.flops import peak_tflops
+    from knapray.train.metrics import StepRecord
+
+    rec = StepRecord(step=0, loss=1.0, loss_rel=1.0, tokens=10, seconds=2.0, imbalance=1.0, baseline_imbalance=1.0,
+                     compute_s=[1.0, 0.5], comm_s=[0.25, 0.0], wait_plan_s=0.0, planned_by="local",
+                     rank_work=[1.0, 1.0], baseline_rank_work=[1.0, 1.0], flops=4e12, peak_tflops=2.0).to_json()
+    assert rec["model_tflops_per_gpu"] == pytest.approx(4 / 2.0 / 2)  # over the step's wall time
+    assert rec["model_tflops_fwd_bwd_per_gpu"] == pytest.approx(4 / 1.25 / 2)  # over the slowest forward+backward
+    assert rec["mfu"] == pytest.approx(0.5)
+    assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.0 and peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert peak_tflops("NVIDIA GH200 480GB") == 989.0 and peak_tflops("Some GPU") is None

@@ -62,6 +62,20 @@ def test_config_rejects_bad_values(kwargs, message):
         ParallelConfig(**kwargs)
 
 
+def test_a_torch_without_zero_grads_for_unused_params_may_only_shard_one_rank(monkeypatch):
+    """Before FSDPModule.set_reduce_scatter_unused_params, a rank without text tokens would
+    hang the others' gradient reduce-scatter: FSDP on several ranks is refused in one line."""
+    from types import SimpleNamespace
+
+    from torch.distributed.fsdp import FSDPModule
+
+    from knapray.train.parallelize import _apply_fsdp
+
+    monkeypatch.delattr(FSDPModule, "set_reduce_scatter_unused_params")
+    with pytest.raises(ValueError, match=r"run.fsdp=full on 2 ranks needs FSDPModule.set_reduce_scatter_unused_params"):
+        _apply_fsdp(_model(), SimpleNamespace(size=lambda: 2), ParallelConfig(fsdp="full"))
+
+
 def test_mesh_shapes_and_checkpointed_blocks():
     assert ParallelConfig(fsdp="full").mesh_shape(4) == ((4,), ("shard",))
     assert ParallelConfig(fsdp="hybrid", gpus_per_node=2).mesh_shape(4) == ((2, 2), ("replicate", "shard"))

@@ -84,3 +84,27 @@ def test_gpu_check_without_cuda_says_so():
         pytest.skip("a CUDA device is present")
     out = _run(["-m", "knapray.testing.gpu_check"])
     assert out.returncode == 2 and "no CUDA device" in out.stderr
+
+
+def test_gpu_check_stops_a_run_with_everything_under_it():
+    """A run out of time goes with its children (torchrun's rank processes hold the GPU)."""
+    import signal
+    import time
+
+    from knapray.testing.gpu_check import _stop_tree
+
+    sleeper = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+    proc = subprocess.Popen([sys.executable, "-c", sleeper + "time.sleep(60)"], start_new_session=True)
+    time.sleep(1.0)
+    os.killpg(proc.pid, 0)  # the group is there (parent and child)
+    _stop_tree(proc)
+    assert proc.returncode == -signal.SIGTERM
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break  # nobody left in the group
+        time.sleep(0.1)
+    else:
+        pytest.fail("a process of the run's group outlived _stop_tree")

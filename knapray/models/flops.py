@@ -38,14 +38,14 @@ def model_flops(seq_lens: Iterable[int], cfg: MMDiTConfig, passes: float = TRAIN
     return passes * (cfg.depth_double + cfg.depth_single) * per_pass
 
 
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H100 PCIE": 756.0, "H100 NVL": 835.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
                     "B200": 2250.0, "GH200": 989.0}
 """Dense bf16 peak per GPU (vendor figures, no sparsity), for MFU."""
 
 
 def peak_tflops(device_name: str) -> float | None:
     """The bf16 peak of a GPU by its name (``torch.cuda.get_device_name``); None if unknown."""
-    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):  # GH200 before H200
+    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):  # GH200 before H200, H100 PCIE before H100
         if key in device_name.upper():
             return PEAK_BF16_TFLOPS[key]
     return None

@@ -189,6 +189,10 @@ class RunConfig:
     max_steps: int = field(default=0, metadata={"ge": 0})
     """Stop after this many steps (0: run the epochs out)."""
     checkpoint_every: int = field(default=10, metadata={"ge": 0})
+    """Save a checkpoint every this many steps (0: none on the way)."""
+    final_checkpoint: bool = True
+    """Also save one after the last step, so that the run's last steps are never lost
+    (false: only ``checkpoint_every``'s; the GPU check, whose runs are not resumed, skips it)."""
     max_failures: int = field(default=1, metadata={"ge": -1})
     """Worker-group restarts Ray Train allows (-1: unlimited)."""
     precision: str = field(default="auto", metadata={"choices": ("auto", "bf16", "fp32")})

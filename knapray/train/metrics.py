@@ -71,6 +71,10 @@ class StepRecord:
             "topology": self.topology,
             "model_tflops": self.flops / self.seconds / 1e12 if self.seconds > 0 else 0.0,
             "model_tflops_per_gpu": self.flops / self.seconds / 1e12 / len(self.rank_work) if self.seconds > 0 else 0.0,
+            # The same FLOPs over the slowest rank's forward + backward (compute and
+            # communication, CUDA events on GPU): what the blocks achieve, without the
+            # optimizer step and the host's batch preparation.
+            "model_tflops_fwd_bwd_per_gpu": _fwd_bwd_tflops(self.flops, self.compute_s, self.comm_s),
             "clock": self.clock,
             "peak_mem_gib": self.peak_mem_gib,
             "recompiles": self.recompiles,
@@ -82,6 +86,11 @@ class StepRecord:
             "mfu": (self.flops / self.seconds / 1e12 / len(self.rank_work) / self.peak_tflops
                     if self.peak_tflops and self.seconds > 0 else None),
         }
+
+
+def _fwd_bwd_tflops(flops: float, compute_s: list[float], comm_s: list[float]) -> float:
+    busy = max((c + m for c, m in zip(compute_s, comm_s)), default=0.0)
+    return flops / busy / 1e12 / len(compute_s) if busy > 0 else 0.0
 
 
 def _prediction_error(predicted: list[float] | None, measured: list[float]) -> float | None:

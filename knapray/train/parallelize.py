@@ -291,6 +291,16 @@ def _embedders(model: MMDiT) -> list[nn.Module]:
 def _apply_fsdp(model: MMDiT, mesh, cfg: ParallelConfig) -> None:
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
+    # Zeros for the gradients of parameters a rank did not use (its chunks held no text):
+    # every rank then reduce-scatters the same buffers. Without it such a rank would hang
+    # the others' reduce-scatter, so a torch that lacks it may only shard a world of one.
+    unused_ok = hasattr(FSDPModule, "set_reduce_scatter_unused_params")
+    if not unused_ok and mesh.size() > 1:
+        raise ValueError(
+            f"run.fsdp={cfg.fsdp} on {mesh.size()} ranks needs FSDPModule.set_reduce_scatter_unused_params, "
+            f"which torch {torch.__version__} lacks (a rank without text tokens would hang the gradient "
+            "reduce-scatter): use a newer torch (2.13 has it) or run.fsdp=none"
+        )
     units = [*_embedders(model), *_blocks(model), model.final]
     in_units = {id(p) for unit in units for p in unit.parameters()}
     orphans = [n for n, p in model.named_parameters() if id(p) not in in_units]
@@ -318,7 +328,8 @@ def _apply_fsdp(model: MMDiT, mesh, cfg: ParallelConfig) -> None:
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # summed over ranks, as without FSDP
             module.set_force_sum_reduction_for_comms(True)  # SUM, not PREMUL_SUM (gloo)
-            module.set_reduce_scatter_unused_params(True)  # zeros for unused params: same buffers on every rank
+            if unused_ok:
+                module.set_reduce_scatter_unused_params(True)
 
 
 @dataclasses.dataclass(eq=False)
@@ -405,8 +416,12 @@ def parallelize(
         stats = CompileStats(cfg.compile_backend)
         # One compiled function per block class, shared by its blocks (the module is an
         # input, not a guard); isolated so another model's compiles are not counted here.
+        # (``isolate_recompiles`` is newer than torch 2.11: left out where it is missing.)
+        isolate = {"isolate_recompiles": True}
+        if "isolate_recompiles" not in inspect.signature(torch.compile).parameters:
+            isolate = {}
         compiled = {
-            cls: torch.compile(cls.forward, backend=stats, dynamic=True, isolate_recompiles=True)
+            cls: torch.compile(cls.forward, backend=stats, dynamic=True, **isolate)
             for cls in {type(b) for b in _blocks(model)}
         }
     for i, block in enumerate(_blocks(model)):

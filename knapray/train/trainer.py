@@ -216,7 +216,7 @@ class Trainer:
                 self.step += 1
         self._apply_gradients()
         last = self.step - 1 if self.step > 0 else None
-        if last is not None and self.last_saved != last:
+        if cfg.run.final_checkpoint and last is not None and self.last_saved != last:
             self._save(last)  # the last steps of a run are never lost
         if self.sinks is not None:
             self.sinks.close()
