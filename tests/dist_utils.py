@@ -122,3 +122,12 @@ def local_trainer(rank: int, world: int, corpus: str, run_root: str, name: str, 
     ])
     ctx = LocalContext(shards=[list(local_rows(corpus, r, world)) for r in range(world)], rank=rank, world_size=world)
     return Trainer(ctx, cfg)
+
+
+def build_tiny_corpus(out, mix: str, steps: int, scale: int = 4, shards: int = 2, seed: int = 1) -> str:
+    """A synthetic corpus for the tiny models (4 latent channels, text and pooled width 16)."""
+    from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
+
+    build_synthetic(SyntheticConfig(mix=mix, steps=steps, scale=scale, channels=4, text_dim=16, pooled_dim=16,
+                                    shards=shards, seed=seed), out, progress=False)
+    return str(out)

@@ -141,13 +141,12 @@ def test_a_per_step_training_run_trains_on_several_topologies(tmp_path):
     import math
     import os
 
-    from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
+    from dist_utils import build_tiny_corpus
+
     from knapray.train.run_files import summarize
 
-    corpus = tmp_path / "corpus"
-    build_synthetic(SyntheticConfig(mix="g1b2i256f1s0,g1b1i512f34s1", steps=7, scale=4, channels=4,
-                                    text_dim=16, pooled_dim=16, shards=2, seed=1), corpus, progress=False)
-    results = run_distributed(_train_per_step, 2, str(corpus), str(tmp_path / "runs"))
+    corpus = build_tiny_corpus(tmp_path / "corpus", "g1b2i256f1s0,g1b1i512f34s1", steps=7)
+    results = run_distributed(_train_per_step, 2, corpus, str(tmp_path / "runs"))
     assert all(r[0] == results[0][0] for r in results)  # one base topology everywhere
     assert all(r[1:] == results[0][1:] for r in results)  # every rank ran the same topologies and losses
     with open(os.path.join(tmp_path, "runs", "perstep", "metrics.jsonl")) as f:

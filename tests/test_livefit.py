@@ -7,7 +7,6 @@ FLOP constants' ~100% to within 10% once the fit has replaced them."""
 from __future__ import annotations
 
 import json
-import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -212,7 +211,7 @@ def test_only_a_balanced_run_with_the_cost_planner_fits_live():
 
 # ---- a CPU training run --------------------------------------------------------------------
 
-MODEL = ["model.hidden_size=64", "model.num_heads=4", "model.rope_axes_dim=[4,6,6]", "model.depth_double=1",
+MODEL = ["model.hidden_size=128", "model.num_heads=4", "model.rope_axes_dim=[8,12,12]", "model.depth_double=1",
          "model.depth_single=1", "model.text_dim=16", "model.pooled_dim=16"]
 
 
@@ -227,30 +226,40 @@ def _train_cost_planner(rank: int, world: int, corpus: str, run_root: str):
     return summary["steps"], live.digest(), live.fitted, trainer.planner.live_disagreements
 
 
+def _late_errors(records: list[dict]) -> tuple[float, float]:
+    """Medians over steps 20.. of the per-rank and of the slowest rank's prediction error."""
+    late = [r for r in records if r["step"] >= 20]
+    return (float(np.median([r["prediction_error"] for r in late])),
+            float(np.median([r["step_prediction_error"] for r in late])))
+
+
 @pytest.mark.dist
 def test_cpu_training_with_the_cost_planner_learns_to_predict_step_time(tmp_path):
-    from dist_utils import run_distributed
+    from dist_utils import build_tiny_corpus, run_distributed
 
-    from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
     from knapray.train.run_files import prediction_line, prediction_summary
 
-    corpus = tmp_path / "corpus"
-    build_synthetic(SyntheticConfig(mix="g1b3i128f1s0,g1b2i256f1s0,g1b1i256f2s0", steps=20, scale=2, channels=4,
-                                    text_dim=16, pooled_dim=16, shards=2, seed=1), corpus, progress=False)
-    results = run_distributed(_train_cost_planner, 2, str(corpus), str(tmp_path / "runs"))
-    assert [r[0] for r in results] == [30, 30]
-    # Every rank fitted the same model from the all-reduced times: plans never disagreed.
-    assert results[0][1] == results[1][1] and results[0][2] and results[0][3] == results[1][3] == 0
-    with open(os.path.join(tmp_path, "runs", "live", "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
-    err = {r["step"]: r["prediction_error"] for r in records}
-    assert all(r["planned_by"] == "local" and len(r["predicted_compute_s"]) == 2 for r in records)
-    assert np.mean([err[s] for s in range(5)]) > 0.9  # FLOP constants of an H100 on a CPU
-    # On a quiet 2-core machine 4.0-7.5% (eight runs; README). Thread time still moves with
-    # what else the cores run (caches, clocks): 10.7% once with the load average at 20, so
-    # the bound here leaves room for a busy CI machine; from ~100% it is the re-fit or nothing.
-    assert np.mean([err[s] for s in err if s >= 20]) <= 0.15
+    corpus = build_tiny_corpus(tmp_path / "corpus", "g1b3i128f1s0,g1b2i256f1s0,g1b1i256f2s0", steps=20, scale=2)
+    # On this 2-core machine the mean per-rank error after step 20 is 2.5-7% in most runs;
+    # a shared CPU sometimes slows for seconds (the same step then measures 30% longer) and
+    # the fit follows it in bounded steps: 2 of ~20 runs measured 15-20%. The statistic is
+    # the median over steps 20-29, and one fresh run is allowed before failing: a fit that
+    # does not learn (it starts from the same prior, ~100% off) fails both.
+    for attempt in range(2):
+        runs = tmp_path / f"runs{attempt}"
+        results = run_distributed(_train_cost_planner, 2, corpus, str(runs))
+        assert [r[0] for r in results] == [30, 30]
+        # Every rank fitted the same model from the all-reduced times: plans never disagreed.
+        assert results[0][1] == results[1][1] and results[0][2] and results[0][3] == results[1][3] == 0
+        with open(runs / "live" / "metrics.jsonl") as f:
+            records = [json.loads(line) for line in f]
+        assert all(r["planned_by"] == "local" and len(r["predicted_compute_s"]) == 2 for r in records)
+        assert np.mean([r["prediction_error"] for r in records[:5]]) > 0.9  # an H100's FLOP constants on a CPU
+        per_rank, slowest = _late_errors(records)
+        if per_rank <= 0.15 and slowest <= 0.15:
+            break
+    assert per_rank <= 0.15 and slowest <= 0.15, (per_rank, slowest)
     s = prediction_summary(records)
-    assert s["prediction_error_first"] > 0.9 and s["step_prediction_error_last"] <= 0.2
+    assert s["prediction_error_first"] > 0.9
     assert s["prediction_steps_first"] == [0, 4] and s["prediction_steps_last"] == [20, 29]
     assert "(steps 0-4) -> " in prediction_line(s)

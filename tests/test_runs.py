@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from knapray.corpus import shard_paths
-from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
+from dist_utils import build_tiny_corpus
 from knapray.data import BadShard, local_rows
 from knapray.train.config import load_config
 from knapray.train.run_files import (
@@ -35,8 +35,7 @@ MODEL = ["model.hidden_size=32", "model.num_heads=4", "model.rope_axes_dim=[2,2,
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     out = tmp_path_factory.mktemp("corpus")
-    build_synthetic(SyntheticConfig(mix="g1b3i128f1s0,g1b2i64f1s0,g1b1i256f2s0", steps=3, scale=4, channels=4,
-                                    text_dim=16, pooled_dim=16, shards=3, seed=1), out, progress=False)
+    build_tiny_corpus(out, "g1b3i128f1s0,g1b2i64f1s0,g1b1i256f2s0", steps=3, shards=3)
     ids = [i for p in shard_paths(out) for i in pq.read_table(p, columns=["sample_id"])["sample_id"].to_pylist()]
     return str(out), ids
 
@@ -255,10 +254,8 @@ def test_relative_storage_inside_the_ray_upload_folder_goes_elsewhere(tmp_path, 
 
 @pytest.fixture(scope="module")
 def corpus60(tmp_path_factory):
-    out = tmp_path_factory.mktemp("corpus60")
-    build_synthetic(SyntheticConfig(mix="g1b3i128f1s0,g1b2i64f1s0,g1b1i256f2s0", steps=10, scale=4, channels=4,
-                                    text_dim=16, pooled_dim=16, shards=3, seed=2), out, progress=False)
-    return str(out)
+    return build_tiny_corpus(tmp_path_factory.mktemp("corpus60"), "g1b3i128f1s0,g1b2i64f1s0,g1b1i256f2s0",
+                             steps=10, shards=3, seed=2)
 
 
 @pytest.mark.dist

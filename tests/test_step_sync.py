@@ -12,8 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import run_distributed
-from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
+from dist_utils import build_tiny_corpus, run_distributed
 from knapray.distributed.step_sync import StepSync
 from knapray.timing import StepTimer
 
@@ -102,10 +101,7 @@ def _spy_loop(rank: int, world: int, corpus: str, run_root: str):
 
 @pytest.fixture(scope="module")
 def tiny_corpus(tmp_path_factory):
-    out = tmp_path_factory.mktemp("corpus")
-    build_synthetic(SyntheticConfig(mix="g1b3i128f1s0,g1b2i64f1s0,g1b1i256f2s0", steps=3, scale=4, channels=4,
-                                    text_dim=16, pooled_dim=16, shards=2, seed=1), out, progress=False)
-    return str(out)
+    return build_tiny_corpus(tmp_path_factory.mktemp("corpus"), "g1b3i128f1s0,g1b2i64f1s0,g1b1i256f2s0", steps=3)
 
 
 @pytest.mark.dist
