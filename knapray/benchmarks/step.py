@@ -580,7 +580,8 @@ def print_variants(result: dict) -> None:
             f"{_variant_label(r):<{width}} {r['step_wall_s']:>9.4f} {'x' + format(r['wall_ratio'], '.2f'):>6} "
             f"{r['compute_max_s']:>8.4f} {'x' + format(r['compute_max_ratio'], '.2f'):>6} "
             f"{r['compute_max_over_mean']:>8.3f} {r['saved_mb']:>8.2f} {'x' + format(r['saved_ratio'], '.2f'):>6} "
-            f"{r['state_mb']:>8.2f} {'x' + format(r['state_ratio'], '.2f'):>6} {recompiles:>10} {r['loss_rel_max']:>8.1e} "
+            f"{r['state_mb']:>8.2f} {'x' + format(r['state_ratio'], '.2f'):>6} {recompiles:>10} "
+            f"{r['loss_rel_max']:>8.1e} "
             f"{r['grad_norm_rel_max']:>9.1e}"
         )
     print(
@@ -593,9 +594,9 @@ def print_variants(result: dict) -> None:
         "machine adds parameter all-gathers and\n  gradient reduce-scatters over shared cores and saves "
         "only memory. saved MB: what autograd keeps for backward\n  (activations; weights left out), "
         "params+grads MB: this rank's parameters and gradients (its shards under FSDP),\n  both "
-        "measured on one untimed step after the timed ones, largest rank. recompiles: after the warm-up\n  (during it). loss / grad norm rel diff: largest "
-        "over all steps of |variant - baseline| / |baseline|\n  (global loss, gradient norm): the "
-        "variants compute the same math."
+        "measured on one untimed step after the timed ones, largest rank. recompiles: after the "
+        "warm-up\n  (during it). loss / grad norm rel diff: largest over all steps of "
+        "|variant - baseline| / |baseline|\n  (global loss, gradient norm): the variants compute the same math."
     )
 
 
