@@ -353,7 +353,7 @@ class LiveFit:
                           current: np.ndarray, free: list[int]) -> np.ndarray:
         """Non-negative relative least squares of the ``free`` coefficients given the
         speeds; the others keep ``current``."""
-        basis = np.column_stack([np.ones(t.size), variable / speed[:, None]])  # (R, 4)
+        basis = _basis(variable, speed)
         fixed = [k for k in range(4) if k not in free]
         offset = basis[:, fixed] @ current[fixed] if fixed else None
         coef = nnls_relative(basis, t, free=free, offset=offset, weight=weight) if free else np.zeros(4)
@@ -382,7 +382,7 @@ class LiveFit:
     def _bounded(self, coef: np.ndarray, speeds: np.ndarray, variable: np.ndarray, t: np.ndarray,
                  speed_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Limit the change from the current fit (see the module docstring)."""
-        basis = np.column_stack([np.ones(t.size), variable / speed_rows[:, None]])
+        basis = _basis(variable, speed_rows)
         share = basis.mean(axis=0)  # seconds per unit of each coefficient, mean over rows
         limit = np.full(4, np.inf)
         np.divide(self.max_change * float(t.mean()), share, out=limit, where=share > 0)
@@ -444,11 +444,16 @@ class LiveFit:
                 "speeds": None if self._speeds is None else self._speeds.tolist()}
 
 
+def _basis(variable: np.ndarray, speed: np.ndarray) -> np.ndarray:
+    """(R, 4) seconds per unit of ``c, a, b, s`` in each row, at the rows' speeds."""
+    return np.column_stack([np.ones(len(variable)), variable / speed[:, None]])
+
+
 def _free_columns(variable: np.ndarray, t: np.ndarray, weight: np.ndarray, speed: np.ndarray) -> list[int]:
     """The coefficients the rows can tell apart: in the order ``c, a, b, s``, those whose
     (relative-error-weighted, unit-norm) column has more than ``COLLINEAR_TOL`` outside the
     span of the ones taken before it."""
-    basis = np.column_stack([np.ones(t.size), variable / speed[:, None]]) * (np.sqrt(weight) / t)[:, None]
+    basis = _basis(variable, speed) * (np.sqrt(weight) / t)[:, None]
     norms = np.linalg.norm(basis, axis=0)
     free: list[int] = []
     for k in range(4):

@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"knapray torchrun: error: {e}", file=sys.stderr)
         return 2
     from knapray.distributed.local import init_from_env, shutdown
+    from knapray.planning.rules import PER_STEP
 
     from .run_files import prediction_line, write_run_files
     from .trainer import Trainer
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             out = write_run_files(cfg, summary)
             n_q = out["quarantined_samples"] + out["quarantined_shards"]
             per_step = (f" (per-step: {out['summary']['distinct_topologies']} distinct topologies)"
-                        if cfg.balance.topology == "per-step" and out["summary"].get("steps") else "")
+                        if cfg.balance.topology == PER_STEP and out["summary"].get("steps") else "")
             print(f"[knapray] done: {summary['steps']} steps on {world} ranks, topology {summary['topology']}{per_step}; "
                   f"{n_q} quarantined; run directory {cfg.run_dir}", flush=True)
             if "prediction_error_last" in out["summary"]:
