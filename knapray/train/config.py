@@ -251,6 +251,12 @@ class TrainConfig:
     def run_dir(self) -> str:
         return os.path.abspath(os.path.join(self.run.storage, self.run.name))
 
+    def world_sizes(self) -> list[int]:
+        """Every world size the Ray launcher may start this run with: ``run.num_workers``, or
+        with ``run.min_workers`` > 0 (elastic) every size Ray Train may pick in between.
+        Pre-flight checks the config against each of them."""
+        return list(range(self.run.min_workers or self.run.num_workers, self.run.num_workers + 1))
+
     def samples_per_rank(self, world_size: int) -> int:
         """Samples each rank draws per step in a world of ``world_size``."""
         g = self.data.global_batch

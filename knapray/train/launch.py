@@ -96,7 +96,7 @@ def run_training(cfg: TrainConfig, *, verbose: bool = True) -> dict:
     Everything that can be wrong with the run's inputs fails here, before any worker
     starts (``RunError``, ``BadCorpus``, ``ValueError``: one line naming the value)."""
     cfg = resolve_paths(cfg)
-    start, lock = prepare_run(cfg, range(cfg.run.min_workers or cfg.run.num_workers, cfg.run.num_workers + 1))
+    start, lock = prepare_run(cfg, cfg.world_sizes())
     try:
         print(f"[knapray] {start.message}", flush=True)
         return _fit(cfg, verbose=verbose)
