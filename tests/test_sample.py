@@ -65,18 +65,19 @@ def test_sample_a_grid_of_two_captions_at_two_resolutions(trained, tmp_path):
 
     with Image.open(out) as im:
         assert im.size[0] > 100 and im.size[1] > 100
-    # The latents were decoded by the corpus's VAE (downsample 2) at the asked sizes.
+    # The latents were decoded by the corpus's VAE (downsample 2) at the asked sizes
+    # (WIDTHxHEIGHT: 48x24 is an image 48 wide and 24 high, (frames, height, width, 3)).
     p = argparse.ArgumentParser()
     add_arguments(p)
     report = run(p.parse_args(argv))
-    assert report["decoder"] == "DiffusersVAE" and report["shapes"] == [[1, 32, 32, 3], [1, 48, 24, 3]]
+    assert report["decoder"] == "DiffusersVAE" and report["shapes"] == [[1, 32, 32, 3], [1, 24, 48, 3]]
     again = run(p.parse_args(argv))
     assert again["shapes"] == report["shapes"]
 
 
 def test_sizes_and_time_grid():
-    assert parse_size("512x768") == (512, 768)
-    with pytest.raises(ValueError, match="HEIGHTxWIDTH"):
+    assert parse_size("768x512") == (768, 512)  # (width, height)
+    with pytest.raises(ValueError, match="WIDTHxHEIGHT"):
         parse_size("big")
     ts = flow_timesteps(4)
     assert ts[0] == 1.0 and ts[-1] == 0.0 and np.all(np.diff(ts) < 0)
