@@ -363,7 +363,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shift", type=float_in(gt=0), default=1.0, help="timestep shift, > 1 favours high noise (default 1)")
     p.add_argument("--guidance", type=float_in(ge=0), default=1.0,
                    help="classifier-free guidance scale (default 1: off)")
-    p.add_argument("--max-text-tokens", type=int_at_least(1), default=256, help="caption token limit (default 256)")
+    p.add_argument("--max-text-tokens", type=int_at_least(0), default=256, help="caption token limit (default 256)")
     add_seed(p)
     add_device(p, help="where the model runs (auto: cuda if present)")
     p.add_argument("--out", default="samples.png", help="PNG grid to write (default samples.png)")
