@@ -126,10 +126,33 @@ def run(args: argparse.Namespace) -> int:
               f"planned imbalance {b['imbalance_planned_before']:.2f} -> {b['imbalance_planned_after']:.3f}, "
               f"tokens/s x{b['tokens_per_s'] / u['tokens_per_s']:.2f} (wall clock; on a CPU box the "
               "workers share cores, so compute max/mean is the number that transfers to GPUs)")
-    print(f"run directory: {cfg.run_dir} (metrics.jsonl, summary.json, ledger.jsonl, rank_work.png)")
+        _plot_comparison(cfg, base.cfg, balanced)
+    print(f"run directory: {cfg.run_dir} (metrics.jsonl, summary.json, ledger.jsonl, rank_work.png"
+          f"{', comparison.png' if len(rows) == 2 else ''})")
     with open(os.path.join(cfg.run_dir, "comparison.json"), "w") as f:
         json.dump(dict(rows), f, indent=1)
     return 0
+
+
+def _plot_comparison(cfg, base_cfg, balanced: dict) -> None:
+    """comparison.png: both runs' per-step planned and measured max/mean, and their measured
+    per-rank compute, over the steps the table's means are taken over."""
+    from knapray.plots import plot_run_comparison
+    from knapray.train.run_files import read_metrics, summary_steps
+
+    b, u = read_metrics(cfg.run_dir), read_metrics(base_cfg.run_dir)
+    if not b or not u:
+        return
+    topologies = balanced["run"]["summary"].get("topologies") or {}
+    on = next(iter(topologies)) if len(topologies) == 1 else f"{len(topologies)} topologies"
+    plot_run_comparison(
+        os.path.join(cfg.run_dir, "comparison.png"),
+        [(f"balanced ({on})", summary_steps(b)),
+         (f"unbalanced (g1n{u[-1]['world_size']})", summary_steps(u))],
+        title=f"{cfg.run.name}: the same {len(u)} steps balanced and unbalanced, {u[-1]['world_size']} workers",
+        note="the legend's means are the table's 'planned imbalance' (dashed) and 'compute max/mean' (solid)"
+        + ("; step 0 (warm-up) left out, as in the table" if len(summary_steps(b)) < len(b) else ""),
+    )
 
 
 def _unbalanced(cfg):

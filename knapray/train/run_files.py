@@ -257,11 +257,28 @@ def read_metrics(run_dir: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def summary_steps(records: list[dict]) -> list[dict]:
+    """The steps a run's means are taken over: all but the first (warm-up) of three or more."""
+    return records[1:] if len(records) > 2 else records
+
+
+def run_title(cfg: TrainConfig, records: list[dict]) -> str:
+    """What the run's steps ran on: its topologies (steps per topology when several), or,
+    unbalanced, every rank its own samples (``g1n<world>``)."""
+    world = records[-1]["world_size"]
+    if not cfg.balance.enabled:
+        return f"unbalanced, every rank computes its own samples (g1n{world}), {world} workers"
+    topologies = distinct_topologies(records)
+    shown = next(iter(topologies)) if len(topologies) == 1 else ", ".join(
+        f"{t} ({n} steps)" for t, n in topologies.items())
+    return f"balanced on {shown}, {world} workers"
+
+
 def summarize(records: list[dict]) -> dict:
     """Run-level numbers from rank 0's per-step records (the first step is warm-up)."""
     if not records:
         return {"steps": 0}
-    body = records[1:] if len(records) > 2 else records
+    body = summary_steps(records)
     mean = lambda key: float(np.mean([r[key] for r in body]))  # noqa: E731
     return {
         "steps": len(records),
@@ -366,14 +383,17 @@ def write_run_files(cfg: TrainConfig, summary: dict) -> dict:
     if records:
         from knapray.plots import plot_rank_work
 
+        body = summary_steps(records)
         plot_rank_work(
             os.path.join(run_dir, "rank_work.png"),
-            [np.asarray(r["baseline_rank_work"]) for r in records],
-            [np.asarray(r["rank_work"]) for r in records],
-            [r["baseline_imbalance_planned"] for r in records],
-            [r["imbalance_planned"] for r in records],
-            title=f"{cfg.run.name}: {summary.get('topology')} on {summary.get('world_size')} workers",
+            [np.asarray(r["baseline_rank_work"]) for r in body],
+            [np.asarray(r["rank_work"]) for r in body],
+            [r["baseline_imbalance_planned"] for r in body],
+            [r["imbalance_planned"] for r in body],
+            title=f"{cfg.run.name}: {run_title(cfg, records)}",
             run_label="balanced (knapray plan)" if cfg.balance.enabled else "unbalanced (this run)",
-            measured_compute=[np.asarray(r["compute_s"]) for r in records[1:]],  # step 0 warms up
+            measured_compute=[np.asarray(r["compute_s"]) for r in body],
+            steps=[r["step"] for r in body],
+            note="step 0 (warm-up) left out, as in summary.json" if len(body) < len(records) else "",
         )
     return out
