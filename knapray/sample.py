@@ -385,8 +385,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_report(report: dict, as_json: bool) -> None:
-    print(f"wrote {report['out']} ({report['requests']} images, {'EMA' if report['ema'] else 'raw'} weights of "
-          f"{report['checkpoint']}, decoded by {report['decoder']})")
+    sizes = ", ".join(f"{w}x{h}" for _, h, w, _ in report["shapes"])  # (frames, height, width, 3) each
+    print(f"wrote {report['out']} ({report['requests']} images: {sizes} pixels; {'EMA' if report['ema'] else 'raw'} "
+          f"weights of {report['checkpoint']}, decoded by {report['decoder']})")
     if as_json:
         print(json.dumps(report))
 
