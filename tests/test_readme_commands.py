@@ -23,8 +23,10 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -250,10 +252,16 @@ def _run_here(argv: list[str], work: Path, monkeypatch, capfd) -> tuple[int, str
     monkeypatch.chdir(work)
     if argv[:2] == ["knapray", "train"] and "--check" not in argv:
         pytest.importorskip("ray")
-        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own embedded Ray
-        env.update(PYTHONPATH=str(REPO), RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.2")
-        out = subprocess.run([sys.executable, "-m", "knapray.cli", *argv[1:]], cwd=work, env=env,
-                             capture_output=True, text=True, timeout=420)
+        # Its own embedded Ray: no RAY_ADDRESS, and a temp dir of its own, so that neither
+        # joins a cluster another process started with `ray start` (ray_current_cluster).
+        ray_tmp = tempfile.mkdtemp(prefix="kr-", dir="/tmp")  # short: Ray's socket paths
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env.update(PYTHONPATH=str(REPO), RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.2", RAY_TMPDIR=ray_tmp)
+        try:
+            out = subprocess.run([sys.executable, "-m", "knapray.cli", *argv[1:]], cwd=work, env=env,
+                                 capture_output=True, text=True, timeout=420)
+        finally:
+            shutil.rmtree(ray_tmp, ignore_errors=True)
         return out.returncode, out.stdout + out.stderr
     if argv[0] == "knapray":
         from knapray.cli import main
