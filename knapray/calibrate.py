@@ -457,8 +457,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--short", type=int_at_least(1), default=None,
                    help="length of the short sequences (default 64 CPU, 256 GPU)")
     p.add_argument("--longest", type=int_at_least(1), default=None,
-                   help="longest calibrated sequence: the run's longest (default: 2048 on CPU, the largest budget on GPU)")
-    p.add_argument("--repeats", type=int_at_least(1), default=7, help="timed runs per batch; the fastest counts (default 7)")
+                   help="longest calibrated sequence: the run's longest (default: 2048 on CPU, the largest "
+                   "budget on GPU)")
+    p.add_argument("--repeats", type=int_at_least(1), default=7,
+                   help="timed runs per batch; the fastest counts (default 7)")
     add_device(p, help="where to time (default: run.use_gpu with --config, else cuda if present)")
     add_dtype(p, help="compute dtype (default: run.precision with --config, else bf16 on GPU, fp32 on CPU)")
     add_compile(p, "torch.compile every block (dynamic shapes), as the run does (default: run.compile)")

@@ -360,7 +360,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pixels: one for all requests, one per request, or several for one caption (default 256x256)")
     p.add_argument("--frames", type=int_at_least(1), default=1, help="latent frames (videos; default 1)")
     p.add_argument("--steps", type=int_at_least(1), default=28, help="Euler steps (default 28)")
-    p.add_argument("--shift", type=float_in(gt=0), default=1.0, help="timestep shift, > 1 favours high noise (default 1)")
+    p.add_argument("--shift", type=float_in(gt=0), default=1.0,
+                   help="timestep shift, > 1 favours high noise (default 1)")
     p.add_argument("--guidance", type=float_in(ge=0), default=1.0,
                    help="classifier-free guidance scale (default 1: off)")
     p.add_argument("--max-text-tokens", type=int_at_least(0), default=256, help="caption token limit (default 256)")

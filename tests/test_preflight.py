@@ -36,9 +36,10 @@ def no_ray(monkeypatch):
 
 def _corpus(path: pathlib.Path, widths: dict[str, int]) -> str:
     if not (path / "schema.json").exists():
-        build_synthetic(SyntheticConfig(mix="g2b2i128f1s0,g1b1i64f2s1", steps=2, scale=4, channels=widths["in_channels"],
-                                        text_dim=widths["text_dim"], pooled_dim=widths["pooled_dim"],
-                                        max_text_tokens=16, shards=2), path, progress=False)
+        build_synthetic(SyntheticConfig(mix="g2b2i128f1s0,g1b1i64f2s1", steps=2, scale=4,
+                                        channels=widths["in_channels"], text_dim=widths["text_dim"],
+                                        pooled_dim=widths["pooled_dim"], max_text_tokens=16, shards=2),
+                        path, progress=False)
     return str(path)
 
 
@@ -130,3 +131,29 @@ def test_a_mostly_unreadable_corpus_is_refused_by_name(tmp_path, capsys):
     code, _, err = _run(["train", "--config", str(REPO / "jobs/configs/demo.yaml"), "--set", f"data.corpus={corpus}",
                          "--set", f"run.storage={tmp_path}", "--check"], capsys)
     assert code == 2 and len(err) == 1 and "unreadable shard" in err[0] and shards[0] in err[0], err
+
+
+def test_pre_flight_reads_each_file_once(demo_corpus, tmp_path, monkeypatch):
+    """schema.json once (the model's widths and the corpus check share it), each shard's
+    footer once."""
+    import pyarrow.parquet as pq
+
+    import knapray.train.preflight as preflight
+
+    reads = {"schema": 0, "footer": 0}
+    read_schema, parquet_file = preflight.read_schema_json, pq.ParquetFile
+
+    def count_schema(path):
+        reads["schema"] += 1
+        return read_schema(path)
+
+    def count_footer(*args, **kwargs):
+        reads["footer"] += 1
+        return parquet_file(*args, **kwargs)
+
+    monkeypatch.setattr(preflight, "read_schema_json", count_schema)
+    monkeypatch.setattr(pq, "ParquetFile", count_footer)
+    pre = preflight.check_file(str(REPO / "jobs/configs/demo.yaml"),
+                               [f"data.corpus={demo_corpus}", f"run.storage={tmp_path}"])
+    assert reads == {"schema": 1, "footer": len(pre.corpus.good_shards)} == {"schema": 1, "footer": 2}
+    assert pre.cfg.model.text_dim == 16  # from that one read

@@ -639,16 +639,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     add_world_size(p, default=4, help="gloo processes (default 4)")
     p.add_argument("--steps", type=int_at_least(1), default=6, help="steps, the warm-up included (default 6)")
-    p.add_argument("--warmup", type=int_at_least(0), default=1, help="leading steps left out of the averages (default 1)")
+    p.add_argument("--warmup", type=int_at_least(0), default=1,
+                   help="leading steps left out of the averages (default 1)")
     p.add_argument("--mix", default=DEFAULT_MIX,
                    help="data codes; skewed by default: rank 0 holds two videos, the others small images")
     p.add_argument("--scale", type=int_at_least(1), default=DEFAULT_SCALE,
                    help=f"divide resolutions and text lengths (default {DEFAULT_SCALE})")
-    p.add_argument("--topology", default=DEFAULT_TOPOLOGY, help=f"bags of the balanced run (default {DEFAULT_TOPOLOGY})")
+    p.add_argument("--topology", default=DEFAULT_TOPOLOGY,
+                   help=f"bags of the balanced run (default {DEFAULT_TOPOLOGY})")
     p.add_argument("--max-text-tokens", type=int_at_least(0), default=DEFAULT_MAX_TEXT_TOKENS)
     p.add_argument("--hidden", type=int_at_least(1), default=192, help="model width (default 192)")
     p.add_argument("--heads", type=int_at_least(1), default=4, help="attention heads (default 4)")
-    p.add_argument("--depth", type=int_at_least(0), default=2, help="double- and single-stream blocks, each (default 2)")
+    p.add_argument("--depth", type=int_at_least(0), default=2,
+                   help="double- and single-stream blocks, each (default 2)")
     p.add_argument("--gamma", type=float_in(ge=0), default=None,
                    help=f"attention cost weight of the workload model (default: fitted for CPU, {CPU_GAMMA})")
     add_seed(p)

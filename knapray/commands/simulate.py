@@ -13,7 +13,8 @@ from .flags import add_gpus_per_node, add_json, add_seed, add_world_size, int_at
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mix", help="paper mix name (low-res, mixed-res, image+video), data codes, or a non-stationary "
-                   "schedule alternate:MIX[*K]/MIX[*K]/... (K steps of each in turn, e.g. alternate:low-res/image+video)")
+                   "schedule alternate:MIX[*K]/MIX[*K]/... (K steps of each in turn, e.g. "
+                   "alternate:low-res/image+video)")
     p.add_argument("--lengths", metavar="FILE",
                    help="JSON file: list of steps, each a list of per-rank lists of lengths")
     p.add_argument("--topology", default="auto", help="bags, e.g. g8n4, 'auto' (default: chosen once from other "

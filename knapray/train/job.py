@@ -5,8 +5,9 @@ Connects to the Ray cluster given by ``--address`` or ``RAY_ADDRESS`` (``ray job
 sets it), or starts an embedded local Ray. Every input is checked before Ray starts
 (``knapray.train.preflight``): a bad config value, a missing corpus, a model that does not
 fit the corpus, a world size the topology cannot take or a run directory that may not be
-used is one line on stderr and exit code 2. ``--check`` stops after those checks. With ``--compare-unbalanced`` it trains the same steps a second
-time without balancing and prints the two side by side.
+used is one line on stderr and exit code 2. ``--check`` stops after those checks. With
+``--compare-unbalanced`` it trains the same steps a second time without balancing, prints
+the two side by side and draws them per step (``comparison.png``).
 """
 
 from __future__ import annotations

@@ -116,8 +116,17 @@ class Preflight:
             f"{info.text_dim}, pooled_dim {info.pooled_dim}, patch {tuple(info.patch)}: the model fits it",
             f"world sizes: {_worlds_text(self.worlds, cfg)}: the global batch, topology "
             f"{cfg.balance.topology!r} and heads fit each",
-            f"run directory: {start.message.replace('starting run', 'would start run', 1).replace('resuming run', 'would resume run', 1)}",
+            f"run directory: {_would(start.message)}",
         ]
+
+
+_WOULD = {"starting": "would start", "resuming": "would resume"}
+
+
+def _would(message: str) -> str:
+    """``RunStart.message`` ("starting run ...", "resuming run ...") as what a run would do."""
+    verb, _, rest = message.partition(" ")
+    return f"{_WOULD.get(verb, verb)} {rest}"
 
 
 def _worlds_text(worlds: tuple[int, ...], cfg: TrainConfig) -> str:
