@@ -41,8 +41,10 @@ and then (the *load factor* it prints).
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
+import sys
 import platform
 import time
 from typing import Sequence
@@ -417,12 +419,128 @@ def _command(hidden, heads, dd, ds, budgets, short, longest, repeats, bench: _Be
         "knapray calibrate", f"--hidden {hidden}", f"--heads {heads}", f"--depth-double {dd}",
         f"--depth-single {ds}", "--budgets " + ",".join(str(x) for x in budgets), f"--short {short}",
         f"--longest {longest}",
-        f"--repeats {repeats}", f"--device {bench.dev.type}", f"--dtype {bench.dtype_name}",
+        f"--repeats {repeats}", f"--device {bench.dev.type}",
+        "--dtype " + {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[bench.dtype_name],
     ]
     if bench.mode["compile"]:
         parts.append("--compile")
     if bench.mode["ac"]:
-        parts.append("--ac")
+        parts.append("--ac full")
     if out:
         parts.append(f"--out {out}")
     return " ".join(parts)
+
+
+# ---- the command ----------------------------------------------------------------------------
+
+DESCRIPTION = ("Time packed batches on this device, fit the cost model, write a profile; or --validate a profile "
+               "on held-out batches. With --config, the run's model size and execution mode (run.precision, "
+               "run.activation_checkpointing, run.compile, run.use_gpu) are calibrated; flags override them.")
+DEFAULT_DIMS = {"hidden": 128, "heads": 4, "depth_double": 1, "depth_single": 1}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from knapray.commands.flags import (add_ac, add_compile, add_config, add_device, add_dtype, add_json, float_in,
+                                        int_at_least)
+
+    add_config(p, required=False, what=": calibrate its model size and execution mode")
+    p.add_argument("--hidden", type=int_at_least(1), default=None,
+                   help="model width (default: model.hidden_size with --config, else 128: CPU size; Flux 3072)")
+    p.add_argument("--heads", type=int_at_least(1), default=None,
+                   help="attention heads (default: model.num_heads with --config, else 4; Flux 24)")
+    p.add_argument("--depth-double", type=int_at_least(0), default=None,
+                   help="double-stream blocks timed (default: model.depth_double with --config, else 1)")
+    p.add_argument("--depth-single", type=int_at_least(0), default=None,
+                   help="single-stream blocks timed (default: model.depth_single with --config, else 1)")
+    p.add_argument("--budgets", help="comma-separated token budgets of the packed batches "
+                   "(default: 1024,2048,3072 on CPU, 8192,16384,32768 on GPU)")
+    p.add_argument("--short", type=int_at_least(1), default=None,
+                   help="length of the short sequences (default 64 CPU, 256 GPU)")
+    p.add_argument("--longest", type=int_at_least(1), default=None,
+                   help="longest calibrated sequence: the run's longest (default: 2048 on CPU, the largest "
+                   "budget on GPU)")
+    p.add_argument("--repeats", type=int_at_least(1), default=7,
+                   help="timed runs per batch; the fastest counts (default 7)")
+    add_device(p, help="where to time (default: run.use_gpu with --config, else cuda if present)")
+    add_dtype(p, help="compute dtype (default: run.precision with --config, else bf16 on GPU, fp32 on CPU)")
+    add_compile(p, "torch.compile every block (dynamic shapes), as the run does (default: run.compile)")
+    add_ac(p, default=None, help="none or full, as the run does (default: run.activation_checkpointing with "
+           "--config, else none)")
+    p.add_argument("--per-sequence", choices=["auto", "on", "off"], default="auto",
+                   help="per-sequence cost term: auto keeps it if leave-one-out cross-validation says so (default)")
+    p.add_argument("--out", default="profile.json", help="profile JSON to write (default profile.json)")
+    p.add_argument("--validate", metavar="PROFILE", help="time held-out packed batches from the paper mixes in the "
+                   "profile's mode; print predicted vs measured; exit 1 if the mean abs. error exceeds --max-error")
+    p.add_argument("--validate-scale", type=int_at_least(1), default=None,
+                   help="--validate: divide the mixes' resolutions by this (default 4 on CPU, 1 on GPU)")
+    p.add_argument("--validate-target-s", type=float_in(gt=0), default=None,
+                   help="--validate: seconds a held-out batch should take by the profile's prediction "
+                   "(default 0.15 on CPU, 0.3 on GPU)")
+    p.add_argument("--per-mix", type=int_at_least(1), default=4,
+                   help="--validate: held-out batches per paper mix (default 4)")
+    p.add_argument("--max-error", type=float_in(gt=0), default=MAX_ERROR,
+                   help="exit 1 if the mean abs. error (calibration: leave-one-out; validation: held-out) exceeds "
+                   f"this (default {MAX_ERROR:g})")
+    add_json(p)
+
+
+def calibration_args(args: argparse.Namespace) -> dict:
+    """``calibrate``'s keyword arguments from the command line: a flag given wins, then the
+    run config's value (``--config``), then the built-in default. Raises ValueError."""
+    from knapray.commands.flags import TORCH_DTYPE_NAMES
+
+    cfg = None
+    if args.config:
+        from knapray.train.config import load_config
+
+        cfg = load_config(args.config, args.set)
+    elif args.set:
+        raise ValueError("--set overrides a run config's values: give the config with --config")
+    model = {"hidden": "hidden_size", "heads": "num_heads", "depth_double": "depth_double",
+             "depth_single": "depth_single"}
+    dims = {k: getattr(args, k) if getattr(args, k) is not None else
+            (getattr(cfg.model, field) if cfg is not None else DEFAULT_DIMS[k]) for k, field in model.items()}
+    device = None if args.device == "auto" else args.device
+    if device is None and cfg is not None:
+        device = "cuda" if cfg.run.use_gpu else "cpu"
+    dtype = args.dtype
+    if dtype == "auto" and cfg is not None:
+        dtype = cfg.run.precision  # auto | bf16 | fp32
+    ac = args.ac if args.ac is not None else (cfg.run.activation_checkpointing if cfg is not None else "none")
+    if ac == "every_k":
+        where = "--ac every_k" if args.ac is not None else f"run.activation_checkpointing every_k ({args.config})"
+        raise ValueError(f"{where}: a profile records activation checkpointing as full or none; calibrate with "
+                         "--ac full or --ac none")
+    budgets = None
+    if args.budgets:
+        try:
+            budgets = [int(x) for x in args.budgets.split(",")]
+        except ValueError:
+            raise ValueError(f"--budgets {args.budgets!r}: expected comma-separated token counts, e.g. 1024,2048")
+    return {**dims, "budgets": budgets, "short": args.short, "longest": args.longest, "repeats": args.repeats,
+            "device": device, "dtype": None if dtype == "auto" else TORCH_DTYPE_NAMES[dtype],
+            "compile": bool(args.compile or (cfg is not None and cfg.run.compile)), "ac": ac == "full",
+            "per_sequence": {"auto": None, "on": True, "off": False}[args.per_sequence], "out": args.out}
+
+
+def cli(args: argparse.Namespace) -> int:
+    def progress(done: int, total: int) -> None:
+        if not args.json:
+            print(f"  timed round {done}/{total}", file=sys.stderr, flush=True)
+
+    if args.validate:
+        if args.config or args.set:
+            raise ValueError("--validate times in the profile's own recorded mode: leave out --config / --set")
+        report = validate(
+            args.validate, scale=args.validate_scale, target_s=args.validate_target_s, per_mix=args.per_mix,
+            repeats=args.repeats, device=None if args.device == "auto" else args.device, progress=progress,
+        )
+        print_validation(report, args.max_error)
+        if args.json:
+            print(json.dumps(report))
+        return 0 if report["mean_abs_error"] <= args.max_error else 1
+    profile = calibrate(**calibration_args(args), progress=progress)
+    print_report(profile)
+    if args.json:
+        print(json.dumps(profile))
+    return 0 if profile["fit"]["cv_mape"] <= args.max_error else 1

@@ -73,9 +73,10 @@ class CorpusInfo:
     """Rows of each shard (None for corpora written before it was recorded)."""
 
 
-def corpus_info(path: str | Path) -> CorpusInfo:
-    """Read ``<path>/schema.json``; raises FileNotFoundError / ValueError naming the file."""
-    doc = read_schema_json(path)
+def corpus_info(path: str | Path, doc: Mapping[str, Any] | None = None) -> CorpusInfo:
+    """Read ``<path>/schema.json`` (or take its contents, ``doc``, read already); raises
+    FileNotFoundError / ValueError naming the file."""
+    doc = read_schema_json(path) if doc is None else doc
     dims = doc["dims"]
     return CorpusInfo(
         path=Path(path),
@@ -141,10 +142,11 @@ def shard_order(num_shards: int, *, shuffle_seed: int | None, epoch: int = 0) ->
     return rng.permutation(num_shards).tolist()
 
 
-def checked_shards(path: str | Path) -> list[Path]:
+def checked_shards(path: str | Path, info: CorpusInfo | None = None) -> list[Path]:
     """The corpus's shard files, which must be exactly those schema.json lists: a shard
-    missing or left over (an interrupted copy) would silently change the epoch."""
-    info = corpus_info(path)
+    missing or left over (an interrupted copy) would silently change the epoch.
+    ``info``: the corpus's ``corpus_info``, when read already."""
+    info = corpus_info(path) if info is None else info
     files = shard_paths(path)
     names = tuple(p.name for p in files)
     if names != info.shards:
@@ -245,17 +247,18 @@ class BadShard:
 OnBadShard = Callable[[BadShard], None]
 
 
-def check_shards(path: str | Path) -> tuple[list[Path], list[BadShard]]:
+def check_shards(path: str | Path, info: CorpusInfo | None = None) -> tuple[list[Path], list[BadShard]]:
     """Readable shards and the ones that are not, from each file's parquet footer (no data
     is read): truncated files, garbage, other files under a shard's name and shards whose
-    row count differs from schema.json are found before training starts."""
+    row count differs from schema.json are found before training starts. ``info``: the
+    corpus's ``corpus_info``, when read already."""
     import pyarrow.parquet as pq
 
     from knapray.corpus.schema import CORPUS_SCHEMA
 
-    info = corpus_info(path)
+    info = corpus_info(path) if info is None else info
     good, bad = [], []
-    for i, file in enumerate(checked_shards(path)):
+    for i, file in enumerate(checked_shards(path, info)):
         expected = info.shard_rows[i] if info.shard_rows is not None else None
         try:
             meta = pq.ParquetFile(file).metadata

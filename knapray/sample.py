@@ -3,6 +3,11 @@
     knapray sample --run runs/NAME --caption "a red bicycle" --caption "a cat" \\
         --size 512x512 --size 768x384 --steps 28 --out grid.png
 
+Sizes are WIDTHxHEIGHT in pixels. Requests pair captions (then ``--like`` ids) with sizes:
+one size for all of them, one per request, or, for a single caption, one request per
+size. Every argument is checked against the run (its config, checkpoint and corpus
+record) before any weights load.
+
 The model is rebuilt from the run's saved ``config.json`` and loaded from its newest
 checkpoint (``--checkpoint`` picks one), with the EMA weights when the checkpoint has
 them (``--no-ema`` for the raw ones). Captions are encoded with the text encoder the
@@ -46,13 +51,27 @@ class Request:
 
 
 def parse_size(text: str) -> tuple[int, int]:
+    """``"768x384"`` -> (width 768, height 384), in pixels."""
     try:
-        h, w = (int(v) for v in text.lower().split("x"))
+        w, h = (int(v) for v in text.lower().split("x"))
     except ValueError:
-        raise ValueError(f"--size {text!r}: expected HEIGHTxWIDTH in pixels, e.g. 512x768") from None
-    if h < 1 or w < 1:
-        raise ValueError(f"--size {text!r}: sizes must be positive")
-    return h, w
+        raise ValueError(f"--size {text!r}: expected WIDTHxHEIGHT in pixels, e.g. 768x512") from None
+    if w < 1 or h < 1:
+        raise ValueError(f"--size {text!r}: width and height must be positive")
+    return w, h
+
+
+def pair_requests(prompts: list, sizes: list[tuple[int, int]]) -> list[tuple[Any, tuple[int, int]]]:
+    """(prompt, size) per request: one size for every prompt, one size per prompt, or one
+    prompt at every size; anything else is a ValueError naming the counts."""
+    if len(sizes) == 1:
+        return [(p, sizes[0]) for p in prompts]
+    if len(prompts) == 1:
+        return [(prompts[0], size) for size in sizes]
+    if len(sizes) == len(prompts):
+        return list(zip(prompts, sizes))
+    raise ValueError(f"{len(prompts)} requests (--caption / --like) and {len(sizes)} --size values: give one "
+                     "--size for all, one per request, or one caption with several sizes")
 
 
 def flow_timesteps(steps: int, shift: float = 1.0) -> list[float]:
@@ -68,11 +87,9 @@ def flow_timesteps(steps: int, shift: float = 1.0) -> list[float]:
 # ---- loading a run ------------------------------------------------------------------------
 
 
-def load_run_model(run_dir: str, checkpoint: str | None = None, ema: bool = True,
-                   device: str = "cpu") -> tuple[Any, Any, str, bool]:
-    """(MMDiT, TrainConfig, checkpoint path, EMA used) from a run directory."""
-    from knapray.models import MMDiT
-    from knapray.train.checkpoint import completed_checkpoints, safe_load, saved_keys
+def read_run(run_dir: str, checkpoint: str | None = None) -> tuple[Any, str]:
+    """(TrainConfig, checkpoint path) of a run directory, read without loading weights."""
+    from knapray.train.checkpoint import completed_checkpoints
     from knapray.train.config import config_from_dict
 
     cfg_path = os.path.join(run_dir, "config.json")
@@ -86,27 +103,56 @@ def load_run_model(run_dir: str, checkpoint: str | None = None, ema: bool = True
         raise ValueError(f"--run {run_dir}: no complete checkpoint to sample from")
     if not os.path.exists(os.path.join(path, ".metadata")):
         raise ValueError(f"--checkpoint {path}: not a checkpoint directory (no .metadata)")
+    return cfg, path
+
+
+def load_weights(cfg: Any, path: str, ema: bool = True, device: str = "cpu") -> tuple[Any, bool]:
+    """(MMDiT of ``cfg.model`` with the checkpoint's weights, EMA used)."""
+    from knapray.models import MMDiT
+    from knapray.train.checkpoint import safe_load, saved_keys
+
     model = MMDiT(cfg.model)
     used_ema = ema and any(k.startswith("ema.") for k in saved_keys(path))
     prefix = "ema" if used_ema else "model"
     state = {prefix: {k: v for k, v in model.state_dict().items()}}
     safe_load(state, path)
     model.load_state_dict(state[prefix], strict=True)
-    return model.to(device).eval(), cfg, path, used_ema
+    return model.to(device).eval(), used_ema
+
+
+def load_run_model(run_dir: str, checkpoint: str | None = None, ema: bool = True,
+                   device: str = "cpu") -> tuple[Any, Any, str, bool]:
+    """(MMDiT, TrainConfig, checkpoint path, EMA used) from a run directory."""
+    cfg, path = read_run(run_dir, checkpoint)
+    model, used_ema = load_weights(cfg, path, ema, device)
+    return model, cfg, path, used_ema
 
 
 # ---- conditioning and decoding from the corpus's record ---------------------------------
 
 
+def corpus_records(corpus: str) -> tuple[dict, dict, dict]:
+    """(text encoder record, latent encoder record, dims) from the corpus's schema.json."""
+    from knapray.corpus import read_schema_json
+
+    try:
+        doc = read_schema_json(corpus)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"the run's corpus: {e}") from None
+    records = doc.get("encoders") or {}
+    return records.get("text") or {}, records.get("latent") or {}, doc["dims"]
+
+
+TEXT_ENCODERS = ("HashTextEncoder", "HFTextEncoder")
+"""Text encoders a corpus can record that ``corpus_codecs`` rebuilds for captions."""
+
+
 def corpus_codecs(corpus: str, device: str = "cpu") -> tuple[Any, Any, dict]:
     """(text encoder or None, latent decoder or None, schema dims) rebuilt from the
     corpus's schema.json."""
-    from knapray.corpus import read_schema_json
     from knapray.corpus.encoders import HashTextEncoder, PixelPatchEncoder
 
-    doc = read_schema_json(corpus)
-    records = doc.get("encoders") or {}
-    text_rec, latent_rec = records.get("text") or {}, records.get("latent") or {}
+    text_rec, latent_rec, dims = corpus_records(corpus)
     text = decoder = None
     if text_rec.get("class") == "HashTextEncoder":
         text = HashTextEncoder(dim=int(text_rec["dim"]), pooled_dim=int(text_rec["pooled_dim"]))
@@ -125,7 +171,7 @@ def corpus_codecs(corpus: str, device: str = "cpu") -> tuple[Any, Any, dict]:
         from knapray.corpus.hf import DiffusersVAE
 
         decoder = DiffusersVAE(latent_rec["path"], device=device)
-    return text, decoder, doc["dims"]
+    return text, decoder, dims
 
 
 def preview(latent: np.ndarray) -> np.ndarray:
@@ -236,78 +282,113 @@ def save_grid(path: str, images: list[np.ndarray], titles: list[str]) -> str:
     return path
 
 
-def run(args: argparse.Namespace) -> dict:
-    import torch
+@dataclass(frozen=True)
+class SamplePlan:
+    """Everything ``run`` checked before loading weights."""
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, cfg, ckpt, used_ema = load_run_model(args.run, args.checkpoint, ema=not args.no_ema, device=device)
-    text_encoder, decoder, dims = corpus_codecs(cfg.data.corpus, device)
-    down = int(dims.get("vae_downsample", 8))
+    cfg: Any
+    checkpoint: str
+    requests: list[Request]
+
+
+def plan_sampling(args: argparse.Namespace) -> SamplePlan:
+    """Check every argument against the run (config.json, its checkpoint, the corpus's
+    record) without loading weights; ValueError naming the first bad value."""
     sizes = [parse_size(s) for s in (args.size or ["256x256"])]
     prompts: list[tuple[str | None, int | None]] = [(c, None) for c in (args.caption or [])]
     prompts += [(None, int(i)) for i in (args.like or [])]
-    if not prompts:
-        prompts = [(None, None)]
-    if len(sizes) not in (1, len(prompts)):
-        raise ValueError(f"give one --size for all requests or one per request ({len(prompts)}), got {len(sizes)}")
-    sizes = sizes * len(prompts) if len(sizes) == 1 else sizes
-    pt, ph, pw = cfg.model.patch_size
-    conds, shapes, titles = [], [], []
-    for (caption, like), (h, w) in zip(prompts, sizes):
-        lh, lw = h // down, w // down
-        if lh % ph or lw % pw or lh < ph or lw < pw:
-            raise ValueError(f"--size {h}x{w}: with a VAE downsample of {down} and patches of {ph}x{pw} both sides "
-                             f"must be positive multiples of {down * ph}x{down * pw} pixels")
-        if like is not None:
-            conds.append(corpus_text(cfg.data.corpus, like, cfg.model.text_dim, cfg.model.pooled_dim))
-        elif caption is not None:
-            if text_encoder is None:
-                raise ValueError(f"the corpus {cfg.data.corpus} records no text encoder knapray can rebuild; "
-                                 "use --like SAMPLE_ID to borrow a sample's text embeddings")
-            conds.append(text_encoder.encode(caption, args.max_text_tokens))
+    pairs = pair_requests(prompts or [(None, None)], sizes)
+    cfg, ckpt = read_run(args.run, args.checkpoint)
+    text_rec, _, dims = corpus_records(cfg.data.corpus)
+    if args.caption and text_rec.get("class") not in TEXT_ENCODERS:
+        raise ValueError(f"the corpus {cfg.data.corpus} records no text encoder knapray can rebuild; "
+                         "use --like SAMPLE_ID to borrow a sample's text embeddings")
+    down = int(dims.get("vae_downsample", 8))
+    _, ph, pw = cfg.model.patch_size
+    requests = []
+    for (caption, like), (w, h) in pairs:
+        if h % (down * ph) or w % (down * pw):
+            raise ValueError(f"--size {w}x{h}: with a VAE downsample of {down} and patches of {pw}x{ph} the width "
+                             f"must be a positive multiple of {down * pw} and the height of {down * ph} pixels")
+        requests.append(Request(caption=caption, height=h, width=w, frames=args.frames, like=like))
+    return SamplePlan(cfg=cfg, checkpoint=ckpt, requests=requests)
+
+
+def run(args: argparse.Namespace) -> dict:
+    import torch
+
+    plan = plan_sampling(args)  # every argument checked before anything loads
+    cfg = plan.cfg
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    conds = []
+    for r in plan.requests:  # --like ids first: they only read the corpus
+        if r.like is not None:
+            conds.append(corpus_text(cfg.data.corpus, r.like, cfg.model.text_dim, cfg.model.pooled_dim))
         else:
-            conds.append((np.zeros((0, cfg.model.text_dim), np.float32), np.zeros(cfg.model.pooled_dim, np.float32)))
-        shapes.append((args.frames * pt, lh, lw))
-        titles.append(f"{caption or (f'like sample {like}' if like is not None else 'unconditional')}\n{h}x{w}")
+            conds.append(None)
+    model, used_ema = load_weights(cfg, plan.checkpoint, ema=not args.no_ema, device=device)
+    text_encoder, decoder, dims = corpus_codecs(cfg.data.corpus, device)
+    down = int(dims.get("vae_downsample", 8))
+    pt = cfg.model.patch_size[0]
+    shapes, titles = [], []
+    for i, r in enumerate(plan.requests):
+        if r.caption is not None:
+            conds[i] = text_encoder.encode(r.caption, args.max_text_tokens)
+        elif r.like is None:
+            conds[i] = (np.zeros((0, cfg.model.text_dim), np.float32), np.zeros(cfg.model.pooled_dim, np.float32))
+        shapes.append((r.frames * pt, r.height // down, r.width // down))
+        what = r.caption or (f"like sample {r.like}" if r.like is not None else "unconditional")
+        titles.append(f"{what}\n{r.width}x{r.height}")
     latents = sample_latents(model, conds, shapes, steps=args.steps, seed=args.seed, guidance=args.guidance,
                              shift=args.shift)
     images = [decoder.decode(z) if decoder is not None else preview(z) for z in latents]
     out = save_grid(args.out, images, titles)
-    return {"out": out, "checkpoint": ckpt, "ema": used_ema, "requests": len(images),
+    return {"out": out, "checkpoint": plan.checkpoint, "ema": used_ema, "requests": len(images),
             "shapes": [list(im.shape) for im in images], "decoder": type(decoder).__name__ if decoder else "preview"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from knapray.commands.flags import add_device, add_json, add_seed, float_in, int_at_least
+
     p.add_argument("--run", required=True, help="run directory (runs/NAME)")
     p.add_argument("--checkpoint", help="checkpoint directory (default: the run's newest)")
     p.add_argument("--no-ema", action="store_true", help="the raw weights, not the EMA ones")
     p.add_argument("--caption", action="append", help="a caption (repeat for several images)")
-    p.add_argument("--like", action="append", metavar="SAMPLE_ID",
+    p.add_argument("--like", action="append", type=int_at_least(0), metavar="SAMPLE_ID",
                    help="use a corpus sample's text embeddings (corpora without a text encoder)")
-    p.add_argument("--size", action="append", metavar="HxW",
-                   help="pixels, one for all or one per request (default 256x256)")
-    p.add_argument("--frames", type=int, default=1, help="latent frames (videos; default 1)")
-    p.add_argument("--steps", type=int, default=28, help="Euler steps (default 28)")
-    p.add_argument("--shift", type=float, default=1.0, help="timestep shift, > 1 favours high noise (default 1)")
-    p.add_argument("--guidance", type=float, default=1.0, help="classifier-free guidance scale (default 1: off)")
-    p.add_argument("--max-text-tokens", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    p.add_argument("--size", action="append", metavar="WIDTHxHEIGHT",
+                   help="pixels: one for all requests, one per request, or several for one caption (default 256x256)")
+    p.add_argument("--frames", type=int_at_least(1), default=1, help="latent frames (videos; default 1)")
+    p.add_argument("--steps", type=int_at_least(1), default=28, help="Euler steps (default 28)")
+    p.add_argument("--shift", type=float_in(gt=0), default=1.0,
+                   help="timestep shift, > 1 favours high noise (default 1)")
+    p.add_argument("--guidance", type=float_in(ge=0), default=1.0,
+                   help="classifier-free guidance scale (default 1: off)")
+    p.add_argument("--max-text-tokens", type=int_at_least(0), default=256, help="caption token limit (default 256)")
+    add_seed(p)
+    add_device(p, help="where the model runs (auto: cuda if present)")
     p.add_argument("--out", default="samples.png", help="PNG grid to write (default samples.png)")
-    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    add_json(p)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="knapray sample", description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    args = p.parse_args(argv)
+def cli(args: argparse.Namespace) -> int:
+    """``knapray sample``."""
     print_report(run(args), args.json)
     return 0
 
 
+def main(argv: list[str] | None = None) -> int:
+    from knapray.commands.flags import Parser
+
+    p = Parser(prog="knapray sample", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return cli(p.parse_args(argv))
+
+
 def print_report(report: dict, as_json: bool) -> None:
-    print(f"wrote {report['out']} ({report['requests']} images, {'EMA' if report['ema'] else 'raw'} weights of "
-          f"{report['checkpoint']}, decoded by {report['decoder']})")
+    sizes = ", ".join(f"{w}x{h}" for _, h, w, _ in report["shapes"])  # (frames, height, width, 3) each
+    print(f"wrote {report['out']} ({report['requests']} images: {sizes} pixels; {'EMA' if report['ema'] else 'raw'} "
+          f"weights of {report['checkpoint']}, decoded by {report['decoder']})")
     if as_json:
         print(json.dumps(report))
 

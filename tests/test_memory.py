@@ -232,8 +232,8 @@ def test_memory_command_flux(tmp_path, capsys):
 @pytest.mark.parametrize(
     "args, msg",
     [
-        (["--fsdp", "zero3"], "unknown sharding 'zero3'; valid: none, full, hybrid"),
-        (["--ac", "half"], "unknown activation checkpointing 'half'"),
+        (["--fsdp", "zero3"], "argument --fsdp: invalid choice: 'zero3' (choose from 'none', 'full', 'hybrid')"),
+        (["--ac", "half"], "argument --ac: invalid choice: 'half' (choose from 'none', 'full', 'every_k')"),
         (["--world-size", "12", "--fsdp", "hybrid"], "world size 12 is not a multiple of gpus_per_node=8"),
         (["--tokens-per-gpu", "-1"], "argument --tokens-per-gpu: expected an integer >= 0, got '-1'"),
         (["--gpu-gib", "0"], "argument --gpu-gib: expected a finite number > 0, got '0'"),

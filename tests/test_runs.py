@@ -18,10 +18,10 @@ from knapray.corpus import shard_paths
 from dist_utils import build_tiny_corpus
 from knapray.data import BadShard, local_rows
 from knapray.train.config import load_config
+from knapray.train.preflight import check_corpus
 from knapray.train.run_files import (
     RunError,
     RunLock,
-    check_corpus,
     decide_start,
     resolve_paths,
     write_config,

@@ -1,84 +1,78 @@
-"""From a user's own images to samples: ingest real images (matplotlib's) through a tiny
-AutoencoderKL + T5 + CLIP, train 4 steps with the model's widths read from the corpus,
-then sample a grid of two captions at two resolutions from the checkpoint, decoded by
-the same VAE."""
+"""``knapray sample``'s arguments: sizes are WIDTHxHEIGHT, requests pair captions with sizes
+(one for all, one each, or one caption at every size), and every argument is checked
+against the run before any weights load. From a user's own images to a sampled grid
+(ingest with a VAE + T5 + CLIP, train, sample, decoded by the same VAE) is the README's
+recipe, run by tests/test_readme_commands.py."""
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-pytest.importorskip("diffusers")
-pytest.importorskip("transformers")
-
-import tiny_encoders as te  # noqa: E402
-from knapray.sample import add_arguments, flow_timesteps, parse_size, run  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    from knapray.corpus.ingest import IngestConfig, ingest
-    from knapray.corpus.stages import EncoderSpec
-
-    root = tmp_path_factory.mktemp("real")
-    vae, t5, clip = te.save_vae(root / "vae"), te.save_t5(root / "t5"), te.save_clip(root / "clip", projection=False)
-    images = te.sample_images(root / "images")
-    spec = EncoderSpec(vae=str(vae), text_encoder=str(t5), pooled_encoder=str(clip))
-    ingest(images, root / "corpus", IngestConfig(max_side=64), encoders=spec, progress=False)
-    # No in_channels / text_dim / pooled_dim here: they come from the corpus's schema.json.
-    (root / "train.yaml").write_text(
-        "model: {hidden_size: 32, num_heads: 4, rope_axes_dim: [2, 2, 4], depth_double: 1, depth_single: 1}\n"
-        f"data: {{corpus: {root / 'corpus'}, samples_per_step: 1, epochs: 2}}\n"
-        f"balance: {{topology: g1n1}}\nrun: {{name: real, storage: {root / 'runs'}, max_steps: 4}}\n"
-    )
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-m", "knapray.train.torchrun", "--config", str(root / "train.yaml")],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return root
-
-
-def test_training_read_the_model_widths_from_the_corpus(trained):
-    cfg = json.loads((trained / "runs" / "real" / "config.json").read_text())
-    assert (cfg["model"]["in_channels"], cfg["model"]["text_dim"], cfg["model"]["pooled_dim"]) == (4, 16, 12)
-    steps = [json.loads(x)["step"] for x in (trained / "runs" / "real" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [0, 1, 2, 3]
-
-
-def test_sample_a_grid_of_two_captions_at_two_resolutions(trained, tmp_path):
-    from knapray.sample import main
-
-    out = tmp_path / "grid.png"
-    argv = ["--run", str(trained / "runs" / "real"), "--caption", "a blue present pack", "--caption",
-            "the matplotlib logo", "--size", "32x32", "--size", "48x24", "--steps", "3", "--out", str(out), "--json"]
-    assert main(argv) == 0
-    from PIL import Image
-
-    with Image.open(out) as im:
-        assert im.size[0] > 100 and im.size[1] > 100
-    # The latents were decoded by the corpus's VAE (downsample 2) at the asked sizes.
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    report = run(p.parse_args(argv))
-    assert report["decoder"] == "DiffusersVAE" and report["shapes"] == [[1, 32, 32, 3], [1, 48, 24, 3]]
-    again = run(p.parse_args(argv))
-    assert again["shapes"] == report["shapes"]
+from knapray.cli import main
+from knapray.corpus.writer import FORMAT_VERSION
+from knapray.sample import flow_timesteps, pair_requests, parse_size
+from knapray.train.checkpoint import COMPLETE
+from knapray.train.config import load_config
 
 
 def test_sizes_and_time_grid():
-    assert parse_size("512x768") == (512, 768)
-    with pytest.raises(ValueError, match="HEIGHTxWIDTH"):
+    assert parse_size("768x512") == (768, 512)  # (width, height)
+    with pytest.raises(ValueError, match="WIDTHxHEIGHT"):
         parse_size("big")
     ts = flow_timesteps(4)
     assert ts[0] == 1.0 and ts[-1] == 0.0 and np.all(np.diff(ts) < 0)
     shifted = flow_timesteps(4, shift=3.0)
     assert shifted[0] == 1.0 and shifted[-1] == 0.0 and shifted[2] > ts[2]
+
+
+def test_requests_pair_captions_with_sizes():
+    a, b = (512, 512), (768, 384)
+    assert pair_requests(["cat"], [a, b]) == [("cat", a), ("cat", b)]  # one caption at every size
+    assert pair_requests(["cat", "dog"], [a]) == [("cat", a), ("dog", a)]
+    assert pair_requests(["cat", "dog"], [a, b]) == [("cat", a), ("dog", b)]
+    with pytest.raises(ValueError, match="2 requests .* and 3 --size"):
+        pair_requests(["cat", "dog"], [a, b, a])
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    """A run directory as far as sampling reads it before loading weights: config.json, a
+    marked checkpoint, the corpus's schema.json (a VAE of downsample 8, a T5 record)."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "schema.json").write_text(json.dumps({
+        "format_version": FORMAT_VERSION,
+        "dims": {"channels": 16, "text_dim": 16, "pooled_dim": 12, "vae_downsample": 8, "patch": [1, 2, 2]},
+        "encoders": {"text": {"class": "HFTextEncoder"}, "latent": {"path": "/models/vae"}}}))
+    run = tmp_path / "runs" / "r"
+    (run / "checkpoints" / "step-000000003").mkdir(parents=True)
+    (run / "checkpoints" / "step-000000003" / COMPLETE).write_text("")
+    (run / "checkpoints" / "step-000000003" / ".metadata").write_text("")
+    cfg = load_config(None, [f"data.corpus={corpus}", "model.in_channels=16", "model.text_dim=16",
+                             "model.pooled_dim=12"])
+    (run / "config.json").write_text(json.dumps(cfg.to_dict()))
+    return run
+
+
+@pytest.mark.parametrize("extra, names", [
+    (["--size", "500x512"], ["--size 500x512", "multiple of 16"]),
+    (["--caption", "b", "--size", "512x512", "--size", "512x512", "--size", "64x64"], ["2 requests", "3 --size"]),
+    (["--size", "512"], ["WIDTHxHEIGHT"]),
+    (["--checkpoint", "/nonexistent/step-1"], ["/nonexistent/step-1", "no .metadata"]),
+])
+def test_arguments_are_checked_before_anything_loads(run_dir, extra, names, monkeypatch, capsys):
+    import knapray.sample as sample
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("weights loaded before the arguments were checked")
+
+    monkeypatch.setattr(sample, "load_weights", refuse)
+    monkeypatch.setattr(sample, "corpus_codecs", refuse)
+    code = main(["sample", "--run", str(run_dir), "--caption", "a", *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    for name in names:
+        assert name in err[0], (name, err[0])

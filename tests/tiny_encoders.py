@@ -137,3 +137,24 @@ def sample_images(out: Path) -> Path:
     )
     (out / "grace_hopper.txt").write_text(SIDECAR)
     return out
+
+
+def save_flux_layout(root: Path) -> Path:
+    """A FLUX.1-dev-shaped model folder of tiny models: ``vae/`` (AutoencoderKL with 16
+    latent channels and downsample 8, Flux's factors), ``text_encoder/`` + ``tokenizer/``
+    (CLIP) and ``text_encoder_2/`` + ``tokenizer_2/`` (T5), so that a command written for
+    the real folder runs with only its root substituted."""
+    import torch
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    AutoencoderKL(
+        block_out_channels=(8, 8, 8, 8), down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4, latent_channels=16, sample_size=64,
+        norm_num_groups=4, layers_per_block=1, shift_factor=VAE_SHIFT, scaling_factor=VAE_SCALE,
+    ).save_pretrained(root / "vae")
+    save_t5(root / "text_encoder_2")
+    save_clip(root / "text_encoder", projection=False)
+    for model, tokenizer in (("text_encoder_2", "tokenizer_2"), ("text_encoder", "tokenizer")):
+        (root / tokenizer).symlink_to(root / model, target_is_directory=True)
+    return root

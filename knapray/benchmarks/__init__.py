@@ -1,1 +1,21 @@
-"""Benchmarks that print ratios measured side by side in one run."""
+"""Benchmarks that print ratios measured side by side in one run: ``knapray bench
+planner|step|ledger``, one subcommand each with only its own flags."""
+
+from __future__ import annotations
+
+import argparse
+
+from knapray.commands.registry import Command, add_commands
+
+BENCHES = (
+    Command("planner", "knapray.benchmarks.planner", "imbalance and plan time, greedy vs knapray, on the paper's "
+            "mixes at 32 and 1024 ranks", run="cli"),
+    Command("step", "knapray.benchmarks.step", "measured per-rank compute of balanced vs unbalanced training steps "
+            "(gloo processes on this machine), and FSDP / checkpointing / compile variants", run="cli"),
+    Command("ledger", "knapray.benchmarks.ledger", "what committing one step costs at 10k, 1M and 10M ledger rows "
+            "(this machine's disk)", run="cli"),
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_commands(p, BENCHES, dest="bench")

@@ -15,7 +15,9 @@ so any difference in bytes would come from the ledger's size.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
 import logging
 import tempfile
 import time
@@ -112,3 +114,20 @@ def _measure(rows: int, steps: int, world: int, per_rank: int, state_dir: str) -
         "snapshot_ms": snapshot_ms,
         "restore_ms": restore_ms,
     }
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from knapray.commands.flags import add_json, int_at_least, int_list
+
+    p.add_argument("--sizes", type=int_list, default=None,
+                   help="ledger sizes in rows, comma-separated (default 10000,1000000,10000000)")
+    p.add_argument("--steps", type=int_at_least(1), default=30, help="committed steps measured per size (default 30)")
+    p.add_argument("--dir", default=None, help="where the state directories go (default: the temp directory)")
+    add_json(p)
+
+
+def cli(args: argparse.Namespace) -> int:
+    result = run(sizes=tuple(args.sizes) if args.sizes else DEFAULT_SIZES, steps=args.steps, directory=args.dir)
+    if args.json:
+        print(json.dumps(result))
+    return 0

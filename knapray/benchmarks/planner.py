@@ -3,6 +3,9 @@ paper's three mixes at 32 ranks and on two mixes replicated to 1024 ranks."""
 
 from __future__ import annotations
 
+import argparse
+import json
+
 import numpy as np
 
 from knapray.planning import PAPER_MIXES, Topology, WorkloadModel
@@ -65,3 +68,19 @@ def run(steps: int = 20, steps_1024: int = 5, seed: int = 0, d_model: int = 3072
         "moved = fraction of tokens computed away from their home rank."
     )
     return rows
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from knapray.commands.flags import add_json, add_seed, int_at_least
+
+    p.add_argument("--steps", type=int_at_least(1), default=20, help="steps per case at 32 ranks (default 20)")
+    p.add_argument("--steps-1024", type=int_at_least(1), default=5, help="steps per case at 1024 ranks (default 5)")
+    add_seed(p)
+    add_json(p)
+
+
+def cli(args: argparse.Namespace) -> int:
+    rows = run(steps=args.steps, steps_1024=args.steps_1024, seed=args.seed)
+    if args.json:
+        print(json.dumps(rows))
+    return 0

@@ -52,6 +52,7 @@ points (``fit`` in the result; rough, as the points fall in a few clusters), a h
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import json
@@ -630,3 +631,59 @@ def plot_rank_compute(path: str, result: dict) -> str:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from knapray.commands.flags import (add_ac, add_compile, add_fsdp, add_gpus_per_node, add_json, add_seed,
+                                        add_world_size, float_in, int_at_least)
+
+    add_world_size(p, default=4, help="gloo processes (default 4)")
+    p.add_argument("--steps", type=int_at_least(1), default=6, help="steps, the warm-up included (default 6)")
+    p.add_argument("--warmup", type=int_at_least(0), default=1,
+                   help="leading steps left out of the averages (default 1)")
+    p.add_argument("--mix", default=DEFAULT_MIX,
+                   help="data codes; skewed by default: rank 0 holds two videos, the others small images")
+    p.add_argument("--scale", type=int_at_least(1), default=DEFAULT_SCALE,
+                   help=f"divide resolutions and text lengths (default {DEFAULT_SCALE})")
+    p.add_argument("--topology", default=DEFAULT_TOPOLOGY,
+                   help=f"bags of the balanced run (default {DEFAULT_TOPOLOGY})")
+    p.add_argument("--max-text-tokens", type=int_at_least(0), default=DEFAULT_MAX_TEXT_TOKENS)
+    p.add_argument("--hidden", type=int_at_least(1), default=192, help="model width (default 192)")
+    p.add_argument("--heads", type=int_at_least(1), default=4, help="attention heads (default 4)")
+    p.add_argument("--depth", type=int_at_least(0), default=2,
+                   help="double- and single-stream blocks, each (default 2)")
+    p.add_argument("--gamma", type=float_in(ge=0), default=None,
+                   help=f"attention cost weight of the workload model (default: fitted for CPU, {CPU_GAMMA})")
+    add_seed(p)
+    p.add_argument("--plot", metavar="PNG", help="write a PNG of per-rank compute time, balanced vs unbalanced")
+    add_json(p)
+    v = p.add_argument_group("variants of the balanced step, measured beside it")
+    add_fsdp(v, default="none", help="also measure the balanced step sharded (default none)")
+    add_gpus_per_node(v, help="ranks per 'node' for --fsdp hybrid (e.g. 2 on 4 ranks = 2 nodes)")
+    add_ac(v, default="none", help="also measure the balanced step with it (default none)")
+    add_compile(v, "also measure the balanced step with torch.compile of each block",
+                backends=["inductor", "aot_eager"])
+
+
+def cli(args: argparse.Namespace) -> int:
+    import sys
+
+    result = run_step_bench(
+        world_size=args.world_size, steps=args.steps, warmup=args.warmup, mix=args.mix, scale=args.scale,
+        topology=args.topology, max_text_tokens=args.max_text_tokens, hidden=args.hidden, heads=args.heads,
+        depth_double=args.depth, depth_single=args.depth, gamma=CPU_GAMMA if args.gamma is None else args.gamma,
+        seed=args.seed, fsdp=args.fsdp, ac=args.ac, ac_every=args.ac_every or 2, compile=args.compile,
+        compile_backend=args.compile_backend, gpus_per_node=args.gpus_per_node,
+    )
+    if args.plot:
+        result["plot"] = plot_rank_compute(args.plot, result)
+    print_report(result)
+    if args.plot:
+        print(f"plot: {args.plot}")
+    if args.json:
+        print(json.dumps(result))
+    if not result["math_ok"]:
+        print(f"error: a variant computes different math: relative loss / grad norm difference "
+              f"{result['math_rel_max']:.2e} from the baseline exceeds {result['math_tol']:g}", file=sys.stderr)
+        return 1
+    return 0

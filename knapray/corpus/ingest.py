@@ -308,14 +308,18 @@ DESCRIPTION = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ingest_images", description=DESCRIPTION)
+    from knapray.commands.flags import Parser
+
+    p = Parser(prog="ingest_images", description=DESCRIPTION)
     add_arguments(p)
     return p
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--input", required=True, type=Path, help="folder searched recursively")
-    p.add_argument("--out", required=True, type=Path, help="output directory (new or empty)")
+    from knapray.commands.flags import add_device, add_dtype, add_seed, float_in, int_at_least
+
+    p.add_argument("--input", required=True, help="folder searched recursively")
+    p.add_argument("--out", required=True, help="output directory (new or empty)")
     g = p.add_argument_group("encoders (local directories; pip install 'knapray[encoders]')")
     g.add_argument("--vae", metavar="DIR", help="diffusers VAE: AutoencoderKL (Flux, SD3, SDXL; videos "
                    "frame by frame) or AutoencoderKLWan / AutoencoderKLHunyuanVideo (time compressed)")
@@ -327,33 +331,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "pooled vector (default: --text-encoder's when CLIP, the token mean when T5)")
     g.add_argument("--pooled-tokenizer", metavar="DIR", help="tokenizer of --pooled-encoder, when not in "
                    "its directory (Flux: tokenizer/)")
-    g.add_argument("--device", default="auto", choices=hf.DEVICES, help="where the models run")
-    g.add_argument("--dtype", default="auto", choices=hf.DTYPES, help="model dtype (auto: bf16 on cuda, "
-                   "fp32 on cpu); rows are float32")
-    g.add_argument("--vae-batch", type=int, default=8, help="frames per VAE call")
-    g.add_argument("--text-batch", type=int, default=32, help="captions per text-model call")
+    add_device(g)
+    add_dtype(g, help="model dtype (auto: bf16 on cuda, fp32 on cpu); rows are float32")
+    g.add_argument("--vae-batch", type=int_at_least(1), default=8, help="frames per VAE call")
+    g.add_argument("--text-batch", type=int_at_least(1), default=32, help="captions per text-model call")
     g.add_argument("--encoder-factory", metavar="MODULE:NAME", help="callable returning a LatentEncoder, "
                    "instead of --vae")
     g.add_argument("--text-encoder-factory", metavar="MODULE:NAME", help="callable returning a "
                    "TextEncoder, instead of --text-encoder")
     s = p.add_argument_group("stand-in encoders (used without --vae / --text-encoder)")
-    s.add_argument("--channels", type=int, default=4, help="latent channels")
-    s.add_argument("--downsample", type=int, default=8, help="spatial downsample")
-    s.add_argument("--seed", type=int, default=0, help="seed of the RGB->C matrix")
-    s.add_argument("--text-dim", type=int, default=64, help="text embedding width")
-    s.add_argument("--pooled-dim", type=int, default=32, help="pooled width")
+    s.add_argument("--channels", type=int_at_least(1), default=4, help="latent channels")
+    s.add_argument("--downsample", type=int_at_least(1), default=8, help="spatial downsample")
+    add_seed(s, help="seed of the RGB->C matrix")
+    s.add_argument("--text-dim", type=int_at_least(1), default=64, help="text embedding width")
+    s.add_argument("--pooled-dim", type=int_at_least(1), default=32, help="pooled width")
     r = p.add_argument_group("parallelism")
-    r.add_argument("--workers", type=int, default=0, help="0: in this process, no Ray; N: Ray Data with "
+    r.add_argument("--workers", type=int_at_least(0), default=0, help="0: in this process, no Ray; N: Ray Data with "
                    "N encode actors (one GPU each when on cuda); joins RAY_ADDRESS's cluster if set")
-    r.add_argument("--cpus-per-worker", type=float, default=1.0, help="CPUs reserved per encode actor")
-    r.add_argument("--batch-size", type=int, default=16, help="files per decode task / encode call")
+    r.add_argument("--cpus-per-worker", type=float_in(gt=0), default=1.0, help="CPUs reserved per encode actor")
+    r.add_argument("--batch-size", type=int_at_least(1), default=16, help="files per decode task / encode call")
     d = p.add_argument_group("data")
     d.add_argument("--caption-column", default="text", help="caption key in metadata.jsonl")
-    d.add_argument("--max-side", type=int, default=512, help="shrink frames to this longest side (px)")
-    d.add_argument("--max-frames", type=int, default=16, help="frames kept per video")
-    d.add_argument("--frame-stride", type=int, default=1, help="keep every n-th video frame")
-    d.add_argument("--max-text-tokens", type=int, default=MAX_TEXT_TOKENS, help="caption token limit")
-    d.add_argument("--shards", type=int, default=1, help="target number of parquet files")
+    d.add_argument("--max-side", type=int_at_least(1), default=512, help="shrink frames to this longest side (px)")
+    d.add_argument("--max-frames", type=int_at_least(1), default=16, help="frames kept per video")
+    d.add_argument("--frame-stride", type=int_at_least(1), default=1, help="keep every n-th video frame")
+    d.add_argument("--max-text-tokens", type=int_at_least(0), default=MAX_TEXT_TOKENS, help="caption token limit")
+    d.add_argument("--shards", type=int_at_least(1), default=1, help="target number of parquet files")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -364,6 +367,15 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     except (ValueError, TypeError, FileNotFoundError, FileExistsError, ImportError) as e:
         parser.error(str(e))
+
+
+def cli(args: argparse.Namespace) -> int:
+    """``knapray ingest``: ``run``, with a factory that does not fit or a missing extra as
+    one line (ValueError) like every other bad input."""
+    try:
+        return run(args)
+    except (TypeError, ImportError) as e:
+        raise ValueError(str(e)) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -381,7 +393,7 @@ def run(args: argparse.Namespace) -> int:
         channels=args.channels, downsample=args.downsample, seed=args.seed,
         text_dim=args.text_dim, pooled_dim=args.pooled_dim,
     )
-    report = ingest(args.input, args.out, cfg, encoders=spec, progress=not args.quiet)
+    report = ingest(Path(args.input), Path(args.out), cfg, encoders=spec, progress=not args.quiet)
     print(
         f"{report.written} samples in {report.seconds:.1f} s, skipped {report.skipped or 'none'} "
         f"-> {report.schema_path}"

@@ -25,7 +25,7 @@ import math
 import operator
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, get_args, get_origin, get_type_hints
 
@@ -472,9 +472,14 @@ def _apply_override(data: dict, item: str) -> None:
     node[parts[-1]] = read_yaml(text, where)
 
 
-def load_config(path: str | None = None, overrides: list[str] | None = None) -> TrainConfig:
+def load_config(path: str | None = None, overrides: list[str] | None = None, *,
+                corpus_dims: Callable[[str], Mapping[str, Any] | None] | None = None) -> TrainConfig:
     """The config in the YAML file ``path`` (defaults if None) with ``overrides``
-    (``section.key=value``) applied; raises ConfigError naming the first bad item."""
+    (``section.key=value``) applied; raises ConfigError naming the first bad item.
+
+    ``corpus_dims(corpus)`` gives the ``dims`` of the corpus's schema.json, or None when
+    there is none (default: ``read_corpus_dims``); pre-flight passes its own reader, so
+    that schema.json is read once for the whole check."""
     data: Any = {}
     if path:
         try:
@@ -489,7 +494,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"config file {path!r}: expected a mapping of sections, {_got(data)}")
     for item in overrides or []:
         _apply_override(data, item)
-    _dims_from_corpus(data)
+    _dims_from_corpus(data, corpus_dims or read_corpus_dims)
     return _build(TrainConfig, data, "")
 
 
@@ -497,19 +502,28 @@ CORPUS_DIMS = {"in_channels": "channels", "text_dim": "text_dim", "pooled_dim": 
 """Model fields that default to the corpus's ``schema.json`` dims (what its encoders made)."""
 
 
-def _dims_from_corpus(data: dict) -> None:
+def read_corpus_dims(corpus: str) -> Mapping[str, Any] | None:
+    """The ``dims`` of ``<corpus>/schema.json``, or None when it cannot be read (no corpus
+    yet: the launcher names the path)."""
+    try:
+        with open(os.path.join(corpus, "schema.json")) as f:
+            dims = json.load(f)["dims"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return dims if isinstance(dims, dict) else None
+
+
+def _dims_from_corpus(data: dict, corpus_dims: Callable[[str], Mapping[str, Any] | None]) -> None:
     """Fill ``model.in_channels`` / ``text_dim`` / ``pooled_dim`` the config leaves out from
-    the corpus's schema.json, when the corpus is there (the trainer checks the model
-    against the corpus either way)."""
+    the corpus's schema.json, when the corpus is there (pre-flight checks the model
+    against the corpus either way, so a pinned width that differs is one error line)."""
     data_section = data.get("data") if isinstance(data.get("data"), dict) else {}
     corpus = data_section.get("corpus", DataConfig().corpus)
     model = data.setdefault("model", {}) if isinstance(data.get("model", {}), dict) else None
     if model is None or not isinstance(corpus, str) or all(k in model for k in CORPUS_DIMS):
         return
-    try:
-        with open(os.path.join(corpus, "schema.json")) as f:
-            dims = json.load(f)["dims"]
-    except (OSError, ValueError, KeyError, TypeError):
+    dims = corpus_dims(corpus)
+    if dims is None:
         return  # no corpus (yet): the model keeps its defaults, and the launcher names the path
     for field_name, dim in CORPUS_DIMS.items():
         if field_name not in model and isinstance(dims.get(dim), int):

@@ -79,23 +79,26 @@ class BadDataGuard:
             f.write(json.dumps(record) + "\n")
 
 
-def check_corpus_shards(corpus: str, run_dir: str, max_bad_fraction: float) -> tuple[list, list[BadShard]]:
-    """The driver's check before any worker starts: unreadable shards are written to
-    ``quarantine-shards.jsonl`` and left out, or, above ``max_bad_fraction`` of the corpus,
-    stop the run with their names. Returns (readable shard paths, bad shards)."""
-    from knapray.data import check_shards, corpus_info
-
-    good, bad = check_shards(corpus)
-    if bad:
-        total = corpus_info(corpus).num_samples
-        lost = sum(b.rows or 0 for b in bad)
+def check_bad_shards(corpus: str, total_rows: int, good: list, bad: list[BadShard],
+                     max_bad_fraction: float) -> None:
+    """The driver's verdict on the shards whose footers could not be read (``check_shards``),
+    before any worker starts: a few are left out (``write_shard_quarantine``), more than
+    ``max_bad_fraction`` of the corpus's rows stop the run with their names (``BadCorpus``)."""
+    if not bad:
+        return
+    lost = sum(b.rows or 0 for b in bad)
+    if not good or (total_rows and lost > max_bad_fraction * total_rows):
         names = ", ".join(f"{b.shard} ({b.reason})" for b in bad)
-        if not good or (total and lost > max_bad_fraction * total):
-            raise BadCorpus(
-                f"corpus {corpus!r}: {len(bad)} unreadable shard(s) hold {lost} of {total} rows, more than "
-                f"data.max_bad_fraction={max_bad_fraction}: {names}"
-            )
-        with open(os.path.join(run_dir, SHARD_FILE), "w") as f:
-            for b in bad:
-                f.write(json.dumps(b.to_json()) + "\n")
-    return good, bad
+        raise BadCorpus(
+            f"corpus {corpus!r}: {len(bad)} unreadable shard(s) hold {lost} of {total_rows} rows, more than "
+            f"data.max_bad_fraction={max_bad_fraction}: {names}"
+        )
+
+
+def write_shard_quarantine(run_dir: str, bad: list[BadShard]) -> None:
+    """``quarantine-shards.jsonl``: the shards the driver left out (merged at the end)."""
+    if not bad:
+        return
+    with open(os.path.join(run_dir, SHARD_FILE), "w") as f:
+        for b in bad:
+            f.write(json.dumps(b.to_json()) + "\n")

@@ -2,10 +2,12 @@
 run on Ray.
 
 Connects to the Ray cluster given by ``--address`` or ``RAY_ADDRESS`` (``ray job submit``
-sets it), or starts an embedded local Ray. Every input is checked before Ray starts: a bad
-config value, a missing corpus or a run directory that may not be used is one line on
-stderr and exit code 2. With ``--compare-unbalanced`` it trains the same steps a second
-time without balancing and prints the two side by side.
+sets it), or starts an embedded local Ray. Every input is checked before Ray starts
+(``knapray.train.preflight``): a bad config value, a missing corpus, a model that does not
+fit the corpus, a world size the topology cannot take or a run directory that may not be
+used is one line on stderr and exit code 2. ``--check`` stops after those checks. With
+``--compare-unbalanced`` it trains the same steps a second time without balancing, prints
+the two side by side and draws them per step (``comparison.png``).
 """
 
 from __future__ import annotations
@@ -19,34 +21,51 @@ import time
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, help="YAML config (see jobs/configs/)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set run.num_workers=8")
+    from knapray.commands.flags import add_config, int_at_least
+
+    add_config(p, required=True)
+    p.add_argument("--check", action="store_true",
+                   help="run every pre-flight check (config, corpus, every world size the run may start with, run "
+                   "directory), print what was checked and exit: 0 if the run could start, else one line and 2; "
+                   "starts neither Ray nor any worker")
     p.add_argument("--address", default=None,
                    help="Ray address (default: $RAY_ADDRESS if set, else an embedded local Ray)")
-    p.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of the embedded local Ray")
+    p.add_argument("--num-cpus", type=int_at_least(1), default=None, help="logical CPUs of the embedded local Ray")
     p.add_argument("--compare-unbalanced", action="store_true",
                    help="also train the same steps without balancing and compare")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="knapray train", description="knapray training on Ray")
+    from knapray.commands.flags import Parser
+
+    p = Parser(prog="knapray train", description="knapray training on Ray")
     add_arguments(p)
     return run(p.parse_args(argv))
 
 
 def run(args: argparse.Namespace) -> int:
-    from knapray.train.config import ConfigError, load_config
+    from knapray.train import preflight
+    from knapray.train.config import ConfigError
     from knapray.train.guard import BadCorpus
-    from knapray.train.run_files import RunError, check_corpus, prediction_line, resolve_paths
+    from knapray.train.run_files import RunError, prediction_line
 
     try:
         # Every input is checked here, before Ray or any worker starts.
-        cfg = resolve_paths(load_config(args.config, args.set))
-        check_corpus(cfg)
-    except (ConfigError, RunError) as e:  # one line that names the value; a traceback adds nothing
+        pre = preflight.check_file(args.config, args.set)
+        lines = pre.summary(args.config) if args.check else []
+        base = None
+        if args.compare_unbalanced:  # its run directory too, not only after the balanced run
+            base = preflight.check(_unbalanced(pre.cfg), pre.worlds, corpus=pre.corpus)
+            lines += [f"--compare-unbalanced: {base.summary(args.config)[-1]}"]
+    except (ConfigError, RunError, BadCorpus) as e:  # one line that names the value; a traceback adds nothing
         print(f"knapray train: error: {e}", file=sys.stderr)
         return 2
+    cfg = pre.cfg
+    if args.check:
+        print("[knapray] pre-flight passed (nothing was started):")
+        for line in lines:
+            print(f"  {line}")
+        return 0
 
     import ray
 
@@ -72,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
           f"{ray.cluster_resources().get('GPU', 0):g} GPUs; Ray's and the workers' logs: {_ray_logs_dir()}", flush=True)
     t0 = time.perf_counter()
     try:
-        balanced = run_training(cfg)
+        balanced = run_training(cfg, checked=pre)
     except (RunError, BadCorpus) as e:
         print(f"knapray train: error: {e}", file=sys.stderr)
         return 2
@@ -88,11 +107,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     rows = [("balanced", s)]
     if args.compare_unbalanced:
-        from dataclasses import replace
-
-        base_cfg = replace(cfg, balance=replace(cfg.balance, enabled=False),
-                           run=replace(cfg.run, name=cfg.run.name + "-unbalanced"))
-        unbalanced = run_training(base_cfg)
+        unbalanced = run_training(base.cfg, checked=base)
         rows.append(("unbalanced", unbalanced["run"]["summary"]))
     print(f"\n{'run':<11} {'steps':>5} {'loss first->last':>17} {'planned imbalance':>18} "
           f"{'compute max/mean':>16} {'tokens/s':>9} {'plan wait':>9}")
@@ -112,10 +127,41 @@ def run(args: argparse.Namespace) -> int:
               f"planned imbalance {b['imbalance_planned_before']:.2f} -> {b['imbalance_planned_after']:.3f}, "
               f"tokens/s x{b['tokens_per_s'] / u['tokens_per_s']:.2f} (wall clock; on a CPU box the "
               "workers share cores, so compute max/mean is the number that transfers to GPUs)")
-    print(f"run directory: {cfg.run_dir} (metrics.jsonl, summary.json, ledger.jsonl, rank_work.png)")
+        _plot_comparison(cfg, base.cfg, balanced)
+    print(f"run directory: {cfg.run_dir} (metrics.jsonl, summary.json, ledger.jsonl, rank_work.png"
+          f"{', comparison.png' if len(rows) == 2 else ''})")
     with open(os.path.join(cfg.run_dir, "comparison.json"), "w") as f:
         json.dump(dict(rows), f, indent=1)
     return 0
+
+
+def _plot_comparison(cfg, base_cfg, balanced: dict) -> None:
+    """comparison.png: both runs' per-step planned and measured max/mean, and their measured
+    per-rank compute, over the steps the table's means are taken over."""
+    from knapray.plots import plot_run_comparison
+    from knapray.train.run_files import read_metrics, summary_steps
+
+    b, u = read_metrics(cfg.run_dir), read_metrics(base_cfg.run_dir)
+    if not b or not u:
+        return
+    topologies = balanced["run"]["summary"].get("topologies") or {}
+    on = next(iter(topologies)) if len(topologies) == 1 else f"{len(topologies)} topologies"
+    plot_run_comparison(
+        os.path.join(cfg.run_dir, "comparison.png"),
+        [(f"balanced ({on})", summary_steps(b)),
+         (f"unbalanced (g1n{u[-1]['world_size']})", summary_steps(u))],
+        title=f"{cfg.run.name}: the same {len(u)} steps balanced and unbalanced, {u[-1]['world_size']} workers",
+        note="the legend's means are the table's 'planned imbalance' (dashed) and 'compute max/mean' (solid)"
+        + ("; step 0 (warm-up) left out, as in the table" if len(summary_steps(b)) < len(b) else ""),
+    )
+
+
+def _unbalanced(cfg):
+    """The same run without balancing, in its own run directory (``--compare-unbalanced``)."""
+    from dataclasses import replace
+
+    return replace(cfg, balance=replace(cfg.balance, enabled=False),
+                   run=replace(cfg.run, name=cfg.run.name + "-unbalanced"))
 
 
 def _ray_logs_dir() -> str:

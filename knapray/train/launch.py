@@ -14,7 +14,9 @@ import torch
 
 from .config import TrainConfig, config_from_dict
 from .ledger_files import ledger_dir
-from .run_files import prepare_run, resolve_paths, write_run_files
+from . import preflight
+from .preflight import CorpusCheck, Preflight
+from .run_files import write_run_files
 from .step_planner import coordinator_config, coordinator_name
 from .trainer import Trainer
 
@@ -91,34 +93,35 @@ def _every_row_data_config(execution_options):
     return EveryRowDataConfig(execution_options=execution_options)
 
 
-def run_training(cfg: TrainConfig, *, verbose: bool = True) -> dict:
+def run_training(cfg: TrainConfig, *, verbose: bool = True, checked: Preflight | None = None) -> dict:
     """Train on the Ray cluster this process is connected to (``ray.init`` first).
     Everything that can be wrong with the run's inputs fails here, before any worker
-    starts (``RunError``, ``BadCorpus``, ``ValueError``: one line naming the value)."""
-    cfg = resolve_paths(cfg)
-    start, lock = prepare_run(cfg, cfg.world_sizes())
+    starts (``RunError``, ``BadCorpus``, ``ValueError``: one line naming the value).
+    ``checked``: ``cfg``'s pre-flight, when the caller ran it already."""
+    pre = checked if checked is not None else preflight.check(cfg, cfg.world_sizes())
+    start, lock = preflight.prepare(pre)
     try:
         print(f"[knapray] {start.message}", flush=True)
-        return _fit(cfg, verbose=verbose)
+        return _fit(pre.cfg, pre.corpus, verbose=verbose)
     finally:
         lock.release()
 
 
-def _fit(cfg: TrainConfig, *, verbose: bool) -> dict:
+def _fit(cfg: TrainConfig, corpus: CorpusCheck, *, verbose: bool) -> dict:
     import ray
     from ray.data import DataContext
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from knapray.coordinator import create_coordinator
-    from knapray.data import check_shards, corpus_dataset, corpus_info, ingest_execution_options
+    from knapray.data import corpus_dataset, ingest_execution_options
 
     DataContext.get_current().enable_progress_bars = False  # the training bar is enough
     run_dir = cfg.run_dir
     coordinator = create_coordinator(coordinator_name(cfg), state_dir=ledger_dir(run_dir),
                                      **coordinator_config(cfg))
-    good, _ = check_shards(cfg.data.corpus)  # prepare_run quarantined the others
-    ds = corpus_dataset(cfg.data.corpus, rows_per_block=cfg.samples_per_rank(cfg.run.num_workers), shards=good)
+    ds = corpus_dataset(cfg.data.corpus, rows_per_block=cfg.samples_per_rank(cfg.run.num_workers),
+                        shards=list(corpus.good_shards))  # pre-flight quarantined the others
     workers: Any = cfg.run.num_workers
     if cfg.run.min_workers:
         workers = (cfg.run.min_workers, cfg.run.num_workers)
@@ -144,7 +147,7 @@ def _fit(cfg: TrainConfig, *, verbose: bool) -> dict:
     from .run_files import read_metrics
 
     done_steps = len(read_metrics(run_dir))  # a resumed run's earlier steps
-    total = expected_steps(cfg, corpus_info(cfg.data.corpus).num_samples, done_steps)
+    total = expected_steps(cfg, corpus.info.num_samples, done_steps)
     print(f"[knapray] starting {cfg.run.num_workers} workers"
           f"{f' (elastic down to {cfg.run.min_workers})' if cfg.run.min_workers else ''}, "
           f"{'GPU/NCCL' if cfg.run.use_gpu else 'CPU/gloo'}, about {total} steps; worker logs stay in Ray's "

@@ -11,7 +11,6 @@ import os
 import shutil
 import socket
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -56,20 +55,6 @@ def resolve_paths(cfg: TrainConfig) -> TrainConfig:
         data=replace(cfg.data, corpus=os.path.abspath(cfg.data.corpus)),
         run=replace(cfg.run, storage=os.path.abspath(os.path.expanduser(storage))),
     )
-
-
-def check_corpus(cfg: TrainConfig) -> None:
-    """The corpus must exist before any worker starts: it is never built or replaced
-    implicitly. (A synthetic one is built on request: ``python -m knapray.corpus.synthetic``.)"""
-    path = cfg.data.corpus
-    if os.path.exists(os.path.join(path, "schema.json")):
-        return
-    hint = ""
-    if inside_ray_upload(path):
-        hint = ("; this job runs in the folder ray job submit uploaded, which holds no gitignored data: "
-                "give data.corpus as an absolute path on storage every node reads")
-    raise RunError(f"data.corpus {path!r}: no corpus there (no schema.json){hint}; build one with "
-                   "python -m knapray.corpus.synthetic or python -m knapray.corpus.ingest")
 
 
 def saved_config(run_dir: str) -> dict | None:
@@ -162,31 +147,6 @@ def check_world(cfg: TrainConfig, world_size: int) -> None:
         raise RunError(f"{e} (world of {world_size} ranks)") from None
 
 
-def prepare_run(cfg: TrainConfig, worlds: Iterable[int]) -> tuple[RunStart, "RunLock"]:
-    """Everything decided before any worker starts (the Ray driver, or rank 0 under
-    torchrun): the config fits every world size the run may have (``worlds``), the corpus
-    exists and its shards are readable enough, fresh run or resume, the run directory's
-    lock, the saved config. Raises ``RunError``/``BadCorpus`` with one line naming the
-    value. The caller releases the lock at the end of the run."""
-    from .checkpoint import completed_checkpoints
-    from .guard import check_corpus_shards
-
-    for world in worlds:
-        check_world(cfg, world)
-    check_corpus(cfg)
-    start = decide_start(cfg, completed_checkpoints(os.path.join(cfg.run_dir, "checkpoints")))
-    lock = RunLock(cfg.run_dir).acquire()
-    try:
-        if start.resume_from is None:
-            clear_stale_run_files(cfg.run_dir)
-        write_config(cfg)
-        check_corpus_shards(cfg.data.corpus, cfg.run_dir, cfg.data.max_bad_fraction)
-    except BaseException:
-        lock.release()
-        raise
-    return start, lock
-
-
 def write_config(cfg: TrainConfig) -> None:
     os.makedirs(cfg.run_dir, exist_ok=True)
     tmp = os.path.join(cfg.run_dir, CONFIG_FILE + ".tmp")
@@ -203,6 +163,15 @@ class RunLock:
         self.path = os.path.join(run_dir, LOCK_FILE)
         self.held = False
 
+    def check_free(self) -> None:
+        """Raise ``RunError`` if a live run holds the lock (taking nothing: pre-flight)."""
+        owner = self._owner() if os.path.exists(self.path) else None
+        if owner is not None and not self._stale(owner):
+            raise RunError(
+                f"run directory {os.path.dirname(self.path)} is in use by a live run (pid {owner.get('pid')} "
+                f"on {owner.get('host')} since {owner.get('started')}); wait for it or choose another run.name"
+            )
+
     def acquire(self) -> "RunLock":
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -210,12 +179,7 @@ class RunLock:
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
-                owner = self._owner()
-                if owner is not None and not self._stale(owner):
-                    raise RunError(
-                        f"run directory {os.path.dirname(self.path)} is in use by a live run (pid {owner.get('pid')} "
-                        f"on {owner.get('host')} since {owner.get('started')}); wait for it or choose another run.name"
-                    ) from None
+                self.check_free()
                 os.remove(self.path)  # unreadable, or its process is gone: take it over
                 continue
             with os.fdopen(fd, "w") as f:
@@ -293,11 +257,28 @@ def read_metrics(run_dir: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def summary_steps(records: list[dict]) -> list[dict]:
+    """The steps a run's means are taken over: all but the first (warm-up) of three or more."""
+    return records[1:] if len(records) > 2 else records
+
+
+def run_title(cfg: TrainConfig, records: list[dict]) -> str:
+    """What the run's steps ran on: its topologies (steps per topology when several), or,
+    unbalanced, every rank its own samples (``g1n<world>``)."""
+    world = records[-1]["world_size"]
+    if not cfg.balance.enabled:
+        return f"unbalanced, every rank computes its own samples (g1n{world}), {world} workers"
+    topologies = distinct_topologies(records)
+    shown = next(iter(topologies)) if len(topologies) == 1 else ", ".join(
+        f"{t} ({n} steps)" for t, n in topologies.items())
+    return f"balanced on {shown}, {world} workers"
+
+
 def summarize(records: list[dict]) -> dict:
     """Run-level numbers from rank 0's per-step records (the first step is warm-up)."""
     if not records:
         return {"steps": 0}
-    body = records[1:] if len(records) > 2 else records
+    body = summary_steps(records)
     mean = lambda key: float(np.mean([r[key] for r in body]))  # noqa: E731
     return {
         "steps": len(records),
@@ -402,14 +383,17 @@ def write_run_files(cfg: TrainConfig, summary: dict) -> dict:
     if records:
         from knapray.plots import plot_rank_work
 
+        body = summary_steps(records)
         plot_rank_work(
             os.path.join(run_dir, "rank_work.png"),
-            [np.asarray(r["baseline_rank_work"]) for r in records],
-            [np.asarray(r["rank_work"]) for r in records],
-            [r["baseline_imbalance_planned"] for r in records],
-            [r["imbalance_planned"] for r in records],
-            title=f"{cfg.run.name}: {summary.get('topology')} on {summary.get('world_size')} workers",
+            [np.asarray(r["baseline_rank_work"]) for r in body],
+            [np.asarray(r["rank_work"]) for r in body],
+            [r["baseline_imbalance_planned"] for r in body],
+            [r["imbalance_planned"] for r in body],
+            title=f"{cfg.run.name}: {run_title(cfg, records)}",
             run_label="balanced (knapray plan)" if cfg.balance.enabled else "unbalanced (this run)",
-            measured_compute=[np.asarray(r["compute_s"]) for r in records[1:]],  # step 0 warms up
+            measured_compute=[np.asarray(r["compute_s"]) for r in body],
+            steps=[r["step"] for r in body],
+            note="step 0 (warm-up) left out, as in summary.json" if len(body) < len(records) else "",
         )
     return out

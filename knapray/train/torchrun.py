@@ -50,11 +50,14 @@ class TorchrunContext:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m knapray.train.torchrun",
-                                description="knapray training without Ray (launch with torchrun)")
-    p.add_argument("--config", required=True, help="YAML config (see jobs/configs/)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set run.max_steps=30")
+    from knapray.commands.flags import Parser, add_config
+
+    p = Parser(prog="python -m knapray.train.torchrun",
+               description="knapray training without Ray (launch with torchrun)")
+    add_config(p, required=True)
+    p.add_argument("--check", action="store_true",
+                   help="run the pre-flight checks for this world ($WORLD_SIZE, else 1), print what was checked "
+                   "and exit (0, or one line and 2) without joining the world or training")
     return p
 
 
@@ -66,15 +69,25 @@ def check_launch(cfg: TrainConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .run_files import prepare_run, resolve_paths
+    from . import preflight
+    from .run_files import resolve_paths
 
     rank_env = int(os.environ.get("RANK", "0"))
     lock = None
     try:
-        cfg = resolve_paths(load_config(args.config, args.set))
+        if rank_env == 0 or args.check:  # rank 0 checks before the others can get past joining the world
+            pre = preflight.check_file(args.config, args.set, worlds=[int(os.environ.get("WORLD_SIZE", "1"))])
+            cfg = pre.cfg
+        else:
+            cfg = resolve_paths(load_config(args.config, args.set))
         check_launch(cfg)
-        if rank_env == 0:  # before the others can get past joining the world
-            start, lock = prepare_run(cfg, [int(os.environ.get("WORLD_SIZE", "1"))])
+        if args.check:
+            lines = pre.summary(args.config)
+            if rank_env == 0:
+                print("[knapray] pre-flight passed (nothing was started):\n" + "\n".join(f"  {x}" for x in lines))
+            return 0
+        if rank_env == 0:
+            start, lock = preflight.prepare(pre)
             print(f"[knapray] {start.message}", flush=True)
     except (ValueError, OSError) as e:
         print(f"knapray torchrun: error: {e}", file=sys.stderr)

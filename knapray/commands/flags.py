@@ -1,0 +1,170 @@
+"""Flags that mean the same thing in every ``knapray`` subcommand, defined once here so that
+their names, types and choices cannot drift apart (``tests/test_cli_dialect.py`` checks
+every subcommand against each other):
+
+- ``--config FILE`` / ``--set SECTION.KEY=VALUE``: a run config (``knapray.train.config``)
+  and overrides of its values, wherever a run config applies;
+- ``--dtype auto|fp32|bf16|fp16`` (``float32``/``bfloat16``/``float16`` are read as the short names);
+- ``--device auto|cpu|cuda``;
+- ``--ac [none|full|every_k]`` (bare ``--ac``: full) and ``--ac-every K``;
+- ``--fsdp none|full|hybrid``, ``--world-size N``, ``--gpus-per-node N``, ``--seed N``, ``--json``.
+
+Numbers are parsed by functions whose ``__name__`` says what they accept (``int>=1``), so
+that a bad value is one line naming it and the bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable, Sequence
+
+
+class Parser(argparse.ArgumentParser):
+    """A bad argument is one line (``knapray plan: error: ...``) and exit code 2, as every
+    other user error of the command."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+        return value
+
+    parse.__name__ = f"int>={low}"
+    return parse
+
+
+def float_in(*, ge: float | None = None, gt: float | None = None) -> Callable[[str], float]:
+    bound = f">= {ge:g}" if ge is not None else f"> {gt:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or (ge is not None and value < ge) or (gt is not None and value <= gt):
+            raise argparse.ArgumentTypeError(f"expected a finite number {bound}, got {text!r}")
+        return value
+
+    parse.__name__ = f"float{bound.replace(' ', '')}"
+    return parse
+
+
+def int_list(text: str) -> list[int]:
+    """``"10000,1000000"`` -> ``[10000, 1000000]``."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, e.g. 10000,1000000; got {text!r}")
+    return values
+
+
+# ---- run config -------------------------------------------------------------------------
+
+
+def add_config(p: argparse.ArgumentParser, *, required: bool, what: str = "") -> None:
+    """``--config FILE`` and ``--set SECTION.KEY=VALUE`` (repeatable; values read as YAML)."""
+    p.add_argument("--config", required=required, metavar="FILE",
+                   help=f"run config YAML (see jobs/configs/){what}")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a run config value, e.g. --set run.num_workers=8 (repeatable)")
+
+
+class _Removed(argparse.Action):
+    """A spelling that was renamed: using it is one line naming the new one."""
+
+    def __init__(self, option_strings, dest, *, instead: str, **kwargs) -> None:
+        self.instead = instead
+        super().__init__(option_strings, dest, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} {values or ''}".rstrip() + f": {self.instead}")
+
+
+def add_removed(p: argparse.ArgumentParser, option: str, instead: str) -> None:
+    """``option`` is no longer accepted here; ``instead`` says what to write now."""
+    p.add_argument(option, action=_Removed, instead=instead)
+
+
+# ---- execution mode ---------------------------------------------------------------------
+
+DTYPES = ("auto", "fp32", "bf16", "fp16")
+_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+"""Short name -> torch's name (``getattr(torch, name)``)."""
+
+
+def dtype_name(text: str) -> str:
+    """A dtype flag's value as its short name (``bfloat16`` -> ``bf16``)."""
+    return _DTYPE_NAMES.get(text, text)
+
+
+dtype_name.__name__ = "dtype"
+
+
+def add_dtype(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--dtype", type=dtype_name, choices=DTYPES, default="auto",
+                   help=f"{help} (auto|fp32|bf16|fp16; float32/bfloat16/float16 also read)")
+
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def add_device(p: argparse.ArgumentParser, help: str = "where the models run (auto: cuda if present)") -> None:
+    p.add_argument("--device", choices=DEVICES, default="auto", help=help)
+
+
+AC_MODES = ("none", "full", "every_k")
+
+
+def add_ac(p: argparse.ArgumentParser, *, default: str | None, help: str) -> None:
+    """``--ac [none|full|every_k]`` (bare ``--ac`` is full) and ``--ac-every K``."""
+    p.add_argument("--ac", nargs="?", const="full", choices=AC_MODES, default=default,
+                   help=f"activation checkpointing of the blocks: {help} (bare --ac: full; every_k: every "
+                   "--ac-every-th block)")
+    p.add_argument("--ac-every", type=int_at_least(1), default=None, metavar="K",
+                   help="k of --ac every_k (default 2)")
+
+
+FSDP_MODES = ("none", "full", "hybrid")
+
+
+def add_fsdp(p: argparse.ArgumentParser, *, default: str | None, help: str) -> None:
+    p.add_argument("--fsdp", choices=FSDP_MODES, default=default,
+                   help=f"FSDP2 sharding over the world (full) or within nodes (hybrid): {help}")
+
+
+def add_compile(p: argparse.ArgumentParser, help: str, backends: Sequence[str] | None = None) -> None:
+    p.add_argument("--compile", action="store_true", help=help)
+    if backends:
+        p.add_argument("--compile-backend", default=backends[0], choices=list(backends),
+                       help=f"torch.compile backend (default {backends[0]})")
+
+
+# ---- world ------------------------------------------------------------------------------
+
+
+def add_world_size(p: argparse.ArgumentParser, *, default: int | None, help: str) -> None:
+    p.add_argument("--world-size", type=int_at_least(1), default=default, metavar="N", help=help)
+
+
+def add_gpus_per_node(p: argparse.ArgumentParser, *, help: str) -> None:
+    p.add_argument("--gpus-per-node", type=int_at_least(1), default=None, metavar="N", help=help)
+
+
+def add_seed(p: argparse.ArgumentParser, default: int = 0, help: str = "random seed") -> None:
+    p.add_argument("--seed", type=int_at_least(0), default=default, help=f"{help} (default {default})")
+
+
+def add_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")

@@ -1,0 +1,113 @@
+"""``knapray simulate``: predicted step time per rank of unbalanced, greedy and knapray
+plans under the cost model (``knapray.sim``), and the paper tables."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .cost import add_cost_model, cost_model
+from .flags import add_gpus_per_node, add_json, add_seed, add_world_size, int_at_least
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mix", help="paper mix name (low-res, mixed-res, image+video), data codes, or a non-stationary "
+                   "schedule alternate:MIX[*K]/MIX[*K]/... (K steps of each in turn, e.g. "
+                   "alternate:low-res/image+video)")
+    p.add_argument("--lengths", metavar="FILE",
+                   help="JSON file: list of steps, each a list of per-rank lists of lengths")
+    p.add_argument("--topology", default="auto", help="bags, e.g. g8n4, 'auto' (default: chosen once from other "
+                   "steps), or 'per-step' (aligned power-of-two blocks of each node chosen every step, vs static auto)")
+    add_world_size(p, default=None, help="ranks (a multiple of the mix's ranks; default the mix's)")
+    add_gpus_per_node(p, help="GPUs per node (default: the cost model's, 8)")
+    add_cost_model(p, what="")
+    p.add_argument("--rank-speed", action="append", metavar="RANK=SPEED", help="a rank's speed factor, e.g. 5=0.5")
+    p.add_argument("--steps", type=int_at_least(1), default=3, help="steps to simulate (default 3)")
+    add_seed(p)
+    p.add_argument("--paper-table", action="store_true", help="auto vs best greedy on the paper mixes at 32 and 1024 "
+                   "GPUs; with --topology per-step: per-step vs static auto on them, alternate:low-res/image+video and "
+                   "alternate:low-res*2/image+video*2 (and --mix, if given)")
+    p.add_argument("--markdown", metavar="FILE", help="--paper-table: also write the table to this file")
+    p.add_argument("--plot", metavar="PNG", help="write a PNG of predicted per-rank time")
+    add_json(p)
+
+
+def _rank_speeds(items: list[str] | None, world: int) -> list[float] | None:
+    """``--rank-speed 5=0.5``: rank 5 runs at half speed."""
+    if not items:
+        return None
+    speeds = [1.0] * world
+    for item in items:
+        rank, sep, value = item.partition("=")
+        if not sep or not rank.strip().isdigit() or not 0 <= int(rank) < world:
+            raise ValueError(f"--rank-speed expects RANK=SPEED with 0 <= RANK < {world}, got {item!r}")
+        speeds[int(rank)] = float(value)
+    return speeds
+
+
+def run(args: argparse.Namespace) -> int:
+    from knapray import sim
+
+    cost = cost_model(args)
+    if args.paper_table and args.topology == sim.PER_STEP:
+        mixes = (*sim.PAPER_MIXES, *sim.NONSTATIONARY_MIXES) + ((args.mix,) if args.mix else ())
+        print("mix                             GPUs  static s  per-step s  ratio   worst  behind", file=sys.stderr)
+        rows = sim.per_step_table(
+            mixes=mixes, cost=cost, steps=args.steps, seed=args.seed,
+            progress=lambda r: print(
+                f"{sim._short(r['mix'], 31):<31} {r['world_size']:>4}  {r['static_step_s']:>8.4f}  "
+                f"{r['per_step_s']:>10.4f}  {r['ratio']:.4f}  {r['worst_step_ratio']:.4f}  {r['steps_behind']}",
+                file=sys.stderr, flush=True),
+        )
+        command = "knapray simulate --paper-table --topology per-step" + (
+            f" --steps {args.steps}" if args.steps != 3 else "") + (f" --mix {args.mix}" if args.mix else "")
+        text = sim.per_step_markdown(rows, command, args.steps)
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write(text)
+        print(text)
+        if args.json:
+            print(json.dumps({"rows": rows}))
+        return 0
+    if args.paper_table:
+        print("mix          GPUs  auto topology                  eff.    best greedy   eff.    ratio", file=sys.stderr)
+        rows = sim.paper_table(
+            cost=cost, steps=args.steps, seed=args.seed,
+            progress=lambda r: print(
+                f"{r['mix']:<12} {r['world_size']:>4}  {sim._short(r['auto_topology'], 28):<28} "
+                f"{r['auto_efficiency']:.4f}  {r['greedy_topology']:<12} {r['greedy_efficiency']:.4f}  "
+                f"{r['ratio']:.4f}", file=sys.stderr, flush=True),
+        )
+        command = "knapray simulate --paper-table" + (f" --steps {args.steps}" if args.steps != 3 else "")
+        text = sim.table_markdown(rows, command, cost, args.steps)
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write(text)
+        print(text)
+        if args.json:
+            print(json.dumps({"rows": rows}))
+        return 0
+    if (args.mix is None) == (args.lengths is None):
+        raise ValueError("give exactly one of --mix CODES|NAME, --lengths FILE or --paper-table")
+    if args.mix is not None:
+        world = args.world_size or sim.schedule_ranks(args.mix)
+        speeds = _rank_speeds(args.rank_speed, world)
+        if speeds is not None:
+            cost = cost.with_rank_speed(speeds)
+        result = sim.simulate_mix(args.mix, args.topology, world, cost, steps=args.steps, seed=args.seed)
+    else:
+        from knapray.planning.runner import load_lengths
+
+        steps = load_lengths(args.lengths)
+        speeds = _rank_speeds(args.rank_speed, len(steps[0]))
+        if speeds is not None:
+            cost = cost.with_rank_speed(speeds)
+        result = sim.simulate(steps, args.topology, cost)
+        result["mix"] = args.lengths
+    if args.plot:
+        result["plot"] = sim.plot_rank_times(args.plot, result)
+    sim.print_report(result)
+    if args.json:
+        print(json.dumps(result))
+    return 0

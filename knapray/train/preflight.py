@@ -1,0 +1,199 @@
+"""Pre-flight: everything a training run checks before any worker starts, for every
+launcher (the Ray driver of ``knapray train`` / ``jobs/train.py``, and rank 0 of the
+torchrun launcher), each input file read once.
+
+    pre = check_file(config_file, overrides)  # config (unpinned widths from the corpus), corpus,
+                                              # model vs corpus, world sizes: no side effects
+    print("\\n".join(pre.summary()))           # what --check prints (with the run directory's decision)
+    start, lock = prepare(pre)                # the run directory: lock, fresh or resume, config.json
+
+A failed check raises ``ConfigError`` (the config), ``RunError`` (corpus, world sizes, run
+directory) or ``BadCorpus`` (too many unreadable shards): one line naming the value and
+what is valid, which the launchers print with exit code 2.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from knapray.corpus import read_schema_json
+from knapray.data import BadShard, CorpusInfo, check_model_config, check_shards, corpus_info
+
+from .checkpoint import completed_checkpoints
+from .config import TrainConfig, load_config
+from .guard import check_bad_shards, write_shard_quarantine
+from .run_files import (
+    RunError,
+    RunLock,
+    RunStart,
+    check_world,
+    clear_stale_run_files,
+    decide_start,
+    inside_ray_upload,
+    resolve_paths,
+    write_config,
+)
+
+
+class _SchemaReader:
+    """Reads a corpus's schema.json at most once: for the model widths while the config
+    loads, then for the corpus check."""
+
+    def __init__(self) -> None:
+        self.path: str | None = None
+        self.doc: dict | None = None
+        self.error: Exception | None = None
+
+    def read(self, corpus: str) -> dict | None:
+        path = os.path.abspath(corpus)
+        if path != self.path:
+            self.path, self.doc, self.error = path, None, None
+            try:
+                self.doc = read_schema_json(path)
+            except (OSError, ValueError) as e:  # missing, unreadable, not JSON, another format
+                self.error = e
+        return self.doc
+
+    def dims(self, corpus: str) -> Mapping[str, Any] | None:
+        doc = self.read(corpus)
+        dims = doc.get("dims") if doc is not None else None
+        return dims if isinstance(dims, dict) else None
+
+
+def check_file(config_file: str | None, overrides: list[str] | None = None,
+               worlds: Iterable[int] | None = None) -> Preflight:
+    """Load the run config (absolute paths; the model's in_channels / text_dim / pooled_dim
+    the config leaves out come from the corpus's schema.json) and ``check`` it for
+    ``worlds`` (default: every world size the Ray launcher may start with), reading
+    schema.json once for both."""
+    reader = _SchemaReader()
+    cfg = resolve_paths(load_config(config_file, overrides, corpus_dims=reader.dims))
+    return check(cfg, cfg.world_sizes() if worlds is None else worlds, schema=reader)
+
+
+@dataclass(frozen=True)
+class CorpusCheck:
+    """The corpus as pre-flight found it."""
+
+    info: CorpusInfo
+    good_shards: tuple[Path, ...]
+    """Shards whose parquet footers read (what the run reads)."""
+    bad_shards: tuple[BadShard, ...]
+    """Shards left out, quarantined when the run starts."""
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """A config that passed every check that needs no run directory."""
+
+    cfg: TrainConfig
+    worlds: tuple[int, ...]
+    corpus: CorpusCheck
+
+    def run_dir_decision(self) -> RunStart:
+        """Fresh run or resume, and whether a live run holds the directory, without taking
+        the lock or writing anything (``--check``); ``RunError`` as the run would give."""
+        RunLock(self.cfg.run_dir).check_free()
+        return decide_start(self.cfg, completed_checkpoints(os.path.join(self.cfg.run_dir, "checkpoints")))
+
+    def summary(self, config_file: str | None = None) -> list[str]:
+        """What was checked, for ``--check`` (the run directory's decision included)."""
+        cfg, info, m = self.cfg, self.corpus.info, self.cfg.model
+        start = self.run_dir_decision()
+        bad = self.corpus.bad_shards
+        shards = (f"{len(self.corpus.good_shards)} shards readable"
+                  + (f", {len(bad)} unreadable ({sum(b.rows or 0 for b in bad)} rows) left out and quarantined"
+                     if bad else ""))
+        return [
+            f"config {config_file or '(defaults)'}: valid; model {m.hidden_size} wide, {m.num_heads} heads, "
+            f"{m.depth_double}+{m.depth_single} blocks, in_channels {m.in_channels}, text_dim {m.text_dim}, "
+            f"pooled_dim {m.pooled_dim}",
+            f"corpus {info.path}: {info.num_samples} samples, {shards}; channels {info.channels}, text_dim "
+            f"{info.text_dim}, pooled_dim {info.pooled_dim}, patch {tuple(info.patch)}: the model fits it",
+            f"world sizes: {_worlds_text(self.worlds, cfg)}: the global batch, topology "
+            f"{cfg.balance.topology!r} and heads fit each",
+            f"run directory: {_would(start.message)}",
+        ]
+
+
+_WOULD = {"starting": "would start", "resuming": "would resume"}
+
+
+def _would(message: str) -> str:
+    """``RunStart.message`` ("starting run ...", "resuming run ...") as what a run would do."""
+    verb, _, rest = message.partition(" ")
+    return f"{_WOULD.get(verb, verb)} {rest}"
+
+
+def _worlds_text(worlds: tuple[int, ...], cfg: TrainConfig) -> str:
+    if len(worlds) == 1:
+        return f"{worlds[0]} (run.num_workers)" if worlds[0] == cfg.run.num_workers else str(worlds[0])
+    return f"{worlds[0]}..{worlds[-1]} ({len(worlds)} sizes: elastic, run.min_workers..run.num_workers)"
+
+
+def check(cfg: TrainConfig, worlds: Iterable[int], *, corpus: CorpusCheck | None = None,
+          schema: _SchemaReader | None = None) -> Preflight:
+    """Every check that needs no run directory: the config fits every world size the run
+    may have (``worlds``), the corpus exists, its shards' footers read (or few enough are
+    bad) and the model fits its widths and patch. ``corpus``: a check of the same corpus
+    done already (``--compare-unbalanced`` trains a second run on it); ``schema``: the
+    reader that loaded the config, holding schema.json read already."""
+    cfg = resolve_paths(cfg)
+    worlds = tuple(int(w) for w in worlds)
+    for world in worlds:
+        check_world(cfg, world)
+    if corpus is None:
+        corpus = check_corpus(cfg, schema)
+    try:
+        check_model_config(corpus.info, cfg.model)
+    except ValueError as e:
+        raise RunError(f"{e}; leave model.in_channels / text_dim / pooled_dim out of the config to take the "
+                       "corpus's, or use a corpus made with the encoders the config expects") from None
+    return Preflight(cfg=cfg, worlds=worlds, corpus=corpus)
+
+
+def check_corpus(cfg: TrainConfig, schema: _SchemaReader | None = None) -> CorpusCheck:
+    """The corpus must exist before any worker starts (it is never built or replaced
+    implicitly) and enough of its shards must be readable (parquet footers only)."""
+    path = cfg.data.corpus
+    reader = schema or _SchemaReader()
+    doc = reader.read(path)
+    if doc is None:
+        if not os.path.exists(os.path.join(path, "schema.json")):
+            hint = ""
+            if inside_ray_upload(path):
+                hint = ("; this job runs in the folder ray job submit uploaded, which holds no gitignored data: "
+                        "give data.corpus as an absolute path on storage every node reads")
+            raise RunError(f"data.corpus {path!r}: no corpus there (no schema.json){hint}; build one with "
+                           "python -m knapray.corpus.synthetic or python -m knapray.corpus.ingest")
+        raise RunError(f"data.corpus {path!r}: {reader.error}")
+    try:
+        info = corpus_info(path, doc)
+        good, bad = check_shards(path, info)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        what = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename else str(e)
+        raise RunError(f"data.corpus {path!r}: {what or type(e).__name__}") from None
+    check_bad_shards(path, info.num_samples, good, bad, cfg.data.max_bad_fraction)
+    return CorpusCheck(info=info, good_shards=tuple(good), bad_shards=tuple(bad))
+
+
+def prepare(pre: Preflight) -> tuple[RunStart, RunLock]:
+    """The run directory, once every check passed: take its lock, decide fresh run or
+    resume under it (``run.resume``), clear what an unfinished fresh run left, write the
+    config and the quarantined shards. The caller releases the lock at the end of the run."""
+    cfg = pre.cfg
+    lock = RunLock(cfg.run_dir).acquire()
+    try:
+        start = decide_start(cfg, completed_checkpoints(os.path.join(cfg.run_dir, "checkpoints")))
+        if start.resume_from is None:
+            clear_stale_run_files(cfg.run_dir)
+        write_config(cfg)
+        write_shard_quarantine(cfg.run_dir, list(pre.corpus.bad_shards))
+    except BaseException:
+        lock.release()
+        raise
+    return start, lock

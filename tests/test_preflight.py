@@ -1,0 +1,159 @@
+"""``knapray train --check`` (and ``jobs/train.py --check``, the torchrun launcher's
+``--check``): every pre-flight check, nothing started. Every shipped config passes against
+a small corpus of the widths it expects; a bad input is one line naming the value, exit
+code 2, no traceback, and Ray is never started."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import runpy
+import sys
+
+import pytest
+import yaml
+
+from knapray.cli import main
+from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
+from knapray.train.run_files import RunLock
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+CONFIGS = sorted((REPO / "jobs" / "configs").glob("*.yaml"))
+DEFAULT_WIDTHS = {"in_channels": 4, "text_dim": 16, "pooled_dim": 16}
+"""Widths of the corpus for a config that leaves them to the corpus."""
+
+
+@pytest.fixture(autouse=True)
+def no_ray(monkeypatch):
+    """A check that started Ray would fail here instead of starting it."""
+    ray = pytest.importorskip("ray")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("pre-flight started Ray")
+
+    monkeypatch.setattr(ray, "init", refuse)
+
+
+def _corpus(path: pathlib.Path, widths: dict[str, int]) -> str:
+    if not (path / "schema.json").exists():
+        build_synthetic(SyntheticConfig(mix="g2b2i128f1s0,g1b1i64f2s1", steps=2, scale=4,
+                                        channels=widths["in_channels"], text_dim=widths["text_dim"],
+                                        pooled_dim=widths["pooled_dim"], max_text_tokens=16, shards=2),
+                        path, progress=False)
+    return str(path)
+
+
+def _run(argv: list[str], capsys) -> tuple[int, list[str], list[str]]:
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse exits itself
+        code = e.code
+    captured = capsys.readouterr()
+    return code, captured.out.strip().splitlines(), captured.err.strip().splitlines()
+
+
+@pytest.fixture(scope="module")
+def demo_corpus(tmp_path_factory):
+    return _corpus(tmp_path_factory.mktemp("corpus"), DEFAULT_WIDTHS)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
+def test_every_shipped_config_passes_its_check(config, tmp_path, capsys):
+    """Against a corpus of the widths the config pins (the corpus's own otherwise).
+    ``flux_cluster.yaml`` (elastic 16..64 GPUs, hybrid FSDP in nodes of 8) passes once the
+    elastic range is sized in whole nodes (issue 17's Ray-runtime half)."""
+    pinned = (yaml.safe_load(config.read_text()).get("model") or {})
+    widths = {k: pinned.get(k, v) for k, v in DEFAULT_WIDTHS.items()}
+    corpus = _corpus(tmp_path / "corpus", widths)
+    code, out, err = _run(["train", "--config", str(config), "--set", f"data.corpus={corpus}",
+                           "--set", f"run.storage={tmp_path / 'runs'}", "--check"], capsys)
+    assert code == 0, err
+    text = "\n".join(out)
+    assert "pre-flight passed" in text and corpus in text and "would start run" in text, text
+    assert not (tmp_path / "runs").exists()  # a check writes nothing
+
+
+def test_check_reports_what_it_checked_and_starts_nothing(demo_corpus, tmp_path, capsys, monkeypatch):
+    base = ["--config", str(REPO / "jobs/configs/demo.yaml"), "--set", f"data.corpus={demo_corpus}",
+            "--set", f"run.storage={tmp_path}", "--set", "run.name=r", "--check"]
+    code, out, err = _run(["train", *base, "--set", "run.min_workers=2", "--set", "balance.topology=bags_of:2"],
+                          capsys)
+    assert code == 0, err
+    assert any("2..4 (3 sizes: elastic" in line for line in out), out
+    assert any("text_dim 16, pooled_dim 16" in line for line in out), out  # the corpus's widths
+    # The same through jobs/train.py (the ray job submit entrypoint) and the torchrun launcher.
+    monkeypatch.setattr(sys, "argv", ["jobs/train.py", *base])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(REPO / "jobs" / "train.py"), run_name="__main__")
+    assert e.value.code == 0 and "pre-flight passed" in capsys.readouterr().out
+    from knapray.train.torchrun import main as torchrun_main
+
+    assert torchrun_main(base[:-1] + ["--set", "balance.topology=g1n1", "--check"]) == 0
+    assert "world sizes: 1" in capsys.readouterr().out
+    # A resumable run directory is reported as such, and a live run's lock is refused.
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    with RunLock(str(run_dir)):
+        code, _, err = _run(["train", *base], capsys)
+    assert code == 2 and len(err) == 1 and "in use by a live run" in err[0], err
+    assert not any(run_dir.iterdir())
+
+
+BAD = [
+    (["--set", "run.num_workerz=4"], ["num_workerz", "valid keys"]),
+    (["--set", "data.corpus=/nonexistent/corpus"], ["/nonexistent/corpus", "no corpus there"]),
+    (["--set", "model.text_dim=4096"], ["text_dim=16", "text_dim=4096"]),
+    (["--set", "run.num_workers=3"], ["g1n2+g2n1", "3"]),
+    (["--set", "run.min_workers=3", "--set", "balance.topology=bags_of:2", "--set", "data.global_batch=8"],
+     ["global_batch=8", "3 ranks"]),
+    (["--set", "run.resume=never", "--set", "run.name=exists"], ["already exists", "run.resume=never"]),
+]
+
+
+@pytest.mark.parametrize("extra, names", BAD, ids=[" ".join(e) for e, _ in BAD])
+def test_a_bad_input_is_one_line_and_exit_2(extra, names, demo_corpus, tmp_path, capsys):
+    (tmp_path / "exists").mkdir()
+    (tmp_path / "exists" / "config.json").write_text("{}")
+    code, out, err = _run(["train", "--config", str(REPO / "jobs/configs/demo.yaml"),
+                           "--set", f"data.corpus={demo_corpus}", "--set", f"run.storage={tmp_path}", *extra,
+                           "--check"], capsys)
+    assert code == 2 and not out
+    assert len(err) == 1 and err[0].startswith("knapray train: error:"), err
+    for name in names:
+        assert name in err[0], (name, err[0])
+
+
+def test_a_mostly_unreadable_corpus_is_refused_by_name(tmp_path, capsys):
+    corpus = pathlib.Path(_corpus(tmp_path / "corpus", DEFAULT_WIDTHS))
+    shards = json.loads((corpus / "schema.json").read_text())["shards"]
+    for name in shards:
+        (corpus / name).write_bytes(b"not parquet")
+    code, _, err = _run(["train", "--config", str(REPO / "jobs/configs/demo.yaml"), "--set", f"data.corpus={corpus}",
+                         "--set", f"run.storage={tmp_path}", "--check"], capsys)
+    assert code == 2 and len(err) == 1 and "unreadable shard" in err[0] and shards[0] in err[0], err
+
+
+def test_pre_flight_reads_each_file_once(demo_corpus, tmp_path, monkeypatch):
+    """schema.json once (the model's widths and the corpus check share it), each shard's
+    footer once."""
+    import pyarrow.parquet as pq
+
+    import knapray.train.preflight as preflight
+
+    reads = {"schema": 0, "footer": 0}
+    read_schema, parquet_file = preflight.read_schema_json, pq.ParquetFile
+
+    def count_schema(path):
+        reads["schema"] += 1
+        return read_schema(path)
+
+    def count_footer(*args, **kwargs):
+        reads["footer"] += 1
+        return parquet_file(*args, **kwargs)
+
+    monkeypatch.setattr(preflight, "read_schema_json", count_schema)
+    monkeypatch.setattr(pq, "ParquetFile", count_footer)
+    pre = preflight.check_file(str(REPO / "jobs/configs/demo.yaml"),
+                               [f"data.corpus={demo_corpus}", f"run.storage={tmp_path}"])
+    assert reads == {"schema": 1, "footer": len(pre.corpus.good_shards)} == {"schema": 1, "footer": 2}
+    assert pre.cfg.model.text_dim == 16  # from that one read

@@ -1,0 +1,342 @@
+"""The command blocks of README.md and docs/*.md run as written.
+
+Every command in a fenced shell block (a line starting with knapray, python, torchrun,
+make, ray, pip, ...; ``\\`` continues it) must match a rule of ``RULES``, which says what
+this test does with it and why:
+
+- ``run``: runs it, with the rule's substitutions (tiny models for ``/models/FLUX.1-dev``,
+  matplotlib's sample pictures for ``~/pictures``, fewer steps) and extra arguments;
+- ``check``: a training command, run with ``--check`` (every pre-flight check, no worker);
+- ``error``: an example of an error: it must fail with one line and exit code 2;
+- ``parse``: its arguments are parsed by the command's own parser (every flag exists, every
+  value is valid), not run, for the reason the rule gives;
+- ``skip``: not a knapray command we can run here, for the reason the rule gives.
+
+A command no rule matches fails the test: a new README command needs a rule. The rules
+match commands by content, not by file or heading, so they keep working when the README's
+sections move into docs/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+SHELL_LANGS = ("", "sh", "bash", "shell", "console")
+COMMAND_WORDS = ("knapray", "make", "python", "python3", "torchrun", "ray", "pip", "export", "bash")
+
+
+@dataclass(frozen=True)
+class Command:
+    where: str
+    """file:line of its first line."""
+    block: str
+    """file:line of its block (the commands of a block run in order, in one directory)."""
+    text: str
+    """The command, continuation lines joined, a trailing comment dropped (shell-quoted)."""
+
+
+def fenced_blocks(path: Path):
+    """(language, first line number, lines) of every fenced block."""
+    lines = path.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        m = re.match(r"^\s*```(\w*)\s*$", lines[i])
+        if not m:
+            i += 1
+            continue
+        j = i + 1
+        while j < len(lines) and not re.match(r"^\s*```\s*$", lines[j]):
+            j += 1
+        yield m.group(1), i + 2, lines[i + 1 : j]
+        i = j + 1
+
+
+def _is_command(line: str) -> bool:
+    words = line.split()
+    while words and re.match(r"^[A-Z_]+=\S*$", words[0]):  # leading VAR=value assignments
+        words = words[1:]
+    # "knapray train: error: ..." is a command's output, not a command
+    return bool(words) and words[0] in COMMAND_WORDS and not (len(words) > 1 and words[1].endswith(":"))
+
+
+def commands() -> list[Command]:
+    """Every command of every shell block (output lines, comments and trees left out)."""
+    found = []
+    for path in DOCS:
+        name = path.relative_to(REPO)
+        for lang, first, lines in fenced_blocks(path):
+            if lang not in SHELL_LANGS:
+                continue
+            pending: tuple[int, list[str]] | None = None
+            for k, raw in enumerate(lines):
+                line = raw.strip().removeprefix("$ ")
+                if pending is None and not _is_command(line):
+                    continue
+                start, parts = pending or (first + k, [])
+                parts.append(line.removesuffix("\\").strip())
+                pending = (start, parts) if line.endswith("\\") else None
+                if pending is None:
+                    text = shlex.join(shlex.split(" ".join(parts), comments=True))
+                    found.append(Command(f"{name}:{start}", f"{name}:{first - 1}", text))
+    return found
+
+
+# ---- what to do with each command ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rule:
+    pattern: str
+    """A regex searched in the command."""
+    action: str
+    """run | check | error | parse | skip."""
+    why: str = ""
+    """Why it is not run as written (parse, skip), or what a substitution stands for."""
+    subs: tuple[tuple[str, str], ...] = ()
+    """(written, substituted) pairs; ``{W}`` in the substitute is the work directory."""
+    extra: tuple[str, ...] = ()
+    """Arguments appended (a later --set wins)."""
+    setup: Callable[[Path], None] | None = field(default=None, compare=False)
+    """Run before the command, in the work directory."""
+    verify: Callable[[Path, str], None] | None = field(default=None, compare=False)
+    """Run after it with the work directory and its output: what the recipe promises."""
+
+
+def _steps_json(work: Path) -> None:
+    """A --lengths file for g1n16+g4n2+g8n1 (32 ranks): two steps of a few lengths per rank."""
+    steps = [[[64 + 7 * r + 31 * s, 16 + r] for r in range(32)] for s in range(2)]
+    (work / "steps.json").write_text(json.dumps(steps))
+
+
+def _widths_from_the_corpus(work: Path, out: str) -> None:
+    """demo.yaml pins no widths: the run took the ingested corpus's (the tiny Flux-layout
+    VAE's 16 latent channels, the tiny T5's 16, the tiny CLIP's 12) and trained."""
+    cfg = json.loads((work / "runs" / "pictures" / "config.json").read_text())
+    assert (cfg["model"]["in_channels"], cfg["model"]["text_dim"], cfg["model"]["pooled_dim"]) == (16, 16, 12), out
+    assert (work / "runs" / "pictures" / "metrics.jsonl").read_text().strip(), out
+
+
+def _one_caption_two_sizes(work: Path, out: str) -> None:
+    """One caption at both sizes, WIDTHxHEIGHT as written, decoded by the corpus's VAE."""
+    assert "2 images: 512x512, 768x384 pixels" in out and "DiffusersVAE" in out, out
+    assert (work / "grid.png").stat().st_size > 0
+
+
+TINY = "tiny models in a FLUX.1-dev-shaped folder (tests/tiny_encoders.save_flux_layout)"
+FAST = "a few steps, 2 workers (bags g2n1), so that it takes seconds"
+RULES = (
+    Rule(r"^make (run|test)\b", "skip", "make run is the demo of two 4-worker Ray runs (1-2 min here; its launcher "
+         "runs below with the own-images recipe); make test is this suite"),
+    Rule(r"^pip install", "skip", "installs packages: the test extra carries the encoders extra's packages"),
+    Rule(r"^knapray ingest .*FLUX\.1-dev", "run", TINY,
+         subs=(("/models/FLUX.1-dev", "{W}/models/FLUX.1-dev"), ("~/pictures", "{W}/pictures"))),
+    Rule(r"^knapray train .*model\.text_dim=4096 --check", "error", "an example of a refused config",
+         extra=("--set", "data.corpus={W}/demo-corpus")),
+    Rule(r"^knapray train .*--check", "run", "the demo corpus replaced by a small one",
+         extra=("--set", "data.corpus={W}/demo-corpus")),
+    Rule(r"^knapray train ", "run", FAST,
+         extra=("--set", "run.max_steps=2", "--set", "run.num_workers=2", "--set", "balance.topology=g2n1"),
+         verify=_widths_from_the_corpus),
+    Rule(r"^knapray sample ", "run", "2 Euler steps instead of 28", extra=("--steps", "2"),
+         verify=_one_caption_two_sizes),
+    Rule(r"^knapray plan --mix \.\.\.", "skip", "an elided mix ('...'): the full plan commands run"),
+    Rule(r"^knapray plan --lengths steps\.json", "run", "steps.json written here (2 steps of 32 ranks)",
+         setup=_steps_json),
+    Rule(r"^knapray plan --mix ", "run", "5 steps instead of 50", subs=(("--steps 50", "--steps 5"),)),
+    Rule(r"^knapray simulate --mix image\+video --topology auto", "run"),
+    Rule(r"^knapray simulate --paper-table", "parse", "the paper tables plan 32 and 1024 GPUs (20 s and more); "
+         "tests/test_simulate.py and tests/test_pertopo.py check their rows"),
+    Rule(r"^knapray parity ", "parse", "spawns 4 gloo processes (~20 s each); tests/test_parity.py runs these cases"),
+    Rule(r"^knapray calibrate ", "parse", "times the model's blocks for minutes (or on CUDA); tests/test_calibrate.py "
+         "calibrates and validates a small model"),
+    Rule(r"^torchrun --nproc-per-node 8 .*run\.use_gpu=true", "parse", "needs 8 CUDA GPUs"),
+    Rule(r"^torchrun --nproc-per-node 4 .*per-step", "check", "the demo corpus replaced by a small one; training "
+         "per-step on gloo is tests/test_block_groups.py's", extra=("--set", "data.corpus={W}/demo-corpus")),
+    Rule(r"^PYTHON=python3 make gpu-check", "skip", "needs a CUDA GPU"),
+    Rule(r"^ray start ", "skip", "starts a Ray head on the default ports; jobs/submit_demo.sh does it on private ones"),
+    Rule(r"^export RAY_AUTH_MODE", "skip", "environment of the ray job CLI"),
+    Rule(r"^ray job submit .*flux_cluster\.yaml", "parse", "needs the cluster's corpus under /mnt/data; "
+         "tests/test_preflight.py checks flux_cluster.yaml against a corpus of its widths"),
+    Rule(r"^ray job submit ", "check", "the entrypoint after --, its paths under the work directory",
+         subs=(("/shared/corpora/demo", "{W}/demo-corpus"), ("/shared/knapray-runs", "{W}/shared-runs"))),
+    Rule(r"^ray (job status|job logs|up) ", "skip", "needs a submitted job / a cloud account"),
+)
+
+
+def rule_for(command: Command) -> Rule | None:
+    return next((r for r in RULES if re.search(r.pattern, command.text)), None)
+
+
+ALL = commands()
+
+
+def test_every_documented_command_has_a_rule():
+    assert len(ALL) >= 20, ALL  # the extraction found the blocks
+    missing = [f"{c.where}: {c.text}" for c in ALL if rule_for(c) is None]
+    assert not missing, "README/docs commands without a rule in tests/test_readme_commands.py:\n" + "\n".join(missing)
+    for rule in RULES:
+        assert rule.action in ("run", "check", "error", "parse", "skip"), rule
+        assert rule.why or rule.action in ("run", "check"), f"{rule.pattern}: say why it is not run as written"
+
+
+# ---- running them -------------------------------------------------------------------------------
+
+
+def _argv(command: Command, rule: Rule, work: Path) -> list[str]:
+    text = command.text
+    for written, instead in rule.subs:
+        text = text.replace(written, instead.replace("{W}", str(work)))
+    argv = shlex.split(text) + [a.replace("{W}", str(work)) for a in rule.extra]
+    if argv[:3] == ["ray", "job", "submit"]:
+        argv = argv[argv.index("--") + 1 :]
+    while argv and re.match(r"^[A-Z_]+=", argv[0]):
+        argv = argv[1:]
+    return argv
+
+
+def _parser_of(argv: list[str]):
+    """(parser, its arguments) of a knapray, jobs/train.py or torchrun command."""
+    if argv[0] == "knapray":
+        from knapray.cli import build_parser
+
+        return build_parser(), argv[1:]
+    if argv[:2] == ["python", "jobs/train.py"]:
+        from knapray.commands.flags import Parser
+        from knapray.train.job import add_arguments
+
+        p = Parser(prog="jobs/train.py")
+        add_arguments(p)
+        return p, argv[2:]
+    if argv[0] == "torchrun":
+        from knapray.train.torchrun import build_parser
+
+        return build_parser(), argv[argv.index("knapray.train.torchrun") + 1 :]
+    raise AssertionError(f"no parser for {argv}")
+
+
+def _small_corpus(path: Path) -> None:
+    from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
+
+    if not (path / "schema.json").exists():
+        build_synthetic(SyntheticConfig(mix="g4b2i128f1s0,g4b1i64f2s1", steps=1, scale=4, channels=4, text_dim=16,
+                                        pooled_dim=16, max_text_tokens=16, shards=2), path, progress=False)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """The work directory every command runs in: jobs/ of the repository and a small corpus
+    (tiny models and pictures are added for the commands that need them)."""
+    work = tmp_path_factory.mktemp("readme")
+    (work / "jobs").symlink_to(REPO / "jobs", target_is_directory=True)
+    _small_corpus(work / "demo-corpus")
+    return work
+
+
+def _run_here(argv: list[str], work: Path, monkeypatch, capfd) -> tuple[int, str]:
+    """Run a command in ``work``; knapray train starts its own embedded Ray, so it runs as
+    a process of its own, the others in this one."""
+    monkeypatch.chdir(work)
+    if argv[:2] == ["knapray", "train"] and "--check" not in argv:
+        pytest.importorskip("ray")
+        # Its own embedded Ray: no RAY_ADDRESS, and a temp dir of its own, so that neither
+        # joins a cluster another process started with `ray start` (ray_current_cluster).
+        ray_tmp = tempfile.mkdtemp(prefix="kr-", dir="/tmp")  # short: Ray's socket paths
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env.update(PYTHONPATH=str(REPO), RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.2", RAY_TMPDIR=ray_tmp)
+        try:
+            out = subprocess.run([sys.executable, "-m", "knapray.cli", *argv[1:]], cwd=work, env=env,
+                                 capture_output=True, text=True, timeout=420)
+        finally:
+            shutil.rmtree(ray_tmp, ignore_errors=True)
+        return out.returncode, out.stdout + out.stderr
+    if argv[0] == "knapray":
+        from knapray.cli import main
+
+        code = main(argv[1:])
+    elif argv[0] == "torchrun":
+        from knapray.train.torchrun import main
+
+        monkeypatch.setenv("WORLD_SIZE", argv[argv.index("--nproc-per-node") + 1])
+        code = main(argv[argv.index("knapray.train.torchrun") + 1 :])
+    elif argv[:2] == ["python", "jobs/train.py"]:
+        from knapray.train.job import main
+
+        code = main(argv[2:])
+    else:
+        raise AssertionError(f"cannot run {argv}")
+    captured = capfd.readouterr()
+    return code, captured.out + captured.err
+
+
+def _parse_cases() -> list:
+    return [pytest.param(c, id=f"{c.where} {c.text[:60]}") for c in ALL
+            if (r := rule_for(c)) is not None and r.action == "parse"]
+
+
+def _block_cases() -> list:
+    blocks: dict[str, list[Command]] = {}
+    for c in ALL:
+        r = rule_for(c)
+        if r is not None and r.action in ("run", "check", "error"):
+            blocks.setdefault(c.block, []).append(c)
+    def marks(cs: list[Command]):  # a block that trains on Ray is in the Ray tier
+        return [pytest.mark.ray] if any(_starts_ray(c) for c in cs) else []
+
+    return [pytest.param(cs, id=f"{b} {cs[0].text[:50]}", marks=marks(cs)) for b, cs in blocks.items()]
+
+
+def _starts_ray(command: Command) -> bool:
+    words = shlex.split(command.text)
+    return words[:2] == ["knapray", "train"] and "--check" not in words
+
+
+@pytest.mark.parametrize("command", _parse_cases())
+def test_commands_not_run_here_parse(command):
+    """Their flags exist and their values are valid (the reason they do not run is in RULES)."""
+    parser, args = _parser_of(_argv(command, rule_for(command), Path("/nonexistent")))
+    try:
+        parser.parse_args(args)
+    except SystemExit as e:
+        pytest.fail(f"{command.where}: {command.text}: arguments refused (exit {e.code})")
+
+
+@pytest.mark.parametrize("block", _block_cases())
+def test_command_blocks_run(block, work, monkeypatch, capfd):
+    """A block's commands in order, in one directory: the own-images recipe trains on what
+    its ingest wrote and samples from what it trained."""
+    if any("FLUX.1-dev" in c.text for c in block):
+        pytest.importorskip("diffusers")
+        import tiny_encoders as te
+
+        if not (work / "models").exists():
+            te.save_flux_layout(work / "models" / "FLUX.1-dev")
+            te.sample_images(work / "pictures")
+    for command in block:
+        rule = rule_for(command)
+        if rule.setup is not None:
+            rule.setup(work)
+        argv = _argv(command, rule, work) + (["--check"] if rule.action == "check" else [])
+        code, out = _run_here(argv, work, monkeypatch, capfd)
+        if rule.action == "error":
+            lines = out.strip().splitlines()
+            assert code == 2 and len(lines) == 1 and "error:" in lines[0], f"{command.where}: {out[-3000:]}"
+            continue
+        assert code == 0, f"{command.where}: {shlex.join(argv)}\n{out[-3000:]}"
+        if rule.action == "check":
+            assert "pre-flight passed" in out, out
+        if rule.verify is not None:
+            rule.verify(work, out)
