@@ -72,7 +72,7 @@ def load_run_model(run_dir: str, checkpoint: str | None = None, ema: bool = True
                    device: str = "cpu") -> tuple[Any, Any, str, bool]:
     """(MMDiT, TrainConfig, checkpoint path, EMA used) from a run directory."""
     from knapray.models import MMDiT
-    from knapray.train.checkpoint import completed_checkpoints, safe_load, saved_keys
+    from knapray.train.checkpoint import check_checkpoint, completed_checkpoints, safe_load, saved_keys
     from knapray.train.config import config_from_dict
 
     cfg_path = os.path.join(run_dir, "config.json")
@@ -86,6 +86,7 @@ def load_run_model(run_dir: str, checkpoint: str | None = None, ema: bool = True
         raise ValueError(f"--run {run_dir}: no complete checkpoint to sample from")
     if not os.path.exists(os.path.join(path, ".metadata")):
         raise ValueError(f"--checkpoint {path}: not a checkpoint directory (no .metadata)")
+    check_checkpoint(path)  # before anything is built from it: a planted file is refused, never run
     model = MMDiT(cfg.model)
     used_ema = ema and any(k.startswith("ema.") for k in saved_keys(path))
     prefix = "ema" if used_ema else "model"

@@ -38,12 +38,14 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     from knapray.train.config import ConfigError, load_config
     from knapray.train.guard import BadCorpus
-    from knapray.train.run_files import RunError, check_corpus, prediction_line, resolve_paths
+    from knapray.train.checkpoint import completed_checkpoints
+    from knapray.train.run_files import RunError, check_corpus, decide_start, prediction_line, resolve_paths
 
     try:
         # Every input is checked here, before Ray or any worker starts.
         cfg = resolve_paths(load_config(args.config, args.set))
         check_corpus(cfg)
+        decide_start(cfg, completed_checkpoints(os.path.join(cfg.run_dir, "checkpoints")))
     except (ConfigError, RunError) as e:  # one line that names the value; a traceback adds nothing
         print(f"knapray train: error: {e}", file=sys.stderr)
         return 2

@@ -134,7 +134,8 @@ class Trainer:
         )
         self.local_ledger = None
         if self.client is None and self.rank == 0:
-            self.local_ledger = LocalLedger.open(self.run_dir, resume_step=self.resumed_from)
+            self.local_ledger = LocalLedger.open(self.run_dir, resume_step=self.resumed_from,
+                                                position=self.ledger_position, checkpoint=latest or "")
         self.topology = self._choose_topology()
         """The run's static topology (with ``per-step``: the base every step also tries); checkpoints keep it."""
         self.per_step_node = per_step_node(cfg.balance.topology, self.world, cfg.balance.gpus_per_node or None)
