@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import json
 import os
+
+import numpy as np
 from dataclasses import dataclass, field
 
 from knapray.data import BadShard, StreamStats
 
 SHARD_FILE = "quarantine-shards.jsonl"
+DUPLICATES_FILE = "quarantine-duplicates.jsonl"
 
 
 class BadCorpus(ValueError):
@@ -79,10 +82,13 @@ class BadDataGuard:
             f.write(json.dumps(record) + "\n")
 
 
-def check_corpus_shards(corpus: str, run_dir: str, max_bad_fraction: float) -> tuple[list, list[BadShard]]:
+def check_corpus_shards(corpus: str, run_dir: str, max_bad_fraction: float,
+                        duplicates: str = "error") -> tuple[list, list[BadShard]]:
     """The driver's check before any worker starts: unreadable shards are written to
     ``quarantine-shards.jsonl`` and left out, or, above ``max_bad_fraction`` of the corpus,
-    stop the run with their names. Returns (readable shard paths, bad shards)."""
+    stop the run with their names; duplicated sample ids stop the run
+    (``duplicates="error"``) or go to ``quarantine-duplicates.jsonl``, whose ids every rank
+    then skips. Returns (readable shard paths, bad shards)."""
     from knapray.data import check_shards, corpus_info
 
     good, bad = check_shards(corpus)
@@ -98,4 +104,36 @@ def check_corpus_shards(corpus: str, run_dir: str, max_bad_fraction: float) -> t
         with open(os.path.join(run_dir, SHARD_FILE), "w") as f:
             for b in bad:
                 f.write(json.dumps(b.to_json()) + "\n")
+    _check_duplicates(corpus, good, run_dir, duplicates)
     return good, bad
+
+
+def _check_duplicates(corpus: str, shards: list, run_dir: str, policy: str) -> None:
+    from knapray.data import duplicate_ids
+
+    dups = duplicate_ids(shards)
+    path = os.path.join(run_dir, DUPLICATES_FILE)
+    if dups and policy == "error":
+        first = dups[0]
+        raise BadCorpus(
+            f"corpus {corpus!r}: sample_id {first.sample_id} is carried by {len(first.rows)} rows "
+            f"({first.where()}){f' and {len(dups) - 1} more id(s) are duplicated' if len(dups) > 1 else ''}; "
+            "sample ids must be unique (the ledger counts samples by id): fix the corpus, or set "
+            "data.duplicate_ids=quarantine to leave every row of a duplicated id out")
+    if not dups:
+        if os.path.exists(path):
+            os.remove(path)
+        return
+    with open(path, "w") as f:
+        for d in dups:
+            f.write(json.dumps({"sample_id": d.sample_id, "reason": "duplicate_id",
+                                "rows": [list(r) for r in d.rows]}) + "\n")
+
+
+def quarantined_duplicates(run_dir: str) -> np.ndarray:
+    """Sorted ids of ``quarantine-duplicates.jsonl``: what every rank leaves out of every epoch."""
+    path = os.path.join(run_dir, DUPLICATES_FILE)
+    if not os.path.exists(path):
+        return np.zeros(0, np.int64)
+    with open(path) as f:
+        return np.unique(np.array([int(json.loads(line)["sample_id"]) for line in f if line.strip()], np.int64))

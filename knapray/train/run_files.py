@@ -202,7 +202,7 @@ def prepare_run(cfg: TrainConfig, worlds: Iterable[int]) -> tuple[RunStart, "Run
         if start.resume_from is None:
             clear_stale_run_files(cfg.run_dir)
         write_config(cfg)
-        check_corpus_shards(cfg.data.corpus, cfg.run_dir, cfg.data.max_bad_fraction)
+        check_corpus_shards(cfg.data.corpus, cfg.run_dir, cfg.data.max_bad_fraction, cfg.data.duplicate_ids)
     except BaseException:
         lock.release()
         raise
