@@ -274,6 +274,46 @@ def check_shards(path: str | Path, info: CorpusInfo | None = None) -> tuple[list
     return good, bad
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class DuplicateId:
+    """A sample id that more than one row of the corpus carries."""
+
+    sample_id: int
+    rows: tuple[tuple[str, int], ...]
+    """(shard file name, row in the shard) of every row carrying it, in corpus order."""
+
+    def where(self, limit: int = 3) -> str:
+        shown = ", ".join(f"{shard} row {row}" for shard, row in self.rows[:limit])
+        return shown + (f" and {len(self.rows) - limit} more" if len(self.rows) > limit else "")
+
+
+def duplicate_ids(shards: Sequence[Path]) -> list[DuplicateId]:
+    """Sample ids carried by more than one row of ``shards`` (only the id column is read):
+    the ledger counts samples by id, so a duplicated id would be trained twice in an epoch,
+    or once for two samples across a resume."""
+    import pyarrow.parquet as pq
+
+    ids, where = [], []
+    for i, file in enumerate(shards):
+        col = pq.read_table(file, columns=["sample_id"]).column("sample_id").to_numpy()
+        ids.append(np.asarray(col, dtype=np.int64))
+        where.append(np.full(col.size, i, dtype=np.int32))
+    if not ids:
+        return []
+    all_ids, shard_of = np.concatenate(ids), np.concatenate(where)
+    row_of = np.concatenate([np.arange(a.size) for a in ids])
+    order = np.argsort(all_ids, kind="stable")  # corpus order within an id
+    sorted_ids = all_ids[order]
+    dup = np.flatnonzero(sorted_ids[1:] == sorted_ids[:-1])
+    if dup.size == 0:
+        return []
+    out, groups = [], np.split(order, np.flatnonzero(np.diff(sorted_ids)) + 1)
+    for g in groups:
+        if g.size > 1:
+            out.append(DuplicateId(int(all_ids[g[0]]), tuple((shards[shard_of[j]].name, int(row_of[j])) for j in g)))
+    return out
+
+
 def read_shard(file: Path, *, read_rows: int, expected_rows: int | None,
                on_bad_shard: OnBadShard) -> Iterator[pa.RecordBatch]:
     """Record batches of one shard; if reading fails part-way, ``on_bad_shard`` learns the

@@ -89,7 +89,7 @@ def flow_timesteps(steps: int, shift: float = 1.0) -> list[float]:
 
 def read_run(run_dir: str, checkpoint: str | None = None) -> tuple[Any, str]:
     """(TrainConfig, checkpoint path) of a run directory, read without loading weights."""
-    from knapray.train.checkpoint import completed_checkpoints
+    from knapray.train.checkpoint import check_checkpoint, completed_checkpoints
     from knapray.train.config import config_from_dict
 
     cfg_path = os.path.join(run_dir, "config.json")
@@ -103,6 +103,7 @@ def read_run(run_dir: str, checkpoint: str | None = None) -> tuple[Any, str]:
         raise ValueError(f"--run {run_dir}: no complete checkpoint to sample from")
     if not os.path.exists(os.path.join(path, ".metadata")):
         raise ValueError(f"--checkpoint {path}: not a checkpoint directory (no .metadata)")
+    check_checkpoint(path)  # before anything is built from it: a planted file is refused, never run
     return cfg, path
 
 

@@ -42,3 +42,62 @@ def test_a_reader_leaves_the_files_alone(tmp_path):
     _fill(led, [2])  # the writer goes on after readers looked
     assert read_ledger(run).rows == 9
     assert read_ledger(str(tmp_path / "nowhere")) is None and committed_ids(str(tmp_path / "nowhere"), 0, None).size == 0
+
+
+def _journal_behind(tmp_path, lost: int) -> tuple[str, dict, list[int]]:
+    """A ledger of 4 committed steps whose journal then loses its last ``lost`` records:
+    (run dir, the position a checkpoint after step 3 recorded, journal sizes after each record)."""
+    run = str(tmp_path)
+    led = LocalLedger.open(run, resume_step=None)
+    journal = next(os.path.join(ledger_dir(run), n) for n in os.listdir(ledger_dir(run)) if n.startswith("journal-"))
+    sizes = [os.path.getsize(journal)]
+    for step in range(4):
+        _fill(led, [step])
+        sizes.append(os.path.getsize(journal))
+    position = led.position()
+    led.close()
+    os.truncate(journal, sizes[4 - lost])
+    return run, position, sizes
+
+
+def test_a_journal_behind_its_checkpoint_stops_the_resume_naming_both(tmp_path):
+    import pytest
+
+    from knapray.train.ledger_files import LedgerBehind
+
+    run, position, _ = _journal_behind(tmp_path, lost=2)
+    with pytest.raises(LedgerBehind) as err:
+        LocalLedger.open(run, resume_step=3, position=position, checkpoint="ck/step-000000003")
+    msg = str(err.value)
+    assert "\n" not in msg and ledger_dir(run) in msg and "ck/step-000000003" in msg and "tail was lost" in msg
+    assert read_ledger(run).rows == 6  # the refused resume left the journal as it was
+
+
+def test_a_whole_journal_resumes(tmp_path):
+    run, position, _ = _journal_behind(tmp_path, lost=0)
+    led = LocalLedger.open(run, resume_step=3, position=position, checkpoint="ck")
+    led.close()
+    assert read_ledger(run).rows == 12
+
+
+def test_preflight_refuses_a_resume_whose_journal_lost_its_tail(tmp_path):
+    """The launchers' pre-flight (``decide_start``) compares the checkpoint's ledger position
+    with the journal, so the run stops before any worker starts, with or without a coordinator."""
+    import pytest
+
+    from knapray.train.config import load_config
+    from knapray.train.run_files import RunError, decide_start, write_config
+    import torch
+
+    from knapray.train.checkpoint import Checkpointer
+
+    cfg = load_config(None, [f"run.storage={tmp_path}", "run.name=r"])
+    run, position, _sizes = _journal_behind(tmp_path / "r", lost=2)
+    write_config(cfg)
+    model = torch.nn.Linear(2, 2)
+    ck = Checkpointer(os.path.join(run, "checkpoints"), rank=0, group=None).save(
+        3, model, torch.optim.SGD(model.parameters(), lr=0.1),
+        {"epoch": 0, "world_size": 1, "topology": "g1n1", "ledger": position}, barrier=lambda: None)
+    with pytest.raises(RunError) as err:
+        decide_start(cfg, [ck])
+    assert "ledger journal" in str(err.value) and ck in str(err.value)

@@ -14,10 +14,10 @@ restart path), sharded or not.
 Nothing read from a run directory can execute code: DCP reads tensors with
 ``torch.load(weights_only=True)``, but its default planner unpickles non-tensor values
 (the optimizer's param groups) with an unrestricted torch.load and its ``.metadata`` with plain
-pickle; here the metadata goes through an unpickler that admits only DCP's own metadata
-classes, torch sizes, dtypes and layouts (``SafeFileSystemReader``), and non-tensor
-values through ``torch.load(weights_only=True)`` (``SafeLoadPlanner``). ``trainer.json``
-is JSON.
+pickle; here the metadata goes through ``safe_dcp`` (an exact list of classes, then
+checked as data, before any tensor is read: ``check_checkpoint``, which pre-flight also
+runs), and non-tensor values through ``torch.load(weights_only=True)``
+(``SafeLoadPlanner``). ``trainer.json`` is JSON with its fields checked.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import io
 import json
 import logging
 import os
-import pickle
 import shutil
 import warnings
 from dataclasses import dataclass, field
@@ -43,6 +42,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from .safe_dcp import UnsafeMetadata, read_metadata
+
 logger = logging.getLogger(__name__)
 
 COMPLETE = "COMPLETE"
@@ -51,47 +52,28 @@ PARTIAL = ".partial"
 
 # ---- safe reading of DCP's metadata ------------------------------------------------------
 
-_SAFE_GLOBALS = {
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # str -> torch.layout, a table lookup
-    ("collections", "OrderedDict"),
-}
-_SAFE_PREFIX = "torch.distributed.checkpoint."
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _SAFE_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if module.startswith(_SAFE_PREFIX):
-            obj = super().find_class(module, name)
-            if isinstance(obj, type):  # DCP's metadata dataclasses and enums, nothing callable else
-                return obj
-        raise pickle.UnpicklingError(
-            f"checkpoint metadata refers to {module}.{name}, which a DCP checkpoint never holds; "
-            "refusing to load it (a planted or foreign file?)"
-        )
-
 
 class SafeFileSystemReader(dcp.FileSystemReader):
-    """``FileSystemReader`` whose metadata read admits only DCP's own classes."""
+    """``FileSystemReader`` whose metadata is read by ``safe_dcp.read_metadata``: exact
+    allowed classes, checked as data, storage entries inside the checkpoint directory."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp.Metadata:
         rank = kwargs.get("rank")
         filename = ".metadata" if rank is None else f"__{rank}.metadata"
-        with open(os.path.join(self.path, filename), "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if not isinstance(metadata, dcp.Metadata):
-            raise pickle.UnpicklingError(f"{self.path}/{filename} does not hold DCP metadata")
+        metadata = _read_metadata(os.path.join(self.path, filename))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp.metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def _read_metadata(path: str) -> dcp.Metadata:
+    try:
+        return read_metadata(path)
+    except UnsafeMetadata as e:
+        raise CheckpointError(f"checkpoint metadata {path} refused: {e} (a planted or foreign file?)") from None
+    except OSError as e:
+        raise CheckpointError(f"checkpoint metadata {path} cannot be read: {e.strerror or e}") from None
 
 
 class SafeLoadPlanner(dcp.DefaultLoadPlanner):
@@ -129,8 +111,53 @@ def completed_checkpoints(root: str) -> list[str]:
     return [os.path.join(root, n) for n in names if os.path.exists(os.path.join(root, n, COMPLETE))]
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded; the message names it and why, in one line."""
+
+
+_TRAINER_FIELDS = {"step": int, "epoch": int, "world_size": int, "topology": str}
+_LEDGER_POSITION = ("ledger_id", "records", "committed_step", "attempt")
+
+
+RUN_STATE = ("step", "epoch", "world_size", "topology", "ledger")
+"""What the trainer keeps in ``trainer.json`` (and requires on resume); ``ledger`` may be null."""
+
+
+def read_trainer_state(path: str, required: tuple[str, ...] = ("step",)) -> dict:
+    """A checkpoint's ``trainer.json``, its fields checked: step, and where present (every
+    one of ``required``) epoch, world size and topology of the run that wrote it; with
+    ``ledger`` required, the ledger position too (a dict of ints, or null)."""
+    file = os.path.join(path, TRAINER_STATE)
+    try:
+        with open(file, "rb") as f:
+            trainer = json.loads(f.read(1 << 20).decode("utf-8"))
+    except OSError as e:
+        raise CheckpointError(f"checkpoint file {file} cannot be read: {e.strerror or e}") from None
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError alike
+        raise CheckpointError(f"checkpoint file {file} is not JSON: {e}") from None
+    if not isinstance(trainer, dict):
+        raise CheckpointError(f"checkpoint file {file} holds a {type(trainer).__name__}, not an object")
+    for name, typ in _TRAINER_FIELDS.items():
+        if name not in required and name not in trainer:
+            continue
+        value = trainer.get(name)
+        if type(value) is not typ or (typ is int and value < (1 if name == "world_size" else 0)):
+            raise CheckpointError(f"checkpoint file {file}: {name} is {value!r}, not a valid {typ.__name__}")
+    ledger = trainer.get("ledger") if "ledger" in required else None
+    if ledger is not None and not (isinstance(ledger, dict) and all(
+            type(ledger.get(k)) is int for k in _LEDGER_POSITION) and all(type(v) is int for v in ledger.values())):
+        raise CheckpointError(f"checkpoint file {file}: ledger is {str(ledger)[:200]}, not a ledger position "
+                              f"(ints {', '.join(_LEDGER_POSITION)})")
+    return trainer
+
+
+def check_checkpoint(path: str, required: tuple[str, ...] = ("step",)) -> dict:
+    """Everything a resume reads from checkpoint ``path`` before it loads tensors: its
+    ``trainer.json`` and its DCP metadata, checked without running anything a planted file
+    names. Returns the trainer state; raises ``CheckpointError`` (one line naming the file)."""
+    trainer = read_trainer_state(path, required)
+    _read_metadata(os.path.join(path, ".metadata"))
+    return trainer
 
 
 @dataclass(frozen=True)
@@ -199,20 +226,21 @@ class Checkpointer:
         """Collective: load ``path`` into ``model`` and ``optimizer`` (any world size), and
         the state dicts of ``extra`` in place (their tensors are filled; the caller applies
         them, e.g. ``ema.load_state_dict``)."""
+        trainer = check_checkpoint(path)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         try:
             saved = saved_keys(path)
             extra = {k: v for k, v in (extra or {}).items() if any(s.startswith(k + ".") for s in saved)}
             state = {"model": model_sd, "optimizer": optim_sd, **extra}
             safe_load(state, path, self.group)
+        except CheckpointError:
+            raise
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps each rank's failure
             lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
             cause = next((line for line in reversed(lines) if "Error:" in line), lines[-1])
             raise CheckpointError(f"checkpoint {path} cannot be loaded: {cause[:600]}") from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                        options=StateDictOptions(strict=True))
-        with open(os.path.join(path, TRAINER_STATE)) as f:
-            trainer = json.load(f)
         return Restored(path=path, trainer=trainer, extra=sorted(extra))
 
 

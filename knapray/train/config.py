@@ -78,6 +78,10 @@ class DataConfig:
     """Memory budget (``knapray memory`` says what fits): the planner routes no rank more
     tokens in a step, and a sample longer than this times the largest bag is quarantined
     (reason ``too_long``) instead of trained; 0 = no limit."""
+    duplicate_ids: str = field(default="error", metadata={"choices": ("error", "quarantine")})
+    """A sample id that more than one corpus row carries (the ledger counts samples by id):
+    ``error`` stops the run in pre-flight naming the shards and rows; ``quarantine`` leaves
+    every row of such an id out (listed in ``quarantine.jsonl``, reason ``duplicate_id``)."""
     max_bad_fraction: float = field(default=0.5, metadata={"ge": 0, "le": 1})
     """Stop the run with an error once more than this fraction of the rows read (after at
     least 16) had to be quarantined: a mostly broken corpus must not train on nothing."""

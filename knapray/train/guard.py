@@ -14,9 +14,12 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from knapray.data import BadShard, StreamStats
+import numpy as np
+
+from knapray.data import BadShard, DuplicateId, StreamStats
 
 SHARD_FILE = "quarantine-shards.jsonl"
+DUPLICATES_FILE = "quarantine-duplicates.jsonl"
 
 
 class BadCorpus(ValueError):
@@ -102,3 +105,37 @@ def write_shard_quarantine(run_dir: str, bad: list[BadShard]) -> None:
     with open(os.path.join(run_dir, SHARD_FILE), "w") as f:
         for b in bad:
             f.write(json.dumps(b.to_json()) + "\n")
+
+
+def check_duplicates(corpus: str, dups: list[DuplicateId], policy: str) -> None:
+    """Sample ids several corpus rows carry (``duplicate_ids``; the ledger counts samples by
+    id): with ``data.duplicate_ids: error`` the run stops naming the shards and rows."""
+    if dups and policy == "error":
+        first = dups[0]
+        raise BadCorpus(
+            f"corpus {corpus!r}: sample_id {first.sample_id} is carried by {len(first.rows)} rows "
+            f"({first.where()}){f' and {len(dups) - 1} more id(s) are duplicated' if len(dups) > 1 else ''}; "
+            "sample ids must be unique (the ledger counts samples by id): fix the corpus, or set "
+            "data.duplicate_ids=quarantine to leave every row of a duplicated id out")
+
+
+def write_duplicate_quarantine(run_dir: str, dups: list[DuplicateId]) -> None:
+    """``quarantine-duplicates.jsonl``: the ids every rank leaves out (``quarantined_duplicates``)."""
+    path = os.path.join(run_dir, DUPLICATES_FILE)
+    if not dups:
+        if os.path.exists(path):
+            os.remove(path)
+        return
+    with open(path, "w") as f:
+        for d in dups:
+            f.write(json.dumps({"sample_id": d.sample_id, "reason": "duplicate_id",
+                                "rows": [list(r) for r in d.rows]}) + "\n")
+
+
+def quarantined_duplicates(run_dir: str) -> np.ndarray:
+    """Sorted ids of ``quarantine-duplicates.jsonl``: what every rank leaves out of every epoch."""
+    path = os.path.join(run_dir, DUPLICATES_FILE)
+    if not os.path.exists(path):
+        return np.zeros(0, np.int64)
+    with open(path) as f:
+        return np.unique(np.array([int(json.loads(line)["sample_id"]) for line in f if line.strip()], np.int64))

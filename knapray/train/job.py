@@ -53,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
         # Every input is checked here, before Ray or any worker starts.
         pre = preflight.check_file(args.config, args.set)
         lines = pre.summary(args.config) if args.check else []
+        if not args.check:  # the run directory's decision too (a live lock, resume rules, the
+            pre.run_dir_decision()  # checkpoint and ledger a resume reads) before Ray starts
         base = None
         if args.compare_unbalanced:  # its run directory too, not only after the balanced run
             base = preflight.check(_unbalanced(pre.cfg), pre.worlds, corpus=pre.corpus)

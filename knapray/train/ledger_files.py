@@ -32,13 +32,17 @@ class LocalLedger:
         self.ledger = ledger
 
     @classmethod
-    def open(cls, run_dir: str, resume_step: int | None) -> "LocalLedger":
+    def open(cls, run_dir: str, resume_step: int | None, position: dict | None = None,
+             checkpoint: str = "") -> "LocalLedger":
         """A fresh run starts a new, empty ledger; a resumed one (``resume_step``: the last
-        step its checkpoint covers) cuts everything after it and starts a new attempt."""
+        step its checkpoint covers, ``position``: the ledger position the checkpoint
+        recorded) first checks the journal holds everything the checkpoint covers, then
+        cuts everything after it and starts a new attempt."""
         ledger = Ledger(StateStore(ledger_dir(run_dir)))
         if resume_step is None:
             ledger.reset()
         else:
+            check_covers(ledger, position, checkpoint, ledger_dir(run_dir))
             ledger.truncate(resume_step, ledger.attempt + 1)
         return cls(ledger)
 
@@ -50,6 +54,25 @@ class LocalLedger:
 
     def close(self) -> None:
         self.ledger.close()
+
+
+class LedgerBehind(ValueError):
+    """The run's ledger journal lacks steps its checkpoint covers; one line naming both."""
+
+
+def check_covers(ledger: Ledger | None, position: dict | None, checkpoint: str, directory: str) -> None:
+    """Raise ``LedgerBehind`` unless ``ledger`` holds everything the checkpoint at
+    ``position`` covers: a resume from a journal that lost its tail would train the lost
+    steps' samples again (or not at all) without a word. Every launcher checks it before
+    workers start, and the ledger's writer again when it opens the journal."""
+    if position is None:
+        return  # the checkpoint was taken while its commit could not be confirmed: nothing to compare
+    why = "the run has no ledger directory" if ledger is None else ledger.covers(position)
+    if why is not None:
+        raise LedgerBehind(
+            f"ledger journal {directory} is behind checkpoint {checkpoint}: {why}; resuming would repeat or "
+            "skip the samples of the lost steps, so the run stops (restore the journal, or start a new run "
+            "under another run.name)")
 
 
 def read_ledger(run_dir: str) -> Ledger | None:

@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from knapray.corpus import read_schema_json
-from knapray.data import BadShard, CorpusInfo, check_model_config, check_shards, corpus_info
+from knapray.data import BadShard, CorpusInfo, DuplicateId, check_model_config, check_shards, corpus_info, duplicate_ids
 
 from .checkpoint import completed_checkpoints
 from .config import TrainConfig, load_config
-from .guard import check_bad_shards, write_shard_quarantine
+from .guard import check_bad_shards, check_duplicates, write_duplicate_quarantine, write_shard_quarantine
 from .run_files import (
     RunError,
     RunLock,
@@ -84,6 +84,8 @@ class CorpusCheck:
     """Shards whose parquet footers read (what the run reads)."""
     bad_shards: tuple[BadShard, ...]
     """Shards left out, quarantined when the run starts."""
+    duplicates: tuple[DuplicateId, ...] = ()
+    """Sample ids several rows carry (``data.duplicate_ids: quarantine``: left out, quarantined)."""
 
 
 @dataclass(frozen=True)
@@ -105,9 +107,11 @@ class Preflight:
         cfg, info, m = self.cfg, self.corpus.info, self.cfg.model
         start = self.run_dir_decision()
         bad = self.corpus.bad_shards
+        dups = self.corpus.duplicates
         shards = (f"{len(self.corpus.good_shards)} shards readable"
                   + (f", {len(bad)} unreadable ({sum(b.rows or 0 for b in bad)} rows) left out and quarantined"
-                     if bad else ""))
+                     if bad else "")
+                  + (f", {len(dups)} duplicated sample id(s) left out and quarantined" if dups else ""))
         return [
             f"config {config_file or '(defaults)'}: valid; model {m.hidden_size} wide, {m.num_heads} heads, "
             f"{m.depth_double}+{m.depth_single} blocks, in_channels {m.in_channels}, text_dim {m.text_dim}, "
@@ -178,7 +182,12 @@ def check_corpus(cfg: TrainConfig, schema: _SchemaReader | None = None) -> Corpu
         what = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename else str(e)
         raise RunError(f"data.corpus {path!r}: {what or type(e).__name__}") from None
     check_bad_shards(path, info.num_samples, good, bad, cfg.data.max_bad_fraction)
-    return CorpusCheck(info=info, good_shards=tuple(good), bad_shards=tuple(bad))
+    try:
+        dups = duplicate_ids(good)
+    except (OSError, ValueError, KeyError) as e:
+        raise RunError(f"data.corpus {path!r}: its sample_id column cannot be read ({type(e).__name__}: {e})") from None
+    check_duplicates(path, dups, cfg.data.duplicate_ids)
+    return CorpusCheck(info=info, good_shards=tuple(good), bad_shards=tuple(bad), duplicates=tuple(dups))
 
 
 def prepare(pre: Preflight) -> tuple[RunStart, RunLock]:
@@ -193,6 +202,7 @@ def prepare(pre: Preflight) -> tuple[RunStart, RunLock]:
             clear_stale_run_files(cfg.run_dir)
         write_config(cfg)
         write_shard_quarantine(cfg.run_dir, list(pre.corpus.bad_shards))
+        write_duplicate_quarantine(cfg.run_dir, list(pre.corpus.duplicates))
     except BaseException:
         lock.release()
         raise

@@ -120,8 +120,30 @@ def decide_start(cfg: TrainConfig, checkpoints: list[str]) -> RunStart:
     if blocking:
         raise RunError(f"cannot resume run {cfg.run.name!r} in {run_dir}: its saved config differs in "
                        f"{'; '.join(blocking)}; choose another run.name for a new run")
+    check_resumable(run_dir, checkpoints[-1])
     changed = f" (changed: {'; '.join(other)})" if other else ""
     return RunStart(checkpoints[-1], f"resuming run {cfg.run.name!r} from {checkpoints[-1]}{changed}")
+
+
+def check_resumable(run_dir: str, checkpoint: str) -> None:
+    """What a resume from ``checkpoint`` reads, checked before any worker starts: its
+    trainer state and DCP metadata (nothing a planted file names is run), and the ledger
+    journal holding every step the checkpoint covers."""
+    from knapray.coordinator.store import LedgerFileError
+
+    from .checkpoint import RUN_STATE, CheckpointError, check_checkpoint
+    from .ledger_files import LedgerBehind, check_covers, ledger_dir, read_ledger
+
+    try:
+        trainer = check_checkpoint(checkpoint, RUN_STATE)
+        ledger = read_ledger(run_dir)
+        try:
+            check_covers(ledger, trainer.get("ledger"), checkpoint, ledger_dir(run_dir))
+        finally:
+            if ledger is not None:
+                ledger.close()
+    except (CheckpointError, LedgerBehind, LedgerFileError) as e:
+        raise RunError(str(e)) from None
 
 
 def check_world(cfg: TrainConfig, world_size: int) -> None:

@@ -45,7 +45,7 @@ from .balanced import balanced_forward
 from .checkpoint import Checkpointer
 from .config import TrainConfig
 from .context import TrainContext
-from .guard import BadDataGuard
+from .guard import BadDataGuard, quarantined_duplicates
 from .ledger_files import LocalLedger, committed_ids
 from .ema import build_ema
 from .metrics import MetricsFile, StepRecord
@@ -134,7 +134,8 @@ class Trainer:
         )
         self.local_ledger = None
         if self.client is None and self.rank == 0:
-            self.local_ledger = LocalLedger.open(self.run_dir, resume_step=self.resumed_from)
+            self.local_ledger = LocalLedger.open(self.run_dir, resume_step=self.resumed_from,
+                                                position=self.ledger_position, checkpoint=latest or "")
         self.topology = self._choose_topology()
         """The run's static topology (with ``per-step``: the base every step also tries); checkpoints keep it."""
         self.per_step_node = per_step_node(cfg.balance.topology, self.world, cfg.balance.gpus_per_node or None)
@@ -144,6 +145,8 @@ class Trainer:
                                    self.local_ledger, cfg.data.max_tokens_per_gpu or None, live=live_fit(cfg),
                                    per_step_node=self.per_step_node)
         self.guard = BadDataGuard(self.run_dir, self.rank, cfg.data.corpus, cfg.data.max_bad_fraction)
+        self.duplicates = quarantined_duplicates(self.run_dir)
+        """Ids pre-flight quarantined because several corpus rows carry them: never trained."""
         self.metrics = MetricsFile(self.run_dir) if self.rank == 0 else None
         self.sinks = MetricSinks(cfg, start_step=self.step) if self.rank == 0 else None
         largest_bag = max(self.topology.bags) if self.per_step_node is None else max(
@@ -200,6 +203,7 @@ class Trainer:
             # A resumed epoch skips the samples the ledger has for it; a new one skips none.
             skip = committed_ids(self.run_dir, self.epoch, through_step=self.resumed_from) \
                 if self.resumed_from is not None else np.zeros(0, dtype=np.int64)
+            skip = np.union1d(skip, self.duplicates)  # ids several corpus rows carry (data.duplicate_ids)
             stream = StepStream.for_corpus(
                 self.ctx.rows(self.epoch, self.guard.on_bad_shard), self.info, samples_per_step=self.samples_per_step,
                 on_corrupt=self.guard.on_corrupt, skip_sample_ids=skip, max_seq_len=self.max_seq_len,

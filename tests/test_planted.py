@@ -1,0 +1,251 @@
+"""Planted checkpoint files: every known shape of pickle payload is refused in one line
+naming the file, and nothing it names ever runs (a marker file it would create stays
+absent). The payloads are written into a real checkpoint's ``.metadata``."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from knapray.train.checkpoint import CheckpointError, Checkpointer, check_checkpoint
+from knapray.train.safe_dcp import MAX_METADATA_BYTES, read_metadata
+
+_MD = "torch.distributed.checkpoint.metadata"
+_FS = "torch.distributed.checkpoint.filesystem"
+
+
+def _s(text: str) -> bytes:
+    """SHORT_BINUNICODE / BINUNICODE of ``text``."""
+    b = text.encode()
+    return (b"\x8c" + bytes([len(b)]) if len(b) < 256 else b"X" + len(b).to_bytes(4, "little")) + b
+
+
+def _global(module: str, name: str) -> bytes:
+    return _s(module) + _s(name) + b"\x93"  # STACK_GLOBAL
+
+
+def _call(module: str, name: str, *args: str) -> bytes:
+    """module.name(*args) as pickle opcodes (REDUCE)."""
+    return _global(module, name) + b"(" + b"".join(_s(a) for a in args) + b"tR"
+
+
+def _program(body: bytes) -> bytes:
+    return b"\x80\x04" + body + b"."
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A real checkpoint directory (model + AdamW + an EMA dict), saved once."""
+    root = tmp_path_factory.mktemp("ck")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    path = Checkpointer(str(root), rank=0, group=None).save(
+        3, model, opt, {"epoch": 0, "world_size": 1, "topology": "g1n1", "ledger": None}, barrier=lambda: None,
+        extra={"ema": {"w": torch.zeros(3, dtype=torch.bfloat16)}})
+    return path
+
+
+@pytest.fixture
+def planted(checkpoint, tmp_path):
+    """A copy of the checkpoint, the path of a marker file, and a way to plant a .metadata."""
+    path = str(tmp_path / "step-000000003")
+    shutil.copytree(checkpoint, path)
+    marker = str(tmp_path / "marker")
+
+    def plant(data: bytes) -> str:
+        with open(os.path.join(path, ".metadata"), "wb") as f:
+            f.write(data)
+        return path
+
+    return path, marker, plant
+
+
+def _refused(path: str, marker: str, *needles: str) -> str:
+    with pytest.raises(CheckpointError) as err:
+        check_checkpoint(path)
+    msg = str(err.value)
+    assert "\n" not in msg and os.path.join(path, ".metadata") in msg, msg
+    assert not os.path.exists(marker), "the planted payload ran"
+    for needle in needles:
+        assert needle in msg, msg
+    return msg
+
+
+def test_the_real_metadata_reads(checkpoint):
+    md = read_metadata(os.path.join(checkpoint, ".metadata"))
+    assert {"model.0.weight", "ema.w"} <= set(md.state_dict_metadata)
+    assert check_checkpoint(checkpoint)["step"] == 3
+
+
+# Each payload creates the marker file (io.FileIO(path, "w") creates it; os.system runs a
+# shell) if anything it names is called. FileIO is a class reachable by a dotted name from
+# DCP's own modules, which an allowlist of "classes under torch.distributed.checkpoint"
+# admitted.
+PAYLOADS = {
+    "dotted name walking from an allowed module": lambda m: _call(_FS, "io.FileIO", m, "w"),
+    "dotted name to a function": lambda m: _call(_MD, "torch.os.system", f"touch {m}"),
+    "plain global": lambda m: _call("posix", "system", f"touch {m}"),
+    "builtins eval": lambda m: _call("builtins", "eval", f"open({m!r}, 'w')"),
+    "global nested in an allowed class's arguments": lambda m: (
+        _global(_MD, "Metadata") + b"(" + _call(_FS, "io.FileIO", m, "w") + b"tR"),
+    "allowed class's module attribute": lambda m: _call(_MD, "os.system", f"touch {m}"),
+    "BUILD installing __setstate__ on an allowed object": lambda m: (
+        _global(_MD, "StorageMeta") + b")\x81"  # NEWOBJ: StorageMeta.__new__(StorageMeta)
+        + b"}" + _s("__setstate__") + _global(_FS, "io.FileIO") + b"sb"  # BUILD: obj.__dict__ |= {...}
+        + _s(m) + b"b"),  # BUILD again: obj.__setstate__(m)
+    "persistent id": lambda m: _s(m) + b"Q",
+    "extension code": lambda m: b"\x82\x01",
+}
+
+
+@pytest.mark.parametrize("shape", list(PAYLOADS))
+def test_planted_payload_never_runs(planted, shape):
+    path, marker, plant = planted
+    plant(_program(PAYLOADS[shape](marker)))
+    _refused(path, marker, "refused")
+
+
+def test_the_dotted_payload_would_run_unguarded(tmp_path):
+    """The payloads are live: plain pickle runs them (so the tests above test something)."""
+    marker = str(tmp_path / "marker")
+    pickle.loads(_program(PAYLOADS["dotted name walking from an allowed module"](marker)))
+    assert os.path.exists(marker)
+
+
+def _metadata(path: str):
+    return read_metadata(os.path.join(path, ".metadata"))
+
+
+def _mutated(planted, change) -> str:
+    path, marker, plant = planted
+    md = _metadata(path)
+    change(md)
+    plant(pickle.dumps(md, protocol=4))
+    return _refused(path, marker)
+
+
+def test_an_extra_attribute_on_an_allowed_object_is_refused(planted):
+    assert "has attributes" in _mutated(planted, lambda md: setattr(md, "__setstate__", 1))
+
+
+def test_storage_outside_the_checkpoint_directory_is_refused(planted):
+    def escape(md):
+        info = next(iter(md.storage_data.values()))
+        info.relative_path = "../../etc/passwd"
+
+    assert "not a file of the checkpoint directory" in _mutated(planted, escape)
+
+
+def test_a_byte_range_past_the_end_of_its_file_is_refused(planted):
+    def past(md):
+        next(iter(md.storage_data.values())).length = 1 << 40
+
+    assert "length" in _mutated(planted, past)
+
+
+def test_a_huge_tensor_size_is_refused_before_anything_is_allocated(planted):
+    def huge(md):
+        md.state_dict_metadata["model.0.weight"].size = torch.Size([1 << 30, 1 << 30, 1 << 30])
+
+    assert "elements" in _mutated(planted, huge)
+
+
+def test_a_chunk_outside_its_tensor_is_refused(planted):
+    def outside(md):
+        chunk = md.state_dict_metadata["model.0.weight"].chunks[0]
+        chunk.offsets = torch.Size([3, 0])
+
+    assert "lies outside" in _mutated(planted, outside)
+
+
+def test_an_oversized_metadata_file_is_refused_unread(planted):
+    path, marker, _ = planted
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        f.truncate(MAX_METADATA_BYTES + 1)  # sparse: no disk used
+    assert "bytes" in _refused(path, marker)
+
+
+def test_garbage_and_a_truncated_pickle_are_one_line(planted, checkpoint):
+    path, marker, plant = planted
+    plant(b"\x00garbage")
+    _refused(path, marker, "not readable")
+    with open(os.path.join(checkpoint, ".metadata"), "rb") as f:
+        real = f.read()
+    plant(real[: len(real) // 2])
+    _refused(path, marker, "not readable")
+
+
+def test_a_planted_trainer_json_is_one_line(planted):
+    path, marker, _ = planted
+    with open(os.path.join(path, "trainer.json"), "w") as f:
+        f.write('{"step": "3"}')
+    with pytest.raises(CheckpointError) as err:
+        check_checkpoint(path)
+    assert "\n" not in str(err.value) and "trainer.json" in str(err.value) and "step" in str(err.value)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler to build the planted library")
+def test_planted_shared_library_is_never_opened(planted, tmp_path):
+    """The reported exploit: ctypes.CDLL reached by a dotted name opens a planted .so, whose
+    constructor runs."""
+    path, marker, plant = planted
+    src, lib = tmp_path / "evil.c", tmp_path / "evil.so"
+    src.write_text('#include <stdio.h>\n__attribute__((constructor)) static void run(void) '
+                   f'{{ FILE *f = fopen("{marker}", "w"); if (f) fclose(f); }}\n')
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    plant(_program(_call(_MD, "torch.ctypes.CDLL", str(lib))))
+    _refused(path, marker, "refused")
+    # and the library is live: loading it unguarded does create the marker
+    subprocess.run([sys.executable, "-c", f"import ctypes; ctypes.CDLL({str(lib)!r})"], check=True)
+    assert os.path.exists(marker)
+
+
+def _planted_run(tmp_path, checkpoint) -> tuple[list[str], str, str]:
+    """A run directory whose newest checkpoint's metadata is a payload: (the `knapray train`
+    arguments that resume it, the run directory, the marker the payload would create)."""
+    from dist_utils import build_tiny_corpus
+    from knapray.train.config import load_config
+    from knapray.train.run_files import resolve_paths, write_config
+
+    corpus = build_tiny_corpus(tmp_path / "corpus", "g2b2i64f1s0", steps=2, shards=1)
+    args = ["--config", "jobs/configs/demo.yaml", "--set", f"data.corpus={corpus}",
+            "--set", f"run.storage={tmp_path / 'runs'}", "--set", "run.name=planted"]
+    sets = [a for a in args[2:] if a != "--set"]
+    cfg = resolve_paths(load_config("jobs/configs/demo.yaml", sets))
+    write_config(cfg)
+    path = os.path.join(cfg.run_dir, "checkpoints", "step-000000003")
+    shutil.copytree(checkpoint, path)
+    marker = str(tmp_path / "marker")
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        f.write(_program(PAYLOADS["dotted name walking from an allowed module"](marker)))
+    return args, cfg.run_dir, marker
+
+
+def test_train_refuses_a_planted_checkpoint_before_any_worker_starts(tmp_path, checkpoint):
+    args, run_dir, marker = _planted_run(tmp_path, checkpoint)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-m", "knapray.cli", "train", *args], cwd=repo, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and ".metadata refused" in lines[0] and "Traceback" not in p.stderr, p.stderr
+    assert "Ray" not in p.stdout  # pre-flight: Ray never started
+    assert not os.path.exists(marker)
+
+
+def test_sample_refuses_a_planted_checkpoint(tmp_path, checkpoint):
+    from knapray.sample import read_run
+
+    _, run_dir, marker = _planted_run(tmp_path, checkpoint)
+    with pytest.raises(CheckpointError, match="refused"):
+        read_run(run_dir)
+    assert not os.path.exists(marker)
