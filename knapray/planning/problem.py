@@ -1,0 +1,203 @@
+"""One balance group's planning problem: what a sequence costs on each bag, bag loads, and
+the scores a plan is chosen by. The solver's steps (constructions, refinement, home
+repair, memory budget) are functions of a ``GroupProblem`` in their own modules."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import numpy as np
+
+from .chunks import make_chunks, sort_by_bag
+from .cost import CostModel, StepTimes, rank_times
+from .topology import Topology
+from .workload import WorkloadModel
+
+Model = Union[WorkloadModel, CostModel]
+
+Candidate = tuple[str, np.ndarray, int]
+"""A plan the solver may choose: its name, the bag of every sequence, refinement steps."""
+
+
+class NoFit(Exception):
+    """No assignment within the token budget was found."""
+
+
+@dataclass(frozen=True)
+class GroupComm:
+    """What a cost model adds for one balance group: per-bag Ulysses seconds per token and
+    speed, and where the group's ranks sit (for routing times)."""
+
+    bag_token_s: np.ndarray
+    """(k,) Ulysses seconds per chunk token on each bag of the group."""
+    bag_speed: np.ndarray
+    """(k,) speed of each bag (its slowest rank)."""
+    rank_offset: int
+    """First rank of the group in the world (sets the ranks' nodes)."""
+
+
+class GroupProblem:
+    """Per-bag times of one balance group, shared by the solver steps.
+
+    Bag ``b`` finishes when its per-GPU load ``Σ t(s, b)`` is done, with
+    ``t(s, b) = cost[s, cls[b]] / speed[b]``: ``cost`` is the per-GPU time of a sequence on
+    a bag of a class (size, communication), ``W(L)/g`` for the paper's workload model and
+    ``CostModel.seq_cost`` for a cost model. A sequence may only go to a bag with
+    ``g <= L`` (one shorter than every bag goes to a smallest bag, some chunks empty)."""
+
+    def __init__(
+        self,
+        lens: np.ndarray,
+        home: np.ndarray,
+        bag_sizes: np.ndarray,
+        model: Model,
+        comm: GroupComm | None = None,
+    ):
+        self.model = model
+        self.comm = comm
+        self.token_work = float(model.linear(1.0))
+        self.true_lens = lens
+        # For placement, a sequence shorter than every bag counts as long enough for the
+        # smallest ones: it runs there with some empty chunks (nothing better exists).
+        self.lens = np.maximum(lens, bag_sizes.min())
+        self.home = home
+        self.work = model(lens)
+        self.bag_sizes = bag_sizes
+        self.g = bag_sizes.astype(np.float64)
+        self.k = bag_sizes.size
+        self.home_bag = np.repeat(np.arange(self.k), bag_sizes)[home]
+        self.sizes = np.unique(bag_sizes)  # ascending
+        self.bags_of_size = [np.flatnonzero(bag_sizes == s) for s in self.sizes]
+        token_s = np.zeros(self.k) if comm is None else comm.bag_token_s
+        speed = np.ones(self.k) if comm is None else comm.bag_speed
+        self.inv_speed = 1.0 / speed
+        # Classes: distinct (size, Ulysses cost); cost[s, c] is per GPU at speed 1.
+        if comm is None:
+            class_g, class_u = self.sizes.astype(np.float64), np.zeros(self.sizes.size)
+            self.cls = np.searchsorted(self.sizes, bag_sizes)
+        else:
+            keys, self.cls = np.unique(np.column_stack([self.g, token_s]), axis=0, return_inverse=True)
+            self.cls = self.cls.reshape(-1)
+            class_g, class_u = keys[:, 0], keys[:, 1]
+        # A cost model's per-sequence part is paid in full by every GPU of the bag.
+        self.seq_fixed = model.per_sequence(lens) if isinstance(model, CostModel) else np.zeros(lens.size)
+        self.cost = (self.work - self.seq_fixed)[:, None] / class_g[None, :] + self.seq_fixed[:, None]
+        if class_u.any():
+            self.cost += (lens[:, None] / class_g[None, :]) * class_u[None, :]
+        # Exact per-rank time: (attention/g + per-token cost x tokens) / speed.
+        self.bag_token_cost = self.token_work + token_s
+        # Equal bags of equal speed, no communication term: the published greedy is LPT.
+        self.uniform_equal = (
+            self.cost.shape[1] == 1 and not class_u.any() and bool(np.all(self.inv_speed == self.inv_speed[0]))
+        )
+        # Lower bound on the makespan: every sequence on its cheapest class in GPU-seconds.
+        gpu_s = (self.cost * class_g[None, :]).min(axis=1)
+        self.ideal = float(gpu_s.sum()) / float((self.g * speed).sum())
+        # Visit order of the constructions: decreasing work, ties by id (deterministic).
+        self.order = np.argsort(-self.work, kind="stable")
+        self.offset: np.ndarray | None = None
+        """(k,) fixed seconds added to each bag's load (its ranks' routing), or None."""
+
+    def t(self, s, b):
+        """Time of sequence(s) ``s`` on bag(s) ``b`` (broadcasting)."""
+        return self.cost[s, self.cls[b]] * self.inv_speed[b]
+
+    def bag_types(self) -> tuple[np.ndarray, np.ndarray]:
+        """Bags on which every sequence takes the same time (one class and speed):
+        ``(types, type_of_bag)``, ``types[i] = (class, 1/speed)``, in increasing order."""
+        types, type_of_bag = np.unique(np.column_stack([self.cls, self.inv_speed]), axis=0, return_inverse=True)
+        return types, type_of_bag.reshape(-1)
+
+    def by_bag(self, assign: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(order, bounds)``: bag ``j`` holds ``order[bounds[j]:bounds[j + 1]]``, in
+        increasing id (what ``flatnonzero(assign == j)`` gives, for all bags at once)."""
+        order = sort_by_bag(assign, self.k)
+        bounds = np.zeros(self.k + 1, dtype=np.int64)
+        np.cumsum(np.bincount(assign, minlength=self.k), out=bounds[1:])
+        return order, bounds
+
+    def loads(self, assign: np.ndarray) -> np.ndarray:
+        """Per-GPU time of every bag."""
+        if self.cost.shape[1] == 1:
+            per = self.cost[:, 0]
+        else:
+            per = np.take_along_axis(self.cost, self.cls[assign][:, None], axis=1)[:, 0]
+        loads = np.bincount(assign, weights=per, minlength=self.k) * self.inv_speed
+        return loads if self.offset is None else loads + self.offset
+
+    def makespan(self, assign: np.ndarray) -> float:
+        return float(self.loads(assign).max())
+
+    def max_rank_load(self, assign: np.ndarray) -> float:
+        """Exact time of the busiest rank once sequences are cut into chunks: a bag's
+        remainder tokens go round-robin over its ranks (see ``make_chunks``), so its
+        busiest rank has ``ceil`` of the leftover tokens."""
+        g = self.bag_sizes[assign]
+        base, rem = np.divmod(self.true_lens, g)
+        attn = np.bincount(
+            assign, weights=self.model.attention(self.true_lens) / g + self.seq_fixed, minlength=self.k
+        )
+        base_tok = np.bincount(assign, weights=base, minlength=self.k)
+        rem_tok = np.bincount(assign, weights=rem, minlength=self.k)
+        top_tok = base_tok + np.ceil(rem_tok / self.bag_sizes - 1e-9)
+        return float(((attn + self.bag_token_cost * top_tok) * self.inv_speed).max())
+
+    def times(self, assign: np.ndarray) -> StepTimes:
+        """Predicted per-rank times of the group (cost model), routing included."""
+        topo = Topology(tuple(self.bag_sizes.tolist()))
+        chunk_seq, chunk_rank, _, chunk_len = make_chunks(self.true_lens, self.home, assign, topo)
+        return rank_times(
+            self.model, topo, self.true_lens, self.home, chunk_seq, chunk_rank, chunk_len,
+            self.bag_sizes[assign], rank_offset=self.comm.rank_offset,
+            bag_token_s=self.comm.bag_token_s, bag_speed=self.comm.bag_speed,
+        )
+
+    def step_time(self, assign: np.ndarray) -> float:
+        return self.times(assign).step_time
+
+    def route_offsets(self, assign: np.ndarray) -> np.ndarray:
+        """(k,) routing seconds of each bag's busiest-routing rank under ``assign``."""
+        route = self.times(assign).route
+        return np.maximum.reduceat(route, np.concatenate([[0], np.cumsum(self.bag_sizes)[:-1]]))
+
+    def moved_tokens(self, assign: np.ndarray) -> float:
+        """Tokens leaving their home rank (a home-bag sequence keeps ~1/g of its tokens)."""
+        lens = self.true_lens
+        at_home = assign == self.home_bag
+        return float(lens.sum() - (lens[at_home] / self.bag_sizes[assign[at_home]]).sum())
+
+    def choose(self, candidates: list[Candidate]) -> tuple[str, np.ndarray, int, float]:
+        """The best candidate by exact peak (workload model) or predicted step time (cost
+        model); among those within half a token's work of it (the chunking's own
+        resolution) and no worse than the first (greedy), the one that moves fewest tokens.
+        A plan listed twice (a step that changed nothing returns its input) is scored once."""
+        score = self.max_rank_load if self.comm is None else self.step_time
+        scores: dict[int, float] = {}
+        moved: dict[int, float] = {}
+
+        def once(cache: dict[int, float], f, a: np.ndarray) -> float:
+            if id(a) not in cache:
+                cache[id(a)] = f(a)
+            return cache[id(a)]
+
+        peak = [once(scores, score, a) for _, a, _ in candidates]
+        greedy_peak = peak[0]
+        best = min(peak)
+        tol = 0.5 * self.token_work
+        ok = [i for i, p in enumerate(peak) if p <= best + tol and p <= greedy_peak]
+        i = min(ok, key=lambda i: (once(moved, self.moved_tokens, candidates[i][1]), peak[i]))
+        return (*candidates[i], peak[i])
+
+    # -- memory budget ---------------------------------------------------------------------
+
+    def bag_tokens(self, assign: np.ndarray) -> np.ndarray:
+        """(k,) tokens on every bag."""
+        return np.bincount(assign, weights=self.true_lens, minlength=self.k)
+
+    def fits(self, assign: np.ndarray, cap: np.ndarray) -> bool:
+        return bool(np.all(self.bag_tokens(assign) <= cap))
+
+    def allowed(self, seqs: np.ndarray) -> np.ndarray:
+        """(len(seqs), k): may the sequence go to the bag (``g <= L``)?"""
+        return self.bag_sizes[None, :] <= self.lens[seqs][:, None]

@@ -1,0 +1,352 @@
+"""Local search on a plan: moves and swaps out of the most loaded bag while they lower it.
+
+Each accepted step replaces the top bag's load by two strictly smaller loads, so the
+sorted load vector decreases lexicographically and the loop terminates. A step looks only
+at the top bag and a few of the least loaded ones, so its cost is independent of the
+number of sequences: each bag's members are kept as an array and only the two bags a step
+touches change (nothing is rebuilt from all sequences per step).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right, insort
+
+import numpy as np
+
+from .problem import GroupProblem
+
+_STOP_REL = 1e-7  # stop refining once the makespan is this close to the ideal
+
+
+def refine(
+    p: GroupProblem, assign: np.ndarray, max_iters: int | None = None, stop_at: float | None = None
+) -> tuple[np.ndarray, int]:
+    """Moves and swaps out of the most loaded bag while they lower it (or until the
+    makespan is at most ``stop_at``). Returns the plan and the steps taken; the plan is
+    ``assign`` itself when no step was taken."""
+    loads = p.loads(assign)
+    members = _Members(p, assign)
+    max_iters = max_iters if max_iters is not None else 20 * p.k + 200
+    # Below a fraction of one token's work, chunk rounding decides the peak anyway.
+    stop = p.ideal + max(p.ideal * _STOP_REL, 0.5 * p.token_work)
+    if stop_at is not None:
+        stop = max(stop, stop_at)
+    if p.uniform_equal and p.offset is None:
+        iters = _refine_uniform(p, loads, members, max_iters, stop)
+    else:
+        iters = _refine_general(p, loads, members, max_iters, stop)
+    return (members.assign if iters else assign), iters
+
+
+class _Members:
+    """The sequences of every bag, in the order the bag acquired them (increasing id at
+    first; a sequence moved in goes last), built from one sort and changed per step."""
+
+    def __init__(self, p: GroupProblem, assign: np.ndarray):
+        self.order, self.bounds = p.by_bag(assign)
+        self.assign = assign.copy()
+        self.changed: dict[int, np.ndarray] = {}
+
+    def __getitem__(self, j: int) -> np.ndarray:
+        got = self.changed.get(j)
+        if got is None:
+            return self.order[self.bounds[j] : self.bounds[j + 1]]
+        return got
+
+    def move(self, s: int, b: int, j: int) -> None:
+        src = self[b]
+        self.changed[b] = src[src != s]
+        self.changed[j] = np.append(self[j], s)
+        self.assign[s] = j
+
+    def swap(self, s: int, b: int, u: int, j: int) -> None:
+        src, dst = self[b], self[j]
+        self.changed[b] = np.append(src[src != s], u)
+        self.changed[j] = np.append(dst[dst != u], s)
+        self.assign[s], self.assign[u] = j, b
+
+
+def _refine_general(p: GroupProblem, loads: np.ndarray, members: _Members, max_iters: int, stop: float) -> int:
+    g = p.g
+    lens, cost, cls, inv = p.lens, p.cost, p.cls, p.inv_speed
+    n_partners = min(p.k - 1, 4)
+    # Each bag's members with their cost rows; only the two bags a step touches are rebuilt.
+    cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def arrays(j: int) -> tuple[np.ndarray, np.ndarray]:
+        got = cache.get(j)
+        if got is None:
+            idx = members[j]
+            got = cache[j] = (idx, cost[idx])
+        return got
+
+    iters = 0
+    while iters < max_iters and n_partners > 0:
+        b = int(loads.argmax())
+        top = loads[b]
+        if top <= stop or not members[b].size:
+            break
+        items, c_items = arrays(b)  # (n_b,), (n_b, classes)
+        t_b = c_items[:, cls[b]] * inv[b]
+        l_b = lens[items]
+        # Partners: the least loaded bags, where a move or swap helps most.
+        part = np.argpartition(loads, n_partners)[: n_partners + 1]
+        part = part[part != b][:n_partners]
+        # Moves, all items x all partners at once: (n_b, p).
+        g_p = g[part]
+        new = np.maximum(top - t_b[:, None], loads[part][None, :] + c_items[:, cls[part]] * inv[part])
+        new[l_b[:, None] < g_p[None, :]] = np.inf
+        flat = int(np.argmin(new))
+        best_val = float(new.flat[flat])
+        action = ("move", int(items[flat // part.size]), int(part[flat % part.size]))
+        # Swaps: item s of b with a lighter item t of a partner. Swaps look at the two least
+        # loaded partners only: they are where the best swaps land, and the candidate set
+        # stays small on every iteration.
+        part = part[np.argsort(loads[part], kind="stable")][:2]
+        cand = [arrays(j) for j in part.tolist()]
+        cand_t = [c[0] for c in cand]
+        sizes = [c.size for c in cand_t]
+        if sum(sizes) * items.size <= 4096:
+            t_all = np.concatenate(cand_t)
+            c_all = np.concatenate([c[1] for c in cand])
+            j_all = np.repeat(part, sizes)
+            t_tb = c_all[:, cls[b]] * inv[b]  # (n_t,) t on b
+            t_tj = c_all[np.arange(t_all.size), cls[j_all]] * inv[j_all]  # (n_t,) t on its own bag
+            t_sj = c_items[:, cls[j_all]] * inv[j_all]  # (n_b, n_t) s on t's bag
+            d_b = t_b[:, None] - t_tb[None, :]  # what b sheds
+            new = np.maximum(top - d_b, loads[j_all][None, :] + t_sj - t_tj[None, :])
+            g_j = g[j_all][None, :]
+            bad = (d_b <= 0) | (l_b[:, None] < g_j) | (lens[t_all][None, :] < g[b])
+            new[bad] = np.inf
+            if new.size:
+                flat = int(np.argmin(new))
+                if new.flat[flat] < best_val:
+                    i, t = divmod(flat, t_all.size)
+                    best_val = float(new.flat[flat])
+                    action = ("swap", int(items[i]), int(t_all[t]), int(j_all[t]))
+        else:
+            for j, oth in zip(part.tolist(), cand_t):
+                if not oth.size:
+                    continue
+                t_ob = cost[oth, cls[b]] * inv[b]
+                srt = np.argsort(t_ob, kind="stable")
+                t_sorted = t_ob[srt]
+                t_sj = c_items[:, cls[j]] * inv[j]
+                # The swap that leaves both bags equal, if costs on j scale like on b.
+                rho = t_sj / np.maximum(t_b, 1e-300)
+                target = (loads[j] + t_sj - top + t_b) / (1.0 + rho)
+                pos = np.searchsorted(t_sorted, target)
+                for near in (np.clip(pos - 1, 0, oth.size - 1), np.clip(pos, 0, oth.size - 1)):
+                    t_items = oth[srt[near]]
+                    d_b = t_b - cost[t_items, cls[b]] * inv[b]
+                    new = np.maximum(top - d_b, loads[j] + t_sj - cost[t_items, cls[j]] * inv[j])
+                    valid = (d_b > 0) & (l_b >= g[j]) & (lens[t_items] >= g[b])
+                    new = np.where(valid, new, np.inf)
+                    i = int(np.argmin(new))
+                    if new[i] < best_val:
+                        best_val = float(new[i])
+                        action = ("swap", int(items[i]), int(t_items[i]), j)
+        if not best_val < top * (1 - 1e-12):
+            break
+        j = action[-1]
+        cache.pop(b, None)
+        cache.pop(j, None)
+        s = action[1]
+        if action[0] == "move":
+            members.move(s, b, j)
+            loads[b] -= p.t(s, b)
+            loads[j] += p.t(s, j)
+        else:
+            u = action[2]
+            members.swap(s, b, u, j)
+            loads[b] += p.t(u, b) - p.t(s, b)
+            loads[j] += p.t(s, j) - p.t(u, j)
+        iters += 1
+    return iters
+
+
+def _refine_uniform(p: GroupProblem, loads: np.ndarray, members: _Members, max_iters: int, stop: float) -> int:
+    """Refinement for equal bags of equal speed without communication terms (every
+    homogeneous topology under the workload model): a sequence costs the same on every
+    bag, so the best move goes to the least loaded bag and swaps need one weight per
+    sequence. Same steps as the general loop, in fewer array operations: the bags are
+    kept sorted by load (the top and the least loaded bags without a scan), each touched
+    bag's members sorted by weight (a step inserts one or two), and the move and the
+    exchanges with both partners are one array expression over the top bag's members."""
+    w = p.cost[:, 0] * p.inv_speed[0]
+    k = p.k
+    if k < 2:
+        return 0
+    ranked = _RankedLoads(loads)
+    by_weight = _SortedMembers(members, w)
+    iters = 0
+    while iters < max_iters:
+        b = ranked.top()
+        top = loads[b]
+        items, w_b = by_weight.arrays(b)
+        if top <= stop or not items.size:
+            break
+        j1, j2 = ranked.two_least(b) if k > 2 else (1 - b, 1 - b)
+        best_val, action = _best_step(top, w_b, j1, list({j1, j2}), loads, by_weight)
+        if not best_val < top * (1 - 1e-12):
+            break
+        kind, i, t, j = action
+        old = {b: float(top), j: float(loads[j])}
+        s = by_weight.take(b, i)
+        if kind == "move":
+            by_weight.put(j, s)
+            members.assign[s] = j
+            loads[b] -= w[s]
+            loads[j] += w[s]
+        else:
+            u = by_weight.take(j, t)
+            by_weight.put(b, u)
+            by_weight.put(j, s)
+            members.assign[s], members.assign[u] = j, b
+            loads[b] += w[u] - w[s]
+            loads[j] += w[s] - w[u]
+        ranked.update(old)
+        iters += 1
+    return iters
+
+
+def _best_step(
+    top: float, w_b: np.ndarray, j1: int, partners: list[int], loads: np.ndarray, by_weight: _SortedMembers
+) -> tuple[float, tuple[str, int, int, int]]:
+    """The best move (to ``j1``) or exchange (with a partner) for the top bag, whose members
+    weigh ``w_b`` (sorted): value ``max(top - d, load_j + d)`` for shedding ``d``, and
+    ``("move" | "swap", row in b, row in j, j)``. Ties go to the move, then to the
+    partners in the given order, then to the first pair in row-major order. Where the
+    value is not below ``top`` no step is taken, and the action is meaningless.
+
+    Column 0 is the move (an exchange with nothing: ``d = w_s``); then each small partner
+    contributes its members (every pair); a large one (over 4096 pairs) only the two
+    members whose weights bracket the exchange that leaves both bags equal,
+    ``d* = (top - load_j) / 2``."""
+    cols, col_bags, blocks = [np.zeros(1)], [j1], []
+    for j in partners:
+        t_items, w_t = by_weight.arrays(j)
+        if t_items.size and w_b.size * t_items.size <= 4096:
+            blocks.append((j, t_items.size))
+            cols.append(w_t)
+            col_bags.append(j)
+    if blocks:
+        d = w_b[:, None] - np.concatenate(cols)[None, :]  # (n_b, 1 + Σ n_j): what b sheds
+        col_l = np.repeat(loads[np.array(col_bags)], np.array([1] + [c for _, c in blocks]))
+    else:
+        d = w_b[:, None]
+        col_l = loads[j1]
+    # An exchange must take weight off b (d > 0); the others are not masked out: their
+    # value max(top - d, ...) is at least top, so they can win only where no step is taken.
+    new = np.maximum(top - d, col_l + d)
+    i = int(new[:, 0].argmin())
+    best_val, action = float(new[i, 0]), ("move", i, -1, j1)
+    found, at = {}, 1
+    for j, c in blocks:
+        block = new[:, at : at + c]
+        flat = int(block.argmin())
+        found[j] = (block.flat[flat], *divmod(flat, c))
+        at += c
+    for j in partners:
+        if j in found:
+            val, i, t = found[j]
+        else:
+            t_items, w_t = by_weight.arrays(j)
+            if not t_items.size:
+                continue
+            # For each s, the members just below and at the exchange target: the first
+            # minimum over the (s, below/at) pairs in row-major order.
+            pos = w_t.searchsorted(w_b - (top - loads[j]) / 2)
+            below, at_ = np.maximum(pos - 1, 0), np.minimum(pos, t_items.size - 1)
+            d0, d1 = w_b - w_t[below], w_b - w_t[at_]
+            v0, v1 = np.maximum(top - d0, loads[j] + d0), np.maximum(top - d1, loads[j] + d1)
+            low = np.minimum(v0, v1)
+            i = int(low.argmin())
+            val = low[i]
+            t = int(below[i]) if v0[i] == val else int(at_[i])
+        if val < best_val:
+            best_val, action = float(val), ("swap", i, t, j)
+    return best_val, action
+
+
+class _RankedLoads:
+    """Bags sorted by ``(load, id)`` (as parallel lists: bisection compares floats), kept
+    in step with the ``loads`` array they mirror."""
+
+    def __init__(self, loads: np.ndarray):
+        self.loads = loads
+        order = np.lexsort((np.arange(loads.size), loads))
+        self.lv, self.ids = loads[order].tolist(), order.tolist()
+
+    def top(self) -> int:
+        """``argmax(loads)``: the most loaded bag, the first such one on ties."""
+        lv = self.lv
+        q = len(lv) - 1
+        while q and lv[q - 1] == lv[q]:
+            q -= 1
+        return self.ids[q]
+
+    def two_least(self, b: int) -> tuple[int, int]:
+        """The two least loaded bags other than the top one ``b``, lighter first: what
+        ``argpartition(loads, 2)[:3]`` without ``b``, stably sorted by load, gives. When
+        loads tie there (or ``b`` is among the three least loaded) that expression itself
+        decides, as it always did."""
+        lv = self.lv
+        if lv[0] < lv[1] < lv[2] < self.loads[b]:
+            return self.ids[0], self.ids[1]
+        low = [int(x) for x in np.argpartition(self.loads, 2)[:3] if x != b]
+        low.sort(key=lambda x: self.loads[x])
+        return low[0], low[1]
+
+    def update(self, old: dict[int, float]) -> None:
+        """Bags whose loads changed from ``old[b]`` to ``loads[b]``."""
+        lv, ids = self.lv, self.ids
+        for b, was in old.items():
+            q = bisect_left(lv, was)
+            while ids[q] != b:
+                q += 1
+            del lv[q], ids[q]
+            now = float(self.loads[b])
+            q = bisect_left(lv, now)
+            while q < len(lv) and lv[q] == now and ids[q] < b:
+                q += 1
+            lv.insert(q, now)
+            ids.insert(q, b)
+
+
+class _SortedMembers:
+    """Members of each bag sorted by weight, ties in the order the bag acquired them (a
+    stable sort of the bag's member list). A step changes two bags' lists (a removal and
+    an append each); their sorted arrays are remade only when looked at again."""
+
+    def __init__(self, members: _Members, w: np.ndarray):
+        self.members, self.w = members, w
+        self.lists: dict[int, list[int]] = {}
+        self.sorted: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def arrays(self, j: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids, weights)`` of bag ``j``'s members by increasing weight."""
+        got = self.sorted.get(j)
+        if got is None:
+            listed = self.lists.get(j)
+            idx = self.members[j] if listed is None else np.array(listed, dtype=np.int64)
+            idx = idx[np.argsort(self.w[idx], kind="stable")]
+            got = self.sorted[j] = (idx, self.w[idx])
+        return got
+
+    def take(self, j: int, pos: int) -> int:
+        """Remove and return the member at sorted position ``pos``."""
+        s = int(self.arrays(j)[0][pos])
+        self._list(j).remove(s)
+        return s
+
+    def put(self, j: int, s: int) -> None:
+        """Add ``s`` as the bag's newest member."""
+        self._list(j).append(s)
+
+    def _list(self, j: int) -> list[int]:
+        self.sorted.pop(j, None)
+        listed = self.lists.get(j)
+        if listed is None:
+            listed = self.lists[j] = self.members[j].tolist()
+        return listed
