@@ -26,14 +26,16 @@ def make_chunks(
     base, rem = np.divmod(lens, g)
     offset = _rotation_offsets(rem, bag, g, topology.num_bags)
     first_rank = topology.bag_starts[bag]
-    if sizes.min() == sizes.max():
-        # Every bag of one size: (sequence, chunk) is a dense (n, g) grid, a third of the
-        # passes of the ragged layout below.
+    if sizes.min() == sizes.max() and sizes[0] < 2**15:
+        # Every bag of one size: (sequence, chunk) is a dense (n, g) grid; the extra-token
+        # pattern is computed in 16 bits (it is below g), the int64 outputs once each.
         gs = int(sizes[0])
-        c = np.arange(gs, dtype=np.int64)
-        chunk_len = base[:, None] + (((c[None, :] - offset[:, None]) % gs) < rem[:, None])  # (n, g)
-        chunk_start = np.cumsum(chunk_len, axis=1) - chunk_len
-        chunk_rank = first_rank[:, None] + c[None, :]
+        c = np.arange(gs, dtype=np.int16)
+        extra = ((c[None, :] - offset.astype(np.int16)[:, None]) % gs) < rem.astype(np.int16)[:, None]  # (n, g)
+        chunk_len = base[:, None] + extra
+        # Chunk c starts after c whole bases and the extra tokens of the chunks before it.
+        chunk_start = base[:, None] * np.arange(gs) + (np.cumsum(extra, axis=1, dtype=np.int16) - extra)
+        chunk_rank = first_rank[:, None] + np.arange(gs)
         chunk_seq = np.repeat(np.arange(n, dtype=np.int64), gs)
         return chunk_seq, chunk_rank.ravel(), chunk_start.ravel(), chunk_len.ravel()
     chunk_seq = np.repeat(np.arange(n, dtype=np.int64), g)

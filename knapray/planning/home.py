@@ -9,11 +9,11 @@ rather than a scan of all sequences (or all bags) per step.
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import bisect_left, bisect_right
 
 import numpy as np
 
-from .problem import GroupProblem
+from .problem import GroupProblem, longest_first
 
 
 def repair(p: GroupProblem, assign: np.ndarray, cap: float) -> np.ndarray:
@@ -49,55 +49,60 @@ def _best_fit(p: GroupProblem, pool: np.ndarray, assign: np.ndarray, loads: np.n
     Bags on which every sequence takes the same time (one class and speed: a *type*) are
     kept sorted by load, so the best bag of a type is found by bisection: a load fits if
     ``load + t <= cap``, and the fitting loads are a prefix of the sorted ones (adding ``t``
-    is monotone), the fullest of them leaving the least room."""
+    is monotone), the fullest of them leaving the least room. Loads are Python floats
+    here (the same double arithmetic) and go back to ``loads`` at the end."""
     types, type_of_bag = p.bag_types()
-    by_type = [
-        sorted(zip(loads[bags].tolist(), bags.tolist()))
-        for bags in (np.flatnonzero(type_of_bag == ti) for ti in range(len(types)))
-    ]
-    type_size = [int(p.bag_sizes[np.flatnonzero(type_of_bag == ti)[0]]) for ti in range(len(types))]
+    load = loads.tolist()
+    kinds = []  # per type: (bag size, sorted loads, their bags)
+    for ti in range(len(types)):
+        bags = np.flatnonzero(type_of_bag == ti)
+        order = np.argsort(loads[bags], kind="stable")
+        kinds.append((int(p.bag_sizes[bags[0]]), loads[bags[order]].tolist(), bags[order].tolist()))
     # (pool, types) time of every pooled sequence on a bag of every type.
     t_rows = (p.cost[np.ix_(pool, types[:, 0].astype(np.int64))] * types[None, :, 1]).tolist()
-    lens = p.lens[pool].tolist()
-    for s, length, row in zip(pool.tolist(), lens, t_rows):
+    chosen = []
+    for length, row in zip(p.lens[pool].tolist(), t_rows):
         best_fit, best_fin = None, None  # (room, bag), (finish, bag)
-        for ti, bags in enumerate(by_type):
-            if type_size[ti] > length:
+        for (size, lv, ids), t in zip(kinds, row):
+            if size > length:
                 continue
-            t = row[ti]
-            # Fitting loads are a prefix: find its end.
-            lo, hi = 0, len(bags)
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if bags[mid][0] + t <= cap:
-                    lo = mid + 1
-                else:
-                    hi = mid
-            if lo:
-                q = lo - 1
-                room = cap - (bags[q][0] + t)
-                j = bags[q][1]
-                while q > 0 and cap - (bags[q - 1][0] + t) == room:
+            # Fitting loads are a prefix: its end, near cap - t, settled by the exact test.
+            q = bisect_right(lv, cap - t)
+            while q and lv[q - 1] + t > cap:
+                q -= 1
+            while q < len(lv) and lv[q] + t <= cap:
+                q += 1
+            if q:
+                q -= 1
+                room = cap - (lv[q] + t)
+                j = ids[q]
+                while q and cap - (lv[q - 1] + t) == room:
                     q -= 1
-                    j = min(j, bags[q][1])
+                    j = min(j, ids[q])
                 if best_fit is None or (room, j) < best_fit:
                     best_fit = (room, j)
             elif best_fit is None:
-                fin = bags[0][0] + t
-                j, q = bags[0][1], 0
-                while q + 1 < len(bags) and bags[q + 1][0] + t == fin:
+                fin = lv[0] + t
+                j, q = ids[0], 0
+                while q + 1 < len(lv) and lv[q + 1] + t == fin:
                     q += 1
-                    j = min(j, bags[q][1])
+                    j = min(j, ids[q])
                 if best_fin is None or (fin, j) < best_fin:
                     best_fin = (fin, j)
         j = best_fit[1] if best_fit is not None else best_fin[1]
-        ti = int(type_of_bag[j])
-        bags = by_type[ti]
-        old = loads[j]
-        del bags[bisect_left(bags, (float(old), j))]
-        loads[j] = old + row[ti]
-        insort(bags, (float(loads[j]), j))
-        assign[s] = j
+        ti = type_of_bag[j]
+        _, lv, ids = kinds[ti]
+        q = bisect_left(lv, load[j])
+        while ids[q] != j:
+            q += 1
+        del lv[q], ids[q]
+        load[j] += row[ti]
+        q = bisect_left(lv, load[j])
+        lv.insert(q, load[j])
+        ids.insert(q, j)
+        chosen.append(j)
+    assign[pool] = chosen
+    loads[:] = load
 
 
 def localize(p: GroupProblem, assign: np.ndarray) -> np.ndarray:
@@ -114,7 +119,7 @@ def localize(p: GroupProblem, assign: np.ndarray) -> np.ndarray:
     away = np.flatnonzero((assign != p.home_bag) & (p.lens >= p.bag_sizes[p.home_bag]))
     if away.size == 0:
         return assign
-    away = away[np.argsort(-p.lens[away], kind="stable")]
+    away = away[longest_first(p.lens[away])]
     home, cur = p.home_bag[away], assign[away]
     t_home, t_cur = p.t(away, home), p.t(away, cur)
     out = None

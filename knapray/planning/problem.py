@@ -20,6 +20,26 @@ Candidate = tuple[str, np.ndarray, int]
 """A plan the solver may choose: its name, the bag of every sequence, refinement steps."""
 
 
+def longest_first(lens: np.ndarray) -> np.ndarray:
+    """Indices by decreasing length, ties by index (a stable sort; by radix, in linear
+    time, for lengths under 2**16)."""
+    if lens.size and lens.max() < 2**16:
+        return np.argsort((lens.max() - lens).astype(np.uint16), kind="stable")
+    return np.argsort(-lens, kind="stable")
+
+
+def _decreasing(work: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """``argsort(-work, kind="stable")``. Work grows with length for every model here, so
+    the (linear-time) order of lengths is taken where the work confirms it: equal for
+    equal lengths, falling where the length falls."""
+    order = longest_first(lens)
+    w, same = work[order], lens[order][1:] == lens[order][:-1]
+    step = w[1:] - w[:-1]
+    if np.all(np.where(same, step == 0, step < 0)):
+        return order
+    return np.argsort(-work, kind="stable")
+
+
 class NoFit(Exception):
     """No assignment within the token budget was found."""
 
@@ -95,7 +115,7 @@ class GroupProblem:
         gpu_s = (self.cost * class_g[None, :]).min(axis=1)
         self.ideal = float(gpu_s.sum()) / float((self.g * speed).sum())
         # Visit order of the constructions: decreasing work, ties by id (deterministic).
-        self.order = np.argsort(-self.work, kind="stable")
+        self.order = _decreasing(self.work, lens)
         self.offset: np.ndarray | None = None
         """(k,) fixed seconds added to each bag's load (its ranks' routing), or None."""
 
