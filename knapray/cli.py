@@ -163,7 +163,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "planner":
         from knapray.benchmarks.planner import run
 
-        rows = run(steps=20 if args.steps is None else args.steps, steps_1024=args.steps_1024, seed=args.seed)
+        rows = run(steps=20 if args.steps is None else args.steps, steps_1024=args.steps_1024, seed=args.seed,
+                   ranks=args.ranks)
         if args.json:
             print(json.dumps(rows))
         return 0
@@ -504,6 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--steps", type=_int_at_least(1), default=None,
                    help="steps (default: planner 20, step 6 incl. warm-up, ledger 30)")
     b.add_argument("--steps-1024", type=_int_at_least(1), default=5)
+    b.add_argument("--ranks", type=_int_list, default=None, help="planner: also these world sizes, one group of bags of 8")
     b.add_argument("--seed", type=_int_at_least(0), default=0)
     b.add_argument("--json", action="store_true")
     st = b.add_argument_group("step benchmark (gloo processes on this machine)")

@@ -1,11 +1,19 @@
 """Planner benchmark: imbalance and plan time, greedy (KnapFormer) vs knapray, on the
-paper's three mixes at 32 ranks and on two mixes replicated to 1024 ranks."""
+paper's three mixes at 32 ranks and on two mixes replicated to 1024 ranks; with
+``ranks``, also one balance group of bags of 8 at each of those world sizes, where the
+workload-model planner, greedy and the cost-model planner (``planner: cost``) plan the
+same steps side by side."""
 
 from __future__ import annotations
 
+import statistics
+import time
+from typing import Sequence
+
 import numpy as np
 
-from knapray.planning import PAPER_MIXES, Topology, WorkloadModel
+from knapray.planning import PAPER_MIXES, CostModel, Topology, WorkloadModel, plan_balance
+from knapray.planning.mix import mix_world_size, parse_mix
 from knapray.planning.runner import mix_steps, plan_run
 
 CASES_32 = [(name, spec, 32) for name in PAPER_MIXES for spec in ("g1n32", "g2n16", "g4n8", "g8n4")]
@@ -15,9 +23,18 @@ CASES_1024 = [
     ("image+video", "g8n4", 1024),
     ("low-res", "g8n4", 1024),
 ]
+SCALING_MIXES = ("image+video", "mixed-res", "low-res")
+SCALING_BAG = 8
 
 
-def run(steps: int = 20, steps_1024: int = 5, seed: int = 0, d_model: int = 3072, gamma: float = 0.4) -> list[dict]:
+def run(
+    steps: int = 20,
+    steps_1024: int = 5,
+    seed: int = 0,
+    d_model: int = 3072,
+    gamma: float = 0.4,
+    ranks: Sequence[int] | None = None,
+) -> list[dict]:
     model = WorkloadModel(d_model=d_model, gamma=gamma)
     rows = []
     header = (
@@ -63,5 +80,87 @@ def run(steps: int = 20, steps_1024: int = 5, seed: int = 0, d_model: int = 3072
         "\nimbalance = max/mean per-rank work (mean over steps); 'worse' = steps where knapray's "
         "imbalance exceeds greedy's;\ntime ratio = knapray plan time / greedy plan time (p50); "
         "moved = fraction of tokens computed away from their home rank."
+    )
+    if ranks:
+        rows += run_scaling(ranks, steps_1024, seed, model)
+    return rows
+
+
+def run_scaling(ranks: Sequence[int], steps: int, seed: int, model: WorkloadModel) -> list[dict]:
+    """One balance group of bags of 8 per world size: each step is planned by greedy, by
+    knapray and by knapray with the default ``CostModel``, one after the other (so all
+    three see the same machine load), and each time is taken both on the wall clock and
+    as this process's CPU time (a shared machine inflates the first, not the second)."""
+    for world in ranks:
+        for name in SCALING_MIXES:
+            mix_ranks = mix_world_size(parse_mix(PAPER_MIXES[name]))
+            if world < SCALING_BAG or world % SCALING_BAG or world % mix_ranks:
+                raise ValueError(
+                    f"--ranks {world}: each world size must be a multiple of {SCALING_BAG} (bags of "
+                    f"{SCALING_BAG}) and of the mixes' {mix_ranks} ranks, e.g. 1024,4096,16384"
+                )
+    cost = CostModel()
+    solvers = {"greedy": (model, "greedy"), "knapray": (model, "knapray"), "cost": (cost, "knapray")}
+    header = (
+        f"{'mix':<12} {'ranks':>6} {'seqs':>7} | {'greedy':>8} {'knapray':>8} {'worse':>5} | "
+        f"{'greedy ms':>9} {'knapray ms':>10} {'ratio':>6} | {'cost ms':>8} {'x wl':>5} | "
+        f"{'cpu ratio':>9} {'cost x wl':>9}"
+    )
+    print(f"\none balance group, bags of {SCALING_BAG}: {steps} step(s) per row, p50 (same steps, side by side)")
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for world in ranks:
+        topo = Topology.parse(f"g{SCALING_BAG}n{world // SCALING_BAG}", world_size=world)
+        for name in SCALING_MIXES:
+            wall: dict[str, list[float]] = {s: [] for s in solvers}
+            cpu: dict[str, list[float]] = {s: [] for s in solvers}
+            imb: dict[str, list[float]] = {s: [] for s in solvers}
+            seqs = 0
+            for lens in mix_steps(PAPER_MIXES[name], steps, seed, world_size=world):
+                seqs = sum(len(r) for r in lens)
+                for key, (m, solver) in solvers.items():
+                    c0, t0 = time.process_time(), time.perf_counter()
+                    plan = plan_balance(lens, topo, m, solver=solver)
+                    wall[key].append((time.perf_counter() - t0) * 1e3)
+                    cpu[key].append((time.process_time() - c0) * 1e3)
+                    imb[key].append(plan.imbalance)
+            p50 = {k: statistics.median(v) for k, v in wall.items()}
+            c50 = {k: statistics.median(v) for k, v in cpu.items()}
+            worse = int(np.sum(np.asarray(imb["knapray"]) > np.asarray(imb["greedy"]) * (1 + 1e-12)))
+            row = {
+                "case": "scaling",
+                "mix": name,
+                "topology": str(topo),
+                "world_size": world,
+                "sequences": seqs,
+                "steps": steps,
+                "greedy_imbalance_mean": float(np.mean(imb["greedy"])),
+                "imbalance_mean": float(np.mean(imb["knapray"])),
+                "cost_imbalance_mean": float(np.mean(imb["cost"])),
+                "steps_worse_than_greedy": worse,
+                "greedy_plan_ms_p50": p50["greedy"],
+                "plan_ms_p50": p50["knapray"],
+                "cost_plan_ms_p50": p50["cost"],
+                "time_ratio_vs_greedy": p50["knapray"] / max(p50["greedy"], 1e-9),
+                "cost_ratio_vs_workload": p50["cost"] / max(p50["knapray"], 1e-9),
+                "greedy_cpu_ms_p50": c50["greedy"],
+                "cpu_ms_p50": c50["knapray"],
+                "cost_cpu_ms_p50": c50["cost"],
+                "cpu_ratio_vs_greedy": c50["knapray"] / max(c50["greedy"], 1e-9),
+                "cost_cpu_ratio_vs_workload": c50["cost"] / max(c50["knapray"], 1e-9),
+            }
+            rows.append(row)
+            print(
+                f"{name:<12} {world:>6} {seqs:>7} | {row['greedy_imbalance_mean']:>8.5f} "
+                f"{row['imbalance_mean']:>8.5f} {worse:>5} | {p50['greedy']:>9.1f} {p50['knapray']:>10.1f} "
+                f"{row['time_ratio_vs_greedy']:>5.1f}x | {p50['cost']:>8.1f} {row['cost_ratio_vs_workload']:>4.1f}x | "
+                f"{row['cpu_ratio_vs_greedy']:>8.1f}x {row['cost_cpu_ratio_vs_workload']:>8.1f}x",
+                flush=True,
+            )
+    print(
+        "\nratio = knapray / greedy plan time; cost = knapray with the default CostModel (planner: cost), "
+        "x wl = its time / knapray's with the\nworkload model; times are wall-clock ms (p50); the cpu "
+        "columns are the same ratios of process CPU time."
     )
     return rows
