@@ -113,8 +113,10 @@ def home_start(p: GroupProblem) -> np.ndarray:
     return assign
 
 
-# A round shorter than this falls back to the heap for a while (see least_loaded).
+# A round shorter than this falls back to the heap for a while (see least_loaded); with
+# fewer bags than _HEAP_ONLY the heap alone is faster than rounds in numpy.
 _MIN_ROUND = 16
+_HEAP_ONLY = 64
 
 
 def least_loaded(weights: np.ndarray, bags: np.ndarray, loads: np.ndarray) -> np.ndarray:
@@ -129,6 +131,14 @@ def least_loaded(weights: np.ndarray, bags: np.ndarray, loads: np.ndarray) -> np
     a while: it is the same rule, one item at a time."""
     m = weights.size
     out = np.empty(m, dtype=np.int64)
+    if bags.size < _HEAP_ONLY:
+        heap = list(zip(loads.astype(np.float64).tolist(), bags.tolist()))
+        heapq.heapify(heap)
+        for i, w in enumerate(weights.tolist()):
+            load, b = heap[0]
+            heapq.heapreplace(heap, (load + w, b))
+            out[i] = b
+        return out
     order = np.lexsort((bags, loads))
     lo, ids = loads[order].astype(np.float64), bags[order].astype(np.int64)
     kb, pos = ids.size, 0
