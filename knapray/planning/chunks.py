@@ -27,16 +27,8 @@ def make_chunks(
     offset = _rotation_offsets(rem, bag, g, topology.num_bags)
     first_rank = topology.bag_starts[bag]
     if sizes.min() == sizes.max() and sizes[0] < 2**15:
-        # Every bag of one size: (sequence, chunk) is a dense (n, g) grid; the extra-token
-        # pattern is computed in 16 bits (it is below g), the int64 outputs once each.
-        gs = int(sizes[0])
-        c = np.arange(gs, dtype=np.int16)
-        extra = ((c[None, :] - offset.astype(np.int16)[:, None]) % gs) < rem.astype(np.int16)[:, None]  # (n, g)
-        chunk_len = base[:, None] + extra
-        # Chunk c starts after c whole bases and the extra tokens of the chunks before it.
-        chunk_start = base[:, None] * np.arange(gs) + (np.cumsum(extra, axis=1, dtype=np.int16) - extra)
-        chunk_rank = first_rank[:, None] + np.arange(gs)
-        chunk_seq = np.repeat(np.arange(n, dtype=np.int64), gs)
+        chunk_len, chunk_start, chunk_rank = _grid(base, rem, offset, first_rank, int(sizes[0]))
+        chunk_seq = np.repeat(np.arange(n, dtype=np.int64), int(sizes[0]))
         return chunk_seq, chunk_rank.ravel(), chunk_start.ravel(), chunk_len.ravel()
     chunk_seq = np.repeat(np.arange(n, dtype=np.int64), g)
     seq_first = np.cumsum(g) - g
@@ -49,6 +41,31 @@ def make_chunks(
     chunk_start = ends - chunk_len - np.repeat(np.cumsum(lens) - lens, g)
     chunk_rank = first_rank[chunk_seq] + c
     return chunk_seq, chunk_rank, chunk_start, chunk_len
+
+
+def chunk_grid(lens: np.ndarray, bag: np.ndarray, topology: Topology) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(chunk_len, chunk_rank)`` as ``(n, g)`` grids when every bag has the same size
+    ``g`` (row-major, they are ``make_chunks``' arrays); None otherwise."""
+    sizes = topology.bag_sizes
+    if not lens.size or sizes.min() != sizes.max() or sizes[0] >= 2**15:
+        return None
+    gs = int(sizes[0])
+    base, rem = np.divmod(lens, gs)
+    offset = _rotation_offsets(rem, bag, np.full(lens.size, gs), topology.num_bags)
+    chunk_len, _, chunk_rank = _grid(base, rem, offset, topology.bag_starts[bag], gs, starts=False)
+    return chunk_len, chunk_rank
+
+
+def _grid(base, rem, offset, first_rank, gs: int, starts: bool = True):
+    """Chunk lengths, starts and ranks of sequences on bags of one size ``gs``, as dense
+    ``(n, g)`` grids; the extra-token pattern is computed in 16 bits (it is below g)."""
+    c = np.arange(gs, dtype=np.int16)
+    extra = ((c[None, :] - offset.astype(np.int16)[:, None]) % gs) < rem.astype(np.int16)[:, None]  # (n, g)
+    chunk_len = base[:, None] + extra
+    # Chunk c starts after c whole bases and the extra tokens of the chunks before it.
+    chunk_start = base[:, None] * np.arange(gs) + (np.cumsum(extra, axis=1, dtype=np.int16) - extra) if starts else None
+    chunk_rank = first_rank[:, None] + np.arange(gs)
+    return chunk_len, chunk_start, chunk_rank
 
 
 def sort_by_bag(bag: np.ndarray, num_bags: int) -> np.ndarray:

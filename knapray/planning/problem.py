@@ -9,7 +9,7 @@ from typing import Union
 
 import numpy as np
 
-from .chunks import make_chunks, sort_by_bag
+from .chunks import chunk_grid, make_chunks, sort_by_bag
 from .cost import CostModel, StepTimes, rank_times
 from .topology import Topology
 from .workload import WorkloadModel
@@ -118,6 +118,7 @@ class GroupProblem:
         self.order = _decreasing(self.work, lens)
         self.offset: np.ndarray | None = None
         """(k,) fixed seconds added to each bag's load (its ranks' routing), or None."""
+        self._times: dict[int, tuple[np.ndarray, StepTimes]] = {}
 
     def t(self, s, b):
         """Time of sequence(s) ``s`` on bag(s) ``b`` (broadcasting)."""
@@ -164,14 +165,53 @@ class GroupProblem:
         return float(((attn + self.bag_token_cost * top_tok) * self.inv_speed).max())
 
     def times(self, assign: np.ndarray) -> StepTimes:
-        """Predicted per-rank times of the group (cost model), routing included."""
+        """Predicted per-rank times of the group (cost model), routing included; kept per
+        plan (an array the solver does not change once made), as several steps ask again."""
+        hit = self._times.get(id(assign))
+        if hit is not None and hit[0] is assign:
+            return hit[1]
         topo = Topology(tuple(self.bag_sizes.tolist()))
-        chunk_seq, chunk_rank, _, chunk_len = make_chunks(self.true_lens, self.home, assign, topo)
-        return rank_times(
-            self.model, topo, self.true_lens, self.home, chunk_seq, chunk_rank, chunk_len,
-            self.bag_sizes[assign], rank_offset=self.comm.rank_offset,
-            bag_token_s=self.comm.bag_token_s, bag_speed=self.comm.bag_speed,
-        )
+        grid = chunk_grid(self.true_lens, assign, topo)
+        if grid is not None:
+            times = self._grid_times(assign, topo, *grid)
+        else:
+            chunk_seq, chunk_rank, _, chunk_len = make_chunks(self.true_lens, self.home, assign, topo)
+            times = rank_times(
+                self.model, topo, self.true_lens, self.home, chunk_seq, chunk_rank, chunk_len,
+                self.bag_sizes[assign], rank_offset=self.comm.rank_offset,
+                bag_token_s=self.comm.bag_token_s, bag_speed=self.comm.bag_speed,
+            )
+        self._times[id(assign)] = (assign, times)
+        return times
+
+    def _grid_times(self, assign: np.ndarray, topo: Topology, chunk_len: np.ndarray, chunk_rank: np.ndarray) -> StepTimes:
+        """``cost.rank_times`` on the ``(sequence, chunk)`` grid of bags of one size, without
+        gathering per-sequence values to every chunk: the same floating-point expressions,
+        and per-rank sums over the chunks in the same order, so the same bits."""
+        m, w, g = self.model, topo.world_size, float(self.bag_sizes[0])
+        comp = (
+            m.per_sequence(chunk_len) + m.linear(chunk_len)
+        ) + (m.attention(self.true_lens) / g)[:, None]
+        speed = self.comm.bag_speed[topo.bag_of_rank]
+        ranks = chunk_rank.ravel()
+        compute = np.bincount(ranks, weights=comp.ravel(), minlength=w) / speed
+        uly = chunk_len * self.comm.bag_token_s[assign][:, None]
+        ulysses = np.bincount(ranks, weights=uly.ravel(), minlength=w) / speed
+        # Routed tokens per rank: sums of whole numbers, exact in any order.
+        moved = self.home[:, None] != chunk_rank
+        route = np.zeros(w)
+        if moved.any():
+            gpn, off = m.gpus_per_node, self.comm.rank_offset
+            inter = ((self.home + off) // gpn)[:, None] != (chunk_rank + off) // gpn
+            src = np.broadcast_to(self.home[:, None], chunk_rank.shape)
+            tokens = chunk_len.astype(np.float64)
+            parts = []
+            for mask, t in ((moved & ~inter, m.route_token_s(False)), (moved & inter, m.route_token_s(True))):
+                sent = np.bincount(src[mask], weights=tokens[mask], minlength=w)
+                recv = np.bincount(chunk_rank[mask], weights=tokens[mask], minlength=w)
+                parts.append(np.maximum(sent, recv) * t)
+            route = np.maximum(parts[0], parts[1])
+        return StepTimes(compute, ulysses, route, m.fixed_s)
 
     def step_time(self, assign: np.ndarray) -> float:
         return self.times(assign).step_time

@@ -33,6 +33,8 @@ def refine(
         stop = max(stop, stop_at)
     if p.uniform_equal and p.offset is None:
         iters = _refine_uniform(p, loads, members, max_iters, stop)
+    elif p.cost.shape[1] == 1 and np.all(p.inv_speed == p.inv_speed[0]):
+        iters = _refine_one_kind(p, loads, members, max_iters, stop)
     else:
         iters = _refine_general(p, loads, members, max_iters, stop)
     return (members.assign if iters else assign), iters
@@ -40,29 +42,41 @@ def refine(
 
 class _Members:
     """The sequences of every bag, in the order the bag acquired them (increasing id at
-    first; a sequence moved in goes last), built from one sort and changed per step."""
+    first; a sequence moved in goes last): slices of one sort until a step changes the
+    bag, then a Python list (a removal and an append per step), as an array on demand."""
 
     def __init__(self, p: GroupProblem, assign: np.ndarray):
         self.order, self.bounds = p.by_bag(assign)
         self.assign = assign.copy()
-        self.changed: dict[int, np.ndarray] = {}
+        self.lists: dict[int, list[int]] = {}
+        self.arrays: dict[int, np.ndarray] = {}
 
     def __getitem__(self, j: int) -> np.ndarray:
-        got = self.changed.get(j)
+        got = self.arrays.get(j)
         if got is None:
-            return self.order[self.bounds[j] : self.bounds[j + 1]]
+            listed = self.lists.get(j)
+            if listed is None:
+                return self.order[self.bounds[j] : self.bounds[j + 1]]
+            got = self.arrays[j] = np.array(listed, dtype=np.int64)
         return got
 
+    def _list(self, j: int) -> list[int]:
+        self.arrays.pop(j, None)
+        listed = self.lists.get(j)
+        if listed is None:
+            listed = self.lists[j] = self.order[self.bounds[j] : self.bounds[j + 1]].tolist()
+        return listed
+
     def move(self, s: int, b: int, j: int) -> None:
-        src = self[b]
-        self.changed[b] = src[src != s]
-        self.changed[j] = np.append(self[j], s)
+        self._list(b).remove(s)
+        self._list(j).append(s)
         self.assign[s] = j
 
     def swap(self, s: int, b: int, u: int, j: int) -> None:
-        src, dst = self[b], self[j]
-        self.changed[b] = np.append(src[src != s], u)
-        self.changed[j] = np.append(dst[dst != u], s)
+        self._list(b).remove(s)
+        self._list(j).remove(u)
+        self._list(b).append(u)
+        self._list(j).append(s)
         self.assign[s], self.assign[u] = j, b
 
 
@@ -165,6 +179,88 @@ def _refine_general(p: GroupProblem, loads: np.ndarray, members: _Members, max_i
     return iters
 
 
+def _refine_one_kind(p: GroupProblem, loads: np.ndarray, members: _Members, max_iters: int, stop: float) -> int:
+    """``_refine_general`` where every bag is of one kind (one class, one speed: equal bags
+    under a cost model, whose routing offsets keep the uniform loop out): a sequence takes
+    the same time ``tw`` on every bag and fits every bag, so the cost rows, classes, speeds
+    and size tests of the general loop drop out. Same expressions, same steps."""
+    tw = p.cost[:, 0] * p.inv_speed[0]
+    n_partners = min(p.k - 1, 4)
+    cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def arrays(j: int) -> tuple[np.ndarray, np.ndarray]:
+        got = cache.get(j)
+        if got is None:
+            idx = members[j]
+            got = cache[j] = (idx, tw[idx])
+        return got
+
+    iters = 0
+    while iters < max_iters and n_partners > 0:
+        b = int(loads.argmax())
+        top = loads[b]
+        if top <= stop or not members[b].size:
+            break
+        items, t_b = arrays(b)
+        part = np.argpartition(loads, n_partners)[: n_partners + 1]
+        part = part[part != b][:n_partners]
+        new = np.maximum(top - t_b[:, None], loads[part][None, :] + t_b[:, None])  # (n_b, p) moves
+        flat = int(new.argmin())
+        best_val = float(new.flat[flat])
+        action = ("move", int(items[flat // part.size]), int(part[flat % part.size]))
+        part = part[np.argsort(loads[part], kind="stable")][:2]
+        cand = [arrays(j) for j in part.tolist()]
+        sizes = [c[0].size for c in cand]
+        # Exchanges with d <= 0 are not masked out: their value is at least top, so they
+        # can win only where no step is taken (the general loop's size tests always pass).
+        if sum(sizes) * items.size <= 4096:
+            t_all = np.concatenate([c[0] for c in cand])
+            w_t = np.concatenate([c[1] for c in cand])
+            j_all = np.repeat(part, sizes)
+            d_b = t_b[:, None] - w_t[None, :]
+            new = np.maximum(top - d_b, loads[j_all][None, :] + t_b[:, None] - w_t[None, :])
+            if new.size:
+                flat = int(new.argmin())
+                if new.flat[flat] < best_val:
+                    i, t = divmod(flat, t_all.size)
+                    best_val = float(new.flat[flat])
+                    action = ("swap", int(items[i]), int(t_all[t]), int(j_all[t]))
+        else:
+            for j, (oth, t_ob) in zip(part.tolist(), cand):
+                if not oth.size:
+                    continue
+                srt = np.argsort(t_ob, kind="stable")
+                t_sorted = t_ob[srt]
+                # The swap that leaves both bags equal (t_b / t_b = 1 on equal bags).
+                target = (loads[j] + t_b - top + t_b) / (1.0 + t_b / np.maximum(t_b, 1e-300))
+                pos = np.searchsorted(t_sorted, target)
+                for near in (np.clip(pos - 1, 0, oth.size - 1), np.clip(pos, 0, oth.size - 1)):
+                    pick = srt[near]
+                    d_b = t_b - t_ob[pick]
+                    new = np.maximum(top - d_b, loads[j] + t_b - t_ob[pick])
+                    i = int(new.argmin())
+                    if new[i] < best_val:
+                        best_val = float(new[i])
+                        action = ("swap", int(items[i]), int(oth[pick[i]]), j)
+        if not best_val < top * (1 - 1e-12):
+            break
+        j = action[-1]
+        cache.pop(b, None)
+        cache.pop(j, None)
+        s = action[1]
+        if action[0] == "move":
+            members.move(s, b, j)
+            loads[b] -= tw[s]
+            loads[j] += tw[s]
+        else:
+            u = action[2]
+            members.swap(s, b, u, j)
+            loads[b] += tw[u] - tw[s]
+            loads[j] += tw[s] - tw[u]
+        iters += 1
+    return iters
+
+
 def _refine_uniform(p: GroupProblem, loads: np.ndarray, members: _Members, max_iters: int, stop: float) -> int:
     """Refinement for equal bags of equal speed without communication terms (every
     homogeneous topology under the workload model): a sequence costs the same on every
@@ -192,19 +288,17 @@ def _refine_uniform(p: GroupProblem, loads: np.ndarray, members: _Members, max_i
             break
         kind, i, t, j = action
         old = {b: float(top), j: float(loads[j])}
-        s = by_weight.take(b, i)
+        s = int(items[i])
         if kind == "move":
-            by_weight.put(j, s)
-            members.assign[s] = j
+            members.move(s, b, j)
             loads[b] -= w[s]
             loads[j] += w[s]
         else:
-            u = by_weight.take(j, t)
-            by_weight.put(b, u)
-            by_weight.put(j, s)
-            members.assign[s], members.assign[u] = j, b
+            u = int(by_weight.arrays(j)[0][t])
+            members.swap(s, b, u, j)
             loads[b] += w[u] - w[s]
             loads[j] += w[s] - w[u]
+        by_weight.changed(b, j)
         ranked.update(old)
         iters += 1
     return iters
@@ -316,37 +410,22 @@ class _RankedLoads:
 
 class _SortedMembers:
     """Members of each bag sorted by weight, ties in the order the bag acquired them (a
-    stable sort of the bag's member list). A step changes two bags' lists (a removal and
-    an append each); their sorted arrays are remade only when looked at again."""
+    stable sort of the bag's member list), made when a bag is looked at and dropped when
+    a step changes it."""
 
     def __init__(self, members: _Members, w: np.ndarray):
         self.members, self.w = members, w
-        self.lists: dict[int, list[int]] = {}
         self.sorted: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def arrays(self, j: int) -> tuple[np.ndarray, np.ndarray]:
         """``(ids, weights)`` of bag ``j``'s members by increasing weight."""
         got = self.sorted.get(j)
         if got is None:
-            listed = self.lists.get(j)
-            idx = self.members[j] if listed is None else np.array(listed, dtype=np.int64)
+            idx = self.members[j]
             idx = idx[np.argsort(self.w[idx], kind="stable")]
             got = self.sorted[j] = (idx, self.w[idx])
         return got
 
-    def take(self, j: int, pos: int) -> int:
-        """Remove and return the member at sorted position ``pos``."""
-        s = int(self.arrays(j)[0][pos])
-        self._list(j).remove(s)
-        return s
-
-    def put(self, j: int, s: int) -> None:
-        """Add ``s`` as the bag's newest member."""
-        self._list(j).append(s)
-
-    def _list(self, j: int) -> list[int]:
-        self.sorted.pop(j, None)
-        listed = self.lists.get(j)
-        if listed is None:
-            listed = self.lists[j] = self.members[j].tolist()
-        return listed
+    def changed(self, *bags: int) -> None:
+        for j in bags:
+            self.sorted.pop(j, None)
