@@ -59,7 +59,15 @@ def _best_fit(p: GroupProblem, pool: np.ndarray, assign: np.ndarray, loads: np.n
         order = np.argsort(loads[bags], kind="stable")
         kinds.append((int(p.bag_sizes[bags[0]]), loads[bags[order]].tolist(), bags[order].tolist()))
     # (pool, types) time of every pooled sequence on a bag of every type.
-    t_rows = (p.cost[np.ix_(pool, types[:, 0].astype(np.int64))] * types[None, :, 1]).tolist()
+    t_rows = p.cost[np.ix_(pool, types[:, 0].astype(np.int64))] * types[None, :, 1]
+    if len(types) == 1:
+        # One kind of bag (it fits every sequence: the lengths are at least its size).
+        _, lv, ids = kinds[0]
+        assign[pool] = _best_fit_one_kind(t_rows[:, 0].tolist(), lv, ids, cap)
+        for x, j in zip(lv, ids):
+            loads[j] = x
+        return
+    t_rows = t_rows.tolist()
     chosen = []
     for length, row in zip(p.lens[pool].tolist(), t_rows):
         best_fit, best_fin = None, None  # (room, bag), (finish, bag)
@@ -103,6 +111,87 @@ def _best_fit(p: GroupProblem, pool: np.ndarray, assign: np.ndarray, loads: np.n
         chosen.append(j)
     assign[pool] = chosen
     loads[:] = load
+
+
+def _best_fit_one_kind(times: list[float], lv: list[float], ids: list[int], cap: float) -> list[int]:
+    """``_best_fit`` over bags of one kind: ``lv`` their loads ascending, ``ids`` the bags
+    (both updated in place). A bag's load only grows, so it moves up the order: shifted
+    there, not removed and inserted. A bag with less room than the smallest sequence can
+    never be the best fit again: it leaves for a second sorted list, which only the
+    earliest-finish rule (no bag fits) still reads, so the shifts stay short."""
+    smallest = min(times, default=0.0)
+    # Closed from the start: bags too full for the smallest sequence (the open loads then
+    # stay below the closed ones, and the two lists read as one sorted list).
+    first_closed = bisect_right(lv, cap - smallest)
+    while first_closed and lv[first_closed - 1] + smallest > cap:
+        first_closed -= 1
+    while first_closed < len(lv) and lv[first_closed] + smallest <= cap:
+        first_closed += 1
+    closed_lv, closed_ids = lv[first_closed:], ids[first_closed:]
+    del lv[first_closed:], ids[first_closed:]
+    chosen = []
+    for t in times:
+        n = len(lv)
+        q = bisect_right(lv, cap - t)
+        while q and lv[q - 1] + t > cap:
+            q -= 1
+        while q < n and lv[q] + t <= cap:
+            q += 1
+        if q:  # the fullest bag that fits; equal room to the lowest bag
+            q -= 1
+            room = cap - (lv[q] + t)
+            at = q
+            while q and cap - (lv[q - 1] + t) == room:
+                q -= 1
+                if ids[q] < ids[at]:
+                    at = q
+        else:  # fits nowhere: where it finishes earliest (the lowest loads of both lists)
+            chosen.append(_earliest(t, lv, ids, closed_lv, closed_ids, smallest, cap))
+            continue
+        j = ids[at]
+        new = lv[at] + t
+        if new + smallest > cap:  # no sequence fits it any more
+            del lv[at], ids[at]
+            q = bisect_left(closed_lv, new)
+            closed_lv.insert(q, new)
+            closed_ids.insert(q, j)
+        else:
+            to = bisect_left(lv, new, at + 1) - 1  # its place once it has left ``at``
+            lv[at:to] = lv[at + 1 : to + 1]
+            ids[at:to] = ids[at + 1 : to + 1]
+            lv[to], ids[to] = new, j
+        chosen.append(j)
+    # Hand back every bag's load, in one list.
+    lv += closed_lv
+    ids += closed_ids
+    return chosen
+
+
+def _earliest(
+    t: float, lv: list[float], ids: list[int], closed_lv: list[float], closed_ids: list[int], smallest: float,
+    cap: float,
+) -> int:
+    """Put a sequence that fits no bag on the one where it finishes earliest (the lowest
+    bag among equal finishes); both lists are sorted, ``lv``'s loads below the others'
+    (a bag too full for the ``smallest`` sequence is closed)."""
+    both_lv, both_ids = lv + closed_lv, ids + closed_ids
+    fin = both_lv[0] + t
+    at = q = 0
+    while q + 1 < len(both_lv) and both_lv[q + 1] + t == fin:
+        q += 1
+        if both_ids[q] < both_ids[at]:
+            at = q
+    j = both_ids[at]
+    new = both_lv[at] + t
+    if at < len(lv):
+        del lv[at], ids[at]
+    else:
+        del closed_lv[at - len(lv)], closed_ids[at - len(lv)]
+    dst_lv, dst_ids = (closed_lv, closed_ids) if new + smallest > cap else (lv, ids)
+    q = bisect_left(dst_lv, new)
+    dst_lv.insert(q, new)
+    dst_ids.insert(q, j)
+    return j
 
 
 def localize(p: GroupProblem, assign: np.ndarray) -> np.ndarray:
