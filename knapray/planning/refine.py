@@ -47,6 +47,7 @@ class _Members:
 
     def __init__(self, p: GroupProblem, assign: np.ndarray):
         self.order, self.bounds = p.by_bag(assign)
+        self.start = assign
         self.assign = assign.copy()
         self.lists: dict[int, list[int]] = {}
         self.arrays: dict[int, np.ndarray] = {}
@@ -274,7 +275,7 @@ def _refine_uniform(p: GroupProblem, loads: np.ndarray, members: _Members, max_i
     if k < 2:
         return 0
     ranked = _RankedLoads(loads)
-    by_weight = _SortedMembers(members, w)
+    by_weight = _SortedMembers(members, w, p.true_lens)
     iters = 0
     while iters < max_iters:
         b = ranked.top()
@@ -317,16 +318,19 @@ def _best_step(
     contributes its members (every pair); a large one (over 4096 pairs) only the two
     members whose weights bracket the exchange that leaves both bags equal,
     ``d* = (top - load_j) / 2``."""
-    cols, col_bags, blocks = [np.zeros(1)], [j1], []
+    cols, blocks = [np.zeros(1)], []
     for j in partners:
         t_items, w_t = by_weight.arrays(j)
         if t_items.size and w_b.size * t_items.size <= 4096:
             blocks.append((j, t_items.size))
             cols.append(w_t)
-            col_bags.append(j)
     if blocks:
         d = w_b[:, None] - np.concatenate(cols)[None, :]  # (n_b, 1 + Σ n_j): what b sheds
-        col_l = np.repeat(loads[np.array(col_bags)], np.array([1] + [c for _, c in blocks]))
+        col_l = np.empty(d.shape[1])
+        col_l[0], at = loads[j1], 1
+        for j, c in blocks:
+            col_l[at : at + c] = loads[j]
+            at += c
     else:
         d = w_b[:, None]
         col_l = loads[j1]
@@ -411,20 +415,50 @@ class _RankedLoads:
 class _SortedMembers:
     """Members of each bag sorted by weight, ties in the order the bag acquired them (a
     stable sort of the bag's member list), made when a bag is looked at and dropped when
-    a step changes it."""
+    a step changes it. Once many bags have been looked at, the bags no step has changed
+    yet are taken from one sort of all sequences (by bag, then length: linear-time radix
+    passes) instead of one sort each, where weights are seen to follow lengths."""
 
-    def __init__(self, members: _Members, w: np.ndarray):
-        self.members, self.w = members, w
+    SORT_ALL_AFTER = 64  # bags sorted one by one before all are sorted at once
+
+    def __init__(self, members: _Members, w: np.ndarray, lens: np.ndarray):
+        self.members, self.w, self.lens = members, w, lens
         self.sorted: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.sorted_one_by_one = 0
+        self.all: tuple[np.ndarray, np.ndarray] | None = None
 
     def arrays(self, j: int) -> tuple[np.ndarray, np.ndarray]:
         """``(ids, weights)`` of bag ``j``'s members by increasing weight."""
         got = self.sorted.get(j)
         if got is None:
-            idx = self.members[j]
-            idx = idx[np.argsort(self.w[idx], kind="stable")]
-            got = self.sorted[j] = (idx, self.w[idx])
+            unchanged = j not in self.members.lists
+            if unchanged and self.all is None and self.sorted_one_by_one == self.SORT_ALL_AFTER:
+                self.all = self._sort_all()
+            if unchanged and self.all is not None and self.all[0].size:
+                lo, hi = self.members.bounds[j], self.members.bounds[j + 1]
+                got = (self.all[0][lo:hi], self.all[1][lo:hi])
+            else:
+                idx = self.members[j]
+                idx = idx[np.argsort(self.w[idx], kind="stable")]
+                got = (idx, self.w[idx])
+                self.sorted_one_by_one += 1
+            self.sorted[j] = got
         return got
+
+    def _sort_all(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every sequence by (starting bag, length, id), with its weight; empty arrays if
+        weights do not follow lengths (equal exactly for equal lengths, rising with them)."""
+        lens = self.lens
+        by_len = np.argsort(lens.astype(np.uint16) if lens.max() < 2**16 else lens, kind="stable")
+        bag = self.members.start[by_len]
+        order = by_len[np.argsort(bag.astype(np.uint16) if bag.size and bag.max() < 2**16 else bag, kind="stable")]
+        w, length, bag = self.w[order], lens[order], self.members.start[order]
+        same_bag = bag[1:] == bag[:-1]
+        same_len = length[1:] == length[:-1]
+        rises = w[1:] > w[:-1]
+        if not np.all(~same_bag | np.where(same_len, w[1:] == w[:-1], rises)):
+            return np.zeros(0, np.int64), np.zeros(0)
+        return order, w
 
     def changed(self, *bags: int) -> None:
         for j in bags:
