@@ -208,9 +208,15 @@ def localize(p: GroupProblem, assign: np.ndarray) -> np.ndarray:
     away = np.flatnonzero((assign != p.home_bag) & (p.lens >= p.bag_sizes[p.home_bag]))
     if away.size == 0:
         return assign
-    away = away[longest_first(p.lens[away])]
+    t_home = p.t(away, p.home_bag[away])
+    # The test on the loads as they are: no sequence passing it, none ever moves (and
+    # the visiting order need not be made).
+    if not np.any(loads[p.home_bag[away]] + t_home <= cap):
+        return assign
+    order = longest_first(p.lens[away])
+    away, t_home = away[order], t_home[order]
     home, cur = p.home_bag[away], assign[away]
-    t_home, t_cur = p.t(away, home), p.t(away, cur)
+    t_cur = p.t(away, cur)
     out = None
     pos, block, n = 0, 256, away.size
     while pos < n:

@@ -415,11 +415,13 @@ class _RankedLoads:
 class _SortedMembers:
     """Members of each bag sorted by weight, ties in the order the bag acquired them (a
     stable sort of the bag's member list), made when a bag is looked at and dropped when
-    a step changes it. Once many bags have been looked at, the bags no step has changed
-    yet are taken from one sort of all sequences (by bag, then length: linear-time radix
-    passes) instead of one sort each, where weights are seen to follow lengths."""
+    a step changes it. Where bags are small (a sort call per bag is then mostly call
+    overhead) and many have been looked at, the bags no step has changed yet are taken
+    from one sort of all sequences (by bag, then length: linear-time radix passes),
+    where weights are seen to follow lengths."""
 
-    SORT_ALL_AFTER = 64  # bags sorted one by one before all are sorted at once
+    SORT_ALL_AFTER = 64  # bags sorted one by one before all are sorted at once ...
+    SMALL_BAGS = 64  # ... if they hold at most this many sequences on average
 
     def __init__(self, members: _Members, w: np.ndarray, lens: np.ndarray):
         self.members, self.w, self.lens = members, w, lens
@@ -432,7 +434,10 @@ class _SortedMembers:
         got = self.sorted.get(j)
         if got is None:
             unchanged = j not in self.members.lists
-            if unchanged and self.all is None and self.sorted_one_by_one == self.SORT_ALL_AFTER:
+            if (
+                unchanged and self.all is None and self.sorted_one_by_one == self.SORT_ALL_AFTER
+                and self.w.size <= self.SMALL_BAGS * (self.members.bounds.size - 1)
+            ):
                 self.all = self._sort_all()
             if unchanged and self.all is not None and self.all[0].size:
                 lo, hi = self.members.bounds[j], self.members.bounds[j + 1]
