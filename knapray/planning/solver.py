@@ -26,6 +26,15 @@ its candidates are repaired (sequences moved or swapped out of bags over their c
 into bags with room), a capacity-aware LPT joins them, all are refined by moves and swaps
 that keep every bag within its capacity, and the best is chosen the same way. If none
 fits, a first-fit-decreasing packing by tokens is the last resort before an error.
+
+Each step is a function of one balance group's ``GroupProblem`` (problem.py, which also
+scores plans) in a module of its own: ``construct`` (greedy, LPT, the home start),
+``refine`` (moves and swaps), ``home`` (repair to a makespan cap, localize), ``budget``
+(the memory budget); ``lengths`` and ``chunks`` turn the input into arrays and the bags
+into chunks. No step scans all sequences per bag or per move: members are grouped by one
+linear-time sort, and per-sequence loops run over rounds of bags, sorted lists or blocks
+(see each module). They make the plans of the per-sequence loops they replaced, which a
+test checks against a frozen copy of the old solver (tests/oracle_solver.py).
 """
 
 from __future__ import annotations
