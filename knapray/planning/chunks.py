@@ -43,27 +43,31 @@ def make_chunks(
     return chunk_seq, chunk_rank, chunk_start, chunk_len
 
 
-def chunk_grid(lens: np.ndarray, bag: np.ndarray, topology: Topology) -> tuple[np.ndarray, np.ndarray] | None:
-    """``(chunk_len, chunk_rank)`` as ``(n, g)`` grids when every bag has the same size
-    ``g`` (row-major, they are ``make_chunks``' arrays); None otherwise."""
+def chunk_columns(lens: np.ndarray, bag: np.ndarray, topology: Topology) -> tuple[np.ndarray, ...] | None:
+    """When every bag has the same size ``g``: ``chunk_len`` as a ``(g, n)`` array (row ``c``:
+    the length of every sequence's chunk ``c``, the one its bag's ``c``-th rank computes),
+    and per sequence its chunks' ``base`` length, the ``rem`` chunks one longer and where
+    they start (``offset``: chunks ``offset .. offset + rem - 1``, modulo ``g``). None for
+    bags of several sizes."""
     sizes = topology.bag_sizes
     if not lens.size or sizes.min() != sizes.max() or sizes[0] >= 2**15:
         return None
     gs = int(sizes[0])
     base, rem = np.divmod(lens, gs)
     offset = _rotation_offsets(rem, bag, np.full(lens.size, gs), topology.num_bags)
-    chunk_len, _, chunk_rank = _grid(base, rem, offset, topology.bag_starts[bag], gs, starts=False)
-    return chunk_len, chunk_rank
+    c = np.arange(gs, dtype=np.int16)
+    extra = ((c[:, None] - offset.astype(np.int16)[None, :]) % gs) < rem.astype(np.int16)[None, :]  # (g, n)
+    return base[None, :] + extra, base, rem, offset
 
 
-def _grid(base, rem, offset, first_rank, gs: int, starts: bool = True):
+def _grid(base, rem, offset, first_rank, gs: int):
     """Chunk lengths, starts and ranks of sequences on bags of one size ``gs``, as dense
     ``(n, g)`` grids; the extra-token pattern is computed in 16 bits (it is below g)."""
     c = np.arange(gs, dtype=np.int16)
     extra = ((c[None, :] - offset.astype(np.int16)[:, None]) % gs) < rem.astype(np.int16)[:, None]  # (n, g)
     chunk_len = base[:, None] + extra
     # Chunk c starts after c whole bases and the extra tokens of the chunks before it.
-    chunk_start = base[:, None] * np.arange(gs) + (np.cumsum(extra, axis=1, dtype=np.int16) - extra) if starts else None
+    chunk_start = base[:, None] * np.arange(gs) + (np.cumsum(extra, axis=1, dtype=np.int16) - extra)
     chunk_rank = first_rank[:, None] + np.arange(gs)
     return chunk_len, chunk_start, chunk_rank
 

@@ -9,7 +9,7 @@ from typing import Union
 
 import numpy as np
 
-from .chunks import chunk_grid, make_chunks, sort_by_bag
+from .chunks import chunk_columns, make_chunks, sort_by_bag
 from .cost import CostModel, StepTimes, rank_times
 from .topology import Topology
 from .workload import WorkloadModel
@@ -171,9 +171,9 @@ class GroupProblem:
         if hit is not None and hit[0] is assign:
             return hit[1]
         topo = Topology(tuple(self.bag_sizes.tolist()))
-        grid = chunk_grid(self.true_lens, assign, topo)
-        if grid is not None:
-            times = self._grid_times(assign, topo, *grid)
+        columns = chunk_columns(self.true_lens, assign, topo)
+        if columns is not None:
+            times = self._column_times(assign, topo, *columns)
         else:
             chunk_seq, chunk_rank, _, chunk_len = make_chunks(self.true_lens, self.home, assign, topo)
             times = rank_times(
@@ -184,34 +184,87 @@ class GroupProblem:
         self._times[id(assign)] = (assign, times)
         return times
 
-    def _grid_times(self, assign: np.ndarray, topo: Topology, chunk_len: np.ndarray, chunk_rank: np.ndarray) -> StepTimes:
-        """``cost.rank_times`` on the ``(sequence, chunk)`` grid of bags of one size, without
-        gathering per-sequence values to every chunk: the same floating-point expressions,
-        and per-rank sums over the chunks in the same order, so the same bits."""
+    def _column_times(
+        self, assign: np.ndarray, topo: Topology, chunk_len: np.ndarray, base: np.ndarray, rem: np.ndarray,
+        offset: np.ndarray,
+    ) -> StepTimes:
+        """``cost.rank_times`` for bags of one size from ``chunk_len[c]``, every sequence's
+        chunk ``c`` (computed by its bag's ``c``-th rank): the same floating-point
+        expressions, and each rank's sum over its chunks in the same order (by sequence),
+        so the same bits, without per-chunk index arrays."""
         m, w, g = self.model, topo.world_size, float(self.bag_sizes[0])
-        comp = (
-            m.per_sequence(chunk_len) + m.linear(chunk_len)
-        ) + (m.attention(self.true_lens) / g)[:, None]
+        comp = m.linear(chunk_len)
+        if m.seq_s:  # (0 + x is x: without a per-sequence term the sum is the same)
+            comp = m.per_sequence(chunk_len) + comp
+        comp += (m.attention(self.true_lens) / g)[None, :]
+        uly = chunk_len * self.comm.bag_token_s[assign][None, :]
         speed = self.comm.bag_speed[topo.bag_of_rank]
-        ranks = chunk_rank.ravel()
-        compute = np.bincount(ranks, weights=comp.ravel(), minlength=w) / speed
-        uly = chunk_len * self.comm.bag_token_s[assign][:, None]
-        ulysses = np.bincount(ranks, weights=uly.ravel(), minlength=w) / speed
-        # Routed tokens per rank: sums of whole numbers, exact in any order.
+        per_bag = np.empty((2, self.k, chunk_len.shape[0]))  # rank c of bag j: [j, c]
+        for c in range(chunk_len.shape[0]):
+            per_bag[0, :, c] = np.bincount(assign, weights=comp[c], minlength=self.k)
+            per_bag[1, :, c] = np.bincount(assign, weights=uly[c], minlength=self.k)
+        compute, ulysses = per_bag[0].ravel() / speed, per_bag[1].ravel() / speed
+        gpn, off = m.gpus_per_node, self.comm.rank_offset
+        starts = topo.bag_starts
+        if np.all((starts + off) // gpn == (starts + self.bag_sizes - 1 + off) // gpn):
+            sent, recv = self._routed_per_sequence(assign, topo, base, rem, offset)
+        else:
+            rank = topo.bag_starts[assign][:, None] + np.arange(chunk_len.shape[0])
+            sent, recv = self._routed_per_chunk(w, np.ascontiguousarray(chunk_len.T), rank)
+        parts = [np.maximum(sent[x], recv[x]) * m.route_token_s(bool(x)) for x in (0, 1)]
+        return StepTimes(compute, ulysses, np.maximum(parts[0], parts[1]), m.fixed_s)
+
+    # Routed tokens per rank, (intra-node, inter-node), sent and received: sums of whole
+    # numbers, exact in any order, so they need not follow the chunks' order.
+
+    def _routed_per_chunk(self, w: int, chunk_len: np.ndarray, chunk_rank: np.ndarray) -> tuple[list, list]:
+        gpn, off = self.model.gpus_per_node, self.comm.rank_offset
         moved = self.home[:, None] != chunk_rank
-        route = np.zeros(w)
-        if moved.any():
-            gpn, off = m.gpus_per_node, self.comm.rank_offset
-            inter = ((self.home + off) // gpn)[:, None] != (chunk_rank + off) // gpn
-            src = np.broadcast_to(self.home[:, None], chunk_rank.shape)
-            tokens = chunk_len.astype(np.float64)
-            parts = []
-            for mask, t in ((moved & ~inter, m.route_token_s(False)), (moved & inter, m.route_token_s(True))):
-                sent = np.bincount(src[mask], weights=tokens[mask], minlength=w)
-                recv = np.bincount(chunk_rank[mask], weights=tokens[mask], minlength=w)
-                parts.append(np.maximum(sent, recv) * t)
-            route = np.maximum(parts[0], parts[1])
-        return StepTimes(compute, ulysses, route, m.fixed_s)
+        inter = ((self.home + off) // gpn)[:, None] != (chunk_rank + off) // gpn
+        src = np.broadcast_to(self.home[:, None], chunk_rank.shape)
+        tokens = chunk_len.astype(np.float64)
+        sent, recv = [], []
+        for mask in (moved & ~inter, moved & inter):
+            sent.append(np.bincount(src[mask], weights=tokens[mask], minlength=w))
+            recv.append(np.bincount(chunk_rank[mask], weights=tokens[mask], minlength=w))
+        return sent, recv
+
+    def _routed_per_sequence(
+        self, assign: np.ndarray, topo: Topology, base: np.ndarray, rem: np.ndarray, offset: np.ndarray
+    ) -> tuple[list, list]:
+        """Every bag within one node: a sequence's chunks all cross a node boundary or none
+        does. Home ranks send all but their own chunk; a bag's rank ``c`` receives, from a
+        set of its sequences, their base lengths plus one for each whose extra chunks
+        (``offset .. offset + rem - 1``, cyclic) cover ``c``: counted with a difference
+        array per bag, so no per-chunk arrays are made."""
+        w, k, gs = topo.world_size, self.k, int(self.bag_sizes[0])
+        gpn, off = self.model.gpus_per_node, self.comm.rank_offset
+        lens, home = self.true_lens, self.home
+        first = topo.bag_starts[assign]
+        inter = (home + off) // gpn != (first + off) // gpn
+        c_home = home - first
+        at_home = (c_home >= 0) & (c_home < gs)
+        own = np.where(at_home, base + (((c_home - offset) % gs) < rem), 0)
+        sent = [
+            np.bincount(home, weights=np.where(inter, 0, lens - own).astype(np.float64), minlength=w),
+            np.bincount(home, weights=np.where(inter, lens, 0).astype(np.float64), minlength=w),
+        ]
+        recv = []
+        ends = offset + rem
+        wrap = ends > gs
+        for cls in (~inter, inter):
+            bases = np.bincount(assign[cls], weights=base[cls], minlength=k)
+            b, o, e, wr = assign[cls] * (gs + 1), offset[cls], ends[cls], wrap[cls]
+            # +1 where a sequence's extra chunks start, -1 past their end; a run past the
+            # last chunk wraps to chunk 0.
+            at = np.concatenate((b + o, b + np.where(wr, gs, e), b[wr], b[wr] + e[wr] - gs))
+            sign = np.concatenate((np.ones(b.size), -np.ones(b.size), np.ones(wr.sum()), -np.ones(wr.sum())))
+            diff = np.bincount(at, weights=sign, minlength=k * (gs + 1))
+            extra = np.cumsum(diff.reshape(k, gs + 1), axis=1)[:, :gs]
+            recv.append((bases[:, None] + extra).ravel())
+        # A home rank does not receive its own chunk.
+        recv[0] = recv[0] - np.bincount(home[at_home], weights=own[at_home].astype(np.float64), minlength=w)
+        return sent, recv
 
     def step_time(self, assign: np.ndarray) -> float:
         return self.times(assign).step_time
