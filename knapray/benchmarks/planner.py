@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -86,11 +86,17 @@ def run(
     return rows
 
 
-def run_scaling(ranks: Sequence[int], steps: int, seed: int, model: WorkloadModel) -> list[dict]:
+def run_scaling(
+    ranks: Sequence[int], steps: int, seed: int, model: WorkloadModel, reference: Callable | None = None
+) -> list[dict]:
     """One balance group of bags of 8 per world size: each step is planned by greedy, by
     knapray and by knapray with the default ``CostModel``, one after the other (so all
     three see the same machine load), and each time is taken both on the wall clock and
-    as this process's CPU time (a shared machine inflates the first, not the second)."""
+    as this process's CPU time (a shared machine inflates the first, not the second).
+
+    ``reference``: another ``plan_balance`` (e.g. an older solver's) that plans every step
+    too, right before this one; a second table compares the two (times, and whether every
+    plan puts every sequence in the same bag)."""
     for world in ranks:
         for name in SCALING_MIXES:
             mix_ranks = mix_world_size(parse_mix(PAPER_MIXES[name]))
@@ -121,15 +127,23 @@ def run_scaling(ranks: Sequence[int], steps: int, seed: int, model: WorkloadMode
             wall: dict[str, list[float]] = {s: [] for s in solvers}
             cpu: dict[str, list[float]] = {s: [] for s in solvers}
             imb: dict[str, list[float]] = {s: [] for s in solvers}
+            ref_wall: dict[str, list[float]] = {s: [] for s in solvers}
+            ref_cpu: dict[str, list[float]] = {s: [] for s in solvers}
+            same = True
             seqs = 0
             for lens in mix_steps(PAPER_MIXES[name], steps, seed, world_size=world):
                 seqs = sum(len(r) for r in lens)
                 for key, (m, solver) in solvers.items():
-                    c0, t0 = time.process_time(), time.perf_counter()
-                    plan = plan_balance(lens, topo, m, solver=solver)
-                    wall[key].append((time.perf_counter() - t0) * 1e3)
-                    cpu[key].append((time.process_time() - c0) * 1e3)
+                    if reference is not None:
+                        ref_plan, ref_ms, ref_cpu_ms = _timed(reference, lens, topo, m, solver)
+                        ref_wall[key].append(ref_ms)
+                        ref_cpu[key].append(ref_cpu_ms)
+                    plan, ms, cpu_ms = _timed(plan_balance, lens, topo, m, solver)
+                    wall[key].append(ms)
+                    cpu[key].append(cpu_ms)
                     imb[key].append(plan.imbalance)
+                    if reference is not None:
+                        same = same and bool(np.array_equal(plan.bag, ref_plan.bag))
             p50 = {k: statistics.median(v) for k, v in wall.items()}
             c50 = {k: statistics.median(v) for k, v in cpu.items()}
             worse = int(np.sum(np.asarray(imb["knapray"]) > np.asarray(imb["greedy"]) * (1 + 1e-12)))
@@ -155,6 +169,11 @@ def run_scaling(ranks: Sequence[int], steps: int, seed: int, model: WorkloadMode
                 "cpu_ratio_vs_greedy": c50["knapray"] / max(c50["greedy"], 1e-9),
                 "cost_cpu_ratio_vs_workload": c50["cost"] / max(c50["knapray"], 1e-9),
             }
+            if reference is not None:
+                for key in solvers:
+                    row[f"reference_{key}_ms_p50"] = statistics.median(ref_wall[key])
+                    row[f"reference_{key}_cpu_ms_p50"] = statistics.median(ref_cpu[key])
+                row["same_plans_as_reference"] = same
             rows.append(row)
             print(
                 f"{name:<12} {world:>6} {seqs:>7} | {row['greedy_imbalance_mean']:>8.5f} "
@@ -168,4 +187,35 @@ def run_scaling(ranks: Sequence[int], steps: int, seed: int, model: WorkloadMode
         "x wl = its time / knapray's with the\nworkload model; times are wall-clock ms (p50); the cpu "
         "columns are the same ratios of process CPU time."
     )
+    if reference is not None:
+        _print_against_reference(rows)
     return rows
+
+
+def _timed(plan_fn: Callable, lens, topo: Topology, model, solver: str):
+    c0, t0 = time.process_time(), time.perf_counter()
+    plan = plan_fn(lens, topo, model, solver=solver)
+    return plan, (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3
+
+
+def _print_against_reference(rows: list[dict]) -> None:
+    header = (
+        f"{'mix':<12} {'ranks':>6} | {'greedy ms: ref':>14} {'now':>7} | {'knapray ms: ref':>15} {'now':>7} | "
+        f"{'cost ms: ref':>12} {'now':>7} | {'cpu speedup g/k/cost':>20} | same plans"
+    )
+    print("\nagainst the reference solver (each step planned by both, one right after the other), p50:")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        speedup = "/".join(
+            f"{r[f'reference_{k}_cpu_ms_p50'] / max(r[c], 1e-9):.1f}"
+            for k, c in (("greedy", "greedy_cpu_ms_p50"), ("knapray", "cpu_ms_p50"), ("cost", "cost_cpu_ms_p50"))
+        )
+        print(
+            f"{r['mix']:<12} {r['world_size']:>6} | {r['reference_greedy_ms_p50']:>14.1f} {r['greedy_plan_ms_p50']:>7.1f} | "
+            f"{r['reference_knapray_ms_p50']:>15.1f} {r['plan_ms_p50']:>7.1f} | {r['reference_cost_ms_p50']:>12.1f} "
+            f"{r['cost_plan_ms_p50']:>7.1f} | {speedup:>20} | {'yes' if r['same_plans_as_reference'] else 'NO'}",
+            flush=True,
+        )
+    print("cpu speedup = reference CPU time / this solver's (greedy / knapray / cost model); same plans = every "
+          "sequence in the same bag in every step and solver.")
