@@ -9,7 +9,7 @@ touches change (nothing is rebuilt from all sequences per step).
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right, insort
+from bisect import bisect_left
 
 import numpy as np
 
