@@ -61,3 +61,23 @@ def test_plan_bad_input_exits_2_with_message(argv, msg, capsys):
 def test_plan_needs_exactly_one_source(capsys):
     assert main(["plan", "--topology", "g8n4"]) == 2
     assert "exactly one of --mix" in capsys.readouterr().err
+
+
+def test_bench_planner_ranks_are_checked_before_anything_runs(capsys):
+    assert main(["bench", "planner", "--ranks", "1024,1000"]) == 2
+    err = capsys.readouterr().err
+    assert "--ranks 1000: each world size must be a multiple of 8" in err
+
+
+def test_bench_planner_scaling_rows_side_by_side(capsys):
+    from knapray.benchmarks.planner import run_scaling
+    from knapray.planning import WorkloadModel, plan_balance
+
+    rows = run_scaling([32], 1, 0, WorkloadModel(), reference=plan_balance)
+    assert [r["mix"] for r in rows] == ["image+video", "mixed-res", "low-res"]
+    for r in rows:
+        assert r["steps_worse_than_greedy"] == 0 and r["imbalance_mean"] <= r["greedy_imbalance_mean"] * (1 + 1e-12)
+        assert r["same_plans_as_reference"] is True  # the same solver twice
+        assert min(r["greedy_cpu_ms_p50"], r["cpu_ms_p50"], r["cost_cpu_ms_p50"]) >= 0
+    out = capsys.readouterr().out
+    assert "against the reference solver" in out and out.count(" yes") == 3
