@@ -1,7 +1,10 @@
 # Frozen copy of knapray/planning/solver.py at commit 1bf50b6 (before the linear-time
 # rewrite of issue 23): a test oracle only. The rewritten solver must make the same plans
 # (tests/test_planner_oracle.py). Never import it from the package; never edit it except to
-# follow a rename of what it imports.
+# follow a rename of what it imports, and one change of behaviour made to both: the least
+# loaded bags are picked by ``lightest`` (ties to the lower index) instead of
+# ``np.argpartition``, whose order on ties depends on the CPU (a locally planned step must
+# be the same plan on every rank).
 """plan_balance(): assign every sequence to a bag so that the busiest GPU finishes first.
 
 With the paper's ``WorkloadModel`` this is makespan scheduling on "uniform machines": bag
@@ -43,6 +46,7 @@ import numpy as np
 
 from knapray.planning.cost import CostModel, StepTimes, rank_times
 from knapray.planning.plan import BalancePlan
+from knapray.planning.refine import lightest
 from knapray.planning.topology import Topology
 from knapray.planning.workload import WorkloadModel
 
@@ -562,7 +566,7 @@ class _Problem:
             t_b = c_items[:, cls[b]] * inv[b]
             l_b = lens[items]
             # Partners: the least loaded bags, where a move or swap helps most.
-            part = np.argpartition(loads, n_partners)[: n_partners + 1]
+            part = lightest(loads, n_partners + 1)  # was argpartition: see knapray.planning.refine.lightest
             part = part[part != b][:n_partners]
             # Moves, all items x all partners at once: (n_b, p).
             g_p = g[part]
@@ -653,8 +657,7 @@ class _Problem:
                 break
             items, w_b = weights(b)
             if self.k > 2:
-                low = [int(x) for x in np.argpartition(loads, 2)[:3] if x != b]
-                low.sort(key=lambda x: loads[x])
+                low = [int(x) for x in lightest(loads, 3) if x != b]  # was argpartition, as above
                 j1, j2 = low[0], low[1]
             else:
                 j1 = j2 = 1 - b

@@ -343,3 +343,19 @@ def test_budget_errors(lens, spec, budget, msg):
     for solver in ("knapray", "greedy"):
         with pytest.raises(ValueError, match=msg):
             plan_balance(lens, topo, MODEL, solver=solver, max_tokens_per_gpu=budget)
+
+
+def test_lightest_breaks_ties_by_index_whatever_argpartition_does():
+    """Local plans must agree on every rank: the least loaded bags come in (load, index)
+    order, not in np.argpartition's CPU-dependent order."""
+    from knapray.planning.refine import lightest
+
+    loads = np.array([1.0, 0.0, 0.0, 2.0, 0.0, 0.5])
+    assert lightest(loads, 2).tolist() == [1, 2]
+    assert lightest(loads, 4).tolist() == [1, 2, 4, 5]
+    assert lightest(loads, 10).tolist() == [1, 2, 4, 5, 0, 3]
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        x = rng.integers(0, 4, size=int(rng.integers(1, 30))).astype(float)
+        k = int(rng.integers(1, x.size + 1))
+        assert lightest(x, k).tolist() == np.lexsort((np.arange(x.size), x))[:k].tolist()

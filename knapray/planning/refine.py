@@ -18,6 +18,19 @@ from .problem import GroupProblem
 _STOP_REL = 1e-7  # stop refining once the makespan is this close to the ideal
 
 
+def lightest(loads: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the ``k`` least loaded bags in (load, index) order. Every rank planning
+    locally must pick the same ones: ``np.argpartition`` leaves the order of its first k,
+    and which of several tied values it keeps, to the implementation (NumPy picks a SIMD
+    kernel by CPU at run time), so it is only used for the k-th value here."""
+    k = min(k, loads.size)
+    if k <= 0:
+        return np.zeros(0, np.int64)
+    kth = np.partition(loads, k - 1)[k - 1]
+    cand = np.flatnonzero(loads <= kth)
+    return cand[np.argsort(loads[cand], kind="stable")][:k]
+
+
 def refine(
     p: GroupProblem, assign: np.ndarray, max_iters: int | None = None, stop_at: float | None = None
 ) -> tuple[np.ndarray, int]:
@@ -105,7 +118,7 @@ def _refine_general(p: GroupProblem, loads: np.ndarray, members: _Members, max_i
         t_b = c_items[:, cls[b]] * inv[b]
         l_b = lens[items]
         # Partners: the least loaded bags, where a move or swap helps most.
-        part = np.argpartition(loads, n_partners)[: n_partners + 1]
+        part = lightest(loads, n_partners + 1)
         part = part[part != b][:n_partners]
         # Moves, all items x all partners at once: (n_b, p).
         g_p = g[part]
@@ -203,7 +216,7 @@ def _refine_one_kind(p: GroupProblem, loads: np.ndarray, members: _Members, max_
         if top <= stop or not members[b].size:
             break
         items, t_b = arrays(b)
-        part = np.argpartition(loads, n_partners)[: n_partners + 1]
+        part = lightest(loads, n_partners + 1)
         part = part[part != b][:n_partners]
         new = np.maximum(top - t_b[:, None], loads[part][None, :] + t_b[:, None])  # (n_b, p) moves
         flat = int(new.argmin())
@@ -386,14 +399,12 @@ class _RankedLoads:
 
     def two_least(self, b: int) -> tuple[int, int]:
         """The two least loaded bags other than the top one ``b``, lighter first: what
-        ``argpartition(loads, 2)[:3]`` without ``b``, stably sorted by load, gives. When
-        loads tie there (or ``b`` is among the three least loaded) that expression itself
-        decides, as it always did."""
+        ``lightest(loads, 3)`` without ``b`` gives. When loads tie there (or ``b`` is among
+        the three least loaded) that function itself decides: ties go to the lower index."""
         lv = self.lv
         if lv[0] < lv[1] < lv[2] < self.loads[b]:
             return self.ids[0], self.ids[1]
-        low = [int(x) for x in np.argpartition(self.loads, 2)[:3] if x != b]
-        low.sort(key=lambda x: self.loads[x])
+        low = [int(x) for x in lightest(self.loads, 3) if x != b]
         return low[0], low[1]
 
     def update(self, old: dict[int, float]) -> None:
