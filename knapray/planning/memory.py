@@ -93,7 +93,8 @@ conditioning row per modulation call (2 per double block, 1 per single block, 1 
 Activation checkpointing: a checkpointed block keeps only its input (``d*b`` per token);
 during backward one checkpointed block at a time is recomputed in full (the largest one
 is added). ``every_k`` checkpoints blocks ``k-1, 2k-1, ...`` in execution order (double
-then single blocks, torchtitan's convention). The backward working set per token is the
+then single blocks, torchtitan's convention; ``knapray.planning.checkpointing``, the rule
+the trainer applies). The backward working set per token is the
 gradient of the widest Linear input (``(d+m)*b``) plus the residual stream's gradient and
 a modulation gradient held until its chunk's other grads arrive (``2d*b``).
 """
@@ -103,6 +104,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 from typing import Any
+
+from .checkpointing import checkpointed_blocks
 
 GIB = 2**30
 
@@ -395,13 +398,9 @@ class MemoryModel:
         return 2 if self.precision == "bf16" else 4
 
     def checkpointed(self) -> list[bool]:
-        """Per block in execution order: is it checkpointed?"""
-        n = self.shape.num_blocks
-        if self.checkpointing == "none":
-            return [False] * n
-        if self.checkpointing == "full":
-            return [True] * n
-        return [(i + 1) % self.ac_every == 0 for i in range(n)]
+        """Per block in execution order: is it checkpointed? (``checkpointed_blocks``: the
+        rule the trainer applies.)"""
+        return list(checkpointed_blocks(self.checkpointing, self.ac_every, self.shape.num_blocks))
 
     # ---- pieces -------------------------------------------------------------------------
 
