@@ -76,7 +76,7 @@ class Trainer:
         self.ctx, self.cfg = ctx, cfg
         self.rank, self.world = ctx.rank, ctx.world_size
         self.device = ctx.device(cfg.run.use_gpu)
-        self.sync = StepSync.build(self.device)
+        self.sync = StepSync.build(self.device, gloo_socket_ifname=cfg.run.gloo_socket_ifname)
         self.dtype = compute_dtype(cfg.run.precision, self.device)
         self.peak_tflops = peak_tflops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
         self.samples_per_step = cfg.samples_per_rank(self.world)
