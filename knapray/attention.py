@@ -210,9 +210,10 @@ def _varlen_takes_scale(fn: Callable) -> bool:
     import inspect
 
     try:
-        return "scale" in inspect.signature(fn).parameters
+        params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # no signature to read: assume the newer API
         return True
+    return any(p.name == "scale" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def reference_attention(

@@ -7,6 +7,9 @@ The model never sees process groups. A distributed executor calls the stages its
     h = model.blocks(h, vec_loc, seq_index_loc, pos, is_text, attn)
     out_img = model.head(h, vec_loc, seq_index_loc, is_text)
 
+Each of embed, blocks and head also takes ``streams=TokenStreams``: ``is_text``'s index maps
+built on the host, so that a training step never waits for the device.
+
 Every stage but ``attn`` is per token (or per sequence, gathered per token), so the tokens
 on a rank may be any chunks of any sequences, in any order, as long as ``seq_index`` points
 each token at its sequence's row of ``vec``.
@@ -100,12 +103,16 @@ class MMDiT(nn.Module):
             vec = vec + self.vector_in(pooled.to(dtype))
         return vec
 
-    def embed(self, x_txt: torch.Tensor, x_img: torch.Tensor, is_text: torch.Tensor) -> torch.Tensor:
+    def embed(
+        self, x_txt: torch.Tensor, x_img: torch.Tensor, is_text: torch.Tensor, *, streams: TokenStreams | None = None
+    ) -> torch.Tensor:
         """x_txt (Nt, text_dim), x_img (Ni, patch_dim), is_text (N,) -> h (N, d) in packed order.
 
         Row j of x_txt goes to the j-th text position of is_text; likewise for x_img.
+        ``streams``: ``is_text``'s index maps, built on the host (``TokenStreams.from_host_mask``)
+        so that the device is never waited for; None derives them from ``is_text``.
         """
-        streams = TokenStreams.from_mask(is_text)
+        streams = streams if streams is not None else TokenStreams.from_mask(is_text)
         if streams.txt_idx.shape[0] != x_txt.shape[0] or streams.img_idx.shape[0] != x_img.shape[0]:
             raise ValueError(
                 f"is_text marks {streams.txt_idx.shape[0]} text / {streams.img_idx.shape[0]} image tokens, "
@@ -129,12 +136,15 @@ class MMDiT(nn.Module):
         pos: torch.Tensor,
         is_text: torch.Tensor,
         attn: AttentionFn,
+        *,
+        streams: TokenStreams | None = None,
     ) -> torch.Tensor:
         """Double-stream then single-stream blocks over the local tokens.
 
         h (N, d); vec_seq (S_loc, d) one row per local sequence; seq_index (N,) long in
         [0, S_loc); pos (N, 3) int64; is_text (N,) bool. ``attn`` is called exactly once per
-        block (depth_double + depth_single times), also when N == 0.
+        block (depth_double + depth_single times), also when N == 0. ``streams``: as in
+        ``embed``, for these tokens.
         """
         n, d = h.shape
         if seq_index.shape != (n,) or is_text.shape != (n,) or pos.shape != (n, 3):
@@ -146,7 +156,7 @@ class MMDiT(nn.Module):
             raise ValueError(f"vec_seq must be (S_loc, {d}), got {tuple(vec_seq.shape)}")
         rope = rope_frequencies(pos, self.cfg.rope_axes_dim, self.cfg.rope_theta)
         if len(self.double_blocks):
-            streams = TokenStreams.from_mask(is_text)
+            streams = streams if streams is not None else TokenStreams.from_mask(is_text)
             # Kept split across all double blocks; only q, k, v are merged for attention.
             h_txt, h_img = streams.split(h)
             seq_txt, seq_img = streams.split(seq_index)
@@ -158,9 +168,14 @@ class MMDiT(nn.Module):
         return h
 
     def head(
-        self, h: torch.Tensor, vec_seq: torch.Tensor, seq_index: torch.Tensor, is_text: torch.Tensor
+        self, h: torch.Tensor, vec_seq: torch.Tensor, seq_index: torch.Tensor, is_text: torch.Tensor, *,
+        streams: TokenStreams | None = None,
     ) -> torch.Tensor:
-        """Final adaLN norm + linear on the image tokens -> (Ni, patch_dim), packed order."""
+        """Final adaLN norm + linear on the image tokens -> (Ni, patch_dim), packed order.
+        ``streams``: as in ``embed`` (a gather by ``img_idx`` instead of a boolean mask,
+        whose result size the host would wait for)."""
+        if streams is not None:
+            return self.final(h.index_select(0, streams.img_idx), vec_seq, seq_index.index_select(0, streams.img_idx))
         is_img = ~is_text
         return self.final(h[is_img], vec_seq, seq_index[is_img])
 

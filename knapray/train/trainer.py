@@ -41,7 +41,7 @@ from knapray.planning.cost import CostModel
 from knapray.planning.rules import per_step_node
 from knapray.timing import StepTimer
 
-from .balanced import balanced_forward
+from .balanced import balanced_forward, prepare_step
 from .checkpoint import Checkpointer
 from .config import TrainConfig
 from .context import TrainContext
@@ -63,6 +63,18 @@ def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
     if precision == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+
+
+def _plan_order(plan: BalancePlan, text_slots: dict[str, list[float]]) -> np.ndarray:
+    """(S,) text tokens of every sequence of ``plan``, from each rank's slots
+    (``text_tokens.i``: its i-th sequence's count, one entry per rank)."""
+    held = int(np.diff(plan.seq_offsets).max(initial=0))
+    if held > len(text_slots):
+        raise ValueError(f"a rank holds {held} sequences, more than the {len(text_slots)} samples per step "
+                         "whose text counts the step's all-reduce carries")
+    counts = [int(n) for r in range(plan.world_size)
+              for n in (text_slots[f"text_tokens.{i}"][r] for i in range(int(np.diff(plan.seq_offsets)[r])))]
+    return np.asarray(counts, dtype=np.int64)
 
 
 def _split_lengths(plan: BalancePlan) -> list[list[int]]:
@@ -240,12 +252,17 @@ class Trainer:
         current: Step = stream.next_step()
         nxt = stream.peek_next()
         fetched = self.planner.fetch(step, current.meta, nxt)
-        batch = build_packed_batch(current.samples, cfg.model, seed=cfg.data.seed, epoch=self.epoch,
-                                   timesteps=self.timesteps).to(self.device)
-        agree, _ = self.sync.sum_over_ranks(summed={
+        host_batch = build_packed_batch(current.samples, cfg.model, seed=cfg.data.seed, epoch=self.epoch,
+                                        timesteps=self.timesteps)
+        batch = host_batch.to(self.device)
+        # Every sequence's text-token count rides along (one slot per sample a rank may hold):
+        # with the plan it tells every rank, on the host, which routed tokens are text.
+        text = host_batch.text_tokens_per_sequence()
+        agree, text_slots = self.sync.sum_over_ranks(summed={
             "img_tokens": batch.x_img.shape[0], "have_plan": fetched.have_plan,
             **self.guard.step_counts(stream.stats),
-        })
+        }, per_rank={f"text_tokens.{i}": int(text[i]) if i < text.size else 0
+                     for i in range(self.samples_per_step)})
         self.guard.check(agree, step)
         planned: Planned = self.planner.resolve(step, fetched, int(agree["have_plan"]) == self.world,
                                                 current.meta, nxt)
@@ -255,12 +272,17 @@ class Trainer:
         run_plan = planned.plan if cfg.balance.enabled else identity_plan(_split_lengths(planned.plan),
                                                                           planned.plan.model)
 
+        bag_group, route_group = self.groups.for_topology(run_plan.topology) if self.groups else (None, None)
+        # Index tensors built on the host and copied without blocking: nothing in the timed
+        # region below waits for the device (knapray dryrun counts such waits).
+        layout = prepare_step(host_batch, run_plan, rank, _plan_order(run_plan, text_slots), self.device,
+                              bag_group=bag_group, route_group=route_group)
+
         # ---- compute ----
         with StepTimer(self.device) as timer:
-            bag_group, route_group = self.groups.for_topology(run_plan.topology) if self.groups else (None, None)
             with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.autocast):
                 out = balanced_forward(self.model, batch, run_plan, rank, bag_group=bag_group,
-                                       route_group=route_group)
+                                       route_group=route_group, layout=layout)
                 loss = flow_loss(out, batch.targets, global_img)
             loss.backward()
         lr = self.schedule.get_last_lr()[0]  # what this step trains with
