@@ -49,7 +49,8 @@ double-stream block (per token of either stream)::
        + 6d         proj input, proj output, h after attention, (1+scale2), LN2 output, fc1 input
        + 2m + d)    fc1 output (GELU input), GELU output (fc2 input), fc2 output
     + q*(3d*b if b == 4)              qkv output, kept whole by QK-norm's fp32 view of q
-    + q*2*(u*d + b*d + 4H)            QK-norm of q and k: fp32 input copy, normed output, rsqrt
+    + q*2*(u*d + 4d + 4H)             QK-norm of q and k: fp32 input copy, normed output (fp32:
+                                      the gain's product saves it before the cast back), rsqrt
     + 4H + 2*2*4                      attention logsumexp; LN mean and rstd (fp32 on CUDA)
 
 single-stream block::
@@ -60,7 +61,7 @@ single-stream block::
        + A          attention
        + (d + m)    linear2 input (attention output ++ GELU output)
        + d)         linear2 output
-    + q*2*(u*d + b*d + 4H) + 4H + 2*4
+    + q*2*(u*d + 4d + 4H) + 4H + 2*4
 
 ``A`` is what attention keeps: ``4d`` with a kernel (``attention="kernel"``: flash or
 torch varlen save q, k, v and the output; Ulysses saves the exchanged q/k/v buffer and
@@ -71,8 +72,8 @@ linear1's output), or ``5d + 16/b`` on the CPU reference path (``attention="refe
 per-sequence SDPA on gathered copies of q, k, v, its output, the output copy packed back,
 two int64 index tensors).
 
-Flux width (d=3072, m=4d, 24 heads, QK-norm), bf16, kernel: 70d B = 210 KiB per token per
-double block, 60d B = 180 KiB per single block (3.28 / 2.81 GiB at 16k tokens).
+Flux width (d=3072, m=4d, 24 heads, QK-norm), bf16, kernel: 74d B = 222 KiB per token per
+double block, 64d B = 192 KiB per single block (3.47 / 3.00 GiB at 16k tokens).
 
 ``precision="bf16"`` counts every activation in bf16, as FSDP2's mixed precision (bf16
 parameters, so bf16 norms) computes them. Under ``torch.autocast`` (``sharding="none"``)
@@ -251,7 +252,10 @@ class ModelShape:
         if not self.qk_norm:
             return 0
         up = FP32 if b < FP32 else 0
-        return 2 * (up * self.hidden_size + b * self.hidden_size + FP32 * self.num_heads)
+        # RMSNorm (knapray/models/layers.py) computes in fp32: it saves the fp32 copy of its
+        # input (none when the input is fp32), the per-head rsqrt and the fp32 normed tensor
+        # the gain multiplies (tests/test_memory.py measures it with saved-tensor hooks).
+        return 2 * (up * self.hidden_size + FP32 * self.hidden_size + FP32 * self.num_heads)
 
     def double_block_bytes(self, b: int, attention: str = "kernel") -> int:
         d, m = self.hidden_size, self.mlp_hidden
