@@ -582,6 +582,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_calibrate)
 
+    from knapray.testing import dryrun
+    dryrun.add_arguments(sub.add_parser("dryrun", help="one rank's step of a run config at full scale on fake tensors (no GPU)")); sub.choices["dryrun"].set_defaults(func=dryrun.run)
+
     y = sub.add_parser("memory", help="per-GPU memory of a run config and the largest token budget that fits")
     y.add_argument("--config", required=True, help="run config YAML (knapray.train.config)")
     y.add_argument("--world-size", type=_int_at_least(1), default=None, help="GPUs (default: run.num_workers)")

@@ -67,3 +67,18 @@ def test_gloo_interface_is_settable_and_used_by_the_step_groups(monkeypatch, tmp
         assert sync.gather_objects("x") == ["x"]
     finally:
         dist.destroy_process_group()
+
+
+def test_gpu_check_checkpointed_bar_follows_from_the_plain_one():
+    """Model TFLOP/s count 3 passes per step; full checkpointing runs 4. At the same device
+    throughput the checkpointed run reaches 3/4 of the plain run's model TFLOP/s, so its bar
+    is the plain bar times 3/4 (a bar of 350 needed the plain run above 466.7)."""
+    from knapray.models.flops import hardware_passes, model_tflops_bar
+    from knapray.testing.gpu_check import FSDP_COMPILE_BAR, GPU_CHECKS
+
+    bars = {c.name: c.min_tflops for c in GPU_CHECKS}
+    assert bars["fsdp-compile"] == FSDP_COMPILE_BAR == 450.0
+    assert bars["fsdp-compile-ac"] == pytest.approx(450.0 * 3 / 4)
+    # The device work per second both bars demand is the same: bar x passes executed / 3.
+    assert bars["fsdp-compile-ac"] * hardware_passes(1.0) / 3 == pytest.approx(bars["fsdp-compile"])
+    assert model_tflops_bar(450.0, 0.5) == pytest.approx(450.0 * 3 / 3.5)  # every_2: half the blocks

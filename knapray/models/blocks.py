@@ -47,7 +47,9 @@ class TokenStreams:
     def from_host_mask(cls, is_text: np.ndarray | torch.Tensor, device: torch.device | str | None) -> TokenStreams:
         """From a host copy of the mask, (N,) bool: the indices are computed on the host and
         copied to ``device`` without blocking it (``knapray.transfer.host_to_device``)."""
-        mask = np.asarray(is_text.cpu() if isinstance(is_text, torch.Tensor) else is_text, dtype=bool)
+        if isinstance(is_text, torch.Tensor):  # .numpy() reads a host tensor without dispatching an op
+            is_text = is_text.numpy() if is_text.device.type == "cpu" else is_text.cpu().numpy()
+        mask = np.asarray(is_text, dtype=bool)
         txt_idx, img_idx = np.flatnonzero(mask), np.flatnonzero(~mask)
         unorder = np.argsort(np.concatenate((txt_idx, img_idx)), kind="stable")
         return cls(*(host_to_device(a, device, torch.int64) for a in (txt_idx, img_idx, unorder)))

@@ -17,6 +17,8 @@ each token at its sequence's row of ``vec``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
 
@@ -77,6 +79,38 @@ class MMDiT(nn.Module):
                 nn.init.zeros_(module.lin.bias)
         nn.init.zeros_(self.final.linear.weight)
         nn.init.zeros_(self.final.linear.bias)
+
+    @torch.no_grad()
+    def initial_values(self, write: Callable[[nn.Parameter, torch.Tensor], None]) -> None:
+        """Initialize a model whose parameters were built elsewhere (on the meta device, then
+        sharded and given storage, e.g. ``to_empty``): ``write(param, value)`` receives each
+        parameter's initial value as a full fp32 CPU tensor, one at a time (the host holds one
+        parameter, not the model).
+
+        The values are those ``MMDiT(cfg)`` draws on the CPU from torch's global RNG in the same
+        state (seed it for identical ranks), bit for bit, and the RNG is left where that leaves
+        it: the constructor's draws are replayed (every Linear's default init, in construction
+        order, then ``init_weights()``'s), only the final value of each parameter is kept."""
+        linears = [m for m in self.modules() if isinstance(m, nn.Linear)]  # construction order
+        for m in linears:  # nn.Linear's own init in the constructor, overwritten below
+            nn.Linear(m.in_features, m.out_features)
+        redrawn = {id(e.fc1) for e in (self.time_in, self.vector_in) if e is not None}
+        redrawn |= {id(e.fc2) for e in (self.time_in, self.vector_in) if e is not None}
+        zero = {id(m.lin) for m in self.modules() if isinstance(m, Modulation)} | {id(self.final.linear)}
+        for m in self.modules():  # init_weights(), in its order
+            if isinstance(m, nn.Linear):
+                w = nn.init.xavier_uniform_(torch.empty(m.out_features, m.in_features))
+                if id(m) in zero:
+                    w.zero_()
+                if id(m) not in redrawn:
+                    write(m.weight, w)
+                write(m.bias, torch.zeros(m.out_features))
+            elif isinstance(m, RMSNorm):
+                write(m.weight, torch.ones(m.weight.shape))
+        for embedder in (self.time_in, self.vector_in):
+            if embedder is not None:
+                for fc in (embedder.fc1, embedder.fc2):
+                    write(fc.weight, nn.init.normal_(torch.empty(fc.out_features, fc.in_features), std=0.02))
 
     @property
     def param_dtype(self) -> torch.dtype:

@@ -93,7 +93,8 @@ def prepare_step(
 def check_batch_matches_plan(batch: PackedBatch, plan: BalancePlan, rank: int) -> None:
     lo, hi = int(plan.seq_offsets[rank]), int(plan.seq_offsets[rank + 1])
     planned = plan.seq_lens[lo:hi].tolist()
-    actual = batch.seq_lens.tolist()
+    lens = batch.seq_lens
+    actual = (lens.numpy() if lens.device.type == "cpu" else lens).tolist()  # a host batch: no op dispatched
     if planned != actual:
         raise ValueError(
             f"rank {rank}: the batch's sequence lengths {actual[:8]}{'...' if len(actual) > 8 else ''} "

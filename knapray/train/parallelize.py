@@ -386,6 +386,31 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float) -> torch.Te
     return total
 
 
+@torch.no_grad()
+def materialize(model: MMDiT, device: torch.device | str) -> None:
+    """Give a model built on the meta device (and parallelized) storage on ``device`` and its
+    initial weights: the same values as ``MMDiT(cfg)`` on the CPU from the global RNG in the
+    same state (``MMDiT.initial_values``), each parameter generated on the host, then its
+    full value (plain parameter) or this rank's shard of it (FSDP's DTensors) copied to
+    ``device``. So no rank builds the whole fp32 model on the host or the device: the host
+    holds one parameter at a time, the device its shards (Flux: 47 GB otherwise)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    model.to_empty(device=torch.device(device))
+
+    def write(param: nn.Parameter, value: torch.Tensor) -> None:
+        if isinstance(param, DTensor):
+            # src_data_rank=None: every rank holds the same full value, so each cuts its own
+            # shard (no collective), the same chunk FSDP2 holds.
+            local = distribute_tensor(value.to(param.device), param.device_mesh, param.placements,
+                                      src_data_rank=None).to_local()
+            param.to_local().copy_(local)
+        else:
+            param.copy_(value)
+
+    model.initial_values(write)
+
+
 def parallelize(
     model: MMDiT,
     *,
@@ -404,8 +429,9 @@ def parallelize(
     ``model`` in place. Fields as in ``ParallelConfig``; ``world_size`` and ``device_type``
     ("cuda", "cpu") size and place the FSDP mesh. Collective with FSDP (builds the mesh).
 
-    Call it once, on a model whose parameters are on the training device, before building
-    the optimizer and before loading a checkpoint."""
+    Call it once, on a model whose parameters are on the training device, or on the meta
+    device (then ``materialize`` it), before building the optimizer and before loading a
+    checkpoint."""
     cfg = ParallelConfig(
         fsdp=fsdp, ac=ac, ac_every=ac_every, compile=compile, compile_backend=compile_backend,
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, gpus_per_node=gpus_per_node,

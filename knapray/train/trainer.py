@@ -50,7 +50,7 @@ from .ledger_files import LocalLedger, committed_ids
 from .ema import build_ema
 from .metrics import MetricsFile, StepRecord
 from .optim import LRSchedule, build_optimizer
-from .parallelize import parallelize
+from .parallelize import materialize, parallelize
 from .sinks import MetricSinks, scalars_of
 from .run_files import distinct_topologies, truncate_metrics
 from .step_planner import Planned, StepPlanner, coordinator_config, coordinator_name, live_fit, planning_model
@@ -97,10 +97,13 @@ class Trainer:
         self.info = corpus_info(cfg.data.corpus)
         check_model_config(self.info, cfg.model)
 
+        # Built on the meta device (no storage), parallelized, then given storage and its
+        # initial weights shard by shard (``materialize``): the same weights as building it on
+        # the CPU from this seed, without holding the whole model anywhere. Then the optimizer
+        # and the EMA (over FSDP's sharded parameters), then the checkpoint.
         torch.manual_seed(cfg.data.seed)  # the same initial model on every rank
-        self.model = MMDiT(cfg.model).to(self.device)
-        # FSDP / checkpointing / compile from outside the model; then the optimizer and the
-        # EMA (over FSDP's sharded parameters), then the checkpoint.
+        with torch.device("meta"):
+            self.model = MMDiT(cfg.model)
         sharded = cfg.run.fsdp != "none"
         self.parallel = parallelize(
             self.model, fsdp=cfg.run.fsdp, ac=cfg.run.activation_checkpointing, ac_every=cfg.run.ac_every,
@@ -108,6 +111,7 @@ class Trainer:
             reduce_dtype=torch.float32, gpus_per_node=cfg.balance.gpus_per_node or None, world_size=self.world,
             device_type=self.device.type,
         )
+        materialize(self.model, self.device)
         # FSDP gathers parameters in the compute dtype itself; without it, bf16 is autocast.
         self.autocast = not sharded and self.dtype != torch.float32
         self.optimizer = build_optimizer(self.model, cfg.optim)
