@@ -33,7 +33,12 @@ What a rank holds at its peak, by category:
     foreach AdamW step allocates one fp32 temporary per parameter (4 B, sharded).
 
 The peak is the larger of two phases: *backward* (state + autocast copies + FSDP buffers
-+ activations) and *optimizer step* (state + step buffers; activations are gone).
++ activations + gradients, less their ``overlap``: backward frees each block's activations
+as its gradients appear, so the most of both alive at once is the larger of the two
+sums at the block where they cross, not their total) and *optimizer step* (state + step
+buffers; activations are gone). FSDP buffers are 0 for a shard group of one rank.
+``knapray dryrun`` measures this peak with torch's memory tracker on fake tensors: the
+flux_cluster.yaml step at 64 ranks and the GPU check's three runs (docs/gpu.md).
 
 Activations, per token, compute dtype ``b`` bytes (2 for bf16, 4 for fp32); ``d`` the
 width, ``m`` the MLP hidden width, ``H`` heads; ``u = 4`` if ``b < 4`` else 0 (an fp32
@@ -315,12 +320,15 @@ class MemoryBreakdown:
     backward_working: int
     step_buffers: int
     tokens: int
+    overlap: int = 0
+    """Counted in both ``activations`` and ``grads`` but never alive together: backward frees
+    each block's activations as its gradients appear (``MemoryModel.breakdown``)."""
 
     @property
     def backward_peak(self) -> int:
         return (
             self.params + self.grads + self.optimizer + self.autocast_weights + self.fsdp_buffers
-            + self.activations + self.recompute + self.backward_working
+            + self.activations + self.recompute + self.backward_working - self.overlap
         )
 
     @property
@@ -336,8 +344,9 @@ class MemoryBreakdown:
         return "backward" if self.backward_peak >= self.step_peak else "optimizer step"
 
     def to_gib(self) -> dict[str, float]:
-        out = {
-            f.name: getattr(self, f.name) / GIB for f in fields(self) if f.name != "tokens"
+        out = {  # overlap is subtracted: negative here, so the backward phase is the sum
+            f.name: (-1 if f.name == "overlap" else 1) * getattr(self, f.name) / GIB
+            for f in fields(self) if f.name != "tokens"
         }
         out["total"] = self.total / GIB
         return out
@@ -441,7 +450,9 @@ class MemoryModel:
         return 2 * (kept + max((p for p, c in zip(lin, ckpt) if c), default=0))
 
     def _fsdp_bytes(self) -> int:
-        if self.sharding == "none":
+        # A shard group of one rank gathers and reduces nothing: FSDP2's unsharded parameters
+        # and gradients are the sharded ones (measured by knapray dryrun at world 1).
+        if self.sharding == "none" or self.shard_size == 1:
             return 0
         s = self.shape
         p = self.compute_bytes
@@ -456,6 +467,7 @@ class MemoryModel:
         n = s.num_params
         saved, recompute, working = self.activation_bytes(tokens, text_tokens=text_tokens, sequences=sequences)
         allreduce = FP32 * n if self.sharding == "none" and self.world_size > 1 else 0
+        grads = FP32 * self._sharded(n)
         return MemoryBreakdown(
             params=FP32 * self._sharded(n),
             grads=FP32 * self._sharded(n),
@@ -467,7 +479,32 @@ class MemoryModel:
             backward_working=working,
             step_buffers=allreduce + FP32 * self._sharded(n),
             tokens=tokens,
+            overlap=self._overlap(tokens, saved - self._outside_saved(tokens, text_tokens, sequences), grads),
         )
+
+    def _outside_saved(self, tokens: int, text_tokens: int, sequences: int) -> int:
+        s, b = self.shape, self.compute_bytes
+        return ((tokens - text_tokens) * s.outside_bytes(b, True) + text_tokens * s.outside_bytes(b, False)
+                + sequences * s.sequence_bytes(b))
+
+    def _overlap(self, tokens: int, block_saved: int, grads: int) -> int:
+        """Activations + gradients minus the most of both alive at once in backward.
+
+        Backward runs the blocks in reverse: while block k is differentiated, blocks 0..k
+        still hold what they saved, and the blocks after k (and the final layer, first in
+        backward) have their gradients (sharded ones under FSDP); the embedders' come last.
+        The peak of that sum over k is what the backward holds; the rest is overlap."""
+        s, b = self.shape, self.compute_bytes
+        if not tokens and not grads:
+            return 0
+        per_block = s.block_bytes(b, self.attention)
+        kept = [s.hidden_size * b if c else a for a, c in zip(per_block, self.checkpointed())]
+        params = [sum(s.double_block[:2])] * s.depth_double + [sum(s.single_block[:2])] * s.depth_single
+        total = sum(params) + sum(s.root[:2])
+        grad_of = [grads * p // total for p in params]
+        final = grads * (s.hidden_size * 2 * s.hidden_size + s.hidden_size * s.patch_dim) // total
+        alive = max(tokens * sum(kept[: k + 1]) + sum(grad_of[k + 1:]) + final for k in range(len(kept)))
+        return max(0, block_saved + grads - alive)
 
     def usable_bytes(self, gpu_bytes: int) -> int:
         """What the step may use of a GPU: minus the fixed reserve, minus fragmentation."""
@@ -476,14 +513,19 @@ class MemoryModel:
     def max_tokens_per_gpu(self, gpu_bytes: int) -> int:
         """Largest per-GPU token budget whose peak fits ``usable_bytes(gpu_bytes)`` (every
         token counted as an image token, the costlier kind; per-sequence terms left out).
-        0 if not even the model state fits."""
+        0 if not even the model state fits. The peak grows with the tokens (piecewise
+        linearly: activations overlap the gradients only up to a point): a bisection."""
         usable = self.usable_bytes(gpu_bytes)
-        empty = self.breakdown(0)
-        if empty.total > usable:
+        if self.breakdown(0).total > usable:
             return 0
-        per_token = self.breakdown(1).backward_peak - empty.backward_peak
-        # The step phase does not grow with tokens; only the backward phase limits them.
-        return max(0, (usable - empty.backward_peak) // per_token)
+        hi = 1
+        while self.breakdown(hi).total <= usable:
+            hi *= 2
+        lo = hi // 2  # fits; hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.breakdown(mid).total <= usable else (lo, mid)
+        return lo
 
     def fits(self, tokens: int, gpu_bytes: int) -> bool:
         return self.breakdown(tokens).total <= self.usable_bytes(gpu_bytes)

@@ -26,8 +26,9 @@ tensors; a *device pass* runs the forward of the same plan, unsharded, with one 
 each kind, on fake **CUDA** tensors, where placement and dtype errors of the GPU path show.
 Attention is the fused kernel's stand-in: torch's ``varlen_attn`` forward op (its own fake
 implementation) and a backward with flash-attn's gradient shapes; it saves what a fused
-kernel saves (q, k, v, output, logsumexp). The step runs twice (the second is measured):
-AdamW creates its state in the first, as a run's steady state has it.
+kernel saves (q, k, v, output, logsumexp). A first step on no tokens (every unit still runs,
+on zero rows) does FSDP's lazy initialization and creates AdamW's state; the second, on the
+batch, is measured: a run's steady state.
 
 Exit status: 0 if every check passed, 1 on a device or dtype violation, a host sync in
 the timed region, an op without a fake implementation, collectives other than the
@@ -317,6 +318,7 @@ def run_step(setup: Setup, plan, text_tokens: np.ndarray, batch_host, *, device:
     fp32, one block of each kind, once, on a device that is not the host's."""
     from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTensorMode, UnsupportedOperatorException
 
+    from knapray.coordinator import plan_from_gathered
     from knapray.models import MMDiT
     from knapray.models.flow import flow_loss
     from knapray.train.balanced import balanced_forward, prepare_step, routed_text_mask
@@ -355,6 +357,14 @@ def run_step(setup: Setup, plan, text_tokens: np.ndarray, batch_host, *, device:
     # device below.
     meta_layout = prepare_step(batch_host, plan, setup.rank, text_tokens, torch.device("meta"), bag_group=bag_group,
                                route_group=route_group)
+    # A first step on no tokens at all (every rank empty; every unit still runs, on zero rows):
+    # FSDP's lazy initialization and first-backward bookkeeping, and AdamW's state, happen
+    # there, so the measured step is a run's steady state, and costs no second full step.
+    empty_plan = plan_from_gathered([[] for _ in range(setup.world)], plan.topology)
+    empty_host = host_batch([], model_cfg)
+    empty_text = np.zeros(0, dtype=np.int64)
+    empty_layout = prepare_step(empty_host, empty_plan, setup.rank, empty_text, torch.device("meta"),
+                                bag_group=bag_group, route_group=route_group)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         with fake, _kernel_attention(watch):
@@ -364,19 +374,18 @@ def run_step(setup: Setup, plan, text_tokens: np.ndarray, batch_host, *, device:
             autocast = not sharded and dtype != torch.float32
             optimizer = build_optimizer(model, cfg.optim)
             ema = build_ema(model, cfg.optim)
-            for i in range(1 if device_pass else 2):
-                # The second step is measured: AdamW's state exists from the first on (as in a
-                # run's steady state), and the tracker sees it from the start.
-                measured = i == 1 or device_pass
+            steps = [(empty_plan, _fake_batch(empty_host, device), _on_device(empty_layout, device), 1, False),
+                     (plan, batch, layout, max(global_img, 1), True)]
+            for step_plan, step_batch, step_layout, images, measured in steps:
                 tracker = _tracker(model, optimizer, sharded) if measured and not device_pass else \
                     contextlib.nullcontext()
                 with tracker, watch:
                     watch.reset_counts()
                     watch.count_syncs = True  # the trainer's timed region: forward + backward
                     with _autocast(device, dtype, autocast):
-                        out = balanced_forward(model, batch, plan, setup.rank, bag_group=bag_group,
-                                               route_group=route_group, layout=layout)
-                        loss = flow_loss(out, batch.targets, max(global_img, 1))
+                        out = balanced_forward(model, step_batch, step_plan, setup.rank, bag_group=bag_group,
+                                               route_group=route_group, layout=step_layout)
+                        loss = flow_loss(out, step_batch.targets, images)
                     loss.backward()
                     watch.count_syncs = False
                     parallel.reduce_gradients()  # then Trainer._apply_gradients, in its order
@@ -386,11 +395,11 @@ def run_step(setup: Setup, plan, text_tokens: np.ndarray, batch_host, *, device:
                     if ema is not None:
                         ema.update(model)
                     optimizer.zero_grad(set_to_none=True)
-                if not device_pass and measured:
-                    snap = tracker.get_tracker_snapshot("peak")
-                    # {device: {category: bytes}}; categories are enums (their value is torch's name)
-                    result.peak = {getattr(k, "value", k): v for k, v in next(iter(snap.values())).items()} if snap \
-                        else {}
+            if not device_pass:
+                snap = tracker.get_tracker_snapshot("peak")
+                # {device: {category: bytes}}; categories are enums (their value is torch's name)
+                result.peak = {getattr(k, "value", k): v for k, v in next(iter(snap.values())).items()} if snap \
+                    else {}
     except HostSync as e:
         result.error = f"host sync in the step's timed region: {e}"
     except FakeTensorDeviceMismatchError as e:
@@ -499,10 +508,17 @@ def run(args: argparse.Namespace) -> int:
           f"{len(samples[rank])} home sequences, {routed_here} routed tokens (max over ranks "
           f"{int(plan.rank_tokens.max())}); imbalance {plan.imbalance:.4f}")
 
-    step = run_step(setup, plan, text_tokens, batch, device=torch.device("cpu"))
-    print(f"step   2 training steps on fake CPU tensors in {step.seconds:.0f} s (the second measured)")
-    device = run_step(setup, plan, text_tokens, batch, device=torch.device("meta"), device_pass=True)
-    print(f"device 1 training step on fake tensors of a device that is not the host's (meta), unsharded, fp32, "
+    try:
+        step = run_step(setup, plan, text_tokens, batch, device=torch.device("cpu"))
+        device = run_step(setup, plan, text_tokens, batch, device=torch.device("meta"), device_pass=True)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # the fake world: nothing of it outlives the command
+            dist.destroy_process_group()
+    print(f"step   a training step on fake CPU tensors in {step.seconds:.0f} s (after one on no tokens: FSDP's "
+          f"lazy init, AdamW's state)")
+    print(f"device a training step on fake tensors of a device that is not the host's (meta), unsharded, fp32, "
           f"{min(1, m.depth_double)}+{min(1, m.depth_single)} blocks, in {device.seconds:.0f} s")
 
     mem = memory_model_for_run(cfg, world_size=world, gpus_per_node=setup.gpus_per_node)
