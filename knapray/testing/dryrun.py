@@ -195,9 +195,7 @@ class _KernelStandIn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, _, lse = ctx.saved_tensors
-        softmax_d = torch.empty_like(lse)  # flash's scratch: one fp32 per row and head
-        del softmax_d
+        q, k, v, _, _ = ctx.saved_tensors
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None, None
 
 
@@ -426,7 +424,7 @@ def _tracker(model, optimizer, sharded: bool):
 # ---- what the plan implies ------------------------------------------------------------------
 
 
-def expected_collectives(setup: Setup, plan, depth: tuple[int, int], routed_tokens: int) -> dict:
+def expected_collectives(setup: Setup, plan, depth: tuple[int, int]) -> dict:
     """(kind, group size) -> count of one training step, from the plan and the parallelism."""
     from knapray.distributed.router import RoutePlan
     from knapray.planning.checkpointing import checkpointed_blocks
@@ -498,7 +496,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"model  {shape.num_params / 1e9:.2f} B parameters ({m.depth_double} double + {m.depth_single} single "
           f"blocks, d={m.hidden_size}, {m.num_heads} heads), {str(setup.dtype)[6:]}, fsdp {cfg.run.fsdp}, "
           f"activation checkpointing {cfg.run.activation_checkpointing}"
-          + (f" (k={cfg.run.ac_every})" if cfg.run.activation_checkpointing == "every_k" else ""))
+          + (f" (k={cfg.run.ac_every})" if cfg.run.activation_checkpointing == "every_k" else "")
+          + ("; run.compile is left out (eager blocks)" if cfg.run.compile else ""))
     print(f"data   the corpus ({corpus}{'' if corpus.exists() else ', absent here'}) is not read: lengths from "
           f"--mix {setup.mix}{' (the paper mix)' if args.mix is None else ''}, "
           f"{sum(len(s) for s in samples)} samples over {world} ranks"
@@ -550,7 +549,7 @@ def run(args: argparse.Namespace) -> int:
           f"{usable / GIB:.2f} GiB after {mem.reserve_bytes / GIB:g} GiB reserve and "
           f"{mem.fragmentation:.0%} fragmentation)")
 
-    expected = expected_collectives(setup, plan, depth, step.routed_tokens)
+    expected = expected_collectives(setup, plan, depth)
     print(f"\ncollectives: one training step of rank {rank} (measured | the plan and parallelism imply)")
     print(f"  {'kind':<24} {'group':>5} {'count':>6} {'MiB':>10} | {'count':>6}")
     seen = set()
