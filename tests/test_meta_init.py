@@ -43,31 +43,38 @@ def test_meta_model_materialized_equals_the_cpu_built_one(name):
     assert torch.equal(torch.rand(4), ref_after)  # the RNG is where the CPU build leaves it
 
 
-def _sharded_worker(rank: int, world: int, fsdp: str) -> dict:
+def _sharded_worker(rank: int, world: int) -> dict:
     from torch.distributed.tensor import DTensor
 
     from knapray.train.parallelize import materialize, parallelize
 
-    torch.manual_seed(11)
-    with torch.device("meta"):
-        model = MMDiT(parity_config())
-    parallelize(model, fsdp=fsdp, gpus_per_node=1 if fsdp == "hybrid" else None, world_size=world, device_type="cpu")
-    materialize(model, "cpu")
-    local = {n: (p.to_local() if isinstance(p, DTensor) else p).numel() for n, p in model.named_parameters()}
-    full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().numpy() for n, p in model.named_parameters()}
-    return {"full": full, "local": local, "sharded": all(isinstance(p, DTensor) for p in model.parameters())}
+    out = {}
+    for fsdp in ("full", "hybrid"):  # one world, two models (each builds its own mesh)
+        torch.manual_seed(11)
+        with torch.device("meta"):
+            model = MMDiT(parity_config())
+        parallelize(model, fsdp=fsdp, gpus_per_node=1 if fsdp == "hybrid" else None, world_size=world,
+                    device_type="cpu")
+        materialize(model, "cpu")
+        out[fsdp] = {
+            "local": {n: (p.to_local() if isinstance(p, DTensor) else p).numel() for n, p in model.named_parameters()},
+            "full": {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().numpy()
+                     for n, p in model.named_parameters()},
+            "sharded": all(isinstance(p, DTensor) for p in model.parameters()),
+        }
+    return out
 
 
 @pytest.mark.dist
 def test_sharded_meta_init_equals_the_cpu_built_model_on_two_gloo_ranks():
     ref, _ = _reference(parity_config(), seed=11)
     total = sum(v.numel() for v in ref.values())
+    res = run_distributed(_sharded_worker, 2)
     for fsdp in ("full", "hybrid"):
-        res = run_distributed(_sharded_worker, 2, fsdp)
         for r in res:
-            assert r["sharded"]
+            assert r[fsdp]["sharded"]
             for n, value in ref.items():
-                np.testing.assert_array_equal(r["full"][n], value.numpy(), err_msg=f"{fsdp} {n}")
-        if fsdp == "full":  # each rank holds its half of every parameter, not the model
-            assert sum(res[0]["local"].values()) + sum(res[1]["local"].values()) == total
-            assert sum(res[0]["local"].values()) < 0.6 * total
+                np.testing.assert_array_equal(r[fsdp]["full"][n], value.numpy(), err_msg=f"{fsdp} {n}")
+    # full: each rank holds its half of every parameter, not the model
+    assert sum(res[0]["full"]["local"].values()) + sum(res[1]["full"]["local"].values()) == total
+    assert sum(res[0]["full"]["local"].values()) < 0.6 * total
