@@ -9,7 +9,7 @@ dtype under autocast on the ``sdpa`` path, as ``F.scaled_dot_product_attention``
 Backends:
 - ``flash``: ``flash_attn.flash_attn_varlen_func`` (CUDA, fp16/bf16, if installed).
 - ``torch_varlen``: ``torch.nn.attention.varlen.varlen_attn`` (torch's own flash kernel;
-  CUDA, fp16/bf16).
+  CUDA, fp16/bf16), bound to torch 2.10's signature (no ``scale``) or 2.11's (``torch_varlen``).
 - ``sdpa``: per-sequence ``F.scaled_dot_product_attention``, sequences of equal length
   batched into one call. Runs anywhere, any float dtype; the CPU reference path.
 - ``auto``: a fused kernel (``flash``, else ``torch_varlen``) for CUDA fp16/bf16 tensors,
@@ -186,7 +186,34 @@ def varlen_attention(
         return _flash_varlen(
             q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=0.0, softmax_scale=scale, causal=False
         )
-    return _torch_varlen(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale)
+    return torch_varlen(q, k, v, cu, max_seqlen, scale)
+
+
+def torch_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_seqlen: int, scale: float
+) -> torch.Tensor:
+    """``torch.nn.attention.varlen.varlen_attn`` bound to the signature of the installed torch.
+
+    torch 2.11 takes ``scale`` (keyword-only); torch 2.10's ``varlen_attn(query, key, value,
+    cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None)`` has none and always
+    scales by 1/sqrt(D). There a different scale is folded into q: softmax(q·s·kᵀ) equals
+    softmax((q·s·sqrt(D))·kᵀ/sqrt(D)), gradients included."""
+    if _varlen_takes_scale(_torch_varlen):
+        return _torch_varlen(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale)
+    factor = scale * math.sqrt(q.shape[-1])
+    if factor != 1.0:
+        q = q * factor
+    return _torch_varlen(q, k, v, cu, cu, max_seqlen, max_seqlen)
+
+
+def _varlen_takes_scale(fn: Callable) -> bool:
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: assume the newer API
+        return True
+    return any(p.name == "scale" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def reference_attention(

@@ -15,11 +15,11 @@ if leave-one-out cross-validation says the data show one.
 
 Execution mode: timings hold only for the mode they were taken in, so the run's mode is
 reproduced here and recorded in the profile (``mode``: device, dtype, compile, ac,
-attention backend, device name, torch version): ``compile=True`` compiles every block
-with ``torch.compile(dynamic=True)`` (each batch runs once untimed first, so compilation
-is never timed; attention runs outside the compiled graphs, ``torch.compiler.disable``);
-``ac=True`` wraps every block in ``torch.utils.checkpoint`` (its forward
-is recomputed in the backward). ``CostModel.from_profile(path, run_mode=...)`` refuses a
+attention backend, device name, torch version): both are applied by the trainer's own
+``knapray.train.parallelize``: ``compile=True`` compiles every block as training does
+(each batch runs once untimed first, so compilation is never timed; attention runs
+outside the compiled graphs); ``ac=True`` checkpoints every block (``ac: full``: its
+forward is recomputed in the backward). ``CostModel.from_profile(path, run_mode=...)`` refuses a
 profile whose mode differs from the run's.
 
 Validation (``validate``) times held-out packed batches drawn from the paper mixes
@@ -51,8 +51,6 @@ from typing import Sequence
 
 import numpy as np
 import torch
-import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 from knapray.attention import LocalAttention, _resolve_backend
 from knapray.models import MMDiT, MMDiTConfig
@@ -64,6 +62,7 @@ from knapray.planning.costfit import (
     mean_abs_error,
     validation_batches,
 )
+from knapray.train.parallelize import parallelize
 
 CPU_BUDGETS = (1024, 2048, 3072)
 """On CPU the per-token cost grows once a batch's activations leave the 2 MB L2 cache
@@ -96,30 +95,6 @@ def calibration_config(hidden: int, heads: int, depth_double: int, depth_single:
         depth_double=depth_double, depth_single=depth_single, text_dim=16, pooled_dim=16,
         rope_axes_dim=(head_dim - 2 * side, side, side),
     )
-
-
-class Checkpointed(nn.Module):
-    """A block whose forward is recomputed in the backward (activation checkpointing)."""
-
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        self.block = block
-
-    def forward(self, *args):
-        return checkpoint(self.block, *args, use_reentrant=False)
-
-
-def wrap_blocks(model: MMDiT, compile: bool, ac: bool) -> None:
-    """Apply activation checkpointing, then ``torch.compile(dynamic=True)``, to every block
-    in place (torchtitan's order: the compiled region holds the checkpointed block)."""
-    for blocks in (model.double_blocks, model.single_blocks):
-        for i in range(len(blocks)):
-            block = blocks[i]
-            if ac:
-                block = Checkpointed(block)
-            if compile:
-                block = torch.compile(block, dynamic=True)
-            blocks[i] = block
 
 
 def execution_mode(device: torch.device, dtype: str, compile: bool, ac: bool, backend: str) -> dict:
@@ -158,7 +133,9 @@ class _Bench:
         torch.manual_seed(seed)
         self.model = MMDiT(self.cfg).to(device=self.dev, dtype=self.dtype)
         self.model.init_weights(std=0.02)  # non-degenerate: no all-zero modulation shortcuts
-        wrap_blocks(self.model, compile, ac)
+        # The trainer's own checkpointing and compile (``parallelize``): the mode a profile
+        # records is then the mode a run executes.
+        parallelize(self.model, ac="full" if ac else "none", compile=compile)
         self.compile = bool(compile)
         probe = torch.zeros(1, self.cfg.num_heads, self.cfg.head_dim, device=self.dev, dtype=self.dtype)
         self.backend = _resolve_backend("auto", probe)
@@ -184,11 +161,8 @@ class _Bench:
             start += L
         is_text, pos = is_text.to(dev), pos.to(dev)
         cu = torch.tensor([0] + np.cumsum(lens).tolist(), dtype=torch.int32, device=dev)
+        # Under compile, parallelize keeps attention outside the compiled graphs, as in training.
         attn = LocalAttention(cu, max(lens))
-        if self.compile:
-            # Attention stays outside the compiled graphs: its kernel is fused already, and
-            # the per-sequence sdpa path would recompile for every number of sequences.
-            attn = torch.compiler.disable(attn.__call__)
         model = self.model
 
         def run() -> None:

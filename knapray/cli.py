@@ -23,6 +23,8 @@ COMMANDS = (
             "profile; or --validate a profile on held-out batches", run="cli"),
     Command("memory", "knapray.commands.memory",
             "per-GPU memory of a run config and the largest token budget that fits"),
+    Command("dryrun", "knapray.testing.dryrun",
+            "one rank's training step of a run config at full scale on fake tensors (no GPU, no Ray)"),
 )
 
 

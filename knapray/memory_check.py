@@ -6,6 +6,7 @@
   those FSDP gathers for the forward). DTensors count by their local shard. Under
   non-reentrant checkpointing the checkpoint saves its block's inputs through the same
   hooks and nothing from inside the block, which is what "only block inputs kept" means.
+  Checkpointing is applied by the trainer's ``parallelize``.
 - ``measure_step``: both, on a packed batch, plus on CUDA the peak allocated during
   forward + backward above what was allocated before it.
 
@@ -23,10 +24,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from knapray.models import MMDiT, MMDiTConfig, PackedBatch
 from knapray.planning.memory import GIB, MemoryModel, ModelShape
+from knapray.train.parallelize import parallelize
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:
@@ -75,29 +76,6 @@ def saved_activation_bytes(fn: Callable[[], Any], exclude: Iterable[torch.Tensor
     return out, sum(saved.values())
 
 
-class Checkpointed(nn.Module):
-    """A block whose forward runs under non-reentrant activation checkpointing."""
-
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        self.block = block
-
-    def forward(self, *args: Any) -> Any:
-        return checkpoint(self.block, *args, use_reentrant=False)
-
-
-def checkpoint_blocks(model: MMDiT, every: int = 1) -> MMDiT:
-    """Wrap blocks ``every-1, 2*every-1, ...`` (execution order, double then single) in
-    ``Checkpointed``, in place (``every=1``: all of them). For measuring only: parameter
-    names change."""
-    blocks = [(model.double_blocks, i) for i in range(len(model.double_blocks))]
-    blocks += [(model.single_blocks, i) for i in range(len(model.single_blocks))]
-    for n, (owner, i) in enumerate(blocks):
-        if (n + 1) % every == 0:
-            owner[i] = Checkpointed(owner[i])
-    return model
-
-
 def cast_batch(batch: PackedBatch, dtype: torch.dtype) -> PackedBatch:
     """The batch with its float features (not timesteps) in ``dtype``, as a model cast to it
     takes them."""
@@ -126,8 +104,9 @@ def measure_step(
     device = torch.device(device)
     torch.manual_seed(seed)
     model = MMDiT(cfg).to(device=device, dtype=dtype)
-    if checkpointing != "none":
-        checkpoint_blocks(model, 1 if checkpointing == "full" else ac_every)
+    # The trainer's own checkpointing (the rule of knapray.planning.checkpointing), so the
+    # blocks measured as recomputed are those the memory model counts and training recomputes.
+    parallelize(model, ac=checkpointing, ac_every=ac_every)
     batch = cast_batch(batch, dtype).to(device)
     params = list(model.parameters())
     cuda = device.type == "cuda"

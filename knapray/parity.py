@@ -80,7 +80,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, specs: list[str], mi
     import torch.distributed as dist
 
     from knapray.distributed import BagGroups
-    from knapray.train.balanced import balanced_forward
+    from knapray.train.balanced import balanced_forward, prepare_step
     from knapray.train.parallelize import parallelize
 
     init_local_gloo(rank, world, port, timeout_s=120)
@@ -92,6 +92,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, specs: list[str], mi
         batches = _batches(cfg, mix, scale, seed, world, max_text_tokens, empty_ranks, textless_ranks)
         batch = batches[rank]
         lens = [b.seq_lens.tolist() for b in batches]
+        text_tokens = np.concatenate([b.text_tokens_per_sequence() for b in batches])
         global_tokens = sum(b.x_img.shape[0] for b in batches)
         workload = WorkloadModel(d_model=cfg.hidden_size)
         results = {}
@@ -104,7 +105,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str, specs: list[str], mi
                 plan = plan_balance(lens, topo, workload)
                 bag_group, route_group = groups.bag_group, groups.balance_group
             model.zero_grad(set_to_none=True)
-            out = balanced_forward(model, batch, plan, rank, bag_group=bag_group, route_group=route_group)
+            # The trainer's path: index maps and routing prepared on the host from the plan and
+            # every sequence's text count (every rank drew every batch, so it knows them).
+            layout = prepare_step(batch, plan, rank, text_tokens, batch.x_img.device, bag_group=bag_group,
+                                  route_group=route_group)
+            out = balanced_forward(model, batch, plan, rank, bag_group=bag_group, route_group=route_group,
+                                   layout=layout)
             loss = flow_loss(out, batch.targets, global_tokens)
             loss.backward()
             parallel.reduce_gradients()

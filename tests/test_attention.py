@@ -145,3 +145,37 @@ def test_cuda_kernels_match_reference(backend: str) -> None:
     ref_grads = torch.autograd.grad(ref.float().sum(), (q, k, v))
     for g, rg in zip(grads, ref_grads):
         torch.testing.assert_close(g.float(), rg.float(), rtol=5e-2, atol=5e-2)
+
+
+def _varlen_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    """torch 2.10's ``varlen_attn`` signature (no scale: always 1/sqrt(D)), computed by the reference."""
+    assert not is_causal and return_aux is None
+    return reference_attention(query, key, value, cu_seq_q)
+
+
+def _varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                 window_size=(-1, -1)):
+    """torch 2.11's ``varlen_attn`` signature (keyword-only scale)."""
+    assert return_aux is None and tuple(window_size) == (-1, -1)
+    return reference_attention(query, key, value, cu_seq_q, scale=scale)
+
+
+@pytest.mark.parametrize("scale", [None, 0.3])
+@pytest.mark.parametrize("fn", [_varlen_2_10, _varlen_2_11], ids=["torch-2.10", "torch-2.11"])
+def test_torch_varlen_binds_the_2_10_and_2_11_signatures(monkeypatch, fn, scale):
+    """The torch_varlen backend on both signatures of torch's varlen_attn (2.10 has no
+    ``scale``): forward and backward equal the reference at the requested scale."""
+    import knapray.attention as attention
+
+    monkeypatch.setattr(attention, "_torch_varlen", fn)
+    monkeypatch.setattr(attention, "_kernel_usable", lambda q: True)  # the stand-ins run on CPU
+    lens = [3, 5, 1]
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(9, 2, 8, generator=gen, requires_grad=True) for _ in range(3))
+    out = varlen_attention(q, k, v, _cu(lens), 5, backend="torch_varlen", scale=scale)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    ref = reference_attention(q, k, v, _cu(lens), scale=scale)
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)

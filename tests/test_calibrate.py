@@ -178,3 +178,19 @@ def test_validate_fails_on_a_wrong_profile(tiny_profile, tmp_path, capsys):
     old.write_text(json.dumps({"format": "knapray-cost-profile/1", "cost_model": {}}))
     assert main(["calibrate", "--validate", str(old)]) == 2
     assert "not a packed-batch profile" in capsys.readouterr().err
+
+
+def test_calibration_checkpoints_and_compiles_through_the_trainers_parallelize():
+    """The profile's mode is the trainer's: ``parallelize`` wraps the blocks (parameter names
+    unchanged, the blocks the checkpointing rule picks), not a calibration-only wrapper."""
+    from knapray.calibrate import _Bench
+    from knapray.models import MMDiT
+
+    dims = {"hidden_size": 32, "num_heads": 2, "depth_double": 1, "depth_single": 2}
+    bench = _Bench(dims, "cpu", None, compile=False, ac=True)
+    plain = MMDiT(bench.cfg)
+    assert [n for n, _ in bench.model.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    blocks = [*bench.model.double_blocks, *bench.model.single_blocks]
+    assert all(hasattr(b.forward, "__wrapped__") for b in blocks)  # parallelize's checkpoint
+    assert bench.mode["ac"] is True
+    bench.step_fn([24, 40], seed=0)()  # forward + backward run through the wrapped blocks

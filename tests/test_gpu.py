@@ -68,3 +68,94 @@ def test_cuda_step_timer_measures_kernels_not_launches():
     assert took.compute_s == pytest.approx(reference, rel=0.25)
     # The host only launched the kernels: thread time would have measured that.
     assert launch_cpu < 0.5 * took.compute_s
+
+
+# ---- issue 19's fixes, confirmed where a GPU is (each also has a CPU test) ----------------
+
+
+def test_torch_varlen_kernel_takes_a_scale_on_this_torch():
+    """The installed torch's varlen_attn (2.10: no ``scale``; 2.11+: keyword) through the
+    binding, against the fp32 reference, at a scale other than 1/sqrt(D)."""
+    from knapray.attention import available_backends, reference_attention, varlen_attention
+
+    if "torch_varlen" not in available_backends("cuda"):
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    lens = [128, 7, 300]
+    cu = torch.tensor([0, 128, 135, 435], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(435, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out = varlen_attention(q, k, v, cu, max(lens), backend="torch_varlen", scale=0.05)
+    ref = reference_attention(q.float(), k.float(), v.float(), cu, scale=0.05)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_a_training_step_never_waits_for_the_device():
+    """The trainer's timed region (forward + backward with a prepared StepLayout) under
+    ``torch.cuda.set_sync_debug_mode("error")``: any .item(), nonzero, mask or blocking copy raises."""
+    from knapray.models import MMDiT, flow_loss
+    from knapray.parity import parity_config
+    from knapray.planning import Topology, WorkloadModel, plan_balance
+    from knapray.testing.batches import mix_batches
+    from knapray.train.balanced import balanced_forward, prepare_step
+
+    cfg = parity_config()
+    host = mix_batches("g1b2i256f1s0,g1b1i128f2s0", cfg, scale=4, seed=1, world_size=None, max_text_tokens=20)[0]
+    plan = plan_balance([host.seq_lens.tolist()], Topology.parse("g1n1"), WorkloadModel(d_model=cfg.hidden_size))
+    model = MMDiT(cfg).cuda()
+    batch = host.to("cuda")
+    layout = prepare_step(host, plan, 0, host.text_tokens_per_sequence(), "cuda", bag_group=None)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = balanced_forward(model, batch, plan, 0, bag_group=None, layout=layout)
+            loss = flow_loss(out, batch.targets, host.x_img.shape[0])
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_meta_init_on_the_gpu_equals_the_cpu_built_model():
+    from knapray.models import MMDiT
+    from knapray.parity import parity_config
+    from knapray.train.parallelize import materialize, parallelize
+
+    torch.manual_seed(5)
+    ref = MMDiT(parity_config())
+    torch.manual_seed(5)
+    with torch.device("meta"):
+        model = MMDiT(parity_config())
+    parallelize(model)
+    materialize(model, "cuda")
+    for (n, p), r in zip(model.named_parameters(), ref.parameters()):
+        assert p.device.type == "cuda" and torch.equal(p.cpu(), r), n
+
+
+def test_fsdp_step_on_nccl_without_set_reduce_scatter_unused_params(nccl_world, monkeypatch):
+    """As on torch 2.10 / 2.11: FSDP applies and trains with the method absent."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from knapray.models import MMDiT, flow_loss
+    from knapray.parity import parity_config
+    from knapray.testing.batches import mix_batches
+    from knapray.train.parallelize import parallelize
+
+    if hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
+        monkeypatch.delattr(FSDPModule, "set_reduce_scatter_unused_params")
+    cfg = parity_config()
+    batch = mix_batches("g1b2i256f1s0", cfg, scale=4, seed=1, world_size=None, max_text_tokens=0)[0].to("cuda")
+    model = MMDiT(cfg).cuda()
+    par = parallelize(model, fsdp="full", param_dtype=torch.bfloat16, world_size=1, device_type="cuda")
+    flow_loss(model(batch), batch.targets, batch.x_img.shape[0]).backward()  # no text: text weights unused
+    assert torch.isfinite(par.clip_grad_norm_(1.0))
+
+
+def test_qk_norm_saves_what_the_memory_model_counts_on_cuda():
+    from knapray.memory_check import saved_activation_bytes
+    from knapray.models.layers import RMSNorm
+    from knapray.planning.memory import ModelShape
+
+    norm = RMSNorm(128).cuda()
+    q = torch.randn(1000, 24, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    _, saved = saved_activation_bytes(lambda: norm(q), exclude=[*norm.parameters(), q])
+    shape = ModelShape(hidden_size=3072, num_heads=24, depth_double=0, depth_single=1, mlp_hidden=12288, patch_dim=64)
+    assert 2 * saved == 1000 * shape._qk_norm(2)  # q's half of QK-norm

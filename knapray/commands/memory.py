@@ -51,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
           f"(state sharded over {mem.shard_size}), activation checkpointing {ac}")
     print(f"per GPU at {tokens} tokens per GPU:")
     for key, value in result["breakdown"].items():
-        note = "  (optimizer step, after activations are freed)" if key == "step_buffers" else ""
+        note = {"step_buffers": "  (optimizer step, after activations are freed)",
+                "overlap": "  (activations freed in backward before all gradients exist)"}.get(key, "")
         print(f"  {key.replace('_', ' '):<18} {value:>9.2f} GiB{note}")
     print(f"  {'total':<18} {gib['total']:>9.2f} GiB  peak in the {br.peak_phase}; usable of "
           f"{args.gpu_gib:g} GiB: {result['usable_gib']:.2f} GiB ({mem.reserve_bytes / GIB:g} GiB reserve, "

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from knapray.planning import BalancePlan
+from knapray.transfer import host_to_device
 
 from .comms import all_to_all_packed, all_to_all_varsize
 
@@ -155,7 +156,7 @@ class RoutePlan:
         local_only = not np.any(in_group & (plan.chunk_src != plan.chunk_rank))
 
         def t(a: np.ndarray) -> torch.Tensor:
-            return torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64, device=device)
+            return host_to_device(a, device, torch.int64)  # pinned, non-blocking on a GPU
 
         return cls(
             rank=rank,

@@ -16,6 +16,7 @@ per_rank={...})`` packs them, reduces once and unpacks them under the same names
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -40,11 +41,17 @@ class StepSync:
     """A gloo group over the same ranks for Python objects (None: a world of one)."""
 
     @classmethod
-    def build(cls, device: torch.device | str) -> "StepSync":
+    def build(cls, device: torch.device | str, *, gloo_socket_ifname: str = "") -> "StepSync":
         """Collective over the world when torch.distributed is initialized (every rank
         creates the gloo group); a single process without a process group gets a world of
-        one in which every method is local."""
+        one in which every method is local.
+
+        ``gloo_socket_ifname`` (``run.gloo_socket_ifname``): the network interface(s) gloo
+        binds, set as GLOO_SOCKET_IFNAME for this and every later gloo group of the process
+        (gloo reads it when a group is created); "" keeps the environment's."""
         device = torch.device(device)
+        if gloo_socket_ifname:
+            os.environ["GLOO_SOCKET_IFNAME"] = gloo_socket_ifname
         if not dist.is_initialized():
             return cls(device=device, rank=0, world_size=1, group=None, meta_group=None)
         world = dist.get_world_size()

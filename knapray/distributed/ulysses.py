@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from knapray.planning import BalancePlan
+from knapray.transfer import host_to_device
 
 from .comms import all_to_all_varsize
 from .router import concat_ranges
@@ -67,7 +68,7 @@ class UlyssesLayout:
         cu = np.concatenate([[0], np.cumsum(seq_lens)])
 
         def t(a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-            return torch.as_tensor(np.ascontiguousarray(a), dtype=dtype, device=device)
+            return host_to_device(a, device, dtype)  # pinned, non-blocking on a GPU
 
         p = rank - int(topo.bag_starts[bag])
         return cls(

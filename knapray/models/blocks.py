@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from knapray.attention import AttentionFn
 from knapray.models.config import MMDiTConfig
 from knapray.models.layers import MLP, LayerNorm, Modulation, RMSNorm, apply_rope, modulate
+from knapray.transfer import host_to_device
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -33,11 +35,24 @@ class TokenStreams:
 
     @classmethod
     def from_mask(cls, is_text: torch.Tensor) -> TokenStreams:
+        """From the mask where it lives. On a GPU ``nonzero`` waits for the device (the host
+        needs the count): a training step builds them with ``from_host_mask`` instead."""
         # Copies, not views of nonzero's (N, 1) result: compiled blocks guard on whether an
         # input is a view (its ``_base``), so every step must hand them the same kind.
         txt_idx = torch.nonzero(is_text).flatten().clone()
         img_idx = torch.nonzero(~is_text).flatten().clone()
         return cls(txt_idx, img_idx, torch.argsort(torch.cat((txt_idx, img_idx))))
+
+    @classmethod
+    def from_host_mask(cls, is_text: np.ndarray | torch.Tensor, device: torch.device | str | None) -> TokenStreams:
+        """From a host copy of the mask, (N,) bool: the indices are computed on the host and
+        copied to ``device`` without blocking it (``knapray.transfer.host_to_device``)."""
+        if isinstance(is_text, torch.Tensor):  # .numpy() reads a host tensor without dispatching an op
+            is_text = is_text.numpy() if is_text.device.type == "cpu" else is_text.cpu().numpy()
+        mask = np.asarray(is_text, dtype=bool)
+        txt_idx, img_idx = np.flatnonzero(mask), np.flatnonzero(~mask)
+        unorder = np.argsort(np.concatenate((txt_idx, img_idx)), kind="stable")
+        return cls(*(host_to_device(a, device, torch.int64) for a in (txt_idx, img_idx, unorder)))
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return x[self.txt_idx], x[self.img_idx]

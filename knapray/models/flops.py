@@ -18,6 +18,23 @@ from knapray.models.config import MMDiTConfig
 TRAIN_PASSES = 3.0
 
 
+def hardware_passes(recomputed_fraction: float) -> float:
+    """Forward-pass equivalents a training step executes when ``recomputed_fraction`` of the
+    blocks (by FLOPs; every block of a model has the same) is checkpointed: forward +
+    backward (3) plus the recomputed forwards, which model FLOPs do not credit."""
+    if not 0 <= recomputed_fraction <= 1:
+        raise ValueError(f"recomputed_fraction must be in [0, 1], got {recomputed_fraction!r}")
+    return TRAIN_PASSES + recomputed_fraction
+
+
+def model_tflops_bar(plain_bar: float, recomputed_fraction: float) -> float:
+    """The model-TFLOP/s bar of a run that recomputes ``recomputed_fraction`` of its blocks,
+    from the bar of the same run without checkpointing: the device does the same work per
+    second, of which model FLOPs count 3 of every ``hardware_passes`` passes:
+    ``bar = plain_bar * 3 / (3 + recomputed_fraction)`` (full checkpointing: 3/4)."""
+    return plain_bar * TRAIN_PASSES / hardware_passes(recomputed_fraction)
+
+
 def formula(cfg: MMDiTConfig) -> str:
     r = cfg.mlp_ratio
     return (

@@ -7,12 +7,17 @@ The model never sees process groups. A distributed executor calls the stages its
     h = model.blocks(h, vec_loc, seq_index_loc, pos, is_text, attn)
     out_img = model.head(h, vec_loc, seq_index_loc, is_text)
 
+Each of embed, blocks and head also takes ``streams=TokenStreams``: ``is_text``'s index maps
+built on the host, so that a training step never waits for the device.
+
 Every stage but ``attn`` is per token (or per sequence, gathered per token), so the tokens
 on a rank may be any chunks of any sequences, in any order, as long as ``seq_index`` points
 each token at its sequence's row of ``vec``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -75,6 +80,38 @@ class MMDiT(nn.Module):
         nn.init.zeros_(self.final.linear.weight)
         nn.init.zeros_(self.final.linear.bias)
 
+    @torch.no_grad()
+    def initial_values(self, write: Callable[[nn.Parameter, torch.Tensor], None]) -> None:
+        """Initialize a model whose parameters were built elsewhere (on the meta device, then
+        sharded and given storage, e.g. ``to_empty``): ``write(param, value)`` receives each
+        parameter's initial value as a full fp32 CPU tensor, one at a time (the host holds one
+        parameter, not the model).
+
+        The values are those ``MMDiT(cfg)`` draws on the CPU from torch's global RNG in the same
+        state (seed it for identical ranks), bit for bit, and the RNG is left where that leaves
+        it: the constructor's draws are replayed (every Linear's default init, in construction
+        order, then ``init_weights()``'s), only the final value of each parameter is kept."""
+        linears = [m for m in self.modules() if isinstance(m, nn.Linear)]  # construction order
+        for m in linears:  # nn.Linear's own init in the constructor, overwritten below
+            nn.Linear(m.in_features, m.out_features)
+        redrawn = {id(e.fc1) for e in (self.time_in, self.vector_in) if e is not None}
+        redrawn |= {id(e.fc2) for e in (self.time_in, self.vector_in) if e is not None}
+        zero = {id(m.lin) for m in self.modules() if isinstance(m, Modulation)} | {id(self.final.linear)}
+        for m in self.modules():  # init_weights(), in its order
+            if isinstance(m, nn.Linear):
+                w = nn.init.xavier_uniform_(torch.empty(m.out_features, m.in_features))
+                if id(m) in zero:
+                    w.zero_()
+                if id(m) not in redrawn:
+                    write(m.weight, w)
+                write(m.bias, torch.zeros(m.out_features))
+            elif isinstance(m, RMSNorm):
+                write(m.weight, torch.ones(m.weight.shape))
+        for embedder in (self.time_in, self.vector_in):
+            if embedder is not None:
+                for fc in (embedder.fc1, embedder.fc2):
+                    write(fc.weight, nn.init.normal_(torch.empty(fc.out_features, fc.in_features), std=0.02))
+
     @property
     def param_dtype(self) -> torch.dtype:
         """dtype the inputs (latents, text, pooled and timestep features) are cast to.
@@ -100,12 +137,16 @@ class MMDiT(nn.Module):
             vec = vec + self.vector_in(pooled.to(dtype))
         return vec
 
-    def embed(self, x_txt: torch.Tensor, x_img: torch.Tensor, is_text: torch.Tensor) -> torch.Tensor:
+    def embed(
+        self, x_txt: torch.Tensor, x_img: torch.Tensor, is_text: torch.Tensor, *, streams: TokenStreams | None = None
+    ) -> torch.Tensor:
         """x_txt (Nt, text_dim), x_img (Ni, patch_dim), is_text (N,) -> h (N, d) in packed order.
 
         Row j of x_txt goes to the j-th text position of is_text; likewise for x_img.
+        ``streams``: ``is_text``'s index maps, built on the host (``TokenStreams.from_host_mask``)
+        so that the device is never waited for; None derives them from ``is_text``.
         """
-        streams = TokenStreams.from_mask(is_text)
+        streams = streams if streams is not None else TokenStreams.from_mask(is_text)
         if streams.txt_idx.shape[0] != x_txt.shape[0] or streams.img_idx.shape[0] != x_img.shape[0]:
             raise ValueError(
                 f"is_text marks {streams.txt_idx.shape[0]} text / {streams.img_idx.shape[0]} image tokens, "
@@ -129,12 +170,15 @@ class MMDiT(nn.Module):
         pos: torch.Tensor,
         is_text: torch.Tensor,
         attn: AttentionFn,
+        *,
+        streams: TokenStreams | None = None,
     ) -> torch.Tensor:
         """Double-stream then single-stream blocks over the local tokens.
 
         h (N, d); vec_seq (S_loc, d) one row per local sequence; seq_index (N,) long in
         [0, S_loc); pos (N, 3) int64; is_text (N,) bool. ``attn`` is called exactly once per
-        block (depth_double + depth_single times), also when N == 0.
+        block (depth_double + depth_single times), also when N == 0. ``streams``: as in
+        ``embed``, for these tokens.
         """
         n, d = h.shape
         if seq_index.shape != (n,) or is_text.shape != (n,) or pos.shape != (n, 3):
@@ -146,7 +190,7 @@ class MMDiT(nn.Module):
             raise ValueError(f"vec_seq must be (S_loc, {d}), got {tuple(vec_seq.shape)}")
         rope = rope_frequencies(pos, self.cfg.rope_axes_dim, self.cfg.rope_theta)
         if len(self.double_blocks):
-            streams = TokenStreams.from_mask(is_text)
+            streams = streams if streams is not None else TokenStreams.from_mask(is_text)
             # Kept split across all double blocks; only q, k, v are merged for attention.
             h_txt, h_img = streams.split(h)
             seq_txt, seq_img = streams.split(seq_index)
@@ -158,9 +202,14 @@ class MMDiT(nn.Module):
         return h
 
     def head(
-        self, h: torch.Tensor, vec_seq: torch.Tensor, seq_index: torch.Tensor, is_text: torch.Tensor
+        self, h: torch.Tensor, vec_seq: torch.Tensor, seq_index: torch.Tensor, is_text: torch.Tensor, *,
+        streams: TokenStreams | None = None,
     ) -> torch.Tensor:
-        """Final adaLN norm + linear on the image tokens -> (Ni, patch_dim), packed order."""
+        """Final adaLN norm + linear on the image tokens -> (Ni, patch_dim), packed order.
+        ``streams``: as in ``embed`` (a gather by ``img_idx`` instead of a boolean mask,
+        whose result size the host would wait for)."""
+        if streams is not None:
+            return self.final(h.index_select(0, streams.img_idx), vec_seq, seq_index.index_select(0, streams.img_idx))
         is_img = ~is_text
         return self.final(h[is_img], vec_seq, seq_index[is_img])
 

@@ -6,9 +6,11 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from knapray.models.config import MMDiTConfig
+from knapray.transfer import host_to_device
 
 
 def _grid(shape: Sequence[int], patch_size: Sequence[int]) -> tuple[int, int, int]:
@@ -136,12 +138,20 @@ class PackedBatch:
         return self.seq_index[~self.is_text]
 
     def to(self, device: torch.device | str) -> PackedBatch:
+        """The batch on ``device``; from the host, copied from pinned memory without blocking
+        (``knapray.transfer.host_to_device``)."""
         moved = {
-            f.name: (v.to(device) if isinstance(v, torch.Tensor) else v)
+            f.name: (host_to_device(v, device) if isinstance(v, torch.Tensor) else v)
             for f in dataclasses.fields(self)
             for v in (getattr(self, f.name),)
         }
         return PackedBatch(**moved)
+
+    def text_tokens_per_sequence(self) -> np.ndarray:
+        """(S,) int64 text tokens of each sequence; read from a host (CPU) batch."""
+        if self.is_text.device.type != "cpu":
+            raise ValueError("text_tokens_per_sequence reads a host batch; call it before .to(device)")
+        return np.bincount(self.seq_index[self.is_text].numpy(), minlength=self.num_sequences).astype(np.int64)
 
 
 def pack_samples(samples: Sequence[dict[str, Any]], cfg: MMDiTConfig) -> PackedBatch:

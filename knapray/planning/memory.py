@@ -33,7 +33,12 @@ What a rank holds at its peak, by category:
     foreach AdamW step allocates one fp32 temporary per parameter (4 B, sharded).
 
 The peak is the larger of two phases: *backward* (state + autocast copies + FSDP buffers
-+ activations) and *optimizer step* (state + step buffers; activations are gone).
++ activations + gradients, less their ``overlap``: backward frees each block's activations
+as its gradients appear, so the most of both alive at once is the larger of the two
+sums at the block where they cross, not their total) and *optimizer step* (state + step
+buffers; activations are gone). FSDP buffers are 0 for a shard group of one rank.
+``knapray dryrun`` measures this peak with torch's memory tracker on fake tensors: the
+flux_cluster.yaml step at 64 ranks and the GPU check's three runs (docs/gpu.md).
 
 Activations, per token, compute dtype ``b`` bytes (2 for bf16, 4 for fp32); ``d`` the
 width, ``m`` the MLP hidden width, ``H`` heads; ``u = 4`` if ``b < 4`` else 0 (an fp32
@@ -49,7 +54,8 @@ double-stream block (per token of either stream)::
        + 6d         proj input, proj output, h after attention, (1+scale2), LN2 output, fc1 input
        + 2m + d)    fc1 output (GELU input), GELU output (fc2 input), fc2 output
     + q*(3d*b if b == 4)              qkv output, kept whole by QK-norm's fp32 view of q
-    + q*2*(u*d + b*d + 4H)            QK-norm of q and k: fp32 input copy, normed output, rsqrt
+    + q*2*(u*d + 4d + 4H)             QK-norm of q and k: fp32 input copy, normed output (fp32:
+                                      the gain's product saves it before the cast back), rsqrt
     + 4H + 2*2*4                      attention logsumexp; LN mean and rstd (fp32 on CUDA)
 
 single-stream block::
@@ -60,7 +66,7 @@ single-stream block::
        + A          attention
        + (d + m)    linear2 input (attention output ++ GELU output)
        + d)         linear2 output
-    + q*2*(u*d + b*d + 4H) + 4H + 2*4
+    + q*2*(u*d + 4d + 4H) + 4H + 2*4
 
 ``A`` is what attention keeps: ``4d`` with a kernel (``attention="kernel"``: flash or
 torch varlen save q, k, v and the output; Ulysses saves the exchanged q/k/v buffer and
@@ -71,8 +77,8 @@ linear1's output), or ``5d + 16/b`` on the CPU reference path (``attention="refe
 per-sequence SDPA on gathered copies of q, k, v, its output, the output copy packed back,
 two int64 index tensors).
 
-Flux width (d=3072, m=4d, 24 heads, QK-norm), bf16, kernel: 70d B = 210 KiB per token per
-double block, 60d B = 180 KiB per single block (3.28 / 2.81 GiB at 16k tokens).
+Flux width (d=3072, m=4d, 24 heads, QK-norm), bf16, kernel: 74d B = 222 KiB per token per
+double block, 64d B = 192 KiB per single block (3.47 / 3.00 GiB at 16k tokens).
 
 ``precision="bf16"`` counts every activation in bf16, as FSDP2's mixed precision (bf16
 parameters, so bf16 norms) computes them. Under ``torch.autocast`` (``sharding="none"``)
@@ -93,7 +99,8 @@ conditioning row per modulation call (2 per double block, 1 per single block, 1 
 Activation checkpointing: a checkpointed block keeps only its input (``d*b`` per token);
 during backward one checkpointed block at a time is recomputed in full (the largest one
 is added). ``every_k`` checkpoints blocks ``k-1, 2k-1, ...`` in execution order (double
-then single blocks, torchtitan's convention). The backward working set per token is the
+then single blocks, torchtitan's convention; ``knapray.planning.checkpointing``, the rule
+the trainer applies). The backward working set per token is the
 gradient of the widest Linear input (``(d+m)*b``) plus the residual stream's gradient and
 a modulation gradient held until its chunk's other grads arrive (``2d*b``).
 """
@@ -103,6 +110,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 from typing import Any
+
+from .checkpointing import checkpointed_blocks
 
 GIB = 2**30
 
@@ -248,7 +257,10 @@ class ModelShape:
         if not self.qk_norm:
             return 0
         up = FP32 if b < FP32 else 0
-        return 2 * (up * self.hidden_size + b * self.hidden_size + FP32 * self.num_heads)
+        # RMSNorm (knapray/models/layers.py) computes in fp32: it saves the fp32 copy of its
+        # input (none when the input is fp32), the per-head rsqrt and the fp32 normed tensor
+        # the gain multiplies (tests/test_memory.py measures it with saved-tensor hooks).
+        return 2 * (up * self.hidden_size + FP32 * self.hidden_size + FP32 * self.num_heads)
 
     def double_block_bytes(self, b: int, attention: str = "kernel") -> int:
         d, m = self.hidden_size, self.mlp_hidden
@@ -308,12 +320,15 @@ class MemoryBreakdown:
     backward_working: int
     step_buffers: int
     tokens: int
+    overlap: int = 0
+    """Counted in both ``activations`` and ``grads`` but never alive together: backward frees
+    each block's activations as its gradients appear (``MemoryModel.breakdown``)."""
 
     @property
     def backward_peak(self) -> int:
         return (
             self.params + self.grads + self.optimizer + self.autocast_weights + self.fsdp_buffers
-            + self.activations + self.recompute + self.backward_working
+            + self.activations + self.recompute + self.backward_working - self.overlap
         )
 
     @property
@@ -329,8 +344,9 @@ class MemoryBreakdown:
         return "backward" if self.backward_peak >= self.step_peak else "optimizer step"
 
     def to_gib(self) -> dict[str, float]:
-        out = {
-            f.name: getattr(self, f.name) / GIB for f in fields(self) if f.name != "tokens"
+        out = {  # overlap is subtracted: negative here, so the backward phase is the sum
+            f.name: (-1 if f.name == "overlap" else 1) * getattr(self, f.name) / GIB
+            for f in fields(self) if f.name != "tokens"
         }
         out["total"] = self.total / GIB
         return out
@@ -395,13 +411,9 @@ class MemoryModel:
         return 2 if self.precision == "bf16" else 4
 
     def checkpointed(self) -> list[bool]:
-        """Per block in execution order: is it checkpointed?"""
-        n = self.shape.num_blocks
-        if self.checkpointing == "none":
-            return [False] * n
-        if self.checkpointing == "full":
-            return [True] * n
-        return [(i + 1) % self.ac_every == 0 for i in range(n)]
+        """Per block in execution order: is it checkpointed? (``checkpointed_blocks``: the
+        rule the trainer applies.)"""
+        return list(checkpointed_blocks(self.checkpointing, self.ac_every, self.shape.num_blocks))
 
     # ---- pieces -------------------------------------------------------------------------
 
@@ -438,7 +450,9 @@ class MemoryModel:
         return 2 * (kept + max((p for p, c in zip(lin, ckpt) if c), default=0))
 
     def _fsdp_bytes(self) -> int:
-        if self.sharding == "none":
+        # A shard group of one rank gathers and reduces nothing: FSDP2's unsharded parameters
+        # and gradients are the sharded ones (measured by knapray dryrun at world 1).
+        if self.sharding == "none" or self.shard_size == 1:
             return 0
         s = self.shape
         p = self.compute_bytes
@@ -453,6 +467,7 @@ class MemoryModel:
         n = s.num_params
         saved, recompute, working = self.activation_bytes(tokens, text_tokens=text_tokens, sequences=sequences)
         allreduce = FP32 * n if self.sharding == "none" and self.world_size > 1 else 0
+        grads = FP32 * self._sharded(n)
         return MemoryBreakdown(
             params=FP32 * self._sharded(n),
             grads=FP32 * self._sharded(n),
@@ -464,7 +479,32 @@ class MemoryModel:
             backward_working=working,
             step_buffers=allreduce + FP32 * self._sharded(n),
             tokens=tokens,
+            overlap=self._overlap(tokens, saved - self._outside_saved(tokens, text_tokens, sequences), grads),
         )
+
+    def _outside_saved(self, tokens: int, text_tokens: int, sequences: int) -> int:
+        s, b = self.shape, self.compute_bytes
+        return ((tokens - text_tokens) * s.outside_bytes(b, True) + text_tokens * s.outside_bytes(b, False)
+                + sequences * s.sequence_bytes(b))
+
+    def _overlap(self, tokens: int, block_saved: int, grads: int) -> int:
+        """Activations + gradients minus the most of both alive at once in backward.
+
+        Backward runs the blocks in reverse: while block k is differentiated, blocks 0..k
+        still hold what they saved, and the blocks after k (and the final layer, first in
+        backward) have their gradients (sharded ones under FSDP); the embedders' come last.
+        The peak of that sum over k is what the backward holds; the rest is overlap."""
+        s, b = self.shape, self.compute_bytes
+        if not tokens and not grads:
+            return 0
+        per_block = s.block_bytes(b, self.attention)
+        kept = [s.hidden_size * b if c else a for a, c in zip(per_block, self.checkpointed())]
+        params = [sum(s.double_block[:2])] * s.depth_double + [sum(s.single_block[:2])] * s.depth_single
+        total = sum(params) + sum(s.root[:2])
+        grad_of = [grads * p // total for p in params]
+        final = grads * (s.hidden_size * 2 * s.hidden_size + s.hidden_size * s.patch_dim) // total
+        alive = max(tokens * sum(kept[: k + 1]) + sum(grad_of[k + 1:]) + final for k in range(len(kept)))
+        return max(0, block_saved + grads - alive)
 
     def usable_bytes(self, gpu_bytes: int) -> int:
         """What the step may use of a GPU: minus the fixed reserve, minus fragmentation."""
@@ -473,14 +513,19 @@ class MemoryModel:
     def max_tokens_per_gpu(self, gpu_bytes: int) -> int:
         """Largest per-GPU token budget whose peak fits ``usable_bytes(gpu_bytes)`` (every
         token counted as an image token, the costlier kind; per-sequence terms left out).
-        0 if not even the model state fits."""
+        0 if not even the model state fits. The peak grows with the tokens (piecewise
+        linearly: activations overlap the gradients only up to a point): a bisection."""
         usable = self.usable_bytes(gpu_bytes)
-        empty = self.breakdown(0)
-        if empty.total > usable:
+        if self.breakdown(0).total > usable:
             return 0
-        per_token = self.breakdown(1).backward_peak - empty.backward_peak
-        # The step phase does not grow with tokens; only the backward phase limits them.
-        return max(0, (usable - empty.backward_peak) // per_token)
+        hi = 1
+        while self.breakdown(hi).total <= usable:
+            hi *= 2
+        lo = hi // 2  # fits; hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.breakdown(mid).total <= usable else (lo, mid)
+        return lo
 
     def fits(self, tokens: int, gpu_bytes: int) -> bool:
         return self.breakdown(tokens).total <= self.usable_bytes(gpu_bytes)

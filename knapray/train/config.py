@@ -235,8 +235,18 @@ class RunConfig:
     ``mlflow`` package (``pip install 'knapray[mlflow]'``)."""
     mlflow_experiment: str = "knapray"
     """The MLflow experiment that holds the run (named ``run.name``)."""
-    timeout_s: int = field(default=120, metadata={"ge": 1})
-    """Collective timeout: a dead peer surfaces as an error instead of a hang."""
+    timeout_s: int = field(default=1800, metadata={"ge": 1})
+    """Collective timeout (seconds): a dead peer surfaces as an error instead of a hang. It
+    must also outlast the longest a rank may wait in a collective for a live peer, which the
+    first steps set: with ``compile`` every rank compiles its blocks cold (minutes with
+    inductor, longer with several ranks sharing a node's CPUs) while the faster ranks wait
+    in the next collective. 1800 is torch's own default for NCCL."""
+    gloo_socket_ifname: str = ""
+    """Network interface(s) of the gloo groups (the step's object exchanges, checkpoint
+    coordination), e.g. ``eth0`` or ``ens5,ens6``: set as GLOO_SOCKET_IFNAME before they are
+    created. On a node with several NICs gloo otherwise binds whichever interface the
+    hostname resolves to, which may not reach the other nodes. "" leaves the environment's
+    GLOO_SOCKET_IFNAME (or gloo's choice) as it is. See docs/gpu.md."""
 
 
 @dataclass(kw_only=True, slots=True)

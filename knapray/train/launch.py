@@ -37,9 +37,15 @@ class RayTrainContext:
         self._seed = cfg.data.seed
 
     def device(self, use_gpu: bool) -> torch.device:
+        """The GPU Ray assigned this worker (``ray.train.torch.get_device``: it maps the
+        worker's GPU ids through CUDA_VISIBLE_DEVICES, which the local rank does not when a
+        node's workers see different device lists), bound as the current device."""
         if use_gpu and torch.cuda.is_available():
-            torch.cuda.set_device(self.local_rank)
-            return torch.device("cuda", self.local_rank)
+            from ray.train.torch import get_device
+
+            device = get_device()
+            torch.cuda.set_device(device)
+            return device
         return torch.device("cpu")
 
     def rows(self, epoch: int, on_bad_shard):

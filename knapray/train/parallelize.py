@@ -54,6 +54,7 @@ from torch.utils.checkpoint import checkpoint
 
 from knapray.distributed.grads import allreduce_gradients
 from knapray.models import MMDiT
+from knapray.planning.checkpointing import checkpointed_blocks
 
 FSDP_MODES = ("none", "full", "hybrid")
 AC_MODES = ("none", "full", "every_k")
@@ -72,7 +73,8 @@ class ParallelConfig:
     ``hybrid``: shards within a node, replicates across nodes (2-D mesh)."""
     ac: str = "none"
     """Activation checkpointing of transformer blocks: ``none``, ``full`` (every block) or
-    ``every_k`` (blocks 0, k, 2k, ... in double-then-single order)."""
+    ``every_k`` (blocks k-1, 2k-1, ... in double-then-single order:
+    ``knapray.planning.checkpointing.checkpointed_blocks``)."""
     ac_every: int = 2
     """k for ``ac="every_k"``."""
     compile: bool = False
@@ -128,11 +130,10 @@ class ParallelConfig:
             )
         return (world_size // gpn, gpn), ("replicate", "shard")
 
-    def checkpointed(self, block_index: int) -> bool:
-        """Whether block ``block_index`` (double blocks first, then single) is checkpointed."""
-        if self.ac == "none":
-            return False
-        return self.ac == "full" or block_index % self.ac_every == 0
+    def checkpointed(self, num_blocks: int) -> tuple[bool, ...]:
+        """Per block (double blocks first, then single): is it checkpointed? The one rule
+        the memory model and calibration use too."""
+        return checkpointed_blocks(self.ac, self.ac_every, num_blocks)
 
 
 def build_fsdp_mesh(cfg: ParallelConfig, *, world_size: int, device_type: str):
@@ -291,16 +292,16 @@ def _embedders(model: MMDiT) -> list[nn.Module]:
 def _apply_fsdp(model: MMDiT, mesh, cfg: ParallelConfig) -> None:
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-    # Zeros for the gradients of parameters a rank did not use (its chunks held no text):
-    # every rank then reduce-scatters the same buffers. Without it such a rank would hang
-    # the others' reduce-scatter, so a torch that lacks it may only shard a world of one.
+    # Every rank must reduce-scatter the same parameters of a unit in every backward. FSDP2
+    # reduces the parameters whose unsharded gradient is not None (torch 2.10 and 2.11:
+    # ``FSDPParamGroup.post_backward``); ``set_reduce_scatter_unused_params`` (newer torch)
+    # sends zeros for the others. knapray needs neither: every unit's module runs on every
+    # rank, also on zero rows (a rank without text runs the text weights on an empty
+    # tensor), and a Linear, a norm gain or a gather over zero rows gets a zero gradient,
+    # not None. So the method is used where it exists, as a second guarantee, and a torch
+    # without it shards any world (tests/test_parallelize.py runs the gloo parity with it
+    # hidden).
     unused_ok = hasattr(FSDPModule, "set_reduce_scatter_unused_params")
-    if not unused_ok and mesh.size() > 1:
-        raise ValueError(
-            f"run.fsdp={cfg.fsdp} on {mesh.size()} ranks needs FSDPModule.set_reduce_scatter_unused_params, "
-            f"which torch {torch.__version__} lacks (a rank without text tokens would hang the gradient "
-            "reduce-scatter): use a newer torch (2.13 has it) or run.fsdp=none"
-        )
     units = [*_embedders(model), *_blocks(model), model.final]
     in_units = {id(p) for unit in units for p in unit.parameters()}
     orphans = [n for n, p in model.named_parameters() if id(p) not in in_units]
@@ -385,6 +386,31 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float) -> torch.Te
     return total
 
 
+@torch.no_grad()
+def materialize(model: MMDiT, device: torch.device | str) -> None:
+    """Give a model built on the meta device (and parallelized) storage on ``device`` and its
+    initial weights: the same values as ``MMDiT(cfg)`` on the CPU from the global RNG in the
+    same state (``MMDiT.initial_values``), each parameter generated on the host, then its
+    full value (plain parameter) or this rank's shard of it (FSDP's DTensors) copied to
+    ``device``. So no rank builds the whole fp32 model on the host or the device: the host
+    holds one parameter at a time, the device its shards (Flux: 47 GB otherwise)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    model.to_empty(device=torch.device(device))
+
+    def write(param: nn.Parameter, value: torch.Tensor) -> None:
+        if isinstance(param, DTensor):
+            # src_data_rank=None: every rank holds the same full value, so each cuts its own
+            # shard (no collective), the same chunk FSDP2 holds.
+            local = distribute_tensor(value.to(param.device), param.device_mesh, param.placements,
+                                      src_data_rank=None).to_local()
+            param.to_local().copy_(local)
+        else:
+            param.copy_(value)
+
+    model.initial_values(write)
+
+
 def parallelize(
     model: MMDiT,
     *,
@@ -403,8 +429,9 @@ def parallelize(
     ``model`` in place. Fields as in ``ParallelConfig``; ``world_size`` and ``device_type``
     ("cuda", "cpu") size and place the FSDP mesh. Collective with FSDP (builds the mesh).
 
-    Call it once, on a model whose parameters are on the training device, before building
-    the optimizer and before loading a checkpoint."""
+    Call it once, on a model whose parameters are on the training device, or on the meta
+    device (then ``materialize`` it), before building the optimizer and before loading a
+    checkpoint."""
     cfg = ParallelConfig(
         fsdp=fsdp, ac=ac, ac_every=ac_every, compile=compile, compile_backend=compile_backend,
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, gpus_per_node=gpus_per_node,
@@ -424,10 +451,11 @@ def parallelize(
             cls: torch.compile(cls.forward, backend=stats, dynamic=True, **isolate)
             for cls in {type(b) for b in _blocks(model)}
         }
-    for i, block in enumerate(_blocks(model)):
+    blocks = _blocks(model)
+    for block, recomputed in zip(blocks, cfg.checkpointed(len(blocks))):
         if cfg.compile:
             block.forward = _compiled_forward(block, compiled[type(block)])
-        if cfg.checkpointed(i):
+        if recomputed:
             block.forward = _checkpointed_forward(block.forward)
     mesh = None
     if cfg.fsdp != "none":

@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = replace(cfg, balance=replace(cfg.balance, coordinator=False))
     logging.basicConfig(level=logging.INFO if rank_env == 0 else logging.WARNING,
                         format=f"[rank {rank_env}] %(message)s")
+    if cfg.run.gloo_socket_ifname:  # a CPU run's default group is gloo too
+        os.environ["GLOO_SOCKET_IFNAME"] = cfg.run.gloo_socket_ifname
     try:
         rank, world, local_rank = init_from_env(cfg.run.use_gpu, cfg.run.timeout_s)
         summary = Trainer(TorchrunContext(cfg, rank, world, local_rank), cfg).train()

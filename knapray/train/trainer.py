@@ -41,7 +41,7 @@ from knapray.planning.cost import CostModel
 from knapray.planning.rules import per_step_node
 from knapray.timing import StepTimer
 
-from .balanced import balanced_forward
+from .balanced import balanced_forward, prepare_step
 from .checkpoint import Checkpointer
 from .config import TrainConfig
 from .context import TrainContext
@@ -50,7 +50,7 @@ from .ledger_files import LocalLedger, committed_ids
 from .ema import build_ema
 from .metrics import MetricsFile, StepRecord
 from .optim import LRSchedule, build_optimizer
-from .parallelize import parallelize
+from .parallelize import materialize, parallelize
 from .sinks import MetricSinks, scalars_of
 from .run_files import distinct_topologies, truncate_metrics
 from .step_planner import Planned, StepPlanner, coordinator_config, coordinator_name, live_fit, planning_model
@@ -65,6 +65,18 @@ def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
 
 
+def _plan_order(plan: BalancePlan, text_slots: dict[str, list[float]]) -> np.ndarray:
+    """(S,) text tokens of every sequence of ``plan``, from each rank's slots
+    (``text_tokens.i``: its i-th sequence's count, one entry per rank)."""
+    held = int(np.diff(plan.seq_offsets).max(initial=0))
+    if held > len(text_slots):
+        raise ValueError(f"a rank holds {held} sequences, more than the {len(text_slots)} samples per step "
+                         "whose text counts the step's all-reduce carries")
+    counts = [int(n) for r in range(plan.world_size)
+              for n in (text_slots[f"text_tokens.{i}"][r] for i in range(int(np.diff(plan.seq_offsets)[r])))]
+    return np.asarray(counts, dtype=np.int64)
+
+
 def _split_lengths(plan: BalancePlan) -> list[list[int]]:
     offs = plan.seq_offsets.tolist()
     lens = plan.seq_lens.tolist()
@@ -76,7 +88,7 @@ class Trainer:
         self.ctx, self.cfg = ctx, cfg
         self.rank, self.world = ctx.rank, ctx.world_size
         self.device = ctx.device(cfg.run.use_gpu)
-        self.sync = StepSync.build(self.device)
+        self.sync = StepSync.build(self.device, gloo_socket_ifname=cfg.run.gloo_socket_ifname)
         self.dtype = compute_dtype(cfg.run.precision, self.device)
         self.peak_tflops = peak_tflops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
         self.samples_per_step = cfg.samples_per_rank(self.world)
@@ -85,10 +97,13 @@ class Trainer:
         self.info = corpus_info(cfg.data.corpus)
         check_model_config(self.info, cfg.model)
 
+        # Built on the meta device (no storage), parallelized, then given storage and its
+        # initial weights shard by shard (``materialize``): the same weights as building it on
+        # the CPU from this seed, without holding the whole model anywhere. Then the optimizer
+        # and the EMA (over FSDP's sharded parameters), then the checkpoint.
         torch.manual_seed(cfg.data.seed)  # the same initial model on every rank
-        self.model = MMDiT(cfg.model).to(self.device)
-        # FSDP / checkpointing / compile from outside the model; then the optimizer and the
-        # EMA (over FSDP's sharded parameters), then the checkpoint.
+        with torch.device("meta"):
+            self.model = MMDiT(cfg.model)
         sharded = cfg.run.fsdp != "none"
         self.parallel = parallelize(
             self.model, fsdp=cfg.run.fsdp, ac=cfg.run.activation_checkpointing, ac_every=cfg.run.ac_every,
@@ -96,6 +111,7 @@ class Trainer:
             reduce_dtype=torch.float32, gpus_per_node=cfg.balance.gpus_per_node or None, world_size=self.world,
             device_type=self.device.type,
         )
+        materialize(self.model, self.device)
         # FSDP gathers parameters in the compute dtype itself; without it, bf16 is autocast.
         self.autocast = not sharded and self.dtype != torch.float32
         self.optimizer = build_optimizer(self.model, cfg.optim)
@@ -244,12 +260,17 @@ class Trainer:
         current: Step = stream.next_step()
         nxt = stream.peek_next()
         fetched = self.planner.fetch(step, current.meta, nxt)
-        batch = build_packed_batch(current.samples, cfg.model, seed=cfg.data.seed, epoch=self.epoch,
-                                   timesteps=self.timesteps).to(self.device)
-        agree, _ = self.sync.sum_over_ranks(summed={
+        host_batch = build_packed_batch(current.samples, cfg.model, seed=cfg.data.seed, epoch=self.epoch,
+                                        timesteps=self.timesteps)
+        batch = host_batch.to(self.device)
+        # Every sequence's text-token count rides along (one slot per sample a rank may hold):
+        # with the plan it tells every rank, on the host, which routed tokens are text.
+        text = host_batch.text_tokens_per_sequence()
+        agree, text_slots = self.sync.sum_over_ranks(summed={
             "img_tokens": batch.x_img.shape[0], "have_plan": fetched.have_plan,
             **self.guard.step_counts(stream.stats),
-        })
+        }, per_rank={f"text_tokens.{i}": int(text[i]) if i < text.size else 0
+                     for i in range(self.samples_per_step)})
         self.guard.check(agree, step)
         planned: Planned = self.planner.resolve(step, fetched, int(agree["have_plan"]) == self.world,
                                                 current.meta, nxt)
@@ -259,12 +280,17 @@ class Trainer:
         run_plan = planned.plan if cfg.balance.enabled else identity_plan(_split_lengths(planned.plan),
                                                                           planned.plan.model)
 
+        bag_group, route_group = self.groups.for_topology(run_plan.topology) if self.groups else (None, None)
+        # Index tensors built on the host and copied without blocking: nothing in the timed
+        # region below waits for the device (knapray dryrun counts such waits).
+        layout = prepare_step(host_batch, run_plan, rank, _plan_order(run_plan, text_slots), self.device,
+                              bag_group=bag_group, route_group=route_group)
+
         # ---- compute ----
         with StepTimer(self.device) as timer:
-            bag_group, route_group = self.groups.for_topology(run_plan.topology) if self.groups else (None, None)
             with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.autocast):
                 out = balanced_forward(self.model, batch, run_plan, rank, bag_group=bag_group,
-                                       route_group=route_group)
+                                       route_group=route_group, layout=layout)
                 loss = flow_loss(out, batch.targets, global_img)
             loss.backward()
         lr = self.schedule.get_last_lr()[0]  # what this step trains with

@@ -1,0 +1,596 @@
+"""``knapray dryrun``: one rank's training step of a run config at full scale, without a GPU.
+
+    knapray dryrun --config jobs/configs/flux_cluster.yaml [--world-size 64] [--rank 0] [--gpu-gib 80]
+
+Rank R of an N-rank run in one process, no GPU, no Ray: the model is built on the meta
+device, the run's parallelism is applied (FSDP full / hybrid, activation checkpointing,
+compile is left out, bag and block groups) over torch's fake process group (every
+collective returns at once, as any rank of any world), and one training step runs on fake
+tensors (``FakeTensorMode``: shapes, dtypes and devices, no data): routing, Ulysses,
+forward, backward, gradient reduction, clipping, AdamW and the EMA, on a packed batch
+drawn from a data mix at the run's ``data.max_tokens_per_gpu``, in the run's precision.
+It reports
+
+(a) the rank's peak memory by category, measured by torch's tracker (``FSDPMemTracker``
+    under FSDP, else ``MemTracker``), beside ``knapray memory``'s prediction;
+(b) the collectives one step issues (kind, group size, count, bytes) beside what the plan
+    and the parallelism imply;
+(c) a device and dtype check (q, k, v and every matrix multiply in the compute dtype; every
+    collective's tensors on the training device), host synchronizations inside the step's
+    timed region (forward + backward), and ops without a fake implementation.
+
+Two passes, because the CPU build of torch cannot run everything on a fake CUDA device:
+its autograd engine and its DeviceMesh need a real CUDA runtime. The *step* (forward,
+backward, optimizer; memory and collectives are measured there) runs on fake **CPU**
+tensors; a *device pass* runs the forward of the same plan, unsharded, with one block of
+each kind, on fake **CUDA** tensors, where placement and dtype errors of the GPU path show.
+Attention is the fused kernel's stand-in: torch's ``varlen_attn`` forward op (its own fake
+implementation) and a backward with flash-attn's gradient shapes; it saves what a fused
+kernel saves (q, k, v, output, logsumexp). A first step on no tokens (every unit still runs,
+on zero rows) does FSDP's lazy initialization and creates AdamW's state; the second, on the
+batch, is measured: a run's steady state.
+
+Exit status: 0 if every check passed, 1 on a device or dtype violation, a host sync in
+the timed region, an op without a fake implementation, collectives other than the
+expected ones, or measured and predicted peaks more than 10% apart; 2 on bad input (one
+line, before anything runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+GIB = 2**30
+MAX_PEAK_ERROR = 0.10
+DEFAULT_MIX = "image+video"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from knapray.commands.flags import add_config, add_json, add_world_size, float_in, int_at_least
+
+    add_config(p, required=True)
+    add_world_size(p, default=None, help="ranks of the run (default: run.num_workers)")
+    p.add_argument("--rank", type=int_at_least(0), default=0, help="the rank to run (default 0)")
+    p.add_argument("--gpu-gib", type=float_in(gt=0), default=80.0, help="GPU memory in GiB, for the fit (default 80)")
+    p.add_argument("--mix", default=None,
+                   help="data codes (gGbBiRfFsS, or low-res / mixed-res / image+video) the batch is drawn from "
+                        f"(default: {DEFAULT_MIX}, the paper's; the corpus itself is never read)")
+    add_json(p)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="knapray dryrun", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """Everything checked before the step runs."""
+
+    cfg: Any
+    world: int
+    rank: int
+    gpu_gib: float
+    mix: str
+    topology: Any
+    per_step_node: int | None
+    gpus_per_node: int
+    dtype: torch.dtype
+
+
+def _error(message: str) -> int:
+    print(f"knapray dryrun: error: {message}", file=sys.stderr)
+    return 2
+
+
+def check_setup(args: argparse.Namespace) -> Setup:
+    """The config and the arguments, checked (ValueError naming the value) before anything runs."""
+    from knapray.coordinator import BalanceCoordinator
+    from knapray.planning.mix import parse_mix
+    from knapray.planning.rules import per_step_node
+    from knapray.train.config import load_config
+    from knapray.train.parallelize import ParallelConfig
+    from knapray.train.step_planner import coordinator_config
+
+    cfg = load_config(args.config, args.set)
+    world = cfg.run.num_workers if args.world_size is None else args.world_size
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"--world-size must be an integer >= 1, got {world!r}")
+    if not 0 <= args.rank < world:
+        raise ValueError(f"--rank must be in [0, {world}) for a world of {world}, got {args.rank}")
+    if not (args.gpu_gib > 0 and math.isfinite(args.gpu_gib)):
+        raise ValueError(f"--gpu-gib must be a finite number > 0, got {args.gpu_gib!r}")
+    mix = args.mix or DEFAULT_MIX
+    parse_mix(mix)
+    gpn = cfg.balance.gpus_per_node or min(8, world)
+    if cfg.run.fsdp != "none":
+        ParallelConfig(fsdp=cfg.run.fsdp, gpus_per_node=gpn).mesh_shape(world)
+    topology = BalanceCoordinator(world_size=world, **coordinator_config(cfg)).topology_for(world)
+    from knapray.distributed import ParallelDims
+
+    ParallelDims(topology, world, cfg.model.num_heads)
+    precision = cfg.run.precision
+    dtype = torch.float32 if precision == "fp32" or (precision == "auto" and not cfg.run.use_gpu) else torch.bfloat16
+    return Setup(cfg=cfg, world=world, rank=args.rank, gpu_gib=args.gpu_gib, mix=mix, topology=topology,
+                 per_step_node=per_step_node(cfg.balance.topology, world, cfg.balance.gpus_per_node or None),
+                 gpus_per_node=gpn, dtype=dtype)
+
+
+# ---- the batch ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    text: int
+    grid: tuple[int, int, int]
+    """Image tokens along (t, h, w)."""
+
+    @property
+    def length(self) -> int:
+        return self.text + math.prod(self.grid)
+
+
+def draw_step(mix: str, world: int, budget: int, seed: int) -> list[list[Sample]]:
+    """Every rank's samples: rank r draws code ``r % len(codes)`` of the mix (each code
+    repeated for its G ranks), B samples per round, with 0..392 text tokens; as many
+    rounds as keep the world's tokens within ``budget`` per rank (one round without one)."""
+    from knapray.planning.mix import MAX_TEXT_TOKENS, SPATIAL_TOKEN_STRIDE, parse_mix
+
+    codes = [c for c in parse_mix(mix) for _ in range(c.ranks)]
+    per_rank = [codes[r % len(codes)] for r in range(world)]
+    mean_round = sum(c.batch * (c.visual_tokens + MAX_TEXT_TOKENS / 2) for c in per_rank)
+    rounds = max(1, int(budget * world // mean_round)) if budget else 1
+    rng = np.random.default_rng(seed)
+    out = []
+    for code in per_rank:
+        side = code.resolution // SPATIAL_TOKEN_STRIDE
+        n = code.batch * rounds
+        out.append([Sample(int(t), (code.latent_frames, side, side)) for t in rng.integers(0, MAX_TEXT_TOKENS + 1, n)])
+    return out
+
+
+def host_batch(samples: list[Sample], cfg) -> Any:
+    """This rank's packed batch on the host (zero latents: under fake tensors only shapes count)."""
+    from knapray.models import pack_samples
+
+    pt, ph, pw = cfg.patch_size
+    packed = [{"latent": torch.zeros(cfg.in_channels, t * pt, h * ph, w * pw), "text": torch.zeros(s.text, cfg.text_dim),
+               "pooled": torch.zeros(cfg.pooled_dim), "timestep": 0.5} for s in samples for (t, h, w) in (s.grid,)]
+    batch = pack_samples(packed, cfg)
+    batch.targets = torch.zeros_like(batch.x_img)
+    return batch
+
+
+def _fake_batch(batch, device: torch.device):
+    """The batch as fake tensors on ``device`` (the CPU build cannot copy to a fake CUDA device)."""
+    return dataclasses.replace(batch, **{
+        f.name: torch.empty(v.shape, dtype=v.dtype, device=device)
+        for f in dataclasses.fields(batch) for v in (getattr(batch, f.name),) if isinstance(v, torch.Tensor)})
+
+
+# ---- attention: the fused kernel's stand-in -------------------------------------------------
+
+
+class _KernelStandIn(torch.autograd.Function):
+    """torch's varlen_attn forward op on fake tensors, saving what a fused kernel saves;
+    backward returns flash-attn's gradient shapes."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, max_seqlen):
+        with torch.no_grad():
+            out, lse, _ = torch.ops.torch_attn._varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, False)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None, None
+
+
+@contextlib.contextmanager
+def _kernel_attention(watch):
+    """Route ``knapray.attention.varlen_attention`` (what Ulysses calls) to the stand-in,
+    checking q, k, v with ``watch`` first."""
+    import knapray.attention as attention
+    import torch.nn.attention.varlen  # noqa: F401 - registers torch_attn::_varlen_attn
+
+    original = attention.varlen_attention
+
+    def stand_in(q, k, v, cu_seqlens, max_seqlen, *, backend="auto", scale=None):
+        attention.check_qkv(q, k, v)
+        watch.check_attention(q, k, v)
+        if q.shape[0] == 0:
+            return (q + k + v) * 0.0
+        return _KernelStandIn.apply(q, k, v, cu_seqlens, int(max_seqlen))
+
+    attention.varlen_attention = stand_in
+    try:
+        yield
+    finally:
+        attention.varlen_attention = original
+
+
+@contextlib.contextmanager
+def _autocast(device: torch.device, dtype: torch.dtype, enabled: bool):
+    """The trainer's autocast; on a fake CUDA device set directly (``torch.autocast("cuda")``
+    switches itself off where CUDA is not available)."""
+    if not enabled:
+        yield
+        return
+    if device.type == "cuda" and not torch.cuda.is_available():
+        prev = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+        torch.set_autocast_enabled("cuda", True)
+        torch.set_autocast_dtype("cuda", dtype)
+        try:
+            yield
+        finally:
+            torch.set_autocast_enabled("cuda", prev[0])
+            torch.set_autocast_dtype("cuda", prev[1])
+        return
+    with torch.autocast(device.type, dtype=dtype):
+        yield
+
+
+# ---- the run --------------------------------------------------------------------------------
+
+
+def _fake_world(rank: int, world: int) -> None:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+
+
+def _groups(setup: Setup):
+    from knapray.distributed import BagGroups
+    from knapray.distributed.block_groups import BlockGroups, StepGroups
+
+    heads = setup.cfg.model.num_heads
+    base = BagGroups.build(setup.topology, heads)
+    blocks = BlockGroups.build(setup.per_step_node, heads) if setup.per_step_node is not None else None
+    return StepGroups(base, blocks)
+
+
+def _on_device(obj: Any, device: torch.device) -> Any:
+    """A copy of a step layout (dataclasses of index tensors, the Ulysses callable) with every
+    tensor an empty one of its shape and dtype on ``device`` (under the fake mode: a fake)."""
+    import copy
+
+    from knapray.distributed import UlyssesAttention
+
+    if isinstance(obj, torch.Tensor):
+        return torch.empty(obj.shape, dtype=obj.dtype, device=device)
+    if isinstance(obj, UlyssesAttention):
+        moved = copy.copy(obj)
+        moved.layout = _on_device(obj.layout, device)
+        return moved
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _on_device(getattr(obj, f.name), device)
+                                           for f in dataclasses.fields(obj) if f.init})
+    return obj
+
+
+def _to_empty(model: torch.nn.Module, device: torch.device, sharded: bool) -> None:
+    """Parameters (meta) as fake tensors on ``device``. FSDP's DTensors move with ``to_empty``;
+    plain parameters are replaced (swapping a meta parameter into a fake one is refused)."""
+    if sharded:
+        model.to_empty(device=device)
+        return
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[name] = torch.nn.Parameter(
+                    torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+
+
+@dataclasses.dataclass
+class StepResult:
+    peak: dict[str, int]
+    collectives: list
+    watch: Any
+    seconds: float
+    routed_tokens: int
+    routed_text: int
+    routed_sequences: int
+    error: str | None = None
+
+
+def run_step(setup: Setup, plan, text_tokens: np.ndarray, batch_host, *, device: torch.device,
+             device_pass: bool = False) -> StepResult:
+    """One rank's training step under fake tensors on ``device``, twice (memory and
+    collectives of the second). ``device_pass``: the placement check instead: unsharded,
+    fp32, one block of each kind, once, on a device that is not the host's."""
+    from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTensorMode, UnsupportedOperatorException
+
+    from knapray.coordinator import plan_from_gathered
+    from knapray.models import MMDiT
+    from knapray.models.flow import flow_loss
+    from knapray.train.balanced import balanced_forward, prepare_step, routed_text_mask
+    from knapray.train.ema import build_ema
+    from knapray.train.optim import build_optimizer
+    from knapray.train.parallelize import parallelize
+
+    from .step_watch import HostSync, StepWatch
+
+    cfg = setup.cfg
+    model_cfg = cfg.model
+    if device_pass:
+        model_cfg = dataclasses.replace(model_cfg, depth_double=min(1, model_cfg.depth_double),
+                                        depth_single=min(1, model_cfg.depth_single))
+    fsdp = "none" if device_pass else cfg.run.fsdp
+    sharded = fsdp != "none"
+    dtype = torch.float32 if device_pass else setup.dtype
+    _fake_world(setup.rank, setup.world)
+    groups = _groups(setup)  # before FSDP's mesh: every rank creates groups in one order
+    with torch.device("meta"):
+        model = MMDiT(model_cfg)
+    parallel = parallelize(
+        model, fsdp=fsdp, ac="none" if device_pass else cfg.run.activation_checkpointing, ac_every=cfg.run.ac_every,
+        param_dtype=dtype if sharded else torch.float32, reduce_dtype=torch.float32,
+        gpus_per_node=setup.gpus_per_node, world_size=setup.world, device_type=device.type)
+    bag_group, route_group = groups.for_topology(plan.topology)
+    routed = routed_text_mask(plan, setup.rank, text_tokens)
+    global_img = int(sum(plan.seq_lens) - text_tokens.sum())
+    watch = StepWatch(device, dtype)
+    result = StepResult(peak={}, collectives=[], watch=watch, seconds=0.0, routed_tokens=int(routed.size),
+                        routed_text=int(routed.sum()),
+                        routed_sequences=int(np.count_nonzero(plan.chunk_rank == setup.rank)))
+    t0 = time.perf_counter()
+    # The host side of the step (numpy from the host batch and the plan) runs outside the fake
+    # mode, which would turn the host batch's tensors into fakes; its tensors are placed on the
+    # device below.
+    meta_layout = prepare_step(batch_host, plan, setup.rank, text_tokens, torch.device("meta"), bag_group=bag_group,
+                               route_group=route_group)
+    # A first step on no tokens at all (every rank empty; every unit still runs, on zero rows):
+    # FSDP's lazy initialization and first-backward bookkeeping, and AdamW's state, happen
+    # there, so the measured step is a run's steady state, and costs no second full step.
+    empty_plan = plan_from_gathered([[] for _ in range(setup.world)], plan.topology)
+    empty_host = host_batch([], model_cfg)
+    empty_text = np.zeros(0, dtype=np.int64)
+    empty_layout = prepare_step(empty_host, empty_plan, setup.rank, empty_text, torch.device("meta"),
+                                bag_group=bag_group, route_group=route_group)
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        with fake, _kernel_attention(watch):
+            _to_empty(model, device, sharded)
+            batch = _fake_batch(batch_host, device)
+            layout = _on_device(meta_layout, device)
+            autocast = not sharded and dtype != torch.float32
+            optimizer = build_optimizer(model, cfg.optim)
+            ema = build_ema(model, cfg.optim)
+            steps = [(empty_plan, _fake_batch(empty_host, device), _on_device(empty_layout, device), 1, False),
+                     (plan, batch, layout, max(global_img, 1), True)]
+            for step_plan, step_batch, step_layout, images, measured in steps:
+                tracker = _tracker(model, optimizer, sharded) if measured and not device_pass else \
+                    contextlib.nullcontext()
+                with tracker, watch:
+                    watch.reset_counts()
+                    watch.count_syncs = True  # the trainer's timed region: forward + backward
+                    with _autocast(device, dtype, autocast):
+                        out = balanced_forward(model, step_batch, step_plan, setup.rank, bag_group=bag_group,
+                                               route_group=route_group, layout=step_layout)
+                        loss = flow_loss(out, step_batch.targets, images)
+                    loss.backward()
+                    watch.count_syncs = False
+                    parallel.reduce_gradients()  # then Trainer._apply_gradients, in its order
+                    if cfg.optim.grad_clip > 0:
+                        parallel.clip_grad_norm_(cfg.optim.grad_clip)
+                    optimizer.step()
+                    if ema is not None:
+                        ema.update(model)
+                    optimizer.zero_grad(set_to_none=True)
+            if not device_pass:
+                snap = tracker.get_tracker_snapshot("peak")
+                # {device: {category: bytes}}; categories are enums (their value is torch's name)
+                result.peak = {getattr(k, "value", k): v for k, v in next(iter(snap.values())).items()} if snap \
+                    else {}
+    except HostSync as e:
+        result.error = f"host sync in the step's timed region: {e}"
+    except FakeTensorDeviceMismatchError as e:
+        watch.device_violations.append(f"{e} (a tensor made on another device inside the step)")
+    except UnsupportedOperatorException as e:
+        result.error = f"op without a fake implementation: {e.func}"
+    result.seconds = time.perf_counter() - t0
+    result.collectives = watch.collectives.rows()
+    return result
+
+
+def _tracker(model, optimizer, sharded: bool):
+    if sharded:
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+        return FSDPMemTracker(model, optimizer)
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    return tracker
+
+
+# ---- what the plan implies ------------------------------------------------------------------
+
+
+def expected_collectives(setup: Setup, plan, depth: tuple[int, int]) -> dict:
+    """(kind, group size) -> count of one training step, from the plan and the parallelism."""
+    from knapray.distributed.router import RoutePlan
+    from knapray.planning.checkpointing import checkpointed_blocks
+    from knapray.train.parallelize import ParallelConfig
+
+    cfg, rank = setup.cfg, setup.rank
+    exp: dict[tuple[str, int], int] = {}
+
+    def add(kind: str, size: int, n: int) -> None:
+        if n and size > 1:
+            exp[(kind, size)] = exp.get((kind, size), 0) + n
+
+    topo = plan.topology
+    bag = int(topo.bag_of_rank[rank])
+    group = topo.group_ranks(int(topo.group_of_bag[bag]))
+    rp = RoutePlan.build(plan, rank, tuple(int(r) for r in group))
+    if not rp.local_only:  # route, sequence features, route home; each sent back in backward
+        add("alltoall_base_", len(group), 6)
+    g = int(topo.bag_sizes[bag])
+    blocks = depth[0] + depth[1]
+    recomputed = sum(checkpointed_blocks(cfg.run.activation_checkpointing, cfg.run.ac_every, blocks))
+    add("alltoall_base_", g, 4 * blocks + 2 * recomputed)  # q/k/v and output, forward and backward
+    if cfg.run.fsdp == "none":
+        add("allreduce_", setup.world, 1)  # the flat gradient all-reduce
+    else:
+        (shape, _) = ParallelConfig(fsdp=cfg.run.fsdp, gpus_per_node=setup.gpus_per_node).mesh_shape(setup.world)
+        shard, replicate = shape[-1], (shape[0] if len(shape) == 2 else 1)
+        m = cfg.model
+        units = 2 + (1 if m.text_dim else 0) + (1 if m.pooled_dim else 0) + blocks + 1
+        # Every unit gathered in forward and again in backward, but the final layer (kept).
+        add("_allgather_base_", shard, 2 * units - 1)
+        add("_reduce_scatter_base_", shard, units)
+        add("allreduce_", replicate, units)
+        if cfg.optim.grad_clip > 0:
+            add("all_reduce", shard, 1)  # the sharded gradients' norm (DTensor.full_tensor)
+    return exp
+
+
+# ---- the report -----------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> int:
+    from knapray.planning.memory import memory_model_for_run
+
+    try:
+        setup = check_setup(args)
+    except (ValueError, OSError) as e:
+        what = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename else str(e)
+        return _error(what)
+    from knapray.coordinator import plan_from_gathered
+    from knapray.train.step_planner import planning_model
+
+    cfg, world, rank = setup.cfg, setup.world, setup.rank
+    budget = cfg.data.max_tokens_per_gpu
+    samples = draw_step(setup.mix, world, budget, cfg.data.seed)
+    lens = [[s.length for s in rank_samples] for rank_samples in samples]
+    text_tokens = np.array([s.text for rank_samples in samples for s in rank_samples], dtype=np.int64)
+    plan = plan_from_gathered(lens, setup.topology, planning_model(cfg), cfg.balance.solver, budget or None,
+                              setup.per_step_node)
+    batch = host_batch(samples[rank], cfg.model)
+    m = cfg.model
+    depth = (m.depth_double, m.depth_single)
+    corpus = Path(cfg.data.corpus)
+    print(f"knapray dryrun: {args.config} as rank {rank} of {world} ({setup.gpus_per_node} per node); torch "
+          f"{torch.__version__}; no GPU, no Ray: fake tensors over a fake process group")
+    from knapray.planning.memory import ModelShape
+
+    shape = ModelShape.of(m)
+    print(f"model  {shape.num_params / 1e9:.2f} B parameters ({m.depth_double} double + {m.depth_single} single "
+          f"blocks, d={m.hidden_size}, {m.num_heads} heads), {str(setup.dtype)[6:]}, fsdp {cfg.run.fsdp}, "
+          f"activation checkpointing {cfg.run.activation_checkpointing}"
+          + (f" (k={cfg.run.ac_every})" if cfg.run.activation_checkpointing == "every_k" else "")
+          + ("; run.compile is left out (eager blocks)" if cfg.run.compile else ""))
+    print(f"data   the corpus ({corpus}{'' if corpus.exists() else ', absent here'}) is not read: lengths from "
+          f"--mix {setup.mix}{' (the paper mix)' if args.mix is None else ''}, "
+          f"{sum(len(s) for s in samples)} samples over {world} ranks"
+          + (f", as many as keep the mean within data.max_tokens_per_gpu={budget}" if budget else ""))
+    routed_here = int(plan.rank_tokens[rank])
+    print(f"plan   topology {plan.topology} (balance.topology {cfg.balance.topology}); rank {rank}: "
+          f"{len(samples[rank])} home sequences, {routed_here} routed tokens (max over ranks "
+          f"{int(plan.rank_tokens.max())}); imbalance {plan.imbalance:.4f}")
+
+    try:
+        step = run_step(setup, plan, text_tokens, batch, device=torch.device("cpu"))
+        device = run_step(setup, plan, text_tokens, batch, device=torch.device("meta"), device_pass=True)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # the fake world: nothing of it outlives the command
+            dist.destroy_process_group()
+    print(f"step   a training step on fake CPU tensors in {step.seconds:.0f} s (after one on no tokens: FSDP's "
+          f"lazy init, AdamW's state)")
+    print(f"device a training step on fake tensors of a device that is not the host's (meta), unsharded, fp32, "
+          f"{min(1, m.depth_double)}+{min(1, m.depth_single)} blocks, in {device.seconds:.0f} s")
+
+    mem = memory_model_for_run(cfg, world_size=world, gpus_per_node=setup.gpus_per_node)
+    pred = mem.breakdown(step.routed_tokens, text_tokens=step.routed_text, sequences=step.routed_sequences)
+    failures: list[str] = []
+    for res, what in ((step, "step"), (device, "device pass")):
+        if res.error:
+            failures.append(f"{what}: {res.error}")
+    measured = step.peak.get("Total", 0)
+    err = (pred.total - measured) / measured if measured else math.nan
+    print(f"\nmemory: rank {rank}'s peak, {step.routed_tokens} routed tokens ({step.routed_text} text) of "
+          f"{step.routed_sequences} sequences")
+    print(f"  {'measured (torch tracker)':<28} {'GiB':>8}    {'predicted (knapray memory)':<28} {'GiB':>8}")
+    meas_rows = [(k, v) for k, v in step.peak.items() if k != "Total" and v]
+    pred_rows = [(k.replace("_", " "), v * GIB) for k, v in pred.to_gib().items() if k != "total" and v]
+    for i in range(max(len(meas_rows), len(pred_rows))):
+        left = f"  {meas_rows[i][0]:<28} {meas_rows[i][1] / GIB:>8.2f}" if i < len(meas_rows) else " " * 39
+        right = f"    {pred_rows[i][0]:<28} {pred_rows[i][1] / GIB:>8.2f}" if i < len(pred_rows) else ""
+        print(left + right)
+    print(f"  {'total (peak)':<28} {measured / GIB:>8.2f}    {'total (' + pred.peak_phase + ')':<28} "
+          f"{pred.total / GIB:>8.2f}   predicted {err:+.1%}")
+    if not measured:
+        failures.append("no memory was measured")
+    elif abs(err) > MAX_PEAK_ERROR:
+        failures.append(f"predicted peak {pred.total / GIB:.2f} GiB is {err:+.1%} off the measured "
+                        f"{measured / GIB:.2f} GiB (more than {MAX_PEAK_ERROR:.0%})")
+    usable = mem.usable_bytes(int(setup.gpu_gib * GIB))
+    print(f"  fits {setup.gpu_gib:g} GiB: {'yes' if max(measured, pred.total) <= usable else 'NO'} (usable "
+          f"{usable / GIB:.2f} GiB after {mem.reserve_bytes / GIB:g} GiB reserve and "
+          f"{mem.fragmentation:.0%} fragmentation)")
+
+    expected = expected_collectives(setup, plan, depth)
+    print(f"\ncollectives: one training step of rank {rank} (measured | the plan and parallelism imply)")
+    print(f"  {'kind':<24} {'group':>5} {'count':>6} {'MiB':>10} | {'count':>6}")
+    seen = set()
+    for kind, size, count, nbytes in step.collectives:
+        seen.add((kind, size))
+        want = expected.get((kind, size), 0)
+        mark = "" if want == count else "   <- differs"
+        print(f"  {kind:<24} {size if size is not None else '?':>5} {count:>6} {nbytes / 2**20:>10.1f} | {want:>6}{mark}")
+        if want != count:
+            failures.append(f"{kind} on groups of {size}: {count} per step, the plan implies {want}")
+    for (kind, size), want in sorted(expected.items()):
+        if (kind, size) not in seen:
+            print(f"  {kind:<24} {size:>5} {0:>6} {0:>10.1f} | {want:>6}   <- differs")
+            failures.append(f"{kind} on groups of {size}: none, the plan implies {want}")
+
+    w = device.watch
+    print("\nchecks")
+    print(f"  device: every tensor of the step and every collective's on the training device (meta stands in for "
+          f"cuda): " + ("OK" if not w.device_violations else "; ".join(w.device_violations)))
+    dtype_lines = step.watch.dtype_violations + w.dtype_violations
+    print(f"  dtype: q, k, v and every matmul in {str(setup.dtype)[6:]} ({step.watch.attention_calls} attention "
+          f"calls, {step.watch.matmuls} matmuls in the measured step): " + ("OK" if not dtype_lines else "; ".join(dtype_lines)))
+    print(f"  host syncs in the timed region (forward + backward): {len(step.watch.syncs) + len(w.syncs)}"
+          + "".join(f"\n    {s}" for s in step.watch.syncs + w.syncs))
+    failures += [f"device: {v}" for v in w.device_violations + step.watch.device_violations]
+    failures += [f"dtype: {v}" for v in dtype_lines]
+    ok = not failures
+    print("DRY RUN " + ("PASSED" if ok else "FAILED: " + "; ".join(failures)))
+    if args.json:
+        print(json.dumps({
+            "config": args.config, "world_size": world, "rank": rank, "topology": str(plan.topology),
+            "routed_tokens": step.routed_tokens, "measured_peak_bytes": measured, "predicted_peak_bytes": pred.total,
+            "peak_error": err, "measured": step.peak, "predicted": pred.to_gib(),
+            "collectives": [{"kind": k, "group": s, "count": c, "bytes": b} for k, s, c, b in step.collectives],
+            "expected": [{"kind": k, "group": s, "count": c} for (k, s), c in sorted(expected.items())],
+            "syncs": step.watch.syncs + w.syncs, "failures": failures, "passed": ok,
+            "seconds": {"step": step.seconds, "device": device.seconds},
+        }))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""``knapray dryrun``: one rank's full training step on fake tensors over a fake process group.
+
+- bad input: one line, exit 2, before anything runs;
+- the GPU check's three runs at world 1 (one block of each kind: what the check runs is
+  the same code per block) and flux_cluster.yaml at 64 ranks (hybrid FSDP, 8 per node):
+  they pass (memory within 10% of ``knapray memory``, the collectives the plan implies, q/k/v
+  and matmuls in bf16, every tensor on the training device, no host sync);
+- the host-sync watch flags what a GPU step would wait for (the step without a prepared
+  layout: ``nonzero`` on the device) and the trainer's path has none.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from knapray.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+FLUX = str(REPO / "jobs" / "configs" / "flux_cluster.yaml")
+
+
+@pytest.fixture
+def dryrun(capsys):
+    """Run ``knapray dryrun ARGS`` in this process; (exit code, stdout, stderr)."""
+
+    def run(*args: str) -> SimpleNamespace:
+        try:
+            code = main(["dryrun", *args])
+        except SystemExit as e:  # argparse's own exit for a bad argument
+            code = e.code
+        out = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+
+    return run
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--rank", "64"], "--rank must be in [0, 64) for a world of 64, got 64"),
+    (["--world-size", "12"], "world size 12 is not a multiple of gpus_per_node=8"),
+    (["--mix", "g8b4x256"], "bad data code 'g8b4x256'"),
+    (["--set", "run.fsdp=zero3"], "run.fsdp"),
+])
+def test_bad_input_is_one_line_and_exit_2(dryrun, args, message):
+    out = dryrun("--config", FLUX, *args)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-2000:]
+    assert lines[0].startswith("knapray dryrun: error:") and message in lines[0]
+
+
+def _result(out: SimpleNamespace) -> dict:
+    assert out.stdout.strip(), out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", ["eager", "fsdp-compile", "fsdp-compile-ac"])
+def test_gpu_check_runs_dry_run_at_world_1(dryrun, tmp_path, name):
+    from knapray.testing.gpu_check import GPU_CHECKS, write_config
+
+    (check,) = [c for c in GPU_CHECKS if c.name == name]
+    config = write_config(check, tmp_path / "no-corpus", tmp_path, steps=30, topology="g1n1", cpu=False)
+    out = dryrun("--config", str(config), "--world-size", "1", "--set", "model.depth_double=1",
+                  "--set", "model.depth_single=1", "--mix", "g1b2i512f1s0", "--json")
+    r = _result(out)
+    assert out.returncode == 0 and r["passed"], out.stdout[-3000:]
+    assert abs(r["peak_error"]) <= 0.10 and r["syncs"] == [] and r["collectives"] == []  # a world of one
+    assert "DRY RUN PASSED" in out.stdout
+
+
+def test_flux_cluster_dry_runs_at_64_ranks(dryrun):
+    out = dryrun("--config", FLUX, "--json")
+    r = _result(out)
+    assert out.returncode == 0 and r["passed"], out.stdout[-4000:]
+    assert (r["world_size"], r["topology"]) == (64, "g8n8")
+    assert abs(r["peak_error"]) <= 0.10 and r["syncs"] == []
+    measured = {(c["kind"], c["group"]): c["count"] for c in r["collectives"]}
+    assert measured == {(c["kind"], c["group"]): c["count"] for c in r["expected"]}
+    # Ulysses on the bag of 8: q/k/v and output exchanges, forward, recompute and backward,
+    # for 57 blocks; routing over the world; FSDP within the node, HSDP's all-reduce across.
+    assert measured[("alltoall_base_", 8)] == 6 * 57 and measured[("alltoall_base_", 64)] == 6
+    assert measured[("_reduce_scatter_base_", 8)] == measured[("allreduce_", 8)] == 57 + 5
+    assert "q, k, v and every matmul in bfloat16 (114 attention calls" in out.stdout
+
+
+def test_host_sync_watch_flags_the_step_without_a_layout_and_not_the_trainers():
+    from knapray.models import MMDiT, flow_loss
+    from knapray.parity import parity_config
+    from knapray.planning import Topology, WorkloadModel, plan_balance
+    from knapray.testing.batches import mix_batches
+    from knapray.testing.step_watch import HostSync, StepWatch
+    from knapray.train.balanced import balanced_forward, prepare_step
+
+    cfg = parity_config()
+    batch = mix_batches("g1b2i256f1s0,g1b1i128f2s0", cfg, scale=4, seed=1, world_size=None, max_text_tokens=20)[0]
+    plan = plan_balance([batch.seq_lens.tolist()], Topology.parse("g1n1"), WorkloadModel(d_model=cfg.hidden_size))
+    model = MMDiT(cfg)
+    layout = prepare_step(batch, plan, 0, batch.text_tokens_per_sequence(), "cpu", bag_group=None)
+    watch = StepWatch("cpu", torch.float32)
+    with watch:
+        out = balanced_forward(model, batch, plan, 0, bag_group=None, layout=layout)
+        flow_loss(out, batch.targets, batch.x_img.shape[0]).backward()
+    assert watch.syncs == []
+    with pytest.raises(HostSync, match=r"nonzero .* at knapray/models/blocks.py"), watch:
+        balanced_forward(model, batch, plan, 0, bag_group=None)
+    assert len(watch.syncs) == 1
+
+
+def test_host_to_device_on_a_fake_cuda_device():
+    import numpy as np
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from knapray.transfer import host_to_device
+
+    with FakeTensorMode():
+        t = host_to_device(np.arange(6, dtype=np.int64).reshape(2, 3), "cuda", torch.int32)
+    assert isinstance(t, FakeTensor) and t.device.type == "cuda" and t.shape == (2, 3) and t.dtype == torch.int32
+    cpu = host_to_device(np.arange(3), None)
+    assert cpu.device.type == "cpu" and cpu.tolist() == [0, 1, 2]
