@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from knapray.distributed import UlyssesAttention, reverse_route, route, route_plan, route_sequence_features
-from knapray.models import MMDiT, PackedBatch
+from knapray.models import PackedBatch
+from knapray.models.families import condition_inputs
 from knapray.planning import BalancePlan
 
 
@@ -35,7 +36,7 @@ def check_batch_matches_plan(batch: PackedBatch, plan: BalancePlan, rank: int) -
 
 
 def balanced_forward(
-    model: MMDiT,
+    model: torch.nn.Module,
     batch: PackedBatch,
     plan: BalancePlan,
     rank: int,
@@ -46,12 +47,14 @@ def balanced_forward(
 ) -> torch.Tensor:
     """Model output for this rank's image tokens, (Ni_home, patch_dim), in home order.
 
+    ``model``: any family's model (knapray/models/families): its four stages are called.
+
     ``bag_group``: the process group of this rank's bag (None for a bag of one);
     ``route_group``: the balance group (None: the world). Collective: every rank of the
     balance group calls it for the same plan, also ranks with no sequences.
     """
     check_batch_matches_plan(batch, plan, rank)
-    vec = model.condition(batch.timesteps, batch.pooled)  # (S_home, d)
+    vec = model.condition(**condition_inputs(model, batch))  # (S_home, d)
     h = model.embed(batch.x_txt, batch.x_img, batch.is_text)  # (N_home, d)
     routed = route(plan, rank, {"h": h, "pos": batch.pos, "is_text": batch.is_text}, route_group)
     vec_loc = route_sequence_features(plan, rank, vec, route_group)  # (S_loc, d)
