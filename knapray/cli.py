@@ -595,6 +595,9 @@ def build_parser() -> argparse.ArgumentParser:
     y.add_argument("--gpu-gib", type=_float_in(gt=0), default=80.0, help="GPU memory in GiB (default 80)")
     y.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     y.set_defaults(func=cmd_memory)
+
+    from knapray.commands import export, reference, register  # one module per command (knapray/commands)
+    for command in (reference, export): register(sub, command)  # noqa: E701
     return parser
 
 

@@ -51,8 +51,12 @@ def resolve_paths(cfg: TrainConfig) -> TrainConfig:
     storage = cfg.run.storage
     if not os.path.isabs(storage) and inside_ray_upload(os.getcwd()):
         storage = os.path.join(os.path.expanduser(os.environ.get("KNAPRAY_STORAGE", DEFAULT_JOB_STORAGE)), storage)
+    model = cfg.model
+    if model.pretrained:  # workers run elsewhere: an absolute path (it must be on storage every node reads)
+        model = replace(model, pretrained=os.path.abspath(os.path.expanduser(model.pretrained)))
     return replace(
         cfg,
+        model=model,
         data=replace(cfg.data, corpus=os.path.abspath(cfg.data.corpus)),
         run=replace(cfg.run, storage=os.path.abspath(os.path.expanduser(storage))),
     )
@@ -70,6 +74,20 @@ def check_corpus(cfg: TrainConfig) -> None:
                 "give data.corpus as an absolute path on storage every node reads")
     raise RunError(f"data.corpus {path!r}: no corpus there (no schema.json){hint}; build one with "
                    "python -m knapray.corpus.synthetic or python -m knapray.corpus.ingest")
+
+
+def check_pretrained(cfg: TrainConfig) -> None:
+    """``model.pretrained`` (if set) is a checkpoint of the model's family and shape with
+    exactly its tensors: from config.json and the safetensors headers, before any worker
+    starts (each worker then reads only its shard of the data)."""
+    if not cfg.model.pretrained:
+        return
+    from knapray.weights.checks import check_pretrained as check
+
+    try:
+        check(cfg.model)
+    except ValueError as e:
+        raise RunError(f"model.pretrained: {e}") from None
 
 
 def saved_config(run_dir: str) -> dict | None:
@@ -174,6 +192,7 @@ def prepare_run(cfg: TrainConfig, worlds: Iterable[int]) -> tuple[RunStart, "Run
     for world in worlds:
         check_world(cfg, world)
     check_corpus(cfg)
+    check_pretrained(cfg)
     start = decide_start(cfg, completed_checkpoints(os.path.join(cfg.run_dir, "checkpoints")))
     lock = RunLock(cfg.run_dir).acquire()
     try:
