@@ -13,8 +13,12 @@ packed attention), and every Euler step is one forward pass over all of them:
 
     x_1 = noise;  x_{t - dt} = x_t - dt * v(x_t, t)      (x_t = (1-t)·x_0 + t·noise)
 
-with ``--guidance g > 1`` adding classifier-free guidance against empty text. Latents are
-decoded with the corpus's VAE when it has one, the stand-in pixel encoder's inverse, or
+with ``--guidance g > 1`` adding classifier-free guidance against the corpus's
+unconditional embeddings (the empty caption's, knapray/corpus/unconditional.py: what caption
+dropout trains with). A flux-family run samples with Flux's conventions instead: each
+request's own timestep shift from its image tokens (FluxPipeline's ``calculate_shift``),
+and for FLUX.1-dev ``--guidance`` (default 3.5) is the embedded guidance input, one forward
+pass per step, no classifier-free guidance. Latents are decoded with the corpus's VAE when it has one, the stand-in pixel encoder's inverse, or
 (synthetic corpora) shown as their first three channels. The grid is a PNG with each
 request's caption and size.
 """
@@ -70,8 +74,8 @@ def flow_timesteps(steps: int, shift: float = 1.0) -> list[float]:
 
 def load_run_model(run_dir: str, checkpoint: str | None = None, ema: bool = True,
                    device: str = "cpu") -> tuple[Any, Any, str, bool]:
-    """(MMDiT, TrainConfig, checkpoint path, EMA used) from a run directory."""
-    from knapray.models import MMDiT
+    """(model of the run's family, TrainConfig, checkpoint path, EMA used) from a run directory."""
+    from knapray.models.families import build_model
     from knapray.train.checkpoint import completed_checkpoints, safe_load, saved_keys
     from knapray.train.config import config_from_dict
 
@@ -86,7 +90,7 @@ def load_run_model(run_dir: str, checkpoint: str | None = None, ema: bool = True
         raise ValueError(f"--run {run_dir}: no complete checkpoint to sample from")
     if not os.path.exists(os.path.join(path, ".metadata")):
         raise ValueError(f"--checkpoint {path}: not a checkpoint directory (no .metadata)")
-    model = MMDiT(cfg.model)
+    model = build_model(cfg.model)
     used_ema = ema and any(k.startswith("ema.") for k in saved_keys(path))
     prefix = "ema" if used_ema else "model"
     state = {prefix: {k: v for k, v in model.state_dict().items()}}
@@ -157,20 +161,44 @@ def corpus_text(corpus: str, sample_id: int, text_dim: int, pooled_dim: int) -> 
 # ---- sampling -----------------------------------------------------------------------------
 
 
+def embeds_guidance(model) -> bool:
+    """Whether ``model`` takes a guidance input (FLUX.1-dev) instead of classifier-free guidance."""
+    return bool(getattr(model.cfg, "guidance_embeds", False))
+
+
+def request_shifts(model, shapes: list[tuple[int, int, int]], shift: float | None) -> list[float]:
+    """Each request's timestep shift: ``shift`` for all when given; else a flux-family
+    model's per-request resolution shift (its image tokens), 1 for the others."""
+    if shift is not None:
+        return [shift] * len(shapes)
+    if model.cfg.family != "flux":
+        return [1.0] * len(shapes)
+    from knapray.models.timesteps import ResolutionShift
+
+    pt, ph, pw = model.cfg.patch_size
+    return [ResolutionShift().shift((t // pt) * (h // ph) * (w // pw)) for t, h, w in shapes]
+
+
 def sample_latents(model, conds: list[tuple[np.ndarray, np.ndarray]], shapes: list[tuple[int, int, int]],
-                   *, steps: int, seed: int, guidance: float = 1.0, shift: float = 1.0) -> list[np.ndarray]:
-    """Euler-integrate the learned velocity of ``model`` (an MMDiT) from noise to data for
-    every request at once.
+                   *, steps: int, seed: int, guidance: float = 1.0, shift: float | None = 1.0,
+                   unconditional: tuple[np.ndarray, np.ndarray] | None = None) -> list[np.ndarray]:
+    """Euler-integrate the learned velocity of ``model`` (any family's) from noise to data
+    for every request at once.
 
     ``conds``: (text (L, text_dim), pooled (pooled_dim,)) per request; ``shapes``: latent
-    (T, H, W) per request. Returns latents (C, T, H, W)."""
+    (T, H, W) per request; ``shift``: None for the family's own (``request_shifts``);
+    ``guidance``: the guidance input of a model that embeds it, else the classifier-free
+    guidance scale against ``unconditional`` (default: 0 text tokens, zero pooled).
+    Returns latents (C, T, H, W)."""
     import torch
 
     with torch.no_grad():
-        return _integrate(model, conds, shapes, steps=steps, seed=seed, guidance=guidance, shift=shift)
+        return _integrate(model, conds, shapes, steps=steps, seed=seed, guidance=guidance, shift=shift,
+                          unconditional=unconditional)
 
 
-def _integrate(model, conds, shapes, *, steps: int, seed: int, guidance: float, shift: float) -> list[np.ndarray]:
+def _integrate(model, conds, shapes, *, steps: int, seed: int, guidance: float, shift: float | None,
+               unconditional) -> list[np.ndarray]:
     import torch
 
     from knapray.models import pack_samples
@@ -178,27 +206,34 @@ def _integrate(model, conds, shapes, *, steps: int, seed: int, guidance: float, 
     cfg = model.cfg
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
+    embedded = embeds_guidance(model)
     items = []
     for (text, pooled), (t, h, w) in zip(conds, shapes):
         items.append({"latent": torch.randn(cfg.in_channels, t, h, w, generator=gen),
                       "text": torch.as_tensor(text, dtype=torch.float32),
-                      "pooled": torch.as_tensor(pooled, dtype=torch.float32), "timestep": 1.0})
-    if guidance != 1.0:  # the same requests with empty text, for classifier-free guidance
-        items += [dict(it, text=torch.zeros(0, cfg.text_dim), pooled=torch.zeros(cfg.pooled_dim)) for it in items]
+                      "pooled": torch.as_tensor(pooled, dtype=torch.float32), "timestep": 1.0,
+                      **({"guidance": guidance} if embedded else {})})
+    shifts = request_shifts(model, list(shapes), shift)
+    cfg_scale = 1.0 if embedded else guidance
+    if cfg_scale != 1.0:  # the same requests, unconditioned, for classifier-free guidance
+        text_u, pooled_u = unconditional if unconditional is not None else (
+            np.zeros((0, cfg.text_dim), np.float32), np.zeros(cfg.pooled_dim, np.float32))
+        items += [dict(it, text=torch.as_tensor(text_u), pooled=torch.as_tensor(pooled_u)) for it in items]
+        shifts += shifts
     batch = pack_samples(items, cfg).to(device)
     n = len(conds)
     image_rows = batch.image_seq_index  # (Ni,) request of each image token
     x = batch.x_img.clone()
-    times = flow_timesteps(steps, shift)
-    for t_now, t_next in zip(times, times[1:]):
-        ts = torch.full((batch.num_sequences,), t_now, device=device)
-        v = model(replace(batch, x_img=x, timesteps=ts))  # (Ni, patch_dim)
-        if guidance != 1.0:
+    times = torch.tensor([flow_timesteps(steps, s) for s in shifts], dtype=torch.float64, device=device)  # (S, steps+1)
+    for i in range(steps):
+        v = model(replace(batch, x_img=x, timesteps=times[:, i].float()))  # (Ni, patch_dim)
+        if cfg_scale != 1.0:
             cond = image_rows < n
             v_c, v_u = v[cond], v[~cond]
-            v_g = v_u + guidance * (v_c - v_u)
+            v_g = v_u + cfg_scale * (v_c - v_u)
             v = torch.cat((v_g, v_g))  # both halves move together
-        x = x - (t_now - t_next) * v
+        dt = (times[:, i] - times[:, i + 1])[image_rows, None].to(x.dtype)  # (Ni, 1): each token its request's step
+        x = x - dt * v
     return _unpack(x[image_rows < n].cpu(), batch, n, cfg)
 
 
@@ -242,6 +277,10 @@ def run(args: argparse.Namespace) -> dict:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, cfg, ckpt, used_ema = load_run_model(args.run, args.checkpoint, ema=not args.no_ema, device=device)
     text_encoder, decoder, dims = corpus_codecs(cfg.data.corpus, device)
+    from knapray.corpus.unconditional import unconditional_embeddings
+
+    unconditional = unconditional_embeddings(cfg.data.corpus, cfg.model.text_dim, cfg.model.pooled_dim)
+    guidance = args.guidance if args.guidance is not None else (3.5 if embeds_guidance(model) else 1.0)
     down = int(dims.get("vae_downsample", 8))
     sizes = [parse_size(s) for s in (args.size or ["256x256"])]
     prompts: list[tuple[str | None, int | None]] = [(c, None) for c in (args.caption or [])]
@@ -266,14 +305,15 @@ def run(args: argparse.Namespace) -> dict:
                                  "use --like SAMPLE_ID to borrow a sample's text embeddings")
             conds.append(text_encoder.encode(caption, args.max_text_tokens))
         else:
-            conds.append((np.zeros((0, cfg.model.text_dim), np.float32), np.zeros(cfg.model.pooled_dim, np.float32)))
+            conds.append(unconditional)
         shapes.append((args.frames * pt, lh, lw))
         titles.append(f"{caption or (f'like sample {like}' if like is not None else 'unconditional')}\n{h}x{w}")
-    latents = sample_latents(model, conds, shapes, steps=args.steps, seed=args.seed, guidance=args.guidance,
-                             shift=args.shift)
+    latents = sample_latents(model, conds, shapes, steps=args.steps, seed=args.seed, guidance=guidance,
+                             shift=args.shift, unconditional=unconditional)
     images = [decoder.decode(z) if decoder is not None else preview(z) for z in latents]
     out = save_grid(args.out, images, titles)
-    return {"out": out, "checkpoint": ckpt, "ema": used_ema, "requests": len(images),
+    return {"out": out, "checkpoint": ckpt, "ema": used_ema, "requests": len(images), "family": cfg.model.family,
+            "guidance": guidance, "shifts": request_shifts(model, shapes, args.shift),
             "shapes": [list(im.shape) for im in images], "decoder": type(decoder).__name__ if decoder else "preview"}
 
 
@@ -288,8 +328,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pixels, one for all or one per request (default 256x256)")
     p.add_argument("--frames", type=int, default=1, help="latent frames (videos; default 1)")
     p.add_argument("--steps", type=int, default=28, help="Euler steps (default 28)")
-    p.add_argument("--shift", type=float, default=1.0, help="timestep shift, > 1 favours high noise (default 1)")
-    p.add_argument("--guidance", type=float, default=1.0, help="classifier-free guidance scale (default 1: off)")
+    p.add_argument("--shift", type=float, default=None, help="timestep shift, > 1 favours high noise (default: 1; "
+                   "a flux run: each request's own from its image tokens, as FluxPipeline)")
+    p.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale against the "
+                   "corpus's unconditional embeddings (default 1: off); FLUX.1-dev: its embedded guidance (default 3.5)")
     p.add_argument("--max-text-tokens", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")

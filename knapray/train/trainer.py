@@ -28,11 +28,20 @@ import numpy as np
 import torch
 
 from knapray.coordinator import CoordinatorClient, CoordinatorUnavailable
-from knapray.data import Step, StepMeta, StepStream, build_packed_batch, check_model_config, corpus_info
+from knapray.corpus.unconditional import unconditional_embeddings
+from knapray.data import (
+    CaptionDropout,
+    Step,
+    StepMeta,
+    StepStream,
+    build_packed_batch,
+    check_model_config,
+    corpus_info,
+)
 from knapray.distributed import BagGroups
 from knapray.distributed.block_groups import BlockGroups, StepGroups
 from knapray.distributed.step_sync import StepSync
-from knapray.models import MMDiT
+from knapray.models.families import build_model
 from knapray.models.flops import model_flops, peak_tflops
 from knapray.models.flow import flow_loss
 from knapray.planning import BalancePlan, Topology, identity_plan
@@ -86,9 +95,17 @@ class Trainer:
         check_model_config(self.info, cfg.model)
 
         torch.manual_seed(cfg.data.seed)  # the same initial model on every rank
-        self.model = MMDiT(cfg.model).to(self.device)
-        # FSDP / checkpointing / compile from outside the model; then the optimizer and the
-        # EMA (over FSDP's sharded parameters), then the checkpoint.
+        # A pretrained model is built on the meta device and filled after sharding (each
+        # rank reads only its shard of the checkpoint); a random one is initialized here.
+        pretrained = bool(cfg.model.pretrained)
+        if pretrained:
+            with torch.device("meta"):
+                self.model = build_model(cfg.model)
+        else:
+            self.model = build_model(cfg.model).to(self.device)
+        # FSDP / checkpointing / compile from outside the model; then the weights of a
+        # pretrained model, the optimizer and the EMA (over FSDP's sharded parameters), then
+        # the checkpoint.
         sharded = cfg.run.fsdp != "none"
         self.parallel = parallelize(
             self.model, fsdp=cfg.run.fsdp, ac=cfg.run.activation_checkpointing, ac_every=cfg.run.ac_every,
@@ -98,9 +115,14 @@ class Trainer:
         )
         # FSDP gathers parameters in the compute dtype itself; without it, bf16 is autocast.
         self.autocast = not sharded and self.dtype != torch.float32
+        if pretrained:
+            self._load_pretrained()
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.ema = build_ema(self.model, cfg.optim)
         self.timesteps = cfg.flow.distribution()
+        self.guidance = cfg.flow.guidance if getattr(cfg.model, "guidance_embeds", False) else None
+        self.unconditional = unconditional_embeddings(cfg.data.corpus, self.info.text_dim, self.info.pooled_dim) \
+            if cfg.data.caption_dropout > 0 else None
         self.accum = cfg.optim.grad_accum_steps
         self.checkpointer = Checkpointer(os.path.join(self.run_dir, "checkpoints"), rank=self.rank,
                                          group=self.sync.meta_group)
@@ -158,6 +180,19 @@ class Trainer:
                         f"; per-step: every step chooses aligned blocks of nodes of {self.per_step_node} ranks, "
                         f"{self.topology} is the base it also tries")
 
+    def _load_pretrained(self) -> None:
+        """Allocate the meta-built (sharded) model and fill it from ``model.pretrained``,
+        unless a checkpoint of this run will overwrite every weight anyway."""
+        from knapray.weights.load import load_pretrained
+
+        from .checkpoint import completed_checkpoints
+
+        self.model.to_empty(device=self.device)
+        if completed_checkpoints(os.path.join(self.run_dir, "checkpoints")):
+            return
+        report = load_pretrained(self.model, self.cfg.model)
+        logger.info("rank %d: %s", self.rank, report.line())
+
     def _optimizer_steps(self, steps: int) -> int:
         return -(-steps // self.accum)
 
@@ -200,9 +235,12 @@ class Trainer:
             # A resumed epoch skips the samples the ledger has for it; a new one skips none.
             skip = committed_ids(self.run_dir, self.epoch, through_step=self.resumed_from) \
                 if self.resumed_from is not None else np.zeros(0, dtype=np.int64)
+            dropout = None if self.unconditional is None else CaptionDropout(
+                cfg.data.caption_dropout, cfg.data.seed, self.epoch, *self.unconditional)
             stream = StepStream.for_corpus(
                 self.ctx.rows(self.epoch, self.guard.on_bad_shard), self.info, samples_per_step=self.samples_per_step,
                 on_corrupt=self.guard.on_corrupt, skip_sample_ids=skip, max_seq_len=self.max_seq_len,
+                caption_dropout=dropout,
             )
             self.planner.begin_epoch(self.step, stream.peek_next())
             while not self._at_max_steps():
@@ -241,7 +279,7 @@ class Trainer:
         nxt = stream.peek_next()
         fetched = self.planner.fetch(step, current.meta, nxt)
         batch = build_packed_batch(current.samples, cfg.model, seed=cfg.data.seed, epoch=self.epoch,
-                                   timesteps=self.timesteps).to(self.device)
+                                   timesteps=self.timesteps, guidance=self.guidance).to(self.device)
         agree, _ = self.sync.sum_over_ranks(summed={
             "img_tokens": batch.x_img.shape[0], "have_plan": fetched.have_plan,
             **self.guard.step_counts(stream.stats),
