@@ -56,14 +56,14 @@ def _finetune(rank: int, world: int, corpus: str, run_root: str, pretrained: str
     return [r["loss"] for r in summary["records"]]
 
 
-def test_finetune_export_and_generate_with_diffusers(tmp_path: Path) -> None:
+def test_finetune_export_and_generate_with_diffusers(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
 
+    from knapray.cli import main
     from knapray.corpus.hf import HFTextEncoder
     from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
     from knapray.corpus.unconditional import KEY, unconditional_record
-    from knapray.weights.export import export_run
 
     # Tiny components a FluxPipeline can run: VAE (4 latent channels), CLIP (12), T5 (16).
     models = tmp_path / "models"
@@ -80,9 +80,17 @@ def test_finetune_export_and_generate_with_diffusers(tmp_path: Path) -> None:
     assert all(r == losses[0] for r in losses) and len(losses[0]) == 5  # every rank saw the same summed losses
     assert losses[0][-1] < losses[0][0], losses[0]
 
-    out = tmp_path / "exported"
-    report = export_run(str(tmp_path / "runs" / "flux"), str(out))
-    assert report.step == 4 and report.family == "flux"
+    run, out = tmp_path / "runs" / "flux", tmp_path / "exported"
+    assert main(["export", "--run", str(run), "--out", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["guidance_embeds"] is True
+    # knapray sample on the flux run: one pass per step with the embedded guidance, each
+    # request shifted by its own size (the synthetic corpus has no VAE: a latent preview)
+    assert main(["sample", "--run", str(run), "--like", "1", "--like", "2", "--size", "32x32", "--size", "64x32",
+                 "--steps", "2", "--out", str(tmp_path / "grid.png"), "--json"]) == 0
+    sampled = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert sampled["family"] == "flux" and sampled["guidance"] == 3.5 and sampled["requests"] == 2
+    assert sampled["shifts"][0] < sampled["shifts"][1]  # 4 vs 8 image tokens
+
     initial = FluxTransformer2DModel.from_pretrained(pretrained).state_dict()
     tuned = FluxTransformer2DModel.from_pretrained(out)
     changed = [k for k, v in tuned.state_dict().items() if not torch.equal(v, initial[k])]

@@ -46,8 +46,8 @@ def run(args: argparse.Namespace) -> int:
     mib = 2**20
     print(f"wrote {r.out}: {r.family} {'EMA' if r.ema else 'trained'} weights of step {r.step} ({r.checkpoint}), "
           f"{r.tensors} tensors, {r.dtype}, {len(r.shards)} file(s), {r.total_bytes / mib:.1f} MiB; largest file "
-          f"{r.largest_shard_bytes / mib:.1f} MiB, at most {r.largest_read_bytes / mib:.1f} MiB read from the "
-          f"checkpoint per file; peak host memory {r.peak_host_bytes / mib:.0f} MiB; {r.seconds:.1f} s")
+          f"{r.largest_shard_bytes / mib:.1f} MiB, at most {r.largest_read_bytes / mib:.1f} MiB of parameters read from the "
+          f"checkpoint at once; peak host memory {r.peak_host_bytes / mib:.0f} MiB; {r.seconds:.1f} s")
     if args.json:
         print(json.dumps(r.to_json()))
     return 0

@@ -41,7 +41,9 @@ def run(args: argparse.Namespace) -> int:
     for path, r in report.items():
         if path.startswith("_"):
             continue
-        extra = "" if "weights_diff" not in r else f"  loaded weights vs file {r['weights_diff']:.1e}"
+        extra = "" if "weights_diff" not in r else (
+            f"  loaded weights vs file {r['weights_diff']:.1e} (each rank read {max(r['bytes_read_per_rank']) / 1024:.0f}"
+            f" of {r['checkpoint_bytes'] / 1024:.0f} KiB)")
         verdict = "ok" if max(r["out_rel"], r["grad_rel"], r.get("weights_diff", 0.0)) <= args.tol else "FAIL"
         print(f"  {path}: {r['family']} d={r['hidden']} heads={r['heads']} blocks={r['depth'][0]}+{r['depth'][1]} "
               f"rope={r['rope_axes']} guidance={r['guidance']}: outputs {r['out_rel']:.1e}, "

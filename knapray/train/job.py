@@ -38,12 +38,13 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     from knapray.train.config import ConfigError, load_config
     from knapray.train.guard import BadCorpus
-    from knapray.train.run_files import RunError, check_corpus, prediction_line, resolve_paths
+    from knapray.train.run_files import RunError, check_corpus, check_pretrained, prediction_line, resolve_paths
 
     try:
         # Every input is checked here, before Ray or any worker starts.
         cfg = resolve_paths(load_config(args.config, args.set))
         check_corpus(cfg)
+        check_pretrained(cfg)
     except (ConfigError, RunError) as e:  # one line that names the value; a traceback adds nothing
         print(f"knapray train: error: {e}", file=sys.stderr)
         return 2

@@ -3,11 +3,12 @@
 The run's newest complete DCP checkpoint (or the one named) is read through the run
 directory's safe reader (``knapray.train.checkpoint.safe_load``: no unrestricted unpickling)
 in one process without a process group. Output tensors are grouped into shard files of
-at most ``max_shard_bytes`` in the model's parameter order; for each shard, only the
-parameters that shard's tensors come from are read from the checkpoint (DCP reads those
-byte ranges of its per-rank files), converted through the family's layout (the same
-pieces that load it), written, and dropped before the next: the process never holds more
-than one output shard (and the parameters it is cut from). The directory gets
+at most ``max_shard_bytes`` in the model's parameter order; for each shard, the parameters
+its tensors come from are read from the checkpoint a few at a time (at most
+``read_bytes`` of fp32 per read, or one parameter if larger: DCP reads those byte ranges of
+its per-rank files), copied through the family's layout (the same pieces that load it)
+into the shard's tensors and dropped; the shard is written and dropped before the next.
+So the process holds one output shard plus at most one read's parameters. The directory gets
 ``config.json``, the shard files and, for several shards, the index, as
 ``save_pretrained`` writes them; it is built in ``<out>.partial`` and renamed when done.
 """
@@ -30,6 +31,8 @@ from knapray.weights.source import DIFFUSERS_INDEX, DIFFUSERS_WEIGHTS
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_MAX_SHARD_BYTES = 10 * 2**30
 """diffusers' default ``max_shard_size`` ("10GB")."""
+DEFAULT_READ_BYTES = 2**30
+"""fp32 parameter bytes read from the checkpoint at once."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +48,7 @@ class ExportReport:
     total_bytes: int
     largest_shard_bytes: int
     largest_read_bytes: int
-    """Most checkpoint bytes read for one shard (its parameters, fp32)."""
+    """Most checkpoint bytes read at once (fp32 parameters)."""
     seconds: float
     peak_host_bytes: int
 
@@ -79,8 +82,21 @@ def _run_config(run_dir: str):
         return config_from_dict(json.load(f))
 
 
+def _reads(params: list[str], sizes: dict[str, int], budget: int) -> list[list[str]]:
+    """``params`` in order, cut into reads of at most ``budget`` bytes (a larger one alone)."""
+    reads: list[list[str]] = [[]]
+    total = 0
+    for name in params:
+        if reads[-1] and total + sizes[name] > budget:
+            reads.append([])
+            total = 0
+        reads[-1].append(name)
+        total += sizes[name]
+    return [r for r in reads if r]
+
+
 def export_run(run_dir: str, out: str, *, ema: bool = False, checkpoint: str | None = None, dtype: str = "fp32",
-               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> ExportReport:
+               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, read_bytes: int = DEFAULT_READ_BYTES) -> ExportReport:
     """Export ``run_dir``'s weights to the new directory ``out``; ValueError (one line) for a
     run, checkpoint or output that cannot be exported."""
     from safetensors.torch import save_file
@@ -90,8 +106,8 @@ def export_run(run_dir: str, out: str, *, ema: bool = False, checkpoint: str | N
     t0 = time.perf_counter()
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: valid: {', '.join(DTYPES)}")
-    if max_shard_bytes < 1:
-        raise ValueError(f"max shard size must be >= 1 byte, got {max_shard_bytes}")
+    if max_shard_bytes < 1 or read_bytes < 1:
+        raise ValueError(f"shard and read sizes must be >= 1 byte, got {max_shard_bytes} and {read_bytes}")
     cfg = _run_config(run_dir).model
     family = get_family(cfg.family)
     layout = checkpoint_layout(cfg)  # ValueError for a family without a checkpoint format
@@ -122,20 +138,24 @@ def export_run(run_dir: str, out: str, *, ema: bool = False, checkpoint: str | N
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
     weight_map, total, largest, largest_read = {}, 0, 0, 0
+    shapes = {p.param: _param_shape(layout, p.param) for p in layout.pieces}
+    sizes = {n: 4 * math.prod(shape) for n, shape in shapes.items()}  # fp32 in the checkpoint
     for keys, name in zip(plan, names):
         pieces = [p for key in keys for p in layout.pieces_of(key)]
-        params = sorted({p.param for p in pieces})
-        state = {prefix: {n: torch.empty(_param_shape(layout, n), dtype=torch.float32) for n in params}}
-        safe_load(state, path)  # reads only these parameters' byte ranges
         tensors = {key: torch.empty(layout.shapes[key], dtype=torch_dtype) for key in keys}
-        for p in pieces:
-            tensors[p.key][p.src : p.src + p.rows].copy_(state[prefix][p.param][p.dst : p.dst + p.rows])
+        for read in _reads(list(dict.fromkeys(p.param for p in pieces)), sizes, read_bytes):
+            state = {prefix: {n: torch.empty(shapes[n], dtype=torch.float32) for n in read}}
+            safe_load(state, path)  # reads only these parameters' byte ranges
+            for p in pieces:
+                if p.param in state[prefix]:
+                    tensors[p.key][p.src : p.src + p.rows].copy_(state[prefix][p.param][p.dst : p.dst + p.rows])
+            largest_read = max(largest_read, sum(sizes[n] for n in read))
+            del state
         save_file(tensors, os.path.join(partial, name), metadata={"format": "pt"})
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        read = sum(t.numel() * t.element_size() for t in state[prefix].values())
-        total, largest, largest_read = total + nbytes, max(largest, nbytes), max(largest_read, read)
+        total, largest = total + nbytes, max(largest, nbytes)
         weight_map.update(dict.fromkeys(keys, name))
-        del state, tensors
+        del tensors
     config = family.to_diffusers(cfg)
     try:
         import diffusers

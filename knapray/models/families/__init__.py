@@ -57,8 +57,7 @@ def _flux() -> Family:
 
     return Family(
         name="flux", config_cls=flux.FluxConfig, model_cls=flux.FluxTransformer,
-        condition_fields=lambda cfg: ("timesteps", "pooled", "guidance") if cfg.guidance_embeds
-        else ("timesteps", "pooled"),
+        condition_fields=flux.condition_fields,
         exact_against="diffusers 0.42 FluxTransformer2DModel (fp32, 1e-5 relative, outputs and gradients)",
         diffusers_class=flux.DIFFUSERS_CLASS, layouts=("diffusers", "bfl"), layout=flux_keys.flux_layout,
         section_from_diffusers=flux.section_from_diffusers, to_diffusers=lambda cfg: cfg.to_diffusers(),

@@ -143,6 +143,11 @@ def section_from_diffusers(config: dict[str, Any], where: str) -> dict[str, Any]
     }
 
 
+def condition_fields(cfg: FluxConfig) -> tuple[str, ...]:
+    """The ``PackedBatch`` fields ``FluxTransformer.condition`` takes: the guidance too for dev."""
+    return ("timesteps", "pooled", "guidance") if cfg.guidance_embeds else ("timesteps", "pooled")
+
+
 # ---- the model ------------------------------------------------------------------------------
 
 
@@ -199,11 +204,6 @@ class FluxTransformer(nn.Module):
     def param_dtype(self) -> torch.dtype:
         """dtype the inputs are cast to: the parameters' (see ``MMDiT.param_dtype``)."""
         return self.img_in.weight.dtype
-
-    @property
-    def condition_fields(self) -> tuple[str, ...]:
-        """``PackedBatch`` fields ``condition`` takes, by name."""
-        return ("timesteps", "pooled", "guidance") if self.cfg.guidance_embeds else ("timesteps", "pooled")
 
     def condition(
         self, timesteps: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor | None = None
@@ -283,7 +283,7 @@ class FluxTransformer(nn.Module):
         """Single-process composition; ``attn`` defaults to varlen attention over the batch."""
         if attn is None:
             attn = LocalAttention(batch.cu_seqlens, batch.max_seqlen)
-        vec = self.condition(**{name: getattr(batch, name) for name in self.condition_fields})
+        vec = self.condition(**{name: getattr(batch, name) for name in condition_fields(self.cfg)})
         h = self.embed(batch.x_txt, batch.x_img, batch.is_text)
         h = self.blocks(h, vec, batch.seq_index, batch.pos, batch.is_text, attn)
         return self.head(h, vec, batch.seq_index, batch.is_text)
