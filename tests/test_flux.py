@@ -357,3 +357,18 @@ def test_sampling_a_dev_model_feeds_guidance_and_shifts_each_request(tiny: dict[
     assert shifts == [ResolutionShift().shift(4), ResolutionShift().shift(24)]
     t1 = [s * (2 / 3) / (1 + (s - 1) * (2 / 3)) for s in shifts]  # each request's own second time
     assert seen[1][2] == pytest.approx(t1) and seen[1][2][0] != pytest.approx(seen[1][2][1])
+
+
+def test_a_run_saved_before_model_families_still_resumes() -> None:
+    """Its config.json lacks the fields added since (model.family, model.pretrained, ...):
+    at their defaults they are no change, so they do not block a resume."""
+    from knapray.train.config import load_config
+    from knapray.train.run_files import config_changes
+
+    old = load_config(None, []).to_dict()
+    for key in ("family", "pretrained"):
+        del old["model"][key]
+    del old["flow"]["guidance"], old["data"]["caption_dropout"]
+    assert config_changes(old, load_config(None, []).to_dict()) == ([], [])
+    blocking, _ = config_changes(old, load_config(None, ["model.depth_single=3"]).to_dict())
+    assert blocking == ["model.depth_single: 2 -> 3"]

@@ -261,6 +261,8 @@ def run_reference(paths: list[str], *, family: str | None = None, world_size: in
         raise ValueError(f"sequences must be >= 1, got {sequences}")
     if world_size > 1 and not topology:
         raise ValueError(f"--world-size {world_size}: give the bags with --topology (e.g. g1n2+g2n1 for 4 ranks)")
+    if world_size == 1 and (topology or fsdp != "none"):
+        raise ValueError("--topology and --fsdp apply to a balanced run: give --world-size N > 1 with them")
     cfgs = {}
     for path in paths:  # every checkpoint checked, from headers, before any process starts
         source = open_pretrained(path)

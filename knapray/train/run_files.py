@@ -110,10 +110,15 @@ def _flat(d: dict, prefix: str = "") -> dict[str, object]:
 
 
 def config_changes(old: dict, new: dict) -> tuple[list[str], list[str]]:
-    """(keys that forbid a resume, other keys that changed), as ``key: old -> new``."""
+    """(keys that forbid a resume, other keys that changed), as ``key: old -> new``. A key
+    the old config lacks that is at its default now is no change: a field added to knapray
+    since the run was saved (e.g. ``model.family``) must not block resuming it."""
     a, b = _flat(old), _flat(json.loads(json.dumps(new)))
+    defaults = _flat(json.loads(json.dumps(TrainConfig().to_dict())))
     blocking, other = [], []
     for key in sorted(set(a) | set(b)):
+        if key not in a and key in defaults and b.get(key) == defaults[key]:
+            continue
         if a.get(key) != b.get(key):
             line = f"{key}: {a.get(key)!r} -> {b.get(key)!r}"
             (blocking if any(key == k or key.startswith(k + ".") for k in RESUME_KEYS) else other).append(line)

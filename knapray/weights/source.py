@@ -177,8 +177,8 @@ def bfl_config(tensors: Mapping[str, TensorEntry], where: str) -> dict[str, Any]
         return tensors[name].shape
 
     hidden, features = shape("img_in.weight")
-    head_dim = shape("double_blocks.0.img_attn.norm.query_norm.scale")[0] if "double_blocks.0.img_attn.norm.query_norm.scale" in tensors \
-        else shape("single_blocks.0.norm.query_norm.scale")[0]
+    q_norm = "double_blocks.0.img_attn.norm.query_norm.scale"  # (head_dim,): the head size
+    head_dim = shape(q_norm if q_norm in tensors else "single_blocks.0.norm.query_norm.scale")[0]
     if head_dim != 128:
         raise ValueError(f"{where}: head size {head_dim}: a BFL file does not record its RoPE axes (FLUX.1 uses "
                          "16, 56, 56 for 128); put a diffusers config.json with axes_dims_rope beside the file")
