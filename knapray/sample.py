@@ -15,10 +15,10 @@ packed attention), and every Euler step is one forward pass over all of them:
 
 with ``--guidance g > 1`` adding classifier-free guidance against the corpus's
 unconditional embeddings (the empty caption's, knapray/corpus/unconditional.py: what caption
-dropout trains with). A flux-family run samples with Flux's conventions instead: each
+dropout trains with). A FLUX.1-dev run samples with its conventions instead: each
 request's own timestep shift from its image tokens (FluxPipeline's ``calculate_shift``),
-and for FLUX.1-dev ``--guidance`` (default 3.5) is the embedded guidance input, one forward
-pass per step, no classifier-free guidance. Latents are decoded with the corpus's VAE when it has one, the stand-in pixel encoder's inverse, or
+and ``--guidance`` (default 3.5) is the embedded guidance input, one forward pass per
+step, no classifier-free guidance (schnell: no shift, no guidance input). Latents are decoded with the corpus's VAE when it has one, the stand-in pixel encoder's inverse, or
 (synthetic corpora) shown as their first three channels. The grid is a PNG with each
 request's caption and size.
 """
@@ -167,11 +167,13 @@ def embeds_guidance(model) -> bool:
 
 
 def request_shifts(model, shapes: list[tuple[int, int, int]], shift: float | None) -> list[float]:
-    """Each request's timestep shift: ``shift`` for all when given; else a flux-family
-    model's per-request resolution shift (its image tokens), 1 for the others."""
+    """Each request's timestep shift: ``shift`` for all when given; else for FLUX.1-dev (a
+    flux model with the guidance input) the per-request resolution shift from its image
+    tokens, as BFL's and diffusers' dev pipelines; 1 for the others (schnell samples
+    unshifted, as BFL's ``get_schedule(..., shift=not is_schnell)``)."""
     if shift is not None:
         return [shift] * len(shapes)
-    if model.cfg.family != "flux":
+    if model.cfg.family != "flux" or not embeds_guidance(model):
         return [1.0] * len(shapes)
     from knapray.models.timesteps import ResolutionShift
 
@@ -329,7 +331,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frames", type=int, default=1, help="latent frames (videos; default 1)")
     p.add_argument("--steps", type=int, default=28, help="Euler steps (default 28)")
     p.add_argument("--shift", type=float, default=None, help="timestep shift, > 1 favours high noise (default: 1; "
-                   "a flux run: each request's own from its image tokens, as FluxPipeline)")
+                   "FLUX.1-dev: each request's own from its image tokens, as FluxPipeline)")
     p.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale against the "
                    "corpus's unconditional embeddings (default 1: off); FLUX.1-dev: its embedded guidance (default 3.5)")
     p.add_argument("--max-text-tokens", type=int, default=256)

@@ -50,6 +50,17 @@ def test_every_tiny_flux_matches_diffusers_outputs_and_gradients(tiny: dict[str,
         assert (r["heads"], r["guidance"]) == (TINY_FLUX[name][0], TINY_FLUX[name][5])
 
 
+def test_reference_command_exits_1_above_its_tolerance(tiny: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
+    from knapray.cli import main
+
+    args = ["reference", "--pretrained", str(tiny["schnell_h4"]), "--sequences", "1", "--json"]
+    assert main([*args, "--tol", "1e-12"]) == 1  # fp32 reassociation alone is more
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    r = report[str(tiny["schnell_h4"])]
+    assert report["passed"] is False and 1e-12 < max(r["out_rel"], r["grad_rel"]) < 1e-5
+    assert main(["reference", "--pretrained", str(tiny["schnell_h4"]), "--topology", "g2n1"]) == 2
+
+
 def test_the_comparison_catches_a_swapped_final_modulation(tiny: dict[str, Path]) -> None:
     """diffusers' norm_out holds (scale, shift), knapray's (shift, scale): loading it without
     the swap is the kind of mistake the check exists for."""

@@ -1,8 +1,9 @@
-"""The flux family on 4 gloo ranks: tiny Flux checkpoints loaded FSDP-sharded (every rank
-reads only its rows; the loaded weights are the file's) and exact against diffusers when
-balanced; and the whole fine-tuning path: a tiny Flux saved by diffusers, fine-tuned 5 steps
-balanced (FSDP full) on 4 ranks, exported, loaded back by diffusers, and run by a
-FluxPipeline with tiny VAE, CLIP and T5."""
+"""The flux family on 4 gloo ranks, in one spawn of 4 processes (they cost most of the
+time): first tiny Flux checkpoints (3 configs) loaded FSDP-sharded (every rank reads only
+its rows; the loaded weights are the file's) and exact against diffusers when balanced
+(``knapray reference``'s check); then the whole fine-tuning path: a tiny Flux saved by
+diffusers, fine-tuned 5 steps balanced (FSDP full), exported, loaded back by diffusers, and
+run by a FluxPipeline with tiny VAE, CLIP and T5."""
 
 from __future__ import annotations
 
@@ -18,32 +19,36 @@ pytest.importorskip("transformers", reason="needs transformers (the test extra)"
 
 import tiny_encoders as te  # noqa: E402
 from dist_utils import run_distributed  # noqa: E402
-from flux_utils import TINY_FLUX, save_all, save_tiny_flux  # noqa: E402
+from flux_utils import save_all, save_tiny_flux  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
 
-def test_balanced_fsdp_reference_on_four_ranks(tmp_path: Path) -> None:
-    from knapray.testing.reference import passed, run_reference
-
-    tiny = save_all(tmp_path)
-    report = run_reference([str(p) for p in tiny.values()], world_size=4, topology="g1n2+g2n1", fsdp="full",
-                           sequences=5, seed=1)
-    assert passed(report, 1e-5), report
-    for name, path in tiny.items():
-        r = report[str(path)]
-        assert r["weights_diff"] == 0.0  # each rank's loaded rows are the file's
-        # FSDP full: each rank read its quarter of every tensor's rows, together the file once
-        assert sum(r["bytes_read_per_rank"]) == r["checkpoint_bytes"]
-        assert max(r["bytes_read_per_rank"]) < r["checkpoint_bytes"] / 2
-        assert r["imbalance"] < r["baseline_imbalance"]  # the plan moved work: routing was exercised
-        assert r["guidance"] == TINY_FLUX[name][5]
+REFERENCE_ARGS = dict(family=None, topology="g1n2+g2n1", seed=1, sequences=4)
 
 
-def _finetune(rank: int, world: int, corpus: str, run_root: str, pretrained: str) -> list[float]:
+def _convert(x, to):
+    """Tensors <-> numpy arrays through nested dicts: a tensor returned through the result
+    queue would be shared memory of a process that has exited."""
+    if isinstance(x, dict):
+        return {k: _convert(v, to) for k, v in x.items()}
+    if to == "numpy" and isinstance(x, torch.Tensor):
+        return x.numpy()
+    if to == "torch" and isinstance(x, np.ndarray):
+        return torch.from_numpy(x)
+    return x
+
+
+def _reference_then_finetune(rank: int, world: int, tiny: list[str], corpus: str, run_root: str,
+                             pretrained: str) -> tuple[dict, list[float]]:
     from dist_utils import local_trainer
 
+    from knapray.testing.reference import balanced_results
     from knapray.train.run_files import write_config
+
+    a = REFERENCE_ARGS
+    reference = balanced_results(rank, world, tiny, a["family"], a["topology"], a["seed"], a["sequences"],
+                                 {"fsdp": "full"})
 
     trainer = local_trainer(rank, world, corpus, run_root, "flux", [
         f"model.pretrained={pretrained}", "run.fsdp=full", "run.max_steps=5", "balance.topology=g1n2+g2n1",
@@ -53,10 +58,10 @@ def _finetune(rank: int, world: int, corpus: str, run_root: str, pretrained: str
     if rank == 0:
         write_config(trainer.cfg)  # what a launcher's pre-flight writes: export reads it
     summary = trainer.train()
-    return [r["loss"] for r in summary["records"]]
+    return _convert(reference, "numpy"), [r["loss"] for r in summary["records"]]
 
 
-def test_finetune_export_and_generate_with_diffusers(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_exact_then_finetuned_exported_and_generated(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
 
@@ -64,6 +69,8 @@ def test_finetune_export_and_generate_with_diffusers(tmp_path: Path, capsys: pyt
     from knapray.corpus.hf import HFTextEncoder
     from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
     from knapray.corpus.unconditional import KEY, unconditional_record
+    from knapray.testing.reference import passed, summarize_balanced
+    from knapray.weights.source import open_pretrained
 
     # Tiny components a FluxPipeline can run: VAE (4 latent channels), CLIP (12), T5 (16).
     models = tmp_path / "models"
@@ -76,10 +83,30 @@ def test_finetune_export_and_generate_with_diffusers(tmp_path: Path, capsys: pyt
     schema[KEY] = unconditional_record(HFTextEncoder(str(t5), pooled=str(clip)), 64)
     (corpus / "schema.json").write_text(json.dumps(schema))
 
-    losses = run_distributed(_finetune, 4, str(corpus), str(tmp_path / "runs"), str(pretrained), timeout_s=300)
+    tiny = save_all(tmp_path / "tiny")
+    paths = [str(p) for p in tiny.values()]
+    results = run_distributed(_reference_then_finetune, 4, paths, str(corpus), str(tmp_path / "runs"),
+                              str(pretrained), timeout_s=300)
+
+    # 1. Balanced, FSDP-sharded, loaded from the checkpoints: exact against diffusers.
+    report = summarize_balanced(paths, [_convert(r[0], "torch") for r in results], family=None, seed=REFERENCE_ARGS["seed"],
+                                sequences=REFERENCE_ARGS["sequences"])
+    assert passed(report, 1e-5), report
+    for name, path in tiny.items():
+        r = report[str(path)]
+        assert r["weights_diff"] == 0.0  # each rank's loaded rows are the file's
+        # FSDP full: each rank read its quarter of every tensor's rows, together the file once
+        assert sum(r["bytes_read_per_rank"]) == r["checkpoint_bytes"]
+        assert max(r["bytes_read_per_rank"]) < r["checkpoint_bytes"] / 2
+        assert r["imbalance"] < r["baseline_imbalance"]  # the plan moved work: routing was exercised
+        assert r["num_grads"] == len(open_pretrained(str(path)).tensors), name  # every tensor's gradient compared
+
+    # 2. Fine-tuned 5 steps: the loss falls, the same on every rank.
+    losses = [r[1] for r in results]
     assert all(r == losses[0] for r in losses) and len(losses[0]) == 5  # every rank saw the same summed losses
     assert losses[0][-1] < losses[0][0], losses[0]
 
+    # 3. Exported, sampled by knapray, loaded back by diffusers, run in a FluxPipeline.
     run, out = tmp_path / "runs" / "flux", tmp_path / "exported"
     assert main(["export", "--run", str(run), "--out", str(out)]) == 0
     assert json.loads((out / "config.json").read_text())["guidance_embeds"] is True

@@ -186,13 +186,15 @@ def single_process(path: str, family: str | None, inputs_seed: int, sequences: i
     return cfg, _split(out.detach(), inputs), {n: p.grad.detach() for n, p in model.named_parameters()}
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, paths: list[str], family: str | None,
-            topology: str, seed: int, sequences: int, parallel: dict) -> None:
-    import torch.distributed as dist
+def balanced_results(rank: int, world: int, paths: list[str], family: str | None, topology: str, seed: int,
+                     sequences: int, parallel: dict) -> dict:
+    """This rank's side of the balanced check, in an initialized process group of
+    ``world`` ranks (every rank calls it with the same arguments): per checkpoint, its
+    outputs, the summed gradients (rank 0), how far its loaded rows are from the file's,
+    and what it read. ``summarize_balanced`` turns every rank's into the report."""
     from safetensors import safe_open
 
     from knapray.distributed import BagGroups
-    from knapray.distributed.local import init_local_gloo
     from knapray.models.families import checkpoint_layout
     from knapray.models.flow import flow_loss
     from knapray.planning import Topology, WorkloadModel, plan_balance
@@ -200,42 +202,80 @@ def _worker(rank: int, world: int, port: int, out_dir: str, paths: list[str], fa
     from knapray.weights.load import local_rows
     from knapray.weights.source import open_pretrained
 
+    results = {}
+    for i, path in enumerate(paths):
+        model, cfg, par, report = load_model(path, family, parallel=parallel, world_size=world)
+        # The loaded local rows against the file's, before anything else touches them.
+        source, weights_diff = open_pretrained(path), 0.0
+        params = dict(model.named_parameters())
+        for p in checkpoint_layout(cfg, source.layout).pieces:
+            local, start, rows = local_rows(params[p.param])
+            lo, hi = max(p.dst, start), min(p.dst + p.rows, start + rows)
+            if lo < hi:
+                with safe_open(source.tensors[p.key].file, framework="pt") as f:
+                    want = f.get_slice(source.tensors[p.key].name)[p.src + lo - p.dst : p.src + hi - p.dst]
+                weights_diff = max(weights_diff, (local[lo - start : hi - start] - want.float()).abs().max().item())
+        inputs = make_inputs(cfg, sequences, seed + i)
+        batch = _pack(cfg, inputs[rank::world])
+        lens = [[int(n) for n in _pack(cfg, inputs[r::world]).seq_lens] for r in range(world)]
+        topo = Topology.parse(topology, world_size=world)
+        groups = BagGroups.build(topo, cfg.num_heads)
+        plan = plan_balance(lens, topo, WorkloadModel(d_model=cfg.hidden_size))
+        out = balanced_forward(model, batch, plan, rank, bag_group=groups.bag_group, route_group=groups.balance_group)
+        global_tokens = sum(s.target.shape[0] for s in inputs)
+        flow_loss(out, batch.targets, global_tokens).backward()
+        par.reduce_gradients()
+        grads = {n: _full(p.grad).detach().clone() for n, p in model.named_parameters()}  # collective
+        results[path] = {"out": out.detach(), "grads": grads if rank == 0 else None, "weights_diff": weights_diff,
+                         "bytes_read": report.bytes_read, "checkpoint_bytes": report.checkpoint_bytes,
+                         "peak_host_bytes": report.peak_host_bytes, "imbalance": plan.imbalance,
+                         "baseline_imbalance": plan.baseline_imbalance}
+    return results
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, *args: Any) -> None:
+    import torch.distributed as dist
+
+    from knapray.distributed.local import init_local_gloo
+
     init_local_gloo(rank, world, port, timeout_s=120)
     try:
-        results = {}
-        for i, path in enumerate(paths):
-            model, cfg, par, report = load_model(path, family, parallel=parallel, world_size=world)
-            # The loaded local rows against the file's, before anything else touches them.
-            source, weights_diff = open_pretrained(path), 0.0
-            params = dict(model.named_parameters())
-            layout = checkpoint_layout(cfg, source.layout)
-            for p in layout.pieces:
-                local, start, rows = local_rows(params[p.param])
-                lo, hi = max(p.dst, start), min(p.dst + p.rows, start + rows)
-                if lo < hi:
-                    with safe_open(source.tensors[p.key].file, framework="pt") as f:
-                        want = f.get_slice(source.tensors[p.key].name)[p.src + lo - p.dst : p.src + hi - p.dst]
-                    weights_diff = max(weights_diff, (local[lo - start : hi - start] - want.float()).abs().max().item())
-            inputs = make_inputs(cfg, sequences, seed + i)
-            mine = inputs[rank::world]
-            batch = _pack(cfg, mine)
-            lens = [[int(n) for n in _pack(cfg, inputs[r::world]).seq_lens] for r in range(world)]
-            topo = Topology.parse(topology, world_size=world)
-            groups = BagGroups.build(topo, cfg.num_heads)
-            plan = plan_balance(lens, topo, WorkloadModel(d_model=cfg.hidden_size))
-            out = balanced_forward(model, batch, plan, rank, bag_group=groups.bag_group,
-                                   route_group=groups.balance_group)
-            global_tokens = sum(s.target.shape[0] for s in inputs)
-            flow_loss(out, batch.targets, global_tokens).backward()
-            par.reduce_gradients()
-            grads = {n: _full(p.grad).detach().clone() for n, p in model.named_parameters()}  # collective
-            results[path] = {"out": out.detach(), "grads": grads if rank == 0 else None, "weights_diff": weights_diff,
-                             "bytes_read": report.bytes_read, "checkpoint_bytes": report.checkpoint_bytes,
-                             "peak_host_bytes": report.peak_host_bytes, "imbalance": plan.imbalance,
-                             "baseline_imbalance": plan.baseline_imbalance}
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save(balanced_results(rank, world, *args), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def summarize_balanced(paths: list[str], per_rank: list[dict], *, family: str | None, seed: int,
+                       sequences: int) -> dict:
+    """{path: {out_rel, grad_rel, weights_diff, ...}} from every rank's ``balanced_results``,
+    against diffusers' model run here, sequence by sequence."""
+    from knapray.models.families import config_class
+    from knapray.weights.checks import checkpoint_family, section_values
+    from knapray.weights.source import open_pretrained
+
+    world = len(per_rank)
+    report = {}
+    for i, path in enumerate(paths):
+        source = open_pretrained(path)
+        fam = checkpoint_family(source, family)
+        cfg = config_class(fam)(**section_values(source, fam), pretrained=source.path)
+        inputs = make_inputs(cfg, sequences, seed + i)
+        outs: list[torch.Tensor | None] = [None] * sequences
+        for r in range(world):
+            mine = list(range(r, sequences, world))
+            for j, piece in zip(mine, _split(per_rank[r][path]["out"], [inputs[j] for j in mine])):
+                outs[j] = piece
+        ref_outs, ref_grads = diffusers_reference(path, inputs)
+        res = compare(cfg, outs, per_rank[0][path]["grads"], ref_outs, ref_grads)
+        res.update(
+            weights_diff=max(per_rank[r][path]["weights_diff"] for r in range(world)),
+            bytes_read_per_rank=[per_rank[r][path]["bytes_read"] for r in range(world)],
+            checkpoint_bytes=per_rank[0][path]["checkpoint_bytes"],
+            peak_host_bytes_per_rank=[per_rank[r][path]["peak_host_bytes"] for r in range(world)],
+            imbalance=per_rank[0][path]["imbalance"], baseline_imbalance=per_rank[0][path]["baseline_imbalance"],
+        )
+        report[path] = res
+    return report
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -259,6 +299,10 @@ def run_reference(paths: list[str], *, family: str | None = None, world_size: in
 
     if sequences < 1:
         raise ValueError(f"sequences must be >= 1, got {sequences}")
+    try:
+        import diffusers  # noqa: F401 - the reference implementation
+    except ImportError:
+        raise ValueError("knapray reference runs diffusers' model: pip install 'knapray[encoders]'") from None
     if world_size > 1 and not topology:
         raise ValueError(f"--world-size {world_size}: give the bags with --topology (e.g. g1n2+g2n1 for 4 ranks)")
     if world_size == 1 and (topology or fsdp != "none"):
@@ -283,29 +327,11 @@ def run_reference(paths: list[str], *, family: str | None = None, world_size: in
             ref_outs, ref_grads = diffusers_reference(path, make_inputs(cfg, sequences, seed + i))
             report[path] = compare(cfg, outs, grads, ref_outs, ref_grads)
     else:
-        parallel = {"fsdp": fsdp}
         with tempfile.TemporaryDirectory() as tmp:
             mp.spawn(_worker, args=(world_size, free_port(), tmp, list(paths), family, topology, seed, sequences,
-                                    parallel), nprocs=world_size, join=True)
+                                    {"fsdp": fsdp}), nprocs=world_size, join=True)
             per_rank = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=True) for r in range(world_size)]
-        for i, path in enumerate(paths):
-            cfg = cfgs[path]
-            inputs = make_inputs(cfg, sequences, seed + i)
-            outs: list[torch.Tensor | None] = [None] * sequences
-            for r in range(world_size):
-                mine = list(range(r, sequences, world_size))
-                for j, piece in zip(mine, _split(per_rank[r][path]["out"], [inputs[j] for j in mine])):
-                    outs[j] = piece
-            ref_outs, ref_grads = diffusers_reference(path, inputs)
-            res = compare(cfg, outs, per_rank[0][path]["grads"], ref_outs, ref_grads)
-            res.update(
-                weights_diff=max(per_rank[r][path]["weights_diff"] for r in range(world_size)),
-                bytes_read_per_rank=[per_rank[r][path]["bytes_read"] for r in range(world_size)],
-                checkpoint_bytes=per_rank[0][path]["checkpoint_bytes"],
-                peak_host_bytes_per_rank=[per_rank[r][path]["peak_host_bytes"] for r in range(world_size)],
-                imbalance=per_rank[0][path]["imbalance"], baseline_imbalance=per_rank[0][path]["baseline_imbalance"],
-            )
-            report[path] = res
+        report.update(summarize_balanced(list(paths), per_rank, family=family, seed=seed, sequences=sequences))
     for path, cfg in cfgs.items():
         report[path].update(family=cfg.family, heads=cfg.num_heads, hidden=cfg.hidden_size,
                             depth=[cfg.depth_double, cfg.depth_single], rope_axes=list(cfg.rope_axes_dim),
