@@ -25,6 +25,9 @@ COMMANDS = (
             "per-GPU memory of a run config and the largest token budget that fits"),
     Command("dryrun", "knapray.testing.dryrun",
             "one rank's training step of a run config at full scale on fake tensors (no GPU, no Ray)"),
+    Command("reference", "knapray.commands.reference",
+            "knapray's model against the reference implementation (diffusers), loaded from one checkpoint"),
+    Command("export", "knapray.commands.export", "a run's trained weights as a diffusers checkpoint"),
 )
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -406,6 +407,47 @@ class StreamStats:
     corrupt: int = 0
     """Rows that failed to decode and went to ``on_corrupt``."""
     corrupt_by_reason: dict[str, int] = dataclasses.field(default_factory=dict)
+    captions_dropped: int = 0
+    """Samples whose caption ``CaptionDropout`` replaced by the unconditional one."""
+
+
+CAPTION_DROPOUT_STREAM = 1
+"""Spawn-key suffix of the caption-dropout draw: a stream of its own, so dropping a caption
+changes no sample's timestep or noise (``sample_generator``)."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CaptionDropout:
+    """Trains a fraction ``rate`` of the samples unconditionally (``data.caption_dropout``):
+    their text and pooled embeddings become the corpus's unconditional ones
+    (knapray/corpus/unconditional.py), which changes their token count, so it is decided
+    where lengths are read, before planning. Whether a sample is dropped depends only on
+    (seed, epoch, sample id): the same on any rank, world size or resumed run."""
+
+    rate: float
+    seed: int
+    epoch: int
+    text: np.ndarray
+    """(L, text_dim) float32: the unconditional text tokens."""
+    pooled: np.ndarray
+    """(pooled_dim,) float32."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rate < 1:
+            raise ValueError(f"caption dropout rate must be in [0, 1), got {self.rate!r}")
+        if min(self.seed, self.epoch) < 0:
+            raise ValueError(f"seed and epoch must be >= 0, got {self.seed}, {self.epoch}")
+
+    def drops(self, sample_id: int) -> bool:
+        key = (self.epoch, int(sample_id) & 0xFFFFFFFF, (int(sample_id) >> 32) & 0xFFFFFFFF, CAPTION_DROPOUT_STREAM)
+        draw = np.random.SeedSequence(self.seed, spawn_key=key).generate_state(1, dtype=np.uint64)[0]
+        return float(draw) / 2.0**64 < self.rate
+
+    def apply(self, sample: dict[str, Any]) -> dict[str, Any]:
+        """The sample with the unconditional text and pooled embeddings, its length adjusted."""
+        seq_len = int(sample["seq_len"]) - sample["text"].shape[0] + self.text.shape[0]
+        return {**sample, "text": self.text, "pooled": self.pooled, "seq_len": seq_len,
+                "text_tokens": self.text.shape[0]}
 
 
 def _rows(source: Iterable[Any]) -> Iterator[Row]:
@@ -442,7 +484,8 @@ class StepStream:
     rows that ``decode_row`` rejects go to ``on_corrupt(sample_id, reason)`` (reason: the
     ``CorruptSample`` code) and the step is filled from the following rows. After the last
     (possibly partial) step, every step is empty and ``exhausted``; iterating the stream
-    stops there.
+    stops there. ``caption_dropout`` replaces some samples' captions by the unconditional
+    one as they are decoded (their lengths, and so the plan, follow).
     """
 
     def __init__(
@@ -455,7 +498,9 @@ class StepStream:
         on_corrupt: OnCorrupt | None = None,
         skip_sample_ids: Collection[int] | np.ndarray = (),
         max_seq_len: int | None = None,
+        caption_dropout: CaptionDropout | None = None,
     ) -> None:
+        self.caption_dropout = caption_dropout
         if max_seq_len is not None and max_seq_len < 1:
             raise ValueError(f"max_seq_len must be >= 1 or None, got {max_seq_len}")
         self.max_seq_len = max_seq_len
@@ -534,6 +579,9 @@ class StepStream:
             return None
         try:
             sample = decode_row(row, text_dim=self.text_dim, pooled_dim=self.pooled_dim)
+            if self.caption_dropout is not None and self.caption_dropout.drops(int(sample["sample_id"])):
+                sample = self.caption_dropout.apply(sample)
+                self.stats.captions_dropped += 1
             if self.max_seq_len is not None and int(sample["seq_len"]) > self.max_seq_len:
                 raise CorruptSample(
                     sid, "too_long",
@@ -577,13 +625,16 @@ def build_packed_batch(
     seed: int,
     epoch: int = 0,
     timesteps: TimestepDistribution = TimestepDistribution(),
+    guidance: float | None = None,
 ) -> PackedBatch:
     """Pack decoded samples (``Step.samples``, each with its ``sample_id``) into a noised
     ``PackedBatch`` with targets.
 
-    Each sample draws, from ``sample_generator(seed, epoch, sample_id)``, its timestep and
-    then the noise of its image tokens; ``x_img`` is then x_t = (1-t)·x0 + t·noise and
-    ``targets`` is noise - x0. An empty list (a dry rank) gives an empty batch.
+    Each sample draws, from ``sample_generator(seed, epoch, sample_id)``, its timestep
+    (shifted by its own image token count with the resolution shift) and then the noise of
+    its image tokens; ``x_img`` is then x_t = (1-t)·x0 + t·noise and ``targets`` is
+    noise - x0. ``guidance``: every sequence's guidance input (a model that embeds it,
+    FLUX.1-dev), None for none. An empty list (a dry rank) gives an empty batch.
     """
     packed_input, gens = [], []
     for sample in samples:
@@ -603,15 +654,18 @@ def build_packed_batch(
             )
         gen = sample_generator(seed, epoch, int(sid))
         gens.append(gen)
+        image_tokens = math.prod(size // p for size, p in zip(latent.shape[1:], cfg.patch_size))
         packed_input.append(
             {
                 "latent": _as_tensor(latent),
                 "text": _as_tensor(sample["text"]),
                 "pooled": _as_tensor(sample["pooled"]),
-                "timestep": float(timesteps.sample(1, generator=gen)[0]),
+                "timestep": float(timesteps.sample(1, generator=gen, image_tokens=image_tokens)[0]),
             }
         )
     clean = pack_samples(packed_input, cfg)
+    if guidance is not None:  # also for an empty batch: the model's condition takes (0,)
+        clean = dataclasses.replace(clean, guidance=torch.full((clean.num_sequences,), float(guidance)))
     # (Ni_s, P) per sample, in packing order: the sample's image tokens follow each other
     counts = torch.bincount(clean.image_seq_index, minlength=len(gens)).tolist()
     noise = [torch.randn((n, clean.x_img.shape[1]), generator=g, dtype=clean.x_img.dtype) for n, g in zip(counts, gens)]

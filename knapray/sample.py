@@ -18,7 +18,12 @@ packed attention), and every Euler step is one forward pass over all of them:
 
     x_1 = noise;  x_{t - dt} = x_t - dt * v(x_t, t)      (x_t = (1-t)·x_0 + t·noise)
 
-with ``--guidance g > 1`` adding classifier-free guidance against empty text. Latents are
+with ``--guidance g > 1`` adding classifier-free guidance against the corpus's
+unconditional embeddings (the empty caption's, knapray/corpus/unconditional.py: what caption
+dropout trains with). A FLUX.1-dev run samples with its conventions instead: each
+request's own timestep shift from its image tokens (FluxPipeline's ``calculate_shift``),
+and ``--guidance`` (default 3.5) is the embedded guidance input, one forward pass per
+step, no classifier-free guidance (schnell: no shift, no guidance input). Latents are
 decoded with the corpus's VAE when it has one, the stand-in pixel encoder's inverse, or
 (synthetic corpora) shown as their first three channels. The grid is a PNG with each
 request's caption and size.
@@ -108,25 +113,17 @@ def read_run(run_dir: str, checkpoint: str | None = None) -> tuple[Any, str]:
 
 
 def load_weights(cfg: Any, path: str, ema: bool = True, device: str = "cpu") -> tuple[Any, bool]:
-    """(MMDiT of ``cfg.model`` with the checkpoint's weights, EMA used)."""
-    from knapray.models import MMDiT
+    """(the model of ``cfg.model``'s family with the checkpoint's weights, EMA used)."""
+    from knapray.models.families import build_model
     from knapray.train.checkpoint import safe_load, saved_keys
 
-    model = MMDiT(cfg.model)
+    model = build_model(cfg.model)
     used_ema = ema and any(k.startswith("ema.") for k in saved_keys(path))
     prefix = "ema" if used_ema else "model"
     state = {prefix: {k: v for k, v in model.state_dict().items()}}
     safe_load(state, path)
     model.load_state_dict(state[prefix], strict=True)
     return model.to(device).eval(), used_ema
-
-
-def load_run_model(run_dir: str, checkpoint: str | None = None, ema: bool = True,
-                   device: str = "cpu") -> tuple[Any, Any, str, bool]:
-    """(MMDiT, TrainConfig, checkpoint path, EMA used) from a run directory."""
-    cfg, path = read_run(run_dir, checkpoint)
-    model, used_ema = load_weights(cfg, path, ema, device)
-    return model, cfg, path, used_ema
 
 
 # ---- conditioning and decoding from the corpus's record ---------------------------------
@@ -204,20 +201,46 @@ def corpus_text(corpus: str, sample_id: int, text_dim: int, pooled_dim: int) -> 
 # ---- sampling -----------------------------------------------------------------------------
 
 
+def embeds_guidance(model) -> bool:
+    """Whether ``model`` takes a guidance input (FLUX.1-dev) instead of classifier-free guidance."""
+    return bool(getattr(model.cfg, "guidance_embeds", False))
+
+
+def request_shifts(model, shapes: list[tuple[int, int, int]], shift: float | None) -> list[float]:
+    """Each request's timestep shift: ``shift`` for all when given; else for FLUX.1-dev (a
+    flux model with the guidance input) the per-request resolution shift from its image
+    tokens, as BFL's and diffusers' dev pipelines; 1 for the others (schnell samples
+    unshifted, as BFL's ``get_schedule(..., shift=not is_schnell)``)."""
+    if shift is not None:
+        return [shift] * len(shapes)
+    if model.cfg.family != "flux" or not embeds_guidance(model):
+        return [1.0] * len(shapes)
+    from knapray.models.timesteps import ResolutionShift
+
+    pt, ph, pw = model.cfg.patch_size
+    return [ResolutionShift().shift((t // pt) * (h // ph) * (w // pw)) for t, h, w in shapes]
+
+
 def sample_latents(model, conds: list[tuple[np.ndarray, np.ndarray]], shapes: list[tuple[int, int, int]],
-                   *, steps: int, seed: int, guidance: float = 1.0, shift: float = 1.0) -> list[np.ndarray]:
-    """Euler-integrate the learned velocity of ``model`` (an MMDiT) from noise to data for
-    every request at once.
+                   *, steps: int, seed: int, guidance: float = 1.0, shift: float | None = 1.0,
+                   unconditional: tuple[np.ndarray, np.ndarray] | None = None) -> list[np.ndarray]:
+    """Euler-integrate the learned velocity of ``model`` (any family's) from noise to data
+    for every request at once.
 
     ``conds``: (text (L, text_dim), pooled (pooled_dim,)) per request; ``shapes``: latent
-    (T, H, W) per request. Returns latents (C, T, H, W)."""
+    (T, H, W) per request; ``shift``: None for the family's own (``request_shifts``);
+    ``guidance``: the guidance input of a model that embeds it, else the classifier-free
+    guidance scale against ``unconditional`` (default: 0 text tokens, zero pooled).
+    Returns latents (C, T, H, W)."""
     import torch
 
     with torch.no_grad():
-        return _integrate(model, conds, shapes, steps=steps, seed=seed, guidance=guidance, shift=shift)
+        return _integrate(model, conds, shapes, steps=steps, seed=seed, guidance=guidance, shift=shift,
+                          unconditional=unconditional)
 
 
-def _integrate(model, conds, shapes, *, steps: int, seed: int, guidance: float, shift: float) -> list[np.ndarray]:
+def _integrate(model, conds, shapes, *, steps: int, seed: int, guidance: float, shift: float | None,
+               unconditional) -> list[np.ndarray]:
     import torch
 
     from knapray.models import pack_samples
@@ -225,27 +248,34 @@ def _integrate(model, conds, shapes, *, steps: int, seed: int, guidance: float, 
     cfg = model.cfg
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
+    embedded = embeds_guidance(model)
     items = []
     for (text, pooled), (t, h, w) in zip(conds, shapes):
         items.append({"latent": torch.randn(cfg.in_channels, t, h, w, generator=gen),
                       "text": torch.as_tensor(text, dtype=torch.float32),
-                      "pooled": torch.as_tensor(pooled, dtype=torch.float32), "timestep": 1.0})
-    if guidance != 1.0:  # the same requests with empty text, for classifier-free guidance
-        items += [dict(it, text=torch.zeros(0, cfg.text_dim), pooled=torch.zeros(cfg.pooled_dim)) for it in items]
+                      "pooled": torch.as_tensor(pooled, dtype=torch.float32), "timestep": 1.0,
+                      **({"guidance": guidance} if embedded else {})})
+    shifts = request_shifts(model, list(shapes), shift)
+    cfg_scale = 1.0 if embedded else guidance
+    if cfg_scale != 1.0:  # the same requests, unconditioned, for classifier-free guidance
+        text_u, pooled_u = unconditional if unconditional is not None else (
+            np.zeros((0, cfg.text_dim), np.float32), np.zeros(cfg.pooled_dim, np.float32))
+        items += [dict(it, text=torch.as_tensor(text_u), pooled=torch.as_tensor(pooled_u)) for it in items]
+        shifts += shifts
     batch = pack_samples(items, cfg).to(device)
     n = len(conds)
     image_rows = batch.image_seq_index  # (Ni,) request of each image token
     x = batch.x_img.clone()
-    times = flow_timesteps(steps, shift)
-    for t_now, t_next in zip(times, times[1:]):
-        ts = torch.full((batch.num_sequences,), t_now, device=device)
-        v = model(replace(batch, x_img=x, timesteps=ts))  # (Ni, patch_dim)
-        if guidance != 1.0:
+    times = torch.tensor([flow_timesteps(steps, s) for s in shifts], dtype=torch.float64, device=device)  # (S, steps+1)
+    for i in range(steps):
+        v = model(replace(batch, x_img=x, timesteps=times[:, i].float()))  # (Ni, patch_dim)
+        if cfg_scale != 1.0:
             cond = image_rows < n
             v_c, v_u = v[cond], v[~cond]
-            v_g = v_u + guidance * (v_c - v_u)
+            v_g = v_u + cfg_scale * (v_c - v_u)
             v = torch.cat((v_g, v_g))  # both halves move together
-        x = x - (t_now - t_next) * v
+        dt = (times[:, i] - times[:, i + 1])[image_rows, None].to(x.dtype)  # (Ni, 1): each token its request's step
+        x = x - dt * v
     return _unpack(x[image_rows < n].cpu(), batch, n, cfg)
 
 
@@ -318,6 +348,8 @@ def plan_sampling(args: argparse.Namespace) -> SamplePlan:
 def run(args: argparse.Namespace) -> dict:
     import torch
 
+    from knapray.corpus.unconditional import unconditional_embeddings
+
     plan = plan_sampling(args)  # every argument checked before anything loads
     cfg = plan.cfg
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -329,6 +361,8 @@ def run(args: argparse.Namespace) -> dict:
             conds.append(None)
     model, used_ema = load_weights(cfg, plan.checkpoint, ema=not args.no_ema, device=device)
     text_encoder, decoder, dims = corpus_codecs(cfg.data.corpus, device)
+    unconditional = unconditional_embeddings(cfg.data.corpus, cfg.model.text_dim, cfg.model.pooled_dim)
+    guidance = args.guidance if args.guidance is not None else (3.5 if embeds_guidance(model) else 1.0)
     down = int(dims.get("vae_downsample", 8))
     pt = cfg.model.patch_size[0]
     shapes, titles = [], []
@@ -336,15 +370,16 @@ def run(args: argparse.Namespace) -> dict:
         if r.caption is not None:
             conds[i] = text_encoder.encode(r.caption, args.max_text_tokens)
         elif r.like is None:
-            conds[i] = (np.zeros((0, cfg.model.text_dim), np.float32), np.zeros(cfg.model.pooled_dim, np.float32))
+            conds[i] = unconditional
         shapes.append((r.frames * pt, r.height // down, r.width // down))
         what = r.caption or (f"like sample {r.like}" if r.like is not None else "unconditional")
         titles.append(f"{what}\n{r.width}x{r.height}")
-    latents = sample_latents(model, conds, shapes, steps=args.steps, seed=args.seed, guidance=args.guidance,
-                             shift=args.shift)
+    latents = sample_latents(model, conds, shapes, steps=args.steps, seed=args.seed, guidance=guidance,
+                             shift=args.shift, unconditional=unconditional)
     images = [decoder.decode(z) if decoder is not None else preview(z) for z in latents]
     out = save_grid(args.out, images, titles)
     return {"out": out, "checkpoint": plan.checkpoint, "ema": used_ema, "requests": len(images),
+            "family": cfg.model.family, "guidance": guidance, "shifts": request_shifts(model, shapes, args.shift),
             "shapes": [list(im.shape) for im in images], "decoder": type(decoder).__name__ if decoder else "preview"}
 
 
@@ -361,10 +396,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pixels: one for all requests, one per request, or several for one caption (default 256x256)")
     p.add_argument("--frames", type=int_at_least(1), default=1, help="latent frames (videos; default 1)")
     p.add_argument("--steps", type=int_at_least(1), default=28, help="Euler steps (default 28)")
-    p.add_argument("--shift", type=float_in(gt=0), default=1.0,
-                   help="timestep shift, > 1 favours high noise (default 1)")
-    p.add_argument("--guidance", type=float_in(ge=0), default=1.0,
-                   help="classifier-free guidance scale (default 1: off)")
+    p.add_argument("--shift", type=float_in(gt=0), default=None,
+                   help="timestep shift, > 1 favours high noise (default: 1; FLUX.1-dev: each request's own from "
+                   "its image tokens, as FluxPipeline)")
+    p.add_argument("--guidance", type=float_in(ge=0), default=None,
+                   help="classifier-free guidance scale against the corpus's unconditional embeddings (default 1: "
+                   "off); FLUX.1-dev: its embedded guidance input (default 3.5)")
     p.add_argument("--max-text-tokens", type=int_at_least(0), default=256, help="caption token limit (default 256)")
     add_seed(p)
     add_device(p, help="where the model runs (auto: cuda if present)")

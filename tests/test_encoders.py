@@ -107,6 +107,12 @@ def test_ingest_with_a_vae_t5_and_clip_matches_the_models_called_directly(
     assert text["pooled"]["class"] == "CLIPTextModel" and text["pooled"]["pooled"] == "pooler_output"
     assert doc["encoder"] == "AutoencoderKL" and doc["text_encoder"] == "HFTextEncoder"
     assert doc["captions"] == {"column": "text", "metadata": 3, "sidecar": 0, "none": 0}
+    # The empty caption's conditioning, recorded for caption dropout and sampling: no text
+    # tokens, and CLIP's pooled vector of "" (the model called directly).
+    with torch.inference_mode():
+        empty = clip(input_ids=_tokens(models["clip"], "")[1]).pooler_output[0]
+    assert doc["unconditional"]["caption"] == "" and doc["unconditional"]["text"] == []
+    np.testing.assert_allclose(doc["unconditional"]["pooled"], empty.numpy(), atol=ATOL)
 
 
 def test_text_encoder_drops_padding_caps_tokens_and_pools_with_clip(models: dict[str, Path]) -> None:

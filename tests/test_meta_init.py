@@ -78,3 +78,25 @@ def test_sharded_meta_init_equals_the_cpu_built_model_on_two_gloo_ranks():
     # full: each rank holds its half of every parameter, not the model
     assert sum(res[0]["full"]["local"].values()) + sum(res[1]["full"]["local"].values()) == total
     assert sum(res[0]["full"]["local"].values()) < 0.6 * total
+
+
+def test_flux_meta_init_equals_the_cpu_built_model():
+    """The Flux family inherits the MMDiT's replayed init (its guidance MLP drawn as the other
+    conditioning MLPs): a meta-built FluxTransformer materialized equals one built on the CPU."""
+    from knapray.models.families import build_model
+    from knapray.models.families.flux import FluxConfig
+    from knapray.train.parallelize import materialize
+
+    cfg = FluxConfig(family="flux", hidden_size=32, num_heads=2, depth_double=1, depth_single=1, in_channels=4,
+                     text_dim=8, pooled_dim=8, rope_axes_dim=(4, 6, 6), guidance_embeds=True)
+    torch.manual_seed(3)
+    cpu = build_model(cfg)
+    after_cpu = torch.rand(3)
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        meta = build_model(cfg)
+    materialize(meta, "cpu")
+    assert torch.equal(torch.rand(3), after_cpu)  # the RNG ends where the CPU build leaves it
+    for (name, a), (_, b) in zip(cpu.state_dict().items(), meta.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert meta.guidance_in is not None

@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -53,6 +54,8 @@ from knapray.corpus.stages import (
     load_factory,
     prebuilt,
 )
+from knapray.corpus.unconditional import KEY as UNCONDITIONAL_KEY
+from knapray.corpus.unconditional import unconditional_record
 from knapray.corpus.writer import ShardWriter, length_stats, write_schema_json
 from knapray.planning.mix import MAX_TEXT_TOKENS
 from knapray.progress import progress_bar
@@ -154,6 +157,19 @@ def _run_ray(
     yield from ds.iter_batches(batch_size=None, batch_format="pyarrow")
 
 
+def _remote_unconditional(build: Callable[[], tuple[LatentEncoder, TextEncoder]], max_text_tokens: int,
+                          use_gpu: bool) -> dict[str, Any]:
+    """The empty caption's record, encoded in one Ray task by the encoders the actors use."""
+    import ray
+
+    task = ray.remote(num_gpus=1 if use_gpu else 0)(_encode_empty)
+    return ray.get(task.remote(build, max_text_tokens))
+
+
+def _encode_empty(build: Callable[[], tuple[LatentEncoder, TextEncoder]], max_text_tokens: int) -> dict[str, Any]:
+    return unconditional_record(build()[1], max_text_tokens)
+
+
 def _run_local(
     batches: list[pa.Table], opts: DecodeOptions, stage: EncodeStage
 ) -> Iterator[pa.Table]:
@@ -215,11 +231,15 @@ def ingest(
         standin_encoder, standin_text = spec.build()  # the spec has no models (checked above)
         build = prebuilt(encoder or standin_encoder, text_encoder or standin_text)
     stage: EncodeStage | None = None
+    unconditional = None
     if cfg.workers == 0:
         stage = EncodeStage(build, cfg.max_text_tokens)
         info = EncoderInfo.of(stage.encoder, stage.text_encoder)
+        unconditional = unconditional_record(stage.text_encoder, cfg.max_text_tokens)
     elif made:
-        info = EncoderInfo.of(*build())
+        built = build()
+        info = EncoderInfo.of(*built)
+        unconditional = unconditional_record(built[1], cfg.max_text_tokens)
     else:
         info = spec.describe()  # from the configs: the models load in the actors only
 
@@ -256,6 +276,8 @@ def ingest(
         writer.add(pa.Table.from_arrays(kept.columns, schema=CORPUS_SCHEMA))
     bar.close()
     shards = writer.close()
+    if unconditional is None:  # the models live in the Ray actors: one task encodes ""
+        unconditional = _remote_unconditional(build, cfg.max_text_tokens, use_gpu)
     for reason, count in sorted(skipped.items()):
         hint = (
             f"; install one of {VIDEO_DECODERS} (PyAV, opencv-python, imageio[ffmpeg]) to read videos"
@@ -291,6 +313,7 @@ def ingest(
             "text_encoder": info.text_record["class"],
             "encoders": {"latent": info.latent_record, "text": info.text_record},
             "captions": {"column": cfg.caption_column, **dict(captions)},
+            UNCONDITIONAL_KEY: unconditional,
             "video_decoder": decoder,
             "config": {f: getattr(cfg, f) for f in cfg.__dataclass_fields__},
         },

@@ -7,6 +7,13 @@ import math
 from typing import Any
 
 
+def _known_family(name: object) -> None:
+    from knapray.models.families import FAMILY_NAMES  # the registry imports this module
+
+    if name not in FAMILY_NAMES:
+        raise ValueError(f"expected one of {', '.join(map(repr, FAMILY_NAMES))}, got {name!r}")
+
+
 @dataclasses.dataclass(kw_only=True, slots=True)
 class MMDiTConfig:
     """Architecture of a Flux-style MMDiT. ``depth_double=0`` gives a plain single-stream DiT.
@@ -40,8 +47,20 @@ class MMDiTConfig:
     """RoPE base period."""
     qk_norm: bool = True
     """RMS-normalize q and k per head before RoPE (stabilizes attention logits)."""
+    family: str = dataclasses.field(default="mmdit", metadata={"check": _known_family})
+    """Model family (knapray/models/families): ``mmdit`` (knapray's own MMDiT) or ``flux``
+    (Flux.1, exact against diffusers' FluxTransformer2DModel; its config adds
+    ``guidance_embeds``)."""
+    pretrained: str = ""
+    """A checkpoint directory to start from ("": random init): a diffusers-layout
+    transformer (config.json + safetensors, sharded or not) or a BFL single file. Its
+    config.json sets the architecture fields this section leaves out (knapray/weights)."""
 
     def __post_init__(self) -> None:
+        _known_family(self.family)
+        if type(self) is MMDiTConfig and self.family != "mmdit":
+            raise ValueError(f"family {self.family!r} has its own config class: build it with "
+                             "knapray.models.families.config_class(family)")
         self.patch_size = tuple(self.patch_size)
         self.rope_axes_dim = tuple(self.rope_axes_dim)
         for name in ("in_channels", "hidden_size", "num_heads"):

@@ -69,10 +69,9 @@ class MMDiT(nn.Module):
                     module.weight.add_(torch.randn_like(module.weight) * std)
         if std is not None:
             return
-        for embedder in (self.time_in, self.vector_in):
-            if embedder is not None:
-                nn.init.normal_(embedder.fc1.weight, std=0.02)
-                nn.init.normal_(embedder.fc2.weight, std=0.02)
+        for embedder in self.conditioning_mlps():
+            nn.init.normal_(embedder.fc1.weight, std=0.02)
+            nn.init.normal_(embedder.fc2.weight, std=0.02)
         for module in self.modules():
             if isinstance(module, Modulation):
                 nn.init.zeros_(module.lin.weight)
@@ -94,8 +93,7 @@ class MMDiT(nn.Module):
         linears = [m for m in self.modules() if isinstance(m, nn.Linear)]  # construction order
         for m in linears:  # nn.Linear's own init in the constructor, overwritten below
             nn.Linear(m.in_features, m.out_features)
-        redrawn = {id(e.fc1) for e in (self.time_in, self.vector_in) if e is not None}
-        redrawn |= {id(e.fc2) for e in (self.time_in, self.vector_in) if e is not None}
+        redrawn = {id(fc) for e in self.conditioning_mlps() for fc in (e.fc1, e.fc2)}
         zero = {id(m.lin) for m in self.modules() if isinstance(m, Modulation)} | {id(self.final.linear)}
         for m in self.modules():  # init_weights(), in its order
             if isinstance(m, nn.Linear):
@@ -107,10 +105,18 @@ class MMDiT(nn.Module):
                 write(m.bias, torch.zeros(m.out_features))
             elif isinstance(m, RMSNorm):
                 write(m.weight, torch.ones(m.weight.shape))
-        for embedder in (self.time_in, self.vector_in):
-            if embedder is not None:
-                for fc in (embedder.fc1, embedder.fc2):
-                    write(fc.weight, nn.init.normal_(torch.empty(fc.out_features, fc.in_features), std=0.02))
+        for embedder in self.conditioning_mlps():
+            for fc in (embedder.fc1, embedder.fc2):
+                write(fc.weight, nn.init.normal_(torch.empty(fc.out_features, fc.in_features), std=0.02))
+
+    def conditioning_mlps(self) -> list[nn.Module]:
+        """The MLPs of the per-sequence conditioning (timestep, pooled text), which the
+        init draws from N(0, 0.02) after the xavier pass (``init_weights``, ``initial_values``)."""
+        return [m for m in (self.time_in, self.vector_in) if m is not None]
+
+    def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE (cos, sin), each (N, head_dim/2), of integer positions pos (N, 3)."""
+        return rope_frequencies(pos, self.cfg.rope_axes_dim, self.cfg.rope_theta)
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -188,7 +194,7 @@ class MMDiT(nn.Module):
             )
         if vec_seq.dim() != 2 or vec_seq.shape[1] != d:
             raise ValueError(f"vec_seq must be (S_loc, {d}), got {tuple(vec_seq.shape)}")
-        rope = rope_frequencies(pos, self.cfg.rope_axes_dim, self.cfg.rope_theta)
+        rope = self.rope(pos)
         if len(self.double_blocks):
             streams = streams if streams is not None else TokenStreams.from_mask(is_text)
             # Kept split across all double blocks; only q, k, v are merged for attention.

@@ -110,6 +110,9 @@ class PackedBatch:
     """Per sequence, the image token grid (Ti, Hi, Wi), for unpatchify."""
     targets: torch.Tensor | None = None
     """(Ni, patch_dim) regression target of the image tokens, if set."""
+    guidance: torch.Tensor | None = None
+    """(S,) float guidance strength per sequence, for a model that embeds it (Flux.1-dev);
+    None for the others."""
 
     def __post_init__(self) -> None:
         n, s = self.is_text.shape[0], self.seq_lens.shape[0]
@@ -125,6 +128,8 @@ class PackedBatch:
                 f"per-sequence fields disagree on S={s}: cu_seqlens {tuple(self.cu_seqlens.shape)}, "
                 f"timesteps {tuple(self.timesteps.shape)}, pooled {tuple(self.pooled.shape)}"
             )
+        if self.guidance is not None and self.guidance.shape != (s,):
+            raise ValueError(f"guidance must be ({s},), one value per sequence, got {tuple(self.guidance.shape)}")
         if self.targets is not None and self.targets.shape != self.x_img.shape:
             raise ValueError(f"targets {tuple(self.targets.shape)} must match x_img {tuple(self.x_img.shape)}")
 
@@ -158,10 +163,11 @@ def pack_samples(samples: Sequence[dict[str, Any]], cfg: MMDiTConfig) -> PackedB
     """Pack samples ``{latent (C,T,H,W), text (Lt, text_dim), pooled (pooled_dim,), timestep}``.
 
     ``text`` may have Lt = 0 (or be absent when cfg.text_dim == 0); ``pooled`` may be absent
-    when cfg.pooled_dim == 0. An empty list gives an empty batch (S = 0, N = 0).
+    when cfg.pooled_dim == 0; ``guidance`` (a float, for a model that embeds it) is given
+    by every sample or by none. An empty list gives an empty batch (S = 0, N = 0).
     Packing runs on the data-loading side: samples are CPU tensors; move the result with ``.to``.
     """
-    x_txt, x_img, is_text, pos, seq_index, lens, grids, tsteps, pooled = ([] for _ in range(9))
+    x_txt, x_img, is_text, pos, seq_index, lens, grids, tsteps, pooled, guidance = ([] for _ in range(10))
     for i, sample in enumerate(samples):
         latent = sample["latent"]
         if latent.dim() != 4 or latent.shape[0] != cfg.in_channels:
@@ -185,6 +191,9 @@ def pack_samples(samples: Sequence[dict[str, Any]], cfg: MMDiTConfig) -> PackedB
         grids.append(tuple(s // p for s, p in zip(latent.shape[1:], cfg.patch_size)))
         tsteps.append(float(sample["timestep"]))
         pooled.append(vec)
+        if ("guidance" in sample) != ("guidance" in samples[0]):
+            raise ValueError(f"sample {i}: give guidance for every sample or for none")
+        guidance.append(float(sample.get("guidance", 0.0)))
 
     seq_lens = torch.tensor(lens, dtype=torch.int64)
     cu_seqlens = torch.zeros(len(lens) + 1, dtype=torch.int32)
@@ -201,4 +210,5 @@ def pack_samples(samples: Sequence[dict[str, Any]], cfg: MMDiTConfig) -> PackedB
         pooled=torch.stack(pooled) if pooled else torch.zeros(0, cfg.pooled_dim),
         seq_lens=seq_lens,
         grids=tuple(grids),
+        guidance=torch.tensor(guidance, dtype=torch.float32) if samples and "guidance" in samples[0] else None,
     )

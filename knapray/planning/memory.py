@@ -150,13 +150,15 @@ class ModelShape:
     text_dim: int = 0
     pooled_dim: int = 0
     qk_norm: bool = True
+    guidance_embeds: bool = False
+    """A guidance MLP beside the timestep MLP (the flux family's FLUX.1-dev)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "qk_norm":
+            if f.name in ("qk_norm", "guidance_embeds"):
                 if not isinstance(value, bool):
-                    raise ValueError(f"qk_norm must be a bool, got {value!r}")
+                    raise ValueError(f"{f.name} must be a bool, got {value!r}")
                 continue
             low = 1 if f.name in ("hidden_size", "num_heads", "mlp_hidden", "patch_dim") else 0
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -185,6 +187,7 @@ class ModelShape:
             text_dim=getattr(cfg, "text_dim", 0),
             pooled_dim=getattr(cfg, "pooled_dim", 0),
             qk_norm=bool(getattr(cfg, "qk_norm", True)),
+            guidance_embeds=bool(getattr(cfg, "guidance_embeds", False)),
         )
 
     @property
@@ -226,6 +229,8 @@ class ModelShape:
             lin.append((self.text_dim, d))
         if self.pooled_dim:
             lin += [(self.pooled_dim, d), (d, d)]
+        if self.guidance_embeds:
+            lin += [(TIME_EMBED_DIM, d), (d, d)]
         return self._count(lin, 0)
 
     @property

@@ -73,4 +73,5 @@ def concat_batches(batches: list[PackedBatch]) -> PackedBatch:
         seq_lens=seq_lens,
         grids=tuple(g for b in batches for g in b.grids),
         targets=torch.cat([b.targets for b in batches]),
+        guidance=torch.cat([b.guidance for b in batches]) if batches and batches[0].guidance is not None else None,
     )

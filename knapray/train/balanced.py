@@ -26,11 +26,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from knapray.distributed import UlyssesAttention, reverse_route, route, route_plan, route_sequence_features
 from knapray.distributed.router import RoutePlan, concat_ranges
-from knapray.models import MMDiT, PackedBatch
+from knapray.models import PackedBatch
 from knapray.models.blocks import TokenStreams
+from knapray.models.families import condition_inputs
 from knapray.planning import BalancePlan
 from knapray.transfer import host_to_device
 
@@ -104,7 +106,7 @@ def check_batch_matches_plan(batch: PackedBatch, plan: BalancePlan, rank: int) -
 
 
 def balanced_forward(
-    model: MMDiT,
+    model: torch.nn.Module,
     batch: PackedBatch,
     plan: BalancePlan,
     rank: int,
@@ -115,6 +117,8 @@ def balanced_forward(
     layout: StepLayout | None = None,
 ) -> torch.Tensor:
     """Model output for this rank's image tokens, (Ni_home, patch_dim), in home order.
+
+    ``model``: any family's model (knapray/models/families): its four stages are called.
 
     ``bag_group``: the process group of this rank's bag (None for a bag of one);
     ``route_group``: the balance group (None: the world). Collective: every rank of the
@@ -130,10 +134,10 @@ def balanced_forward(
                     layout.routed, layout.routed_is_text)
 
 
-def _forward(model: MMDiT, batch: PackedBatch, plan: BalancePlan, rank: int, rp: RoutePlan, attn: UlyssesAttention,
+def _forward(model: nn.Module, batch: PackedBatch, plan: BalancePlan, rank: int, rp: RoutePlan, attn: UlyssesAttention,
              route_group: dist.ProcessGroup | None, home: TokenStreams | None, routed_streams: TokenStreams | None,
              routed_is_text: torch.Tensor | None) -> torch.Tensor:
-    vec = model.condition(batch.timesteps, batch.pooled)  # (S_home, d)
+    vec = model.condition(**condition_inputs(model, batch))  # (S_home, d)
     h = model.embed(batch.x_txt, batch.x_img, batch.is_text, streams=home)  # (N_home, d)
     if routed_is_text is None:  # the modality travels with the tokens
         routed = route(rp, rank, {"h": h, "pos": batch.pos, "is_text": batch.is_text}, route_group)

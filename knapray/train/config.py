@@ -12,8 +12,10 @@ tuple, ``dict[str, float]``, ``dict``, a nested section) and against the rules i
 - ``check``: a function of the value as written that raises ValueError saying what is
   wrong and what is valid.
 
-The model section (``MMDiTConfig``) declares its rules the same way and keeps its own
-``__post_init__`` checks. Unknown keys are rejected with the valid ones. Every error is a
+The model section (``MMDiTConfig``, or its family's subclass chosen by ``model.family``)
+declares its rules the same way and keeps its own ``__post_init__`` checks; with
+``model.pretrained`` the checkpoint's config.json fills the architecture fields the file
+leaves out (and a field that disagrees with it is an error). Unknown keys are rejected with the valid ones. Every error is a
 ``ConfigError`` (a ValueError): one line naming the dotted key, the value and what is valid.
 """
 
@@ -34,7 +36,7 @@ import yaml
 from knapray.planning.rules import parse_rule
 from knapray.models import MMDiTConfig
 from knapray.models.flow import TIMESTEP_KINDS
-from knapray.models.timesteps import TimestepDistribution
+from knapray.models.timesteps import ResolutionShift, TimestepDistribution
 from knapray.planning import SOLVERS
 
 
@@ -82,6 +84,10 @@ class DataConfig:
     """A sample id that more than one corpus row carries (the ledger counts samples by id):
     ``error`` stops the run in pre-flight naming the shards and rows; ``quarantine`` leaves
     every row of such an id out (listed in ``quarantine.jsonl``, reason ``duplicate_id``)."""
+    caption_dropout: float = field(default=0.0, metadata={"ge": 0, "lt": 1})
+    """Fraction of samples trained unconditionally: their text and pooled embeddings are
+    replaced by the corpus's unconditional ones (the empty caption's, recorded at ingest;
+    what ``knapray sample`` uses for guidance), decided per (seed, epoch, sample id)."""
     max_bad_fraction: float = field(default=0.5, metadata={"ge": 0, "le": 1})
     """Stop the run with an error once more than this fraction of the rows read (after at
     least 16) had to be quarantined: a mostly broken corpus must not train on nothing."""
@@ -164,11 +170,32 @@ class FlowConfig:
     """SD3's resolution shift, applied after drawing: t -> s·t / (1 + (s-1)·t); s > 1 moves
     t toward noise (SD3 uses 3 at 1024²); 1 leaves t as drawn. ``knapray sample --shift``
     is its counterpart at sampling time."""
+    resolution_shift: bool = False
+    """Flux's shift instead: each sample's from its own image token count n, shift =
+    exp(mu) with mu linear in n from ``base_shift`` at ``base_image_tokens`` to ``max_shift``
+    at ``max_image_tokens``, so in a mixed-resolution batch every sample gets its own (as
+    FLUX.1 samples; needs ``timestep_shift`` 1)."""
+    base_image_tokens: int = field(default=256, metadata={"ge": 0, "lt": "max_image_tokens"})
+    max_image_tokens: int = field(default=4096, metadata={"ge": 1})
+    base_shift: float = field(default=0.5, metadata={"check": _finite})
+    max_shift: float = field(default=1.15, metadata={"check": _finite})
+    guidance: float = field(default=3.5, metadata={"ge": 0})
+    """The guidance strength a model that embeds one is trained with (FLUX.1-dev; diffusers'
+    Flux fine-tuning scripts use 3.5); unused by models without a guidance embedding."""
+
+    def __post_init__(self) -> None:
+        if self.resolution_shift and self.timestep_shift != 1:
+            raise ValueError(f"resolution_shift computes each sample's shift; timestep_shift must be 1, "
+                             f"got {self.timestep_shift!r}")
 
     def distribution(self) -> TimestepDistribution:
         """The distribution these fields describe (what ``build_packed_batch`` draws from)."""
+        resolution = ResolutionShift(base_tokens=self.base_image_tokens, max_tokens=self.max_image_tokens,
+                                     base_shift=self.base_shift, max_shift=self.max_shift) \
+            if self.resolution_shift else None
         return TimestepDistribution(
-            kind=self.timesteps, mean=self.timestep_mean, std=self.timestep_std, shift=self.timestep_shift
+            kind=self.timesteps, mean=self.timestep_mean, std=self.timestep_std, shift=self.timestep_shift,
+            resolution=resolution,
         )
 
 
@@ -425,6 +452,8 @@ def _build(cls: type, data: Any, path: str) -> Any:
     values: dict[str, Any] = {}
     for f in fields:  # types first: a bound may name another field of the section
         typ, raw = hints[f.name], data.get(f.name)
+        if typ is MMDiTConfig:
+            typ = _model_section_class(raw, keys[f.name])
         if dataclasses.is_dataclass(typ):
             values[f.name] = _build(typ, raw, keys[f.name])
         elif f.name not in data:
@@ -457,6 +486,16 @@ def _build(cls: type, data: Any, path: str) -> Any:
         return cls(**values)
     except ValueError as e:  # the section's own checks, e.g. MMDiTConfig's that relate fields
         raise ConfigError(f"{where}: {e}") from None
+
+
+def _model_section_class(raw: Any, path: str) -> type:
+    """The model section's class: the one of its ``family`` (knapray/models/families)."""
+    from knapray.models.families import FAMILY_NAMES, config_class
+
+    family = raw.get("family", "mmdit") if isinstance(raw, dict) else "mmdit"
+    if family not in FAMILY_NAMES:
+        raise ConfigError(f"config {path}.family: expected one of {', '.join(map(repr, FAMILY_NAMES))}, {_got(family)}")
+    return config_class(family)
 
 
 def _apply_override(data: dict, item: str) -> None:
@@ -508,6 +547,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None, *,
             raise ConfigError(f"config file {path!r}: expected a mapping of sections, {_got(data)}")
     for item in overrides or []:
         _apply_override(data, item)
+    _arch_from_pretrained(data)
     _dims_from_corpus(data, corpus_dims or read_corpus_dims)
     return _build(TrainConfig, data, "")
 
@@ -542,6 +582,32 @@ def _dims_from_corpus(data: dict, corpus_dims: Callable[[str], Mapping[str, Any]
     for field_name, dim in CORPUS_DIMS.items():
         if field_name not in model and isinstance(dims.get(dim), int):
             model[field_name] = dims[dim]
+
+
+def _arch_from_pretrained(data: dict) -> None:
+    """With ``model.pretrained`` naming a checkpoint that is there, its family and
+    architecture fill the model fields the config leaves out; a field given with another
+    value is a ConfigError naming both. A path that is not there is left to the launcher's
+    pre-flight (which names it), so a config with a placeholder path still loads."""
+    model = data.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("pretrained"), str) or not model["pretrained"]:
+        return
+    if not os.path.exists(os.path.expanduser(model["pretrained"])):
+        return
+    from knapray.weights.checks import checkpoint_family, section_values
+    from knapray.weights.source import open_pretrained
+
+    try:
+        source = open_pretrained(model["pretrained"])
+        values = section_values(source, checkpoint_family(source, model.get("family")))
+    except ValueError as e:
+        raise ConfigError(f"config model.pretrained: {e}") from None
+    for key, value in values.items():
+        given = model.get(key, value)
+        if (tuple(given) if isinstance(given, list) else given) != value:
+            raise ConfigError(f"config model.{key}: {given!r} disagrees with model.pretrained {source.path}, "
+                              f"whose config gives {value!r}; leave it out to take the checkpoint's")
+        model.setdefault(key, list(value) if isinstance(value, tuple) else value)
 
 
 def config_from_dict(data: dict) -> TrainConfig:

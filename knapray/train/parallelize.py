@@ -1,13 +1,15 @@
-"""FSDP2, activation checkpointing and torch.compile, applied to a finished ``MMDiT`` from
-outside ``models/`` (torchtitan's habit). ``parallelize`` mutates the model in place and
-returns a ``ParallelModel`` handle with what the trainer needs after backward.
+"""FSDP2, activation checkpointing and torch.compile, applied to a finished model of any
+family (``MMDiT``, ``FluxTransformer``: knapray/models/families) from outside ``models/``
+(torchtitan's habit). ``parallelize`` mutates the model in place and returns a
+``ParallelModel`` handle with what the trainer needs after backward.
 
 A balanced step does not call ``model.forward``: it calls ``model.condition``, ``model.embed``,
 ``model.blocks`` and ``model.head`` (knapray/train/balanced.py). So every parameter lives in
 a child FSDP unit that runs through its module's ``__call__`` exactly once per step:
 
-    time_in, vector_in, img_in, txt_in   one unit each (embedders: their inputs need no grad,
-                                         so FSDP reduces them in its end-of-backward callback)
+    time_in, guidance_in, vector_in,     one unit each (embedders: their inputs need no
+    img_in, txt_in                       grad, so FSDP reduces them in its end-of-backward
+                                         callback; guidance_in: Flux.1-dev only)
     double_blocks[i], single_blocks[i]   one unit per block
     final                                one unit, kept gathered from forward into backward
 
@@ -53,7 +55,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from knapray.distributed.grads import allreduce_gradients
-from knapray.models import MMDiT
+from knapray.models.families import FAMILIES
 from knapray.planning.checkpointing import checkpointed_blocks
 
 FSDP_MODES = ("none", "full", "hybrid")
@@ -281,15 +283,17 @@ def _checkpointed_forward(forward: Callable) -> Callable:
     return run
 
 
-def _blocks(model: MMDiT) -> list[nn.Module]:
+def _blocks(model: nn.Module) -> list[nn.Module]:
     return [*model.double_blocks, *model.single_blocks]
 
 
-def _embedders(model: MMDiT) -> list[nn.Module]:
-    return [m for m in (model.time_in, model.vector_in, model.img_in, model.txt_in) if m is not None]
+def _embedders(model: nn.Module) -> list[nn.Module]:
+    # guidance_in: Flux.1-dev's guidance MLP (absent from the MMDiT and from schnell)
+    embedders = (model.time_in, getattr(model, "guidance_in", None), model.vector_in, model.img_in, model.txt_in)
+    return [m for m in embedders if m is not None]
 
 
-def _apply_fsdp(model: MMDiT, mesh, cfg: ParallelConfig) -> None:
+def _apply_fsdp(model: nn.Module, mesh, cfg: ParallelConfig) -> None:
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     # Every rank must reduce-scatter the same parameters of a unit in every backward. FSDP2
@@ -343,7 +347,7 @@ class ParallelModel:
     dicts: ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)``
     works for every mode, with the plain model's parameter names."""
 
-    model: MMDiT
+    model: nn.Module
     config: ParallelConfig
     mesh: Any = None
     """The FSDP DeviceMesh, None without FSDP."""
@@ -387,10 +391,11 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float) -> torch.Te
 
 
 @torch.no_grad()
-def materialize(model: MMDiT, device: torch.device | str) -> None:
+def materialize(model: nn.Module, device: torch.device | str) -> None:
     """Give a model built on the meta device (and parallelized) storage on ``device`` and its
-    initial weights: the same values as ``MMDiT(cfg)`` on the CPU from the global RNG in the
-    same state (``MMDiT.initial_values``), each parameter generated on the host, then its
+    initial weights: the same values as building it (``MMDiT(cfg)``, ``FluxTransformer(cfg)``)
+    on the CPU from the global RNG in the same state (the family's ``initial_values``), each
+    parameter generated on the host, then its
     full value (plain parameter) or this rank's shard of it (FSDP's DTensors) copied to
     ``device``. So no rank builds the whole fp32 model on the host or the device: the host
     holds one parameter at a time, the device its shards (Flux: 47 GB otherwise)."""
@@ -412,7 +417,7 @@ def materialize(model: MMDiT, device: torch.device | str) -> None:
 
 
 def parallelize(
-    model: MMDiT,
+    model: nn.Module,
     *,
     fsdp: str = "none",
     ac: str = "none",
@@ -436,8 +441,10 @@ def parallelize(
         fsdp=fsdp, ac=ac, ac_every=ac_every, compile=compile, compile_backend=compile_backend,
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, gpus_per_node=gpus_per_node,
     )
-    if not isinstance(model, MMDiT):
-        raise TypeError(f"parallelize takes an MMDiT, got {type(model).__name__}")
+    model_classes = tuple(f.model_cls for f in FAMILIES.values())
+    if not isinstance(model, model_classes):
+        raise TypeError(f"parallelize takes a family's model ({', '.join(c.__name__ for c in model_classes)}), "
+                        f"got {type(model).__name__}")
     stats = None
     if cfg.compile:
         stats = CompileStats(cfg.compile_backend)

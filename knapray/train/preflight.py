@@ -150,6 +150,7 @@ def check(cfg: TrainConfig, worlds: Iterable[int], *, corpus: CorpusCheck | None
     worlds = tuple(int(w) for w in worlds)
     for world in worlds:
         check_world(cfg, world)
+    check_pretrained(cfg)
     if corpus is None:
         corpus = check_corpus(cfg, schema)
     try:
@@ -158,6 +159,20 @@ def check(cfg: TrainConfig, worlds: Iterable[int], *, corpus: CorpusCheck | None
         raise RunError(f"{e}; leave model.in_channels / text_dim / pooled_dim out of the config to take the "
                        "corpus's, or use a corpus made with the encoders the config expects") from None
     return Preflight(cfg=cfg, worlds=worlds, corpus=corpus)
+
+
+def check_pretrained(cfg: TrainConfig) -> None:
+    """``model.pretrained`` (if set) is a checkpoint of the model's family and shape with
+    exactly its tensors: from config.json and the safetensors headers (each worker then
+    reads only its shard of the data)."""
+    if not cfg.model.pretrained:
+        return
+    from knapray.weights.checks import check_pretrained as check
+
+    try:
+        check(cfg.model)
+    except ValueError as e:
+        raise RunError(f"model.pretrained: {e}") from None
 
 
 def check_corpus(cfg: TrainConfig, schema: _SchemaReader | None = None) -> CorpusCheck:

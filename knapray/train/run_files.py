@@ -50,8 +50,12 @@ def resolve_paths(cfg: TrainConfig) -> TrainConfig:
     storage = cfg.run.storage
     if not os.path.isabs(storage) and inside_ray_upload(os.getcwd()):
         storage = os.path.join(os.path.expanduser(os.environ.get("KNAPRAY_STORAGE", DEFAULT_JOB_STORAGE)), storage)
+    model = cfg.model
+    if model.pretrained:  # workers run elsewhere: an absolute path (it must be on storage every node reads)
+        model = replace(model, pretrained=os.path.abspath(os.path.expanduser(model.pretrained)))
     return replace(
         cfg,
+        model=model,
         data=replace(cfg.data, corpus=os.path.abspath(cfg.data.corpus)),
         run=replace(cfg.run, storage=os.path.abspath(os.path.expanduser(storage))),
     )
@@ -77,10 +81,15 @@ def _flat(d: dict, prefix: str = "") -> dict[str, object]:
 
 
 def config_changes(old: dict, new: dict) -> tuple[list[str], list[str]]:
-    """(keys that forbid a resume, other keys that changed), as ``key: old -> new``."""
+    """(keys that forbid a resume, other keys that changed), as ``key: old -> new``. A key
+    the old config lacks that is at its default now is no change: a field added to knapray
+    since the run was saved (e.g. ``model.family``) must not block resuming it."""
     a, b = _flat(old), _flat(json.loads(json.dumps(new)))
+    defaults = _flat(json.loads(json.dumps(TrainConfig().to_dict())))
     blocking, other = [], []
     for key in sorted(set(a) | set(b)):
+        if key not in a and key in defaults and b.get(key) == defaults[key]:
+            continue
         if a.get(key) != b.get(key):
             line = f"{key}: {a.get(key)!r} -> {b.get(key)!r}"
             (blocking if any(key == k or key.startswith(k + ".") for k in RESUME_KEYS) else other).append(line)

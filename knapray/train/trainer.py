@@ -28,11 +28,20 @@ import numpy as np
 import torch
 
 from knapray.coordinator import CoordinatorClient, CoordinatorUnavailable
-from knapray.data import Step, StepMeta, StepStream, build_packed_batch, check_model_config, corpus_info
+from knapray.corpus.unconditional import unconditional_embeddings
+from knapray.data import (
+    CaptionDropout,
+    Step,
+    StepMeta,
+    StepStream,
+    build_packed_batch,
+    check_model_config,
+    corpus_info,
+)
 from knapray.distributed import BagGroups
 from knapray.distributed.block_groups import BlockGroups, StepGroups
 from knapray.distributed.step_sync import StepSync
-from knapray.models import MMDiT
+from knapray.models.families import build_model
 from knapray.models.flops import model_flops, peak_tflops
 from knapray.models.flow import flow_loss
 from knapray.planning import BalancePlan, Topology, identity_plan
@@ -98,12 +107,13 @@ class Trainer:
         check_model_config(self.info, cfg.model)
 
         # Built on the meta device (no storage), parallelized, then given storage and its
-        # initial weights shard by shard (``materialize``): the same weights as building it on
-        # the CPU from this seed, without holding the whole model anywhere. Then the optimizer
-        # and the EMA (over FSDP's sharded parameters), then the checkpoint.
+        # weights shard by shard: a pretrained model's from its checkpoint (each rank reads
+        # only its shard), else its initial ones (``materialize``: the same weights as building
+        # it on the CPU from this seed), without holding the whole model anywhere. Then the
+        # optimizer and the EMA (over FSDP's sharded parameters), then the checkpoint.
         torch.manual_seed(cfg.data.seed)  # the same initial model on every rank
         with torch.device("meta"):
-            self.model = MMDiT(cfg.model)
+            self.model = build_model(cfg.model)
         sharded = cfg.run.fsdp != "none"
         self.parallel = parallelize(
             self.model, fsdp=cfg.run.fsdp, ac=cfg.run.activation_checkpointing, ac_every=cfg.run.ac_every,
@@ -111,12 +121,18 @@ class Trainer:
             reduce_dtype=torch.float32, gpus_per_node=cfg.balance.gpus_per_node or None, world_size=self.world,
             device_type=self.device.type,
         )
-        materialize(self.model, self.device)
+        if cfg.model.pretrained:
+            self._load_pretrained()
+        else:
+            materialize(self.model, self.device)
         # FSDP gathers parameters in the compute dtype itself; without it, bf16 is autocast.
         self.autocast = not sharded and self.dtype != torch.float32
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.ema = build_ema(self.model, cfg.optim)
         self.timesteps = cfg.flow.distribution()
+        self.guidance = cfg.flow.guidance if getattr(cfg.model, "guidance_embeds", False) else None
+        self.unconditional = unconditional_embeddings(cfg.data.corpus, self.info.text_dim, self.info.pooled_dim) \
+            if cfg.data.caption_dropout > 0 else None
         self.accum = cfg.optim.grad_accum_steps
         self.checkpointer = Checkpointer(os.path.join(self.run_dir, "checkpoints"), rank=self.rank,
                                          group=self.sync.meta_group)
@@ -177,6 +193,19 @@ class Trainer:
                         f"; per-step: every step chooses aligned blocks of nodes of {self.per_step_node} ranks, "
                         f"{self.topology} is the base it also tries")
 
+    def _load_pretrained(self) -> None:
+        """Allocate the meta-built (sharded) model and fill it from ``model.pretrained``,
+        unless a checkpoint of this run will overwrite every weight anyway."""
+        from knapray.weights.load import load_pretrained
+
+        from .checkpoint import completed_checkpoints
+
+        self.model.to_empty(device=self.device)
+        if completed_checkpoints(os.path.join(self.run_dir, "checkpoints")):
+            return
+        report = load_pretrained(self.model, self.cfg.model)
+        logger.info("rank %d: %s", self.rank, report.line())
+
     def _optimizer_steps(self, steps: int) -> int:
         return -(-steps // self.accum)
 
@@ -220,9 +249,12 @@ class Trainer:
             skip = committed_ids(self.run_dir, self.epoch, through_step=self.resumed_from) \
                 if self.resumed_from is not None else np.zeros(0, dtype=np.int64)
             skip = np.union1d(skip, self.duplicates)  # ids several corpus rows carry (data.duplicate_ids)
+            dropout = None if self.unconditional is None else CaptionDropout(
+                cfg.data.caption_dropout, cfg.data.seed, self.epoch, *self.unconditional)
             stream = StepStream.for_corpus(
                 self.ctx.rows(self.epoch, self.guard.on_bad_shard), self.info, samples_per_step=self.samples_per_step,
                 on_corrupt=self.guard.on_corrupt, skip_sample_ids=skip, max_seq_len=self.max_seq_len,
+                caption_dropout=dropout,
             )
             self.planner.begin_epoch(self.step, stream.peek_next())
             while not self._at_max_steps():
@@ -261,7 +293,7 @@ class Trainer:
         nxt = stream.peek_next()
         fetched = self.planner.fetch(step, current.meta, nxt)
         host_batch = build_packed_batch(current.samples, cfg.model, seed=cfg.data.seed, epoch=self.epoch,
-                                        timesteps=self.timesteps)
+                                        timesteps=self.timesteps, guidance=self.guidance)
         batch = host_batch.to(self.device)
         # Every sequence's text-token count rides along (one slot per sample a rank may hold):
         # with the plan it tells every rank, on the host, which routed tokens are text.

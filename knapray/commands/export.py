@@ -1,0 +1,53 @@
+"""``knapray export``: a run's trained (or EMA) weights as a diffusers model directory
+(knapray/weights/export.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+NAME = "export"
+HELP = "write a run's trained (or EMA) weights in the diffusers layout with its config.json"
+
+
+def _size(text: str) -> int:
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+    upper = text.strip().upper()
+    for unit in sorted(units, key=len, reverse=True):
+        if upper.endswith(unit):
+            number = upper[: -len(unit)]
+            try:
+                value = float(number) * units[unit]
+            except ValueError:
+                break
+            if value >= 1:
+                return int(value)
+            break
+    raise argparse.ArgumentTypeError(f"expected a size like 10GB, 500MB or 64KiB, got {text!r}")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", required=True, help="run directory (runs/NAME)")
+    p.add_argument("--out", required=True, help="new (or empty) directory to write the diffusers model to")
+    p.add_argument("--ema", action="store_true", help="the EMA weights (optim.ema_decay > 0) instead of the raw ones")
+    p.add_argument("--checkpoint", help="checkpoint directory (default: the run's newest complete one)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="dtype of the written tensors (default fp32: the trained weights exactly; FLUX.1 ships bf16)")
+    p.add_argument("--max-shard-size", type=_size, default="10GB",
+                   help="largest output file; more tensors go to further shards with an index (default 10GB)")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+
+
+def run(args: argparse.Namespace) -> int:
+    from knapray.weights.export import export_run
+
+    r = export_run(args.run, args.out, ema=args.ema, checkpoint=args.checkpoint, dtype=args.dtype,
+                   max_shard_bytes=args.max_shard_size)
+    mib = 2**20
+    print(f"wrote {r.out}: {r.family} {'EMA' if r.ema else 'trained'} weights of step {r.step} ({r.checkpoint}), "
+          f"{r.tensors} tensors, {r.dtype}, {len(r.shards)} file(s), {r.total_bytes / mib:.1f} MiB; largest file "
+          f"{r.largest_shard_bytes / mib:.1f} MiB, at most {r.largest_read_bytes / mib:.1f} MiB of parameters read from the "
+          f"checkpoint at once; peak host memory {r.peak_host_bytes / mib:.0f} MiB; {r.seconds:.1f} s")
+    if args.json:
+        print(json.dumps(r.to_json()))
+    return 0
