@@ -94,7 +94,7 @@ def flow_timesteps(steps: int, shift: float = 1.0) -> list[float]:
 
 def read_run(run_dir: str, checkpoint: str | None = None) -> tuple[Any, str]:
     """(TrainConfig, checkpoint path) of a run directory, read without loading weights."""
-    from knapray.train.checkpoint import check_checkpoint, completed_checkpoints
+    from knapray.train.checkpoint import completed_checkpoints
     from knapray.train.config import config_from_dict
 
     cfg_path = os.path.join(run_dir, "config.json")
@@ -108,7 +108,6 @@ def read_run(run_dir: str, checkpoint: str | None = None) -> tuple[Any, str]:
         raise ValueError(f"--run {run_dir}: no complete checkpoint to sample from")
     if not os.path.exists(os.path.join(path, ".metadata")):
         raise ValueError(f"--checkpoint {path}: not a checkpoint directory (no .metadata)")
-    check_checkpoint(path)  # before anything is built from it: a planted file is refused, never run
     return cfg, path
 
 
@@ -325,6 +324,8 @@ class SamplePlan:
 def plan_sampling(args: argparse.Namespace) -> SamplePlan:
     """Check every argument against the run (config.json, its checkpoint, the corpus's
     record) without loading weights; ValueError naming the first bad value."""
+    from knapray.train.checkpoint import check_checkpoint
+
     sizes = [parse_size(s) for s in (args.size or ["256x256"])]
     prompts: list[tuple[str | None, int | None]] = [(c, None) for c in (args.caption or [])]
     prompts += [(None, int(i)) for i in (args.like or [])]
@@ -342,6 +343,7 @@ def plan_sampling(args: argparse.Namespace) -> SamplePlan:
             raise ValueError(f"--size {w}x{h}: with a VAE downsample of {down} and patches of {pw}x{ph} the width "
                              f"must be a positive multiple of {down * pw} and the height of {down * ph} pixels")
         requests.append(Request(caption=caption, height=h, width=w, frames=args.frames, like=like))
+    check_checkpoint(ckpt)  # before anything is built from it: a planted file is refused, never run
     return SamplePlan(cfg=cfg, checkpoint=ckpt, requests=requests)
 
 

@@ -192,7 +192,8 @@ def _fields(cfg: FluxConfig) -> dict:
 
 def test_a_run_config_takes_the_architecture_from_the_checkpoint(tiny: dict[str, Path], tmp_path: Path) -> None:
     from knapray.train.config import ConfigError, load_config
-    from knapray.train.run_files import RunError, check_pretrained as preflight
+    from knapray.train.preflight import check_pretrained as preflight
+    from knapray.train.run_files import RunError
 
     path = tiny["dev_h6"]
     corpus = f"data.corpus={tmp_path / 'none'}"

@@ -27,21 +27,23 @@ def _size(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .flags import add_dtype, add_json
+
     p.add_argument("--run", required=True, help="run directory (runs/NAME)")
     p.add_argument("--out", required=True, help="new (or empty) directory to write the diffusers model to")
     p.add_argument("--ema", action="store_true", help="the EMA weights (optim.ema_decay > 0) instead of the raw ones")
     p.add_argument("--checkpoint", help="checkpoint directory (default: the run's newest complete one)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
-                   help="dtype of the written tensors (default fp32: the trained weights exactly; FLUX.1 ships bf16)")
+    add_dtype(p, help="dtype of the written tensors (auto = fp32: the trained weights exactly; FLUX.1 ships bf16)")
     p.add_argument("--max-shard-size", type=_size, default="10GB",
                    help="largest output file; more tensors go to further shards with an index (default 10GB)")
-    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    add_json(p)
 
 
 def run(args: argparse.Namespace) -> int:
     from knapray.weights.export import export_run
 
-    r = export_run(args.run, args.out, ema=args.ema, checkpoint=args.checkpoint, dtype=args.dtype,
+    r = export_run(args.run, args.out, ema=args.ema, checkpoint=args.checkpoint,
+                   dtype="fp32" if args.dtype == "auto" else args.dtype,
                    max_shard_bytes=args.max_shard_size)
     mib = 2**20
     print(f"wrote {r.out}: {r.family} {'EMA' if r.ema else 'trained'} weights of step {r.step} ({r.checkpoint}), "

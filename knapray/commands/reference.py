@@ -11,26 +11,27 @@ HELP = "a pretrained checkpoint in knapray vs its reference implementation (diff
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from knapray.cli import _float_in, _int_at_least
+    from .flags import add_fsdp, add_json, add_seed, add_world_size, float_in, int_at_least
 
     p.add_argument("--pretrained", required=True, action="append", metavar="DIR",
                    help="diffusers model directory (config.json + safetensors); repeat to check several")
     p.add_argument("--family", default=None, help="force a family (default: from the checkpoint's config.json)")
-    p.add_argument("--world-size", type=_int_at_least(1), default=1,
-                   help="1: single process (default); N: balanced on N local gloo ranks")
+    add_world_size(p, default=1, help="1: single process (default); N: balanced on N local gloo ranks")
     p.add_argument("--topology", default=None, help="bags of the balanced run, e.g. g1n2+g2n1 (with --world-size N)")
-    p.add_argument("--fsdp", default="none", choices=["none", "full"],
-                   help="balanced run: FSDP2-shard the loaded model over the ranks (default none)")
-    p.add_argument("--sequences", type=_int_at_least(1), default=4,
+    add_fsdp(p, default="none", help="the balanced run shards the loaded model over all its ranks (none or full; "
+             "default none)")
+    p.add_argument("--sequences", type=int_at_least(1), default=4,
                    help="random sequences, each its own resolution and text length (default 4)")
-    p.add_argument("--seed", type=_int_at_least(0), default=0)
-    p.add_argument("--tol", type=_float_in(gt=0), default=1e-5, help="largest relative error that passes (default 1e-5)")
-    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    add_seed(p)
+    p.add_argument("--tol", type=float_in(gt=0), default=1e-5, help="largest relative error that passes (default 1e-5)")
+    add_json(p)
 
 
 def run(args: argparse.Namespace) -> int:
     from knapray.testing.reference import passed, run_reference
 
+    if args.fsdp == "hybrid":
+        raise ValueError("--fsdp hybrid: knapray reference shards over the whole world; use none or full")
     report = run_reference(args.pretrained, family=args.family, world_size=args.world_size, topology=args.topology,
                            seed=args.seed, sequences=args.sequences, fsdp=args.fsdp)
     meta = report["_meta"]
