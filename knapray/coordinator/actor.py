@@ -11,6 +11,7 @@ from knapray.planning import BalancePlan, Topology
 
 from .config import CoordinatorConfig
 from .coordinator import BalanceCoordinator
+from .steps import StepFailed
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -26,9 +27,10 @@ class _CoordinatorActor:
     ``asyncio.Event`` yields the loop to the submits that will complete the step (a threaded
     actor would need a lock plus a condition variable for the same). Planning and the
     ledger's journal writes run inline on the loop: they take milliseconds, and the
-    requests they delay are waiting for them. Submit-type calls are fire-and-forget, so
-    they log errors instead of raising them: a failed step reaches every rank through
-    ``get_plan``. When Ray restarts the actor, ``__init__`` runs again and the coordinator
+    requests they delay are waiting for them. A rejected submission is logged and raised
+    (its sender's client checks the answer before asking for the step's plan); a failed
+    step reaches every rank through ``get_plan``. Timing reports are statistics only:
+    they log errors instead of raising them. When Ray restarts the actor, ``__init__`` runs again and the coordinator
     restores itself from ``state_dir``.
     """
 
@@ -44,9 +46,12 @@ class _CoordinatorActor:
             self._core.submit(step, rank, seq_lens, sample_ids, exhausted, epoch)
         except (ValueError, TypeError) as e:
             log.error("rejected submission: %s", e)
+            # Raised to the sender as well: its client checks every submission's answer
+            # before it asks for that step's plan, so a rejection never goes unseen.
+            raise e if isinstance(e, StepFailed) else StepFailed(f"rejected submission: {e}") from None
 
-    async def get_plan(self, step, rank, timeout_s=None) -> tuple[BalancePlan | None, bool]:
-        return await self._core.get_plan(step, rank, timeout_s)
+    async def get_plan(self, step, rank, timeout_s=None, epoch=None) -> tuple[BalancePlan | None, bool]:
+        return await self._core.get_plan(step, rank, timeout_s, epoch)
 
     async def epoch(self) -> int:
         return self._core.epoch
@@ -54,8 +59,8 @@ class _CoordinatorActor:
     async def commit_step(self, step) -> None:
         self._core.commit_step(step)
 
-    async def record_external(self, step, sample_ids, home_ranks) -> None:
-        self._core.record_external(step, sample_ids, home_ranks)
+    async def record_external(self, step, sample_ids, home_ranks, epoch=None) -> None:
+        self._core.record_external(step, sample_ids, home_ranks, epoch)
 
     async def report_timing(self, step, rank, compute_s, comm_s, wait_plan_s) -> None:
         try:
@@ -63,14 +68,14 @@ class _CoordinatorActor:
         except (ValueError, TypeError) as e:
             log.error("rejected timing report: %s", e)
 
-    async def begin_run(self, world_size, resume_step=None, state=None) -> Topology:
-        return self._core.begin_run(world_size, resume_step, state)
+    async def begin_run(self, world_size, resume_step=None, state=None, node_sizes=None) -> Topology:
+        return self._core.begin_run(world_size, resume_step, state, node_sizes)
 
     async def topology(self) -> Topology | None:
         return self._core.topology
 
-    async def topology_for(self, world_size) -> Topology:
-        return self._core.topology_for(world_size)
+    async def topology_for(self, world_size, node_sizes=None) -> Topology:
+        return self._core.topology_for(world_size, node_sizes)
 
     async def ledger_rows(self) -> list[tuple[int, int, int, int]]:
         return self._core.ledger_rows()

@@ -251,11 +251,31 @@ class TrainConfig:
     def run_dir(self) -> str:
         return os.path.abspath(os.path.join(self.run.storage, self.run.name))
 
+    def __post_init__(self) -> None:
+        gpn, run = self.balance.gpus_per_node, self.run
+        if run.min_workers and gpn and (run.min_workers % gpn or run.num_workers % gpn):
+            raise ValueError(
+                f"an elastic run on nodes of balance.gpus_per_node={gpn} workers grows and shrinks by whole nodes: "
+                f"run.min_workers={run.min_workers} and run.num_workers={run.num_workers} must be multiples of {gpn}, "
+                f"e.g. run.min_workers={-(-run.min_workers // gpn) * gpn} "
+                f"run.num_workers={-(-run.num_workers // gpn) * gpn}")
+
     def world_sizes(self) -> list[int]:
         """Every world size the Ray launcher may start this run with: ``run.num_workers``, or
         with ``run.min_workers`` > 0 (elastic) every size Ray Train may pick in between.
-        Pre-flight checks the config against each of them."""
-        return list(range(self.run.min_workers or self.run.num_workers, self.run.num_workers + 1))
+        Pre-flight checks the config against each of them.
+
+        Ray Train 2.60 picks an elastic size as the sum over nodes of how many workers each
+        node's reserved resources fit, capped at ``max_workers``
+        (``ElasticScalingPolicy._count_possible_workers``); it can be given no step size
+        (only TPU slices get one). So with ``balance.gpus_per_node`` set (nodes of that
+        many worker slots, the range a multiple of it) the sizes are the whole-node ones;
+        a partly free node (another job holding some of its GPUs) can still give another
+        size, which the trainer re-plans for, or refuses in one line when the run needs
+        whole nodes (``run.fsdp: hybrid``)."""
+        lo, hi, gpn = self.run.min_workers or self.run.num_workers, self.run.num_workers, self.balance.gpus_per_node
+        step = gpn if self.run.min_workers and gpn else 1
+        return list(range(lo, hi + 1, step))
 
     def samples_per_rank(self, world_size: int) -> int:
         """Samples each rank draws per step in a world of ``world_size``."""

@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     import ray
+    from ray.train import TrainingFailedError
 
     from knapray.train.launch import run_training
 
@@ -76,16 +77,29 @@ def run(args: argparse.Namespace) -> int:
     except (RunError, BadCorpus) as e:
         print(f"knapray train: error: {e}", file=sys.stderr)
         return 2
+    except TrainingFailedError as e:
+        why = known_failure(e)
+        if why is None:
+            raise
+        print(f"knapray train: error: training failed: {why}", file=sys.stderr)
+        return 1
     s = balanced["run"]["summary"]
-    print(f"\n[knapray] balanced run: {s['steps']} steps on {balanced.get('world_size')} workers, "
+    new = balanced["new_steps"]
+    if not new:
+        # A finished run resubmitted: say so, and compare nothing (no second run either).
+        print(f"\n[knapray] nothing trained: run {cfg.run.name!r} was already complete (its checkpoint at step "
+              f"{balanced['resumed_from_step']} covers data.epochs={cfg.data.epochs}"
+              f"{f' or run.max_steps={cfg.run.max_steps}' if cfg.run.max_steps else ''}); 0 new steps, "
+              f"{s['steps']} in the run directory {cfg.run_dir}. Raise data.epochs or run.max_steps to train "
+              "more, or choose another run.name for a new run")
+        return 0
+    resumed = balanced["resumed_from_step"]
+    whole = "" if resumed is None else f" (resumed after step {resumed}; {s['steps']} steps in the run)"
+    print(f"\n[knapray] balanced run: {new} steps trained on {balanced.get('world_size')} workers{whole}, "
           f"topology {balanced.get('topology')}, {time.perf_counter() - t0:.0f} s; "
           f"{_quarantine_line(balanced['run'])}")
     if "prediction_error_last" in s:
         print(f"[knapray] {prediction_line(s)}")
-    if not s["steps"]:
-        print(f"[knapray] nothing trained: the run was already at run.max_steps or past its last epoch "
-              f"({cfg.run_dir})")
-        return 0
     rows = [("balanced", s)]
     if args.compare_unbalanced:
         from dataclasses import replace
@@ -116,6 +130,22 @@ def run(args: argparse.Namespace) -> int:
     with open(os.path.join(cfg.run_dir, "comparison.json"), "w") as f:
         json.dump(dict(rows), f, indent=1)
     return 0
+
+
+def known_failure(error: Exception) -> str | None:
+    """The one-line reason of a Ray Train failure whose workers raised one of knapray's own
+    errors (a world that cannot be trained on its nodes, a step the coordinator failed);
+    None for anything else, whose traceback is worth showing."""
+    from knapray.coordinator import StepFailed
+    from knapray.train.trainer import TopologyError
+
+    reasons = []
+    for failure in getattr(error, "worker_failures", {}).values():
+        cause = getattr(failure, "cause", failure)
+        if not isinstance(cause, (TopologyError, StepFailed)):
+            return None
+        reasons.append(str(cause).splitlines()[0])
+    return "; ".join(dict.fromkeys(reasons)) or None
 
 
 def _ray_logs_dir() -> str:

@@ -14,7 +14,7 @@ import torch
 
 from .config import TrainConfig, config_from_dict
 from .ledger_files import ledger_dir
-from .run_files import prepare_run, resolve_paths, write_run_files
+from .run_files import prepare_run, read_metrics, resolve_paths, write_run_files
 from .step_planner import coordinator_config, coordinator_name
 from .trainer import Trainer
 
@@ -39,6 +39,14 @@ class RayTrainContext:
             torch.cuda.set_device(self.local_rank)
             return torch.device("cuda", self.local_rank)
         return torch.device("cpu")
+
+    def node_id(self) -> str:
+        """The Ray node this worker runs on. Not Ray Train's node_rank: that groups
+        workers by IP address, which several nodes can share (containers, emulated
+        clusters); Ray Train gives the workers of one node consecutive ranks."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     def rows(self, epoch: int, on_bad_shard):
         """This worker's split of the dataset, shuffled locally with a seed drawn from
@@ -99,9 +107,20 @@ def run_training(cfg: TrainConfig, *, verbose: bool = True) -> dict:
     start, lock = prepare_run(cfg, cfg.world_sizes())
     try:
         print(f"[knapray] {start.message}", flush=True)
-        return _fit(cfg, verbose=verbose)
+        summary = _fit(cfg, verbose=verbose)
     finally:
         lock.release()
+    # Rank 0 rewrites metrics.jsonl back to the resumed checkpoint, so every step after it
+    # was trained by this call (earlier attempts of a restarted group included).
+    covered = checkpoint_step(start.resume_from)
+    summary["new_steps"] = sum(r["step"] > covered for r in read_metrics(cfg.run_dir))
+    summary["resumed_from_step"] = None if start.resume_from is None else covered
+    return summary
+
+
+def checkpoint_step(path: str | None) -> int:
+    """The last step a checkpoint directory (``.../step-000000123``) covers; -1 for None."""
+    return -1 if path is None else int(os.path.basename(os.path.normpath(path)).split("-", 1)[1])
 
 
 def _fit(cfg: TrainConfig, *, verbose: bool) -> dict:
@@ -141,8 +160,6 @@ def _fit(cfg: TrainConfig, *, verbose: bool) -> dict:
             failure_config=FailureConfig(max_failures=cfg.run.max_failures),
         ),
     )
-    from .run_files import read_metrics
-
     done_steps = len(read_metrics(run_dir))  # a resumed run's earlier steps
     total = expected_steps(cfg, corpus_info(cfg.data.corpus).num_samples, done_steps)
     print(f"[knapray] starting {cfg.run.num_workers} workers"
