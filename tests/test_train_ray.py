@@ -1,5 +1,6 @@
 """Training on Ray Train end to end (4 gloo workers): checkpoint, resume at the right
-step, uneven shards at the end of the epoch, and every sample trained exactly once."""
+step, uneven shards at the end of the epoch, several epochs, a resume with more epochs,
+and every sample trained exactly once per epoch."""
 
 from __future__ import annotations
 
@@ -35,9 +36,9 @@ def corpus(tmp_path_factory):
     return str(out), ids
 
 
-def _cfg(corpus_dir, run_root, max_steps):
+def _cfg(corpus_dir, run_root, max_steps, epochs=1):
     return load_config(None, MODEL + [
-        f"data.corpus={corpus_dir}", "data.samples_per_step=2",
+        f"data.corpus={corpus_dir}", "data.samples_per_step=2", f"data.epochs={epochs}",
         "balance.topology=g2n2", "run.name=resume", f"run.storage={run_root}",
         "run.num_workers=4", "run.cpus_per_worker=0.5", f"run.max_steps={max_steps}",
         "run.checkpoint_every=2", "run.max_failures=0", "run.timeout_s=60",
@@ -45,29 +46,56 @@ def _cfg(corpus_dir, run_root, max_steps):
     ])
 
 
-def test_resume_from_checkpoint_and_exactly_once(ray_session, corpus, tmp_path):
+def _ledger(tmp_path) -> list[dict]:
+    return [json.loads(line) for line in open(os.path.join(tmp_path, "resume", "ledger.jsonl"))]
+
+
+def _exactly_once_per_epoch(rows, all_ids, epochs):
+    for epoch in range(epochs):
+        counts = Counter(r["sample_id"] for r in rows if r["epoch"] == epoch)
+        assert sorted(counts) == sorted(all_ids) and set(counts.values()) == {1}, epoch
+    assert {r["epoch"] for r in rows} == set(range(epochs))
+
+
+def test_resume_from_checkpoint_epochs_and_exactly_once(ray_session, corpus, tmp_path):
     from knapray.train.launch import run_training
 
     corpus_dir, all_ids = corpus
     # First run: steps 0..2, checkpoints after step 1 and (the end of the run) step 2.
     first = run_training(_cfg(corpus_dir, tmp_path, max_steps=3))
-    assert [r["step"] for r in first["records"]] == [0, 1, 2]
+    assert [r["step"] for r in first["records"]] == [0, 1, 2] and first["new_steps"] == 3
     assert sorted(os.listdir(tmp_path / "resume" / "checkpoints")) == ["step-000000001", "step-000000002"]
-    # Second run, same name (run.resume=auto): it continues at step 3 and runs the epoch out.
-    second = run_training(_cfg(corpus_dir, tmp_path, max_steps=0))
+    # Second run, same name (run.resume=auto), now for 2 epochs: it continues at step 3 and
+    # runs both epochs out; epoch 1 starts at the step number epoch 0 ended at (its end
+    # step trained nothing), so the steps stay contiguous.
+    second = run_training(_cfg(corpus_dir, tmp_path, max_steps=0, epochs=2))
     steps = [r["step"] for r in second["records"]]
-    assert steps[0] == 3 and steps == list(range(3, 3 + len(steps)))
+    assert steps[0] == 3 and steps == list(range(3, 3 + len(steps))) and second["new_steps"] == len(steps)
     for r in second["records"]:
         assert abs(sum(r["rank_work"]) - sum(r["baseline_rank_work"])) <= 1e-6 * sum(r["rank_work"])
-    # The ledger: every corpus sample exactly once, the redone step counted once.
-    rows = [json.loads(line) for line in open(os.path.join(tmp_path, "resume", "ledger.jsonl"))]
-    counts = Counter(r["sample_id"] for r in rows)
-    assert sorted(counts) == sorted(all_ids) and set(counts.values()) == {1}
+    assert [r["epoch"] for r in second["records"]] == sorted(r["epoch"] for r in second["records"])
+    # The ledger: every corpus sample exactly once in each epoch, the redone step counted once.
+    rows = _ledger(tmp_path)
+    _exactly_once_per_epoch(rows, all_ids, 2)
     assert {r["step"] for r in rows} == set(range(0, steps[-1] + 1))
     assert max(r["attempt"] for r in rows if r["step"] >= 3) > max(r["attempt"] for r in rows if r["step"] < 3)
-    metrics = [json.loads(line)["step"] for line in open(os.path.join(tmp_path, "resume", "metrics.jsonl"))]
-    assert metrics == list(range(len(metrics)))  # no step written twice
+    metrics = [json.loads(line) for line in open(os.path.join(tmp_path, "resume", "metrics.jsonl"))]
+    assert [m["step"] for m in metrics] == list(range(len(metrics)))  # no step written twice, no gap
+    assert {m["epoch"] for m in metrics} == {0, 1}
     # Uneven shards: some ranks ran dry before others, yet the epoch ended for all together.
     dry = [r for r in second["records"] if min(r["baseline_rank_work"]) == 0]
     assert dry, "expected a step where a rank had no samples of its own"
     assert all(max(r["rank_work"]) > 0 for r in dry)
+
+    # The same run again: its checkpoint says it is complete, so nothing is trained (and no
+    # worker starts).
+    again = run_training(_cfg(corpus_dir, tmp_path, max_steps=0, epochs=2))
+    assert (again["new_steps"], again["records"], again["resumed_from_step"]) == (0, [], steps[-1])
+    assert _ledger(tmp_path) == rows
+
+    # One more epoch on the finished run: epoch 2 is trained, from the next step on.
+    third = run_training(_cfg(corpus_dir, tmp_path, max_steps=0, epochs=3))
+    steps3 = [r["step"] for r in third["records"]]
+    assert steps3 == list(range(steps[-1] + 1, steps[-1] + 1 + len(steps3))) and third["new_steps"] == len(steps3)
+    assert {r["epoch"] for r in third["records"]} == {2}
+    _exactly_once_per_epoch(_ledger(tmp_path), all_ids, 3)

@@ -111,6 +111,8 @@ def create_coordinator(
     *,
     max_restarts: int = -1,
     detached: bool = False,
+    resources: dict[str, float] | None = None,
+    start_timeout_s: float = 300.0,
     **config: Any,
 ) -> ActorHandle:
     """Create (or get, if one by that name exists) the named coordinator actor.
@@ -118,7 +120,9 @@ def create_coordinator(
     ``num_cpus=0``: it is idle most of the time and must not take a CPU a training worker
     needs. ``max_restarts``: a restarted actor restores from ``state_dir`` (without one it
     starts empty; ranks waiting on it time out into the local fallback). ``detached``:
-    outlive the driver (for ``ray job submit`` runs driven from elsewhere).
+    outlive the driver (for ``ray job submit`` runs driven from elsewhere). ``resources``:
+    Ray resources that place it (and its restarts), e.g. ``{"node:__internal_head__":
+    0.001}`` for the head node, which a spot worker node's loss never takes with it.
     """
     cfg = CoordinatorConfig.from_kwargs(**config)  # fail here, not in the actor
     import ray
@@ -132,10 +136,15 @@ def create_coordinator(
             max_restarts=max_restarts,
             get_if_exists=True,
             lifetime="detached" if detached else None,
+            resources=resources or None,
         )
         .remote(cfg)
     )
-    existing = ray.get(handle.config.remote())
+    try:
+        existing = ray.get(handle.config.remote(), timeout=start_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(f"coordinator actor {name!r} did not start within {start_timeout_s:g}s "
+                           f"(resources {resources or {}}: does a live node have them?)") from None
     if existing != cfg:
         log.warning("coordinator %r already exists with a different config; using it as is: %s", name, existing)
     return handle

@@ -53,6 +53,11 @@ def _directory_name(name: Any) -> None:
         )
 
 
+def _coordinator_node(value: Any) -> None:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"expected 'head', 'any' or the name of a custom node resource, {_got(value)}")
+
+
 def _finite(value: Any) -> None:
     if isinstance(value, float) and not math.isfinite(value):  # other non-numbers: the type check
         raise ValueError(f"expected a finite number, {_got(value)}")
@@ -111,6 +116,11 @@ class BalanceConfig:
     """Plan on the BalanceCoordinator actor (else every rank plans from an all-gather)."""
     coordinator_timeout_s: float = field(default=30.0, metadata={"gt": 0})
     """After this long without an answer a rank falls back to local planning."""
+    coordinator_node: str = field(default="head", metadata={"check": _coordinator_node})
+    """Where the coordinator actor runs: ``head`` (the Ray head node: it outlives the
+    worker nodes, spot ones included), ``any`` (wherever Ray puts it), or the name of a
+    custom resource that the nodes meant for it carry (e.g. one given to a node type in
+    cluster.yaml); it asks for a thousandth of it."""
 
     def __post_init__(self) -> None:
         if self.topology == "per-step" and self.planner != "cost":
@@ -186,6 +196,12 @@ class RunConfig:
     elastic_monitor_interval_s: float = field(default=60.0, metadata={"gt": 0})
     """Elastic runs: how often (seconds) Ray Train checks whether the cluster now holds
     a different number of workers and restarts the group at that size."""
+    worker_start_timeout_s: float = field(default=0.0, metadata={"ge": 0})
+    """How long Ray Train waits for a worker group's resources before it tries again
+    (``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S``). 0: 10 s for an elastic run (after a node
+    loss Ray first asks for the old size, which can no longer be placed; the retry sizes
+    the group from the nodes left), Ray's own default (60 s, or the environment variable
+    if set) otherwise (a fixed-size run may wait for the autoscaler to add nodes)."""
     max_steps: int = field(default=0, metadata={"ge": 0})
     """Stop after this many steps (0: run the epochs out)."""
     checkpoint_every: int = field(default=10, metadata={"ge": 0})

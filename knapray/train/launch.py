@@ -14,7 +14,7 @@ import torch
 
 from .config import TrainConfig, config_from_dict
 from .ledger_files import ledger_dir
-from .run_files import prepare_run, read_metrics, resolve_paths, write_run_files
+from .run_files import RunError, prepare_run, read_metrics, resolve_paths, summarize, write_run_files
 from .step_planner import coordinator_config, coordinator_name
 from .trainer import Trainer
 
@@ -107,7 +107,13 @@ def run_training(cfg: TrainConfig, *, verbose: bool = True) -> dict:
     start, lock = prepare_run(cfg, cfg.world_sizes())
     try:
         print(f"[knapray] {start.message}", flush=True)
-        summary = _fit(cfg, verbose=verbose)
+        saved = None if start.resume_from is None else checkpoint_trainer_state(start.resume_from)
+        if saved is not None and run_complete(cfg, saved):
+            # Nothing left to train: no worker starts, and nothing is rewritten.
+            summary = {"records": [], "world_size": saved.get("world_size"), "topology": saved.get("topology"),
+                       "run": {"summary": summarize(read_metrics(cfg.run_dir))}}
+        else:
+            summary = _fit(cfg, verbose=verbose)
     finally:
         lock.release()
     # Rank 0 rewrites metrics.jsonl back to the resumed checkpoint, so every step after it
@@ -116,6 +122,23 @@ def run_training(cfg: TrainConfig, *, verbose: bool = True) -> dict:
     summary["new_steps"] = sum(r["step"] > covered for r in read_metrics(cfg.run_dir))
     summary["resumed_from_step"] = None if start.resume_from is None else covered
     return summary
+
+
+def checkpoint_trainer_state(path: str) -> dict:
+    """A checkpoint's trainer state (``trainer.json``: step, epoch, world size, topology)."""
+    from .checkpoint import TRAINER_STATE
+
+    with open(os.path.join(path, TRAINER_STATE)) as f:
+        return json.load(f)
+
+
+def run_complete(cfg: TrainConfig, saved: dict) -> bool:
+    """The checkpoint's state says the run has nothing left: it finished ``data.epochs``
+    epochs, or its steps reached ``run.max_steps``. (A checkpoint taken at the last step
+    before its epoch's end was seen says neither; the workers then find the epoch empty
+    and train nothing, which the caller counts the same way.)"""
+    steps_done = int(saved["step"]) + 1
+    return int(saved["epoch"]) >= cfg.data.epochs or bool(cfg.run.max_steps and steps_done >= cfg.run.max_steps)
 
 
 def checkpoint_step(path: str | None) -> int:
@@ -134,8 +157,18 @@ def _fit(cfg: TrainConfig, *, verbose: bool) -> dict:
 
     DataContext.get_current().enable_progress_bars = False  # the training bar is enough
     run_dir = cfg.run_dir
-    coordinator = create_coordinator(coordinator_name(cfg), state_dir=ledger_dir(run_dir),
+    placement = coordinator_resources(cfg.balance.coordinator_node)
+    missing = sorted(set(placement) - set(ray.cluster_resources()))
+    if missing:
+        raise RunError(f"balance.coordinator_node={cfg.balance.coordinator_node!r}: no node of this Ray cluster has "
+                       f"the resource {missing[0]!r}; give it to a node (a node type's resources in cluster.yaml, or "
+                       "ray start --resources), or use 'head' or 'any'")
+    coordinator = create_coordinator(coordinator_name(cfg), state_dir=ledger_dir(run_dir), resources=placement,
                                      **coordinator_config(cfg))
+    start_timeout = worker_start_timeout(cfg, os.environ)
+    if start_timeout is not None:
+        # Ray Train reads it in the driver and hands it to its controller (ENV_VARS_TO_PROPAGATE).
+        os.environ[START_TIMEOUT_ENV] = f"{start_timeout:g}"
     good, _ = check_shards(cfg.data.corpus)  # prepare_run quarantined the others
     ds = corpus_dataset(cfg.data.corpus, rows_per_block=cfg.samples_per_rank(cfg.run.num_workers), shards=good)
     workers: Any = cfg.run.num_workers
@@ -176,6 +209,35 @@ def _fit(cfg: TrainConfig, *, verbose: bool) -> dict:
     del coordinator
     summary["run"] = write_run_files(cfg, summary)
     return summary
+
+
+HEAD_RESOURCE = "node:__internal_head__"
+"""The resource only Ray's head node has (Ray pins its own Train state actor with it)."""
+START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+ELASTIC_START_TIMEOUT_S = 10.0
+"""Elastic runs' wait for a worker group's placement group before Ray Train retries. After
+a node loss Ray first asks for the old size from a view of the cluster refreshed every
+20 s (its AutoscalingCoordinator's tick), which the nodes left cannot place; Ray's 60 s
+default makes every node loss cost a minute before the retry at the size that fits."""
+
+
+def coordinator_resources(node: str) -> dict[str, float]:
+    """The Ray resources that place the coordinator actor (``balance.coordinator_node``): a
+    thousandth of the head node's own resource, of a named custom resource, or none."""
+    if node == "any":
+        return {}
+    return {HEAD_RESOURCE if node == "head" else node: 0.001}
+
+
+def worker_start_timeout(cfg: TrainConfig, environ) -> float | None:
+    """``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`` for this run (``run.worker_start_timeout_s``;
+    0: ``ELASTIC_START_TIMEOUT_S`` for an elastic run unless the environment sets it, else
+    None: Ray's default or the environment's)."""
+    if cfg.run.worker_start_timeout_s:
+        return cfg.run.worker_start_timeout_s
+    if cfg.run.min_workers and START_TIMEOUT_ENV not in environ:
+        return ELASTIC_START_TIMEOUT_S
+    return None
 
 
 def expected_steps(cfg: TrainConfig, rows: int, start_step: int) -> int:

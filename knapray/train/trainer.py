@@ -129,6 +129,8 @@ class Trainer:
                                          group=self.sync.meta_group)
         self.step, self.epoch, self.resumed_from = 0, 0, None
         self.last_saved: int | None = None
+        self.saved_epoch: int | None = None
+        """The epoch the last checkpoint recorded (an epoch end after it makes it stale)."""
         self.ledger_position: dict | None = None
         """Where the ledger stood at the checkpoint resumed from (the coordinator checks it)."""
         latest = self.checkpointer.latest()
@@ -139,6 +141,7 @@ class Trainer:
                 self.ema.load_state_dict(extra["ema"])
             self.step, self.epoch = restored.step + 1, int(restored.trainer["epoch"])
             self.resumed_from = self.last_saved = restored.step
+            self.saved_epoch = self.epoch
             self.ledger_position = restored.trainer.get("ledger")
             if self.rank == 0:
                 truncate_metrics(self.run_dir, self.step)
@@ -253,8 +256,10 @@ class Trainer:
                 self.step += 1
         self._apply_gradients()
         last = self.step - 1 if self.step > 0 else None
-        if cfg.run.final_checkpoint and last is not None and self.last_saved != last:
-            self._save(last)  # the last steps of a run are never lost
+        if cfg.run.final_checkpoint and last is not None and (self.last_saved, self.saved_epoch) != (last, self.epoch):
+            # The last steps of a run are never lost, and the checkpoint says which epochs
+            # are done (a finished run is then known as such before any worker starts).
+            self._save(last)
         if self.sinks is not None:
             self.sinks.close()
         if self.local_ledger is not None:
@@ -399,4 +404,4 @@ class Trainer:
                                 "ledger": position},
                                barrier=self.sync.barrier,
                                extra={"ema": self.ema.state_dict()} if self.ema is not None else None)
-        self.last_saved = step
+        self.last_saved, self.saved_epoch = step, self.epoch
