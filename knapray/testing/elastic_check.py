@@ -227,20 +227,24 @@ def run(args: argparse.Namespace) -> dict:
 
         changed_at = None  # (time, last step logged before the change)
         placements: list[dict] = []
-        seen = 0
+        first_key = None  # (world size, nodes) of the first attempt
+        at_new_size = False
         deadline = time.perf_counter() + args.timeout
         while trainer.is_alive() and time.perf_counter() < deadline:
             trainer.join(timeout=0.2)
+            # A restart rewrites metrics.jsonl back to its checkpoint: read it whole each time.
             records = _read_records(metrics)
-            for r in records[seen:]:
-                prev = records[seen - 1] if seen else None
-                if prev is None or (r["world_size"], r.get("node_sizes")) != (prev["world_size"], prev.get("node_sizes")):
-                    event("training at new size" if seen else "first step", step=r["step"], world_size=r["world_size"],
-                          node_sizes=r.get("node_sizes"), topology=r.get("topology"))
-                    if changed_at is not None and r["world_size"] != records[0]["world_size"]:
-                        placements.append(_placement(cluster, workers, name))  # while the run is live
-                seen += 1
-            step = records[-1]["step"] if records else -1
+            if records and first_key is None:
+                first_key = (records[0]["world_size"], records[0].get("node_sizes"))
+                event("first step", step=records[0]["step"], world_size=first_key[0], node_sizes=first_key[1],
+                      topology=records[0].get("topology"))
+            moved = next((r for r in records if (r["world_size"], r.get("node_sizes")) != first_key), None)
+            if changed_at is not None and moved is not None and not at_new_size:
+                at_new_size = True
+                event("training at new size", step=moved["step"], world_size=moved["world_size"],
+                      node_sizes=moved.get("node_sizes"), topology=moved.get("topology"))
+                placements.append(_placement(cluster, workers, name))  # while the run is live
+            step = max((r["step"] for r in records), default=-1)
             if kill_coordinator_after is not None and step >= kill_coordinator_after and not placements:
                 placements.append(_placement(cluster, workers, name))
                 ray.kill(ray.get_actor(name), no_restart=False)  # Ray restarts it (max_restarts=-1)
