@@ -36,14 +36,18 @@ def corpus(tmp_path_factory):
     return str(out), ids
 
 
-def _cfg(corpus_dir, run_root, max_steps, epochs=1):
-    return load_config(None, MODEL + [
+def _sets(corpus_dir, run_root, max_steps, epochs=1):
+    return MODEL + [
         f"data.corpus={corpus_dir}", "data.samples_per_step=2", f"data.epochs={epochs}",
         "balance.topology=g2n2", "run.name=resume", f"run.storage={run_root}",
         "run.num_workers=4", "run.cpus_per_worker=0.5", f"run.max_steps={max_steps}",
         "run.checkpoint_every=2", "run.max_failures=0", "run.timeout_s=60",
         "balance.coordinator_timeout_s=20",
-    ])
+    ]
+
+
+def _cfg(*args, **kwargs):
+    return load_config(None, _sets(*args, **kwargs))
 
 
 def _ledger(tmp_path) -> list[dict]:
@@ -57,7 +61,7 @@ def _exactly_once_per_epoch(rows, all_ids, epochs):
     assert {r["epoch"] for r in rows} == set(range(epochs))
 
 
-def test_resume_from_checkpoint_epochs_and_exactly_once(ray_session, corpus, tmp_path):
+def test_resume_from_checkpoint_epochs_and_exactly_once(ray_session, corpus, tmp_path, capsys):
     from knapray.train.launch import run_training
 
     corpus_dir, all_ids = corpus
@@ -92,6 +96,17 @@ def test_resume_from_checkpoint_epochs_and_exactly_once(ray_session, corpus, tmp
     again = run_training(_cfg(corpus_dir, tmp_path, max_steps=0, epochs=2))
     assert (again["new_steps"], again["records"], again["resumed_from_step"]) == (0, [], steps[-1])
     assert _ledger(tmp_path) == rows
+    # ... and `knapray train` says so before it starts Ray, with no unbalanced run either.
+    from knapray.train import job
+
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("{}\n")
+    argv = ["--config", str(empty), "--compare-unbalanced"]
+    assert job.main(argv + [f"--set={x}" for x in _sets(corpus_dir, tmp_path, max_steps=0, epochs=2)]) == 0
+    out = capsys.readouterr().out
+    assert f"nothing trained: run 'resume' was already complete (its checkpoint at step {steps[-1]}" in out
+    assert "0 new steps" in out and "balanced run" not in out
+    assert not (tmp_path / "resume-unbalanced").exists()
 
     # One more epoch on the finished run: epoch 2 is trained, from the next step on.
     third = run_training(_cfg(corpus_dir, tmp_path, max_steps=0, epochs=3))

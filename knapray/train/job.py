@@ -38,15 +38,22 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     from knapray.train.config import ConfigError, load_config
     from knapray.train.guard import BadCorpus
-    from knapray.train.run_files import RunError, check_corpus, prediction_line, resolve_paths
+    from knapray.train.run_files import RunError, check_corpus, prediction_line, read_metrics, resolve_paths
 
     try:
         # Every input is checked here, before Ray or any worker starts.
         cfg = resolve_paths(load_config(args.config, args.set))
         check_corpus(cfg)
+        from knapray.train.launch import completed_run  # torch: only past the config checks
+
+        done_at = completed_run(cfg)
     except (ConfigError, RunError) as e:  # one line that names the value; a traceback adds nothing
         print(f"knapray train: error: {e}", file=sys.stderr)
         return 2
+    if done_at is not None:
+        # A finished run resubmitted: say so, start nothing, compare nothing.
+        _nothing_trained(cfg, done_at, len(read_metrics(cfg.run_dir)))
+        return 0
 
     import ray
     from ray.train import TrainingFailedError
@@ -86,12 +93,9 @@ def run(args: argparse.Namespace) -> int:
     s = balanced["run"]["summary"]
     new = balanced["new_steps"]
     if not new:
-        # A finished run resubmitted: say so, and compare nothing (no second run either).
-        print(f"\n[knapray] nothing trained: run {cfg.run.name!r} was already complete (its checkpoint at step "
-              f"{balanced['resumed_from_step']} covers data.epochs={cfg.data.epochs}"
-              f"{f' or run.max_steps={cfg.run.max_steps}' if cfg.run.max_steps else ''}); 0 new steps, "
-              f"{s['steps']} in the run directory {cfg.run_dir}. Raise data.epochs or run.max_steps to train "
-              "more, or choose another run.name for a new run")
+        # The workers found nothing left (e.g. a checkpoint taken just before the epoch's
+        # end): the same answer, and no unbalanced run either.
+        _nothing_trained(cfg, balanced["resumed_from_step"], s["steps"])
         return 0
     resumed = balanced["resumed_from_step"]
     whole = "" if resumed is None else f" (resumed after step {resumed}; {s['steps']} steps in the run)"
@@ -132,6 +136,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _nothing_trained(cfg, checkpoint_step: int | None, run_steps: int) -> None:
+    print(f"[knapray] nothing trained: run {cfg.run.name!r} was already complete (its checkpoint at step "
+          f"{checkpoint_step} covers data.epochs={cfg.data.epochs}"
+          f"{f' or run.max_steps={cfg.run.max_steps}' if cfg.run.max_steps else ''}); 0 new steps, "
+          f"{run_steps} in the run directory {cfg.run_dir}. Raise data.epochs or run.max_steps to train "
+          "more, or choose another run.name for a new run", flush=True)
+
+
 def known_failure(error: Exception) -> str | None:
     """The one-line reason of a Ray Train failure whose workers raised one of knapray's own
     errors (a world that cannot be trained on its nodes, a step the coordinator failed);
@@ -141,7 +153,11 @@ def known_failure(error: Exception) -> str | None:
 
     reasons = []
     for failure in getattr(error, "worker_failures", {}).values():
-        cause = getattr(failure, "cause", failure)
+        # Ray Train 2.60 wraps a worker's exception in UserExceptionWithTraceback, which
+        # keeps it as ``_base_exc``; a task error keeps it as ``cause``.
+        cause = failure
+        for attr in ("_base_exc", "cause"):
+            cause = getattr(cause, attr, cause)
         if not isinstance(cause, (TopologyError, StepFailed)):
             return None
         reasons.append(str(cause).splitlines()[0])

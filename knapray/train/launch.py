@@ -124,6 +124,21 @@ def run_training(cfg: TrainConfig, *, verbose: bool = True) -> dict:
     return summary
 
 
+def completed_run(cfg: TrainConfig) -> int | None:
+    """The last step of the run directory's newest checkpoint if that checkpoint says the
+    run has nothing left to train (``run_complete``), else None. Reads files only (no Ray,
+    no lock): ``knapray train`` answers a finished run before it starts Ray. Raises
+    ``RunError`` as ``prepare_run`` would (e.g. ``run.resume=never`` on an existing run)."""
+    from .checkpoint import completed_checkpoints
+    from .run_files import decide_start
+
+    start = decide_start(cfg, completed_checkpoints(os.path.join(cfg.run_dir, "checkpoints")))
+    if start.resume_from is None:
+        return None
+    saved = checkpoint_trainer_state(start.resume_from)
+    return int(saved["step"]) if run_complete(cfg, saved) else None
+
+
 def checkpoint_trainer_state(path: str) -> dict:
     """A checkpoint's trainer state (``trainer.json``: step, epoch, world size, topology)."""
     from .checkpoint import TRAINER_STATE
