@@ -39,7 +39,7 @@ until ray job list --address "http://127.0.0.1:$DASH_PORT" >"$RAY_TMP/ready.log"
     fi
     if [ "$SECONDS" -ge "$deadline" ]; then
         echo "[submit_demo] error: the Ray head's jobs API (port $DASH_PORT) did not answer within ${HEAD_TIMEOUT_S}s" \
-             "(KNAPRAY_HEAD_TIMEOUT_S); nothing submitted. Last answer:" >&2
+             "(KNAPRAY_HEAD_TIMEOUT_S); nothing submitted; the head's log: $RAY_TMP/head.log. Last answer:" >&2
         tail -n 5 "$RAY_TMP/ready.log" >&2
         exit 1
     fi
