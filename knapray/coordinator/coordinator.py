@@ -397,7 +397,7 @@ class BalanceCoordinator:
             # after the cut and its in-flight steps are from before it.
             current = run["ledger_id"] == self.ledger.ledger_id and run["cuts"] == self.ledger.cuts
             if not current:
-                ends = {e: t for e, t in ends.items() if t <= committed}
+                ends = {e: t for e, t in ends.items() if t <= committed + 1}  # as StepProtocol.cut
             epoch = int(run["epoch"]) if current else max(ends, default=-1) + 1
             world = None if run["world_size"] is None else int(run["world_size"])
             nodes = run.get("node_sizes")  # absent from files of earlier versions
