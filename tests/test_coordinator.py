@@ -387,6 +387,39 @@ def test_conflicting_resend_of_a_planned_step_fails_it_for_every_rank():
         coord.submit(1, 1, [200], [2], epoch=1)
 
 
+def test_a_rejected_submission_is_raised_by_the_trainer_not_taken_for_an_epoch_end():
+    """The training side: the client's StepFailed (a rejected submission, or a step failed
+    for everyone) becomes ``Fetched.error``, counted in the per-step all-reduce, and every
+    rank raises the failing ranks' reasons (here a world of one)."""
+    import torch
+
+    from knapray.data import StepMeta
+    from knapray.distributed.step_sync import StepSync
+    from knapray.train.step_planner import StepPlanner
+
+    class RejectingClient:
+        def set_epoch(self, epoch):
+            self.epoch = epoch
+
+        def submit_async(self, step, seq_lens, sample_ids, exhausted=False):
+            pass
+
+        def request_plan(self, step):
+            pass
+
+        def get_plan(self, step):
+            raise StepFailed(f"step {step}: rank 0 submitted different data after the step was planned")
+
+    planner = StepPlanner(StepSync.build(torch.device("cpu")), Topology.parse("g1n1"), WorkloadModel(**MODEL),
+                          "knapray", RejectingClient())
+    meta = StepMeta(0, (100,), (1,))
+    planner.begin_epoch(23, 1, meta)
+    fetched = planner.fetch(23, meta, meta)
+    assert not fetched.have_plan and not fetched.epoch_done and "different data" in fetched.error
+    with pytest.raises(StepFailed, match=r"step 23 cannot be trained: rank 0: step 23: rank 0 submitted different"):
+        planner.raise_failed(23, fetched)
+
+
 # ---- statistics -------------------------------------------------------------------------------
 
 
