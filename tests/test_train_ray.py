@@ -1,6 +1,6 @@
-"""Training on Ray Train end to end (4 gloo workers): checkpoint, resume at the right
-step, uneven shards at the end of the epoch, several epochs, a resume with more epochs,
-and every sample trained exactly once per epoch."""
+"""Training on Ray Train end to end (4 gloo workers): several epochs in one run, uneven
+shards at the end of an epoch, a finished run left alone, a resume with more epochs from
+its final checkpoint, and every sample trained exactly once per epoch."""
 
 from __future__ import annotations
 
@@ -61,38 +61,32 @@ def _exactly_once_per_epoch(rows, all_ids, epochs):
     assert {r["epoch"] for r in rows} == set(range(epochs))
 
 
-def test_resume_from_checkpoint_epochs_and_exactly_once(ray_session, corpus, tmp_path, capsys):
+def test_two_epochs_then_one_more_on_the_finished_run_exactly_once(ray_session, corpus, tmp_path, capsys):
+    """Two epochs in one run, the same run again (complete: nothing trained), then a third
+    epoch on the finished run. (A resume in the middle of an epoch under Ray is
+    test_faults' SIGKILLed worker; under torchrun, test_runs.)"""
     from knapray.train.launch import run_training
 
     corpus_dir, all_ids = corpus
-    # First run: steps 0..2, checkpoints after step 1 and (the end of the run) step 2.
-    first = run_training(_cfg(corpus_dir, tmp_path, max_steps=3))
-    assert [r["step"] for r in first["records"]] == [0, 1, 2] and first["new_steps"] == 3
-    assert sorted(os.listdir(tmp_path / "resume" / "checkpoints")) == ["step-000000001", "step-000000002"]
-    # Second run, same name (run.resume=auto), now for 2 epochs: it continues at step 3 and
-    # runs both epochs out; epoch 1 starts at the step number epoch 0 ended at (its end
-    # step trained nothing), so the steps stay contiguous.
-    second = run_training(_cfg(corpus_dir, tmp_path, max_steps=0, epochs=2))
-    steps = [r["step"] for r in second["records"]]
-    assert steps[0] == 3 and steps == list(range(3, 3 + len(steps))) and second["new_steps"] == len(steps)
-    for r in second["records"]:
+    # Two epochs: epoch 1 starts at the step number epoch 0 ended at (its end step trained
+    # nothing), so the steps stay contiguous; every sample once per epoch.
+    first = run_training(_cfg(corpus_dir, tmp_path, max_steps=0, epochs=2))
+    steps = [r["step"] for r in first["records"]]
+    assert steps == list(range(len(steps))) and first["new_steps"] == len(steps)
+    epochs = [r["epoch"] for r in first["records"]]
+    assert epochs == sorted(epochs) and set(epochs) == {0, 1}
+    for r in first["records"]:
         assert abs(sum(r["rank_work"]) - sum(r["baseline_rank_work"])) <= 1e-6 * sum(r["rank_work"])
-    assert [r["epoch"] for r in second["records"]] == sorted(r["epoch"] for r in second["records"])
-    # The ledger: every corpus sample exactly once in each epoch, the redone step counted once.
     rows = _ledger(tmp_path)
     _exactly_once_per_epoch(rows, all_ids, 2)
-    assert {r["step"] for r in rows} == set(range(0, steps[-1] + 1))
-    assert max(r["attempt"] for r in rows if r["step"] >= 3) > max(r["attempt"] for r in rows if r["step"] < 3)
-    metrics = [json.loads(line) for line in open(os.path.join(tmp_path, "resume", "metrics.jsonl"))]
-    assert [m["step"] for m in metrics] == list(range(len(metrics)))  # no step written twice, no gap
-    assert {m["epoch"] for m in metrics} == {0, 1}
+    assert {r["step"] for r in rows} == set(steps)
     # Uneven shards: some ranks ran dry before others, yet the epoch ended for all together.
-    dry = [r for r in second["records"] if min(r["baseline_rank_work"]) == 0]
+    dry = [r for r in first["records"] if min(r["baseline_rank_work"]) == 0]
     assert dry, "expected a step where a rank had no samples of its own"
     assert all(max(r["rank_work"]) > 0 for r in dry)
 
-    # The same run again: its checkpoint says it is complete, so nothing is trained (and no
-    # worker starts).
+    # The same run again (run.resume=auto): its checkpoint says it is complete, so nothing
+    # is trained and no worker starts.
     again = run_training(_cfg(corpus_dir, tmp_path, max_steps=0, epochs=2))
     assert (again["new_steps"], again["records"], again["resumed_from_step"]) == (0, [], steps[-1])
     assert _ledger(tmp_path) == rows
@@ -108,9 +102,14 @@ def test_resume_from_checkpoint_epochs_and_exactly_once(ray_session, corpus, tmp
     assert "0 new steps" in out and "balanced run" not in out
     assert not (tmp_path / "resume-unbalanced").exists()
 
-    # One more epoch on the finished run: epoch 2 is trained, from the next step on.
+    # One more epoch on the finished run: epoch 2 is trained, from the next step on, as a
+    # new attempt; no step is written twice.
     third = run_training(_cfg(corpus_dir, tmp_path, max_steps=0, epochs=3))
     steps3 = [r["step"] for r in third["records"]]
     assert steps3 == list(range(steps[-1] + 1, steps[-1] + 1 + len(steps3))) and third["new_steps"] == len(steps3)
     assert {r["epoch"] for r in third["records"]} == {2}
-    _exactly_once_per_epoch(_ledger(tmp_path), all_ids, 3)
+    rows = _ledger(tmp_path)
+    _exactly_once_per_epoch(rows, all_ids, 3)
+    assert min(r["attempt"] for r in rows if r["epoch"] == 2) > max(r["attempt"] for r in rows if r["epoch"] < 2)
+    metrics = [json.loads(line) for line in open(os.path.join(tmp_path, "resume", "metrics.jsonl"))]
+    assert [m["step"] for m in metrics] == list(range(len(metrics)))
