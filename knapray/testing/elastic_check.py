@@ -413,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="have the AutoscalingCoordinator re-read the cluster right after the change")
     p.add_argument("--worker-logs", action="store_true", help="stream worker/actor logs to this process")
     p.add_argument("--keep-logs", action="store_true", help="copy the Ray session's logs to OUT/ray-logs")
-    p.add_argument("--timeout", type=float, default=240.0, help="give up on the run after this many seconds")
+    p.add_argument("--timeout", type=float, default=420.0,
+                   help="give up on the run after this many seconds (a loaded 2-core machine took 160 s to the first step)")
     args = p.parse_args(argv)
     result = run(args)
     path = os.path.join(os.path.abspath(args.out), "result.json")
