@@ -30,8 +30,8 @@ class _CoordinatorActor:
     requests they delay are waiting for them. A rejected submission is logged and raised
     (its sender's client checks the answer before asking for the step's plan); a failed
     step reaches every rank through ``get_plan``. Timing reports are statistics only:
-    they log errors instead of raising them. When Ray restarts the actor, ``__init__`` runs again and the coordinator
-    restores itself from ``state_dir``.
+    they log errors instead of raising them. When Ray restarts the actor, ``__init__``
+    runs again and the coordinator restores itself from ``state_dir``.
     """
 
     def __init__(self, config: CoordinatorConfig) -> None:
