@@ -201,7 +201,8 @@ def resolve_rule(
             topo = Topology.parse(rule, world_size=world_size)
             try:
                 topo.check_nodes(layout.sizes)
-                return RuleChoice(topo, f"spec {rule!r} replicated over {world_size} ranks, fits nodes of {layout.uniform}")
+                return RuleChoice(topo, f"spec {rule!r} replicated over {world_size} ranks, "
+                                        f"fits nodes of {layout.uniform}")
             except ValueError:
                 pass
         choice = _resolve(rule, world_size, layout.uniform, history, model, solver, auto_tolerance, history_steps)

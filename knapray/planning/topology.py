@@ -217,7 +217,10 @@ def split_nodes(node_sizes: Sequence[int], gpus_per_node: int | None) -> tuple[i
     sizes = tuple(int(n) for n in node_sizes)
     if not gpus_per_node:
         return sizes
-    return tuple(b for n in sizes for b in [gpus_per_node] * (n // gpus_per_node) + ([n % gpus_per_node] if n % gpus_per_node else []))
+    out: list[int] = []
+    for n in sizes:
+        out += [gpus_per_node] * (n // gpus_per_node) + ([n % gpus_per_node] if n % gpus_per_node else [])
+    return tuple(out)
 
 
 def place_on_nodes(topology: Topology, node_sizes: Sequence[int]) -> Topology:

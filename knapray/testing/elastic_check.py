@@ -414,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker-logs", action="store_true", help="stream worker/actor logs to this process")
     p.add_argument("--keep-logs", action="store_true", help="copy the Ray session's logs to OUT/ray-logs")
     p.add_argument("--timeout", type=float, default=420.0,
-                   help="give up on the run after this many seconds (a loaded 2-core machine took 160 s to the first step)")
+                   help="give up on the run after this many seconds (a loaded 2-core machine took 160 s "
+                        "to the first step)")
     args = p.parse_args(argv)
     result = run(args)
     path = os.path.join(os.path.abspath(args.out), "result.json")

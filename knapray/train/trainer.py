@@ -163,8 +163,8 @@ class Trainer:
             self.local_ledger = LocalLedger.open(self.run_dir, resume_step=self.resumed_from)
         self.topology = self._choose_topology()
         """The run's static topology (with ``per-step``: the base every step also tries); checkpoints keep it."""
-        self.per_step_node = per_step_node(cfg.balance.topology, self.world,
-                                           planning_node(self.world, cfg.balance.gpus_per_node or None, self.node_sizes))
+        node = planning_node(self.world, cfg.balance.gpus_per_node or None, self.node_sizes)
+        self.per_step_node = per_step_node(cfg.balance.topology, self.world, node)
         self.groups = self._build_groups() if cfg.balance.enabled else None
         self.workload = planning_model(cfg)
         self.planner = StepPlanner(self.sync, self.topology, self.workload, cfg.balance.solver, self.client,
