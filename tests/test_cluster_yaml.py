@@ -72,6 +72,22 @@ def test_setup_installs_pinned_torch_before_knapray(raw: dict) -> None:
     assert not any("[gpu]" in c for c in head), "the CPU head cannot build flash-attn"
 
 
+def test_shared_storage_is_mounted_on_every_node_type_where_flux_cluster_expects_it(raw: dict) -> None:
+    """Runs and data on shared storage, the same paths on every node and in every container:
+    checkpoints come from every rank, the ledger from the head, the corpus is read everywhere."""
+    prepared = check(raw)
+    mount = " ".join(prepared["initialization_commands"])
+    for path in ("/mnt/shared", "/mnt/data"):
+        assert f"mountpoint -q {path} || sudo mount -t nfs4" in mount, path
+        assert f"-v {path}:{path}" in prepared["docker"]["run_options"], path
+    for name, node in prepared["available_node_types"].items():
+        # A node type's own initialization_commands would replace the shared ones.
+        assert "initialization_commands" not in node, name
+        assert not node.get("docker"), name
+    flux = yaml.safe_load((CLUSTER_YAML.parent / "jobs" / "configs" / "flux_cluster.yaml").read_text())
+    assert flux["run"]["storage"].startswith("/mnt/shared/") and flux["data"]["corpus"].startswith("/mnt/data/")
+
+
 def test_head_node_type_must_exist(raw: dict) -> None:
     raw["head_node_type"] = "no_such_type"
     with pytest.raises(ValueError, match="head_node_type"):

@@ -330,6 +330,96 @@ def test_epoch_end_found_even_if_the_prefetched_next_step_completes_first():
     assert not done and plan.seq_lens.tolist() == [300, 400]
 
 
+def test_next_epoch_reuses_the_end_step_number():
+    """The trainer counts trained steps, so epoch 1's first step has the number epoch 0
+    ended at. A slow rank still asking for that end step (with its old epoch) is told the
+    epoch ended even after a fast rank started the new epoch's step under the same number;
+    prefetches of the old epoch are dropped; a resume from the checkpoint just before the
+    end keeps it."""
+    coord = BalanceCoordinator(world_size=2, topology="g1n2", **MODEL)
+    coord.submit(0, 0, [100], [1], epoch=0)
+    coord.submit(0, 1, [200], [2], epoch=0)
+    coord.submit(1, 0, [], [], exhausted=True, epoch=0)
+    coord.submit(1, 1, [], [], exhausted=True, epoch=0)  # step 1 ends epoch 0
+    coord.submit(2, 0, [], [], exhausted=True, epoch=0)  # rank 0's prefetch: stale now
+    coord.commit_step(0)
+
+    async def ranks():
+        assert await coord.get_plan(1, 0, 1, epoch=0) == (None, True)
+        coord.submit(1, 0, [300], [3], epoch=1)  # rank 0 starts epoch 1 at step 1
+        assert await coord.get_plan(1, 1, 1, epoch=0) == (None, True)  # rank 1, late
+        coord.submit(1, 1, [400], [4], epoch=1)
+        return [await coord.get_plan(1, r, 1, epoch=1) for r in range(2)]
+
+    plans = asyncio.run(ranks())
+    assert [done for _, done in plans] == [False, False] and plans[0][0] is plans[1][0]
+    assert plans[0][0].seq_lens.tolist() == [300, 400]
+    coord.commit_step(1)
+    cols = coord.ledger_columns()
+    assert cols["step"].tolist() == [0, 0, 1, 1] and cols["epoch"].tolist() == [0, 0, 1, 1]
+    assert coord.stats()["stale_submissions"] == 1 and coord.epoch == 1
+    coord.submit(1, 0, [], [], exhausted=True, epoch=0)  # the end step resent: ignored
+    with pytest.raises(StepFailed, match="ended at this step"):
+        coord.submit(1, 0, [5], [5], epoch=0)
+    with pytest.raises(StepFailed, match="after the end of epoch 0"):
+        asyncio.run(coord.get_plan(2, 0, 1, epoch=0))
+
+    # Back to a checkpoint at step 0 (taken before the end was seen): its epoch had all
+    # its samples in step 0, so the end at step 1 stays and epoch 1 follows at step 1.
+    coord.truncate(0)
+    assert coord.epoch == 1 and coord.state_dict()["epoch_ends"] == {0: 1}
+    coord.submit(1, 0, [], [], exhausted=True, epoch=0)  # a rank resumed in epoch 0
+    assert asyncio.run(coord.get_plan(1, 0, 1, epoch=0)) == (None, True)
+
+
+def test_conflicting_resend_of_a_planned_step_fails_it_for_every_rank():
+    coord = BalanceCoordinator(world_size=2, topology="g1n2", **MODEL)
+    coord.submit(0, 0, [100], [1], epoch=0)
+    coord.submit(0, 1, [200], [2], epoch=0)
+    with pytest.raises(StepFailed, match="different data after the step was planned"):
+        coord.submit(0, 1, [999], [9], epoch=0)
+    for r in range(2):
+        with pytest.raises(StepFailed, match="rank 1 submitted different data"):
+            asyncio.run(coord.get_plan(0, r, 1, epoch=0))
+    # Ranks of one step in different epochs: a failure, not a plan.
+    coord.submit(1, 0, [100], [1], epoch=0)
+    with pytest.raises(StepFailed, match="for epoch 1, other ranks for epoch 0"):
+        coord.submit(1, 1, [200], [2], epoch=1)
+
+
+def test_a_rejected_submission_is_raised_by_the_trainer_not_taken_for_an_epoch_end():
+    """The training side: the client's StepFailed (a rejected submission, or a step failed
+    for everyone) becomes ``Fetched.error``, counted in the per-step all-reduce, and every
+    rank raises the failing ranks' reasons (here a world of one)."""
+    import torch
+
+    from knapray.data import StepMeta
+    from knapray.distributed.step_sync import StepSync
+    from knapray.train.step_planner import StepPlanner
+
+    class RejectingClient:
+        def set_epoch(self, epoch):
+            self.epoch = epoch
+
+        def submit_async(self, step, seq_lens, sample_ids, exhausted=False):
+            pass
+
+        def request_plan(self, step):
+            pass
+
+        def get_plan(self, step):
+            raise StepFailed(f"step {step}: rank 0 submitted different data after the step was planned")
+
+    planner = StepPlanner(StepSync.build(torch.device("cpu")), Topology.parse("g1n1"), WorkloadModel(**MODEL),
+                          "knapray", RejectingClient())
+    meta = StepMeta(0, (100,), (1,))
+    planner.begin_epoch(23, 1, meta)
+    fetched = planner.fetch(23, meta, meta)
+    assert not fetched.have_plan and not fetched.epoch_done and "different data" in fetched.error
+    with pytest.raises(StepFailed, match=r"step 23 cannot be trained: rank 0: step 23: rank 0 submitted different"):
+        planner.raise_failed(23, fetched)
+
+
 # ---- statistics -------------------------------------------------------------------------------
 
 

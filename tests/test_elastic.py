@@ -1,12 +1,21 @@
 """Elastic restart with a re-planned topology (Ray Train's ScalingConfig(num_workers=(min,
-max))): a shrink 4 -> 3 and a grow 2 -> 4 on a multi-node ``ray.cluster_utils.Cluster``.
-After the change the run goes on from its checkpoint with the coordinator's topology for
-the new world (bags_of:2: g2n2 -> g1n3, g2n1 -> g2n2), bag groups rebuilt, data
-re-sharded, and the ledger holds every corpus sample exactly once.
+max))) on an emulated two-node Ray cluster (``ray.cluster_utils.Cluster``), where the
+bags follow where Ray really put the workers:
+
+- shrink: 4 workers on nodes of 3 and 1 slots (uneven: the rule bags_of:2 alone would
+  give g2n2, whose second bag spans both nodes; the real layout gives g1n4), then the
+  1-slot node is removed: 3 workers, g1n3;
+- grow: 2 workers on one node (g2n1); the coordinator actor is killed after step 1 (Ray
+  restarts it on the head, where it is pinned; the ranks plan locally meanwhile), then a
+  second 2-slot node joins: 4 workers, g2n2.
+
+After each change the run goes on from its checkpoint with the coordinator's topology
+for the new world on its nodes, bag groups rebuilt, data re-sharded, and the ledger
+holds every corpus sample exactly once.
 
 Each scenario runs ``python -m knapray.testing.elastic_check`` in a subprocess: it builds
 its own Ray cluster (in a private Ray temp dir), which must not collide with the Ray
-instance this test session shares (``ray_session``). 1.5-2 min each on a 2-core machine.
+instance this test session shares (``ray_session``).
 """
 
 from __future__ import annotations
@@ -39,14 +48,17 @@ def _run_scenario(scenario: str, out: pathlib.Path, *extra: str) -> dict:
     return result
 
 
-def _check(result: dict, worlds: tuple[int, int], topologies: tuple[str, str]) -> None:
+def _check(result: dict, worlds: tuple[int, int], topologies: tuple[str, str], nodes: tuple[list, list]) -> None:
     segs = result["segments"]
     sizes = [s["world_size"] for s in segs]
     # The world size changed as intended (Ray may pass through an intermediate size when
     # it notices added nodes one at a time, never away from the target).
     assert (segs[0]["world_size"], segs[0]["topology"]) == (worlds[0], topologies[0]), segs
     assert (segs[-1]["world_size"], segs[-1]["topology"]) == (worlds[1], topologies[1]), segs
+    assert sorted(segs[0]["node_sizes"]) == nodes[0] and sorted(segs[-1]["node_sizes"]) == nodes[1], segs
     assert sizes == sorted(sizes, reverse=worlds[1] < worlds[0]), segs
+    # Every attempt: the rule's topology for its world on its real nodes, no bag across one.
+    assert all(s["topology"] == s["expected_topology"] and s["bags_within_nodes"] for s in segs), segs
     # ... and the last attempt (the run's summary) ran on the new world with the new topology.
     assert (result["final_attempt"]["world_size"], result["final_attempt"]["topology"]) == (worlds[1], topologies[1])
     # Training went on after the change, from a checkpoint (not from step 0, no gap).
@@ -54,6 +66,9 @@ def _check(result: dict, worlds: tuple[int, int], topologies: tuple[str, str]) -
     assert last["steps"] > 0 and 0 < last["first_step"] <= segs[-2]["last_step"] + 1, segs
     final = result["final_attempt"]
     assert (final["first_step"], final["last_step"]) == (last["first_step"], last["last_step"])
+    # The coordinator stayed on the head node.
+    assert [p["coordinator_on"] for p in result["coordinator_placements"]] == ["head"] * len(
+        result["coordinator_placements"]) and len(result["coordinator_placements"]) >= 2
     # The ledger, read here from the run directory: every corpus sample exactly once.
     run_dir = pathlib.Path(result["settings"]["run_dir"])
     rows = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines() if line.strip()]
@@ -64,17 +79,23 @@ def _check(result: dict, worlds: tuple[int, int], topologies: tuple[str, str]) -
     assert {r["step"] for r in rows} == set(range(last["last_step"] + 1))
 
 
-def test_elastic_shrink_4_to_3(tmp_path):
-    """A worker node is removed after step 2: the group fails, Ray restarts it on the 3
-    nodes left (after its reservation view drops the dead node), g2n2 -> g1n3."""
+def test_elastic_shrink_uneven_nodes_4_to_3(tmp_path):
+    """Nodes of 3 and 1 slots: bags stay within them (g1n4, where the rule alone would give
+    g2n2 across the two); the 1-slot node is removed after step 2: the group fails, Ray
+    restarts it on the 3 workers left (after a 10 s start timeout, not its default 60),
+    g1n3."""
     result = _run_scenario("shrink", tmp_path)
-    _check(result, (4, 3), ("g2n2", "g1n3"))
+    _check(result, (4, 3), ("g1n4", "g1n3"), ([1, 3], [3]))
+    assert result["checks"]["the rule alone (g2n2) would cross a node of the start layout"]
 
 
-def test_elastic_grow_2_to_4(tmp_path):
-    """Two worker nodes join after step 2: Ray Train's elastic monitor resizes the running
+def test_elastic_grow_2_to_4_with_the_coordinator_killed(tmp_path):
+    """The coordinator actor is killed after step 1: Ray restarts it on the head, it reloads
+    its state from the run directory, the ranks plan locally until it answers again. A
+    second 2-slot node joins after step 2: Ray Train's elastic monitor resizes the running
     group 2 -> 4 from the latest checkpoint, g2n1 -> g2n2. ``--nudge`` has Ray's
     AutoscalingCoordinator re-read the cluster at once rather than at its next 20 s tick,
     so that the resize comes before this small epoch runs out."""
-    result = _run_scenario("grow", tmp_path, "--nudge")
-    _check(result, (2, 4), ("g2n1", "g2n2"))
+    result = _run_scenario("grow", tmp_path, "--nudge", "--change-after-step", "3")
+    _check(result, (2, 4), ("g2n1", "g2n2"), ([2], [2, 2]))
+    assert result["checks"]["coordinator killed, restarted by Ray, found on the head again"]

@@ -184,6 +184,42 @@ def test_node_aware_layout():
         Topology.parse("g2n1+g8n1").check_node_placement(4)
 
 
+def test_real_node_layouts():
+    """Where the ranks really are (node ids in rank order) decides where bags may go."""
+    from knapray.planning.rules import resolve_rule
+    from knapray.planning.topology import node_sizes_of, place_on_nodes, split_nodes
+
+    assert node_sizes_of(["a", "a", "a", "b"]) == (3, 1)
+    assert node_sizes_of(["a", "b", "a"]) == (1, 1, 1)  # a node's ranks apart: each run on its own
+    assert split_nodes((16, 4), 8) == (8, 8, 4)
+    # 3 workers on one node, 1 on another: the spec's own order would put bag {2, 3} across them.
+    spec = Topology.parse("g1n2+g2n1")
+    with pytest.raises(ValueError, match=r"bag 2 \(g2, ranks 2..3\).*crosses a node boundary.*\[3, 1\]"):
+        spec.check_nodes((3, 1))
+    assert place_on_nodes(spec, (3, 1)).bags == [2, 1, 1]
+    assert place_on_nodes(spec, (2, 2)) == spec  # already fits: kept as it is
+    # Replicated balance groups stay replicated where every group covers the same nodes.
+    assert place_on_nodes(Topology.parse("g1n2+g2n1", world_size=8), (2, 2, 2, 2)).num_groups == 2
+    assert place_on_nodes(Topology.parse("g1n2+g2n1", world_size=8), (3, 5)).bags == [2, 1, 2, 1, 1, 1]
+    with pytest.raises(ValueError, match=r"cannot be laid out on nodes of \[3, 1\].*bags_of:N"):
+        place_on_nodes(Topology.parse("g2n2"), (3, 1))
+    Topology.parse("g16n1", world_size=32).check_nodes((8, 8, 8, 8))  # larger than a node: whole nodes
+    with pytest.raises(ValueError, match="crosses a node boundary"):
+        Topology.parse("g4n1").check_nodes((3, 1))  # ... of one size only
+    # The rules re-plan for the real layout; nothing crosses a node, whatever the rule.
+    for rule, nodes, want in [("bags_of:2", (3, 1), "g1n4"), ("bags_of:2", (2, 2), "g2n2"),
+                              ("auto", (3, 1), "g1n4"), ("g1n2+g2n1", (3, 1), "g2n1+g1n2"),
+                              ("g1n2+g2n1", (4,), "g1n2+g2n1"), ("bags_of:8", (8, 8, 4), "g4n5")]:
+        topo = resolve_rule(rule, sum(nodes), node_sizes=nodes).topology
+        assert str(topo) == want, (rule, nodes, str(topo))
+        topo.check_nodes(nodes)
+    assert str(resolve_rule("bags_of:8", 16, gpus_per_node=8, node_sizes=(16,)).topology) == "g8n2"
+    with pytest.raises(ValueError, match="cannot be laid out"):
+        resolve_rule("g2n2", 4, node_sizes=(3, 1))
+    with pytest.raises(ValueError, match=r"'per-step' partitions whole nodes of one size.*\[3, 1\]"):
+        resolve_rule("per-step", 4, node_sizes=(3, 1), model=CostModel())
+
+
 @pytest.mark.parametrize(
     "lens, msg",
     [

@@ -1,5 +1,6 @@
-"""Training on Ray Train end to end (4 gloo workers): checkpoint, resume at the right
-step, uneven shards at the end of the epoch, and every sample trained exactly once."""
+"""Training on Ray Train end to end (4 gloo workers): several epochs in one run, uneven
+shards at the end of an epoch, a finished run left alone, a resume with more epochs from
+its final checkpoint, and every sample trained exactly once per epoch."""
 
 from __future__ import annotations
 
@@ -35,39 +36,80 @@ def corpus(tmp_path_factory):
     return str(out), ids
 
 
-def _cfg(corpus_dir, run_root, max_steps):
-    return load_config(None, MODEL + [
-        f"data.corpus={corpus_dir}", "data.samples_per_step=2",
+def _sets(corpus_dir, run_root, max_steps, epochs=1):
+    return MODEL + [
+        f"data.corpus={corpus_dir}", "data.samples_per_step=2", f"data.epochs={epochs}",
         "balance.topology=g2n2", "run.name=resume", f"run.storage={run_root}",
         "run.num_workers=4", "run.cpus_per_worker=0.5", f"run.max_steps={max_steps}",
         "run.checkpoint_every=2", "run.max_failures=0", "run.timeout_s=60",
         "balance.coordinator_timeout_s=20",
-    ])
+    ]
 
 
-def test_resume_from_checkpoint_and_exactly_once(ray_session, corpus, tmp_path):
+def _cfg(*args, **kwargs):
+    return load_config(None, _sets(*args, **kwargs))
+
+
+def _ledger(tmp_path) -> list[dict]:
+    return [json.loads(line) for line in open(os.path.join(tmp_path, "resume", "ledger.jsonl"))]
+
+
+def _exactly_once_per_epoch(rows, all_ids, epochs):
+    for epoch in range(epochs):
+        counts = Counter(r["sample_id"] for r in rows if r["epoch"] == epoch)
+        assert sorted(counts) == sorted(all_ids) and set(counts.values()) == {1}, epoch
+    assert {r["epoch"] for r in rows} == set(range(epochs))
+
+
+def test_two_epochs_then_one_more_on_the_finished_run_exactly_once(ray_session, corpus, tmp_path, capsys):
+    """Two epochs in one run, the same run again (complete: nothing trained), then a third
+    epoch on the finished run. (A resume in the middle of an epoch under Ray is
+    test_faults' SIGKILLed worker; under torchrun, test_runs.)"""
     from knapray.train.launch import run_training
 
     corpus_dir, all_ids = corpus
-    # First run: steps 0..2, checkpoints after step 1 and (the end of the run) step 2.
-    first = run_training(_cfg(corpus_dir, tmp_path, max_steps=3))
-    assert [r["step"] for r in first["records"]] == [0, 1, 2]
-    assert sorted(os.listdir(tmp_path / "resume" / "checkpoints")) == ["step-000000001", "step-000000002"]
-    # Second run, same name (run.resume=auto): it continues at step 3 and runs the epoch out.
-    second = run_training(_cfg(corpus_dir, tmp_path, max_steps=0))
-    steps = [r["step"] for r in second["records"]]
-    assert steps[0] == 3 and steps == list(range(3, 3 + len(steps)))
-    for r in second["records"]:
+    # Two epochs: epoch 1 starts at the step number epoch 0 ended at (its end step trained
+    # nothing), so the steps stay contiguous; every sample once per epoch.
+    first = run_training(_cfg(corpus_dir, tmp_path, max_steps=0, epochs=2))
+    steps = [r["step"] for r in first["records"]]
+    assert steps == list(range(len(steps))) and first["new_steps"] == len(steps)
+    epochs = [r["epoch"] for r in first["records"]]
+    assert epochs == sorted(epochs) and set(epochs) == {0, 1}
+    for r in first["records"]:
         assert abs(sum(r["rank_work"]) - sum(r["baseline_rank_work"])) <= 1e-6 * sum(r["rank_work"])
-    # The ledger: every corpus sample exactly once, the redone step counted once.
-    rows = [json.loads(line) for line in open(os.path.join(tmp_path, "resume", "ledger.jsonl"))]
-    counts = Counter(r["sample_id"] for r in rows)
-    assert sorted(counts) == sorted(all_ids) and set(counts.values()) == {1}
-    assert {r["step"] for r in rows} == set(range(0, steps[-1] + 1))
-    assert max(r["attempt"] for r in rows if r["step"] >= 3) > max(r["attempt"] for r in rows if r["step"] < 3)
-    metrics = [json.loads(line)["step"] for line in open(os.path.join(tmp_path, "resume", "metrics.jsonl"))]
-    assert metrics == list(range(len(metrics)))  # no step written twice
+    rows = _ledger(tmp_path)
+    _exactly_once_per_epoch(rows, all_ids, 2)
+    assert {r["step"] for r in rows} == set(steps)
     # Uneven shards: some ranks ran dry before others, yet the epoch ended for all together.
-    dry = [r for r in second["records"] if min(r["baseline_rank_work"]) == 0]
+    dry = [r for r in first["records"] if min(r["baseline_rank_work"]) == 0]
     assert dry, "expected a step where a rank had no samples of its own"
     assert all(max(r["rank_work"]) > 0 for r in dry)
+
+    # The same run again (run.resume=auto): its checkpoint says it is complete, so nothing
+    # is trained and no worker starts.
+    again = run_training(_cfg(corpus_dir, tmp_path, max_steps=0, epochs=2))
+    assert (again["new_steps"], again["records"], again["resumed_from_step"]) == (0, [], steps[-1])
+    assert _ledger(tmp_path) == rows
+    # ... and `knapray train` says so before it starts Ray, with no unbalanced run either.
+    from knapray.train import job
+
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("{}\n")
+    argv = ["--config", str(empty), "--compare-unbalanced"]
+    assert job.main(argv + [f"--set={x}" for x in _sets(corpus_dir, tmp_path, max_steps=0, epochs=2)]) == 0
+    out = capsys.readouterr().out
+    assert f"nothing trained: run 'resume' was already complete (its checkpoint at step {steps[-1]}" in out
+    assert "0 new steps" in out and "balanced run" not in out
+    assert not (tmp_path / "resume-unbalanced").exists()
+
+    # One more epoch on the finished run: epoch 2 is trained, from the next step on, as a
+    # new attempt; no step is written twice.
+    third = run_training(_cfg(corpus_dir, tmp_path, max_steps=0, epochs=3))
+    steps3 = [r["step"] for r in third["records"]]
+    assert steps3 == list(range(steps[-1] + 1, steps[-1] + 1 + len(steps3))) and third["new_steps"] == len(steps3)
+    assert {r["epoch"] for r in third["records"]} == {2}
+    rows = _ledger(tmp_path)
+    _exactly_once_per_epoch(rows, all_ids, 3)
+    assert min(r["attempt"] for r in rows if r["epoch"] == 2) > max(r["attempt"] for r in rows if r["epoch"] < 2)
+    metrics = [json.loads(line) for line in open(os.path.join(tmp_path, "resume", "metrics.jsonl"))]
+    assert [m["step"] for m in metrics] == list(range(len(metrics)))

@@ -11,6 +11,7 @@ from knapray.planning import BalancePlan, Topology
 
 from .config import CoordinatorConfig
 from .coordinator import BalanceCoordinator
+from .steps import StepFailed
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -26,10 +27,11 @@ class _CoordinatorActor:
     ``asyncio.Event`` yields the loop to the submits that will complete the step (a threaded
     actor would need a lock plus a condition variable for the same). Planning and the
     ledger's journal writes run inline on the loop: they take milliseconds, and the
-    requests they delay are waiting for them. Submit-type calls are fire-and-forget, so
-    they log errors instead of raising them: a failed step reaches every rank through
-    ``get_plan``. When Ray restarts the actor, ``__init__`` runs again and the coordinator
-    restores itself from ``state_dir``.
+    requests they delay are waiting for them. A rejected submission is logged and raised
+    (its sender's client checks the answer before asking for the step's plan); a failed
+    step reaches every rank through ``get_plan``. Timing reports are statistics only:
+    they log errors instead of raising them. When Ray restarts the actor, ``__init__``
+    runs again and the coordinator restores itself from ``state_dir``.
     """
 
     def __init__(self, config: CoordinatorConfig) -> None:
@@ -44,9 +46,12 @@ class _CoordinatorActor:
             self._core.submit(step, rank, seq_lens, sample_ids, exhausted, epoch)
         except (ValueError, TypeError) as e:
             log.error("rejected submission: %s", e)
+            # Raised to the sender as well: its client checks every submission's answer
+            # before it asks for that step's plan, so a rejection never goes unseen.
+            raise e if isinstance(e, StepFailed) else StepFailed(f"rejected submission: {e}") from None
 
-    async def get_plan(self, step, rank, timeout_s=None) -> tuple[BalancePlan | None, bool]:
-        return await self._core.get_plan(step, rank, timeout_s)
+    async def get_plan(self, step, rank, timeout_s=None, epoch=None) -> tuple[BalancePlan | None, bool]:
+        return await self._core.get_plan(step, rank, timeout_s, epoch)
 
     async def epoch(self) -> int:
         return self._core.epoch
@@ -54,8 +59,8 @@ class _CoordinatorActor:
     async def commit_step(self, step) -> None:
         self._core.commit_step(step)
 
-    async def record_external(self, step, sample_ids, home_ranks) -> None:
-        self._core.record_external(step, sample_ids, home_ranks)
+    async def record_external(self, step, sample_ids, home_ranks, epoch=None) -> None:
+        self._core.record_external(step, sample_ids, home_ranks, epoch)
 
     async def report_timing(self, step, rank, compute_s, comm_s, wait_plan_s) -> None:
         try:
@@ -63,14 +68,14 @@ class _CoordinatorActor:
         except (ValueError, TypeError) as e:
             log.error("rejected timing report: %s", e)
 
-    async def begin_run(self, world_size, resume_step=None, state=None) -> Topology:
-        return self._core.begin_run(world_size, resume_step, state)
+    async def begin_run(self, world_size, resume_step=None, state=None, node_sizes=None) -> Topology:
+        return self._core.begin_run(world_size, resume_step, state, node_sizes)
 
     async def topology(self) -> Topology | None:
         return self._core.topology
 
-    async def topology_for(self, world_size) -> Topology:
-        return self._core.topology_for(world_size)
+    async def topology_for(self, world_size, node_sizes=None) -> Topology:
+        return self._core.topology_for(world_size, node_sizes)
 
     async def ledger_rows(self) -> list[tuple[int, int, int, int]]:
         return self._core.ledger_rows()
@@ -106,6 +111,8 @@ def create_coordinator(
     *,
     max_restarts: int = -1,
     detached: bool = False,
+    resources: dict[str, float] | None = None,
+    start_timeout_s: float = 300.0,
     **config: Any,
 ) -> ActorHandle:
     """Create (or get, if one by that name exists) the named coordinator actor.
@@ -113,7 +120,9 @@ def create_coordinator(
     ``num_cpus=0``: it is idle most of the time and must not take a CPU a training worker
     needs. ``max_restarts``: a restarted actor restores from ``state_dir`` (without one it
     starts empty; ranks waiting on it time out into the local fallback). ``detached``:
-    outlive the driver (for ``ray job submit`` runs driven from elsewhere).
+    outlive the driver (for ``ray job submit`` runs driven from elsewhere). ``resources``:
+    Ray resources that place it (and its restarts), e.g. ``{"node:__internal_head__":
+    0.001}`` for the head node, which a spot worker node's loss never takes with it.
     """
     cfg = CoordinatorConfig.from_kwargs(**config)  # fail here, not in the actor
     import ray
@@ -127,10 +136,15 @@ def create_coordinator(
             max_restarts=max_restarts,
             get_if_exists=True,
             lifetime="detached" if detached else None,
+            resources=resources or None,
         )
         .remote(cfg)
     )
-    existing = ray.get(handle.config.remote())
+    try:
+        existing = ray.get(handle.config.remote(), timeout=start_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(f"coordinator actor {name!r} did not start within {start_timeout_s:g}s "
+                           f"(resources {resources or {}}: does a live node have them?)") from None
     if existing != cfg:
         log.warning("coordinator %r already exists with a different config; using it as is: %s", name, existing)
     return handle

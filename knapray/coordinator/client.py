@@ -35,6 +35,7 @@ class CoordinatorClient:
         self._handle = None
         self._epoch: int | None = None
         self._requested: dict[int, Any] = {}  # step -> get_plan ObjectRef asked for early
+        self._submitted: dict[int, Any] = {}  # step -> submit ObjectRef, checked before its plan
         self.last_wait_s = 0.0
         """Seconds the last ``get_plan`` waited (report it as ``wait_plan_s``)."""
 
@@ -71,20 +72,31 @@ class CoordinatorClient:
             raise e.cause from e
 
     def _current_epoch(self) -> int:
-        # Learned once per client, so a client created mid-run tags submissions correctly.
+        # The trainer says which epoch it is in (``set_epoch``); a client used without it
+        # learns the coordinator's once and follows the epoch ends it is told of.
         if self._epoch is None:
             self._epoch = int(self._get(self._actor().epoch.remote(), "epoch"))
         return self._epoch
 
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch this rank trains now: every submission and plan request carries it,
+        so that the coordinator tells a new epoch's steps from an ended one's. Plans asked
+        for early and submissions of another epoch are forgotten."""
+        if epoch != self._epoch:
+            self._requested.clear()
+            self._submitted.clear()
+        self._epoch = int(epoch)
+
     def submit_async(
         self, step: int, seq_lens: Sequence[int], sample_ids: Sequence[int], exhausted: bool = False
     ) -> None:
-        """Send this rank's sequences for ``step`` without waiting. Fire and forget: if the
-        actor is away, nothing is sent and ``get_plan`` reports it (the loop then plans
-        locally and sends again)."""
+        """Send this rank's sequences for ``step`` without waiting. The answer is checked
+        by ``get_plan(step)``, which raises the coordinator's ``StepFailed`` if it rejected
+        the submission. If the actor is away, nothing is sent and ``get_plan`` reports it
+        (the loop then plans locally and sends again)."""
         try:
             epoch = self._current_epoch()
-            self._actor().submit.remote(
+            self._submitted[int(step)] = self._actor().submit.remote(
                 int(step), self.rank, [int(x) for x in seq_lens], [int(x) for x in sample_ids], bool(exhausted), epoch
             )
         except CoordinatorUnavailable:
@@ -95,35 +107,50 @@ class CoordinatorClient:
         finds it already delivered (one round trip off the critical path)."""
         if step not in self._requested:
             try:
-                self._requested[int(step)] = self._actor().get_plan.remote(int(step), self.rank, 0.9 * self.timeout_s)
+                epoch = self._current_epoch()
+                self._requested[int(step)] = self._actor().get_plan.remote(
+                    int(step), self.rank, 0.9 * self.timeout_s, epoch)
             except CoordinatorUnavailable:
                 pass  # get_plan will ask again and report it
 
     def get_plan(self, step: int) -> tuple[BalancePlan | None, bool]:
-        """``(plan, epoch_done)`` for ``step``; ``CoordinatorUnavailable`` after ``timeout_s``."""
+        """``(plan, epoch_done)`` for ``step``; ``CoordinatorUnavailable`` after ``timeout_s``,
+        ``StepFailed`` if the coordinator rejected this rank's submission for ``step`` or
+        failed the step for every rank."""
         t0 = time.perf_counter()
+        step = int(step)
+        for old in [s for s in self._submitted if s < step]:
+            self._submitted.pop(old)
+        submitted = self._submitted.pop(step, None)
+        if submitted is not None:
+            # Answered by now (the actor runs this rank's calls in order): a rejection raises here.
+            self._get(submitted, f"submission of step {step}")
         # The actor gives up a little earlier than we do, so a step that never completes
         # comes back with its message (which ranks are missing) rather than a bare timeout.
-        ref = self._requested.pop(int(step), None)
+        ref = self._requested.pop(step, None)
         for old in [s for s in self._requested if s < step]:
             self._requested.pop(old)
         if ref is None:
-            ref = self._actor().get_plan.remote(int(step), self.rank, 0.9 * self.timeout_s)
+            ref = self._actor().get_plan.remote(step, self.rank, 0.9 * self.timeout_s, self._current_epoch())
         plan, done = self._get(ref, f"plan for step {step}")
         if done:
-            # The next epoch's submissions must not be mistaken for stale prefetches.
-            self._epoch = self._current_epoch() + 1
+            # The next epoch's steps start afresh (its first one reuses this step number).
+            self.set_epoch(self._current_epoch() + 1)
         self.last_wait_s = time.perf_counter() - t0
         return plan, done
 
     def forget_requests(self) -> None:
-        """Drop plans asked for early (after an outage they point at a dead actor)."""
+        """Drop plans asked for early and submissions' answers (after an outage they point
+        at a dead actor; the loop sends the next step again)."""
         self._requested.clear()
+        self._submitted.clear()
 
-    def record_external(self, step: int, sample_ids: Sequence[int], home_ranks: Sequence[int]) -> None:
+    def record_external(self, step: int, sample_ids: Sequence[int], home_ranks: Sequence[int],
+                        epoch: int | None = None) -> None:
         """Rank 0: ledger rows of a step planned locally while the coordinator was away."""
         self._get(
-            self._actor().record_external.remote(int(step), [int(i) for i in sample_ids], [int(h) for h in home_ranks]),
+            self._actor().record_external.remote(int(step), [int(i) for i in sample_ids], [int(h) for h in home_ranks],
+                                                 None if epoch is None else int(epoch)),
             f"ledger rows of step {step}",
         )
 
@@ -145,9 +172,11 @@ class CoordinatorClient:
         except CoordinatorUnavailable:
             pass  # statistics only
 
-    def begin_run(self, world_size: int, resume_step: int | None = None, state: dict | None = None) -> Topology:
+    def begin_run(self, world_size: int, resume_step: int | None = None, state: dict | None = None,
+                  node_sizes: Sequence[int] | None = None) -> Topology:
         """Rank 0 (or the driver), before any submit; see ``BalanceCoordinator.begin_run``."""
-        topo = self._get(self._actor().begin_run.remote(world_size, resume_step, state), "begin_run")
+        nodes = None if node_sizes is None else [int(n) for n in node_sizes]
+        topo = self._get(self._actor().begin_run.remote(world_size, resume_step, state, nodes), "begin_run")
         self._epoch = None
         return topo
 

@@ -46,7 +46,7 @@ import numpy as np
 
 from knapray.planning import BalancePlan, Topology, WorkloadModel
 from knapray.planning.cost import CostModel
-from knapray.planning.rules import PER_STEP, per_step_node, resolve_rule
+from knapray.planning.rules import PER_STEP, per_step_node, planning_node, resolve_rule
 
 from .config import CoordinatorConfig, make_live_fit, make_planning_model
 from .ledger import Ledger
@@ -75,6 +75,8 @@ class BalanceCoordinator:
         self.config = config or CoordinatorConfig.from_kwargs(**overrides)
         self.model = make_planning_model(self.config)
         self._world_size: int | None = None
+        self._node_sizes: tuple[int, ...] | None = None
+        """Ranks per node where the run's workers really are (``begin_run``); None: unknown."""
         self._topology: Topology | None = None
         self._steps = StepProtocol(self.config.keep_steps, self._plan)
         self._stats = RunningStats(self.config.history_steps, self.config.ema_alpha, live=make_live_fit(self.config))
@@ -139,9 +141,11 @@ class BalanceCoordinator:
                 self._save_stats()
         self._save_run_state()
 
-    async def get_plan(self, step: int, rank: int, timeout_s: float | None = None) -> tuple[BalancePlan | None, bool]:
-        """``(plan, epoch_done)`` for ``step`` once every rank has submitted it (``StepProtocol.get_plan``)."""
-        return await self._steps.get_plan(step, rank, timeout_s)
+    async def get_plan(self, step: int, rank: int, timeout_s: float | None = None,
+                       epoch: int | None = None) -> tuple[BalancePlan | None, bool]:
+        """``(plan, epoch_done)`` for ``step`` of ``epoch`` once every rank has submitted it
+        (``StepProtocol.get_plan``)."""
+        return await self._steps.get_plan(step, rank, timeout_s, epoch)
 
     def is_ready(self, step: int) -> bool:
         return self._steps.is_ready(step)
@@ -150,7 +154,8 @@ class BalanceCoordinator:
         """One step's plan: on the run's topology, or (rule ``"per-step"``) on the step's own
         aligned blocks with it as the base; the local fallback calls the same function."""
         c = self.config
-        node = per_step_node(c.topology, self._world_size, c.gpus_per_node)
+        node = per_step_node(c.topology, self._world_size, planning_node(self._world_size, c.gpus_per_node,
+                                                                         self._node_sizes))
         return plan_from_gathered(lens, self._topology, self._live_model(), c.solver, c.max_tokens_per_gpu, node)
 
     def _live_model(self) -> WorkloadModel | CostModel:
@@ -181,21 +186,25 @@ class BalanceCoordinator:
             self._stats.unledgered_steps += len(unplanned)
             log.warning("steps %s committed without a coordinator plan: not in the ledger", unplanned)
 
-    def record_external(self, step: int, sample_ids: Sequence[int], home_ranks: Sequence[int]) -> None:
+    def record_external(self, step: int, sample_ids: Sequence[int], home_ranks: Sequence[int],
+                        epoch: int | None = None) -> None:
         """Ledger rows of a step the ranks planned without the coordinator (it was
-        unreachable): committed as they are, with the current attempt."""
+        unreachable): committed as they are, with the current attempt. ``epoch``: the
+        step's epoch as the ranks knew it (None: the coordinator's epoch bookkeeping)."""
         step = check_index("step", step)
         ids = np.asarray(sample_ids, dtype=np.int64)
         home = np.asarray(home_ranks, dtype=np.int64)
         if ids.shape != home.shape or ids.ndim != 1:
             raise ValueError(f"sample_ids and home_ranks must be equal-length lists, got {ids.shape}, {home.shape}")
-        if self.ledger.add(step, self._epoch_of(step), ids, home):
+        epoch = self._epoch_of(step) if epoch is None else check_index("epoch", epoch)
+        if self.ledger.add(step, epoch, ids, home):
             self._steps.forget(step)
 
     def _epoch_of(self, step: int) -> int:
-        """The epoch ``step`` belongs to: the first whose end is not before it."""
+        """The epoch ``step`` trained in: the first that ended after it (an epoch's end step
+        trains nothing; the next epoch's first step has its number)."""
         ends = self._steps.epoch_ends
-        return next((e for e in sorted(ends) if ends[e] >= step), self._steps.epoch)
+        return next((e for e in sorted(ends) if ends[e] > step), self._steps.epoch)
 
     def truncate(self, step: int) -> None:
         """Cut back to a checkpoint taken at ``step``: it covers steps ``<= step``, so those
@@ -269,15 +278,20 @@ class BalanceCoordinator:
 
     # ---- runs and topology --------------------------------------------------------------
 
-    def begin_run(self, world_size: int, resume_step: int | None = None, state: dict | None = None) -> Topology:
+    def begin_run(self, world_size: int, resume_step: int | None = None, state: dict | None = None,
+                  node_sizes: Sequence[int] | None = None) -> Topology:
         """Start a run on ``world_size`` ranks; returns the topology to build groups from.
+
+        ``node_sizes``: ranks per node, in rank order, where the workers really run (the
+        trainer gathers them); no bag crosses a node, or ValueError says why none can.
 
         Fresh (``resume_step=None``): a new, empty ledger; epoch and attempt start over.
         Resumed: ``state`` (the checkpoint's ``state_dict()``) is loaded if given, then the
         ledger is truncated to ``resume_step``. Either way in-flight steps are dropped: call
         this before any rank submits.
         """
-        topo = self.topology_for(world_size)  # a bad world size fails before anything changes
+        nodes = None if node_sizes is None else tuple(int(n) for n in node_sizes)
+        topo = self.topology_for(world_size, nodes)  # a bad world or layout fails before anything changes
         if resume_step is None:
             if state is not None:
                 raise ValueError("state given without resume_step: pass the checkpoint's step too")
@@ -287,14 +301,16 @@ class BalanceCoordinator:
             if state is not None:
                 self.load_state_dict(state)
             self.truncate(resume_step)
-        self._set_world(world_size, topo)
+        self._set_world(world_size, topo, nodes)
         self._save_run_state()
         self._save_stats()
         return self._topology
 
-    def _set_world(self, world_size: int, topo: Topology | None = None) -> None:
+    def _set_world(self, world_size: int, topo: Topology | None = None,
+                   node_sizes: tuple[int, ...] | None = None) -> None:
         old_topo, old_world = self._topology, self._world_size
-        topo = topo or self.topology_for(world_size)
+        topo = topo or self.topology_for(world_size, node_sizes)
+        self._node_sizes = node_sizes
         if self._stats.ranks != world_size:
             self._stats.reset_ranks(world_size)
         self._world_size, self._topology = world_size, topo
@@ -307,15 +323,18 @@ class BalanceCoordinator:
                 old_topo, topo, old_world, world_size, self.config.topology,
             )
 
-    def topology_for(self, world_size: int) -> Topology:
-        """The topology for a world of ``world_size`` ranks by the configured rule
-        (``knapray.planning.rules.resolve_rule``; ``"auto"`` judges by recent lengths)."""
+    def topology_for(self, world_size: int, node_sizes: Sequence[int] | None = None) -> Topology:
+        """The topology for a world of ``world_size`` ranks on nodes of ``node_sizes`` ranks
+        (in rank order; None: the config's ``gpus_per_node`` says where nodes are) by the
+        configured rule (``knapray.planning.rules.resolve_rule``; ``"auto"`` judges by
+        recent lengths)."""
         c = self.config
         choice = resolve_rule(
-            c.topology, world_size, gpus_per_node=c.gpus_per_node, history=self._stats.length_history,
+            c.topology, world_size, gpus_per_node=c.gpus_per_node, node_sizes=node_sizes,
+            history=self._stats.length_history,
             model=self.model, solver=c.solver, auto_tolerance=c.auto_tolerance, history_steps=c.history_steps,
         )
-        if c.topology in ("auto", PER_STEP):
+        if c.topology in ("auto", PER_STEP) or node_sizes is not None:
             log.info("%s topology for world size %d: %s (%s)", c.topology, world_size, choice.topology, choice.reason)
         return choice.topology
 
@@ -356,6 +375,7 @@ class BalanceCoordinator:
             "ledger_id": self.ledger.ledger_id,
             "cuts": self.ledger.cuts,
             "world_size": self._world_size,
+            "node_sizes": None if self._node_sizes is None else list(self._node_sizes),
             "epoch": self.epoch,
             "epoch_ends": {str(e): t for e, t in self._steps.epoch_ends.items()},
             "inflight": [{"step": t, "epoch": e, "sample_ids": ids.tolist(), "home_ranks": home.tolist()}
@@ -377,16 +397,18 @@ class BalanceCoordinator:
             # after the cut and its in-flight steps are from before it.
             current = run["ledger_id"] == self.ledger.ledger_id and run["cuts"] == self.ledger.cuts
             if not current:
-                ends = {e: t for e, t in ends.items() if t <= committed}
+                ends = {e: t for e, t in ends.items() if t <= committed + 1}  # as StepProtocol.cut
             epoch = int(run["epoch"]) if current else max(ends, default=-1) + 1
             world = None if run["world_size"] is None else int(run["world_size"])
+            nodes = run.get("node_sizes")  # absent from files of earlier versions
+            nodes = None if nodes is None else tuple(int(n) for n in nodes)
             inflight = [(int(f["step"]), int(f["epoch"]), np.asarray(f["sample_ids"], np.int64),
                          np.asarray(f["home_ranks"], np.int64)) for f in (run["inflight"] if current else [])]
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise LedgerFileError(f"{path} is malformed: {e!r}") from None
         self._steps.restart("coordinator restored", epoch, ends, committed)
         if world is not None:
-            self._set_world(world)
+            self._set_world(world, node_sizes=nodes)
         for step, step_epoch, ids, home in inflight:
             if step > committed and not self.ledger.has_step(step):
                 self.ledger.stage(step, step_epoch, ids, home)

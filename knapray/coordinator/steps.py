@@ -1,17 +1,20 @@
 """The per-step protocol: submissions in, one plan per step out, the same to every rank.
 
-Step protocol (rank ``r`` of a world of ``W`` ranks, step ``t``)
-----------------------------------------------------------------
-1. ``submit(t, r, seq_lens, sample_ids, exhausted)``, fire-and-forget. Workers send step
-   ``t+1``'s metadata while step ``t`` computes, so planning stays off the critical path.
+Step protocol (rank ``r`` of a world of ``W`` ranks, step ``t``, epoch ``e``)
+------------------------------------------------------------------------------
+1. ``submit(t, r, seq_lens, sample_ids, exhausted, e)``. Workers send step ``t+1``'s
+   metadata while step ``t`` computes, so planning stays off the critical path.
    Submissions are accepted in any order, across steps and ranks; an identical resend is
-   ignored, a different one for the same ``(t, r)`` fails the step.
+   ignored, a different one for the same ``(t, r)`` fails the step for every rank. A
+   submission the coordinator rejects raises ``StepFailed`` to its sender too
+   (``CoordinatorClient`` checks the answer of every submission before it asks for that
+   step's plan): a rejection is never only a log line.
 2. When all ``W`` ranks have submitted ``t``, the coordinator plans once (one
    ``plan_from_gathered`` call over the world; it plans each balance group on its own) and
-   caches the plan. ``get_plan(t, r)`` waits for that and returns ``(plan, epoch_done)``,
-   the same plan to every rank. If the step cannot be planned (bad submission, solver
-   error) every rank's ``get_plan(t)`` raises ``StepFailed``: all ranks fail the same
-   step instead of some of them hanging in a collective.
+   caches the plan. ``get_plan(t, r, epoch=e)`` waits for that and returns ``(plan,
+   epoch_done)``, the same plan to every rank. If the step cannot be planned (bad
+   submission, solver error) every rank's ``get_plan(t)`` raises ``StepFailed``: all ranks
+   fail the same step instead of some of them hanging in a collective.
 3. Commit rule: after the optimizer step that consumed steps ``<= t``, rank 0 calls
    ``commit_step(t)``. Commits are cumulative (every planned step ``<= t`` enters the
    ledger, so gradient accumulation over several planned steps needs one commit) and
@@ -27,10 +30,17 @@ A rank that ran out of data submits an empty list with ``exhausted=True`` for ev
 further step; the plan still gives it chunks of the others' sequences. The first step at
 which every rank submitted ``exhausted=True`` (so no rank has a sequence) is answered with
 ``(None, True)`` to every rank: all ranks leave the loop at that same step and no
-collective hangs. The epoch counter then goes up by one. Submissions carry the epoch
-their sender is in (``CoordinatorClient`` tracks it), so prefetched submissions for steps
-after the end, sent before the sender learned of it, are recognized as stale and dropped,
-and the next epoch continues with the next step numbers.
+collective hangs. The epoch counter then goes up by one.
+
+That end step trains nothing, so it does not use up a step number: the trainer's step
+counter counts trained steps, and the next epoch's first step has the same number as
+the end step of the one before. Steps are therefore told apart by ``(step, epoch)``:
+the end step is recorded in ``epoch_ends`` and dropped from the steps in flight, so
+the next epoch's submissions for that number start a new step, while a rank still
+asking for the end step with its old epoch is answered from ``epoch_ends``. Prefetched
+submissions for steps after the end, sent before their senders learned of it, carry the
+old epoch and are dropped as stale. (A next epoch that starts at a later step number is
+accepted too.)
 
 This module holds steps 1, 2 and the epoch end; committing (3) is the ledger's
 (``ledger.py``), timings (4) the statistics' (``stats.py``).
@@ -189,9 +199,18 @@ class StepProtocol:
         step = check_index("step", step)
         if epoch is None:
             epoch = self.epoch
+        epoch = check_index("epoch", epoch)
         end = self.epoch_ends.get(epoch)
-        if epoch < self.epoch and (end is None or step > end):
-            self.stale_submissions += 1
+        if end is not None and step >= end:
+            if step > end:  # a prefetch sent before its sender learned of the end
+                self.stale_submissions += 1
+                return None
+            if exhausted and not len(seq_lens):
+                return None  # the end step sent again (a resend, or a rank resumed just before it)
+            raise StepFailed(f"step {step}: rank {rank} submitted data for epoch {epoch}, which ended at this "
+                             "step when every rank was out of data")
+        if epoch < self.epoch and end is None:
+            self.stale_submissions += 1  # an epoch whose end this coordinator no longer knows
             return None
         if epoch > self.epoch:
             # Only a coordinator that lost its state (actor restart) can be behind its ranks.
@@ -208,7 +227,11 @@ class StepProtocol:
         if st.decided:
             if st.inbox.get(rank) == _submission_or_none(seq_lens, sample_ids, exhausted):
                 return None  # a resend of what was planned
-            raise StepFailed(f"step {step}: rank {rank} submitted different data after the step was planned")
+            # Fail the step for every rank still to ask for it; the ranks that already
+            # have its plan learn of it from their trainer's per-step agreement.
+            self._fail(st, f"step {step}: rank {rank} submitted different data after the step was planned")
+        if st.epoch is not None and st.epoch != epoch:
+            self._fail(st, f"step {step}: rank {rank} submitted it for epoch {epoch}, other ranks for epoch {st.epoch}")
         world = self.require_world()
         if not isinstance(rank, (int, np.integer)) or not 0 <= rank < world:
             self._fail(st, f"step {step}: rank {rank!r} is not in [0, {world})")
@@ -234,10 +257,14 @@ class StepProtocol:
             return self._decide(st)
         return None
 
-    async def get_plan(self, step: int, rank: int, timeout_s: float | None = None) -> tuple[BalancePlan | None, bool]:
+    async def get_plan(self, step: int, rank: int, timeout_s: float | None = None,
+                       epoch: int | None = None) -> tuple[BalancePlan | None, bool]:
         """``(plan, epoch_done)`` for ``step``, once every rank has submitted it.
 
-        Every rank gets the same plan object; ``(None, True)`` ends the epoch. Raises
+        Every rank gets the same plan object; ``(None, True)`` ends the epoch. ``epoch``:
+        the asking rank's epoch; a rank asking for the step its epoch ended at gets
+        ``(None, True)`` at once, even after the next epoch reused the step number (None:
+        the end step until a new epoch reuses its number; every trainer passes it). Raises
         ``PlanTimeout`` after ``timeout_s`` (naming the ranks still missing) and
         ``StepFailed`` if the step can never be planned.
         """
@@ -245,6 +272,16 @@ class StepProtocol:
         world = self.require_world()
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} is not in [0, {world})")
+        if epoch is None:
+            # No epoch given: an end step no new epoch has reused yet is still the end.
+            if step not in self._steps and step in self.epoch_ends.values():
+                return None, True
+        else:
+            end = self.epoch_ends.get(check_index("epoch", epoch))
+            if end is not None and step >= end:
+                if step == end:
+                    return None, True
+                raise StepFailed(f"step {step} is after the end of epoch {epoch} (at step {end}): no plan")
         st = self._steps.get(step)
         if st is None:
             if step <= self.evicted_through:
@@ -297,8 +334,10 @@ class StepProtocol:
 
     def cut(self, step: int) -> None:
         """Back to a checkpoint at ``step``: every in-flight step is dropped, epoch ends after
-        ``step`` are forgotten and the epoch counter follows the ones that remain."""
-        self.epoch_ends = {e: t for e, t in self.epoch_ends.items() if t <= step}
+        ``step + 1`` are forgotten and the epoch counter follows the ones that remain. (An
+        epoch that ended at ``step + 1`` had all its samples in steps ``<= step``, which the
+        checkpoint covers: a checkpoint taken after that end resumes in the next epoch.)"""
+        self.epoch_ends = {e: t for e, t in self.epoch_ends.items() if t <= step + 1}
         self.epoch = max(self.epoch_ends, default=-1) + 1
         self._discard(lambda s: True, f"truncated to step {step}")
         self.evicted_through = step
@@ -352,6 +391,8 @@ class StepProtocol:
         epoch, step = st.epoch, st.step
         # Ranks prefetch, so the all-exhausted prefetches for the step after the end can
         # complete before the end step itself does; the earliest such step is the end.
+        # The end step trains nothing: the next epoch reuses its number, as a new step.
+        self._steps.pop(step, None)
         if epoch in self.epoch_ends and self.epoch_ends[epoch] < step:
             return
         self.epoch_ends[epoch] = step

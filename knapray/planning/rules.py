@@ -16,6 +16,15 @@ topology; the coordinator resolves it again at every (re)start:
   ``"auto"`` one, with nodes of ``gpus_per_node`` ranks (the world if not given), which
   every step also tries as is (``per_step_node`` says a run plans per step, and its node).
 
+Where the ranks really are (``node_sizes``: ranks per node in rank order, gathered from
+the workers, ``topology.node_sizes_of``) overrides the config's uniform
+``gpus_per_node`` picture: ``node_layout`` combines them into the units no bag may cross;
+with nodes of one size the rules above run with that size as the node; with uneven nodes
+(3 workers on one node, 1 on another) bags are sized by the largest power of two dividing
+every node, a concrete spec is re-laid out (``place_on_nodes``) and ``"per-step"`` is
+refused. The result is always checked against the real nodes: a bag never crosses one
+silently.
+
 Pure: numpy and the planning package only.
 """
 
@@ -23,13 +32,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from math import gcd
 
 import numpy as np
 
 from .autotopo import choose_topology
 from .cost import CostModel
 from .solver import plan_balance
-from .topology import Topology
+from .topology import Topology, place_on_nodes, split_nodes
 from .workload import WorkloadModel
 
 PER_STEP = "per-step"
@@ -86,6 +96,54 @@ def per_step_node(rule: str, world_size: int, gpus_per_node: int | None) -> int 
     return int(gpus_per_node)
 
 
+@dataclass(frozen=True, slots=True)
+class NodeLayout:
+    """The units no bag may cross: the real nodes (each cut into blocks of the config's
+    ``gpus_per_node``, if set), in rank order."""
+
+    sizes: tuple[int, ...]
+    configured: int | None
+    """The config's ``gpus_per_node`` (None: not set)."""
+
+    @property
+    def uniform(self) -> int | None:
+        """The node size the rules plan with: the size every unit has; None when there is
+        one node and the config names none (a single machine: no node constraint), or when
+        the units differ in size."""
+        if len(set(self.sizes)) != 1 or (len(self.sizes) == 1 and not self.configured):
+            return None
+        return self.sizes[0]
+
+    @property
+    def unit(self) -> int:
+        """The largest size dividing every unit: blocks of it never cross a node."""
+        out = 0
+        for n in self.sizes:
+            out = gcd(out, n)
+        return out
+
+
+def node_layout(world_size: int, gpus_per_node: int | None, node_sizes: Sequence[int] | None) -> NodeLayout | None:
+    """The real layout (``node_sizes``) cut by the config's ``gpus_per_node``; None without a
+    real layout (the rules then trust ``gpus_per_node`` alone)."""
+    if node_sizes is None:
+        return None
+    sizes = tuple(int(n) for n in node_sizes)
+    if not sizes or min(sizes) < 1 or sum(sizes) != world_size:
+        raise ValueError(f"node sizes {list(sizes)} must be integers >= 1 summing to the world size {world_size}")
+    return NodeLayout(split_nodes(sizes, gpus_per_node), gpus_per_node or None)
+
+
+def planning_node(world_size: int, gpus_per_node: int | None, node_sizes: Sequence[int] | None) -> int | None:
+    """The node size the rules (and a per-step run's plans) use: the config's
+    ``gpus_per_node`` without a real layout, else the layout's uniform unit (None: no
+    single size, see ``NodeLayout.uniform``)."""
+    layout = node_layout(world_size, gpus_per_node, node_sizes)
+    if layout is None:
+        return gpus_per_node or None
+    return layout.uniform
+
+
 def largest_pow2_bag(limit: int, world_size: int, gpus_per_node: int | None) -> int:
     """Largest power of two ``<= limit`` dividing the world (and the node, if given)."""
     p = 1
@@ -113,6 +171,7 @@ def resolve_rule(
     world_size: int,
     *,
     gpus_per_node: int | None = None,
+    node_sizes: Sequence[int] | None = None,
     history: LengthHistory = (),
     model: WorkloadModel | CostModel | None = None,
     solver: str = "knapray",
@@ -121,12 +180,56 @@ def resolve_rule(
 ) -> RuleChoice:
     """The topology ``rule`` gives a world of ``world_size`` ranks (see the module docstring).
 
-    ``history``, ``model``, ``solver``, ``auto_tolerance`` and ``history_steps`` matter
-    only to ``"auto"`` and ``"per-step"``.
+    ``node_sizes``: ranks per node in rank order, where the workers really run (None:
+    only ``gpus_per_node`` says where nodes are); no bag of the result crosses one, or
+    ValueError says why none can. ``history``, ``model``, ``solver``, ``auto_tolerance``
+    and ``history_steps`` matter only to ``"auto"`` and ``"per-step"``.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) or world_size < 1:
         raise ValueError(f"world size must be an integer >= 1, got {world_size!r}")
     world_size = int(world_size)
+    layout = node_layout(world_size, gpus_per_node, node_sizes)
+    if layout is None:
+        return _resolve(rule, world_size, gpus_per_node, history, model, solver, auto_tolerance, history_steps)
+    kind, arg = parse_rule(rule)
+    if layout.uniform is not None or kind == "per_step":
+        if kind == "per_step" and layout.uniform is None and len(layout.sizes) > 1:
+            raise ValueError(f"topology 'per-step' partitions whole nodes of one size into blocks, but the "
+                             f"{world_size} workers are on nodes of {list(layout.sizes)} ranks (in rank order)")
+        if kind == "spec" and not layout.configured:
+            # The spec's own order, if it fits the nodes (the same topology as on one machine).
+            topo = Topology.parse(rule, world_size=world_size)
+            try:
+                topo.check_nodes(layout.sizes)
+                return RuleChoice(topo, f"spec {rule!r} replicated over {world_size} ranks, "
+                                        f"fits nodes of {layout.uniform}")
+            except ValueError:
+                pass
+        choice = _resolve(rule, world_size, layout.uniform, history, model, solver, auto_tolerance, history_steps)
+    elif kind == "spec":
+        topo = place_on_nodes(Topology.parse(rule, world_size=world_size), layout.sizes)
+        choice = RuleChoice(topo, f"spec {rule!r} laid out on nodes of {list(layout.sizes)} ranks")
+    else:
+        # Uneven nodes: plan as if every node were blocks of the largest size dividing
+        # them all (bags of ``bags_of``/``auto`` never exceed a node, so none crosses one).
+        choice = _resolve(rule, world_size, layout.unit, history, model, solver, auto_tolerance, history_steps)
+        choice = RuleChoice(choice.topology, f"{choice.reason}; nodes of {list(layout.sizes)} ranks, "
+                                             f"bags within blocks of {layout.unit}")
+    choice.topology.check_nodes(layout.sizes)
+    return choice
+
+
+def _resolve(
+    rule: str,
+    world_size: int,
+    gpus_per_node: int | None,
+    history: LengthHistory,
+    model: WorkloadModel | CostModel | None,
+    solver: str,
+    auto_tolerance: float,
+    history_steps: int,
+) -> RuleChoice:
+    """``resolve_rule`` with nodes of ``gpus_per_node`` ranks (None: no node constraint)."""
     kind, arg = parse_rule(rule)
     gpn = gpus_per_node
     if kind == "spec":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -166,8 +167,146 @@ class Topology:
                     "span whole nodes (size a multiple of the node, starting on a node boundary)"
                 )
 
+    def check_nodes(self, node_sizes: Sequence[int]) -> None:
+        """Raise if a bag crosses a boundary of the real node layout ``node_sizes`` (ranks
+        per node, in rank order; ``node_sizes_of``): a bag lies in one node, or, larger
+        than a node, covers whole nodes of one size (as ``check_node_placement``)."""
+        sizes = _check_node_sizes(node_sizes, self.world_size)
+        ends = np.cumsum(sizes)
+        starts = ends - np.asarray(sizes)
+        for b, (start, g) in enumerate(zip(self.bag_starts.tolist(), self.bags)):
+            first = int(np.searchsorted(ends, start, side="right"))  # node holding the bag's first rank
+            last = int(np.searchsorted(ends, start + g - 1, side="right"))
+            if first == last:
+                continue
+            spanned = set(sizes[first : last + 1])
+            whole = start == starts[first] and start + g == ends[last]
+            if not whole or len(spanned) > 1 or g <= max(spanned):
+                raise ValueError(
+                    f"bag {b} (g{g}, ranks {start}..{start + g - 1}) of topology {self} crosses a node boundary: "
+                    f"the ranks are on nodes of {list(sizes)} ranks (in rank order)"
+                )
+
     def __str__(self) -> str:
         return self.spec if self.num_groups == 1 else f"{self.spec} x{self.num_groups}"
+
+
+# ---- real node layouts -----------------------------------------------------------------
+
+
+def node_sizes_of(node_ids: Sequence[Hashable]) -> tuple[int, ...]:
+    """Ranks per node, in rank order, from every rank's node id (in rank order): the
+    lengths of the runs of consecutive ranks on one node. Ray Train and torchrun number
+    the ranks of a node consecutively; if a node's ranks were not consecutive, each run
+    counts as a node of its own (a bag is a range of ranks, so it may not span the gap)."""
+    if not len(node_ids):
+        raise ValueError("node_sizes_of needs at least one rank's node id")
+    sizes = [1]
+    for prev, cur in zip(node_ids[:-1], node_ids[1:]):
+        if cur == prev:
+            sizes[-1] += 1
+        else:
+            sizes.append(1)
+    return tuple(sizes)
+
+
+def split_nodes(node_sizes: Sequence[int], gpus_per_node: int | None) -> tuple[int, ...]:
+    """Every node cut into blocks of ``gpus_per_node`` consecutive ranks (the last block of
+    a node smaller if the node is not a multiple): the units no bag may cross when the
+    config also names a node size (``balance.gpus_per_node``)."""
+    sizes = tuple(int(n) for n in node_sizes)
+    if not gpus_per_node:
+        return sizes
+    out: list[int] = []
+    for n in sizes:
+        out += [gpus_per_node] * (n // gpus_per_node) + ([n % gpus_per_node] if n % gpus_per_node else [])
+    return tuple(out)
+
+
+def place_on_nodes(topology: Topology, node_sizes: Sequence[int]) -> Topology:
+    """``topology``'s bags laid out so that none crosses a node of ``node_sizes``.
+
+    Kept as it is if it already fits; else its bags are reordered, as replicated balance
+    groups when every group covers the same sequence of node sizes, else as one balance
+    group over the world. Raises ValueError, naming the layout, when its bags cannot be
+    packed into the nodes (a bag larger than a node, or sizes that fill no node exactly)."""
+    sizes = _check_node_sizes(node_sizes, topology.world_size)
+    try:
+        topology.check_nodes(sizes)
+        return topology
+    except ValueError:
+        pass
+    per_group = _cut(sizes, topology.group_size)
+    if per_group is not None and len(set(per_group)) == 1:
+        order = _pack_exactly(list(topology.group_bags), per_group[0])
+        if order is not None:
+            return Topology(tuple(order), topology.num_groups)
+    order = _pack_exactly(topology.bags, sizes)
+    if order is not None:
+        return Topology(tuple(order), 1)
+    raise ValueError(
+        f"the bags of topology {topology} ({sorted(topology.bags, reverse=True)}) cannot be laid out on nodes of "
+        f"{list(sizes)} ranks (in rank order) without a bag crossing a node: use topology 'bags_of:N' or 'auto', "
+        "which re-plan bags for the nodes the workers are on"
+    )
+
+
+def _check_node_sizes(node_sizes: Sequence[int], world_size: int) -> tuple[int, ...]:
+    sizes = tuple(int(n) for n in node_sizes)
+    if not sizes or min(sizes) < 1 or sum(sizes) != world_size:
+        raise ValueError(f"node sizes {list(sizes)} must be integers >= 1 summing to the world size {world_size}")
+    return sizes
+
+
+def _cut(sizes: tuple[int, ...], group_size: int) -> list[tuple[int, ...]] | None:
+    """The node sizes of each run of ``group_size`` ranks, if no node crosses a run's end."""
+    groups: list[tuple[int, ...]] = []
+    current: list[int] = []
+    for n in sizes:
+        current.append(n)
+        if sum(current) == group_size:
+            groups.append(tuple(current))
+            current = []
+        elif sum(current) > group_size:
+            return None
+    return groups if not current else None
+
+
+def _pack_exactly(bags: list[int], nodes: tuple[int, ...], budget: int = 20000) -> list[int] | None:
+    """``bags`` in rank order such that each node of ``nodes`` is filled exactly by whole
+    bags (largest first within a node); None if there is no such order (or the search
+    budget runs out)."""
+    order = sorted(bags, reverse=True)
+    if not order or order[0] > max(nodes) or sum(order) != sum(nodes):
+        return None
+    return _search(order, nodes, budget)
+
+
+def _search(order: list[int], nodes: tuple[int, ...], budget: int) -> list[int] | None:
+    free = list(nodes)
+    placed: list[list[int]] = [[] for _ in nodes]
+    steps = 0
+
+    def place(i: int) -> bool:
+        nonlocal steps
+        if i == len(order):
+            return True
+        steps += 1
+        if steps > budget:
+            return False
+        tried: set[int] = set()
+        for k, room in enumerate(free):
+            if room >= order[i] and room not in tried:
+                tried.add(room)  # nodes with the same room left are interchangeable
+                free[k] -= order[i]
+                placed[k].append(order[i])
+                if place(i + 1):
+                    return True
+                free[k] += order[i]
+                placed[k].pop()
+        return False
+
+    return [g for node in placed for g in node] if place(0) else None
 
 
 def _node_aware_order(bags: list[int], gpus_per_node: int, spec: str) -> list[int]:

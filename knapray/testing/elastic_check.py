@@ -1,23 +1,29 @@
-"""Elastic restart with a re-planned topology, end to end on a private Ray cluster.
+"""Elastic restart with a re-planned topology, end to end on a private two-node Ray cluster.
 
     python -m knapray.testing.elastic_check --scenario shrink --out /tmp/elastic-shrink
     python -m knapray.testing.elastic_check --scenario grow --out /tmp/elastic-grow
 
-Builds its own multi-node Ray cluster (``ray.cluster_utils.Cluster``: a head with a few
-CPUs for Ray Data and the driver-side actors, plus worker nodes that each carry one
-``knapray_slot``, the custom resource every training worker asks for, so exactly one
-training worker fits per node), a tiny corpus, and runs ``run_training`` elastically
-(``run.min_workers < run.num_workers``, topology rule ``bags_of:2``) in a background
-thread. The main thread watches rank 0's ``metrics.jsonl`` and, after a few steps,
+Builds its own Ray cluster (``ray.cluster_utils.Cluster``: a head with a few CPUs for Ray
+Data and the driver-side actors, the balance coordinator pinned there, plus worker nodes
+that carry ``knapray_slot`` resources, the custom resource every training worker asks for
+one of, so a node with k slots runs k training workers), a tiny corpus, and runs
+``run_training`` elastically (``run.min_workers < run.num_workers``, topology rule
+``bags_of:2``) in a background thread. The main thread watches rank 0's
+``metrics.jsonl`` and, after a few steps,
 
-- ``shrink``: removes one of the 4 worker nodes (4 -> 3 workers, g2n2 -> g1n3);
-- ``grow``: adds 2 worker nodes to the 2 it started with (2 -> 4 workers, g2n1 -> g2n2).
+- ``shrink``: starts on nodes of 3 and 1 slots (uneven: the rule's g2n2 would put a bag
+  across the two nodes; the real layout gives g1n4), then removes the 1-slot node
+  (4 -> 3 workers, g1n4 -> g1n3);
+- ``grow``: starts on one node of 2 slots (g2n1), kills the coordinator actor after step 1
+  (Ray restarts it on the head; it reloads its state from the run directory while the
+  ranks plan locally), then adds a second node of 2 slots (2 -> 4 workers, g2n2).
 
-Ray Train restarts the group at the new size from the latest checkpoint; rank 0 asks the
-coordinator for that world's topology, bag groups are rebuilt and the data re-sharded.
-Printed and written to ``OUT/result.json``: the (world size, topology) segments the run
-went through (from the per-step records), the steps trained after the change, the
-timings, and the ledger's exactly-once check. Exit status 0 iff all checks pass.
+Ray Train restarts the group at the new size from the latest checkpoint; every rank
+reports its node id, rank 0 asks the coordinator for the topology of that world on those
+nodes, bag groups are rebuilt and the data re-sharded. Printed and written to
+``OUT/result.json``: the (world size, nodes, topology) segments the run went through
+(from the per-step records), the steps trained after the change, the timings, where the
+coordinator ran, and the ledger's exactly-once check. Exit status 0 iff all checks pass.
 
 How fast Ray notices (Ray 2.60, from its source):
 
@@ -30,8 +36,10 @@ How fast Ray notices (Ray 2.60, from its source):
   ``run.max_failures``), and the restart sizes the group from the same reservation,
   still counting the dead node until the next tick; the placement group for 4 cannot be
   placed, and Ray retries only after ``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`` (60 s by
-  default: the ~70 s in RAY_NOTES). ``--start-timeout`` lowers it (default 8 s); it bounds
-  only the wait for the placement group, not the workers' start-up.
+  Ray's default: the ~70 s in RAY_NOTES). The launcher sets it to 10 s for elastic runs
+  (``run.worker_start_timeout_s``); ``--start-timeout`` sets that key (60: Ray's default,
+  to measure the difference). It bounds only the wait for the placement group, not the
+  workers' start-up.
 - Nodes noticed one at a time give one restart per size seen (e.g. 2 -> 3 -> 4).
 - ``--nudge`` asks the AutoscalingCoordinator to re-read the cluster right after the
   change (its ``get_reserved_resources(recompute=True)``), which removes the wait for the
@@ -55,21 +63,23 @@ MODEL = [
     "model.hidden_size=32", "model.num_heads=4", "model.rope_axes_dim=[2,2,4]",
     "model.depth_double=1", "model.depth_single=1", "model.text_dim=16", "model.pooled_dim=16",
 ]
+RULE = "bags_of:2"
 SCENARIOS = {
-    # name: (nodes at start, min_workers, max_workers, nodes added (+) / removed (-))
-    "shrink": (4, 2, 4, -1),
-    "grow": (2, 2, 4, +2),
+    # name: (slots per worker node at start, min_workers, max_workers, slots of the node
+    #        added (+), or of the node removed (-); kill the coordinator after this step)
+    "shrink": ((3, 1), 2, 4, -1, None),
+    "grow": ((2,), 2, 4, +2, 1),
 }
 
 
-def _private_ray_env(start_timeout_s: float) -> str:
+def _private_ray_env() -> str:
     """Ray's temp dir holds ``ray_current_cluster``, which a plain ``ray.init()`` on this
     machine connects to: give this cluster a private one so that other Ray sessions on
     the machine neither join it nor lose their own address file when it shuts down."""
     tmp = tempfile.mkdtemp(prefix="kre", dir="/tmp")  # short: Ray's socket paths live here
     os.environ["RAY_TMPDIR"] = tmp
     os.environ.pop("RAY_ADDRESS", None)
-    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(start_timeout_s)
+    os.environ.pop("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", None)  # the run's config sets it
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     return tmp
 
@@ -93,17 +103,39 @@ def build_corpus(out: str, steps: int) -> list[int]:
 def segments(records: list[dict]) -> list[dict]:
     """Rank 0's per-step records (``metrics.jsonl``, appended by every attempt) cut into
     attempts: a new one starts where the step does not follow the previous one (a restart
-    from a checkpoint) or the (world size, topology) changes."""
+    from a checkpoint) or the (world size, nodes, topology) changes."""
     out: list[dict] = []
     for r in records:
-        key = (r.get("world_size", len(r["rank_work"])), r.get("topology", "?"))
-        if out and (out[-1]["world_size"], out[-1]["topology"]) == key and r["step"] == out[-1]["last_step"] + 1:
+        key = (r.get("world_size", len(r["rank_work"])), r.get("node_sizes"), r.get("topology", "?"))
+        if out and (out[-1]["world_size"], out[-1]["node_sizes"], out[-1]["topology"]) == key \
+                and r["step"] == out[-1]["last_step"] + 1:
             out[-1]["last_step"] = r["step"]
             out[-1]["steps"] += 1
+            out[-1]["planned_locally"] += r["planned_by"] == "local"
         else:
-            out.append({"attempt": len(out), "world_size": key[0], "topology": key[1],
-                        "first_step": r["step"], "last_step": r["step"], "steps": 1})
+            out.append({"attempt": len(out), "world_size": key[0], "node_sizes": key[1], "topology": key[2],
+                        "first_step": r["step"], "last_step": r["step"], "steps": 1,
+                        "planned_locally": int(r["planned_by"] == "local")})
     return out
+
+
+def expected_topology(world_size: int, node_sizes: list[int] | None) -> str:
+    """What the rule gives a world on those nodes (the coordinator's answer)."""
+    from knapray.planning.rules import resolve_rule
+
+    return str(resolve_rule(RULE, world_size, node_sizes=node_sizes).topology)
+
+
+def bags_within_nodes(segment: dict) -> bool:
+    """No bag of the segment's topology crosses one of its nodes."""
+    from knapray.planning import Topology
+
+    spec, _, _ = segment["topology"].partition(" x")
+    try:
+        Topology.parse(spec, world_size=segment["world_size"]).check_nodes(segment["node_sizes"])
+    except (ValueError, TypeError):
+        return False
+    return True
 
 
 def ledger_check(path: str, all_ids: list[int]) -> dict:
@@ -131,16 +163,16 @@ def _read_records(path: str) -> list[dict]:
 
 def run(args: argparse.Namespace) -> dict:
     t_begin = time.perf_counter()
-    tmp = _private_ray_env(args.start_timeout)
+    tmp = _private_ray_env()
     import ray
     from ray.cluster_utils import Cluster
 
-    from knapray.coordinator import BalanceCoordinator
+    from knapray.planning.rules import resolve_rule
     from knapray.train.config import load_config
     from knapray.train.launch import run_training
     from knapray.train.step_planner import coordinator_name
 
-    start_nodes, min_w, max_w, change = SCENARIOS[args.scenario]
+    start_slots, min_w, max_w, change, kill_coordinator_after = SCENARIOS[args.scenario]
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
     corpus_steps = args.corpus_steps or {"shrink": 4, "grow": 12}[args.scenario]
@@ -154,27 +186,32 @@ def run(args: argparse.Namespace) -> dict:
         events.append(e)
         print(f"[elastic_check {e['t']:7.2f}s] {what} {kw if kw else ''}", flush=True)
 
-    node_args = {"num_cpus": 1, "resources": {SLOT: 1}, "object_store_memory": 100 * 1024**2}
+    def node_args(slots: int) -> dict:
+        return {"num_cpus": slots, "resources": {SLOT: slots}, "object_store_memory": 100 * 1024**2}
+
     result: dict = {"scenario": args.scenario}
     cluster = None
     try:
         cluster = Cluster(initialize_head=True, head_node_args={
             "num_cpus": args.head_cpus, "include_dashboard": False, "object_store_memory": 200 * 1024**2,
         })
-        workers = [cluster.add_node(wait=False, **node_args) for _ in range(start_nodes)]
+        workers = [cluster.add_node(wait=False, **node_args(k)) for k in start_slots]
+        slots = {n.node_id: k for n, k in zip(workers, start_slots)}
         cluster.wait_for_nodes(timeout=90)
         ray.init(address=cluster.address, namespace="knapray-elastic", log_to_driver=args.worker_logs,
                  configure_logging=False)
-        event("cluster up", worker_nodes=len(workers), head_cpus=args.head_cpus)
+        event("cluster up", worker_node_slots=list(start_slots), head_cpus=args.head_cpus)
 
         cfg = load_config(None, MODEL + [
             f"data.corpus={os.path.join(out, f'corpus-{corpus_steps}')}", f"data.samples_per_step={args.samples_per_step}",
-            "balance.topology=bags_of:2", f"run.name=elastic-{args.scenario}", f"run.storage={storage}",
+            f"balance.topology={RULE}", f"run.name=elastic-{args.scenario}", f"run.storage={storage}",
             f"run.num_workers={max_w}", f"run.min_workers={min_w}", "run.cpus_per_worker=0.5",
             f"run.resources_per_worker={{{SLOT}: 1}}", f"run.elastic_monitor_interval_s={args.monitor}",
+            f"run.worker_start_timeout_s={args.start_timeout}",
             "run.checkpoint_every=1", "run.max_failures=3", "run.timeout_s=60",
-            "balance.coordinator_timeout_s=20",
+            "balance.coordinator_timeout_s=10",
         ])
+        name = coordinator_name(cfg)
         metrics = os.path.join(cfg.run_dir, "metrics.jsonl")
         box: dict = {}
 
@@ -189,32 +226,46 @@ def run(args: argparse.Namespace) -> dict:
         trainer.start()
 
         changed_at = None  # (time, last step logged before the change)
-        seen = 0
+        placements: list[dict] = []
+        first_key = None  # (world size, nodes) of the first attempt
+        at_new_size = False
         deadline = time.perf_counter() + args.timeout
         while trainer.is_alive() and time.perf_counter() < deadline:
             trainer.join(timeout=0.2)
+            # A restart rewrites metrics.jsonl back to its checkpoint: read it whole each time.
             records = _read_records(metrics)
-            for r in records[seen:]:
-                w = r.get("world_size", len(r["rank_work"]))
-                if seen == 0 or w != records[seen - 1].get("world_size", len(records[seen - 1]["rank_work"])):
-                    event("training at new size" if seen else "first step", step=r["step"], world_size=w,
-                          topology=r.get("topology"))
-                seen += 1
-            if changed_at is None and records and records[-1]["step"] >= args.change_after_step:
-                step = records[-1]["step"]
-                placement = _placement(cluster, workers, coordinator_name(cfg))
-                event("actor placement", **placement)
+            if records and first_key is None:
+                first_key = (records[0]["world_size"], records[0].get("node_sizes"))
+                event("first step", step=records[0]["step"], world_size=first_key[0], node_sizes=first_key[1],
+                      topology=records[0].get("topology"))
+            moved = next((r for r in records if (r["world_size"], r.get("node_sizes")) != first_key), None)
+            if changed_at is not None and moved is not None and not at_new_size:
+                at_new_size = True
+                event("training at new size", step=moved["step"], world_size=moved["world_size"],
+                      node_sizes=moved.get("node_sizes"), topology=moved.get("topology"))
+                placements.append(_placement(cluster, workers, name))  # while the run is live
+            step = max((r["step"] for r in records), default=-1)
+            if kill_coordinator_after is not None and step >= kill_coordinator_after and not placements:
+                placements.append(_placement(cluster, workers, name))
+                ray.kill(ray.get_actor(name), no_restart=False)  # Ray restarts it (max_restarts=-1)
+                event("killed the coordinator actor", after_step=step, was_on=placements[-1]["coordinator_on"])
+            if changed_at is None and step >= args.change_after_step and (
+                    kill_coordinator_after is None or placements):
+                if kill_coordinator_after is None:
+                    placements.append(_placement(cluster, workers, name))
                 if change < 0:
-                    # A worker node, not the head (driver, Train controller, data split
-                    # coordinator) and not the balance coordinator's node, if it is on one.
-                    victim = next(n for n in reversed(workers) if n.node_id != placement["coordinator_node_id"])
+                    victim = next(n for n in reversed(workers) if slots[n.node_id] == -change)
                     workers.remove(victim)
                     cluster.remove_node(victim)
-                    event("removed a worker node", after_step=step, worker_nodes=len(workers))
+                    event(f"removed a worker node of {-change} slots", after_step=step,
+                          worker_node_slots=[slots[n.node_id] for n in workers])
                 else:
-                    workers += [cluster.add_node(wait=False, **node_args) for _ in range(change)]
+                    node = cluster.add_node(wait=False, **node_args(change))
+                    slots[node.node_id] = change
+                    workers.append(node)
                     cluster.wait_for_nodes(timeout=90)
-                    event(f"added {change} worker nodes", after_step=step, worker_nodes=len(workers))
+                    event(f"added a worker node of {change} slots", after_step=step,
+                          worker_node_slots=[slots[n.node_id] for n in workers])
                 changed_at = (time.perf_counter(), step)
                 if args.nudge:
                     try:
@@ -231,37 +282,53 @@ def run(args: argparse.Namespace) -> dict:
 
         records = _read_records(metrics)
         segs = segments(records)
+        for seg in segs:
+            seg["expected_topology"] = expected_topology(seg["world_size"], seg["node_sizes"])
+            seg["bags_within_nodes"] = bags_within_nodes(seg)
         summary = box.get("summary") or {}
         final = summary.get("records", [])
-        start_w, end_w = start_nodes, start_nodes + change
-        rule = BalanceCoordinator(topology=cfg.balance.topology, world_size=start_w, d_model=cfg.model.hidden_size)
-        expected = {w: str(rule.topology_for(w)) for w in range(min_w, max_w + 1)}
+        start_w = sum(start_slots)
+        end_w = start_w + change
         worlds = [s["world_size"] for s in segs]
         after = [s for s in segs if s["world_size"] == end_w]
         t_new = next((e["t"] for e in events if e["event"] == "training at new size"), None)
         ledger = ledger_check(os.path.join(cfg.run_dir, "ledger.jsonl"), all_ids)
+        first = segs[0] if segs else {}
+        # Where the real layout mattered: the rule alone (no nodes) would cross one.
+        naive = str(resolve_rule(RULE, start_w).topology)
         checks = {
             "run finished": "summary" in box,
-            f"started at world {start_w} ({expected[start_w]})":
-                bool(segs) and (segs[0]["world_size"], segs[0]["topology"]) == (start_w, expected[start_w]),
-            f"ended at world {end_w} ({expected[end_w]})":
-                bool(segs) and (segs[-1]["world_size"], segs[-1]["topology"]) == (end_w, expected[end_w]),
+            f"started at world {start_w} on nodes of {sorted(start_slots, reverse=True)} slots":
+                bool(segs) and first["world_size"] == start_w
+                and sorted(first["node_sizes"] or [], reverse=True) == sorted(start_slots, reverse=True),
+            f"ended at world {end_w}": bool(segs) and segs[-1]["world_size"] == end_w,
             "world size only moved towards the target": worlds == sorted(worlds, reverse=change < 0),
-            "every attempt used the rule's topology for its world":
-                bool(segs) and all(s["topology"] == expected.get(s["world_size"]) for s in segs),
-            "final attempt ran at the new size": (summary.get("world_size"), summary.get("topology")) == (end_w, expected[end_w]),
+            "every attempt used the rule's topology for its world and nodes":
+                bool(segs) and all(s["topology"] == s["expected_topology"] for s in segs),
+            "no bag crossed a node": bool(segs) and all(s["bags_within_nodes"] for s in segs),
+            "final attempt ran at the new size": summary.get("world_size") == end_w
+                and summary.get("topology") == (segs[-1]["topology"] if segs else None),
             "resumed from a checkpoint after the change, with no gap":
                 bool(after) and 0 < after[0]["first_step"] <= segs[segs.index(after[0]) - 1]["last_step"] + 1,
             "steps trained after the change": sum(s["steps"] for s in after) > 0,
             "ledger exactly once": ledger["exactly_once"],
+            "coordinator on the head node": len(placements) >= 2 and all(p["coordinator_on"] == "head"
+                                                                         for p in placements),
         }
+        if len(set(start_slots)) > 1:
+            checks[f"the rule alone ({naive}) would cross a node of the start layout"] = not bags_within_nodes(
+                {**first, "topology": naive}) if segs else False
+        if kill_coordinator_after is not None:
+            checks["coordinator killed, restarted by Ray, found on the head again"] = len(placements) >= 2 and any(
+                e["event"] == "killed the coordinator actor" for e in events)
         result.update({
             "ok": all(checks.values()),
             "checks": checks,
-            "expected": {"world_sizes": [start_w, end_w], "topologies": [expected[start_w], expected[end_w]]},
             "segments": segs,
-            "world_sizes": [s["world_size"] for s in segs],
+            "world_sizes": worlds,
             "topologies": [s["topology"] for s in segs],
+            "node_sizes": [s["node_sizes"] for s in segs],
+            "coordinator_placements": placements,
             "change": {"after_step": changed_at[1] if changed_at else None,
                        "at_s": round(changed_at[0] - t_begin, 2) if changed_at else None,
                        "new_size_training_at_s": t_new,
@@ -269,6 +336,7 @@ def run(args: argparse.Namespace) -> dict:
                        if changed_at and t_new is not None else None},
             "steps_after_change": sum(s["steps"] for s in after),
             "final_attempt": {"world_size": summary.get("world_size"), "topology": summary.get("topology"),
+                              "node_sizes": summary.get("node_sizes"),
                               "first_step": final[0]["step"] if final else None,
                               "last_step": final[-1]["step"] if final else None, "steps": len(final)},
             "ledger": ledger,
@@ -278,7 +346,7 @@ def run(args: argparse.Namespace) -> dict:
             "settings": {"start_timeout_s": args.start_timeout, "monitor_interval_s": args.monitor,
                          "nudge": args.nudge, "samples_per_step": args.samples_per_step,
                          "corpus_steps": corpus_steps, "corpus_samples": len(all_ids), "run_dir": cfg.run_dir,
-                         "coordinator": coordinator_name(cfg)},
+                         "coordinator": name, "rule": RULE},
         })
         return result
     finally:
@@ -298,11 +366,18 @@ def _placement(cluster, workers, coordinator: str) -> dict:
     """Which node the balance coordinator actor lives on (head or a worker node)."""
     import ray
 
-    try:
-        actor = ray.get_actor(coordinator)
-        node = ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()), timeout=10)
-    except Exception as e:  # informational only
-        return {"coordinator_node_id": None, "coordinator_on": f"unknown ({e})"}
+    error = None
+    for _ in range(5):  # a restarted actor's first call may fail ("may or may not have executed")
+        try:
+            actor = ray.get_actor(coordinator)
+            node = ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()),
+                           timeout=20)
+            break
+        except Exception as e:  # noqa: BLE001 - reported in the result
+            error = e
+            time.sleep(1)
+    else:
+        return {"coordinator_node_id": None, "coordinator_on": f"unknown ({error})"}
     where = "head" if node == cluster.head_node.node_id else (
         f"worker node {[n.node_id for n in workers].index(node)}" if node in [n.node_id for n in workers] else "?")
     return {"coordinator_node_id": node, "coordinator_on": where}
@@ -330,22 +405,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples-per-step", type=int, default=1)
     p.add_argument("--change-after-step", type=int, default=2,
                    help="remove/add nodes once this step has been logged")
-    p.add_argument("--start-timeout", type=float, default=8.0,
-                   help="RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (Ray's default is 60)")
+    p.add_argument("--start-timeout", type=float, default=0.0,
+                   help="run.worker_start_timeout_s (0: the launcher's 10 s for elastic runs; 60: Ray's default)")
     p.add_argument("--monitor", type=float, default=2.0, help="run.elastic_monitor_interval_s")
     p.add_argument("--head-cpus", type=int, default=2)
     p.add_argument("--nudge", action="store_true",
                    help="have the AutoscalingCoordinator re-read the cluster right after the change")
     p.add_argument("--worker-logs", action="store_true", help="stream worker/actor logs to this process")
     p.add_argument("--keep-logs", action="store_true", help="copy the Ray session's logs to OUT/ray-logs")
-    p.add_argument("--timeout", type=float, default=240.0, help="give up on the run after this many seconds")
+    p.add_argument("--timeout", type=float, default=420.0,
+                   help="give up on the run after this many seconds (a loaded 2-core machine took 160 s "
+                        "to the first step)")
     args = p.parse_args(argv)
     result = run(args)
     path = os.path.join(os.path.abspath(args.out), "result.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     brief = {k: result.get(k) for k in ("scenario", "ok", "checks", "segments", "change", "steps_after_change",
-                                         "final_attempt", "timings_s", "error")}
+                                         "final_attempt", "coordinator_placements", "timings_s", "error")}
     brief["ledger"] = {k: v for k, v in result.get("ledger", {}).items() if k != "steps"}
     print(json.dumps(brief, indent=1))
     print(f"[elastic_check] wrote {path}")

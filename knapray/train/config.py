@@ -55,6 +55,11 @@ def _directory_name(name: Any) -> None:
         )
 
 
+def _coordinator_node(value: Any) -> None:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"expected 'head', 'any' or the name of a custom node resource, {_got(value)}")
+
+
 def _finite(value: Any) -> None:
     if isinstance(value, float) and not math.isfinite(value):  # other non-numbers: the type check
         raise ValueError(f"expected a finite number, {_got(value)}")
@@ -121,6 +126,11 @@ class BalanceConfig:
     """Plan on the BalanceCoordinator actor (else every rank plans from an all-gather)."""
     coordinator_timeout_s: float = field(default=30.0, metadata={"gt": 0})
     """After this long without an answer a rank falls back to local planning."""
+    coordinator_node: str = field(default="head", metadata={"check": _coordinator_node})
+    """Where the coordinator actor runs: ``head`` (the Ray head node: it outlives the
+    worker nodes, spot ones included), ``any`` (wherever Ray puts it), or the name of a
+    custom resource that the nodes meant for it carry (e.g. one given to a node type in
+    cluster.yaml); it asks for a thousandth of it."""
 
     def __post_init__(self) -> None:
         if self.topology == "per-step" and self.planner != "cost":
@@ -217,6 +227,12 @@ class RunConfig:
     elastic_monitor_interval_s: float = field(default=60.0, metadata={"gt": 0})
     """Elastic runs: how often (seconds) Ray Train checks whether the cluster now holds
     a different number of workers and restarts the group at that size."""
+    worker_start_timeout_s: float = field(default=0.0, metadata={"ge": 0})
+    """How long Ray Train waits for a worker group's resources before it tries again
+    (``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S``). 0: 10 s for an elastic run (after a node
+    loss Ray first asks for the old size, which can no longer be placed; the retry sizes
+    the group from the nodes left), Ray's own default (60 s, or the environment variable
+    if set) otherwise (a fixed-size run may wait for the autoscaler to add nodes)."""
     max_steps: int = field(default=0, metadata={"ge": 0})
     """Stop after this many steps (0: run the epochs out)."""
     checkpoint_every: int = field(default=10, metadata={"ge": 0})
@@ -292,11 +308,31 @@ class TrainConfig:
     def run_dir(self) -> str:
         return os.path.abspath(os.path.join(self.run.storage, self.run.name))
 
+    def __post_init__(self) -> None:
+        gpn, run = self.balance.gpus_per_node, self.run
+        if run.min_workers and gpn and (run.min_workers % gpn or run.num_workers % gpn):
+            raise ValueError(
+                f"an elastic run on nodes of balance.gpus_per_node={gpn} workers grows and shrinks by whole nodes: "
+                f"run.min_workers={run.min_workers} and run.num_workers={run.num_workers} must be multiples of {gpn}, "
+                f"e.g. run.min_workers={-(-run.min_workers // gpn) * gpn} "
+                f"run.num_workers={-(-run.num_workers // gpn) * gpn}")
+
     def world_sizes(self) -> list[int]:
         """Every world size the Ray launcher may start this run with: ``run.num_workers``, or
         with ``run.min_workers`` > 0 (elastic) every size Ray Train may pick in between.
-        Pre-flight checks the config against each of them."""
-        return list(range(self.run.min_workers or self.run.num_workers, self.run.num_workers + 1))
+        Pre-flight checks the config against each of them.
+
+        Ray Train 2.60 picks an elastic size as the sum over nodes of how many workers each
+        node's reserved resources fit, capped at ``max_workers``
+        (``ElasticScalingPolicy._count_possible_workers``); it can be given no step size
+        (only TPU slices get one). So with ``balance.gpus_per_node`` set (nodes of that
+        many worker slots, the range a multiple of it) the sizes are the whole-node ones;
+        a partly free node (another job holding some of its GPUs) can still give another
+        size, which the trainer re-plans for, or refuses in one line when the run needs
+        whole nodes (``run.fsdp: hybrid``)."""
+        lo, hi, gpn = self.run.min_workers or self.run.num_workers, self.run.num_workers, self.balance.gpus_per_node
+        step = gpn if self.run.min_workers and gpn else 1
+        return list(range(lo, hi + 1, step))
 
     def samples_per_rank(self, world_size: int) -> int:
         """Samples each rank draws per step in a world of ``world_size``."""

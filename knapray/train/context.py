@@ -24,6 +24,10 @@ class TrainContext(Protocol):
 
     def device(self, use_gpu: bool) -> torch.device: ...
 
+    def node_id(self) -> str:
+        """Where this rank really runs (Ray: the worker's node id; torchrun: the host):
+        the trainer gathers every rank's and keeps bags within nodes."""
+
     def rows(self, epoch: int, on_bad_shard: Callable[[BadShard], None]) -> Iterable[Any]:
         """This rank's rows (row dicts, column batches or pyarrow batches) for one epoch,
         in an order that depends on the epoch. A shard that fails to read part-way goes
@@ -47,6 +51,9 @@ class LocalContext:
         if use_gpu and torch.cuda.is_available():
             return torch.device("cuda", self.local_rank)
         return torch.device("cpu")
+
+    def node_id(self) -> str:
+        return "local"  # every rank of a LocalContext runs on this machine
 
     def rows(self, epoch: int, on_bad_shard: Callable[[BadShard], None]) -> Iterable[Any]:
         return self.shards[self.rank]

@@ -47,14 +47,19 @@ def run(args: argparse.Namespace) -> int:
     from knapray.train import preflight
     from knapray.train.config import ConfigError
     from knapray.train.guard import BadCorpus
-    from knapray.train.run_files import RunError, prediction_line
+    from knapray.train.run_files import RunError, prediction_line, read_metrics
 
     try:
         # Every input is checked here, before Ray or any worker starts.
         pre = preflight.check_file(args.config, args.set)
         lines = pre.summary(args.config) if args.check else []
-        if not args.check:  # the run directory's decision too (a live lock, resume rules, the
-            pre.run_dir_decision()  # checkpoint and ledger a resume reads) before Ray starts
+        # The run directory's decision too (a live lock, resume rules, the checkpoint and
+        # ledger a resume reads) before Ray starts, and whether the run is finished already.
+        from knapray.train.launch import completed_run  # torch: only past the config checks
+
+        done_at = completed_run(pre.cfg, pre.run_dir_decision())
+        if args.check and done_at is not None:
+            lines += [f"the run is complete (checkpoint at step {done_at}): it would train nothing"]
         base = None
         if args.compare_unbalanced:  # its run directory too, not only after the balanced run
             base = preflight.check(_unbalanced(pre.cfg), pre.worlds, corpus=pre.corpus)
@@ -68,8 +73,13 @@ def run(args: argparse.Namespace) -> int:
         for line in lines:
             print(f"  {line}")
         return 0
+    if done_at is not None:
+        # A finished run resubmitted: say so, start nothing, compare nothing.
+        _nothing_trained(cfg, done_at, len(read_metrics(cfg.run_dir)))
+        return 0
 
     import ray
+    from ray.train import TrainingFailedError
 
     from knapray.train.launch import run_training
 
@@ -97,16 +107,26 @@ def run(args: argparse.Namespace) -> int:
     except (RunError, BadCorpus) as e:
         print(f"knapray train: error: {e}", file=sys.stderr)
         return 2
+    except TrainingFailedError as e:
+        why = known_failure(e)
+        if why is None:
+            raise
+        print(f"knapray train: error: training failed: {why}", file=sys.stderr)
+        return 1
     s = balanced["run"]["summary"]
-    print(f"\n[knapray] balanced run: {s['steps']} steps on {balanced.get('world_size')} workers, "
+    new = balanced["new_steps"]
+    if not new:
+        # The workers found nothing left (e.g. a checkpoint taken just before the epoch's
+        # end): the same answer, and no unbalanced run either.
+        _nothing_trained(cfg, balanced["resumed_from_step"], s["steps"])
+        return 0
+    resumed = balanced["resumed_from_step"]
+    whole = "" if resumed is None else f" (resumed after step {resumed}; {s['steps']} steps in the run)"
+    print(f"\n[knapray] balanced run: {new} steps trained on {balanced.get('world_size')} workers{whole}, "
           f"topology {balanced.get('topology')}, {time.perf_counter() - t0:.0f} s; "
           f"{_quarantine_line(balanced['run'])}")
     if "prediction_error_last" in s:
         print(f"[knapray] {prediction_line(s)}")
-    if not s["steps"]:
-        print(f"[knapray] nothing trained: the run was already at run.max_steps or past its last epoch "
-              f"({cfg.run_dir})")
-        return 0
     rows = [("balanced", s)]
     if args.compare_unbalanced:
         unbalanced = run_training(base.cfg, checked=base)
@@ -164,6 +184,34 @@ def _unbalanced(cfg):
 
     return replace(cfg, balance=replace(cfg.balance, enabled=False),
                    run=replace(cfg.run, name=cfg.run.name + "-unbalanced"))
+
+
+def _nothing_trained(cfg, checkpoint_step: int | None, run_steps: int) -> None:
+    print(f"[knapray] nothing trained: run {cfg.run.name!r} was already complete (its checkpoint at step "
+          f"{checkpoint_step} covers data.epochs={cfg.data.epochs}"
+          f"{f' or run.max_steps={cfg.run.max_steps}' if cfg.run.max_steps else ''}); 0 new steps, "
+          f"{run_steps} in the run directory {cfg.run_dir}. Raise data.epochs or run.max_steps to train "
+          "more, or choose another run.name for a new run", flush=True)
+
+
+def known_failure(error: Exception) -> str | None:
+    """The one-line reason of a Ray Train failure whose workers raised one of knapray's own
+    errors (a world that cannot be trained on its nodes, a step the coordinator failed);
+    None for anything else, whose traceback is worth showing."""
+    from knapray.coordinator import StepFailed
+    from knapray.train.trainer import TopologyError
+
+    reasons = []
+    for failure in getattr(error, "worker_failures", {}).values():
+        # Ray Train 2.60 wraps a worker's exception in UserExceptionWithTraceback, which
+        # keeps it as ``_base_exc``; a task error keeps it as ``cause``.
+        cause = failure
+        for attr in ("_base_exc", "cause"):
+            cause = getattr(cause, attr, cause)
+        if not isinstance(cause, (TopologyError, StepFailed)):
+            return None
+        reasons.append(str(cause).splitlines()[0])
+    return "; ".join(dict.fromkeys(reasons)) or None
 
 
 def _ray_logs_dir() -> str:

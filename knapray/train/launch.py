@@ -16,7 +16,8 @@ from .config import TrainConfig, config_from_dict
 from .ledger_files import ledger_dir
 from . import preflight
 from .preflight import CorpusCheck, Preflight
-from .run_files import write_run_files
+from .checkpoint import read_trainer_state
+from .run_files import RunError, RunStart, read_metrics, summarize, write_run_files
 from .step_planner import coordinator_config, coordinator_name
 from .trainer import Trainer
 
@@ -47,6 +48,14 @@ class RayTrainContext:
             torch.cuda.set_device(device)
             return device
         return torch.device("cpu")
+
+    def node_id(self) -> str:
+        """The Ray node this worker runs on. Not Ray Train's node_rank: that groups
+        workers by IP address, which several nodes can share (containers, emulated
+        clusters); Ray Train gives the workers of one node consecutive ranks."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     def rows(self, epoch: int, on_bad_shard):
         """This worker's split of the dataset, shuffled locally with a seed drawn from
@@ -105,12 +114,50 @@ def run_training(cfg: TrainConfig, *, verbose: bool = True, checked: Preflight |
     starts (``RunError``, ``BadCorpus``, ``ValueError``: one line naming the value).
     ``checked``: ``cfg``'s pre-flight, when the caller ran it already."""
     pre = checked if checked is not None else preflight.check(cfg, cfg.world_sizes())
+    cfg = pre.cfg  # paths resolved
     start, lock = preflight.prepare(pre)
     try:
         print(f"[knapray] {start.message}", flush=True)
-        return _fit(pre.cfg, pre.corpus, verbose=verbose)
+        saved = None if start.resume_from is None else read_trainer_state(start.resume_from)
+        if saved is not None and run_complete(cfg, saved):
+            # Nothing left to train: no worker starts, and nothing is rewritten.
+            summary = {"records": [], "world_size": saved.get("world_size"), "topology": saved.get("topology"),
+                       "run": {"summary": summarize(read_metrics(cfg.run_dir))}}
+        else:
+            summary = _fit(cfg, pre.corpus, verbose=verbose)
     finally:
         lock.release()
+    # Rank 0 rewrites metrics.jsonl back to the resumed checkpoint, so every step after it
+    # was trained by this call (earlier attempts of a restarted group included).
+    covered = checkpoint_step(start.resume_from)
+    summary["new_steps"] = sum(r["step"] > covered for r in read_metrics(cfg.run_dir))
+    summary["resumed_from_step"] = None if start.resume_from is None else covered
+    return summary
+
+
+def completed_run(cfg: TrainConfig, start: RunStart) -> int | None:
+    """The last step of the checkpoint a run resumes from (``start``, pre-flight's decision)
+    if that checkpoint says the run has nothing left to train (``run_complete``), else None.
+    Reads files only (no Ray, no lock): ``knapray train`` answers a finished run before it
+    starts Ray."""
+    if start.resume_from is None:
+        return None
+    saved = read_trainer_state(start.resume_from)
+    return int(saved["step"]) if run_complete(cfg, saved) else None
+
+
+def run_complete(cfg: TrainConfig, saved: dict) -> bool:
+    """The checkpoint's state says the run has nothing left: it finished ``data.epochs``
+    epochs, or its steps reached ``run.max_steps``. (A checkpoint taken at the last step
+    before its epoch's end was seen says neither; the workers then find the epoch empty
+    and train nothing, which the caller counts the same way.)"""
+    steps_done = int(saved["step"]) + 1
+    return int(saved["epoch"]) >= cfg.data.epochs or bool(cfg.run.max_steps and steps_done >= cfg.run.max_steps)
+
+
+def checkpoint_step(path: str | None) -> int:
+    """The last step a checkpoint directory (``.../step-000000123``) covers; -1 for None."""
+    return -1 if path is None else int(os.path.basename(os.path.normpath(path)).split("-", 1)[1])
 
 
 def _fit(cfg: TrainConfig, corpus: CorpusCheck, *, verbose: bool) -> dict:
@@ -124,8 +171,18 @@ def _fit(cfg: TrainConfig, corpus: CorpusCheck, *, verbose: bool) -> dict:
 
     DataContext.get_current().enable_progress_bars = False  # the training bar is enough
     run_dir = cfg.run_dir
-    coordinator = create_coordinator(coordinator_name(cfg), state_dir=ledger_dir(run_dir),
+    placement = coordinator_resources(cfg.balance.coordinator_node)
+    missing = sorted(set(placement) - set(ray.cluster_resources()))
+    if missing:
+        raise RunError(f"balance.coordinator_node={cfg.balance.coordinator_node!r}: no node of this Ray cluster has "
+                       f"the resource {missing[0]!r}; give it to a node (a node type's resources in cluster.yaml, or "
+                       "ray start --resources), or use 'head' or 'any'")
+    coordinator = create_coordinator(coordinator_name(cfg), state_dir=ledger_dir(run_dir), resources=placement,
                                      **coordinator_config(cfg))
+    start_timeout = worker_start_timeout(cfg, os.environ)
+    if start_timeout is not None:
+        # Ray Train reads it in the driver and hands it to its controller (ENV_VARS_TO_PROPAGATE).
+        os.environ[START_TIMEOUT_ENV] = f"{start_timeout:g}"
     ds = corpus_dataset(cfg.data.corpus, rows_per_block=cfg.samples_per_rank(cfg.run.num_workers),
                         shards=list(corpus.good_shards))  # pre-flight quarantined the others
     workers: Any = cfg.run.num_workers
@@ -150,8 +207,6 @@ def _fit(cfg: TrainConfig, corpus: CorpusCheck, *, verbose: bool) -> dict:
             failure_config=FailureConfig(max_failures=cfg.run.max_failures),
         ),
     )
-    from .run_files import read_metrics
-
     done_steps = len(read_metrics(run_dir))  # a resumed run's earlier steps
     total = expected_steps(cfg, corpus.info.num_samples, done_steps)
     print(f"[knapray] starting {cfg.run.num_workers} workers"
@@ -168,6 +223,35 @@ def _fit(cfg: TrainConfig, corpus: CorpusCheck, *, verbose: bool) -> dict:
     del coordinator
     summary["run"] = write_run_files(cfg, summary)
     return summary
+
+
+HEAD_RESOURCE = "node:__internal_head__"
+"""The resource only Ray's head node has (Ray pins its own Train state actor with it)."""
+START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+ELASTIC_START_TIMEOUT_S = 10.0
+"""Elastic runs' wait for a worker group's placement group before Ray Train retries. After
+a node loss Ray first asks for the old size from a view of the cluster refreshed every
+20 s (its AutoscalingCoordinator's tick), which the nodes left cannot place; Ray's 60 s
+default makes every node loss cost a minute before the retry at the size that fits."""
+
+
+def coordinator_resources(node: str) -> dict[str, float]:
+    """The Ray resources that place the coordinator actor (``balance.coordinator_node``): a
+    thousandth of the head node's own resource, of a named custom resource, or none."""
+    if node == "any":
+        return {}
+    return {HEAD_RESOURCE if node == "head" else node: 0.001}
+
+
+def worker_start_timeout(cfg: TrainConfig, environ) -> float | None:
+    """``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`` for this run (``run.worker_start_timeout_s``;
+    0: ``ELASTIC_START_TIMEOUT_S`` for an elastic run unless the environment sets it, else
+    None: Ray's default or the environment's)."""
+    if cfg.run.worker_start_timeout_s:
+        return cfg.run.worker_start_timeout_s
+    if cfg.run.min_workers and START_TIMEOUT_ENV not in environ:
+        return ELASTIC_START_TIMEOUT_S
+    return None
 
 
 def expected_steps(cfg: TrainConfig, rows: int, start_step: int) -> int:

@@ -40,6 +40,8 @@ class StepRecord:
     """The GPU's dense bf16 peak (for MFU); None on CPU or an unknown GPU."""
     recompiles: int = 0
     """torch.compile recompilations so far in this process (0 without compile)."""
+    node_sizes: list[int] | None = None
+    """Ranks per node, in rank order, where the workers really ran (no bag crosses one)."""
     predicted_compute_s: list[float] | None = None
     """Per-rank compute seconds (fixed cost included) the cost model that planned the step
     predicted (``planner: cost``; the live re-fit's model once it has replaced the prior).
@@ -69,6 +71,7 @@ class StepRecord:
             "baseline_rank_work": self.baseline_rank_work,
             "world_size": len(self.rank_work),
             "topology": self.topology,
+            "node_sizes": self.node_sizes,
             "model_tflops": self.flops / self.seconds / 1e12 if self.seconds > 0 else 0.0,
             "model_tflops_per_gpu": self.flops / self.seconds / 1e12 / len(self.rank_work) if self.seconds > 0 else 0.0,
             # The same FLOPs over the slowest rank's forward + backward (compute and

@@ -3,10 +3,14 @@
 Per step, on every rank:
 
 1. ``fetch(step, this_step, next_step)``: send the *next* step's lengths to the
-   coordinator (fire and forget) and ask for its plan early, then wait (timed) for this
+   coordinator (answered later) and ask for its plan early, then wait (timed) for this
    step's plan. With no coordinator, or when it does not answer in time, there is none.
-2. The trainer all-reduces ``Fetched.have_plan`` with its other per-step counts, so
-   every rank learns whether every rank got the plan.
+   If the coordinator rejected this rank's submission for the step or failed the step,
+   ``Fetched.error`` says why.
+2. The trainer all-reduces ``Fetched.have_plan`` and whether ``Fetched.error`` is set with
+   its other per-step counts, so every rank learns whether every rank got the plan, and
+   every rank raises ``StepFailed`` together when any rank's step failed (no rank is left
+   waiting in a collective, and a rejection never passes as an end of epoch).
 3. ``resolve(fetched, everyone_has_plan)``: the coordinator's plan, or, if any rank lacks
    it, a plan every rank computes itself from an all-gather of lengths with the same
    solver (so all ranks always run the same plan, and nobody waits in a collective for a
@@ -35,6 +39,7 @@ from knapray.coordinator import (
     CoordinatorClient,
     CoordinatorConfig,
     CoordinatorUnavailable,
+    StepFailed,
     is_epoch_done,
     make_live_fit,
     make_planning_model,
@@ -92,6 +97,8 @@ class Fetched:
     epoch_done: bool
     have_plan: bool
     wait_s: float
+    error: str | None = None
+    """Why the coordinator rejected this rank's submission or failed the step (``StepFailed``)."""
 
 
 @dataclass(frozen=True)
@@ -124,15 +131,19 @@ class StepPlanner:
         self.max_tokens_per_gpu = max_tokens_per_gpu
         self.client = client
         self.local_ledger = local_ledger
-        self._pending: dict[int, tuple[list[int], list[int]]] = {}
-        """Rank 0: rows of locally planned steps the coordinator has not taken yet."""
-        self._recent: dict[int, list[int]] = {}
-        """This rank's sample ids of recent steps (a lost coordinator drops commits)."""
+        self._pending: dict[int, tuple[list[int], list[int], int | None]] = {}
+        """Rank 0: (sample ids, home ranks, epoch) of locally planned steps the coordinator
+        has not taken yet (epoch None: a step a lost coordinator may have dropped)."""
+        self._recent: dict[int, tuple[int, list[int]]] = {}
+        """This rank's (epoch, sample ids) of recent steps (a lost coordinator drops commits)."""
 
     # ---- per step ------------------------------------------------------------------------
 
-    def begin_epoch(self, step: int, first: StepMeta) -> None:
-        """Submit the epoch's first step (later steps are submitted one step ahead)."""
+    def begin_epoch(self, step: int, epoch: int, first: StepMeta) -> None:
+        """Submit the epoch's first step (later steps are submitted one step ahead). Its
+        number is the one the previous epoch ended at, if any: steps count trained steps."""
+        if self.client is not None:
+            self.client.set_epoch(epoch)
         self._submit(step, first)
 
     def fetch(self, step: int, this: StepMeta, nxt: StepMeta) -> Fetched:
@@ -147,6 +158,16 @@ class StepPlanner:
         except CoordinatorUnavailable as e:
             logger.warning("rank %d: coordinator unavailable at step %d (%s); planning locally", self.sync.rank, step, e)
             return Fetched(None, False, False, time.perf_counter() - t0)
+        except StepFailed as e:
+            logger.error("rank %d: step %d failed on the coordinator: %s", self.sync.rank, step, e)
+            return Fetched(None, False, False, time.perf_counter() - t0, error=str(e))
+
+    def raise_failed(self, step: int, fetched: Fetched) -> None:
+        """Every rank, after the per-step agreement counted a failed step: raise
+        ``StepFailed`` with the failing ranks' reasons (the same message on every rank)."""
+        reasons = self.sync.gather_objects(fetched.error)
+        failed = "; ".join(f"rank {r}: {why}" for r, why in enumerate(reasons) if why is not None)
+        raise StepFailed(f"step {step} cannot be trained: {failed}")
 
     def resolve(self, step: int, fetched: Fetched, everyone_has_plan: bool, this: StepMeta,
                 nxt: StepMeta) -> Planned:
@@ -169,8 +190,9 @@ class StepPlanner:
                 # it did commit are ignored), then this one once it is trained.
                 for t in sorted(set().union(*(g[3] for g in gathered))):
                     self._pending.setdefault(t, (
-                        [sid for g in gathered for sid in g[3].get(t, [])],
-                        [r for r, g in enumerate(gathered) for _ in g[3].get(t, [])],
+                        [sid for g in gathered for sid in g[3].get(t, (None, ()))[1]],
+                        [r for r, g in enumerate(gathered) for _ in g[3].get(t, (None, ()))[1]],
+                        next(g[3][t][0] for g in gathered if t in g[3]),
                     ))
         if self.client is not None:
             # A restarted coordinator may have lost the prefetched submission of the next
@@ -199,8 +221,8 @@ class StepPlanner:
         return self.workload
 
     def committed(self, step: int, epoch: int, planned: Planned, this: StepMeta) -> None:
-        """After the optimizer step that trained ``step``."""
-        self._recent[step] = [int(i) for i in this.sample_ids]
+        """After the optimizer step that trained ``step`` (in ``epoch``)."""
+        self._recent[step] = (int(epoch), [int(i) for i in this.sample_ids])
         if len(self._recent) > RECENT_STEPS:
             self._recent.pop(min(self._recent))
         if self.sync.rank != 0:
@@ -212,7 +234,7 @@ class StepPlanner:
             self.client.commit_async(step)
         else:
             assert planned.rows is not None
-            self._pending[step] = planned.rows
+            self._pending[step] = (*planned.rows, epoch)
 
     def finish(self, last_step: int | None) -> None:
         """Rank 0 at the end of the run: hand over what is pending and commit the last step."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 from dataclasses import replace
 
@@ -38,6 +39,10 @@ class TorchrunContext:
 
     def device(self, use_gpu: bool) -> torch.device:
         return torch.device("cuda", self.local_rank) if use_gpu else torch.device("cpu")
+
+    def node_id(self) -> str:
+        """The host: torchrun numbers the ranks of one host consecutively."""
+        return socket.gethostname()
 
     def rows(self, epoch: int, on_bad_shard):
         """Every world_size-th row of the readable shards, shards in an order drawn

@@ -8,7 +8,8 @@ newest checkpoint, topology, process groups, step planner, bad-data guard);
 1. take this step's samples (``StepStream``) and fetch its plan (``StepPlanner``: the
    coordinator's, prefetched a step ahead, if it answered);
 2. one small all-reduce on the training device agrees on the step's image tokens,
-   whether every rank has the plan, and the bad-data counts (``BadDataGuard``);
+   whether every rank has the plan, whether any rank's step failed on the coordinator
+   (then every rank raises ``StepFailed``), and the bad-data counts (``BadDataGuard``);
 3. if any rank lacks the plan, every rank plans locally from an all-gather of lengths;
 4. balanced forward + backward (``balanced_forward``) under the run's precision,
    gradients summed over ranks, clip, optimizer step;
@@ -47,7 +48,8 @@ from knapray.models.flow import flow_loss
 from knapray.planning import BalancePlan, Topology, identity_plan
 from knapray.planning.blocks import block_sizes
 from knapray.planning.cost import CostModel
-from knapray.planning.rules import per_step_node
+from knapray.planning.rules import per_step_node, planning_node
+from knapray.planning.topology import node_sizes_of
 from knapray.timing import StepTimer
 
 from .balanced import balanced_forward, prepare_step
@@ -65,6 +67,24 @@ from .run_files import distinct_topologies, truncate_metrics
 from .step_planner import Planned, StepPlanner, coordinator_config, coordinator_name, live_fit, planning_model
 
 logger = logging.getLogger(__name__)
+
+
+class TopologyError(ValueError):
+    """The world Ray (or torchrun) gave cannot be trained as configured: the message names
+    the world, where its ranks are and what would be valid. Raised on every rank."""
+
+
+def check_node_layout(cfg: TrainConfig, node_sizes: tuple[int, ...]) -> None:
+    """What the real node layout must give the run before anything is built: with
+    ``run.fsdp: hybrid`` every node holds whole shards of ``balance.gpus_per_node``
+    consecutive ranks (a shard never spans two machines). Raises ``TopologyError``."""
+    gpn = cfg.balance.gpus_per_node
+    if cfg.run.fsdp == "hybrid" and gpn and any(n % gpn for n in node_sizes):
+        raise TopologyError(
+            f"run.fsdp=hybrid shards over blocks of balance.gpus_per_node={gpn} consecutive ranks, but the "
+            f"{sum(node_sizes)} workers are on nodes of {list(node_sizes)} ranks (in rank order): every node must "
+            f"hold a multiple of {gpn} workers (give each node {gpn} worker slots, e.g. {gpn} GPUs, or set "
+            "balance.gpus_per_node to a size that divides every node)")
 
 
 def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
@@ -98,6 +118,9 @@ class Trainer:
         self.rank, self.world = ctx.rank, ctx.world_size
         self.device = ctx.device(cfg.run.use_gpu)
         self.sync = StepSync.build(self.device, gloo_socket_ifname=cfg.run.gloo_socket_ifname)
+        # Where every rank really runs: bags (and FSDP's node shards) must not cross a node.
+        self.node_sizes = node_sizes_of(self.sync.gather_objects(ctx.node_id()))
+        check_node_layout(cfg, self.node_sizes)
         self.dtype = compute_dtype(cfg.run.precision, self.device)
         self.peak_tflops = peak_tflops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
         self.samples_per_step = cfg.samples_per_rank(self.world)
@@ -138,6 +161,8 @@ class Trainer:
                                          group=self.sync.meta_group)
         self.step, self.epoch, self.resumed_from = 0, 0, None
         self.last_saved: int | None = None
+        self.saved_epoch: int | None = None
+        """The epoch the last checkpoint recorded (an epoch end after it makes it stale)."""
         self.ledger_position: dict | None = None
         """Where the ledger stood at the checkpoint resumed from (the coordinator checks it)."""
         latest = self.checkpointer.latest()
@@ -148,6 +173,7 @@ class Trainer:
                 self.ema.load_state_dict(extra["ema"])
             self.step, self.epoch = restored.step + 1, int(restored.trainer["epoch"])
             self.resumed_from = self.last_saved = restored.step
+            self.saved_epoch = self.epoch
             self.ledger_position = restored.trainer.get("ledger")
             if self.rank == 0:
                 truncate_metrics(self.run_dir, self.step)
@@ -170,7 +196,8 @@ class Trainer:
                                                 position=self.ledger_position, checkpoint=latest or "")
         self.topology = self._choose_topology()
         """The run's static topology (with ``per-step``: the base every step also tries); checkpoints keep it."""
-        self.per_step_node = per_step_node(cfg.balance.topology, self.world, cfg.balance.gpus_per_node or None)
+        node = planning_node(self.world, cfg.balance.gpus_per_node or None, self.node_sizes)
+        self.per_step_node = per_step_node(cfg.balance.topology, self.world, node)
         self.groups = self._build_groups() if cfg.balance.enabled else None
         self.workload = planning_model(cfg)
         self.planner = StepPlanner(self.sync, self.topology, self.workload, cfg.balance.solver, self.client,
@@ -221,22 +248,32 @@ class Trainer:
 
     def _choose_topology(self) -> Topology:
         """Rank 0 starts the coordinator's run (it answers with the topology for this
-        world), everyone waits on a barrier, then asks; without a coordinator, the same
-        rule locally. Every rank must build the same groups: rank 0's answer wins."""
+        world and its nodes) and hands it to every rank; without a coordinator, the same
+        rule locally. Every rank must build the same groups: rank 0's answer wins, and
+        a world the rule cannot serve (a bag would cross a node) fails on every rank with
+        rank 0's message."""
         from knapray.coordinator import BalanceCoordinator
 
-        topo = None
-        if self.client is not None:
+        topo, error = None, None
+        if self.rank == 0:
             try:
-                if self.rank == 0:
-                    self.client.begin_run(self.world, resume_step=self.resumed_from, state=self.ledger_position)
-                self.sync.barrier()
-                topo = self.client.topology()
-            except CoordinatorUnavailable:
-                topo = None
-        if topo is None:
-            topo = BalanceCoordinator(world_size=self.world, **coordinator_config(self.cfg)).topology_for(self.world)
-        return Topology.parse(self.sync.broadcast_object(topo.spec), world_size=self.world)
+                if self.client is not None:
+                    try:
+                        topo = self.client.begin_run(self.world, resume_step=self.resumed_from,
+                                                     state=self.ledger_position, node_sizes=self.node_sizes)
+                    except CoordinatorUnavailable:
+                        topo = None
+                if topo is None:
+                    topo = BalanceCoordinator(world_size=self.world, **coordinator_config(self.cfg)).topology_for(
+                        self.world, self.node_sizes)
+            except ValueError as e:
+                error = (f"no topology for {self.world} workers on nodes of {list(self.node_sizes)} ranks "
+                         f"(balance.topology={self.cfg.balance.topology!r}): {e}")
+        group_bags, num_groups, error = self.sync.broadcast_object(
+            (None, None, error) if topo is None else (topo.group_bags, topo.num_groups, None))
+        if error is not None:
+            raise TopologyError(error)
+        return Topology(tuple(group_bags), num_groups)
 
     # ---- the run ----------------------------------------------------------------------
 
@@ -256,11 +293,14 @@ class Trainer:
                 on_corrupt=self.guard.on_corrupt, skip_sample_ids=skip, max_seq_len=self.max_seq_len,
                 caption_dropout=dropout,
             )
-            self.planner.begin_epoch(self.step, stream.peek_next())
+            self.planner.begin_epoch(self.step, self.epoch, stream.peek_next())
             while not self._at_max_steps():
                 rec = self.train_step(stream)
                 if rec is None:  # the epoch is over for every rank
                     self._apply_gradients()  # an accumulation group the epoch cut short
+                    # The end step trained nothing: the next epoch's first step takes its
+                    # number (steps count trained steps; the coordinator tells them apart
+                    # by epoch).
                     self.epoch += 1
                     self.resumed_from = None
                     break
@@ -268,8 +308,10 @@ class Trainer:
                 self.step += 1
         self._apply_gradients()
         last = self.step - 1 if self.step > 0 else None
-        if cfg.run.final_checkpoint and last is not None and self.last_saved != last:
-            self._save(last)  # the last steps of a run are never lost
+        if cfg.run.final_checkpoint and last is not None and (self.last_saved, self.saved_epoch) != (last, self.epoch):
+            # The last steps of a run are never lost, and the checkpoint says which epochs
+            # are done (a finished run is then known as such before any worker starts).
+            self._save(last)
         if self.sinks is not None:
             self.sinks.close()
         if self.local_ledger is not None:
@@ -279,7 +321,7 @@ class Trainer:
         except CoordinatorUnavailable as e:
             logger.error("coordinator unreachable at the end of the run: ledger incomplete (%s)", e)
         return {"steps": self.step, "records": records, "topology": str(self.topology),
-                "step_topologies": distinct_topologies(records),
+                "step_topologies": distinct_topologies(records), "node_sizes": list(self.node_sizes),
                 "world_size": self.world, "epoch": self.epoch}
 
     def _at_max_steps(self) -> bool:
@@ -300,9 +342,11 @@ class Trainer:
         text = host_batch.text_tokens_per_sequence()
         agree, text_slots = self.sync.sum_over_ranks(summed={
             "img_tokens": batch.x_img.shape[0], "have_plan": fetched.have_plan,
-            **self.guard.step_counts(stream.stats),
+            "plan_failed": fetched.error is not None, **self.guard.step_counts(stream.stats),
         }, per_rank={f"text_tokens.{i}": int(text[i]) if i < text.size else 0
                      for i in range(self.samples_per_step)})
+        if agree["plan_failed"]:
+            self.planner.raise_failed(step, fetched)  # on every rank, with the same message
         self.guard.check(agree, step)
         planned: Planned = self.planner.resolve(step, fetched, int(agree["have_plan"]) == self.world,
                                                 current.meta, nxt)
@@ -354,6 +398,7 @@ class Trainer:
             peak_mem_gib=torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None,
             epoch=self.epoch, lr=lr, peak_tflops=self.peak_tflops,
             predicted_compute_s=self._predicted_compute(run_plan), recompiles=self.parallel.recompiles,
+            node_sizes=list(self.node_sizes),
         ).to_json()
         if self.metrics is not None:
             self.metrics.append(rec)
@@ -421,4 +466,4 @@ class Trainer:
                                 "ledger": position},
                                barrier=self.sync.barrier,
                                extra={"ema": self.ema.state_dict()} if self.ema is not None else None)
-        self.last_saved = step
+        self.last_saved, self.saved_epoch = step, self.epoch
