@@ -73,6 +73,18 @@ def _is_command(line: str) -> bool:
     return bool(words) and words[0] in COMMAND_WORDS and not (len(words) > 1 and words[1].endswith(":"))
 
 
+def _words(parts: list[str]) -> list[str] | None:
+    """The shell words of a command's lines (a trailing backslash joins the next line; a
+    quoted argument may span lines, as python -c "..."); None while it is not complete."""
+    if parts[-1].rstrip().endswith("\\"):
+        return None
+    text = "".join(p.rstrip().removesuffix("\\") + " " if p.rstrip().endswith("\\") else p + "\n" for p in parts)
+    try:
+        return shlex.split(text, comments=True)
+    except ValueError:  # no closing quotation yet
+        return None
+
+
 def commands() -> list[Command]:
     """Every command of every shell block (output lines, comments and trees left out)."""
     found = []
@@ -87,11 +99,13 @@ def commands() -> list[Command]:
                 if pending is None and not _is_command(line):
                     continue
                 start, parts = pending or (first + k, [])
-                parts.append(line.removesuffix("\\").strip())
-                pending = (start, parts) if line.endswith("\\") else None
-                if pending is None:
-                    text = shlex.join(shlex.split(" ".join(parts), comments=True))
-                    found.append(Command(f"{name}:{start}", f"{name}:{first - 1}", text))
+                parts.append(line if pending is None else raw)
+                words = _words(parts)
+                if words is None:  # it goes on: a trailing backslash, or a quote still open
+                    pending = (start, parts)
+                    continue
+                pending = None
+                found.append(Command(f"{name}:{start}", f"{name}:{first - 1}", shlex.join(words)))
     return found
 
 
@@ -174,6 +188,16 @@ RULES = (
     Rule(r"^ray job submit ", "check", "the entrypoint after --, its paths under the work directory",
          subs=(("/shared/corpora/demo", "{W}/demo-corpus"), ("/shared/knapray-runs", "{W}/shared-runs"))),
     Rule(r"^ray (job status|job logs|up) ", "skip", "needs a submitted job / a cloud account"),
+    Rule(r"^knapray \S+ .*'\[--", "skip", "a usage synopsis (options in brackets), not a command; the command's "
+         "--help has the same options, and tests/test_cli_dialect.py checks them"),
+    Rule(r"^knapray dryrun --config jobs/configs/flux_cluster\.yaml", "parse", "the 64-rank Flux dry run takes "
+         "minutes here; tests/test_dryrun.py runs it"),
+    Rule(r"(?s)^python -c .*FluxTransformer2DModel", "run", "two tiny random Flux checkpoints, saved by diffusers"),
+    Rule(r"^knapray reference .*--world-size [2-9]", "parse", "spawns 4 gloo processes; tests/test_flux_dist.py runs "
+         "the balanced reference check"),
+    Rule(r"^knapray reference ", "run"),
+    Rule(r"^knapray bench planner --ranks", "parse", "16384 ranks take seconds per step and solver; "
+         "tests/test_cli_plan.py runs the bench's scaling rows on small worlds"),
 )
 
 
@@ -276,6 +300,9 @@ def _run_here(argv: list[str], work: Path, monkeypatch, capfd) -> tuple[int, str
         from knapray.train.job import main
 
         code = main(argv[2:])
+    elif argv[:2] == ["python", "-c"]:
+        out = subprocess.run([sys.executable, "-c", argv[2]], cwd=work, capture_output=True, text=True, timeout=300)
+        return out.returncode, out.stdout + out.stderr
     else:
         raise AssertionError(f"cannot run {argv}")
     captured = capfd.readouterr()
