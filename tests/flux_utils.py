@@ -36,3 +36,40 @@ def save_all(root: Path) -> dict[str, Path]:
     """Every ``TINY_FLUX`` config under ``root`` (the first sharded into several files)."""
     return {name: save_tiny_flux(root / name, *spec, seed=i, max_shard_size="40KB" if i == 0 else None)
             for i, (name, spec) in enumerate(TINY_FLUX.items())}
+
+
+FLUX1_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                 num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+                 axes_dims_rope=(16, 56, 56))
+"""FLUX.1-dev's transformer config (its config.json's architecture fields)."""
+
+
+def save_flux_headers(out: Path, **config) -> Path:
+    """A full-size Flux transformer directory made of headers: diffusers' own model built on
+    the meta device gives config.json and every tensor's name and shape; the safetensors
+    file is its header and a hole the size of the bf16 data (a sparse file: no disk used).
+    What pre-flight reads of a real download, without the 24 GB."""
+    import json
+    import os
+    import struct
+
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    with torch.device("meta"):
+        model = FluxTransformer2DModel(**{**FLUX1_DEV, **config})
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(model.to_json_string())
+    header, offset = {}, 0
+    for name, tensor in model.state_dict().items():
+        size = tensor.numel() * 2
+        header[name] = {"dtype": "BF16", "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    path = out / "diffusion_pytorch_model.safetensors"
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        f.truncate(8 + len(blob) + offset)
+    assert os.stat(path).st_blocks * 512 < 1 << 24, "the file system wrote the hole: no sparse files here"
+    return out

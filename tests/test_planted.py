@@ -4,6 +4,7 @@ absent). The payloads are written into a real checkpoint's ``.metadata``."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -191,6 +192,29 @@ def test_a_planted_trainer_json_is_one_line(planted):
     with pytest.raises(CheckpointError) as err:
         check_checkpoint(path)
     assert "\n" not in str(err.value) and "trainer.json" in str(err.value) and "step" in str(err.value)
+
+
+def test_a_ledger_position_is_checked_as_data(planted):
+    """Both ledger positions a trainer.json holds are accepted (rank 0's, and a
+    coordinator's with its epoch state), anything else in them is one line."""
+    path, _, _ = planted
+    from knapray.train.checkpoint import RUN_STATE, read_trainer_state
+
+    position = {"ledger_id": 1 << 61, "records": 10, "committed_step": 9, "attempt": 0}
+    coordinator = {"version": 2, **position, "epoch": 2, "epoch_ends": {"0": 5, "1": 10}}
+    bad = [{**position, "records": "10"}, {**coordinator, "epoch_ends": {"0": "os.system"}},
+           {**coordinator, "epoch_ends": {"one": 5}}, {**position, "planted": 1}, [1, 2]]
+    base = {"step": 9, "epoch": 2, "world_size": 4, "topology": "g1n4"}
+    for ledger in (None, position, coordinator):
+        with open(os.path.join(path, "trainer.json"), "w") as f:
+            json.dump({**base, "ledger": ledger}, f)
+        assert read_trainer_state(path, RUN_STATE)["ledger"] == ledger
+    for ledger in bad:
+        with open(os.path.join(path, "trainer.json"), "w") as f:
+            json.dump({**base, "ledger": ledger}, f)
+        with pytest.raises(CheckpointError, match="not a ledger position") as err:
+            read_trainer_state(path, RUN_STATE)
+        assert "\n" not in str(err.value)
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler to build the planted library")

@@ -65,8 +65,14 @@ def test_every_shipped_config_passes_its_check(config, tmp_path, capsys):
     pinned = (yaml.safe_load(config.read_text()).get("model") or {})
     widths = {k: pinned.get(k, v) for k, v in DEFAULT_WIDTHS.items()}
     corpus = _corpus(tmp_path / "corpus", widths)
+    pretrained = []
+    if pinned.get("pretrained"):  # the real checkpoint's config and headers at full size
+        pytest.importorskip("diffusers")
+        from flux_utils import save_flux_headers
+
+        pretrained = ["--set", f"model.pretrained={save_flux_headers(tmp_path / 'transformer')}"]
     code, out, err = _run(["train", "--config", str(config), "--set", f"data.corpus={corpus}",
-                           "--set", f"run.storage={tmp_path / 'runs'}", "--check"], capsys)
+                           "--set", f"run.storage={tmp_path / 'runs'}", *pretrained, "--check"], capsys)
     assert code == 0, err
     text = "\n".join(out)
     assert "pre-flight passed" in text and corpus in text and "would start run" in text, text

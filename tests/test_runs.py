@@ -135,9 +135,12 @@ def test_decide_start_modes(corpus, tmp_path):
     auto = resolve_paths(load_config(None, _overrides(corpus_dir, tmp_path)))
     assert decide_start(auto, []).resume_from is None
     write_config(auto)
-    ck = str(tmp_path / "r" / "checkpoints" / "step-000000004")
-    start = decide_start(auto, [ck])
-    assert start.resume_from == ck and start.message.startswith("resuming run 'r' from")
+    # auto with a checkpoint resumes it, after checking what the resume reads (the resume
+    # itself is test_resume_*'s): a checkpoint without its trainer state is one line.
+    ck = tmp_path / "r" / "checkpoints" / "step-000000004"
+    ck.mkdir(parents=True)
+    with pytest.raises(RunError, match=r"step-000000004/trainer.json cannot be read"):
+        decide_start(auto, [str(ck)])
 
 
 # ---- the lock ----------------------------------------------------------------------------

@@ -144,11 +144,31 @@ def read_trainer_state(path: str, required: tuple[str, ...] = ("step",)) -> dict
         if type(value) is not typ or (typ is int and value < (1 if name == "world_size" else 0)):
             raise CheckpointError(f"checkpoint file {file}: {name} is {value!r}, not a valid {typ.__name__}")
     ledger = trainer.get("ledger") if "ledger" in required else None
-    if ledger is not None and not (isinstance(ledger, dict) and all(
-            type(ledger.get(k)) is int for k in _LEDGER_POSITION) and all(type(v) is int for v in ledger.values())):
+    if ledger is not None and not _is_ledger_position(ledger):
         raise CheckpointError(f"checkpoint file {file}: ledger is {str(ledger)[:200]}, not a ledger position "
-                              f"(ints {', '.join(_LEDGER_POSITION)})")
+                              f"(ints {', '.join(_LEDGER_POSITION)}; with a coordinator also ints "
+                              f"{', '.join(_COORDINATOR_INTS)} and epoch_ends, epoch -> step)")
     return trainer
+
+
+_COORDINATOR_INTS = ("version", "epoch")
+"""What a coordinator's ``state_dict`` adds to the ledger position (``epoch_ends`` besides)."""
+
+
+def _is_ledger_position(ledger: object) -> bool:
+    """A ledger position as ``Ledger.position`` writes it (rank 0's local ledger), or as the
+    coordinator's ``state_dict`` does: the position plus its epoch state. Data only: every
+    value an int, ``epoch_ends`` a map of epoch numbers (as JSON keys) to steps."""
+    if not isinstance(ledger, dict) or not all(type(ledger.get(k)) is int for k in _LEDGER_POSITION):
+        return False
+    for key, value in ledger.items():
+        if key == "epoch_ends":
+            if not (isinstance(value, dict) and len(value) <= 1 << 20 and all(
+                    isinstance(e, str) and e.isdigit() and type(t) is int for e, t in value.items())):
+                return False
+        elif key not in _LEDGER_POSITION + _COORDINATOR_INTS or type(value) is not int:
+            return False
+    return True
 
 
 def check_checkpoint(path: str, required: tuple[str, ...] = ("step",)) -> dict:
