@@ -12,6 +12,7 @@ import pytest
 
 from knapray.cli import main, subcommand_parsers
 from knapray.commands.flags import AC_MODES, DEVICES, DTYPES, FSDP_MODES
+from knapray.limits import MAX_STEPS, MAX_WORLD_SIZE
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,8 @@ def test_a_shared_flag_means_the_same_in_every_subcommand(parsers):
     choices = {"--dtype": DTYPES, "--device": DEVICES, "--ac": AC_MODES, "--fsdp": FSDP_MODES}
     for option, valid in choices.items():
         assert {sig[3] for sig in seen[option].values()} == {tuple(valid)}, option
-    assert {sig[2] for sig in seen["--world-size"].values()} == {"int>=1"}
+    assert {sig[2] for sig in seen["--world-size"].values()} == {f"int[1,{MAX_WORLD_SIZE}]"}
+    assert {sig[2] for sig in seen["--steps"].values()} == {f"int[1,{MAX_STEPS}]"}  # bounded: see knapray.limits
 
 
 def test_each_benchmark_has_only_its_own_flags(parsers):

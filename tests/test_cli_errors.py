@@ -18,7 +18,7 @@ def _run(argv: list[str], capsys) -> tuple[int, list[str]]:
 
 
 @pytest.mark.parametrize("argv, names", [
-    (["plan", "--mix", "g8b4i256f1s0", "--world-size", "-32"], ["--world-size", "-32", ">= 1"]),
+    (["plan", "--mix", "g8b4i256f1s0", "--world-size", "-32"], ["--world-size", "-32", "[1, 1048576]"]),
     (["plan", "--mix", "g8b4i256f1s0", "--gamma", "nan"], ["--gamma", "nan", "finite"]),
     (["plan", "--mix", "g8b4i256f1s0", "--steps", "many"], ["--steps", "many"]),
     (["plan", "--lengths", "/nonexistent/steps.json"], ["/nonexistent/steps.json", "cannot read"]),

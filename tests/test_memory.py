@@ -253,7 +253,7 @@ def test_memory_command_flux(tmp_path, capsys):
         (["--fsdp", "zero3"], "argument --fsdp: invalid choice: 'zero3' (choose from 'none', 'full', 'hybrid')"),
         (["--ac", "half"], "argument --ac: invalid choice: 'half' (choose from 'none', 'full', 'every_k')"),
         (["--world-size", "12", "--fsdp", "hybrid"], "world size 12 is not a multiple of gpus_per_node=8"),
-        (["--tokens-per-gpu", "-1"], "argument --tokens-per-gpu: expected an integer >= 0, got '-1'"),
+        (["--tokens-per-gpu", "-1"], "argument --tokens-per-gpu: expected an integer in [0, 67108864], got '-1'"),
         (["--gpu-gib", "0"], "argument --gpu-gib: expected a finite number > 0, got '0'"),
     ],
 )

@@ -635,10 +635,10 @@ def plot_rank_compute(path: str, result: dict) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from knapray.commands.flags import (add_ac, add_compile, add_fsdp, add_gpus_per_node, add_json, add_seed,
-                                        add_world_size, float_in, int_at_least)
+                                        add_world_size, float_in, int_at_least, step_count, text_tokens)
 
     add_world_size(p, default=4, help="gloo processes (default 4)")
-    p.add_argument("--steps", type=int_at_least(1), default=6, help="steps, the warm-up included (default 6)")
+    p.add_argument("--steps", type=step_count, default=6, help="steps, the warm-up included (default 6)")
     p.add_argument("--warmup", type=int_at_least(0), default=1,
                    help="leading steps left out of the averages (default 1)")
     p.add_argument("--mix", default=DEFAULT_MIX,
@@ -647,7 +647,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"divide resolutions and text lengths (default {DEFAULT_SCALE})")
     p.add_argument("--topology", default=DEFAULT_TOPOLOGY,
                    help=f"bags of the balanced run (default {DEFAULT_TOPOLOGY})")
-    p.add_argument("--max-text-tokens", type=int_at_least(0), default=DEFAULT_MAX_TEXT_TOKENS)
+    p.add_argument("--max-text-tokens", type=text_tokens, default=DEFAULT_MAX_TEXT_TOKENS)
     p.add_argument("--hidden", type=int_at_least(1), default=192, help="model width (default 192)")
     p.add_argument("--heads", type=int_at_least(1), default=4, help="attention heads (default 4)")
     p.add_argument("--depth", type=int_at_least(0), default=2,

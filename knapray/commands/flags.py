@@ -9,8 +9,9 @@ every subcommand against each other):
 - ``--ac [none|full|every_k]`` (bare ``--ac``: full) and ``--ac-every K``;
 - ``--fsdp none|full|hybrid``, ``--world-size N``, ``--gpus-per-node N``, ``--seed N``, ``--json``.
 
-Numbers are parsed by functions whose ``__name__`` says what they accept (``int>=1``), so
-that a bad value is one line naming it and the bound.
+Numbers are parsed by functions whose ``__name__`` says what they accept (``int>=1``,
+``int[1,1048576]``), so that a bad value is one line naming it and the bound; every number
+that sizes an allocation or a loop has an upper bound (``knapray.limits``, docs/cli.md).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable, Sequence
+
+from knapray.limits import MAX_SEED, MAX_STEPS, MAX_TEXT_LENGTH, MAX_WORLD_SIZE
 
 
 class Parser(argparse.ArgumentParser):
@@ -28,18 +31,27 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def int_at_least(low: int) -> Callable[[str], int]:
+def int_at_least(low: int, most: int | None = None) -> Callable[[str], int]:
+    """An integer >= ``low`` (and <= ``most``: a size or count that allocates or loops is
+    bounded, see ``knapray.limits``)."""
+    bound = f">= {low}" if most is None else f"in [{low}, {most}]"
+
     def parse(text: str) -> int:
         try:
-            value = int(text)
+            value = int(text) if len(text) <= 40 else None  # int() of thousands of digits is refused anyway
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+            value = None
+        if value is None or value < low or (most is not None and value > most):
+            raise argparse.ArgumentTypeError(f"expected an integer {bound}, got {_shown(text)}")
         return value
 
-    parse.__name__ = f"int>={low}"
+    parse.__name__ = f"int>={low}" if most is None else f"int[{low},{most}]"
     return parse
+
+
+def _shown(text: str, width: int = 60) -> str:
+    """``text`` quoted, cut to ``width`` characters (a 10,000-digit number stays one short line)."""
+    return repr(text) if len(text) <= width else repr(text[: width - 3]) + f"... ({len(text)} characters)"
 
 
 def float_in(*, ge: float | None = None, gt: float | None = None) -> Callable[[str], float]:
@@ -154,16 +166,35 @@ def add_compile(p: argparse.ArgumentParser, help: str, backends: Sequence[str] |
 # ---- world ------------------------------------------------------------------------------
 
 
+ranks = int_at_least(1, MAX_WORLD_SIZE)
+"""A number of ranks (``--world-size``, ``--gpus-per-node``)."""
+
+step_count = int_at_least(1, MAX_STEPS)
+"""A number of steps (``--steps``: training, planning, simulated or sampling steps)."""
+
+text_tokens = int_at_least(0, MAX_TEXT_LENGTH)
+"""Text tokens of one sample (``--max-text-tokens``)."""
+
+
 def add_world_size(p: argparse.ArgumentParser, *, default: int | None, help: str) -> None:
-    p.add_argument("--world-size", type=int_at_least(1), default=default, metavar="N", help=help)
+    p.add_argument("--world-size", type=ranks, default=default, metavar="N", help=help)
+
+
+def check_local_processes(world: int, what: str) -> None:
+    """``what`` starts ``world`` processes on this machine: at most ``MAX_LOCAL_PROCESSES``."""
+    from knapray.limits import MAX_LOCAL_PROCESSES
+
+    if world > MAX_LOCAL_PROCESSES:
+        raise ValueError(f"--world-size {world}: {what} starts one process per rank on this machine; at most "
+                         f"{MAX_LOCAL_PROCESSES}")
 
 
 def add_gpus_per_node(p: argparse.ArgumentParser, *, help: str) -> None:
-    p.add_argument("--gpus-per-node", type=int_at_least(1), default=None, metavar="N", help=help)
+    p.add_argument("--gpus-per-node", type=ranks, default=None, metavar="N", help=help)
 
 
 def add_seed(p: argparse.ArgumentParser, default: int = 0, help: str = "random seed") -> None:
-    p.add_argument("--seed", type=int_at_least(0), default=default, help=f"{help} (default {default})")
+    p.add_argument("--seed", type=int_at_least(0, MAX_SEED), default=default, help=f"{help} (default {default})")
 
 
 def add_json(p: argparse.ArgumentParser) -> None:

@@ -7,7 +7,7 @@ import argparse
 import json
 
 from .flags import add_ac, add_compile, add_fsdp, add_gpus_per_node, add_json, add_seed, add_world_size, float_in, \
-    int_at_least
+    int_at_least, text_tokens
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -16,7 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mix", default="g1b3i256f1s0,g1b1i512f1s0,g1b2i128f2s0,g1b1i128f1s0",
                    help="data codes; the mix's ranks must divide --world-size")
     p.add_argument("--scale", type=int_at_least(1), default=4, help="divide resolutions and text lengths (CPU size)")
-    p.add_argument("--max-text-tokens", type=int_at_least(0), default=392)
+    p.add_argument("--max-text-tokens", type=text_tokens, default=392)
     p.add_argument("--heads", type=int_at_least(1), default=4, help="attention heads (every bag size must divide it)")
     add_seed(p)
     p.add_argument("--tol", type=float_in(gt=0), default=1e-5, help="relative tolerance (default 1e-5)")
@@ -33,7 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from knapray.parity import Parallelism, passed, run_parity
+    from .flags import check_local_processes
 
+    check_local_processes(args.world_size, "knapray parity")
     report = run_parity(
         args.world_size, [args.topology], args.mix, scale=args.scale, seed=args.seed,
         num_heads=args.heads, max_text_tokens=args.max_text_tokens,

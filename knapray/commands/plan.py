@@ -8,7 +8,7 @@ import json
 import sys
 
 from .cost import add_cost_model, cost_model
-from .flags import add_gpus_per_node, add_json, add_seed, add_world_size, float_in, int_at_least
+from .flags import add_gpus_per_node, add_json, add_seed, add_world_size, float_in, int_at_least, step_count
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topology", default="g8n4", help="bags, e.g. g8n4 or g1n16+g4n2+g8n1, or auto (default g8n4)")
     add_world_size(p, default=None, help="replicate the mix and topology to this many ranks (default: the mix's)")
     add_gpus_per_node(p, help="lay bags out so none crosses a node")
-    p.add_argument("--steps", type=int_at_least(1), default=50, help="steps of the mix to plan (default 50)")
+    p.add_argument("--steps", type=step_count, default=50, help="steps of the mix to plan (default 50)")
     add_seed(p)
     p.add_argument("--solver", default="knapray", choices=["knapray", "greedy"])
     p.add_argument("--d-model", type=int_at_least(1), default=3072,
@@ -34,6 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from knapray.planning import Topology, WorkloadModel
+    from knapray.planning.mix import check_planned, parse_mix
     from knapray.planning.runner import load_lengths, mix_ranks, mix_steps, plan_run
 
     if (args.mix is None) == (args.lengths is None):
@@ -41,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
     model = WorkloadModel(d_model=args.d_model, gamma=args.gamma)
     if args.mix is not None:
         world = args.world_size or mix_ranks(args.mix)
+        check_planned(parse_mix(args.mix), args.steps, world)  # before the steps are drawn
         steps = list(mix_steps(args.mix, args.steps, args.seed, world_size=world))
     else:
         steps = load_lengths(args.lengths)

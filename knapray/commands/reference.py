@@ -29,7 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from knapray.testing.reference import passed, run_reference
+    from .flags import check_local_processes
 
+    check_local_processes(args.world_size, "knapray reference")
     if args.fsdp == "hybrid":
         raise ValueError("--fsdp hybrid: knapray reference shards over the whole world; use none or full")
     report = run_reference(args.pretrained, family=args.family, world_size=args.world_size, topology=args.topology,

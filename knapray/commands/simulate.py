@@ -8,7 +8,7 @@ import json
 import sys
 
 from .cost import add_cost_model, cost_model
-from .flags import add_gpus_per_node, add_json, add_seed, add_world_size, int_at_least
+from .flags import add_gpus_per_node, add_json, add_seed, add_world_size, step_count
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_gpus_per_node(p, help="GPUs per node (default: the cost model's, 8)")
     add_cost_model(p, what="")
     p.add_argument("--rank-speed", action="append", metavar="RANK=SPEED", help="a rank's speed factor, e.g. 5=0.5")
-    p.add_argument("--steps", type=int_at_least(1), default=3, help="steps to simulate (default 3)")
+    p.add_argument("--steps", type=step_count, default=3, help="steps to simulate (default 3)")
     add_seed(p)
     p.add_argument("--paper-table", action="store_true", help="auto vs best greedy on the paper mixes at 32 and 1024 "
                    "GPUs; with --topology per-step: per-step vs static auto on them, alternate:low-res/image+video and "
@@ -91,7 +91,11 @@ def run(args: argparse.Namespace) -> int:
     if (args.mix is None) == (args.lengths is None):
         raise ValueError("give exactly one of --mix CODES|NAME, --lengths FILE or --paper-table")
     if args.mix is not None:
+        from knapray.planning.mix import check_planned, parse_mix
+
         world = args.world_size or sim.schedule_ranks(args.mix)
+        for _, codes, _ in sim.parse_schedule(args.mix):  # before any step is drawn
+            check_planned(parse_mix(codes), args.steps, world)
         speeds = _rank_speeds(args.rank_speed, world)
         if speeds is not None:
             cost = cost.with_rank_speed(speeds)

@@ -339,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from knapray.commands.flags import add_device, add_dtype, add_seed, float_in, int_at_least
+    from knapray.commands.flags import add_device, add_dtype, add_seed, float_in, int_at_least, text_tokens
 
     p.add_argument("--input", required=True, help="folder searched recursively")
     p.add_argument("--out", required=True, help="output directory (new or empty)")
@@ -378,7 +378,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--max-side", type=int_at_least(1), default=512, help="shrink frames to this longest side (px)")
     d.add_argument("--max-frames", type=int_at_least(1), default=16, help="frames kept per video")
     d.add_argument("--frame-stride", type=int_at_least(1), default=1, help="keep every n-th video frame")
-    d.add_argument("--max-text-tokens", type=int_at_least(0), default=MAX_TEXT_TOKENS, help="caption token limit")
+    d.add_argument("--max-text-tokens", type=text_tokens, default=MAX_TEXT_TOKENS, help="caption token limit")
     d.add_argument("--shards", type=int_at_least(1), default=1, help="target number of parquet files")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 

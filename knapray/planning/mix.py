@@ -14,6 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from knapray.limits import (MAX_FRAMES, MAX_PLANNED_SEQUENCES, MAX_RANK_TOKENS, MAX_RESOLUTION, MAX_SAMPLES_PER_RANK,
+                            MAX_SEQUENCE_TOKENS, MAX_STEP_SEQUENCES, MAX_WORLD_SIZE)
+
 TEMPORAL_COMPRESSION = 3.4
 MAX_TEXT_TOKENS = 392
 SPATIAL_TOKEN_STRIDE = 16  # VAE downsample (8) x patch (2)
@@ -53,13 +56,23 @@ class DataCode:
         return f"g{self.ranks}b{self.batch}i{self.resolution}f{self.frames}s{int(self.compressed)}"
 
 
+_FIELDS = (  # letter, meaning, upper bound
+    ("g", "ranks", MAX_WORLD_SIZE), ("b", "samples per rank", MAX_SAMPLES_PER_RANK),
+    ("i", "resolution", MAX_RESOLUTION), ("f", "frames", MAX_FRAMES),
+)
+
+
 def parse_code(code: str) -> DataCode:
+    """One data code, every field and the tokens it makes bounded (``knapray.limits``)."""
     m = _CODE.match(code.strip())
     if not m:
         raise ValueError(
             f"bad data code {code!r}: expected gGbBiRfFsS, e.g. 'g8b4i256f1s0' "
             "(G ranks, B samples each, resolution R, F frames, S in {0,1})"
         )
+    for (letter, what, high), text in zip(_FIELDS, m.groups()):
+        if len(text) > 12 or int(text) > high:  # the length first: int() of 5000 digits is refused
+            raise ValueError(f"bad data code {code!r}: {letter}{text} ({what}) must be at most {high}")
     g, b, r, f, s = (int(x) for x in m.groups())
     if g < 1 or b < 1 or f < 1:
         raise ValueError(f"bad data code {code!r}: G, B and F must be >= 1")
@@ -68,17 +81,62 @@ def parse_code(code: str) -> DataCode:
             f"bad data code {code!r}: resolution {r} gives no visual token "
             f"(must be >= {SPATIAL_TOKEN_STRIDE})"
         )
-    return DataCode(g, b, r, f, bool(s))
+    c = DataCode(g, b, r, f, bool(s))
+    if c.visual_tokens > MAX_SEQUENCE_TOKENS:
+        raise ValueError(f"bad data code {code!r}: a sample of {c.visual_tokens} visual tokens; at most "
+                         f"{MAX_SEQUENCE_TOKENS} per sample")
+    if c.batch * (c.visual_tokens + MAX_TEXT_TOKENS) > MAX_RANK_TOKENS:
+        raise ValueError(f"bad data code {code!r}: {c.batch} samples of up to {c.visual_tokens + MAX_TEXT_TOKENS} "
+                         f"tokens on a rank; at most {MAX_RANK_TOKENS} tokens per rank per step")
+    return c
 
 
 def parse_mix(mix: str) -> list[DataCode]:
     """Parse ``"g16b4i256f1s0,g4b5i512f1s0"`` (or a paper mix name: ``low-res``,
-    ``mixed-res``, ``image+video``) into data codes."""
+    ``mixed-res``, ``image+video``) into data codes; the mix's ranks and the sequences of
+    one of its steps are bounded too."""
     mix = PAPER_MIXES.get(mix.strip(), mix)
     parts = [p for p in mix.split(",") if p.strip()]
     if not parts:
         raise ValueError(f"empty mix {mix!r}: give at least one data code like 'g8b4i256f1s0'")
-    return [parse_code(p) for p in parts]
+    codes = [parse_code(p) for p in parts]
+    check_step_size(codes)
+    return codes
+
+
+def check_step_size(codes: list[DataCode], world_size: int | None = None) -> None:
+    """A ValueError naming the mix unless its ranks (``world_size``, default the mix's) and
+    the sequences of one step over them are within ``knapray.limits``: checked before any
+    per-rank or per-sequence list is built."""
+    world = world_size or mix_world_size(codes)
+    sequences = step_sequences(codes, world)
+    mix = ",".join(c.code for c in codes)
+    if world > MAX_WORLD_SIZE:
+        raise ValueError(f"mix {_short(mix)!r} on {world} ranks: at most {MAX_WORLD_SIZE} ranks")
+    if sequences > MAX_STEP_SEQUENCES:
+        raise ValueError(f"mix {_short(mix)!r} on {world} ranks: {sequences} sequences per step; at most "
+                         f"{MAX_STEP_SEQUENCES}")
+
+
+def check_planned(codes: list[DataCode], steps: int, world_size: int | None = None) -> None:
+    """A ValueError unless ``steps`` steps of the mix on ``world_size`` ranks hold at most
+    ``MAX_PLANNED_SEQUENCES`` sequences: what ``knapray plan``/``simulate`` keep in memory."""
+    check_step_size(codes, world_size)
+    per_step = step_sequences(codes, world_size)
+    if steps * per_step > MAX_PLANNED_SEQUENCES:
+        raise ValueError(f"--steps {steps} of mix {_short(','.join(c.code for c in codes))!r}: {per_step} sequences "
+                         f"per step, {steps * per_step} in all; at most {MAX_PLANNED_SEQUENCES} (--steps <= "
+                         f"{max(1, MAX_PLANNED_SEQUENCES // per_step)} here)")
+
+
+def step_sequences(codes: list[DataCode], world_size: int | None = None) -> int:
+    """Sequences of one step of the mix replicated to ``world_size`` ranks (default the mix's)."""
+    ranks = mix_world_size(codes)
+    return sum(c.ranks * c.batch for c in codes) * max(1, (world_size or ranks) // ranks)
+
+
+def _short(text: str, width: int = 60) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def mix_world_size(codes: list[DataCode]) -> int:
@@ -88,14 +146,12 @@ def mix_world_size(codes: list[DataCode]) -> int:
 def rank_codes(codes: list[DataCode], world_size: int | None = None) -> list[DataCode]:
     """The data code of every rank; a world that is a multiple of the mix's ranks
     replicates the mix (as KnapFormer's balance groups do)."""
+    ranks = mix_world_size(codes)
+    if world_size is not None and world_size % ranks:
+        raise ValueError(f"world size {world_size} is not a multiple of the mix's {ranks} ranks")
+    check_step_size(codes, world_size)  # before the lists are built
     base = [c for c in codes for _ in range(c.ranks)]
-    if world_size is None:
-        return base
-    if world_size % len(base):
-        raise ValueError(
-            f"world size {world_size} is not a multiple of the mix's {len(base)} ranks"
-        )
-    return base * (world_size // len(base))
+    return base if world_size is None else base * (world_size // ranks)
 
 
 def sample_step(

@@ -16,6 +16,8 @@ from functools import cached_property
 
 import numpy as np
 
+from knapray.limits import MAX_WORLD_SIZE
+
 _TERM = re.compile(r"^g(\d+)n(\d+)$")
 
 
@@ -60,9 +62,14 @@ class Topology:
                     f"bad topology term {term!r} in {spec!r}: expected gGnN "
                     "(N bags of G GPUs), terms joined by '+', e.g. 'g1n16+g4n2+g8n1'"
                 )
+            if len(m.group(1)) > 12 or len(m.group(2)) > 12:  # before int(): thousands of digits are refused
+                raise ValueError(f"topology {spec!r}: at most {MAX_WORLD_SIZE} ranks")
             g, n = int(m.group(1)), int(m.group(2))
             if g < 1 or n < 1:
                 raise ValueError(f"bad topology term {term!r} in {spec!r}: G and N must be >= 1")
+            if len(bags) + n > MAX_WORLD_SIZE or sum(bags) + g * n > MAX_WORLD_SIZE:  # before the list grows
+                raise ValueError(f"topology {spec!r}: {sum(bags) + g * n} ranks in one balance group or more; at most "
+                                 f"{MAX_WORLD_SIZE}")
             bags.extend([g] * n)
         if gpus_per_node is not None:
             bags = _node_aware_order(bags, gpus_per_node, spec)
@@ -76,6 +83,8 @@ class Topology:
     def replicate_to(self, world_size: int) -> "Topology":
         """This group's bags replicated into independent balance groups covering ``world_size``."""
         size = self.group_size
+        if world_size > MAX_WORLD_SIZE:
+            raise ValueError(f"world size {world_size}: at most {MAX_WORLD_SIZE} ranks")
         if world_size < 1 or world_size % size:
             raise ValueError(
                 f"topology {self.spec!r} covers {size} ranks per balance group; world size "

@@ -1,0 +1,85 @@
+"""Upper bounds on the sizes, counts and products a user gives (command-line flags, data
+codes, run configs), checked up front so that a typo such as ``g99999999b99999...`` is one
+line naming the value and the bound instead of a 70 TiB allocation or a machine killed
+for memory. Each bound is far above any real run (docs/cli.md lists them, and why).
+
+Constants only: the planning package, the flags and the run config all read them.
+"""
+
+from __future__ import annotations
+
+MAX_WORLD_SIZE = 1 << 20
+"""Ranks of a world, a mix or a topology: 1,048,576 (the largest clusters hold ~10^5 GPUs)."""
+
+MAX_LOCAL_PROCESSES = 64
+"""Processes a command starts on this machine (``knapray parity``/``reference``: one
+gloo process per rank)."""
+
+MAX_STEPS = 1_000_000_000
+"""Steps of a run, a plan, a simulation or a sampler: a billion."""
+
+MAX_SAMPLES_PER_RANK = 1 << 16
+"""Samples one rank draws per step (a data code's B, ``data.samples_per_step``): 65,536."""
+
+MAX_GLOBAL_BATCH = 1 << 20
+"""Samples per step over the world (``data.global_batch``): 1,048,576."""
+
+MAX_MICRO_BATCHES = 1 << 16
+"""Micro-batches of an optimizer step (``optim.grad_accum_steps``), and ``run.ac_every``."""
+
+MAX_RESOLUTION = 1 << 15
+"""A data code's side in pixels (R): 32,768."""
+
+MAX_FRAMES = 1 << 16
+"""A data code's frames (F): 65,536."""
+
+MAX_SEQUENCE_TOKENS = 1 << 22
+"""Visual tokens of one sample of a data code: 4,194,304 (a 2048x2048 85-frame video
+holds 409,600)."""
+
+MAX_RANK_TOKENS = 1 << 26
+"""Tokens one rank holds in a step (B samples of a data code; ``data.max_tokens_per_gpu``):
+67,108,864 (64 times a 1M-token budget)."""
+
+MAX_STEP_SEQUENCES = 1 << 22
+"""Sequences of one step over the world (every rank's B, summed): 4,194,304."""
+
+MAX_PLANNED_SEQUENCES = 1 << 25
+"""Sequences that ``knapray plan``/``simulate`` hold at once (steps times sequences per
+step): 33,554,432, about 2 GB of lengths in memory."""
+
+MAX_TEXT_LENGTH = 1 << 16
+"""Text tokens of one sample (``--max-text-tokens``): 65,536 (T5 takes 512)."""
+
+MAX_SEED = (1 << 63) - 1
+"""Seeds are 64-bit (torch.manual_seed's range)."""
+
+MAX_EPOCHS = 1_000_000
+"""Passes over a corpus."""
+
+MAX_TIMEOUT_S = 10_000_000
+"""Timeouts and intervals in seconds (``run.timeout_s``): about 115 days."""
+
+MAX_CORPUS_SAMPLES = 1 << 27
+"""Samples of a synthetic corpus (its per-sample columns are built in memory): 134,217,728."""
+
+MAX_EMBED_DIM = 1 << 16
+"""Channels and embedding widths of a synthetic corpus: 65,536."""
+
+MAX_SHARDS = 1 << 20
+"""Parquet files of a synthetic corpus."""
+
+MAX_IMAGE_SIDE = 8192
+"""``knapray sample``: the longest side of an image in pixels (FLUX.1 is trained up to
+2048; 8192 allows panoramas and upscales)."""
+
+MAX_IMAGE_TOKENS = 1 << 16
+"""``knapray sample``: image tokens of one request: 65,536, a 4096x4096 image at a VAE
+factor of 8 and 2x2 patches (FLUX.1 at 2048x2048 holds 16,384)."""
+
+MAX_SAMPLE_BATCH_TOKENS = 1 << 18
+"""``knapray sample``: image tokens of all requests together (one packed batch per Euler
+step): 262,144."""
+
+MAX_RUN_NAME = 128
+"""Characters of ``run.name`` (a directory, a Ray actor and a tracker run are named after it)."""
