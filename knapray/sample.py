@@ -56,14 +56,48 @@ class Request:
 
 
 def parse_size(text: str) -> tuple[int, int]:
-    """``"768x384"`` -> (width 768, height 384), in pixels."""
+    """``"768x384"`` -> (width 768, height 384), in pixels, each side at most ``MAX_IMAGE_SIDE``."""
+    from knapray.limits import MAX_IMAGE_SIDE
+
     try:
-        w, h = (int(v) for v in text.lower().split("x"))
+        w, h = (int(v) for v in text.lower().split("x")) if len(text) <= 40 else ()
     except ValueError:
-        raise ValueError(f"--size {text!r}: expected WIDTHxHEIGHT in pixels, e.g. 768x512") from None
+        w = h = None
+    if w is None or not text.strip():
+        raise ValueError(f"--size {text[:40]!r}: expected WIDTHxHEIGHT in pixels, e.g. 768x512")
     if w < 1 or h < 1:
         raise ValueError(f"--size {text!r}: width and height must be positive")
+    if max(w, h) > MAX_IMAGE_SIDE:
+        raise ValueError(f"--size {text}: at most {MAX_IMAGE_SIDE} pixels a side")
     return w, h
+
+
+def check_sizes(sizes: list[tuple[int, int]], frames: int, down: int, patch: tuple[int, int]) -> None:
+    """Every (width, height) a multiple of what the model takes (VAE factor ``down`` times the
+    patch (height, width)), never rounded: the error names the nearest valid sizes; and the
+    image tokens of a request and of all of them bounded (one packed batch per step)."""
+    from knapray.limits import MAX_IMAGE_TOKENS, MAX_SAMPLE_BATCH_TOKENS
+
+    mh, mw = down * patch[0], down * patch[1]
+    total = 0
+    for w, h in sizes:
+        if h % mh or w % mw:
+            def near(v: int, m: int) -> tuple[int, int]:
+                return max(m, v // m * m), max(m, -(-v // m) * m)
+
+            (w0, w1), (h0, h1) = near(w, mw), near(h, mh)
+            nearest = " or ".join(dict.fromkeys(f"{a}x{b}" for a, b in ((w0, h0), (w1, h1))))
+            both = f"of {mw}" if mw == mh else f"of {mw} (width) and {mh} (height)"
+            raise ValueError(f"--size {w}x{h}: with a VAE downsample of {down} and patches of {patch[1]}x{patch[0]} "
+                             f"the width and height must be multiples {both} pixels; nearest valid: {nearest}")
+        tokens = frames * (h // mh) * (w // mw)
+        if tokens > MAX_IMAGE_TOKENS:
+            raise ValueError(f"--size {w}x{h}" + (f" --frames {frames}" if frames > 1 else "") + f": {tokens} image "
+                             f"tokens; at most {MAX_IMAGE_TOKENS} a request (e.g. {256 * mw}x{256 * mh})")
+        total += tokens
+    if total > MAX_SAMPLE_BATCH_TOKENS:
+        raise ValueError(f"{len(sizes)} requests of {total} image tokens together (one batch every step); at most "
+                         f"{MAX_SAMPLE_BATCH_TOKENS}: sample them in several runs")
 
 
 def pair_requests(prompts: list, sizes: list[tuple[int, int]]) -> list[tuple[Any, tuple[int, int]]]:
@@ -337,12 +371,9 @@ def plan_sampling(args: argparse.Namespace) -> SamplePlan:
                          "use --like SAMPLE_ID to borrow a sample's text embeddings")
     down = int(dims.get("vae_downsample", 8))
     _, ph, pw = cfg.model.patch_size
-    requests = []
-    for (caption, like), (w, h) in pairs:
-        if h % (down * ph) or w % (down * pw):
-            raise ValueError(f"--size {w}x{h}: with a VAE downsample of {down} and patches of {pw}x{ph} the width "
-                             f"must be a positive multiple of {down * pw} and the height of {down * ph} pixels")
-        requests.append(Request(caption=caption, height=h, width=w, frames=args.frames, like=like))
+    check_sizes([size for _, size in pairs], args.frames, down, (ph, pw))
+    requests = [Request(caption=caption, height=h, width=w, frames=args.frames, like=like)
+                for (caption, like), (w, h) in pairs]
     check_checkpoint(ckpt)  # before anything is built from it: a planted file is refused, never run
     return SamplePlan(cfg=cfg, checkpoint=ckpt, requests=requests)
 
@@ -386,7 +417,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from knapray.commands.flags import add_device, add_json, add_seed, float_in, int_at_least
+    from knapray.commands.flags import add_device, add_json, add_seed, float_in, int_at_least, step_count, text_tokens
 
     p.add_argument("--run", required=True, help="run directory (runs/NAME)")
     p.add_argument("--checkpoint", help="checkpoint directory (default: the run's newest)")
@@ -397,14 +428,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", action="append", metavar="WIDTHxHEIGHT",
                    help="pixels: one for all requests, one per request, or several for one caption (default 256x256)")
     p.add_argument("--frames", type=int_at_least(1), default=1, help="latent frames (videos; default 1)")
-    p.add_argument("--steps", type=int_at_least(1), default=28, help="Euler steps (default 28)")
+    p.add_argument("--steps", type=step_count, default=28, help="Euler steps (default 28)")
     p.add_argument("--shift", type=float_in(gt=0), default=None,
                    help="timestep shift, > 1 favours high noise (default: 1; FLUX.1-dev: each request's own from "
                    "its image tokens, as FluxPipeline)")
     p.add_argument("--guidance", type=float_in(ge=0), default=None,
                    help="classifier-free guidance scale against the corpus's unconditional embeddings (default 1: "
                    "off); FLUX.1-dev: its embedded guidance input (default 3.5)")
-    p.add_argument("--max-text-tokens", type=int_at_least(0), default=256, help="caption token limit (default 256)")
+    p.add_argument("--max-text-tokens", type=text_tokens, default=256, help="caption token limit (default 256)")
     add_seed(p)
     add_device(p, help="where the model runs (auto: cuda if present)")
     p.add_argument("--out", default="samples.png", help="PNG grid to write (default samples.png)")

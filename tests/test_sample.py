@@ -58,7 +58,7 @@ def run_dir(tmp_path):
 
 
 @pytest.mark.parametrize("extra, names", [
-    (["--size", "500x512"], ["--size 500x512", "multiple of 16"]),
+    (["--size", "500x512"], ["--size 500x512", "multiples of 16", "nearest valid: 496x512 or 512x512"]),
     (["--caption", "b", "--size", "512x512", "--size", "512x512", "--size", "64x64"], ["2 requests", "3 --size"]),
     (["--size", "512"], ["WIDTHxHEIGHT"]),
     (["--checkpoint", "/nonexistent/step-1"], ["/nonexistent/step-1", "no .metadata"]),
