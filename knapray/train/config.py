@@ -33,6 +33,8 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
+from knapray.limits import (MAX_EPOCHS, MAX_GLOBAL_BATCH, MAX_MICRO_BATCHES, MAX_RANK_TOKENS, MAX_RUN_NAME,
+                            MAX_SAMPLES_PER_RANK, MAX_SEED, MAX_STEPS, MAX_TIMEOUT_S, MAX_WORLD_SIZE)
 from knapray.planning.rules import parse_rule
 from knapray.models import MMDiTConfig
 from knapray.models.flow import TIMESTEP_KINDS
@@ -45,13 +47,22 @@ class ConfigError(ValueError):
 
 
 def _got(value: Any) -> str:
-    return f"got {value!r} ({type(value).__name__})"
+    shown = repr(value)
+    if len(shown) > 80:  # a 1 MB list stays a short line
+        shown = f"{shown[:77]}..."
+    return f"got {shown} ({type(value).__name__})"
+
+
+_DIRECTORY_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 
 
 def _directory_name(name: Any) -> None:
-    if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
+    if not isinstance(name, str) or len(name) > MAX_RUN_NAME or not _DIRECTORY_NAME.fullmatch(name):
+        shown = name if not isinstance(name, str) or len(name) <= 40 else f"{name[:37]}..."
+        more = f", {len(name)} characters" if isinstance(name, str) and len(name) > 40 else ""
         raise ValueError(
-            f"expected a non-empty string usable as one directory name (no '/', not '.' or '..'), {_got(name)}"
+            f"expected a directory name of 1 to {MAX_RUN_NAME} letters, digits, '.', '_' and '-' that does not start "
+            f"with '.' or '-', got {shown!r} ({type(name).__name__}{more})"
         )
 
 
@@ -71,17 +82,17 @@ class DataConfig:
     """Directory of parquet shards + schema.json. It must exist: knapray never builds or
     replaces a corpus on its own (build one with ``python -m knapray.corpus.synthetic`` or
     ingest images with ``python -m knapray.corpus.ingest``)."""
-    samples_per_step: int = field(default=2, metadata={"ge": 1})
+    samples_per_step: int = field(default=2, metadata={"ge": 1, "le": MAX_SAMPLES_PER_RANK})
     """Samples each rank draws per step (the paper's B), unless ``global_batch`` is set."""
-    global_batch: int = field(default=0, metadata={"ge": 0})
+    global_batch: int = field(default=0, metadata={"ge": 0, "le": MAX_GLOBAL_BATCH})
     """Samples per step over the whole world (0: ``samples_per_step`` on every rank). Each
     rank then draws global_batch / world_size, so the world size must divide it; under the
     torchrun launcher a step trains the same samples at any world size, and a run resumed
     at another one continues the same loss curve."""
-    epochs: int = field(default=1, metadata={"ge": 1})
+    epochs: int = field(default=1, metadata={"ge": 1, "le": MAX_EPOCHS})
     """Passes over the corpus."""
-    seed: int = field(default=0, metadata={"ge": 0})
-    max_tokens_per_gpu: int = field(default=0, metadata={"ge": 0})
+    seed: int = field(default=0, metadata={"ge": 0, "le": MAX_SEED})
+    max_tokens_per_gpu: int = field(default=0, metadata={"ge": 0, "le": MAX_RANK_TOKENS})
     """Memory budget (``knapray memory`` says what fits): the planner routes no rank more
     tokens in a step, and a sample longer than this times the largest bag is quarantined
     (reason ``too_long``) instead of trained; 0 = no limit."""
@@ -110,7 +121,7 @@ class BalanceConfig:
     solver: str = field(default="knapray", metadata={"choices": SOLVERS})
     gamma: float = field(default=0.4, metadata={"ge": 0})
     """Attention cost factor of the workload model (d_model comes from the model)."""
-    gpus_per_node: int = field(default=0, metadata={"ge": 0})
+    gpus_per_node: int = field(default=0, metadata={"ge": 0, "le": MAX_WORLD_SIZE})
     """If > 0, bags never cross a node boundary when they fit in one."""
     planner: str = field(default="workload", metadata={"choices": ("workload", "cost")})
     """``workload`` (the paper's work estimate) or ``cost`` (predicted seconds with
@@ -124,7 +135,7 @@ class BalanceConfig:
     speeds from the measured per-rank times while training; false plans with it as given."""
     coordinator: bool = True
     """Plan on the BalanceCoordinator actor (else every rank plans from an all-gather)."""
-    coordinator_timeout_s: float = field(default=30.0, metadata={"gt": 0})
+    coordinator_timeout_s: float = field(default=30.0, metadata={"gt": 0, "le": MAX_TIMEOUT_S})
     """After this long without an answer a rank falls back to local planning."""
     coordinator_node: str = field(default="head", metadata={"check": _coordinator_node})
     """Where the coordinator actor runs: ``head`` (the Ray head node: it outlives the
@@ -145,18 +156,18 @@ class OptimConfig:
     betas: tuple[float, float] = field(default=(0.9, 0.999), metadata={"ge": 0, "lt": 1})
     grad_clip: float = field(default=1.0, metadata={"ge": 0})
     """Clip the global gradient norm (0 disables)."""
-    warmup_steps: int = field(default=0, metadata={"ge": 0})
+    warmup_steps: int = field(default=0, metadata={"ge": 0, "le": MAX_STEPS})
     """Optimizer steps of linear warm-up: step s < warmup_steps trains at lr·(s+1)/(warmup_steps+1)."""
     schedule: str = field(default="constant", metadata={"choices": ("constant", "cosine")})
     """The learning rate after warm-up: ``constant`` (lr), or ``cosine``: from lr down to
     ``min_lr_ratio``·lr at step ``decay_steps``, then held there."""
-    decay_steps: int = field(default=0, metadata={"ge": 0})
+    decay_steps: int = field(default=0, metadata={"ge": 0, "le": MAX_STEPS})
     """Where the cosine ends; 0: ``run.max_steps``. With both 0 (a run that runs its epochs
     out has no known length) ``cosine`` is refused when the schedule is built; it must be
     > ``warmup_steps``. Unused by ``constant``."""
     min_lr_ratio: float = field(default=0.0, metadata={"ge": 0, "le": 1})
     """The cosine's final learning rate as a fraction of lr."""
-    grad_accum_steps: int = field(default=1, metadata={"ge": 1})
+    grad_accum_steps: int = field(default=1, metadata={"ge": 1, "le": MAX_MICRO_BATCHES})
     """Micro-batches per optimizer step; the loss is normalized over the image tokens of
     the whole group, so the step equals one step on all its micro-batches at once."""
     ema_decay: float = field(default=0.0, metadata={"ge": 0, "lt": 1})
@@ -215,7 +226,7 @@ class RunConfig:
     """The run's directory name under ``storage`` (also names its coordinator actor)."""
     storage: str = "runs"
     """Run directory parent (absolute or relative to the working directory)."""
-    num_workers: int = field(default=4, metadata={"ge": 1})
+    num_workers: int = field(default=4, metadata={"ge": 1, "le": MAX_WORLD_SIZE})
     """Ray Train workers (one per GPU on a GPU cluster)."""
     min_workers: int = field(default=0, metadata={"ge": 0, "le": "num_workers"})
     """If > 0, elastic: the worker group may run with min_workers..num_workers."""
@@ -224,23 +235,23 @@ class RunConfig:
     resources_per_worker: dict[str, float] = field(default_factory=dict)
     """Extra Ray resources each worker requests besides ``cpus_per_worker``, e.g.
     ``{knapray_slot: 1}`` with a custom node resource that fits one worker per node."""
-    elastic_monitor_interval_s: float = field(default=60.0, metadata={"gt": 0})
+    elastic_monitor_interval_s: float = field(default=60.0, metadata={"gt": 0, "le": MAX_TIMEOUT_S})
     """Elastic runs: how often (seconds) Ray Train checks whether the cluster now holds
     a different number of workers and restarts the group at that size."""
-    worker_start_timeout_s: float = field(default=0.0, metadata={"ge": 0})
+    worker_start_timeout_s: float = field(default=0.0, metadata={"ge": 0, "le": MAX_TIMEOUT_S})
     """How long Ray Train waits for a worker group's resources before it tries again
     (``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S``). 0: 10 s for an elastic run (after a node
     loss Ray first asks for the old size, which can no longer be placed; the retry sizes
     the group from the nodes left), Ray's own default (60 s, or the environment variable
     if set) otherwise (a fixed-size run may wait for the autoscaler to add nodes)."""
-    max_steps: int = field(default=0, metadata={"ge": 0})
+    max_steps: int = field(default=0, metadata={"ge": 0, "le": MAX_STEPS})
     """Stop after this many steps (0: run the epochs out)."""
-    checkpoint_every: int = field(default=10, metadata={"ge": 0})
+    checkpoint_every: int = field(default=10, metadata={"ge": 0, "le": MAX_STEPS})
     """Save a checkpoint every this many steps (0: none on the way)."""
     final_checkpoint: bool = True
     """Also save one after the last step, so that the run's last steps are never lost
     (false: only ``checkpoint_every``'s; the GPU check, whose runs are not resumed, skips it)."""
-    max_failures: int = field(default=1, metadata={"ge": -1})
+    max_failures: int = field(default=1, metadata={"ge": -1, "le": MAX_STEPS})
     """Worker-group restarts Ray Train allows (-1: unlimited)."""
     precision: str = field(default="auto", metadata={"choices": ("auto", "bf16", "fp32")})
     """Compute precision: ``bf16`` (mixed: fp32 master weights, bf16 compute under autocast,
@@ -253,7 +264,7 @@ class RunConfig:
     activation_checkpointing: str = field(default="none", metadata={"choices": ("none", "full", "every_k")})
     """Recompute transformer blocks in backward instead of keeping their activations:
     ``full`` (every block), ``every_k`` (every ``ac_every``-th block)."""
-    ac_every: int = field(default=2, metadata={"ge": 1})
+    ac_every: int = field(default=2, metadata={"ge": 1, "le": MAX_MICRO_BATCHES})
     """k of ``activation_checkpointing: every_k``."""
     compile: bool = False
     """torch.compile each transformer block (dynamic shapes: packed batches change size
@@ -262,7 +273,7 @@ class RunConfig:
     """``auto``: continue the run directory's newest checkpoint if its saved config is
     compatible (same model and data order), else start fresh; ``never``: an existing run
     directory is an error; ``must``: there must be a checkpoint to continue."""
-    log_every: int = field(default=1, metadata={"ge": 1})
+    log_every: int = field(default=1, metadata={"ge": 1, "le": MAX_STEPS})
     tensorboard: str = field(default="auto", metadata={"choices": ("auto", "on", "off")})
     """TensorBoard event files in the run directory (``tensorboard/``): ``auto`` writes them
     when the tensorboard package is installed (a knapray dependency) and warns once where it
@@ -278,7 +289,7 @@ class RunConfig:
     ``mlflow`` package (``pip install 'knapray[mlflow]'``)."""
     mlflow_experiment: str = "knapray"
     """The MLflow experiment that holds the run (named ``run.name``)."""
-    timeout_s: int = field(default=1800, metadata={"ge": 1})
+    timeout_s: int = field(default=1800, metadata={"ge": 1, "le": MAX_TIMEOUT_S})
     """Collective timeout (seconds): a dead peer surfaces as an error instead of a hang. It
     must also outlast the longest a rank may wait in a collective for a live peer, which the
     first steps set: with ``compile`` every rank compiles its blocks cold (minutes with
@@ -571,14 +582,10 @@ def load_config(path: str | None = None, overrides: list[str] | None = None, *,
     that schema.json is read once for the whole check."""
     data: Any = {}
     if path:
-        try:
-            with open(path) as f:
-                text = f.read()
-        except OSError as e:
-            raise ConfigError(f"config file {path!r}: cannot read it ({e.strerror})") from None
-        data = read_yaml(text, f"config file {path!r}")
-        if data is None:
-            data = {}
+        data = read_yaml(_config_text(path), f"config file {path!r}")
+        if data is None:  # an empty file (or only comments) is a mistake: no --config means the defaults
+            raise ConfigError(f"config file {path!r}: empty (no sections); give at least one section, e.g. 'run:', "
+                              "or leave --config out for the defaults")
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path!r}: expected a mapping of sections, {_got(data)}")
     for item in overrides or []:
@@ -586,6 +593,27 @@ def load_config(path: str | None = None, overrides: list[str] | None = None, *,
     _arch_from_pretrained(data)
     _dims_from_corpus(data, corpus_dims or read_corpus_dims)
     return _build(TrainConfig, data, "")
+
+
+MAX_CONFIG_BYTES = 1 << 20
+"""A run config is a few KB; a larger file is not one (and is never read whole)."""
+
+
+def _config_text(path: str) -> str:
+    """The config file's text: UTF-8, at most ``MAX_CONFIG_BYTES``; a ConfigError naming the
+    file otherwise."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"config file {path!r}: cannot read it ({e.strerror})") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {path!r}: larger than {MAX_CONFIG_BYTES // 1024} KiB; is it a run config?")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path!r}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+                          "is it a binary file?") from None
 
 
 CORPUS_DIMS = {"in_channels": "channels", "text_dim": "text_dim", "pooled_dim": "pooled_dim"}
