@@ -20,8 +20,11 @@ from typing import Any
 
 import numpy as np
 
+from knapray.commands.flags import Parser, int_at_least, step_count, text_tokens
 from knapray.corpus.schema import KINDS, PATCH, visual_token_count
 from knapray.corpus.writer import ShardWriter, build_table, length_stats, write_schema_json
+from knapray.limits import (MAX_CORPUS_SAMPLES, MAX_EMBED_DIM, MAX_SEED, MAX_SHARDS, MAX_STEPS,
+                            MAX_TEXT_LENGTH)
 from knapray.planning.mix import MAX_TEXT_TOKENS, PAPER_MIXES, SPATIAL_TOKEN_STRIDE, DataCode, parse_mix
 from knapray.progress import progress_bar
 
@@ -29,6 +32,7 @@ VAE_DOWNSAMPLE = SPATIAL_TOKEN_STRIDE // PATCH[1]
 FIELD_COMPONENTS = 4
 ROWS_PER_BATCH = 4096
 VALUES_PER_BATCH = 1 << 25  # ~128 MB of float32 latents buffered before a write
+MAX_SAMPLE_VALUES = 1 << 27  # one sample's latent is built in float64 with its basis: ~1 GB at most
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -76,7 +80,21 @@ class SyntheticConfig:
                 f"(resolution / scale must be >= {SPATIAL_TOKEN_STRIDE}); "
                 f"valid scales for this mix are 1..{largest}"
             )
+        for name, high in (("steps", MAX_STEPS), ("channels", MAX_EMBED_DIM), ("text_dim", MAX_EMBED_DIM),
+                           ("pooled_dim", MAX_EMBED_DIM), ("shards", MAX_SHARDS), ("max_text_tokens", MAX_TEXT_LENGTH),
+                           ("seed", MAX_SEED)):
+            if getattr(self, name) > high:
+                raise ValueError(f"{name} must be at most {high}, got {getattr(self, name)!r}")
         samples = self.steps * sum(c.ranks * c.batch for c in codes)
+        if samples > MAX_CORPUS_SAMPLES:
+            raise ValueError(f"steps={self.steps} of mix {self.mix!r} make {samples} samples; at most "
+                             f"{MAX_CORPUS_SAMPLES} (steps <= {max(1, MAX_CORPUS_SAMPLES * self.steps // samples)} here)")
+        if self.payload:
+            values = max(self.channels * c.latent_frames * latent_side(c, self.scale) ** 2 for c in codes)
+            if values > MAX_SAMPLE_VALUES:
+                raise ValueError(f"a sample of {values} latent values (channels x frames x height x width); at most "
+                                 f"{MAX_SAMPLE_VALUES} with payload (fewer --channels, a larger --scale, or "
+                                 "--no-payload)")
         if self.shards > samples:
             raise ValueError(f"shards={self.shards} exceeds the corpus's {samples} samples")
 
@@ -264,7 +282,7 @@ paper's image+video mix at 1/8 resolution, sequences of 4..437 tokens, 178 sampl
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="build_synthetic",
         description="Build a synthetic knapray corpus (parquet shards + schema.json) from a "
         "mix of the paper's data codes gGbBiRfFsS.",
@@ -274,16 +292,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mix",
                    help=f"data codes like 'g8b4i256f1s0,g2b1i1024f1s0' or a paper mix: {', '.join(PAPER_MIXES)}")
     p.add_argument("--out", required=True, type=Path, help="output directory (new or empty)")
-    p.add_argument("--steps", type=int, default=1, help="steps of the mix to hold (default 1)")
-    p.add_argument("--scale", type=int, default=1,
+    p.add_argument("--steps", type=step_count, default=1, help="steps of the mix to hold (default 1)")
+    p.add_argument("--scale", type=int_at_least(1, 1 << 12), default=1,
                    help="divide resolution and max text tokens by this (1 = paper sizes; 8 for a CPU demo)")
-    p.add_argument("--channels", type=int, default=4, help="latent channels C (4 demo, 16 Flux; default 4)")
-    p.add_argument("--text-dim", type=int, default=64, help="text token embedding width (default 64)")
-    p.add_argument("--pooled-dim", type=int, default=32, help="pooled text embedding width (default 32)")
-    p.add_argument("--max-text-tokens", type=int, default=MAX_TEXT_TOKENS,
+    p.add_argument("--channels", type=int_at_least(1, MAX_EMBED_DIM), default=4, help="latent channels C (4 demo, 16 Flux; default 4)")
+    p.add_argument("--text-dim", type=int_at_least(1, MAX_EMBED_DIM), default=64, help="text token embedding width (default 64)")
+    p.add_argument("--pooled-dim", type=int_at_least(1, MAX_EMBED_DIM), default=32, help="pooled text embedding width (default 32)")
+    p.add_argument("--max-text-tokens", type=text_tokens, default=MAX_TEXT_TOKENS,
                    help=f"text tokens per sample before scaling (default {MAX_TEXT_TOKENS})")
-    p.add_argument("--shards", type=int, default=4, help="number of parquet files (default 4)")
-    p.add_argument("--seed", type=int, default=0, help="seed; same seed, same corpus (default 0)")
+    p.add_argument("--shards", type=int_at_least(1, MAX_SHARDS), default=4, help="number of parquet files (default 4)")
+    p.add_argument("--seed", type=int_at_least(0, MAX_SEED), default=0, help="seed; same seed, same corpus (default 0)")
     p.add_argument("--noise", type=float, default=0.05, help="white noise std on the latent field")
     p.add_argument("--no-payload", action="store_true",
                    help="write lengths only (null latent/text/pooled): cheap full-size corpora for planning")
