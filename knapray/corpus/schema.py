@@ -202,3 +202,86 @@ def decode_row(
 def column_types() -> dict[str, str]:
     """Column name -> Arrow type name, as written into schema.json."""
     return {f.name: str(f.type) for f in CORPUS_SCHEMA}
+
+
+# ---- schema.json, read as untrusted input --------------------------------------------------
+
+MAX_SCHEMA_BYTES = 64 << 20
+"""schema.json holds a few numbers per shard: anything larger is not one."""
+
+
+class SchemaFileError(ValueError):
+    """A corpus's schema.json that cannot be used; the message names the file, in one line."""
+
+
+def load_schema_json(corpus_dir: str) -> dict[str, Any]:
+    """``<corpus_dir>/schema.json``, with every field a reader takes from it checked for its
+    type (``FileNotFoundError`` if there is none; ``SchemaFileError`` naming the file and the
+    field otherwise): what pre-flight reads before any worker starts."""
+    import json
+    import os
+
+    from knapray.corpus.writer import FORMAT_VERSION, SCHEMA_FILE
+
+    path = os.path.join(corpus_dir, SCHEMA_FILE)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_SCHEMA_BYTES + 1)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise SchemaFileError(f"corpus file {path} cannot be read: {e.strerror or e}") from None
+    if len(data) > MAX_SCHEMA_BYTES:
+        raise SchemaFileError(f"corpus file {path} is over {MAX_SCHEMA_BYTES >> 20} MiB: not a knapray schema.json")
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError alike
+        raise SchemaFileError(f"corpus file {path} is not JSON ({e}): rebuild the corpus or restore the file") from None
+    if not isinstance(doc, dict):
+        raise SchemaFileError(f"corpus file {path} holds a {type(doc).__name__}, not an object")
+    if doc.get("format_version") != FORMAT_VERSION:
+        raise SchemaFileError(f"corpus file {path}: format_version {str(doc.get('format_version'))[:40]!r}, "
+                              f"this knapray reads {FORMAT_VERSION}")
+    problem = schema_doc_problem(doc)
+    if problem:
+        raise SchemaFileError(f"corpus file {path}: {problem}; rebuild the corpus or restore the file")
+    return doc
+
+
+def schema_doc_problem(doc: Mapping[str, Any]) -> str | None:
+    """What is wrong with the fields of a schema.json's contents that readers use
+    (``knapray.data.corpus_info``), or None."""
+
+    def count(value: Any, low: int) -> bool:
+        return type(value) is int and value >= low
+
+    dims, counts = doc.get("dims"), doc.get("counts")
+    if not isinstance(dims, dict):
+        return f"dims is {_short(dims)}, not an object"
+    for name in ("channels", "text_dim", "pooled_dim"):
+        if not count(dims.get(name), 1):
+            return f"dims.{name} is {_short(dims.get(name))}, not an int >= 1"
+    patch = dims.get("patch")
+    if not (isinstance(patch, list) and len(patch) == 3 and all(count(p, 1) for p in patch)):
+        return f"dims.patch is {_short(patch)}, not three ints >= 1"
+    if type(doc.get("payload")) is not bool:
+        return f"payload is {_short(doc.get('payload'))}, not true or false"
+    if not isinstance(counts, dict) or not count(counts.get("samples"), 0):
+        return f"counts.samples is {_short(counts.get('samples') if isinstance(counts, dict) else counts)}, " \
+               "not an int >= 0"
+    seq = counts.get("seq_len")
+    if not (isinstance(seq, dict) and count(seq.get("max"), 0)):
+        return f"counts.seq_len.max is {_short(seq.get('max') if isinstance(seq, dict) else seq)}, not an int >= 0"
+    shards = doc.get("shards")
+    if not (isinstance(shards, list) and all(isinstance(s, str) for s in shards)):
+        return f"shards is {_short(shards)}, not a list of file names"
+    rows = doc.get("shard_rows")
+    if rows is not None and not (isinstance(rows, list) and len(rows) == len(shards)
+                                 and all(count(n, 0) for n in rows)):
+        return f"shard_rows is {_short(rows)}, not one int >= 0 per shard"
+    return None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

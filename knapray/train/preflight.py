@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from knapray.corpus import read_schema_json
+from knapray.corpus.schema import SchemaFileError, load_schema_json
 from knapray.data import BadShard, CorpusInfo, DuplicateId, check_model_config, check_shards, corpus_info, duplicate_ids
 
 from .checkpoint import completed_checkpoints
@@ -53,8 +53,8 @@ class _SchemaReader:
         if path != self.path:
             self.path, self.doc, self.error = path, None, None
             try:
-                self.doc = read_schema_json(path)
-            except (OSError, ValueError) as e:  # missing, unreadable, not JSON, another format
+                self.doc = load_schema_json(path)
+            except (OSError, ValueError) as e:  # missing, unreadable, not JSON, another format, wrong types
                 self.error = e
         return self.doc
 
@@ -189,6 +189,8 @@ def check_corpus(cfg: TrainConfig, schema: _SchemaReader | None = None) -> Corpu
                         "give data.corpus as an absolute path on storage every node reads")
             raise RunError(f"data.corpus {path!r}: no corpus there (no schema.json){hint}; build one with "
                            "python -m knapray.corpus.synthetic or python -m knapray.corpus.ingest")
+        if isinstance(reader.error, SchemaFileError):  # names the file already
+            raise RunError(f"data.corpus: {reader.error}")
         raise RunError(f"data.corpus {path!r}: {reader.error}")
     try:
         info = corpus_info(path, doc)
