@@ -61,12 +61,34 @@ def resolve_paths(cfg: TrainConfig) -> TrainConfig:
     )
 
 
+MAX_CONFIG_BYTES = 16 << 20
+
+
 def saved_config(run_dir: str) -> dict | None:
+    """The run directory's ``config.json`` (None if it has none): an object of sections,
+    each an object, as ``write_config`` writes it; else ``RunError`` naming the file."""
     path = os.path.join(run_dir, CONFIG_FILE)
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         return None
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ValueError(f"over {MAX_CONFIG_BYTES >> 20} MiB")
+        doc = json.loads(data.decode("utf-8"))
+    except OSError as e:
+        raise RunError(f"run file {path} cannot be read: {e.strerror or e}") from None
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError alike
+        raise RunError(f"run file {path} is not JSON ({e}): restore it, or choose another run.name") from None
+    if not isinstance(doc, dict):
+        raise RunError(f"run file {path} holds a {type(doc).__name__}, not a knapray config object: restore it, "
+                       "or choose another run.name")
+    defaults = TrainConfig().to_dict()
+    for section, value in doc.items():
+        if section in defaults and isinstance(defaults[section], dict) and not isinstance(value, dict):
+            raise RunError(f"run file {path}: section {section!r} is {str(value)[:60]!r}, not an object: restore "
+                           "it, or choose another run.name")
+    return doc
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, object]:
@@ -127,8 +149,9 @@ def decide_start(cfg: TrainConfig, checkpoints: list[str]) -> RunStart:
                        "this knapray: choose another run.name")
     blocking, other = config_changes(old, cfg.to_dict())
     if blocking:
-        raise RunError(f"cannot resume run {cfg.run.name!r} in {run_dir}: its saved config differs in "
-                       f"{'; '.join(blocking)}; choose another run.name for a new run")
+        raise RunError(f"cannot resume run {cfg.run.name!r} in {run_dir}: its saved config "
+                       f"({os.path.join(run_dir, CONFIG_FILE)}) differs in {'; '.join(blocking)}; choose another "
+                       "run.name for a new run")
     check_resumable(run_dir, checkpoints[-1])
     changed = f" (changed: {'; '.join(other)})" if other else ""
     return RunStart(checkpoints[-1], f"resuming run {cfg.run.name!r} from {checkpoints[-1]}{changed}")
