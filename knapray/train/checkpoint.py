@@ -22,6 +22,7 @@ runs), and non-tensor values through ``torch.load(weights_only=True)``
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import logging
@@ -113,6 +114,36 @@ def completed_checkpoints(root: str) -> list[str]:
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded; the message names it and why, in one line."""
+
+
+class StorageFull(OSError):
+    """The run's storage filled up while a checkpoint was written: one line saying "no space
+    left on <path>" (an environment failure, not bad input)."""
+
+
+NO_SPACE_MARGIN = 1 << 20
+"""Free bytes below which a failed write is taken for a full disk (DCP's zip writer reports
+ENOSPC as ``unexpected pos``, without an errno)."""
+
+
+def no_space(error: BaseException, path: str, needed: int = 0) -> StorageFull | None:
+    """``StorageFull`` naming ``path`` if ``error`` (a failed write under ``path``) came from a
+    full disk: ENOSPC anywhere in its chain or text, or less free space left than
+    ``needed`` bytes (what the write was to add) or ``NO_SPACE_MARGIN``; else None."""
+    chain, seen = [], error
+    while seen is not None and len(chain) < 16:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    full = any(getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e) for e in chain)
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        free = None
+    if not full and (free is None or free >= max(needed, NO_SPACE_MARGIN)):
+        return None
+    left = "" if free is None else f" ({free} bytes free)"
+    return StorageFull(errno.ENOSPC, f"no space left on {path}{left}: free space there (older runs, "
+                       "checkpoints), or give the run more storage, then run the same command again to resume")
 
 
 _TRAINER_FIELDS = {"step": int, "epoch": int, "world_size": int, "topology": str}
@@ -226,13 +257,21 @@ class Checkpointer:
             os.makedirs(partial)
         barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save({"model": model_sd, "optimizer": optim_sd, **(extra or {})},
-                     storage_writer=dcp.FileSystemWriter(partial), process_group=self.group)
+        state = {"model": model_sd, "optimizer": optim_sd, **(extra or {})}
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), process_group=self.group)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps every rank's failure
+            self._failed(e, partial, _local_bytes(state))
+            raise
         barrier()  # every rank's data file is written
         if self.rank == 0:
-            _write_json(os.path.join(partial, TRAINER_STATE), dict(trainer, step=step))
+            try:
+                _write_json(os.path.join(partial, TRAINER_STATE), dict(trainer, step=step))
+            except OSError as e:
+                self._failed(e, partial)
+                raise
             shutil.rmtree(final, ignore_errors=True)
             os.rename(partial, final)
             _write_json(os.path.join(final, COMPLETE), {"step": step})
@@ -240,6 +279,16 @@ class Checkpointer:
                 shutil.rmtree(old, ignore_errors=True)
         barrier()  # nobody goes on (or reads it) before it is complete
         return final
+
+    def _failed(self, error: BaseException, partial: str, needed: int = 0) -> None:
+        """A save that failed: a full disk raises ``StorageFull`` (the partial directory
+        removed, so the disk is not left full), anything else returns to be re-raised."""
+        full = no_space(error, self.root, needed)
+        if full is None:
+            return
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise full from None
 
     def load(self, path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              extra: dict[str, dict] | None = None) -> Restored:
@@ -262,6 +311,18 @@ class Checkpointer:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                        options=StateDictOptions(strict=True))
         return Restored(path=path, trainer=trainer, extra=sorted(extra))
+
+
+def _local_bytes(state: dict) -> int:
+    """Bytes of the tensors (local shards) in a nested state dict: about what this rank writes."""
+    total = 0
+    for value in state.values():
+        if isinstance(value, dict):
+            total += _local_bytes(value)
+        elif isinstance(value, torch.Tensor):
+            local = value.to_local() if hasattr(value, "to_local") else value
+            total += local.numel() * local.element_size()
+    return total
 
 
 def _write_json(path: str, obj: dict) -> None:

@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     from knapray.distributed.local import init_from_env, shutdown
     from knapray.planning.rules import PER_STEP
 
+    from .checkpoint import StorageFull, no_space
     from .run_files import prediction_line, write_run_files
     from .trainer import Trainer
 
@@ -111,7 +112,14 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["GLOO_SOCKET_IFNAME"] = cfg.run.gloo_socket_ifname
     try:
         rank, world, local_rank = init_from_env(cfg.run.use_gpu, cfg.run.timeout_s)
-        summary = Trainer(TorchrunContext(cfg, rank, world, local_rank), cfg).train()
+        try:
+            summary = Trainer(TorchrunContext(cfg, rank, world, local_rank), cfg).train()
+        except OSError as e:  # the environment, not the inputs: a full disk says where
+            full = e if isinstance(e, StorageFull) else no_space(e, cfg.run_dir)
+            if full is None:
+                raise
+            print(f"knapray torchrun: error: rank {rank}: {full.strerror}", file=sys.stderr, flush=True)
+            return 1
         if rank == 0:
             out = write_run_files(cfg, summary)
             n_q = out["quarantined_samples"] + out["quarantined_shards"]
