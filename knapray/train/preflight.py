@@ -31,6 +31,7 @@ from .run_files import (
     RunLock,
     RunStart,
     check_world,
+    check_writable,
     clear_stale_run_files,
     decide_start,
     inside_ray_upload,
@@ -99,6 +100,7 @@ class Preflight:
     def run_dir_decision(self) -> RunStart:
         """Fresh run or resume, and whether a live run holds the directory, without taking
         the lock or writing anything (``--check``); ``RunError`` as the run would give."""
+        check_writable(self.cfg.run_dir)
         RunLock(self.cfg.run_dir).check_free()
         return decide_start(self.cfg, completed_checkpoints(os.path.join(self.cfg.run_dir, "checkpoints")))
 

@@ -21,6 +21,7 @@ from .config import TrainConfig
 RESUME_MODES = ("auto", "never", "must")
 CONFIG_FILE = "config.json"
 LOCK_FILE = "RUNNING.lock"
+LEDGER_DIR = "ledger"
 RESUME_KEYS = ("model", "data.corpus", "data.samples_per_step", "data.global_batch", "data.seed")
 """Config values a resumed run must share with the run it continues: the model's shape
 and the data order. Anything else (learning rate, step limits, topology, world size...)
@@ -157,6 +158,33 @@ def decide_start(cfg: TrainConfig, checkpoints: list[str]) -> RunStart:
     return RunStart(checkpoints[-1], f"resuming run {cfg.run.name!r} from {checkpoints[-1]}{changed}")
 
 
+def check_writable(run_dir: str) -> None:
+    """The run directory can be written, checked without writing anything (pre-flight, before
+    Ray starts): it and its ``checkpoints`` and ``ledger`` folders are folders where they
+    exist, and it, or the nearest folder above it that exists, is writable (a read-only
+    or unwritable ``run.storage`` is refused here, not by a worker)."""
+    for path in (run_dir, os.path.join(run_dir, "checkpoints"), os.path.join(run_dir, LEDGER_DIR)):
+        if os.path.lexists(path) and not os.path.isdir(path):
+            raise RunError(f"run directory {run_dir}: {path} is not a folder; remove it or choose another "
+                           "run.storage / run.name")
+    existing = run_dir
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise RunError(f"run.storage: {existing} is not a folder, so the run directory {run_dir} cannot be made")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        why = "is on a read-only file system" if _read_only(existing) else "is not writable by this user"
+        raise RunError(f"run.storage: {existing} {why}, so the run directory {run_dir} cannot be written; give "
+                       "run.storage a writable folder")
+
+
+def _read_only(path: str) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
 def check_resumable(run_dir: str, checkpoint: str) -> None:
     """What a resume from ``checkpoint`` reads, checked before any worker starts: its
     trainer state and DCP metadata (nothing a planted file names is run), and the ledger
@@ -276,7 +304,7 @@ class RunLock:
 
 
 STALE_FILES = ("metrics.jsonl", "summary.json", "ledger.jsonl", "quarantine.jsonl", "rank_work.png")
-STALE_DIRS = ("ledger", "pids")
+STALE_DIRS = (LEDGER_DIR, "pids")
 
 
 def clear_stale_run_files(run_dir: str) -> None:
