@@ -65,14 +65,16 @@ _FIELDS = (  # letter, meaning, upper bound
 def parse_code(code: str) -> DataCode:
     """One data code, every field and the tokens it makes bounded (``knapray.limits``)."""
     m = _CODE.match(code.strip())
+    shown = _short(code.strip())
     if not m:
         raise ValueError(
-            f"bad data code {code!r}: expected gGbBiRfFsS, e.g. 'g8b4i256f1s0' "
+            f"bad data code {shown!r}: expected gGbBiRfFsS, e.g. 'g8b4i256f1s0' "
             "(G ranks, B samples each, resolution R, F frames, S in {0,1})"
         )
+    code = shown
     for (letter, what, high), text in zip(_FIELDS, m.groups()):
         if len(text) > 12 or int(text) > high:  # the length first: int() of 5000 digits is refused
-            raise ValueError(f"bad data code {code!r}: {letter}{text} ({what}) must be at most {high}")
+            raise ValueError(f"bad data code {code!r}: {letter}{_short(text, 20)} ({what}) must be at most {high}")
     g, b, r, f, s = (int(x) for x in m.groups())
     if g < 1 or b < 1 or f < 1:
         raise ValueError(f"bad data code {code!r}: G, B and F must be >= 1")

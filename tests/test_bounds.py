@@ -1,0 +1,305 @@
+"""Bounded work (issue 18, item 3) and config files (item 4): every size, count and product a
+user gives is refused up front, before anything is allocated, in one line naming the value
+and the bound, exit code 2, no traceback; an empty, binary or non-mapping config file and an
+unsafe ``run.name`` likewise. The bounds are ``knapray.limits`` (docs/cli.md lists them).
+
+Inputs that allocated or looped without end before the bounds run in a subprocess with a
+timeout, so that this file fails rather than hangs where they are not bounded."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from knapray.cli import main
+from knapray.limits import (MAX_CORPUS_SAMPLES, MAX_IMAGE_SIDE, MAX_IMAGE_TOKENS, MAX_LOCAL_PROCESSES,
+                            MAX_PLANNED_SEQUENCES, MAX_SAMPLES_PER_RANK, MAX_STEP_SEQUENCES, MAX_STEPS,
+                            MAX_WORLD_SIZE)
+from knapray.train.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+QUICK_S = 10.0
+"""A refused input returns in well under this, subprocess start included (it took 35 s to
+96 s, or the machine's memory, before)."""
+
+
+def _one_line(code: int, err: str, *names: str) -> str:
+    lines = err.strip().splitlines()
+    assert code == 2, (code, err[-2000:])
+    assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    for name in names:
+        assert name in lines[0], (name, lines[0])
+    return lines[0]
+
+
+def _in_process(argv: list[str], capsys, entry=main) -> tuple[int, str]:
+    try:
+        code = entry(argv)
+    except SystemExit as e:  # argparse exits itself
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+def _subprocess(argv: list[str], cwd: Path | None = None, timeout: float = 60) -> tuple[int, str, float]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, cwd=cwd,
+                          timeout=timeout, check=False)
+    return proc.returncode, proc.stderr, time.monotonic() - start
+
+
+# ---- data codes: every command that parses a mix ----------------------------------------
+
+
+@pytest.mark.parametrize("command", [["plan", "--topology", "g1n4"], ["simulate", "--topology", "g1n4"]])
+def test_a_huge_data_code_is_one_line_before_any_allocation(command, tmp_path):
+    code, err, took = _subprocess(["-m", "knapray.cli", *command, "--mix", "g99999999b99999i99999f999s0"],
+                                  cwd=tmp_path)
+    _one_line(code, err, "g99999999", str(MAX_WORLD_SIZE))
+    assert took < QUICK_S, took
+
+
+@pytest.mark.parametrize("code_text, names", [
+    ("g8b99999i256f1s0", ["b99999", str(MAX_SAMPLES_PER_RANK)]),
+    ("g8b4i99999f1s0", ["i99999", "resolution"]),
+    ("g8b4i256f99999s0", ["f99999", "frames"]),
+    ("g8b4i" + "9" * 5000 + "f1s0", ["at most"]),  # int() refuses 5000 digits with its own message
+    ("g8b4i16384f4000s1", ["visual tokens", "4194304"]),  # one sample
+    ("g8b1024i8192f1s0", ["tokens per rank"]),  # one rank's samples
+])
+def test_data_code_fields_and_products_are_bounded(code_text, names, capsys):
+    start = time.monotonic()
+    line = _one_line(*_in_process(["plan", "--mix", code_text], capsys), *names)
+    assert len(line) < 400 and time.monotonic() - start < 2
+
+
+def test_sequences_of_a_step_are_bounded(capsys):
+    _one_line(*_in_process(["plan", "--mix", "g1048576b5i256f1s0"], capsys), "sequences per step",
+              str(MAX_STEP_SEQUENCES))
+
+
+def test_a_mix_replicated_past_the_world_bound_is_refused():
+    from knapray.planning.mix import parse_mix, rank_codes
+
+    with pytest.raises(ValueError, match=f"at most {MAX_WORLD_SIZE} ranks"):
+        rank_codes(parse_mix("g8b4i256f1s0"), 8 * MAX_WORLD_SIZE)
+
+
+def test_plan_steps_times_sequences_is_bounded(tmp_path):
+    code, err, took = _subprocess(["-m", "knapray.cli", "plan", "--mix", "low-res", "--steps", "100000000"],
+                                  cwd=tmp_path)
+    _one_line(code, err, "--steps 100000000", str(MAX_PLANNED_SEQUENCES), "--steps <= 32768")
+    assert took < QUICK_S, took
+
+
+def test_simulate_steps_times_sequences_is_bounded(tmp_path):
+    code, err, took = _subprocess(["-m", "knapray.cli", "simulate", "--mix", "g1000b1000i256f1s0", "--steps", "100",
+                                   "--topology", "g8n125"], cwd=tmp_path)
+    _one_line(code, err, "--steps 100", str(MAX_PLANNED_SEQUENCES))
+    assert took < QUICK_S, took
+
+
+def test_synthetic_corpus_builder_bounds_its_codes_and_samples(tmp_path, capsys):
+    from knapray.corpus import synthetic
+
+    out = str(tmp_path / "c")
+    _one_line(*_in_process(["--mix", "g99999999b99999i99999f999s0", "--out", out], capsys, synthetic.main),
+              "g99999999", str(MAX_WORLD_SIZE))
+    _one_line(*_in_process(["--mix", "low-res", "--steps", "1000000", "--no-payload", "--out", out], capsys,
+                           synthetic.main), "1024000000 samples", str(MAX_CORPUS_SAMPLES))
+    _one_line(*_in_process(["--mix", "low-res", "--channels", "99999999", "--out", out], capsys, synthetic.main),
+              "--channels", "99999999")
+    assert not Path(out).exists()
+
+
+# ---- world sizes, topologies, steps -------------------------------------------------------
+
+
+def test_a_huge_topology_is_one_line(capsys):
+    start = time.monotonic()
+    _one_line(*_in_process(["plan", "--mix", "low-res", "--topology", "g99999999n99999"], capsys),
+              "g99999999n99999", str(MAX_WORLD_SIZE))
+    assert time.monotonic() - start < 2
+
+
+def test_a_huge_world_size_is_one_line(tmp_path):
+    code, err, took = _subprocess(["-m", "knapray.cli", "plan", "--mix", "low-res", "--world-size", str(1 << 40)],
+                                  cwd=tmp_path)
+    _one_line(code, err, "--world-size", str(1 << 40), str(MAX_WORLD_SIZE))
+    assert took < QUICK_S, took
+
+
+@pytest.mark.parametrize("argv", [["plan", "--mix", "low-res"], ["simulate", "--mix", "low-res"],
+                                  ["bench", "planner"]])
+def test_steps_are_bounded_in_every_command(argv, capsys):
+    _one_line(*_in_process([*argv, "--steps", str(MAX_STEPS + 1)], capsys), "--steps", str(MAX_STEPS))
+
+
+@pytest.mark.parametrize("command, module, function", [
+    ("parity", "knapray.parity", "run_parity"),
+    ("reference", "knapray.testing.reference", "run_reference"),
+])
+def test_local_processes_are_bounded(command, module, function, monkeypatch, capsys):
+    import importlib
+
+    def started(*args, **kwargs):
+        raise AssertionError(f"{command} started {args[0] if args else ''} processes")
+
+    monkeypatch.setattr(importlib.import_module(module), function, started)
+    extra = ["--pretrained", "/nonexistent"] if command == "reference" else []
+    _one_line(*_in_process([command, "--world-size", "1000", *extra], capsys), "--world-size 1000",
+              f"at most {MAX_LOCAL_PROCESSES}")
+
+
+# ---- knapray sample ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    """What sampling reads before loading weights: config.json, a marked checkpoint, the
+    corpus's schema.json (a VAE of downsample 8, a T5 record; the model's 2x2 patches)."""
+    from knapray.corpus.writer import FORMAT_VERSION
+    from knapray.train.checkpoint import COMPLETE
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "schema.json").write_text(json.dumps({
+        "format_version": FORMAT_VERSION,
+        "dims": {"channels": 16, "text_dim": 16, "pooled_dim": 12, "vae_downsample": 8, "patch": [1, 2, 2]},
+        "encoders": {"text": {"class": "HFTextEncoder"}, "latent": {"path": "/models/vae"}}}))
+    step = tmp_path / "runs" / "r" / "checkpoints" / "step-000000003"
+    step.mkdir(parents=True)
+    (step / COMPLETE).write_text("")
+    (step / ".metadata").write_text("")
+    cfg = load_config(None, [f"data.corpus={corpus}", "model.in_channels=16", "model.text_dim=16",
+                             "model.pooled_dim=12"])
+    (tmp_path / "runs" / "r" / "config.json").write_text(json.dumps(cfg.to_dict()))
+    return tmp_path / "runs" / "r"
+
+
+def _sample(run_dir, extra: list[str], monkeypatch, capsys) -> tuple[int, str]:
+    import knapray.sample as sample
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("weights loaded before the sizes were checked")
+
+    monkeypatch.setattr(sample, "load_weights", refuse)
+    monkeypatch.setattr(sample, "sample_latents", refuse)
+    return _in_process(["sample", "--run", str(run_dir), "--caption", "a", *extra], capsys)
+
+
+def test_sample_size_is_bounded_before_any_allocation(run_dir, monkeypatch, capsys):
+    start = time.monotonic()
+    _one_line(*_sample(run_dir, ["--size", "100000x100000"], monkeypatch, capsys), "100000x100000",
+              f"at most {MAX_IMAGE_SIDE}")
+    assert time.monotonic() - start < 2
+
+
+def test_sample_tokens_are_bounded(run_dir, monkeypatch, capsys):
+    _one_line(*_sample(run_dir, ["--size", "8192x8192"], monkeypatch, capsys), "8192x8192", "262144",
+              str(MAX_IMAGE_TOKENS))
+    _one_line(*_sample(run_dir, ["--size", "2048x2048", "--frames", "8"], monkeypatch, capsys), "--frames 8",
+              str(MAX_IMAGE_TOKENS))
+    sizes = [a for _ in range(5) for a in ("--size", "4096x4096")]
+    _one_line(*_sample(run_dir, ["--caption", "b", "--caption", "c", "--caption", "d", "--caption", "e", *sizes],
+                       monkeypatch, capsys), "5 requests", "327680")
+
+
+def test_sample_size_is_never_rounded(run_dir, monkeypatch, capsys):
+    _one_line(*_sample(run_dir, ["--size", "513x513"], monkeypatch, capsys), "--size 513x513", "multiples of 16",
+              "nearest valid: 512x512 or 528x528")
+    _one_line(*_sample(run_dir, ["--size", "512x520"], monkeypatch, capsys), "nearest valid: 512x512 or 512x528")
+    _one_line(*_sample(run_dir, ["--size", "8x8"], monkeypatch, capsys), "nearest valid: 16x16")
+
+
+def test_sample_steps_are_bounded(run_dir, monkeypatch, capsys):
+    _one_line(*_sample(run_dir, ["--steps", str(10 ** 12)], monkeypatch, capsys), "--steps", str(MAX_STEPS))
+
+
+# ---- run config values -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("override, bound", [
+    ("data.max_tokens_per_gpu=1099511627776", "67108864"),
+    ("data.global_batch=1000000000000000", "1048576"),
+    ("data.samples_per_step=1000000", "65536"),
+    ("data.epochs=10000000000", "1000000"),
+    ("data.seed=100000000000000000000", str((1 << 63) - 1)),
+    ("run.num_workers=1000000000", str(MAX_WORLD_SIZE)),
+    ("run.max_steps=100000000000", str(MAX_STEPS)),
+    ("run.timeout_s=1e30", "10000000"),
+    ("run.timeout_s=100000000000000000000", "10000000"),
+    ("optim.grad_accum_steps=10000000", "65536"),
+    ("balance.gpus_per_node=100000000", str(MAX_WORLD_SIZE)),
+    ("balance.topology=g99999999n99999", str(MAX_WORLD_SIZE)),
+])
+def test_run_config_counts_are_bounded(override, bound):
+    key = override.split("=", 1)[0]
+    start = time.monotonic()
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    message = str(info.value)
+    assert message.startswith(f"config {key}: ") and bound in message and "\n" not in message, message
+    assert time.monotonic() - start < 2
+
+
+def test_real_large_runs_are_not_refused():
+    cfg = load_config(None, ["run.num_workers=16384", "balance.gpus_per_node=8", "data.epochs=10",
+                             "run.max_steps=5000000", "data.max_tokens_per_gpu=1048576", "data.global_batch=65536",
+                             "balance.topology=g8n2048", "run.timeout_s=604800"])
+    assert cfg.run.num_workers == 16384
+    from knapray.planning.mix import parse_mix, rank_codes
+
+    assert len(rank_codes(parse_mix("image+video"), 16384)) == 16384
+
+
+# ---- config files ------------------------------------------------------------------------
+
+
+def _config_file(tmp_path: Path, name: str, content: bytes) -> str:
+    path = tmp_path / name
+    path.write_bytes(content)
+    return str(path)
+
+
+CONFIG_FILES = [
+    ("empty.yaml", b"", ["empty.yaml", "empty"]),
+    ("comments.yaml", b"# only a comment\n", ["comments.yaml", "empty"]),
+    ("binary.yaml", bytes(range(128, 256)) * 4, ["binary.yaml", "not UTF-8"]),
+    ("list.yaml", b"- run\n- data\n", ["list.yaml", "expected a mapping"]),
+    ("scalar.yaml", b"just words\n", ["scalar.yaml", "expected a mapping"]),
+    ("long-name.yaml", b"run:\n  name: " + b"x" * 300 + b"\n", ["run.name", "300 characters", "128"]),
+    ("slash-name.yaml", b"run:\n  name: a/../../b\n", ["run.name", "'a/../../b'"]),
+    ("space-name.yaml", b"run:\n  name: my run\n", ["run.name", "'my run'"]),
+]
+
+
+@pytest.mark.parametrize("name, content, names", CONFIG_FILES)
+def test_knapray_train_check_refuses_bad_config_files(name, content, names, tmp_path, capsys):
+    path = _config_file(tmp_path, name, content)
+    line = _one_line(*_in_process(["train", "--config", path, "--check"], capsys), *names)
+    assert line.startswith("knapray train: error: ") and len(line) < 400, line
+
+
+def test_huge_config_file_is_not_read_whole(tmp_path, capsys):
+    path = _config_file(tmp_path, "big.yaml", b"run:\n  name: x\n" + b"#" * (2 << 20))
+    _one_line(*_in_process(["train", "--config", path, "--check"], capsys), "big.yaml", "larger than 1024 KiB")
+
+
+def test_the_launcher_script_refuses_a_binary_config_file(tmp_path):
+    name, content, names = CONFIG_FILES[2]  # a UnicodeDecodeError traceback before
+    path = _config_file(tmp_path, name, content)
+    code, err, _ = _subprocess([str(REPO / "jobs" / "train.py"), "--config", path, "--check"], cwd=tmp_path)
+    _one_line(code, err, *names)
+
+
+@pytest.mark.parametrize("command", [["memory"], ["dryrun"]])
+def test_other_commands_taking_config_refuse_an_empty_file(command, tmp_path, capsys):
+    path = _config_file(tmp_path, "empty.yaml", b"")
+    _one_line(*_in_process([*command, "--config", path], capsys), "empty.yaml", "empty")
