@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     import ray
     from ray.train import TrainingFailedError
 
-    from knapray.train.launch import run_training
+    from knapray.train.launch import interrupted_line, run_training
 
     address = args.address or os.environ.get("RAY_ADDRESS")
     # Ray's own INFO/WARNING lines stay in its session logs; the console shows knapray's
@@ -109,9 +109,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except TrainingFailedError as e:
         why = known_failure(e)
-        if why is None:
-            raise
+        if why is None:  # past run.max_failures restarts: the first worker's error and where the logs are
+            why = (f"{first_failure(e)} (run.max_failures={cfg.run.max_failures}); the workers' logs: "
+                   f"{_ray_logs_dir()}; {interrupted_line(cfg)}")
         print(f"knapray train: error: training failed: {why}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C: Ray Train stopped the workers
+        print(f"\nknapray train: interrupted: {interrupted_line(cfg)}", file=sys.stderr, flush=True)
+        return 130
+    except OSError as e:  # the environment (a disk, a mount): one line naming the path
+        print(f"knapray train: error: {e}", file=sys.stderr)
         return 1
     s = balanced["run"]["summary"]
     new = balanced["new_steps"]
@@ -212,6 +219,25 @@ def known_failure(error: Exception) -> str | None:
             return None
         reasons.append(str(cause).splitlines()[0])
     return "; ".join(dict.fromkeys(reasons)) or None
+
+
+def first_failure(error: Exception) -> str:
+    """One line for any Ray Train failure: the lowest failed rank's error (its exception
+    type and first line) and how many other workers failed, or the controller's error."""
+    failures = getattr(error, "worker_failures", None) or {}
+    if not failures:
+        return _one_line(getattr(error, "controller_failure", error))
+    rank = min(failures)
+    more = f" (and {len(failures) - 1} more worker(s))" if len(failures) > 1 else ""
+    return f"worker {rank}: {_one_line(failures[rank])}{more}"
+
+
+def _one_line(error: BaseException) -> str:
+    for attr in ("_base_exc", "cause"):  # Ray's wrappers of a worker's own exception
+        error = getattr(error, attr, None) or error
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    return text if len(text) <= 400 else text[:397] + "..."
 
 
 def _ray_logs_dir() -> str:

@@ -214,7 +214,12 @@ def _fit(cfg: TrainConfig, corpus: CorpusCheck, *, verbose: bool) -> dict:
           f"{'GPU/NCCL' if cfg.run.use_gpu else 'CPU/gloo'}, about {total} steps; worker logs stay in Ray's "
           "session logs", flush=True)
     with _ProgressTail(os.path.join(run_dir, "metrics.jsonl"), total, cfg.run.name, start_step=done_steps):
-        result = trainer.fit()
+        try:
+            result = trainer.fit()
+        except (KeyboardInterrupt, SystemExit):
+            # Ray Train's own SIGINT handler aborts the workers, then exits (SystemExit) or lets
+            # the interrupt through: either way the run stopped here.
+            raise Interrupted(cfg.run_dir) from None
     summary = result.return_value or {}
     try:  # by name: the actor may have been replaced while the run went on
         summary["coordinator_stats"] = ray.get(ray.get_actor(coordinator_name(cfg)).stats.remote(), timeout=30)
@@ -223,6 +228,22 @@ def _fit(cfg: TrainConfig, corpus: CorpusCheck, *, verbose: bool) -> dict:
     del coordinator
     summary["run"] = write_run_files(cfg, summary)
     return summary
+
+
+class Interrupted(KeyboardInterrupt):
+    """The driver was interrupted (SIGINT) while the workers trained; they were stopped."""
+
+
+def interrupted_line(cfg: TrainConfig) -> str:
+    """Where an interrupted run stopped and how to go on: its last complete checkpoint."""
+    from .checkpoint import completed_checkpoints
+
+    done = completed_checkpoints(os.path.join(cfg.run_dir, "checkpoints"))
+    if not done:
+        return (f"run {cfg.run.name!r} stopped before its first checkpoint ({cfg.run_dir}); run the same "
+                "command again to start it afresh")
+    return (f"run {cfg.run.name!r} stopped; its last checkpoint is step {checkpoint_step(done[-1])} ({done[-1]}); "
+            "run the same command again to resume from it")
 
 
 HEAD_RESOURCE = "node:__internal_head__"
