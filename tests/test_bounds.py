@@ -143,6 +143,7 @@ def test_steps_are_bounded_in_every_command(argv, capsys):
 
 @pytest.mark.parametrize("command, module, function", [
     ("parity", "knapray.parity", "run_parity"),
+    ("bench step", "knapray.benchmarks.step", "run_step_bench"),
     ("reference", "knapray.testing.reference", "run_reference"),
 ])
 def test_local_processes_are_bounded(command, module, function, monkeypatch, capsys):
@@ -153,7 +154,7 @@ def test_local_processes_are_bounded(command, module, function, monkeypatch, cap
 
     monkeypatch.setattr(importlib.import_module(module), function, started)
     extra = ["--pretrained", "/nonexistent"] if command == "reference" else []
-    _one_line(*_in_process([command, "--world-size", "1000", *extra], capsys), "--world-size 1000",
+    _one_line(*_in_process([*command.split(), "--world-size", "1000", *extra], capsys), "--world-size 1000",
               f"at most {MAX_LOCAL_PROCESSES}")
 
 

@@ -668,6 +668,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def cli(args: argparse.Namespace) -> int:
     import sys
 
+    from knapray.commands.flags import check_local_processes
+
+    check_local_processes(args.world_size, "knapray bench step")
     result = run_step_bench(
         world_size=args.world_size, steps=args.steps, warmup=args.warmup, mix=args.mix, scale=args.scale,
         topology=args.topology, max_text_tokens=args.max_text_tokens, hidden=args.hidden, heads=args.heads,
