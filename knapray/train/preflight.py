@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from knapray.corpus.schema import SchemaFileError, load_schema_json
+from knapray.corpus.schema import SchemaFileError
+from knapray.corpus.schema import load_schema_json as read_schema_json  # every field's type checked
 from knapray.data import BadShard, CorpusInfo, DuplicateId, check_model_config, check_shards, corpus_info, duplicate_ids
 
 from .checkpoint import completed_checkpoints
@@ -54,7 +55,7 @@ class _SchemaReader:
         if path != self.path:
             self.path, self.doc, self.error = path, None, None
             try:
-                self.doc = load_schema_json(path)
+                self.doc = read_schema_json(path)
             except (OSError, ValueError) as e:  # missing, unreadable, not JSON, another format, wrong types
                 self.error = e
         return self.doc
