@@ -83,3 +83,19 @@ step): 262,144."""
 
 MAX_RUN_NAME = 128
 """Characters of ``run.name`` (a directory, a Ray actor and a tracker run are named after it)."""
+
+MAX_MODEL_WIDTH = 1 << 16
+"""A model's width, channels, text and pooled widths (``model.hidden_size``, ...): 65,536
+(FLUX.1 is 3072 wide; the widest published DiTs are under 20,000)."""
+
+MAX_MODEL_DEPTH = 1 << 12
+"""Transformer blocks of one kind, and attention heads: 4,096 (FLUX.1: 19 + 38 blocks, 24 heads)."""
+
+MAX_MODEL_PARAMS = 1 << 40
+"""Parameters of a model: about 1.1 trillion (FLUX.1 has 11.9 billion): a model larger
+than this cannot be trained on any cluster knapray targets, and building it would only
+exhaust the workers' memory."""
+
+MAX_BENCH_LEDGER_ROWS = 1 << 28
+"""``knapray bench ledger --sizes``: rows of one benchmarked ledger, 268,435,456 (about
+4 GB in memory; the bench's default largest is 10 million)."""

@@ -250,6 +250,39 @@ def test_run_config_counts_are_bounded(override, bound):
     assert time.monotonic() - start < 2
 
 
+@pytest.mark.parametrize("override, bound", [
+    ("model.hidden_size=160000", "65536"),
+    ("model.depth_single=100000", "4096"),
+    ("model.num_heads=100000", "4096"),
+    ("model.patch_size=[1,2,200]", "64"),
+])
+def test_model_dimensions_are_bounded(override, bound):
+    with pytest.raises(ConfigError, match=rf"^config {override.split('=')[0]}: .*{bound}"):
+        load_config(None, [override])
+
+
+def test_a_model_too_large_for_any_cluster_is_one_line_in_pre_flight(tmp_path, capsys):
+    """Each width and depth within its bound, their product not: 2e14 parameters."""
+    from dist_utils import build_tiny_corpus
+
+    corpus = build_tiny_corpus(tmp_path / "corpus", "g1b2i128f1s0", steps=1)
+    argv = ["train", "--config", str(REPO / "jobs" / "configs" / "demo.yaml"), "--set", f"data.corpus={corpus}", "--set", f"run.storage={tmp_path}", "--set",
+            "model.hidden_size=60000", "--set", "model.num_heads=10", "--set", "model.rope_axes_dim=[2000,2000,2000]",
+            "--set", "model.depth_single=4000", "--check"]
+    line = _one_line(*_in_process(argv, capsys), "parameters", "hidden_size=60000", "depth_single=4000")
+    assert "at most 1.1e+12" in line
+
+
+@pytest.mark.parametrize("argv, bound", [
+    (["bench", "ledger", "--sizes", "10000,99999999999"], "268435456"),
+    (["bench", "planner", "--ranks", "1024,99999999968"], str(MAX_WORLD_SIZE)),
+])
+def test_bench_sizes_are_bounded(argv, bound, capsys):
+    start = time.monotonic()
+    _one_line(*_in_process(argv, capsys), "99999999", bound)
+    assert time.monotonic() - start < 2
+
+
 def test_real_large_runs_are_not_refused():
     cfg = load_config(None, ["run.num_workers=16384", "balance.gpus_per_node=8", "data.epochs=10",
                              "run.max_steps=5000000", "data.max_tokens_per_gpu=1048576", "data.global_batch=65536",

@@ -119,7 +119,9 @@ def _measure(rows: int, steps: int, world: int, per_rank: int, state_dir: str) -
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from knapray.commands.flags import add_json, int_list, step_count
 
-    p.add_argument("--sizes", type=int_list, default=None,
+    from knapray.limits import MAX_BENCH_LEDGER_ROWS
+
+    p.add_argument("--sizes", type=int_list(MAX_BENCH_LEDGER_ROWS), default=None,
                    help="ledger sizes in rows, comma-separated (default 10000,1000000,10000000)")
     p.add_argument("--steps", type=step_count, default=30, help="committed steps measured per size (default 30)")
     p.add_argument("--dir", default=None, help="where the state directories go (default: the temp directory)")

@@ -92,10 +92,11 @@ def run(
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from knapray.commands.flags import add_json, add_seed, int_list, step_count
+    from knapray.limits import MAX_WORLD_SIZE
 
     p.add_argument("--steps", type=step_count, default=20, help="steps per case at 32 ranks (default 20)")
     p.add_argument("--steps-1024", type=step_count, default=5, help="steps per case at 1024 ranks (default 5)")
-    p.add_argument("--ranks", type=int_list, default=None,
+    p.add_argument("--ranks", type=int_list(MAX_WORLD_SIZE), default=None,
                    help="also these world sizes, one balance group of bags of 8 each (e.g. 1024,4096,16384)")
     add_seed(p)
     add_json(p)

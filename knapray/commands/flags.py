@@ -70,15 +70,22 @@ def float_in(*, ge: float | None = None, gt: float | None = None) -> Callable[[s
     return parse
 
 
-def int_list(text: str) -> list[int]:
-    """``"10000,1000000"`` -> ``[10000, 1000000]``."""
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, e.g. 10000,1000000; got {text!r}")
-    return values
+def int_list(maximum: int) -> Callable[[str], list[int]]:
+    """A flag type: ``"10000,1000000"`` -> ``[10000, 1000000]``, each value in [0, maximum]."""
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",") if x.strip() and len(x.strip()) <= 19]
+        except ValueError:
+            values = []
+        if not values or len(values) != len([x for x in text.split(",") if x.strip()]) or min(values) < 0:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, e.g. 10000,1000000; "
+                                             f"got {text[:60]!r}")
+        if max(values) > maximum:
+            raise argparse.ArgumentTypeError(f"{max(values)} is more than {maximum}, the most this flag takes")
+        return values
+
+    return parse
 
 
 # ---- run config -------------------------------------------------------------------------

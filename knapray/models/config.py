@@ -6,6 +6,8 @@ import dataclasses
 import math
 from typing import Any
 
+from knapray.limits import MAX_MODEL_DEPTH, MAX_MODEL_WIDTH
+
 
 def _known_family(name: object) -> None:
     from knapray.models.families import FAMILY_NAMES  # the registry imports this module
@@ -23,23 +25,23 @@ class MMDiTConfig:
     relate fields, for a config built in code.
     """
 
-    in_channels: int = dataclasses.field(default=4, metadata={"ge": 1})
+    in_channels: int = dataclasses.field(default=4, metadata={"ge": 1, "le": MAX_MODEL_WIDTH})
     """Channels of the latent (C in (C, T, H, W))."""
-    patch_size: tuple[int, int, int] = dataclasses.field(default=(1, 2, 2), metadata={"ge": 1})
+    patch_size: tuple[int, int, int] = dataclasses.field(default=(1, 2, 2), metadata={"ge": 1, "le": 64})
     """Patch extent along (t, h, w); one image token per patch."""
-    hidden_size: int = dataclasses.field(default=64, metadata={"ge": 1})
+    hidden_size: int = dataclasses.field(default=64, metadata={"ge": 1, "le": MAX_MODEL_WIDTH})
     """Model width d."""
-    num_heads: int = dataclasses.field(default=4, metadata={"ge": 1})
+    num_heads: int = dataclasses.field(default=4, metadata={"ge": 1, "le": MAX_MODEL_DEPTH})
     """Attention heads; head_dim = hidden_size / num_heads."""
-    depth_double: int = dataclasses.field(default=2, metadata={"ge": 0})
+    depth_double: int = dataclasses.field(default=2, metadata={"ge": 0, "le": MAX_MODEL_DEPTH})
     """Double-stream blocks (separate text / image weights, joint attention)."""
-    depth_single: int = dataclasses.field(default=2, metadata={"ge": 0})
+    depth_single: int = dataclasses.field(default=2, metadata={"ge": 0, "le": MAX_MODEL_DEPTH})
     """Single-stream blocks (shared weights over all tokens)."""
-    mlp_ratio: float = dataclasses.field(default=4.0, metadata={"gt": 0})
+    mlp_ratio: float = dataclasses.field(default=4.0, metadata={"gt": 0, "le": 64})
     """MLP hidden width as a multiple of hidden_size."""
-    text_dim: int = dataclasses.field(default=32, metadata={"ge": 0})
+    text_dim: int = dataclasses.field(default=32, metadata={"ge": 0, "le": MAX_MODEL_WIDTH})
     """Width of incoming text-encoder token features; 0 means the model takes no text tokens."""
-    pooled_dim: int = dataclasses.field(default=32, metadata={"ge": 0})
+    pooled_dim: int = dataclasses.field(default=32, metadata={"ge": 0, "le": MAX_MODEL_WIDTH})
     """Width of the pooled conditioning vector per sequence; 0 means none (timestep only)."""
     rope_axes_dim: tuple[int, int, int] = dataclasses.field(default=(4, 6, 6), metadata={"ge": 0})
     """Head channels rotated by the t, h, w coordinates; each even, summing to head_dim."""

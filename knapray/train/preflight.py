@@ -153,6 +153,7 @@ def check(cfg: TrainConfig, worlds: Iterable[int], *, corpus: CorpusCheck | None
     worlds = tuple(int(w) for w in worlds)
     for world in worlds:
         check_world(cfg, world)
+    check_model_size(cfg)
     check_pretrained(cfg)
     if corpus is None:
         corpus = check_corpus(cfg, schema)
@@ -162,6 +163,20 @@ def check(cfg: TrainConfig, worlds: Iterable[int], *, corpus: CorpusCheck | None
         raise RunError(f"{e}; leave model.in_channels / text_dim / pooled_dim out of the config to take the "
                        "corpus's, or use a corpus made with the encoders the config expects") from None
     return Preflight(cfg=cfg, worlds=worlds, corpus=corpus)
+
+
+def check_model_size(cfg: TrainConfig) -> None:
+    """The model's parameter count (exact, from its config: ``ModelShape``) is within
+    ``MAX_MODEL_PARAMS``: each width and depth is bounded on its own, their product too, so
+    that a typo never has workers build a model no memory holds."""
+    from knapray.limits import MAX_MODEL_PARAMS
+    from knapray.planning.memory import ModelShape
+
+    params = ModelShape.of(cfg.model).num_params
+    if params > MAX_MODEL_PARAMS:
+        m = cfg.model
+        raise RunError(f"model: {params:.3g} parameters (hidden_size={m.hidden_size}, depth_double={m.depth_double}, "
+                       f"depth_single={m.depth_single}, mlp_ratio={m.mlp_ratio:g}); at most {MAX_MODEL_PARAMS:.3g}")
 
 
 def check_pretrained(cfg: TrainConfig) -> None:
