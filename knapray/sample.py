@@ -129,13 +129,9 @@ def flow_timesteps(steps: int, shift: float = 1.0) -> list[float]:
 def read_run(run_dir: str, checkpoint: str | None = None) -> tuple[Any, str]:
     """(TrainConfig, checkpoint path) of a run directory, read without loading weights."""
     from knapray.train.checkpoint import completed_checkpoints
-    from knapray.train.config import config_from_dict
+    from knapray.train.run_files import read_run_config
 
-    cfg_path = os.path.join(run_dir, "config.json")
-    if not os.path.exists(cfg_path):
-        raise ValueError(f"--run {run_dir}: no config.json there; is it a knapray run directory?")
-    with open(cfg_path) as f:
-        cfg = config_from_dict(json.load(f))
+    cfg = read_run_config(run_dir)
     done = completed_checkpoints(os.path.join(run_dir, "checkpoints"))
     path = checkpoint or (done[-1] if done else None)
     if path is None:

@@ -46,6 +46,7 @@ def run_dir(tmp_path):
     (corpus / "schema.json").write_text(json.dumps({
         "format_version": FORMAT_VERSION,
         "dims": {"channels": 16, "text_dim": 16, "pooled_dim": 12, "vae_downsample": 8, "patch": [1, 2, 2]},
+        "payload": False, "counts": {"samples": 0, "seq_len": {"max": 0}}, "shards": [],
         "encoders": {"text": {"class": "HFTextEncoder"}, "latent": {"path": "/models/vae"}}}))
     run = tmp_path / "runs" / "r"
     (run / "checkpoints" / "step-000000003").mkdir(parents=True)
@@ -76,3 +77,17 @@ def test_arguments_are_checked_before_anything_loads(run_dir, extra, names, monk
     assert code == 2 and len(err) == 1, err
     for name in names:
         assert name in err[0], (name, err[0])
+
+
+@pytest.mark.parametrize("command", [["sample", "--caption", "a fox"], ["export", "--out", "exported"]])
+@pytest.mark.parametrize("damage, needle", [(b"{nope", "is not JSON"), (b"[]", "holds a list"),
+                                            (b'{"model": {"hidden_size": "wide"}}', "model.hidden_size")])
+def test_sample_and_export_read_a_damaged_config_json_in_one_line(command, damage, needle, tmp_path, capsys):
+    """The run's config.json is read as pre-flight reads it (knapray.train.run_files)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_bytes(damage)
+    code = main([command[0], "--run", str(run), *command[1:]])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
+    assert str(run / "config.json") in err[0] and needle in err[0], err[0]

@@ -161,12 +161,9 @@ def read_schema_json(corpus_dir: str | Path) -> dict[str, Any]:
     path = Path(corpus_dir) / SCHEMA_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: is {corpus_dir} a knapray corpus directory?")
-    doc = json.loads(path.read_text())
-    if doc.get("format_version") != FORMAT_VERSION:
-        raise ValueError(
-            f"{path}: format_version {doc.get('format_version')!r}, this knapray reads {FORMAT_VERSION}"
-        )
-    return doc
+    from knapray.corpus.schema import load_schema_json  # every field a reader takes, type-checked
+
+    return load_schema_json(str(corpus_dir))
 
 
 def shard_paths(corpus_dir: str | Path) -> list[Path]:

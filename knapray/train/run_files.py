@@ -92,6 +92,21 @@ def saved_config(run_dir: str) -> dict | None:
     return doc
 
 
+def read_run_config(run_dir: str) -> TrainConfig:
+    """The config a finished or running run was trained with (``knapray sample``,
+    ``knapray export``): its ``config.json`` checked as ``saved_config`` does, then as a
+    config file is; ``RunError`` in one line naming the directory or the file."""
+    from .config import config_from_dict
+
+    doc = saved_config(run_dir)
+    if doc is None:
+        raise RunError(f"--run {run_dir}: no {CONFIG_FILE} there; is it a knapray run directory?")
+    try:
+        return config_from_dict(doc)
+    except ValueError as e:
+        raise RunError(f"run file {os.path.join(run_dir, CONFIG_FILE)}: {e}") from None
+
+
 def _flat(d: dict, prefix: str = "") -> dict[str, object]:
     out: dict[str, object] = {}
     for k, v in d.items():
@@ -124,6 +139,9 @@ class RunStart:
     resume_from: str | None
     """The checkpoint directory to resume from (None: a fresh run)."""
     message: str
+    torn_metrics: str | None = None
+    """A resume's warning that metrics.jsonl ends in a torn line, which ``cut_torn_metrics``
+    drops (None: it does not)."""
 
 
 def decide_start(cfg: TrainConfig, checkpoints: list[str]) -> RunStart:
@@ -154,8 +172,9 @@ def decide_start(cfg: TrainConfig, checkpoints: list[str]) -> RunStart:
                        f"({os.path.join(run_dir, CONFIG_FILE)}) differs in {'; '.join(blocking)}; choose another "
                        "run.name for a new run")
     check_resumable(run_dir, checkpoints[-1])
+    torn = scan_metrics(run_dir).torn
     changed = f" (changed: {'; '.join(other)})" if other else ""
-    return RunStart(checkpoints[-1], f"resuming run {cfg.run.name!r} from {checkpoints[-1]}{changed}")
+    return RunStart(checkpoints[-1], f"resuming run {cfg.run.name!r} from {checkpoints[-1]}{changed}", torn)
 
 
 def check_writable(run_dir: str) -> None:
@@ -318,25 +337,96 @@ def clear_stale_run_files(run_dir: str) -> None:
             shutil.rmtree(path)
 
 
-def truncate_metrics(run_dir: str, from_step: int) -> None:
-    """A resumed run redoes the steps after its checkpoint: drop their old lines."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        keep = [line for line in f if line.strip() and json.loads(line)["step"] < from_step]
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.writelines(keep)
-    os.replace(tmp, path)
+METRICS_FILE = "metrics.jsonl"
+
+
+@dataclass(frozen=True)
+class MetricsScan:
+    """``metrics.jsonl`` read and checked (``scan_metrics``)."""
+
+    records: list[dict]
+    torn_at: int | None = None
+    """Byte offset of a torn last line (None: there is none)."""
+    torn: str | None = None
+    """One line saying so, naming the file."""
+
+
+def scan_metrics(run_dir: str) -> MetricsScan:
+    """Rank 0's step records. A last line without its newline that is not a record is torn
+    (a crash mid-append leaves exactly that): left out, and reported in ``torn``; it is the
+    writer's to cut (``cut_torn_metrics``, ``truncate_metrics``). Any other line that is not
+    a JSON object with integer ``step`` and ``epoch`` is ``RunError`` naming the file and
+    the line: every reader (the resume's rewrite, the step count, summary.json) needs them."""
+    path = os.path.join(run_dir, METRICS_FILE)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return MetricsScan([])
+    except OSError as e:
+        raise RunError(f"run file {path}: cannot be read ({e.strerror})") from None
+    lines = data.split(b"\n")
+    tail = lines.pop()  # b"" when the file ends with its newline
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        record, why = _metrics_record(line)
+        if why is not None:
+            raise RunError(f"run file {path}: line {number} is not a step record ({why}); fix or delete that line "
+                           "(the steps it held then go uncounted in summary.json)")
+        records.append(record)
+    if tail.strip():
+        record, why = _metrics_record(tail)
+        if why is None:  # whole but for its newline: the next rewrite adds it
+            records.append(record)
+        else:
+            return MetricsScan(records, len(data) - len(tail),
+                               f"run file {path}: dropped a torn last line {len(lines) + 1} ({len(tail)} bytes, "
+                               f"{why}), as a crash while writing it leaves it")
+    return MetricsScan(records)
+
+
+def _metrics_record(line: bytes) -> tuple[dict | None, str | None]:
+    """(the record, None) or (None, why the line is not one)."""
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError:
+        return None, "not UTF-8"
+    except ValueError:
+        return None, "not JSON"
+    if not isinstance(record, dict):
+        return None, f"a JSON {type(record).__name__}, not an object"
+    for key in ("step", "epoch"):
+        value = record.get(key)
+        if type(value) is not int or value < 0:
+            return None, f"{key} is {value!r}" if key in record else f"no {key}"
+    return record, None
 
 
 def read_metrics(run_dir: str) -> list[dict]:
-    path = os.path.join(run_dir, "metrics.jsonl")
+    """The records of ``metrics.jsonl`` (``scan_metrics``: a torn last line left out)."""
+    return scan_metrics(run_dir).records
+
+
+def cut_torn_metrics(run_dir: str) -> None:
+    """Cut a torn last line off ``metrics.jsonl`` (before rank 0 appends after it)."""
+    torn_at = scan_metrics(run_dir).torn_at
+    if torn_at is not None:
+        os.truncate(os.path.join(run_dir, METRICS_FILE), torn_at)
+
+
+def truncate_metrics(run_dir: str, from_step: int) -> None:
+    """A resumed run redoes the steps after its checkpoint: drop their old lines (and a torn
+    last line a worker killed mid-append left)."""
+    path = os.path.join(run_dir, METRICS_FILE)
     if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return
+    keep = [r for r in scan_metrics(run_dir).records if r["step"] < from_step]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in keep)
+    os.replace(tmp, path)
 
 
 def summary_steps(records: list[dict]) -> list[dict]:

@@ -72,16 +72,6 @@ def _shard_plan(layout, dtype: torch.dtype, max_bytes: int) -> list[list[str]]:
     return shards
 
 
-def _run_config(run_dir: str):
-    from knapray.train.config import config_from_dict
-
-    path = os.path.join(run_dir, "config.json")
-    if not os.path.exists(path):
-        raise ValueError(f"--run {run_dir}: no config.json there; is it a knapray run directory?")
-    with open(path) as f:
-        return config_from_dict(json.load(f))
-
-
 def _reads(params: list[str], sizes: dict[str, int], budget: int) -> list[list[str]]:
     """``params`` in order, cut into reads of at most ``budget`` bytes (a larger one alone)."""
     reads: list[list[str]] = [[]]
@@ -101,14 +91,15 @@ def export_run(run_dir: str, out: str, *, ema: bool = False, checkpoint: str | N
     run, checkpoint or output that cannot be exported."""
     from safetensors.torch import save_file
 
-    from knapray.train.checkpoint import completed_checkpoints, safe_load, saved_keys
+    from knapray.train.checkpoint import completed_checkpoints, read_trainer_state, safe_load, saved_keys
+    from knapray.train.run_files import read_run_config
 
     t0 = time.perf_counter()
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: valid: {', '.join(DTYPES)}")
     if max_shard_bytes < 1 or read_bytes < 1:
         raise ValueError(f"shard and read sizes must be >= 1 byte, got {max_shard_bytes} and {read_bytes}")
-    cfg = _run_config(run_dir).model
+    cfg = read_run_config(run_dir).model
     family = get_family(cfg.family)
     layout = checkpoint_layout(cfg)  # ValueError for a family without a checkpoint format
     out = os.path.abspath(out)
@@ -127,8 +118,7 @@ def export_run(run_dir: str, out: str, *, ema: bool = False, checkpoint: str | N
     missing = [p.param for p in layout.pieces if f"{prefix}.{p.param}" not in saved]
     if missing:
         raise ValueError(f"checkpoint {path} has no {prefix}.{missing[0]}: not a {cfg.family} run of this shape")
-    with open(os.path.join(path, "trainer.json")) as f:
-        step = int(json.load(f)["step"])
+    step = read_trainer_state(path)["step"]
 
     torch_dtype = DTYPES[dtype]
     plan = _shard_plan(layout, torch_dtype, max_shard_bytes)
