@@ -299,3 +299,62 @@ def test_an_interrupted_run_says_where_it_stopped_and_exits_130(damaged_run, cap
     assert code == 130 and len(err) == 1 and "Traceback" not in err[0], err
     assert err[0] == (f"knapray train: interrupted: run 'r' stopped; its last checkpoint is step 2 "
                       f"({run / 'checkpoints' / 'step-000000002'}); run the same command again to resume from it")
+
+
+# ---- a run directory's metrics.jsonl -------------------------------------------------------
+
+
+def _metrics_lines(steps: int = 3) -> list[str]:
+    return [json.dumps({"step": s, "epoch": 0, "loss": 1.0 / (s + 1)}) + "\n" for s in range(steps)]
+
+
+METRICS_DAMAGE = {
+    "garbage": ("#!garbage\n", "not JSON"),
+    "binary": (b"\xff\xfe\x00\n", "not UTF-8"),
+    "a list": ("[1, 2]\n", "a JSON list, not an object"),
+    "step a string": ('{"step": "2", "epoch": 0}\n', "step is '2'"),
+    "no epoch": ('{"step": 2}\n', "no epoch"),
+}
+
+
+@pytest.mark.parametrize("at", ["middle", "last, with its newline"])
+@pytest.mark.parametrize("damage", METRICS_DAMAGE)
+def test_a_damaged_metrics_line_is_one_line_naming_file_and_line(damage, at, damaged_run, capsys):
+    run, argv = damaged_run
+    line, needle = METRICS_DAMAGE[damage]
+    lines = [x.encode() for x in _metrics_lines()]
+    lines.insert(1 if at == "middle" else 3, line if isinstance(line, bytes) else line.encode())
+    (run / "metrics.jsonl").write_bytes(b"".join(lines))
+    code, err = _train(argv, capsys)
+    where = 2 if at == "middle" else 4
+    _one_line(code, err, 2, f"run file {run / 'metrics.jsonl'}: line {where} is not a step record ({needle})")
+
+
+def test_a_torn_last_metrics_line_is_dropped_with_a_warning(damaged_run, capsys):
+    from knapray.train import preflight
+    from knapray.train.run_files import read_metrics, truncate_metrics
+
+    run, argv = damaged_run
+    path = run / "metrics.jsonl"
+    whole = "".join(_metrics_lines())
+    path.write_text(whole + '{"step": 3, "epo')  # a crash mid-append
+    assert main(argv) == 0  # --check: says what the run would do, changes nothing
+    out = capsys.readouterr()
+    assert (f"  run directory: run file {path}: would drop a torn last line 4 (16 bytes, not JSON), as a crash "
+            "while writing it leaves it") in out.out.splitlines()
+    assert out.err == ""
+    assert path.read_text().endswith('"epo')
+    assert [r["step"] for r in read_metrics(str(run))] == [0, 1, 2]  # every reader leaves it out
+
+    pre = preflight.check_file(argv[2], argv[4:-1:2])  # the run itself: its pre-flight cuts the torn line
+    start, lock = preflight.prepare(pre)
+    lock.release()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"[knapray] warning: run file {path}: dropped a torn last line 4 (16 bytes, not JSON), "
+                   "as a crash while writing it leaves it"], err
+    assert start.resume_from is not None and path.read_text() == whole
+
+    # A worker group restarted mid-run (rank 0 killed mid-append) rewrites back to its checkpoint.
+    path.write_bytes(whole.encode() + b'{"step": 3, "epoch": 0, "lo\xe2')
+    truncate_metrics(str(run), 2)
+    assert path.read_text() == "".join(_metrics_lines(2))

@@ -15,6 +15,7 @@ what is valid, which the launchers print with exit code 2.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ from .run_files import (
     check_world,
     check_writable,
     clear_stale_run_files,
+    cut_torn_metrics,
     decide_start,
     inside_ray_upload,
     resolve_paths,
@@ -124,7 +126,7 @@ class Preflight:
             f"world sizes: {_worlds_text(self.worlds, cfg)}: the global batch, topology "
             f"{cfg.balance.topology!r} and heads fit each",
             f"run directory: {_would(start.message)}",
-        ]
+        ] + ([f"run directory: {start.torn_metrics.replace('dropped', 'would drop', 1)}"] if start.torn_metrics else [])
 
 
 _WOULD = {"starting": "would start", "resuming": "would resume"}
@@ -227,14 +229,18 @@ def check_corpus(cfg: TrainConfig, schema: _SchemaReader | None = None) -> Corpu
 
 def prepare(pre: Preflight) -> tuple[RunStart, RunLock]:
     """The run directory, once every check passed: take its lock, decide fresh run or
-    resume under it (``run.resume``), clear what an unfinished fresh run left, write the
-    config and the quarantined shards. The caller releases the lock at the end of the run."""
+    resume under it (``run.resume``), clear what an unfinished fresh run left (or cut a
+    resumed run's torn last metrics line, with a warning), write the config and the
+    quarantined shards. The caller releases the lock at the end of the run."""
     cfg = pre.cfg
     lock = RunLock(cfg.run_dir).acquire()
     try:
         start = decide_start(cfg, completed_checkpoints(os.path.join(cfg.run_dir, "checkpoints")))
         if start.resume_from is None:
             clear_stale_run_files(cfg.run_dir)
+        elif start.torn_metrics:
+            cut_torn_metrics(cfg.run_dir)
+            print(f"[knapray] warning: {start.torn_metrics}", file=sys.stderr, flush=True)
         write_config(cfg)
         write_shard_quarantine(cfg.run_dir, list(pre.corpus.bad_shards))
         write_duplicate_quarantine(cfg.run_dir, list(pre.corpus.duplicates))
