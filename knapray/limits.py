@@ -66,6 +66,10 @@ MAX_CORPUS_SAMPLES = 1 << 27
 MAX_EMBED_DIM = 1 << 16
 """Channels and embedding widths of a synthetic corpus: 65,536."""
 
+MAX_SHUFFLE_BUFFER_MB = 1 << 16
+"""MiB of corpus rows one training worker shuffles among (``data.shuffle_buffer_mb``): 64 GiB,
+more host memory than a GPU's share of any node (Ray's buffer holds up to twice this)."""
+
 MAX_SHARDS = 1 << 20
 """Parquet files of a synthetic corpus."""
 

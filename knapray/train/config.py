@@ -34,7 +34,8 @@ from typing import Any, get_args, get_origin, get_type_hints
 import yaml
 
 from knapray.limits import (MAX_EPOCHS, MAX_GLOBAL_BATCH, MAX_MICRO_BATCHES, MAX_RANK_TOKENS, MAX_RUN_NAME,
-                            MAX_SAMPLES_PER_RANK, MAX_SEED, MAX_STEPS, MAX_TIMEOUT_S, MAX_WORLD_SIZE)
+                            MAX_SAMPLES_PER_RANK, MAX_SEED, MAX_SHUFFLE_BUFFER_MB, MAX_STEPS, MAX_TIMEOUT_S,
+                            MAX_WORLD_SIZE)
 from knapray.planning.rules import parse_rule
 from knapray.models import MMDiTConfig
 from knapray.models.flow import TIMESTEP_KINDS
@@ -104,6 +105,13 @@ class DataConfig:
     """Fraction of samples trained unconditionally: their text and pooled embeddings are
     replaced by the corpus's unconditional ones (the empty caption's, recorded at ingest;
     what ``knapray sample`` uses for guidance), decided per (seed, epoch, sample id)."""
+    shuffle_buffer_mb: int = field(default=256, metadata={"ge": 0, "le": MAX_SHUFFLE_BUFFER_MB})
+    """MiB of rows each Ray Train worker shuffles among while streaming (a new order every
+    epoch; 0: no local shuffle), at most 256 rows (``knapray.data.SHUFFLE_ROWS_MAX``). 256 MiB
+    is ~64 rows of a Flux-size corpus (a 1024² latent, 1 MiB, and 512 fp32 T5-XXL tokens,
+    8 MiB; ~128 rows with bf16 text), where 256 rows held ~1 GB per worker and delayed the
+    first step by 35-45 s; corpora of small rows keep 256. The torchrun launcher reads rows
+    in shard order and does not use it."""
     max_bad_fraction: float = field(default=0.5, metadata={"ge": 0, "le": 1})
     """Stop the run with an error once more than this fraction of the rows read (after at
     least 16) had to be quarantined: a mostly broken corpus must not train on nothing."""
