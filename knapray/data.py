@@ -22,6 +22,7 @@ import copy
 import dataclasses
 import logging
 import math
+import warnings
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,7 @@ import pyarrow as pa
 import torch
 
 from knapray.corpus import CorruptSample, decode_row, read_schema_json, shard_paths
+from knapray.corpus.schema import INT_COLUMNS, PAYLOAD_COLUMNS
 from knapray.models.config import MMDiTConfig
 from knapray.models.flow import add_noise
 from knapray.models.timesteps import TimestepDistribution
@@ -72,6 +74,9 @@ class CorpusInfo:
     """Shard file names, in corpus order."""
     shard_rows: tuple[int, ...] | None = None
     """Rows of each shard (None for corpora written before it was recorded)."""
+    text_dtype: str = "fp32"
+    """How the text embeddings are stored (fp32 or bf16; corpora without the field: fp32).
+    Decoding gives float32 either way."""
 
 
 def corpus_info(path: str | Path, doc: Mapping[str, Any] | None = None) -> CorpusInfo:
@@ -90,6 +95,7 @@ def corpus_info(path: str | Path, doc: Mapping[str, Any] | None = None) -> Corpu
         max_seq_len=int(doc["counts"]["seq_len"]["max"]),
         shards=tuple(doc["shards"]),
         shard_rows=tuple(int(n) for n in doc["shard_rows"]) if doc.get("shard_rows") is not None else None,
+        text_dtype=str(doc.get("text_dtype", "fp32")),
     )
 
 
@@ -213,22 +219,60 @@ def shard_batches(
     shuffle_buffer: int = 0,
     shuffle_seed: int | None = None,
     prefetch_batches: int = 2,
-) -> Iterable[dict[str, np.ndarray]]:
-    """Numpy batches of a ``ray.data.DataIterator`` (``get_dataset_shard("train")``),
-    the input ``StepStream`` expects. Numpy, not torch: the payload columns are object
-    arrays of ragged 1-D arrays, which the default torch collate cannot stack.
-    ``shuffle_buffer`` > 0 shuffles rows locally, deterministically when ``shuffle_seed``
-    is given (use ``epoch_seed(seed, epoch)``: a Ray Train dataset is read in the same
-    order every epoch)."""
+) -> Iterable[pa.Table]:
+    """Arrow batches of a ``ray.data.DataIterator`` (``get_dataset_shard("train")``), the
+    input ``StepStream`` expects. Arrow, not numpy or torch: ``StepStream`` takes the
+    payload columns' buffers as they are (``arrow_rows``), where Ray's numpy format would
+    build an object array of per-row arrays and the default torch collate cannot stack
+    ragged rows. ``shuffle_buffer`` > 0 shuffles rows locally among that many
+    (``shuffle_rows`` sizes it in bytes), deterministically when ``shuffle_seed`` is given
+    (use ``epoch_seed(seed, epoch)``: a Ray Train dataset is read in the same order every
+    epoch)."""
     if shuffle_buffer < 0:
         raise ValueError(f"shuffle_buffer must be >= 0, got {shuffle_buffer}")
     return shard.iter_batches(
-        batch_format="numpy",
+        batch_format="pyarrow",
         batch_size=batch_size,
         prefetch_batches=prefetch_batches,
         local_shuffle_buffer_size=shuffle_buffer or None,
         local_shuffle_seed=shuffle_seed if shuffle_buffer else None,
     )
+
+
+SHUFFLE_ROWS_MAX = 256
+"""At most this many rows in a worker's shuffle buffer, however small they are: the
+row-sized buffer knapray had before ``data.shuffle_buffer_mb``, so a corpus of small rows
+shuffles (and orders its epochs) as it did."""
+
+
+def shuffle_rows(buffer_mb: int, row_bytes: float) -> int:
+    """Rows of a ``buffer_mb`` MiB shuffle buffer for rows of ``row_bytes`` bytes on average,
+    at least 1 and at most ``SHUFFLE_ROWS_MAX``; 0 when ``buffer_mb`` is 0 (no shuffle).
+    Ray's buffer yields once it holds this many rows and holds up to about twice as many
+    between compactions."""
+    if buffer_mb < 0:
+        raise ValueError(f"shuffle buffer must be >= 0 MiB, got {buffer_mb}")
+    if buffer_mb == 0:
+        return 0
+    return int(min(SHUFFLE_ROWS_MAX, max(1, (buffer_mb << 20) // max(1.0, row_bytes))))
+
+
+def mean_row_bytes(path: str | Path, *, shards: int = 8) -> float:
+    """Bytes per row of the corpus in memory (Arrow), from the parquet footers of up to
+    ``shards`` shards spread over the corpus (uncompressed sizes; no data is read)."""
+    import pyarrow.parquet as pq
+
+    files = shard_paths(path)
+    picked = [files[i] for i in sorted({round(k * (len(files) - 1) / max(1, shards - 1)) for k in range(shards)})]
+    size = rows = 0
+    for file in picked:
+        try:
+            meta = pq.ParquetFile(file).metadata
+        except Exception:  # noqa: BLE001 - an unreadable shard (pre-flight quarantined it): size from the others
+            continue
+        rows += meta.num_rows
+        size += sum(meta.row_group(g).total_byte_size for g in range(meta.num_row_groups))
+    return size / rows if rows else 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -366,7 +410,9 @@ def local_rows(
             first = (rank - index) % world_size  # first row of this batch that is ours
             mine = np.arange(first, batch.num_rows, world_size)
             index += batch.num_rows
-            if mine.size:
+            if mine.size == batch.num_rows:  # a world of one: every row, no copy
+                yield batch
+            elif mine.size:
                 yield batch.take(pa.array(mine))
 
 
@@ -450,12 +496,66 @@ class CaptionDropout:
                 "text_tokens": self.text.shape[0]}
 
 
+def _payload_views(column: pa.Array) -> list[np.ndarray | None]:
+    """Each row of a payload column as a numpy view of the column's own buffer (no copy,
+    no Python object per value): float32 for ``list<float32>``, uint16 bf16 bits for the
+    bf16 corpus's ``large_binary``, None for a null row. A binary row of an odd number of
+    bytes comes back as ``bytes`` for ``decode_row`` to reject."""
+    n = len(column)
+    if column.null_count == n:
+        return [None] * n
+    if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+        offsets = column.offsets.to_numpy()
+        child = column.values
+        values = child.to_numpy(zero_copy_only=child.null_count == 0 and pa.types.is_primitive(child.type))
+    elif pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type):
+        wide = pa.types.is_large_binary(column.type)
+        _, off_buf, data_buf = column.buffers()
+        offsets = np.frombuffer(off_buf, dtype=np.int64 if wide else np.int32)[column.offset:column.offset + n + 1]
+        data = np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None else np.zeros(0, np.uint8)
+        out: list[np.ndarray | None] = []
+        for i in range(n):
+            a, b = int(offsets[i]), int(offsets[i + 1])
+            raw = data[a:b]
+            out.append(raw.view("<u2") if (b - a) % 2 == 0 and a % 2 == 0 else raw.tobytes())
+        values = None
+    else:
+        raise TypeError(f"payload column of type {column.type}: expected list<float> or large_binary (bf16)")
+    if values is not None:
+        out = [values[offsets[i]:offsets[i + 1]] for i in range(n)]
+    if column.null_count:
+        for i in np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False)):
+            out[i] = None
+    return out
+
+
+def arrow_rows(batch: pa.RecordBatch) -> Iterator[Row]:
+    """Rows of a record batch as dicts whose payloads are numpy views of the batch's
+    buffers (``_payload_views``) and whose ints are numpy scalars: what ``decode_row``
+    takes, without ``to_pylist``'s Python float per value."""
+    names = batch.schema.names
+    columns: dict[str, Any] = {}
+    for name in names:
+        column = batch.column(name)
+        if name in PAYLOAD_COLUMNS:
+            columns[name] = _payload_views(column)
+        elif name in INT_COLUMNS or name == "sample_id":
+            columns[name] = column.to_numpy(zero_copy_only=column.null_count == 0).tolist()
+        else:
+            columns[name] = column.to_pylist()
+    for i in range(batch.num_rows):
+        yield {name: columns[name][i] for name in names}
+
+
 def _rows(source: Iterable[Any]) -> Iterator[Row]:
     """Rows from row dicts, column batches (dict of arrays or lists, as Ray Data's numpy
-    batches) or pyarrow tables/record batches, in order."""
+    batches) or pyarrow tables/record batches (read through ``arrow_rows``), in order."""
     for item in source:
-        if isinstance(item, (pa.Table, pa.RecordBatch)):
-            yield from item.to_pylist()
+        if isinstance(item, pa.Table):
+            for batch in item.to_batches():
+                yield from arrow_rows(batch)
+        elif isinstance(item, pa.RecordBatch):
+            yield from arrow_rows(item)
         elif isinstance(item, Mapping):
             ids = item.get("sample_id")
             # A row's sample_id is a scalar; a column batch's is a 1-D array or a list.
@@ -614,8 +714,16 @@ def sample_generator(seed: int, epoch: int, sample_id: int) -> torch.Generator:
 
 
 def _as_tensor(array: np.ndarray) -> torch.Tensor:
-    # Arrays decoded from Arrow buffers can be read-only; torch wants writable memory.
-    return torch.from_numpy(np.require(array, dtype=np.float32, requirements="W"))
+    """A float32 tensor over ``array``'s memory, without a copy. Decoded payloads are views
+    of read-only Arrow buffers, which torch warns about (it cannot mark a tensor
+    read-only); nothing writes to them: ``pack_samples`` patchifies and concatenates into
+    new tensors, the batch's one copy of the data."""
+    array = np.asarray(array, dtype=np.float32)
+    if array.flags.writeable:
+        return torch.from_numpy(array)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)
 
 
 def build_packed_batch(

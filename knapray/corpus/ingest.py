@@ -43,7 +43,7 @@ from knapray.corpus.media import (
     sample_id_for,
     video_decoder,
 )
-from knapray.corpus.schema import CORPUS_SCHEMA, PATCH
+from knapray.corpus.schema import CORPUS_SCHEMA, PATCH, TEXT_DTYPES
 from knapray.corpus.stages import (
     DecodeOptions,
     EncoderInfo,
@@ -88,6 +88,9 @@ class IngestConfig:
     (each loads its own models; one GPU each when the encoders run on CUDA)."""
     cpus_per_worker: float = 1.0
     """CPUs Ray reserves for each encode actor (torch uses as many threads)."""
+    text_dtype: str = "fp32"
+    """How the text embeddings are stored: fp32, or bf16 (half the bytes of the corpus's
+    largest column; rounded as torch rounds, read back exactly into fp32)."""
 
     def __post_init__(self) -> None:
         for name in ("max_side", "max_frames", "frame_stride", "shards", "batch_size"):
@@ -99,6 +102,8 @@ class IngestConfig:
             raise ValueError(f"workers must be >= 0 (0 = no Ray), got {self.workers}")
         if self.cpus_per_worker <= 0:
             raise ValueError(f"cpus_per_worker must be > 0, got {self.cpus_per_worker}")
+        if self.text_dtype not in TEXT_DTYPES:
+            raise ValueError(f"text_dtype must be one of {TEXT_DTYPES}, got {self.text_dtype!r}")
         if not self.caption_column:
             raise ValueError("caption_column must be a non-empty metadata.jsonl key")
 
@@ -249,7 +254,7 @@ def ingest(
     batches = [items_table(items[i : i + cfg.batch_size]) for i in range(0, len(items), cfg.batch_size)]
     tables = _run_local(batches, opts, stage) if stage is not None else _run_ray(batches, opts, build, cfg, use_gpu)
 
-    writer = ShardWriter(out_dir, rows_per_shard=math.ceil(len(items) / cfg.shards))
+    writer = ShardWriter(out_dir, rows_per_shard=math.ceil(len(items) / cfg.shards), text_dtype=cfg.text_dtype)
     caption_from = {item.source: item.caption_from for item in items}
     skipped: Counter[str] = Counter()
     examples: dict[str, Path] = {}
@@ -307,6 +312,7 @@ def ingest(
         shards=shards,
         shard_rows=writer.shard_rows,
         counts=counts,
+        text_dtype=cfg.text_dtype,
         extra={
             "input": str(root),
             "encoder": info.latent_record["class"],
@@ -380,6 +386,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--frame-stride", type=int_at_least(1), default=1, help="keep every n-th video frame")
     d.add_argument("--max-text-tokens", type=text_tokens, default=MAX_TEXT_TOKENS, help="caption token limit")
     d.add_argument("--shards", type=int_at_least(1), default=1, help="target number of parquet files")
+    d.add_argument("--text-dtype", choices=TEXT_DTYPES, default="fp32", help="store text embeddings as fp32 or "
+                   "bf16 (half the bytes; rounded as torch rounds, read back exactly; default fp32)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -407,6 +415,7 @@ def run(args: argparse.Namespace) -> int:
         max_side=args.max_side, max_frames=args.max_frames, frame_stride=args.frame_stride,
         max_text_tokens=args.max_text_tokens, shards=args.shards, caption_column=args.caption_column,
         batch_size=args.batch_size, workers=args.workers, cpus_per_worker=args.cpus_per_worker,
+        text_dtype=args.text_dtype,
     )
     spec = EncoderSpec(
         vae=args.vae, text_encoder=args.text_encoder, text_tokenizer=args.text_tokenizer,

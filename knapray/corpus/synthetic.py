@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from knapray.commands.flags import Parser, int_at_least, step_count, text_tokens
-from knapray.corpus.schema import KINDS, PATCH, visual_token_count
+from knapray.corpus.schema import KINDS, PATCH, TEXT_DTYPES, visual_token_count
 from knapray.corpus.writer import ShardWriter, build_table, length_stats, write_schema_json
 from knapray.limits import (MAX_CORPUS_SAMPLES, MAX_EMBED_DIM, MAX_SEED, MAX_SHARDS, MAX_STEPS,
                             MAX_TEXT_LENGTH)
@@ -59,6 +59,9 @@ class SyntheticConfig:
     """False writes lengths only: payload columns are null (cheap full-size corpora)."""
     noise: float = 0.05
     """Std of white noise added to the smooth latent field."""
+    text_dtype: str = "fp32"
+    """How the text embeddings are stored: fp32, or bf16 (half the bytes; rounded as torch
+    rounds, read back exactly)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "scale", "channels", "text_dim", "pooled_dim", "shards"):
@@ -69,6 +72,8 @@ class SyntheticConfig:
             raise ValueError(f"max_text_tokens must be >= 0, got {self.max_text_tokens}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if self.text_dtype not in TEXT_DTYPES:
+            raise ValueError(f"text_dtype must be one of {TEXT_DTYPES}, got {self.text_dtype!r}")
         if not math.isfinite(self.noise) or self.noise < 0:
             raise ValueError(f"noise must be a finite value >= 0, got {self.noise}")
         codes = self.codes
@@ -215,7 +220,7 @@ def build_synthetic(cfg: SyntheticConfig, out_dir: str | Path, *, progress: bool
     n = lengths.sample_id.size
     kinds = [kind_of(c) for c in codes]
     names = [c.code for c in codes]
-    writer = ShardWriter(out_dir, rows_per_shard=math.ceil(n / cfg.shards))
+    writer = ShardWriter(out_dir, rows_per_shard=math.ceil(n / cfg.shards), text_dtype=cfg.text_dtype)
     maker = _PayloadMaker(cfg) if cfg.payload else None
     latent_values = cfg.channels * lengths.frames * lengths.height * lengths.width
     bar = progress_bar(n, "synthetic corpus", "sample", disable=not progress)
@@ -272,6 +277,7 @@ def build_synthetic(cfg: SyntheticConfig, out_dir: str | Path, *, progress: bool
         shards=shards,
         shard_rows=writer.shard_rows,
         counts=counts,
+        text_dtype=cfg.text_dtype,
         extra={"mix": cfg.mix_codes, "scale": cfg.scale, "config": asdict(cfg)},
     )
 
@@ -303,6 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shards", type=int_at_least(1, MAX_SHARDS), default=4, help="number of parquet files (default 4)")
     p.add_argument("--seed", type=int_at_least(0, MAX_SEED), default=0, help="seed; same seed, same corpus (default 0)")
     p.add_argument("--noise", type=float, default=0.05, help="white noise std on the latent field")
+    p.add_argument("--text-dtype", choices=TEXT_DTYPES, default="fp32",
+                   help="store text embeddings as fp32 or bf16 (half the bytes; read back exactly; default fp32)")
     p.add_argument("--no-payload", action="store_true",
                    help="write lengths only (null latent/text/pooled): cheap full-size corpora for planning")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -318,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
             mix=args.mix, steps=args.steps, scale=args.scale, channels=args.channels,
             text_dim=args.text_dim, pooled_dim=args.pooled_dim,
             max_text_tokens=args.max_text_tokens, shards=args.shards, seed=args.seed,
-            payload=not args.no_payload, noise=args.noise,
+            payload=not args.no_payload, noise=args.noise, text_dtype=args.text_dtype,
         )
         path = build_synthetic(cfg, args.out, progress=not args.quiet)
     except (ValueError, FileExistsError) as e:

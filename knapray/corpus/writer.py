@@ -11,7 +11,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from knapray.corpus.schema import CORPUS_SCHEMA, FLOAT_LIST, INT_COLUMNS, PATCH, column_types
+from knapray.corpus.schema import (BF16_TEXT, CORPUS_SCHEMA, FLOAT_LIST, INT_COLUMNS, PATCH, bf16_bits,
+                                   column_types, corpus_schema)
 
 FORMAT_VERSION = 1
 SCHEMA_FILE = "schema.json"
@@ -32,6 +33,33 @@ def _float_lists(arrays: Sequence[np.ndarray] | None, n: int) -> pa.Array:
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=pa.float32()))
 
 
+def bf16_column(column: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """A ``list<float32>`` text column -> the bf16 corpus's ``large_binary`` column: each
+    row's values rounded to bfloat16 as torch rounds them, stored as their bit patterns."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    if column.type == BF16_TEXT:
+        return column
+    if column.null_count == len(column):
+        return pa.nulls(len(column), type=BF16_TEXT)
+    if column.null_count:
+        raise ValueError("a text column with some null rows: a corpus has payload in every row or in none")
+    offsets = column.offsets.to_numpy().astype(np.int64)
+    values = column.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]]
+    bits = bf16_bits(values)
+    return pa.LargeBinaryArray.from_buffers(
+        BF16_TEXT, len(column), [None, pa.py_buffer(2 * (offsets - offsets[0])), pa.py_buffer(bits)])
+
+
+def with_text_dtype(table: pa.Table, text_dtype: str) -> pa.Table:
+    """``table`` (in CORPUS_SCHEMA) in the schema of a corpus storing text as ``text_dtype``."""
+    schema = corpus_schema(text_dtype)
+    if text_dtype == "fp32":
+        return table.cast(schema) if not table.schema.equals(schema) else table
+    i = table.schema.get_field_index("text")
+    return table.set_column(i, schema.field("text"), bf16_column(table.column(i)))
+
+
 def build_table(
     columns: dict[str, Any],
     latents: Sequence[np.ndarray] | None = None,
@@ -40,7 +68,7 @@ def build_table(
 ) -> pa.Table:
     """One table in CORPUS_SCHEMA. ``columns`` holds sample_id, kind, source and the int
     length columns (sequences of equal length); payloads are per-row arrays, or None
-    for a lengths-only table."""
+    for a lengths-only table. (``ShardWriter`` stores the text in the corpus's dtype.)"""
     n = len(columns["sample_id"])
     arrays = [
         pa.array(np.asarray(columns["sample_id"], dtype=np.int64)),
@@ -57,7 +85,7 @@ def build_table(
 class ShardWriter:
     """Streams tables into consecutive shards of at most ``rows_per_shard`` rows."""
 
-    def __init__(self, out_dir: str | Path, rows_per_shard: int) -> None:
+    def __init__(self, out_dir: str | Path, rows_per_shard: int, *, text_dtype: str = "fp32") -> None:
         if rows_per_shard < 1:
             raise ValueError(f"rows_per_shard must be >= 1, got {rows_per_shard}")
         self.out_dir = Path(out_dir)
@@ -69,6 +97,8 @@ class ShardWriter:
                 "write a corpus into an empty or new directory"
             )
         self.rows_per_shard = rows_per_shard
+        self.text_dtype = text_dtype
+        self.schema = corpus_schema(text_dtype)
         self.paths: list[Path] = []
         self.shard_rows: list[int] = []
         """Rows written to each shard (recorded in schema.json: a reader that cannot read a
@@ -78,6 +108,9 @@ class ShardWriter:
         self._in_shard = 0
 
     def add(self, table: pa.Table) -> None:
+        """Append rows in CORPUS_SCHEMA (fp32 text is converted to the corpus's text dtype)."""
+        if not table.schema.equals(self.schema):
+            table = with_text_dtype(table, self.text_dtype)
         start = 0
         while start < table.num_rows:
             if self._writer is None or self._in_shard == self.rows_per_shard:
@@ -94,7 +127,7 @@ class ShardWriter:
         if self._writer is not None:
             self._writer.close()
         path = self.out_dir / shard_name(len(self.paths))
-        self._writer = pq.ParquetWriter(path, CORPUS_SCHEMA)
+        self._writer = pq.ParquetWriter(path, self.schema)
         self.paths.append(path)
         self.shard_rows.append(0)
         self._in_shard = 0
@@ -139,12 +172,14 @@ def write_schema_json(
     counts: dict[str, Any],
     extra: dict[str, Any],
     shard_rows: Sequence[int] | None = None,
+    text_dtype: str = "fp32",
 ) -> Path:
     """Describe the corpus next to its shards; readers take dims from here."""
     doc = {
         "format_version": FORMAT_VERSION,
         "builder": builder,
-        "columns": column_types(),
+        "columns": column_types(text_dtype),
+        "text_dtype": text_dtype,
         "dims": {**dims, "patch": list(PATCH)},
         "payload": payload,
         "shards": [Path(p).name for p in shards],

@@ -36,6 +36,9 @@ class RayTrainContext:
         self.local_rank = ctx.get_local_rank()
         self._batch_size = cfg.samples_per_rank(self.world_size)
         self._seed = cfg.data.seed
+        from knapray.data import mean_row_bytes, shuffle_rows
+
+        self._shuffle_rows = shuffle_rows(cfg.data.shuffle_buffer_mb, mean_row_bytes(cfg.data.corpus))
 
     def device(self, use_gpu: bool) -> torch.device:
         """The GPU Ray assigned this worker (``ray.train.torch.get_device``: it maps the
@@ -58,24 +61,21 @@ class RayTrainContext:
         return ray.get_runtime_context().get_node_id()
 
     def rows(self, epoch: int, on_bad_shard):
-        """This worker's split of the dataset, shuffled locally with a seed drawn from
-        (seed, epoch): Ray Train hands the same split order every epoch. The driver
+        """This worker's split of the dataset, shuffled locally among ``data.shuffle_buffer_mb``
+        of rows with a seed drawn from (seed, epoch): Ray Train hands the same split order
+        every epoch. The driver
         checked the shards before training, so ``on_bad_shard`` is not needed here."""
         import ray.train
 
         from knapray.data import epoch_seed, shard_batches
 
         return shard_batches(ray.train.get_dataset_shard("train"), batch_size=self._batch_size,
-                             shuffle_buffer=SHUFFLE_ROWS, shuffle_seed=epoch_seed(self._seed, epoch))
+                             shuffle_buffer=self._shuffle_rows, shuffle_seed=epoch_seed(self._seed, epoch))
 
     def report(self, metrics: dict) -> None:
         import ray.train
 
         ray.train.report(metrics)
-
-
-SHUFFLE_ROWS = 256
-"""Rows each worker shuffles among while streaming (a new order every epoch)."""
 
 
 def _train_func(config: dict) -> dict:
