@@ -16,7 +16,7 @@ COMMANDS = (
     Command("sample", "knapray.sample", "sample images from a trained run's checkpoint (PNG grid)", run="cli"),
     Command("plan", "knapray.commands.plan", "plan steps of a data mix and report balance"),
     Command("parity", "knapray.commands.parity", "balanced vs unbalanced vs single-process reference (gloo)"),
-    Command("bench", "knapray.benchmarks", "benchmarks (ratios measured side by side): planner, step, ledger"),
+    Command("bench", "knapray.benchmarks", "benchmarks (ratios measured side by side): planner, step, ledger, coordinator"),
     Command("simulate", "knapray.commands.simulate",
             "predicted step time per rank: unbalanced, greedy, knapray (cost model)"),
     Command("calibrate", "knapray.calibrate", "time packed batches on this device, fit the cost model, write a "
