@@ -124,7 +124,7 @@ def run_training(cfg: TrainConfig, *, verbose: bool = True, checked: Preflight |
             summary = {"records": [], "world_size": saved.get("world_size"), "topology": saved.get("topology"),
                        "run": {"summary": summarize(read_metrics(cfg.run_dir))}}
         else:
-            summary = _fit(cfg, pre.corpus, verbose=verbose)
+            summary = _fit(cfg, pre.corpus, checkpoint_step(start.resume_from) + 1, verbose=verbose)
     finally:
         lock.release()
     # Rank 0 rewrites metrics.jsonl back to the resumed checkpoint, so every step after it
@@ -160,7 +160,8 @@ def checkpoint_step(path: str | None) -> int:
     return -1 if path is None else int(os.path.basename(os.path.normpath(path)).split("-", 1)[1])
 
 
-def _fit(cfg: TrainConfig, corpus: CorpusCheck, *, verbose: bool) -> dict:
+def _fit(cfg: TrainConfig, corpus: CorpusCheck, done_steps: int, *, verbose: bool) -> dict:
+    """``done_steps``: the steps the checkpoint resumed from covers (0 for a fresh run)."""
     import ray
     from ray.data import DataContext
     from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -207,7 +208,6 @@ def _fit(cfg: TrainConfig, corpus: CorpusCheck, *, verbose: bool) -> dict:
             failure_config=FailureConfig(max_failures=cfg.run.max_failures),
         ),
     )
-    done_steps = len(read_metrics(run_dir))  # a resumed run's earlier steps
     total = expected_steps(cfg, corpus.info.num_samples, done_steps)
     print(f"[knapray] starting {cfg.run.num_workers} workers"
           f"{f' (elastic down to {cfg.run.min_workers})' if cfg.run.min_workers else ''}, "
