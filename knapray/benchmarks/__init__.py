@@ -14,6 +14,8 @@ BENCHES = (
             "(gloo processes on this machine), and FSDP / checkpointing / compile variants", run="cli"),
     Command("ledger", "knapray.benchmarks.ledger", "what committing one step costs at 10k, 1M and 10M ledger rows "
             "(this machine's disk)", run="cli"),
+    Command("data", "knapray.benchmarks.data", "rows/s and MB/s per worker of the Ray Data and torchrun readers "
+            "(before/after the zero-copy change, fp32/bf16 text) beside the rate one GPU needs", run="cli"),
 )
 
 
