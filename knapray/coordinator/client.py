@@ -16,6 +16,10 @@ _BULK_TIMEOUT_S = 600.0
 """How long whole-ledger calls may take (ten million rows: seconds, not the plan timeout)."""
 
 
+RECENT_TIMINGS = 8
+"""Timing reports a client holds while it has nothing to submit (older ones are dropped)."""
+
+
 class CoordinatorUnavailable(RuntimeError):
     """The coordinator gave no plan within the client's timeout (actor dead, restarting,
     or a step that never completed): plan locally from an all-gather of lengths."""
@@ -34,8 +38,8 @@ class CoordinatorClient:
         self.name, self.namespace, self.rank, self.timeout_s = name, namespace, rank, timeout_s
         self._handle = None
         self._epoch: int | None = None
-        self._requested: dict[int, Any] = {}  # step -> get_plan ObjectRef asked for early
-        self._submitted: dict[int, Any] = {}  # step -> submit ObjectRef, checked before its plan
+        self._requested: dict[int, Any] = {}  # step -> ObjectRef of (plan_ref, epoch_done), asked for early
+        self._timings: list[tuple[int, int, float, float, float]] = []  # sent with the next exchange
         self.last_wait_s = 0.0
         """Seconds the last ``get_plan`` waited (report it as ``wait_plan_s``)."""
 
@@ -55,7 +59,7 @@ class CoordinatorClient:
         """``ray.get`` that turns every way of not getting an answer in time into
         ``CoordinatorUnavailable`` and re-raises the coordinator's own errors."""
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+        from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayTaskError
 
         try:
             return ray.get(ref, timeout=timeout_s or self.timeout_s)
@@ -63,7 +67,8 @@ class CoordinatorClient:
             raise CoordinatorUnavailable(
                 f"rank {self.rank}: {what}: no answer within {timeout_s or self.timeout_s:g}s"
             ) from e
-        except RayActorError as e:
+        except (RayActorError, ObjectLostError) as e:
+            # ObjectLostError: a plan put by an actor that died since (its owner) is gone with it.
             self._handle = None  # look it up again next time: it may have been recreated
             raise CoordinatorUnavailable(f"rank {self.rank}: {what}: coordinator actor unreachable: {e}") from e
         except RayTaskError as e:
@@ -84,27 +89,28 @@ class CoordinatorClient:
         for early and submissions of another epoch are forgotten."""
         if epoch != self._epoch:
             self._requested.clear()
-            self._submitted.clear()
         self._epoch = int(epoch)
 
     def submit_async(
         self, step: int, seq_lens: Sequence[int], sample_ids: Sequence[int], exhausted: bool = False
     ) -> None:
-        """Send this rank's sequences for ``step`` without waiting. The answer is checked
-        by ``get_plan(step)``, which raises the coordinator's ``StepFailed`` if it rejected
-        the submission. If the actor is away, nothing is sent and ``get_plan`` reports it
-        (the loop then plans locally and sends again)."""
+        """Send this rank's sequences for ``step`` without waiting, with the timing reports
+        since the last call (one actor call per rank and step). The same call asks for the
+        step's plan: ``get_plan(step)`` collects the answer, and raises the coordinator's
+        ``StepFailed`` if it rejected the submission. If the actor is away, nothing is sent
+        and ``get_plan`` reports it (the loop then plans locally and sends again)."""
         try:
             epoch = self._current_epoch()
-            self._submitted[int(step)] = self._actor().submit.remote(
-                int(step), self.rank, [int(x) for x in seq_lens], [int(x) for x in sample_ids], bool(exhausted), epoch
-            )
+            sub = (self.rank, [int(x) for x in seq_lens], [int(x) for x in sample_ids], bool(exhausted))
+            self._requested[int(step)] = self._actor().exchange.remote(
+                int(step), epoch, [sub], self._timings, 0.9 * self.timeout_s)
+            self._timings = []
         except CoordinatorUnavailable:
             pass
 
     def request_plan(self, step: int) -> None:
-        """Ask for ``step``'s plan now, without waiting, so that ``get_plan(step)`` later
-        finds it already delivered (one round trip off the critical path)."""
+        """Ask for ``step``'s plan now, without waiting, unless this rank's submission of it
+        already did, so that ``get_plan(step)`` later finds it delivered."""
         if step not in self._requested:
             try:
                 epoch = self._current_epoch()
@@ -116,15 +122,10 @@ class CoordinatorClient:
     def get_plan(self, step: int) -> tuple[BalancePlan | None, bool]:
         """``(plan, epoch_done)`` for ``step``; ``CoordinatorUnavailable`` after ``timeout_s``,
         ``StepFailed`` if the coordinator rejected this rank's submission for ``step`` or
-        failed the step for every rank."""
+        failed the step for every rank. The plan is read from the object store, where the
+        coordinator put it once for every rank."""
         t0 = time.perf_counter()
         step = int(step)
-        for old in [s for s in self._submitted if s < step]:
-            self._submitted.pop(old)
-        submitted = self._submitted.pop(step, None)
-        if submitted is not None:
-            # Answered by now (the actor runs this rank's calls in order): a rejection raises here.
-            self._get(submitted, f"submission of step {step}")
         # The actor gives up a little earlier than we do, so a step that never completes
         # comes back with its message (which ranks are missing) rather than a bare timeout.
         ref = self._requested.pop(step, None)
@@ -132,7 +133,9 @@ class CoordinatorClient:
             self._requested.pop(old)
         if ref is None:
             ref = self._actor().get_plan.remote(step, self.rank, 0.9 * self.timeout_s, self._current_epoch())
-        plan, done = self._get(ref, f"plan for step {step}")
+        plan_ref, done = self._get(ref, f"plan for step {step}")
+        left = max(self.timeout_s - (time.perf_counter() - t0), 0.1 * self.timeout_s)
+        plan = None if plan_ref is None else self._get(plan_ref, f"plan for step {step} (object store)", left)
         if done:
             # The next epoch's steps start afresh (its first one reuses this step number).
             self.set_epoch(self._current_epoch() + 1)
@@ -140,10 +143,9 @@ class CoordinatorClient:
         return plan, done
 
     def forget_requests(self) -> None:
-        """Drop plans asked for early and submissions' answers (after an outage they point
-        at a dead actor; the loop sends the next step again)."""
+        """Drop plans asked for early (after an outage they point at a dead actor; the
+        loop sends the next step again)."""
         self._requested.clear()
-        self._submitted.clear()
 
     def record_external(self, step: int, sample_ids: Sequence[int], home_ranks: Sequence[int],
                         epoch: int | None = None) -> None:
@@ -167,10 +169,10 @@ class CoordinatorClient:
         self._get(self._actor().commit_step.remote(int(step)), f"commit of step {step}")
 
     def report_timing_async(self, step: int, compute_s: float, comm_s: float, wait_plan_s: float) -> None:
-        try:
-            self._actor().report_timing.remote(int(step), self.rank, float(compute_s), float(comm_s), float(wait_plan_s))
-        except CoordinatorUnavailable:
-            pass  # statistics only
+        """Measured seconds of this rank's ``step``: sent with its next submission (no call
+        of its own; statistics only, so reports still held when a run ends are dropped)."""
+        self._timings.append((int(step), self.rank, float(compute_s), float(comm_s), float(wait_plan_s)))
+        del self._timings[:-RECENT_TIMINGS]
 
     def begin_run(self, world_size: int, resume_step: int | None = None, state: dict | None = None,
                   node_sizes: Sequence[int] | None = None) -> Topology:
