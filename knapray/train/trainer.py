@@ -119,7 +119,8 @@ class Trainer:
         self.device = ctx.device(cfg.run.use_gpu)
         self.sync = StepSync.build(self.device, gloo_socket_ifname=cfg.run.gloo_socket_ifname)
         # Where every rank really runs: bags (and FSDP's node shards) must not cross a node.
-        self.node_sizes = node_sizes_of(self.sync.gather_objects(ctx.node_id()))
+        node_ids = self.sync.gather_objects(ctx.node_id())
+        self.node_sizes = node_sizes_of(node_ids)
         check_node_layout(cfg, self.node_sizes)
         self.dtype = compute_dtype(cfg.run.precision, self.device)
         self.peak_tflops = peak_tflops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
@@ -187,7 +188,8 @@ class Trainer:
         """Those micro-steps, to enter the ledger once their optimizer step is done."""
 
         self.client = (
-            CoordinatorClient(coordinator_name(cfg), None, rank=self.rank, timeout_s=cfg.balance.coordinator_timeout_s)
+            CoordinatorClient(coordinator_name(cfg), None, rank=self.rank, timeout_s=cfg.balance.coordinator_timeout_s,
+                              node_ranks=node_ids.count(ctx.node_id()))  # a node's ranks share one relay
             if cfg.balance.coordinator else None
         )
         self.local_ledger = None
