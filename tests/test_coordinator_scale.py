@@ -95,3 +95,47 @@ def test_over_a_thousand_ranks_never_fall_back(ray_session):
     assert r["latency_ms_max"] < 15_000  # no step waits for a timeout
     assert r["calls_per_step"] == 1152  # one call per rank: submission, timing and plan in one
     assert r["reply_bytes_per_rank"] < 1024
+
+
+@pytest.mark.ray
+def test_node_relay_batches_a_nodes_ranks_and_keeps_the_protocols_errors(ray_session):
+    """Ranks of one node (node_ranks=4) submit through the node's relay: the same plans,
+    a late rank still answered (its own batch), a rejection and a dead coordinator reach
+    every rank as ``StepFailed`` / ``CoordinatorUnavailable``."""
+    from knapray.coordinator import CoordinatorUnavailable, StepFailed
+
+    world, ns = 4, "knapray-test"
+    name = f"coord-relay-{time.monotonic_ns()}"
+    handle = create_coordinator(name, ns, world_size=world, topology="g2n2")
+    clients = [CoordinatorClient(name, ns, rank=r, timeout_s=20, node_ranks=world) for r in range(world)]
+    lens = [[100, 50], [300], [20, 30, 40], [700]]
+    for step in range(2):
+        order = range(world) if step == 0 else (0, 1, 2)
+        for r in order:
+            clients[r].submit_async(step, lens[r], [1000 * step + 10 * r + k for k in range(len(lens[r]))])
+        if step == 1:
+            time.sleep(0.3)  # past the relay's linger: rank 3 comes in a batch of its own
+            clients[3].submit_async(step, lens[3], [1000 * step + 30])
+        whole = plan_from_gathered(lens, Topology.parse("g2n2"), WorkloadModel())
+        for c in clients:
+            plan, done = c.get_plan(step)
+            assert done is False and all(np.array_equal(getattr(plan, f), getattr(whole, f)) for f in PLAN_FIELDS)
+    assert clients[0]._relay_handle is not None  # the relay, not the coordinator, took the submissions
+
+    # A rejected submission fails the step for every rank of the batch.
+    for r, c in enumerate(clients):
+        c.submit_async(2, [100, 200] if r == 1 else [100], [1000 + r])
+    for c in clients:
+        with pytest.raises(StepFailed, match="2 sequence lengths but 1 sample ids"):
+            c.get_plan(2)
+
+    # The coordinator gone: every rank hears CoordinatorUnavailable within its timeout.
+    ray_session.kill(handle, no_restart=True)
+    for r, c in enumerate(clients):
+        c.timeout_s = 3.0
+        c.submit_async(3, [100], [2000 + r])
+    t0 = time.monotonic()
+    for c in clients:
+        with pytest.raises(CoordinatorUnavailable):
+            c.get_plan(3)
+    assert time.monotonic() - t0 < 3.0 * world + 2.0

@@ -1,22 +1,24 @@
 """Coordinator benchmark: the real actor on a local Ray, driven by simulated ranks.
 
 For each world size, a coordinator actor (``create_coordinator``, topology ``g8n{W/8}``)
-and a few driver actors, each playing whole nodes of 8 ranks, exactly as many ranks'
-clients would: per step every rank sends its step's lengths (the image+video mix of
-``knapray.planning.mix``, new draws each step) with its timing report of the step
-before, waits for the answer, and every simulated node reads the plan from the object
-store once (Ray moves a plan once per node; the ranks of a node map it from shared
-memory). A rank with no answer within ``timeout_s`` counts as a fallback (a real rank
-would plan locally). Reported per world size, over the measured steps (one warm-up step
-first):
+and a few driver actors, each playing whole nodes of 8 ranks. Per step the coordinator
+receives what the trainer's ranks send: each node's submissions of the step's lengths
+(the image+video mix of ``knapray.planning.mix``, new draws each step) with their timing
+reports of the step before, in one ``exchange`` call per node, as a node's ``NodeRelay``
+forwards them (``--ranks-per-call 1``: one call per rank, as ranks without a relay send);
+the answer is a reference, and every simulated node reads the plan from the object store
+once (Ray moves a plan once per node; the ranks of a node map it from shared memory). The
+ranks' own calls to their node's relay stay on their node and are not simulated. A rank
+with no answer within ``timeout_s`` counts as a fallback (a real rank would plan
+locally). Reported per world size, over the measured steps (one warm-up step first):
 
-- latency from the step's first submission to the moment the last rank holds the plan,
-  p50 and p90;
+- latency from the step's first submission to the moment the last node holds the plan,
+  p50, p90 and max;
 - the coordinator process's CPU seconds per step (every thread: Ray's too);
-- actor calls per step, as the drivers counted them;
-- bytes a rank receives from the actor (its reply), and the plan's size in the object
-  store (fetched once per node: a rank's share is that over the ranks per node);
-- fallbacks, and the slowest step.
+- coordinator calls per step, as the drivers counted them;
+- bytes a rank receives from the coordinator (its reply), and the plan's size in the
+  object store (fetched once per node: a rank's share is that over 8);
+- fallbacks.
 
 The drivers share this machine's cores with the actor, so latencies include the
 simulation's own Ray calls; the actor's CPU is its own.
@@ -84,7 +86,7 @@ class _Driver:
 
 
 def run(ranks: tuple[int, ...] = DEFAULT_RANKS, steps: int = 5, drivers: int = 4, mix: str = "image+video",
-        ranks_per_call: int = 1, timeout_s: float = 30.0, seed: int = 0) -> dict:
+        ranks_per_call: int = 8, timeout_s: float = 30.0, seed: int = 0) -> dict:
     """Measure every world size; prints a table and returns ``{"worlds": [...], ...}``."""
     import ray
 
@@ -186,9 +188,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=step_count, default=5, help="measured steps per world size (default 5)")
     p.add_argument("--drivers", type=int, choices=range(1, 17), default=4, metavar="N",
                    help="driver actors playing the ranks (default 4)")
-    p.add_argument("--ranks-per-call", type=int, choices=(1, 2, 4, 8), default=1,
-                   help="ranks' submissions per actor call: 1 is what the trainer sends; 8 a node's batch "
-                        "(the actor's exchange takes several ranks)")
+    p.add_argument("--ranks-per-call", type=int, choices=(1, 2, 4, 8), default=8,
+                   help="ranks' submissions per coordinator call: 8 (default) is a node's relay's batch; 1 is "
+                        "what ranks without a relay (one rank per node) send")
     add_json(p)
 
 

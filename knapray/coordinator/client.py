@@ -32,11 +32,19 @@ class CoordinatorClient:
     ``CoordinatorUnavailable``; the training loop falls back to ``plan_from_gathered``.
     """
 
-    def __init__(self, name: str, namespace: str | None = None, rank: int = 0, timeout_s: float = 30.0) -> None:
+    def __init__(self, name: str, namespace: str | None = None, rank: int = 0, timeout_s: float = 30.0,
+                 node_ranks: int = 1) -> None:
+        """``node_ranks``: ranks of the run on this rank's node (this one included). With
+        more than one, submissions go through the node's ``NodeRelay``, which sends the
+        coordinator one call per node and step."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if node_ranks < 1:
+            raise ValueError(f"node_ranks must be >= 1, got {node_ranks}")
         self.name, self.namespace, self.rank, self.timeout_s = name, namespace, rank, timeout_s
+        self.node_ranks = int(node_ranks)
         self._handle = None
+        self._relay_handle = None
         self._epoch: int | None = None
         self._requested: dict[int, Any] = {}  # step -> ObjectRef of (plan_ref, epoch_done), asked for early
         self._timings: list[tuple[int, int, float, float, float]] = []  # sent with the next exchange
@@ -55,6 +63,23 @@ class CoordinatorClient:
                 ) from e
         return self._handle
 
+    def _relay(self):
+        """This node's relay (created by the first rank of the node that asks)."""
+        if self._relay_handle is None:
+            import ray
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            from .actor import max_concurrency_for
+            from .relay import NodeRelay
+
+            node = ray.get_runtime_context().get_node_id()
+            self._relay_handle = ray.remote(NodeRelay).options(
+                name=f"{self.name}-relay-{node}", namespace=self.namespace, get_if_exists=True, num_cpus=0,
+                max_concurrency=max_concurrency_for(self.node_ranks),
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+            ).remote(self.name, self.namespace)
+        return self._relay_handle
+
     def _get(self, ref, what: str, timeout_s: float | None = None):
         """``ray.get`` that turns every way of not getting an answer in time into
         ``CoordinatorUnavailable`` and re-raises the coordinator's own errors."""
@@ -69,7 +94,7 @@ class CoordinatorClient:
             ) from e
         except (RayActorError, ObjectLostError) as e:
             # ObjectLostError: a plan put by an actor that died since (its owner) is gone with it.
-            self._handle = None  # look it up again next time: it may have been recreated
+            self._handle = self._relay_handle = None  # look them up again next time: they may have been recreated
             raise CoordinatorUnavailable(f"rank {self.rank}: {what}: coordinator actor unreachable: {e}") from e
         except RayTaskError as e:
             if isinstance(e.cause, PlanTimeout):
@@ -95,15 +120,21 @@ class CoordinatorClient:
         self, step: int, seq_lens: Sequence[int], sample_ids: Sequence[int], exhausted: bool = False
     ) -> None:
         """Send this rank's sequences for ``step`` without waiting, with the timing reports
-        since the last call (one actor call per rank and step). The same call asks for the
-        step's plan: ``get_plan(step)`` collects the answer, and raises the coordinator's
+        since the last call (one actor call per rank and step: to the node's relay when
+        the node has several ranks, which forwards one call per node). The same call asks
+        for the step's plan: ``get_plan(step)`` collects the answer, and raises the coordinator's
         ``StepFailed`` if it rejected the submission. If the actor is away, nothing is sent
         and ``get_plan`` reports it (the loop then plans locally and sends again)."""
         try:
             epoch = self._current_epoch()
             sub = (self.rank, [int(x) for x in seq_lens], [int(x) for x in sample_ids], bool(exhausted))
-            self._requested[int(step)] = self._actor().exchange.remote(
-                int(step), epoch, [sub], self._timings, 0.9 * self.timeout_s)
+            if self.node_ranks > 1:
+                self._actor()  # no coordinator, no relay: reported by get_plan as before
+                self._requested[int(step)] = self._relay().exchange.remote(
+                    int(step), epoch, sub, self._timings, 0.9 * self.timeout_s, self.node_ranks)
+            else:
+                self._requested[int(step)] = self._actor().exchange.remote(
+                    int(step), epoch, [sub], self._timings, 0.9 * self.timeout_s)
             self._timings = []
         except CoordinatorUnavailable:
             pass
