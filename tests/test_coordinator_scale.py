@@ -4,6 +4,7 @@ object store once and read by every rank, no concurrency limit a world can exhau
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import time
 
 import numpy as np
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 from knapray.coordinator import CoordinatorClient, create_coordinator, plan_from_gathered
-from knapray.coordinator.actor import max_concurrency_for, shareable
+from knapray.coordinator.actor import max_concurrency_for
+from knapray.coordinator.wire import pack, unpack
 from knapray.planning import Topology, WorkloadModel
 from knapray.planning.mix import PAPER_MIXES, parse_mix, sample_step
 
@@ -24,14 +26,36 @@ def test_concurrency_covers_every_rank_waiting_at_once():
         assert max_concurrency_for(world) >= max(1000, 2 * world + 64)
 
 
-def test_shareable_plan_carries_no_cached_statistics():
+@pytest.mark.parametrize("mix,world,topology", [
+    ("image+video", 32, "g8n4"), ("image+video", 1024, "g8n128"), ("mixed-res", 32, "g1n16+g4n2+g8n1"),
+    ("low-res", 64, "g2n8+g4n4+g8n4"), ("mixed-res", 64, "g4n4"),
+])
+def test_packed_plan_rebuilds_every_array_exactly_and_carries_no_cached_statistics(mix, world, topology):
+    lens = sample_step(parse_mix(PAPER_MIXES[mix]), np.random.default_rng(world), world)
+    topo = Topology.parse(topology).replicate_to(world)
+    plan = plan_from_gathered(lens, topo, WorkloadModel())
+    _ = plan.rank_work, plan.imbalance, plan.send_matrix, plan.seq_offsets  # what the coordinator's stats cache
+    packed = pack(plan)
+    assert packed.whole is None and not any(isinstance(v, np.ndarray) and v.size > world for v in vars(packed).values()
+                                            if v is not packed.seq_lens and v is not packed.bag)
+    rebuilt = unpack(packed)
+    for f in PLAN_FIELDS:
+        assert getattr(rebuilt, f).dtype == getattr(plan, f).dtype and np.array_equal(getattr(rebuilt, f), getattr(plan, f))
+    assert rebuilt.topology == plan.topology and rebuilt.model == plan.model and rebuilt.stats == plan.stats
+    assert not {"rank_work", "send_matrix", "seq_offsets", "seq_work"} & set(vars(rebuilt))
+    assert len(pickle.dumps(packed)) < len(pickle.dumps(plan)) / 4
+
+
+def test_a_plan_that_does_not_rebuild_travels_whole():
     lens = sample_step(parse_mix(PAPER_MIXES["image+video"]), np.random.default_rng(0))
     plan = plan_from_gathered(lens, Topology.parse("g8n4"), WorkloadModel())
-    _ = plan.rank_work, plan.imbalance, plan.send_matrix, plan.seq_offsets  # what the coordinator's stats cache
-    shared = shareable(plan)
-    assert not {"rank_work", "send_matrix", "seq_offsets", "seq_work"} & set(vars(shared))
-    assert all(getattr(shared, f) is getattr(plan, f) for f in PLAN_FIELDS)
-    assert [f.name for f in dataclasses.fields(shared)] == [f.name for f in dataclasses.fields(plan)]
+    odd = dataclasses.replace(plan, chunk_len=plan.chunk_len.copy(), chunk_start=plan.chunk_start.copy())
+    odd.chunk_len[[0, 1]] += [1, -1]  # another (valid) cut of sequence 0
+    odd.chunk_start[1] += 1
+    packed = pack(odd)
+    assert packed.whole is not None
+    rebuilt = unpack(packed)
+    assert all(np.array_equal(getattr(rebuilt, f), getattr(odd, f)) for f in PLAN_FIELDS)
 
 
 def _same_route_plan(a, b) -> bool:

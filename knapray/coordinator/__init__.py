@@ -11,7 +11,10 @@ One job per module:
   and speed factors, and the live re-fit of the cost model (``planning.livefit``) it feeds;
 - ``store``: the files (journal and snapshot formats, atomic writes; never pickle);
 - ``coordinator``: ``BalanceCoordinator``, which composes them (runs without Ray);
-- ``actor``: the thin async Ray actor and ``create_coordinator``;
+- ``actor``: the thin async Ray actor and ``create_coordinator``: one ``exchange`` call per
+  rank (or node) and step, answered with a reference to the plan in the object store;
+- ``relay``: ``NodeRelay``, one per node, batching its ranks' submissions into one call;
+- ``wire``: the plan as the object store holds it (packed; rebuilt exactly on each rank);
 - ``client``: ``CoordinatorClient``, what a training worker calls;
 - ``config``: ``CoordinatorConfig``, ``make_planning_model`` and ``make_live_fit``.
 

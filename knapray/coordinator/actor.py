@@ -3,14 +3,14 @@
 Per step and rank one call, ``exchange``: the rank's submission for the step (or several
 ranks' at once), its timing reports of earlier steps folded in, answered once the step is
 planned with ``(plan_ref, epoch_done)``. The plan itself is put into the object store
-once per step (``ray.put`` on the actor); every rank reads it through that reference, so
-Ray moves it once per node, and the actor's replies stay a few hundred bytes whatever the
-world size.
+once per step (``ray.put`` on the actor), packed (``wire.pack``: lengths, bags and
+per-rank counts, from which each rank rebuilds the chunks exactly; no cached statistics);
+every rank reads it through that reference, so Ray moves it once per node, and the actor's
+replies stay a few hundred bytes whatever the world size.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +21,7 @@ from knapray.planning import BalancePlan, Topology
 from .config import CoordinatorConfig
 from .coordinator import BalanceCoordinator
 from .steps import StepFailed
+from .wire import pack
 
 if TYPE_CHECKING:
     from ray import ObjectRef
@@ -47,12 +48,6 @@ def max_concurrency_for(world_size: int | None) -> int:
     return max(MIN_CONCURRENCY, CALLS_PER_RANK * (world_size or MAX_WORLD_SIZE) + 64)
 
 
-def shareable(plan: BalancePlan) -> BalancePlan:
-    """The plan as ranks receive it: the same fields, without the values its cached
-    properties hold on the coordinator (statistics the ranks recompute if they need them)."""
-    return dataclasses.replace(plan)
-
-
 class _CoordinatorActor:
     """Async actor around ``BalanceCoordinator``.
 
@@ -74,7 +69,7 @@ class _CoordinatorActor:
         logging.basicConfig(level=logging.INFO)
         self._core = BalanceCoordinator(config)
         self._refs: dict[int, tuple[BalancePlan, ObjectRef]] = {}
-        """step -> (its plan, the plan in the object store): put once, read by every rank."""
+        """step -> (its plan, the plan in the object store, packed): put once, read by every rank."""
 
     def _plan_ref(self, step: int, plan: BalancePlan | None) -> ObjectRef | None:
         if plan is None:
@@ -83,7 +78,7 @@ class _CoordinatorActor:
         if held is None or held[0] is not plan:  # epochs reuse step numbers: the plan decides
             import ray
 
-            held = self._refs[step] = (plan, ray.put(shareable(plan)))
+            held = self._refs[step] = (plan, ray.put(pack(plan)))
             for old in sorted(self._refs)[: -2 * self._core.config.keep_steps]:
                 del self._refs[old]  # ranks still reading it hold their own reference
         return held[1]

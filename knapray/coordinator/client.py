@@ -11,6 +11,7 @@ import numpy as np
 from knapray.planning import BalancePlan, Topology
 
 from .steps import PlanTimeout
+from .wire import unpack
 
 _BULK_TIMEOUT_S = 600.0
 """How long whole-ledger calls may take (ten million rows: seconds, not the plan timeout)."""
@@ -166,7 +167,7 @@ class CoordinatorClient:
             ref = self._actor().get_plan.remote(step, self.rank, 0.9 * self.timeout_s, self._current_epoch())
         plan_ref, done = self._get(ref, f"plan for step {step}")
         left = max(self.timeout_s - (time.perf_counter() - t0), 0.1 * self.timeout_s)
-        plan = None if plan_ref is None else self._get(plan_ref, f"plan for step {step} (object store)", left)
+        plan = None if plan_ref is None else unpack(self._get(plan_ref, f"plan for step {step} (object store)", left))
         if done:
             # The next epoch's steps start afresh (its first one reuses this step number).
             self.set_epoch(self._current_epoch() + 1)
