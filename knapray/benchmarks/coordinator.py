@@ -6,8 +6,9 @@ receives what the trainer's ranks send: each node's submissions of the step's le
 (the image+video mix of ``knapray.planning.mix``, new draws each step) with their timing
 reports of the step before, in one ``exchange`` call per node, as a node's ``NodeRelay``
 forwards them (``--ranks-per-call 1``: one call per rank, as ranks without a relay send);
-the answer is a reference, and every simulated node reads the plan from the object store
-once (Ray moves a plan once per node; the ranks of a node map it from shared memory). The
+the answer is a reference, and every simulated node reads the (packed) plan from the
+object store once and rebuilds it (Ray moves a plan once per node; the ranks of a node map
+it from shared memory and each rebuilds it on its own core). The
 ranks' own calls to their node's relay stay on their node and are not simulated. A rank
 with no answer within ``timeout_s`` counts as a fallback (a real rank would plan
 locally). Reported per world size, over the measured steps (one warm-up step first):
@@ -56,6 +57,8 @@ class _Driver:
         import ray
         from ray.exceptions import GetTimeoutError, RayTaskError
 
+        from knapray.coordinator.wire import unpack
+
         t0 = time.time()
         refs, calls = [], 0
         for i in range(0, len(ranks), ranks_per_call):
@@ -78,8 +81,9 @@ class _Driver:
         covered = 0
         for n, plan_ref in plan_refs:  # one read per node (the ranks of a node share it)
             if covered % RANKS_PER_NODE == 0:
-                plan = ray.get(plan_ref, timeout=self.timeout_s)
-                plan_bytes = plan_bytes or len(pickle.dumps(plan, protocol=5))
+                packed = ray.get(plan_ref, timeout=self.timeout_s)
+                unpack(packed)  # what each rank does with it (in parallel, on its own core)
+                plan_bytes = plan_bytes or len(pickle.dumps(packed, protocol=5))
             covered += n
         return {"first": t0, "last": time.time(), "calls": calls, "fallbacks": fallbacks,
                 "reply_bytes": float(np.mean(reply_bytes)) if reply_bytes else 0.0, "plan_bytes": plan_bytes}
