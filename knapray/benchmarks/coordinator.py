@@ -16,7 +16,7 @@ locally). Reported per world size, over the measured steps (one warm-up step fir
 - latency from the step's first submission to the moment the last node holds the plan,
   p50, p90 and max;
 - the coordinator process's CPU seconds per step (every thread: Ray's too);
-- coordinator calls per step, as the drivers counted them;
+- coordinator calls per step, as the drivers counted them (rank 0's commit included);
 - bytes a rank receives from the coordinator (its reply), and the plan's size in the
   object store (fetched once per node: a rank's share is that over 8);
 - fallbacks.
@@ -66,6 +66,9 @@ class _Driver:
             subs = [(ranks[j], lens[j], ids[j], False) for j in group]
             timings = [(step - 1, ranks[j], 0.1, 0.01, 0.0) for j in group] if step > 0 else []
             refs.append((len(group), self.actor.exchange.remote(step, 0, subs, timings, 0.9 * self.timeout_s)))
+            calls += 1
+        if 0 in ranks and step > 0:
+            self.actor.commit_step.remote(step - 1)  # rank 0's commit of the step before (a call of its own)
             calls += 1
         fallbacks, reply_bytes, plan_refs = 0, [], []
         deadline = t0 + self.timeout_s
