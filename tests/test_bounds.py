@@ -173,6 +173,7 @@ def run_dir(tmp_path):
     (corpus / "schema.json").write_text(json.dumps({
         "format_version": FORMAT_VERSION,
         "dims": {"channels": 16, "text_dim": 16, "pooled_dim": 12, "vae_downsample": 8, "patch": [1, 2, 2]},
+        "payload": False, "counts": {"samples": 0, "seq_len": {"max": 0}}, "shards": [],
         "encoders": {"text": {"class": "HFTextEncoder"}, "latent": {"path": "/models/vae"}}}))
     step = tmp_path / "runs" / "r" / "checkpoints" / "step-000000003"
     step.mkdir(parents=True)

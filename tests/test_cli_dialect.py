@@ -61,7 +61,8 @@ def test_each_benchmark_has_only_its_own_flags(parsers):
     benches = {n: set(_options(p)) for n, p in parsers.items() if n.startswith("bench ")}
     assert sorted(benches) == ["bench coordinator", "bench data", "bench ledger", "bench planner", "bench step"]
     assert set(_options(parsers["bench"])) == {"-h", "--help"}
-    common = {"-h", "--help", "--steps", "--seed", "--json", "--ranks"}  # --ranks: world sizes (planner, coordinator)
+    # --ranks: world sizes (planner, coordinator); --dir: where a bench writes its files (ledger, data)
+    common = {"-h", "--help", "--steps", "--seed", "--json", "--ranks", "--dir"}
     for (a, fa), (b, fb) in itertools.combinations(benches.items(), 2):
         assert fa & fb <= common, (a, b, fa & fb - common)
     assert "--sizes" in benches["bench ledger"] and "--fsdp" in benches["bench step"]

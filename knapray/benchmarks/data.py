@@ -42,6 +42,8 @@ DEFAULT_MIX = "g4b4i256f1s0,g2b2i512f1s0,g1b1i1024f1s0"
 """256² images mostly, some 512² and 1024² (latents 16x32x32 to 16x128x128); with 0-512
 T5-XXL tokens per caption the text is ~95% of the bytes, as in the issue's corpora."""
 READERS = ("torchrun", "ray")
+MAX_BENCH_STEPS = 64
+"""Steps of a built corpus (its files go to the temp directory)."""
 OLD_SHUFFLE_ROWS = 256
 BATCH_ROWS = 8
 
@@ -205,13 +207,14 @@ def run(*, corpus: str | None = None, steps: int = 3, text_dtypes: tuple[str, ..
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from knapray.commands.flags import add_json, float_in, int_at_least
+    from knapray.commands.flags import add_json, float_in, int_at_least, step_count
     from knapray.limits import MAX_SHUFFLE_BUFFER_MB
 
     p.add_argument("--corpus", default=None, help="measure this corpus (default: build fp32 and bf16 synthetic "
                    "corpora at realistic widths in a temporary directory)")
-    p.add_argument("--steps", type=int_at_least(1, 64), default=3,
-                   help=f"steps of the mix {DEFAULT_MIX} in a built corpus (21 rows each, ~85 MB fp32; default 3)")
+    p.add_argument("--steps", type=step_count, default=3,
+                   help=f"steps of the mix {DEFAULT_MIX} in a built corpus (21 rows each, ~85 MB fp32; at most "
+                        f"{MAX_BENCH_STEPS}; default 3)")
     p.add_argument("--reader", choices=(*READERS, "both"), default="both", help="which readers (default both)")
     p.add_argument("--no-old", action="store_true", help="skip the before-the-change variants")
     p.add_argument("--shuffle-buffer-mb", type=int_at_least(0, MAX_SHUFFLE_BUFFER_MB), default=256,
@@ -225,6 +228,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cli(args: argparse.Namespace) -> int:
+    if args.steps > MAX_BENCH_STEPS:  # a built corpus is ~28 MB a step, in the temp directory
+        raise ValueError(f"--steps {args.steps}: at most {MAX_BENCH_STEPS} steps of corpus")
     if args.corpus is not None and not Path(args.corpus, "schema.json").is_file():
         raise ValueError(f"--corpus {args.corpus!r}: no schema.json there")
     readers = READERS if args.reader == "both" else (args.reader,)
