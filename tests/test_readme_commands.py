@@ -196,6 +196,8 @@ RULES = (
     Rule(r"^knapray reference .*--world-size [2-9]", "parse", "spawns 4 gloo processes; tests/test_flux_dist.py runs "
          "the balanced reference check"),
     Rule(r"^knapray reference ", "run"),
+    Rule(r"^knapray bench data ", "parse", "builds and reads ~560 MB of Flux-width corpora for minutes; "
+         "tests/test_data_path.py checks the readers it times"),
     Rule(r"^knapray bench planner --ranks", "parse", "16384 ranks take seconds per step and solver; "
          "tests/test_cli_plan.py runs the bench's scaling rows on small worlds"),
 )
