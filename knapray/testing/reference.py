@@ -48,8 +48,17 @@ TEXT_LENS = (5, 1, 12, 0, 8, 3)
 """Text tokens of the sequences, cycled (one without text)."""
 
 
+WAN_GRIDS = ((1, 2, 2), (2, 3, 2), (3, 2, 3), (2, 1, 4), (1, 4, 3), (2, 2, 2))
+"""Wan: patch grids (frames, rows, columns) of the sequences, cycled (latent = grid x patch)."""
+WAN_TEXT_LENS = (5, 1, 12, 3, 8, 2)
+"""Wan: text tokens of the sequences, cycled (at least one: diffusers' cross-attention
+over no keys is undefined; Wan's pipeline pads to 512)."""
+
+
 def make_inputs(cfg: Any, sequences: int, seed: int) -> list[Inputs]:
     """``sequences`` random sequences for a model config (knapray field names)."""
+    if cfg.family == "wan":
+        return _wan_inputs(cfg, sequences, seed)
     gen = torch.Generator().manual_seed(seed)
     out = []
     for i in range(sequences):
@@ -63,6 +72,21 @@ def make_inputs(cfg: Any, sequences: int, seed: int) -> list[Inputs]:
             timestep=float(torch.rand((), generator=gen)),
             guidance=guidance,
             target=torch.randn((h // 2) * (w // 2), cfg.patch_dim, generator=gen),
+        ))
+    return out
+
+
+def _wan_inputs(cfg: Any, sequences: int, seed: int) -> list[Inputs]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(sequences):
+        grid = WAN_GRIDS[i % len(WAN_GRIDS)]
+        shape = tuple(g * p for g, p in zip(grid, cfg.patch_size))
+        out.append(Inputs(
+            latent=torch.randn(cfg.in_channels, *shape, generator=gen),
+            text=torch.randn(WAN_TEXT_LENS[i % len(WAN_TEXT_LENS)], cfg.text_dim, generator=gen),
+            pooled=torch.zeros(0), timestep=float(torch.rand((), generator=gen)), guidance=None,
+            target=torch.randn(grid[0] * grid[1] * grid[2], cfg.patch_dim, generator=gen),
         ))
     return out
 
@@ -96,16 +120,33 @@ def _diffusers_call(ref, s: Inputs) -> torch.Tensor:
     return out[0]
 
 
-def diffusers_reference(path: str, inputs: list[Inputs]) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+def _diffusers_wan_call(ref, s: Inputs, patch_size: tuple[int, int, int]) -> torch.Tensor:
+    """One sequence through diffusers' Wan (latent (1, C, T, H, W), timestep t·1000 as the
+    pipeline's scheduler gives it) -> its output patchified as knapray's tokens."""
+    from knapray.models.packing import patchify
+
+    out = ref(hidden_states=s.latent[None], timestep=torch.tensor([s.timestep]).float() * 1000.0,
+              encoder_hidden_states=s.text[None], return_dict=False)[0]
+    return patchify(out[0], patch_size)[0]
+
+
+def diffusers_reference(path: str, inputs: list[Inputs], cfg: Any = None) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     """(outputs per sequence, gradient per checkpoint tensor) of diffusers' model at
     ``path`` (fp32), every sequence its own call, the loss summed over them."""
-    from diffusers import FluxTransformer2DModel
+    if cfg is not None and cfg.family == "wan":
+        from diffusers import WanTransformer3DModel
 
-    ref = FluxTransformer2DModel.from_pretrained(path, torch_dtype=torch.float32)
+        ref = WanTransformer3DModel.from_pretrained(path, torch_dtype=torch.float32)
+        call = lambda s: _diffusers_wan_call(ref, s, cfg.patch_size)  # noqa: E731
+    else:
+        from diffusers import FluxTransformer2DModel
+
+        ref = FluxTransformer2DModel.from_pretrained(path, torch_dtype=torch.float32)
+        call = lambda s: _diffusers_call(ref, s)  # noqa: E731
     total = sum(s.target.numel() for s in inputs)
     outs = []
     for s in inputs:
-        out = _diffusers_call(ref, s)
+        out = call(s)
         ((out - s.target).pow(2).sum() / total).backward()
         outs.append(out.detach())
     return outs, {k: p.grad.detach().clone() for k, p in ref.named_parameters() if p.grad is not None}
@@ -265,7 +306,7 @@ def summarize_balanced(paths: list[str], per_rank: list[dict], *, family: str | 
             mine = list(range(r, sequences, world))
             for j, piece in zip(mine, _split(per_rank[r][path]["out"], [inputs[j] for j in mine])):
                 outs[j] = piece
-        ref_outs, ref_grads = diffusers_reference(path, inputs)
+        ref_outs, ref_grads = diffusers_reference(path, inputs, cfg)
         res = compare(cfg, outs, per_rank[0][path]["grads"], ref_outs, ref_grads)
         res.update(
             weights_diff=max(per_rank[r][path]["weights_diff"] for r in range(world)),
@@ -324,7 +365,7 @@ def run_reference(paths: list[str], *, family: str | None = None, world_size: in
     if world_size == 1:
         for i, path in enumerate(paths):
             cfg, outs, grads = single_process(path, family, seed + i, sequences)
-            ref_outs, ref_grads = diffusers_reference(path, make_inputs(cfg, sequences, seed + i))
+            ref_outs, ref_grads = diffusers_reference(path, make_inputs(cfg, sequences, seed + i), cfg)
             report[path] = compare(cfg, outs, grads, ref_outs, ref_grads)
     else:
         with tempfile.TemporaryDirectory() as tmp:

@@ -64,17 +64,30 @@ def _flux() -> Family:
     )
 
 
+def _wan() -> Family:
+    from knapray.models.families import wan, wan_keys
+
+    return Family(
+        name="wan", config_cls=wan.WanConfig, model_cls=wan.WanTransformer,
+        condition_fields=wan.condition_fields,
+        exact_against="diffusers 0.42 WanTransformer3DModel (fp32, 1e-5 relative, outputs and gradients; one rank)",
+        diffusers_class=wan.DIFFUSERS_CLASS, layouts=("diffusers",), layout=wan_keys.wan_layout,
+        section_from_diffusers=wan.section_from_diffusers, to_diffusers=lambda cfg: cfg.to_diffusers(),
+    )
+
+
 FAMILIES: dict[str, Family] = {
     "mmdit": Family(
         name="mmdit", config_cls=MMDiTConfig, model_cls=MMDiT, condition_fields=lambda cfg: ("timesteps", "pooled"),
         exact_against="itself: balanced == single-process (knapray parity); no external reference",
     ),
     "flux": _flux(),
+    "wan": _wan(),
 }
 FAMILY_NAMES = tuple(FAMILIES)
 
 OTHER_DIFFUSERS_CLASSES = {
-    "SD3Transformer2DModel": "Stable Diffusion 3", "WanTransformer3DModel": "Wan",
+    "SD3Transformer2DModel": "Stable Diffusion 3",
     "HunyuanVideoTransformer3DModel": "HunyuanVideo", "CogVideoXTransformer3DModel": "CogVideoX",
     "LTXVideoTransformer3DModel": "LTX-Video", "SanaTransformer2DModel": "Sana", "PixArtTransformer2DModel": "PixArt",
     "AuraFlowTransformer2DModel": "AuraFlow", "QwenImageTransformer2DModel": "Qwen-Image",

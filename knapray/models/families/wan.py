@@ -1,0 +1,402 @@
+"""Wan 2.1 text-to-video over packed token batches: the math of diffusers'
+``WanTransformer3DModel`` (0.42) behind knapray's stage interface.
+
+A packed sequence's text tokens are not part of its attention: they are embedded once
+(``txt_in``: Linear, GELU-tanh, Linear) and are the keys and values of every block's
+cross-attention, never updated. Its visual tokens attend to each other (self-attention
+with RoPE) and then to all text tokens of their own sequence (cross-attention, no RoPE).
+Per block, as diffusers:
+
+    h += gate   · attn1(LN(h) · (1 + scale) + shift)           # RMSNorm on q, k across heads
+    h +=          attn2(LN_affine(h), text)                     # LN_affine: cross_attn_norm
+    h += c_gate · ffn(LN(h) · (1 + c_scale) + c_shift)          # GELU-tanh
+
+with (shift, scale, gate, c_shift, c_scale, c_gate) = the block's ``scale_shift_table`` +
+``time_proj(silu(temb))`` of the sequence. The head: LN(h) · (1 + scale) + shift with
+(shift, scale) = the final ``scale_shift_table`` + temb (not its projection), then
+``proj_out``.
+
+Where knapray's representation differs from diffusers': the Conv3d patch embedding is a
+linear over patchified tokens (its weight kept in the Conv3d's shape (d, C, pt, ph, pw),
+whose flattening is knapray's patch feature order); ``proj_out``'s rows are knapray's
+patch order (C, pt, ph, pw), diffusers' are (pt, ph, pw, C): ``wan_keys`` permutes them.
+RoPE is diffusers' ``WanRotaryPosEmbed`` split (h = w = 2·(head_dim // 6) channels, t the
+rest), angles in float64, over each visual token's (frame, row, column) patch index.
+
+``condition`` returns (S, 7·d) per sequence: temb then time_proj(silu(temb)).
+
+Not yet: balanced cross-attention (the blocks compute both attentions themselves from
+``seq_index``, which is right only when every token of a sequence is on this rank: a
+world of one; pre-flight refuses larger worlds), I2V image conditioning
+(``image_dim`` / ``added_kv_proj_dim``), Wan 2.2's two experts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from knapray.attention import AttentionFn, varlen_attention
+from knapray.models.blocks import TokenStreams
+from knapray.models.config import MMDiTConfig, _known_family
+from knapray.models.families.flux import flux_rope
+from knapray.models.layers import MLP, timestep_embedding
+from knapray.models.packing import PackedBatch
+
+DIFFUSERS_CLASS = "WanTransformer3DModel"
+THETA = 10000.0
+"""``WanRotaryPosEmbed``'s theta: fixed in diffusers."""
+
+
+def wan_rope_split(head_dim: int) -> tuple[int, int, int]:
+    """(t, h, w) head channels of diffusers' ``WanRotaryPosEmbed``."""
+    h = w = 2 * (head_dim // 6)
+    return head_dim - h - w, h, w
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class WanConfig(MMDiTConfig):
+    """Wan 2.1 T2V in knapray's field names (defaults: the 14B shape, diffusers' defaults).
+    ``depth_single`` counts Wan's blocks (``num_layers``); ``depth_double`` is 0;
+    ``rope_axes_dim`` is Wan's split of the head (left out: derived); ``mlp_ratio`` is
+    derived from ``ffn_dim``."""
+
+    in_channels: int = dataclasses.field(default=16, metadata={"ge": 1})
+    hidden_size: int = dataclasses.field(default=5120, metadata={"ge": 1})
+    num_heads: int = dataclasses.field(default=40, metadata={"ge": 1})
+    depth_double: int = dataclasses.field(default=0, metadata={"ge": 0})
+    depth_single: int = dataclasses.field(default=40, metadata={"ge": 0})
+    text_dim: int = dataclasses.field(default=4096, metadata={"ge": 1})
+    pooled_dim: int = dataclasses.field(default=0, metadata={"ge": 0})
+    rope_axes_dim: tuple[int, ...] = ()
+    family: str = dataclasses.field(default="wan", metadata={"check": _known_family})
+    ffn_dim: int = dataclasses.field(default=13824, metadata={"ge": 1})
+    """FFN hidden width (diffusers' ``ffn_dim``)."""
+    freq_dim: int = dataclasses.field(default=256, metadata={"ge": 2})
+    """Sinusoidal timestep features (diffusers' ``freq_dim``)."""
+    cross_attn_norm: bool = True
+    """An affine LayerNorm before cross-attention (else none)."""
+    eps: float = 1e-6
+    """Epsilon of every LayerNorm and the q/k RMSNorms."""
+    rope_max_seq_len: int = dataclasses.field(default=1024, metadata={"ge": 1})
+    """RoPE table length per axis in diffusers: no patch index may reach it."""
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads == 0 and not tuple(self.rope_axes_dim):
+            self.rope_axes_dim = wan_rope_split(self.hidden_size // self.num_heads)
+        self.mlp_ratio = self.ffn_dim / self.hidden_size
+        MMDiTConfig.__post_init__(self)
+        split = wan_rope_split(self.head_dim)
+        fixed = {"family": "wan", "depth_double": 0, "pooled_dim": 0, "qk_norm": True, "rope_theta": THETA,
+                 "rope_axes_dim": split}
+        for name, value in fixed.items():
+            if getattr(self, name) != value:
+                raise ValueError(f"family wan: {name} must be {value!r} (fixed in Wan 2.1), got {getattr(self, name)!r}")
+        if self.text_dim < 1:
+            raise ValueError(f"family wan: text_dim must be >= 1 (Wan cross-attends to umT5 tokens), got {self.text_dim}")
+        if self.head_dim % 2 or any(a % 2 for a in split):
+            raise ValueError(f"family wan: head_dim {self.head_dim} gives RoPE split {split} with an odd part")
+        if self.freq_dim % 2:
+            raise ValueError(f"family wan: freq_dim must be even, got {self.freq_dim}")
+        for name in ("cross_attn_norm",):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+    def to_diffusers(self) -> dict[str, Any]:
+        """The ``config.json`` of the equivalent ``WanTransformer3DModel``."""
+        return {
+            "_class_name": DIFFUSERS_CLASS, "patch_size": list(self.patch_size),
+            "num_attention_heads": self.num_heads, "attention_head_dim": self.head_dim,
+            "in_channels": self.in_channels, "out_channels": self.in_channels, "text_dim": self.text_dim,
+            "freq_dim": self.freq_dim, "ffn_dim": self.ffn_dim, "num_layers": self.depth_single,
+            "cross_attn_norm": self.cross_attn_norm, "qk_norm": "rms_norm_across_heads", "eps": self.eps,
+            "image_dim": None, "added_kv_proj_dim": None, "rope_max_seq_len": self.rope_max_seq_len,
+            "pos_embed_seq_len": None,
+        }
+
+
+DIFFUSERS_DEFAULTS: dict[str, Any] = {
+    "patch_size": [1, 2, 2], "num_attention_heads": 40, "attention_head_dim": 128, "in_channels": 16,
+    "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 13824, "num_layers": 40,
+    "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "image_dim": None,
+    "added_kv_proj_dim": None, "rope_max_seq_len": 1024, "pos_embed_seq_len": None,
+}
+"""``WanTransformer3DModel.__init__``'s defaults."""
+
+
+def section_from_diffusers(config: dict[str, Any], where: str) -> dict[str, Any]:
+    """Model-section values of a diffusers ``WanTransformer3DModel`` config.json; ValueError
+    naming ``where`` and the key for what knapray's Wan cannot be."""
+    values = {**DIFFUSERS_DEFAULTS, **{k: v for k, v in config.items() if not k.startswith("_")}}
+    unknown = sorted(set(values) - set(DIFFUSERS_DEFAULTS))
+    if unknown:
+        raise ValueError(f"{where}: keys {unknown} are not WanTransformer3DModel's; valid: {sorted(DIFFUSERS_DEFAULTS)}")
+    for key in ("num_attention_heads", "attention_head_dim", "in_channels", "text_dim", "freq_dim", "ffn_dim",
+                "num_layers", "rope_max_seq_len"):
+        if not isinstance(values[key], int) or isinstance(values[key], bool) or values[key] < 1:
+            raise ValueError(f"{where}: {key}={values[key]!r} is not a valid size")
+    for key in ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len"):
+        if values[key] is not None:
+            raise ValueError(f"{where}: {key}={values[key]!r}: an image-conditioned (I2V/FLF2V) Wan; knapray "
+                             "reads text-to-video Wan only")
+    if values["out_channels"] not in (None, values["in_channels"]):
+        raise ValueError(f"{where}: out_channels={values['out_channels']} differs from in_channels={values['in_channels']}")
+    if values["qk_norm"] != "rms_norm_across_heads":
+        raise ValueError(f"{where}: qk_norm={values['qk_norm']!r}; diffusers' Wan block always normalizes q and k "
+                         "across heads, knapray reads only 'rms_norm_across_heads'")
+    patch = values["patch_size"]
+    if not isinstance(patch, (list, tuple)) or len(patch) != 3:
+        raise ValueError(f"{where}: patch_size={patch!r} must be 3 ints (t, h, w)")
+    return {
+        "in_channels": values["in_channels"], "patch_size": tuple(patch),
+        "hidden_size": values["attention_head_dim"] * values["num_attention_heads"],
+        "num_heads": values["num_attention_heads"], "depth_single": values["num_layers"],
+        "text_dim": values["text_dim"], "ffn_dim": values["ffn_dim"], "freq_dim": values["freq_dim"],
+        "cross_attn_norm": bool(values["cross_attn_norm"]), "eps": float(values["eps"]),
+        "rope_max_seq_len": values["rope_max_seq_len"],
+    }
+
+
+def condition_fields(cfg: WanConfig) -> tuple[str, ...]:
+    return ("timesteps",)
+
+
+# ---- the model ------------------------------------------------------------------------------
+
+
+class PatchEmbed(nn.Module):
+    """Wan's Conv3d (kernel = stride = patch) as a linear over patchified tokens; the weight
+    keeps the Conv3d's shape (d, C, pt, ph, pw), flattened in knapray's feature order."""
+
+    def __init__(self, cfg: WanConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.hidden_size, cfg.in_channels, *cfg.patch_size))
+        self.bias = nn.Parameter(torch.empty(cfg.hidden_size))
+        fan_in = cfg.patch_dim
+        nn.init.uniform_(self.weight, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
+        nn.init.uniform_(self.bias, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.flatten(1), self.bias)  # (N, C·pt·ph·pw) @ (C·pt·ph·pw, d)
+
+
+class TimeEmbed(nn.Module):
+    """temb = fc2(silu(fc1(sinusoid(t·1000)))), and its projection proj(silu(temb)) to 6·d."""
+
+    def __init__(self, cfg: WanConfig) -> None:
+        super().__init__()
+        d = cfg.hidden_size
+        self.freq_dim = cfg.freq_dim
+        self.fc1 = nn.Linear(cfg.freq_dim, d)
+        self.fc2 = nn.Linear(d, d)
+        self.proj = nn.Linear(d, 6 * d)
+
+    def forward(self, timesteps: torch.Tensor) -> torch.Tensor:
+        """timesteps (S,) in [0, 1] -> (S, 7·d): temb, then the blocks' modulation."""
+        x = timestep_embedding(timesteps, self.freq_dim).to(self.fc1.weight.dtype)
+        temb = self.fc2(F.silu(self.fc1(x)))
+        return torch.cat((temb, self.proj(F.silu(temb))), dim=-1)
+
+
+class WanAttention(nn.Module):
+    """q, k, v and output projections; q and k RMS-normalized over all heads together."""
+
+    def __init__(self, cfg: WanConfig) -> None:
+        super().__init__()
+        d = cfg.hidden_size
+        self.heads, self.eps = cfg.num_heads, cfg.eps
+        self.to_q, self.to_k, self.to_v, self.to_out = (nn.Linear(d, d) for _ in range(4))
+        self.norm_q = nn.Parameter(torch.ones(d))
+        self.norm_k = nn.Parameter(torch.ones(d))
+
+    def qkv(self, x: torch.Tensor, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q from x, k and v from ctx), each (n, H, D)."""
+        d = x.shape[-1]
+        q = F.rms_norm(self.to_q(x), (d,), self.norm_q, self.eps)
+        k = F.rms_norm(self.to_k(ctx), (d,), self.norm_k, self.eps)
+        v = self.to_v(ctx)
+        # (n, d) -> (n, H, D)
+        return (t.unflatten(-1, (self.heads, -1)) for t in (q, k, v))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """diffusers' Wan rotation of consecutive pairs (2i, 2i+1) of x (N, H, D) by (N, D/2),
+    in x's dtype as diffusers computes it."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)  # (N, H, D/2) each
+    c, s = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+
+
+class WanBlock(nn.Module):
+    def __init__(self, cfg: WanConfig) -> None:
+        super().__init__()
+        d = cfg.hidden_size
+        self.eps = cfg.eps
+        self.attn1 = WanAttention(cfg)
+        self.attn2 = WanAttention(cfg)
+        self.norm2 = nn.LayerNorm(d, eps=cfg.eps) if cfg.cross_attn_norm else None
+        self.ffn = MLP(d, cfg.ffn_dim, d, activation="gelu_tanh")
+        self.scale_shift_table = nn.Parameter(torch.randn(1, 6, d) / d**0.5)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, mod: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                self_attn: AttentionFn, cross_attn: AttentionFn) -> torch.Tensor:
+        """x (Ni, d) visual tokens, ctx (Nt, d) text tokens, mod (Ni, 6, d) their sequences'
+        time projections -> x (Ni, d)."""
+        d = x.shape[-1]
+        shift, scale, gate, c_shift, c_scale, c_gate = (self.scale_shift_table + mod.float()).unbind(1)
+        ln = lambda t: F.layer_norm(t.float(), (d,), eps=self.eps)  # noqa: E731 - FP32LayerNorm without affine
+        y = (ln(x) * (1 + scale) + shift).to(x.dtype)
+        q, k, v = self.attn1.qkv(y, y)
+        q, k = _rotate(q, *rope), _rotate(k, *rope)
+        out = self.attn1.to_out(self_attn(q, k, v).flatten(1))
+        x = (x.float() + out * gate).to(x.dtype)
+        y = x if self.norm2 is None else F.layer_norm(x.float(), (d,), self.norm2.weight, self.norm2.bias,
+                                                      self.eps).to(x.dtype)
+        q, k, v = self.attn2.qkv(y, ctx)
+        x = x + self.attn2.to_out(cross_attn(q, k, v).flatten(1))
+        y = (ln(x) * (1 + c_scale) + c_shift).to(x.dtype)
+        return (x.float() + self.ffn(y).float() * c_gate).to(x.dtype)
+
+
+class WanHead(nn.Module):
+    """LN(h)·(1 + scale) + shift, (shift, scale) = scale_shift_table + temb; then proj_out."""
+
+    def __init__(self, cfg: WanConfig) -> None:
+        super().__init__()
+        d = cfg.hidden_size
+        self.eps = cfg.eps
+        self.scale_shift_table = nn.Parameter(torch.randn(1, 2, d) / d**0.5)
+        self.linear = nn.Linear(d, cfg.patch_dim)
+
+    def forward(self, x: torch.Tensor, vec_seq: torch.Tensor, seq_index: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1]
+        temb = vec_seq[:, :d].index_select(0, seq_index)  # (Ni, d)
+        shift, scale = (self.scale_shift_table + temb[:, None, :]).unbind(1)
+        y = (F.layer_norm(x.float(), (d,), eps=self.eps) * (1 + scale) + shift).to(x.dtype)
+        return self.linear(y)
+
+
+class _Segments:
+    """Visual tokens of each local sequence and their text tokens, for varlen self- and
+    cross-attention over tokens in any order (sorted by sequence, stable)."""
+
+    def __init__(self, seq_img: torch.Tensor, seq_txt: torch.Tensor, num_seq: int) -> None:
+        self.img_order = torch.argsort(seq_img, stable=True)
+        self.txt_order = torch.argsort(seq_txt, stable=True)
+        self.img_counts = torch.bincount(seq_img, minlength=num_seq).tolist()
+        self.txt_counts = torch.bincount(seq_txt, minlength=num_seq).tolist()
+        self.cu = torch.zeros(num_seq + 1, dtype=torch.int32, device=seq_img.device)
+        self.cu[1:] = torch.cumsum(torch.bincount(seq_img, minlength=num_seq), 0)
+        self.max_len = max(self.img_counts, default=0)
+
+    def _unsort(self, out_sorted: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(out_sorted).index_copy_(0, self.img_order, out_sorted)
+
+    def self_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.index_select(0, self.img_order) for t in (q, k, v))
+        return self._unsort(varlen_attention(q, k, v, self.cu, self.max_len))
+
+    def cross_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (Ni, H, D) visual, k, v (Nt, H, D) text -> (Ni, H, D); a sequence without text
+        tokens gets zeros (diffusers' call is undefined there)."""
+        qs = q.index_select(0, self.img_order).split(self.img_counts)
+        ks = k.index_select(0, self.txt_order).split(self.txt_counts)
+        vs = v.index_select(0, self.txt_order).split(self.txt_counts)
+        outs = []
+        for qi, ki, vi in zip(qs, ks, vs):
+            if qi.shape[0] == 0 or ki.shape[0] == 0:
+                outs.append(torch.zeros_like(qi))
+                continue
+            # (n, H, D) -> (1, H, n, D)
+            o = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (qi, ki, vi)))
+            outs.append(o[0].transpose(0, 1))
+        return self._unsort(torch.cat(outs) if outs else torch.zeros_like(q))
+
+
+class WanTransformer(nn.Module):
+    """Wan 2.1 T2V over packed token batches. Submodules follow the names parallelization
+    knows (``img_in``, ``txt_in``, ``time_in``, ``single_blocks``, ``final``; no
+    ``double_blocks`` or ``vector_in``)."""
+
+    def __init__(self, cfg: WanConfig) -> None:
+        super().__init__()
+        if not isinstance(cfg, WanConfig):
+            raise TypeError(f"WanTransformer takes a WanConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
+        d = cfg.hidden_size
+        self.img_in = PatchEmbed(cfg)
+        self.txt_in = MLP(cfg.text_dim, d, d, activation="gelu_tanh")
+        self.time_in = TimeEmbed(cfg)
+        self.vector_in = None
+        self.double_blocks = nn.ModuleList()
+        self.single_blocks = nn.ModuleList(WanBlock(cfg) for _ in range(cfg.depth_single))
+        self.final = WanHead(cfg)
+
+    @torch.no_grad()
+    def initial_values(self, write) -> None:
+        """Random initial values (a fresh CPU ``WanTransformer`` from torch's global RNG,
+        diffusers-like: PyTorch's default linears, tables N(0, 1/d)); holds one full model
+        on the host."""
+        fresh = dict(WanTransformer(self.cfg).named_parameters())
+        for name, p in self.named_parameters():
+            write(p, fresh[name].detach())
+
+    def conditioning_mlps(self) -> list[nn.Module]:
+        return [self.time_in]
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return self.img_in.weight.dtype
+
+    def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return flux_rope(pos, self.cfg.rope_axes_dim, THETA)
+
+    def condition(self, timesteps: torch.Tensor) -> torch.Tensor:
+        """timesteps (S,) in [0, 1] (diffusers' model takes t·1000) -> (S, 7·d)."""
+        if timesteps.dim() != 1:
+            raise ValueError(f"expected timesteps (S,), got {tuple(timesteps.shape)}")
+        return self.time_in(timesteps)
+
+    def embed(self, x_txt: torch.Tensor, x_img: torch.Tensor, is_text: torch.Tensor, *,
+              streams: TokenStreams | None = None) -> torch.Tensor:
+        """x_txt (Nt, text_dim), x_img (Ni, patch_dim) -> h (N, d) in packed order."""
+        streams = streams if streams is not None else TokenStreams.from_mask(is_text)
+        dtype = self.param_dtype
+        return streams.merge(self.txt_in(x_txt.to(dtype)), self.img_in(x_img.to(dtype)))
+
+    def blocks(self, h: torch.Tensor, vec_seq: torch.Tensor, seq_index: torch.Tensor, pos: torch.Tensor,
+               is_text: torch.Tensor, attn: AttentionFn, *, streams: TokenStreams | None = None) -> torch.Tensor:
+        """Wan's blocks over the visual tokens of h (N, d); text rows come back unchanged.
+
+        ``attn`` (joint attention over whole sequences) is not called: self-attention over
+        the visual tokens and cross-attention to the text are computed here per sequence
+        from ``seq_index``, which needs every token of each local sequence on this rank."""
+        n, d = h.shape
+        if vec_seq.dim() != 2 or vec_seq.shape[1] != 7 * d:
+            raise ValueError(f"vec_seq must be (S_loc, {7 * d}) (Wan's condition), got {tuple(vec_seq.shape)}")
+        streams = streams if streams is not None else TokenStreams.from_mask(is_text)
+        ctx, x = streams.split(h)
+        seq_txt, seq_img = streams.split(seq_index)
+        seg = _Segments(seq_img, seq_txt, vec_seq.shape[0])
+        rope = self.rope(pos.index_select(0, streams.img_idx))
+        mod = vec_seq[:, d:].unflatten(1, (6, d)).index_select(0, seq_img)  # (Ni, 6, d)
+        for block in self.single_blocks:
+            x = block(x, ctx, mod, rope, seg.self_attn, seg.cross_attn)
+        return streams.merge(ctx, x)
+
+    def head(self, h: torch.Tensor, vec_seq: torch.Tensor, seq_index: torch.Tensor, is_text: torch.Tensor, *,
+             streams: TokenStreams | None = None) -> torch.Tensor:
+        streams = streams if streams is not None else TokenStreams.from_mask(is_text)
+        return self.final(h.index_select(0, streams.img_idx), vec_seq, seq_index.index_select(0, streams.img_idx))
+
+    def forward(self, batch: PackedBatch, attn: AttentionFn | None = None) -> torch.Tensor:
+        """Single-process composition -> (Ni, patch_dim)."""
+        vec = self.condition(batch.timesteps)
+        h = self.embed(batch.x_txt, batch.x_img, batch.is_text)
+        h = self.blocks(h, vec, batch.seq_index, batch.pos, batch.is_text, attn)
+        return self.head(h, vec, batch.seq_index, batch.is_text)
