@@ -55,3 +55,58 @@ def _ref_params(path):
     from diffusers import WanTransformer3DModel
 
     return WanTransformer3DModel.from_pretrained(path).named_parameters()
+
+
+def _wan_run_config(tmp_path, workers: int) -> str:
+    import yaml
+
+    cfg = {
+        "model": {"family": "wan", "patch_size": [1, 2, 2], "hidden_size": 32, "num_heads": 2, "depth_single": 1,
+                  "in_channels": 4, "text_dim": 16, "ffn_dim": 48, "freq_dim": 32},
+        "data": {"corpus": str(tmp_path / "corpus"), "samples_per_step": 2},
+        "balance": {"topology": "g1n1" if workers == 1 else "bags_of:1"},
+        "run": {"name": "wan", "storage": str(tmp_path / "runs"), "num_workers": workers},
+    }
+    path = tmp_path / "wan.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def test_preflight_refuses_wan_on_more_than_one_rank(tmp_path, capsys):
+    """One line, exit 2, before any corpus read or worker start; a world of one passes this check."""
+    from knapray.cli import main
+    from knapray.train.config import load_config
+    from knapray.train.preflight import check_family_world
+
+    code = main(["train", "--config", _wan_run_config(tmp_path, 4), "--check"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "model.family: wan trains on one rank only" in err[0] and "4 ranks" in err[0], err
+    cfg = load_config(_wan_run_config(tmp_path, 1), [])
+    assert cfg.model.family == "wan" and cfg.model.rope_axes_dim == (8, 4, 4)
+    check_family_world(cfg, (1,))  # no error
+
+
+def test_reference_refuses_wan_balanced(checkpoints):
+    with pytest.raises(ValueError, match="single-process only"):
+        run_reference([checkpoints["h2"]], world_size=2, topology="bags_of:1")
+
+
+def test_layout_round_trip_through_diffusers(checkpoints, tmp_path):
+    """Loaded into knapray, written back through the layout (as knapray export does),
+    diffusers reads the same tensors bit for bit."""
+    from diffusers import WanTransformer3DModel
+    from knapray.models.families import checkpoint_layout
+    from knapray.testing.reference import load_model
+
+    for name, path in checkpoints.items():
+        model, cfg, _, _ = load_model(path, None)
+        params = dict(model.named_parameters())
+        layout = checkpoint_layout(cfg)
+        ref = WanTransformer3DModel.from_pretrained(path).state_dict()
+        assert set(layout.shapes) == set(ref), name
+        out = {k: torch.empty(shape) for k, shape in layout.shapes.items()}
+        for p in layout.pieces:
+            out[p.key][p.src : p.src + p.rows] = params[p.param].detach()[p.dst : p.dst + p.rows]
+        assert all(torch.equal(out[k], ref[k]) for k in ref), name
+        assert cfg.to_diffusers()["num_layers"] == CONFIGS[name]["num_layers"]
