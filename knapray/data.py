@@ -77,6 +77,9 @@ class CorpusInfo:
     text_dtype: str = "fp32"
     """How the text embeddings are stored (fp32 or bf16; corpora without the field: fp32).
     Decoding gives float32 either way."""
+    family: str | None = None
+    """The model family the corpus was made for (schema.json ``family``); None for corpora
+    written before it was recorded: any family whose widths match."""
 
 
 def corpus_info(path: str | Path, doc: Mapping[str, Any] | None = None) -> CorpusInfo:
@@ -96,13 +99,25 @@ def corpus_info(path: str | Path, doc: Mapping[str, Any] | None = None) -> Corpu
         shards=tuple(doc["shards"]),
         shard_rows=tuple(int(n) for n in doc["shard_rows"]) if doc.get("shard_rows") is not None else None,
         text_dtype=str(doc.get("text_dtype", "fp32")),
+        family=doc.get("family"),
     )
+
+
+class FamilyMismatch(ValueError):
+    """A corpus made for one model family and a model of another."""
 
 
 def check_model_config(info: CorpusInfo, cfg: MMDiTConfig) -> None:
     """Raise ValueError if the model cannot train on this corpus, naming both values of
-    every mismatch. The patch must be equal, not merely compatible: the corpus's seq_len
+    every mismatch (:class:`FamilyMismatch` first, alone, when the corpus was made for
+    another family). The patch must be equal, not merely compatible: the corpus's seq_len
     column (what the balancer plans with) counts patches of the corpus's size."""
+    if info.family is not None and info.family != cfg.family:
+        raise FamilyMismatch(
+            f"corpus {info.path} was made for model family {info.family} (schema.json family), the model is "
+            f"model.family {cfg.family}: set model.family: {info.family}, or ingest the corpus with --family "
+            f"{cfg.family}"
+        )
     if not info.payload:
         raise ValueError(
             f"corpus {info.path} is lengths-only (schema.json payload=false): it has no "

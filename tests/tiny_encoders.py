@@ -1,6 +1,6 @@
 """Tiny randomly initialized encoders saved like real checkpoints, for the adapter tests:
-a diffusers AutoencoderKL (Flux-style shift and scale), a Wan video VAE, a T5 encoder and
-a CLIP text model, each with a tokenizer built here (no network: a WordLevel vocabulary
+a diffusers AutoencoderKL (Flux-style shift and scale), a Wan video VAE, a T5 encoder, a
+umT5 encoder and a CLIP text model, each with a tokenizer built here (no network: a WordLevel vocabulary
 of the test captions wrapped in PreTrainedTokenizerFast). Also a folder of the sample
 images matplotlib ships, captioned by a metadata.jsonl."""
 
@@ -93,6 +93,24 @@ def save_t5(out: Path) -> Path:
     T5EncoderModel(
         T5Config(vocab_size=len(vocab), d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=4,
                  pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+    ).save_pretrained(out)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>", model_max_length=512
+    ).save_pretrained(out)
+    return out
+
+
+def save_umt5(out: Path) -> Path:
+    """UMT5EncoderModel (d_model 16; Wan's text encoder is umT5-XXL) with T5's word-level
+    tokenizer appending </s>."""
+    import torch
+    from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
+
+    tok, vocab = _word_level(["<pad>", "</s>", "<unk>"], "$A </s>")
+    torch.manual_seed(2)
+    UMT5EncoderModel(
+        UMT5Config(vocab_size=len(vocab), d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=4,
+                   pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
     ).save_pretrained(out)
     PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>", model_max_length=512

@@ -20,8 +20,10 @@ standard deviation is small next to the spread of the means.
 from __future__ import annotations
 
 import hashlib
+import html
 import importlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -423,6 +425,10 @@ class HFTextEncoder:
 
     Tokens are the caption's real ones, capped at ``max_tokens`` (and at 77 for CLIP);
     an empty caption has no tokens, but still gets CLIP's pooled vector of "".
+
+    ``pooled_vector=False`` (Wan: umT5 alone): no pooled vector, ``pooled_dim`` 0, each
+    caption's ``pooled`` an empty array. ``wan_prompts``: captions cleaned as
+    ``WanPipeline`` cleans prompts (:func:`wan_prompt_clean`) before tokenizing.
     """
 
     def __init__(
@@ -435,18 +441,24 @@ class HFTextEncoder:
         device: str = "cpu",
         dtype: str = "fp32",
         batch_size: int = 32,
+        pooled_vector: bool = True,
+        wan_prompts: bool = False,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if pooled and not pooled_vector:
+            raise ValueError(f"--pooled-encoder {pooled}: given for a corpus without a pooled vector (Wan)")
         self.text_info, self.pooled_info = text_encoder_infos(text, text_tokenizer, pooled, pooled_tokenizer)
         self.dtype, self.batch_size = dtype, batch_size
+        self.pooled_vector, self.wan_prompts = pooled_vector, wan_prompts
         self.text = HFTextModel(self.text_info, device, dtype)
         self.pooled_model = HFTextModel(self.pooled_info, device, dtype) if self.pooled_info else None
         self.dim = self.text_info.dim
-        self.pooled_dim = (self.pooled_info or self.text_info).pooled_dim
+        self.pooled_dim = (self.pooled_info or self.text_info).pooled_dim if pooled_vector else 0
 
     def describe(self) -> dict[str, Any]:
-        return text_encoder_record(self.text_info, self.pooled_info, self.dtype)
+        return text_encoder_record(self.text_info, self.pooled_info, self.dtype, pooled_vector=self.pooled_vector,
+                                   wan_prompts=self.wan_prompts)
 
     def encode(self, caption: str, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
         return self.encode_many([caption], max_tokens)[0]
@@ -458,12 +470,16 @@ class HFTextEncoder:
         return out
 
     def _encode_chunk(self, captions: list[str], max_tokens: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        if self.wan_prompts:
+            captions = [wan_prompt_clean(c) for c in captions]
         texts = [np.zeros((0, self.dim), np.float32) for _ in captions]
         real = [i for i, c in enumerate(captions) if c.strip()] if max_tokens > 0 else []
         if real:
             tokens, _ = self.text.run([captions[i] for i in real], max_tokens)
             for i, t in zip(real, tokens):
                 texts[i] = t
+        if not self.pooled_vector:
+            return [(t, np.zeros(0, np.float32)) for t in texts]
         if self.pooled_model is not None:
             pooled = self.pooled_model.run(captions, None)[1]
         elif self.text_info.family == "clip":
@@ -484,12 +500,27 @@ def text_encoder_infos(
     return text_info, pooled_info
 
 
-def text_encoder_record(text: TextModelInfo, pooled: TextModelInfo | None, dtype: str) -> dict[str, Any]:
+def text_encoder_record(text: TextModelInfo, pooled: TextModelInfo | None, dtype: str, *,
+                        pooled_vector: bool = True, wan_prompts: bool = False) -> dict[str, Any]:
     return {
         "class": "HFTextEncoder",
         "dtype": dtype,
         "text": text.record(),
-        "pooled": (pooled or text).record(),
+        "pooled": (pooled or text).record() if pooled_vector else None,
         "dim": text.dim,
-        "pooled_dim": (pooled or text).pooled_dim,
+        "pooled_dim": (pooled or text).pooled_dim if pooled_vector else 0,
+        **({"prompt_clean": "WanPipeline's prompt_clean"} if wan_prompts else {}),
     }
+
+
+def wan_prompt_clean(text: str) -> str:
+    """``WanPipeline``'s ``prompt_clean``: ftfy's fix_text where ftfy is installed, HTML
+    entities unescaped twice, whitespace runs collapsed to one space, ends stripped."""
+    try:
+        import ftfy
+    except ImportError:
+        ftfy = None
+    if ftfy is not None:
+        text = ftfy.fix_text(text)
+    text = html.unescape(html.unescape(text)).strip()
+    return re.sub(r"\s+", " ", text).strip()

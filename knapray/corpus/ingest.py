@@ -43,7 +43,7 @@ from knapray.corpus.media import (
     sample_id_for,
     video_decoder,
 )
-from knapray.corpus.schema import CORPUS_SCHEMA, PATCH, TEXT_DTYPES
+from knapray.corpus.schema import CORPUS_SCHEMA, FAMILIES, PATCH, TEXT_DTYPES, WAN_TEXT_LENGTH
 from knapray.corpus.stages import (
     DecodeOptions,
     EncoderInfo,
@@ -200,6 +200,14 @@ def _settle_device(cfg: IngestConfig, spec: EncoderSpec) -> tuple[EncoderSpec, b
     return spec.resolved("cuda" if use_gpu else "cpu"), use_gpu
 
 
+def _check_family_widths(family: str | None, info: EncoderInfo) -> None:
+    """Wan has no pooled vector; mmdit and flux need one."""
+    if family == "wan" and info.pooled_dim != 0:
+        raise ValueError(f"family wan has no pooled vector, but the text encoder gives pooled_dim {info.pooled_dim}")
+    if family in ("mmdit", "flux") and info.pooled_dim == 0:
+        raise ValueError(f"family {family} needs a pooled vector, but the text encoder gives pooled_dim 0")
+
+
 def ingest(
     input_dir: str | Path,
     out_dir: str | Path,
@@ -229,6 +237,9 @@ def ingest(
         raise ValueError(f"no media under {root}; extensions read: {sorted(IMAGE_EXTS | VIDEO_EXTS)}")
     pil_image()
     spec.check()
+    if spec.family == "wan" and cfg.max_text_tokens > WAN_TEXT_LENGTH:
+        raise ValueError(f"family wan: max_text_tokens {cfg.max_text_tokens} is over Wan's text length "
+                         f"{WAN_TEXT_LENGTH} (WanPipeline truncates prompts there)")
 
     spec, use_gpu = _settle_device(cfg, spec)
     build: Callable[[], tuple[LatentEncoder, TextEncoder]] = spec.build
@@ -248,6 +259,7 @@ def ingest(
     else:
         info = spec.describe()  # from the configs: the models load in the actors only
 
+    _check_family_widths(spec.family, info)
     decoder = video_decoder()
     opts = DecodeOptions(max_side=cfg.max_side, max_frames=cfg.max_frames, frame_stride=cfg.frame_stride,
                          multiple=info.downsample * PATCH[1], video_decoder=decoder)
@@ -321,6 +333,8 @@ def ingest(
             "captions": {"column": cfg.caption_column, **dict(captions)},
             UNCONDITIONAL_KEY: unconditional,
             "video_decoder": decoder,
+            **({"family": spec.family} if spec.family else {}),
+            **({"text_pad_to": WAN_TEXT_LENGTH} if spec.family == "wan" else {}),
             "config": {f: getattr(cfg, f) for f in cfg.__dataclass_fields__},
         },
     )
@@ -368,6 +382,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "instead of --vae")
     g.add_argument("--text-encoder-factory", metavar="MODULE:NAME", help="callable returning a "
                    "TextEncoder, instead of --text-encoder")
+    g.add_argument("--family", choices=FAMILIES, help="the model family the corpus is for, recorded in "
+                   "schema.json (pre-flight refuses a model of another family). wan: umT5 tokens without a "
+                   f"pooled vector (pooled_dim 0), prompts cleaned as WanPipeline does, at most {WAN_TEXT_LENGTH} "
+                   "tokens (the default there), the model pads them to 512 with zeros")
     s = p.add_argument_group("stand-in encoders (used without --vae / --text-encoder)")
     s.add_argument("--channels", type=int_at_least(1), default=4, help="latent channels")
     s.add_argument("--downsample", type=int_at_least(1), default=8, help="spatial downsample")
@@ -384,7 +402,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--max-side", type=int_at_least(1), default=512, help="shrink frames to this longest side (px)")
     d.add_argument("--max-frames", type=int_at_least(1), default=16, help="frames kept per video")
     d.add_argument("--frame-stride", type=int_at_least(1), default=1, help="keep every n-th video frame")
-    d.add_argument("--max-text-tokens", type=text_tokens, default=MAX_TEXT_TOKENS, help="caption token limit")
+    d.add_argument("--max-text-tokens", type=text_tokens, help=f"caption token limit (default {MAX_TEXT_TOKENS}; "
+                   f"--family wan: {WAN_TEXT_LENGTH})")
     d.add_argument("--shards", type=int_at_least(1), default=1, help="target number of parquet files")
     d.add_argument("--text-dtype", choices=TEXT_DTYPES, default="fp32", help="store text embeddings as fp32 or "
                    "bf16 (half the bytes; rounded as torch rounds, read back exactly; default fp32)")
@@ -409,11 +428,17 @@ def cli(args: argparse.Namespace) -> int:
         raise ValueError(str(e)) from None
 
 
+def _max_text_tokens(args: argparse.Namespace) -> int:
+    if args.max_text_tokens is not None:
+        return int(args.max_text_tokens)
+    return WAN_TEXT_LENGTH if args.family == "wan" else MAX_TEXT_TOKENS
+
+
 def run(args: argparse.Namespace) -> int:
     """Ingest as the parsed arguments say; bad input raises (ValueError, FileExistsError, ...)."""
     cfg = IngestConfig(
         max_side=args.max_side, max_frames=args.max_frames, frame_stride=args.frame_stride,
-        max_text_tokens=args.max_text_tokens, shards=args.shards, caption_column=args.caption_column,
+        max_text_tokens=_max_text_tokens(args), shards=args.shards, caption_column=args.caption_column,
         batch_size=args.batch_size, workers=args.workers, cpus_per_worker=args.cpus_per_worker,
         text_dtype=args.text_dtype,
     )
@@ -423,7 +448,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device, dtype=args.dtype, vae_batch=args.vae_batch, text_batch=args.text_batch,
         encoder_factory=args.encoder_factory, text_encoder_factory=args.text_encoder_factory,
         channels=args.channels, downsample=args.downsample, seed=args.seed,
-        text_dim=args.text_dim, pooled_dim=args.pooled_dim,
+        text_dim=args.text_dim, pooled_dim=args.pooled_dim, family=args.family,
     )
     report = ingest(Path(args.input), Path(args.out), cfg, encoders=spec, progress=not args.quiet)
     print(

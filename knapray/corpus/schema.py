@@ -43,6 +43,16 @@ CORPUS_SCHEMA = pa.schema(
     ]
 )
 
+FAMILIES = ("mmdit", "flux", "wan")
+"""Model families a corpus can be made for (schema.json ``family``; a corpus without the
+field was made before it was recorded and fits any family whose widths match). The same
+names as ``knapray.models.families.FAMILY_NAMES`` (a test keeps them equal; this module
+does not import the models)."""
+
+WAN_TEXT_LENGTH = 512
+"""Wan's text length: ``WanPipeline`` truncates a prompt's umT5 tokens to 512 and pads its
+embeddings with zero rows to 512 (schema.json ``text_pad_to`` of a Wan corpus)."""
+
 TEXT_DTYPES = ("fp32", "bf16")
 """How a corpus stores its text token embeddings (schema.json ``text_dtype``; a corpus
 without the field is fp32). fp32: ``list<float32>``. bf16: ``large_binary``, each row the
@@ -226,9 +236,11 @@ def _check_row(
         want = f"text_tokens {n['text_tokens']} x text_dim {text_dim if text_dim else '?'}"
         raise CorruptSample(sid, "text_size", f"text has {text_size} values, expected {want}")
     pooled_size = arrays["pooled"].size
-    if pooled_size == 0 or (pooled_dim is not None and pooled_size != pooled_dim):
+    # A corpus without a pooled vector (pooled_dim 0: Wan) has empty pooled lists.
+    if (pooled_size == 0 and pooled_dim != 0) or (pooled_dim is not None and pooled_size != pooled_dim):
         raise CorruptSample(
-            sid, "pooled_size", f"pooled has {pooled_size} values, expected {pooled_dim or '>= 1'}"
+            sid, "pooled_size", f"pooled has {pooled_size} values, expected "
+            f"{'>= 1' if pooled_dim is None else pooled_dim}"
         )
     for name, arr in arrays.items():
         if not _all_finite(arr):
@@ -320,9 +332,17 @@ def schema_doc_problem(doc: Mapping[str, Any]) -> str | None:
     dims, counts = doc.get("dims"), doc.get("counts")
     if not isinstance(dims, dict):
         return f"dims is {_short(dims)}, not an object"
-    for name in ("channels", "text_dim", "pooled_dim"):
+    for name in ("channels", "text_dim"):
         if not count(dims.get(name), 1):
             return f"dims.{name} is {_short(dims.get(name))}, not an int >= 1"
+    if not count(dims.get("pooled_dim"), 0):  # 0: no pooled vector (Wan)
+        return f"dims.pooled_dim is {_short(dims.get('pooled_dim'))}, not an int >= 0"
+    family = doc.get("family")  # absent: made before it was recorded, fits any family
+    if family is not None and family not in FAMILIES:
+        return f"family is {_short(family)}, not one of {', '.join(FAMILIES)}"
+    pad_to = doc.get("text_pad_to")
+    if pad_to is not None and not count(pad_to, 1):
+        return f"text_pad_to is {_short(pad_to)}, not an int >= 1"
     patch = dims.get("patch")
     if not (isinstance(patch, list) and len(patch) == 3 and all(count(p, 1) for p in patch)):
         return f"dims.patch is {_short(patch)}, not three ints >= 1"

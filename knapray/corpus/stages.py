@@ -38,7 +38,7 @@ from knapray.corpus.media import (
     read_video,
     sample_id_for,
 )
-from knapray.corpus.schema import CORPUS_SCHEMA, visual_token_count
+from knapray.corpus.schema import CORPUS_SCHEMA, FAMILIES, visual_token_count
 from knapray.corpus.writer import build_table
 
 ITEM_SCHEMA = pa.schema([("path", pa.string()), ("source", pa.string()), ("caption", pa.string())])
@@ -110,6 +110,9 @@ class EncoderSpec:
     """Stand-in HashTextEncoder: token width."""
     pooled_dim: int = 32
     """Stand-in HashTextEncoder: pooled width."""
+    family: str | None = None
+    """The model family the corpus is made for (recorded in schema.json), or None (any).
+    wan: no pooled vector (pooled_dim 0), captions cleaned as WanPipeline cleans prompts."""
 
     def __post_init__(self) -> None:
         pairs = (("vae", "encoder_factory"), ("text_encoder", "text_encoder_factory"))
@@ -127,6 +130,18 @@ class EncoderSpec:
         for name in ("vae_batch", "text_batch", "channels", "downsample", "text_dim", "pooled_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.family is not None and self.family not in FAMILIES:
+            raise ValueError(f"family {self.family!r} is not one of {FAMILIES}")
+        if self.family == "wan" and self.pooled_encoder:
+            raise ValueError("pooled_encoder is given for family wan, which has no pooled vector")
+
+    @property
+    def pooled_vector(self) -> bool:
+        """Whether the corpus has a pooled vector (every family but Wan)."""
+        return self.family != "wan"
+
+    def _standin_text(self) -> HashTextEncoder:
+        return HashTextEncoder(dim=self.text_dim, pooled_dim=self.pooled_dim if self.pooled_vector else 0)
 
     @property
     def uses_models(self) -> bool:
@@ -162,12 +177,12 @@ class EncoderSpec:
             text: Any = hf.HFTextEncoder(
                 self.text_encoder, text_tokenizer=self.text_tokenizer, pooled=self.pooled_encoder,
                 pooled_tokenizer=self.pooled_tokenizer, device=device, dtype=dtype,
-                batch_size=self.text_batch,
+                batch_size=self.text_batch, pooled_vector=self.pooled_vector, wan_prompts=self.family == "wan",
             )
         elif self.text_encoder_factory:
             text = load_factory(self.text_encoder_factory)()
         else:
-            text = HashTextEncoder(dim=self.text_dim, pooled_dim=self.pooled_dim)
+            text = self._standin_text()
         return encoder, text
 
     def describe(self) -> EncoderInfo:
@@ -185,11 +200,12 @@ class EncoderSpec:
         if self.text_encoder:
             t, p = hf.text_encoder_infos(self.text_encoder, self.text_tokenizer, self.pooled_encoder,
                                          self.pooled_tokenizer)
-            text_record = hf.text_encoder_record(t, p, self.dtype)
+            text_record = hf.text_encoder_record(t, p, self.dtype, pooled_vector=self.pooled_vector,
+                                                 wan_prompts=self.family == "wan")
             dim, pooled_dim = text_record["dim"], text_record["pooled_dim"]
         else:
             made = (load_factory(self.text_encoder_factory)() if self.text_encoder_factory else
-                    HashTextEncoder(dim=self.text_dim, pooled_dim=self.pooled_dim))
+                    self._standin_text())
             dim, pooled_dim, text_record = made.dim, made.pooled_dim, encoder_record(made)
         return EncoderInfo(channels, downsample, dim, pooled_dim, latent_record, text_record)
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from knapray.corpus.schema import SchemaFileError
 from knapray.corpus.schema import load_schema_json as read_schema_json  # every field's type checked
-from knapray.data import BadShard, CorpusInfo, DuplicateId, check_model_config, check_shards, corpus_info, duplicate_ids
+from knapray.data import BadShard, CorpusInfo, DuplicateId, FamilyMismatch, check_model_config, check_shards, corpus_info, duplicate_ids
 
 from .checkpoint import completed_checkpoints
 from .config import TrainConfig, load_config
@@ -162,6 +162,8 @@ def check(cfg: TrainConfig, worlds: Iterable[int], *, corpus: CorpusCheck | None
         corpus = check_corpus(cfg, schema)
     try:
         check_model_config(corpus.info, cfg.model)
+    except FamilyMismatch as e:
+        raise RunError(str(e)) from None
     except ValueError as e:
         raise RunError(f"{e}; leave model.in_channels / text_dim / pooled_dim out of the config to take the "
                        "corpus's, or use a corpus made with the encoders the config expects") from None

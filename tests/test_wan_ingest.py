@@ -1,0 +1,155 @@
+"""``knapray ingest --family wan``: clips (multi-frame TIFFs, lossless) and an image through a
+tiny ``AutoencoderKLWan`` and a tiny ``UMT5EncoderModel``, checked against diffusers' Wan
+pipeline math on the same input; the corpus records its family, has no pooled vector, and
+pre-flight matches it with a Wan model and refuses a Flux one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import tiny_encoders as te
+from knapray.cli import main
+from knapray.corpus.schema import FAMILIES, WAN_TEXT_LENGTH, decode_row, schema_doc_problem
+from knapray.corpus.writer import read_corpus
+
+pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+
+ATOL = 1e-5
+CAPTIONS = {
+    "clip9.tif": "a red fox jumps  over the lazy dog",  # two spaces: WanPipeline's prompt_clean collapses them
+    "clip6.tif": "a blue box",
+    "still.png": "",
+}
+FRAMES = {"clip9.tif": 9, "clip6.tif": 6, "still.png": 1}
+LATENT_FRAMES = {"clip9.tif": 3, "clip6.tif": 2, "still.png": 1}  # 9 -> 1 + 2*4; 6 -> 5 kept -> 1 + 1
+
+
+@pytest.fixture(scope="module")
+def wan_corpus(tmp_path_factory):
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("wan")
+    vae, umt5, media = te.save_wan(root / "vae"), te.save_umt5(root / "umt5"), root / "media"
+    media.mkdir()
+    rng = np.random.default_rng(0)
+    pixels = {}
+    for name, frames in FRAMES.items():
+        px = rng.integers(0, 256, size=(frames, 32, 48, 3), dtype=np.uint8)
+        pixels[name] = px
+        images = [Image.fromarray(f) for f in px]
+        images[0].save(media / name, save_all=frames > 1, append_images=images[1:])
+    (media / "metadata.jsonl").write_text(
+        "".join(json.dumps({"file_name": n, "text": c}) + "\n" for n, c in CAPTIONS.items()))
+    out = root / "corpus"
+    code = main(["ingest", "--input", str(media), "--out", str(out), "--vae", str(vae), "--text-encoder", str(umt5),
+                 "--family", "wan", "--max-side", "48", "--max-frames", "9", "--device", "cpu", "--quiet"])
+    assert code == 0
+    return {"root": root, "vae": vae, "umt5": umt5, "corpus": out, "pixels": pixels}
+
+
+def _rows(corpus: Path) -> dict[str, dict]:
+    return {r["source"]: decode_row(r, text_dim=16, pooled_dim=0) for r in read_corpus(corpus).to_pylist()}
+
+
+def test_schema_records_family_text_length_and_no_pooled_vector(wan_corpus):
+    doc = json.loads((wan_corpus["corpus"] / "schema.json").read_text())
+    assert doc["family"] == "wan" and doc["text_pad_to"] == WAN_TEXT_LENGTH
+    assert doc["dims"]["pooled_dim"] == 0 and doc["dims"]["text_dim"] == 16 and doc["dims"]["channels"] == 4
+    assert doc["encoders"]["text"]["pooled"] is None and doc["config"]["max_text_tokens"] == WAN_TEXT_LENGTH
+    assert schema_doc_problem(doc) is None
+    assert "family" in schema_doc_problem({**doc, "family": "sd3"})
+    assert "pooled_dim" in schema_doc_problem({**doc, "dims": {**doc["dims"], "pooled_dim": -1}})
+
+
+def test_families_match_the_models():
+    from knapray.models.families import FAMILY_NAMES
+
+    assert set(FAMILIES) == set(FAMILY_NAMES)
+
+
+def test_latents_are_the_wan_pipelines(wan_corpus):
+    """Temporal compression 1 + 4k -> 1 + k, and (mean - latents_mean) * (1 / latents_std) as
+    the Wan I2V pipeline normalizes ``retrieve_latents(vae.encode(x), sample_mode="argmax")``."""
+    from diffusers import AutoencoderKLWan
+    from diffusers.pipelines.wan.pipeline_wan_i2v import retrieve_latents
+
+    vae = AutoencoderKLWan.from_pretrained(wan_corpus["vae"], local_files_only=True).eval()
+    mean = torch.tensor(vae.config.latents_mean).view(1, 4, 1, 1, 1)
+    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, 4, 1, 1, 1)
+    rows = _rows(wan_corpus["corpus"])
+    for name, t in LATENT_FRAMES.items():
+        row = rows[name]
+        assert row["kind"] == ("image" if name == "still.png" else "video"), row["kind"]
+        assert row["latent"].shape == (4, t, 4, 6) and row["pooled"].shape == (0,)
+        kept = 1 + (FRAMES[name] - 1) // 4 * 4
+        x = torch.from_numpy(wan_corpus["pixels"][name][:kept]).permute(3, 0, 1, 2)[None].float() / 127.5 - 1.0
+        with torch.inference_mode():
+            want = (retrieve_latents(vae.encode(x), sample_mode="argmax") - mean) * inv_std
+        np.testing.assert_allclose(row["latent"], want[0].numpy(), atol=ATOL)
+
+
+def test_text_is_the_wan_pipelines_unpadded(wan_corpus):
+    """The rows hold WanPipeline's prompt embeddings (its cleaning, its tokenizer call at
+    max_sequence_length 512) up to its zero padding; the empty caption has 0 tokens."""
+    from diffusers import WanPipeline
+    from transformers import AutoTokenizer, UMT5EncoderModel
+
+    pipe = WanPipeline(
+        tokenizer=AutoTokenizer.from_pretrained(wan_corpus["umt5"], local_files_only=True),
+        text_encoder=UMT5EncoderModel.from_pretrained(wan_corpus["umt5"], local_files_only=True).eval(),
+        transformer=None, vae=None, scheduler=None,
+    )
+    rows = _rows(wan_corpus["corpus"])
+    for name in ("clip9.tif", "clip6.tif"):
+        with torch.inference_mode():
+            want = pipe._get_t5_prompt_embeds(CAPTIONS[name], max_sequence_length=WAN_TEXT_LENGTH,
+                                              device=torch.device("cpu"))[0]
+        text = rows[name]["text"]
+        n = len(CAPTIONS[name].split()) + 1  # words and </s>
+        assert text.shape == (n, 16) and want.shape == (WAN_TEXT_LENGTH, 16)
+        np.testing.assert_allclose(text, want[:n].numpy(), atol=ATOL)
+        assert not want[n:].any()  # what the corpus leaves out is the pipeline's zero padding
+    assert rows["still.png"]["text"].shape == (0, 16)
+
+
+def _wan_config(tmp_path: Path, corpus: Path, family: str = "wan") -> str:
+    import yaml
+
+    model = ({"family": "wan", "patch_size": [1, 2, 2], "hidden_size": 32, "num_heads": 2, "depth_single": 1,
+              "in_channels": 4, "text_dim": 16, "ffn_dim": 48, "freq_dim": 32} if family == "wan" else
+             {"family": "flux", "hidden_size": 32, "num_heads": 2, "rope_axes_dim": [4, 6, 6], "depth_double": 1,
+              "depth_single": 1, "in_channels": 4, "text_dim": 16, "pooled_dim": 8})
+    cfg = {"model": model, "data": {"corpus": str(corpus), "samples_per_step": 2},
+           "balance": {"topology": "g1n1"}, "run": {"name": family, "storage": str(tmp_path / "runs"),
+                                                     "num_workers": 1, "precision": "fp32"}}
+    path = tmp_path / f"{family}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def test_preflight_matches_wan_and_refuses_another_family(wan_corpus, tmp_path, capsys):
+    code = main(["train", "--config", _wan_config(tmp_path, wan_corpus["corpus"]), "--check"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "pooled_dim 0" in out.out
+    code = main(["train", "--config", _wan_config(tmp_path, wan_corpus["corpus"], "flux"), "--check"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "made for model family wan" in err[0] and "model.family flux" in err[0], err
+
+
+def test_family_wan_refuses_a_pooled_encoder_and_long_text(wan_corpus, tmp_path, capsys):
+    media = wan_corpus["root"] / "media"
+    base = ["ingest", "--input", str(media), "--family", "wan", "--quiet"]
+    for extra, words in ((["--text-encoder", str(wan_corpus["umt5"]), "--pooled-encoder", str(wan_corpus["umt5"])],
+                          "pooled"),
+                         (["--max-text-tokens", "600"], "Wan's text length")):
+        code = main([*base, "--out", str(tmp_path / words.replace(" ", "_")), *extra])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and words in err[-1], err
