@@ -31,6 +31,7 @@ from typing import Sequence
 import numpy as np
 
 from knapray.planning import PAPER_MIXES, Topology, identity_plan, plan_balance
+from knapray.planning.mix import MAX_TEXT_TOKENS, MIXES
 from knapray.planning.autotopo import composition_spec, search_topology
 from knapray.planning.cost import CostModel, StepTimes
 from knapray.planning.pertopo import plan_step
@@ -48,8 +49,8 @@ HISTORY_SEED_OFFSET = 1000  # auto chooses from steps the evaluation never sees
 
 
 def resolve_mix(mix: str) -> str:
-    """A paper mix's name (``mixed-res``) or data codes."""
-    return PAPER_MIXES.get(mix, mix)
+    """A named mix (``mixed-res``, ``wan``) or data codes."""
+    return MIXES.get(mix, mix)
 
 
 def parse_schedule(mix: str) -> list[tuple[str, str, int]]:
@@ -76,11 +77,14 @@ def schedule_ranks(mix: str) -> int:
     return int(np.lcm.reduce([mix_ranks(codes) for _, codes, _ in parse_schedule(mix)]))
 
 
-def schedule_steps(mix: str, steps: int, seed: int, world_size: int) -> tuple[list[str], list[list[list[int]]]]:
+def schedule_steps(
+    mix: str, steps: int, seed: int, world_size: int, max_text_tokens: int = MAX_TEXT_TOKENS,
+) -> tuple[list[str], list[list[list[int]]]]:
     """Labels and per-rank lengths of ``steps`` steps of a mix (a schedule cycles its parts);
     each part draws from its own generator, seeded ``seed + part index``."""
     parts = parse_schedule(mix)
-    gens = [mix_steps(codes, steps, seed + i, world_size=world_size) for i, (_, codes, _) in enumerate(parts)]
+    gens = [mix_steps(codes, steps, seed + i, world_size=world_size, max_text_tokens=max_text_tokens)
+            for i, (_, codes, _) in enumerate(parts)]
     order = [i for i, (_, _, k) in enumerate(parts) for _ in range(k)]
     labels, out = [], []
     for t in range(steps):
@@ -201,11 +205,13 @@ def simulate_mix(
 ) -> dict:
     """``simulate`` on ``steps`` steps of a mix (paper name, data codes or an
     ``alternate:`` schedule); ``auto`` (and ``per-step``'s static topology) chooses from
-    ``history_steps`` other steps of the mix (a schedule's first ones, other seeds)."""
+    ``history_steps`` other steps of the mix (a schedule's first ones, other seeds). With a
+    cross-attention cost model a sequence is its visual tokens (the model charges the text)."""
     world = world_size or schedule_ranks(mix)
     cost = cost or CostModel()
-    labels, evaluated = schedule_steps(mix, steps, seed, world)
-    _, history = schedule_steps(mix, history_steps, seed + HISTORY_SEED_OFFSET, world)
+    text = 0 if cost.attention_kind == "cross" else MAX_TEXT_TOKENS
+    labels, evaluated = schedule_steps(mix, steps, seed, world, text)
+    _, history = schedule_steps(mix, history_steps, seed + HISTORY_SEED_OFFSET, world, text)
     result = simulate(evaluated, topology, cost, history=history, gpus_per_node=gpus_per_node)
     result["mix"] = mix
     result["step_mix"] = labels

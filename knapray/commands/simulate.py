@@ -10,9 +10,15 @@ import sys
 from .cost import add_cost_model, cost_model
 from .flags import add_gpus_per_node, add_json, add_seed, add_world_size, step_count
 
+MODELS = ("flux", "wan14b")
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mix", help="paper mix name (low-res, mixed-res, image+video), data codes, or a non-stationary "
+    p.add_argument("--model", choices=MODELS, default="flux",
+                   help="the model's cost-model fields (knapray.planning.cost.MODEL_PRESETS; --cost overrides "
+                   "them): flux (default: Flux.1, joint attention) or wan14b (Wan 2.1 14B, cross-attention to 512 "
+                   "text tokens; a sequence is its visual tokens, e.g. --mix wan)")
+    p.add_argument("--mix", help="named mix (low-res, mixed-res, image+video; wan), data codes, or a non-stationary "
                    "schedule alternate:MIX[*K]/MIX[*K]/... (K steps of each in turn, e.g. "
                    "alternate:low-res/image+video)")
     p.add_argument("--lengths", metavar="FILE",
@@ -48,7 +54,10 @@ def _rank_speeds(items: list[str] | None, world: int) -> list[float] | None:
 
 def run(args: argparse.Namespace) -> int:
     from knapray import sim
+    from knapray.planning.cost import MODEL_PRESETS
 
+    preset = [f"{k}={json.dumps(v)}" for k, v in MODEL_PRESETS[args.model].items()]
+    args.cost = preset + list(args.cost)  # --cost after the preset: it overrides it
     cost = cost_model(args)
     if args.paper_table and args.topology == sim.PER_STEP:
         mixes = (*sim.PAPER_MIXES, *sim.NONSTATIONARY_MIXES) + ((args.mix,) if args.mix else ())

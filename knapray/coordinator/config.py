@@ -30,6 +30,9 @@ class CoordinatorConfig:
     """Transformer width, for the workload model."""
     gamma: float = 0.4
     """Relative attention cost, for the workload model."""
+    attention_kind: str = "joint"
+    """``joint`` (Flux) or ``cross`` (Wan: visual tokens cross-attend to a fixed text),
+    for the workload and cost models (``knapray.planning.workload``)."""
     solver: str = "knapray"
     """``plan_balance`` solver."""
     max_tokens_per_gpu: int | None = None
@@ -84,7 +87,7 @@ class CoordinatorConfig:
             raise ValueError(f"max_tokens_per_gpu must be a positive integer or None, got {self.max_tokens_per_gpu!r}")
         if self.snapshot_every < 1:
             raise ValueError(f"snapshot_every must be >= 1, got {self.snapshot_every}")
-        WorkloadModel(self.d_model, self.gamma)  # validates both
+        WorkloadModel(self.d_model, self.gamma, attention_kind=self.attention_kind)  # validates them
         if self.planner not in PLANNERS:
             raise ValueError(f"unknown planner {self.planner!r}; valid: {', '.join(PLANNERS)}")
         make_planning_model(self)  # validates the cost model's fields
@@ -113,9 +116,10 @@ def make_live_fit(config: CoordinatorConfig) -> LiveFit | None:
 def make_planning_model(config: CoordinatorConfig) -> WorkloadModel | CostModel:
     """The model plans balance with; the coordinator and the local fallback build the same."""
     if config.planner == "workload":
-        return WorkloadModel(config.d_model, config.gamma)
+        return WorkloadModel(config.d_model, config.gamma, attention_kind=config.attention_kind)
     overrides = dict(config.cost or {})
     overrides.setdefault("d_model", config.d_model)
+    overrides.setdefault("attention_kind", config.attention_kind)
     if config.gpus_per_node:
         overrides.setdefault("gpus_per_node", config.gpus_per_node)
     if config.cost_profile:

@@ -53,6 +53,16 @@ The step time of a plan is ``max over ranks (busy_r / speed + route_r) + fixed_s
 its ideal is ``sum compute(L) / sum speed + fixed_s`` (perfect balance, no
 communication).
 
+Cross-attention (``attention_kind="cross"``, Wan): a sequence's ``L`` counts its visual
+tokens only; each also cross-attends to a fixed ``T = text_tokens`` text tokens, which adds
+``layers · (b·L·T + k·T)`` to its attention part: ``L·T`` query-key pairs at the
+self-attention's seconds per pair ``b``, and the text keys' and values' projections,
+``k = text_kv_flops·d²`` FLOPs per text token per layer (at the calibrated per-token rate
+``a·text_kv_flops/linear_flops`` when ``a`` is fitted). Both split over a bag like
+self-attention (each GPU holds ``heads/g`` heads of the text keys and values). Until a
+cross-attention block is calibrated this is the analytic FLOP ratio (docs/calibrate.md).
+``MODEL_PRESETS`` holds the fields of named models (``wan14b``).
+
 A profile from ``knapray calibrate`` records the execution mode it was timed in (device,
 dtype, compile, activation checkpointing, attention backend, torch version);
 ``from_profile(path, run_mode=...)`` refuses a profile whose mode differs from the run's
@@ -70,6 +80,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from .topology import Topology
+from .workload import ATTENTION_KINDS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,13 +138,20 @@ class CostModel:
     """GPUs per node: ranks ``n·gpus_per_node ..`` share node ``n``."""
     rank_speed: tuple[float, ...] | None = None
     """Relative speed of every rank (1: nominal; 0.5: takes twice as long); None: all 1."""
+    attention_kind: str = "joint"
+    """``joint`` (Flux: a sequence is its text and visual tokens) or ``cross`` (Wan: its
+    visual tokens, cross-attending to ``text_tokens`` text tokens)."""
+    text_tokens: int = 512
+    """``cross``: text tokens every sequence cross-attends to (Wan pads umT5 to 512)."""
+    text_kv_flops: float = 4.0
+    """``cross``: forward FLOPs per text token per ``d²`` per layer (text K and V projections)."""
 
     def __post_init__(self) -> None:
         for name in ("d_model", "num_heads", "activation_bytes", "gpus_per_node"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-        for name in ("double_blocks", "single_blocks", "ulysses_a2a_per_layer", "route_a2a_per_step"):
+        for name in ("double_blocks", "single_blocks", "ulysses_a2a_per_layer", "route_a2a_per_step", "text_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
@@ -145,7 +163,7 @@ class CostModel:
                 raise ValueError(f"{name} must be a positive number, got {v!r}")
         for name in (
             "backward_factor", "recompute_passes", "linear_flops", "attn_flops", "step_overhead_s",
-            "seq_s", "layer_overhead_s",
+            "seq_s", "layer_overhead_s", "text_kv_flops",
         ):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and np.isfinite(v) and v >= 0):
@@ -154,6 +172,8 @@ class CostModel:
             v = getattr(self, name)
             if v is not None and not (isinstance(v, (int, float)) and np.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be None or a number >= 0, got {v!r}")
+        if self.attention_kind not in ATTENTION_KINDS:
+            raise ValueError(f"attention_kind must be one of {ATTENTION_KINDS}, got {self.attention_kind!r}")
         if self.seq_s_counts not in SEQ_COUNTS:
             raise ValueError(f"seq_s_counts must be one of {SEQ_COUNTS}, got {self.seq_s_counts!r}")
         if self.rank_speed is not None:
@@ -262,14 +282,39 @@ class CostModel:
             return float(self.attn_s)
         return self.attn_flops * float(self.d_model) * self.passes / self.flops_per_s
 
+    @property
+    def text_kv_s_per_token(self) -> float:
+        """Seconds per text token per layer of the text K/V projections (``k``): the
+        per-token rate scaled by the FLOP ratio ``text_kv_flops / linear_flops`` when it is
+        fitted, else from FLOPs."""
+        if self.linear_s is not None:
+            return float(self.linear_s) * self.text_kv_flops / self.linear_flops if self.linear_flops else 0.0
+        return self.text_kv_flops * float(self.d_model) ** 2 * self.passes / self.flops_per_s
+
     def linear(self, tokens: np.ndarray | float) -> np.ndarray:
         """Seconds of the per-token part for ``tokens`` tokens (all layers)."""
         return self.layers * self.linear_s_per_token * np.asarray(tokens, dtype=np.float64)
 
-    def attention(self, seq_len: np.ndarray | float) -> np.ndarray:
-        """Seconds of attention of whole sequences (all layers, one GPU)."""
+    def self_attention(self, seq_len: np.ndarray | float) -> np.ndarray:
+        """Seconds of self-attention of whole sequences (all layers, one GPU)."""
         length = np.asarray(seq_len, dtype=np.float64)
         return self.layers * self.attn_s_per_pair * length * length
+
+    def cross_attention(self, seq_len: np.ndarray | float) -> np.ndarray:
+        """Seconds of cross-attention of whole sequences (all layers, one GPU; 0 for
+        ``joint``): ``layers·(b·L·T + k·T)``."""
+        length = np.asarray(seq_len, dtype=np.float64)
+        if self.attention_kind == "joint":
+            return np.zeros_like(length)
+        t = float(self.text_tokens)
+        return self.layers * (self.attn_s_per_pair * length * t + self.text_kv_s_per_token * t)
+
+    def attention(self, seq_len: np.ndarray | float) -> np.ndarray:
+        """Seconds of the part of whole sequences that splits over a bag's heads (all
+        layers, one GPU): self-attention, plus cross-attention for ``cross``."""
+        if self.attention_kind == "joint":
+            return self.self_attention(seq_len)
+        return self.self_attention(seq_len) + self.cross_attention(seq_len)
 
     def per_sequence(self, seq_len: np.ndarray | float) -> np.ndarray:
         """Seconds of the per-sequence part (all layers), paid by every GPU of a bag."""
@@ -456,6 +501,21 @@ def rank_times(
             parts.append(np.maximum(sent, recv) * t)
         route = np.maximum(parts[0], parts[1])
     return StepTimes(compute, ulysses, route, model.fixed_s)
+
+
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "flux": {},
+    "wan14b": {
+        "d_model": 5120, "double_blocks": 0, "single_blocks": 40, "num_heads": 40,
+        # per visual token: self-attention q, k, v, o (4 d²), cross-attention q, o (2 d²),
+        # FFN 2·d·13824 (5.4 d²), at 2 FLOPs per multiply-add
+        "linear_flops": 2.0 * (6.0 + 2.0 * 13824 / 5120),
+        "attention_kind": "cross", "text_tokens": 512,
+    },
+}
+"""``CostModel`` fields of named models (``knapray simulate --model``): ``flux`` is the
+defaults (Flux.1: d 3072, 19 + 38 blocks, 24 heads, joint attention); ``wan14b`` is Wan 2.1
+14B (d 5120, 40 blocks, 40 heads, FFN 13824, cross-attention to 512 umT5 tokens)."""
 
 
 # ---- execution mode -------------------------------------------------------------------------

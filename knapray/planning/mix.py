@@ -2,9 +2,12 @@
 
 A mix is a comma-separated list of data codes ``gGbBiRfFsS``: ``G`` ranks each draw
 ``B`` samples of resolution ``R`` with ``F`` frames; ``S=1`` means the frames are
-temporally compressed by 3.4 (a video VAE), ``S=0`` means they are not. Visual tokens
-per sample are ``floor(R/16)**2 * frames`` (8x VAE downsampling times a 2x2 patch), and
-every sample carries 0..392 text tokens.
+temporally compressed by 3.4 (a video VAE), ``S=0`` means they are not, ``S=2`` means
+Wan's causal video VAE (4x temporal, the first frame alone: ``1 + (F-1)//4`` latent
+frames). Visual tokens per sample are ``floor(R/16)**2 * latent frames`` (8x VAE
+downsampling times a 2x2 patch), and every sample carries 0..392 text tokens in its
+sequence (joint attention; ``sample_step(max_text_tokens=0)`` for a cross-attention model,
+whose text is not part of the sequence).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ TEMPORAL_COMPRESSION = 3.4
 MAX_TEXT_TOKENS = 392
 SPATIAL_TOKEN_STRIDE = 16  # VAE downsample (8) x patch (2)
 
-_CODE = re.compile(r"^g(\d+)b(\d+)i(\d+)f(\d+)s([01])$")
+WAN_TEMPORAL_COMPRESSION = 4
+_CODE = re.compile(r"^g(\d+)b(\d+)i(\d+)f(\d+)s([012])$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,9 +42,13 @@ class DataCode:
     """Frames in pixel space (1 for an image)."""
     compressed: bool
     """True if frames are temporally compressed by 3.4 (video latents)."""
+    causal_vae: bool = False
+    """``S=2``: Wan's causal VAE, ``1 + (F-1)//4`` latent frames (``compressed`` is True too)."""
 
     @property
     def latent_frames(self) -> int:
+        if self.causal_vae:
+            return 1 + (self.frames - 1) // WAN_TEMPORAL_COMPRESSION
         if not self.compressed:
             return self.frames
         # The epsilon keeps 85/3.4 == 25 despite binary rounding.
@@ -53,7 +61,8 @@ class DataCode:
 
     @property
     def code(self) -> str:
-        return f"g{self.ranks}b{self.batch}i{self.resolution}f{self.frames}s{int(self.compressed)}"
+        s = 2 if self.causal_vae else int(self.compressed)
+        return f"g{self.ranks}b{self.batch}i{self.resolution}f{self.frames}s{s}"
 
 
 _FIELDS = (  # letter, meaning, upper bound
@@ -69,7 +78,7 @@ def parse_code(code: str) -> DataCode:
     if not m:
         raise ValueError(
             f"bad data code {shown!r}: expected gGbBiRfFsS, e.g. 'g8b4i256f1s0' "
-            "(G ranks, B samples each, resolution R, F frames, S in {0,1})"
+            "(G ranks, B samples each, resolution R, F frames, S in {0,1,2})"
         )
     code = shown
     for (letter, what, high), text in zip(_FIELDS, m.groups()):
@@ -83,7 +92,7 @@ def parse_code(code: str) -> DataCode:
             f"bad data code {code!r}: resolution {r} gives no visual token "
             f"(must be >= {SPATIAL_TOKEN_STRIDE})"
         )
-    c = DataCode(g, b, r, f, bool(s))
+    c = DataCode(g, b, r, f, bool(s), causal_vae=s == 2)
     if c.visual_tokens > MAX_SEQUENCE_TOKENS:
         raise ValueError(f"bad data code {code!r}: a sample of {c.visual_tokens} visual tokens; at most "
                          f"{MAX_SEQUENCE_TOKENS} per sample")
@@ -95,9 +104,9 @@ def parse_code(code: str) -> DataCode:
 
 def parse_mix(mix: str) -> list[DataCode]:
     """Parse ``"g16b4i256f1s0,g4b5i512f1s0"`` (or a paper mix name: ``low-res``,
-    ``mixed-res``, ``image+video``) into data codes; the mix's ranks and the sequences of
+    ``mixed-res``, ``image+video``, ``wan``) into data codes; the mix's ranks and the sequences of
     one of its steps are bounded too."""
-    mix = PAPER_MIXES.get(mix.strip(), mix)
+    mix = MIXES.get(mix.strip(), mix)
     parts = [p for p in mix.split(",") if p.strip()]
     if not parts:
         raise ValueError(f"empty mix {mix!r}: give at least one data code like 'g8b4i256f1s0'")
@@ -180,3 +189,17 @@ PAPER_MIXES = {
         "g1b10i256f4s0,g3b1i512f4s0,g8b2i256f85s1,g4b1i512f85s1"
     ),
 }
+
+WAN_MIXES = {
+    "wan": (
+        "g8b8i512f1s0,g4b4i1024f1s0,g8b2i512f17s2,g4b1i512f49s2,g4b1i512f81s2,g4b1i768f81s2"
+    ),
+}
+"""A Wan 2.1 fine-tuning mix (32 ranks): 512² and 1024² images (1024 and 4096 tokens), and
+clips through Wan's causal VAE: 17 frames at 512² (5 latent frames, 5120 tokens), 49 at
+512² (13, 13312), 81 at 512² (21, 21504) and 81 at 768² (21, 48384, about a 720p clip's
+75600 at 1280x720 scaled down). Lengths are visual tokens: plan it with a cross-attention
+model (``knapray simulate --model wan14b``)."""
+
+MIXES = {**PAPER_MIXES, **WAN_MIXES}
+"""Every named mix ``parse_mix`` accepts."""

@@ -9,19 +9,22 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from .cost import CostModel
-from .mix import mix_world_size, parse_mix, sample_step
+from .mix import MAX_TEXT_TOKENS, mix_world_size, parse_mix, sample_step
 from .plan import BalancePlan
 from .solver import plan_balance
 from .topology import Topology
 from .workload import WorkloadModel
 
 
-def mix_steps(mix: str, steps: int, seed: int, world_size: int | None = None) -> Iterable[list[list[int]]]:
-    """Sequence lengths of ``steps`` steps drawn from a mix, deterministic in ``seed``."""
+def mix_steps(
+    mix: str, steps: int, seed: int, world_size: int | None = None, max_text_tokens: int = MAX_TEXT_TOKENS,
+) -> Iterable[list[list[int]]]:
+    """Sequence lengths of ``steps`` steps drawn from a mix, deterministic in ``seed``
+    (``max_text_tokens=0``: visual tokens only, for a cross-attention model)."""
     codes = parse_mix(mix)
     rng = np.random.default_rng(seed)
     for _ in range(steps):
-        yield sample_step(codes, rng, world_size)
+        yield sample_step(codes, rng, world_size, max_text_tokens)
 
 
 def mix_ranks(mix: str) -> int:

@@ -68,6 +68,7 @@ def coordinator_config(cfg: TrainConfig) -> dict:
         cost.setdefault("single_blocks", cfg.model.depth_single)
     return dict(
         topology=cfg.balance.topology, d_model=cfg.model.hidden_size, gamma=cfg.balance.gamma,
+        attention_kind="cross" if cfg.model.family == "wan" else "joint",  # Wan cross-attends to its text
         solver=cfg.balance.solver, gpus_per_node=cfg.balance.gpus_per_node or None,
         planner=cfg.balance.planner, cost=cost or None, cost_profile=cfg.balance.cost_profile or None,
         max_tokens_per_gpu=cfg.data.max_tokens_per_gpu or None,
