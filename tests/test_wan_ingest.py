@@ -153,3 +153,23 @@ def test_family_wan_refuses_a_pooled_encoder_and_long_text(wan_corpus, tmp_path,
         code = main([*base, "--out", str(tmp_path / words.replace(" ", "_")), *extra])
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and words in err[-1], err
+
+
+@pytest.mark.dist
+def test_one_rank_trains_two_steps_on_the_wan_corpus(wan_corpus, tmp_path):
+    """The torchrun launcher (a gloo group of one, in its own process: ~20 s), 2 steps of the
+    tiny Wan model on the ingested corpus."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "knapray.train.torchrun", "--config", _wan_config(tmp_path, wan_corpus["corpus"]),
+           "--set", "run.max_steps=2"]
+    out = subprocess.run(cmd, cwd=repo, env=dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1"),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    with open(tmp_path / "runs" / "wan" / "metrics.jsonl") as f:
+        steps = [json.loads(line) for line in f if line.strip()]
+    losses = [m["loss"] for m in steps if "loss" in m]
+    assert len(losses) == 2 and all(np.isfinite(losses)), steps
