@@ -382,10 +382,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "instead of --vae")
     g.add_argument("--text-encoder-factory", metavar="MODULE:NAME", help="callable returning a "
                    "TextEncoder, instead of --text-encoder")
-    g.add_argument("--family", choices=FAMILIES, help="the model family the corpus is for, recorded in "
-                   "schema.json (pre-flight refuses a model of another family). wan: umT5 tokens without a "
-                   f"pooled vector (pooled_dim 0), prompts cleaned as WanPipeline does, at most {WAN_TEXT_LENGTH} "
-                   "tokens (the default there), the model pads them to 512 with zeros")
+    g.add_argument("--family", default=None, help=f"the model family the corpus is for ({', '.join(FAMILIES)}), "
+                   "recorded in schema.json (pre-flight refuses a model of another family). wan: umT5 tokens "
+                   f"unpadded (WanPipeline pads to {WAN_TEXT_LENGTH} with zeros: schema.json text_pad_to), at most "
+                   f"{WAN_TEXT_LENGTH}, prompts cleaned as WanPipeline does, no pooled vector (pooled_dim 0)")
     s = p.add_argument_group("stand-in encoders (used without --vae / --text-encoder)")
     s.add_argument("--channels", type=int_at_least(1), default=4, help="latent channels")
     s.add_argument("--downsample", type=int_at_least(1), default=8, help="spatial downsample")
