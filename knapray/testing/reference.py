@@ -51,8 +51,9 @@ TEXT_LENS = (5, 1, 12, 0, 8, 3)
 WAN_GRIDS = ((1, 2, 2), (2, 3, 2), (3, 2, 3), (2, 1, 4), (1, 4, 3), (2, 2, 2))
 """Wan: patch grids (frames, rows, columns) of the sequences, cycled (latent = grid x patch)."""
 WAN_TEXT_LENS = (5, 1, 12, 3, 8, 2)
-"""Wan: text tokens of the sequences, cycled (at least one: diffusers' cross-attention
-over no keys is undefined; Wan's pipeline pads to 512)."""
+"""Wan: text tokens of the sequences, cycled (at least one: the reference compares the bare
+model call, whose cross-attention over no keys is undefined; with the model's
+``text_pad_to`` both sides would pad, as Wan's pipeline pads to 512)."""
 
 
 def make_inputs(cfg: Any, sequences: int, seed: int) -> list[Inputs]:
@@ -120,13 +121,19 @@ def _diffusers_call(ref, s: Inputs) -> torch.Tensor:
     return out[0]
 
 
-def _diffusers_wan_call(ref, s: Inputs, patch_size: tuple[int, int, int]) -> torch.Tensor:
+def _diffusers_wan_call(ref, s: Inputs, patch_size: tuple[int, int, int], pad_to: int) -> torch.Tensor:
     """One sequence through diffusers' Wan (latent (1, C, T, H, W), timestep t·1000 as the
-    pipeline's scheduler gives it) -> its output patchified as knapray's tokens."""
+    pipeline's scheduler gives it, text padded with zero rows to ``pad_to`` as the
+    pipeline pads it) -> its output patchified as knapray's tokens."""
     from knapray.models.packing import patchify
 
+    text = s.text
+    if pad_to > text.shape[0]:
+        text = torch.cat([text, text.new_zeros(pad_to - text.shape[0], text.shape[1])])
+    if text.shape[0] == 0:
+        raise ValueError("a Wan sequence without text tokens needs text_pad_to > 0 (diffusers attends to no keys)")
     out = ref(hidden_states=s.latent[None], timestep=torch.tensor([s.timestep]).float() * 1000.0,
-              encoder_hidden_states=s.text[None], return_dict=False)[0]
+              encoder_hidden_states=text[None], return_dict=False)[0]
     return patchify(out[0], patch_size)[0]
 
 
@@ -137,7 +144,7 @@ def diffusers_reference(path: str, inputs: list[Inputs], cfg: Any = None) -> tup
         from diffusers import WanTransformer3DModel
 
         ref = WanTransformer3DModel.from_pretrained(path, torch_dtype=torch.float32)
-        call = lambda s: _diffusers_wan_call(ref, s, cfg.patch_size)  # noqa: E731
+        call = lambda s: _diffusers_wan_call(ref, s, cfg.patch_size, cfg.text_pad_to)  # noqa: E731
     else:
         from diffusers import FluxTransformer2DModel
 
@@ -155,18 +162,28 @@ def diffusers_reference(path: str, inputs: list[Inputs], cfg: Any = None) -> tup
 # ---- the knapray side ---------------------------------------------------------------------
 
 
+def reference_config(source: Any, family: str) -> Any:
+    """The model config the reference compares: the checkpoint's. For Wan, without the text
+    padding Wan's pipeline adds (``text_pad_to`` 0): the reference is the model's own call,
+    which takes the text as given; the padding is tests/test_wan.py's float64 check."""
+    from knapray.models.families import config_class
+    from knapray.weights.checks import section_values
+
+    extra = {"text_pad_to": 0} if family == "wan" else {}
+    return config_class(family)(**section_values(source, family), pretrained=source.path, **extra)
+
+
 def load_model(path: str, family: str | None, device: str = "cpu", *, parallel: dict | None = None,
                world_size: int = 1):
     """(model, cfg, ParallelModel or None, LoadReport): the family's model built on the meta
     device from the checkpoint's config, parallelized if asked, allocated, loaded."""
-    from knapray.models.families import build_model, config_class
-    from knapray.weights.checks import checkpoint_family, section_values
+    from knapray.models.families import build_model
+    from knapray.weights.checks import checkpoint_family
     from knapray.weights.load import load_pretrained
     from knapray.weights.source import open_pretrained
 
     source = open_pretrained(path)
-    fam = checkpoint_family(source, family)
-    cfg = config_class(fam)(**section_values(source, fam), pretrained=source.path)
+    cfg = reference_config(source, checkpoint_family(source, family))
     with torch.device("meta"):
         model = build_model(cfg)
     par = None
@@ -290,16 +307,14 @@ def summarize_balanced(paths: list[str], per_rank: list[dict], *, family: str | 
                        sequences: int) -> dict:
     """{path: {out_rel, grad_rel, weights_diff, ...}} from every rank's ``balanced_results``,
     against diffusers' model run here, sequence by sequence."""
-    from knapray.models.families import config_class
-    from knapray.weights.checks import checkpoint_family, section_values
+    from knapray.weights.checks import checkpoint_family
     from knapray.weights.source import open_pretrained
 
     world = len(per_rank)
     report = {}
     for i, path in enumerate(paths):
         source = open_pretrained(path)
-        fam = checkpoint_family(source, family)
-        cfg = config_class(fam)(**section_values(source, fam), pretrained=source.path)
+        cfg = reference_config(source, checkpoint_family(source, family))
         inputs = make_inputs(cfg, sequences, seed + i)
         outs: list[torch.Tensor | None] = [None] * sequences
         for r in range(world):
@@ -333,9 +348,8 @@ def run_reference(paths: list[str], *, family: str | None = None, world_size: in
 
     from knapray.distributed import check_heads
     from knapray.distributed.local import free_port
-    from knapray.models.families import config_class
     from knapray.planning import Topology
-    from knapray.weights.checks import check_tensors, checkpoint_family, section_values
+    from knapray.weights.checks import check_tensors, checkpoint_family
     from knapray.weights.source import open_pretrained
 
     if sequences < 1:
@@ -355,7 +369,7 @@ def run_reference(paths: list[str], *, family: str | None = None, world_size: in
         if source.layout != "diffusers":
             raise ValueError(f"{source.path}: the reference model loads diffusers' layout; this is a "
                              f"{source.layout} file (knapray reads it, diffusers' from_pretrained does not)")
-        cfg = config_class(fam)(**section_values(source, fam), pretrained=source.path)
+        cfg = reference_config(source, fam)
         check_tensors(source, cfg)
         if world_size > 1 and cfg.family == "wan":
             raise ValueError(f"{source.path}: family wan is checked single-process only (its cross-attention is "

@@ -85,6 +85,12 @@ class WanConfig(MMDiTConfig):
     """Epsilon of every LayerNorm and the q/k RMSNorms."""
     rope_max_seq_len: int = dataclasses.field(default=1024, metadata={"ge": 1})
     """RoPE table length per axis in diffusers: no patch index may reach it."""
+    text_pad_to: int = dataclasses.field(default=512, metadata={"ge": 0, "le": 1 << 16})
+    """Text rows each sequence cross-attends to: its tokens and zero rows up to this many, as
+    Wan's pipelines pad umT5 embeddings to 512 (the corpus keeps only the tokens; its
+    ``text_pad_to`` says the same). Wan's cross-attention has no mask, so the zero rows are
+    keys and values after the text projection: all alike, computed as one key weighted by
+    their count. 0: the tokens alone, as a bare ``WanTransformer3DModel`` call."""
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads == 0 and not tuple(self.rope_axes_dim):
@@ -224,6 +230,12 @@ class WanAttention(nn.Module):
         return (t.unflatten(-1, (self.heads, -1)) for t in (q, k, v))
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in fp32 at least (diffusers keeps Wan's norms and modulation in fp32 under bf16;
+    a float64 model stays float64)."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """diffusers' Wan rotation of consecutive pairs (2i, 2i+1) of x (N, H, D) by (N, D/2),
     in x's dtype as diffusers computes it."""
@@ -248,19 +260,19 @@ class WanBlock(nn.Module):
         """x (Ni, d) visual tokens, ctx (Nt, d) text tokens, mod (Ni, 6, d) their sequences'
         time projections -> x (Ni, d)."""
         d = x.shape[-1]
-        shift, scale, gate, c_shift, c_scale, c_gate = (self.scale_shift_table + mod.float()).unbind(1)
-        ln = lambda t: F.layer_norm(t.float(), (d,), eps=self.eps)  # noqa: E731 - FP32LayerNorm without affine
+        shift, scale, gate, c_shift, c_scale, c_gate = (self.scale_shift_table + _wide(mod)).unbind(1)
+        ln = lambda t: F.layer_norm(_wide(t), (d,), eps=self.eps)  # noqa: E731 - FP32LayerNorm without affine
         y = (ln(x) * (1 + scale) + shift).to(x.dtype)
         q, k, v = self.attn1.qkv(y, y)
         q, k = _rotate(q, *rope), _rotate(k, *rope)
         out = self.attn1.to_out(self_attn(q, k, v).flatten(1))
-        x = (x.float() + out * gate).to(x.dtype)
-        y = x if self.norm2 is None else F.layer_norm(x.float(), (d,), self.norm2.weight, self.norm2.bias,
+        x = (_wide(x) + out * gate).to(x.dtype)
+        y = x if self.norm2 is None else F.layer_norm(_wide(x), (d,), self.norm2.weight, self.norm2.bias,
                                                       self.eps).to(x.dtype)
         q, k, v = self.attn2.qkv(y, ctx)
         x = x + self.attn2.to_out(cross_attn(q, k, v).flatten(1))
         y = (ln(x) * (1 + c_scale) + c_shift).to(x.dtype)
-        return (x.float() + self.ffn(y).float() * c_gate).to(x.dtype)
+        return (_wide(x) + _wide(self.ffn(y)) * c_gate).to(x.dtype)
 
 
 class WanHead(nn.Module):
@@ -277,7 +289,7 @@ class WanHead(nn.Module):
         d = x.shape[-1]
         temb = vec_seq[:, :d].index_select(0, seq_index)  # (Ni, d)
         shift, scale = (self.scale_shift_table + temb[:, None, :]).unbind(1)
-        y = (F.layer_norm(x.float(), (d,), eps=self.eps) * (1 + scale) + shift).to(x.dtype)
+        y = (F.layer_norm(_wide(x), (d,), eps=self.eps) * (1 + scale) + shift).to(x.dtype)
         return self.linear(y)
 
 
@@ -285,11 +297,14 @@ class _Segments:
     """Visual tokens of each local sequence and their text tokens, for varlen self- and
     cross-attention over tokens in any order (sorted by sequence, stable)."""
 
-    def __init__(self, seq_img: torch.Tensor, seq_txt: torch.Tensor, num_seq: int) -> None:
+    def __init__(self, seq_img: torch.Tensor, seq_txt: torch.Tensor, num_seq: int, pad_to: int = 0) -> None:
+        """``pad_to`` > 0: the last text row of every sequence is its padding row, standing
+        for ``pad_to`` minus its other rows (none: left out)."""
         self.img_order = torch.argsort(seq_img, stable=True)
         self.txt_order = torch.argsort(seq_txt, stable=True)
         self.img_counts = torch.bincount(seq_img, minlength=num_seq).tolist()
         self.txt_counts = torch.bincount(seq_txt, minlength=num_seq).tolist()
+        self.pad_counts = [max(pad_to - (c - 1), 0) for c in self.txt_counts] if pad_to else None
         self.cu = torch.zeros(num_seq + 1, dtype=torch.int32, device=seq_img.device)
         self.cu[1:] = torch.cumsum(torch.bincount(seq_img, minlength=num_seq), 0)
         self.max_len = max(self.img_counts, default=0)
@@ -308,12 +323,22 @@ class _Segments:
         ks = k.index_select(0, self.txt_order).split(self.txt_counts)
         vs = v.index_select(0, self.txt_order).split(self.txt_counts)
         outs = []
-        for qi, ki, vi in zip(qs, ks, vs):
+        for i, (qi, ki, vi) in enumerate(zip(qs, ks, vs)):
+            bias = None
+            if self.pad_counts is not None:
+                # m alike padding keys: one key whose softmax weight counts m times, i.e. its
+                # logit + log m; none (a sequence at or over the pad length): no such key.
+                m = self.pad_counts[i]
+                if m == 0:
+                    ki, vi = ki[:-1], vi[:-1]
+                else:
+                    bias = torch.zeros(1, ki.shape[0], dtype=qi.dtype, device=qi.device)  # (1, keys): every query
+                    bias[0, -1] = math.log(m)
             if qi.shape[0] == 0 or ki.shape[0] == 0:
                 outs.append(torch.zeros_like(qi))
                 continue
             # (n, H, D) -> (1, H, n, D)
-            o = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (qi, ki, vi)))
+            o = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (qi, ki, vi)), attn_mask=bias)
             outs.append(o[0].transpose(0, 1))
         return self._unsort(torch.cat(outs) if outs else torch.zeros_like(q))
 
@@ -382,11 +407,19 @@ class WanTransformer(nn.Module):
         streams = streams if streams is not None else TokenStreams.from_mask(is_text)
         ctx, x = streams.split(h)
         seq_txt, seq_img = streams.split(seq_index)
-        seg = _Segments(seq_img, seq_txt, vec_seq.shape[0])
+        num_seq = vec_seq.shape[0]
+        keys = ctx  # the text rows cross-attention reads (ctx itself goes back unchanged)
+        if self.cfg.text_pad_to:
+            # One embedded zero row per sequence, after its tokens: it stands for the
+            # sequence's text_pad_to - n zero rows (_Segments weights it by that count).
+            zero = self.txt_in(torch.zeros(1, self.cfg.text_dim, dtype=self.param_dtype, device=h.device))
+            keys = torch.cat([ctx, zero.expand(num_seq, d)])
+            seq_txt = torch.cat([seq_txt, torch.arange(num_seq, device=seq_txt.device, dtype=seq_txt.dtype)])
+        seg = _Segments(seq_img, seq_txt, num_seq, self.cfg.text_pad_to)
         rope = self.rope(pos.index_select(0, streams.img_idx))
         mod = vec_seq[:, d:].unflatten(1, (6, d)).index_select(0, seq_img)  # (Ni, 6, d)
         for block in self.single_blocks:
-            x = block(x, ctx, mod, rope, seg.self_attn, seg.cross_attn)
+            x = block(x, keys, mod, rope, seg.self_attn, seg.cross_attn)
         return streams.merge(ctx, x)
 
     def head(self, h: torch.Tensor, vec_seq: torch.Tensor, seq_index: torch.Tensor, is_text: torch.Tensor, *,
