@@ -25,13 +25,20 @@ RAY_TMP=$(mktemp -d /tmp/knapray-ray-XXXXXX)
 setsid ray start --head --block --port "$GCS_PORT" --dashboard-port "$DASH_PORT" --include-dashboard=true \
     --num-cpus 4 --temp-dir "$RAY_TMP" --disable-usage-stats >"$RAY_TMP/head.log" 2>&1 &
 HEAD_PID=$!
-cleanup() { kill -TERM -- "-$HEAD_PID" 2>/dev/null || true; wait "$HEAD_PID" 2>/dev/null || true; }
+# A head stopped in the middle of its start can take a minute to act on TERM: after 10 s
+# the group is killed.
+cleanup() {
+    kill -TERM -- "-$HEAD_PID" 2>/dev/null || true
+    for _ in $(seq 50); do kill -0 "$HEAD_PID" 2>/dev/null || break; sleep 0.2; done
+    kill -KILL -- "-$HEAD_PID" 2>/dev/null || true
+    wait "$HEAD_PID" 2>/dev/null || true
+}
 trap cleanup EXIT
 # Ready when the jobs API answers the same client that submits (the Ray CLI, which sends
 # the auth token itself): a bare HTTP poll gets 401 under token auth and never succeeds.
 HEAD_TIMEOUT_S=${KNAPRAY_HEAD_TIMEOUT_S:-120}
 deadline=$((SECONDS + HEAD_TIMEOUT_S))
-until ray job list --address "http://127.0.0.1:$DASH_PORT" >"$RAY_TMP/ready.log" 2>&1; do
+until timeout 15 ray job list --address "http://127.0.0.1:$DASH_PORT" >"$RAY_TMP/ready.log" 2>&1; do
     if ! kill -0 "$HEAD_PID" 2>/dev/null; then
         echo "[submit_demo] error: the Ray head exited before its jobs API answered; its log ($RAY_TMP/head.log) ends:" >&2
         tail -n 20 "$RAY_TMP/head.log" >&2
