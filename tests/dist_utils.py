@@ -131,3 +131,31 @@ def build_tiny_corpus(out, mix: str, steps: int, scale: int = 4, shards: int = 2
     build_synthetic(SyntheticConfig(mix=mix, steps=steps, scale=scale, channels=4, text_dim=16, pooled_dim=16,
                                     shards=shards, seed=seed), out, progress=False)
     return str(out)
+
+
+def sampling_run_dir(tmp_path):
+    """A run directory as far as ``knapray sample`` reads it before loading weights:
+    config.json, a marked checkpoint, the corpus's schema.json (a VAE of downsample 8, a T5
+    record; the model's 2x2 patches). Returns the run directory."""
+    import json
+
+    from knapray.corpus.writer import FORMAT_VERSION
+    from knapray.train.checkpoint import COMPLETE
+    from knapray.train.config import load_config
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "schema.json").write_text(json.dumps({
+        "format_version": FORMAT_VERSION,
+        "dims": {"channels": 16, "text_dim": 16, "pooled_dim": 12, "vae_downsample": 8, "patch": [1, 2, 2]},
+        "payload": False, "counts": {"samples": 0, "seq_len": {"max": 0}}, "shards": [],
+        "encoders": {"text": {"class": "HFTextEncoder"}, "latent": {"path": "/models/vae"}}}))
+    run = tmp_path / "runs" / "r"
+    step = run / "checkpoints" / "step-000000003"
+    step.mkdir(parents=True)
+    (step / COMPLETE).write_text("")
+    (step / ".metadata").write_text("")
+    cfg = load_config(None, [f"data.corpus={corpus}", "model.in_channels=16", "model.text_dim=16",
+                             "model.pooled_dim=12"])
+    (run / "config.json").write_text(json.dumps(cfg.to_dict()))
+    return run

@@ -8,7 +8,6 @@ timeout, so that this file fails rather than hangs where they are not bounded.""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -163,26 +162,9 @@ def test_local_processes_are_bounded(command, module, function, monkeypatch, cap
 
 @pytest.fixture
 def run_dir(tmp_path):
-    """What sampling reads before loading weights: config.json, a marked checkpoint, the
-    corpus's schema.json (a VAE of downsample 8, a T5 record; the model's 2x2 patches)."""
-    from knapray.corpus.writer import FORMAT_VERSION
-    from knapray.train.checkpoint import COMPLETE
+    from dist_utils import sampling_run_dir
 
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    (corpus / "schema.json").write_text(json.dumps({
-        "format_version": FORMAT_VERSION,
-        "dims": {"channels": 16, "text_dim": 16, "pooled_dim": 12, "vae_downsample": 8, "patch": [1, 2, 2]},
-        "payload": False, "counts": {"samples": 0, "seq_len": {"max": 0}}, "shards": [],
-        "encoders": {"text": {"class": "HFTextEncoder"}, "latent": {"path": "/models/vae"}}}))
-    step = tmp_path / "runs" / "r" / "checkpoints" / "step-000000003"
-    step.mkdir(parents=True)
-    (step / COMPLETE).write_text("")
-    (step / ".metadata").write_text("")
-    cfg = load_config(None, [f"data.corpus={corpus}", "model.in_channels=16", "model.text_dim=16",
-                             "model.pooled_dim=12"])
-    (tmp_path / "runs" / "r" / "config.json").write_text(json.dumps(cfg.to_dict()))
-    return tmp_path / "runs" / "r"
+    return sampling_run_dir(tmp_path)
 
 
 def _sample(run_dir, extra: list[str], monkeypatch, capsys) -> tuple[int, str]:

@@ -6,16 +6,11 @@ recipe, run by tests/test_readme_commands.py."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
 from knapray.cli import main
-from knapray.corpus.writer import FORMAT_VERSION
 from knapray.sample import flow_timesteps, pair_requests, parse_size
-from knapray.train.checkpoint import COMPLETE
-from knapray.train.config import load_config
 
 
 def test_sizes_and_time_grid():
@@ -39,23 +34,9 @@ def test_requests_pair_captions_with_sizes():
 
 @pytest.fixture
 def run_dir(tmp_path):
-    """A run directory as far as sampling reads it before loading weights: config.json, a
-    marked checkpoint, the corpus's schema.json (a VAE of downsample 8, a T5 record)."""
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    (corpus / "schema.json").write_text(json.dumps({
-        "format_version": FORMAT_VERSION,
-        "dims": {"channels": 16, "text_dim": 16, "pooled_dim": 12, "vae_downsample": 8, "patch": [1, 2, 2]},
-        "payload": False, "counts": {"samples": 0, "seq_len": {"max": 0}}, "shards": [],
-        "encoders": {"text": {"class": "HFTextEncoder"}, "latent": {"path": "/models/vae"}}}))
-    run = tmp_path / "runs" / "r"
-    (run / "checkpoints" / "step-000000003").mkdir(parents=True)
-    (run / "checkpoints" / "step-000000003" / COMPLETE).write_text("")
-    (run / "checkpoints" / "step-000000003" / ".metadata").write_text("")
-    cfg = load_config(None, [f"data.corpus={corpus}", "model.in_channels=16", "model.text_dim=16",
-                             "model.pooled_dim=12"])
-    (run / "config.json").write_text(json.dumps(cfg.to_dict()))
-    return run
+    from dist_utils import sampling_run_dir
+
+    return sampling_run_dir(tmp_path)
 
 
 @pytest.mark.parametrize("extra, names", [
