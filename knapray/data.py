@@ -80,6 +80,9 @@ class CorpusInfo:
     family: str | None = None
     """The model family the corpus was made for (schema.json ``family``); None for corpora
     written before it was recorded: any family whose widths match."""
+    text_pad_to: int | None = None
+    """Text rows the corpus's text is meant to be padded to with zeros by the model
+    (schema.json ``text_pad_to``: Wan's 512); None where it records none."""
 
 
 def corpus_info(path: str | Path, doc: Mapping[str, Any] | None = None) -> CorpusInfo:
@@ -100,6 +103,7 @@ def corpus_info(path: str | Path, doc: Mapping[str, Any] | None = None) -> Corpu
         shard_rows=tuple(int(n) for n in doc["shard_rows"]) if doc.get("shard_rows") is not None else None,
         text_dtype=str(doc.get("text_dtype", "fp32")),
         family=doc.get("family"),
+        text_pad_to=doc.get("text_pad_to"),
     )
 
 
@@ -134,6 +138,10 @@ def check_model_config(info: CorpusInfo, cfg: MMDiTConfig) -> None:
         problems.append(
             f"pooled width: corpus pooled_dim={info.pooled_dim}, model pooled_dim={cfg.pooled_dim}"
         )
+    pad_to = getattr(cfg, "text_pad_to", None)  # the model pads the text (Wan) or not
+    if info.text_pad_to is not None and pad_to is not None and info.text_pad_to != pad_to:
+        problems.append(f"text padding: corpus text_pad_to={info.text_pad_to} (its text was encoded for that many "
+                        f"rows), model text_pad_to={pad_to}")
     if tuple(info.patch) != tuple(cfg.patch_size):
         problems.append(
             f"patch: corpus patch={tuple(info.patch)} (its seq_len column counts these), "

@@ -142,6 +142,11 @@ def test_preflight_matches_wan_and_refuses_another_family(wan_corpus, tmp_path, 
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert "made for model family wan" in err[0] and "model.family flux" in err[0], err
+    # The model pads the text as the corpus was made for (512), or the check says both.
+    code = main(["train", "--config", _wan_config(tmp_path, wan_corpus["corpus"]), "--set",
+                 "model.text_pad_to=77", "--check"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "corpus text_pad_to=512" in err[0] and "model text_pad_to=77" in err[0], err
 
 
 def test_family_wan_refuses_a_pooled_encoder_and_long_text(wan_corpus, tmp_path, capsys):
