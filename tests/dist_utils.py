@@ -108,18 +108,25 @@ TINY_MMDIT = ["model.hidden_size=32", "model.num_heads=4", "model.rope_axes_dim=
 tiny synthetic corpora)."""
 
 
-def local_trainer(rank: int, world: int, corpus: str, run_root: str, name: str, overrides: list[str]):
-    """A ``Trainer`` over a ``LocalContext`` on this gloo rank: the corpus's shards read
-    locally, no coordinator, fp32, no checkpoints unless ``overrides`` ask for them."""
-    from knapray.data import local_rows
+def local_config(corpus: str, run_root: str, name: str, overrides: list[str]):
+    """The config ``local_trainer`` runs: no coordinator, fp32, no checkpoints unless
+    ``overrides`` ask for them."""
     from knapray.train.config import load_config
-    from knapray.train.context import LocalContext
-    from knapray.train.trainer import Trainer
 
-    cfg = load_config(None, [
+    return load_config(None, [
         f"data.corpus={corpus}", "data.samples_per_step=2", "balance.coordinator=false", f"run.name={name}",
         f"run.storage={run_root}", "run.checkpoint_every=0", "run.precision=fp32", *overrides,
     ])
+
+
+def local_trainer(rank: int, world: int, corpus: str, run_root: str, name: str, overrides: list[str]):
+    """A ``Trainer`` over a ``LocalContext`` on this gloo rank: the corpus's shards read
+    locally (``local_config``)."""
+    from knapray.data import local_rows
+    from knapray.train.context import LocalContext
+    from knapray.train.trainer import Trainer
+
+    cfg = local_config(corpus, run_root, name, overrides)
     ctx = LocalContext(shards=[list(local_rows(corpus, r, world)) for r in range(world)], rank=rank, world_size=world)
     return Trainer(ctx, cfg)
 

@@ -217,6 +217,41 @@ def test_a_ledger_position_is_checked_as_data(planted):
         assert "\n" not in str(err.value)
 
 
+def test_carried_ledger_rows_are_checked_as_data(planted):
+    """The rows a checkpoint carries for the coordinator (``ledger_rows``) are read as data:
+    well-formed ones come back as they are, anything else is one line naming the file; an
+    oversized trainer.json is refused before it is parsed."""
+    path, _, _ = planted
+    from knapray.train import checkpoint
+    from knapray.train.checkpoint import RUN_STATE, read_trainer_state
+
+    base = {"step": 9, "epoch": 2, "world_size": 4, "topology": "g1n4", "ledger": None}
+    good = [{"step": 8, "epoch": 2, "sample_ids": [5, -1], "home_ranks": [0, 3]}]
+    bad = ["rows", [{"step": 8, "epoch": 2, "sample_ids": [5], "home_ranks": [0, 1]}],
+           [{"step": -1, "epoch": 2, "sample_ids": [], "home_ranks": []}],
+           [{"step": 8, "epoch": 2, "sample_ids": ["os.system"], "home_ranks": [0]}],
+           [{"step": 8, "epoch": 2, "sample_ids": [1], "home_ranks": [0], "call": "eval"}]]
+    for rows in ([], good):
+        with open(os.path.join(path, "trainer.json"), "w") as f:
+            json.dump({**base, "ledger_rows": rows}, f)
+        assert read_trainer_state(path, RUN_STATE)["ledger_rows"] == rows
+    for rows in bad:
+        with open(os.path.join(path, "trainer.json"), "w") as f:
+            json.dump({**base, "ledger_rows": rows}, f)
+        with pytest.raises(CheckpointError, match="ledger_rows is .*, not a list of") as err:
+            read_trainer_state(path, RUN_STATE)
+        assert "\n" not in str(err.value)
+    with open(os.path.join(path, "trainer.json"), "w") as f:
+        json.dump({**base, "ledger_rows": good * 50}, f)
+    limit = checkpoint.TRAINER_STATE_MAX_BYTES
+    try:
+        checkpoint.TRAINER_STATE_MAX_BYTES = 1000
+        with pytest.raises(CheckpointError, match="is over 1000 bytes, not a trainer state"):
+            read_trainer_state(path, RUN_STATE)
+    finally:
+        checkpoint.TRAINER_STATE_MAX_BYTES = limit
+
+
 @pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler to build the planted library")
 def test_planted_shared_library_is_never_opened(planted, tmp_path):
     """The reported exploit: ctypes.CDLL reached by a dotted name opens a planted .so, whose

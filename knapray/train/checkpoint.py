@@ -151,7 +151,13 @@ _LEDGER_POSITION = ("ledger_id", "records", "committed_step", "attempt")
 
 
 RUN_STATE = ("step", "epoch", "world_size", "topology", "ledger")
-"""What the trainer keeps in ``trainer.json`` (and requires on resume); ``ledger`` may be null."""
+"""What the trainer keeps in ``trainer.json`` (and requires on resume); ``ledger`` may be null.
+``ledger_rows`` (optional, checked where present): rows of locally planned steps the
+coordinator had not taken when the checkpoint was written, which the resume hands over."""
+
+TRAINER_STATE_MAX_BYTES = 1 << 28
+"""``trainer.json`` is a few numbers, plus the rows of steps planned while the coordinator
+was away (a long outage at a large world: megabytes); anything longer is refused."""
 
 
 def read_trainer_state(path: str, required: tuple[str, ...] = ("step",)) -> dict:
@@ -161,9 +167,13 @@ def read_trainer_state(path: str, required: tuple[str, ...] = ("step",)) -> dict
     file = os.path.join(path, TRAINER_STATE)
     try:
         with open(file, "rb") as f:
-            trainer = json.loads(f.read(1 << 20).decode("utf-8"))
+            data = f.read(TRAINER_STATE_MAX_BYTES + 1)
     except OSError as e:
         raise CheckpointError(f"checkpoint file {file} cannot be read: {e.strerror or e}") from None
+    if len(data) > TRAINER_STATE_MAX_BYTES:
+        raise CheckpointError(f"checkpoint file {file} is over {TRAINER_STATE_MAX_BYTES} bytes, not a trainer state")
+    try:
+        trainer = json.loads(data.decode("utf-8"))
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError alike
         raise CheckpointError(f"checkpoint file {file} is not JSON: {e}") from None
     if not isinstance(trainer, dict):
@@ -179,7 +189,25 @@ def read_trainer_state(path: str, required: tuple[str, ...] = ("step",)) -> dict
         raise CheckpointError(f"checkpoint file {file}: ledger is {str(ledger)[:200]}, not a ledger position "
                               f"(ints {', '.join(_LEDGER_POSITION)}; with a coordinator also ints "
                               f"{', '.join(_COORDINATOR_INTS)} and epoch_ends, epoch -> step)")
+    rows = trainer.get("ledger_rows")
+    if rows is not None and not _are_ledger_rows(rows):
+        raise CheckpointError(f"checkpoint file {file}: ledger_rows is {str(rows)[:200]}, not a list of "
+                              "{step, epoch, sample_ids, home_ranks} (ints >= 0, two lists of ints of one length)")
     return trainer
+
+
+def _are_ledger_rows(rows: object) -> bool:
+    """``ledger_rows`` as ``StepPlanner.settle`` writes them: data only."""
+    def nat(v):
+        return type(v) is int and v >= 0
+
+    return isinstance(rows, list) and all(
+        isinstance(r, dict) and set(r) == {"step", "epoch", "sample_ids", "home_ranks"}
+        and nat(r["step"]) and nat(r["epoch"])
+        and isinstance(r["sample_ids"], list) and isinstance(r["home_ranks"], list)
+        and len(r["sample_ids"]) == len(r["home_ranks"])
+        and all(type(i) is int for i in r["sample_ids"]) and all(nat(h) for h in r["home_ranks"])
+        for r in rows)
 
 
 _COORDINATOR_INTS = ("version", "epoch")

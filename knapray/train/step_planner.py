@@ -88,6 +88,19 @@ def live_fit(cfg: TrainConfig) -> LiveFit | None:
     return make_live_fit(CoordinatorConfig(**coordinator_config(cfg)))
 
 
+def hand_over(client: CoordinatorClient, rows: list[dict]) -> list[dict]:
+    """Rank 0 of a resumed run, before ``begin_run`` cuts the ledger back: the rows its
+    checkpoint carried (``StepPlanner.settle``), recorded with the attempt that trained
+    them (resends of rows the coordinator has are ignored). Returns those it did not
+    take (it is away): ``StepPlanner.adopt`` keeps trying."""
+    for i, r in enumerate(rows):
+        try:
+            client.record_external(r["step"], r["sample_ids"], r["home_ranks"], r["epoch"])
+        except CoordinatorUnavailable:
+            return rows[i:]
+    return []
+
+
 RECENT_STEPS = 32
 """Steps whose sample ids each rank keeps, to re-record steps a lost coordinator dropped."""
 
@@ -132,9 +145,9 @@ class StepPlanner:
         self.max_tokens_per_gpu = max_tokens_per_gpu
         self.client = client
         self.local_ledger = local_ledger
-        self._pending: dict[int, tuple[list[int], list[int], int | None]] = {}
+        self._pending: dict[int, tuple[list[int], list[int], int]] = {}
         """Rank 0: (sample ids, home ranks, epoch) of locally planned steps the coordinator
-        has not taken yet (epoch None: a step a lost coordinator may have dropped)."""
+        has not taken yet (and of steps a lost coordinator may have dropped)."""
         self._recent: dict[int, tuple[int, list[int]]] = {}
         """This rank's (epoch, sample ids) of recent steps (a lost coordinator drops commits)."""
 
@@ -236,6 +249,28 @@ class StepPlanner:
         else:
             assert planned.rows is not None
             self._pending[step] = (*planned.rows, epoch)
+
+    def settle(self) -> list[dict]:
+        """Rank 0, before a checkpoint: hand the coordinator every pending row it will take
+        now; returns the rows it did not (the coordinator is away), as ``ledger_rows`` for
+        the checkpoint to carry. With none left, a commit of the checkpoint's step covers
+        every step it trained; with some, the checkpoint carries them and the resume hands
+        them over (``adopt``), so a group lost right after the checkpoint loses no rows."""
+        if self.sync.rank != 0 or self.client is None:
+            return []
+        self._flush_pending()
+        return [{"step": int(t), "epoch": int(e), "sample_ids": [int(i) for i in ids],
+                 "home_ranks": [int(h) for h in home]}
+                for t, (ids, home, e) in sorted(self._pending.items())]
+
+    def adopt(self, rows: list[dict]) -> None:
+        """Rank 0 of a resumed run: carried rows the coordinator did not take at the start
+        (``hand_over``), handed to it as soon as it takes them."""
+        if self.sync.rank != 0 or self.client is None:
+            return
+        for r in rows:
+            self._pending.setdefault(int(r["step"]), (list(r["sample_ids"]), list(r["home_ranks"]), int(r["epoch"])))
+        self._flush_pending()
 
     def finish(self, last_step: int | None) -> None:
         """Rank 0 at the end of the run: hand over what is pending and commit the last step."""

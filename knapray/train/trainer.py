@@ -64,7 +64,15 @@ from .optim import LRSchedule, build_optimizer
 from .parallelize import materialize, parallelize
 from .sinks import MetricSinks, scalars_of
 from .run_files import distinct_topologies, truncate_metrics
-from .step_planner import Planned, StepPlanner, coordinator_config, coordinator_name, live_fit, planning_model
+from .step_planner import (
+    Planned,
+    StepPlanner,
+    coordinator_config,
+    coordinator_name,
+    hand_over,
+    live_fit,
+    planning_model,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +174,11 @@ class Trainer:
         """The epoch the last checkpoint recorded (an epoch end after it makes it stale)."""
         self.ledger_position: dict | None = None
         """Where the ledger stood at the checkpoint resumed from (the coordinator checks it)."""
+        self.carried_rows: list[dict] = []
+        """Ledger rows of locally planned steps the checkpoint resumed from covers but the
+        coordinator had not taken when it was written (``StepPlanner.settle``)."""
+        self.carried_rows_left: list[dict] = []
+        """Rank 0: those the coordinator did not take at the start either (``hand_over``)."""
         latest = self.checkpointer.latest()
         if latest is not None:
             extra = {"ema": self.ema.state_dict()} if self.ema is not None else None
@@ -176,6 +189,7 @@ class Trainer:
             self.resumed_from = self.last_saved = restored.step
             self.saved_epoch = self.epoch
             self.ledger_position = restored.trainer.get("ledger")
+            self.carried_rows = restored.trainer.get("ledger_rows") or []
             if self.rank == 0:
                 truncate_metrics(self.run_dir, self.step)
                 logger.info("resumed from %s: step %d, epoch %d", latest, self.step, self.epoch)
@@ -205,6 +219,7 @@ class Trainer:
         self.planner = StepPlanner(self.sync, self.topology, self.workload, cfg.balance.solver, self.client,
                                    self.local_ledger, cfg.data.max_tokens_per_gpu or None, live=live_fit(cfg),
                                    per_step_node=self.per_step_node)
+        self.planner.adopt(self.carried_rows_left)
         self.guard = BadDataGuard(self.run_dir, self.rank, cfg.data.corpus, cfg.data.max_bad_fraction)
         self.duplicates = quarantined_duplicates(self.run_dir)
         """Ids pre-flight quarantined because several corpus rows carry them: never trained."""
@@ -261,6 +276,7 @@ class Trainer:
             try:
                 if self.client is not None:
                     try:
+                        self.carried_rows_left = hand_over(self.client, self.carried_rows)
                         topo = self.client.begin_run(self.world, resume_step=self.resumed_from,
                                                      state=self.ledger_position, node_sizes=self.node_sizes)
                     except CoordinatorUnavailable:
@@ -287,6 +303,9 @@ class Trainer:
             # A resumed epoch skips the samples the ledger has for it; a new one skips none.
             skip = committed_ids(self.run_dir, self.epoch, through_step=self.resumed_from) \
                 if self.resumed_from is not None else np.zeros(0, dtype=np.int64)
+            # ... and the rows the checkpoint carried (the coordinator may not have them yet).
+            skip = np.union1d(skip, np.asarray([i for r in self.carried_rows if r["epoch"] == self.epoch
+                                                for i in r["sample_ids"]], dtype=np.int64))
             skip = np.union1d(skip, self.duplicates)  # ids several corpus rows carry (data.duplicate_ids)
             dropout = None if self.unconditional is None else CaptionDropout(
                 cfg.data.caption_dropout, cfg.data.seed, self.epoch, *self.unconditional)
@@ -451,21 +470,28 @@ class Trainer:
         self.micro_steps = 0
 
     def _save(self, step: int) -> None:
-        """A checkpoint covering every step <= ``step`` (the ledger first: rank 0 waits
-        for the coordinator's commit, so the ledger position it records is durable)."""
-        position = None
+        """A checkpoint covering every step <= ``step`` (the ledger first: rank 0 hands
+        over the rows of locally planned steps and waits for the coordinator's commit, so
+        the ledger position it records is durable and covers every step the checkpoint
+        does; rows the coordinator cannot take now travel in the checkpoint instead)."""
+        position, carried = None, []
         if self.rank == 0:
             if self.client is not None:
-                try:
-                    self.client.commit(step)
-                    position = self.client.state_dict()  # a few numbers: the ledger's position
-                except CoordinatorUnavailable as e:
-                    logger.warning("checkpoint at step %d: coordinator commit not confirmed (%s)", step, e)
+                carried = self.planner.settle()
+                if carried:
+                    logger.warning("checkpoint at step %d: the coordinator has not taken the rows of locally "
+                                   "planned steps %s; the checkpoint carries them", step, [r["step"] for r in carried])
+                else:
+                    try:
+                        self.client.commit(step)
+                        position = self.client.state_dict()  # a few numbers: the ledger's position
+                    except CoordinatorUnavailable as e:
+                        logger.warning("checkpoint at step %d: coordinator commit not confirmed (%s)", step, e)
             elif self.local_ledger is not None:
                 position = self.local_ledger.position()
         self.checkpointer.save(step, self.model, self.optimizer,
                                {"epoch": self.epoch, "world_size": self.world, "topology": self.topology.spec,
-                                "ledger": position},
+                                "ledger": position, "ledger_rows": carried},
                                barrier=self.sync.barrier,
                                extra={"ema": self.ema.state_dict()} if self.ema is not None else None)
         self.last_saved, self.saved_epoch = step, self.epoch
