@@ -254,3 +254,33 @@ class LocalAttention:
         return varlen_attention(
             q, k, v, self.cu_seqlens, self.max_seqlen, backend=self.backend, scale=self.scale
         )
+
+
+def cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: list[int], k_lens: list[int],
+                    pad: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    pad_counts: list[int] | None = None) -> torch.Tensor:
+    """Cross-attention of packed queries to packed keys of other lengths: sequence i's
+    ``q_lens[i]`` query rows (of q (Nq, H, D)) attend to its ``k_lens[i]`` key rows (of k,
+    v (Nk, H, D)), both packed in sequence order -> (Nq, H, D).
+
+    ``pad``: (k_pad, v_pad), each (H, D): one more key per sequence standing for
+    ``pad_counts[i]`` identical rows (zero-padded text after its projection), i.e. its
+    logit gets + log(count); a count of 0 leaves it out. A sequence with no key at all
+    gets zeros. Per-sequence ``F.scaled_dot_product_attention`` (any device and dtype)."""
+    if sum(q_lens) != q.shape[0] or sum(k_lens) != k.shape[0] or len(q_lens) != len(k_lens):
+        raise ValueError(f"cross_attention: {len(q_lens)} query and {len(k_lens)} key lengths summing to "
+                         f"{sum(q_lens)}, {sum(k_lens)} for {q.shape[0]} query and {k.shape[0]} key rows")
+    outs = []
+    for i, (qi, ki, vi) in enumerate(zip(q.split(q_lens), k.split(k_lens), v.split(k_lens))):
+        bias = None
+        if pad is not None and pad_counts[i] > 0:
+            ki, vi = torch.cat((ki, pad[0][None])), torch.cat((vi, pad[1][None]))
+            bias = torch.zeros(1, ki.shape[0], dtype=qi.dtype, device=qi.device)  # (1, keys): every query
+            bias[0, -1] = math.log(pad_counts[i])
+        if qi.shape[0] == 0 or ki.shape[0] == 0:
+            outs.append(torch.zeros_like(qi))
+            continue
+        # (n, H, D) -> (1, H, n, D)
+        o = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (qi, ki, vi)), attn_mask=bias)
+        outs.append(o[0].transpose(0, 1))
+    return torch.cat(outs) if outs else torch.zeros_like(q)

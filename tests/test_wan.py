@@ -2,7 +2,7 @@
 configs saved by diffusers, loaded by knapray, several sequences of different frame
 counts, resolutions and text lengths in one packed batch, each against its own diffusers
 call; outputs and parameter gradients within 1e-5 relative in fp32. Plus export back to
-diffusers' layout and the pre-flight refusal of a world larger than one rank."""
+diffusers' layout, and the same check balanced on 4 gloo ranks."""
 
 from __future__ import annotations
 
@@ -57,39 +57,16 @@ def _ref_params(path):
     return WanTransformer3DModel.from_pretrained(path).named_parameters()
 
 
-def _wan_run_config(tmp_path, workers: int) -> str:
-    import yaml
-
-    cfg = {
-        "model": {"family": "wan", "patch_size": [1, 2, 2], "hidden_size": 32, "num_heads": 2, "depth_single": 1,
-                  "in_channels": 4, "text_dim": 16, "ffn_dim": 48, "freq_dim": 32},
-        "data": {"corpus": str(tmp_path / "corpus"), "samples_per_step": 2},
-        "balance": {"topology": "g1n1" if workers == 1 else "bags_of:1"},
-        "run": {"name": "wan", "storage": str(tmp_path / "runs"), "num_workers": workers},
-    }
-    path = tmp_path / "wan.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return str(path)
-
-
-def test_preflight_refuses_wan_on_more_than_one_rank(tmp_path, capsys):
-    """One line, exit 2, before any corpus read or worker start; a world of one passes this check."""
-    from knapray.cli import main
-    from knapray.train.config import load_config
-    from knapray.train.preflight import check_family_world
-
-    code = main(["train", "--config", _wan_run_config(tmp_path, 4), "--check"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1, err
-    assert "model.family: wan trains on one rank only" in err[0] and "4 ranks" in err[0], err
-    cfg = load_config(_wan_run_config(tmp_path, 1), [])
-    assert cfg.model.family == "wan" and cfg.model.rope_axes_dim == (8, 4, 4)
-    check_family_world(cfg, (1,))  # no error
-
-
-def test_reference_refuses_wan_balanced(checkpoints):
-    with pytest.raises(ValueError, match="single-process only"):
-        run_reference([checkpoints["h2"]], world_size=2, topology="bags_of:1")
+@pytest.mark.dist
+def test_wan_balanced_on_4_ranks_matches_diffusers(checkpoints):
+    """``knapray reference`` on 4 gloo ranks, FSDP-sharded loading: outputs and gradients of
+    the balanced run (bags of 1 and 2: Ulysses over image queries and text keys) against
+    diffusers' per-sequence calls, and every loaded row against the file's."""
+    report = run_reference([checkpoints["h2"], checkpoints["h4"]], world_size=4, topology="g1n2+g2n1", sequences=6)
+    for name in ("h2", "h4"):
+        res = report[checkpoints[name]]
+        assert res["family"] == "wan" and res["weights_diff"] == 0.0, res
+        assert res["out_rel"] < 1e-5 and res["grad_rel"] < 1e-5, (name, res)
 
 
 def test_layout_round_trip_through_diffusers(checkpoints, tmp_path):

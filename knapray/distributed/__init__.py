@@ -5,6 +5,7 @@ Process groups are always passed in explicitly; nothing here reads a global grou
 """
 
 from .comms import AllToAllPacked, AllToAllVarsize, all_to_all_packed, all_to_all_varsize
+from .cross import BagCrossAttention, split_chunks
 from .groups import BagGroups, ParallelDims, RankLayout, check_heads, valid_bag_sizes
 from .router import RoutePlan, reverse_route, route, route_plan, route_sequence_features
 from .ulysses import UlyssesAttention, UlyssesLayout
@@ -12,6 +13,7 @@ from .ulysses import UlyssesAttention, UlyssesLayout
 __all__ = [
     "AllToAllPacked",
     "AllToAllVarsize",
+    "BagCrossAttention",
     "BagGroups",
     "ParallelDims",
     "RankLayout",
@@ -25,5 +27,6 @@ __all__ = [
     "route",
     "route_plan",
     "route_sequence_features",
+    "split_chunks",
     "valid_bag_sizes",
 ]

@@ -46,17 +46,25 @@ class UlyssesLayout:
     cu_seqlens: torch.Tensor
     """(S_bag + 1,) int32: boundaries of the bag's whole sequences."""
     max_seqlen: int
+    seq_lens: tuple[int, ...] = ()
+    """(S_bag,) tokens of each of the bag's sequences (host ints)."""
 
     @classmethod
-    def build(cls, plan: BalancePlan, rank: int, device: torch.device | str | None = None) -> "UlyssesLayout":
+    def build(cls, plan: BalancePlan, rank: int, device: torch.device | str | None = None,
+              chunk_len: np.ndarray | None = None) -> "UlyssesLayout":
+        """``chunk_len``: (C,) tokens of each of the plan's chunks that take part, a prefix
+        or suffix of every chunk kept in order (default: all, ``plan.chunk_len``); e.g.
+        only the image tokens of every chunk, for attention over a sequence's image
+        tokens alone (``knapray.distributed.cross``)."""
         topo = plan.topology
+        chunk_len = plan.chunk_len if chunk_len is None else np.asarray(chunk_len, dtype=np.int64)
         bag = int(topo.bag_of_rank[rank])
         g = int(topo.bag_sizes[bag])
         seqs = plan.bag_sequences(bag)
         # Chunks are sorted by (sequence, chunk) and a sequence on this bag has g of them.
         seq_first = np.cumsum(plan.bag_size_of_seq) - plan.bag_size_of_seq
         chunk_ids = seq_first[seqs][:, None] + np.arange(g)  # (S_bag, g)
-        lens = plan.chunk_len[chunk_ids]  # (S_bag, g): tokens of sequence s on bag rank c
+        lens = chunk_len[chunk_ids]  # (S_bag, g): tokens of sequence s on bag rank c
         per_rank = lens.sum(axis=0)  # (g,)
         # Received row of (s, c, t): rank c's block offset + rows of c before s + t.
         block_start = np.cumsum(per_rank) - per_rank  # (g,)
@@ -64,7 +72,7 @@ class UlyssesLayout:
         starts = block_start[None, :] + before  # (S_bag, g)
         # Row-major ravel walks sequence by sequence, chunk by chunk: whole-sequence order.
         seq_order = concat_ranges(starts.ravel(), lens.ravel())
-        seq_lens = plan.seq_lens[seqs]
+        seq_lens = lens.sum(axis=1)  # (S_bag,)
         cu = np.concatenate([[0], np.cumsum(seq_lens)])
 
         def t(a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -81,6 +89,7 @@ class UlyssesLayout:
             rank_order=t(np.argsort(seq_order, kind="stable")),
             cu_seqlens=t(cu, torch.int32),
             max_seqlen=int(seq_lens.max()) if seq_lens.size else 0,
+            seq_lens=tuple(int(n) for n in seq_lens),
         )
 
 
@@ -102,8 +111,10 @@ class UlyssesAttention:
         backend: str = "auto",
         scale: float | None = None,
         device: torch.device | str | None = None,
+        layout: UlyssesLayout | None = None,
     ) -> None:
-        self.layout = UlyssesLayout.build(plan, rank, device)
+        """``layout``: a layout of ``plan`` built already (default: every token of the plan)."""
+        self.layout = layout if layout is not None else UlyssesLayout.build(plan, rank, device)
         g = self.layout.bag_size
         if g > 1 and group is None:
             raise ValueError(
@@ -122,46 +133,62 @@ class UlyssesAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         from knapray.attention import check_qkv, varlen_attention  # attention backends load lazily
 
-        lay = self.layout
-        if lay.seq_order.device != q.device:
-            self.layout = lay = replace(
-                lay,
-                seq_order=lay.seq_order.to(q.device),
-                rank_order=lay.rank_order.to(q.device),
-                cu_seqlens=lay.cu_seqlens.to(q.device),
-            )
+        self.layout = lay = on_device(self.layout, q.device)
         # Before the exchange: stacking would silently promote mixed dtypes.
         check_qkv(q, k, v)
-        n, h, d = q.shape
-        g = lay.bag_size
-        if n != lay.local_tokens:
-            raise ValueError(
-                f"this rank holds {lay.local_tokens} routed tokens under the plan, got q with {n} rows"
-            )
-        if h % g:
-            raise ValueError(
-                f"{h} heads cannot be split over a bag of {g} ranks; the bag size must divide "
-                f"the head count (see knapray.distributed.check_heads)"
-            )
+        check_local(lay, q, "q")
 
         def attend(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
             return varlen_attention(
                 qs, ks, vs, lay.cu_seqlens, lay.max_seqlen, backend=self.backend, scale=self.scale
             )
 
-        if g == 1:
+        if lay.bag_size == 1:
             return attend(q, k, v)
-        hg = h // g
-        # (N, H, D) x3 -> (N, 3, H, D) -> (N, 3, g, H/g, D) -> (g, N, 3, H/g, D) -> (g*N, 3, H/g, D):
-        # block j holds every local token with bag rank j's heads
-        qkv = torch.stack((q, k, v), dim=1).reshape(n, 3, g, hg, d).permute(2, 0, 1, 3, 4)
-        qkv = qkv.reshape(g * n, 3, hg, d)
-        # -> (T, 3, H/g, D), grouped by source rank
-        qkv = all_to_all_varsize(qkv, [n] * g, lay.recv_splits, self.group)
-        qkv = qkv.index_select(0, lay.seq_order)  # grouped by source rank -> whole sequences
-        out = attend(*qkv.unbind(1))  # (T, H/g, D)
-        out = out.index_select(0, lay.rank_order)  # whole sequences -> grouped by source rank
-        # (T, H/g, D) -> (g*N, H/g, D): block j is this rank's tokens with bag rank j's heads
-        out = all_to_all_varsize(out, lay.recv_splits, [n] * g, self.group)
-        # (g*N, H/g, D) -> (g, N, H/g, D) -> (N, g, H/g, D) -> (N, H, D)
-        return out.reshape(g, n, hg, d).permute(1, 0, 2, 3).reshape(n, h, d)
+        qkv = to_bag(torch.stack((q, k, v), dim=1), lay, self.group)  # (T, 3, H/g, D), whole sequences
+        return to_tokens(attend(*qkv.unbind(1)), lay, self.group)
+
+
+def on_device(lay: UlyssesLayout, device: torch.device) -> UlyssesLayout:
+    """``lay`` with its index tensors on ``device`` (moved once, on first use)."""
+    if lay.seq_order.device == device:
+        return lay
+    return replace(lay, seq_order=lay.seq_order.to(device), rank_order=lay.rank_order.to(device),
+                   cu_seqlens=lay.cu_seqlens.to(device))
+
+
+def check_local(lay: UlyssesLayout, x: torch.Tensor, name: str) -> None:
+    """``x`` (N_p, H, ...) holds this rank's tokens of ``lay`` and heads that split over its bag."""
+    n, h = x.shape[:2]
+    if n != lay.local_tokens:
+        raise ValueError(f"this rank holds {lay.local_tokens} routed tokens under the plan, got {name} with {n} rows")
+    if h % lay.bag_size:
+        raise ValueError(
+            f"{h} heads cannot be split over a bag of {lay.bag_size} ranks; the bag size must divide "
+            f"the head count (see knapray.distributed.check_heads)"
+        )
+
+
+def to_bag(x: torch.Tensor, lay: UlyssesLayout, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Tokens for heads: x (N_p, c, H, D), this rank's tokens of ``lay`` with every head
+    (c tensors stacked) -> (T, c, H/g, D), every token of the bag's sequences with this
+    rank's block of heads (bag rank p: heads p·H/g to (p+1)·H/g - 1), in whole-sequence order."""
+    n, c, h, d = x.shape
+    g = lay.bag_size
+    hg = h // g
+    # (N, c, H, D) -> (N, c, g, H/g, D) -> (g, N, c, H/g, D) -> (g*N, c, H/g, D):
+    # block j holds every local token with bag rank j's heads
+    x = x.reshape(n, c, g, hg, d).permute(2, 0, 1, 3, 4).reshape(g * n, c, hg, d)
+    x = all_to_all_varsize(x, [n] * g, lay.recv_splits, group)  # (T, c, H/g, D), grouped by source rank
+    return x.index_select(0, lay.seq_order)  # grouped by source rank -> whole sequences
+
+
+def to_tokens(out: torch.Tensor, lay: UlyssesLayout, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Heads for tokens, ``to_bag``'s inverse: (T, H/g, D) in whole-sequence order -> (N_p, H, D)."""
+    n, g = lay.local_tokens, lay.bag_size
+    hg, d = out.shape[1:]
+    out = out.index_select(0, lay.rank_order)  # whole sequences -> grouped by source rank
+    # (T, H/g, D) -> (g*N, H/g, D): block j is this rank's tokens with bag rank j's heads
+    out = all_to_all_varsize(out, lay.recv_splits, [n] * g, group)
+    # (g*N, H/g, D) -> (g, N, H/g, D) -> (N, g, H/g, D) -> (N, H, D)
+    return out.reshape(g, n, hg, d).permute(1, 0, 2, 3).reshape(n, g * hg, d)

@@ -271,13 +271,17 @@ def _on_device(obj: Any, device: torch.device) -> Any:
     tensor an empty one of its shape and dtype on ``device`` (under the fake mode: a fake)."""
     import copy
 
-    from knapray.distributed import UlyssesAttention
+    from knapray.distributed import BagCrossAttention, UlyssesAttention
 
     if isinstance(obj, torch.Tensor):
         return torch.empty(obj.shape, dtype=obj.dtype, device=device)
     if isinstance(obj, UlyssesAttention):
         moved = copy.copy(obj)
         moved.layout = _on_device(obj.layout, device)
+        return moved
+    if isinstance(obj, BagCrossAttention):  # Wan: a Ulysses over the image tokens, a layout of the text
+        moved = copy.copy(obj)
+        moved.image, moved.text = _on_device(obj.image, device), _on_device(obj.text, device)
         return moved
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return dataclasses.replace(obj, **{f.name: _on_device(getattr(obj, f.name), device)
@@ -319,6 +323,7 @@ def run_step(setup: Setup, plan, text_tokens: np.ndarray, batch_host, *, device:
 
     from knapray.coordinator import plan_from_gathered
     from knapray.models import MMDiT
+    from knapray.models.families import cross_text_pad
     from knapray.models.flow import flow_loss
     from knapray.train.balanced import balanced_forward, prepare_step, routed_text_mask
     from knapray.train.ema import build_ema
@@ -355,7 +360,7 @@ def run_step(setup: Setup, plan, text_tokens: np.ndarray, batch_host, *, device:
     # mode, which would turn the host batch's tensors into fakes; its tensors are placed on the
     # device below.
     meta_layout = prepare_step(batch_host, plan, setup.rank, text_tokens, torch.device("meta"), bag_group=bag_group,
-                               route_group=route_group)
+                               route_group=route_group, cross_pad=cross_text_pad(model_cfg))
     # A first step on no tokens at all (every rank empty; every unit still runs, on zero rows):
     # FSDP's lazy initialization and first-backward bookkeeping, and AdamW's state, happen
     # there, so the measured step is a run's steady state, and costs no second full step.
@@ -363,7 +368,7 @@ def run_step(setup: Setup, plan, text_tokens: np.ndarray, batch_host, *, device:
     empty_host = host_batch([], model_cfg)
     empty_text = np.zeros(0, dtype=np.int64)
     empty_layout = prepare_step(empty_host, empty_plan, setup.rank, empty_text, torch.device("meta"),
-                                bag_group=bag_group, route_group=route_group)
+                                bag_group=bag_group, route_group=route_group, cross_pad=cross_text_pad(model_cfg))
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         with fake, _kernel_attention(watch):

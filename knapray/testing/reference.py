@@ -371,9 +371,6 @@ def run_reference(paths: list[str], *, family: str | None = None, world_size: in
                              f"{source.layout} file (knapray reads it, diffusers' from_pretrained does not)")
         cfg = reference_config(source, fam)
         check_tensors(source, cfg)
-        if world_size > 1 and cfg.family == "wan":
-            raise ValueError(f"{source.path}: family wan is checked single-process only (its cross-attention is "
-                             "not yet balanced inside bags): leave out --world-size")
         if world_size > 1:
             check_heads(cfg.num_heads, Topology.parse(topology, world_size=world_size))
         cfgs[path] = cfg

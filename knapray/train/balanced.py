@@ -5,7 +5,10 @@ Per step and rank:
 1. ``condition`` and ``embed`` at home (per sequence / per token, no communication);
 2. one all-to-all routes hidden states with their positions and modality flags to the
    ranks the plan chose, and per-sequence conditioning vectors follow their chunks;
-3. the transformer blocks run on the routed chunks; attention inside a bag is Ulysses;
+3. the transformer blocks run on the routed chunks; attention inside a bag is Ulysses
+   (joint attention over text and image tokens; for a family that cross-attends to its
+   text, Wan, self-attention over the image tokens and cross-attention of image queries to
+   text keys: ``knapray.distributed.cross``);
 4. one all-to-all brings the hidden states home, where ``head`` and the loss run.
 
 So the loss, and everything after the model, sees exactly the batch it would have seen
@@ -28,11 +31,18 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from knapray.distributed import UlyssesAttention, reverse_route, route, route_plan, route_sequence_features
+from knapray.distributed import (
+    BagCrossAttention,
+    UlyssesAttention,
+    reverse_route,
+    route,
+    route_plan,
+    route_sequence_features,
+)
 from knapray.distributed.router import RoutePlan, concat_ranges
 from knapray.models import PackedBatch
 from knapray.models.blocks import TokenStreams
-from knapray.models.families import condition_inputs
+from knapray.models.families import condition_inputs, cross_text_pad
 from knapray.planning import BalancePlan
 from knapray.transfer import host_to_device
 
@@ -42,7 +52,8 @@ class StepLayout:
     """What one rank's balanced step needs besides the batch, prepared on the host."""
 
     route: RoutePlan
-    attention: UlyssesAttention
+    attention: UlyssesAttention | BagCrossAttention
+    """What the blocks call: joint attention, or the bag's self- and cross-attention."""
     home: TokenStreams
     """Text/image index maps of the home tokens (embed, head)."""
     routed: TokenStreams
@@ -75,17 +86,21 @@ def prepare_step(
     bag_group: dist.ProcessGroup | None,
     route_group: dist.ProcessGroup | None = None,
     backend: str = "auto",
+    cross_pad: int | None = None,
 ) -> StepLayout:
     """The ``StepLayout`` of ``rank`` for ``plan``, from the HOST batch (before ``.to(device)``)
     and ``text_tokens``, every sequence's text-token count in the plan's order (the trainer
     learns the other ranks' with the step's first all-reduce). Checks the batch against the
-    plan. Collective only where ``route_plan`` is (never: it reads group membership)."""
+    plan. ``cross_pad``: the model's ``cross_text_pad`` (None: joint attention). Collective
+    only where ``route_plan`` is (never: it reads group membership)."""
     check_batch_matches_plan(batch, plan, rank)
     device = torch.device(device)
     routed = routed_text_mask(plan, rank, text_tokens)
+    attention = UlyssesAttention(plan, rank, bag_group, backend=backend, device=device) if cross_pad is None else \
+        BagCrossAttention(plan, rank, bag_group, text_tokens, cross_pad, backend=backend, device=device)
     return StepLayout(
         route=route_plan(plan, rank, route_group, device),
-        attention=UlyssesAttention(plan, rank, bag_group, backend=backend, device=device),
+        attention=attention,
         home=TokenStreams.from_host_mask(batch.is_text, device),
         routed=TokenStreams.from_host_mask(routed, device),
         routed_is_text=host_to_device(routed, device),
@@ -125,6 +140,11 @@ def balanced_forward(
     balance group calls it for the same plan, also ranks with no sequences. ``layout``:
     from ``prepare_step`` (then nothing here waits for the device), else derived here.
     """
+    if layout is None and cross_text_pad(model.cfg) is not None:
+        # The bag's attentions need every sequence's text count: the ranks tell each other.
+        text_tokens = _gather_text_tokens(batch, route_group)
+        layout = prepare_step(batch, plan, rank, text_tokens, batch.x_img.device, bag_group=bag_group,
+                              route_group=route_group, backend=backend, cross_pad=cross_text_pad(model.cfg))
     if layout is None:
         check_batch_matches_plan(batch, plan, rank)
         return _forward(model, batch, plan, rank, route_plan(plan, rank, route_group, batch.x_img.device),
@@ -132,6 +152,16 @@ def balanced_forward(
                         route_group, None, None, None)
     return _forward(model, batch, plan, rank, layout.route, layout.attention, route_group, layout.home,
                     layout.routed, layout.routed_is_text)
+
+
+def _gather_text_tokens(batch: PackedBatch, group: dist.ProcessGroup | None) -> np.ndarray:
+    """(S,) text tokens of every sequence of the balance group, in plan order (rank by rank)."""
+    mine = np.bincount(batch.seq_index[batch.is_text].cpu().numpy(), minlength=batch.num_sequences).astype(np.int64)
+    if not dist.is_initialized():
+        return mine
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    return np.concatenate(every)
 
 
 def _forward(model: nn.Module, batch: PackedBatch, plan: BalancePlan, rank: int, rp: RoutePlan, attn: UlyssesAttention,

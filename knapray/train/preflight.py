@@ -155,7 +155,6 @@ def check(cfg: TrainConfig, worlds: Iterable[int], *, corpus: CorpusCheck | None
     worlds = tuple(int(w) for w in worlds)
     for world in worlds:
         check_world(cfg, world)
-    check_family_world(cfg, worlds)
     check_model_size(cfg)
     check_pretrained(cfg)
     if corpus is None:
@@ -168,16 +167,6 @@ def check(cfg: TrainConfig, worlds: Iterable[int], *, corpus: CorpusCheck | None
         raise RunError(f"{e}; leave model.in_channels / text_dim / pooled_dim out of the config to take the "
                        "corpus's, or use a corpus made with the encoders the config expects") from None
     return Preflight(cfg=cfg, worlds=worlds, corpus=corpus)
-
-
-def check_family_world(cfg: TrainConfig, worlds: tuple[int, ...]) -> None:
-    """A Wan model (cross-attention to its text) trains on one rank only: the balanced
-    executor's Ulysses bags exchange joint attention, and Wan's cross-attention is not yet
-    balanced inside bags (issue 22), so a sequence must not be split over ranks."""
-    if cfg.model.family == "wan" and max(worlds, default=1) > 1:
-        raise RunError(f"model.family: wan trains on one rank only (its cross-attention is not yet balanced inside "
-                       f"bags), but this run may have {max(worlds)} ranks: set run.num_workers (and run.min_workers) "
-                       "to 1")
 
 
 def check_model_size(cfg: TrainConfig) -> None:

@@ -42,7 +42,7 @@ from knapray.data import (
 from knapray.distributed import BagGroups
 from knapray.distributed.block_groups import BlockGroups, StepGroups
 from knapray.distributed.step_sync import StepSync
-from knapray.models.families import build_model
+from knapray.models.families import build_model, cross_text_pad
 from knapray.models.flops import model_flops, peak_tflops
 from knapray.models.flow import flow_loss
 from knapray.planning import BalancePlan, Topology, identity_plan
@@ -381,7 +381,7 @@ class Trainer:
         # Index tensors built on the host and copied without blocking: nothing in the timed
         # region below waits for the device (knapray dryrun counts such waits).
         layout = prepare_step(host_batch, run_plan, rank, _plan_order(run_plan, text_slots), self.device,
-                              bag_group=bag_group, route_group=route_group)
+                              bag_group=bag_group, route_group=route_group, cross_pad=cross_text_pad(self.cfg.model))
 
         # ---- compute ----
         with StepTimer(self.device) as timer:

@@ -132,6 +132,13 @@ def condition_inputs(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+def cross_text_pad(cfg: MMDiTConfig) -> int | None:
+    """For a family whose text is cross-attended (keys only: Wan), the text rows every
+    sequence attends to, padding included (0: its tokens alone); None for joint attention.
+    The balanced executor builds the bag's attentions by it."""
+    return int(cfg.text_pad_to) if cfg.family == "wan" else None
+
+
 def param_shapes(cfg: MMDiTConfig) -> dict[str, tuple[int, ...]]:
     """``{parameter name: shape}`` of ``cfg``'s model, built on the meta device (no memory)."""
     with torch.device("meta"):
@@ -155,5 +162,6 @@ def checkpoint_layout(cfg: MMDiTConfig, name: str | None = None) -> Layout:
 
 __all__ = [
     "FAMILIES", "FAMILY_NAMES", "Family", "build_model", "checkpoint_layout", "condition_inputs", "config_class",
+    "cross_text_pad",
     "family_of_class", "get_family", "param_shapes",
 ]

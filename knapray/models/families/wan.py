@@ -25,23 +25,26 @@ rest), angles in float64, over each visual token's (frame, row, column) patch in
 
 ``condition`` returns (S, 7·d) per sequence: temb then time_proj(silu(temb)).
 
-Not yet: balanced cross-attention (the blocks compute both attentions themselves from
-``seq_index``, which is right only when every token of a sequence is on this rank: a
-world of one; pre-flight refuses larger worlds), I2V image conditioning
-(``image_dim`` / ``added_kv_proj_dim``), Wan 2.2's two experts.
+Balanced: the blocks take a ``knapray.distributed.BagCrossAttention`` (the executor
+builds it from the plan and every sequence's text count): Ulysses over the image queries
+and the text keys and values of a bag's sequences. Single-process (``forward``), both
+attentions run per sequence on this rank.
+
+Not yet: I2V image conditioning (``image_dim`` / ``added_kv_proj_dim``), Wan 2.2's two
+experts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from knapray.attention import AttentionFn, varlen_attention
+from knapray.attention import AttentionFn, cross_attention, varlen_attention
 from knapray.models.blocks import TokenStreams
 from knapray.models.config import MMDiTConfig, _known_family
 from knapray.models.families.flux import flux_rope
@@ -256,21 +259,27 @@ class WanBlock(nn.Module):
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, d) / d**0.5)
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, mod: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                self_attn: AttentionFn, cross_attn: AttentionFn) -> torch.Tensor:
+                attn: "WanAttentionOps", pad_row: torch.Tensor | None = None) -> torch.Tensor:
         """x (Ni, d) visual tokens, ctx (Nt, d) text tokens, mod (Ni, 6, d) their sequences'
-        time projections -> x (Ni, d)."""
+        time projections -> x (Ni, d). ``pad_row``: (1, d) the embedded zero text row that
+        padding repeats (None: no padding)."""
         d = x.shape[-1]
         shift, scale, gate, c_shift, c_scale, c_gate = (self.scale_shift_table + _wide(mod)).unbind(1)
         ln = lambda t: F.layer_norm(_wide(t), (d,), eps=self.eps)  # noqa: E731 - FP32LayerNorm without affine
         y = (ln(x) * (1 + scale) + shift).to(x.dtype)
         q, k, v = self.attn1.qkv(y, y)
         q, k = _rotate(q, *rope), _rotate(k, *rope)
-        out = self.attn1.to_out(self_attn(q, k, v).flatten(1))
+        out = self.attn1.to_out(attn.self_attn(q, k, v).flatten(1))
         x = (_wide(x) + out * gate).to(x.dtype)
         y = x if self.norm2 is None else F.layer_norm(_wide(x), (d,), self.norm2.weight, self.norm2.bias,
                                                       self.eps).to(x.dtype)
-        q, k, v = self.attn2.qkv(y, ctx)
-        x = x + self.attn2.to_out(cross_attn(q, k, v).flatten(1))
+        pad = None
+        if pad_row is None:
+            q, k, v = self.attn2.qkv(y, ctx)
+        else:  # the padding key and value: the projections of the zero row, one for every sequence
+            q, k, v = self.attn2.qkv(y, torch.cat((ctx, pad_row)))
+            k, v, pad = k[:-1], v[:-1], (k[-1], v[-1])
+        x = x + self.attn2.to_out(attn.cross_attn(q, k, v, pad).flatten(1))
         y = (ln(x) * (1 + c_scale) + c_shift).to(x.dtype)
         return (_wide(x) + _wide(self.ffn(y)) * c_gate).to(x.dtype)
 
@@ -293,18 +302,29 @@ class WanHead(nn.Module):
         return self.linear(y)
 
 
+class WanAttentionOps(Protocol):
+    """The two attentions a Wan block calls: ``_Segments`` (every token of each sequence on
+    this rank) or ``knapray.distributed.BagCrossAttention`` (a bag's sequences, Ulysses)."""
+
+    def self_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+    def cross_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   pad: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor: ...
+
+
 class _Segments:
     """Visual tokens of each local sequence and their text tokens, for varlen self- and
-    cross-attention over tokens in any order (sorted by sequence, stable)."""
+    cross-attention over tokens in any order (sorted by sequence, stable); every token of
+    each sequence is on this rank."""
 
     def __init__(self, seq_img: torch.Tensor, seq_txt: torch.Tensor, num_seq: int, pad_to: int = 0) -> None:
-        """``pad_to`` > 0: the last text row of every sequence is its padding row, standing
-        for ``pad_to`` minus its other rows (none: left out)."""
+        """``pad_to`` > 0: each sequence attends to its text then padding rows up to that
+        many (the padding key, given to ``cross_attn``, counts for them)."""
         self.img_order = torch.argsort(seq_img, stable=True)
         self.txt_order = torch.argsort(seq_txt, stable=True)
         self.img_counts = torch.bincount(seq_img, minlength=num_seq).tolist()
         self.txt_counts = torch.bincount(seq_txt, minlength=num_seq).tolist()
-        self.pad_counts = [max(pad_to - (c - 1), 0) for c in self.txt_counts] if pad_to else None
+        self.pad_counts = [max(pad_to - c, 0) for c in self.txt_counts] if pad_to else None
         self.cu = torch.zeros(num_seq + 1, dtype=torch.int32, device=seq_img.device)
         self.cu[1:] = torch.cumsum(torch.bincount(seq_img, minlength=num_seq), 0)
         self.max_len = max(self.img_counts, default=0)
@@ -316,31 +336,14 @@ class _Segments:
         q, k, v = (t.index_select(0, self.img_order) for t in (q, k, v))
         return self._unsort(varlen_attention(q, k, v, self.cu, self.max_len))
 
-    def cross_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q (Ni, H, D) visual, k, v (Nt, H, D) text -> (Ni, H, D); a sequence without text
-        tokens gets zeros (diffusers' call is undefined there)."""
-        qs = q.index_select(0, self.img_order).split(self.img_counts)
-        ks = k.index_select(0, self.txt_order).split(self.txt_counts)
-        vs = v.index_select(0, self.txt_order).split(self.txt_counts)
-        outs = []
-        for i, (qi, ki, vi) in enumerate(zip(qs, ks, vs)):
-            bias = None
-            if self.pad_counts is not None:
-                # m alike padding keys: one key whose softmax weight counts m times, i.e. its
-                # logit + log m; none (a sequence at or over the pad length): no such key.
-                m = self.pad_counts[i]
-                if m == 0:
-                    ki, vi = ki[:-1], vi[:-1]
-                else:
-                    bias = torch.zeros(1, ki.shape[0], dtype=qi.dtype, device=qi.device)  # (1, keys): every query
-                    bias[0, -1] = math.log(m)
-            if qi.shape[0] == 0 or ki.shape[0] == 0:
-                outs.append(torch.zeros_like(qi))
-                continue
-            # (n, H, D) -> (1, H, n, D)
-            o = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (qi, ki, vi)), attn_mask=bias)
-            outs.append(o[0].transpose(0, 1))
-        return self._unsort(torch.cat(outs) if outs else torch.zeros_like(q))
+    def cross_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   pad: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """q (Ni, H, D) visual, k, v (Nt, H, D) text, pad: the padding key and value (H, D)
+        -> (Ni, H, D); a sequence with no key gets zeros (diffusers' call is undefined there)."""
+        q = q.index_select(0, self.img_order)
+        k, v = k.index_select(0, self.txt_order), v.index_select(0, self.txt_order)
+        pad = pad if self.pad_counts is not None else None
+        return self._unsort(cross_attention(q, k, v, self.img_counts, self.txt_counts, pad, self.pad_counts))
 
 
 class WanTransformer(nn.Module):
@@ -395,12 +398,14 @@ class WanTransformer(nn.Module):
         return streams.merge(self.txt_in(x_txt.to(dtype)), self.img_in(x_img.to(dtype)))
 
     def blocks(self, h: torch.Tensor, vec_seq: torch.Tensor, seq_index: torch.Tensor, pos: torch.Tensor,
-               is_text: torch.Tensor, attn: AttentionFn, *, streams: TokenStreams | None = None) -> torch.Tensor:
+               is_text: torch.Tensor, attn: "WanAttentionOps | AttentionFn | None", *,
+               streams: TokenStreams | None = None) -> torch.Tensor:
         """Wan's blocks over the visual tokens of h (N, d); text rows come back unchanged.
 
-        ``attn`` (joint attention over whole sequences) is not called: self-attention over
-        the visual tokens and cross-attention to the text are computed here per sequence
-        from ``seq_index``, which needs every token of each local sequence on this rank."""
+        ``attn``: the bag's attentions (``knapray.distributed.BagCrossAttention``, the
+        balanced executor's), or anything else (a joint-attention function, None): then
+        both attentions run per sequence from ``seq_index``, which needs every token of
+        each local sequence on this rank (a single process)."""
         n, d = h.shape
         if vec_seq.dim() != 2 or vec_seq.shape[1] != 7 * d:
             raise ValueError(f"vec_seq must be (S_loc, {7 * d}) (Wan's condition), got {tuple(vec_seq.shape)}")
@@ -408,18 +413,15 @@ class WanTransformer(nn.Module):
         ctx, x = streams.split(h)
         seq_txt, seq_img = streams.split(seq_index)
         num_seq = vec_seq.shape[0]
-        keys = ctx  # the text rows cross-attention reads (ctx itself goes back unchanged)
-        if self.cfg.text_pad_to:
-            # One embedded zero row per sequence, after its tokens: it stands for the
-            # sequence's text_pad_to - n zero rows (_Segments weights it by that count).
-            zero = self.txt_in(torch.zeros(1, self.cfg.text_dim, dtype=self.param_dtype, device=h.device))
-            keys = torch.cat([ctx, zero.expand(num_seq, d)])
-            seq_txt = torch.cat([seq_txt, torch.arange(num_seq, device=seq_txt.device, dtype=seq_txt.dtype)])
-        seg = _Segments(seq_img, seq_txt, num_seq, self.cfg.text_pad_to)
+        # The embedded zero row every sequence's padding repeats (text_pad_to minus its tokens).
+        pad_row = None if not self.cfg.text_pad_to else self.txt_in(
+            torch.zeros(1, self.cfg.text_dim, dtype=self.param_dtype, device=h.device))
+        if not hasattr(attn, "cross_attn"):  # no bag attention: every token of each sequence is here
+            attn = _Segments(seq_img, seq_txt, num_seq, self.cfg.text_pad_to)
         rope = self.rope(pos.index_select(0, streams.img_idx))
         mod = vec_seq[:, d:].unflatten(1, (6, d)).index_select(0, seq_img)  # (Ni, 6, d)
         for block in self.single_blocks:
-            x = block(x, keys, mod, rope, seg.self_attn, seg.cross_attn)
+            x = block(x, ctx, mod, rope, attn, pad_row)
         return streams.merge(ctx, x)
 
     def head(self, h: torch.Tensor, vec_seq: torch.Tensor, seq_index: torch.Tensor, is_text: torch.Tensor, *,

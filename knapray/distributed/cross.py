@@ -1,0 +1,97 @@
+"""Self- and cross-attention inside a bag for models whose text is keys only (Wan).
+
+A Wan sequence's text tokens are never queries: its image tokens attend to each other
+(self-attention) and then to its text (cross-attention). After routing, bag rank p holds
+chunk p of each of its bag's sequences: text rows (a chunk's tokens below its sequence's
+text count; text comes first in a sequence) and image rows, each in chunk order. Two
+``UlyssesLayout``s of the same plan, over each chunk's image part and over its text part,
+trade tokens for heads for each kind on its own:
+
+    self:   image q, k, v (Ni_p, H, D) -> every image token of the bag, H/g heads -> varlen -> back
+    cross:  image q      (Ni_p, H, D) -> every image token of the bag, H/g heads
+            text k, v    (Nt_p, H, D) -> every text token of the bag,  H/g heads
+            each sequence's queries over its own text keys (lengths differ) -> back
+
+Padding: Wan's pipeline pads every caption to 512 rows of zeros; after the projections
+they are one key and value repeated, which ``cross_attention`` counts as one key whose
+logit gets + log(rows). That key is the same for every sequence: each rank computes it
+for every head and keeps its own block of heads, so it never travels.
+
+Plan first (``split_chunks``: which of a chunk's tokens are text, from the plan and
+every sequence's text count, on the host), then execute thinly (``BagCrossAttention``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from knapray.planning import BalancePlan
+
+from .ulysses import UlyssesAttention, UlyssesLayout, check_local, on_device, to_bag, to_tokens
+
+
+def split_chunks(plan: BalancePlan, text_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(text, image) tokens of each of the plan's chunks, (C,) int64 each: a chunk covers
+    positions ``[chunk_start, chunk_start + chunk_len)`` of its sequence, whose first
+    ``text_tokens[seq]`` are text."""
+    text_tokens = np.asarray(text_tokens, dtype=np.int64)
+    if text_tokens.shape != plan.seq_lens.shape or np.any(text_tokens < 0) or np.any(text_tokens > plan.seq_lens):
+        raise ValueError(f"text_tokens must give 0..length text tokens for each of the plan's "
+                         f"{plan.num_sequences} sequences, got shape {text_tokens.shape}")
+    text = np.clip(text_tokens[plan.chunk_seq] - plan.chunk_start, 0, plan.chunk_len)
+    return text, plan.chunk_len - text
+
+
+class BagCrossAttention:
+    """``self_attn(q, k, v)`` over the bag's image tokens and ``cross_attn(q, k, v, pad)``
+    of image queries to text keys, for one rank and plan (see the module docstring).
+
+    Collective within the bag, as ``UlyssesAttention``: every rank of the bag calls both
+    once per block, in the same order, also with no tokens. H must divide by the bag size.
+    """
+
+    def __init__(self, plan: BalancePlan, rank: int, group: dist.ProcessGroup | None, text_tokens: np.ndarray,
+                 pad_to: int = 0, *, backend: str = "auto", device: torch.device | str | None = None) -> None:
+        """``text_tokens``: (S,) text tokens of every sequence of the plan, in its order;
+        ``pad_to``: text rows every sequence attends to, its tokens then padding (0: none)."""
+        text_len, image_len = split_chunks(plan, text_tokens)
+        image = UlyssesLayout.build(plan, rank, device, image_len)
+        self.image = UlyssesAttention(plan, rank, group, backend=backend, device=device, layout=image)
+        self.text = UlyssesLayout.build(plan, rank, device, text_len)
+        self.group = group
+        seqs = plan.bag_sequences(image.bag)
+        counts = np.asarray(text_tokens, dtype=np.int64)[seqs]
+        self.image_lens = list(image.seq_lens)
+        """Image tokens of each of the bag's sequences (host ints, for the split)."""
+        self.text_lens = counts.tolist()
+        self.pad_counts = [max(pad_to - t, 0) for t in self.text_lens] if pad_to else None
+
+    def self_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Image q, k, v (Ni_p, H, D) -> (Ni_p, H, D): attention among each sequence's image tokens."""
+        return self.image(q, k, v)
+
+    def cross_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   pad: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Image queries q (Ni_p, H, D) to text keys and values k, v (Nt_p, H, D) of their
+        sequences, plus the padding key ``pad`` ((H, D) each; None: no padding) -> (Ni_p, H, D)."""
+        from knapray.attention import cross_attention
+
+        if q.dim() != 3 or k.shape != v.shape or q.shape[1:] != k.shape[1:] or not q.dtype == k.dtype == v.dtype:
+            raise ValueError(f"cross_attn takes q (Ni, H, D) and k, v (Nt, H, D) of one dtype, got "
+                             f"{tuple(q.shape)} {q.dtype}, {tuple(k.shape)} {k.dtype}, {tuple(v.shape)} {v.dtype}")
+        img, txt = on_device(self.image.layout, q.device), on_device(self.text, q.device)
+        self.image.layout, self.text = img, txt
+        check_local(img, q, "image q")
+        check_local(txt, k, "text k")
+        pad = pad if self.pad_counts is not None else None
+        g, p = img.bag_size, img.rank_in_bag
+        if g == 1:
+            return cross_attention(q, k, v, self.image_lens, self.text_lens, pad, self.pad_counts)
+        hg = q.shape[1] // g
+        qs = to_bag(q[:, None], img, self.group)[:, 0]  # (Ti, H/g, D)
+        kv = to_bag(torch.stack((k, v), dim=1), txt, self.group)  # (Tt, 2, H/g, D)
+        mine = None if pad is None else (pad[0][p * hg:(p + 1) * hg], pad[1][p * hg:(p + 1) * hg])
+        out = cross_attention(qs, kv[:, 0], kv[:, 1], self.image_lens, self.text_lens, mine, self.pad_counts)
+        return to_tokens(out, img, self.group)
