@@ -418,6 +418,8 @@ def _describe(typ: Any) -> str:
     args = get_args(typ)
     if typ in _ATOMS:
         return _ATOMS[typ]
+    if get_origin(typ) is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return f"a list of {_PLURAL[args[0]]}"
     if get_origin(typ) is tuple:
         if len(set(args)) == 1 and args[0] in _PLURAL:
             return f"a list of {len(args)} {_PLURAL[args[0]]}"
@@ -441,6 +443,10 @@ def _convert(value: Any, typ: Any) -> Any:
         if not isinstance(value, typ):
             raise _Mismatch
         return value
+    if get_origin(typ) is tuple and len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]: any length
+        if not isinstance(value, (list, tuple)):
+            raise _Mismatch
+        return tuple(_convert(v, args[0]) for v in value)
     if get_origin(typ) is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise _Mismatch
