@@ -49,15 +49,30 @@ def save_flux_headers(out: Path, **config) -> Path:
     the meta device gives config.json and every tensor's name and shape; the safetensors
     file is its header and a hole the size of the bf16 data (a sparse file: no disk used).
     What pre-flight reads of a real download, without the 24 GB."""
+    from diffusers import FluxTransformer2DModel
+
+    return save_headers(out, FluxTransformer2DModel, {**FLUX1_DEV, **config})
+
+
+def save_wan_headers(out: Path) -> Path:
+    """``save_flux_headers`` for Wan 2.1 T2V 14B (``WanTransformer3DModel``'s defaults are
+    its shape): what pre-flight reads of the Wan2.1-T2V-14B-Diffusers transformer."""
+    from diffusers import WanTransformer3DModel
+
+    return save_headers(out, WanTransformer3DModel, {})
+
+
+def save_headers(out: Path, cls, config: dict) -> Path:
+    """diffusers' ``cls(**config)`` on the meta device as a sparse checkpoint: config.json,
+    and a safetensors file of every tensor's header over a hole the size of its bf16 data."""
     import json
     import os
     import struct
 
     import torch
-    from diffusers import FluxTransformer2DModel
 
     with torch.device("meta"):
-        model = FluxTransformer2DModel(**{**FLUX1_DEV, **config})
+        model = cls(**config)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(model.to_json_string())
     header, offset = {}, 0

@@ -68,9 +68,10 @@ def test_every_shipped_config_passes_its_check(config, tmp_path, capsys):
     pretrained = []
     if pinned.get("pretrained"):  # the real checkpoint's config and headers at full size
         pytest.importorskip("diffusers")
-        from flux_utils import save_flux_headers
+        from flux_utils import save_flux_headers, save_wan_headers
 
-        pretrained = ["--set", f"model.pretrained={save_flux_headers(tmp_path / 'transformer')}"]
+        save = save_wan_headers if pinned.get("family") == "wan" else save_flux_headers
+        pretrained = ["--set", f"model.pretrained={save(tmp_path / 'transformer')}"]
     code, out, err = _run(["train", "--config", str(config), "--set", f"data.corpus={corpus}",
                            "--set", f"run.storage={tmp_path / 'runs'}", *pretrained, "--check"], capsys)
     assert code == 0, err

@@ -135,3 +135,25 @@ def test_text_padding_equals_the_pipelines_zero_rows_in_float64(checkpoints, pad
         assert (mine - theirs).abs().max() <= 1e-6 * theirs.abs().max()
     for name, p in ref.named_parameters():
         assert (ours[name] - p.grad).abs().max() <= 1e-6 * p.grad.abs().max(), name
+
+
+@pytest.mark.parametrize("shape", [{}, dict(hidden_size=1536, num_heads=12, depth_single=30, ffn_dim=8960),
+                                   dict(in_channels=4, hidden_size=32, num_heads=2, depth_single=2, text_dim=16,
+                                        ffn_dim=48, freq_dim=32, cross_attn_norm=False)],
+                         ids=["wan2.1-14b", "wan2.1-1.3b", "tiny-no-cross-norm"])
+def test_the_memory_model_counts_wans_parameters_exactly(shape):
+    """``ModelShape`` (knapray memory, dryrun, simulate) against the model built on meta:
+    14,288,491,584 parameters in 1095 tensors for Wan 2.1 T2V 14B."""
+    import math
+
+    from knapray.models.families import param_shapes
+    from knapray.models.families.wan import WanConfig
+    from knapray.planning.memory import ModelShape
+
+    cfg = WanConfig(**shape)
+    shapes = param_shapes(cfg)
+    model = ModelShape.of(cfg)
+    assert model.num_params == sum(math.prod(s) for s in shapes.values())
+    assert model.num_param_tensors == len(shapes)
+    if not shape:
+        assert model.num_params == 14_288_491_584

@@ -166,8 +166,10 @@ def host_batch(samples: list[Sample], cfg) -> Any:
     from knapray.models import pack_samples
 
     pt, ph, pw = cfg.patch_size
+    guidance = {"guidance": 3.5} if getattr(cfg, "guidance_embeds", False) else {}  # FLUX.1-dev's input
     packed = [{"latent": torch.zeros(cfg.in_channels, t * pt, h * ph, w * pw), "text": torch.zeros(s.text, cfg.text_dim),
-               "pooled": torch.zeros(cfg.pooled_dim), "timestep": 0.5} for s in samples for (t, h, w) in (s.grid,)]
+               "pooled": torch.zeros(cfg.pooled_dim), "timestep": 0.5, **guidance}
+              for s in samples for (t, h, w) in (s.grid,)]
     batch = pack_samples(packed, cfg)
     batch.targets = torch.zeros_like(batch.x_img)
     return batch
@@ -322,8 +324,7 @@ def run_step(setup: Setup, plan, text_tokens: np.ndarray, batch_host, *, device:
     from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTensorMode, UnsupportedOperatorException
 
     from knapray.coordinator import plan_from_gathered
-    from knapray.models import MMDiT
-    from knapray.models.families import cross_text_pad
+    from knapray.models.families import build_model, cross_text_pad
     from knapray.models.flow import flow_loss
     from knapray.train.balanced import balanced_forward, prepare_step, routed_text_mask
     from knapray.train.ema import build_ema
@@ -343,7 +344,7 @@ def run_step(setup: Setup, plan, text_tokens: np.ndarray, batch_host, *, device:
     _fake_world(setup.rank, setup.world)
     groups = _groups(setup)  # before FSDP's mesh: every rank creates groups in one order
     with torch.device("meta"):
-        model = MMDiT(model_cfg)
+        model = build_model(model_cfg)  # the run's family: its blocks, its attentions
     parallel = parallelize(
         model, fsdp=fsdp, ac="none" if device_pass else cfg.run.activation_checkpointing, ac_every=cfg.run.ac_every,
         param_dtype=dtype if sharded else torch.float32, reduce_dtype=torch.float32,
@@ -433,6 +434,7 @@ def _tracker(model, optimizer, sharded: bool):
 def expected_collectives(setup: Setup, plan, depth: tuple[int, int]) -> dict:
     """(kind, group size) -> count of one training step, from the plan and the parallelism."""
     from knapray.distributed.router import RoutePlan
+    from knapray.models.families import cross_text_pad
     from knapray.planning.checkpointing import checkpointed_blocks
     from knapray.train.parallelize import ParallelConfig
 
@@ -452,7 +454,11 @@ def expected_collectives(setup: Setup, plan, depth: tuple[int, int]) -> dict:
     g = int(topo.bag_sizes[bag])
     blocks = depth[0] + depth[1]
     recomputed = sum(checkpointed_blocks(cfg.run.activation_checkpointing, cfg.run.ac_every, blocks))
-    add("alltoall_base_", g, 4 * blocks + 2 * recomputed)  # q/k/v and output, forward and backward
+    # Joint attention: q/k/v there, the output back (2 per block); Wan (cross-attention to its
+    # text): self-attention's 2, and image q, text k/v there, the output back (5). Each once
+    # in forward, once in backward, once more in a checkpointed block's recompute.
+    per_block = 2 if cross_text_pad(cfg.model) is None else 5
+    add("alltoall_base_", g, 2 * per_block * blocks + per_block * recomputed)
     if cfg.run.fsdp == "none":
         add("allreduce_", setup.world, 1)  # the flat gradient all-reduce
     else:

@@ -364,6 +364,8 @@ class WanTransformer(nn.Module):
         self.double_blocks = nn.ModuleList()
         self.single_blocks = nn.ModuleList(WanBlock(cfg) for _ in range(cfg.depth_single))
         self.final = WanHead(cfg)
+        self._pad_row: torch.Tensor | None = None
+        """(1, d) the embedded zero text row of the last ``embed`` (with ``text_pad_to``)."""
 
     @torch.no_grad()
     def initial_values(self, write) -> None:
@@ -395,7 +397,15 @@ class WanTransformer(nn.Module):
         """x_txt (Nt, text_dim), x_img (Ni, patch_dim) -> h (N, d) in packed order."""
         streams = streams if streams is not None else TokenStreams.from_mask(is_text)
         dtype = self.param_dtype
-        return streams.merge(self.txt_in(x_txt.to(dtype)), self.img_in(x_img.to(dtype)))
+        txt = x_txt.to(dtype)
+        if self.cfg.text_pad_to:
+            # The zero row padding repeats goes through txt_in with the text (one call of the
+            # module per step, as FSDP unshards it once); the blocks read it from here.
+            txt = self.txt_in(torch.cat((txt, txt.new_zeros(1, txt.shape[1]))))
+            txt, self._pad_row = txt[:-1], txt[-1:]
+        else:
+            txt = self.txt_in(txt)
+        return streams.merge(txt, self.img_in(x_img.to(dtype)))
 
     def blocks(self, h: torch.Tensor, vec_seq: torch.Tensor, seq_index: torch.Tensor, pos: torch.Tensor,
                is_text: torch.Tensor, attn: "WanAttentionOps | AttentionFn | None", *,
@@ -413,9 +423,13 @@ class WanTransformer(nn.Module):
         ctx, x = streams.split(h)
         seq_txt, seq_img = streams.split(seq_index)
         num_seq = vec_seq.shape[0]
-        # The embedded zero row every sequence's padding repeats (text_pad_to minus its tokens).
-        pad_row = None if not self.cfg.text_pad_to else self.txt_in(
-            torch.zeros(1, self.cfg.text_dim, dtype=self.param_dtype, device=h.device))
+        # The embedded zero row every sequence's padding repeats (text_pad_to minus its tokens),
+        # from this step's ``embed``.
+        pad_row = None
+        if self.cfg.text_pad_to:
+            pad_row = self._pad_row
+            if pad_row is None:
+                raise RuntimeError("WanTransformer.blocks pads text: call embed first (it embeds the padding row)")
         if not hasattr(attn, "cross_attn"):  # no bag attention: every token of each sequence is here
             attn = _Segments(seq_img, seq_txt, num_seq, self.cfg.text_pad_to)
         rope = self.rope(pos.index_select(0, streams.img_idx))
