@@ -63,7 +63,8 @@ def test_every_shipped_config_passes_its_check(config, tmp_path, capsys):
     ``flux_cluster.yaml`` (elastic 16..64 GPUs, hybrid FSDP in nodes of 8) passes once the
     elastic range is sized in whole nodes (issue 17's Ray-runtime half)."""
     pinned = (yaml.safe_load(config.read_text()).get("model") or {})
-    widths = {k: pinned.get(k, v) for k, v in DEFAULT_WIDTHS.items()}
+    defaults = {**DEFAULT_WIDTHS, "pooled_dim": 0} if pinned.get("family") == "wan" else DEFAULT_WIDTHS  # umT5 only
+    widths = {k: pinned.get(k, v) for k, v in defaults.items()}
     corpus = _corpus(tmp_path / "corpus", widths)
     pretrained = []
     if pinned.get("pretrained"):  # the real checkpoint's config and headers at full size

@@ -66,8 +66,9 @@ class SyntheticConfig:
     def __post_init__(self) -> None:
         for name in ("steps", "scale", "channels", "text_dim", "pooled_dim", "shards"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            low = 0 if name == "pooled_dim" else 1  # 0: no pooled vector, as a Wan corpus (umT5 only)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         if self.max_text_tokens < 0:
             raise ValueError(f"max_text_tokens must be >= 0, got {self.max_text_tokens}")
         if self.seed < 0:
