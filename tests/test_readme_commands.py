@@ -158,6 +158,9 @@ RULES = (
     Rule(r"^pip install", "skip", "installs packages: the test extra carries the encoders extra's packages"),
     Rule(r"^knapray ingest .*FLUX\.1-dev", "run", TINY,
          subs=(("/models/FLUX.1-dev", "{W}/models/FLUX.1-dev"), ("~/pictures", "{W}/pictures"))),
+    Rule(r"^knapray (train --config jobs/configs/wan_t2v_14b\.yaml|export --run /mnt/shared/knapray-runs/wan22)",
+         "parse", "Wan 2.2's two 14B experts on a GPU cluster; tests/test_wan_ingest.py trains, exports and loads a "
+         "tiny Wan, tests/test_timestep_range.py the range"),
     Rule(r"^knapray train .*model\.text_dim=4096 --check", "error", "an example of a refused config",
          extra=("--set", "data.corpus={W}/demo-corpus")),
     Rule(r"^knapray train .*--check", "run", "the demo corpus replaced by a small one",

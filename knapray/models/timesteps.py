@@ -63,6 +63,11 @@ class TimestepDistribution:
     """SD3's shift, applied to every drawn t (1: none)."""
     resolution: ResolutionShift | None = None
     """Flux's shift from each sequence's own image tokens instead (then ``shift`` is 1)."""
+    low: float = 0.0
+    high: float = 1.0
+    """Only t in [low, high) (after the shift): the distribution truncated there, e.g. one
+    of Wan 2.2's two experts, each trained on its side of the boundary (0.875 for T2V
+    A14B: the high-noise expert on [0.875, 1), the low-noise one on [0, 0.875))."""
 
     def __post_init__(self) -> None:
         if self.kind not in TIMESTEP_KINDS:
@@ -75,11 +80,45 @@ class TimestepDistribution:
             raise ValueError(f"timestep shift must be a finite number > 0, got {self.shift!r}")
         if self.resolution is not None and self.shift != 1:
             raise ValueError(f"a fixed timestep shift ({self.shift!r}) and the resolution shift exclude each other")
+        if not (0 <= self.low < self.high <= 1):
+            raise ValueError(f"timestep range must have 0 <= low < high <= 1, got [{self.low!r}, {self.high!r})")
+        if self.resolution is not None and self.truncated:
+            raise ValueError("a timestep range and the resolution shift exclude each other (the range's bounds "
+                             "would move with each sequence's shift)")
+
+    @property
+    def truncated(self) -> bool:
+        return (self.low, self.high) != (0.0, 1.0)
+
+    def _unshift(self, t: float) -> float:
+        """The drawn value the shift maps to ``t`` (the shift's inverse: s' = 1/s)."""
+        return t if t in (0.0, 1.0) else float(shift_timesteps(torch.tensor(t, dtype=torch.float64), 1 / self.shift))
+
+    def _cdf(self, u: torch.Tensor) -> torch.Tensor:
+        """P(drawn <= u) before the shift, u in [0, 1] (float64)."""
+        if self.kind == "uniform":
+            return u
+        z = (torch.logit(u.clamp(1e-300, 1.0)) - self.mean) / self.std
+        return torch.special.ndtr(torch.where(u <= 0, torch.full_like(z, -math.inf), z))
+
+    def _inverse_cdf(self, p: torch.Tensor) -> torch.Tensor:
+        if self.kind == "uniform":
+            return p
+        return torch.sigmoid(torch.special.ndtri(p) * self.std + self.mean)
 
     def sample(self, n: int, *, generator: torch.Generator, image_tokens: int | None = None) -> torch.Tensor:
         """(n,) fp32 timesteps in (0, 1), drawn from ``generator`` exactly as
         ``sample_timesteps`` draws them (the shift consumes no randomness). With the
         resolution shift, ``image_tokens`` is the sequence's image token count."""
+        if self.truncated:
+            # Inverse-CDF sampling between the bounds' probabilities: the distribution's own
+            # shape on [low, high), nothing drawn outside it (no rejection loop).
+            lo, hi = (self._cdf(torch.tensor(self._unshift(x), dtype=torch.float64)) for x in (self.low, self.high))
+            u = lo + (hi - lo) * torch.rand(n, generator=generator, dtype=torch.float64)
+            t = self._inverse_cdf(u).clamp(self._unshift(self.low), self._unshift(self.high))
+            t = shift_timesteps(t, self.shift).clamp(self.low, self.high)
+            return torch.where(t >= self.high, torch.nextafter(torch.tensor(self.high, dtype=torch.float64),
+                                                               torch.tensor(0.0, dtype=torch.float64)), t).float()
         t = sample_timesteps(n, generator=generator, kind=self.kind, mean=self.mean, std=self.std)
         if self.resolution is None:
             return shift_timesteps(t, self.shift)

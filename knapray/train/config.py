@@ -208,6 +208,11 @@ class FlowConfig:
     max_image_tokens: int = field(default=4096, metadata={"ge": 1})
     base_shift: float = field(default=0.5, metadata={"check": _finite})
     max_shift: float = field(default=1.15, metadata={"check": _finite})
+    timestep_range: tuple[float, float] = field(default=(0.0, 1.0), metadata={"ge": 0, "le": 1})
+    """Train only on t in [low, high) (after the shift; t = 1 is noise): the timestep
+    distribution truncated to it. Wan 2.2's two experts split t at a boundary (0.875 for
+    T2V A14B): the high-noise expert (``transformer``) trains on [0.875, 1], the low-noise
+    one (``transformer_2``) on [0, 0.875] (docs/models.md)."""
     guidance: float = field(default=3.5, metadata={"ge": 0})
     """The guidance strength a model that embeds one is trained with (FLUX.1-dev; diffusers'
     Flux fine-tuning scripts use 3.5); unused by models without a guidance embedding."""
@@ -216,6 +221,12 @@ class FlowConfig:
         if self.resolution_shift and self.timestep_shift != 1:
             raise ValueError(f"resolution_shift computes each sample's shift; timestep_shift must be 1, "
                              f"got {self.timestep_shift!r}")
+        low, high = self.timestep_range
+        if not low < high:
+            raise ValueError(f"timestep_range [{low}, {high}] is empty: low must be below high")
+        if self.resolution_shift and (low, high) != (0.0, 1.0):
+            raise ValueError("timestep_range and resolution_shift exclude each other (each sample's shift would "
+                             "move the range's bounds)")
 
     def distribution(self) -> TimestepDistribution:
         """The distribution these fields describe (what ``build_packed_batch`` draws from)."""
@@ -224,7 +235,7 @@ class FlowConfig:
             if self.resolution_shift else None
         return TimestepDistribution(
             kind=self.timesteps, mean=self.timestep_mean, std=self.timestep_std, shift=self.timestep_shift,
-            resolution=resolution,
+            resolution=resolution, low=self.timestep_range[0], high=self.timestep_range[1],
         )
 
 
