@@ -155,8 +155,8 @@ class ModelShape:
     cross_attention: bool = False
     """Wan's blocks (``depth_single`` of them): self-attention over the image tokens,
     cross-attention to the text, an FFN, a modulation table; its parameters are counted as
-    such (its activations with the single block's per-token bytes, an approximation:
-    for Wan 2.1 14B at 64 ranks ``knapray dryrun`` measures a peak 11% below this model's)."""
+    such, and its activations by image and text tokens (``wan_image_bytes``,
+    ``wan_text_bytes``; ``knapray dryrun`` of Wan 2.1 14B at 64 ranks: within 2%)."""
     time_dim: int = TIME_EMBED_DIM
     """Sinusoidal timestep features (Wan's ``freq_dim``)."""
     cross_norm: bool = True
@@ -303,6 +303,24 @@ class ModelShape:
             + self._attention(b, attention) + 2 * FP32
         )
 
+    def wan_image_bytes(self, b: int) -> int:
+        """Per image token, the bytes one Wan block saves (attention as a fused kernel): 15
+        tensors of d in the compute dtype (y, q, k, v before and after their norms and
+        RoPE, the attentions' outputs, the cross-attention input), 10 of d in fp32 (its
+        FP32LayerNorms' inputs and outputs, the modulation factors, the gated residuals),
+        under bf16 4 more fp32 copies of d (the RMSNorms' upcasts), the FFN's hidden twice,
+        and RoPE's cos/sin cast to the compute dtype for q and k. Counted with saved-tensor
+        hooks on a WanBlock (bf16: 84.2·d + 2·m·b + 2·head_dim·b per token, this 86·d)."""
+        d, m = self.hidden_size, self.mlp_hidden
+        upcasts = 4 * FP32 if b < FP32 else 0
+        return d * (15 * b + 10 * FP32 + upcasts) + 2 * m * b + 2 * self.head_dim * b + 3 * 8 + 4 * FP32
+
+    def wan_text_bytes(self, b: int) -> int:
+        """Per text token, the bytes one Wan block saves: its rows (with the padding row)
+        into the cross-attention's key and value projections, k before and after its norm,
+        v, and under bf16 the norm's fp32 upcast (hooks: 14·d in bf16, 20·d in fp32)."""
+        return self.hidden_size * (5 * b + (FP32 if b < FP32 else 0)) + FP32
+
     def block_bytes(self, b: int, attention: str = "kernel") -> list[int]:
         """Per-token saved bytes of every block, in execution order."""
         return (
@@ -318,6 +336,8 @@ class ModelShape:
         shared += 2 * FP32 * (self.head_dim // 2)  # RoPE cos, sin
         if image:
             return self.patch_dim * b + 4 * d * b + 2 * FP32 + INDEX + shared
+        if self.cross_attention:  # Wan: the text MLP's hidden twice, and the text rows every block reads
+            return self.text_dim * b + 3 * d * b + shared
         return self.text_dim * b + shared
 
     def sequence_bytes(self, b: int) -> int:
@@ -457,10 +477,19 @@ class MemoryModel:
             )
         s, b = self.shape, self.compute_bytes
         d = s.hidden_size
-        per_block = s.block_bytes(b, self.attention)
         ckpt = self.checkpointed()
-        kept = sum(d * b if c else a for a, c in zip(per_block, ckpt))
         outside = (tokens - text_tokens) * s.outside_bytes(b, True) + text_tokens * s.outside_bytes(b, False)
+        if s.cross_attention:  # Wan: blocks run on the image tokens; text rows are keys only
+            image = tokens - text_tokens
+            block = image * s.wan_image_bytes(b) + text_tokens * s.wan_text_bytes(b)
+            kept = sum(image * d * b if c else block for c in ckpt)  # a checkpointed block keeps its input
+            recompute = block if any(ckpt) else 0
+            # a block's backward: the FFN's and, for each of its two attentions, the gradients
+            # of q, k, v and the output (knapray dryrun on Wan 2.1 14B's width: 11 d in all)
+            working = image * (3 * d + s.mlp_hidden + 8 * d) * b
+            return kept + outside + sequences * s.sequence_bytes(b), recompute, working
+        per_block = s.block_bytes(b, self.attention)
+        kept = sum(d * b if c else a for a, c in zip(per_block, ckpt))
         saved = tokens * kept + outside + sequences * s.sequence_bytes(b)
         recompute = tokens * max((a for a, c in zip(per_block, ckpt) if c), default=0)
         working = tokens * (d + s.mlp_hidden + 2 * d) * b
@@ -485,6 +514,10 @@ class MemoryModel:
         largest = max(
             sum(s.double_block[:2]) if s.depth_double else 0, sum(s.single_block[:2]) if s.depth_single else 0
         )
+        if s.cross_attention:
+            # Wan (knapray dryrun at 8 and 64 ranks): at the peak one block is gathered in the
+            # compute dtype and one reduce-scattered in fp32, nothing prefetched beside them
+            return (p + FP32) * largest + (2 * p + FP32) * sum(s.root[:2])
         return (3 * p + 8) * largest + (2 * p + FP32) * sum(s.root[:2])
 
     def breakdown(self, tokens: int, *, text_tokens: int = 0, sequences: int = 0) -> MemoryBreakdown:
@@ -505,7 +538,8 @@ class MemoryModel:
             backward_working=working,
             step_buffers=allreduce + FP32 * self._sharded(n),
             tokens=tokens,
-            overlap=self._overlap(tokens, saved - self._outside_saved(tokens, text_tokens, sequences), grads),
+            overlap=self._overlap(tokens, text_tokens, saved - self._outside_saved(tokens, text_tokens, sequences),
+                                  grads),
         )
 
     def _outside_saved(self, tokens: int, text_tokens: int, sequences: int) -> int:
@@ -513,7 +547,17 @@ class MemoryModel:
         return ((tokens - text_tokens) * s.outside_bytes(b, True) + text_tokens * s.outside_bytes(b, False)
                 + sequences * s.sequence_bytes(b))
 
-    def _overlap(self, tokens: int, block_saved: int, grads: int) -> int:
+    def _kept(self, tokens: int, text_tokens: int) -> list[int]:
+        """Bytes each block keeps until its backward, in execution order."""
+        s, b, d = self.shape, self.compute_bytes, self.shape.hidden_size
+        ckpt = self.checkpointed()
+        if s.cross_attention:
+            image = tokens - text_tokens
+            block = image * s.wan_image_bytes(b) + text_tokens * s.wan_text_bytes(b)
+            return [image * d * b if c else block for c in ckpt]
+        return [tokens * (d * b if c else a) for a, c in zip(s.block_bytes(b, self.attention), ckpt)]
+
+    def _overlap(self, tokens: int, text_tokens: int, block_saved: int, grads: int) -> int:
         """Activations + gradients minus the most of both alive at once in backward.
 
         Backward runs the blocks in reverse: while block k is differentiated, blocks 0..k
@@ -523,13 +567,12 @@ class MemoryModel:
         s, b = self.shape, self.compute_bytes
         if not tokens and not grads:
             return 0
-        per_block = s.block_bytes(b, self.attention)
-        kept = [s.hidden_size * b if c else a for a, c in zip(per_block, self.checkpointed())]
+        kept = self._kept(tokens, text_tokens)
         params = [sum(s.double_block[:2])] * s.depth_double + [sum(s.single_block[:2])] * s.depth_single
         total = sum(params) + sum(s.root[:2])
         grad_of = [grads * p // total for p in params]
         final = grads * (s.hidden_size * 2 * s.hidden_size + s.hidden_size * s.patch_dim) // total
-        alive = max(tokens * sum(kept[: k + 1]) + sum(grad_of[k + 1:]) + final for k in range(len(kept)))
+        alive = max(sum(kept[: k + 1]) + sum(grad_of[k + 1:]) + final for k in range(len(kept)))
         return max(0, block_saved + grads - alive)
 
     def usable_bytes(self, gpu_bytes: int) -> int:

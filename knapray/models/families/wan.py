@@ -258,20 +258,26 @@ class WanBlock(nn.Module):
         self.ffn = MLP(d, cfg.ffn_dim, d, activation="gelu_tanh")
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, d) / d**0.5)
 
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor, mod: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                attn: "WanAttentionOps", pad_row: torch.Tensor | None = None) -> torch.Tensor:
-        """x (Ni, d) visual tokens, ctx (Nt, d) text tokens, mod (Ni, 6, d) their sequences'
-        time projections -> x (Ni, d). ``pad_row``: (1, d) the embedded zero text row that
-        padding repeats (None: no padding)."""
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, mod: torch.Tensor, seq_img: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor], attn: "WanAttentionOps",
+                pad_row: torch.Tensor | None = None) -> torch.Tensor:
+        """x (Ni, d) visual tokens, ctx (Nt, d) text tokens, mod (S, 6, d) the sequences' time
+        projections, seq_img (Ni,) each visual token's sequence -> x (Ni, d). ``pad_row``:
+        (1, d) the embedded zero text row that padding repeats (None: no padding).
+
+        The modulation is added to the table per sequence and indexed per token where it is
+        used, so a block keeps (Ni, d) rows of the four it multiplies by, not (Ni, 6, d)."""
         d = x.shape[-1]
-        shift, scale, gate, c_shift, c_scale, c_gate = (self.scale_shift_table + _wide(mod)).unbind(1)
+        table = (self.scale_shift_table + _wide(mod)).unbind(1)  # 6 x (S, d), fp32
+        shift, scale, gate, c_shift, c_scale, c_gate = (t.index_select(0, seq_img) for t in table)
         ln = lambda t: F.layer_norm(_wide(t), (d,), eps=self.eps)  # noqa: E731 - FP32LayerNorm without affine
         y = (ln(x) * (1 + scale) + shift).to(x.dtype)
         q, k, v = self.attn1.qkv(y, y)
         q, k = _rotate(q, *rope), _rotate(k, *rope)
         out = self.attn1.to_out(attn.self_attn(q, k, v).flatten(1))
         x = (_wide(x) + out * gate).to(x.dtype)
-        y = x if self.norm2 is None else F.layer_norm(_wide(x), (d,), self.norm2.weight, self.norm2.bias,
+        # FP32LayerNorm as diffusers': input, weight and bias in fp32 (bf16 parameters too)
+        y = x if self.norm2 is None else F.layer_norm(_wide(x), (d,), _wide(self.norm2.weight), _wide(self.norm2.bias),
                                                       self.eps).to(x.dtype)
         pad = None
         if pad_row is None:
@@ -433,9 +439,9 @@ class WanTransformer(nn.Module):
         if not hasattr(attn, "cross_attn"):  # no bag attention: every token of each sequence is here
             attn = _Segments(seq_img, seq_txt, num_seq, self.cfg.text_pad_to)
         rope = self.rope(pos.index_select(0, streams.img_idx))
-        mod = vec_seq[:, d:].unflatten(1, (6, d)).index_select(0, seq_img)  # (Ni, 6, d)
+        mod = vec_seq[:, d:].unflatten(1, (6, d))  # (S, 6, d): per sequence, indexed per token in the blocks
         for block in self.single_blocks:
-            x = block(x, ctx, mod, rope, attn, pad_row)
+            x = block(x, ctx, mod, seq_img, rope, attn, pad_row)
         return streams.merge(ctx, x)
 
     def head(self, h: torch.Tensor, vec_seq: torch.Tensor, seq_index: torch.Tensor, is_text: torch.Tensor, *,
