@@ -187,9 +187,13 @@ def corpus_codecs(corpus: str, device: str = "cpu") -> tuple[Any, Any, dict]:
         from knapray.corpus.hf import HFTextEncoder
 
         t, p = text_rec["text"], text_rec["pooled"]
+        separate = p is not None and p["path"] != t["path"]
+        # Wan's record: no pooled vector (pooled_dim 0), captions cleaned as WanPipeline cleans them
         text = HFTextEncoder(t["path"], text_tokenizer=t["tokenizer"],
-                             pooled=p["path"] if p["path"] != t["path"] else None,
-                             pooled_tokenizer=p["tokenizer"] if p["path"] != t["path"] else None, device=device)
+                             pooled=p["path"] if separate else None,
+                             pooled_tokenizer=p["tokenizer"] if separate else None, device=device,
+                             pooled_vector=int(text_rec.get("pooled_dim", 1)) > 0,
+                             wan_prompts="prompt_clean" in text_rec)
     if latent_rec.get("class") == "PixelPatchEncoder":
         decoder = PixelPatchEncoder(channels=int(latent_rec["channels"]), downsample=int(latent_rec["downsample"]),
                                     temporal_downsample=int(latent_rec["temporal_downsample"]),
@@ -235,13 +239,19 @@ def embeds_guidance(model) -> bool:
     return bool(getattr(model.cfg, "guidance_embeds", False))
 
 
+WAN_SHIFT = 5.0
+"""Wan's sampling shift (its pipelines' ``flow_shift``: 5.0 at 720p, 3.0 at 480p)."""
+
+
 def request_shifts(model, shapes: list[tuple[int, int, int]], shift: float | None) -> list[float]:
     """Each request's timestep shift: ``shift`` for all when given; else for FLUX.1-dev (a
     flux model with the guidance input) the per-request resolution shift from its image
-    tokens, as BFL's and diffusers' dev pipelines; 1 for the others (schnell samples
-    unshifted, as BFL's ``get_schedule(..., shift=not is_schnell)``)."""
+    tokens, as BFL's and diffusers' dev pipelines; Wan: ``WAN_SHIFT``; 1 for the others
+    (schnell samples unshifted, as BFL's ``get_schedule(..., shift=not is_schnell)``)."""
     if shift is not None:
         return [shift] * len(shapes)
+    if model.cfg.family == "wan":
+        return [WAN_SHIFT] * len(shapes)
     if model.cfg.family != "flux" or not embeds_guidance(model):
         return [1.0] * len(shapes)
     from knapray.models.timesteps import ResolutionShift
@@ -427,7 +437,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=step_count, default=28, help="Euler steps (default 28)")
     p.add_argument("--shift", type=float_in(gt=0), default=None,
                    help="timestep shift, > 1 favours high noise (default: 1; FLUX.1-dev: each request's own from "
-                   "its image tokens, as FluxPipeline)")
+                   "its image tokens, as FluxPipeline; Wan: 5, its pipelines' flow_shift at 720p)")
     p.add_argument("--guidance", type=float_in(ge=0), default=None,
                    help="classifier-free guidance scale against the corpus's unconditional embeddings (default 1: "
                    "off); FLUX.1-dev: its embedded guidance input (default 3.5)")

@@ -195,16 +195,19 @@ def _finetune(rank: int, world: int, corpus: str, run_root: str, pretrained: str
 
 
 @pytest.mark.dist
-def test_finetuned_balanced_on_4_ranks_exported_and_loaded_by_diffusers(wan_corpus, tmp_path):
+def test_finetuned_balanced_on_4_ranks_exported_and_loaded_by_diffusers(wan_corpus, tmp_path, capsys):
     """A tiny Wan saved by diffusers, fine-tuned 5 steps on 4 gloo ranks, balanced (bags of 1
     and 2: Ulysses over image queries and text keys), FSDP full, on an ingested corpus of
     clips of 5, 9 and 13 frames and still images; the loss falls; ``knapray export`` writes
     diffusers' layout, which ``WanTransformer3DModel.from_pretrained`` loads with every
-    tensor trained."""
+    tensor trained; ``knapray sample`` makes clips of the run (Wan's shift, the Wan VAE)."""
     from diffusers import WanTransformer3DModel
     from PIL import Image
 
+    import pyarrow.parquet as pq
     from dist_utils import run_distributed
+
+    from knapray.corpus.writer import shard_paths
 
     media = tmp_path / "media"
     media.mkdir()
@@ -231,6 +234,17 @@ def test_finetuned_balanced_on_4_ranks_exported_and_loaded_by_diffusers(wan_corp
     print("wan 4-rank losses", losses[0])
     assert all(r == losses[0] for r in losses) and len(losses[0]) == 5, losses  # one summed loss on every rank
     assert losses[0][-1] < losses[0][0], losses[0]
+
+    # knapray sample on the Wan run: a caption through the corpus's umT5 (cleaned as WanPipeline
+    # does) and a corpus sample's text; 3 latent frames decoded by the Wan VAE into 1 + 2·4 frames.
+    like = int(pq.read_table(shard_paths(corpus)[0], columns=["sample_id"])["sample_id"][0].as_py())
+    capsys.readouterr()
+    assert main(["sample", "--run", str(tmp_path / "runs" / "wan4"), "--caption", "caption 3 caption 3", "--like",
+                 str(like), "--size", "48x32", "--frames", "3", "--steps", "2", "--out", str(tmp_path / "wan.png"),
+                 "--json"]) == 0
+    sampled = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert sampled["family"] == "wan" and sampled["shifts"] == [5.0, 5.0] and sampled["decoder"] == "DiffusersVAE"
+    assert sampled["shapes"] == [[9, 32, 48, 3]] * 2 and (tmp_path / "wan.png").stat().st_size > 0
 
     out = tmp_path / "exported"
     assert main(["export", "--run", str(tmp_path / "runs" / "wan4"), "--out", str(out)]) == 0
