@@ -101,10 +101,6 @@ class RoutePlan:
     """(N_loc,) int64: position of each routed token in its sequence."""
 
     @property
-    def num_routed_sequences(self) -> int:
-        return int(self.recv_seq_ids.shape[0])
-
-    @property
     def num_routed_tokens(self) -> int:
         return int(self.token_seq_local.shape[0])
 

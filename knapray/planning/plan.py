@@ -136,11 +136,6 @@ class BalancePlan:
         return flat.astype(np.int64).reshape(w, w)
 
     @property
-    def send_counts(self) -> np.ndarray:
-        """(W,) tokens each rank sends (itself included)."""
-        return self.send_matrix.sum(axis=1)
-
-    @property
     def recv_counts(self) -> np.ndarray:
         """(W,) tokens each rank receives (itself included) = tokens it computes."""
         return self.send_matrix.sum(axis=0)

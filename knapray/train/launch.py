@@ -108,7 +108,7 @@ def _every_row_data_config(execution_options):
     return EveryRowDataConfig(execution_options=execution_options)
 
 
-def run_training(cfg: TrainConfig, *, verbose: bool = True, checked: Preflight | None = None) -> dict:
+def run_training(cfg: TrainConfig, *, checked: Preflight | None = None) -> dict:
     """Train on the Ray cluster this process is connected to (``ray.init`` first).
     Everything that can be wrong with the run's inputs fails here, before any worker
     starts (``RunError``, ``BadCorpus``, ``ValueError``: one line naming the value).
@@ -124,7 +124,7 @@ def run_training(cfg: TrainConfig, *, verbose: bool = True, checked: Preflight |
             summary = {"records": [], "world_size": saved.get("world_size"), "topology": saved.get("topology"),
                        "run": {"summary": summarize(read_metrics(cfg.run_dir))}}
         else:
-            summary = _fit(cfg, pre.corpus, checkpoint_step(start.resume_from) + 1, verbose=verbose)
+            summary = _fit(cfg, pre.corpus, checkpoint_step(start.resume_from) + 1)
     finally:
         lock.release()
     # Rank 0 rewrites metrics.jsonl back to the resumed checkpoint, so every step after it
@@ -160,7 +160,7 @@ def checkpoint_step(path: str | None) -> int:
     return -1 if path is None else int(os.path.basename(os.path.normpath(path)).split("-", 1)[1])
 
 
-def _fit(cfg: TrainConfig, corpus: CorpusCheck, done_steps: int, *, verbose: bool) -> dict:
+def _fit(cfg: TrainConfig, corpus: CorpusCheck, done_steps: int) -> dict:
     """``done_steps``: the steps the checkpoint resumed from covers (0 for a fresh run)."""
     import ray
     from ray.data import DataContext
