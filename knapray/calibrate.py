@@ -82,13 +82,28 @@ MAX_ERROR = 0.05
 """Mean absolute error above which calibration and validation fail (exit 1)."""
 
 
-def calibration_config(hidden: int, heads: int, depth_double: int, depth_single: int) -> MMDiTConfig:
-    """An MMDiT of the given size with RoPE channels split over (t, h, w)."""
+WAN_FFN_RATIO = 13824 / 5120
+"""Wan 2.1's FFN width over its model width (14B: 13824 / 5120; 1.3B: 8960 / 1536 is 5.83)."""
+
+
+def calibration_config(hidden: int, heads: int, depth_double: int, depth_single: int, family: str = "mmdit"):
+    """A model of the given size: an MMDiT with RoPE channels split over (t, h, w), or for
+    ``family`` wan a Wan of ``depth_double + depth_single`` blocks (Wan's FFN ratio, text
+    padded to 512 as its pipelines do)."""
     if hidden % heads:
         raise ValueError(f"hidden size {hidden} must be divisible by heads {heads}")
     head_dim = hidden // heads
     if head_dim % 2 or head_dim < 6:
         raise ValueError(f"head_dim {head_dim} (hidden/heads) must be even and >= 6")
+    if family == "wan":
+        from knapray.models.families.wan import WanConfig
+
+        return WanConfig(in_channels=4, patch_size=(1, 2, 2), hidden_size=hidden, num_heads=heads,
+                         depth_single=depth_double + depth_single, text_dim=16,
+                         ffn_dim=max(2, round(hidden * WAN_FFN_RATIO)), freq_dim=256, text_pad_to=512)
+    if family != "mmdit":
+        raise ValueError(f"calibration times the mmdit or wan family's blocks, not {family!r} (flux's blocks are "
+                         "MMDiT's: calibrate it as mmdit)")
     side = (head_dim * 3 // 8) // 2 * 2
     return MMDiTConfig(
         in_channels=4, patch_size=(1, 2, 2), hidden_size=hidden, num_heads=heads,
@@ -128,11 +143,17 @@ class _Bench:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype_name!r}")
         self.dtype = getattr(torch, self.dtype_name)
         self.dims = {k: int(model_dims[k]) for k in ("hidden_size", "num_heads", "depth_double", "depth_single")}
-        self.cfg = calibration_config(*self.dims.values())
+        self.family = str(model_dims.get("family", "mmdit"))
+        self.cfg = calibration_config(*self.dims.values(), family=self.family)
         self.layers = self.dims["depth_double"] + self.dims["depth_single"]
         torch.manual_seed(seed)
-        self.model = MMDiT(self.cfg).to(device=self.dev, dtype=self.dtype)
-        self.model.init_weights(std=0.02)  # non-degenerate: no all-zero modulation shortcuts
+        if self.family == "wan":
+            from knapray.models.families.wan import WanTransformer
+
+            self.model = WanTransformer(self.cfg).to(device=self.dev, dtype=self.dtype)  # random, diffusers-like
+        else:
+            self.model = MMDiT(self.cfg).to(device=self.dev, dtype=self.dtype)
+            self.model.init_weights(std=0.02)  # non-degenerate: no all-zero modulation shortcuts
         # The trainer's own checkpointing and compile (``parallelize``): the mode a profile
         # records is then the mode a run executes.
         parallelize(self.model, ac="full" if ac else "none", compile=compile)
@@ -147,7 +168,8 @@ class _Bench:
         n_tok, d, dev, dtype = sum(lens), self.cfg.hidden_size, self.dev, self.dtype
         gen = torch.Generator().manual_seed(seed)
         h0 = torch.randn(n_tok, d, generator=gen).to(device=dev, dtype=dtype)
-        vec = torch.randn(len(lens), d, generator=gen).to(device=dev, dtype=dtype)
+        wan = self.family == "wan"  # Wan's condition is (S, 7 d): temb, then the blocks' modulation
+        vec = torch.randn(len(lens), 7 * d if wan else d, generator=gen).to(device=dev, dtype=dtype)
         seq_index = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(dev)
         is_text = torch.zeros(n_tok, dtype=torch.bool)
         pos = torch.zeros(n_tok, 3, dtype=torch.long)
@@ -167,6 +189,9 @@ class _Bench:
 
         def run() -> None:
             h = h0.detach().requires_grad_(True)
+            if wan:  # the padding row ``embed`` would give the blocks (Wan attends to 512 text rows)
+                model.embed(h0.new_zeros(0, self.cfg.text_dim), h0.new_zeros(0, self.cfg.patch_dim),
+                            is_text[:0])
             out = model.blocks(h, vec, seq_index, pos, is_text, attn)
             out.float().square().mean().backward()
             model.zero_grad(set_to_none=True)
@@ -236,20 +261,25 @@ def calibrate(
     out: str | None = None,
     seed: int = 0,
     progress=None,
+    family: str = "mmdit",
 ) -> dict:
     """Time packed batches, fit, and (if ``out``) write the profile; returns it.
 
-    ``per_sequence``: None decides the per-sequence term by cross-validation."""
+    ``per_sequence``: None decides the per-sequence term by cross-validation. ``family``
+    wan: Wan blocks, each sequence 1/8 text (its cross-attention keys, plus the padding key)
+    and 7/8 image tokens; the fit prices a sequence by all its tokens, cross-attention
+    included, so the profile's ``text_tokens`` is 0 (no analytic cross term on top)."""
     bench = _Bench({"hidden_size": hidden, "num_heads": heads, "depth_double": depth_double,
-                    "depth_single": depth_single}, device, dtype, compile, ac, seed)
+                    "depth_single": depth_single, "family": family}, device, dtype, compile, ac, seed)
     budgets = sorted({int(b) for b in (budgets or (GPU_BUDGETS if bench.on_gpu else CPU_BUDGETS))})
     short = int(short or (GPU_SHORT if bench.on_gpu else CPU_SHORT))
     longest = int(longest or (budgets[-1] if bench.on_gpu else min(CPU_LONGEST, budgets[-1])))
     named = calibration_batches(budgets, short, longest, seed)
     batches = [lens for _, lens in named]
     seconds = bench.time_batches(batches, repeats, progress)
-    # The per-sequence sdpa path makes one attention call per distinct length.
-    seq_counts = "lengths" if bench.backend == "sdpa" else "sequences"
+    # The per-sequence sdpa path makes one attention call per distinct length; Wan's
+    # cross-attention one per sequence (its keys are each sequence's own text).
+    seq_counts = "lengths" if bench.backend == "sdpa" and family != "wan" else "sequences"
     result = fit_packed(batches, seconds, bench.layers, per_sequence, seq_counts)
     # A batch far off the fit may have been disturbed on every one of its runs (a burst of
     # load elsewhere): time those again and keep each one's fastest run of all.
@@ -260,22 +290,27 @@ def calibrate(
         for i, t in zip(again, more):
             seconds[i] = min(seconds[i], t)
         result = fit_packed(batches, seconds, bench.layers, per_sequence, seq_counts)
+    wan = family == "wan"
     cost_fields = {
         "d_model": hidden,
         "num_heads": heads,
-        "double_blocks": depth_double,
-        "single_blocks": depth_single,
+        "double_blocks": 0 if wan else depth_double,
+        "single_blocks": depth_double + depth_single if wan else depth_single,
         **result.cost_fields(),
         "activation_bytes": torch.tensor([], dtype=bench.dtype).element_size(),
-        # Ulysses all-to-alls per layer: 4 forward + 4 backward, + 4 when the forward is recomputed.
-        "ulysses_a2a_per_layer": 12 if ac else 8,
+        # Ulysses all-to-alls per layer, in hidden-state volumes of a token: joint q, k, v and
+        # output (4) forward, 4 backward, + 4 when the forward is recomputed; Wan's blocks
+        # also send image q and bring its output back for cross-attention (6, 12, 18).
+        "ulysses_a2a_per_layer": (18 if ac else 12) if wan else (12 if ac else 8),
         "recompute_passes": 1.0 if ac else 0.0,
+        # Wan: cross-attention is in the fitted terms (a sequence's L counts all its tokens)
+        **({"attention_kind": "cross", "text_tokens": 0} if wan else {}),
     }
     profile = {
         "format": PROFILE_FORMAT,
         "mode": bench.mode,
         "measured_on": bench.measured_on(),
-        "model": {**bench.dims, "mlp_ratio": bench.cfg.mlp_ratio},
+        "model": {**bench.dims, "mlp_ratio": bench.cfg.mlp_ratio, "family": family},
         "passes": "forward + backward of all blocks, packed batches"
         + (", forward recomputed (activation checkpointing)" if ac else "")
         + (", blocks compiled (torch.compile dynamic=True)" if compile else ""),
@@ -285,7 +320,8 @@ def calibrate(
         "seconds": seconds,
         "fit": result.to_dict(),
         "cost_model": cost_fields,
-        "command": _command(hidden, heads, depth_double, depth_single, budgets, short, longest, repeats, bench, out),
+        "command": _command(hidden, heads, depth_double, depth_single, budgets, short, longest, repeats, bench, out,
+                            family),
     }
     if out:
         with open(out, "w") as f:
@@ -388,9 +424,9 @@ def print_validation(report: dict, max_error: float = MAX_ERROR) -> None:
           f"{'PASS' if ok else 'FAIL'} (limit {max_error:.0%})")
 
 
-def _command(hidden, heads, dd, ds, budgets, short, longest, repeats, bench: _Bench, out) -> str:
+def _command(hidden, heads, dd, ds, budgets, short, longest, repeats, bench: _Bench, out, family="mmdit") -> str:
     parts = [
-        "knapray calibrate", f"--hidden {hidden}", f"--heads {heads}", f"--depth-double {dd}",
+        "knapray calibrate", *([f"--family {family}"] if family != "mmdit" else []), f"--hidden {hidden}", f"--heads {heads}", f"--depth-double {dd}",
         f"--depth-single {ds}", "--budgets " + ",".join(str(x) for x in budgets), f"--short {short}",
         f"--longest {longest}",
         f"--repeats {repeats}", f"--device {bench.dev.type}",
@@ -418,6 +454,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                         int_at_least)
 
     add_config(p, required=False, what=": calibrate its model size and execution mode")
+    p.add_argument("--family", choices=["mmdit", "wan"], default=None,
+                   help="whose blocks to time (default: model.family with --config, flux timed as mmdit; else "
+                   "mmdit); wan: Wan's blocks with cross-attention to each sequence's text")
     p.add_argument("--hidden", type=int_at_least(1), default=None,
                    help="model width (default: model.hidden_size with --config, else 128: CPU size; Flux 3072)")
     p.add_argument("--heads", type=int_at_least(1), default=None,
@@ -491,7 +530,8 @@ def calibration_args(args: argparse.Namespace) -> dict:
             budgets = [int(x) for x in args.budgets.split(",")]
         except ValueError:
             raise ValueError(f"--budgets {args.budgets!r}: expected comma-separated token counts, e.g. 1024,2048")
-    return {**dims, "budgets": budgets, "short": args.short, "longest": args.longest, "repeats": args.repeats,
+    family = args.family or ("wan" if cfg is not None and cfg.model.family == "wan" else "mmdit")
+    return {**dims, "family": family, "budgets": budgets, "short": args.short, "longest": args.longest, "repeats": args.repeats,
             "device": device, "dtype": None if dtype == "auto" else TORCH_DTYPE_NAMES[dtype],
             "compile": bool(args.compile or (cfg is not None and cfg.run.compile)), "ac": ac == "full",
             "per_sequence": {"auto": None, "on": True, "off": False}[args.per_sequence], "out": args.out}

@@ -194,3 +194,26 @@ def test_calibration_checkpoints_and_compiles_through_the_trainers_parallelize()
     assert all(hasattr(b.forward, "__wrapped__") for b in blocks)  # parallelize's checkpoint
     assert bench.mode["ac"] is True
     bench.step_fn([24, 40], seed=0)()  # forward + backward run through the wrapped blocks
+
+
+def test_wan_calibration_prices_cross_attention_in_its_fit(tmp_path):
+    """``--family wan`` times Wan blocks (each sequence 1/8 text: its cross-attention keys
+    and the padding key) and records a cross-attention profile whose fitted terms already
+    hold the cross-attention: ``text_tokens`` 0, so a Wan run's planner (attention_kind
+    cross, from its config) predicts exactly the fit, with no analytic cross term on top."""
+    from knapray.coordinator.config import CoordinatorConfig, make_planning_model
+
+    out = tmp_path / "wan.json"
+    assert main(["calibrate", "--family", "wan", "--hidden", "32", "--heads", "2", "--budgets", "128,256,512",
+                 "--short", "16", "--repeats", "2", "--device", "cpu", "--out", str(out), "--max-error", "1.0"]) == 0
+    profile = json.loads(out.read_text())
+    cm = profile["cost_model"]
+    assert profile["model"]["family"] == "wan" and profile["command"].startswith("knapray calibrate --family wan")
+    assert (cm["attention_kind"], cm["text_tokens"], cm["double_blocks"], cm["single_blocks"]) == ("cross", 0, 0, 2)
+    assert cm["ulysses_a2a_per_layer"] == 12 and cm["seq_s_counts"] == "sequences"
+    planner = make_planning_model(CoordinatorConfig(planner="cost", cost_profile=str(out), attention_kind="cross",
+                                                    d_model=32))
+    predicted = [planner.batch_time(b["lengths"]) for b in profile["batches"]]
+    np.testing.assert_allclose(predicted, profile["fit"]["fit_seconds"], rtol=1e-9)
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--family", "flux"])  # flux's blocks are MMDiT's: argparse refuses the choice

@@ -75,6 +75,22 @@ def test_noise_free_times_give_the_coefficients_exactly():
     np.testing.assert_allclose(fit.speeds, TRUE.rank_speed, rtol=1e-3)
 
 
+def test_a_cross_attention_prior_is_fitted_without_an_analytic_cross_term_on_top():
+    """Wan (``attention_kind: cross``): the measured times hold the cross-attention, so the
+    re-fitted model prices it through its fitted terms (``text_tokens`` 0), as a calibrated
+    Wan profile does; with the prior's 512 text tokens added on top it would count it twice."""
+    cross_prior = CostModel(**SHAPE, attention_kind="cross", text_tokens=512)
+    truth = TRUE.replace(attention_kind="cross", text_tokens=0)  # what the fitted features can express
+    fit = LiveFit(cross_prior)
+    _feed(fit, 30, noise=0.0, true=truth)
+    got = fit.model()
+    assert got.attention_kind == "cross" and got.text_tokens == 0
+    for name in ("fixed_s", "linear_s_per_token", "attn_s_per_pair", "seq_s"):
+        assert getattr(got, name) == pytest.approx(getattr(truth, name), rel=2e-3), name
+    lens = np.array([300, 1200, 64])
+    assert float(got.compute(lens).sum()) == pytest.approx(float(truth.compute(lens).sum()), rel=2e-3)
+
+
 def test_nothing_changes_before_enough_steps():
     fit = LiveFit(PRIOR)
     rng = np.random.default_rng(0)

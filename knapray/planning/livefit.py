@@ -260,7 +260,10 @@ class LiveFit:
             fixed = {"step_overhead_s": p.step_overhead_s * k, "layer_overhead_s": p.layer_overhead_s * k}
         else:
             fixed = {"step_overhead_s": 0.0, "layer_overhead_s": c / p.layers}
-        model = p.replace(linear_s=a, attn_s=b, seq_s=s, **fixed)
+        # Measured step times hold everything a rank computed, cross-attention too (Wan): the
+        # fitted terms price it, so no analytic cross term goes on top (as a calibrated profile).
+        cross = {"text_tokens": 0} if p.attention_kind == "cross" else {}
+        model = p.replace(linear_s=a, attn_s=b, seq_s=s, **fixed, **cross)
         return model.with_rank_speed(self._speeds)
 
     # ---- fitting -----------------------------------------------------------------------------
