@@ -460,7 +460,7 @@ class StepMeta:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Step:
+class DecodedStep:
     """One rank's decoded samples for one step (``decode_row`` dicts, numpy arrays)."""
 
     meta: StepMeta
@@ -639,7 +639,7 @@ class StepStream:
                                          else skip_sample_ids.astype(np.int64))
         self.stats = StreamStats()
         self._rows: Iterator[Row] | None = _rows(source)
-        self._ahead: Step | None = None  # filled on first use, not here: reading starts Ray execution
+        self._ahead: DecodedStep | None = None  # filled on first use, not here: reading starts Ray execution
         self._taken = 0
 
     @classmethod
@@ -651,7 +651,7 @@ class StepStream:
         """The next step's lengths and ids, before it is taken."""
         return self._lookahead().meta
 
-    def next_step(self) -> Step:
+    def next_step(self) -> DecodedStep:
         """The next step; decodes the one after it, so ``peek_next`` is ready."""
         step = self._lookahead()
         self._taken += 1
@@ -663,16 +663,16 @@ class StepStream:
         """True once the next step would be empty."""
         return self.peek_next().exhausted
 
-    def __iter__(self) -> Iterator[Step]:
+    def __iter__(self) -> Iterator[DecodedStep]:
         while not self.exhausted:
             yield self.next_step()
 
-    def _lookahead(self) -> Step:
+    def _lookahead(self) -> DecodedStep:
         if self._ahead is None:
             self._ahead = self._read_step(self._taken)
         return self._ahead
 
-    def _read_step(self, index: int) -> Step:
+    def _read_step(self, index: int) -> DecodedStep:
         samples: list[dict[str, Any]] = []
         while self._rows is not None and len(samples) < self.samples_per_step:
             row = next(self._rows, None)
@@ -688,7 +688,7 @@ class StepStream:
             tuple(int(s["seq_len"]) for s in samples),
             tuple(int(s["sample_id"]) for s in samples),
         )
-        return Step(meta, tuple(samples))
+        return DecodedStep(meta, tuple(samples))
 
     def _skipped(self, sample_id: int) -> bool:
         ids = self.skip_sample_ids
@@ -758,7 +758,7 @@ def build_packed_batch(
     timesteps: TimestepDistribution = TimestepDistribution(),
     guidance: float | None = None,
 ) -> PackedBatch:
-    """Pack decoded samples (``Step.samples``, each with its ``sample_id``) into a noised
+    """Pack decoded samples (``DecodedStep.samples``, each with its ``sample_id``) into a noised
     ``PackedBatch`` with targets.
 
     Each sample draws, from ``sample_generator(seed, epoch, sample_id)``, its timestep

@@ -133,7 +133,7 @@ class Submission:
 
 
 @dataclass(slots=True)
-class Step:
+class StepState:
     step: int
     epoch: int | None = None
     """Epoch of the step's submissions (None until the first arrives)."""
@@ -168,7 +168,7 @@ class StepProtocol:
     def __init__(self, keep_steps: int, plan: Callable[[list[list[int]]], BalancePlan]) -> None:
         self._keep_steps = keep_steps
         self._plan = plan
-        self._steps: dict[int, Step] = {}
+        self._steps: dict[int, StepState] = {}
         self.world_size: int | None = None
         self.evicted_through = -1
         """Steps ``<=`` this are no longer held (evicted, committed or cut back)."""
@@ -187,7 +187,7 @@ class StepProtocol:
         exhausted: bool,
         epoch: int | None,
         committed_step: int,
-    ) -> Step | None:
+    ) -> StepState | None:
         """Record rank ``rank``'s sequences for ``step``; plan once every rank has sent.
 
         Returns the step if this submission completed it (planned, or the epoch ended), else
@@ -351,20 +351,20 @@ class StepProtocol:
 
     # ---- internals ------------------------------------------------------------------------
 
-    def _step(self, step: int) -> Step:
+    def _step(self, step: int) -> StepState:
         st = self._steps.get(step)
         if st is None:
-            st = self._steps[step] = Step(step)
+            st = self._steps[step] = StepState(step)
         return st
 
-    def _fail(self, st: Step, message: str) -> None:
+    def _fail(self, st: StepState, message: str) -> None:
         """Fail ``st`` for every rank (their ``get_plan`` raises) and raise to the caller."""
         if st.error is None:
             st.error = message
             st.wake()
         raise StepFailed(message)
 
-    def _decide(self, st: Step) -> Step:
+    def _decide(self, st: StepState) -> StepState:
         lens = st.lengths()
         if is_epoch_done(lens, [s.exhausted for s in st.inbox.values()]):
             st.epoch_done = True
@@ -387,7 +387,7 @@ class StepProtocol:
             del self._steps[t]
             self.evicted_through = max(self.evicted_through, t)
 
-    def _end_epoch(self, st: Step) -> None:
+    def _end_epoch(self, st: StepState) -> None:
         epoch, step = st.epoch, st.step
         # Ranks prefetch, so the all-exhausted prefetches for the step after the end can
         # complete before the end step itself does; the earliest such step is the end.
@@ -404,7 +404,7 @@ class StepProtocol:
         )
         log.info("epoch %d ended at step %d", epoch, step)
 
-    def _discard(self, which: Callable[[Step], bool], reason: str) -> None:
+    def _discard(self, which: Callable[[StepState], bool], reason: str) -> None:
         for st in [s for s in self._steps.values() if which(s)]:
             del self._steps[st.step]
             if not st.decided and st.error is None:

@@ -32,7 +32,7 @@ from knapray.coordinator import CoordinatorClient, CoordinatorUnavailable
 from knapray.corpus.unconditional import unconditional_embeddings
 from knapray.data import (
     CaptionDropout,
-    Step,
+    DecodedStep,
     StepMeta,
     StepStream,
     build_packed_batch,
@@ -352,7 +352,7 @@ class Trainer:
         """One step; None (on every rank together) when the epoch is over."""
         cfg, rank, step = self.cfg, self.rank, self.step
         t_step = time.perf_counter()
-        current: Step = stream.next_step()
+        current: DecodedStep = stream.next_step()
         nxt = stream.peek_next()
         fetched = self.planner.fetch(step, current.meta, nxt)
         host_batch = build_packed_batch(current.samples, cfg.model, seed=cfg.data.seed, epoch=self.epoch,
