@@ -40,7 +40,7 @@ def build_parser() -> Parser:
 
 def subcommand_parsers(parser: Parser | None = None) -> dict[str, Parser]:
     """Every (sub)subcommand's parser with its arguments, by its full name (``"bench step"``):
-    what ``tests/test_cli_dialect.py`` compares."""
+    what ``tests/unit/test_cli_dialect.py`` compares."""
     import argparse
 
     out: dict[str, Parser] = {}

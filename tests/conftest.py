@@ -10,13 +10,20 @@ import sys
 import pytest
 
 TESTS_DIR = pathlib.Path(__file__).resolve().parent
-# Train functions defined in test modules are pickled by module name: workers need this.
+TIERS = ("unit", "dist", "ray", "gpu")
+"""The suite's directories (tests/README.md): pure and single-process, multi-process gloo,
+Ray, a CUDA device."""
+# The helpers (dist_utils, flux_utils, tiny_encoders, ...) live here; train functions
+# defined in test modules are pickled by module name, so Ray workers and spawned ranks
+# need every tier's directory on their path too.
+_PATHS = [str(TESTS_DIR), *(str(TESTS_DIR / t) for t in TIERS)]
 os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (str(TESTS_DIR), os.environ.get("PYTHONPATH", "")) if p
+    p for p in (*_PATHS, os.environ.get("PYTHONPATH", "")) if p
 )
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
-if str(TESTS_DIR) not in sys.path:
-    sys.path.insert(0, str(TESTS_DIR))
+for _p in reversed(_PATHS):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 
 @pytest.fixture(scope="session")

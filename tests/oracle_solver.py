@@ -1,6 +1,6 @@
 # Frozen copy of knapray/planning/solver.py at commit 1bf50b6 (before the linear-time
 # rewrite of issue 23): a test oracle only. The rewritten solver must make the same plans
-# (tests/test_planner_oracle.py). Never import it from the package; never edit it except to
+# (tests/unit/test_planner_oracle.py). Never import it from the package; never edit it except to
 # follow a rename of what it imports, and one change of behaviour made to both: the least
 # loaded bags are picked by ``lightest`` (ties to the lower index) instead of
 # ``np.argpartition``, whose order on ties depends on the CPU (a locally planned step must

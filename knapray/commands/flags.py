@@ -1,5 +1,5 @@
 """Flags that mean the same thing in every ``knapray`` subcommand, defined once here so that
-their names, types and choices cannot drift apart (``tests/test_cli_dialect.py`` checks
+their names, types and choices cannot drift apart (``tests/unit/test_cli_dialect.py`` checks
 every subcommand against each other):
 
 - ``--config FILE`` / ``--set SECTION.KEY=VALUE``: a run config (``knapray.train.config``)

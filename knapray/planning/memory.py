@@ -285,7 +285,7 @@ class ModelShape:
         up = FP32 if b < FP32 else 0
         # RMSNorm (knapray/models/layers.py) computes in fp32: it saves the fp32 copy of its
         # input (none when the input is fp32), the per-head rsqrt and the fp32 normed tensor
-        # the gain multiplies (tests/test_memory.py measures it with saved-tensor hooks).
+        # the gain multiplies (tests/unit/test_memory.py measures it with saved-tensor hooks).
         return 2 * (up * self.hidden_size + FP32 * self.hidden_size + FP32 * self.num_heads)
 
     def double_block_bytes(self, b: int, attention: str = "kernel") -> int:

@@ -85,7 +85,7 @@ def _private_ray_env() -> str:
 
 
 def build_corpus(out: str, steps: int) -> list[int]:
-    """The tiny corpus of tests/test_train_ray.py: 11 samples per mix step, mixed sizes."""
+    """The tiny corpus of tests/ray/test_train_ray.py: 11 samples per mix step, mixed sizes."""
     import pyarrow.parquet as pq
 
     from knapray.corpus import shard_paths

@@ -165,7 +165,7 @@ def diffusers_reference(path: str, inputs: list[Inputs], cfg: Any = None) -> tup
 def reference_config(source: Any, family: str) -> Any:
     """The model config the reference compares: the checkpoint's. For Wan, without the text
     padding Wan's pipeline adds (``text_pad_to`` 0): the reference is the model's own call,
-    which takes the text as given; the padding is tests/test_wan.py's float64 check."""
+    which takes the text as given; the padding is tests/dist/test_wan.py's float64 check."""
     from knapray.models.families import config_class
     from knapray.weights.checks import section_values
 

@@ -303,7 +303,7 @@ def _apply_fsdp(model: nn.Module, mesh, cfg: ParallelConfig) -> None:
     # rank, also on zero rows (a rank without text runs the text weights on an empty
     # tensor), and a Linear, a norm gain or a gather over zero rows gets a zero gradient,
     # not None. So the method is used where it exists, as a second guarantee, and a torch
-    # without it shards any world (tests/test_parallelize.py runs the gloo parity with it
+    # without it shards any world (tests/dist/test_parallelize.py runs the gloo parity with it
     # hidden).
     unused_ok = hasattr(FSDPModule, "set_reduce_scatter_unused_params")
     units = [*_embedders(model), *_blocks(model), model.final]

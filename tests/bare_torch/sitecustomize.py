@@ -1,7 +1,7 @@
 """Makes this Python look like the GPU machine: torch and its basics, none of the modules
 named in KNAPRAY_HIDE_MODULES (comma-separated top-level names, e.g. ray,tensorboard).
 
-Loaded at interpreter start-up when this directory is on PYTHONPATH (tests/test_torchrun.py
+Loaded at interpreter start-up when this directory is on PYTHONPATH (tests/dist/test_torchrun.py
 puts it there for its subprocesses, whose own children inherit it). A hidden module is not
 found: ``importlib.util.find_spec`` returns None and ``import`` raises ModuleNotFoundError,
 as where it is not installed.

@@ -14,7 +14,7 @@ from knapray.train.launch import ELASTIC_START_TIMEOUT_S, coordinator_resources,
 from knapray.train.run_files import check_world
 from knapray.train.trainer import TopologyError, check_node_layout
 
-CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "jobs" / "configs"
+CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "jobs" / "configs"
 
 
 def test_elastic_range_moves_in_whole_nodes():

@@ -68,7 +68,7 @@ def test_bench_step_variants_side_by_side(capsys):
     r = json.loads(lines[-1])
     rows = {v["name"]: v for v in r["variants"]}
     # Compile is left out here: every compiled variant compiles each block on every rank
-    # (~10 s of CPU each); tests/test_parallelize.py covers compile and its recompiles.
+    # (~10 s of CPU each); tests/dist/test_parallelize.py covers compile and its recompiles.
     both = "fsdp full+ac full"
     assert list(rows) == ["balanced", "fsdp full", "ac full", both]
     base = rows["balanced"]

@@ -34,7 +34,7 @@ from knapray.corpus import shard_paths
 
 pytestmark = pytest.mark.ray
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _run_scenario(scenario: str, out: pathlib.Path, *extra: str) -> dict:

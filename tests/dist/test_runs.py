@@ -27,7 +27,7 @@ from knapray.train.run_files import (
     write_config,
 )
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 MODEL = ["model.hidden_size=32", "model.num_heads=4", "model.rope_axes_dim=[2,2,4]", "model.depth_double=1",
          "model.depth_single=1", "model.text_dim=16", "model.pooled_dim=16"]
 

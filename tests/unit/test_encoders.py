@@ -1,6 +1,6 @@
 """The diffusers/transformers adapters (knapray.corpus.hf) on tiny randomly initialized
 models saved like real checkpoints, and ingestion through them in this process: every
-row is compared with the model called directly. No Ray here (tests/test_ingest_ray.py)."""
+row is compared with the model called directly. No Ray here (tests/ray/test_ingest_ray.py)."""
 
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SHELL_LANGS = ("", "sh", "bash", "shell", "console")
 COMMAND_WORDS = ("knapray", "make", "python", "python3", "torchrun", "ray", "pip", "export", "bash")
@@ -159,8 +159,8 @@ RULES = (
     Rule(r"^knapray ingest .*FLUX\.1-dev", "run", TINY,
          subs=(("/models/FLUX.1-dev", "{W}/models/FLUX.1-dev"), ("~/pictures", "{W}/pictures"))),
     Rule(r"^knapray (train --config jobs/configs/wan_t2v_14b\.yaml|export --run /mnt/shared/knapray-runs/wan22)",
-         "parse", "Wan 2.2's two 14B experts on a GPU cluster; tests/test_wan_ingest.py trains, exports and loads a "
-         "tiny Wan, tests/test_timestep_range.py the range"),
+         "parse", "Wan 2.2's two 14B experts on a GPU cluster; tests/dist/test_wan_ingest.py trains, exports and loads a "
+         "tiny Wan, tests/unit/test_timestep_range.py the range"),
     Rule(r"^knapray train .*model\.text_dim=4096 --check", "error", "an example of a refused config",
          extra=("--set", "data.corpus={W}/demo-corpus")),
     Rule(r"^knapray train .*--check", "run", "the demo corpus replaced by a small one",
@@ -176,33 +176,33 @@ RULES = (
     Rule(r"^knapray plan --mix ", "run", "5 steps instead of 50", subs=(("--steps 50", "--steps 5"),)),
     Rule(r"^knapray simulate --mix image\+video --topology auto", "run"),
     Rule(r"^knapray simulate --paper-table", "parse", "the paper tables plan 32 and 1024 GPUs (20 s and more); "
-         "tests/test_simulate.py and tests/test_pertopo.py check their rows"),
-    Rule(r"^knapray parity ", "parse", "spawns 4 gloo processes (~20 s each); tests/test_parity.py runs these cases"),
-    Rule(r"^knapray calibrate ", "parse", "times the model's blocks for minutes (or on CUDA); tests/test_calibrate.py "
+         "tests/unit/test_simulate.py and tests/unit/test_pertopo.py check their rows"),
+    Rule(r"^knapray parity ", "parse", "spawns 4 gloo processes (~20 s each); tests/dist/test_parity.py runs these cases"),
+    Rule(r"^knapray calibrate ", "parse", "times the model's blocks for minutes (or on CUDA); tests/unit/test_calibrate.py "
          "calibrates and validates a small model"),
     Rule(r"^torchrun --nproc-per-node 8 .*run\.use_gpu=true", "parse", "needs 8 CUDA GPUs"),
     Rule(r"^torchrun --nproc-per-node 4 .*per-step", "check", "the demo corpus replaced by a small one; training "
-         "per-step on gloo is tests/test_block_groups.py's", extra=("--set", "data.corpus={W}/demo-corpus")),
+         "per-step on gloo is tests/dist/test_block_groups.py's", extra=("--set", "data.corpus={W}/demo-corpus")),
     Rule(r"^PYTHON=python3 make gpu-check", "skip", "needs a CUDA GPU"),
     Rule(r"^ray start ", "skip", "starts a Ray head on the default ports; jobs/submit_demo.sh does it on private ones"),
     Rule(r"^export RAY_AUTH_MODE", "skip", "environment of the ray job CLI"),
     Rule(r"^ray job submit .*flux_cluster\.yaml", "parse", "needs the cluster's corpus under /mnt/data; "
-         "tests/test_preflight.py checks flux_cluster.yaml against a corpus of its widths"),
+         "tests/unit/test_preflight.py checks flux_cluster.yaml against a corpus of its widths"),
     Rule(r"^ray job submit ", "check", "the entrypoint after --, its paths under the work directory",
          subs=(("/shared/corpora/demo", "{W}/demo-corpus"), ("/shared/knapray-runs", "{W}/shared-runs"))),
     Rule(r"^ray (job status|job logs|up) ", "skip", "needs a submitted job / a cloud account"),
     Rule(r"^knapray \S+ .*'\[--", "skip", "a usage synopsis (options in brackets), not a command; the command's "
-         "--help has the same options, and tests/test_cli_dialect.py checks them"),
+         "--help has the same options, and tests/unit/test_cli_dialect.py checks them"),
     Rule(r"^knapray dryrun --config jobs/configs/flux_cluster\.yaml", "parse", "the 64-rank Flux dry run takes "
-         "minutes here; tests/test_dryrun.py runs it"),
+         "minutes here; tests/unit/test_dryrun.py runs it"),
     Rule(r"(?s)^python -c .*FluxTransformer2DModel", "run", "two tiny random Flux checkpoints, saved by diffusers"),
-    Rule(r"^knapray reference .*--world-size [2-9]", "parse", "spawns 4 gloo processes; tests/test_flux_dist.py runs "
+    Rule(r"^knapray reference .*--world-size [2-9]", "parse", "spawns 4 gloo processes; tests/dist/test_flux_dist.py runs "
          "the balanced reference check"),
     Rule(r"^knapray reference ", "run"),
     Rule(r"^knapray bench data ", "parse", "builds and reads ~560 MB of Flux-width corpora for minutes; "
-         "tests/test_data_path.py checks the readers it times"),
+         "tests/unit/test_data_path.py checks the readers it times"),
     Rule(r"^knapray bench planner --ranks", "parse", "16384 ranks take seconds per step and solver; "
-         "tests/test_cli_plan.py runs the bench's scaling rows on small worlds"),
+         "tests/unit/test_cli_plan.py runs the bench's scaling rows on small worlds"),
 )
 
 
@@ -216,7 +216,7 @@ ALL = commands()
 def test_every_documented_command_has_a_rule():
     assert len(ALL) >= 20, ALL  # the extraction found the blocks
     missing = [f"{c.where}: {c.text}" for c in ALL if rule_for(c) is None]
-    assert not missing, "README/docs commands without a rule in tests/test_readme_commands.py:\n" + "\n".join(missing)
+    assert not missing, "README/docs commands without a rule in tests/ray/test_readme_commands.py:\n" + "\n".join(missing)
     for rule in RULES:
         assert rule.action in ("run", "check", "error", "parse", "skip"), rule
         assert rule.why or rule.action in ("run", "check"), f"{rule.pattern}: say why it is not run as written"

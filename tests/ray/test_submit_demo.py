@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.ray
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _processes_mentioning(text: str) -> list[int]:

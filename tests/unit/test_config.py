@@ -14,7 +14,7 @@ import pytest
 
 from knapray.train.config import ConfigError, TrainConfig, config_from_dict, load_config, read_yaml
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = sorted(glob.glob(os.path.join(REPO, "jobs", "configs", "*.yaml")))
 
 

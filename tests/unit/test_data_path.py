@@ -1,7 +1,7 @@
 """The data path (issue 23 item 3): zero-copy readers, bf16 text, the byte-sized shuffle buffer.
 
 Fast and single-process: the readers are compared on pyarrow batches as the torchrun
-reader (``local_rows``) and Ray Data's pyarrow batches hand them over; tests/test_data.py
+reader (``local_rows``) and Ray Data's pyarrow batches hand them over; tests/ray/test_data.py
 runs Ray Data itself.
 """
 

@@ -20,7 +20,7 @@ import torch
 
 from knapray.cli import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FLUX = str(REPO / "jobs" / "configs" / "flux_cluster.yaml")
 
 

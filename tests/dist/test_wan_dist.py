@@ -6,7 +6,7 @@ sequences shorter than their bag, a sequence without text and one over the paddi
 Within 1e-5 in fp32 (max |a - b| / max |b| per tensor), without padding and padded to 8
 rows; padded in float64 within 1e-10 (at Wan's 512 rows the padding key's
 ``attn2.to_k.bias`` gradient is a near-cancellation fp32 cannot hold to 1e-5 in any order
-of summation: tests/test_wan.py). Measured here: worst 2.4e-6 in fp32, 3e-15 in float64,
+of summation: tests/dist/test_wan.py). Measured here: worst 2.4e-6 in fp32, 3e-15 in float64,
 both on ``attn2.to_k.bias``; each rank keeping the padding key of the first heads instead of
 its own gives 1.08.
 """

@@ -2,7 +2,7 @@
 (one for all, one each, or one caption at every size), and every argument is checked
 against the run before any weights load. From a user's own images to a sampled grid
 (ingest with a VAE + T5 + CLIP, train, sample, decoded by the same VAE) is the README's
-recipe, run by tests/test_readme_commands.py."""
+recipe, run by tests/ray/test_readme_commands.py."""
 
 from __future__ import annotations
 

@@ -291,7 +291,7 @@ def _planted_run(tmp_path, checkpoint) -> tuple[list[str], str, str]:
 
 def test_train_refuses_a_planted_checkpoint_before_any_worker_starts(tmp_path, checkpoint):
     args, run_dir, marker = _planted_run(tmp_path, checkpoint)
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     p = subprocess.run([sys.executable, "-m", "knapray.cli", "train", *args], cwd=repo, capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 2, p.stderr

@@ -17,7 +17,7 @@ from knapray.cli import main
 from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
 from knapray.train.run_files import RunLock
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "jobs" / "configs").glob("*.yaml"))
 DEFAULT_WIDTHS = {"in_channels": 4, "text_dim": 16, "pooled_dim": 16}
 """Widths of the corpus for a config that leaves them to the corpus."""

@@ -12,7 +12,7 @@ jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("ray")  # the GPU machine has no Ray: skip there
 from ray.autoscaler._private.util import prepare_config, validate_config  # noqa: E402
 
-CLUSTER_YAML = Path(__file__).resolve().parents[1] / "cluster.yaml"
+CLUSTER_YAML = Path(__file__).resolve().parents[2] / "cluster.yaml"
 
 
 @pytest.fixture()

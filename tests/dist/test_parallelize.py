@@ -27,7 +27,7 @@ from knapray.parity import Parallelism, parity_config, passed, run_parity
 from knapray.train.parallelize import ParallelConfig, parallelize
 from knapray.testing.batches import mix_batches
 
-# As tests/test_parity.py: rank 1 holds nothing; short sequences split over bags; long ones
+# As tests/dist/test_parity.py: rank 1 holds nothing; short sequences split over bags; long ones
 # split into chunks whose later parts hold no text.
 MIX = "g1b2i256f1s0,g1b1i512f1s0,g1b4i64f1s0,g1b1i128f2s0"
 TOPOLOGIES = ["g1n4", "g2n2", "g1n2+g2n1"]

@@ -22,7 +22,7 @@ from knapray.limits import (MAX_CORPUS_SAMPLES, MAX_IMAGE_SIDE, MAX_IMAGE_TOKENS
                             MAX_WORLD_SIZE)
 from knapray.train.config import ConfigError, load_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 QUICK_S = 10.0
 """A refused input returns in well under this, subprocess start included (it took 35 s to
 96 s, or the machine's memory, before)."""
