@@ -564,7 +564,7 @@ class MemoryModel:
         still hold what they saved, and the blocks after k (and the final layer, first in
         backward) have their gradients (sharded ones under FSDP); the embedders' come last.
         The peak of that sum over k is what the backward holds; the rest is overlap."""
-        s, b = self.shape, self.compute_bytes
+        s = self.shape
         if not tokens and not grads:
             return 0
         kept = self._kept(tokens, text_tokens)

@@ -11,7 +11,7 @@ import torch
 
 diffusers = pytest.importorskip("diffusers")
 
-from knapray.testing.reference import compare, run_reference  # noqa: E402
+from knapray.testing.reference import run_reference  # noqa: E402
 
 CONFIGS = {
     # head_dim 16: RoPE split (8, 4, 4); patch (1, 2, 2); 2 heads; 1 block; cross_attn_norm

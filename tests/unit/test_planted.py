@@ -194,27 +194,34 @@ def test_a_planted_trainer_json_is_one_line(planted):
     assert "\n" not in str(err.value) and "trainer.json" in str(err.value) and "step" in str(err.value)
 
 
+TRAINER_BASE = {"step": 9, "epoch": 2, "world_size": 4, "topology": "g1n4", "ledger": None}
+
+
+def _read_back(path: str, key: str, good, bad, refusal: str) -> None:
+    """trainer.json with each of ``good`` as ``key`` reads back as written; each of ``bad``
+    is one line matching ``refusal``."""
+    from knapray.train.checkpoint import RUN_STATE, read_trainer_state
+
+    for value in (*good, *bad):
+        with open(os.path.join(path, "trainer.json"), "w") as f:
+            json.dump({**TRAINER_BASE, key: value}, f)
+        if any(value is g for g in good):
+            assert read_trainer_state(path, RUN_STATE)[key] == value
+            continue
+        with pytest.raises(CheckpointError, match=refusal) as err:
+            read_trainer_state(path, RUN_STATE)
+        assert "\n" not in str(err.value)
+
+
 def test_a_ledger_position_is_checked_as_data(planted):
     """Both ledger positions a trainer.json holds are accepted (rank 0's, and a
     coordinator's with its epoch state), anything else in them is one line."""
     path, _, _ = planted
-    from knapray.train.checkpoint import RUN_STATE, read_trainer_state
-
     position = {"ledger_id": 1 << 61, "records": 10, "committed_step": 9, "attempt": 0}
     coordinator = {"version": 2, **position, "epoch": 2, "epoch_ends": {"0": 5, "1": 10}}
     bad = [{**position, "records": "10"}, {**coordinator, "epoch_ends": {"0": "os.system"}},
            {**coordinator, "epoch_ends": {"one": 5}}, {**position, "planted": 1}, [1, 2]]
-    base = {"step": 9, "epoch": 2, "world_size": 4, "topology": "g1n4"}
-    for ledger in (None, position, coordinator):
-        with open(os.path.join(path, "trainer.json"), "w") as f:
-            json.dump({**base, "ledger": ledger}, f)
-        assert read_trainer_state(path, RUN_STATE)["ledger"] == ledger
-    for ledger in bad:
-        with open(os.path.join(path, "trainer.json"), "w") as f:
-            json.dump({**base, "ledger": ledger}, f)
-        with pytest.raises(CheckpointError, match="not a ledger position") as err:
-            read_trainer_state(path, RUN_STATE)
-        assert "\n" not in str(err.value)
+    _read_back(path, "ledger", (None, position, coordinator), bad, "not a ledger position")
 
 
 def test_carried_ledger_rows_are_checked_as_data(planted):
@@ -225,24 +232,14 @@ def test_carried_ledger_rows_are_checked_as_data(planted):
     from knapray.train import checkpoint
     from knapray.train.checkpoint import RUN_STATE, read_trainer_state
 
-    base = {"step": 9, "epoch": 2, "world_size": 4, "topology": "g1n4", "ledger": None}
     good = [{"step": 8, "epoch": 2, "sample_ids": [5, -1], "home_ranks": [0, 3]}]
     bad = ["rows", [{"step": 8, "epoch": 2, "sample_ids": [5], "home_ranks": [0, 1]}],
            [{"step": -1, "epoch": 2, "sample_ids": [], "home_ranks": []}],
            [{"step": 8, "epoch": 2, "sample_ids": ["os.system"], "home_ranks": [0]}],
            [{"step": 8, "epoch": 2, "sample_ids": [1], "home_ranks": [0], "call": "eval"}]]
-    for rows in ([], good):
-        with open(os.path.join(path, "trainer.json"), "w") as f:
-            json.dump({**base, "ledger_rows": rows}, f)
-        assert read_trainer_state(path, RUN_STATE)["ledger_rows"] == rows
-    for rows in bad:
-        with open(os.path.join(path, "trainer.json"), "w") as f:
-            json.dump({**base, "ledger_rows": rows}, f)
-        with pytest.raises(CheckpointError, match="ledger_rows is .*, not a list of") as err:
-            read_trainer_state(path, RUN_STATE)
-        assert "\n" not in str(err.value)
+    _read_back(path, "ledger_rows", ([], good), bad, "ledger_rows is .*, not a list of")
     with open(os.path.join(path, "trainer.json"), "w") as f:
-        json.dump({**base, "ledger_rows": good * 50}, f)
+        json.dump({**TRAINER_BASE, "ledger_rows": good * 50}, f)
     limit = checkpoint.TRAINER_STATE_MAX_BYTES
     try:
         checkpoint.TRAINER_STATE_MAX_BYTES = 1000
