@@ -454,7 +454,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                         int_at_least)
 
     add_config(p, required=False, what=": calibrate its model size and execution mode")
-    p.add_argument("--family", choices=["mmdit", "wan"], default=None,
+    p.add_argument("--family", default=None,
                    help="whose blocks to time (default: model.family with --config, flux timed as mmdit; else "
                    "mmdit); wan: Wan's blocks with cross-attention to each sequence's text")
     p.add_argument("--hidden", type=int_at_least(1), default=None,
@@ -531,6 +531,9 @@ def calibration_args(args: argparse.Namespace) -> dict:
         except ValueError:
             raise ValueError(f"--budgets {args.budgets!r}: expected comma-separated token counts, e.g. 1024,2048")
     family = args.family or ("wan" if cfg is not None and cfg.model.family == "wan" else "mmdit")
+    if family not in ("mmdit", "wan"):
+        raise ValueError(f"--family {family!r}: calibrate times the mmdit or wan family's blocks (flux's blocks are "
+                         "MMDiT's: calibrate it as mmdit)")
     return {**dims, "family": family, "budgets": budgets, "short": args.short, "longest": args.longest, "repeats": args.repeats,
             "device": device, "dtype": None if dtype == "auto" else TORCH_DTYPE_NAMES[dtype],
             "compile": bool(args.compile or (cfg is not None and cfg.run.compile)), "ac": ac == "full",
