@@ -19,7 +19,7 @@ import torch
 from knapray.corpus import read_corpus, shard_paths
 from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
 from knapray.data import (
-    Step,
+    DecodedStep,
     StepMeta,
     StepStream,
     sample_generator,
@@ -60,11 +60,11 @@ def stream_of(source: Any, corpus: Path, **kwargs: Any) -> StepStream:
     return StepStream.for_corpus(source, corpus_info(corpus), **kwargs)
 
 
-def drain(stream: StepStream) -> list[Step]:
+def drain(stream: StepStream) -> list[DecodedStep]:
     return list(stream)
 
 
-def ids_of(steps: list[Step]) -> list[int]:
+def ids_of(steps: list[DecodedStep]) -> list[int]:
     return [i for s in steps for i in s.meta.sample_ids]
 
 
@@ -202,7 +202,7 @@ def test_stream_rejects_bad_samples_per_step(rows: list[dict[str, Any]]) -> None
 # --- packed batches -------------------------------------------------------------------------
 
 
-def _first_step(corpus: Path, rows: list[dict[str, Any]], size: int = 8) -> Step:
+def _first_step(corpus: Path, rows: list[dict[str, Any]], size: int = 8) -> DecodedStep:
     return stream_of(rows, corpus, samples_per_step=size).next_step()
 
 
