@@ -66,7 +66,7 @@ import torch
 from knapray.distributed.local import free_port, init_local_gloo
 
 from knapray.models import MMDiT, MMDiTConfig
-from knapray.parity import Parallelism
+from knapray.testing.parity import Parallelism
 from knapray.planning import Topology, WorkloadModel, identity_plan, plan_balance
 
 DEFAULT_MIX = "g1b2i512f34s1,g3b4i256f1s0"
@@ -295,7 +295,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, opts: dict) -> None:
 def _measure_memory(model, forward, targets, global_tokens: int, loss_fn) -> dict:
     """One untimed forward + backward of ``forward(model)``: MB saved for backward by the
     forward (parameters left out) and MB of this rank's parameters + gradients after it."""
-    from knapray.memory_check import saved_activation_bytes, state_bytes
+    from knapray.testing.memory_check import saved_activation_bytes, state_bytes
 
     model.zero_grad(set_to_none=True)
     out, saved = saved_activation_bytes(lambda: forward(model), exclude=model.parameters())

@@ -1,5 +1,5 @@
 """``knapray parity``: balanced vs unbalanced vs a single-process reference, forward and
-backward, on gloo processes (``knapray.parity``)."""
+backward, on gloo processes (``knapray.testing.parity``)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from knapray.parity import Parallelism, passed, run_parity
+    from knapray.testing.parity import Parallelism, passed, run_parity
     from .flags import check_local_processes
 
     check_local_processes(args.world_size, "knapray parity")

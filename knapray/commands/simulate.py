@@ -1,5 +1,5 @@
 """``knapray simulate``: predicted step time per rank of unbalanced, greedy and knapray
-plans under the cost model (``knapray.sim``), and the paper tables."""
+plans under the cost model (``knapray.planning.sim``), and the paper tables."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def _rank_speeds(items: list[str] | None, world: int) -> list[float] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from knapray import sim
+    from knapray.planning import sim
     from knapray.planning.cost import MODEL_PRESETS
 
     preset = [f"{k}={json.dumps(v)}" for k, v in MODEL_PRESETS[args.model].items()]

@@ -8,7 +8,7 @@ fewer than k blocks has none checkpointed. ``full`` is every block (``every_k`` 
 
 Everything that applies or models checkpointing asks this function: the trainer's
 ``parallelize`` (``knapray.train.parallelize``), the memory model
-(``knapray.planning.memory``), its measurement (``knapray.memory_check``) and
+(``knapray.planning.memory``), its measurement (``knapray.testing.memory_check``) and
 calibration (through ``parallelize``), so all four agree on what is recomputed.
 """
 

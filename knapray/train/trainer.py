@@ -50,7 +50,7 @@ from knapray.planning.blocks import block_sizes
 from knapray.planning.cost import CostModel
 from knapray.planning.rules import per_step_node, planning_node
 from knapray.planning.topology import node_sizes_of
-from knapray.timing import StepTimer
+from knapray.train.timing import StepTimer
 
 from .balanced import balanced_forward, prepare_step
 from .checkpoint import Checkpointer

@@ -16,7 +16,7 @@ from dist_utils import run_distributed
 from knapray.models import MMDiT
 from knapray.models.flow import flow_loss
 from knapray.coordinator import plan_from_gathered
-from knapray.parity import parity_config
+from knapray.testing.parity import parity_config
 from knapray.planning import Topology
 from knapray.planning.cost import CostModel
 from knapray.testing.batches import concat_batches, mix_batches

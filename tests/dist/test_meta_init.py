@@ -9,7 +9,7 @@ import torch
 
 from dist_utils import run_distributed
 from knapray.models import MMDiT, MMDiTConfig, dit_config
-from knapray.parity import parity_config
+from knapray.testing.parity import parity_config
 
 CONFIGS = {
     "mmdit": parity_config(),

@@ -5,7 +5,7 @@ against the single-process reference.
 - one process: checkpointing gives bit-identical gradients and re-runs attention per
   checkpointed block; parameter names do not change; compile over 20 varying packed batches
   (empty, text-less, one sequence, 0..~100 tokens) matches eager and recompiles <= 2 times;
-- 4 gloo ranks (``knapray.parity``): balanced + FSDP full / hybrid + checkpointing against
+- 4 gloo ranks (``knapray.testing.parity``): balanced + FSDP full / hybrid + checkpointing against
   the reference for g1n4, g2n2, g1n2+g2n1 and unbalanced, with a rank holding no sequences
   and a rank holding no text (routed chunks without text: text weights unused there);
 - 2 gloo ranks: bf16 parameters under FSDP (fp32 reduce), global grad-norm clipping of
@@ -23,7 +23,7 @@ import torch
 from dist_utils import run_distributed
 from knapray.attention import LocalAttention
 from knapray.models import MMDiT, add_noise, flow_loss, pack_samples
-from knapray.parity import Parallelism, parity_config, passed, run_parity
+from knapray.testing.parity import Parallelism, parity_config, passed, run_parity
 from knapray.train.parallelize import ParallelConfig, parallelize
 from knapray.testing.batches import mix_batches
 
@@ -190,9 +190,9 @@ def test_balanced_fsdp_matches_single_process_reference(parallelism, textless, m
     if parallelism.fsdp == "hybrid":
         # As on torch 2.10 / 2.11, which lack FSDPModule.set_reduce_scatter_unused_params:
         # the ranks' workers run without it (a rank without text, a rank without sequences).
-        import knapray.parity
+        import knapray.testing.parity
 
-        monkeypatch.setattr(knapray.parity, "_worker", _worker_on_a_torch_without_unused_params)
+        monkeypatch.setattr(knapray.testing.parity, "_worker", _worker_on_a_torch_without_unused_params)
     report = run_parity(4, TOPOLOGIES, MIX, scale=4, seed=5, max_text_tokens=12, empty_ranks=(1,),
                         textless_ranks=textless, parallelism=parallelism)
     assert report["_meta"]["fsdp"] == parallelism.fsdp and report["_meta"]["ac"] == parallelism.ac
@@ -213,11 +213,11 @@ def test_balanced_fsdp_matches_single_process_reference(parallelism, textless, m
 def _worker_on_a_torch_without_unused_params(*args):
     from torch.distributed.fsdp import FSDPModule
 
-    import knapray.parity
+    import knapray.testing.parity
 
     if hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
         delattr(FSDPModule, "set_reduce_scatter_unused_params")
-    knapray.parity._worker(*args)
+    knapray.testing.parity._worker(*args)
 
 
 # ---- 2 gloo ranks: bf16 parameters, clipping, state dicts --------------------------------

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from knapray.cli import main
-from knapray.parity import passed, run_parity
+from knapray.testing.parity import passed, run_parity
 
 TOPOLOGIES = ["g1n4", "g2n2", "g4n1", "g1n2+g2n1"]
 # Rank 1 holds nothing; i64 images at scale 4 are one visual token plus 0-3 text tokens,

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from knapray.distributed.local import free_port
 from knapray.distributed.step_sync import StepSync
-from knapray.timing import StepTimer
+from knapray.train.timing import StepTimer
 
 pytestmark = [
     pytest.mark.gpu,
@@ -92,7 +92,7 @@ def test_a_training_step_never_waits_for_the_device():
     """The trainer's timed region (forward + backward with a prepared StepLayout) under
     ``torch.cuda.set_sync_debug_mode("error")``: any .item(), nonzero, mask or blocking copy raises."""
     from knapray.models import MMDiT, flow_loss
-    from knapray.parity import parity_config
+    from knapray.testing.parity import parity_config
     from knapray.planning import Topology, WorkloadModel, plan_balance
     from knapray.testing.batches import mix_batches
     from knapray.train.balanced import balanced_forward, prepare_step
@@ -116,7 +116,7 @@ def test_a_training_step_never_waits_for_the_device():
 
 def test_meta_init_on_the_gpu_equals_the_cpu_built_model():
     from knapray.models import MMDiT
-    from knapray.parity import parity_config
+    from knapray.testing.parity import parity_config
     from knapray.train.parallelize import materialize, parallelize
 
     torch.manual_seed(5)
@@ -135,7 +135,7 @@ def test_fsdp_step_on_nccl_without_set_reduce_scatter_unused_params(nccl_world, 
     from torch.distributed.fsdp import FSDPModule
 
     from knapray.models import MMDiT, flow_loss
-    from knapray.parity import parity_config
+    from knapray.testing.parity import parity_config
     from knapray.testing.batches import mix_batches
     from knapray.train.parallelize import parallelize
 
@@ -150,7 +150,7 @@ def test_fsdp_step_on_nccl_without_set_reduce_scatter_unused_params(nccl_world, 
 
 
 def test_qk_norm_saves_what_the_memory_model_counts_on_cuda():
-    from knapray.memory_check import saved_activation_bytes
+    from knapray.testing.memory_check import saved_activation_bytes
     from knapray.models.layers import RMSNorm
     from knapray.planning.memory import ModelShape
 

@@ -141,7 +141,7 @@ def test_steps_are_bounded_in_every_command(argv, capsys):
 
 
 @pytest.mark.parametrize("command, module, function", [
-    ("parity", "knapray.parity", "run_parity"),
+    ("parity", "knapray.testing.parity", "run_parity"),
     ("bench step", "knapray.benchmarks.step", "run_step_bench"),
     ("reference", "knapray.testing.reference", "run_reference"),
 ])

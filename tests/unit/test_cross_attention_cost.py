@@ -14,7 +14,7 @@ from knapray.coordinator.config import CoordinatorConfig, make_planning_model
 from knapray.planning import Topology, WorkloadModel, plan_balance
 from knapray.planning.cost import MODEL_PRESETS, CostModel
 from knapray.planning.mix import parse_code, parse_mix
-from knapray.sim import simulate_mix
+from knapray.planning.sim import simulate_mix
 from knapray.train.step_planner import coordinator_config
 
 LENS = np.array([1.0, 256.0, 1024.0, 21504.0, 48384.0])

@@ -88,7 +88,7 @@ def test_flux_cluster_dry_runs_at_64_ranks(dryrun):
 
 def test_host_sync_watch_flags_the_step_without_a_layout_and_not_the_trainers():
     from knapray.models import MMDiT, flow_loss
-    from knapray.parity import parity_config
+    from knapray.testing.parity import parity_config
     from knapray.planning import Topology, WorkloadModel, plan_balance
     from knapray.testing.batches import mix_batches
     from knapray.testing.step_watch import HostSync, StepWatch

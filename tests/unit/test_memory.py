@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from knapray.cli import main
-from knapray.memory_check import measure_step
+from knapray.testing.memory_check import measure_step
 from knapray.models import MMDiT, MMDiTConfig, dit_config
 from knapray.planning.memory import (
     GIB,
@@ -89,7 +89,7 @@ def test_qk_norm_saves_what_the_memory_model_counts(dtype):
     """QK-RMSNorm of q and k, measured with saved-tensor hooks: the fp32 copy of a bf16 input,
     the fp32 normed tensor the gain multiplies, the per-head rsqrt (not the input-dtype
     normed tensor the model once counted)."""
-    from knapray.memory_check import saved_activation_bytes
+    from knapray.testing.memory_check import saved_activation_bytes
     from knapray.models.layers import RMSNorm
 
     n, heads, head_dim = 37, 4, 16

@@ -22,7 +22,7 @@ from knapray.planning.blocks import (
 )
 from knapray.planning.cost import CostModel
 from knapray.planning.pertopo import plan_step
-from knapray.sim import parse_schedule, schedule_ranks, schedule_steps, simulate_mix
+from knapray.planning.sim import parse_schedule, schedule_ranks, schedule_steps, simulate_mix
 
 
 def test_aligned_blocks_of_nodes():

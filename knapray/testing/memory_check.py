@@ -10,7 +10,7 @@
 - ``measure_step``: both, on a packed batch, plus on CUDA the peak allocated during
   forward + backward above what was allocated before it.
 
-``python -m knapray.memory_check --hidden 3072 --heads 24 --depth-double 3 --depth-single 3
+``python -m knapray.testing.memory_check --hidden 3072 --heads 24 --depth-double 3 --depth-single 3
 --tokens 16384`` compares prediction and measurement on this machine's device.
 """
 
