@@ -1,0 +1,101 @@
+"""A step's samples -> a noised ``PackedBatch``: timesteps, noise and targets per sample
+from a (seed, epoch, sample id) generator."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from knapray.models.config import MMDiTConfig
+from knapray.models.flow import add_noise
+from knapray.models.timesteps import TimestepDistribution
+from knapray.models.packing import PackedBatch, pack_samples
+
+
+# --- packed batches (worker side) ----------------------------------------------------------
+
+
+def sample_generator(seed: int, epoch: int, sample_id: int) -> torch.Generator:
+    """A CPU generator for one sample in one epoch: its timestep and noise depend on
+    nothing else, so they are the same whichever rank, step, world size or plan trains it
+    (a run resumed at another world size draws the very same ones)."""
+    if min(seed, epoch) < 0:
+        raise ValueError(f"seed and epoch must be >= 0, got {seed}, {epoch}")
+    key = (epoch, int(sample_id) & 0xFFFFFFFF, (int(sample_id) >> 32) & 0xFFFFFFFF)
+    state = np.random.SeedSequence(seed, spawn_key=key).generate_state(2, dtype=np.uint32)
+    gen = torch.Generator()
+    gen.manual_seed(int(state[0]) << 32 | int(state[1]))
+    return gen
+
+
+def _as_tensor(array: np.ndarray) -> torch.Tensor:
+    """A float32 tensor over ``array``'s memory, without a copy. Decoded payloads are views
+    of read-only Arrow buffers, which torch warns about (it cannot mark a tensor
+    read-only); nothing writes to them: ``pack_samples`` patchifies and concatenates into
+    new tensors, the batch's one copy of the data."""
+    array = np.asarray(array, dtype=np.float32)
+    if array.flags.writeable:
+        return torch.from_numpy(array)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)
+
+
+def build_packed_batch(
+    samples: Sequence[Mapping[str, Any]],
+    cfg: MMDiTConfig,
+    *,
+    seed: int,
+    epoch: int = 0,
+    timesteps: TimestepDistribution = TimestepDistribution(),
+    guidance: float | None = None,
+) -> PackedBatch:
+    """Pack decoded samples (``DecodedStep.samples``, each with its ``sample_id``) into a noised
+    ``PackedBatch`` with targets.
+
+    Each sample draws, from ``sample_generator(seed, epoch, sample_id)``, its timestep
+    (shifted by its own image token count with the resolution shift) and then the noise of
+    its image tokens; ``x_img`` is then x_t = (1-t)·x0 + t·noise and ``targets`` is
+    noise - x0. ``guidance``: every sequence's guidance input (a model that embeds it,
+    FLUX.1-dev), None for none. An empty list (a dry rank) gives an empty batch.
+    """
+    packed_input, gens = [], []
+    for sample in samples:
+        latent = sample["latent"]
+        sid = sample.get("sample_id")
+        if sid is None:
+            raise ValueError("build_packed_batch needs each sample's sample_id (its noise is drawn from it)")
+        if latent.ndim != 4 or latent.shape[0] != cfg.in_channels:
+            raise ValueError(
+                f"sample {sid}: latent shape {tuple(latent.shape)} does not match the model's "
+                f"(in_channels={cfg.in_channels}, T, H, W)"
+            )
+        if any(size % p for size, p in zip(latent.shape[1:], cfg.patch_size)):
+            raise ValueError(
+                f"sample {sid}: latent (T, H, W)={tuple(latent.shape[1:])} is not divisible by "
+                f"the model's patch_size={tuple(cfg.patch_size)}"
+            )
+        gen = sample_generator(seed, epoch, int(sid))
+        gens.append(gen)
+        image_tokens = math.prod(size // p for size, p in zip(latent.shape[1:], cfg.patch_size))
+        packed_input.append(
+            {
+                "latent": _as_tensor(latent),
+                "text": _as_tensor(sample["text"]),
+                "pooled": _as_tensor(sample["pooled"]),
+                "timestep": float(timesteps.sample(1, generator=gen, image_tokens=image_tokens)[0]),
+            }
+        )
+    clean = pack_samples(packed_input, cfg)
+    if guidance is not None:  # also for an empty batch: the model's condition takes (0,)
+        clean = dataclasses.replace(clean, guidance=torch.full((clean.num_sequences,), float(guidance)))
+    # (Ni_s, P) per sample, in packing order: the sample's image tokens follow each other
+    counts = torch.bincount(clean.image_seq_index, minlength=len(gens)).tolist()
+    noise = [torch.randn((n, clean.x_img.shape[1]), generator=g, dtype=clean.x_img.dtype) for n, g in zip(counts, gens)]
+    return add_noise(clean, torch.cat(noise) if noise else torch.zeros_like(clean.x_img))
