@@ -13,7 +13,7 @@ COMMANDS = (
     Command("train", "knapray.train.job", "train on Ray (embedded local Ray, or --address for a cluster); "
             "--check: pre-flight only"),
     Command("ingest", "knapray.corpus.ingest", "encode a folder of images/videos into a corpus", run="cli"),
-    Command("sample", "knapray.sample", "sample images from a trained run's checkpoint (PNG grid)", run="cli"),
+    Command("sample", "knapray.commands.sample", "sample images from a trained run's checkpoint (PNG grid)", run="cli"),
     Command("plan", "knapray.commands.plan", "plan steps of a data mix and report balance"),
     Command("parity", "knapray.commands.parity", "balanced vs unbalanced vs single-process reference (gloo)"),
     Command("bench", "knapray.benchmarks", "benchmarks (ratios measured side by side): planner, step, ledger, coordinator"),

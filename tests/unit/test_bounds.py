@@ -168,7 +168,7 @@ def run_dir(tmp_path):
 
 
 def _sample(run_dir, extra: list[str], monkeypatch, capsys) -> tuple[int, str]:
-    import knapray.sample as sample
+    import knapray.commands.sample as sample
 
     def refuse(*args, **kwargs):
         raise AssertionError("weights loaded before the sizes were checked")

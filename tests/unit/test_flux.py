@@ -348,7 +348,7 @@ def test_export_writes_a_diffusers_model_one_shard_at_a_time(tiny: dict[str, Pat
 
 def test_sampling_a_dev_model_feeds_guidance_and_shifts_each_request(tiny: dict[str, Path]) -> None:
     from knapray.models.timesteps import ResolutionShift
-    from knapray.sample import request_shifts, sample_latents
+    from knapray.models.sampling import request_shifts, sample_latents
 
     model, cfg, _, _ = load_model(str(tiny["dev_h2"]), None)
     seen = []

@@ -301,7 +301,7 @@ def test_train_refuses_a_planted_checkpoint_before_any_worker_starts(tmp_path, c
 def test_sample_refuses_a_planted_checkpoint(tmp_path, checkpoint):
     import argparse
 
-    from knapray.sample import plan_sampling
+    from knapray.commands.sample import plan_sampling
 
     _, run_dir, marker = _planted_run(tmp_path, checkpoint)
     args = argparse.Namespace(run=run_dir, checkpoint=None, size=None, caption=None, like=[0], frames=1)

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from knapray.cli import main
-from knapray.sample import flow_timesteps, pair_requests, parse_size
+from knapray.commands.sample import pair_requests, parse_size
+from knapray.models.sampling import flow_timesteps
 
 
 def test_sizes_and_time_grid():
@@ -46,7 +47,7 @@ def run_dir(tmp_path):
     (["--checkpoint", "/nonexistent/step-1"], ["/nonexistent/step-1", "no .metadata"]),
 ])
 def test_arguments_are_checked_before_anything_loads(run_dir, extra, names, monkeypatch, capsys):
-    import knapray.sample as sample
+    import knapray.commands.sample as sample
 
     def refuse(*args, **kwargs):
         raise AssertionError("weights loaded before the arguments were checked")
