@@ -25,6 +25,8 @@ small bags (a bag runs at its slowest member's speed).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -188,7 +190,10 @@ def search_topology(
     best_score, _, best = scored[0]
     starts = [x for x in scored[:_CLIMB_STARTS] if x[0] <= best_score * (1 + _CLIMB_WITHIN)]
     for start_score, _, start in starts:
-        counts, counts_score = _climb(start, start_score, sizes, gpn, score, scores, max_evals)
+        counts, counts_score = climb(
+            start, start_score, sizes,
+            lambda cand: None if _key(cand) in scores or _layout(cand, gpn, None) is None else score(cand),
+            lambda: len(scores) >= max_evals)
         if counts_score < best_score:
             best, best_score = counts, counts_score
     # ---- full world -------------------------------------------------------------------------
@@ -264,18 +269,24 @@ def _group_size(world_size: int, gpn: int, max_group_ranks: int) -> int:
     return best
 
 
-def _climb(counts, counts_score, sizes, gpn, score, scores, max_evals):
-    """First-improvement hill climbing over ``_neighbours`` until none improves."""
+def climb(counts: dict[int, int], counts_score: float, sizes: list[int],
+          evaluate: Callable[[dict[int, int]], float | None], spent: Callable[[], bool],
+          improve_rel: float = _IMPROVE_REL) -> tuple[dict[int, int], float]:
+    """First-improvement hill climbing over ``_neighbours`` (split a bag, merge two, trade
+    two for two) until no move lowers the score by ``improve_rel``: the one climber of the
+    run-level search here and the per-step one (``pertopo``). ``evaluate(candidate)``
+    scores a composition, None to pass it by (scored before, or no layout); ``spent()``:
+    the evaluation budget is used up."""
     improved = True
-    while improved and len(scores) < max_evals:
+    while improved and not spent():
         improved = False
         for cand in _neighbours(counts, sizes):
-            if len(scores) >= max_evals:
+            if spent():
                 break
-            if _key(cand) in scores or _layout(cand, gpn, None) is None:
+            s = evaluate(cand)
+            if s is None:
                 continue
-            s = score(cand)
-            if s < counts_score * (1 - _IMPROVE_REL):
+            if s < counts_score * (1 - improve_rel):
                 counts, counts_score, improved = cand, s, True
                 break
     return counts, counts_score

@@ -38,7 +38,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .autotopo import _demand_seeds, _key, _neighbours
+from .autotopo import _demand_seeds, _key, climb
 from .blocks import _node_size, block_sizes
 from .cost import CostModel
 from .plan import BalancePlan
@@ -154,23 +154,17 @@ def plan_step(
     # Hill climbing from the best composition.
     if tried:
         start = min(tried, key=tried.get)
-        counts, current = {g: c for g, c in start}, tried[start]
-        improved = True
-        while improved and len(scores) < max_evals:
-            improved = False
-            for cand in _neighbours(counts, sizes):
-                if len(scores) >= max_evals:
-                    break
-                key = _key(cand)
-                if key in tried:
-                    continue
-                topo = layout(cand)
-                if topo is None:
-                    continue
-                tried[key] = s = evaluate(topo, "climb", cand)
-                if s < current * (1 - _IMPROVE_REL):
-                    counts, current, improved = cand, s, True
-                    break
+
+        def climb_to(cand: dict[int, int]) -> float | None:
+            key = _key(cand)
+            topo = None if key in tried else layout(cand)
+            if topo is None:
+                return None
+            tried[key] = s = evaluate(topo, "climb", cand)
+            return s
+
+        climb({g: c for g, c in start}, tried[start], sizes, climb_to, lambda: len(scores) >= max_evals,
+              improve_rel=_IMPROVE_REL)
     score, plan, source, _ = best
     if plan is None:
         first = next(iter(infeasible.items()))
