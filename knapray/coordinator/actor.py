@@ -11,6 +11,8 @@ replies stay a few hundred bytes whatever the world size.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -171,7 +173,8 @@ def create_coordinator(
     detached: bool = False,
     resources: dict[str, float] | None = None,
     start_timeout_s: float = 300.0,
-    **config: Any,
+    config: CoordinatorConfig | None = None,
+    **overrides: Any,
 ) -> ActorHandle:
     """Create (or get, if one by that name exists) the named coordinator actor.
 
@@ -182,7 +185,9 @@ def create_coordinator(
     Ray resources that place it (and its restarts), e.g. ``{"node:__internal_head__":
     0.001}`` for the head node, which a spot worker node's loss never takes with it.
     """
-    cfg = CoordinatorConfig.from_kwargs(**config)  # fail here, not in the actor
+    # ``config`` (typed: a run's is ``knapray.train.step_planner.coordinator_config``), its
+    # fields replaced by ``overrides``; or the fields alone. Checked here, not in the actor.
+    cfg = CoordinatorConfig.from_kwargs(**overrides) if config is None else dataclasses.replace(config, **overrides)
     import ray
 
     handle = (

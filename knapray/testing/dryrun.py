@@ -117,7 +117,7 @@ def check_setup(args: argparse.Namespace) -> Setup:
     gpn = cfg.balance.gpus_per_node or min(8, world)
     if cfg.run.fsdp != "none":
         ParallelConfig(fsdp=cfg.run.fsdp, gpus_per_node=gpn).mesh_shape(world)
-    topology = BalanceCoordinator(world_size=world, **coordinator_config(cfg)).topology_for(world)
+    topology = BalanceCoordinator(coordinator_config(cfg, world_size=world)).topology_for(world)
     from knapray.distributed import ParallelDims
 
     ParallelDims(topology, world, cfg.model.num_heads)

@@ -178,8 +178,8 @@ def _fit(cfg: TrainConfig, corpus: CorpusCheck, done_steps: int) -> dict:
         raise RunError(f"balance.coordinator_node={cfg.balance.coordinator_node!r}: no node of this Ray cluster has "
                        f"the resource {missing[0]!r}; give it to a node (a node type's resources in cluster.yaml, or "
                        "ray start --resources), or use 'head' or 'any'")
-    coordinator = create_coordinator(coordinator_name(cfg), state_dir=ledger_dir(run_dir), resources=placement,
-                                     **coordinator_config(cfg))
+    coordinator = create_coordinator(coordinator_name(cfg), resources=placement,
+                                     config=coordinator_config(cfg, state_dir=ledger_dir(run_dir)))
     start_timeout = worker_start_timeout(cfg, os.environ)
     if start_timeout is not None:
         # Ray Train reads it in the driver and hands it to its controller (ENV_VARS_TO_PROPAGATE).

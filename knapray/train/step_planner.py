@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from knapray.coordinator import (
     CoordinatorClient,
@@ -58,15 +59,16 @@ def coordinator_name(cfg: TrainConfig) -> str:
     return f"knapray-coordinator-{cfg.run.name}"
 
 
-def coordinator_config(cfg: TrainConfig) -> dict:
-    """The coordinator's settings from the run config (the driver creates the actor with
-    them; a rank planning locally builds the same planning model from them)."""
+def coordinator_config(cfg: TrainConfig, **extra: Any) -> CoordinatorConfig:
+    """The coordinator's settings from the run config, typed and checked (the driver
+    creates the actor with them; a rank planning locally builds the same planning model
+    from them). ``extra``: fields the run config does not hold (world_size, state_dir)."""
     cost = dict(cfg.balance.cost)
     if cfg.balance.planner == "cost":
         cost.setdefault("num_heads", cfg.model.num_heads)
         cost.setdefault("double_blocks", cfg.model.depth_double)
         cost.setdefault("single_blocks", cfg.model.depth_single)
-    return dict(
+    return CoordinatorConfig(
         topology=cfg.balance.topology, d_model=cfg.model.hidden_size, gamma=cfg.balance.gamma,
         attention_kind="cross" if cfg.model.family == "wan" else "joint",  # Wan cross-attends to its text
         solver=cfg.balance.solver, gpus_per_node=cfg.balance.gpus_per_node or None,
@@ -75,17 +77,18 @@ def coordinator_config(cfg: TrainConfig) -> dict:
         # An unbalanced run (balance.enabled false) does not run the coordinator's plans,
         # so its times must not fit them: no live fit there.
         live_fit=cfg.balance.live_fit and cfg.balance.enabled,
+        **extra,
     )
 
 
 def planning_model(cfg: TrainConfig):
     """What plans balance; the coordinator builds the same from ``coordinator_config``."""
-    return make_planning_model(CoordinatorConfig(**coordinator_config(cfg)))
+    return make_planning_model(coordinator_config(cfg))
 
 
 def live_fit(cfg: TrainConfig) -> LiveFit | None:
     """The local plans' live re-fit of the planning model (as the coordinator's), or None."""
-    return make_live_fit(CoordinatorConfig(**coordinator_config(cfg)))
+    return make_live_fit(coordinator_config(cfg))
 
 
 def hand_over(client: CoordinatorClient, rows: list[dict]) -> list[dict]:

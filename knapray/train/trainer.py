@@ -282,7 +282,7 @@ class Trainer:
                     except CoordinatorUnavailable:
                         topo = None
                 if topo is None:
-                    topo = BalanceCoordinator(world_size=self.world, **coordinator_config(self.cfg)).topology_for(
+                    topo = BalanceCoordinator(coordinator_config(self.cfg, world_size=self.world)).topology_for(
                         self.world, self.node_sizes)
             except ValueError as e:
                 error = (f"no topology for {self.world} workers on nodes of {list(self.node_sizes)} ranks "

@@ -220,7 +220,7 @@ def test_only_a_balanced_run_with_the_cost_planner_fits_live():
 
     assert isinstance(live_fit(cfg("balance.planner=cost")), LiveFit)
     assert live_fit(cfg("balance.planner=cost", "balance.enabled=false")) is None
-    assert coordinator_config(cfg("balance.planner=cost", "balance.enabled=false"))["live_fit"] is False
+    assert coordinator_config(cfg("balance.planner=cost", "balance.enabled=false")).live_fit is False
     assert live_fit(cfg("balance.planner=cost", "balance.live_fit=false")) is None
     assert live_fit(cfg("balance.planner=workload")) is None
 

@@ -99,8 +99,7 @@ def test_coordinator_killed_ranks_plan_locally_exactly_once(ray_session, tmp_pat
 
     # The actor is gone for 3 steps (its node died), then comes back and reloads its state.
     def recreate():
-        return create_coordinator(coordinator_name(cfg), state_dir=ledger_dir(cfg.run_dir),
-                           **coordinator_config(cfg))
+        return create_coordinator(coordinator_name(cfg), config=coordinator_config(cfg, state_dir=ledger_dir(cfg.run_dir)))
 
     summary, events = _run_with_chaos(cfg, kill_coordinator_at=1, coordinator_down_steps=3,
                                       recreate_coordinator=recreate)

@@ -152,6 +152,6 @@ def test_the_trainer_plans_wan_with_cross_attention():
             data=SimpleNamespace(max_tokens_per_gpu=0),
         )
     for planner in ("workload", "cost"):
-        wan = make_planning_model(CoordinatorConfig(**coordinator_config(cfg("wan", planner))))
-        flux = make_planning_model(CoordinatorConfig(**coordinator_config(cfg("mmdit", planner))))
+        wan = make_planning_model(coordinator_config(cfg("wan", planner)))
+        flux = make_planning_model(coordinator_config(cfg("mmdit", planner)))
         assert (wan.attention_kind, flux.attention_kind) == ("cross", "joint")
