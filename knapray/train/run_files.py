@@ -476,6 +476,11 @@ def distinct_topologies(records: list[dict]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for r in records:
         counts[r["topology"]] = counts.get(r["topology"], 0) + 1
+    return most_used_first(counts)
+
+
+def most_used_first(counts: dict[str, int]) -> dict[str, int]:
+    """``{topology: steps}`` ordered by steps, most first (ties by name)."""
     return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 

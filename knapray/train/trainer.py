@@ -21,6 +21,7 @@ newest checkpoint, topology, process groups, step planner, bad-data guard);
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import time
@@ -63,7 +64,7 @@ from .metrics import MetricsFile, StepRecord
 from .optim import LRSchedule, build_optimizer
 from .parallelize import materialize, parallelize
 from .sinks import MetricSinks, scalars_of
-from .run_files import distinct_topologies, truncate_metrics
+from .run_files import most_used_first, truncate_metrics
 from .step_planner import (
     Planned,
     StepPlanner,
@@ -75,6 +76,9 @@ from .step_planner import (
 )
 
 logger = logging.getLogger(__name__)
+
+RECORDS_RETURNED = 4096
+"""Step records ``train`` returns (the newest); every step's is in metrics.jsonl."""
 
 
 class TopologyError(ValueError):
@@ -298,7 +302,10 @@ class Trainer:
     def train(self) -> dict:
         """Train; returns rank 0's summary (other ranks return their own partial view)."""
         cfg = self.cfg
-        records: list[dict] = []
+        # The driver gets the last RECORDS_RETURNED step records (metrics.jsonl has them
+        # all): a long run's summary stays small, and nothing grows with its length here.
+        records: collections.deque[dict] = collections.deque(maxlen=RECORDS_RETURNED)
+        topologies: dict[str, int] = {}
         while self.epoch < cfg.data.epochs and not self._at_max_steps():
             # A resumed epoch skips the samples the ledger has for it; a new one skips none.
             skip = committed_ids(self.run_dir, self.epoch, through_step=self.resumed_from) \
@@ -326,6 +333,7 @@ class Trainer:
                     self.resumed_from = None
                     break
                 records.append(rec)
+                topologies[rec["topology"]] = topologies.get(rec["topology"], 0) + 1
                 self.step += 1
         self._apply_gradients()
         last = self.step - 1 if self.step > 0 else None
@@ -341,9 +349,9 @@ class Trainer:
             self.planner.finish(last)
         except CoordinatorUnavailable as e:
             logger.error("coordinator unreachable at the end of the run: ledger incomplete (%s)", e)
-        return {"steps": self.step, "records": records, "topology": str(self.topology),
-                "step_topologies": distinct_topologies(records), "node_sizes": list(self.node_sizes),
-                "world_size": self.world, "epoch": self.epoch}
+        return {"steps": self.step, "records": list(records), "topology": str(self.topology),
+                "step_topologies": most_used_first(topologies),
+                "node_sizes": list(self.node_sizes), "world_size": self.world, "epoch": self.epoch}
 
     def _at_max_steps(self) -> bool:
         return bool(self.cfg.run.max_steps) and self.step >= self.cfg.run.max_steps
