@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,17 +121,10 @@ def pair_requests(prompts: list, sizes: list[tuple[int, int]]) -> list[tuple[Any
 
 def read_run(run_dir: str, checkpoint: str | None = None) -> tuple[Any, str]:
     """(TrainConfig, checkpoint path) of a run directory, read without loading weights."""
-    from knapray.train.checkpoint import completed_checkpoints
-    from knapray.train.run_files import read_run_config
+    from knapray.train.run_files import read_run_config, run_checkpoint
 
     cfg = read_run_config(run_dir)
-    done = completed_checkpoints(os.path.join(run_dir, "checkpoints"))
-    path = checkpoint or (done[-1] if done else None)
-    if path is None:
-        raise ValueError(f"--run {run_dir}: no complete checkpoint to sample from")
-    if not os.path.exists(os.path.join(path, ".metadata")):
-        raise ValueError(f"--checkpoint {path}: not a checkpoint directory (no .metadata)")
-    return cfg, path
+    return cfg, run_checkpoint(run_dir, checkpoint, "sample from")
 
 
 def load_weights(cfg: Any, path: str, ema: bool = True, device: str = "cpu") -> tuple[Any, bool]:

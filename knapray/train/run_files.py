@@ -92,6 +92,20 @@ def saved_config(run_dir: str) -> dict | None:
     return doc
 
 
+def run_checkpoint(run_dir: str, checkpoint: str | None, purpose: str) -> str:
+    """``checkpoint``, or the run's newest complete one: a directory with DCP metadata;
+    ValueError naming the flag otherwise (``purpose``: what it is for, e.g. "export")."""
+    from .checkpoint import completed_checkpoints
+
+    done = completed_checkpoints(os.path.join(run_dir, "checkpoints"))
+    path = checkpoint or (done[-1] if done else None)
+    if path is None:
+        raise ValueError(f"--run {run_dir}: no complete checkpoint to {purpose}")
+    if not os.path.exists(os.path.join(path, ".metadata")):
+        raise ValueError(f"--checkpoint {path}: not a checkpoint directory (no .metadata)")
+    return path
+
+
 def read_run_config(run_dir: str) -> TrainConfig:
     """The config a finished or running run was trained with (``knapray sample``,
     ``knapray export``): its ``config.json`` checked as ``saved_config`` does, then as a

@@ -91,8 +91,8 @@ def export_run(run_dir: str, out: str, *, ema: bool = False, checkpoint: str | N
     run, checkpoint or output that cannot be exported."""
     from safetensors.torch import save_file
 
-    from knapray.train.checkpoint import completed_checkpoints, read_trainer_state, safe_load, saved_keys
-    from knapray.train.run_files import read_run_config
+    from knapray.train.checkpoint import read_trainer_state, safe_load, saved_keys
+    from knapray.train.run_files import read_run_config, run_checkpoint
 
     t0 = time.perf_counter()
     if dtype not in DTYPES:
@@ -105,12 +105,7 @@ def export_run(run_dir: str, out: str, *, ema: bool = False, checkpoint: str | N
     out = os.path.abspath(out)
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ValueError(f"--out {out}: exists and is not an empty directory; choose a new one")
-    done = completed_checkpoints(os.path.join(run_dir, "checkpoints"))
-    path = checkpoint or (done[-1] if done else None)
-    if path is None:
-        raise ValueError(f"--run {run_dir}: no complete checkpoint to export")
-    if not os.path.exists(os.path.join(path, ".metadata")):
-        raise ValueError(f"--checkpoint {path}: not a checkpoint directory (no .metadata)")
+    path = run_checkpoint(run_dir, checkpoint, "export")
     prefix = "ema" if ema else "model"
     saved = set(saved_keys(path))
     if ema and not any(k.startswith("ema.") for k in saved):
