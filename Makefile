@@ -46,10 +46,11 @@ test-quick: $(STAMP)
 # runs the gpu-marked tests, then a 30-step bf16 training run through the torchrun
 # launcher (NCCL, world 1); both always run, and the target fails if either failed.
 PYTHON ?= $(BIN)/python
+GPU_CHECK_TIMEOUT ?= 520
 gpu-check:
 	@rc=0; \
 	$(PYTHON) -m pytest -q -m gpu -p no:cacheprovider tests || rc=1; \
-	$(PYTHON) -m knapray.testing.gpu_check --steps 30 || rc=1; \
+	$(PYTHON) -m knapray.testing.gpu_check --steps 30 --timeout $(GPU_CHECK_TIMEOUT) || rc=1; \
 	exit $$rc
 
 bench: $(STAMP)

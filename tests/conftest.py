@@ -43,9 +43,16 @@ def ray_session():
     ray.shutdown()
 
 
+def _ray_installed() -> bool:
+    """Whether the real Ray is importable. tests/ is on sys.path, so without Ray the tier
+    directory tests/ray/ is found as a namespace package named ``ray`` (origin None)."""
+    spec = importlib.util.find_spec("ray")
+    return spec is not None and spec.origin is not None
+
+
 def pytest_collection_modifyitems(config, items):
     """Where Ray is not installed (the GPU machine), its tests skip instead of failing."""
-    if importlib.util.find_spec("ray") is not None:
+    if _ray_installed():
         return
     skip = pytest.mark.skip(reason="needs Ray (not installed here)")
     for item in items:
