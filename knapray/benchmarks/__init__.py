@@ -1,5 +1,5 @@
 """Benchmarks that print ratios measured side by side in one run: ``knapray bench
-planner|step|ledger|coordinator``, one subcommand each with only its own flags."""
+planner|step|ledger|data|kernels|coordinator``, one subcommand each with only its own flags."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ BENCHES = (
             "(this machine's disk)", run="cli"),
     Command("data", "knapray.benchmarks.data", "rows/s and MB/s per worker of the Ray Data and torchrun readers "
             "(before/after the zero-copy change, fp32/bf16 text) beside the rate one GPU needs", run="cli"),
+    Command("kernels", "knapray.benchmarks.kernels", "a block's matrix products and attention alone at a run's "
+            "shape: their model TFLOP/s and the ceiling a step could reach (GPU)", run="cli"),
     Command("coordinator", "knapray.benchmarks.coordinator", "the coordinator actor driven by simulated ranks at "
             "32 to 4096 ranks: plan latency, actor CPU, calls and bytes per step", run="cli"),
 )

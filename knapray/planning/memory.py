@@ -542,6 +542,12 @@ class MemoryModel:
                                   grads),
         )
 
+    def backward_overlap(self, tokens: int, grads: int, *, text_tokens: int = 0, sequences: int = 0) -> int:
+        """``MemoryBreakdown.overlap`` for gradients of ``grads`` bytes in all (e.g. a model
+        cast to bf16 whole, whose gradients are bf16, not the fp32 of mixed precision)."""
+        saved, _, _ = self.activation_bytes(tokens, text_tokens=text_tokens, sequences=sequences)
+        return self._overlap(tokens, text_tokens, saved - self._outside_saved(tokens, text_tokens, sequences), grads)
+
     def _outside_saved(self, tokens: int, text_tokens: int, sequences: int) -> int:
         s, b = self.shape, self.compute_bytes
         return ((tokens - text_tokens) * s.outside_bytes(b, True) + text_tokens * s.outside_bytes(b, False)

@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu", action="store_true", help="gloo on CPU with a tiny model (tests the chain)")
     p.add_argument("--only", action="append", choices=[c.name for c in GPU_CHECKS],
                    help="run only these GPU checks (default: all)")
+    p.add_argument("--profile", action="store_true",
+                   help="profile 3 steps after the warm-up (run.profile_steps) and print where the device time went")
     p.add_argument("--nproc", type=int, default=1, help="ranks (default 1)")
     p.add_argument("--topology", default=None, help="bags (default g1n<nproc>)")
     p.add_argument("--out", default=None, help="work directory (default: a temporary one, removed)")
@@ -104,7 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def write_config(check: Check, corpus: Path, run_root: Path, *, steps: int, topology: str, cpu: bool) -> Path:
+def profile_window(steps: int) -> list[int]:
+    """Three steps after the warm-up (fewer in a shorter run; the last steps if it is all warm-up)."""
+    start = min(WARMUP_STEPS, max(0, steps - 3))
+    return [start, min(steps, start + 3)]
+
+
+def write_config(check: Check, corpus: Path, run_root: Path, *, steps: int, topology: str, cpu: bool,
+                 profile: bool = False) -> Path:
     cfg = {
         "model": check.model,
         "data": {"corpus": str(corpus), "samples_per_step": check.samples_per_step, "epochs": 1, "seed": 0},
@@ -115,6 +124,8 @@ def write_config(check: Check, corpus: Path, run_root: Path, *, steps: int, topo
                 "final_checkpoint": False,  # the runs are judged, not resumed: no 15 GB writes
                 "log_every": 1, "timeout_s": 300, **check.run},
     }
+    if profile:
+        cfg["run"]["profile_steps"] = profile_window(steps)
     path = run_root / f"{check.name}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
@@ -173,8 +184,8 @@ def judge(records: list[dict], steps: int, cfg: MMDiTConfig, min_tflops: float |
     return lines, failures
 
 
-def run_check(check: Check, work: Path, *, steps: int, nproc: int, topology: str, cpu: bool, timeout: float
-              ) -> list[str]:
+def run_check(check: Check, work: Path, *, steps: int, nproc: int, topology: str, cpu: bool, timeout: float,
+              profile: bool = False) -> list[str]:
     """Run one check; prints its report and returns its failures."""
     corpus = work / f"corpus-{check.corpus_key}"
     if not (corpus / "schema.json").exists():
@@ -185,7 +196,7 @@ def run_check(check: Check, work: Path, *, steps: int, nproc: int, topology: str
                                         channels=check.model["in_channels"], text_dim=check.model["text_dim"],
                                         pooled_dim=check.model["pooled_dim"], shards=4, seed=0), corpus, progress=False)
         print(f"corpus: {check.mix} at 1/{check.scale} scale built in {time.perf_counter() - t0:.1f} s", flush=True)
-    config = write_config(check, corpus, work, steps=steps, topology=topology, cpu=cpu)
+    config = write_config(check, corpus, work, steps=steps, topology=topology, cpu=cpu, profile=profile)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "knapray.train.torchrun", "--config", str(config)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p),
@@ -210,6 +221,9 @@ def run_check(check: Check, work: Path, *, steps: int, nproc: int, topology: str
     if rc != 0:
         failures.insert(0, f"the training run exited with {rc}")
     print("\n".join(lines))
+    summary = work / check.name / "profile" / "rank0.txt"
+    if profile:
+        print(f"profile (rank 0):\n{summary.read_text().rstrip()}" if summary.exists() else "profile: none written")
     print(f"{check.name}: {'FAILED: ' + '; '.join(failures) if failures else 'passed'}", flush=True)
     return [f"{check.name}: {f}" for f in failures]
 
@@ -262,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             failures.append(f"{check.name}: not run (out of time)")
             continue
         failures += run_check(check, work, steps=args.steps, nproc=args.nproc, topology=topology, cpu=args.cpu,
-                              timeout=left)
+                              timeout=left, profile=args.profile)
         shutil.rmtree(work / check.name / "checkpoints", ignore_errors=True)  # none by default; never kept
     if not args.out:
         shutil.rmtree(work, ignore_errors=True)

@@ -320,6 +320,16 @@ class RunConfig:
     created. On a node with several NICs gloo otherwise binds whichever interface the
     hostname resolves to, which may not reach the other nodes. "" leaves the environment's
     GLOO_SOCKET_IFNAME (or gloo's choice) as it is. See docs/gpu.md."""
+    profile_steps: tuple[int, int] = field(default=(0, 0), metadata={"ge": 0, "le": MAX_STEPS})
+    """Profile steps [a, b) with torch.profiler on every rank: ``profile/rank<r>.trace.json``
+    (Chrome trace) and ``profile/rank<r>.txt`` (device busy time, kernel time by kind, the
+    heaviest kernels) in the run directory. [0, 0]: no profiling."""
+
+    def __post_init__(self) -> None:
+        a, b = self.profile_steps
+        if (a, b) != (0, 0) and not a < b:
+            raise ValueError(f"profile_steps [{a}, {b}] is empty: the first step must be below the second "
+                             "([0, 0]: no profiling)")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -63,6 +63,7 @@ from .ema import build_ema
 from .metrics import MetricsFile, StepRecord
 from .optim import LRSchedule, build_optimizer
 from .parallelize import materialize, parallelize
+from .profiling import StepProfiler
 from .sinks import MetricSinks, scalars_of
 from .run_files import most_used_first, truncate_metrics
 from .step_planner import (
@@ -228,6 +229,8 @@ class Trainer:
         self.duplicates = quarantined_duplicates(self.run_dir)
         """Ids pre-flight quarantined because several corpus rows carry them: never trained."""
         self.metrics = MetricsFile(self.run_dir) if self.rank == 0 else None
+        self.profiler = StepProfiler(self.run_dir, self.rank, cfg.run.profile_steps if any(cfg.run.profile_steps)
+                                     else None, self.device)
         self.sinks = MetricSinks(cfg, start_step=self.step) if self.rank == 0 else None
         largest_bag = max(self.topology.bags) if self.per_step_node is None else max(
             max(self.topology.bags), max(block_sizes(self.per_step_node, cfg.model.num_heads)))
@@ -323,7 +326,8 @@ class Trainer:
             )
             self.planner.begin_epoch(self.step, self.epoch, stream.peek_next())
             while not self._at_max_steps():
-                rec = self.train_step(stream)
+                with self.profiler.step(self.step):
+                    rec = self.train_step(stream)
                 if rec is None:  # the epoch is over for every rank
                     self._apply_gradients()  # an accumulation group the epoch cut short
                     # The end step trained nothing: the next epoch's first step takes its
@@ -336,6 +340,7 @@ class Trainer:
                 topologies[rec["topology"]] = topologies.get(rec["topology"], 0) + 1
                 self.step += 1
         self._apply_gradients()
+        self.profiler.close()
         last = self.step - 1 if self.step > 0 else None
         if cfg.run.final_checkpoint and last is not None and (self.last_saved, self.saved_epoch) != (last, self.epoch):
             # The last steps of a run are never lost, and the checkpoint says which epochs

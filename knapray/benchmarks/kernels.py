@@ -1,0 +1,185 @@
+"""Kernel ceiling: what a transformer block's matrix products and attention reach alone.
+
+A DiT block's model FLOPs (``knapray.models.flops``: ``24*L*d^2 + 4*L^2*d`` forward, x3 for
+forward + backward) are four matrix products per token (q/k/v, output projection, the MLP's
+two) and attention per sequence. This benchmark times exactly those, forward + backward,
+at a run's shape (width, heads, packed sequence lengths) in the run's dtype:
+
+- each matrix product alone, as ``x @ w`` with both inputs requiring gradients;
+- varlen attention over the packed sequences, per available backend
+  (``knapray.attention``: ``torch_varlen``, ``flash`` where installed, ``sdpa``);
+
+and prints each piece's model TFLOP/s beside the *ceiling*: the block's model FLOPs over
+the summed times of its pieces (the best attention backend), i.e. the speed a step would
+reach if everything else (norms, RoPE, modulation, activations, the optimizer, the host)
+were free. A training run's model TFLOP/s over this ceiling is the share of the device's
+reachable speed it gets; ``knapray.testing.gpu_check`` prints its runs' numbers for the
+same shape.
+
+    knapray bench kernels                       # the GPU check's Flux-width shape, bf16
+    knapray bench kernels --hidden 5120 --heads 40 --lengths 32760   # a Wan 14B 81-frame 720p clip
+
+Timed with CUDA events on a GPU (median of ``--repeat`` after ``--warmup``), wall clock on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Callable
+
+import torch
+
+DEFAULT_HIDDEN = 3072
+DEFAULT_HEADS = 24
+DEFAULT_LENGTHS = (4292, 4292, 4292, 4292)
+"""The GPU check's ``fsdp-compile`` steps: four 1024x1024 images, 4096 visual tokens each
+plus their text (17,166 tokens per step)."""
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], None], int, int], float]:
+    """A function timing ``fn`` (seconds, the median over ``repeat`` after ``warmup``)."""
+
+    def cuda_time(fn: Callable[[], None], warmup: int, repeat: int) -> float:
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(repeat):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
+
+    def wall_time(fn: Callable[[], None], warmup: int, repeat: int) -> float:
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    return cuda_time if device.type == "cuda" else wall_time
+
+
+def matmul_shapes(hidden: int, mlp_ratio: float = 4.0) -> list[tuple[str, int, int]]:
+    """(name, in, out) of a block's matrix products per token: 24*d^2 FLOPs forward in all."""
+    m = int(hidden * mlp_ratio)
+    return [("qkv", hidden, 3 * hidden), ("out", hidden, hidden), ("mlp_up", hidden, m), ("mlp_down", m, hidden)]
+
+
+def run(*, hidden: int = DEFAULT_HIDDEN, heads: int = DEFAULT_HEADS, lengths: tuple[int, ...] = DEFAULT_LENGTHS,
+        dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda", warmup: int = 3,
+        repeat: int = 10) -> dict:
+    from knapray.attention import available_backends, varlen_attention
+
+    device = torch.device(device)
+    if hidden % heads:
+        raise ValueError(f"--hidden {hidden} is not a multiple of --heads {heads}")
+    timed = _timer(device)
+    tokens = sum(lengths)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * 0.02).to(device=device, dtype=dtype)
+
+    pieces = []
+    for name, k, n in matmul_shapes(hidden):
+        x, w, g = rand(tokens, k).requires_grad_(), rand(k, n).requires_grad_(), rand(tokens, n)
+
+        def step(x=x, w=w, g=g) -> None:
+            (x @ w).backward(g)
+            x.grad = w.grad = None
+
+        seconds = timed(step, warmup, repeat)
+        flops = 3 * 2 * tokens * k * n
+        pieces.append({"piece": f"matmul {name} ({tokens}x{k} @ {k}x{n})", "kind": "matmul", "seconds": seconds,
+                       "model_flops": flops})
+
+    head_dim = hidden // heads
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    attn_flops = 3 * 4 * sum(L * L for L in lengths) * hidden
+    backends = available_backends(device) if device.type == "cuda" and dtype != torch.float32 else ["sdpa"]
+    for backend in backends:
+        q, k_, v = (rand(tokens, heads, head_dim).requires_grad_() for _ in range(3))
+        g = rand(tokens, heads, head_dim)
+
+        def step(q=q, k_=k_, v=v, g=g, backend=backend) -> None:
+            varlen_attention(q, k_, v, cu, max(lengths), backend=backend).backward(g)
+            q.grad = k_.grad = v.grad = None
+
+        try:
+            seconds = timed(step, warmup, repeat)
+        except (RuntimeError, NotImplementedError) as e:  # a backend that refuses this shape or dtype
+            pieces.append({"piece": f"attention {backend}", "kind": "attention", "error": str(e).splitlines()[0]})
+            continue
+        pieces.append({"piece": f"attention {backend} ({len(lengths)} seqs, {heads}x{head_dim})", "kind": "attention",
+                       "backend": backend, "seconds": seconds, "model_flops": attn_flops})
+    mm = sum(p["seconds"] for p in pieces if p["kind"] == "matmul")
+    attn = [p for p in pieces if p["kind"] == "attention" and "seconds" in p]
+    best = min(attn, key=lambda p: p["seconds"]) if attn else None
+    block_flops = 3 * (24 * tokens * hidden * hidden + 4 * sum(L * L for L in lengths) * hidden)
+    ceiling = block_flops / (mm + best["seconds"]) / 1e12 if best else None
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."), "hidden": hidden, "heads": heads,
+            "lengths": list(lengths), "pieces": pieces, "best_attention": best["backend"] if best else None,
+            "ceiling_tflops": ceiling,
+            "attention_share": best["seconds"] / (mm + best["seconds"]) if best else None}
+
+
+def report(r: dict) -> str:
+    lines = [f"kernel ceiling on {r['device']} (torch {r['torch']}, {r['dtype']}): d={r['hidden']}, "
+             f"{r['heads']} heads, sequences {r['lengths']} ({sum(r['lengths'])} tokens)",
+             f"{'piece':<58} {'ms':>8} {'model TFLOP/s':>14}"]
+    for p in r["pieces"]:
+        if "error" in p:
+            lines.append(f"{p['piece']:<58} {'-':>8} {'refused: ' + p['error'][:60]}")
+            continue
+        lines.append(f"{p['piece']:<58} {p['seconds'] * 1e3:8.3f} {p['model_flops'] / p['seconds'] / 1e12:14.1f}")
+    if r["ceiling_tflops"] is not None:
+        lines.append(f"ceiling: {r['ceiling_tflops']:.1f} model TFLOP/s = 3 x (24*N*d^2 + 4*sum(L^2)*d) over the "
+                     f"pieces' summed time (attention: {r['best_attention']}, {100 * r['attention_share']:.0f}% of it); "
+                     "everything else in a step counted as free")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from knapray.commands.flags import add_json, int_at_least, int_list
+
+    from knapray.limits import MAX_MODEL_WIDTH, MAX_SEQUENCE_TOKENS
+
+    p.add_argument("--hidden", type=int_at_least(1, MAX_MODEL_WIDTH), default=DEFAULT_HIDDEN, help=f"width (default {DEFAULT_HIDDEN})")
+    p.add_argument("--heads", type=int_at_least(1, MAX_MODEL_WIDTH), default=DEFAULT_HEADS, help=f"heads (default {DEFAULT_HEADS})")
+    p.add_argument("--lengths", type=int_list(MAX_SEQUENCE_TOKENS), default=None,
+                   help="packed sequence lengths, comma-separated (default: the GPU check's 4x4292)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
+    p.add_argument("--warmup", type=int_at_least(0, 1000), default=3)
+    p.add_argument("--repeat", type=int_at_least(1, 1000), default=10)
+    add_json(p)
+
+
+def cli(args: argparse.Namespace) -> int:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cuda", "cpu"):
+        print(f"knapray bench kernels: error: --device {device!r} is not one of cuda, cpu", file=sys.stderr)
+        return 2
+    if device == "cuda" and not torch.cuda.is_available():
+        print("knapray bench kernels: error: --device cuda but no CUDA device here", file=sys.stderr)
+        return 2
+    try:
+        r = run(hidden=args.hidden, heads=args.heads, lengths=tuple(args.lengths or DEFAULT_LENGTHS),
+                dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32, device=device,
+                warmup=args.warmup, repeat=args.repeat)
+    except ValueError as e:
+        print(f"knapray bench kernels: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(r) if args.json else report(r))
+    return 0

@@ -1,0 +1,159 @@
+"""A torch.profiler window over chosen training steps, and where its device time went.
+
+``metrics.profile_steps: [a, b]`` profiles steps a..b-1 on every rank. Each rank writes to
+``<run>/profile/``: ``rank<r>.trace.json`` (Chrome trace; open it in Perfetto or
+chrome://tracing) and ``rank<r>.txt``, a summary that reads without a viewer:
+
+- *device busy*: the union of the kernels' intervals over the window's wall time (a step
+  that waits on the host shows here as idle device time);
+- *by kind*: kernel time in matrix products, attention, compiled (Triton) kernels, other
+  elementwise kernels, communication and copies, as a share of the busy time;
+- the heaviest kernels by total time (or, on CPU, the heaviest operators by self time).
+
+``summarize`` is pure (a list of intervals in, text out) so it is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+KINDS = (
+    ("attention", ("flash", "fmha", "attention", "attn")),
+    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "wgmma", "matmul", "_mm_", "splitk", "::mm", "::addmm", "::bmm")),
+    ("communication", ("nccl", "allgather", "reducescatter", "all_to_all", "alltoall")),
+    ("copy", ("memcpy", "memset", "copy_")),
+    ("compiled", ("triton_",)),
+)
+"""Kernel kinds by substrings of their (lower-cased) names, first match wins; the rest
+are ``elementwise/other``."""
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, needles in KINDS:
+        if any(n in low for n in needles):
+            return kind
+    return "elementwise/other"
+
+
+@dataclass(frozen=True)
+class Interval:
+    name: str
+    start_us: float
+    end_us: float
+
+    @property
+    def us(self) -> float:
+        return max(0.0, self.end_us - self.start_us)
+
+
+def busy_us(intervals: list[Interval]) -> float:
+    """Length of the union of the intervals (overlapping kernels, e.g. on two streams,
+    count once)."""
+    total, end = 0.0, float("-inf")
+    for iv in sorted(intervals, key=lambda i: i.start_us):
+        if iv.end_us <= end:
+            continue
+        total += iv.end_us - max(iv.start_us, end)
+        end = iv.end_us
+    return total
+
+
+def summarize(kernels: list[Interval], wall_us: float, steps: int, *, top: int = 15, device: str = "cuda") -> str:
+    """The summary text of one rank's window: ``kernels`` are device kernels (or, on CPU,
+    top-level operators), ``wall_us`` the window's host wall time over ``steps`` steps."""
+    lines = [f"profiled steps: {steps}, wall {wall_us / 1e3:.1f} ms ({wall_us / 1e3 / max(steps, 1):.1f} ms per step)"]
+    total = sum(k.us for k in kernels)
+    if not kernels:
+        return "\n".join(lines + ["no kernels recorded"])
+    busy = busy_us(kernels)
+    what = "kernels" if device == "cuda" else "operators (self time)"
+    lines.append(f"device busy: {busy / 1e3:.1f} ms = {100 * busy / wall_us:.1f}% of the wall time"
+                 if device == "cuda" else f"{what}: {total / 1e3:.1f} ms")
+    by_kind: dict[str, float] = {}
+    by_name: dict[str, list[float]] = {}
+    for k in kernels:
+        by_kind[kind_of(k.name)] = by_kind.get(kind_of(k.name), 0.0) + k.us
+        entry = by_name.setdefault(k.name, [0.0, 0])
+        entry[0] += k.us
+        entry[1] += 1
+    lines.append(f"by kind ({what}, {total / 1e3:.1f} ms in all):")
+    for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {kind:<18} {us / 1e3:9.1f} ms  {100 * us / total:5.1f}%")
+    lines.append(f"top {top} by total time:")
+    for name, (us, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
+        short = name if len(name) <= 100 else name[:97] + "..."
+        lines.append(f"  {us / 1e3:9.2f} ms {n:6d}x  {100 * us / total:5.1f}%  {short}")
+    return "\n".join(lines)
+
+
+def _intervals(prof: torch.profiler.profile, device: str) -> tuple[list[Interval], float]:
+    """(device kernels, or top-level CPU operators on CPU; the host wall time of the
+    window's ``knapray_step`` ranges)."""
+    from torch.autograd import DeviceType
+
+    events = prof.events()
+    steps = [e for e in events if e.name == "knapray_step"]
+    wall = sum(e.time_range.elapsed_us() for e in steps)
+    if device == "cuda":
+        picked = [e for e in events if e.device_type == DeviceType.CUDA]
+        return [Interval(e.name, e.time_range.start, e.time_range.end) for e in picked], wall
+    # CPU: operators' self time (a child's time is its own), as back-to-back intervals.
+    out, t = [], 0.0
+    for e in events:
+        if e.device_type == DeviceType.CPU and e.name != "knapray_step" and e.self_cpu_time_total > 0:
+            out.append(Interval(e.name, t, t + e.self_cpu_time_total))
+            t += e.self_cpu_time_total
+    return out, wall
+
+
+class StepProfiler:
+    """Profiles steps ``[start, stop)``: ``with profiler.step(n): ...`` around each step."""
+
+    def __init__(self, run_dir: str, rank: int, window: tuple[int, int] | list[int] | None, device: torch.device):
+        self.dir = os.path.join(run_dir, "profile")
+        self.rank = rank
+        self.window = tuple(window) if window else None
+        self.device = "cuda" if device.type == "cuda" else "cpu"
+        self.prof: torch.profiler.profile | None = None
+        self.steps = 0
+        self.written: str | None = None
+
+    @contextlib.contextmanager
+    def step(self, n: int) -> Iterator[None]:
+        if self.window is None or self.written is not None or not self.window[0] <= n < self.window[1]:
+            yield
+            return
+        if self.prof is None:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if self.device == "cuda":
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=acts)
+            self.prof.__enter__()
+        with torch.profiler.record_function("knapray_step"):
+            yield
+        self.steps += 1
+        if n + 1 >= self.window[1]:
+            self.close()
+
+    def close(self) -> None:
+        """End the window (also when the run ends inside it) and write its files."""
+        if self.prof is None or self.written is not None:
+            return
+        if self.device == "cuda":
+            torch.cuda.synchronize()  # the window's last kernels, once, after its last step
+        self.prof.__exit__(None, None, None)
+        os.makedirs(self.dir, exist_ok=True)
+        self.prof.export_chrome_trace(os.path.join(self.dir, f"rank{self.rank}.trace.json"))
+        kernels, wall = _intervals(self.prof, self.device)
+        text = summarize(kernels, wall, self.steps, device=self.device)
+        path = os.path.join(self.dir, f"rank{self.rank}.txt")
+        with open(path, "w") as f:
+            f.write(text + "\n")
+        self.written = path
+        self.prof = None
