@@ -12,15 +12,20 @@ Backends:
   CUDA, fp16/bf16), bound to torch 2.10's signature (no ``scale``) or 2.11's (``torch_varlen``).
 - ``sdpa``: per-sequence ``F.scaled_dot_product_attention``, sequences of equal length
   batched into one call. Runs anywhere, any float dtype; the CPU reference path.
-- ``auto``: a fused kernel (``flash``, else ``torch_varlen``) for CUDA fp16/bf16 tensors,
-  otherwise ``sdpa``. fp32 q, k, v on CUDA take ``sdpa``: the model hands attention bf16
+- ``auto``: for CUDA fp16/bf16 tensors ``sdpa`` on Hopper and newer (sm90+: SDPA's own
+  kernel choice, measured 1.44x faster than ``torch_varlen`` forward + backward at 4 x 4.3k
+  tokens and 1.65x at one 32.8k-token sequence on an H100, torch 2.11, ``knapray bench
+  kernels``), else a fused varlen kernel (``flash``, else ``torch_varlen``); otherwise ``sdpa``. fp32 q, k, v on CUDA take ``sdpa``: the model hands attention bf16
   tensors under bf16 autocast, so fp32 here means an fp32 run.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+
+import numpy as np
 
 import torch
 import torch.nn.functional as F
@@ -60,10 +65,20 @@ def _kernel_usable(q: torch.Tensor) -> bool:
     return q.is_cuda and q.dtype in _HALF_DTYPES
 
 
+@functools.lru_cache(maxsize=None)
+def _hopper_or_newer(index: int) -> bool:
+    try:
+        return torch.cuda.get_device_capability(index)[0] >= 9
+    except (RuntimeError, AssertionError):  # no real device (a fake CUDA device)
+        return False
+
+
 def _resolve_backend(backend: str, q: torch.Tensor) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; valid: {list(BACKENDS)}")
     if backend == "auto":
+        if _kernel_usable(q) and _hopper_or_newer(q.device.index or 0):
+            return "sdpa"
         if _kernel_usable(q) and _flash_varlen is not None:
             return "flash"
         if _kernel_usable(q) and _torch_varlen is not None:
@@ -127,33 +142,37 @@ def _empty_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
 
 
 def _sdpa_varlen(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
+    seq_lens: Sequence[int] | None = None,
 ) -> torch.Tensor:
     n_tokens, n_heads, head_dim = q.shape
-    bounds = _bounds(cu_seqlens, n_tokens)
-    starts_by_len: dict[int, list[int]] = {}
+    # The host's lengths when given: reading cu_seqlens back from a GPU would wait for it.
+    bounds = _bounds(cu_seqlens, n_tokens) if seq_lens is None else \
+        _bounds(torch.tensor([0, *np.cumsum(seq_lens, dtype=np.int64).tolist()]), n_tokens)
+    # Runs of adjacent sequences of one length: each is a view (B, L, H, D) of the packed
+    # rows, so SDPA reads q, k, v in place (no gathered copies to save for backward), and
+    # the runs' outputs, in order, are the packed output.
+    runs: list[tuple[int, int, int]] = []  # (start, sequences, length)
     for start, end in zip(bounds, bounds[1:]):
-        if end > start:
-            starts_by_len.setdefault(end - start, []).append(start)
+        length = end - start
+        if not length:
+            continue
+        if runs and runs[-1][2] == length and runs[-1][0] + runs[-1][1] * length == start:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1, length)
+        else:
+            runs.append((start, 1, length))
 
-    rows, pieces = [], []
-    for length, starts in starts_by_len.items():
-        n_seqs = len(starts)
-        # (B, 1) + (1, L) -> (B, L) -> (B*L,): token rows of all sequences of this length
-        idx = (torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)).reshape(-1)
+    def view(x: torch.Tensor, start: int, n_seqs: int, length: int) -> torch.Tensor:
+        # rows [start, start + B*L) -> (B, L, H, D) -> (B, H, L, D): SDPA attends over L
+        return x.narrow(0, start, n_seqs * length).reshape(n_seqs, length, n_heads, head_dim).transpose(1, 2)
 
-        def batched(x: torch.Tensor) -> torch.Tensor:
-            # (B*L, H, D) -> (B, L, H, D) -> (B, H, L, D): SDPA attends over the L axis
-            return x[idx].reshape(n_seqs, length, n_heads, head_dim).transpose(1, 2)
-
-        out = F.scaled_dot_product_attention(batched(q), batched(k), batched(v), scale=scale)
+    pieces = []
+    for start, n_seqs, length in runs:
+        out = F.scaled_dot_product_attention(*(view(x, start, n_seqs, length) for x in (q, k, v)), scale=scale)
         # (B, H, L, D) -> (B, L, H, D) -> (B*L, H, D)
         pieces.append(out.transpose(1, 2).reshape(n_seqs * length, n_heads, head_dim))
-        rows.append(idx)
-    # Every token row belongs to exactly one group, so index_copy fills the whole output.
     # The output takes SDPA's dtype: q's, or the autocast dtype under autocast.
-    merged = torch.cat(pieces)
-    return merged.new_zeros(merged.shape).index_copy(0, torch.cat(rows), merged)
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def varlen_attention(
@@ -165,8 +184,12 @@ def varlen_attention(
     *,
     backend: str = "auto",
     scale: float | None = None,
+    seq_lens: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Non-causal attention within each packed sequence. q, k, v: (N, H, D) -> (N, H, D).
+
+    ``seq_lens``: the sequences' lengths on the host, if known (``cu_seqlens``' differences);
+    the ``sdpa`` path then never reads ``cu_seqlens`` back from the device.
 
     ``max_seqlen`` is the longest sequence (the fused kernels size their grid with it).
     ``scale`` defaults to ``1/sqrt(D)``. q, k, v must share one float dtype and device
@@ -179,7 +202,7 @@ def varlen_attention(
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if name == "sdpa":
-        return _sdpa_varlen(q, k, v, cu_seqlens, scale)
+        return _sdpa_varlen(q, k, v, cu_seqlens, scale, seq_lens)
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     max_seqlen = int(max_seqlen)
     if name == "flash":

@@ -140,7 +140,8 @@ class UlyssesAttention:
 
         def attend(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
             return varlen_attention(
-                qs, ks, vs, lay.cu_seqlens, lay.max_seqlen, backend=self.backend, scale=self.scale
+                qs, ks, vs, lay.cu_seqlens, lay.max_seqlen, backend=self.backend, scale=self.scale,
+                seq_lens=lay.seq_lens or None,
             )
 
         if lay.bag_size == 1:

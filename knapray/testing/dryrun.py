@@ -211,7 +211,7 @@ def _kernel_attention(watch):
 
     original = attention.varlen_attention
 
-    def stand_in(q, k, v, cu_seqlens, max_seqlen, *, backend="auto", scale=None):
+    def stand_in(q, k, v, cu_seqlens, max_seqlen, *, backend="auto", scale=None, seq_lens=None):
         attention.check_qkv(q, k, v)
         watch.check_attention(q, k, v)
         if q.shape[0] == 0:

@@ -101,7 +101,10 @@ def _intervals(prof: torch.profiler.profile, device: str) -> tuple[list[Interval
     steps = [e for e in events if e.name == "knapray_step"]
     wall = sum(e.time_range.elapsed_us() for e in steps)
     if device == "cuda":
-        picked = [e for e in events if e.device_type == DeviceType.CUDA]
+        # A record_function range (ours, the optimizer's) also shows on the device's timeline
+        # under its own name: only names no CPU event has are kernels.
+        host_names = {e.name for e in events if e.device_type == DeviceType.CPU}
+        picked = [e for e in events if e.device_type == DeviceType.CUDA and e.name not in host_names]
         return [Interval(e.name, e.time_range.start, e.time_range.end) for e in picked], wall
     # CPU: operators' self time (a child's time is its own), as back-to-back intervals.
     out, t = [], 0.0

@@ -340,7 +340,7 @@ class _Segments:
 
     def self_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q, k, v = (t.index_select(0, self.img_order) for t in (q, k, v))
-        return self._unsort(varlen_attention(q, k, v, self.cu, self.max_len))
+        return self._unsort(varlen_attention(q, k, v, self.cu, self.max_len, seq_lens=self.img_counts))
 
     def cross_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    pad: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
