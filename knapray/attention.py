@@ -12,16 +12,20 @@ Backends:
   CUDA, fp16/bf16), bound to torch 2.10's signature (no ``scale``) or 2.11's (``torch_varlen``).
 - ``sdpa``: per-sequence ``F.scaled_dot_product_attention``, sequences of equal length
   batched into one call. Runs anywhere, any float dtype; the CPU reference path.
-- ``auto``: for CUDA fp16/bf16 tensors ``sdpa`` on Hopper and newer (sm90+: SDPA's own
-  kernel choice, measured 1.44x faster than ``torch_varlen`` forward + backward at 4 x 4.3k
-  tokens and 1.65x at one 32.8k-token sequence on an H100, torch 2.11, ``knapray bench
-  kernels``), else a fused varlen kernel (``flash``, else ``torch_varlen``); otherwise ``sdpa``. fp32 q, k, v on CUDA take ``sdpa``: the model hands attention bf16
+- ``auto``: a fused kernel (``flash``, else ``torch_varlen``) for CUDA fp16/bf16 tensors,
+  otherwise ``sdpa``. fp32 q, k, v on CUDA take ``sdpa``: the model hands attention bf16
   tensors under bf16 autocast, so fp32 here means an fp32 run.
+
+On an H100 (torch 2.11, ``knapray bench kernels``, forward + backward) ``sdpa`` beats
+``torch_varlen`` on a few long sequences (4 x 4292 tokens: 429 vs 250 model TFLOP/s) and
+loses on many short ones (24 of 256-1536 tokens: 52 vs 214). With ``auto`` taking ``sdpa``
+(and, in the same try, ``index_select`` for the per-token modulation) the GPU check's eager
+run, mixed images and videos, fell from 115 to 19 model TFLOP/s. So ``auto`` stays with the
+fused varlen kernel; choosing per step from the step's sequences is open work (docs/gpu.md).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -65,20 +69,10 @@ def _kernel_usable(q: torch.Tensor) -> bool:
     return q.is_cuda and q.dtype in _HALF_DTYPES
 
 
-@functools.lru_cache(maxsize=None)
-def _hopper_or_newer(index: int) -> bool:
-    try:
-        return torch.cuda.get_device_capability(index)[0] >= 9
-    except (RuntimeError, AssertionError):  # no real device (a fake CUDA device)
-        return False
-
-
 def _resolve_backend(backend: str, q: torch.Tensor) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; valid: {list(BACKENDS)}")
     if backend == "auto":
-        if _kernel_usable(q) and _hopper_or_newer(q.device.index or 0):
-            return "sdpa"
         if _kernel_usable(q) and _flash_varlen is not None:
             return "flash"
         if _kernel_usable(q) and _torch_varlen is not None:

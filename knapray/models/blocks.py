@@ -55,8 +55,7 @@ class TokenStreams:
         return cls(*(host_to_device(a, device, torch.int64) for a in (txt_idx, img_idx, unorder)))
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # index_select: its backward is an index_add; x[idx]'s sorts the rows first (slow on CUDA)
-        return x.index_select(0, self.txt_idx), x.index_select(0, self.img_idx)
+        return x[self.txt_idx], x[self.img_idx]
 
     def merge(self, x_txt: torch.Tensor, x_img: torch.Tensor) -> torch.Tensor:
         return torch.cat((x_txt, x_img))[self.unorder]

@@ -138,10 +138,7 @@ class Modulation(nn.Module):
     def forward(self, vec_seq: torch.Tensor, seq_index: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """vec_seq (S, dim), seq_index (n,) -> n_chunks tensors of (n, dim)."""
         per_seq = self.lin(F.silu(vec_seq))  # (S, n_chunks*dim)
-        # index_select, not per_seq[seq_index]: the backward adds rows (index_add) instead of
-        # sorting them first (advanced indexing's backward: the costliest kernel of the GPU check's
-        # eager step on an H100, 24% of its kernel time, with the streams' split below)
-        return per_seq.index_select(0, seq_index).chunk(self.n_chunks, dim=-1)
+        return per_seq[seq_index].chunk(self.n_chunks, dim=-1)
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -23,11 +23,11 @@ from typing import Iterator
 import torch
 
 KINDS = (
+    ("compiled", ("triton_",)),
     ("attention", ("flash", "fmha", "attention", "attn")),
     ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "wgmma", "matmul", "_mm_", "splitk", "::mm", "::addmm", "::bmm")),
     ("communication", ("nccl", "allgather", "reducescatter", "all_to_all", "alltoall")),
     ("copy", ("memcpy", "memset", "copy_")),
-    ("compiled", ("triton_",)),
 )
 """Kernel kinds by substrings of their (lower-cased) names, first match wins; the rest
 are ``elementwise/other``."""

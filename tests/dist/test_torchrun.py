@@ -20,9 +20,9 @@ def _run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
 @pytest.mark.dist
 def test_gpu_check_chain_on_two_gloo_ranks(tmp_path):
     """torch.distributed.run -> knapray.train.torchrun -> Trainer on 2 ranks, judged as
-    on a GPU: steps ran, loss fell, speed and the FLOP formula printed."""
+    on a GPU: steps ran, loss fell, speed and the FLOP formula printed, a profile written."""
     out = _run(["-m", "knapray.testing.gpu_check", "--cpu", "--nproc", "2", "--topology", "g2n1",
-                "--steps", "8", "--out", str(tmp_path)])
+                "--steps", "8", "--profile", "--out", str(tmp_path)])
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     text = out.stdout
     assert "GPU CHECK PASSED" in text
@@ -30,6 +30,10 @@ def test_gpu_check_chain_on_two_gloo_ranks(tmp_path):
     for line in ("loss first -> last", "tokens/s", "model TFLOP/s/GPU", "model FLOPs = 3 (fwd+bwd) x 2 blocks"):
         assert line in text
     assert (tmp_path / "cpu" / "summary.json").exists() and "cpu: passed" in text
+    # --profile: steps 5..7 on every rank (run.profile_steps), rank 0's summary printed
+    assert "profile (rank 0):\nprofiled steps: 3," in text
+    for rank in (0, 1):
+        assert (tmp_path / "cpu" / "profile" / f"rank{rank}.trace.json").exists()
 
 
 # What the GPU machine lacks: it has torch (CUDA), numpy, pyarrow, pyyaml, matplotlib, pytest

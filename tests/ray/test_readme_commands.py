@@ -199,6 +199,9 @@ RULES = (
     Rule(r"^knapray reference .*--world-size [2-9]", "parse", "spawns 4 gloo processes; tests/dist/test_flux_dist.py runs "
          "the balanced reference check"),
     Rule(r"^knapray reference ", "run"),
+    Rule(r"^knapray bench kernels", "run", "a tiny shape on the CPU (the documented ones are GPU-size)",
+         extra=("--device", "cpu", "--hidden", "64", "--heads", "2", "--lengths", "40,24", "--dtype", "fp32",
+                "--warmup", "0", "--repeat", "1")),
     Rule(r"^knapray bench data ", "parse", "builds and reads ~560 MB of Flux-width corpora for minutes; "
          "tests/unit/test_data_path.py checks the readers it times"),
     Rule(r"^knapray bench planner --ranks", "parse", "16384 ranks take seconds per step and solver; "
