@@ -19,7 +19,7 @@ COMMANDS = (
     Command("bench", "knapray.benchmarks", "benchmarks (ratios measured side by side): planner, step, ledger, coordinator"),
     Command("simulate", "knapray.commands.simulate",
             "predicted step time per rank: unbalanced, greedy, knapray (cost model)"),
-    Command("calibrate", "knapray.calibrate", "time packed batches on this device, fit the cost model, write a "
+    Command("calibrate", "knapray.commands.calibrate", "time packed batches on this device, fit the cost model, write a "
             "profile; or --validate a profile on held-out batches", run="cli"),
     Command("memory", "knapray.commands.memory",
             "per-GPU memory of a run config and the largest token budget that fits"),

@@ -17,7 +17,7 @@ reachable speed it gets; ``knapray.testing.gpu_check`` prints its runs' numbers 
 same shape.
 
     knapray bench kernels                       # the GPU check's Flux-width shape, bf16
-    knapray bench kernels --hidden 5120 --heads 40 --lengths 32760   # a Wan 14B 81-frame 720p clip
+    knapray bench kernels --hidden 5120 --heads 40 --seq-lens 32760   # a Wan 14B 81-frame 720p clip
 
 Timed with CUDA events on a GPU (median of ``--repeat`` after ``--warmup``), wall clock on CPU.
 """
@@ -35,6 +35,8 @@ import torch
 
 DEFAULT_HIDDEN = 3072
 DEFAULT_HEADS = 24
+MAX_REPEAT = 1000
+"""Largest --warmup / --repeat."""
 DEFAULT_LENGTHS = (4292, 4292, 4292, 4292)
 """The GPU check's ``fsdp-compile`` steps: four 1024x1024 images, 4096 visual tokens each
 plus their text (17,166 tokens per step)."""
@@ -151,33 +153,41 @@ def report(r: dict) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from knapray.commands.flags import add_json, int_at_least, int_list
+    from knapray.commands.flags import add_device, add_dtype, add_json, int_at_least, int_list
 
-    from knapray.limits import MAX_MODEL_WIDTH, MAX_SEQUENCE_TOKENS
+    from knapray.limits import MAX_SEQUENCE_TOKENS
 
-    p.add_argument("--hidden", type=int_at_least(1, MAX_MODEL_WIDTH), default=DEFAULT_HIDDEN, help=f"width (default {DEFAULT_HIDDEN})")
-    p.add_argument("--heads", type=int_at_least(1, MAX_MODEL_WIDTH), default=DEFAULT_HEADS, help=f"heads (default {DEFAULT_HEADS})")
-    p.add_argument("--lengths", type=int_list(MAX_SEQUENCE_TOKENS), default=None,
+    p.add_argument("--hidden", type=int_at_least(1), default=DEFAULT_HIDDEN, help=f"width (default {DEFAULT_HIDDEN})")
+    p.add_argument("--heads", type=int_at_least(1), default=DEFAULT_HEADS, help=f"heads (default {DEFAULT_HEADS})")
+    p.add_argument("--seq-lens", type=int_list(MAX_SEQUENCE_TOKENS), default=None,
                    help="packed sequence lengths, comma-separated (default: the GPU check's 4x4292)")
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
-    p.add_argument("--warmup", type=int_at_least(0, 1000), default=3)
-    p.add_argument("--repeat", type=int_at_least(1, 1000), default=10)
+    add_dtype(p, "compute dtype (auto: bf16 on CUDA, fp32 on CPU)")
+    add_device(p)
+    p.add_argument("--warmup", type=int_at_least(0), default=3, help="untimed repetitions first (default 3)")
+    p.add_argument("--repeat", type=int_at_least(1), default=10, help="timed repetitions, median taken (default 10)")
     add_json(p)
 
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
 def cli(args: argparse.Namespace) -> int:
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device not in ("cuda", "cpu"):
-        print(f"knapray bench kernels: error: --device {device!r} is not one of cuda, cpu", file=sys.stderr)
-        return 2
+    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else \
+        "cpu" if args.device == "auto" else args.device
     if device == "cuda" and not torch.cuda.is_available():
         print("knapray bench kernels: error: --device cuda but no CUDA device here", file=sys.stderr)
         return 2
+    dtype = DTYPES[args.dtype] if args.dtype != "auto" else torch.bfloat16 if device == "cuda" else torch.float32
+    from knapray.limits import MAX_MODEL_WIDTH
+
+    for flag, value, most in (("--hidden", args.hidden, MAX_MODEL_WIDTH), ("--heads", args.heads, MAX_MODEL_WIDTH),
+                              ("--warmup", args.warmup, MAX_REPEAT), ("--repeat", args.repeat, MAX_REPEAT)):
+        if value > most:
+            print(f"knapray bench kernels: error: {flag} {value}: at most {most}", file=sys.stderr)
+            return 2
     try:
-        r = run(hidden=args.hidden, heads=args.heads, lengths=tuple(args.lengths or DEFAULT_LENGTHS),
-                dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32, device=device,
-                warmup=args.warmup, repeat=args.repeat)
+        r = run(hidden=args.hidden, heads=args.heads, lengths=tuple(args.seq_lens or DEFAULT_LENGTHS),
+                dtype=dtype, device=device, warmup=args.warmup, repeat=args.repeat)
     except ValueError as e:
         print(f"knapray bench kernels: error: {e}", file=sys.stderr)
         return 2

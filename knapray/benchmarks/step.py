@@ -607,7 +607,7 @@ def _variant_label(row: dict) -> str:
 
 def plot_rank_compute(path: str, result: dict) -> str:
     """Bars of mean per-rank compute time, unbalanced vs balanced."""
-    from knapray.plots import _plt
+    from knapray.train.plots import _plt
 
     plt = _plt()
     unbal = np.asarray(result["unbalanced"]["rank_compute_s"])

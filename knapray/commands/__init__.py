@@ -3,4 +3,4 @@ shares), ``registry`` (subcommands whose module is imported only when used), and
 subcommands whose code lives in packages that keep no command-line code (``plan``,
 ``simulate``, ``parity``, ``memory``, ``reference``, ``export``, ``sample``: the sampler
 itself is ``models/sampling.py``). The other subcommands keep their arguments next to
-their code: ``train/job.py``, ``corpus/ingest.py``, ``calibrate.py``, ``benchmarks/``."""
+their code: ``train/job.py``, ``corpus/ingest.py``, ``commands/calibrate.py``, ``benchmarks/``."""

@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
 def _plot_comparison(cfg, base_cfg, balanced: dict) -> None:
     """comparison.png: both runs' per-step planned and measured max/mean, and their measured
     per-rank compute, over the steps the table's means are taken over."""
-    from knapray.plots import plot_run_comparison
+    from knapray.train.plots import plot_run_comparison
     from knapray.train.run_files import read_metrics, summary_steps
 
     b, u = read_metrics(cfg.run_dir), read_metrics(base_cfg.run_dir)

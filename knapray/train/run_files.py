@@ -572,7 +572,7 @@ def write_run_files(cfg: TrainConfig, summary: dict) -> dict:
     # Per-rank pictures need one world size: an elastic run plots its last one.
     records = [r for r in records if r["world_size"] == records[-1]["world_size"]] if records else []
     if records:
-        from knapray.plots import plot_rank_work
+        from knapray.train.plots import plot_rank_work
 
         body = summary_steps(records)
         plot_rank_work(

@@ -200,7 +200,7 @@ RULES = (
          "the balanced reference check"),
     Rule(r"^knapray reference ", "run"),
     Rule(r"^knapray bench kernels", "run", "a tiny shape on the CPU (the documented ones are GPU-size)",
-         extra=("--device", "cpu", "--hidden", "64", "--heads", "2", "--lengths", "40,24", "--dtype", "fp32",
+         extra=("--device", "cpu", "--hidden", "64", "--heads", "2", "--seq-lens", "40,24", "--dtype", "fp32",
                 "--warmup", "0", "--repeat", "1")),
     Rule(r"^knapray bench data ", "parse", "builds and reads ~560 MB of Flux-width corpora for minutes; "
          "tests/unit/test_data_path.py checks the readers it times"),

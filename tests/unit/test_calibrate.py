@@ -183,7 +183,7 @@ def test_validate_fails_on_a_wrong_profile(tiny_profile, tmp_path, capsys):
 def test_calibration_checkpoints_and_compiles_through_the_trainers_parallelize():
     """The profile's mode is the trainer's: ``parallelize`` wraps the blocks (parameter names
     unchanged, the blocks the checkpointing rule picks), not a calibration-only wrapper."""
-    from knapray.calibrate import _Bench
+    from knapray.commands.calibrate import _Bench
     from knapray.models import MMDiT
 
     dims = {"hidden_size": 32, "num_heads": 2, "depth_double": 1, "depth_single": 2}

@@ -59,10 +59,12 @@ def test_a_shared_flag_means_the_same_in_every_subcommand(parsers):
 
 def test_each_benchmark_has_only_its_own_flags(parsers):
     benches = {n: set(_options(p)) for n, p in parsers.items() if n.startswith("bench ")}
-    assert sorted(benches) == ["bench coordinator", "bench data", "bench ledger", "bench planner", "bench step"]
+    assert sorted(benches) == ["bench coordinator", "bench data", "bench kernels", "bench ledger", "bench planner",
+                               "bench step"]
     assert set(_options(parsers["bench"])) == {"-h", "--help"}
-    # --ranks: world sizes (planner, coordinator); --dir: where a bench writes its files (ledger, data)
-    common = {"-h", "--help", "--steps", "--seed", "--json", "--ranks", "--dir"}
+    # --ranks: world sizes (planner, coordinator); --dir: where a bench writes its files (ledger, data);
+    # --hidden, --heads, --warmup: the model's width and heads, untimed first runs (step, kernels)
+    common = {"-h", "--help", "--steps", "--seed", "--json", "--ranks", "--dir", "--hidden", "--heads", "--warmup"}
     for (a, fa), (b, fb) in itertools.combinations(benches.items(), 2):
         assert fa & fb <= common, (a, b, fa & fb - common)
     assert "--sizes" in benches["bench ledger"] and "--fsdp" in benches["bench step"]
@@ -96,7 +98,7 @@ def test_a_wrong_spelling_is_one_line_and_exit_2(argv, names, capsys):
 
 
 def test_calibrate_takes_the_run_configs_model_and_mode(tmp_path, parsers):
-    from knapray.calibrate import calibration_args
+    from knapray.commands.calibrate import calibration_args
 
     config = tmp_path / "run.yaml"
     config.write_text("model: {hidden_size: 96, num_heads: 6, depth_double: 3, depth_single: 5}\n"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from knapray.plots import Line, over_mean, plot_rank_work
+from knapray.train.plots import Line, over_mean, plot_rank_work
 from knapray.train.config import load_config
 from knapray.train.run_files import run_title, summarize, summary_steps
 

@@ -90,3 +90,14 @@ def test_kernel_bench_bad_flag_is_one_line_and_exit_2(capsys):
     assert main(["bench", "kernels", "--hidden", "64", "--heads", "3", "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "knapray bench kernels: error: --hidden 64 is not a multiple of --heads 3"
+    assert main(["bench", "kernels", "--repeat", "5000", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.strip() == "knapray bench kernels: error: --repeat 5000: at most 1000"
+
+
+def test_kernel_bench_command_on_cpu(capsys):
+    from knapray.cli import main
+
+    assert main(["bench", "kernels", "--device", "cpu", "--hidden", "32", "--heads", "2", "--seq-lens", "8,8",
+                 "--warmup", "0", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "kernel ceiling on cpu" in out and "float32" in out and "ceiling:" in out
