@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="picks the steps at which things die")
     args = p.parse_args(argv)
     cfg = load_config(args.config, [
-        "run.name=chaos", "run.max_steps=0", "run.max_failures=2", "run.checkpoint_every=4",
+        "run.name=chaos", "run.max_steps=0", "run.max_failures=2", "checkpoint.every=4",
         "balance.coordinator_timeout_s=5", *args.set,
     ])
 
@@ -43,16 +43,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[chaos] building the demo corpus in {cfg.data.corpus}", flush=True)
         build_synthetic(DEMO, cfg.data.corpus, progress=False)
     ids = [i for s in shard_paths(cfg.data.corpus) for i in pq.read_table(s, columns=["sample_id"])["sample_id"].to_pylist()]
-    steps = len(ids) // (cfg.run.num_workers * cfg.data.samples_per_step)
+    steps = len(ids) // (cfg.scaling.num_workers * cfg.data.samples_per_step)
     rng = random.Random(args.seed)
     kill_worker_at = rng.randrange(2, max(3, steps // 2))
     kill_coordinator_at = rng.randrange(steps // 2, max(steps // 2 + 1, steps - 3))
-    worker_rank = rng.randrange(cfg.run.num_workers)
+    worker_rank = rng.randrange(cfg.scaling.num_workers)
     print(f"[chaos] {len(ids)} samples, ~{steps} steps; SIGKILL rank {worker_rank} after step {kill_worker_at}, "
           f"kill the coordinator after step {kill_coordinator_at}", flush=True)
 
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
-    ray.init(num_cpus=max(4, int(cfg.run.num_workers * cfg.run.cpus_per_worker) + 2),
+    ray.init(num_cpus=max(4, int(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker) + 2),
              include_dashboard=False, log_to_driver=False)
     import shutil
 

@@ -25,7 +25,7 @@ MAX_GLOBAL_BATCH = 1 << 20
 """Samples per step over the world (``data.global_batch``): 1,048,576."""
 
 MAX_MICRO_BATCHES = 1 << 16
-"""Micro-batches of an optimizer step (``optim.grad_accum_steps``), and ``run.ac_every``."""
+"""Micro-batches of an optimizer step (``optim.grad_accum_steps``), and ``parallel.ac_every``."""
 
 MAX_RESOLUTION = 1 << 15
 """A data code's side in pixels (R): 32,768."""

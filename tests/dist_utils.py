@@ -115,7 +115,7 @@ def local_config(corpus: str, run_root: str, name: str, overrides: list[str]):
 
     return load_config(None, [
         f"data.corpus={corpus}", "data.samples_per_step=2", "balance.coordinator=false", f"run.name={name}",
-        f"run.storage={run_root}", "run.checkpoint_every=0", "run.precision=fp32", *overrides,
+        f"run.storage={run_root}", "checkpoint.every=0", "parallel.precision=fp32", *overrides,
     ])
 
 

@@ -66,7 +66,8 @@ import torch
 from knapray.distributed.local import free_port, init_local_gloo
 
 from knapray.models import MMDiT, MMDiTConfig
-from knapray.testing.parity import Parallelism
+from knapray.distributed.parallel_dims import ParallelDims
+from knapray.train.parallelize import ParallelConfig
 from knapray.planning import Topology, WorkloadModel, identity_plan, plan_balance
 
 DEFAULT_MIX = "g1b2i512f34s1,g3b4i256f1s0"
@@ -81,14 +82,27 @@ LOSS_TOL = 1e-4
 baseline in fp32: the same math in another order differs by ~1e-7."""
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class StepVariant(Parallelism):
-    """One way to parallelize the model for the balanced step (``parallelize`` keywords)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepVariant:
+    """One way to parallelize the model for the balanced step."""
 
     name: str
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    gpus_per_node: int | None = None
+    """Ranks per 'node' of the hybrid FSDP mesh."""
 
-    def parallelize_kwargs(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "name"}
+    def describe(self) -> dict:
+        """Plain values for the report (JSON)."""
+        return {"name": self.name, **self.parallel.describe(), "gpus_per_node": self.gpus_per_node}
+
+    def to_spawn(self) -> tuple:
+        return self.name, {f.name: getattr(self.parallel, f.name) for f in dataclasses.fields(self.parallel)}, \
+            self.gpus_per_node
+
+    @classmethod
+    def from_spawn(cls, t: tuple) -> "StepVariant":
+        name, parallel, gpn = t
+        return cls(name=name, parallel=ParallelConfig(**parallel), gpus_per_node=gpn)
 
 
 def step_variants(
@@ -98,27 +112,22 @@ def step_variants(
     """The variants to measure beside the eager baseline: each requested feature alone, then
     all of them together when more than one was requested. Checked here (ValueError), before
     any process is spawned."""
-    from knapray.train.parallelize import ParallelConfig
-
-    cfg = ParallelConfig(fsdp=fsdp, ac=ac, ac_every=ac_every, compile=compile,
-                         compile_backend=compile_backend, gpus_per_node=gpus_per_node)
+    cfg = ParallelConfig(fsdp=fsdp, ac=ac, ac_every=ac_every, compile=compile, compile_backend=compile_backend)
     if cfg.fsdp != "none":
-        cfg.mesh_shape(world_size)
+        ParallelDims(world_size=world_size, gpus_per_node=gpus_per_node).mesh_shape(cfg.fsdp)
     if compile_backend not in ("inductor", "aot_eager"):
         raise ValueError(f"compile_backend must be one of ['inductor', 'aot_eager'], got {compile_backend!r}")
     ac_name = f"ac every_{ac_every}" if ac == "every_k" else f"ac {ac}"
     alone = []
     if fsdp != "none":
-        alone.append(StepVariant(name=f"fsdp {fsdp}", fsdp=fsdp, gpus_per_node=gpus_per_node))
+        alone.append(StepVariant(name=f"fsdp {fsdp}", parallel=ParallelConfig(fsdp=fsdp), gpus_per_node=gpus_per_node))
     if ac != "none":
-        alone.append(StepVariant(name=ac_name, ac=ac, ac_every=ac_every))
+        alone.append(StepVariant(name=ac_name, parallel=ParallelConfig(ac=ac, ac_every=ac_every)))
     if compile:
-        alone.append(StepVariant(name=f"compile {compile_backend}", compile=True, compile_backend=compile_backend))
+        alone.append(StepVariant(name=f"compile {compile_backend}",
+                                 parallel=ParallelConfig(compile=True, compile_backend=compile_backend)))
     if len(alone) > 1:
-        alone.append(StepVariant(
-            name="+".join(v.name for v in alone), fsdp=fsdp, ac=ac, ac_every=ac_every, compile=compile,
-            compile_backend=compile_backend, gpus_per_node=gpus_per_node,
-        ))
+        alone.append(StepVariant(name="+".join(v.name for v in alone), parallel=cfg, gpus_per_node=gpus_per_node))
     return alone
 
 
@@ -201,13 +210,14 @@ def _worker(rank: int, world: int, port: int, out_dir: str, opts: dict) -> None:
         workload = WorkloadModel(d_model=cfg.hidden_size, gamma=opts["gamma"])
         # One model per variant, the same initial weights in each (parallelize mutates in
         # place). Every rank builds them in one order: FSDP meshes create process groups.
-        variants = [StepVariant(**v) for v in opts["variants"]]
+        variants = [StepVariant.from_spawn(v) for v in opts["variants"]]
         parallel = {}
-        for name, kwargs in [(BASELINE, {}), *((v.name, v.parallelize_kwargs()) for v in variants)]:
+        for v in [StepVariant(name=BASELINE), *variants]:
             torch.manual_seed(opts["seed"])
             model = MMDiT(cfg)
             model.init_weights(std=0.02)
-            parallel[name] = parallelize(model, **kwargs, world_size=world, device_type="cpu")
+            parallel[v.name] = parallelize(model, v.parallel, ParallelDims(world_size=world,
+                                                                           gpus_per_node=v.gpus_per_node))
         modes = [*MODES, *(v.name for v in variants)]
         records = []
         memory: dict[str, dict] = {}
@@ -367,7 +377,7 @@ def _variant_row(v: StepVariant, summary: dict, base: dict, records: list[dict],
     and the math check."""
     mine = [r for r in records if r["mode"] == v.name]
     return {
-        **dataclasses.asdict(v),
+        **v.describe(),
         "steps": summary["steps"],
         "step_wall_s": summary["step_wall_s"],
         "compute_max_s": summary["compute_max_s"],
@@ -452,7 +462,7 @@ def run_step_bench(
     opts = {
         "cfg": dataclasses.asdict(cfg), "mix": mix, "scale": scale, "topology": topology,
         "max_text_tokens": max_text_tokens, "gamma": gamma, "steps": steps, "seed": seed,
-        "variants": [dataclasses.asdict(v) for v in variants],
+        "variants": [v.to_spawn() for v in variants],
     }
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

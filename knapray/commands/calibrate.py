@@ -62,7 +62,7 @@ from knapray.planning.costfit import (
     mean_abs_error,
     validation_batches,
 )
-from knapray.train.parallelize import parallelize
+from knapray.train.parallelize import ParallelConfig, parallelize
 
 CPU_BUDGETS = (1024, 2048, 3072)
 """On CPU the per-token cost grows once a batch's activations leave the 2 MB L2 cache
@@ -156,7 +156,7 @@ class _Bench:
             self.model.init_weights(std=0.02)  # non-degenerate: no all-zero modulation shortcuts
         # The trainer's own checkpointing and compile (``parallelize``): the mode a profile
         # records is then the mode a run executes.
-        parallelize(self.model, ac="full" if ac else "none", compile=compile)
+        parallelize(self.model, ParallelConfig(ac="full" if ac else "none", compile=bool(compile)))
         self.compile = bool(compile)
         probe = torch.zeros(1, self.cfg.num_heads, self.cfg.head_dim, device=self.dev, dtype=self.dtype)
         self.backend = _resolve_backend("auto", probe)
@@ -444,8 +444,8 @@ def _command(hidden, heads, dd, ds, budgets, short, longest, repeats, bench: _Be
 # ---- the command ----------------------------------------------------------------------------
 
 DESCRIPTION = ("Time packed batches on this device, fit the cost model, write a profile; or --validate a profile "
-               "on held-out batches. With --config, the run's model size and execution mode (run.precision, "
-               "run.activation_checkpointing, run.compile, run.use_gpu) are calibrated; flags override them.")
+               "on held-out batches. With --config, the run's model size and execution mode (parallel.precision, "
+               "parallel.activation_checkpointing, parallel.compile, scaling.use_gpu) are calibrated; flags override them.")
 DEFAULT_DIMS = {"hidden": 128, "heads": 4, "depth_double": 1, "depth_single": 1}
 
 
@@ -474,10 +474,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "budget on GPU)")
     p.add_argument("--repeats", type=int_at_least(1), default=7,
                    help="timed runs per batch; the fastest counts (default 7)")
-    add_device(p, help="where to time (default: run.use_gpu with --config, else cuda if present)")
-    add_dtype(p, help="compute dtype (default: run.precision with --config, else bf16 on GPU, fp32 on CPU)")
-    add_compile(p, "torch.compile every block (dynamic shapes), as the run does (default: run.compile)")
-    add_ac(p, default=None, help="none or full, as the run does (default: run.activation_checkpointing with "
+    add_device(p, help="where to time (default: scaling.use_gpu with --config, else cuda if present)")
+    add_dtype(p, help="compute dtype (default: parallel.precision with --config, else bf16 on GPU, fp32 on CPU)")
+    add_compile(p, "torch.compile every block (dynamic shapes), as the run does (default: parallel.compile)")
+    add_ac(p, default=None, help="none or full, as the run does (default: parallel.activation_checkpointing with "
            "--config, else none)")
     p.add_argument("--per-sequence", choices=["auto", "on", "off"], default="auto",
                    help="per-sequence cost term: auto keeps it if leave-one-out cross-validation says so (default)")
@@ -515,13 +515,13 @@ def calibration_args(args: argparse.Namespace) -> dict:
             (getattr(cfg.model, field) if cfg is not None else DEFAULT_DIMS[k]) for k, field in model.items()}
     device = None if args.device == "auto" else args.device
     if device is None and cfg is not None:
-        device = "cuda" if cfg.run.use_gpu else "cpu"
+        device = "cuda" if cfg.scaling.use_gpu else "cpu"
     dtype = args.dtype
     if dtype == "auto" and cfg is not None:
-        dtype = cfg.run.precision  # auto | bf16 | fp32
-    ac = args.ac if args.ac is not None else (cfg.run.activation_checkpointing if cfg is not None else "none")
+        dtype = cfg.parallel.precision  # auto | bf16 | fp32
+    ac = args.ac if args.ac is not None else (cfg.parallel.activation_checkpointing if cfg is not None else "none")
     if ac == "every_k":
-        where = "--ac every_k" if args.ac is not None else f"run.activation_checkpointing every_k ({args.config})"
+        where = "--ac every_k" if args.ac is not None else f"parallel.activation_checkpointing every_k ({args.config})"
         raise ValueError(f"{where}: a profile records activation checkpointing as full or none; calibrate with "
                          "--ac full or --ac none")
     budgets = None
@@ -536,7 +536,7 @@ def calibration_args(args: argparse.Namespace) -> dict:
                          "MMDiT's: calibrate it as mmdit)")
     return {**dims, "family": family, "budgets": budgets, "short": args.short, "longest": args.longest, "repeats": args.repeats,
             "device": device, "dtype": None if dtype == "auto" else TORCH_DTYPE_NAMES[dtype],
-            "compile": bool(args.compile or (cfg is not None and cfg.run.compile)), "ac": ac == "full",
+            "compile": bool(args.compile or (cfg is not None and cfg.parallel.compile)), "ac": ac == "full",
             "per_sequence": {"auto": None, "on": True, "off": False}[args.per_sequence], "out": args.out}
 
 

@@ -96,7 +96,7 @@ def add_config(p: argparse.ArgumentParser, *, required: bool, what: str = "") ->
     p.add_argument("--config", required=required, metavar="FILE",
                    help=f"run config YAML (see jobs/configs/){what}")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override a run config value, e.g. --set run.num_workers=8 (repeatable)")
+                   help="override a run config value, e.g. --set scaling.num_workers=8 (repeatable)")
 
 
 class _Removed(argparse.Action):

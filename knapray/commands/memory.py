@@ -12,10 +12,10 @@ from .flags import add_ac, add_config, add_fsdp, add_gpus_per_node, add_json, ad
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config(p, required=True)
-    add_world_size(p, default=None, help="GPUs (default: run.num_workers)")
+    add_world_size(p, default=None, help="GPUs (default: scaling.num_workers)")
     add_gpus_per_node(p, help="default: balance.gpus_per_node, else 8")
-    add_fsdp(p, default=None, help="default run.fsdp")
-    add_ac(p, default=None, help="default run.activation_checkpointing")
+    add_fsdp(p, default=None, help="default parallel.fsdp")
+    add_ac(p, default=None, help="default parallel.activation_checkpointing")
     p.add_argument("--tokens-per-gpu", type=int_at_least(0, MAX_RANK_TOKENS), default=None,
                    help="routed tokens per GPU (default: data.max_tokens_per_gpu, else the largest that fits)")
     p.add_argument("--gpu-gib", type=float_in(gt=0), default=80.0, help="GPU memory in GiB (default 80)")

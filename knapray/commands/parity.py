@@ -32,7 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from knapray.testing.parity import Parallelism, passed, run_parity
+    from knapray.testing.parity import passed, run_parity
+    from knapray.train.parallelize import ParallelConfig
     from .flags import check_local_processes
 
     check_local_processes(args.world_size, "knapray parity")
@@ -40,8 +41,9 @@ def run(args: argparse.Namespace) -> int:
         args.world_size, [args.topology], args.mix, scale=args.scale, seed=args.seed,
         num_heads=args.heads, max_text_tokens=args.max_text_tokens,
         empty_ranks=tuple(args.empty_ranks), textless_ranks=tuple(args.textless_ranks),
-        parallelism=Parallelism(fsdp=args.fsdp, ac=args.ac, ac_every=args.ac_every or 2, compile=args.compile,
-                                compile_backend=args.compile_backend, gpus_per_node=args.gpus_per_node),
+        parallelism=ParallelConfig(fsdp=args.fsdp, ac=args.ac, ac_every=args.ac_every or 2, compile=args.compile,
+                                   compile_backend=args.compile_backend),
+        gpus_per_node=args.gpus_per_node,
     )
     ok = passed(report, args.tol)
     report["_meta"].update({"tolerance": args.tol, "passed": ok})

@@ -6,7 +6,7 @@ Process groups are always passed in explicitly; nothing here reads a global grou
 
 from .comms import AllToAllPacked, AllToAllVarsize, all_to_all_packed, all_to_all_varsize
 from .cross import BagCrossAttention, split_chunks
-from .groups import BagGroups, ParallelDims, RankLayout, check_heads, valid_bag_sizes
+from .groups import BagGroups, RankLayout, TopologyDims, check_heads, valid_bag_sizes
 from .router import RoutePlan, reverse_route, route, route_plan, route_sequence_features
 from .ulysses import UlyssesAttention, UlyssesLayout
 
@@ -15,7 +15,7 @@ __all__ = [
     "AllToAllVarsize",
     "BagCrossAttention",
     "BagGroups",
-    "ParallelDims",
+    "TopologyDims",
     "RankLayout",
     "RoutePlan",
     "UlyssesAttention",

@@ -1,6 +1,6 @@
 """Process groups for a Topology: one per multi-rank bag, one per balance group.
 
-``ParallelDims`` holds every check that needs no process group (world size against the
+``TopologyDims`` holds every check that needs no process group (world size against the
 topology, head count against the bag sizes) and the pure per-rank layout, so it is tested
 without torch.distributed. ``BagGroups.build`` then creates the groups.
 """
@@ -56,7 +56,7 @@ class RankLayout:
 
 
 @dataclass(frozen=True)
-class ParallelDims:
+class TopologyDims:
     """Validated topology for a world: checks in ``__post_init__``, no process group."""
 
     topology: Topology
@@ -97,7 +97,7 @@ class ParallelDims:
 class BagGroups:
     """This rank's process groups for a topology. Build with ``BagGroups.build``."""
 
-    dims: ParallelDims
+    dims: TopologyDims
     layout: RankLayout
     bag_group: dist.ProcessGroup | None
     """Group of the rank's bag (for Ulysses); None for a bag of one rank."""
@@ -125,9 +125,9 @@ class BagGroups:
         topology must be a world of one."""
         if not dist.is_initialized():
             # A single process: a world of one needs no group (every exchange is local).
-            dims = ParallelDims(topology, 1, num_heads)
+            dims = TopologyDims(topology, 1, num_heads)
             return cls(dims=dims, layout=dims.layout(0), bag_group=None, balance_group=None)
-        dims = ParallelDims(topology, dist.get_world_size(), num_heads)
+        dims = TopologyDims(topology, dist.get_world_size(), num_heads)
         layout = dims.layout(dist.get_rank())
         bag_group = None
         for bag in range(topology.num_bags):

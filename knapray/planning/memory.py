@@ -73,9 +73,9 @@ torch varlen save q, k, v and the output; Ulysses saves the exchanged q/k/v buff
 the output, over the bag's whole sequences with H/g heads, i.e. the bag's tokens / g,
 which for a balanced plan is this rank's token count: a bag's ranks hold within one token
 of each other; a local kernel in a single-stream block saves ``3d``, v being a view of
-linear1's output), or ``5d + 16/b`` on the CPU reference path (``attention="reference"``:
-per-sequence SDPA on gathered copies of q, k, v, its output, the output copy packed back,
-two int64 index tensors).
+linear1's output), or on the CPU reference path (``attention="reference"``: per-sequence SDPA on views of
+q, k, v, which are saved anyway) ``4d`` in a double block (the streams' concatenated q,
+k, v, whose views SDPA saves, and its output) and ``3d`` in a single block.
 
 Flux width (d=3072, m=4d, 24 heads, QK-norm), bf16, kernel: 74d B = 222 KiB per token per
 double block, 64d B = 192 KiB per single block (3.47 / 3.00 GiB at 16k tokens).
@@ -273,10 +273,13 @@ class ModelShape:
 
     # ---- activations, bytes per token (see the module docstring) -----------------------
 
-    def _attention(self, b: int, attention: str) -> int:
+    def _attention(self, b: int, attention: str, single: bool = False) -> int:
         d = self.hidden_size
         if attention == "reference":
-            return 5 * d * b + 2 * INDEX + FP32 * self.num_heads
+            # SDPA on views of q, k, v (saved anyway: a single block's are views of linear1's
+            # output, a double block's the streams' concatenation) + its output + the output
+            # packed back; measured with saved-tensor hooks (tests/unit/test_memory.py)
+            return (3 if single else 4) * d * b + FP32 * self.num_heads
         return 4 * d * b + FP32 * self.num_heads
 
     def _qk_norm(self, b: int) -> int:
@@ -300,7 +303,7 @@ class ModelShape:
         d, m = self.hidden_size, self.mlp_hidden
         return (
             b * (3 * d + 4 * d + (3 * d + m) + (d + m) + d) + self._qk_norm(b)
-            + self._attention(b, attention) + 2 * FP32
+            + self._attention(b, attention, single=True) + 2 * FP32
         )
 
     def wan_image_bytes(self, b: int) -> int:
@@ -632,23 +635,23 @@ def memory_model_for_run(
     ac_every: int | None = None,
 ) -> MemoryModel:
     """The memory model of a run config (``knapray.train.config.TrainConfig``); keyword
-    arguments override it. The run section's ``fsdp``, ``activation_checkpointing`` and
-    ``ac_every`` are read if present (default: none); ``precision: auto`` means bf16 on
-    GPUs (``use_gpu``) and fp32 otherwise."""
-    run = cfg.run
-    precision = getattr(run, "precision", "auto")
+    arguments override it. Its ``parallel`` section gives sharding, checkpointing and
+    precision (``auto``: bf16 on GPUs, ``scaling.use_gpu``, fp32 otherwise), ``scaling`` the
+    world size."""
+    par = cfg.parallel
+    precision = par.precision
     if precision == "auto":
-        precision = "bf16" if getattr(run, "use_gpu", True) else "fp32"
+        precision = "bf16" if cfg.scaling.use_gpu else "fp32"
     mode, k = parse_checkpointing(
-        checkpointing if checkpointing is not None else getattr(run, "activation_checkpointing", "none"),
-        ac_every if ac_every is not None else getattr(run, "ac_every", None),
+        checkpointing if checkpointing is not None else par.activation_checkpointing,
+        ac_every if ac_every is not None else par.ac_every,
     )
-    per_node = gpus_per_node or getattr(cfg.balance, "gpus_per_node", 0) or 8
+    per_node = gpus_per_node or cfg.balance.gpus_per_node or 8
     return MemoryModel(
         shape=ModelShape.of(cfg.model),
-        world_size=world_size if world_size is not None else run.num_workers,
+        world_size=world_size if world_size is not None else cfg.scaling.num_workers,
         gpus_per_node=per_node,
-        sharding=sharding if sharding is not None else getattr(run, "fsdp", "none"),
+        sharding=sharding if sharding is not None else par.fsdp,
         checkpointing=mode,
         ac_every=k,
         precision=precision,

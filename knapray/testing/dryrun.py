@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from knapray.commands.flags import add_config, add_json, add_world_size, float_in, int_at_least
 
     add_config(p, required=True)
-    add_world_size(p, default=None, help="ranks of the run (default: run.num_workers)")
+    add_world_size(p, default=None, help="ranks of the run (default: scaling.num_workers)")
     p.add_argument("--rank", type=int_at_least(0), default=0, help="the rank to run (default 0)")
     p.add_argument("--gpu-gib", type=float_in(gt=0), default=80.0, help="GPU memory in GiB, for the fit (default 80)")
     p.add_argument("--mix", default=None,
@@ -100,12 +100,12 @@ def check_setup(args: argparse.Namespace) -> Setup:
     from knapray.coordinator import BalanceCoordinator
     from knapray.planning.mix import parse_mix
     from knapray.planning.rules import per_step_node
+    from knapray.distributed.parallel_dims import ParallelDims
     from knapray.train.config import load_config
-    from knapray.train.parallelize import ParallelConfig
     from knapray.train.step_planner import coordinator_config
 
     cfg = load_config(args.config, args.set)
-    world = cfg.run.num_workers if args.world_size is None else args.world_size
+    world = cfg.scaling.num_workers if args.world_size is None else args.world_size
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"--world-size must be an integer >= 1, got {world!r}")
     if not 0 <= args.rank < world:
@@ -115,14 +115,14 @@ def check_setup(args: argparse.Namespace) -> Setup:
     mix = args.mix or DEFAULT_MIX
     parse_mix(mix)
     gpn = cfg.balance.gpus_per_node or min(8, world)
-    if cfg.run.fsdp != "none":
-        ParallelConfig(fsdp=cfg.run.fsdp, gpus_per_node=gpn).mesh_shape(world)
+    if cfg.parallel.fsdp != "none":
+        ParallelDims(world_size=world, gpus_per_node=gpn).mesh_shape(cfg.parallel.fsdp)
     topology = BalanceCoordinator(coordinator_config(cfg, world_size=world)).topology_for(world)
-    from knapray.distributed import ParallelDims
+    from knapray.distributed import TopologyDims
 
-    ParallelDims(topology, world, cfg.model.num_heads)
-    precision = cfg.run.precision
-    dtype = torch.float32 if precision == "fp32" or (precision == "auto" and not cfg.run.use_gpu) else torch.bfloat16
+    TopologyDims(topology, world, cfg.model.num_heads)
+    precision = cfg.parallel.precision
+    dtype = torch.float32 if precision == "fp32" or (precision == "auto" and not cfg.scaling.use_gpu) else torch.bfloat16
     return Setup(cfg=cfg, world=world, rank=args.rank, gpu_gib=args.gpu_gib, mix=mix, topology=topology,
                  per_step_node=per_step_node(cfg.balance.topology, world, cfg.balance.gpus_per_node or None),
                  gpus_per_node=gpn, dtype=dtype)
@@ -329,7 +329,8 @@ def run_step(setup: Setup, plan, text_tokens: np.ndarray, batch_host, *, device:
     from knapray.train.balanced import balanced_forward, prepare_step, routed_text_mask
     from knapray.train.ema import build_ema
     from knapray.train.optim import build_optimizer
-    from knapray.train.parallelize import parallelize
+    from knapray.distributed.parallel_dims import ParallelDims
+    from knapray.train.parallelize import ParallelConfig, parallelize
 
     from .step_watch import HostSync, StepWatch
 
@@ -338,17 +339,18 @@ def run_step(setup: Setup, plan, text_tokens: np.ndarray, batch_host, *, device:
     if device_pass:
         model_cfg = dataclasses.replace(model_cfg, depth_double=min(1, model_cfg.depth_double),
                                         depth_single=min(1, model_cfg.depth_single))
-    fsdp = "none" if device_pass else cfg.run.fsdp
+    fsdp = "none" if device_pass else cfg.parallel.fsdp
     sharded = fsdp != "none"
     dtype = torch.float32 if device_pass else setup.dtype
     _fake_world(setup.rank, setup.world)
     groups = _groups(setup)  # before FSDP's mesh: every rank creates groups in one order
     with torch.device("meta"):
         model = build_model(model_cfg)  # the run's family: its blocks, its attentions
-    parallel = parallelize(
-        model, fsdp=fsdp, ac="none" if device_pass else cfg.run.activation_checkpointing, ac_every=cfg.run.ac_every,
-        param_dtype=dtype if sharded else torch.float32, reduce_dtype=torch.float32,
-        gpus_per_node=setup.gpus_per_node, world_size=setup.world, device_type=device.type)
+    section = dataclasses.replace(cfg.parallel, fsdp=fsdp, activation_checkpointing="none") if device_pass \
+        else cfg.parallel
+    parallel = parallelize(model, ParallelConfig.from_section(section, dtype),
+                           ParallelDims(world_size=setup.world, device_type=device.type,
+                                        gpus_per_node=setup.gpus_per_node))
     bag_group, route_group = groups.for_topology(plan.topology)
     routed = routed_text_mask(plan, setup.rank, text_tokens)
     global_img = int(sum(plan.seq_lens) - text_tokens.sum())
@@ -435,8 +437,8 @@ def expected_collectives(setup: Setup, plan, depth: tuple[int, int]) -> dict:
     """(kind, group size) -> count of one training step, from the plan and the parallelism."""
     from knapray.distributed.router import RoutePlan
     from knapray.models.families import cross_text_pad
+    from knapray.distributed.parallel_dims import ParallelDims
     from knapray.planning.checkpointing import checkpointed_blocks
-    from knapray.train.parallelize import ParallelConfig
 
     cfg, rank = setup.cfg, setup.rank
     exp: dict[tuple[str, int], int] = {}
@@ -453,16 +455,16 @@ def expected_collectives(setup: Setup, plan, depth: tuple[int, int]) -> dict:
         add("alltoall_base_", len(group), 6)
     g = int(topo.bag_sizes[bag])
     blocks = depth[0] + depth[1]
-    recomputed = sum(checkpointed_blocks(cfg.run.activation_checkpointing, cfg.run.ac_every, blocks))
+    recomputed = sum(checkpointed_blocks(cfg.parallel.activation_checkpointing, cfg.parallel.ac_every, blocks))
     # Joint attention: q/k/v there, the output back (2 per block); Wan (cross-attention to its
     # text): self-attention's 2, and image q, text k/v there, the output back (5). Each once
     # in forward, once in backward, once more in a checkpointed block's recompute.
     per_block = 2 if cross_text_pad(cfg.model) is None else 5
     add("alltoall_base_", g, 2 * per_block * blocks + per_block * recomputed)
-    if cfg.run.fsdp == "none":
+    if cfg.parallel.fsdp == "none":
         add("allreduce_", setup.world, 1)  # the flat gradient all-reduce
     else:
-        (shape, _) = ParallelConfig(fsdp=cfg.run.fsdp, gpus_per_node=setup.gpus_per_node).mesh_shape(setup.world)
+        (shape, _) = ParallelDims(world_size=setup.world, gpus_per_node=setup.gpus_per_node).mesh_shape(cfg.parallel.fsdp)
         shard, replicate = shape[-1], (shape[0] if len(shape) == 2 else 1)
         m = cfg.model
         units = 2 + (1 if m.text_dim else 0) + (1 if m.pooled_dim else 0) + blocks + 1
@@ -506,10 +508,10 @@ def run(args: argparse.Namespace) -> int:
 
     shape = ModelShape.of(m)
     print(f"model  {shape.num_params / 1e9:.2f} B parameters ({m.depth_double} double + {m.depth_single} single "
-          f"blocks, d={m.hidden_size}, {m.num_heads} heads), {str(setup.dtype)[6:]}, fsdp {cfg.run.fsdp}, "
-          f"activation checkpointing {cfg.run.activation_checkpointing}"
-          + (f" (k={cfg.run.ac_every})" if cfg.run.activation_checkpointing == "every_k" else "")
-          + ("; run.compile is left out (eager blocks)" if cfg.run.compile else ""))
+          f"blocks, d={m.hidden_size}, {m.num_heads} heads), {str(setup.dtype)[6:]}, fsdp {cfg.parallel.fsdp}, "
+          f"activation checkpointing {cfg.parallel.activation_checkpointing}"
+          + (f" (k={cfg.parallel.ac_every})" if cfg.parallel.activation_checkpointing == "every_k" else "")
+          + ("; parallel.compile is left out (eager blocks)" if cfg.parallel.compile else ""))
     print(f"data   the corpus ({corpus}{'' if corpus.exists() else ', absent here'}) is not read: lengths from "
           f"--mix {setup.mix}{' (the paper mix)' if args.mix is None else ''}, "
           f"{sum(len(s) for s in samples)} samples over {world} ranks"

@@ -7,7 +7,7 @@ Builds its own Ray cluster (``ray.cluster_utils.Cluster``: a head with a few CPU
 Data and the driver-side actors, the balance coordinator pinned there, plus worker nodes
 that carry ``knapray_slot`` resources, the custom resource every training worker asks for
 one of, so a node with k slots runs k training workers), a tiny corpus, and runs
-``run_training`` elastically (``run.min_workers < run.num_workers``, topology rule
+``run_training`` elastically (``scaling.min_workers < scaling.num_workers``, topology rule
 ``bags_of:2``) in a background thread. The main thread watches rank 0's
 ``metrics.jsonl`` and, after a few steps,
 
@@ -31,13 +31,13 @@ How fast Ray notices (Ray 2.60, from its source):
   ``AutoscalingCoordinator`` actor reserves for the run, and that actor refreshes its view
   of the cluster's nodes on a 20 s tick (``_AutoscalingCoordinatorActor.TICK_INTERVAL_S``).
 - grow: a running group is reconsidered every ``elastic_resize_monitor_interval_s``
-  (``run.elastic_monitor_interval_s``); once the tick has seen the new nodes it resizes.
+  (``scaling.elastic_monitor_interval_s``); once the tick has seen the new nodes it resizes.
 - shrink: the worker on the removed node dies, the group fails (one of
   ``run.max_failures``), and the restart sizes the group from the same reservation,
   still counting the dead node until the next tick; the placement group for 4 cannot be
   placed, and Ray retries only after ``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`` (60 s by
   Ray's default: the ~70 s in RAY_NOTES). The launcher sets it to 10 s for elastic runs
-  (``run.worker_start_timeout_s``); ``--start-timeout`` sets that key (60: Ray's default,
+  (``scaling.worker_start_timeout_s``); ``--start-timeout`` sets that key (60: Ray's default,
   to measure the difference). It bounds only the wait for the placement group, not the
   workers' start-up.
 - Nodes noticed one at a time give one restart per size seen (e.g. 2 -> 3 -> 4).
@@ -205,10 +205,10 @@ def run(args: argparse.Namespace) -> dict:
         cfg = load_config(None, MODEL + [
             f"data.corpus={os.path.join(out, f'corpus-{corpus_steps}')}", f"data.samples_per_step={args.samples_per_step}",
             f"balance.topology={RULE}", f"run.name=elastic-{args.scenario}", f"run.storage={storage}",
-            f"run.num_workers={max_w}", f"run.min_workers={min_w}", "run.cpus_per_worker=0.5",
-            f"run.resources_per_worker={{{SLOT}: 1}}", f"run.elastic_monitor_interval_s={args.monitor}",
-            f"run.worker_start_timeout_s={args.start_timeout}",
-            "run.checkpoint_every=1", "run.max_failures=3", "run.timeout_s=60",
+            f"scaling.num_workers={max_w}", f"scaling.min_workers={min_w}", "scaling.cpus_per_worker=0.5",
+            f"scaling.resources_per_worker={{{SLOT}: 1}}", f"scaling.elastic_monitor_interval_s={args.monitor}",
+            f"scaling.worker_start_timeout_s={args.start_timeout}",
+            "checkpoint.every=1", "run.max_failures=3", "run.timeout_s=60",
             "balance.coordinator_timeout_s=10",
         ])
         name = coordinator_name(cfg)
@@ -406,8 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--change-after-step", type=int, default=2,
                    help="remove/add nodes once this step has been logged")
     p.add_argument("--start-timeout", type=float, default=0.0,
-                   help="run.worker_start_timeout_s (0: the launcher's 10 s for elastic runs; 60: Ray's default)")
-    p.add_argument("--monitor", type=float, default=2.0, help="run.elastic_monitor_interval_s")
+                   help="scaling.worker_start_timeout_s (0: the launcher's 10 s for elastic runs; 60: Ray's default)")
+    p.add_argument("--monitor", type=float, default=2.0, help="scaling.elastic_monitor_interval_s")
     p.add_argument("--head-cpus", type=int, default=2)
     p.add_argument("--nudge", action="store_true",
                    help="have the AutoscalingCoordinator re-read the cluster right after the change")

@@ -54,7 +54,8 @@ class Check:
     corpus_steps: int
     samples_per_step: int
     lr: float
-    run: dict = field(default_factory=dict)
+    parallel: dict = field(default_factory=dict)
+    """The run config's parallel section (fsdp, compile, activation checkpointing)."""
     min_tflops: float | None = None
     """Bar on the median model TFLOP/s per GPU after warm-up (None: no bar)."""
 
@@ -75,11 +76,11 @@ GPU_CHECKS = (
           samples_per_step=4, lr=2e-4),
     # 1024^2 images: 4096 visual + up to 392 text tokens each; 4 per step: ~16.4k-18k tokens.
     Check(name="fsdp-compile", model=FLUX_WIDTH, mix="g1b1i1024f1s0", scale=1, corpus_steps=140,
-          samples_per_step=4, lr=1e-4, run={"fsdp": "full", "compile": True}, min_tflops=FSDP_COMPILE_BAR),
+          samples_per_step=4, lr=1e-4, parallel={"fsdp": "full", "compile": True}, min_tflops=FSDP_COMPILE_BAR),
     # Every block recomputed: the same device throughput does 4 passes of work per step, of
     # which model FLOPs count 3, so the bar is 450 * 3/4 = 337.5 (models.flops.model_tflops_bar).
     Check(name="fsdp-compile-ac", model=FLUX_WIDTH, mix="g1b1i1024f1s0", scale=1, corpus_steps=140,
-          samples_per_step=4, lr=1e-4, run={"fsdp": "full", "compile": True, "activation_checkpointing": "full"},
+          samples_per_step=4, lr=1e-4, parallel={"fsdp": "full", "compile": True, "activation_checkpointing": "full"},
           min_tflops=model_tflops_bar(FSDP_COMPILE_BAR, recomputed_fraction=1.0)),
 )
 CPU_CHECK = Check(
@@ -96,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", action="append", choices=[c.name for c in GPU_CHECKS],
                    help="run only these GPU checks (default: all)")
     p.add_argument("--profile", action="store_true",
-                   help="profile 3 steps after the warm-up (run.profile_steps) and print where the device time went")
+                   help="profile 3 steps after the warm-up (metrics.profile_steps) and print where the device time went")
     p.add_argument("--nproc", type=int, default=1, help="ranks (default 1)")
     p.add_argument("--topology", default=None, help="bags (default g1n<nproc>)")
     p.add_argument("--out", default=None, help="work directory (default: a temporary one, removed)")
@@ -119,13 +120,15 @@ def write_config(check: Check, corpus: Path, run_root: Path, *, steps: int, topo
         "data": {"corpus": str(corpus), "samples_per_step": check.samples_per_step, "epochs": 1, "seed": 0},
         "balance": {"topology": topology, "coordinator": False},
         "optim": {"lr": check.lr, "grad_clip": 1.0},
-        "run": {"name": check.name, "storage": str(run_root), "use_gpu": not cpu,
-                "precision": "fp32" if cpu else "bf16", "max_steps": steps, "checkpoint_every": 0,
-                "final_checkpoint": False,  # the runs are judged, not resumed: no 15 GB writes
-                "log_every": 1, "timeout_s": 300, **check.run},
+        "run": {"name": check.name, "storage": str(run_root), "max_steps": steps, "timeout_s": 300},
+        "scaling": {"use_gpu": not cpu},
+        "parallel": {"precision": "fp32" if cpu else "bf16", **check.parallel},
+        # the runs are judged, not resumed: no 15 GB writes
+        "checkpoint": {"every": 0, "final": False},
+        "metrics": {"log_every": 1},
     }
     if profile:
-        cfg["run"]["profile_steps"] = profile_window(steps)
+        cfg["metrics"]["profile_steps"] = profile_window(steps)
     path = run_root / f"{check.name}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
@@ -201,7 +204,7 @@ def run_check(check: Check, work: Path, *, steps: int, nproc: int, topology: str
            "-m", "knapray.train.torchrun", "--config", str(config)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p),
                PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", _host_threads(nproc, cpu)))
-    print(f"== {check.name}: {json.dumps(check.run) if check.run else 'eager, no FSDP'}; "
+    print(f"== {check.name}: {json.dumps(check.parallel) if check.parallel else 'eager, no FSDP'}; "
           f"d={check.model['hidden_size']}, {check.model['depth_double']}+{check.model['depth_single']} blocks", flush=True)
     print("$ " + " ".join(cmd[1:]), flush=True)
     t0 = time.perf_counter()

@@ -27,7 +27,7 @@ from torch import nn
 
 from knapray.models import MMDiT, MMDiTConfig, PackedBatch
 from knapray.planning.memory import GIB, MemoryModel, ModelShape
-from knapray.train.parallelize import parallelize
+from knapray.train.parallelize import ParallelConfig, parallelize
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:
@@ -106,7 +106,7 @@ def measure_step(
     model = MMDiT(cfg).to(device=device, dtype=dtype)
     # The trainer's own checkpointing (the rule of knapray.planning.checkpointing), so the
     # blocks measured as recomputed are those the memory model counts and training recomputes.
-    parallelize(model, ac=checkpointing, ac_every=ac_every)
+    parallelize(model, ParallelConfig(ac=checkpointing, ac_every=ac_every))
     batch = cast_batch(batch, dtype).to(device)
     params = list(model.parameters())
     cuda = device.type == "cuda"

@@ -20,17 +20,20 @@ import dataclasses
 import os
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from knapray.distributed.local import free_port, init_local_gloo
-
 from knapray.models import MMDiT, MMDiTConfig, pack_samples
 from knapray.models.flow import add_noise, flow_loss
 from knapray.planning import Topology, WorkloadModel, identity_plan, plan_balance
 from knapray.planning.mix import MAX_TEXT_TOKENS
 from knapray.testing.batches import concat_batches, mix_batches
+
+if TYPE_CHECKING:
+    from knapray.train.parallelize import ParallelConfig
 
 UNBALANCED = "unbalanced"
 DEFAULT_TOL = 1e-5
@@ -62,33 +65,24 @@ def _batches(cfg: MMDiTConfig, mix: str, scale: int, seed: int, world: int,
     return [empty if r in empty_ranks else b for r, b in enumerate(batches)]
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class Parallelism:
-    """How the distributed runs parallelize the model (knapray.train.parallelize)."""
-
-    fsdp: str = "none"
-    ac: str = "none"
-    ac_every: int = 2
-    compile: bool = False
-    compile_backend: str = "inductor"
-    gpus_per_node: int | None = None
-
-
 def _worker(rank: int, world: int, port: int, out_dir: str, specs: list[str], mix: str,
             scale: int, seed: int, cfg_dict: dict, max_text_tokens: int,
-            empty_ranks: tuple[int, ...], textless_ranks: tuple[int, ...], par: dict) -> None:
+            empty_ranks: tuple[int, ...], textless_ranks: tuple[int, ...], par: dict,
+            gpus_per_node: int | None) -> None:
     import torch.distributed as dist
 
     from knapray.distributed import BagGroups
     from knapray.train.balanced import balanced_forward, prepare_step
-    from knapray.train.parallelize import parallelize
+    from knapray.distributed.parallel_dims import ParallelDims
+    from knapray.train.parallelize import ParallelConfig, parallelize
 
     init_local_gloo(rank, world, port, timeout_s=120)
     try:
         cfg = MMDiTConfig(**cfg_dict)
         model = _build_model(cfg, seed)
         # Before the specs' BagGroups: both create process groups, in one order on every rank.
-        parallel = parallelize(model, **par, world_size=world, device_type="cpu")
+        parallel = parallelize(model, ParallelConfig(**par),
+                               ParallelDims(world_size=world, device_type="cpu", gpus_per_node=gpus_per_node))
         batches = _batches(cfg, mix, scale, seed, world, max_text_tokens, empty_ranks, textless_ranks)
         batch = batches[rank]
         lens = [b.seq_lens.tolist() for b in batches]
@@ -188,9 +182,12 @@ def run_parity(
     max_text_tokens: int = MAX_TEXT_TOKENS,
     empty_ranks: tuple[int, ...] = (),
     textless_ranks: tuple[int, ...] = (),
-    parallelism: Parallelism | None = None,
+    parallelism: ParallelConfig | None = None,
+    gpus_per_node: int | None = None,
 ) -> dict:
-    """Run the check; returns {case: {out_rel, loss_rel, grad_rel_max, worst_param, ...}}."""
+    """Run the check; returns {case: {out_rel, loss_rel, grad_rel_max, worst_param, ...}}.
+    ``parallelism``: how the ranks parallelize their model (default: not at all);
+    ``gpus_per_node``: ranks per node, for a hybrid FSDP mesh."""
     import torch.multiprocessing as mp
 
     from knapray.distributed import check_heads
@@ -204,10 +201,12 @@ def run_parity(
         bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < world_size)]
         if bad:
             raise ValueError(f"{name} {bad} are not ranks of a world of {world_size}")
-    par = dataclasses.asdict(parallelism or Parallelism())
-    pcfg = ParallelConfig(**par)
+    from knapray.distributed.parallel_dims import ParallelDims
+
+    pcfg = parallelism or ParallelConfig()
+    par = {f.name: getattr(pcfg, f.name) for f in dataclasses.fields(pcfg)}
     if pcfg.fsdp != "none":
-        pcfg.mesh_shape(world_size)
+        ParallelDims(world_size=world_size, gpus_per_node=gpus_per_node).mesh_shape(pcfg.fsdp)
     batches = _batches(cfg, mix, scale, seed, world_size, max_text_tokens, tuple(empty_ranks), tuple(textless_ranks))
     specs = list(topologies) + ([UNBALANCED] if include_unbalanced else [])
 
@@ -225,7 +224,8 @@ def run_parity(
         mp.spawn(
             _worker,
             args=(world_size, free_port(), tmp, specs, mix, scale, seed, dataclasses.asdict(cfg),
-                  max_text_tokens, tuple(empty_ranks), tuple(textless_ranks), par),
+                  max_text_tokens, tuple(empty_ranks), tuple(textless_ranks), par,
+                  gpus_per_node),
             nprocs=world_size,
             join=True,
         )
@@ -256,7 +256,8 @@ def run_parity(
         "mix": mix,
         "scale": scale,
         "seed": seed,
-        **par,
+        **pcfg.describe(),
+        "gpus_per_node": gpus_per_node,
         "recompiles": [per_rank[r]["_recompiles"] for r in range(world_size)],
         "sequences": int(full.num_sequences),
         "tokens": int(full.seq_lens.sum()),

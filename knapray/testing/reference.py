@@ -22,9 +22,12 @@ import dataclasses
 import os
 import tempfile
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from knapray.train.parallelize import ParallelConfig
 
 DEFAULT_TOL = 1e-5
 
@@ -173,7 +176,7 @@ def reference_config(source: Any, family: str) -> Any:
     return config_class(family)(**section_values(source, family), pretrained=source.path, **extra)
 
 
-def load_model(path: str, family: str | None, device: str = "cpu", *, parallel: dict | None = None,
+def load_model(path: str, family: str | None, device: str = "cpu", *, parallel: ParallelConfig | None = None,
                world_size: int = 1):
     """(model, cfg, ParallelModel or None, LoadReport): the family's model built on the meta
     device from the checkpoint's config, parallelized if asked, allocated, loaded."""
@@ -188,9 +191,10 @@ def load_model(path: str, family: str | None, device: str = "cpu", *, parallel: 
         model = build_model(cfg)
     par = None
     if parallel is not None:
+        from knapray.distributed.parallel_dims import ParallelDims
         from knapray.train.parallelize import parallelize
 
-        par = parallelize(model, **parallel, world_size=world_size, device_type=torch.device(device).type)
+        par = parallelize(model, parallel, ParallelDims(world_size=world_size, device_type=torch.device(device).type))
     model.to_empty(device=device)
     report = load_pretrained(model, cfg)
     return model, cfg, par, report
@@ -245,7 +249,7 @@ def single_process(path: str, family: str | None, inputs_seed: int, sequences: i
 
 
 def balanced_results(rank: int, world: int, paths: list[str], family: str | None, topology: str, seed: int,
-                     sequences: int, parallel: dict) -> dict:
+                     sequences: int, parallel: ParallelConfig) -> dict:
     """This rank's side of the balanced check, in an initialized process group of
     ``world`` ranks (every rank calls it with the same arguments): per checkpoint, its
     outputs, the summed gradients (rank 0), how far its loaded rows are from the file's,
@@ -340,6 +344,12 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _parallel(fsdp: str) -> ParallelConfig:
+    from knapray.train.parallelize import ParallelConfig
+
+    return ParallelConfig(fsdp=fsdp)
+
+
 def run_reference(paths: list[str], *, family: str | None = None, world_size: int = 1, topology: str | None = None,
                   seed: int = 0, sequences: int = 4, fsdp: str = "none") -> dict:
     """The check for every checkpoint in ``paths``: {path: {out_rel, grad_rel, ...}} plus
@@ -384,7 +394,7 @@ def run_reference(paths: list[str], *, family: str | None = None, world_size: in
     else:
         with tempfile.TemporaryDirectory() as tmp:
             mp.spawn(_worker, args=(world_size, free_port(), tmp, list(paths), family, topology, seed, sequences,
-                                    {"fsdp": fsdp}), nprocs=world_size, join=True)
+                                    _parallel(fsdp)), nprocs=world_size, join=True)
             per_rank = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=True) for r in range(world_size)]
         report.update(summarize_balanced(list(paths), per_rank, family=family, seed=seed, sequences=sequences))
     for path, cfg in cfgs.items():

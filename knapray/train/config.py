@@ -241,10 +241,34 @@ class FlowConfig:
 
 @dataclass(kw_only=True, slots=True)
 class RunConfig:
+    """``run:`` What the run is called, where it lives, how long it runs and how its collectives wait."""
+
     name: str = field(default="demo", metadata={"check": _directory_name})
     """The run's directory name under ``storage`` (also names its coordinator actor)."""
     storage: str = "runs"
     """Run directory parent (absolute or relative to the working directory)."""
+    max_steps: int = field(default=0, metadata={"ge": 0, "le": MAX_STEPS})
+    """Stop after this many steps (0: run the epochs out)."""
+    max_failures: int = field(default=1, metadata={"ge": -1, "le": MAX_STEPS})
+    """Worker-group restarts Ray Train allows (-1: unlimited)."""
+    timeout_s: int = field(default=1800, metadata={"ge": 1, "le": MAX_TIMEOUT_S})
+    """Collective timeout (seconds): a dead peer surfaces as an error instead of a hang. It
+    must also outlast the longest a rank may wait in a collective for a live peer, which the
+    first steps set: with ``compile`` every rank compiles its blocks cold (minutes with
+    inductor, longer with several ranks sharing a node's CPUs) while the faster ranks wait
+    in the next collective. 1800 is torch's own default for NCCL."""
+    gloo_socket_ifname: str = ""
+    """Network interface(s) of the gloo groups (the step's object exchanges, checkpoint
+    coordination), e.g. ``eth0`` or ``ens5,ens6``: set as GLOO_SOCKET_IFNAME before they are
+    created. On a node with several NICs gloo otherwise binds whichever interface the
+    hostname resolves to, which may not reach the other nodes. "" leaves the environment's
+    GLOO_SOCKET_IFNAME (or gloo's choice) as it is. See docs/gpu.md."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ScalingConfig:
+    """``scaling:`` How many workers, on what resources, and how an elastic run resizes (Ray Train's ``ScalingConfig``)."""
+
     num_workers: int = field(default=4, metadata={"ge": 1, "le": MAX_WORLD_SIZE})
     """Ray Train workers (one per GPU on a GPU cluster)."""
     min_workers: int = field(default=0, metadata={"ge": 0, "le": "num_workers"})
@@ -263,35 +287,27 @@ class RunConfig:
     loss Ray first asks for the old size, which can no longer be placed; the retry sizes
     the group from the nodes left), Ray's own default (60 s, or the environment variable
     if set) otherwise (a fixed-size run may wait for the autoscaler to add nodes)."""
-    max_steps: int = field(default=0, metadata={"ge": 0, "le": MAX_STEPS})
-    """Stop after this many steps (0: run the epochs out)."""
-    checkpoint_every: int = field(default=10, metadata={"ge": 0, "le": MAX_STEPS})
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """``checkpoint:`` When checkpoints are written and whether a run continues one."""
+
+    every: int = field(default=10, metadata={"ge": 0, "le": MAX_STEPS})
     """Save a checkpoint every this many steps (0: none on the way)."""
-    final_checkpoint: bool = True
+    final: bool = True
     """Also save one after the last step, so that the run's last steps are never lost
-    (false: only ``checkpoint_every``'s; the GPU check, whose runs are not resumed, skips it)."""
-    max_failures: int = field(default=1, metadata={"ge": -1, "le": MAX_STEPS})
-    """Worker-group restarts Ray Train allows (-1: unlimited)."""
-    precision: str = field(default="auto", metadata={"choices": ("auto", "bf16", "fp32")})
-    """Compute precision: ``bf16`` (mixed: fp32 master weights, bf16 compute under autocast,
-    on CUDA and on CPU), ``fp32``, or ``auto``: bf16 on a GPU, fp32 on CPU."""
-    fsdp: str = field(default="none", metadata={"choices": ("none", "full", "hybrid")})
-    """Parameter sharding (FSDP2): ``none`` (every rank holds the model; one flat all-reduce
-    of gradients), ``full`` (parameters, gradients and optimizer state sharded over the
-    world), ``hybrid`` (sharded within a node of ``balance.gpus_per_node`` ranks, replicated
-    across nodes). With bf16 precision FSDP gathers parameters in bf16 and reduces in fp32."""
-    activation_checkpointing: str = field(default="none", metadata={"choices": ("none", "full", "every_k")})
-    """Recompute transformer blocks in backward instead of keeping their activations:
-    ``full`` (every block), ``every_k`` (every ``ac_every``-th block)."""
-    ac_every: int = field(default=2, metadata={"ge": 1, "le": MAX_MICRO_BATCHES})
-    """k of ``activation_checkpointing: every_k``."""
-    compile: bool = False
-    """torch.compile each transformer block (dynamic shapes: packed batches change size
-    every step; recompiles are counted in the metrics)."""
+    (false: only ``every``'s; the GPU check, whose runs are not resumed, skips it)."""
     resume: str = field(default="auto", metadata={"choices": ("auto", "never", "must")})
     """``auto``: continue the run directory's newest checkpoint if its saved config is
     compatible (same model and data order), else start fresh; ``never``: an existing run
     directory is an error; ``must``: there must be a checkpoint to continue."""
+
+
+@dataclass(kw_only=True, slots=True)
+class MetricsConfig:
+    """``metrics:`` Where the step metrics go, how often, and which steps are profiled."""
+
     log_every: int = field(default=1, metadata={"ge": 1, "le": MAX_STEPS})
     tensorboard: str = field(default="auto", metadata={"choices": ("auto", "on", "off")})
     """TensorBoard event files in the run directory (``tensorboard/``): ``auto`` writes them
@@ -308,18 +324,6 @@ class RunConfig:
     ``mlflow`` package (``pip install 'knapray[mlflow]'``)."""
     mlflow_experiment: str = "knapray"
     """The MLflow experiment that holds the run (named ``run.name``)."""
-    timeout_s: int = field(default=1800, metadata={"ge": 1, "le": MAX_TIMEOUT_S})
-    """Collective timeout (seconds): a dead peer surfaces as an error instead of a hang. It
-    must also outlast the longest a rank may wait in a collective for a live peer, which the
-    first steps set: with ``compile`` every rank compiles its blocks cold (minutes with
-    inductor, longer with several ranks sharing a node's CPUs) while the faster ranks wait
-    in the next collective. 1800 is torch's own default for NCCL."""
-    gloo_socket_ifname: str = ""
-    """Network interface(s) of the gloo groups (the step's object exchanges, checkpoint
-    coordination), e.g. ``eth0`` or ``ens5,ens6``: set as GLOO_SOCKET_IFNAME before they are
-    created. On a node with several NICs gloo otherwise binds whichever interface the
-    hostname resolves to, which may not reach the other nodes. "" leaves the environment's
-    GLOO_SOCKET_IFNAME (or gloo's choice) as it is. See docs/gpu.md."""
     profile_steps: tuple[int, int] = field(default=(0, 0), metadata={"ge": 0, "le": MAX_STEPS})
     """Profile steps [a, b) with torch.profiler on every rank: ``profile/rank<r>.trace.json``
     (Chrome trace) and ``profile/rank<r>.txt`` (device busy time, kernel time by kind, the
@@ -333,6 +337,59 @@ class RunConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class ParallelSection:
+    """``parallel:`` How the model is run on the devices: precision, sharding, recomputation, compilation
+    (``parallelize`` applies it: ``ParallelConfig.from_section``)."""
+
+    precision: str = field(default="auto", metadata={"choices": ("auto", "bf16", "fp32")})
+    """Compute precision: ``bf16`` (mixed: fp32 master weights, bf16 compute under autocast,
+    on CUDA and on CPU), ``fp32``, or ``auto``: bf16 on a GPU, fp32 on CPU."""
+    fsdp: str = field(default="none", metadata={"choices": ("none", "full", "hybrid")})
+    """Parameter sharding (FSDP2): ``none`` (every rank holds the model; one flat all-reduce
+    of gradients), ``full`` (parameters, gradients and optimizer state sharded over the
+    world), ``hybrid`` (sharded within a node of ``balance.gpus_per_node`` ranks, replicated
+    across nodes). With bf16 precision FSDP gathers parameters in bf16 and reduces in fp32."""
+    activation_checkpointing: str = field(default="none", metadata={"choices": ("none", "full", "every_k")})
+    """Recompute transformer blocks in backward instead of keeping their activations:
+    ``full`` (every block), ``every_k`` (every ``ac_every``-th block)."""
+    ac_every: int = field(default=2, metadata={"ge": 1, "le": MAX_MICRO_BATCHES})
+    """k of ``activation_checkpointing: every_k``."""
+    compile: bool = False
+    """torch.compile each transformer block (dynamic shapes: packed batches change size
+    every step; recompiles are counted in the metrics)."""
+
+
+MOVED = {
+    **{k: f"scaling.{k}" for k in ("num_workers", "min_workers", "use_gpu", "cpus_per_worker", "resources_per_worker",
+                                  "elastic_monitor_interval_s", "worker_start_timeout_s")},
+    "checkpoint_every": "checkpoint.every", "final_checkpoint": "checkpoint.final", "resume": "checkpoint.resume",
+    **{k: f"metrics.{k}" for k in ("log_every", "tensorboard", "wandb_project", "mlflow_tracking_uri",
+                                  "mlflow_experiment", "profile_steps")},
+    **{k: f"parallel.{k}" for k in ("precision", "fsdp", "activation_checkpointing", "ac_every", "compile")},
+}
+"""Keys the ``run`` section had before it was split, and where each is now: a config that
+still gives one is refused in one line naming the new key (``_build``); a run directory's
+saved config.json of that layout is moved over when read (``from_saved_layout``)."""
+
+
+def from_saved_layout(data: dict) -> dict:
+    """A saved config (plain values) in today's sections: a run directory written before the
+    run section was split keeps its keys under ``run``; they move to their sections here
+    (data only: nothing is executed or imported)."""
+    run = data.get("run")
+    if not isinstance(run, dict) or not any(k in MOVED for k in run):
+        return data
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    for key in [k for k in run if k in MOVED]:
+        section, name = MOVED[key].split(".")
+        out.setdefault(section, {})
+        if isinstance(out[section], dict):
+            out[section].setdefault(name, run[key])
+        del out["run"][key]
+    return out
+
+
+@dataclass(kw_only=True, slots=True)
 class TrainConfig:
     model: MMDiTConfig = field(default_factory=MMDiTConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -340,6 +397,10 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     flow: FlowConfig = field(default_factory=FlowConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -349,17 +410,17 @@ class TrainConfig:
         return os.path.abspath(os.path.join(self.run.storage, self.run.name))
 
     def __post_init__(self) -> None:
-        gpn, run = self.balance.gpus_per_node, self.run
-        if run.min_workers and gpn and (run.min_workers % gpn or run.num_workers % gpn):
+        gpn, scaling = self.balance.gpus_per_node, self.scaling
+        if scaling.min_workers and gpn and (scaling.min_workers % gpn or scaling.num_workers % gpn):
             raise ValueError(
                 f"an elastic run on nodes of balance.gpus_per_node={gpn} workers grows and shrinks by whole nodes: "
-                f"run.min_workers={run.min_workers} and run.num_workers={run.num_workers} must be multiples of {gpn}, "
-                f"e.g. run.min_workers={-(-run.min_workers // gpn) * gpn} "
-                f"run.num_workers={-(-run.num_workers // gpn) * gpn}")
+                f"scaling.min_workers={scaling.min_workers} and scaling.num_workers={scaling.num_workers} must be multiples of {gpn}, "
+                f"e.g. scaling.min_workers={-(-scaling.min_workers // gpn) * gpn} "
+                f"scaling.num_workers={-(-scaling.num_workers // gpn) * gpn}")
 
     def world_sizes(self) -> list[int]:
-        """Every world size the Ray launcher may start this run with: ``run.num_workers``, or
-        with ``run.min_workers`` > 0 (elastic) every size Ray Train may pick in between.
+        """Every world size the Ray launcher may start this run with: ``scaling.num_workers``, or
+        with ``scaling.min_workers`` > 0 (elastic) every size Ray Train may pick in between.
         Pre-flight checks the config against each of them.
 
         Ray Train 2.60 picks an elastic size as the sum over nodes of how many workers each
@@ -369,9 +430,9 @@ class TrainConfig:
         many worker slots, the range a multiple of it) the sizes are the whole-node ones;
         a partly free node (another job holding some of its GPUs) can still give another
         size, which the trainer re-plans for, or refuses in one line when the run needs
-        whole nodes (``run.fsdp: hybrid``)."""
-        lo, hi, gpn = self.run.min_workers or self.run.num_workers, self.run.num_workers, self.balance.gpus_per_node
-        step = gpn if self.run.min_workers and gpn else 1
+        whole nodes (``parallel.fsdp: hybrid``)."""
+        lo, hi, gpn = self.scaling.min_workers or self.scaling.num_workers, self.scaling.num_workers, self.balance.gpus_per_node
+        step = gpn if self.scaling.min_workers and gpn else 1
         return list(range(lo, hi + 1, step))
 
     def samples_per_rank(self, world_size: int) -> int:
@@ -527,6 +588,10 @@ def _build(cls: type, data: Any, path: str) -> Any:
     fields = dataclasses.fields(cls)
     names = [f.name for f in fields]
     unknown = sorted(map(str, set(data) - set(names)))
+    moved = [f"config {path}.{k} is now {MOVED[k]}" for k in unknown if path == "run" and k in MOVED]
+    if moved:
+        raise ConfigError(f"{moved[0]} (the run section was split into run, scaling, checkpoint, metrics and "
+                          "parallel: docs/training.md)")
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {unknown}; valid keys: {names}")
     hints = get_type_hints(cls)

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         ray.init(address=address, **quiet)
     else:
         os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
-        num_cpus = args.num_cpus or max(4, int(cfg.run.num_workers * cfg.run.cpus_per_worker) + 2)
+        num_cpus = args.num_cpus or max(4, int(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker) + 2)
         # The raylet warns on the console when more workers start at once than the machine
         # has cores (a run starts its workers, the coordinator and data actors together);
         # an embedded Ray expects exactly that many.

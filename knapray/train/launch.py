@@ -184,21 +184,21 @@ def _fit(cfg: TrainConfig, corpus: CorpusCheck, done_steps: int) -> dict:
     if start_timeout is not None:
         # Ray Train reads it in the driver and hands it to its controller (ENV_VARS_TO_PROPAGATE).
         os.environ[START_TIMEOUT_ENV] = f"{start_timeout:g}"
-    ds = corpus_dataset(cfg.data.corpus, rows_per_block=cfg.samples_per_rank(cfg.run.num_workers),
+    ds = corpus_dataset(cfg.data.corpus, rows_per_block=cfg.samples_per_rank(cfg.scaling.num_workers),
                         shards=list(corpus.good_shards))  # pre-flight quarantined the others
-    workers: Any = cfg.run.num_workers
-    if cfg.run.min_workers:
-        workers = (cfg.run.min_workers, cfg.run.num_workers)
+    workers: Any = cfg.scaling.num_workers
+    if cfg.scaling.min_workers:
+        workers = (cfg.scaling.min_workers, cfg.scaling.num_workers)
     trainer = TorchTrainer(
         _train_func,
         train_loop_config=cfg.to_dict(),
         datasets={"train": ds},
         dataset_config=_every_row_data_config(ingest_execution_options()),
-        torch_config=TorchConfig(backend="nccl" if cfg.run.use_gpu else "gloo", timeout_s=cfg.run.timeout_s),
+        torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo", timeout_s=cfg.run.timeout_s),
         scaling_config=ScalingConfig(
-            num_workers=workers, use_gpu=cfg.run.use_gpu,
-            resources_per_worker={"CPU": cfg.run.cpus_per_worker, **cfg.run.resources_per_worker},
-            elastic_resize_monitor_interval_s=cfg.run.elastic_monitor_interval_s,
+            num_workers=workers, use_gpu=cfg.scaling.use_gpu,
+            resources_per_worker={"CPU": cfg.scaling.cpus_per_worker, **cfg.scaling.resources_per_worker},
+            elastic_resize_monitor_interval_s=cfg.scaling.elastic_monitor_interval_s,
         ),
         # Ray's own run state goes beside ours; checkpoints are the trainer's (run_dir/checkpoints),
         # so every fit, a restart after a failure included, resumes from the run directory.
@@ -209,9 +209,9 @@ def _fit(cfg: TrainConfig, corpus: CorpusCheck, done_steps: int) -> dict:
         ),
     )
     total = expected_steps(cfg, corpus.info.num_samples, done_steps)
-    print(f"[knapray] starting {cfg.run.num_workers} workers"
-          f"{f' (elastic down to {cfg.run.min_workers})' if cfg.run.min_workers else ''}, "
-          f"{'GPU/NCCL' if cfg.run.use_gpu else 'CPU/gloo'}, about {total} steps; worker logs stay in Ray's "
+    print(f"[knapray] starting {cfg.scaling.num_workers} workers"
+          f"{f' (elastic down to {cfg.scaling.min_workers})' if cfg.scaling.min_workers else ''}, "
+          f"{'GPU/NCCL' if cfg.scaling.use_gpu else 'CPU/gloo'}, about {total} steps; worker logs stay in Ray's "
           "session logs", flush=True)
     with _ProgressTail(os.path.join(run_dir, "metrics.jsonl"), total, cfg.run.name, start_step=done_steps):
         try:
@@ -265,12 +265,12 @@ def coordinator_resources(node: str) -> dict[str, float]:
 
 
 def worker_start_timeout(cfg: TrainConfig, environ) -> float | None:
-    """``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`` for this run (``run.worker_start_timeout_s``;
+    """``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`` for this run (``scaling.worker_start_timeout_s``;
     0: ``ELASTIC_START_TIMEOUT_S`` for an elastic run unless the environment sets it, else
     None: Ray's default or the environment's)."""
-    if cfg.run.worker_start_timeout_s:
-        return cfg.run.worker_start_timeout_s
-    if cfg.run.min_workers and START_TIMEOUT_ENV not in environ:
+    if cfg.scaling.worker_start_timeout_s:
+        return cfg.scaling.worker_start_timeout_s
+    if cfg.scaling.min_workers and START_TIMEOUT_ENV not in environ:
         return ELASTIC_START_TIMEOUT_S
     return None
 
@@ -278,7 +278,7 @@ def worker_start_timeout(cfg: TrainConfig, environ) -> float | None:
 def expected_steps(cfg: TrainConfig, rows: int, start_step: int) -> int:
     """Steps the run will take, for the progress bar: every rank draws samples_per_step
     rows per step until the epoch's rows run out, over the epochs left, up to max_steps."""
-    per_epoch = -(-rows // (cfg.run.num_workers * cfg.samples_per_rank(cfg.run.num_workers)))
+    per_epoch = -(-rows // (cfg.scaling.num_workers * cfg.samples_per_rank(cfg.scaling.num_workers)))
     total = per_epoch * cfg.data.epochs
     if cfg.run.max_steps:
         total = min(total, cfg.run.max_steps)

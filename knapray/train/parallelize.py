@@ -55,6 +55,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from knapray.distributed.grads import allreduce_gradients
+from knapray.distributed.parallel_dims import ParallelDims
 from knapray.models.families import FAMILIES
 from knapray.planning.checkpointing import checkpointed_blocks
 
@@ -87,8 +88,6 @@ class ParallelConfig:
     """dtype FSDP gathers parameters in for compute (bf16 in a bf16 run). FSDP only."""
     reduce_dtype: torch.dtype = torch.float32
     """dtype FSDP reduces gradients in. FSDP only."""
-    gpus_per_node: int | None = None
-    """Ranks per node; ``hybrid`` shards over this many ranks and replicates across nodes."""
 
     def __post_init__(self) -> None:
         if self.fsdp not in FSDP_MODES:
@@ -108,47 +107,27 @@ class ParallelConfig:
                 f"param_dtype={self.param_dtype} / reduce_dtype={self.reduce_dtype} apply to FSDP only "
                 "(fsdp full|hybrid); with fsdp none the run's precision (autocast) sets the compute dtype"
             )
-        gpn = self.gpus_per_node
-        if gpn is not None and (not isinstance(gpn, int) or isinstance(gpn, bool) or gpn < 1):
-            raise ValueError(f"gpus_per_node must be an int >= 1, got {gpn!r}")
-        if self.fsdp == "hybrid" and gpn is None:
-            raise ValueError("fsdp hybrid shards within a node: pass gpus_per_node (e.g. 8)")
 
-    def mesh_shape(self, world_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
-        """(shape, axis names) of the FSDP device mesh for ``world_size`` ranks (FSDP only).
+    @classmethod
+    def from_section(cls, section, compute_dtype: torch.dtype, **extra) -> "ParallelConfig":
+        """The run config's ``parallel`` section (``knapray.train.config.ParallelSection``)
+        for a run computing in ``compute_dtype``: FSDP gathers parameters in it and reduces
+        in fp32; without FSDP the parameters stay fp32 (autocast computes in bf16).
+        ``extra``: fields the section does not have (``compile_backend``)."""
+        sharded = section.fsdp != "none"
+        return cls(fsdp=section.fsdp, ac=section.activation_checkpointing, ac_every=section.ac_every,
+                   compile=section.compile, param_dtype=compute_dtype if sharded else torch.float32,
+                   reduce_dtype=torch.float32, **extra)
 
-        ``full``: (world,) ("shard",); ``hybrid``: (nodes, gpus_per_node)
-        ("replicate", "shard"): ranks n*g .. n*g+g-1 form node n's shard group."""
-        if self.fsdp == "none":
-            raise ValueError("fsdp none has no device mesh")
-        if not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-        if self.fsdp == "full":
-            return (world_size,), ("shard",)
-        gpn = self.gpus_per_node
-        if world_size % gpn:
-            raise ValueError(
-                f"fsdp hybrid: world size {world_size} is not a multiple of gpus_per_node={gpn}"
-            )
-        return (world_size // gpn, gpn), ("replicate", "shard")
+    def describe(self) -> dict:
+        """Plain values (dtypes by name), for JSON reports."""
+        return {f.name: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v
+                for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}
 
     def checkpointed(self, num_blocks: int) -> tuple[bool, ...]:
         """Per block (double blocks first, then single): is it checkpointed? The one rule
         the memory model and calibration use too."""
         return checkpointed_blocks(self.ac, self.ac_every, num_blocks)
-
-
-def build_fsdp_mesh(cfg: ParallelConfig, *, world_size: int, device_type: str):
-    """The FSDP DeviceMesh over the default process group. Collective (it creates process
-    groups): every rank calls it at the same point relative to other group creation, e.g.
-    ``BagGroups.build``."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    shape, names = cfg.mesh_shape(world_size)
-    if not dist.is_initialized() or dist.get_world_size() != world_size:
-        actual = dist.get_world_size() if dist.is_initialized() else "no process group"
-        raise ValueError(f"FSDP mesh for world_size={world_size}, but the default process group has {actual}")
-    return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
 class CompileStats:
@@ -416,31 +395,18 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
     model.initial_values(write)
 
 
-def parallelize(
-    model: nn.Module,
-    *,
-    fsdp: str = "none",
-    ac: str = "none",
-    ac_every: int = 2,
-    compile: bool = False,
-    compile_backend: str = "inductor",
-    param_dtype: torch.dtype = torch.float32,
-    reduce_dtype: torch.dtype = torch.float32,
-    gpus_per_node: int | None = None,
-    world_size: int = 1,
-    device_type: str = "cpu",
-) -> ParallelModel:
+def parallelize(model: nn.Module, parallel: ParallelConfig | None = None, dims: ParallelDims | None = None
+                ) -> ParallelModel:
     """Apply compile, activation checkpointing and FSDP (in that order, inside out) to
-    ``model`` in place. Fields as in ``ParallelConfig``; ``world_size`` and ``device_type``
-    ("cuda", "cpu") size and place the FSDP mesh. Collective with FSDP (builds the mesh).
+    ``model`` in place, as ``parallel`` says (default: none of them), on the devices of
+    ``dims`` (default: one process; with FSDP it builds the mesh: collective).
 
-    Call it once, on a model whose parameters are on the training device, or on the meta
-    device (then ``materialize`` it), before building the optimizer and before loading a
-    checkpoint."""
-    cfg = ParallelConfig(
-        fsdp=fsdp, ac=ac, ac_every=ac_every, compile=compile, compile_backend=compile_backend,
-        param_dtype=param_dtype, reduce_dtype=reduce_dtype, gpus_per_node=gpus_per_node,
-    )
+    The one way a model is parallelized: training, calibration, memory measurement, the
+    dry run, parity and the step benchmark all call it. Call it once, on a model whose
+    parameters are on the training device, or on the meta device (then ``materialize``
+    it), before building the optimizer and before loading a checkpoint."""
+    cfg = parallel if parallel is not None else ParallelConfig()
+    dims = dims if dims is not None else ParallelDims.local()
     model_classes = tuple(f.model_cls for f in FAMILIES.values())
     if not isinstance(model, model_classes):
         raise TypeError(f"parallelize takes a family's model ({', '.join(c.__name__ for c in model_classes)}), "
@@ -466,6 +432,6 @@ def parallelize(
             block.forward = _checkpointed_forward(block.forward)
     mesh = None
     if cfg.fsdp != "none":
-        mesh = build_fsdp_mesh(cfg, world_size=world_size, device_type=device_type)
+        mesh = dims.fsdp_mesh(cfg.fsdp)
         _apply_fsdp(model, mesh, cfg)
     return ParallelModel(model=model, config=cfg, mesh=mesh, compile_stats=stats)

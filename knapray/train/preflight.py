@@ -140,8 +140,8 @@ def _would(message: str) -> str:
 
 def _worlds_text(worlds: tuple[int, ...], cfg: TrainConfig) -> str:
     if len(worlds) == 1:
-        return f"{worlds[0]} (run.num_workers)" if worlds[0] == cfg.run.num_workers else str(worlds[0])
-    return f"{worlds[0]}..{worlds[-1]} ({len(worlds)} sizes: elastic, run.min_workers..run.num_workers)"
+        return f"{worlds[0]} (scaling.num_workers)" if worlds[0] == cfg.scaling.num_workers else str(worlds[0])
+    return f"{worlds[0]}..{worlds[-1]} ({len(worlds)} sizes: elastic, scaling.min_workers..scaling.num_workers)"
 
 
 def check(cfg: TrainConfig, worlds: Iterable[int], *, corpus: CorpusCheck | None = None,
@@ -231,7 +231,7 @@ def check_corpus(cfg: TrainConfig, schema: _SchemaReader | None = None) -> Corpu
 
 def prepare(pre: Preflight) -> tuple[RunStart, RunLock]:
     """The run directory, once every check passed: take its lock, decide fresh run or
-    resume under it (``run.resume``), clear what an unfinished fresh run left (or cut a
+    resume under it (``checkpoint.resume``), clear what an unfinished fresh run left (or cut a
     resumed run's torn last metrics line, with a warning), write the config and the
     quarantined shards. The caller releases the lock at the end of the run."""
     cfg = pre.cfg

@@ -1,5 +1,5 @@
 """The run directory, handled the same way by every launcher: where it is (never inside
-Ray's upload folder), whether a run starts fresh or resumes (``run.resume``), the lock
+Ray's upload folder), whether a run starts fresh or resumes (``checkpoint.resume``), the lock
 that keeps a second live run out, the saved config, and at the end ``summary.json``,
 ``ledger.jsonl``, ``quarantine.jsonl`` and the per-rank work plot."""
 
@@ -89,7 +89,9 @@ def saved_config(run_dir: str) -> dict | None:
         if section in defaults and isinstance(defaults[section], dict) and not isinstance(value, dict):
             raise RunError(f"run file {path}: section {section!r} is {str(value)[:60]!r}, not an object: restore "
                            "it, or choose another run.name")
-    return doc
+    from .config import from_saved_layout
+
+    return from_saved_layout(doc)  # a run written before the run section was split reads as today's
 
 
 def run_checkpoint(run_dir: str, checkpoint: str | None, purpose: str) -> str:
@@ -159,21 +161,21 @@ class RunStart:
 
 
 def decide_start(cfg: TrainConfig, checkpoints: list[str]) -> RunStart:
-    """Fresh run or resume, by ``run.resume`` (auto | never | must), before workers start.
+    """Fresh run or resume, by ``checkpoint.resume`` (auto | never | must), before workers start.
 
     never: an existing run directory is an error naming it. must: there must be a
     checkpoint to resume from. auto: resume the newest complete checkpoint if the saved
     config is compatible (else an error listing what differs); start fresh if there is
     none."""
-    run_dir, mode = cfg.run_dir, cfg.run.resume
+    run_dir, mode = cfg.run_dir, cfg.checkpoint.resume
     if mode not in RESUME_MODES:
-        raise RunError(f"run.resume {mode!r}: valid values are {', '.join(RESUME_MODES)}")
+        raise RunError(f"checkpoint.resume {mode!r}: valid values are {', '.join(RESUME_MODES)}")
     exists = os.path.isdir(run_dir) and bool(os.listdir(run_dir))
     if mode == "never" and exists:
-        raise RunError(f"run directory {run_dir} already exists (run.resume=never): choose another run.name, "
-                       "remove the directory, or set run.resume=auto to continue it")
+        raise RunError(f"run directory {run_dir} already exists (checkpoint.resume=never): choose another run.name, "
+                       "remove the directory, or set checkpoint.resume=auto to continue it")
     if mode == "must" and not checkpoints:
-        raise RunError(f"run.resume=must but {run_dir} holds no complete checkpoint to resume from")
+        raise RunError(f"checkpoint.resume=must but {run_dir} holds no complete checkpoint to resume from")
     if not checkpoints:
         return RunStart(None, f"starting run {cfg.run.name!r} in {run_dir}")
     old = saved_config(run_dir)
@@ -250,8 +252,8 @@ def check_world(cfg: TrainConfig, world_size: int) -> None:
     try:
         cfg.samples_per_rank(world_size)
         gpn = cfg.balance.gpus_per_node
-        if cfg.run.fsdp == "hybrid" and (not gpn or world_size % gpn):
-            raise ValueError(f"run.fsdp=hybrid shards within a node: balance.gpus_per_node must be set and divide "
+        if cfg.parallel.fsdp == "hybrid" and (not gpn or world_size % gpn):
+            raise ValueError(f"parallel.fsdp=hybrid shards within a node: balance.gpus_per_node must be set and divide "
                              f"the world size, got gpus_per_node={gpn}")
         kind, _ = parse_rule(cfg.balance.topology)
         per_step_node(cfg.balance.topology, world_size, gpn or None)  # whole nodes

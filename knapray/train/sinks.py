@@ -1,5 +1,5 @@
 """Where rank 0 sends each step's scalars: TensorBoard event files in the run directory
-(``run.tensorboard``: by default whenever the package is installed), Weights & Biases and
+(``metrics.tensorboard``: by default whenever the package is installed), Weights & Biases and
 MLflow when configured, and callbacks. ``metrics.jsonl`` (``run_files``) has every step
 whatever the sinks.
 
@@ -36,8 +36,8 @@ def _installed(module: str) -> bool:
 
 
 def mlflow_tracking_uri(cfg: TrainConfig) -> str:
-    """``run.mlflow_tracking_uri``, else the ``MLFLOW_TRACKING_URI`` environment variable."""
-    return cfg.run.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+    """``metrics.mlflow_tracking_uri``, else the ``MLFLOW_TRACKING_URI`` environment variable."""
+    return cfg.metrics.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
 
 
 def enabled_sinks(cfg: TrainConfig) -> list[str]:
@@ -45,27 +45,27 @@ def enabled_sinks(cfg: TrainConfig) -> list[str]:
     the config whose package is missing is an error naming the key (call this early, before
     workers start); MLflow set by the environment alone is skipped then, with a warning."""
     sinks = []
-    if cfg.run.tensorboard != "off":
+    if cfg.metrics.tensorboard != "off":
         if _installed("tensorboard"):
             sinks.append("tensorboard")
-        elif cfg.run.tensorboard == "on":
-            raise RuntimeError("run.tensorboard='on' but the tensorboard package is not installed: "
+        elif cfg.metrics.tensorboard == "on":
+            raise RuntimeError("metrics.tensorboard='on' but the tensorboard package is not installed: "
                                "pip install tensorboard (a knapray dependency: make setup), or set "
-                               "run.tensorboard=auto|off")
+                               "metrics.tensorboard=auto|off")
         else:
             logger.warning("the tensorboard package is not installed: no TensorBoard event files "
                            "(metrics.jsonl has every step); pip install tensorboard to get them")
-    if cfg.run.wandb_project:
+    if cfg.metrics.wandb_project:
         if not _installed("wandb"):
-            raise RuntimeError(f"run.wandb_project={cfg.run.wandb_project!r} but the wandb package is not "
-                               "installed: pip install 'knapray[wandb]', or set run.wandb_project=''")
+            raise RuntimeError(f"metrics.wandb_project={cfg.metrics.wandb_project!r} but the wandb package is not "
+                               "installed: pip install 'knapray[wandb]', or set metrics.wandb_project=''")
         sinks.append("wandb")
     if mlflow_tracking_uri(cfg):
         if _installed("mlflow"):
             sinks.append("mlflow")
-        elif cfg.run.mlflow_tracking_uri:
-            raise RuntimeError(f"run.mlflow_tracking_uri={cfg.run.mlflow_tracking_uri!r} but the mlflow package "
-                               "is not installed: pip install 'knapray[mlflow]', or set run.mlflow_tracking_uri=''")
+        elif cfg.metrics.mlflow_tracking_uri:
+            raise RuntimeError(f"metrics.mlflow_tracking_uri={cfg.metrics.mlflow_tracking_uri!r} but the mlflow package "
+                               "is not installed: pip install 'knapray[mlflow]', or set metrics.mlflow_tracking_uri=''")
         else:
             logger.warning("MLFLOW_TRACKING_URI is set but mlflow is not installed: not logging to MLflow")
     return sinks
@@ -130,14 +130,14 @@ class MetricSinks:
             path = os.path.join(run_dir, WANDB_ID_FILE)
             run_id = _read_id(path) or uuid.uuid4().hex[:16]
             _write_id(path, run_id)
-            self._wandb = wandb.init(project=cfg.run.wandb_project, name=cfg.run.name, id=run_id,
+            self._wandb = wandb.init(project=cfg.metrics.wandb_project, name=cfg.run.name, id=run_id,
                                      resume="allow", dir=run_dir)
             # A resumed run may change settings (lr, topology...): the run shows the latest.
             self._wandb.config.update(cfg.to_dict(), allow_val_change=True)
         if "mlflow" in self.names:
             mlflow = importlib.import_module("mlflow")
             mlflow.set_tracking_uri(mlflow_tracking_uri(cfg))
-            mlflow.set_experiment(cfg.run.mlflow_experiment)
+            mlflow.set_experiment(cfg.metrics.mlflow_experiment)
             path = os.path.join(run_dir, MLFLOW_ID_FILE)
             run_id = _read_id(path)
             if run_id is None:

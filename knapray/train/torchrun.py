@@ -6,7 +6,7 @@ The same ``Trainer`` as under Ray Train, with a context that reads each rank's r
 straight from the corpus's parquet shards (``knapray.data.local_rows``: every N-th row)
 and the same run directory (checkpoints, ledger, metrics). There is no coordinator actor, so
 every step is planned by the ranks themselves from an all-gather of lengths (the same
-solver, the same plans). NCCL when ``run.use_gpu`` is true, gloo otherwise.
+solver, the same plans). NCCL when ``scaling.use_gpu`` is true, gloo otherwise.
 
 It is how the GPU check runs (the GPU machine has torch but no Ray) and how a user
 debugs on one box. Run without torchrun, it trains as a world of one.
@@ -68,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_launch(cfg: TrainConfig) -> None:
     """What must hold before any rank joins the world (ValueError naming the value)."""
-    if cfg.run.use_gpu and not torch.cuda.is_available():
-        raise ValueError("run.use_gpu is true but CUDA is not available here; set run.use_gpu=false")
+    if cfg.scaling.use_gpu and not torch.cuda.is_available():
+        raise ValueError("scaling.use_gpu is true but CUDA is not available here; set scaling.use_gpu=false")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.run.gloo_socket_ifname:  # a CPU run's default group is gloo too
         os.environ["GLOO_SOCKET_IFNAME"] = cfg.run.gloo_socket_ifname
     try:
-        rank, world, local_rank = init_from_env(cfg.run.use_gpu, cfg.run.timeout_s)
+        rank, world, local_rank = init_from_env(cfg.scaling.use_gpu, cfg.run.timeout_s)
         try:
             summary = Trainer(TorchrunContext(cfg, rank, world, local_rank), cfg).train()
         except OSError as e:  # the environment, not the inputs: a full disk says where

@@ -15,7 +15,7 @@ newest checkpoint, topology, process groups, step planner, bad-data guard);
    gradients summed over ranks, clip, optimizer step;
 5. one all-reduce gathers the loss and every rank's compute/communication seconds;
    rank 0 writes the step's metrics and the step goes into the ledger;
-6. every ``checkpoint_every`` steps, and at the end of the run, a checkpoint
+6. every ``checkpoint.every`` steps, and at the end of the run, a checkpoint
    (``Checkpointer``: DCP, atomic, resumable at another world size).
 """
 
@@ -40,9 +40,8 @@ from knapray.data import (
     check_model_config,
     corpus_info,
 )
-from knapray.distributed import BagGroups
-from knapray.distributed.block_groups import BlockGroups, StepGroups
-from knapray.distributed.step_sync import StepSync
+from knapray.distributed.block_groups import StepGroups
+from knapray.distributed.parallel_dims import ParallelDims
 from knapray.models.families import build_model, cross_text_pad
 from knapray.models.flops import model_flops, peak_tflops
 from knapray.models.flow import flow_loss
@@ -62,7 +61,7 @@ from .ledger_files import LocalLedger, committed_ids
 from .ema import build_ema
 from .metrics import MetricsFile, StepRecord
 from .optim import LRSchedule, build_optimizer
-from .parallelize import materialize, parallelize
+from .parallelize import ParallelConfig, materialize, parallelize
 from .profiling import StepProfiler
 from .sinks import MetricSinks, scalars_of
 from .run_files import most_used_first, truncate_metrics
@@ -89,19 +88,19 @@ class TopologyError(ValueError):
 
 def check_node_layout(cfg: TrainConfig, node_sizes: tuple[int, ...]) -> None:
     """What the real node layout must give the run before anything is built: with
-    ``run.fsdp: hybrid`` every node holds whole shards of ``balance.gpus_per_node``
+    ``parallel.fsdp: hybrid`` every node holds whole shards of ``balance.gpus_per_node``
     consecutive ranks (a shard never spans two machines). Raises ``TopologyError``."""
     gpn = cfg.balance.gpus_per_node
-    if cfg.run.fsdp == "hybrid" and gpn and any(n % gpn for n in node_sizes):
+    if cfg.parallel.fsdp == "hybrid" and gpn and any(n % gpn for n in node_sizes):
         raise TopologyError(
-            f"run.fsdp=hybrid shards over blocks of balance.gpus_per_node={gpn} consecutive ranks, but the "
+            f"parallel.fsdp=hybrid shards over blocks of balance.gpus_per_node={gpn} consecutive ranks, but the "
             f"{sum(node_sizes)} workers are on nodes of {list(node_sizes)} ranks (in rank order): every node must "
             f"hold a multiple of {gpn} workers (give each node {gpn} worker slots, e.g. {gpn} GPUs, or set "
             "balance.gpus_per_node to a size that divides every node)")
 
 
 def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
-    """``run.precision`` on ``device``: ``auto`` is bf16 on CUDA and fp32 elsewhere."""
+    """``parallel.precision`` on ``device``: ``auto`` is bf16 on CUDA and fp32 elsewhere."""
     if precision == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
@@ -129,13 +128,17 @@ class Trainer:
     def __init__(self, ctx: TrainContext, cfg: TrainConfig) -> None:
         self.ctx, self.cfg = ctx, cfg
         self.rank, self.world = ctx.rank, ctx.world_size
-        self.device = ctx.device(cfg.run.use_gpu)
-        self.sync = StepSync.build(self.device, gloo_socket_ifname=cfg.run.gloo_socket_ifname)
+        self.device = ctx.device(cfg.scaling.use_gpu)
+        # Every process group, created in one order on every rank (ParallelDims): the step's
+        # sync group now, the FSDP mesh in parallelize, the bags once the topology is known.
+        self.dims = ParallelDims(world_size=self.world, device_type=self.device.type,
+                                 gpus_per_node=cfg.balance.gpus_per_node or None)
+        self.sync = self.dims.step_sync(self.device, gloo_socket_ifname=cfg.run.gloo_socket_ifname)
         # Where every rank really runs: bags (and FSDP's node shards) must not cross a node.
         node_ids = self.sync.gather_objects(ctx.node_id())
         self.node_sizes = node_sizes_of(node_ids)
         check_node_layout(cfg, self.node_sizes)
-        self.dtype = compute_dtype(cfg.run.precision, self.device)
+        self.dtype = compute_dtype(cfg.parallel.precision, self.device)
         self.peak_tflops = peak_tflops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
         self.samples_per_step = cfg.samples_per_rank(self.world)
         self.run_dir = cfg.run_dir
@@ -151,13 +154,8 @@ class Trainer:
         torch.manual_seed(cfg.data.seed)  # the same initial model on every rank
         with torch.device("meta"):
             self.model = build_model(cfg.model)
-        sharded = cfg.run.fsdp != "none"
-        self.parallel = parallelize(
-            self.model, fsdp=cfg.run.fsdp, ac=cfg.run.activation_checkpointing, ac_every=cfg.run.ac_every,
-            compile=cfg.run.compile, param_dtype=self.dtype if sharded else torch.float32,
-            reduce_dtype=torch.float32, gpus_per_node=cfg.balance.gpus_per_node or None, world_size=self.world,
-            device_type=self.device.type,
-        )
+        sharded = cfg.parallel.fsdp != "none"
+        self.parallel = parallelize(self.model, ParallelConfig.from_section(cfg.parallel, self.dtype), self.dims)
         if cfg.model.pretrained:
             self._load_pretrained()
         else:
@@ -229,7 +227,7 @@ class Trainer:
         self.duplicates = quarantined_duplicates(self.run_dir)
         """Ids pre-flight quarantined because several corpus rows carry them: never trained."""
         self.metrics = MetricsFile(self.run_dir) if self.rank == 0 else None
-        self.profiler = StepProfiler(self.run_dir, self.rank, cfg.run.profile_steps if any(cfg.run.profile_steps)
+        self.profiler = StepProfiler(self.run_dir, self.rank, cfg.metrics.profile_steps if any(cfg.metrics.profile_steps)
                                      else None, self.device)
         self.sinks = MetricSinks(cfg, start_step=self.step) if self.rank == 0 else None
         largest_bag = max(self.topology.bags) if self.per_step_node is None else max(
@@ -265,10 +263,7 @@ class Trainer:
     def _build_groups(self) -> StepGroups:
         """The static topology's groups and, for a per-step run, a group for every aligned
         block of each node: created once, by every rank in the same order."""
-        heads = self.cfg.model.num_heads
-        base = BagGroups.build(self.topology, heads)
-        blocks = BlockGroups.build(self.per_step_node, heads) if self.per_step_node is not None else None
-        return StepGroups(base, blocks)
+        return self.dims.step_groups(self.topology, self.cfg.model.num_heads, self.per_step_node)
 
     def _choose_topology(self) -> Topology:
         """Rank 0 starts the coordinator's run (it answers with the topology for this
@@ -342,7 +337,7 @@ class Trainer:
         self._apply_gradients()
         self.profiler.close()
         last = self.step - 1 if self.step > 0 else None
-        if cfg.run.final_checkpoint and last is not None and (self.last_saved, self.saved_epoch) != (last, self.epoch):
+        if cfg.checkpoint.final and last is not None and (self.last_saved, self.saved_epoch) != (last, self.epoch):
             # The last steps of a run are never lost, and the checkpoint says which epochs
             # are done (a finished run is then known as such before any worker starts).
             self._save(last)
@@ -437,7 +432,7 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.append(rec)
             self.sinks.log(step, scalars_of(rec))
-            if step % cfg.run.log_every == 0:
+            if step % cfg.metrics.log_every == 0:
                 err = rec["prediction_error"]
                 logger.info(
                     "step %d loss %.4f (rel %.3f) tokens/s %.0f imbalance %.2f->%.3f compute max/mean %.2f wait %.1f%%%s%s",
@@ -446,7 +441,7 @@ class Trainer:
                     "" if err is None else f" predicted compute off {err:.1%}",
                     "" if self.per_step_node is None else f" topology {rec['topology']}",
                 )
-        if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0 and not self.micro_steps:
+        if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0 and not self.micro_steps:
             self._save(step)
         self.ctx.report({"step": step, **scalars_of(rec)})  # every rank: Ray's report is a barrier
         return rec

@@ -105,16 +105,16 @@ def test_step_variants_each_alone_then_together():
     assert [v.name for v in step_variants(ac="every_k", ac_every=3)] == ["ac every_3"]
     vs = step_variants(fsdp="hybrid", gpus_per_node=2, world_size=4, compile=True)
     assert [v.name for v in vs] == ["fsdp hybrid", "compile inductor", "fsdp hybrid+compile inductor"]
-    assert vs[0].parallelize_kwargs() == {
-        "fsdp": "hybrid", "ac": "none", "ac_every": 2, "compile": False, "compile_backend": "inductor",
-        "gpus_per_node": 2,
+    assert vs[0].describe() == {
+        "name": "fsdp hybrid", "fsdp": "hybrid", "ac": "none", "ac_every": 2, "compile": False,
+        "compile_backend": "inductor", "param_dtype": "float32", "reduce_dtype": "float32", "gpus_per_node": 2,
     }
-    assert (vs[2].fsdp, vs[2].compile, vs[2].gpus_per_node) == ("hybrid", True, 2)
+    assert (vs[2].parallel.fsdp, vs[2].parallel.compile, vs[2].gpus_per_node) == ("hybrid", True, 2)
 
 
 def test_bench_step_rejects_bad_variants_before_spawning(capsys):
     assert main(["bench", "step", "--fsdp", "hybrid"]) == 2
-    assert "fsdp hybrid shards within a node: pass gpus_per_node" in capsys.readouterr().err
+    assert "fsdp hybrid shards within a node: it needs gpus_per_node" in capsys.readouterr().err
     assert main(["bench", "step", "--fsdp", "hybrid", "--gpus-per-node", "3"]) == 2
     assert "world size 4 is not a multiple of gpus_per_node=3" in capsys.readouterr().err
 

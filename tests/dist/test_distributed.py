@@ -22,7 +22,7 @@ from dist_utils import run_distributed
 from knapray.attention import reference_attention
 from knapray.distributed import (
     BagGroups,
-    ParallelDims,
+    TopologyDims,
     RoutePlan,
     UlyssesAttention,
     UlyssesLayout,
@@ -539,14 +539,14 @@ def test_check_heads() -> None:
 
 def test_parallel_dims_validation() -> None:
     with pytest.raises(ValueError, match=r"covers 4 ranks, but the world has 3"):
-        ParallelDims(Topology.parse("g2n2"), 3)
+        TopologyDims(Topology.parse("g2n2"), 3)
     with pytest.raises(ValueError, match=r"12 attention heads .* bag of 8"):
-        ParallelDims(Topology.parse("g8n1"), 8, num_heads=12)
+        TopologyDims(Topology.parse("g8n1"), 8, num_heads=12)
     with pytest.raises(ValueError, match=r"bad topology term 'g2x2'"):
-        ParallelDims(Topology.parse("g2x2"), 4)
+        TopologyDims(Topology.parse("g2x2"), 4)
     with pytest.raises(TypeError, match="Topology.parse"):
-        ParallelDims("g2n2", 4)  # type: ignore[arg-type]
-    dims = ParallelDims(Topology.parse("g1n2+g2n1", world_size=8), 8, num_heads=4)
+        TopologyDims("g2n2", 4)  # type: ignore[arg-type]
+    dims = TopologyDims(Topology.parse("g1n2+g2n1", world_size=8), 8, num_heads=4)
     lay = dims.layout(7)
     assert (lay.bag, lay.bag_ranks, lay.rank_in_bag, lay.bag_size) == (5, (6, 7), 1, 2)
     assert (lay.balance_group, lay.balance_ranks) == (1, (4, 5, 6, 7))
@@ -597,7 +597,7 @@ def test_route_plans_simulated(spec: str) -> None:
     for case, plan in _plans(spec).items():
         global_rows = torch.arange(int(plan.seq_lens.sum()))
         topo = plan.topology
-        dims = ParallelDims(topo, WORLD)
+        dims = TopologyDims(topo, WORLD)
         rps = [RoutePlan.build(plan, r, dims.layout(r).balance_ranks) for r in range(WORLD)]
         sent = {}
         for r, rp in enumerate(rps):

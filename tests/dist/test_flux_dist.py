@@ -44,14 +44,15 @@ def _reference_then_finetune(rank: int, world: int, tiny: list[str], corpus: str
     from dist_utils import local_trainer
 
     from knapray.testing.reference import balanced_results
+    from knapray.train.parallelize import ParallelConfig
     from knapray.train.run_files import write_config
 
     a = REFERENCE_ARGS
     reference = balanced_results(rank, world, tiny, a["family"], a["topology"], a["seed"], a["sequences"],
-                                 {"fsdp": "full"})
+                                 ParallelConfig(fsdp="full"))
 
     trainer = local_trainer(rank, world, corpus, run_root, "flux", [
-        f"model.pretrained={pretrained}", "run.fsdp=full", "run.max_steps=5", "balance.topology=g1n2+g2n1",
+        f"model.pretrained={pretrained}", "parallel.fsdp=full", "run.max_steps=5", "balance.topology=g1n2+g2n1",
         "optim.lr=0.003", "flow.resolution_shift=true", "flow.guidance=3.5", "data.caption_dropout=0.25",
         "data.epochs=5",
     ])

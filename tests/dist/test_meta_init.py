@@ -27,14 +27,14 @@ def _reference(cfg: MMDiTConfig, seed: int) -> tuple[dict[str, torch.Tensor], to
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_meta_model_materialized_equals_the_cpu_built_one(name):
-    from knapray.train.parallelize import materialize, parallelize
+    from knapray.train.parallelize import ParallelConfig, materialize, parallelize
 
     cfg = CONFIGS[name]
     ref, ref_after = _reference(cfg, seed=7)
     torch.manual_seed(7)
     with torch.device("meta"):
         model = MMDiT(cfg)
-    parallelize(model, ac="full")
+    parallelize(model, ParallelConfig(ac="full"))
     materialize(model, "cpu")
     got = dict(model.named_parameters())
     assert list(got) == list(ref)
@@ -46,15 +46,16 @@ def test_meta_model_materialized_equals_the_cpu_built_one(name):
 def _sharded_worker(rank: int, world: int) -> dict:
     from torch.distributed.tensor import DTensor
 
-    from knapray.train.parallelize import materialize, parallelize
+    from knapray.distributed.parallel_dims import ParallelDims
+    from knapray.train.parallelize import ParallelConfig, materialize, parallelize
 
     out = {}
     for fsdp in ("full", "hybrid"):  # one world, two models (each builds its own mesh)
         torch.manual_seed(11)
         with torch.device("meta"):
             model = MMDiT(parity_config())
-        parallelize(model, fsdp=fsdp, gpus_per_node=1 if fsdp == "hybrid" else None, world_size=world,
-                    device_type="cpu")
+        parallelize(model, ParallelConfig(fsdp=fsdp),
+                    ParallelDims(world_size=world, gpus_per_node=1 if fsdp == "hybrid" else None))
         materialize(model, "cpu")
         out[fsdp] = {
             "local": {n: (p.to_local() if isinstance(p, DTensor) else p).numel() for n, p in model.named_parameters()},

@@ -23,7 +23,8 @@ import torch
 from dist_utils import run_distributed
 from knapray.attention import LocalAttention
 from knapray.models import MMDiT, add_noise, flow_loss, pack_samples
-from knapray.testing.parity import Parallelism, parity_config, passed, run_parity
+from knapray.testing.parity import parity_config, passed, run_parity
+from knapray.distributed.parallel_dims import ParallelDims
 from knapray.train.parallelize import ParallelConfig, parallelize
 from knapray.testing.batches import mix_batches
 
@@ -52,8 +53,6 @@ def _model(seed: int = 0) -> MMDiT:
         ({"ac": "every_k", "ac_every": 0}, "ac_every must be an int >= 1, got 0"),
         ({"fsdp": "full", "param_dtype": torch.float16}, "param_dtype must be one of"),
         ({"param_dtype": torch.bfloat16}, "apply to FSDP only"),
-        ({"fsdp": "hybrid"}, "fsdp hybrid shards within a node: pass gpus_per_node"),
-        ({"fsdp": "hybrid", "gpus_per_node": 0}, "gpus_per_node must be an int >= 1, got 0"),
         ({"compile": "yes"}, "compile must be a bool, got 'yes'"),
     ],
 )
@@ -63,13 +62,17 @@ def test_config_rejects_bad_values(kwargs, message):
 
 
 def test_mesh_shapes_and_checkpointed_blocks():
-    assert ParallelConfig(fsdp="full").mesh_shape(4) == ((4,), ("shard",))
-    assert ParallelConfig(fsdp="hybrid", gpus_per_node=2).mesh_shape(4) == ((2, 2), ("replicate", "shard"))
-    assert ParallelConfig(fsdp="hybrid", gpus_per_node=8).mesh_shape(32) == ((4, 8), ("replicate", "shard"))
+    assert ParallelDims(world_size=4).mesh_shape("full") == ((4,), ("shard",))
+    assert ParallelDims(world_size=4, gpus_per_node=2).mesh_shape("hybrid") == ((2, 2), ("replicate", "shard"))
+    assert ParallelDims(world_size=32, gpus_per_node=8).mesh_shape("hybrid") == ((4, 8), ("replicate", "shard"))
     with pytest.raises(ValueError, match="world size 6 is not a multiple of gpus_per_node=4"):
-        ParallelConfig(fsdp="hybrid", gpus_per_node=4).mesh_shape(6)
-    with pytest.raises(ValueError, match="fsdp none has no device mesh"):
-        ParallelConfig().mesh_shape(4)
+        ParallelDims(world_size=6, gpus_per_node=4).mesh_shape("hybrid")
+    with pytest.raises(ValueError, match="fsdp hybrid shards within a node: it needs gpus_per_node"):
+        ParallelDims(world_size=4).mesh_shape("hybrid")
+    with pytest.raises(ValueError, match="gpus_per_node must be an int >= 1, got 0"):
+        ParallelDims(world_size=4, gpus_per_node=0)
+    with pytest.raises(ValueError, match="fsdp 'none' has no device mesh"):
+        ParallelDims(world_size=4).mesh_shape("none")
     every3 = ParallelConfig(ac="every_k", ac_every=3)
     assert every3.checkpointed(7) == (False, False, True, False, False, True, False)
     assert all(ParallelConfig(ac="full").checkpointed(5))
@@ -84,7 +87,7 @@ def test_trainer_memory_model_and_measurement_checkpoint_the_same_blocks(ac, eve
 
     cfg = dataclasses.replace(parity_config(), depth_double=2, depth_single=3)
     model = MMDiT(cfg)
-    parallelize(model, ac=ac, ac_every=every)
+    parallelize(model, ParallelConfig(ac=ac, ac_every=every))
     wrapped = [hasattr(b.forward, "__wrapped__") for b in [*model.double_blocks, *model.single_blocks]]
     predicted = MemoryModel(shape=ModelShape.of(cfg), checkpointing=ac, ac_every=every).checkpointed()
     assert wrapped == predicted
@@ -123,7 +126,7 @@ def test_checkpointing_gives_identical_gradients_and_recomputes(ac, ac_every, re
 
     ref_out, ref_calls, ref_grads = run(build())
     model = build()
-    parallelize(model, ac=ac, ac_every=ac_every)
+    parallelize(model, ParallelConfig(ac=ac, ac_every=ac_every))
     out, calls, grads = run(model)
     assert torch.equal(out, ref_out)
     assert list(grads) == list(ref_grads)  # names unchanged: state dicts interchange
@@ -152,7 +155,7 @@ def _varying_batches(cfg, steps: int = 20):
 def test_compile_matches_eager_and_recompiles_at_most_twice_over_20_steps():
     cfg = parity_config()
     eager, model = _model(), _model()
-    par = parallelize(model, compile=True, ac="every_k", ac_every=2)  # inductor, as in training
+    par = parallelize(model, ParallelConfig(compile=True, ac="every_k", ac_every=2))  # inductor, as in training
     batches = _varying_batches(cfg)
     assert len({int(b.seq_lens.sum()) for b in batches}) >= 12
     assert any(b.num_sequences == 0 for b in batches)
@@ -179,14 +182,14 @@ def test_compile_matches_eager_and_recompiles_at_most_twice_over_20_steps():
 
 @pytest.mark.dist
 @pytest.mark.parametrize(
-    "parallelism, textless",
+    "parallelism, gpus_per_node, textless",
     [
-        (Parallelism(fsdp="full", ac="full"), (2,)),
-        (Parallelism(fsdp="hybrid", ac="every_k", gpus_per_node=2), (0, 3)),
+        (ParallelConfig(fsdp="full", ac="full"), None, (2,)),
+        (ParallelConfig(fsdp="hybrid", ac="every_k"), 2, (0, 3)),
     ],
     ids=["full-ac_full", "hybrid-ac_every2"],
 )
-def test_balanced_fsdp_matches_single_process_reference(parallelism, textless, monkeypatch):
+def test_balanced_fsdp_matches_single_process_reference(parallelism, gpus_per_node, textless, monkeypatch):
     if parallelism.fsdp == "hybrid":
         # As on torch 2.10 / 2.11, which lack FSDPModule.set_reduce_scatter_unused_params:
         # the ranks' workers run without it (a rank without text, a rank without sequences).
@@ -194,7 +197,7 @@ def test_balanced_fsdp_matches_single_process_reference(parallelism, textless, m
 
         monkeypatch.setattr(knapray.testing.parity, "_worker", _worker_on_a_torch_without_unused_params)
     report = run_parity(4, TOPOLOGIES, MIX, scale=4, seed=5, max_text_tokens=12, empty_ranks=(1,),
-                        textless_ranks=textless, parallelism=parallelism)
+                        textless_ranks=textless, parallelism=parallelism, gpus_per_node=gpus_per_node)
     assert report["_meta"]["fsdp"] == parallelism.fsdp and report["_meta"]["ac"] == parallelism.ac
     for case in TOPOLOGIES + ["unbalanced"]:
         r = report[case]
@@ -234,8 +237,8 @@ def _bf16_fsdp_worker(rank: int, world: int) -> dict:
     batch = batches[rank]
     model = _model()
     names = [n for n, _ in model.named_parameters()]
-    par = parallelize(model, fsdp="full", ac="full", param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                      world_size=world, device_type="cpu")
+    par = parallelize(model, ParallelConfig(fsdp="full", ac="full", param_dtype=torch.bfloat16,
+                                            reduce_dtype=torch.float32), ParallelDims(world_size=world))
     seen = {}
     model.double_blocks[0].register_forward_pre_hook(
         lambda m, args: seen.update(h=args[0].dtype, vec=args[2].dtype, rope=args[6][0].dtype))

@@ -60,7 +60,7 @@ def test_parity_cli_runs_fsdp_and_checkpointing(capsys):
 
 def test_parity_cli_rejects_bad_parallelism(capsys):
     assert main(["parity", "--world-size", "4", "--topology", "g2n2", "--fsdp", "hybrid"]) == 2
-    assert "fsdp hybrid shards within a node: pass gpus_per_node" in capsys.readouterr().err
+    assert "fsdp hybrid shards within a node: it needs gpus_per_node" in capsys.readouterr().err
     assert main(["parity", "--world-size", "4", "--topology", "g2n2", "--fsdp", "hybrid",
                  "--gpus-per-node", "3"]) == 2
     assert "world size 4 is not a multiple of gpus_per_node=3" in capsys.readouterr().err

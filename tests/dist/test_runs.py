@@ -42,7 +42,7 @@ def corpus(tmp_path_factory):
 
 def _overrides(corpus_dir: str, storage, *extra: str) -> list[str]:
     return MODEL + [f"data.corpus={corpus_dir}", "data.samples_per_step=2", "balance.topology=g1n1",
-                    f"run.storage={storage}", "run.name=r", "run.precision=fp32", *extra]
+                    f"run.storage={storage}", "run.name=r", "parallel.precision=fp32", *extra]
 
 
 def _train(corpus_dir, storage, *extra, nproc: int = 1) -> subprocess.CompletedProcess:
@@ -92,13 +92,13 @@ def test_two_epochs_train_every_sample_once_per_epoch(corpus, tmp_path):
 
 def test_resume_continues_at_the_checkpoint_and_trains_each_sample_once(corpus, tmp_path):
     corpus_dir, ids = corpus
-    first = _train(corpus_dir, tmp_path, "run.max_steps=3", "run.checkpoint_every=2")
+    first = _train(corpus_dir, tmp_path, "run.max_steps=3", "checkpoint.every=2")
     assert first.returncode == 0, first.stderr[-3000:]
     ckpts = sorted(os.listdir(tmp_path / "r" / "checkpoints"))
-    # every checkpoint_every steps, and a final one: the last steps of a run are kept
+    # every checkpoint.every steps, and a final one: the last steps of a run are kept
     assert ckpts == ["step-000000001", "step-000000002"]
     assert "starting run 'r'" in first.stdout
-    second = _train(corpus_dir, tmp_path, "run.max_steps=0", "run.checkpoint_every=2")
+    second = _train(corpus_dir, tmp_path, "run.max_steps=0", "checkpoint.every=2")
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resuming run 'r' from" in second.stdout and "run.max_steps: 3 -> 0" in second.stdout
     steps = [m["step"] for m in _metrics(tmp_path / "r")]
@@ -121,15 +121,15 @@ def test_resume_refuses_an_incompatible_config_in_one_line(corpus, tmp_path):
 def test_resume_never_refuses_an_existing_run_directory(corpus, tmp_path):
     corpus_dir, _ = corpus
     assert _train(corpus_dir, tmp_path, "run.max_steps=1").returncode == 0
-    out = _train(corpus_dir, tmp_path, "run.max_steps=1", "run.resume=never")
+    out = _train(corpus_dir, tmp_path, "run.max_steps=1", "checkpoint.resume=never")
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and str(tmp_path / "r") in lines[0] and "run.resume=never" in lines[0]
+    assert len(lines) == 1 and str(tmp_path / "r") in lines[0] and "checkpoint.resume=never" in lines[0]
 
 
 def test_decide_start_modes(corpus, tmp_path):
     corpus_dir, _ = corpus
-    cfg = resolve_paths(load_config(None, _overrides(corpus_dir, tmp_path, "run.resume=must")))
+    cfg = resolve_paths(load_config(None, _overrides(corpus_dir, tmp_path, "checkpoint.resume=must")))
     with pytest.raises(RunError, match="no complete checkpoint"):
         decide_start(cfg, [])
     auto = resolve_paths(load_config(None, _overrides(corpus_dir, tmp_path)))
@@ -270,8 +270,8 @@ def test_resume_at_another_world_size_continues_the_same_loss_curve(corpus60, tm
     common = ["data.global_batch=12", "balance.topology=bags_of:2", "data.epochs=2"]
     whole = _train(corpus60, tmp_path / "whole", *common, "run.max_steps=6", nproc=4)
     assert whole.returncode == 0, whole.stderr[-3000:]
-    sharded = ["run.fsdp=full", "run.activation_checkpointing=full"]
-    first = _train(corpus60, tmp_path / "split", *common, *sharded, "run.max_steps=3", "run.checkpoint_every=0",
+    sharded = ["parallel.fsdp=full", "parallel.activation_checkpointing=full"]
+    first = _train(corpus60, tmp_path / "split", *common, *sharded, "run.max_steps=3", "checkpoint.every=0",
                    nproc=4)
     assert first.returncode == 0, first.stderr[-3000:]
     second = _train(corpus60, tmp_path / "split", *common, *sharded, "run.max_steps=6", nproc=3)

@@ -92,7 +92,7 @@ def _spy_loop(rank: int, world: int, corpus: str, run_root: str):
     for name in TENSOR_COLLECTIVES + OBJECT_COLLECTIVES:
         setattr(dist, name, wrap(name, getattr(dist, name)))
     trainer = local_trainer(rank, world, corpus, run_root, "spy", TINY_MODEL + [
-        "balance.topology=g2n1", "run.max_steps=3", "run.checkpoint_every=2",
+        "balance.topology=g2n1", "run.max_steps=3", "checkpoint.every=2",
     ])
     summary = trainer.train()
     ctx = trainer.ctx

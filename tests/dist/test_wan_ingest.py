@@ -126,8 +126,8 @@ def _wan_config(tmp_path: Path, corpus: Path, family: str = "wan") -> str:
              {"family": "flux", "hidden_size": 32, "num_heads": 2, "rope_axes_dim": [4, 6, 6], "depth_double": 1,
               "depth_single": 1, "in_channels": 4, "text_dim": 16, "pooled_dim": 8})
     cfg = {"model": model, "data": {"corpus": str(corpus), "samples_per_step": 2},
-           "balance": {"topology": "g1n1"}, "run": {"name": family, "storage": str(tmp_path / "runs"),
-                                                     "num_workers": 1, "precision": "fp32"}}
+           "balance": {"topology": "g1n1"}, "run": {"name": family, "storage": str(tmp_path / "runs")},
+           "scaling": {"num_workers": 1}, "parallel": {"precision": "fp32"}}
     path = tmp_path / f"{family}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return str(path)
@@ -186,7 +186,7 @@ def _finetune(rank: int, world: int, corpus: str, run_root: str, pretrained: str
     from knapray.train.run_files import write_config
 
     trainer = local_trainer(rank, world, corpus, run_root, "wan4", [
-        f"model.pretrained={pretrained}", "run.fsdp=full", "run.max_steps=5", "balance.topology=g1n2+g2n1",
+        f"model.pretrained={pretrained}", "parallel.fsdp=full", "run.max_steps=5", "balance.topology=g1n2+g2n1",
         "data.samples_per_step=1", "data.epochs=5", "optim.lr=0.003",
     ])
     if rank == 0:

@@ -137,14 +137,16 @@ def test_fsdp_step_on_nccl_without_set_reduce_scatter_unused_params(nccl_world, 
     from knapray.models import MMDiT, flow_loss
     from knapray.testing.parity import parity_config
     from knapray.testing.batches import mix_batches
-    from knapray.train.parallelize import parallelize
+    from knapray.distributed.parallel_dims import ParallelDims
+    from knapray.train.parallelize import ParallelConfig, parallelize
 
     if hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
         monkeypatch.delattr(FSDPModule, "set_reduce_scatter_unused_params")
     cfg = parity_config()
     batch = mix_batches("g1b2i256f1s0", cfg, scale=4, seed=1, world_size=None, max_text_tokens=0)[0].to("cuda")
     model = MMDiT(cfg).cuda()
-    par = parallelize(model, fsdp="full", param_dtype=torch.bfloat16, world_size=1, device_type="cuda")
+    par = parallelize(model, ParallelConfig(fsdp="full", param_dtype=torch.bfloat16),
+                      ParallelDims(world_size=1, device_type="cuda"))
     flow_loss(model(batch), batch.targets, batch.x_img.shape[0]).backward()  # no text: text weights unused
     assert torch.isfinite(par.clip_grad_norm_(1.0))
 

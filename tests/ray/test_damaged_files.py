@@ -28,7 +28,7 @@ from knapray.train.run_files import resolve_paths, write_config
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SETS = ["model.hidden_size=32", "model.num_heads=4", "model.rope_axes_dim=[2,2,4]", "model.depth_double=1",
         "model.depth_single=1", "model.text_dim=16", "model.pooled_dim=16", "data.samples_per_step=1",
-        "balance.topology=g1n2", "run.num_workers=2", "run.name=r", "run.precision=fp32"]
+        "balance.topology=g1n2", "scaling.num_workers=2", "run.name=r", "parallel.precision=fp32"]
 
 
 @pytest.fixture(autouse=True)

@@ -27,8 +27,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(150)]
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SETS = ["model.hidden_size=32", "model.num_heads=4", "model.rope_axes_dim=[2,2,4]", "model.depth_double=1",
         "model.depth_single=1", "model.text_dim=16", "model.pooled_dim=16", "data.samples_per_step=1",
-        "balance.topology=g1n2", "run.num_workers=2", "run.name=r", "run.precision=fp32",
-        "data.epochs=1000", "run.max_steps=100000", "run.checkpoint_every=2", "run.log_every=1000"]
+        "balance.topology=g1n2", "scaling.num_workers=2", "run.name=r", "parallel.precision=fp32",
+        "data.epochs=1000", "run.max_steps=100000", "checkpoint.every=2", "metrics.log_every=1000"]
 WATCH_S = 8.0
 """How long the run directory is watched after the kill. Measured: nothing changed from the
 kill on (0 s), while a live run of this size writes a line every ~0.2 s and a checkpoint

@@ -166,7 +166,7 @@ RULES = (
     Rule(r"^knapray train .*--check", "run", "the demo corpus replaced by a small one",
          extra=("--set", "data.corpus={W}/demo-corpus")),
     Rule(r"^knapray train ", "run", FAST,
-         extra=("--set", "run.max_steps=2", "--set", "run.num_workers=2", "--set", "balance.topology=g2n1"),
+         extra=("--set", "run.max_steps=2", "--set", "scaling.num_workers=2", "--set", "balance.topology=g2n1"),
          verify=_widths_from_the_corpus),
     Rule(r"^knapray sample ", "run", "2 Euler steps instead of 28", extra=("--steps", "2"),
          verify=_one_caption_two_sizes),
@@ -180,7 +180,7 @@ RULES = (
     Rule(r"^knapray parity ", "parse", "spawns 4 gloo processes (~20 s each); tests/dist/test_parity.py runs these cases"),
     Rule(r"^knapray calibrate ", "parse", "times the model's blocks for minutes (or on CUDA); tests/unit/test_calibrate.py "
          "calibrates and validates a small model"),
-    Rule(r"^torchrun --nproc-per-node 8 .*run\.use_gpu=true", "parse", "needs 8 CUDA GPUs"),
+    Rule(r"^torchrun --nproc-per-node 8 .*scaling\.use_gpu=true", "parse", "needs 8 CUDA GPUs"),
     Rule(r"^torchrun --nproc-per-node 4 .*per-step", "check", "the demo corpus replaced by a small one; training "
          "per-step on gloo is tests/dist/test_block_groups.py's", extra=("--set", "data.corpus={W}/demo-corpus")),
     Rule(r"^PYTHON=python3 make gpu-check", "skip", "needs a CUDA GPU"),

@@ -40,8 +40,8 @@ def _sets(corpus_dir, run_root, max_steps, epochs=1):
     return MODEL + [
         f"data.corpus={corpus_dir}", "data.samples_per_step=2", f"data.epochs={epochs}",
         "balance.topology=g2n2", "run.name=resume", f"run.storage={run_root}",
-        "run.num_workers=4", "run.cpus_per_worker=0.5", f"run.max_steps={max_steps}",
-        "run.checkpoint_every=2", "run.max_failures=0", "run.timeout_s=60",
+        "scaling.num_workers=4", "scaling.cpus_per_worker=0.5", f"run.max_steps={max_steps}",
+        "checkpoint.every=2", "run.max_failures=0", "run.timeout_s=60",
         "balance.coordinator_timeout_s=20",
     ]
 
@@ -85,7 +85,7 @@ def test_two_epochs_then_one_more_on_the_finished_run_exactly_once(ray_session, 
     assert dry, "expected a step where a rank had no samples of its own"
     assert all(max(r["rank_work"]) > 0 for r in dry)
 
-    # The same run again (run.resume=auto): its checkpoint says it is complete, so nothing
+    # The same run again (checkpoint.resume=auto): its checkpoint says it is complete, so nothing
     # is trained and no worker starts.
     again = run_training(_cfg(corpus_dir, tmp_path, max_steps=0, epochs=2))
     assert (again["new_steps"], again["records"], again["resumed_from_step"]) == (0, [], steps[-1])

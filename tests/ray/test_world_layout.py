@@ -23,12 +23,12 @@ def test_elastic_range_moves_in_whole_nodes():
     for world in flux.world_sizes():  # hybrid FSDP, bags_of:8, nodes of 8: every one fits
         check_world(flux, world)
     # Without a node size Ray Train may pick any size in the range; a fixed run has one.
-    sets = ["run.num_workers=6", "run.min_workers=3"]
+    sets = ["scaling.num_workers=6", "scaling.min_workers=3"]
     assert load_config(None, sets).world_sizes() == [3, 4, 5, 6]
-    assert load_config(None, ["run.num_workers=6"]).world_sizes() == [6]
-    with pytest.raises(ConfigError, match=r"grows and shrinks by whole nodes: run.min_workers=12 and "
-                                          r"run.num_workers=64 must be multiples of 8, e.g. run.min_workers=16"):
-        load_config(str(CONFIGS / "flux_cluster.yaml"), ["run.min_workers=12"])
+    assert load_config(None, ["scaling.num_workers=6"]).world_sizes() == [6]
+    with pytest.raises(ConfigError, match=r"grows and shrinks by whole nodes: scaling.min_workers=12 and "
+                                          r"scaling.num_workers=64 must be multiples of 8, e.g. scaling.min_workers=16"):
+        load_config(str(CONFIGS / "flux_cluster.yaml"), ["scaling.min_workers=12"])
 
 
 def test_hybrid_fsdp_refuses_nodes_that_are_not_whole_shards():
@@ -40,12 +40,12 @@ def test_hybrid_fsdp_refuses_nodes_that_are_not_whole_shards():
 
 
 def test_start_timeout_and_coordinator_placement():
-    elastic = load_config(None, ["run.num_workers=4", "run.min_workers=2"])
-    fixed = load_config(None, ["run.num_workers=4"])
+    elastic = load_config(None, ["scaling.num_workers=4", "scaling.min_workers=2"])
+    fixed = load_config(None, ["scaling.num_workers=4"])
     assert worker_start_timeout(elastic, {}) == ELASTIC_START_TIMEOUT_S == 10.0
     assert worker_start_timeout(elastic, {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "30"}) is None  # the user's
     assert worker_start_timeout(fixed, {}) is None  # Ray's default: may wait for the autoscaler
-    assert worker_start_timeout(load_config(None, ["run.worker_start_timeout_s=25"]), {}) == 25.0
+    assert worker_start_timeout(load_config(None, ["scaling.worker_start_timeout_s=25"]), {}) == 25.0
     assert coordinator_resources("head") == {"node:__internal_head__": 0.001}
     assert coordinator_resources("any") == {}
     assert coordinator_resources("coordinator_slot") == {"coordinator_slot": 0.001}

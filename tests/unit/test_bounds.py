@@ -215,7 +215,7 @@ def test_sample_steps_are_bounded(run_dir, monkeypatch, capsys):
     ("data.samples_per_step=1000000", "65536"),
     ("data.epochs=10000000000", "1000000"),
     ("data.seed=100000000000000000000", str((1 << 63) - 1)),
-    ("run.num_workers=1000000000", str(MAX_WORLD_SIZE)),
+    ("scaling.num_workers=1000000000", str(MAX_WORLD_SIZE)),
     ("run.max_steps=100000000000", str(MAX_STEPS)),
     ("run.timeout_s=1e30", "10000000"),
     ("run.timeout_s=100000000000000000000", "10000000"),
@@ -267,10 +267,10 @@ def test_bench_sizes_are_bounded(argv, bound, capsys):
 
 
 def test_real_large_runs_are_not_refused():
-    cfg = load_config(None, ["run.num_workers=16384", "balance.gpus_per_node=8", "data.epochs=10",
+    cfg = load_config(None, ["scaling.num_workers=16384", "balance.gpus_per_node=8", "data.epochs=10",
                              "run.max_steps=5000000", "data.max_tokens_per_gpu=1048576", "data.global_batch=65536",
                              "balance.topology=g8n2048", "run.timeout_s=604800"])
-    assert cfg.run.num_workers == 16384
+    assert cfg.scaling.num_workers == 16384
     from knapray.planning.mix import parse_mix, rank_codes
 
     assert len(rank_codes(parse_mix("image+video"), 16384)) == 16384

@@ -102,7 +102,7 @@ def test_calibrate_takes_the_run_configs_model_and_mode(tmp_path, parsers):
 
     config = tmp_path / "run.yaml"
     config.write_text("model: {hidden_size: 96, num_heads: 6, depth_double: 3, depth_single: 5}\n"
-                      "run: {precision: bf16, activation_checkpointing: full, compile: true}\n")
+                      "parallel: {precision: bf16, activation_checkpointing: full, compile: true}\n")
     got = calibration_args(parsers["calibrate"].parse_args(["--config", str(config), "--heads", "3"]))
     assert (got["hidden"], got["heads"], got["depth_double"], got["depth_single"]) == (96, 3, 3, 5)  # a flag wins
     assert (got["dtype"], got["ac"], got["compile"], got["device"]) == ("bfloat16", True, True, "cpu")

@@ -95,16 +95,16 @@ RANGES = [
     ("optim.betas", "[0.9, .nan]", "[0.9, 0.9]"),
     ("optim.grad_clip", "-1", "0"),
     ("optim.warmup_steps", "-1", "0"),
-    ("run.num_workers", "0", "1"),
-    ("run.min_workers", "-1", "0"),
-    ("run.min_workers", "5", "4"),  # num_workers defaults to 4
-    ("run.cpus_per_worker", "0", "0.1"),
-    ("run.elastic_monitor_interval_s", "0", "0.5"),
-    ("run.elastic_monitor_interval_s", ".inf", "3600"),
+    ("scaling.num_workers", "0", "1"),
+    ("scaling.min_workers", "-1", "0"),
+    ("scaling.min_workers", "5", "4"),  # num_workers defaults to 4
+    ("scaling.cpus_per_worker", "0", "0.1"),
+    ("scaling.elastic_monitor_interval_s", "0", "0.5"),
+    ("scaling.elastic_monitor_interval_s", ".inf", "3600"),
     ("run.max_steps", "-1", "0"),
-    ("run.checkpoint_every", "-1", "0"),
+    ("checkpoint.every", "-1", "0"),
     ("run.max_failures", "-2", "-1"),
-    ("run.log_every", "0", "1"),
+    ("metrics.log_every", "0", "1"),
     ("run.timeout_s", "0", "1"),
     ("model.hidden_size", "0", "4"),
     ("model.mlp_ratio", "0", "0.5"),
@@ -136,8 +136,8 @@ def test_range_errors_say_what_is_valid() -> None:
     assert _error("optim.betas=[0.9, 1]") == (
         "config optim.betas: expected a list of 2 numbers, each in [0, 1), got [0.9, 1] (list)"
     )
-    assert _error("run.num_workers=2", "run.min_workers=3") == (
-        "config run.min_workers: expected an int in [0, num_workers=2], got 3 (int)"
+    assert _error("scaling.num_workers=2", "scaling.min_workers=3") == (
+        "config scaling.min_workers: expected an int in [0, num_workers=2], got 3 (int)"
     )
     assert _error("optim.lr=.inf") == "config optim.lr: expected a finite number > 0, got inf (float)"
 
@@ -155,8 +155,8 @@ def test_range_errors_say_what_is_valid() -> None:
         ("optim.lr=abc", "a number"),
         ("optim.lr=false", "a number"),
         ("optim.lr=[1]", "a number"),
-        ("run.use_gpu=yes", "true or false"),
-        ("run.use_gpu=1", "true or false"),
+        ("scaling.use_gpu=yes", "true or false"),
+        ("scaling.use_gpu=1", "true or false"),
         ("balance.enabled=on", "true or false"),
         ("model.qk_norm='true'", "true or false"),
         ("data.corpus=5", "a string"),
@@ -168,9 +168,9 @@ def test_range_errors_say_what_is_valid() -> None:
         ("model.patch_size=[1, 2, 2.0]", "a list of 3 ints"),
         ("model.patch_size=[1, 2, true]", "a list of 3 ints"),
         ("model.hidden_size=64.0", "an int"),
-        ("run.resources_per_worker={a: x}", "a mapping of strings to numbers"),
-        ("run.resources_per_worker={1: 1}", "a mapping of strings to numbers"),
-        ("run.resources_per_worker=[1]", "a mapping of strings to numbers"),
+        ("scaling.resources_per_worker={a: x}", "a mapping of strings to numbers"),
+        ("scaling.resources_per_worker={1: 1}", "a mapping of strings to numbers"),
+        ("scaling.resources_per_worker=[1]", "a mapping of strings to numbers"),
         ("balance.cost=3", "a mapping"),
         ("balance.solver=1", "one of 'knapray', 'greedy'"),
     ],
@@ -184,12 +184,12 @@ def test_wrong_types_are_refused_per_annotation(override: str, expected: str) ->
 
 
 def test_values_convert_to_their_annotation() -> None:
-    cfg = load_config(None, ["model.patch_size=[1, 2, 2]", "run.resources_per_worker={slot: 1}",
-                             "balance.cost={bw_inter: 4e10}", "run.cpus_per_worker=2"])
+    cfg = load_config(None, ["model.patch_size=[1, 2, 2]", "scaling.resources_per_worker={slot: 1}",
+                             "balance.cost={bw_inter: 4e10}", "scaling.cpus_per_worker=2"])
     assert cfg.model.patch_size == (1, 2, 2)
-    assert cfg.run.resources_per_worker == {"slot": 1.0} and type(cfg.run.resources_per_worker["slot"]) is float
+    assert cfg.scaling.resources_per_worker == {"slot": 1.0} and type(cfg.scaling.resources_per_worker["slot"]) is float
     assert cfg.balance.cost == {"bw_inter": 4e10}
-    assert cfg.run.cpus_per_worker == 2.0 and type(cfg.run.cpus_per_worker) is float
+    assert cfg.scaling.cpus_per_worker == 2.0 and type(cfg.scaling.cpus_per_worker) is float
 
 
 def test_a_section_must_be_a_mapping() -> None:
@@ -204,7 +204,7 @@ def test_a_section_must_be_a_mapping() -> None:
     [
         ("balance.solver=foo", "expected one of 'knapray', 'greedy', got 'foo' (str)"),
         ("balance.planner=fast", "expected one of 'workload', 'cost', got 'fast' (str)"),
-        ("run.precision=fp16", "expected one of 'auto', 'bf16', 'fp32', got 'fp16' (str)"),
+        ("parallel.precision=fp16", "expected one of 'auto', 'bf16', 'fp32', got 'fp16' (str)"),
         ("balance.topology=g0n2", "'g0n2'"),
         ("balance.topology=g3", "'g3'"),
         ("balance.topology=bags_of:0", "'bags_of:0'"),
@@ -238,9 +238,9 @@ def test_run_name_accepts_a_plain_name() -> None:
 
 
 def test_precision_replaces_bf16() -> None:
-    assert TrainConfig().run.precision == "auto"
-    assert load_config(None, ["run.precision=fp32"]).run.precision == "fp32"
-    message = _error("run.bf16=true")
+    assert TrainConfig().parallel.precision == "auto"
+    assert load_config(None, ["parallel.precision=fp32"]).parallel.precision == "fp32"
+    message = _error("parallel.bf16=true")
     assert "['bf16']" in message and "'precision'" in message
 
 
@@ -262,7 +262,8 @@ def test_unknown_keys_are_rejected_with_the_valid_ones(tmp_path) -> None:
     )
     path.write_text("optimizer:\n  lr: 0.1\n")
     assert _error(path=str(path)) == (
-        "config: unknown key(s) ['optimizer']; valid keys: ['model', 'data', 'balance', 'optim', 'flow', 'run']"
+        "config: unknown key(s) ['optimizer']; valid keys: ['model', 'data', 'balance', 'optim', 'flow', 'run', "
+        "'scaling', 'checkpoint', 'metrics', 'parallel']"
     )
     message = _error("model.hiden_size=8")
     assert message.startswith("config model: unknown key(s) ['hiden_size']; valid keys: [")
@@ -277,7 +278,7 @@ def test_unknown_keys_are_rejected_with_the_valid_ones(tmp_path) -> None:
         ("optim..lr=3", "expected section.key=value"),
         ("optim.lr.x=1", "optim.lr is a value (a number), not a section"),
         ("run.name.x=1", "run.name is a value (a string), not a section"),
-        ("optimizer.lr=1", "unknown key 'optimizer'; valid keys here: ['model', 'data', 'balance', 'optim', 'flow', 'run']"),
+        ("optimizer.lr=1", "unknown key 'optimizer'; valid keys here: ['model', 'data', 'balance', 'optim', 'flow', 'run', 'scaling', 'checkpoint', 'metrics', 'parallel']"),
         ("run.x.y=1", "unknown key 'run.x'; valid keys here: ['name', "),
     ],
 )
@@ -310,13 +311,13 @@ def test_missing_or_non_mapping_file(tmp_path) -> None:
 def test_shipped_configs_load_and_round_trip(path: str) -> None:
     cfg = load_config(path)
     assert config_from_dict(cfg.to_dict()) == cfg
-    assert cfg.run.precision in ("auto", "bf16", "fp32")
+    assert cfg.parallel.precision in ("auto", "bf16", "fp32")
 
 
 def test_shipped_configs_are_there() -> None:
     assert {os.path.basename(p) for p in CONFIGS} >= {"demo.yaml", "flux_cluster.yaml"}
     flux = load_config(os.path.join(REPO, "jobs", "configs", "flux_cluster.yaml"))
-    assert flux.run.precision == "bf16" and flux.run.min_workers == 16 and flux.optim.weight_decay == 0.01
+    assert flux.parallel.precision == "bf16" and flux.scaling.min_workers == 16 and flux.optim.weight_decay == 0.01
 
 
 def test_config_from_dict_checks_like_load() -> None:
@@ -372,3 +373,56 @@ def test_per_step_topology_needs_the_cost_planner_and_whole_nodes():
     check_world(cfg, 8)
     with pytest.raises(RunError, match="world size 6 is not a multiple of gpus_per_node=4"):
         check_world(cfg, 6)
+
+
+# ---- the run section's split -------------------------------------------------------------
+
+SPLIT = [("num_workers", "8", "scaling.num_workers"), ("checkpoint_every", "5", "checkpoint.every"),
+         ("final_checkpoint", "false", "checkpoint.final"), ("resume", "never", "checkpoint.resume"),
+         ("log_every", "2", "metrics.log_every"), ("fsdp", "full", "parallel.fsdp"),
+         ("precision", "bf16", "parallel.precision"), ("compile", "true", "parallel.compile")]
+
+
+@pytest.mark.parametrize("old, value, new", SPLIT)
+def test_an_old_run_key_names_its_new_place(old, value, new, tmp_path) -> None:
+    assert _error(f"run.{old}={value}") == (
+        f"config run.{old} is now {new} (the run section was split into run, scaling, checkpoint, metrics and "
+        "parallel: docs/training.md)")
+    path = tmp_path / "old.yaml"
+    path.write_text(f"run:\n  name: x\n  {old}: {value}\n")
+    assert _error(path=str(path)).startswith(f"config run.{old} is now {new} ")
+    section, key = new.split(".")
+    got = getattr(getattr(load_config(None, [f"{new}={value}"]), section), key)
+    assert got == read_yaml(value, "test")
+
+
+def test_every_old_run_key_is_mapped_to_a_field_that_exists() -> None:
+    from knapray.train.config import MOVED
+
+    cfg = TrainConfig()
+    assert len(MOVED) == 21
+    for old, new in MOVED.items():
+        section, key = new.split(".")
+        assert hasattr(getattr(cfg, section), key), (old, new)
+        assert not hasattr(cfg.run, old), old
+
+
+def test_a_saved_config_of_the_old_layout_reads_as_today(tmp_path) -> None:
+    """A run directory written before the split (config.json with every key under run)
+    resumes and exports: its keys move to their sections when read."""
+    import json
+
+    from knapray.train.config import from_saved_layout
+    from knapray.train.run_files import read_run_config
+
+    old = TrainConfig().to_dict()
+    run = old.pop("run")
+    for section in ("scaling", "checkpoint", "metrics", "parallel"):
+        for key, value in old.pop(section).items():
+            run[{"every": "checkpoint_every", "final": "final_checkpoint"}.get(key, key)] = value
+    run.update(num_workers=16, fsdp="full", checkpoint_every=7)
+    old["run"] = run
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    cfg = read_run_config(str(tmp_path))
+    assert (cfg.scaling.num_workers, cfg.parallel.fsdp, cfg.checkpoint.every) == (16, "full", 7)
+    assert from_saved_layout(TrainConfig().to_dict()) == TrainConfig().to_dict()  # today's layout: as it is

@@ -43,7 +43,7 @@ def dryrun(capsys):
     (["--rank", "64"], "--rank must be in [0, 64) for a world of 64, got 64"),
     (["--world-size", "12"], "world size 12 is not a multiple of gpus_per_node=8"),
     (["--mix", "g8b4x256"], "bad data code 'g8b4x256'"),
-    (["--set", "run.fsdp=zero3"], "run.fsdp"),
+    (["--set", "parallel.fsdp=zero3"], "parallel.fsdp"),
 ])
 def test_bad_input_is_one_line_and_exit_2(dryrun, args, message):
     out = dryrun("--config", FLUX, *args)
@@ -129,7 +129,7 @@ def test_wan_14b_width_dry_runs_on_8_ranks(dryrun):
     memory model's Wan blocks within 10% of the tracker (the full 64-rank run: docs/results.md)."""
     config = str(REPO / "jobs" / "configs" / "wan_t2v_14b.yaml")
     out = dryrun("--config", config, "--world-size", "8", "--set", "model.depth_single=4", "--set",
-                 "run.num_workers=8", "--mix", "g8b1i512f17s0", "--json")
+                 "scaling.num_workers=8", "--mix", "g8b1i512f17s0", "--json")
     r = _result(out)
     assert out.returncode == 0 and r["passed"], out.stdout[-4000:]
     assert abs(r["peak_error"]) <= 0.10 and r["syncs"] == []

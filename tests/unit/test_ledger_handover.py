@@ -92,7 +92,7 @@ def test_a_locally_planned_step_is_in_the_ledger_after_the_group_is_lost(tmp_pat
     import knapray.train.trainer as trainer_module
 
     corpus = build_tiny_corpus(tmp_path / "corpus", "g1b2i64f1s0", steps=6, seed=5)
-    overrides = [*TINY_MMDIT, "balance.coordinator=true", "balance.topology=g1n1", "run.checkpoint_every=1", "data.epochs=1"]
+    overrides = [*TINY_MMDIT, "balance.coordinator=true", "balance.topology=g1n1", "checkpoint.every=1", "data.epochs=1"]
     cfg = local_config(corpus, str(tmp_path / "runs"), "handover", overrides)
     coord = BalanceCoordinator(coordinator_config(cfg, state_dir=ledger_dir(cfg.run_dir)))
 

@@ -28,7 +28,7 @@ def test_config_defaults_and_rules() -> None:
     assert (cfg.optim.grad_accum_steps, cfg.optim.ema_decay, cfg.optim.ema_warmup) == (1, 0.0, True)
     assert (cfg.flow.timesteps, cfg.flow.timestep_mean, cfg.flow.timestep_std, cfg.flow.timestep_shift) == (
         "logit_normal", 0.0, 1.0, 1.0)
-    assert (cfg.run.wandb_project, cfg.run.mlflow_tracking_uri, cfg.run.mlflow_experiment) == ("", "", "knapray")
+    assert (cfg.metrics.wandb_project, cfg.metrics.mlflow_tracking_uri, cfg.metrics.mlflow_experiment) == ("", "", "knapray")
     for bad, words in [
         ("optim.schedule=linear", "config optim.schedule: expected one of 'constant', 'cosine', got 'linear'"),
         ("optim.min_lr_ratio=1.5", "config optim.min_lr_ratio: expected a number in [0, 1], got 1.5"),

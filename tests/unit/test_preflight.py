@@ -84,7 +84,7 @@ def test_every_shipped_config_passes_its_check(config, tmp_path, capsys):
 def test_check_reports_what_it_checked_and_starts_nothing(demo_corpus, tmp_path, capsys, monkeypatch):
     base = ["--config", str(REPO / "jobs/configs/demo.yaml"), "--set", f"data.corpus={demo_corpus}",
             "--set", f"run.storage={tmp_path}", "--set", "run.name=r", "--check"]
-    code, out, err = _run(["train", *base, "--set", "run.min_workers=2", "--set", "balance.topology=bags_of:2"],
+    code, out, err = _run(["train", *base, "--set", "scaling.min_workers=2", "--set", "balance.topology=bags_of:2"],
                           capsys)
     assert code == 0, err
     assert any("2..4 (3 sizes: elastic" in line for line in out), out
@@ -111,10 +111,10 @@ BAD = [
     (["--set", "run.num_workerz=4"], ["num_workerz", "valid keys"]),
     (["--set", "data.corpus=/nonexistent/corpus"], ["/nonexistent/corpus", "no corpus there"]),
     (["--set", "model.text_dim=4096"], ["text_dim=16", "text_dim=4096"]),
-    (["--set", "run.num_workers=3"], ["g1n2+g2n1", "3"]),
-    (["--set", "run.min_workers=3", "--set", "balance.topology=bags_of:2", "--set", "data.global_batch=8"],
+    (["--set", "scaling.num_workers=3"], ["g1n2+g2n1", "3"]),
+    (["--set", "scaling.min_workers=3", "--set", "balance.topology=bags_of:2", "--set", "data.global_batch=8"],
      ["global_batch=8", "3 ranks"]),
-    (["--set", "run.resume=never", "--set", "run.name=exists"], ["already exists", "run.resume=never"]),
+    (["--set", "checkpoint.resume=never", "--set", "run.name=exists"], ["already exists", "checkpoint.resume=never"]),
 ]
 
 

@@ -1,4 +1,4 @@
-"""run.profile_steps and knapray bench kernels: the pure summary, the config rule, the bench
+"""metrics.profile_steps and knapray bench kernels: the pure summary, the config rule, the bench
 on CPU (the GPU numbers are in docs/gpu.md, from the GPU check's machine)."""
 
 from __future__ import annotations
@@ -43,12 +43,12 @@ def test_summary_shares_add_up_and_name_the_heaviest():
 
 
 def test_profile_steps_must_be_a_window():
-    assert load_config(None, ["run.profile_steps=[2, 5]"]).run.profile_steps == (2, 5)
-    assert load_config(None, []).run.profile_steps == (0, 0)
+    assert load_config(None, ["metrics.profile_steps=[2, 5]"]).metrics.profile_steps == (2, 5)
+    assert load_config(None, []).metrics.profile_steps == (0, 0)
     with pytest.raises(ConfigError, match=r"profile_steps \[3, 3\] is empty"):
-        load_config(None, ["run.profile_steps=[3, 3]"])
-    with pytest.raises(ConfigError, match="run.profile_steps"):
-        load_config(None, ["run.profile_steps=[-1, 2]"])
+        load_config(None, ["metrics.profile_steps=[3, 3]"])
+    with pytest.raises(ConfigError, match="metrics.profile_steps"):
+        load_config(None, ["metrics.profile_steps=[-1, 2]"])
 
 
 def test_profiler_writes_a_trace_and_a_summary_for_its_window_only(tmp_path):

@@ -137,7 +137,7 @@ def test_wandb_when_configured(tmp_path, monkeypatch) -> None:
     calls: list = []
     _fake_wandb(monkeypatch, calls)
     assert enabled_sinks(_cfg(tmp_path)) == ["tensorboard"]  # installed, not configured: off
-    cfg = _cfg(tmp_path, "run.wandb_project=knap")
+    cfg = _cfg(tmp_path, "metrics.wandb_project=knap")
     assert enabled_sinks(cfg) == ["tensorboard", "wandb"]
     with MetricSinks(cfg) as sinks:
         sinks.log(7, {"loss": 0.25})
@@ -149,7 +149,7 @@ def test_wandb_when_configured(tmp_path, monkeypatch) -> None:
     assert update == ("config.update", cfg.to_dict(), {"allow_val_change": True})
     assert log == ("log", {"loss": 0.25}, 7) and finish == ("finish",)
     calls.clear()
-    with MetricSinks(load_config(None, [f"run.storage={tmp_path}", "run.name=r", "run.wandb_project=knap",
+    with MetricSinks(load_config(None, [f"run.storage={tmp_path}", "run.name=r", "metrics.wandb_project=knap",
                                        "optim.lr=0.5"]), start_step=8):
         pass
     assert calls[0][1]["id"] == run_id  # a resumed run logs on to the same W&B run
@@ -160,7 +160,7 @@ def test_mlflow_when_configured_by_config_or_env(tmp_path, monkeypatch) -> None:
     calls: list = []
     _fake_mlflow(monkeypatch, calls)
     assert enabled_sinks(_cfg(tmp_path)) == ["tensorboard"]
-    cfg = _cfg(tmp_path, "run.mlflow_tracking_uri=file:///tmp/mlruns", "run.mlflow_experiment=exp")
+    cfg = _cfg(tmp_path, "metrics.mlflow_tracking_uri=file:///tmp/mlruns", "metrics.mlflow_experiment=exp")
     with MetricSinks(cfg) as sinks:
         sinks.log(2, {"loss": 0.5, "lr": 0.001})
     assert calls[:3] == [("set_tracking_uri", "file:///tmp/mlruns"), ("set_experiment", "exp"),
@@ -181,11 +181,11 @@ def test_mlflow_when_configured_by_config_or_env(tmp_path, monkeypatch) -> None:
 
 
 def test_configured_but_not_installed(tmp_path, monkeypatch, caplog) -> None:
-    with pytest.raises(RuntimeError, match=r"run.wandb_project='knap' but the wandb package is not installed: "
-                                           r"pip install 'knapray\[wandb\]', or set run.wandb_project=''"):
-        enabled_sinks(_cfg(tmp_path, "run.wandb_project=knap"))
-    with pytest.raises(RuntimeError, match=r"run.mlflow_tracking_uri='http://x' but the mlflow package"):
-        MetricSinks(_cfg(tmp_path, "run.mlflow_tracking_uri=http://x"))
+    with pytest.raises(RuntimeError, match=r"metrics.wandb_project='knap' but the wandb package is not installed: "
+                                           r"pip install 'knapray\[wandb\]', or set metrics.wandb_project=''"):
+        enabled_sinks(_cfg(tmp_path, "metrics.wandb_project=knap"))
+    with pytest.raises(RuntimeError, match=r"metrics.mlflow_tracking_uri='http://x' but the mlflow package"):
+        MetricSinks(_cfg(tmp_path, "metrics.mlflow_tracking_uri=http://x"))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://x")
     with caplog.at_level(logging.WARNING, logger="knapray.train.sinks"):
         assert enabled_sinks(_cfg(tmp_path)) == ["tensorboard"]
@@ -201,14 +201,14 @@ def test_tensorboard_auto_on_off_where_it_is_not_installed(tmp_path, monkeypatch
     with MetricSinks(_cfg(tmp_path), callbacks=(lambda step, s: got.append(step),)) as sinks:
         sinks.log(0, {"loss": 1.0})
     assert got == [0] and not os.path.exists(os.path.join(tmp_path, "r", TENSORBOARD_DIR))
-    with pytest.raises(RuntimeError, match=r"run.tensorboard='on' but the tensorboard package is not installed"):
-        enabled_sinks(_cfg(tmp_path, "run.tensorboard=on"))
+    with pytest.raises(RuntimeError, match=r"metrics.tensorboard='on' but the tensorboard package is not installed"):
+        enabled_sinks(_cfg(tmp_path, "metrics.tensorboard=on"))
     monkeypatch.delitem(sys.modules, "tensorboard")
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="knapray.train.sinks"):
-        assert enabled_sinks(_cfg(tmp_path, "run.tensorboard=off")) == []
-        assert enabled_sinks(_cfg(tmp_path, "run.tensorboard=on")) == ["tensorboard"]
+        assert enabled_sinks(_cfg(tmp_path, "metrics.tensorboard=off")) == []
+        assert enabled_sinks(_cfg(tmp_path, "metrics.tensorboard=on")) == ["tensorboard"]
     assert not caplog.text
-    with MetricSinks(_cfg(tmp_path, "run.tensorboard=off")) as sinks:
+    with MetricSinks(_cfg(tmp_path, "metrics.tensorboard=off")) as sinks:
         sinks.log(0, {"loss": 1.0})
     assert not os.path.exists(os.path.join(tmp_path, "r", TENSORBOARD_DIR))

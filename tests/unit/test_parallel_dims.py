@@ -1,0 +1,54 @@
+"""ParallelDims: the device layout checked without a process group, and the run's process
+groups handed out in one order (a group out of order is an error on every rank, not a hang)."""
+
+from __future__ import annotations
+
+import pytest
+
+from knapray.distributed.parallel_dims import STAGES, ParallelDims
+from knapray.planning import Topology
+
+
+def test_checked_without_a_process_group():
+    with pytest.raises(ValueError, match="world_size must be an int >= 1, got 0"):
+        ParallelDims(world_size=0)
+    with pytest.raises(ValueError, match="device_type must be cuda or cpu, got 'tpu'"):
+        ParallelDims(device_type="tpu")
+    assert ParallelDims(world_size=16, gpus_per_node=8).mesh_shape("hybrid") == ((2, 8), ("replicate", "shard"))
+    assert ParallelDims(world_size=16).mesh_shape("full") == ((16,), ("shard",))
+
+
+def test_groups_come_in_one_order():
+    assert STAGES == ("step_sync", "fsdp_mesh", "step_groups")
+    dims = ParallelDims.local()
+    sync = dims.step_sync("cpu")  # one process, no process group: a local StepSync
+    assert sync.world_size == 1
+    groups = dims.step_groups(Topology.parse("g1n1", world_size=1), num_heads=4)
+    assert groups is not None
+    with pytest.raises(RuntimeError, match="process groups out of order: fsdp_mesh after step_groups"):
+        dims.fsdp_mesh("full")
+    with pytest.raises(RuntimeError, match="step_sync after step_groups"):
+        dims.step_sync("cpu")
+
+
+def test_a_stage_may_be_skipped_but_not_repeated():
+    dims = ParallelDims.local()
+    dims.step_groups(Topology.parse("g1n1", world_size=1), num_heads=4)  # no sync group, no mesh: allowed
+    with pytest.raises(RuntimeError, match="step_groups after step_groups"):
+        dims.step_groups(Topology.parse("g1n1", world_size=1), num_heads=4)
+
+
+def test_parallel_config_from_the_run_section():
+    import torch
+
+    from knapray.train.config import load_config
+    from knapray.train.parallelize import ParallelConfig
+
+    cfg = load_config(None, ["parallel.fsdp=full", "parallel.activation_checkpointing=every_k", "parallel.ac_every=3",
+                             "parallel.compile=true"])
+    p = ParallelConfig.from_section(cfg.parallel, torch.bfloat16)
+    assert (p.fsdp, p.ac, p.ac_every, p.compile, p.param_dtype, p.reduce_dtype) == (
+        "full", "every_k", 3, True, torch.bfloat16, torch.float32)
+    # Without FSDP the parameters stay fp32: autocast computes in bf16.
+    p = ParallelConfig.from_section(load_config(None, []).parallel, torch.bfloat16)
+    assert (p.fsdp, p.param_dtype) == ("none", torch.float32)
