@@ -121,7 +121,7 @@ def pair_requests(prompts: list, sizes: list[tuple[int, int]]) -> list[tuple[Any
 
 def read_run(run_dir: str, checkpoint: str | None = None) -> tuple[Any, str]:
     """(TrainConfig, checkpoint path) of a run directory, read without loading weights."""
-    from knapray.train.run_files import read_run_config, run_checkpoint
+    from knapray.train.run_dir import read_run_config, run_checkpoint
 
     cfg = read_run_config(run_dir)
     return cfg, run_checkpoint(run_dir, checkpoint, "sample from")

@@ -1,5 +1,7 @@
-"""Checkpoints in the run directory: model + optimizer with torch.distributed.checkpoint
-(DCP), trainer state as JSON, written atomically, loadable at another world size.
+"""Checkpoints in the run directory: the run's ``Stateful`` parts (model, optimizer, EMA)
+with torch.distributed.checkpoint (DCP), the trainer's own state as JSON, written
+atomically, loadable at another world size. The ``Checkpointer`` is handed the parts once
+and owns the cadence (``should_save``): the trainer asks it after each step.
 
 Layout: ``<run dir>/checkpoints/step-000000123/`` holds DCP's files (one data file per
 writing rank, ``.metadata``), ``trainer.json`` (step, epoch, world size, topology, the
@@ -39,9 +41,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_state_dict,
-    set_state_dict,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.stateful import Stateful
 
 from .safe_dcp import UnsafeMetadata, read_metadata
 
@@ -254,17 +259,100 @@ class Restored:
         return int(self.trainer["step"])
 
 
-class Checkpointer:
-    """Saves and restores model + optimizer + trainer state under ``<run dir>/checkpoints``.
+class ModelPart(Stateful):
+    """The model's parameters as a checkpoint part (DCP's sharding-aware state dict: FSDP
+    shards saved by their owners, loaded at any world size)."""
 
-    ``group``: the group DCP coordinates on (a gloo group: its collectives exchange
-    Python objects); None in a single process without a process group.
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state: dict) -> None:
+        set_model_state_dict(self.model, state, options=StateDictOptions(strict=True))
+
+
+class OptimizerPart(Stateful):
+    """The optimizer's state (AdamW moments and steps, keyed by parameter name)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state)
+
+
+class JsonState(Stateful):
+    """A plain dict as a checkpoint's JSON state (``trainer.json``), for tools and tests; a
+    run's trainer is its own."""
+
+    def __init__(self, values: dict | None = None) -> None:
+        self.values = dict(values or {})
+
+    def state_dict(self) -> dict:
+        return dict(self.values)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.values = dict(state)
+
+
+class TensorsPart(Stateful):
+    """A dict of tensors as a checkpoint part, loaded in place (e.g. an EMA's shadows)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def state_dict(self) -> dict:
+        return self.tensors
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, value in state.items():
+            if value is not self.tensors[name]:
+                self.tensors[name].copy_(value)
+
+
+REQUIRED_PARTS = ("model", "optimizer")
+"""Parts every checkpoint has; others (``ema``) are loaded when the checkpoint has them."""
+
+
+def training_parts(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **more: Stateful | None
+                   ) -> dict[str, Stateful]:
+    """The parts a run checkpoints: model, optimizer, and each of ``more`` given (e.g.
+    ``ema=...``; None leaves it out)."""
+    return {"model": ModelPart(model), "optimizer": OptimizerPart(model, optimizer),
+            **{name: part for name, part in more.items() if part is not None}}
+
+
+class Checkpointer:
+    """Saves and restores a run's parts under ``<run dir>/checkpoints``.
+
+    ``parts``: name -> ``Stateful`` whose ``state_dict`` is tensors (DCP saves it under the
+    name); ``state``: the trainer, whose ``state_dict`` is JSON values (``trainer.json``)
+    and whose ``load_state_dict`` takes them back. ``every``: steps between checkpoints
+    (0: none on the way). ``group``: the group DCP coordinates on (a gloo group: its
+    collectives exchange Python objects); None in a single process without a process group.
     """
 
-    def __init__(self, root: str, *, rank: int, group: dist.ProcessGroup | None, keep: int = 2) -> None:
+    def __init__(self, root: str, *, rank: int, group: dist.ProcessGroup | None, parts: dict[str, Stateful],
+                 state: Stateful | None = None, every: int = 0, keep: int = 2) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
+        if every < 0:
+            raise ValueError(f"every must be >= 0, got {every}")
+        missing = [name for name in REQUIRED_PARTS if name not in parts]
+        if missing:
+            raise ValueError(f"a checkpoint needs the parts {list(REQUIRED_PARTS)}; missing {missing}")
         self.root, self.rank, self.group, self.keep = root, rank, group, keep
+        self.parts, self.state, self.every = dict(parts), state, every
+
+    def should_save(self, step: int, *, boundary: bool = True) -> bool:
+        """Whether step ``step`` ends with a checkpoint: every ``every`` steps, on a step
+        boundary (``boundary``: not inside a gradient accumulation group)."""
+        return bool(self.every) and (step + 1) % self.every == 0 and boundary
 
     def completed(self) -> list[str]:
         return completed_checkpoints(self.root)
@@ -273,19 +361,17 @@ class Checkpointer:
         done = self.completed()
         return done[-1] if done else None
 
-    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer: dict,
-             barrier, extra: dict[str, dict] | None = None) -> str:
+    def save(self, step: int, barrier) -> str:
         """Collective: every rank writes its part, then rank 0 finishes the directory.
-        ``barrier()`` must wait for every rank (the caller's step-sync barrier); ``extra``:
-        more state dicts of tensors to save under their names (e.g. ``{"ema": ...}``)."""
+        ``barrier()`` must wait for every rank (the caller's step-sync barrier)."""
         final = os.path.join(self.root, f"step-{step:09d}")
         partial = final + PARTIAL
         if self.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)  # a crashed save of the same step
             os.makedirs(partial)
         barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optimizer": optim_sd, **(extra or {})}
+        state = {name: part.state_dict() for name, part in self.parts.items()}
+        trainer = self.state.state_dict() if self.state is not None else {}
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -318,17 +404,15 @@ class Checkpointer:
             shutil.rmtree(partial, ignore_errors=True)
         raise full from None
 
-    def load(self, path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             extra: dict[str, dict] | None = None) -> Restored:
-        """Collective: load ``path`` into ``model`` and ``optimizer`` (any world size), and
-        the state dicts of ``extra`` in place (their tensors are filled; the caller applies
-        them, e.g. ``ema.load_state_dict``)."""
+    def load(self, path: str) -> Restored:
+        """Collective: load ``path`` into every part it has (any world size; the model and
+        the optimizer it must have), then hand ``trainer.json`` to the state's
+        ``load_state_dict``."""
         trainer = check_checkpoint(path)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
         try:
             saved = saved_keys(path)
-            extra = {k: v for k, v in (extra or {}).items() if any(s.startswith(k + ".") for s in saved)}
-            state = {"model": model_sd, "optimizer": optim_sd, **extra}
+            names = [n for n in self.parts if n in REQUIRED_PARTS or any(s.startswith(n + ".") for s in saved)]
+            state = {name: self.parts[name].state_dict() for name in names}
             safe_load(state, path, self.group)
         except CheckpointError:
             raise
@@ -336,9 +420,11 @@ class Checkpointer:
             lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
             cause = next((line for line in reversed(lines) if "Error:" in line), lines[-1])
             raise CheckpointError(f"checkpoint {path} cannot be loaded: {cause[:600]}") from None
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                       options=StateDictOptions(strict=True))
-        return Restored(path=path, trainer=trainer, extra=sorted(extra))
+        for name in names:
+            self.parts[name].load_state_dict(state[name])
+        if self.state is not None:
+            self.state.load_state_dict(trainer)
+        return Restored(path=path, trainer=trainer, extra=sorted(set(names) - set(REQUIRED_PARTS)))
 
 
 def _local_bytes(state: dict) -> int:

@@ -47,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
     from knapray.train import preflight
     from knapray.train.config import ConfigError
     from knapray.train.guard import BadCorpus
-    from knapray.train.run_files import RunError, prediction_line, read_metrics
+    from knapray.train.run_dir import RunError
+    from knapray.train.report import comparison_lines, plot_comparison, prediction_line, quarantine_line, read_metrics
 
     try:
         # Every input is checked here, before Ray or any worker starts.
@@ -131,58 +132,22 @@ def run(args: argparse.Namespace) -> int:
     whole = "" if resumed is None else f" (resumed after step {resumed}; {s['steps']} steps in the run)"
     print(f"\n[knapray] balanced run: {new} steps trained on {balanced.get('world_size')} workers{whole}, "
           f"topology {balanced.get('topology')}, {time.perf_counter() - t0:.0f} s; "
-          f"{_quarantine_line(balanced['run'])}")
+          f"{quarantine_line(balanced['run'])}")
     if "prediction_error_last" in s:
         print(f"[knapray] {prediction_line(s)}")
     rows = [("balanced", s)]
     if args.compare_unbalanced:
         unbalanced = run_training(base.cfg, checked=base)
         rows.append(("unbalanced", unbalanced["run"]["summary"]))
-    print(f"\n{'run':<11} {'steps':>5} {'loss first->last':>17} {'planned imbalance':>18} "
-          f"{'compute max/mean':>16} {'tokens/s':>9} {'plan wait':>9}")
-    for name, r in rows:
-        print(f"{name:<11} {r['steps']:>5} {r['loss_first']:>8.4f}->{r['loss_last']:<8.4f} "
-              f"{r['imbalance_planned_after']:>18.3f} {r['compute_max_over_mean']:>16.2f} "
-              f"{r['tokens_per_s']:>9.0f} {r['wait_plan_frac']:>8.1%}")
+    for line in comparison_lines(rows, balanced, unbalanced if len(rows) == 2 else None):
+        print(line)
     if len(rows) == 2:
-        b, u = rows[0][1], rows[1][1]
-        lb = [r["loss"] for r in balanced.get("records", [])]
-        lu = [r["loss"] for r in unbalanced.get("records", [])]
-        if lb and len(lb) == len(lu):
-            diff = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(lb, lu))
-            print(f"same function: per-step losses of the two runs differ by at most {diff:.1e} (relative)")
-        print(f"balanced vs unbalanced: compute max/mean {u['compute_max_over_mean']:.2f} -> "
-              f"{b['compute_max_over_mean']:.2f} (x{u['compute_max_over_mean'] / b['compute_max_over_mean']:.2f}), "
-              f"planned imbalance {b['imbalance_planned_before']:.2f} -> {b['imbalance_planned_after']:.3f}, "
-              f"tokens/s x{b['tokens_per_s'] / u['tokens_per_s']:.2f} (wall clock; on a CPU box the "
-              "workers share cores, so compute max/mean is the number that transfers to GPUs)")
-        _plot_comparison(cfg, base.cfg, balanced)
+        plot_comparison(cfg, base.cfg, balanced)
     print(f"run directory: {cfg.run_dir} (metrics.jsonl, summary.json, ledger.jsonl, rank_work.png"
           f"{', comparison.png' if len(rows) == 2 else ''})")
     with open(os.path.join(cfg.run_dir, "comparison.json"), "w") as f:
         json.dump(dict(rows), f, indent=1)
     return 0
-
-
-def _plot_comparison(cfg, base_cfg, balanced: dict) -> None:
-    """comparison.png: both runs' per-step planned and measured max/mean, and their measured
-    per-rank compute, over the steps the table's means are taken over."""
-    from knapray.train.plots import plot_run_comparison
-    from knapray.train.run_files import read_metrics, summary_steps
-
-    b, u = read_metrics(cfg.run_dir), read_metrics(base_cfg.run_dir)
-    if not b or not u:
-        return
-    topologies = balanced["run"]["summary"].get("topologies") or {}
-    on = next(iter(topologies)) if len(topologies) == 1 else f"{len(topologies)} topologies"
-    plot_run_comparison(
-        os.path.join(cfg.run_dir, "comparison.png"),
-        [(f"balanced ({on})", summary_steps(b)),
-         (f"unbalanced (g1n{u[-1]['world_size']})", summary_steps(u))],
-        title=f"{cfg.run.name}: the same {len(u)} steps balanced and unbalanced, {u[-1]['world_size']} workers",
-        note="the legend's means are the table's 'planned imbalance' (dashed) and 'compute max/mean' (solid)"
-        + ("; step 0 (warm-up) left out, as in the table" if len(summary_steps(b)) < len(b) else ""),
-    )
 
 
 def _unbalanced(cfg):
@@ -247,14 +212,6 @@ def _ray_logs_dir() -> str:
         return _global_node.get_logs_dir_path()
     except Exception:  # noqa: BLE001
         return "the Ray session's logs directory (/tmp/ray/session_latest/logs by default)"
-
-
-def _quarantine_line(run: dict) -> str:
-    n = run["quarantined_samples"] + run["quarantined_shards"]
-    if not n:
-        return "nothing quarantined"
-    return (f"quarantined: {run['quarantined_samples']} sample(s), {run['quarantined_shards']} shard(s) "
-            f"({run['quarantined_shard_rows']} rows); see quarantine.jsonl")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ run directory's summary files."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -17,7 +16,8 @@ from .ledger_files import ledger_dir
 from . import preflight
 from .preflight import CorpusCheck, Preflight
 from .checkpoint import read_trainer_state
-from .run_files import RunError, RunStart, read_metrics, summarize, write_run_files
+from .run_dir import RunError, RunStart
+from .report import ProgressTail, expected_steps, read_metrics, summarize, write_run_files
 from .step_planner import coordinator_config, coordinator_name
 from .trainer import Trainer
 
@@ -213,7 +213,7 @@ def _fit(cfg: TrainConfig, corpus: CorpusCheck, done_steps: int) -> dict:
           f"{f' (elastic down to {cfg.scaling.min_workers})' if cfg.scaling.min_workers else ''}, "
           f"{'GPU/NCCL' if cfg.scaling.use_gpu else 'CPU/gloo'}, about {total} steps; worker logs stay in Ray's "
           "session logs", flush=True)
-    with _ProgressTail(os.path.join(run_dir, "metrics.jsonl"), total, cfg.run.name, start_step=done_steps):
+    with ProgressTail(os.path.join(run_dir, "metrics.jsonl"), total, cfg.run.name, start_step=done_steps):
         try:
             result = trainer.fit()
         except (KeyboardInterrupt, SystemExit):
@@ -273,76 +273,3 @@ def worker_start_timeout(cfg: TrainConfig, environ) -> float | None:
     if cfg.scaling.min_workers and START_TIMEOUT_ENV not in environ:
         return ELASTIC_START_TIMEOUT_S
     return None
-
-
-def expected_steps(cfg: TrainConfig, rows: int, start_step: int) -> int:
-    """Steps the run will take, for the progress bar: every rank draws samples_per_step
-    rows per step until the epoch's rows run out, over the epochs left, up to max_steps."""
-    per_epoch = -(-rows // (cfg.scaling.num_workers * cfg.samples_per_rank(cfg.scaling.num_workers)))
-    total = per_epoch * cfg.data.epochs
-    if cfg.run.max_steps:
-        total = min(total, cfg.run.max_steps)
-    return max(total - start_step, 0)
-
-
-class _ProgressTail:
-    """A progress bar on the driver over the run's steps, fed by rank 0's metrics.jsonl
-    (workers' own output stays in their log files), with a line when an epoch ends."""
-
-    def __init__(self, path: str, total: int, name: str, start_step: int) -> None:
-        import threading
-
-        self.path, self.total, self.name, self.start_step = path, total, name, start_step
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> "_ProgressTail":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        from knapray.progress import progress_bar
-
-        bar = progress_bar(self.total, self.name, "step", dynamic_ncols=True)
-        offset, last_step, epoch = 0, self.start_step - 1, None
-        while True:
-            stopping = self._stop.wait(0.5)
-            if os.path.exists(self.path):
-                if os.path.getsize(self.path) < offset:
-                    # A restarted worker group rewrote the file back to its checkpoint:
-                    # read it again, and count only steps the bar has not shown.
-                    offset = 0
-                    bar.write("[knapray] workers restarted from the last checkpoint")
-                with open(self.path) as f:
-                    f.seek(offset)
-                    chunk = f.read()
-                lines = chunk.split("\n")
-                offset += len(chunk) - len(lines[-1])  # keep a partly written last line
-                for line in lines[:-1]:
-                    try:
-                        r = json.loads(line)
-                    except ValueError:
-                        continue
-                    if r["step"] <= last_step:  # an earlier attempt's, or redone after a restart
-                        continue
-                    last_step = r["step"]
-                    if epoch is not None and r["epoch"] != epoch:
-                        bar.write(f"[knapray] epoch {epoch} done at step {r['step'] - 1}")
-                    epoch = r["epoch"]
-                    bar.update(1)
-                    bar.set_postfix(
-                        loss=f"{r['loss']:.3f}",
-                        imb=f"{r['baseline_imbalance_planned']:.2f}->{r['imbalance_planned']:.3f}",
-                        cmp=f"{r['compute_max_over_mean']:.2f}",
-                        tok_s=f"{r['tokens_per_s']:.0f}",
-                    )
-            if stopping:
-                break
-        if bar.n != self.total:  # the estimate was off (quarantined rows, an elastic resize)
-            bar.total = bar.n
-            bar.refresh()
-        bar.close()

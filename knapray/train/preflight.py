@@ -28,14 +28,14 @@ from knapray.data import BadShard, CorpusInfo, DuplicateId, FamilyMismatch, chec
 from .checkpoint import completed_checkpoints
 from .config import TrainConfig, load_config
 from .guard import check_bad_shards, check_duplicates, write_duplicate_quarantine, write_shard_quarantine
-from .run_files import (
+from .report import cut_torn_metrics
+from .run_dir import (
     RunError,
     RunLock,
     RunStart,
     check_world,
     check_writable,
     clear_stale_run_files,
-    cut_torn_metrics,
     decide_start,
     inside_ray_upload,
     resolve_paths,

@@ -1,6 +1,6 @@
 """Where rank 0 sends each step's scalars: TensorBoard event files in the run directory
 (``metrics.tensorboard``: by default whenever the package is installed), Weights & Biases and
-MLflow when configured, and callbacks. ``metrics.jsonl`` (``run_files``) has every step
+MLflow when configured, and callbacks. ``metrics.jsonl`` (``report``) has every step
 whatever the sinks.
 
 ``MetricSinks`` lives on rank 0 only. A callback that is a barrier over all ranks

@@ -75,7 +75,7 @@ def check_launch(cfg: TrainConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from . import preflight
-    from .run_files import resolve_paths
+    from .run_dir import resolve_paths
 
     rank_env = int(os.environ.get("RANK", "0"))
     lock = None
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     from knapray.planning.rules import PER_STEP
 
     from .checkpoint import StorageFull, no_space
-    from .run_files import prediction_line, write_run_files
+    from .report import prediction_line, write_run_files
     from .trainer import Trainer
 
     # No Ray, so no coordinator actor: the ranks plan each step from an all-gather.

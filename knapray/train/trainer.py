@@ -53,7 +53,7 @@ from knapray.planning.topology import node_sizes_of
 from knapray.train.timing import StepTimer
 
 from .balanced import balanced_forward, prepare_step
-from .checkpoint import Checkpointer
+from .checkpoint import Checkpointer, training_parts
 from .config import TrainConfig
 from .context import TrainContext
 from .guard import BadDataGuard, quarantined_duplicates
@@ -64,7 +64,7 @@ from .optim import LRSchedule, build_optimizer
 from .parallelize import ParallelConfig, materialize, parallelize
 from .profiling import StepProfiler
 from .sinks import MetricSinks, scalars_of
-from .run_files import most_used_first, truncate_metrics
+from .report import most_used_first, truncate_metrics
 from .step_planner import (
     Planned,
     StepPlanner,
@@ -169,8 +169,11 @@ class Trainer:
         self.unconditional = unconditional_embeddings(cfg.data.corpus, self.info.text_dim, self.info.pooled_dim) \
             if cfg.data.caption_dropout > 0 else None
         self.accum = cfg.optim.grad_accum_steps
+        # The checkpointer owns the cadence and the parts (model, optimizer, EMA); the
+        # trainer's own state (step, epoch, ledger position) is its state dict, in JSON.
         self.checkpointer = Checkpointer(os.path.join(self.run_dir, "checkpoints"), rank=self.rank,
-                                         group=self.sync.meta_group)
+                                         group=self.sync.meta_group, every=cfg.checkpoint.every, state=self,
+                                         parts=training_parts(self.model, self.optimizer, ema=self.ema))
         self.step, self.epoch, self.resumed_from = 0, 0, None
         self.last_saved: int | None = None
         self.saved_epoch: int | None = None
@@ -182,17 +185,11 @@ class Trainer:
         coordinator had not taken when it was written (``StepPlanner.settle``)."""
         self.carried_rows_left: list[dict] = []
         """Rank 0: those the coordinator did not take at the start either (``hand_over``)."""
+        self._ledger_rows_to_save: list[dict] = []
+        self._ledger_position_to_save: dict | None = None
         latest = self.checkpointer.latest()
         if latest is not None:
-            extra = {"ema": self.ema.state_dict()} if self.ema is not None else None
-            restored = self.checkpointer.load(latest, self.model, self.optimizer, extra)
-            if self.ema is not None and "ema" in restored.extra:
-                self.ema.load_state_dict(extra["ema"])
-            self.step, self.epoch = restored.step + 1, int(restored.trainer["epoch"])
-            self.resumed_from = self.last_saved = restored.step
-            self.saved_epoch = self.epoch
-            self.ledger_position = restored.trainer.get("ledger")
-            self.carried_rows = restored.trainer.get("ledger_rows") or []
+            self.checkpointer.load(latest)  # every part, then load_state_dict(trainer.json)
             if self.rank == 0:
                 truncate_metrics(self.run_dir, self.step)
                 logger.info("resumed from %s: step %d, epoch %d", latest, self.step, self.epoch)
@@ -335,16 +332,12 @@ class Trainer:
                 topologies[rec["topology"]] = topologies.get(rec["topology"], 0) + 1
                 self.step += 1
         self._apply_gradients()
-        self.profiler.close()
         last = self.step - 1 if self.step > 0 else None
         if cfg.checkpoint.final and last is not None and (self.last_saved, self.saved_epoch) != (last, self.epoch):
             # The last steps of a run are never lost, and the checkpoint says which epochs
             # are done (a finished run is then known as such before any worker starts).
             self._save(last)
-        if self.sinks is not None:
-            self.sinks.close()
-        if self.local_ledger is not None:
-            self.local_ledger.close()
+        self.close()
         try:
             self.planner.finish(last)
         except CoordinatorUnavailable as e:
@@ -441,7 +434,7 @@ class Trainer:
                     "" if err is None else f" predicted compute off {err:.1%}",
                     "" if self.per_step_node is None else f" topology {rec['topology']}",
                 )
-        if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0 and not self.micro_steps:
+        if self.checkpointer.should_save(step, boundary=not self.micro_steps):
             self._save(step)
         self.ctx.report({"step": step, **scalars_of(rec)})  # every rank: Ray's report is a barrier
         return rec
@@ -477,6 +470,34 @@ class Trainer:
         self.pending.clear()
         self.micro_steps = 0
 
+    # ---- Stateful: what trainer.json holds ---------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The trainer's part of a checkpoint (JSON; the checkpointer adds the step): the
+        epoch, where it ran, and the ledger's position or the rows it could not hand over."""
+        return {"epoch": self.epoch, "world_size": self.world, "topology": self.topology.spec,
+                "ledger": self._ledger_position_to_save, "ledger_rows": self._ledger_rows_to_save}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume after the checkpoint's step (``trainer.json``, checked as data on read)."""
+        step = int(state["step"])
+        self.step, self.epoch = step + 1, int(state["epoch"])
+        self.resumed_from = self.last_saved = step
+        self.saved_epoch = self.epoch
+        self.ledger_position = state.get("ledger")
+        self.carried_rows = state.get("ledger_rows") or []
+
+    def close(self) -> None:
+        """Flush and close what the run holds open: the profiler window, the metric sinks,
+        the local ledger (idempotent)."""
+        self.profiler.close()
+        if self.sinks is not None:
+            self.sinks.close()
+            self.sinks = None
+        if self.local_ledger is not None:
+            self.local_ledger.close()
+            self.local_ledger = None
+
     def _save(self, step: int) -> None:
         """A checkpoint covering every step <= ``step`` (the ledger first: rank 0 hands
         over the rows of locally planned steps and waits for the coordinator's commit, so
@@ -497,9 +518,6 @@ class Trainer:
                         logger.warning("checkpoint at step %d: coordinator commit not confirmed (%s)", step, e)
             elif self.local_ledger is not None:
                 position = self.local_ledger.position()
-        self.checkpointer.save(step, self.model, self.optimizer,
-                               {"epoch": self.epoch, "world_size": self.world, "topology": self.topology.spec,
-                                "ledger": position, "ledger_rows": carried},
-                               barrier=self.sync.barrier,
-                               extra={"ema": self.ema.state_dict()} if self.ema is not None else None)
+        self._ledger_position_to_save, self._ledger_rows_to_save = position, carried
+        self.checkpointer.save(step, barrier=self.sync.barrier)
         self.last_saved, self.saved_epoch = step, self.epoch

@@ -92,7 +92,7 @@ def export_run(run_dir: str, out: str, *, ema: bool = False, checkpoint: str | N
     from safetensors.torch import save_file
 
     from knapray.train.checkpoint import read_trainer_state, safe_load, saved_keys
-    from knapray.train.run_files import read_run_config, run_checkpoint
+    from knapray.train.run_dir import read_run_config, run_checkpoint
 
     t0 = time.perf_counter()
     if dtype not in DTYPES:

@@ -143,7 +143,7 @@ def test_a_per_step_training_run_trains_on_several_topologies(tmp_path):
 
     from dist_utils import build_tiny_corpus
 
-    from knapray.train.run_files import summarize
+    from knapray.train.report import summarize
 
     corpus = build_tiny_corpus(tmp_path / "corpus", "g1b2i256f1s0,g1b1i512f34s1", steps=7)
     results = run_distributed(_train_per_step, 2, corpus, str(tmp_path / "runs"))

@@ -253,7 +253,7 @@ def _late_errors(records: list[dict]) -> tuple[float, float]:
 def test_cpu_training_with_the_cost_planner_learns_to_predict_step_time(tmp_path):
     from dist_utils import build_tiny_corpus, run_distributed
 
-    from knapray.train.run_files import prediction_line, prediction_summary
+    from knapray.train.report import prediction_line, prediction_summary
 
     corpus = build_tiny_corpus(tmp_path / "corpus", "g1b3i128f1s0,g1b2i256f1s0,g1b1i256f2s0", steps=20, scale=2)
     # On this 2-core machine the mean per-rank error after step 20 is 2.5-7% in most runs;

@@ -19,7 +19,7 @@ from dist_utils import build_tiny_corpus
 from knapray.data import BadShard, local_rows
 from knapray.train.config import load_config
 from knapray.train.preflight import check_corpus
-from knapray.train.run_files import (
+from knapray.train.run_dir import (
     RunError,
     RunLock,
     decide_start,

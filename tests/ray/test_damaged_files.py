@@ -23,7 +23,7 @@ from knapray.cli import main
 from knapray.train.checkpoint import Checkpointer, StorageFull
 from knapray.train.config import load_config
 from knapray.train.ledger_files import LocalLedger
-from knapray.train.run_files import resolve_paths, write_config
+from knapray.train.run_dir import resolve_paths, write_config
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SETS = ["model.hidden_size=32", "model.num_heads=4", "model.rope_axes_dim=[2,2,4]", "model.depth_double=1",
@@ -209,10 +209,10 @@ def test_unwritable_storage_is_refused_before_ray_starts(corpus, tmp_path, capsy
     code, err = _train(_argv(corpus, not_a_folder / "runs"), capsys)  # a real run, not --check: Ray would start
     _one_line(code, err, 2, str(not_a_folder), "is not a folder")
     # Read-only or not writable (root writes into any mode-555 folder, so access is what is asked).
-    from knapray.train import run_files
+    from knapray.train import run_dir
 
     real = os.access
-    monkeypatch.setattr(run_files.os, "access", lambda p, mode: False if str(p) == str(tmp_path) else real(p, mode))
+    monkeypatch.setattr(run_dir.os, "access", lambda p, mode: False if str(p) == str(tmp_path) else real(p, mode))
     code, err = _train(_argv(corpus, tmp_path / "runs"), capsys)
     _one_line(code, err, 2, f"run.storage: {tmp_path} is", "cannot be written")
     assert not (tmp_path / "runs").exists()
@@ -332,7 +332,7 @@ def test_a_damaged_metrics_line_is_one_line_naming_file_and_line(damage, at, dam
 
 def test_a_torn_last_metrics_line_is_dropped_with_a_warning(damaged_run, capsys):
     from knapray.train import preflight
-    from knapray.train.run_files import read_metrics, truncate_metrics
+    from knapray.train.report import read_metrics, truncate_metrics
 
     run, argv = damaged_run
     path = run / "metrics.jsonl"

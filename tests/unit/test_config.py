@@ -363,7 +363,7 @@ def test_train_job_exits_2_without_a_traceback() -> None:
 
 
 def test_per_step_topology_needs_the_cost_planner_and_whole_nodes():
-    from knapray.train.run_files import RunError, check_world
+    from knapray.train.run_dir import RunError, check_world
 
     with pytest.raises(ConfigError, match=r"^config balance: topology 'per-step' chooses bags by predicted step "
                                           r"time: it needs planner: cost, got planner 'workload'$"):
@@ -413,7 +413,7 @@ def test_a_saved_config_of_the_old_layout_reads_as_today(tmp_path) -> None:
     import json
 
     from knapray.train.config import from_saved_layout
-    from knapray.train.run_files import read_run_config
+    from knapray.train.run_dir import read_run_config
 
     old = TrainConfig().to_dict()
     run = old.pop("run")

@@ -193,7 +193,7 @@ def _fields(cfg: FluxConfig) -> dict:
 def test_a_run_config_takes_the_architecture_from_the_checkpoint(tiny: dict[str, Path], tmp_path: Path) -> None:
     from knapray.train.config import ConfigError, load_config
     from knapray.train.preflight import check_pretrained as preflight
-    from knapray.train.run_files import RunError
+    from knapray.train.run_dir import RunError
 
     path = tiny["dev_h6"]
     corpus = f"data.corpus={tmp_path / 'none'}"
@@ -375,7 +375,7 @@ def test_a_run_saved_before_model_families_still_resumes() -> None:
     """Its config.json lacks the fields added since (model.family, model.pretrained, ...):
     at their defaults they are no change, so they do not block a resume."""
     from knapray.train.config import load_config
-    from knapray.train.run_files import config_changes
+    from knapray.train.run_dir import config_changes
 
     old = load_config(None, []).to_dict()
     for key in ("family", "pretrained"):

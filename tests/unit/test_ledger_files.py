@@ -86,18 +86,19 @@ def test_preflight_refuses_a_resume_whose_journal_lost_its_tail(tmp_path):
     import pytest
 
     from knapray.train.config import load_config
-    from knapray.train.run_files import RunError, decide_start, write_config
+    from knapray.train.run_dir import RunError, decide_start, write_config
     import torch
 
-    from knapray.train.checkpoint import Checkpointer
+    from knapray.train.checkpoint import Checkpointer, JsonState, training_parts
 
     cfg = load_config(None, [f"run.storage={tmp_path}", "run.name=r"])
     run, position, _sizes = _journal_behind(tmp_path / "r", lost=2)
     write_config(cfg)
     model = torch.nn.Linear(2, 2)
-    ck = Checkpointer(os.path.join(run, "checkpoints"), rank=0, group=None).save(
-        3, model, torch.optim.SGD(model.parameters(), lr=0.1),
-        {"epoch": 0, "world_size": 1, "topology": "g1n1", "ledger": position}, barrier=lambda: None)
+    ck = Checkpointer(os.path.join(run, "checkpoints"), rank=0, group=None,
+                      parts=training_parts(model, torch.optim.SGD(model.parameters(), lr=0.1)),
+                      state=JsonState({"epoch": 0, "world_size": 1, "topology": "g1n1", "ledger": position}),
+                      ).save(3, barrier=lambda: None)
     with pytest.raises(RunError) as err:
         decide_start(cfg, [ck])
     assert "ledger journal" in str(err.value) and ck in str(err.value)

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from knapray.train.checkpoint import CheckpointError, Checkpointer, check_checkpoint
+from knapray.train.checkpoint import CheckpointError, Checkpointer, JsonState, TensorsPart, check_checkpoint, training_parts
 from knapray.train.safe_dcp import MAX_METADATA_BYTES, read_metadata
 
 _MD = "torch.distributed.checkpoint.metadata"
@@ -49,9 +49,10 @@ def checkpoint(tmp_path_factory):
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
-    path = Checkpointer(str(root), rank=0, group=None).save(
-        3, model, opt, {"epoch": 0, "world_size": 1, "topology": "g1n1", "ledger": None}, barrier=lambda: None,
-        extra={"ema": {"w": torch.zeros(3, dtype=torch.bfloat16)}})
+    parts = training_parts(model, opt, ema=TensorsPart({"w": torch.zeros(3, dtype=torch.bfloat16)}))
+    path = Checkpointer(str(root), rank=0, group=None, parts=parts,
+                        state=JsonState({"epoch": 0, "world_size": 1, "topology": "g1n1", "ledger": None}),
+                        ).save(3, barrier=lambda: None)
     return path
 
 
@@ -270,7 +271,7 @@ def _planted_run(tmp_path, checkpoint) -> tuple[list[str], str, str]:
     arguments that resume it, the run directory, the marker the payload would create)."""
     from dist_utils import build_tiny_corpus
     from knapray.train.config import load_config
-    from knapray.train.run_files import resolve_paths, write_config
+    from knapray.train.run_dir import resolve_paths, write_config
 
     corpus = build_tiny_corpus(tmp_path / "corpus", "g2b2i64f1s0", steps=2, shards=1)
     args = ["--config", "jobs/configs/demo.yaml", "--set", f"data.corpus={corpus}",

@@ -8,7 +8,7 @@ import numpy as np
 
 from knapray.train.plots import Line, over_mean, plot_rank_work
 from knapray.train.config import load_config
-from knapray.train.run_files import run_title, summarize, summary_steps
+from knapray.train.report import run_title, summarize, summary_steps
 
 
 def _records(world: int, steps: int, topology: str) -> list[dict]:

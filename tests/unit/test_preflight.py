@@ -15,7 +15,7 @@ import yaml
 
 from knapray.cli import main
 from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
-from knapray.train.run_files import RunLock
+from knapray.train.run_dir import RunLock
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "jobs" / "configs").glob("*.yaml"))

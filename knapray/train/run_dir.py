@@ -1,7 +1,8 @@
 """The run directory, handled the same way by every launcher: where it is (never inside
 Ray's upload folder), whether a run starts fresh or resumes (``checkpoint.resume``), the lock
-that keeps a second live run out, the saved config, and at the end ``summary.json``,
-``ledger.jsonl``, ``quarantine.jsonl`` and the per-rank work plot."""
+that keeps a second live run out, and the saved config. The run's report at the end
+(``summary.json``, ``ledger.jsonl``, ``quarantine.jsonl``, plots) is ``report.py``; every
+check before a worker starts is ``preflight.py``."""
 
 from __future__ import annotations
 
@@ -12,8 +13,6 @@ import shutil
 import socket
 import time
 from dataclasses import dataclass, replace
-
-import numpy as np
 
 from .config import TrainConfig
 
@@ -188,6 +187,8 @@ def decide_start(cfg: TrainConfig, checkpoints: list[str]) -> RunStart:
                        f"({os.path.join(run_dir, CONFIG_FILE)}) differs in {'; '.join(blocking)}; choose another "
                        "run.name for a new run")
     check_resumable(run_dir, checkpoints[-1])
+    from .report import scan_metrics  # the report reads metrics.jsonl; it imports this module
+
     torn = scan_metrics(run_dir).torn
     changed = f" (changed: {'; '.join(other)})" if other else ""
     return RunStart(checkpoints[-1], f"resuming run {cfg.run.name!r} from {checkpoints[-1]}{changed}", torn)
@@ -351,242 +352,3 @@ def clear_stale_run_files(run_dir: str) -> None:
             os.remove(path)
         elif name in STALE_DIRS:
             shutil.rmtree(path)
-
-
-METRICS_FILE = "metrics.jsonl"
-
-
-@dataclass(frozen=True)
-class MetricsScan:
-    """``metrics.jsonl`` read and checked (``scan_metrics``)."""
-
-    records: list[dict]
-    torn_at: int | None = None
-    """Byte offset of a torn last line (None: there is none)."""
-    torn: str | None = None
-    """One line saying so, naming the file."""
-
-
-def scan_metrics(run_dir: str) -> MetricsScan:
-    """Rank 0's step records. A last line without its newline that is not a record is torn
-    (a crash mid-append leaves exactly that): left out, and reported in ``torn``; it is the
-    writer's to cut (``cut_torn_metrics``, ``truncate_metrics``). Any other line that is not
-    a JSON object with integer ``step`` and ``epoch`` is ``RunError`` naming the file and
-    the line: every reader (the resume's rewrite, the step count, summary.json) needs them."""
-    path = os.path.join(run_dir, METRICS_FILE)
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        return MetricsScan([])
-    except OSError as e:
-        raise RunError(f"run file {path}: cannot be read ({e.strerror})") from None
-    lines = data.split(b"\n")
-    tail = lines.pop()  # b"" when the file ends with its newline
-    records = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        record, why = _metrics_record(line)
-        if why is not None:
-            raise RunError(f"run file {path}: line {number} is not a step record ({why}); fix or delete that line "
-                           "(the steps it held then go uncounted in summary.json)")
-        records.append(record)
-    if tail.strip():
-        record, why = _metrics_record(tail)
-        if why is None:  # whole but for its newline: the next rewrite adds it
-            records.append(record)
-        else:
-            return MetricsScan(records, len(data) - len(tail),
-                               f"run file {path}: dropped a torn last line {len(lines) + 1} ({len(tail)} bytes, "
-                               f"{why}), as a crash while writing it leaves it")
-    return MetricsScan(records)
-
-
-def _metrics_record(line: bytes) -> tuple[dict | None, str | None]:
-    """(the record, None) or (None, why the line is not one)."""
-    try:
-        record = json.loads(line.decode("utf-8"))
-    except UnicodeDecodeError:
-        return None, "not UTF-8"
-    except ValueError:
-        return None, "not JSON"
-    if not isinstance(record, dict):
-        return None, f"a JSON {type(record).__name__}, not an object"
-    for key in ("step", "epoch"):
-        value = record.get(key)
-        if type(value) is not int or value < 0:
-            return None, f"{key} is {value!r}" if key in record else f"no {key}"
-    return record, None
-
-
-def read_metrics(run_dir: str) -> list[dict]:
-    """The records of ``metrics.jsonl`` (``scan_metrics``: a torn last line left out)."""
-    return scan_metrics(run_dir).records
-
-
-def cut_torn_metrics(run_dir: str) -> None:
-    """Cut a torn last line off ``metrics.jsonl`` (before rank 0 appends after it)."""
-    torn_at = scan_metrics(run_dir).torn_at
-    if torn_at is not None:
-        os.truncate(os.path.join(run_dir, METRICS_FILE), torn_at)
-
-
-def truncate_metrics(run_dir: str, from_step: int) -> None:
-    """A resumed run redoes the steps after its checkpoint: drop their old lines (and a torn
-    last line a worker killed mid-append left)."""
-    path = os.path.join(run_dir, METRICS_FILE)
-    if not os.path.exists(path):
-        return
-    keep = [r for r in scan_metrics(run_dir).records if r["step"] < from_step]
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in keep)
-    os.replace(tmp, path)
-
-
-def summary_steps(records: list[dict]) -> list[dict]:
-    """The steps a run's means are taken over: all but the first (warm-up) of three or more."""
-    return records[1:] if len(records) > 2 else records
-
-
-def run_title(cfg: TrainConfig, records: list[dict]) -> str:
-    """What the run's steps ran on: its topologies (steps per topology when several), or,
-    unbalanced, every rank its own samples (``g1n<world>``)."""
-    world = records[-1]["world_size"]
-    if not cfg.balance.enabled:
-        return f"unbalanced, every rank computes its own samples (g1n{world}), {world} workers"
-    topologies = distinct_topologies(records)
-    shown = next(iter(topologies)) if len(topologies) == 1 else ", ".join(
-        f"{t} ({n} steps)" for t, n in topologies.items())
-    return f"balanced on {shown}, {world} workers"
-
-
-def summarize(records: list[dict]) -> dict:
-    """Run-level numbers from rank 0's per-step records (the first step is warm-up)."""
-    if not records:
-        return {"steps": 0}
-    body = summary_steps(records)
-    mean = lambda key: float(np.mean([r[key] for r in body]))  # noqa: E731
-    return {
-        "steps": len(records),
-        "loss_first": records[0]["loss"],
-        "loss_last": float(np.mean([r["loss"] for r in records[-3:]])),
-        "imbalance_planned_before": mean("baseline_imbalance_planned"),
-        "imbalance_planned_after": mean("imbalance_planned"),
-        "compute_max_over_mean": mean("compute_max_over_mean"),
-        "tokens_per_s": float(sum(r["tokens"] for r in body) / sum(r["step_s"] for r in body)),
-        "step_s": mean("step_s"),
-        "wait_plan_frac": mean("wait_plan_frac"),
-        "comm_s_mean": float(np.mean([np.mean(r["comm_s"]) for r in body])),
-        "planned_locally": int(sum(r["planned_by"] == "local" for r in records)),
-        "topologies": distinct_topologies(records),
-        "distinct_topologies": len(distinct_topologies(records)),
-        **prediction_summary(records),
-    }
-
-
-def distinct_topologies(records: list[dict]) -> dict[str, int]:
-    """Steps per topology the steps ran on, most used first (one entry for a static
-    topology; with ``balance.topology: per-step`` every partition the steps chose)."""
-    counts: dict[str, int] = {}
-    for r in records:
-        counts[r["topology"]] = counts.get(r["topology"], 0) + 1
-    return most_used_first(counts)
-
-
-def most_used_first(counts: dict[str, int]) -> dict[str, int]:
-    """``{topology: steps}`` ordered by steps, most first (ties by name)."""
-    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
-
-
-PREDICTION_HEAD, PREDICTION_AFTER = 5, 20
-"""The cost model's prediction error is averaged over a run's first ``PREDICTION_HEAD``
-steps and over its steps after the first ``PREDICTION_AFTER`` (the live re-fit's)."""
-
-
-def prediction_summary(records: list[dict]) -> dict:
-    """Mean per-rank (``prediction_error``) and step-time (``step_prediction_error``)
-    errors of the cost model's compute predictions over the first ``PREDICTION_HEAD``
-    steps that have one (``planner: cost``: the configured model) and over those after
-    the first ``PREDICTION_AFTER`` (the live fit; the last ``PREDICTION_HEAD`` if the run is
-    shorter), with their step ranges; empty without predictions."""
-    rows = [r for r in records if r.get("prediction_error") is not None]
-    if not rows:
-        return {}
-    head = rows[:PREDICTION_HEAD]
-    tail = rows[PREDICTION_AFTER:] or rows[-PREDICTION_HEAD:]
-    mean = lambda rs, key: float(np.mean([r[key] for r in rs]))  # noqa: E731
-    return {"prediction_error_first": mean(head, "prediction_error"),
-            "prediction_error_last": mean(tail, "prediction_error"),
-            "step_prediction_error_first": mean(head, "step_prediction_error"),
-            "step_prediction_error_last": mean(tail, "step_prediction_error"),
-            "prediction_steps_first": [head[0]["step"], head[-1]["step"]],
-            "prediction_steps_last": [tail[0]["step"], tail[-1]["step"]]}
-
-
-def prediction_line(s: dict) -> str:
-    """One console line of ``prediction_summary``'s numbers."""
-    (a, b), (c, d) = s["prediction_steps_first"], s["prediction_steps_last"]
-    return (f"cost model vs measured compute: per rank off {s['prediction_error_first']:.1%} (steps {a}-{b}) -> "
-            f"{s['prediction_error_last']:.1%} (steps {c}-{d}); step time off {s['step_prediction_error_first']:.1%} "
-            f"-> {s['step_prediction_error_last']:.1%}")
-
-
-def merge_quarantine(run_dir: str) -> list[dict]:
-    """Every quarantine record of the run (per-rank files and the driver's shard check)
-    in one ``quarantine.jsonl``: shards first, then samples by id; a shard reported by
-    several ranks or several attempts is listed once."""
-    records: list[dict] = []
-    for name in sorted(os.listdir(run_dir)):
-        if name.startswith("quarantine-") and name.endswith(".jsonl"):
-            with open(os.path.join(run_dir, name)) as f:
-                records.extend(json.loads(line) for line in f if line.strip())
-    shards = {r["shard"]: r for r in records if "shard" in r}
-    samples = {(r["sample_id"], r["reason"]): r for r in records if "shard" not in r}
-    merged = [shards[k] for k in sorted(shards)] + [
-        samples[k] for k in sorted(samples, key=lambda k: (k[0] is None, k[0] if k[0] is not None else 0, k[1]))]
-    if merged:
-        with open(os.path.join(run_dir, "quarantine.jsonl"), "w") as f:
-            for r in merged:
-                f.write(json.dumps(r) + "\n")
-    return merged
-
-
-def write_run_files(cfg: TrainConfig, summary: dict) -> dict:
-    """summary.json (over every step in metrics.jsonl, resumed attempts included),
-    quarantine.jsonl, ledger.jsonl and a PNG of per-rank work before/after balancing.
-    Returns the run-level summary."""
-    run_dir = cfg.run_dir
-    records = read_metrics(run_dir)
-    quarantined = merge_quarantine(run_dir)
-    out = {"config": cfg.to_dict(), "summary": summarize(records),
-           "topology": summary.get("topology"), "world_size": summary.get("world_size"),
-           "coordinator_stats": summary.get("coordinator_stats"),
-           "quarantined_samples": sum("shard" not in q for q in quarantined),
-           "quarantined_shards": sum("shard" in q for q in quarantined),
-           "quarantined_shard_rows": sum(q.get("rows") or 0 for q in quarantined if "shard" in q)}
-    from .ledger_files import write_ledger_jsonl
-
-    out["ledger_rows"] = write_ledger_jsonl(run_dir, os.path.join(run_dir, "ledger.jsonl"))
-    with open(os.path.join(run_dir, "summary.json"), "w") as f:
-        json.dump(out, f, indent=1, default=str)
-    # Per-rank pictures need one world size: an elastic run plots its last one.
-    records = [r for r in records if r["world_size"] == records[-1]["world_size"]] if records else []
-    if records:
-        from knapray.train.plots import plot_rank_work
-
-        body = summary_steps(records)
-        plot_rank_work(
-            os.path.join(run_dir, "rank_work.png"),
-            [np.asarray(r["baseline_rank_work"]) for r in body],
-            [np.asarray(r["rank_work"]) for r in body],
-            [r["baseline_imbalance_planned"] for r in body],
-            [r["imbalance_planned"] for r in body],
-            title=f"{cfg.run.name}: {run_title(cfg, records)}",
-            run_label="balanced (knapray plan)" if cfg.balance.enabled else "unbalanced (this run)",
-            measured_compute=[np.asarray(r["compute_s"]) for r in body],
-            steps=[r["step"] for r in body],
-            note="step 0 (warm-up) left out, as in summary.json" if len(body) < len(records) else "",
-        )
-    return out
