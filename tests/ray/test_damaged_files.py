@@ -20,7 +20,7 @@ import torch
 
 from dist_utils import build_tiny_corpus
 from knapray.cli import main
-from knapray.train.checkpoint import Checkpointer, StorageFull
+from knapray.train.checkpoint import Checkpointer, JsonState, StorageFull, training_parts
 from knapray.train.config import load_config
 from knapray.train.ledger_files import LocalLedger
 from knapray.train.run_dir import resolve_paths, write_config
@@ -119,8 +119,9 @@ def run_dir(corpus, tmp_path_factory):
     ledger.close()
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.AdamW(model.parameters())
-    Checkpointer(os.path.join(cfg.run_dir, "checkpoints"), rank=0, group=None).save(
-        2, model, opt, {"epoch": 0, "world_size": 2, "topology": "g1n2", "ledger": position}, barrier=lambda: None)
+    Checkpointer(os.path.join(cfg.run_dir, "checkpoints"), rank=0, group=None, parts=training_parts(model, opt),
+                 state=JsonState({"epoch": 0, "world_size": 2, "topology": "g1n2", "ledger": position}),
+                 ).save(2, barrier=lambda: None)
     return cfg.run_dir
 
 
@@ -221,8 +222,9 @@ def test_unwritable_storage_is_refused_before_ray_starts(corpus, tmp_path, capsy
 def _save_tiny(root: str) -> str:
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.AdamW(model.parameters())
-    return Checkpointer(root, rank=0, group=None).save(
-        5, model, opt, {"epoch": 0, "world_size": 1, "topology": "g1n1", "ledger": None}, barrier=lambda: None)
+    return Checkpointer(root, rank=0, group=None, parts=training_parts(model, opt),
+                        state=JsonState({"epoch": 0, "world_size": 1, "topology": "g1n1", "ledger": None}),
+                        ).save(5, barrier=lambda: None)
 
 
 @pytest.mark.parametrize("failure", ["zip writer", "ENOSPC"])

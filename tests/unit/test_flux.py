@@ -298,7 +298,7 @@ def test_caption_dropout_uses_the_recorded_unconditional_embeddings(tmp_path: Pa
 def test_export_writes_a_diffusers_model_one_shard_at_a_time(tiny: dict[str, Path], tmp_path: Path) -> None:
     from diffusers import FluxTransformer2DModel
 
-    from knapray.train.checkpoint import Checkpointer
+    from knapray.train.checkpoint import Checkpointer, JsonState, training_parts
     from knapray.train.ema import EMA
     from knapray.weights.export import export_run
 
@@ -315,8 +315,8 @@ def test_export_writes_a_diffusers_model_one_shard_at_a_time(tiny: dict[str, Pat
                                                                    f"data.corpus={tmp_path}"]).to_dict()))
     ema = EMA(model, 0.9)
     opt = torch.optim.AdamW(model.parameters())
-    Checkpointer(str(run / "checkpoints"), rank=0, group=None).save(
-        4, model, opt, {"epoch": 0}, barrier=lambda: None, extra={"ema": ema.state_dict()})
+    Checkpointer(str(run / "checkpoints"), rank=0, group=None, parts=training_parts(model, opt, ema=ema),
+                 state=JsonState({"epoch": 0})).save(4, barrier=lambda: None)
     report = export_run(str(run), str(tmp_path / "out"), max_shard_bytes=60_000, read_bytes=20_000)
     assert len(report.shards) > 2 and (tmp_path / "out" / "diffusion_pytorch_model.safetensors.index.json").exists()
     largest_param = max(4 * math.prod(s) for s in param_shapes(cfg).values())
@@ -331,8 +331,8 @@ def test_export_writes_a_diffusers_model_one_shard_at_a_time(tiny: dict[str, Pat
     with torch.no_grad():
         for shadow in ema.shadow.values():
             shadow.sub_(0.5)  # the EMA weights differ from the raw ones
-    Checkpointer(str(run / "checkpoints"), rank=0, group=None).save(
-        5, model, opt, {"epoch": 0}, barrier=lambda: None, extra={"ema": ema.state_dict()})
+    Checkpointer(str(run / "checkpoints"), rank=0, group=None, parts=training_parts(model, opt, ema=ema),
+                 state=JsonState({"epoch": 0})).save(5, barrier=lambda: None)
     ema_out = export_run(str(run), str(tmp_path / "ema"), ema=True, dtype="bf16")
     assert ema_out.ema and ema_out.step == 5 and len(ema_out.shards) == 1
     written = open_pretrained(str(tmp_path / "ema"))
