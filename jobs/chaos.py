@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from knapray.corpus.synthetic import DEMO, build_synthetic
     from knapray.testing.chaos import Chaos, check_exactly_once
     from knapray.train.launch import run_training
-    from knapray.train.run_files import resolve_paths
+    from knapray.train.run_dir import resolve_paths
     from knapray.train.step_planner import coordinator_name
 
     cfg = resolve_paths(cfg)
