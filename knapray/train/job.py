@@ -53,12 +53,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         # Every input is checked here, before Ray or any worker starts.
         pre = preflight.check_file(args.config, args.set)
-        lines = pre.summary(args.config) if args.check else []
         # The run directory's decision too (a live lock, resume rules, the checkpoint and
         # ledger a resume reads) before Ray starts, and whether the run is finished already.
+        # (The launcher decides again under the run's lock: another run may have started.)
+        start = pre.run_dir_decision()
+        lines = pre.summary(args.config, start) if args.check else []
         from knapray.train.launch import completed_run  # torch: only past the config checks
 
-        done_at = completed_run(pre.cfg, pre.run_dir_decision())
+        done_at = completed_run(pre.cfg, start)
         if args.check and done_at is not None:
             lines += [f"the run is complete (checkpoint at step {done_at}): it would train nothing"]
         base = None

@@ -75,8 +75,8 @@ def check_file(config_file: str | None, overrides: list[str] | None = None,
     ``worlds`` (default: every world size the Ray launcher may start with), reading
     schema.json once for both."""
     reader = _SchemaReader()
-    cfg = resolve_paths(load_config(config_file, overrides, corpus_dims=reader.dims))
-    return check(cfg, cfg.world_sizes() if worlds is None else worlds, schema=reader)
+    cfg = load_config(config_file, overrides, corpus_dims=reader.dims)
+    return check(cfg, cfg.world_sizes() if worlds is None else worlds, schema=reader)  # resolves the paths
 
 
 @dataclass(frozen=True)
@@ -107,10 +107,11 @@ class Preflight:
         RunLock(self.cfg.run_dir).check_free()
         return decide_start(self.cfg, completed_checkpoints(os.path.join(self.cfg.run_dir, "checkpoints")))
 
-    def summary(self, config_file: str | None = None) -> list[str]:
-        """What was checked, for ``--check`` (the run directory's decision included)."""
+    def summary(self, config_file: str | None = None, start: RunStart | None = None) -> list[str]:
+        """What was checked, for ``--check`` (the run directory's decision included:
+        ``start``, or ``run_dir_decision()`` when not given)."""
         cfg, info, m = self.cfg, self.corpus.info, self.cfg.model
-        start = self.run_dir_decision()
+        start = start if start is not None else self.run_dir_decision()
         bad = self.corpus.bad_shards
         dups = self.corpus.duplicates
         shards = (f"{len(self.corpus.good_shards)} shards readable"

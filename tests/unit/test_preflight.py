@@ -165,3 +165,30 @@ def test_pre_flight_reads_each_file_once(demo_corpus, tmp_path, monkeypatch):
                                [f"data.corpus={demo_corpus}", f"run.storage={tmp_path}"])
     assert reads == {"schema": 1, "footer": len(pre.corpus.good_shards)} == {"schema": 1, "footer": 2}
     assert pre.cfg.model.text_dim == 16  # from that one read
+
+
+def test_train_check_passes_each_step_once(demo_corpus, tmp_path, monkeypatch, capsys):
+    """``knapray train --check``, from the command line to the run directory's decision:
+    the paths resolved once, the corpus checked once, the run directory decided once."""
+    import knapray.train.preflight as preflight
+    import knapray.train.run_dir as run_dir
+
+    calls = {"resolve_paths": 0, "check_corpus": 0, "decide_start": 0}
+
+    def counted(module, name):
+        real = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapper)
+        monkeypatch.setattr(preflight, name, wrapper, raising=False)
+
+    counted(run_dir, "resolve_paths")
+    counted(run_dir, "decide_start")
+    counted(preflight, "check_corpus")
+    code, out, err = _run(["train", "--config", str(REPO / "jobs/configs/demo.yaml"), "--set",
+                           f"data.corpus={demo_corpus}", "--set", f"run.storage={tmp_path}", "--check"], capsys)
+    assert code == 0, err
+    assert calls == {"resolve_paths": 1, "check_corpus": 1, "decide_start": 1}
