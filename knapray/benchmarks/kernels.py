@@ -79,7 +79,9 @@ def matmul_shapes(hidden: int, mlp_ratio: float = 4.0) -> list[tuple[str, int, i
 
 def run(*, hidden: int = DEFAULT_HIDDEN, heads: int = DEFAULT_HEADS, lengths: tuple[int, ...] = DEFAULT_LENGTHS,
         dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda", warmup: int = 3,
-        repeat: int = 10) -> dict:
+        repeat: int = 10, backends: list[str] | None = None) -> dict:
+    """Time the pieces; ``backends``: the attention backends to time (default: every one
+    available; ``["auto"]``: the one training picks)."""
     from knapray.attention import available_backends, varlen_attention
 
     device = torch.device(device)
@@ -108,7 +110,8 @@ def run(*, hidden: int = DEFAULT_HIDDEN, heads: int = DEFAULT_HEADS, lengths: tu
     head_dim = hidden // heads
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
     attn_flops = 3 * 4 * sum(L * L for L in lengths) * hidden
-    backends = available_backends(device) if device.type == "cuda" and dtype != torch.float32 else ["sdpa"]
+    if backends is None:
+        backends = available_backends(device) if device.type == "cuda" and dtype != torch.float32 else ["sdpa"]
     for backend in backends:
         q, k_, v = (rand(tokens, heads, head_dim).requires_grad_() for _ in range(3))
         g = rand(tokens, heads, head_dim)

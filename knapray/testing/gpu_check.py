@@ -224,11 +224,42 @@ def run_check(check: Check, work: Path, *, steps: int, nproc: int, topology: str
     if rc != 0:
         failures.insert(0, f"the training run exited with {rc}")
     print("\n".join(lines))
+    line = ceiling_line(check, records, nproc, cpu)
+    if line:
+        print(line)
     summary = work / check.name / "profile" / "rank0.txt"
     if profile:
         print(f"profile (rank 0):\n{summary.read_text().rstrip()}" if summary.exists() else "profile: none written")
     print(f"{check.name}: {'FAILED: ' + '; '.join(failures) if failures else 'passed'}", flush=True)
     return [f"{check.name}: {f}" for f in failures]
+
+
+def ceiling_line(check: Check, records: list[dict], nproc: int, cpu: bool) -> str | None:
+    """The run's forward+backward speed over the kernel ceiling measured here, now, at the
+    run's shape (``knapray bench kernels`` with the attention training picks): a ratio that
+    holds on any GPU, where the bars are absolute."""
+    from knapray.benchmarks.kernels import run as kernel_ceiling
+
+    body = records[WARMUP_STEPS:] if len(records) > WARMUP_STEPS + 1 else records
+    if not body:
+        return None
+    n = check.samples_per_step * nproc
+    length = max(1, round(float(np.median([r["tokens"] for r in body])) / n))
+    m = check.model
+    import torch
+
+    r = kernel_ceiling(hidden=m["hidden_size"], heads=m["num_heads"], lengths=(length,) * n,
+                       dtype=torch.float32 if cpu else torch.bfloat16, device="cpu" if cpu else "cuda",
+                       warmup=1 if cpu else 3, repeat=2 if cpu else 10, backends=["auto"])
+    ceiling = r["ceiling_tflops"]
+    if not ceiling:
+        return None
+    head = (f"kernel ceiling       {ceiling:.3g} model TFLOP/s: this device's matmuls and attention alone at the "
+            f"run's width, {n} sequences of {length} tokens (knapray bench kernels)")
+    if cpu:  # thread time of a tiny model against wall time of single ops: no ratio to read
+        return head + "; not compared on CPU"
+    fb = float(np.median([r["model_tflops_fwd_bwd_per_gpu"] for r in body]))
+    return head + f"; forward+backward reached {100 * fb / ceiling:.0f}% of it"
 
 
 def _host_threads(nproc: int, cpu: bool) -> str:

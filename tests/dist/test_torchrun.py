@@ -30,6 +30,8 @@ def test_gpu_check_chain_on_two_gloo_ranks(tmp_path):
     for line in ("loss first -> last", "tokens/s", "model TFLOP/s/GPU", "model FLOPs = 3 (fwd+bwd) x 2 blocks"):
         assert line in text
     assert (tmp_path / "cpu" / "summary.json").exists() and "cpu: passed" in text
+    # The kernel ceiling measured beside the run, at its shape (on a GPU: the run's share of it)
+    assert "kernel ceiling" in text and "not compared on CPU" in text
     # --profile: steps 5..7 on every rank (metrics.profile_steps), rank 0's summary printed
     assert "profile (rank 0):\nprofiled steps: 3," in text
     for rank in (0, 1):
