@@ -14,7 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from knapray.train.config import load_config  # noqa: E402
+from knapray.train.preflight import load_run_config  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--seed", type=int, default=0, help="picks the steps at which things die")
     args = p.parse_args(argv)
-    cfg = load_config(args.config, [
+    cfg = load_run_config(args.config, [
         "run.name=chaos", "run.max_steps=0", "run.max_failures=2", "checkpoint.every=4",
         "balance.coordinator_timeout_s=5", *args.set,
     ])

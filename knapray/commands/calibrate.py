@@ -504,9 +504,9 @@ def calibration_args(args: argparse.Namespace) -> dict:
 
     cfg = None
     if args.config:
-        from knapray.train.config import load_config
+        from knapray.train.preflight import load_run_config
 
-        cfg = load_config(args.config, args.set)
+        cfg = load_run_config(args.config, args.set)
     elif args.set:
         raise ValueError("--set overrides a run config's values: give the config with --config")
     model = {"hidden": "hidden_size", "heads": "num_heads", "depth_double": "depth_double",

@@ -24,9 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from knapray.planning.memory import GIB, memory_model_for_run
-    from knapray.train.config import load_config
+    from knapray.train.preflight import load_run_config
 
-    cfg = load_config(args.config, args.set)  # a ConfigError (ValueError) names the file or the key
+    cfg = load_run_config(args.config, args.set)  # a ConfigError (ValueError) names the file or the key
     mem = memory_model_for_run(
         cfg, world_size=args.world_size, gpus_per_node=args.gpus_per_node, sharding=args.fsdp,
         checkpointing=args.ac, ac_every=args.ac_every,

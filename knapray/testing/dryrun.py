@@ -101,10 +101,10 @@ def check_setup(args: argparse.Namespace) -> Setup:
     from knapray.planning.mix import parse_mix
     from knapray.planning.rules import per_step_node
     from knapray.distributed.parallel_dims import ParallelDims
-    from knapray.train.config import load_config
+    from knapray.train.preflight import load_run_config
     from knapray.train.step_planner import coordinator_config
 
-    cfg = load_config(args.config, args.set)
+    cfg = load_run_config(args.config, args.set)
     world = cfg.scaling.num_workers if args.world_size is None else args.world_size
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"--world-size must be an integer >= 1, got {world!r}")

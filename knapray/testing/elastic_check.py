@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> dict:
     from ray.cluster_utils import Cluster
 
     from knapray.planning.rules import resolve_rule
-    from knapray.train.config import load_config
+    from knapray.train.preflight import load_run_config
     from knapray.train.launch import run_training
     from knapray.train.step_planner import coordinator_name
 
@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> dict:
                  configure_logging=False)
         event("cluster up", worker_node_slots=list(start_slots), head_cpus=args.head_cpus)
 
-        cfg = load_config(None, MODEL + [
+        cfg = load_run_config(None, MODEL + [
             f"data.corpus={os.path.join(out, f'corpus-{corpus_steps}')}", f"data.samples_per_step={args.samples_per_step}",
             f"balance.topology={RULE}", f"run.name=elastic-{args.scenario}", f"run.storage={storage}",
             f"scaling.num_workers={max_w}", f"scaling.min_workers={min_w}", "scaling.cpus_per_worker=0.5",

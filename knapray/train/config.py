@@ -22,12 +22,11 @@ leaves out (and a field that disagrees with it is an error). Unknown keys are re
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import operator
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, get_args, get_origin, get_type_hints
 
@@ -672,14 +671,10 @@ def _apply_override(data: dict, item: str) -> None:
     node[parts[-1]] = read_yaml(text, where)
 
 
-def load_config(path: str | None = None, overrides: list[str] | None = None, *,
-                corpus_dims: Callable[[str], Mapping[str, Any] | None] | None = None) -> TrainConfig:
-    """The config in the YAML file ``path`` (defaults if None) with ``overrides``
-    (``section.key=value``) applied; raises ConfigError naming the first bad item.
-
-    ``corpus_dims(corpus)`` gives the ``dims`` of the corpus's schema.json, or None when
-    there is none (default: ``read_corpus_dims``); pre-flight passes its own reader, so
-    that schema.json is read once for the whole check."""
+def read_config(path: str | None = None, overrides: list[str] | None = None) -> dict:
+    """The YAML file ``path`` (an empty mapping if None) with ``overrides``
+    (``section.key=value``) applied, as plain values, unchecked; ConfigError naming a bad
+    file or override. It reads that one file and nothing else."""
     data: Any = {}
     if path:
         data = read_yaml(_config_text(path), f"config file {path!r}")
@@ -690,9 +685,15 @@ def load_config(path: str | None = None, overrides: list[str] | None = None, *,
             raise ConfigError(f"config file {path!r}: expected a mapping of sections, {_got(data)}")
     for item in overrides or []:
         _apply_override(data, item)
-    _arch_from_pretrained(data)
-    _dims_from_corpus(data, corpus_dims or read_corpus_dims)
-    return _build(TrainConfig, data, "")
+    return data
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """The config in the YAML file ``path`` (defaults if None) with ``overrides`` applied,
+    every value checked; raises ConfigError naming the first bad item. No other file is
+    read: the model widths a run takes from its corpus and its pretrained checkpoint are
+    filled by ``knapray.train.preflight.load_run_config``."""
+    return _build(TrainConfig, read_config(path, overrides), "")
 
 
 MAX_CONFIG_BYTES = 1 << 20
@@ -714,64 +715,6 @@ def _config_text(path: str) -> str:
     except UnicodeDecodeError as e:
         raise ConfigError(f"config file {path!r}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
                           "is it a binary file?") from None
-
-
-CORPUS_DIMS = {"in_channels": "channels", "text_dim": "text_dim", "pooled_dim": "pooled_dim"}
-"""Model fields that default to the corpus's ``schema.json`` dims (what its encoders made)."""
-
-
-def read_corpus_dims(corpus: str) -> Mapping[str, Any] | None:
-    """The ``dims`` of ``<corpus>/schema.json``, or None when it cannot be read (no corpus
-    yet: the launcher names the path)."""
-    try:
-        with open(os.path.join(corpus, "schema.json")) as f:
-            dims = json.load(f)["dims"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return dims if isinstance(dims, dict) else None
-
-
-def _dims_from_corpus(data: dict, corpus_dims: Callable[[str], Mapping[str, Any] | None]) -> None:
-    """Fill ``model.in_channels`` / ``text_dim`` / ``pooled_dim`` the config leaves out from
-    the corpus's schema.json, when the corpus is there (pre-flight checks the model
-    against the corpus either way, so a pinned width that differs is one error line)."""
-    data_section = data.get("data") if isinstance(data.get("data"), dict) else {}
-    corpus = data_section.get("corpus", DataConfig().corpus)
-    model = data.setdefault("model", {}) if isinstance(data.get("model", {}), dict) else None
-    if model is None or not isinstance(corpus, str) or all(k in model for k in CORPUS_DIMS):
-        return
-    dims = corpus_dims(corpus)
-    if dims is None:
-        return  # no corpus (yet): the model keeps its defaults, and the launcher names the path
-    for field_name, dim in CORPUS_DIMS.items():
-        if field_name not in model and isinstance(dims.get(dim), int):
-            model[field_name] = dims[dim]
-
-
-def _arch_from_pretrained(data: dict) -> None:
-    """With ``model.pretrained`` naming a checkpoint that is there, its family and
-    architecture fill the model fields the config leaves out; a field given with another
-    value is a ConfigError naming both. A path that is not there is left to the launcher's
-    pre-flight (which names it), so a config with a placeholder path still loads."""
-    model = data.get("model")
-    if not isinstance(model, dict) or not isinstance(model.get("pretrained"), str) or not model["pretrained"]:
-        return
-    if not os.path.exists(os.path.expanduser(model["pretrained"])):
-        return
-    from knapray.weights.checks import checkpoint_family, section_values
-    from knapray.weights.source import open_pretrained
-
-    try:
-        source = open_pretrained(model["pretrained"])
-        values = section_values(source, checkpoint_family(source, model.get("family")))
-    except ValueError as e:
-        raise ConfigError(f"config model.pretrained: {e}") from None
-    for key, value in values.items():
-        given = model.get(key, value)
-        if (tuple(given) if isinstance(given, list) else given) != value:
-            raise ConfigError(f"config model.{key}: {given!r} disagrees with model.pretrained {source.path}, "
-                              f"whose config gives {value!r}; leave it out to take the checkpoint's")
-        model.setdefault(key, list(value) if isinstance(value, tuple) else value)
 
 
 def config_from_dict(data: dict) -> TrainConfig:

@@ -14,9 +14,10 @@ what is valid, which the launchers print with exit code 2.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from knapray.corpus.schema import load_schema_json as read_schema_json  # every 
 from knapray.data import BadShard, CorpusInfo, DuplicateId, FamilyMismatch, check_model_config, check_shards, corpus_info, duplicate_ids
 
 from .checkpoint import completed_checkpoints
-from .config import TrainConfig, load_config
+from .config import ConfigError, DataConfig, TrainConfig, config_from_dict, read_config
 from .guard import check_bad_shards, check_duplicates, write_duplicate_quarantine, write_shard_quarantine
 from .report import cut_torn_metrics
 from .run_dir import (
@@ -41,6 +42,81 @@ from .run_dir import (
     resolve_paths,
     write_config,
 )
+
+
+def load_run_config(config_file: str | None = None, overrides: list[str] | None = None, *,
+                    corpus_dims: Callable[[str], Mapping[str, Any] | None] | None = None) -> TrainConfig:
+    """The run config as a run trains it: ``load_config``'s file and overrides, with the
+    model fields it leaves out taken from the files the run reads: ``model.pretrained``'s
+    config (family and architecture; a field given with another value is a ConfigError)
+    and the corpus's ``schema.json`` (in_channels, text_dim, pooled_dim). Both launchers
+    (every rank of torchrun) and the tools that build a run's model (``knapray memory``,
+    ``calibrate --config``, ``dryrun``) load a config this way; ``load_config`` reads
+    nothing but the YAML. ``corpus_dims(corpus)``: the dims of the corpus's schema.json or
+    None (default: ``read_corpus_dims``; pre-flight passes its reader, so schema.json is
+    read once)."""
+    data = read_config(config_file, overrides)
+    _arch_from_pretrained(data)
+    _dims_from_corpus(data, corpus_dims or read_corpus_dims)
+    return config_from_dict(data)
+
+
+CORPUS_DIMS = {"in_channels": "channels", "text_dim": "text_dim", "pooled_dim": "pooled_dim"}
+"""Model fields that default to the corpus's ``schema.json`` dims (what its encoders made)."""
+
+
+def read_corpus_dims(corpus: str) -> Mapping[str, Any] | None:
+    """The ``dims`` of ``<corpus>/schema.json``, or None when it cannot be read (no corpus
+    yet: the launcher names the path)."""
+    try:
+        with open(os.path.join(corpus, "schema.json")) as f:
+            dims = json.load(f)["dims"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return dims if isinstance(dims, dict) else None
+
+
+def _dims_from_corpus(data: dict, corpus_dims: Callable[[str], Mapping[str, Any] | None]) -> None:
+    """Fill ``model.in_channels`` / ``text_dim`` / ``pooled_dim`` the config leaves out from
+    the corpus's schema.json, when the corpus is there (pre-flight checks the model
+    against the corpus either way, so a pinned width that differs is one error line)."""
+    data_section = data.get("data") if isinstance(data.get("data"), dict) else {}
+    corpus = data_section.get("corpus", DataConfig().corpus)
+    model = data.setdefault("model", {}) if isinstance(data.get("model", {}), dict) else None
+    if model is None or not isinstance(corpus, str) or all(k in model for k in CORPUS_DIMS):
+        return
+    dims = corpus_dims(corpus)
+    if dims is None:
+        return  # no corpus (yet): the model keeps its defaults, and the launcher names the path
+    for field_name, dim in CORPUS_DIMS.items():
+        if field_name not in model and isinstance(dims.get(dim), int):
+            model[field_name] = dims[dim]
+
+
+def _arch_from_pretrained(data: dict) -> None:
+    """With ``model.pretrained`` naming a checkpoint that is there, its family and
+    architecture fill the model fields the config leaves out; a field given with another
+    value is a ConfigError naming both. A path that is not there is left to the launcher's
+    pre-flight (which names it), so a config with a placeholder path still loads."""
+    model = data.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("pretrained"), str) or not model["pretrained"]:
+        return
+    if not os.path.exists(os.path.expanduser(model["pretrained"])):
+        return
+    from knapray.weights.checks import checkpoint_family, section_values
+    from knapray.weights.source import open_pretrained
+
+    try:
+        source = open_pretrained(model["pretrained"])
+        values = section_values(source, checkpoint_family(source, model.get("family")))
+    except ValueError as e:
+        raise ConfigError(f"config model.pretrained: {e}") from None
+    for key, value in values.items():
+        given = model.get(key, value)
+        if (tuple(given) if isinstance(given, list) else given) != value:
+            raise ConfigError(f"config model.{key}: {given!r} disagrees with model.pretrained {source.path}, "
+                              f"whose config gives {value!r}; leave it out to take the checkpoint's")
+        model.setdefault(key, list(value) if isinstance(value, tuple) else value)
 
 
 class _SchemaReader:
@@ -75,7 +151,7 @@ def check_file(config_file: str | None, overrides: list[str] | None = None,
     ``worlds`` (default: every world size the Ray launcher may start with), reading
     schema.json once for both."""
     reader = _SchemaReader()
-    cfg = load_config(config_file, overrides, corpus_dims=reader.dims)
+    cfg = load_run_config(config_file, overrides, corpus_dims=reader.dims)
     return check(cfg, cfg.world_sizes() if worlds is None else worlds, schema=reader)  # resolves the paths
 
 

@@ -25,7 +25,7 @@ import torch
 
 from knapray.data import local_rows
 
-from .config import TrainConfig, load_config
+from .config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             pre = preflight.check_file(args.config, args.set, worlds=[int(os.environ.get("WORLD_SIZE", "1"))])
             cfg = pre.cfg
         else:
-            cfg = resolve_paths(load_config(args.config, args.set))
+            cfg = resolve_paths(preflight.load_run_config(args.config, args.set))  # the widths rank 0's has
         check_launch(cfg)
         if args.check:
             lines = pre.summary(args.config)

@@ -193,20 +193,23 @@ def _fields(cfg: FluxConfig) -> dict:
 def test_a_run_config_takes_the_architecture_from_the_checkpoint(tiny: dict[str, Path], tmp_path: Path) -> None:
     from knapray.train.config import ConfigError, load_config
     from knapray.train.preflight import check_pretrained as preflight
+    from knapray.train.preflight import load_run_config
     from knapray.train.run_dir import RunError
 
     path = tiny["dev_h6"]
     corpus = f"data.corpus={tmp_path / 'none'}"
-    cfg = load_config(None, [f"model.pretrained={path}", corpus])
+    # load_config reads the YAML only; the run's loader takes the checkpoint's architecture.
+    assert load_config(None, [f"model.pretrained={path}", corpus]).model.family == "mmdit"
+    cfg = load_run_config(None, [f"model.pretrained={path}", corpus])
     assert isinstance(cfg.model, FluxConfig) and cfg.model == _cfg(path)
     assert cfg.model.guidance_embeds and cfg.model.num_heads == 6 and cfg.model.in_channels == 4
     with pytest.raises(ConfigError, match=r"config model\.hidden_size: 64 disagrees with model\.pretrained .*dev_h6, "
                                           r"whose config gives 48"):
-        load_config(None, [f"model.pretrained={path}", "model.hidden_size=64", corpus])
+        load_run_config(None, [f"model.pretrained={path}", "model.hidden_size=64", corpus])
     with pytest.raises(ConfigError, match="family mmdit has no checkpoint format"):
-        load_config(None, [f"model.pretrained={path}", "model.family=mmdit", corpus])
+        load_run_config(None, [f"model.pretrained={path}", "model.family=mmdit", corpus])
     # A placeholder path still loads (memory estimates); the launcher's pre-flight names it.
-    placeholder = load_config(None, ["model.family=flux", "model.pretrained=/nowhere/FLUX.1-dev", corpus])
+    placeholder = load_run_config(None, ["model.family=flux", "model.pretrained=/nowhere/FLUX.1-dev", corpus])
     with pytest.raises(RunError, match=r"^model\.pretrained: /nowhere/FLUX\.1-dev: no such file or directory$"):
         preflight(placeholder)
     preflight(cfg)
@@ -309,9 +312,9 @@ def test_export_writes_a_diffusers_model_one_shard_at_a_time(tiny: dict[str, Pat
             p.add_(0.01)
     run = tmp_path / "run"
     run.mkdir()
-    from knapray.train.config import load_config
+    from knapray.train.preflight import load_run_config
 
-    (run / "config.json").write_text(json.dumps(load_config(None, [f"model.pretrained={path}",
+    (run / "config.json").write_text(json.dumps(load_run_config(None, [f"model.pretrained={path}",
                                                                    f"data.corpus={tmp_path}"]).to_dict()))
     ema = EMA(model, 0.9)
     opt = torch.optim.AdamW(model.parameters())

@@ -270,14 +270,14 @@ def _planted_run(tmp_path, checkpoint) -> tuple[list[str], str, str]:
     """A run directory whose newest checkpoint's metadata is a payload: (the `knapray train`
     arguments that resume it, the run directory, the marker the payload would create)."""
     from dist_utils import build_tiny_corpus
-    from knapray.train.config import load_config
+    from knapray.train.preflight import load_run_config
     from knapray.train.run_dir import resolve_paths, write_config
 
     corpus = build_tiny_corpus(tmp_path / "corpus", "g2b2i64f1s0", steps=2, shards=1)
     args = ["--config", "jobs/configs/demo.yaml", "--set", f"data.corpus={corpus}",
             "--set", f"run.storage={tmp_path / 'runs'}", "--set", "run.name=planted"]
     sets = [a for a in args[2:] if a != "--set"]
-    cfg = resolve_paths(load_config("jobs/configs/demo.yaml", sets))
+    cfg = resolve_paths(load_run_config("jobs/configs/demo.yaml", sets))
     write_config(cfg)
     path = os.path.join(cfg.run_dir, "checkpoints", "step-000000003")
     shutil.copytree(checkpoint, path)

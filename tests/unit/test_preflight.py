@@ -192,3 +192,30 @@ def test_train_check_passes_each_step_once(demo_corpus, tmp_path, monkeypatch, c
                            f"data.corpus={demo_corpus}", "--set", f"run.storage={tmp_path}", "--check"], capsys)
     assert code == 0, err
     assert calls == {"resolve_paths": 1, "check_corpus": 1, "decide_start": 1}
+
+
+def test_loading_a_config_reads_only_its_yaml(demo_corpus, tmp_path, monkeypatch):
+    """load_config: the YAML file and nothing else (schema apart from I/O); the run's loader
+    (pre-flight, both launchers, the tools that build a run's model) fills the widths the
+    config leaves out from the corpus."""
+    import builtins
+
+    from knapray.train.config import load_config
+    from knapray.train.preflight import load_run_config
+
+    opened = []
+    real_open = builtins.open
+
+    def traced(path, *args, **kwargs):
+        opened.append(str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", traced)
+    config = str(REPO / "jobs/configs/demo.yaml")
+    sets = [f"data.corpus={demo_corpus}", f"run.storage={tmp_path}"]
+    plain = load_config(config, sets)
+    assert opened == [config]
+    assert plain.model.text_dim != 16  # the default: the corpus was not read
+    opened.clear()
+    run = load_run_config(config, sets)
+    assert run.model.text_dim == 16 and any(p.endswith("schema.json") for p in opened)
