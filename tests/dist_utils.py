@@ -110,10 +110,11 @@ tiny synthetic corpora)."""
 
 def local_config(corpus: str, run_root: str, name: str, overrides: list[str]):
     """The config ``local_trainer`` runs: no coordinator, fp32, no checkpoints unless
-    ``overrides`` ask for them."""
-    from knapray.train.config import load_config
+    ``overrides`` ask for them; the widths it leaves out from the corpus and
+    ``model.pretrained``, as the launchers load it)."""
+    from knapray.train.preflight import load_run_config
 
-    return load_config(None, [
+    return load_run_config(None, [
         f"data.corpus={corpus}", "data.samples_per_step=2", "balance.coordinator=false", f"run.name={name}",
         f"run.storage={run_root}", "checkpoint.every=0", "parallel.precision=fp32", *overrides,
     ])
