@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from knapray.indexing import gather_rows, permute_rows
 from knapray.planning import BalancePlan
 from knapray.transfer import host_to_device
 
@@ -235,10 +236,11 @@ def _rows(payload: Payload, what: str, expected: int) -> None:
             )
 
 
-def _gather(payload: Payload, index: torch.Tensor) -> Payload:
+def _permute(payload: Payload, order: torch.Tensor, inverse: torch.Tensor) -> Payload:
+    """payload's rows by the permutation ``order`` (backward: a gather by ``inverse``)."""
     if isinstance(payload, torch.Tensor):
-        return payload.index_select(0, index)
-    return {k: v.index_select(0, index) for k, v in payload.items()}
+        return permute_rows(payload, order, inverse)
+    return {k: permute_rows(v, order, inverse) for k, v in payload.items()}
 
 
 def route(
@@ -258,7 +260,7 @@ def route(
     """
     rp = route_plan(plan, rank, group, _device(x_local))
     _rows(x_local, "route: x_local", rp.num_home_tokens)
-    send = x_local if rp.send_is_identity else _gather(x_local, rp.send_index)
+    send = x_local if rp.send_is_identity else _permute(x_local, rp.send_index, rp.home_index)
     return _exchange(rp, send, rp.send_splits, rp.recv_splits, group)
 
 
@@ -274,7 +276,7 @@ def reverse_route(
     rp = route_plan(plan, rank, group, _device(y_routed))
     _rows(y_routed, "reverse_route: y_routed", rp.num_routed_tokens)
     back = _exchange(rp, y_routed, rp.recv_splits, rp.send_splits, group)
-    return back if rp.send_is_identity else _gather(back, rp.home_index)
+    return back if rp.send_is_identity else _permute(back, rp.home_index, rp.send_index)
 
 
 def route_sequence_features(
@@ -288,10 +290,14 @@ def route_sequence_features(
     every routed token its sequence's row.
 
     A sequence split over several ranks sends its row to each of them; in backward their
-    gradients come home and are summed (the gather's backward is an index_add)."""
+    gradients come home and are summed, in fp32 (``knapray.indexing.gather_rows``)."""
     rp = route_plan(plan, rank, group, _device(feats))
     _rows(feats, "route_sequence_features: feats", rp.num_home_sequences)
-    return _exchange(rp, _gather(feats, rp.seq_send_index), rp.seq_send_splits, rp.seq_recv_splits, group)
+    if isinstance(feats, torch.Tensor):
+        send = gather_rows(feats, rp.seq_send_index)
+    else:
+        send = {k: gather_rows(v, rp.seq_send_index) for k, v in feats.items()}
+    return _exchange(rp, send, rp.seq_send_splits, rp.seq_recv_splits, group)
 
 
 def _device(payload: Payload) -> torch.device:

@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from knapray.attention import AttentionFn
+from knapray.indexing import merge_rows, split_rows
 from knapray.models.config import MMDiTConfig
 from knapray.models.layers import MLP, LayerNorm, Modulation, RMSNorm, apply_rope, modulate
 from knapray.transfer import host_to_device
@@ -24,7 +25,10 @@ from knapray.transfer import host_to_device
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TokenStreams:
-    """Index maps between packed token order and the (text, image) sub-streams."""
+    """Index maps between packed token order and the (text, image) sub-streams.
+
+    Splitting and merging gather rows both ways (``knapray.indexing.split_rows`` and
+    ``merge_rows``): each backward is a gather too, not a zero-filled scatter."""
 
     txt_idx: torch.Tensor
     """(Nt,) packed rows of text tokens, ascending."""
@@ -55,10 +59,12 @@ class TokenStreams:
         return cls(*(host_to_device(a, device, torch.int64) for a in (txt_idx, img_idx, unorder)))
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return x[self.txt_idx], x[self.img_idx]
+        """x (N, ...) in packed order -> (text rows (Nt, ...), image rows (Ni, ...))."""
+        return split_rows(x, self.txt_idx, self.img_idx, self.unorder)
 
     def merge(self, x_txt: torch.Tensor, x_img: torch.Tensor) -> torch.Tensor:
-        return torch.cat((x_txt, x_img))[self.unorder]
+        """``split``'s inverse: (Nt, ...), (Ni, ...) -> (N, ...) in packed order."""
+        return merge_rows(x_txt, x_img, self.txt_idx, self.img_idx, self.unorder)
 
 
 def _qk_norm(cfg: MMDiTConfig) -> nn.Module:

@@ -130,7 +130,10 @@ class MMDiT(nn.Module):
         return self.img_in.weight.dtype
 
     def condition(self, timesteps: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        """timesteps (S,) float, pooled (S, pooled_dim) -> vec (S, d): one vector per sequence."""
+        """timesteps (S,) float, pooled (S, pooled_dim) -> vec (S, d): one vector per sequence.
+
+        vec is fp32 whatever the compute dtype (it is S rows): every block's modulation reads
+        it, so its gradient is a sum over all the blocks, accumulated in fp32."""
         s = timesteps.shape[0]
         if timesteps.dim() != 1 or pooled.shape != (s, self.cfg.pooled_dim):
             raise ValueError(
@@ -141,7 +144,7 @@ class MMDiT(nn.Module):
         vec = self.time_in(timestep_embedding(timesteps).to(dtype))
         if self.vector_in is not None:
             vec = vec + self.vector_in(pooled.to(dtype))
-        return vec
+        return vec.float()
 
     def embed(
         self, x_txt: torch.Tensor, x_img: torch.Tensor, is_text: torch.Tensor, *, streams: TokenStreams | None = None

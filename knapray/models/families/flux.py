@@ -220,7 +220,7 @@ class FluxTransformer(MMDiT):
                     f"value per sequence, shape ({s},), got {None if guidance is None else tuple(guidance.shape)}"
                 )
             vec = vec + self.guidance_in(timestep_embedding(guidance).to(dtype))
-        return vec + self.vector_in(pooled.to(dtype))
+        return (vec + self.vector_in(pooled.to(dtype))).float()  # fp32: as the MMDiT's condition
 
     def forward(self, batch: PackedBatch, attn: AttentionFn | None = None) -> torch.Tensor:
         """Single-process composition; ``attn`` defaults to varlen attention over the batch."""

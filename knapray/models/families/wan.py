@@ -45,6 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from knapray.attention import AttentionFn, cross_attention, varlen_attention
+from knapray.indexing import gather_rows, permute_rows
 from knapray.models.blocks import TokenStreams
 from knapray.models.config import MMDiTConfig, _known_family
 from knapray.models.families.flux import flux_rope
@@ -269,7 +270,7 @@ class WanBlock(nn.Module):
         used, so a block keeps (Ni, d) rows of the four it multiplies by, not (Ni, 6, d)."""
         d = x.shape[-1]
         table = (self.scale_shift_table + _wide(mod)).unbind(1)  # 6 x (S, d), fp32
-        shift, scale, gate, c_shift, c_scale, c_gate = (t.index_select(0, seq_img) for t in table)
+        shift, scale, gate, c_shift, c_scale, c_gate = (gather_rows(t, seq_img) for t in table)
         ln = lambda t: F.layer_norm(_wide(t), (d,), eps=self.eps)  # noqa: E731 - FP32LayerNorm without affine
         y = (ln(x) * (1 + scale) + shift).to(x.dtype)
         q, k, v = self.attn1.qkv(y, y)
@@ -302,7 +303,7 @@ class WanHead(nn.Module):
 
     def forward(self, x: torch.Tensor, vec_seq: torch.Tensor, seq_index: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1]
-        temb = vec_seq[:, :d].index_select(0, seq_index)  # (Ni, d)
+        temb = gather_rows(vec_seq[:, :d], seq_index)  # (Ni, d)
         shift, scale = (self.scale_shift_table + temb[:, None, :]).unbind(1)
         y = (F.layer_norm(_wide(x), (d,), eps=self.eps) * (1 + scale) + shift).to(x.dtype)
         return self.linear(y)
@@ -327,7 +328,9 @@ class _Segments:
         """``pad_to`` > 0: each sequence attends to its text then padding rows up to that
         many (the padding key, given to ``cross_attn``, counts for them)."""
         self.img_order = torch.argsort(seq_img, stable=True)
+        self.img_unorder = torch.argsort(self.img_order)
         self.txt_order = torch.argsort(seq_txt, stable=True)
+        self.txt_unorder = torch.argsort(self.txt_order)
         self.img_counts = torch.bincount(seq_img, minlength=num_seq).tolist()
         self.txt_counts = torch.bincount(seq_txt, minlength=num_seq).tolist()
         self.pad_counts = [max(pad_to - c, 0) for c in self.txt_counts] if pad_to else None
@@ -335,19 +338,22 @@ class _Segments:
         self.cu[1:] = torch.cumsum(torch.bincount(seq_img, minlength=num_seq), 0)
         self.max_len = max(self.img_counts, default=0)
 
+    def _sort(self, x: torch.Tensor) -> torch.Tensor:
+        return permute_rows(x, self.img_order, self.img_unorder)
+
     def _unsort(self, out_sorted: torch.Tensor) -> torch.Tensor:
-        return torch.empty_like(out_sorted).index_copy_(0, self.img_order, out_sorted)
+        return permute_rows(out_sorted, self.img_unorder, self.img_order)
 
     def self_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        q, k, v = (t.index_select(0, self.img_order) for t in (q, k, v))
+        q, k, v = (self._sort(t) for t in (q, k, v))
         return self._unsort(varlen_attention(q, k, v, self.cu, self.max_len, seq_lens=self.img_counts))
 
     def cross_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    pad: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """q (Ni, H, D) visual, k, v (Nt, H, D) text, pad: the padding key and value (H, D)
         -> (Ni, H, D); a sequence with no key gets zeros (diffusers' call is undefined there)."""
-        q = q.index_select(0, self.img_order)
-        k, v = k.index_select(0, self.txt_order), v.index_select(0, self.txt_order)
+        q = self._sort(q)
+        k, v = (permute_rows(t, self.txt_order, self.txt_unorder) for t in (k, v))
         pad = pad if self.pad_counts is not None else None
         return self._unsort(cross_attention(q, k, v, self.img_counts, self.txt_counts, pad, self.pad_counts))
 
@@ -393,10 +399,12 @@ class WanTransformer(nn.Module):
         return flux_rope(pos, self.cfg.rope_axes_dim, THETA)
 
     def condition(self, timesteps: torch.Tensor) -> torch.Tensor:
-        """timesteps (S,) in [0, 1] (diffusers' model takes t·1000) -> (S, 7·d)."""
+        """timesteps (S,) in [0, 1] (diffusers' model takes t·1000) -> (S, 7·d), fp32 (at
+        least) whatever the compute dtype, as diffusers keeps Wan's modulation: every block
+        reads it, so its gradient sums over all of them in fp32."""
         if timesteps.dim() != 1:
             raise ValueError(f"expected timesteps (S,), got {tuple(timesteps.shape)}")
-        return self.time_in(timesteps)
+        return _wide(self.time_in(timesteps))
 
     def embed(self, x_txt: torch.Tensor, x_img: torch.Tensor, is_text: torch.Tensor, *,
               streams: TokenStreams | None = None) -> torch.Tensor:
