@@ -29,8 +29,8 @@ What a rank holds at its peak, by category:
     buffers of the block being differentiated (below).
 ``step_buffers``
     After backward: ``sharding="none"`` on more than one rank all-reduces the gradients
-    through one flat fp32 buffer (``knapray.distributed.grads``), 4 B per parameter; the
-    foreach AdamW step allocates one fp32 temporary per parameter (4 B, sharded).
+    through one flat fp32 buffer (``knapray.distributed.grads``), 4 B per parameter. The
+    AdamW step on a GPU is fused (``knapray.train.optim``) and allocates nothing more.
 
 The peak is the larger of two phases: *backward* (state + autocast copies + FSDP buffers
 + activations + gradients, less their ``overlap``: backward frees each block's activations
@@ -539,7 +539,7 @@ class MemoryModel:
             activations=saved,
             recompute=recompute,
             backward_working=working,
-            step_buffers=allreduce + FP32 * self._sharded(n),
+            step_buffers=allreduce,
             tokens=tokens,
             overlap=self._overlap(tokens, text_tokens, saved - self._outside_saved(tokens, text_tokens, sequences),
                                   grads),
@@ -647,11 +647,14 @@ def memory_model_for_run(
         ac_every if ac_every is not None else par.ac_every,
     )
     per_node = gpus_per_node or cfg.balance.gpus_per_node or 8
+    world = world_size if world_size is not None else cfg.scaling.num_workers
+    sharding = sharding if sharding is not None else par.fsdp
     return MemoryModel(
         shape=ModelShape.of(cfg.model),
-        world_size=world_size if world_size is not None else cfg.scaling.num_workers,
+        world_size=world,
         gpus_per_node=per_node,
-        sharding=sharding if sharding is not None else par.fsdp,
+        # One rank shards nothing (``knapray.train.parallelize.sharding_of``): autocast over fp32
+        sharding="none" if world == 1 else sharding,
         checkpointing=mode,
         ac_every=k,
         precision=precision,

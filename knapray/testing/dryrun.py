@@ -330,7 +330,7 @@ def run_step(setup: Setup, plan, text_tokens: np.ndarray, batch_host, *, device:
     from knapray.train.ema import build_ema
     from knapray.train.optim import build_optimizer
     from knapray.distributed.parallel_dims import ParallelDims
-    from knapray.train.parallelize import ParallelConfig, parallelize
+    from knapray.train.parallelize import ParallelConfig, sharding_of, parallelize
 
     from .step_watch import HostSync, StepWatch
 
@@ -339,7 +339,7 @@ def run_step(setup: Setup, plan, text_tokens: np.ndarray, batch_host, *, device:
     if device_pass:
         model_cfg = dataclasses.replace(model_cfg, depth_double=min(1, model_cfg.depth_double),
                                         depth_single=min(1, model_cfg.depth_single))
-    fsdp = "none" if device_pass else cfg.parallel.fsdp
+    fsdp = "none" if device_pass else sharding_of(cfg.parallel.fsdp, setup.world)
     sharded = fsdp != "none"
     dtype = torch.float32 if device_pass else setup.dtype
     _fake_world(setup.rank, setup.world)
@@ -348,7 +348,7 @@ def run_step(setup: Setup, plan, text_tokens: np.ndarray, batch_host, *, device:
         model = build_model(model_cfg)  # the run's family: its blocks, its attentions
     section = dataclasses.replace(cfg.parallel, fsdp=fsdp, activation_checkpointing="none") if device_pass \
         else cfg.parallel
-    parallel = parallelize(model, ParallelConfig.from_section(section, dtype),
+    parallel = parallelize(model, ParallelConfig.from_section(section, dtype, setup.world),
                            ParallelDims(world_size=setup.world, device_type=device.type,
                                         gpus_per_node=setup.gpus_per_node))
     bag_group, route_group = groups.for_topology(plan.topology)
@@ -379,7 +379,7 @@ def run_step(setup: Setup, plan, text_tokens: np.ndarray, batch_host, *, device:
             batch = _fake_batch(batch_host, device)
             layout = _on_device(meta_layout, device)
             autocast = not sharded and dtype != torch.float32
-            optimizer = build_optimizer(model, cfg.optim)
+            optimizer = build_optimizer(model, cfg.optim, fused=cfg.scaling.use_gpu and not device_pass)  # as a GPU runs it
             ema = build_ema(model, cfg.optim)
             steps = [(empty_plan, _fake_batch(empty_host, device), _on_device(empty_layout, device), 1, False),
                      (plan, batch, layout, max(global_img, 1), True)]

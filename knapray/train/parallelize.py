@@ -33,8 +33,10 @@ FSDP's hooks, so a recompute finds the block's parameters gathered): parameter n
 state dicts, are the same as the plain model's.
 
 Compile: each block class's ``forward`` is compiled once per model, shapes dynamic from the
-first call (the token count changes every step), with size-oblivious sizes so a rank with 0
-or 1 text tokens, sequences or tokens does not get its own specialization. Attention stays
+first call (the token count changes every step): image-token, token and sequence counts as
+backed sizes (inductor sizes and splits its reductions by their hints), text-token counts
+unbacked (a rank without text does not get graphs of its own), and a block call with 0 or
+1 image tokens or tokens runs eagerly (``TEXT_AXES``). Attention stays
 eager behind ``torch.compiler.disable`` (one graph break per block; its callable holds the
 step's cu_seqlens / Ulysses layout, which would otherwise become guards). Data-dependent
 index building (``TokenStreams.from_mask``, RoPE tables) already happens in
@@ -64,6 +66,12 @@ AC_MODES = ("none", "full", "every_k")
 FSDP_DTYPES = (torch.float32, torch.bfloat16)
 STAGE_METHODS = ("condition", "embed", "blocks", "head")
 """The MMDiT methods a balanced step calls; each enters FSDP through the root."""
+
+
+def sharding_of(fsdp: str, world_size: int | None) -> str:
+    """The FSDP mode a run applies: its config's, but ``none`` on one rank (nothing to shard;
+    the run computes under autocast over fp32 parameters instead). None: world unknown."""
+    return "none" if world_size == 1 else fsdp
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -109,13 +117,17 @@ class ParallelConfig:
             )
 
     @classmethod
-    def from_section(cls, section, compute_dtype: torch.dtype, **extra) -> "ParallelConfig":
+    def from_section(cls, section, compute_dtype: torch.dtype, world_size: int | None = None,
+                     **extra) -> "ParallelConfig":
         """The run config's ``parallel`` section (``knapray.train.config.ParallelSection``)
-        for a run computing in ``compute_dtype``: FSDP gathers parameters in it and reduces
-        in fp32; without FSDP the parameters stay fp32 (autocast computes in bf16).
-        ``extra``: fields the section does not have (``compile_backend``)."""
-        sharded = section.fsdp != "none"
-        return cls(fsdp=section.fsdp, ac=section.activation_checkpointing, ac_every=section.ac_every,
+        for a run computing in ``compute_dtype`` on ``world_size`` ranks: FSDP gathers
+        parameters in it and reduces in fp32; without FSDP the parameters stay fp32 (autocast
+        computes in bf16). One rank shards nothing: FSDP there would only add casts and
+        copies (``sharding_of``). ``extra``: fields the section does not have
+        (``compile_backend``)."""
+        fsdp = sharding_of(section.fsdp, world_size)
+        sharded = fsdp != "none"
+        return cls(fsdp=fsdp, ac=section.activation_checkpointing, ac_every=section.ac_every,
                    compile=section.compile, param_dtype=compute_dtype if sharded else torch.float32,
                    reduce_dtype=torch.float32, **extra)
 
@@ -162,37 +174,52 @@ class CompileStats:
 
 
 class _EagerAttention:
-    """The step's attention callable, run outside the compiled graph (a graph break)."""
+    """The step's attention, run outside the compiled graph (a graph break per call): a
+    joint-attention callable (``attn(q, k, v)``) or a family's attention ops (Wan's
+    ``self_attn`` and ``cross_attn``: ``knapray.models.families.wan.WanAttentionOps``). It
+    holds the step's cu_seqlens / Ulysses layout, which would otherwise become guards."""
 
     __slots__ = ("attn",)
 
-    def __init__(self, attn: Callable) -> None:
+    def __init__(self, attn: Any) -> None:
         self.attn = attn
 
     @torch.compiler.disable
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = self.attn(q, k, v)  # (N, H, D): the compiled rest of the block takes it as an input
-        _mark_token_axes("h", out)
-        return out
+        return _token_output(self.attn(q, k, v))
+
+    @torch.compiler.disable
+    def self_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return _token_output(self.attn.self_attn(q, k, v))
+
+    @torch.compiler.disable
+    def cross_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: Any = None) -> torch.Tensor:
+        return _token_output(self.attn.cross_attn(q, k, v, pad))
+
+
+def _token_output(out: torch.Tensor) -> torch.Tensor:
+    """An attention output (n, H, D) as the compiled rest of the block takes it: dim 0 a
+    token axis like the block's own token inputs (``_mark_token_axes``)."""
+    _mark_token_axes("out", out)
+    return out
 
 
 def _size_oblivious():
-    # The token axes are unbacked (see TOKEN_AXES); sizes dynamo derives from them after the
-    # attention graph break (the resume function's inputs) are backed, and these rules keep
-    # them from being specialized to 0 or 1 too. No duck sizing: a token count that happens
-    # to equal the hidden size at the first call is not tied to it.
+    # Backed sizes (each has a hint: inductor sizes its kernels and splits its reductions
+    # by it) that are not specialized to 0 or 1 by dynamo; no duck sizing, so a token count
+    # that happens to equal the hidden size at the first call is not tied to it. Both
+    # settings exist in torch 2.10, 2.11 and 2.13; a torch without one runs with its default.
     from torch.fx.experimental import _config as fx_config
 
-    # Both settings exist in the torch 2.13 this is developed on; an older torch (>= 2.5 is
-    # allowed) without one runs with its default rather than failing to compile.
     wanted = {"backed_size_oblivious": True, "use_duck_shape": False}
     return fx_config.patch(**{k: v for k, v in wanted.items() if hasattr(fx_config, k)})
 
 
 @functools.cache
 def _mark_unbacked() -> Callable:
-    """``mark_unbacked(tensor, dim, shape_id)``; where this torch's has no ``shape_id`` the
-    axes are left untied (each its own unbacked size: more runtime checks, same results)."""
+    """``mark_unbacked(tensor, dim, shape_id)``; where this torch's has no ``shape_id`` (2.10,
+    2.11) the axes are left untied (each its own unbacked size: more runtime checks, same
+    results)."""
     from torch._dynamo.decorators import mark_unbacked
 
     if "shape_id" in inspect.signature(mark_unbacked).parameters:
@@ -215,18 +242,19 @@ def _dense(x: Any) -> Any:
     return x
 
 
-TOKEN_AXES = {
-    "h_txt": "Nt", "seq_txt": "Nt", "h_img": "Ni", "seq_img": "Ni", "h": "N", "seq_index": "N",
-    "rope": "N", "vec_seq": "S", "txt_idx": "Nt", "img_idx": "Ni", "unorder": "N",
-}
-"""Which count dim 0 of a block argument (or of a field of ``TokenStreams``) has: Nt text
-tokens, Ni image tokens, N tokens, S sequences. Each is one unbacked size in the compiled
-blocks: never specialized to 0 or 1, tied across the arguments that share it."""
+TEXT_AXES = frozenset({"h_txt", "seq_txt", "txt_idx", "ctx"})
+"""Block arguments (and ``TokenStreams`` fields) whose dim 0 counts text tokens: unbacked in
+the compiled blocks. A rank often holds no text at all (later chunks of long sequences),
+and a backed count would get its own graphs for 0 and for 1 (inductor's kernel choices
+guard on ``>= 2``); text carries a small share of a step's work, so its reductions going
+unsplit costs little. Every other token axis (image tokens, all tokens, sequences) is
+backed (``dynamic=True``): inductor sizes and splits the big reductions by its hint, and
+a block call with 0 or 1 of them runs eagerly (``_runs_eagerly``)."""
 
 
 def _mark_token_axes(name: str, value: Any) -> None:
-    if isinstance(value, torch.Tensor) and name in TOKEN_AXES:
-        _mark_unbacked()(value, 0, shape_id=TOKEN_AXES[name])
+    if isinstance(value, torch.Tensor) and name in TEXT_AXES:
+        _mark_unbacked()(value, 0, shape_id="Nt")
     elif isinstance(value, tuple):
         for item in value:
             _mark_token_axes(name, item)
@@ -235,11 +263,29 @@ def _mark_token_axes(name: str, value: Any) -> None:
             _mark_token_axes(f.name, getattr(value, f.name))
 
 
+def _runs_eagerly(arguments: dict[str, Any]) -> bool:
+    """A block call whose image or token rows number 0 or 1 (an empty rank, a chunk of text
+    only, a rank holding a single token): inductor's kernels for backed sizes assume >= 2,
+    so such a call would compile a graph of its own. Eagerly, on so few rows, it costs
+    nothing (text rows, unbacked, do not count)."""
+    rows = [v.shape[0] for n, v in arguments.items() if n in BACKED_TOKEN_ARGS and isinstance(v, torch.Tensor)]
+    return any(r < 2 for r in rows)
+
+
+BACKED_TOKEN_ARGS = frozenset({"h", "h_img", "x"})
+"""Block arguments holding the rank's tokens or image tokens (the MMDiT's and Wan's blocks)."""
+
+
 def _compiled_forward(block: nn.Module, compiled: Callable) -> Callable:
     signature = inspect.signature(type(block).forward)
+    eager = block.forward
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(block, *args, **kwargs)
+        if _runs_eagerly(bound.arguments):
+            # A rank without tokens still runs every block (FSDP's and Ulysses' collectives
+            # need it); eagerly on zero or one rows, it costs nothing and compiles nothing.
+            return eager(*args, **kwargs)
         for name, value in bound.arguments.items():
             if name == "attn":
                 bound.arguments[name] = _EagerAttention(value)
