@@ -16,18 +16,24 @@ Backends:
   otherwise ``sdpa``. fp32 q, k, v on CUDA take ``sdpa``: the model hands attention bf16
   tensors under bf16 autocast, so fp32 here means an fp32 run.
 
-On an H100 (torch 2.11, ``knapray bench kernels``, forward + backward) ``sdpa`` beats
-``torch_varlen`` on a few long sequences (4 x 4292 tokens: 429 vs 250 model TFLOP/s) and
-loses on many short ones (24 of 256-1536 tokens: 52 vs 214). With ``auto`` taking ``sdpa``
-(and, in the same try, ``index_select`` for the per-token modulation) the GPU check's eager
-run, mixed images and videos, fell from 115 to 19 model TFLOP/s. So ``auto`` stays with the
-fused varlen kernel; choosing per step from the step's sequences is open work (docs/gpu.md).
+A training step chooses per step instead (``choose_backend``, from the lengths the host
+knows; ``knapray.distributed.UlyssesAttention`` with ``auto``). On an H100 (torch 2.11,
+``knapray bench kernels``, forward + backward) ``sdpa`` (cuDNN) beats ``torch_varlen`` (FA2)
+on a few long sequences (4 x 4292 tokens: 429 vs 250 model TFLOP/s) and loses badly on many
+short ones of many lengths (24 of 256-1536 tokens: 52 vs 214; cuDNN builds a graph per new
+shape). So a step takes ``sdpa`` when a few runs of equal-length sequences, each a shape
+seen before (or few new ones), carry most of its attention work (sum of L^2); the fused
+varlen kernel otherwise. Where torch can route its flash kernels to FA3 or FA4
+(``torch.nn.attention.activate_flash_attention_impl``, torch >= 2.10 for FA4, 2.11 for FA3,
+with the ``flash_attn_interface`` / ``flash-attn-4`` package installed), ``activate_flash_impl``
+turns it on and every step takes it through ``torch_varlen``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -88,6 +94,132 @@ def _resolve_backend(backend: str, q: torch.Tensor) -> str:
                 f"got device={q.device} dtype={q.dtype}; use 'sdpa' or 'auto'"
             )
     return backend
+
+
+@dataclass(frozen=True)
+class AttentionChoice:
+    """The kernel a step's attention runs on, and why (a step metric)."""
+
+    backend: str
+    reason: str
+
+
+SDPA_MAX_RUNS = 4
+"""At most this many runs of adjacent equal-length sequences for a step to take ``sdpa``
+(each run is one SDPA call)."""
+SDPA_MIN_SHARE = 0.8
+"""...and runs of at least two sequences or of at least ``SDPA_LONG`` tokens carry this
+share of the step's sum of L^2 (the attention work)."""
+SDPA_LONG = 2048
+SDPA_MAX_NEW_SHAPES = 1
+"""...and at most this many of its (sequences, length) shapes are new to the process (cuDNN
+builds a graph per shape: worth it where shapes repeat). Every step's shapes are
+remembered, whichever kernel it took (up to ``SEEN_SHAPES_LIMIT``, then forgotten)."""
+SEEN_SHAPES_LIMIT = 4096
+_SEEN_SHAPES: set[tuple[int, int, int, int]] = set()
+
+
+def equal_length_runs(seq_lens: Sequence[int]) -> list[tuple[int, int]]:
+    """(sequences, length) of each run of adjacent sequences of one length (empty ones
+    skipped): the calls ``sdpa`` makes."""
+    runs: list[list[int]] = []
+    for n in seq_lens:
+        if not n:
+            continue
+        if runs and runs[-1][1] == n:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, int(n)])
+    return [(b, n) for b, n in runs]
+
+
+def choose_backend(seq_lens: Sequence[int], device: torch.device, dtype: torch.dtype, heads: int, head_dim: int,
+                   *, remember: bool = True) -> AttentionChoice:
+    """The backend a step's attention over ``seq_lens`` (the bag's whole sequences, host
+    ints) takes on ``device`` in ``dtype``; pure but for the process's set of shapes seen
+    (``remember``: add this step's). Every rank of a bag sees the same lengths, so it
+    chooses the same."""
+    if not (torch.device(device).type == "cuda" and dtype in _HALF_DTYPES):
+        return AttentionChoice("sdpa", f"no fused kernel for {torch.device(device).type} {str(dtype).removeprefix('torch.')}")
+    fused = "flash" if _flash_varlen is not None else "torch_varlen" if _torch_varlen is not None else None
+    impl = flash_impl()
+    if impl is not None and _torch_varlen is not None:
+        return AttentionChoice("torch_varlen", f"{impl} (activate_flash_attention_impl)")
+    runs = equal_length_runs(seq_lens)
+    work = sum(b * n * n for b, n in runs)
+    if not runs or fused is None:
+        return AttentionChoice(fused or "sdpa", "no tokens" if not runs else "no fused varlen kernel installed")
+    heavy = sum(b * n * n for b, n in runs if b > 1 or n >= SDPA_LONG)
+    shapes = {(b, n, heads, head_dim) for b, n in runs}
+    new = len(shapes - _SEEN_SHAPES)
+    if remember:
+        if len(_SEEN_SHAPES) + len(shapes) > SEEN_SHAPES_LIMIT:
+            _SEEN_SHAPES.clear()
+        _SEEN_SHAPES.update(shapes)
+    share = heavy / work
+    if len(runs) <= SDPA_MAX_RUNS and share >= SDPA_MIN_SHARE and new <= SDPA_MAX_NEW_SHAPES:
+        return AttentionChoice("sdpa", f"{len(runs)} runs of equal length carry {share:.0%} of sum(L^2), "
+                                       f"{new} new shape(s)")
+    why = (f"{len(runs)} runs of equal length (sdpa at most {SDPA_MAX_RUNS})" if len(runs) > SDPA_MAX_RUNS else
+           f"long or repeated lengths carry {share:.0%} of sum(L^2) (sdpa from {SDPA_MIN_SHARE:.0%})"
+           if share < SDPA_MIN_SHARE else f"{new} new shapes (sdpa at most {SDPA_MAX_NEW_SHAPES})")
+    return AttentionChoice(fused, why)
+
+
+def flash_impl() -> str | None:
+    """The FA3/FA4 implementation torch's flash kernels are routed to (None: torch's own FA2)."""
+    try:
+        from torch.nn.attention import current_flash_attention_impl
+    except ImportError:  # torch without the registry
+        return None
+    return current_flash_attention_impl()
+
+
+FLASH_IMPLS = {"FA3": ("flash_attn_interface", (9,)), "FA4": ("flash_attn.cute.interface", (9, 10))}
+"""Implementation -> (the module it needs, the compute capabilities it runs on), in the
+order they are tried: FA3 is Hopper's own, FA4 Hopper's and Blackwell's."""
+
+
+def restore_flash_impl() -> bool:
+    """Back to torch's own FA2 after ``activate_flash_impl``; False where this torch cannot
+    (2.10 has no ``restore_flash_attention_impl``: the impl stays)."""
+    if flash_impl() is None:
+        return True
+    try:
+        from torch.nn.attention import restore_flash_attention_impl
+    except ImportError:
+        return False
+    restore_flash_attention_impl()
+    return True
+
+
+def activate_flash_impl(device: torch.device | str) -> str | None:
+    """Route torch's flash-attention kernels (``varlen_attn``, SDPA's flash path) to FA3 or
+    FA4 where the device runs it and its package is installed; returns the one activated,
+    or None (torch's FA2 stays). Process-wide; idempotent."""
+    import importlib.util
+
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    try:
+        from torch.nn.attention import activate_flash_attention_impl, list_flash_attention_impls
+    except ImportError:
+        return None
+    if flash_impl() is not None:
+        return flash_impl()
+    major = torch.cuda.get_device_capability(device)[0]
+    for impl, (module, majors) in FLASH_IMPLS.items():
+        if impl not in list_flash_attention_impls() or major not in majors:
+            continue
+        try:
+            if importlib.util.find_spec(module) is None:
+                continue
+            activate_flash_attention_impl(impl)
+        except (ImportError, RuntimeError, ValueError):  # a package that does not load here
+            continue
+        return impl
+    return None
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

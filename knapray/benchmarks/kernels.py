@@ -82,7 +82,8 @@ def run(*, hidden: int = DEFAULT_HIDDEN, heads: int = DEFAULT_HEADS, lengths: tu
         repeat: int = 10, backends: list[str] | None = None) -> dict:
     """Time the pieces; ``backends``: the attention backends to time (default: every one
     available; ``["auto"]``: the one training picks)."""
-    from knapray.attention import available_backends, varlen_attention
+    from knapray.attention import (activate_flash_impl, available_backends, choose_backend, flash_impl,
+                                   restore_flash_impl, varlen_attention)
 
     device = torch.device(device)
     if hidden % heads:
@@ -112,7 +113,15 @@ def run(*, hidden: int = DEFAULT_HIDDEN, heads: int = DEFAULT_HEADS, lengths: tu
     attn_flops = 3 * 4 * sum(L * L for L in lengths) * hidden
     if backends is None:
         backends = available_backends(device) if device.type == "cuda" and dtype != torch.float32 else ["sdpa"]
-    for backend in backends:
+    runs = [(backend, None) for backend in backends]
+    if "torch_varlen" in backends and flash_impl() is None:
+        # torch's flash kernels routed to FA3 / FA4 where installed: timed as one more backend
+        impl = activate_flash_impl(device)
+        if impl is not None and restore_flash_impl():  # (torch 2.10 cannot restore FA2: timed as it is)
+            runs.append(("torch_varlen", impl))
+    for backend, impl in runs:
+        if impl is not None:
+            activate_flash_impl(device)
         q, k_, v = (rand(tokens, heads, head_dim).requires_grad_() for _ in range(3))
         g = rand(tokens, heads, head_dim)
 
@@ -120,13 +129,18 @@ def run(*, hidden: int = DEFAULT_HIDDEN, heads: int = DEFAULT_HEADS, lengths: tu
             varlen_attention(q, k_, v, cu, max(lengths), backend=backend).backward(g)
             q.grad = k_.grad = v.grad = None
 
+        label = backend if impl is None else f"{backend}+{impl}"
         try:
             seconds = timed(step, warmup, repeat)
         except (RuntimeError, NotImplementedError) as e:  # a backend that refuses this shape or dtype
-            pieces.append({"piece": f"attention {backend}", "kind": "attention", "error": str(e).splitlines()[0]})
+            pieces.append({"piece": f"attention {label}", "kind": "attention", "error": str(e).splitlines()[0]})
             continue
-        pieces.append({"piece": f"attention {backend} ({len(lengths)} seqs, {heads}x{head_dim})", "kind": "attention",
-                       "backend": backend, "seconds": seconds, "model_flops": attn_flops})
+        finally:
+            if impl is not None:
+                restore_flash_impl()
+        pieces.append({"piece": f"attention {label} ({len(lengths)} seqs, {heads}x{head_dim})", "kind": "attention",
+                       "backend": label, "seconds": seconds, "model_flops": attn_flops})
+    choice = choose_backend(lengths, device, dtype, heads, head_dim, remember=False)
     mm = sum(p["seconds"] for p in pieces if p["kind"] == "matmul")
     attn = [p for p in pieces if p["kind"] == "attention" and "seconds" in p]
     best = min(attn, key=lambda p: p["seconds"]) if attn else None
@@ -135,7 +149,7 @@ def run(*, hidden: int = DEFAULT_HIDDEN, heads: int = DEFAULT_HEADS, lengths: tu
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."), "hidden": hidden, "heads": heads,
             "lengths": list(lengths), "pieces": pieces, "best_attention": best["backend"] if best else None,
-            "ceiling_tflops": ceiling,
+            "ceiling_tflops": ceiling, "step_choice": {"backend": choice.backend, "reason": choice.reason},
             "attention_share": best["seconds"] / (mm + best["seconds"]) if best else None}
 
 
@@ -152,6 +166,10 @@ def report(r: dict) -> str:
         lines.append(f"ceiling: {r['ceiling_tflops']:.1f} model TFLOP/s = 3 x (24*N*d^2 + 4*sum(L^2)*d) over the "
                      f"pieces' summed time (attention: {r['best_attention']}, {100 * r['attention_share']:.0f}% of it); "
                      "everything else in a step counted as free")
+    choice = r.get("step_choice")
+    if choice:
+        lines.append(f"a training step on these sequences takes: {choice['backend']} ({choice['reason']}; "
+                     "knapray.attention.choose_backend, shapes as if new)")
     return "\n".join(lines)
 
 

@@ -68,6 +68,12 @@ class BagCrossAttention:
         self.text_lens = counts.tolist()
         self.pad_counts = [max(pad_to - t, 0) for t in self.text_lens] if pad_to else None
 
+    @property
+    def choice(self):
+        """The self-attention's ``AttentionChoice`` (None before the first call); the
+        cross-attention runs per sequence on SDPA."""
+        return self.image.choice
+
     def self_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Image q, k, v (Ni_p, H, D) -> (Ni_p, H, D): attention among each sequence's image tokens."""
         return self.image(q, k, v)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from knapray.indexing import permute_rows
 from knapray.planning import BalancePlan
 from knapray.transfer import host_to_device
 
@@ -129,18 +130,25 @@ class UlyssesAttention:
         self.group = group
         self.backend = backend
         self.scale = scale
+        self.choice = None
+        """The ``AttentionChoice`` of the first call (``backend="auto"``: chosen for this
+        step from the bag's lengths, ``knapray.attention.choose_backend``)."""
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        from knapray.attention import check_qkv, varlen_attention  # attention backends load lazily
+        from knapray.attention import AttentionChoice, check_qkv, choose_backend, varlen_attention
 
         self.layout = lay = on_device(self.layout, q.device)
         # Before the exchange: stacking would silently promote mixed dtypes.
         check_qkv(q, k, v)
         check_local(lay, q, "q")
+        if self.choice is None:
+            self.choice = choose_backend(lay.seq_lens, q.device, q.dtype, q.shape[1] // lay.bag_size, q.shape[2]) \
+                if self.backend == "auto" else AttentionChoice(self.backend, "set by the caller")
+        backend = self.choice.backend
 
         def attend(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
             return varlen_attention(
-                qs, ks, vs, lay.cu_seqlens, lay.max_seqlen, backend=self.backend, scale=self.scale,
+                qs, ks, vs, lay.cu_seqlens, lay.max_seqlen, backend=backend, scale=self.scale,
                 seq_lens=lay.seq_lens or None,
             )
 
@@ -181,14 +189,14 @@ def to_bag(x: torch.Tensor, lay: UlyssesLayout, group: dist.ProcessGroup | None)
     # block j holds every local token with bag rank j's heads
     x = x.reshape(n, c, g, hg, d).permute(2, 0, 1, 3, 4).reshape(g * n, c, hg, d)
     x = all_to_all_varsize(x, [n] * g, lay.recv_splits, group)  # (T, c, H/g, D), grouped by source rank
-    return x.index_select(0, lay.seq_order)  # grouped by source rank -> whole sequences
+    return permute_rows(x, lay.seq_order, lay.rank_order)  # grouped by source rank -> whole sequences
 
 
 def to_tokens(out: torch.Tensor, lay: UlyssesLayout, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Heads for tokens, ``to_bag``'s inverse: (T, H/g, D) in whole-sequence order -> (N_p, H, D)."""
     n, g = lay.local_tokens, lay.bag_size
     hg, d = out.shape[1:]
-    out = out.index_select(0, lay.rank_order)  # whole sequences -> grouped by source rank
+    out = permute_rows(out, lay.rank_order, lay.seq_order)  # whole sequences -> grouped by source rank
     # (T, H/g, D) -> (g*N, H/g, D): block j is this rank's tokens with bag rank j's heads
     out = all_to_all_varsize(out, lay.recv_splits, [n] * g, group)
     # (g*N, H/g, D) -> (g, N, H/g, D) -> (N, g, H/g, D) -> (N, H, D)

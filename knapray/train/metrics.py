@@ -42,6 +42,9 @@ class StepRecord:
     """torch.compile recompilations so far in this process (0 without compile)."""
     node_sizes: list[int] | None = None
     """Ranks per node, in rank order, where the workers really ran (no bag crosses one)."""
+    attention: str = ""
+    """The kernel rank 0's bag ran attention on this step (``knapray.attention.choose_backend``)."""
+    attention_reason: str = ""
     predicted_compute_s: list[float] | None = None
     """Per-rank compute seconds (fixed cost included) the cost model that planned the step
     predicted (``planner: cost``; the live re-fit's model once it has replaced the prior).
@@ -81,6 +84,8 @@ class StepRecord:
             "clock": self.clock,
             "peak_mem_gib": self.peak_mem_gib,
             "recompiles": self.recompiles,
+            "attention": self.attention,
+            "attention_reason": self.attention_reason,
             "predicted_compute_s": self.predicted_compute_s,
             "prediction_error": _prediction_error(self.predicted_compute_s, self.compute_s),
             "predicted_step_compute_s": max(self.predicted_compute_s) if self.predicted_compute_s else None,

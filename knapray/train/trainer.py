@@ -29,6 +29,7 @@ import time
 import numpy as np
 import torch
 
+from knapray.attention import activate_flash_impl
 from knapray.coordinator import CoordinatorClient, CoordinatorUnavailable
 from knapray.corpus.unconditional import unconditional_embeddings
 from knapray.data import (
@@ -45,6 +46,7 @@ from knapray.distributed.parallel_dims import ParallelDims
 from knapray.models.families import build_model, cross_text_pad
 from knapray.models.flops import model_flops, peak_tflops
 from knapray.models.flow import flow_loss
+from knapray.models.packing import PackedBatch
 from knapray.planning import BalancePlan, Topology, identity_plan
 from knapray.planning.blocks import block_sizes
 from knapray.planning.cost import CostModel
@@ -140,6 +142,9 @@ class Trainer:
         check_node_layout(cfg, self.node_sizes)
         self.dtype = compute_dtype(cfg.parallel.precision, self.device)
         self.peak_tflops = peak_tflops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
+        self.flash_impl = activate_flash_impl(self.device)  # FA3 / FA4 where installed, else None
+        if self.flash_impl and self.rank == 0:
+            logger.info("attention: torch's flash kernels routed to %s", self.flash_impl)
         self.samples_per_step = cfg.samples_per_rank(self.world)
         self.run_dir = cfg.run_dir
         os.makedirs(self.run_dir, exist_ok=True)
@@ -154,8 +159,9 @@ class Trainer:
         torch.manual_seed(cfg.data.seed)  # the same initial model on every rank
         with torch.device("meta"):
             self.model = build_model(cfg.model)
-        sharded = cfg.parallel.fsdp != "none"
-        self.parallel = parallelize(self.model, ParallelConfig.from_section(cfg.parallel, self.dtype), self.dims)
+        self.parallel = parallelize(self.model, ParallelConfig.from_section(cfg.parallel, self.dtype, self.world),
+                                    self.dims)
+        sharded = self.parallel.sharded
         if cfg.model.pretrained:
             self._load_pretrained()
         else:
@@ -198,6 +204,9 @@ class Trainer:
                                    start_step=self._optimizer_steps(self.step))
         self.micro_steps = 0
         """Micro-steps whose gradients are accumulated but not yet applied."""
+        self._prefetched: tuple | None = None
+        """(stream, step, next metadata, host batch): the next step, read while the device
+        computed the last one."""
         self.pending: list[tuple[int, int, Planned, StepMeta]] = []
         """Those micro-steps, to enter the ledger once their optimizer step is done."""
 
@@ -353,11 +362,8 @@ class Trainer:
         """One step; None (on every rank together) when the epoch is over."""
         cfg, rank, step = self.cfg, self.rank, self.step
         t_step = time.perf_counter()
-        current: DecodedStep = stream.next_step()
-        nxt = stream.peek_next()
+        current, nxt, host_batch = self._take_batch(stream)
         fetched = self.planner.fetch(step, current.meta, nxt)
-        host_batch = build_packed_batch(current.samples, cfg.model, seed=cfg.data.seed, epoch=self.epoch,
-                                        timesteps=self.timesteps, guidance=self.guidance)
         batch = host_batch.to(self.device)
         # Every sequence's text-token count rides along (one slot per sample a rank may hold):
         # with the plan it tells every rank, on the host, which routed tokens are text.
@@ -396,8 +402,10 @@ class Trainer:
         self.pending.append((step, self.epoch, planned, current.meta))
         if self.micro_steps == self.accum:
             self._apply_gradients()
-        # The optimizer step is queued: now wait for the step's own kernels (once) and
-        # gather the step's numbers in one collective.
+        # The step's kernels and its optimizer step are queued: the host decodes and packs
+        # the next step's batch while the device computes, then waits for the step's own
+        # kernels (once) and gathers the step's numbers in one collective.
+        self._prefetched = (stream, *self._read_batch(stream))
         took = timer.result()
         # The loss of predicting zero velocity on the same batch: the loss over it is 1.0
         # at initialization (adaLN-zero) and falls as the model learns, free of the
@@ -420,7 +428,7 @@ class Trainer:
             peak_mem_gib=torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None,
             epoch=self.epoch, lr=lr, peak_tflops=self.peak_tflops,
             predicted_compute_s=self._predicted_compute(run_plan), recompiles=self.parallel.recompiles,
-            node_sizes=list(self.node_sizes),
+            node_sizes=list(self.node_sizes), **_attention_fields(layout.attention.choice),
         ).to_json()
         if self.metrics is not None:
             self.metrics.append(rec)
@@ -438,6 +446,23 @@ class Trainer:
             self._save(step)
         self.ctx.report({"step": step, **scalars_of(rec)})  # every rank: Ray's report is a barrier
         return rec
+
+    def _read_batch(self, stream: StepStream) -> tuple[DecodedStep, StepMeta, PackedBatch]:
+        """The stream's next step, the metadata of the one after, and the step's packed batch
+        on the host."""
+        current = stream.next_step()
+        host_batch = build_packed_batch(current.samples, self.cfg.model, seed=self.cfg.data.seed, epoch=self.epoch,
+                                        timesteps=self.timesteps, guidance=self.guidance)
+        return current, stream.peek_next(), host_batch
+
+    def _take_batch(self, stream: StepStream) -> tuple[DecodedStep, StepMeta, PackedBatch]:
+        """The batch the previous step read ahead from this stream, else read now. (A batch
+        read ahead and never trained, at the end of a run, is dropped with its stream: what
+        was trained is what the ledger says, never what a stream has read.)"""
+        ahead, self._prefetched = self._prefetched, None
+        if ahead is not None and ahead[0] is stream:
+            return ahead[1:]
+        return self._read_batch(stream)
 
     def _predicted_compute(self, plan: BalancePlan) -> list[float] | None:
         """Per-rank compute seconds the plan's cost model predicts (``planner: cost``)."""
@@ -521,3 +546,8 @@ class Trainer:
         self._ledger_position_to_save, self._ledger_rows_to_save = position, carried
         self.checkpointer.save(step, barrier=self.sync.barrier)
         self.last_saved, self.saved_epoch = step, self.epoch
+
+
+def _attention_fields(choice) -> dict:
+    """The step record's ``attention`` and ``attention_reason`` (none: a step without tokens)."""
+    return {} if choice is None else {"attention": choice.backend, "attention_reason": choice.reason}

@@ -179,3 +179,63 @@ def test_torch_varlen_binds_the_2_10_and_2_11_signatures(monkeypatch, fn, scale)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+
+
+# ---- the kernel chosen per step -------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_shapes(monkeypatch):
+    from knapray import attention
+
+    monkeypatch.setattr(attention, "_SEEN_SHAPES", set())
+    return attention
+
+
+def test_step_takes_sdpa_on_few_long_runs_and_varlen_on_many_lengths(fresh_shapes) -> None:
+    """The H100's numbers (docs/gpu.md): cuDNN SDPA 429 vs FA2 varlen 250 model TFLOP/s on
+    4 x 4292 tokens, 52 vs 214 on 24 sequences of 256-1536."""
+    from knapray.attention import choose_backend
+
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    fused = "flash" if "flash" in fresh_shapes.available_backends("cuda") else "torch_varlen"
+    long = choose_backend([4292] * 4, cuda, bf16, 24, 128)
+    assert long.backend == "sdpa" and "1 runs of equal length carry 100%" in long.reason
+    mixed = [256 * (1 + i % 6) for i in range(24)]
+    many = choose_backend(mixed, cuda, bf16, 24, 128)
+    assert many.backend == fused and "24 runs" in many.reason
+    # A long video beside many small images: the video's run carries most of sum(L^2), but
+    # 5 runs are too many calls.
+    assert choose_backend([32760, 256, 512, 256, 1024], cuda, bf16, 24, 128).backend == fused
+    # Two long runs, both new: varlen; the same shapes again: sdpa (cuDNN's graphs repeat).
+    first = choose_backend([8192, 4096, 4096], cuda, bf16, 24, 128)
+    assert first.backend == fused and first.reason.startswith("2 new shapes")
+    assert choose_backend([8192, 4096, 4096], cuda, bf16, 24, 128).backend == "sdpa"
+    assert choose_backend([4096, 4096, 8192], cuda, bf16, 24, 128).backend == "sdpa"  # the same two calls
+    # Short sequences, one of each length: no run carries the work.
+    short = choose_backend([300, 400], cuda, bf16, 24, 128)
+    assert short.backend == fused and "carry 0%" in short.reason
+    # No fused kernel for fp32 or off CUDA.
+    assert choose_backend([4292] * 4, cuda, torch.float32, 24, 128).backend == "sdpa"
+    assert choose_backend([4292] * 4, torch.device("cpu"), bf16, 24, 128).reason == "no fused kernel for cpu bfloat16"
+
+
+def test_an_activated_flash_impl_takes_every_step(fresh_shapes, monkeypatch) -> None:
+    monkeypatch.setattr(fresh_shapes, "flash_impl", lambda: "FA3")
+    choice = fresh_shapes.choose_backend([4292] * 4, torch.device("cuda"), torch.bfloat16, 24, 128)
+    assert choice == fresh_shapes.AttentionChoice("torch_varlen", "FA3 (activate_flash_attention_impl)")
+    assert fresh_shapes.activate_flash_impl("cpu") is None  # nothing to route off CUDA
+
+
+def test_ulysses_attention_records_its_choice() -> None:
+    from knapray.distributed import UlyssesAttention
+    from knapray.planning import Topology, WorkloadModel, plan_balance
+
+    plan = plan_balance([[5, 7]], Topology.parse("g1n1"), WorkloadModel(d_model=8))
+    attn = UlyssesAttention(plan, 0, None)
+    q = torch.randn(12, 2, 4)
+    attn(q, q, q)
+    assert attn.choice.backend == "sdpa" and attn.choice.reason == "no fused kernel for cpu float32"
+    fixed = UlyssesAttention(plan, 0, None, backend="sdpa")
+    fixed(q, q, q)
+    assert fixed.choice.reason == "set by the caller"
