@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: run test test-quick setup clean bench plan-demo gpu-check
+.PHONY: run test test-quick setup clean bench plan-demo gpu-check gpu-bench
 
 setup: $(STAMP)
 
@@ -52,6 +52,25 @@ gpu-check:
 	$(PYTHON) -m pytest -q -m gpu -p no:cacheprovider tests || rc=1; \
 	$(PYTHON) -m knapray.testing.gpu_check --steps 30 --timeout $(GPU_CHECK_TIMEOUT) || rc=1; \
 	exit $$rc
+
+# The one prepared call for a lent GPU (torch 2.11, no Ray, no internet), at most 8 minutes:
+#   PYTHON=python3 make gpu-bench [GPU_WHEELS=.whl]
+# compiled bf16 gradients against float64 on the device, then the three GPU-check runs, each
+# profiled (top kernels), with the kernel ceiling beside it; every number in GPU_BENCH_JSON.
+# GPU_WHEELS: a folder of wheels (flash-attn-4, ...) installed first, offline, when it has any.
+GPU_BENCH_TIMEOUT ?= 440
+GPU_BENCH_JSON ?= runs/gpu-bench.json
+GPU_BENCH_FLAGS ?=
+GPU_WHEELS ?=
+gpu-bench:
+	@if [ -n "$(GPU_WHEELS)" ] && ls $(GPU_WHEELS)/*.whl >/dev/null 2>&1; then \
+	  $(PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+	    --target /tmp/knapray-gpu-wheels $(GPU_WHEELS)/*.whl || exit 2; \
+	  export PYTHONPATH=/tmp/knapray-gpu-wheels$${PYTHONPATH:+:$$PYTHONPATH}; \
+	fi; \
+	mkdir -p $$(dirname $(GPU_BENCH_JSON)) && \
+	PYTHONUNBUFFERED=1 $(PYTHON) -m knapray.testing.gpu_check --bench --steps 30 --timeout $(GPU_BENCH_TIMEOUT) \
+	  --json $(GPU_BENCH_JSON) $(GPU_BENCH_FLAGS)
 
 bench: $(STAMP)
 	$(BIN)/knapray bench planner

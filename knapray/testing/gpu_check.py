@@ -2,6 +2,7 @@
 
     python3 -m knapray.testing.gpu_check            # one GPU: NCCL, world 1, topology g1n1
     python3 -m knapray.testing.gpu_check --cpu      # the first run's chain on gloo with a tiny model
+    python3 -m knapray.testing.gpu_check --bench --json F   # make gpu-bench: gradients first, runs profiled
 
 Each run builds (once) a synthetic corpus, writes a run config, launches
 ``torch.distributed.run -m knapray.train.torchrun`` (so it needs neither Ray nor an install:
@@ -13,7 +14,8 @@ loss did not fall, or a run with a speed bar stayed below it. The runs:
 ``eager``          the 1536-wide MMDiT (2 double + 4 single blocks) on mixed-resolution
                    images and videos (4k-20k tokens per step), eager, no FSDP
 ``fsdp-compile``   a 3072-wide MMDiT (2 double + 4 single, 24 heads) on packed ~16k-token
-                   steps, FSDP (bf16 params, fp32 reduce), compiled blocks: bar 450 TFLOP/s
+                   steps, ``parallel.fsdp: full`` (on one rank no FSDP wrapping: autocast
+                   over fp32 parameters), compiled blocks: bar 450 TFLOP/s
 ``fsdp-compile-ac`` the same with every block checkpointed: bar 337.5 TFLOP/s, the first
                    bar times 3/4: recomputation adds a forward (4 passes of work per step)
                    that model FLOPs (3 passes) do not credit
@@ -101,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=1, help="ranks (default 1)")
     p.add_argument("--topology", default=None, help="bags (default g1n<nproc>)")
     p.add_argument("--out", default=None, help="work directory (default: a temporary one, removed)")
+    p.add_argument("--bench", action="store_true",
+                   help="make gpu-bench: the gradient check first (compiled bf16 against float64, "
+                        "knapray.testing.grad_truth), then the runs, each profiled")
+    p.add_argument("--json", default=None, metavar="FILE", help="write every number of the check to FILE")
     p.add_argument("--timeout", type=int, default=520,
                    help="seconds all training runs together may take (default 520: with the gpu tests, "
                         "make gpu-check fits 10 minutes); a run that would pass it is stopped and fails")
@@ -135,13 +141,13 @@ def write_config(check: Check, corpus: Path, run_root: Path, *, steps: int, topo
 
 
 def judge(records: list[dict], steps: int, cfg: MMDiTConfig, min_tflops: float | None = None
-          ) -> tuple[list[str], list[str]]:
-    """(report lines, failures) from rank 0's per-step records."""
+          ) -> tuple[list[str], list[str], dict]:
+    """(report lines, failures, the numbers) from rank 0's per-step records."""
     failures = []
     if len(records) < steps:
         failures.append(f"only {len(records)} of {steps} steps ran")
     if not records:
-        return [], failures or ["no step ran"]
+        return [], failures or ["no step ran"], {"steps": 0}
     losses = np.array([r["loss"] for r in records])
     # Judged on the loss relative to predicting zero velocity on the same batch (1.0 at
     # initialization): the raw loss varies more with the step's samples than with learning.
@@ -175,7 +181,15 @@ def judge(records: list[dict], steps: int, cfg: MMDiTConfig, min_tflops: float |
         "preparation, which the wall time includes)",
         f"recompiles           {records[-1].get('recompiles', 0)}",
         f"peak memory          {max(peaks):.2f} GiB (rank 0, allocated)" if peaks else "peak memory          n/a (CPU)",
+        f"attention            {_attention_kinds(body)}",
     ]
+    numbers = {"steps": len(records), "world_size": world, "clock": records[0]["clock"], "loss_first": float(losses[0]),
+               "loss_last": float(losses[-1]), "loss_rel_first": first, "loss_rel_last": last,
+               "tokens_per_s": tokens / seconds if seconds > 0 else None, "tokens_per_step": tokens / len(body),
+               "model_tflops_per_gpu": median, "model_tflops_fwd_bwd_per_gpu": median_fb,
+               "formula": formula(cfg), "recompiles": records[-1].get("recompiles", 0),
+               "peak_mem_gib": max(peaks) if peaks else None, "bar_tflops": min_tflops,
+               "attention": _attention_kinds(body)}
     if min_tflops is not None:
         # The bars are the blocks' throughput (what issue 11 measured on blocks): judged on
         # forward+backward; the wall-time figure above is reported beside it.
@@ -184,12 +198,22 @@ def judge(records: list[dict], steps: int, cfg: MMDiTConfig, min_tflops: float |
                      f"{'met' if met else 'NOT met'} (wall-time median {median:.1f})")
         if not met:
             failures.append(f"forward+backward median {median_fb:.1f} model TFLOP/s/GPU, below the bar of {min_tflops:g}")
-    return lines, failures
+    return lines, failures, numbers
+
+
+def _attention_kinds(records: list[dict]) -> str:
+    """Which attention kernels the steps took (``knapray.attention.choose_backend``), with
+    the last step's reason."""
+    counts: dict[str, int] = {}
+    for r in records:
+        counts[r.get("attention") or "?"] = counts.get(r.get("attention") or "?", 0) + 1
+    last = next((r["attention_reason"] for r in reversed(records) if r.get("attention_reason")), "")
+    return ", ".join(f"{k} x{n}" for k, n in counts.items()) + (f" (last: {last})" if last else "")
 
 
 def run_check(check: Check, work: Path, *, steps: int, nproc: int, topology: str, cpu: bool, timeout: float,
-              profile: bool = False) -> list[str]:
-    """Run one check; prints its report and returns its failures."""
+              profile: bool = False) -> tuple[list[str], dict]:
+    """Run one check; prints its report and returns its failures and numbers."""
     corpus = work / f"corpus-{check.corpus_key}"
     if not (corpus / "schema.json").exists():
         from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
@@ -220,21 +244,34 @@ def run_check(check: Check, work: Path, *, steps: int, nproc: int, topology: str
     print(f"training exited with {rc} after {time.perf_counter() - t0:.0f} s", flush=True)
     metrics = work / check.name / "metrics.jsonl"
     records = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
-    lines, failures = judge(records, steps, MMDiTConfig.from_dict(check.model), check.min_tflops)
+    lines, failures, numbers = judge(records, steps, MMDiTConfig.from_dict(check.model), check.min_tflops)
     if rc != 0:
         failures.insert(0, f"the training run exited with {rc}")
     print("\n".join(lines))
-    line = ceiling_line(check, records, nproc, cpu)
+    line, ceiling = ceiling_line(check, records, nproc, cpu)
     if line:
         print(line)
-    summary = work / check.name / "profile" / "rank0.txt"
+    numbers.update(name=check.name, parallel=check.parallel, model=check.model, exit_code=rc, ceiling=ceiling,
+                   seconds=time.perf_counter() - t0)
+    summary = work / check.name / "profile" / "rank0.json"
     if profile:
-        print(f"profile (rank 0):\n{summary.read_text().rstrip()}" if summary.exists() else "profile: none written")
+        if summary.exists():
+            from knapray.train.profiling import format_summary
+
+            numbers["profile"] = json.loads(summary.read_text())
+            print(f"profile (rank 0):\n{format_summary(numbers['profile'], top=TOP_KERNELS)}")
+        else:
+            print("profile: none written")
     print(f"{check.name}: {'FAILED: ' + '; '.join(failures) if failures else 'passed'}", flush=True)
-    return [f"{check.name}: {f}" for f in failures]
+    numbers["failures"] = failures
+    return [f"{check.name}: {f}" for f in failures], numbers
 
 
-def ceiling_line(check: Check, records: list[dict], nproc: int, cpu: bool) -> str | None:
+TOP_KERNELS = 10
+"""Kernels listed per profiled run."""
+
+
+def ceiling_line(check: Check, records: list[dict], nproc: int, cpu: bool) -> tuple[str | None, dict | None]:
     """The run's forward+backward speed over the kernel ceiling measured here, now, at the
     run's shape (``knapray bench kernels`` with the attention training picks): a ratio that
     holds on any GPU, where the bars are absolute."""
@@ -242,24 +279,30 @@ def ceiling_line(check: Check, records: list[dict], nproc: int, cpu: bool) -> st
 
     body = records[WARMUP_STEPS:] if len(records) > WARMUP_STEPS + 1 else records
     if not body:
-        return None
+        return None, None
     n = check.samples_per_step * nproc
     length = max(1, round(float(np.median([r["tokens"] for r in body])) / n))
     m = check.model
     import torch
 
-    r = kernel_ceiling(hidden=m["hidden_size"], heads=m["num_heads"], lengths=(length,) * n,
-                       dtype=torch.float32 if cpu else torch.bfloat16, device="cpu" if cpu else "cuda",
-                       warmup=1 if cpu else 3, repeat=2 if cpu else 10, backends=["auto"])
+    from knapray.attention import choose_backend
+
+    dtype, device = (torch.float32, torch.device("cpu")) if cpu else (torch.bfloat16, torch.device("cuda"))
+    picked = choose_backend((length,) * n, device, dtype, m["num_heads"], m["hidden_size"] // m["num_heads"],
+                            remember=False).backend  # as a training step on these sequences picks
+    r = kernel_ceiling(hidden=m["hidden_size"], heads=m["num_heads"], lengths=(length,) * n, dtype=dtype,
+                       device=device, warmup=1 if cpu else 3, repeat=2 if cpu else 10, backends=[picked])
     ceiling = r["ceiling_tflops"]
     if not ceiling:
-        return None
+        return None, None
+    numbers = {"tflops": ceiling, "sequences": n, "length": length, "attention": r["best_attention"], "share": None}
     head = (f"kernel ceiling       {ceiling:.3g} model TFLOP/s: this device's matmuls and attention alone at the "
             f"run's width, {n} sequences of {length} tokens (knapray bench kernels)")
     if cpu:  # thread time of a tiny model against wall time of single ops: no ratio to read
-        return head + "; not compared on CPU"
+        return head + "; not compared on CPU", numbers
     fb = float(np.median([r["model_tflops_fwd_bwd_per_gpu"] for r in body]))
-    return head + f"; forward+backward reached {100 * fb / ceiling:.0f}% of it"
+    numbers["share"] = fb / ceiling
+    return head + f"; forward+backward reached {100 * fb / ceiling:.0f}% of it", numbers
 
 
 def _host_threads(nproc: int, cpu: bool) -> str:
@@ -303,22 +346,97 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     failures = []
     deadline = time.monotonic() + args.timeout
+    report = {"device": device, "torch": torch.__version__, "steps": args.steps, "nproc": args.nproc,
+              "commit": _commit(), "attention_packages": attention_packages(), "gradients": [], "runs": []}
+    print("attention: " + ", ".join(f"{k} {v}" for k, v in report["attention_packages"].items()), flush=True)
+    if args.bench:
+        failures += gradient_stage(report, cpu=args.cpu)
     for check in checks:
         left = deadline - time.monotonic()
         if left < 10:
             print(f"== {check.name}: not run, the check's {args.timeout} s are used up", flush=True)
             failures.append(f"{check.name}: not run (out of time)")
             continue
-        failures += run_check(check, work, steps=args.steps, nproc=args.nproc, topology=topology, cpu=args.cpu,
-                              timeout=left, profile=args.profile)
+        run_failures, numbers = run_check(check, work, steps=args.steps, nproc=args.nproc, topology=topology,
+                                          cpu=args.cpu, timeout=left, profile=args.profile or args.bench)
+        failures += run_failures
+        report["runs"].append(numbers)
         shutil.rmtree(work / check.name / "checkpoints", ignore_errors=True)  # none by default; never kept
     if not args.out:
         shutil.rmtree(work, ignore_errors=True)
+    report["failures"] = failures
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str) + "\n")
+        print(f"every number above: {args.json}")
     if failures:
         print("GPU CHECK FAILED: " + "; ".join(failures))
         return 1
     print("GPU CHECK PASSED")
     return 0
+
+
+GRADIENT_CASES = (("flux", "bf16_params"), ("wan", "bf16_params"), ("flux", "autocast"))
+"""What ``--bench`` compares on the device first: FSDP's bf16 parameters (every shipped
+cluster config) for both families, and Flux under autocast (the runs without FSDP)."""
+
+
+def gradient_stage(report: dict, *, cpu: bool) -> list[str]:
+    """Compiled bf16 gradients against float64 on the device (``knapray.testing.grad_truth``):
+    one line per case, the numbers into ``report``; the failures."""
+    from knapray.testing.grad_truth import gradient_errors
+
+    print("== gradients: compiled bf16 against a float64 eager copy, every parameter "
+          "(knapray.testing.grad_truth)", flush=True)
+    failures = []
+    # The CPU rehearsal checks the chain with one case (each compiles for 30-90 s here).
+    for family, mode in GRADIENT_CASES[1:2] if cpu else GRADIENT_CASES:
+        t0 = time.perf_counter()
+        try:
+            # On CPU (the rehearsal) shorter sequences: the chain, not the numbers, is checked.
+            r = gradient_errors(family, mode, device="cpu" if cpu else "cuda", side=32 if cpu else 96)
+        except Exception as e:  # noqa: BLE001 - one case's failure is reported, the bench goes on
+            print(f"{family} {mode}: FAILED to run: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            failures.append(f"gradients {family} {mode}: {type(e).__name__}")
+            report["gradients"].append({"family": family, "mode": mode, "error": repr(e)})
+            continue
+        print(f"{r.summary()} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        report["gradients"].append({"family": family, "mode": mode, "tokens": r.tokens, "yardstick": r.yardstick,
+                                    "worst": list(r.worst), "ratio": r.ratio, "passed": r.passed,
+                                    "errors": r.errors})
+        if not r.passed:
+            failures.append(f"gradients {family} {mode}: ratio {r.ratio:.2f}")
+    return failures
+
+
+def attention_packages() -> dict[str, str]:
+    """The optional attention packages this Python finds (flash-attn 2, FA3's
+    ``flash_attn_interface``, FA4's ``flash_attn.cute``) and what torch's flash kernels are
+    routed to once knapray activates what it can (``knapray.attention.activate_flash_impl``)."""
+    import importlib.util
+
+    import torch
+
+    from knapray.attention import activate_flash_impl
+
+    found = {}
+    for label, module in (("flash-attn", "flash_attn"), ("FA3", "flash_attn_interface"), ("FA4", "flash_attn.cute")):
+        try:
+            found[label] = "installed" if importlib.util.find_spec(module) is not None else "absent"
+        except (ImportError, ValueError):
+            found[label] = "absent"
+    impl = activate_flash_impl("cuda") if torch.cuda.is_available() else None
+    found["torch flash kernels"] = impl or "torch's own (FA2)"
+    return found
+
+
+def _commit() -> str | None:
+    """The checkout's commit (a copy without git: None)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
+                             timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 ``metrics.profile_steps: [a, b]`` profiles steps a..b-1 on every rank. Each rank writes to
 ``<run>/profile/``: ``rank<r>.trace.json`` (Chrome trace; open it in Perfetto or
-chrome://tracing) and ``rank<r>.txt``, a summary that reads without a viewer:
+chrome://tracing) and ``rank<r>.txt``, a summary that reads without a viewer (its numbers in ``rank<r>.json``):
 
 - *device busy*: the union of the kernels' intervals over the window's wall time (a step
   that waits on the host shows here as idle device time);
@@ -16,6 +16,7 @@ chrome://tracing) and ``rank<r>.txt``, a summary that reads without a viewer:
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from dataclasses import dataclass
 from typing import Iterator
@@ -64,17 +65,10 @@ def busy_us(intervals: list[Interval]) -> float:
     return total
 
 
-def summarize(kernels: list[Interval], wall_us: float, steps: int, *, top: int = 15, device: str = "cuda") -> str:
-    """The summary text of one rank's window: ``kernels`` are device kernels (or, on CPU,
-    top-level operators), ``wall_us`` the window's host wall time over ``steps`` steps."""
-    lines = [f"profiled steps: {steps}, wall {wall_us / 1e3:.1f} ms ({wall_us / 1e3 / max(steps, 1):.1f} ms per step)"]
+def summary(kernels: list[Interval], wall_us: float, steps: int, *, top: int = 15, device: str = "cuda") -> dict:
+    """One rank's window as numbers: ``kernels`` are device kernels (or, on CPU, top-level
+    operators), ``wall_us`` the window's host wall time over ``steps`` steps."""
     total = sum(k.us for k in kernels)
-    if not kernels:
-        return "\n".join(lines + ["no kernels recorded"])
-    busy = busy_us(kernels)
-    what = "kernels" if device == "cuda" else "operators (self time)"
-    lines.append(f"device busy: {busy / 1e3:.1f} ms = {100 * busy / wall_us:.1f}% of the wall time"
-                 if device == "cuda" else f"{what}: {total / 1e3:.1f} ms")
     by_kind: dict[str, float] = {}
     by_name: dict[str, list[float]] = {}
     for k in kernels:
@@ -82,13 +76,37 @@ def summarize(kernels: list[Interval], wall_us: float, steps: int, *, top: int =
         entry = by_name.setdefault(k.name, [0.0, 0])
         entry[0] += k.us
         entry[1] += 1
-    lines.append(f"by kind ({what}, {total / 1e3:.1f} ms in all):")
-    for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
-        lines.append(f"  {kind:<18} {us / 1e3:9.1f} ms  {100 * us / total:5.1f}%")
-    lines.append(f"top {top} by total time:")
-    for name, (us, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
-        short = name if len(name) <= 100 else name[:97] + "..."
-        lines.append(f"  {us / 1e3:9.2f} ms {n:6d}x  {100 * us / total:5.1f}%  {short}")
+    return {
+        "device": device, "steps": steps, "wall_ms": wall_us / 1e3, "kernel_ms": total / 1e3,
+        "busy_ms": busy_us(kernels) / 1e3 if kernels else 0.0,
+        "by_kind_ms": {kind: us / 1e3 for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "top": [{"name": name, "ms": us / 1e3, "calls": n}
+                for name, (us, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]],
+    }
+
+
+def summarize(kernels: list[Interval], wall_us: float, steps: int, *, top: int = 15, device: str = "cuda") -> str:
+    """The summary text of one rank's window (``summary``'s numbers, read without a viewer)."""
+    return format_summary(summary(kernels, wall_us, steps, top=top, device=device))
+
+
+def format_summary(s: dict, top: int | None = None) -> str:
+    wall, steps = s["wall_ms"], s["steps"]
+    lines = [f"profiled steps: {steps}, wall {wall:.1f} ms ({wall / max(steps, 1):.1f} ms per step)"]
+    total = s["kernel_ms"]
+    if not s["top"]:
+        return "\n".join(lines + ["no kernels recorded"])
+    what = "kernels" if s["device"] == "cuda" else "operators (self time)"
+    lines.append(f"device busy: {s['busy_ms']:.1f} ms = {100 * s['busy_ms'] / wall:.1f}% of the wall time"
+                 if s["device"] == "cuda" else f"{what}: {total:.1f} ms")
+    lines.append(f"by kind ({what}, {total:.1f} ms in all):")
+    for kind, ms in s["by_kind_ms"].items():
+        lines.append(f"  {kind:<18} {ms:9.1f} ms  {100 * ms / total:5.1f}%")
+    heaviest = s["top"][:top] if top else s["top"]
+    lines.append(f"top {len(heaviest)} by total time:")
+    for k in heaviest:
+        name = k["name"] if len(k["name"]) <= 100 else k["name"][:97] + "..."
+        lines.append(f"  {k['ms']:9.2f} ms {k['calls']:6d}x  {100 * k['ms'] / total:5.1f}%  {name}")
     return "\n".join(lines)
 
 
@@ -154,9 +172,11 @@ class StepProfiler:
         os.makedirs(self.dir, exist_ok=True)
         self.prof.export_chrome_trace(os.path.join(self.dir, f"rank{self.rank}.trace.json"))
         kernels, wall = _intervals(self.prof, self.device)
-        text = summarize(kernels, wall, self.steps, device=self.device)
+        numbers = summary(kernels, wall, self.steps, device=self.device)
+        with open(os.path.join(self.dir, f"rank{self.rank}.json"), "w") as f:
+            json.dump(numbers, f)
         path = os.path.join(self.dir, f"rank{self.rank}.txt")
         with open(path, "w") as f:
-            f.write(text + "\n")
+            f.write(format_summary(numbers) + "\n")
         self.written = path
         self.prof = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -63,6 +64,51 @@ def test_make_gpu_check_runs_where_only_torch_and_its_basics_are_installed(tmp_p
     assert out.returncode == 0 and "GPU CHECK PASSED" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
     assert "the tensorboard package is not installed" in out.stdout + out.stderr
     assert not (tmp_path / "cpu" / "tensorboard").exists() and (tmp_path / "cpu" / "metrics.jsonl").exists()
+
+
+def _wheel(folder: Path, package: str, version: str) -> Path:
+    """A minimal wheel of an empty ``package`` (what a folder of optional GPU wheels holds)."""
+    import zipfile
+
+    dist = f"{package}-{version}"
+    path = folder / f"{dist}-py3-none-any.whl"
+    files = {f"{package}/__init__.py": f"__version__ = {version!r}\n",
+             f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {package}\nVersion: {version}\n",
+             f"{dist}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{dist}.dist-info/RECORD"] = "".join(f"{name},,\n" for name in [*files, f"{dist}.dist-info/RECORD"])
+    with zipfile.ZipFile(path, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+    return path
+
+
+@pytest.mark.dist
+def test_make_gpu_bench_rehearsed_where_only_torch_is_installed(tmp_path):
+    """``PYTHON=python3 make gpu-bench GPU_WHEELS=...`` as the GPU machine runs it, on CPU
+    (``--cpu``): the optional wheels installed offline and found, the gradient stage, a run
+    profiled with its top kernels and kernel ceiling, and one JSON file with every number."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _wheel(wheels, "flash_attn", "0.0.1")  # a package of that name without the kernels: not used
+    out_json = tmp_path / "bench.json"
+    lacks = [m for m in GPU_MACHINE_LACKS if m != "flash_attn"]  # the wheel folder brings it
+    env = dict(os.environ, OMP_NUM_THREADS="1", KNAPRAY_HIDE_MODULES=",".join(lacks),
+               PYTHONPATH=os.pathsep.join([str(REPO / "tests" / "bare_torch"), str(REPO)]))
+    env.pop("MAKEFLAGS", None)
+    out = subprocess.run(["make", "-s", "gpu-bench", f"PYTHON={sys.executable}", f"GPU_WHEELS={wheels}",
+                          f"GPU_BENCH_JSON={out_json}", f"GPU_BENCH_FLAGS=--cpu --steps 8 --out {tmp_path / 'work'}"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    text = out.stdout
+    assert out.returncode == 0 and "GPU CHECK PASSED" in text, text[-3000:] + out.stderr[-3000:]
+    assert "attention: flash-attn installed, FA3 absent, FA4 absent, torch flash kernels torch's own (FA2)" in text
+    assert "== gradients: compiled bf16 against a float64 eager copy" in text and "ratio" in text
+    assert "top 10 by total time:" in text and "kernel ceiling" in text
+    report = json.loads(out_json.read_text())
+    assert report["gradients"][0]["passed"] and report["gradients"][0]["family"] == "wan"
+    (run,) = report["runs"]
+    assert run["name"] == "cpu" and run["steps"] == 8 and run["exit_code"] == 0 and not run["failures"]
+    assert len(run["profile"]["top"]) >= 10 and run["ceiling"]["tflops"] > 0
+    assert run["formula"].startswith("model FLOPs = 3 (fwd+bwd)") and run["recompiles"] == 0
 
 
 def test_torchrun_without_a_corpus_is_one_line_and_exit_2(tmp_path):

@@ -161,3 +161,42 @@ def test_qk_norm_saves_what_the_memory_model_counts_on_cuda():
     _, saved = saved_activation_bytes(lambda: norm(q), exclude=[*norm.parameters(), q])
     shape = ModelShape(hidden_size=3072, num_heads=24, depth_double=0, depth_single=1, mlp_hidden=12288, patch_dim=64)
     assert 2 * saved == 1000 * shape._qk_norm(2)  # q's half of QK-norm
+
+
+# ---- issue 28: gradient truth and step hygiene, where a GPU is ------------------------------
+
+
+def test_gather_rows_sums_in_fp32_on_cuda_where_bf16_index_select_does_not():
+    """CUDA's eager bf16 ``index_select`` backward (an ``index_add`` with bf16 atomics) and
+    ``knapray.indexing.gather_rows`` on 4 sequences x 4,096 tokens of positive gradients."""
+    from knapray.indexing import gather_rows
+
+    index = torch.arange(4, device="cuda").repeat_interleave(4096)
+    grad = (torch.rand(index.numel(), 64, device="cuda") + 0.5).to(torch.bfloat16)
+    truth = grad.double().reshape(4, 4096, 64).sum(1)
+    ours = torch.zeros(4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gather_rows(ours, index).backward(grad)
+    assert float((ours.grad.double() - truth).norm() / truth.norm()) < 4e-3
+
+
+def test_optimizer_is_fused_on_cuda():
+    from knapray.train.config import OptimConfig
+    from knapray.train.optim import build_optimizer
+
+    model = torch.nn.Linear(8, 8).cuda()
+    opt = build_optimizer(model, OptimConfig())
+    assert opt.defaults.get("fused") is True
+
+
+def test_attention_choice_on_this_gpu():
+    """A few long equal-length sequences take cuDNN SDPA, many lengths the fused varlen
+    kernel (or FA3/FA4 where torch's flash kernels are routed there)."""
+    from knapray.attention import choose_backend, flash_impl
+
+    cuda = torch.device("cuda")
+    long = choose_backend([4292] * 4, cuda, torch.bfloat16, 24, 128, remember=False)
+    many = choose_backend([256 * (1 + i % 6) for i in range(24)], cuda, torch.bfloat16, 24, 128, remember=False)
+    if flash_impl() is None:
+        assert long.backend == "sdpa" and many.backend in ("flash", "torch_varlen")
+    else:
+        assert long.backend == many.backend == "torch_varlen"
