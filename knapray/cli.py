@@ -16,7 +16,7 @@ COMMANDS = (
     Command("sample", "knapray.commands.sample", "sample images from a trained run's checkpoint (PNG grid)", run="cli"),
     Command("plan", "knapray.commands.plan", "plan steps of a data mix and report balance"),
     Command("parity", "knapray.commands.parity", "balanced vs unbalanced vs single-process reference (gloo)"),
-    Command("bench", "knapray.benchmarks", "benchmarks (ratios measured side by side): planner, step, ledger, coordinator"),
+    Command("bench", "knapray.benchmarks", "benchmarks (ratios measured side by side): planner, step, ledger, data, kernels, coordinator"),
     Command("simulate", "knapray.commands.simulate",
             "predicted step time per rank: unbalanced, greedy, knapray (cost model)"),
     Command("calibrate", "knapray.commands.calibrate", "time packed batches on this device, fit the cost model, write a "
@@ -59,13 +59,18 @@ def subcommand_parsers(parser: Parser | None = None) -> dict[str, Parser]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = None
     try:
+        args = build_parser().parse_args(argv)
         return args._run(args)
     except (ValueError, OSError) as e:  # bad input or an unreadable file: one line, exit 2
         what = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename else str(e)
-        print(f"knapray {args.command}: error: {what}", file=sys.stderr)
+        print(f"knapray {getattr(args, 'command', '')}: error: {what}".replace("knapray : ", "knapray: "),
+              file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C, also while a command's modules import: one line
+        print("\nknapray: interrupted", file=sys.stderr)
+        return 130
 
 
 def _version() -> str:

@@ -103,3 +103,22 @@ exhaust the workers' memory."""
 MAX_BENCH_LEDGER_ROWS = 1 << 28
 """``knapray bench ledger --sizes``: rows of one benchmarked ledger, 268,435,456 (about
 4 GB in memory; the bench's default largest is 10 million)."""
+
+MAX_PICKLE_OPS = 1 << 26
+"""Opcodes (each makes at most one object) a checkpoint's DCP ``.metadata`` may hold:
+67,108,864. A 12B model sharded over 64 ranks with its optimizer state writes about 30 MB
+of metadata, a few million opcodes."""
+
+MAX_PICKLE_DEPTH = 64
+"""Nested containers being built at once in a ``.metadata`` (DCP's nest about 6 deep)."""
+
+MAX_PICKLE_REFS = 1 << 24
+"""References to already-built objects (memo reads) in a ``.metadata``: 16,777,216. A
+planted file shares one list 64 times per level to make a checker walk 64^12 nodes."""
+
+MAX_METADATA_NODES = 1 << 24
+"""Containers and values the metadata checker visits, each once however often shared."""
+
+MAX_SAMPLE_REQUESTS = 64
+"""``knapray sample``: requests of one call (each is a tile of the PNG grid it writes; more
+in several calls)."""

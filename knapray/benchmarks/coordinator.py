@@ -99,10 +99,10 @@ def run(ranks: tuple[int, ...] = DEFAULT_RANKS, steps: int = 5, drivers: int = 4
 
     codes = parse_mix(PAPER_MIXES.get(mix, mix))
     unit = np.lcm(mix_world_size(codes), RANKS_PER_NODE)
-    bad = [w for w in ranks if w % unit]
+    bad = [w for w in ranks if w < unit or w % unit]
     if bad:
-        raise ValueError(f"--ranks {bad}: world sizes must be multiples of {unit} (the mix's ranks and {RANKS_PER_NODE} "
-                         "ranks per node)")
+        raise ValueError(f"--ranks {bad}: world sizes must be positive multiples of {unit} (the mix's ranks and "
+                         f"{RANKS_PER_NODE} ranks per node)")
     if not 1 <= ranks_per_call <= RANKS_PER_NODE or RANKS_PER_NODE % ranks_per_call:
         raise ValueError(f"ranks_per_call must divide {RANKS_PER_NODE}, got {ranks_per_call}")
     started = not ray.is_initialized()

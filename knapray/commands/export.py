@@ -10,6 +10,10 @@ NAME = "export"
 HELP = "write a run's trained (or EMA) weights in the diffusers layout with its config.json"
 
 
+MAX_SHARD_BYTES = 1 << 50
+"""The largest --max-shard-size: 1 PiB (a file that size holds any model)."""
+
+
 def _size(text: str) -> int:
     units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
     upper = text.strip().upper()
@@ -20,10 +24,10 @@ def _size(text: str) -> int:
                 value = float(number) * units[unit]
             except ValueError:
                 break
-            if value >= 1:
+            if 1 <= value <= MAX_SHARD_BYTES:  # a finite number of bytes (inf and nan are neither)
                 return int(value)
             break
-    raise argparse.ArgumentTypeError(f"expected a size like 10GB, 500MB or 64KiB, got {text!r}")
+    raise argparse.ArgumentTypeError(f"expected a size like 10GB, 500MB or 64KiB, from 1B to 1PiB, got {text!r}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -103,7 +103,14 @@ def check_sizes(sizes: list[tuple[int, int]], frames: int, down: int, patch: tup
 
 def pair_requests(prompts: list, sizes: list[tuple[int, int]]) -> list[tuple[Any, tuple[int, int]]]:
     """(prompt, size) per request: one size for every prompt, one size per prompt, or one
-    prompt at every size; anything else is a ValueError naming the counts."""
+    prompt at every size; anything else, or more than ``MAX_SAMPLE_REQUESTS`` requests, is a
+    ValueError naming the counts."""
+    from knapray.limits import MAX_SAMPLE_REQUESTS
+
+    requests = max(len(prompts), len(sizes))
+    if requests > MAX_SAMPLE_REQUESTS:
+        raise ValueError(f"{requests} requests (--caption / --like / --size); at most {MAX_SAMPLE_REQUESTS} a call "
+                         "(each is a tile of one PNG grid): sample them in several calls")
     if len(sizes) == 1:
         return [(p, sizes[0]) for p in prompts]
     if len(prompts) == 1:

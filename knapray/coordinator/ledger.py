@@ -31,6 +31,8 @@ import secrets
 
 import numpy as np
 
+from knapray.nofollow import open_nofollow, truncate_nofollow
+
 from .store import COMMIT, SNAPSHOT_FORMAT, TRUNCATE, LedgerFileError, Record, StateStore
 
 log = logging.getLogger(__name__)
@@ -314,7 +316,7 @@ class Ledger:
             store.open_segment(last.first, keep_bytes=last.end)
         else:
             if last is not None and last.torn is not None:
-                os.truncate(last.path, last.end)
+                truncate_nofollow(last.path, last.end)
             store.open_segment(self.records)
         if snaps or segs:
             log.info("ledger restored from %s: %d rows, %d records, committed step %d, attempt %d",
@@ -362,7 +364,7 @@ class Ledger:
         c = self.columns()
         n = c["step"].size
         tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
+        with open_nofollow(tmp, "w") as f:
             for lo in range(0, n, 1 << 18):
                 block = np.stack([c[k][lo : lo + (1 << 18)] for k in COLUMNS], axis=1)
                 f.write("".join(_JSONL_ROW % tuple(r) for r in block.tolist()))

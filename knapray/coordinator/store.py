@@ -42,6 +42,8 @@ from typing import Any
 
 import numpy as np
 
+from knapray.nofollow import open_nofollow
+
 MAGIC = b"KRLJ\x00\x00\x00\x01"
 """First bytes of every journal segment: format name and version 1."""
 SNAPSHOT_FORMAT = 1
@@ -185,12 +187,12 @@ class StateStore:
         self.close()
         path = self._path(f"journal-{first:012d}.bin")
         if keep_bytes is None or keep_bytes < len(MAGIC):
-            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
             self._write(MAGIC)
             self.segment_bytes = len(MAGIC)
             _fsync_dir(self.directory)
         else:
-            self._fd = os.open(path, os.O_WRONLY)
+            self._fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
             os.ftruncate(self._fd, keep_bytes)
             os.lseek(self._fd, keep_bytes, os.SEEK_SET)
             os.fsync(self._fd)
@@ -306,7 +308,7 @@ class _AtomicFile:
         self.path, self.tmp, self.store = path, path + ".tmp", store
 
     def __enter__(self):
-        self.f = open(self.tmp, "wb")
+        self.f = open_nofollow(self.tmp, "wb")
         return self.f
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -91,6 +91,9 @@ class IngestConfig:
     text_dtype: str = "fp32"
     """How the text embeddings are stored: fp32, or bf16 (half the bytes of the corpus's
     largest column; rounded as torch rounds, read back exactly into fp32)."""
+    follow_symlinks: bool = False
+    """Read files that are symbolic links, wherever they point (default: only regular files
+    whose real path lies inside the input folder)."""
 
     def __post_init__(self) -> None:
         for name in ("max_side", "max_frames", "frame_stride", "shards", "batch_size"):
@@ -232,7 +235,7 @@ def ingest(
     root = Path(input_dir)
     if not root.is_dir():
         raise FileNotFoundError(f"input directory {root} does not exist")
-    items, orphans = media_items(root, cfg.caption_column)
+    items, orphans = media_items(root, cfg.caption_column, cfg.follow_symlinks)
     if not items:
         raise ValueError(f"no media under {root}; extensions read: {sorted(IMAGE_EXTS | VIDEO_EXTS)}")
     pil_image()
@@ -407,6 +410,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--shards", type=int_at_least(1), default=1, help="target number of parquet files")
     d.add_argument("--text-dtype", choices=TEXT_DTYPES, default="fp32", help="store text embeddings as fp32 or "
                    "bf16 (half the bytes; rounded as torch rounds, read back exactly; default fp32)")
+    d.add_argument("--follow-symlinks", action="store_true",
+                   help="also read files that are symbolic links, wherever they point (default: only regular "
+                        "files whose real path lies inside --input; folders reached through a link are never entered)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -440,7 +446,7 @@ def run(args: argparse.Namespace) -> int:
         max_side=args.max_side, max_frames=args.max_frames, frame_stride=args.frame_stride,
         max_text_tokens=_max_text_tokens(args), shards=args.shards, caption_column=args.caption_column,
         batch_size=args.batch_size, workers=args.workers, cpus_per_worker=args.cpus_per_worker,
-        text_dtype=args.text_dtype,
+        text_dtype=args.text_dtype, follow_symlinks=args.follow_symlinks,
     )
     spec = EncoderSpec(
         vae=args.vae, text_encoder=args.text_encoder, text_tokenizer=args.text_tokenizer,

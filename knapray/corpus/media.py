@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,21 +58,36 @@ def video_decoder() -> str | None:
     return None
 
 
-def list_media(input_dir: Path) -> list[Path]:
+def readable_inside(path: Path, root: Path, follow_symlinks: bool = False) -> bool:
+    """Whether ingest may read ``path``: a regular file that is not a symbolic link and whose
+    real path lies inside ``root`` (``follow_symlinks``: links too, wherever they point).
+    A folder of pictures is not a license to read ``/etc/passwd`` through ``link.png``."""
+    if follow_symlinks:
+        return path.is_file()
+    if path.is_symlink() or not path.is_file():
+        return False
+    real, top = os.path.realpath(path), os.path.realpath(root)
+    return os.path.commonpath([real, top]) == top
+
+
+def list_media(input_dir: Path, follow_symlinks: bool = False) -> list[Path]:
+    """Media files under ``input_dir`` in path order (``readable_inside`` each; folders
+    reached through a link are never entered)."""
     exts = IMAGE_EXTS | VIDEO_EXTS
-    return sorted(p for p in input_dir.rglob("*") if p.is_file() and p.suffix.lower() in exts)
+    return sorted(p for p in input_dir.rglob("*")
+                  if p.suffix.lower() in exts and readable_inside(p, input_dir, follow_symlinks))
 
 
 def is_video_file(path: Path) -> bool:
     return path.suffix.lower() in VIDEO_EXTS
 
 
-def read_metadata_captions(root: Path, column: str = "text") -> dict[str, str]:
-    """Captions from every ``metadata.jsonl`` under ``root``: one JSON object per line
-    with ``file_name`` (relative to the metadata file's folder) and ``column``. Returns
-    source (relative to ``root``) -> caption. A null caption is ""."""
+def read_metadata_captions(root: Path, column: str = "text", follow_symlinks: bool = False) -> dict[str, str]:
+    """Captions from every ``metadata.jsonl`` under ``root`` (``readable_inside`` each):
+    one JSON object per line with ``file_name`` (relative to the metadata file's folder)
+    and ``column``. Returns source (relative to ``root``) -> caption. A null caption is ""."""
     captions: dict[str, str] = {}
-    for meta in sorted(root.rglob(METADATA_FILE)):
+    for meta in sorted(m for m in root.rglob(METADATA_FILE) if readable_inside(m, root, follow_symlinks)):
         base = meta.parent.relative_to(root)
         for lineno, line in enumerate(meta.read_text(errors="replace").splitlines(), 1):
             if not line.strip():
@@ -98,18 +114,20 @@ def read_metadata_captions(root: Path, column: str = "text") -> dict[str, str]:
     return captions
 
 
-def media_items(root: Path, caption_column: str = "text") -> tuple[list[MediaItem], int]:
+def media_items(root: Path, caption_column: str = "text", follow_symlinks: bool = False
+                ) -> tuple[list[MediaItem], int]:
     """Every media file under ``root`` with its caption, in path order, and the number
-    of metadata.jsonl entries that name no media file (a typo or a removed file)."""
-    files = list_media(root)
-    metadata = read_metadata_captions(root, caption_column)
+    of metadata.jsonl entries that name no media file (a typo or a removed file). Only
+    files ``readable_inside`` ``root`` are read: media, metadata and sidecar captions."""
+    files = list_media(root, follow_symlinks)
+    metadata = read_metadata_captions(root, caption_column, follow_symlinks)
     items: list[MediaItem] = []
     for path in files:
         source = path.relative_to(root).as_posix()
         sidecar = path.with_suffix(".txt")
         if source in metadata:
             caption, origin = metadata[source], "metadata"
-        elif sidecar.is_file():
+        elif readable_inside(sidecar, root, follow_symlinks):
             caption, origin = sidecar.read_text(errors="replace"), "sidecar"
         else:
             caption, origin = "", "none"

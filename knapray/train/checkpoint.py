@@ -48,6 +48,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from knapray.nofollow import open_nofollow
+
 from .safe_dcp import UnsafeMetadata, read_metadata
 
 logger = logging.getLogger(__name__)
@@ -441,7 +443,7 @@ def _local_bytes(state: dict) -> int:
 
 def _write_json(path: str, obj: dict) -> None:
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+    with open_nofollow(tmp, "w") as f:
         json.dump(obj, f, indent=1)
         f.flush()
         os.fsync(f.fileno())

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from knapray.data import BadShard, DuplicateId, StreamStats
+from knapray.nofollow import open_nofollow
 
 SHARD_FILE = "quarantine-shards.jsonl"
 DUPLICATES_FILE = "quarantine-duplicates.jsonl"
@@ -78,7 +79,7 @@ class BadDataGuard:
             )
 
     def _append(self, record: dict) -> None:
-        with open(self.path, "a") as f:
+        with open_nofollow(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
 
@@ -102,7 +103,7 @@ def write_shard_quarantine(run_dir: str, bad: list[BadShard]) -> None:
     """``quarantine-shards.jsonl``: the shards the driver left out (merged at the end)."""
     if not bad:
         return
-    with open(os.path.join(run_dir, SHARD_FILE), "w") as f:
+    with open_nofollow(os.path.join(run_dir, SHARD_FILE), "w") as f:
         for b in bad:
             f.write(json.dumps(b.to_json()) + "\n")
 
@@ -126,7 +127,7 @@ def write_duplicate_quarantine(run_dir: str, dups: list[DuplicateId]) -> None:
         if os.path.exists(path):
             os.remove(path)
         return
-    with open(path, "w") as f:
+    with open_nofollow(path, "w") as f:
         for d in dups:
             f.write(json.dumps({"sample_id": d.sample_id, "reason": "duplicate_id",
                                 "rows": [list(r) for r in d.rows]}) + "\n")

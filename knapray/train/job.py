@@ -19,6 +19,8 @@ import os
 import sys
 import time
 
+from knapray.nofollow import open_nofollow
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from knapray.commands.flags import add_config, int_at_least
@@ -40,7 +42,12 @@ def main(argv: list[str] | None = None) -> int:
 
     p = Parser(prog="knapray train", description="knapray training on Ray")
     add_arguments(p)
-    return run(p.parse_args(argv))
+    args = p.parse_args(argv)
+    try:
+        return run(args)
+    except KeyboardInterrupt:  # Ctrl-C before training started (imports, pre-flight, Ray's start)
+        print("\nknapray train: interrupted before training started; nothing was trained", file=sys.stderr)
+        return 130
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     # lines and the progress bar. Workers' output stays in their log files too.
     quiet = {"logging_level": logging.ERROR, "log_to_driver": False}
     if address:
-        ray.init(address=address, **quiet)
+        start = dict(address=address, **quiet)
     else:
         os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
         num_cpus = args.num_cpus or max(4, int(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker) + 2)
@@ -99,7 +106,12 @@ def run(args: argparse.Namespace) -> int:
         # has cores (a run starts its workers, the coordinator and data actors together);
         # an embedded Ray expects exactly that many.
         os.environ.setdefault("RAY_worker_maximum_startup_concurrency", str(num_cpus * 4))
-        ray.init(num_cpus=num_cpus, include_dashboard=False, **quiet)
+        start = dict(num_cpus=num_cpus, include_dashboard=False, **quiet)
+    try:
+        start_ray(ray, start, attempts=1 if address else 2)
+    except RayStartFailed as e:
+        print(f"knapray train: error: {e}", file=sys.stderr)
+        return 1
     for name in ("ray", "ray.train", "ray.data"):
         logging.getLogger(name).setLevel(logging.ERROR)
     print(f"[knapray] Ray {'at ' + address if address else 'embedded'}: {ray.cluster_resources().get('CPU', 0):g} CPUs, "
@@ -147,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         plot_comparison(cfg, base.cfg, balanced)
     print(f"run directory: {cfg.run_dir} (metrics.jsonl, summary.json, ledger.jsonl, rank_work.png"
           f"{', comparison.png' if len(rows) == 2 else ''})")
-    with open(os.path.join(cfg.run_dir, "comparison.json"), "w") as f:
+    with open_nofollow(os.path.join(cfg.run_dir, "comparison.json"), "w") as f:
         json.dump(dict(rows), f, indent=1)
     return 0
 
@@ -170,9 +182,11 @@ def _nothing_trained(cfg, checkpoint_step: int | None, run_steps: int) -> None:
 
 def known_failure(error: Exception) -> str | None:
     """The one-line reason of a Ray Train failure whose workers raised one of knapray's own
-    errors (a world that cannot be trained on its nodes, a step the coordinator failed);
+    errors (a world that cannot be trained on its nodes, a step the coordinator failed, a
+    corpus found mostly bad while reading it);
     None for anything else, whose traceback is worth showing."""
     from knapray.coordinator import StepFailed
+    from knapray.train.guard import BadCorpus
     from knapray.train.trainer import TopologyError
 
     reasons = []
@@ -182,7 +196,7 @@ def known_failure(error: Exception) -> str | None:
         cause = failure
         for attr in ("_base_exc", "cause"):
             cause = getattr(cause, attr, cause)
-        if not isinstance(cause, (TopologyError, StepFailed)):
+        if not isinstance(cause, (TopologyError, StepFailed, BadCorpus)):
             return None
         reasons.append(str(cause).splitlines()[0])
     return "; ".join(dict.fromkeys(reasons)) or None
@@ -205,6 +219,34 @@ def _one_line(error: BaseException) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     text = f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
     return text if len(text) <= 400 else text[:397] + "..."
+
+
+class RayStartFailed(RuntimeError):
+    """Ray did not start (or join its cluster); the message says how it failed and where
+    Ray's logs are, in one line."""
+
+
+def start_ray(ray, kwargs: dict, attempts: int = 1) -> None:
+    """``ray.init(**kwargs)``, tried ``attempts`` times (an embedded Ray on a loaded machine
+    sometimes loses its raylet while the dashboard agent waits for its ports; starting it
+    again is safe: nothing of the run exists yet), then ``RayStartFailed``."""
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(**kwargs)
+            return
+        except Exception as e:  # noqa: BLE001 - Ray raises many kinds (ConnectionError, RuntimeError, TimeoutError)
+            error = e
+            logs = _ray_logs_dir()
+            try:
+                ray.shutdown()
+            except Exception:  # noqa: BLE001 - a half-started Ray may fail to stop too; the next try starts anew
+                pass
+            if attempt < attempts:
+                print(f"[knapray] Ray did not start ({type(e).__name__}); trying once more", file=sys.stderr, flush=True)
+    where = f"at {kwargs['address']}" if "address" in kwargs else "embedded"
+    what = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    raise RayStartFailed(f"Ray ({where}) did not start after {attempts} attempt(s): {type(error).__name__}"
+                         f"{': ' + what[:300] if what else ''}; Ray's logs: {logs}")
 
 
 def _ray_logs_dir() -> str:

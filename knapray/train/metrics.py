@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from knapray.nofollow import open_nofollow
+
 
 @dataclass
 class StepRecord:
@@ -123,5 +125,5 @@ class MetricsFile:
         self.path = os.path.join(run_dir, "metrics.jsonl")
 
     def append(self, record: dict) -> None:
-        with open(self.path, "a") as f:
+        with open_nofollow(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")

@@ -312,6 +312,7 @@ def prepare(pre: Preflight) -> tuple[RunStart, RunLock]:
     resumed run's torn last metrics line, with a warning), write the config and the
     quarantined shards. The caller releases the lock at the end of the run."""
     cfg = pre.cfg
+    check_writable(cfg.run_dir)  # again, now: a link planted since --check is refused before any write
     lock = RunLock(cfg.run_dir).acquire()
     try:
         start = decide_start(cfg, completed_checkpoints(os.path.join(cfg.run_dir, "checkpoints")))

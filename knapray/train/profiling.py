@@ -23,6 +23,8 @@ from typing import Iterator
 
 import torch
 
+from knapray.nofollow import open_nofollow
+
 KINDS = (
     ("compiled", ("triton_",)),
     ("attention", ("flash", "fmha", "attention", "attn")),
@@ -173,10 +175,10 @@ class StepProfiler:
         self.prof.export_chrome_trace(os.path.join(self.dir, f"rank{self.rank}.trace.json"))
         kernels, wall = _intervals(self.prof, self.device)
         numbers = summary(kernels, wall, self.steps, device=self.device)
-        with open(os.path.join(self.dir, f"rank{self.rank}.json"), "w") as f:
+        with open_nofollow(os.path.join(self.dir, f"rank{self.rank}.json"), "w") as f:
             json.dump(numbers, f)
         path = os.path.join(self.dir, f"rank{self.rank}.txt")
-        with open(path, "w") as f:
+        with open_nofollow(path, "w") as f:
             f.write(format_summary(numbers) + "\n")
         self.written = path
         self.prof = None

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from knapray.nofollow import open_nofollow, truncate_nofollow
+
 from .config import TrainConfig
 from .run_dir import RunError
 
@@ -91,7 +93,7 @@ def cut_torn_metrics(run_dir: str) -> None:
     """Cut a torn last line off ``metrics.jsonl`` (before rank 0 appends after it)."""
     torn_at = scan_metrics(run_dir).torn_at
     if torn_at is not None:
-        os.truncate(os.path.join(run_dir, METRICS_FILE), torn_at)
+        truncate_nofollow(os.path.join(run_dir, METRICS_FILE), torn_at)
 
 
 def truncate_metrics(run_dir: str, from_step: int) -> None:
@@ -102,7 +104,7 @@ def truncate_metrics(run_dir: str, from_step: int) -> None:
         return
     keep = [r for r in scan_metrics(run_dir).records if r["step"] < from_step]
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+    with open_nofollow(tmp, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in keep)
     os.replace(tmp, path)
 
@@ -202,14 +204,14 @@ def merge_quarantine(run_dir: str) -> list[dict]:
     records: list[dict] = []
     for name in sorted(os.listdir(run_dir)):
         if name.startswith("quarantine-") and name.endswith(".jsonl"):
-            with open(os.path.join(run_dir, name)) as f:
+            with open_nofollow(os.path.join(run_dir, name)) as f:
                 records.extend(json.loads(line) for line in f if line.strip())
     shards = {r["shard"]: r for r in records if "shard" in r}
     samples = {(r["sample_id"], r["reason"]): r for r in records if "shard" not in r}
     merged = [shards[k] for k in sorted(shards)] + [
         samples[k] for k in sorted(samples, key=lambda k: (k[0] is None, k[0] if k[0] is not None else 0, k[1]))]
     if merged:
-        with open(os.path.join(run_dir, "quarantine.jsonl"), "w") as f:
+        with open_nofollow(os.path.join(run_dir, "quarantine.jsonl"), "w") as f:
             for r in merged:
                 f.write(json.dumps(r) + "\n")
     return merged
@@ -231,7 +233,7 @@ def write_run_files(cfg: TrainConfig, summary: dict) -> dict:
     from .ledger_files import write_ledger_jsonl
 
     out["ledger_rows"] = write_ledger_jsonl(run_dir, os.path.join(run_dir, "ledger.jsonl"))
-    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+    with open_nofollow(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(out, f, indent=1, default=str)
     # Per-rank pictures need one world size: an elastic run plots its last one.
     records = [r for r in records if r["world_size"] == records[-1]["world_size"]] if records else []

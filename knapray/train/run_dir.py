@@ -14,6 +14,8 @@ import socket
 import time
 from dataclasses import dataclass, replace
 
+from knapray.nofollow import PlantedLink, open_nofollow, refuse_links
+
 from .config import TrainConfig
 
 
@@ -195,10 +197,15 @@ def decide_start(cfg: TrainConfig, checkpoints: list[str]) -> RunStart:
 
 
 def check_writable(run_dir: str) -> None:
-    """The run directory can be written, checked without writing anything (pre-flight, before
-    Ray starts): it and its ``checkpoints`` and ``ledger`` folders are folders where they
-    exist, and it, or the nearest folder above it that exists, is writable (a read-only
-    or unwritable ``run.storage`` is refused here, not by a worker)."""
+    """The run directory can be written, before Ray starts: nothing below it is a symbolic
+    link (knapray never makes one there, so one was planted: ``knapray.nofollow``), it and
+    its ``checkpoints`` and ``ledger`` folders are folders where they exist, and it, or the
+    nearest folder above it that exists, takes a new file (one is created and removed:
+    ``os.access`` says yes to root on /proc or a read-only bind mount)."""
+    try:
+        refuse_links(run_dir)
+    except PlantedLink as e:
+        raise RunError(f"run directory {run_dir}: {e}") from None
     for path in (run_dir, os.path.join(run_dir, "checkpoints"), os.path.join(run_dir, LEDGER_DIR)):
         if os.path.lexists(path) and not os.path.isdir(path):
             raise RunError(f"run directory {run_dir}: {path} is not a folder; remove it or choose another "
@@ -208,10 +215,14 @@ def check_writable(run_dir: str) -> None:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         raise RunError(f"run.storage: {existing} is not a folder, so the run directory {run_dir} cannot be made")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        why = "is on a read-only file system" if _read_only(existing) else "is not writable by this user"
+    probe = os.path.join(existing, f".knapray-write-probe-{os.getpid()}-{time.monotonic_ns()}")
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600))
+        os.remove(probe)
+    except OSError as e:
+        why = "is on a read-only file system" if _read_only(existing) else f"takes no new file ({e.strerror})"
         raise RunError(f"run.storage: {existing} {why}, so the run directory {run_dir} cannot be written; give "
-                       "run.storage a writable folder")
+                       "run.storage a writable folder") from None
 
 
 def _read_only(path: str) -> bool:
@@ -268,7 +279,7 @@ def check_world(cfg: TrainConfig, world_size: int) -> None:
 def write_config(cfg: TrainConfig) -> None:
     os.makedirs(cfg.run_dir, exist_ok=True)
     tmp = os.path.join(cfg.run_dir, CONFIG_FILE + ".tmp")
-    with open(tmp, "w") as f:
+    with open_nofollow(tmp, "w") as f:
         json.dump(cfg.to_dict(), f, indent=1)
     os.replace(tmp, os.path.join(cfg.run_dir, CONFIG_FILE))
 
@@ -295,7 +306,7 @@ class RunLock:
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
         for _ in range(2):
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o644)
             except FileExistsError:
                 self.check_free()
                 os.remove(self.path)  # unreadable, or its process is gone: take it over

@@ -27,11 +27,14 @@ import io
 import os
 import pickle
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import filesystem as dcp_fs
 from torch.distributed.checkpoint import metadata as dcp_md
+
+from knapray.limits import MAX_METADATA_NODES, MAX_PICKLE_DEPTH, MAX_PICKLE_OPS, MAX_PICKLE_REFS
 
 MAX_METADATA_BYTES = 256 << 20
 """A 12B model sharded over 64 ranks with its optimizer state has ~30 MB of metadata."""
@@ -58,6 +61,8 @@ ALLOWED: dict[tuple[str, str], Any] = {
 }
 """Every global a DCP ``.metadata`` written by torch 2.10–2.13 refers to (checked by
 pickling real metadata), resolved from this table: nothing is imported or looked up."""
+_BUILDABLE = frozenset(v for v in ALLOWED.values() if dataclasses.is_dataclass(v) or v is dcp_fs._StorageInfo)
+"""Classes whose instances a BUILD may give their state (the dataclasses DCP pickles)."""
 _DTYPES = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
@@ -67,7 +72,74 @@ class UnsafeMetadata(ValueError):
     structure promises; the message says what, in one line."""
 
 
-class _Unpickler(pickle.Unpickler):
+class _Unpickler(pickle._Unpickler):
+    """pickle's Python unpickler (its opcodes can be watched one by one, which the C one's
+    cannot) with every opcode counted, nesting and memo reads bounded (``knapray.limits``),
+    and BUILD applied only to an instance of an allowed class that this unpickler made:
+    never to a class (a BUILD aimed at ``Metadata`` would set its ``__reduce_ex__`` in
+    the reading process before any check ran)."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file)
+        self.ops = 0
+        self.refs = 0
+        self.made: list[Any] = []  # kept alive: their ids identify what BUILD may touch
+        self.made_ids: set[int] = set()
+
+    def _made_by(op: Callable) -> Callable:  # noqa: N805 - a decorator over the dispatch table
+        def run(self: "_Unpickler") -> None:
+            op(self)
+            self.made.append(self.stack[-1])
+            self.made_ids.add(id(self.stack[-1]))
+        return run
+
+    def _ref(op: Callable) -> Callable:  # noqa: N805
+        def run(self: "_Unpickler") -> None:
+            self.refs += 1
+            if self.refs > MAX_PICKLE_REFS:
+                raise UnsafeMetadata(f"it refers back to shared objects more than {MAX_PICKLE_REFS} times")
+            op(self)
+        return run
+
+    def _build(self) -> None:
+        state, inst = self.stack[-1], self.stack[-2]
+        if isinstance(inst, type) or type(inst) not in _BUILDABLE or id(inst) not in self.made_ids:
+            raise UnsafeMetadata(f"it sets the state of {inst!r:.80}, which DCP metadata never does (only of the "
+                                 "metadata objects it creates)")
+        if "__setstate__" not in vars(type(inst)):  # the default: instance attributes set from dicts
+            slots = state[1] if isinstance(state, tuple) and len(state) == 2 else None
+            fields = state[0] if isinstance(state, tuple) and len(state) == 2 else state
+            for part in (fields, slots):
+                if part is None:
+                    continue
+                bad = [k for k in part if not isinstance(k, str) or k.startswith("__")] \
+                    if type(part) is dict else [type(part).__name__]
+                if bad:
+                    raise UnsafeMetadata(f"it sets {type(inst).__name__}'s {bad[:3]!r}, which DCP metadata never does")
+        pickle._Unpickler.dispatch[pickle.BUILD[0]](self)
+
+    def _counted(op: Callable) -> Callable:  # noqa: N805
+        def run(self: "_Unpickler") -> None:
+            self.ops += 1
+            if self.ops > MAX_PICKLE_OPS:
+                raise UnsafeMetadata(f"it holds more than {MAX_PICKLE_OPS} objects, more than DCP metadata of any "
+                                     "model")
+            op(self)
+            if len(self.metastack) > MAX_PICKLE_DEPTH:
+                raise UnsafeMetadata(f"it nests containers more than {MAX_PICKLE_DEPTH} deep; DCP's nest a few levels")
+        return run
+
+    for _code in (pickle.NEWOBJ, pickle.NEWOBJ_EX, pickle.REDUCE, pickle.OBJ, pickle.INST):
+        dispatch[_code[0]] = _made_by(dispatch[_code[0]])
+    for _code in (pickle.GET, pickle.BINGET, pickle.LONG_BINGET):
+        dispatch[_code[0]] = _ref(dispatch[_code[0]])
+    dispatch[pickle.BUILD[0]] = _build
+    for _key, _op in list(dispatch.items()):  # (a loop: a comprehension cannot see this class body)
+        dispatch[_key] = _counted(_op)
+    del _code, _key, _op
+
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in ALLOWED:
             return ALLOWED[module, name]
@@ -152,22 +224,34 @@ def _tensor(md: Any, where: str) -> None:
                                  f"size {list(size)}")
 
 
-def _plain(value: Any, where: str, depth: int = 0) -> None:
-    """Plain data only: str, int, float, bool, None, and lists/tuples/dicts of them."""
-    if depth > 16:
-        raise UnsafeMetadata(f"{where} is nested deeper than DCP's planner data ever is")
-    if value is None or type(value) in (str, int, float, bool):
-        return
-    if type(value) in (list, tuple):
-        for v in value:
-            _plain(v, where, depth + 1)
-        return
-    if type(value) is dict:
-        for k, v in value.items():
-            _plain(k, where, depth + 1)
-            _plain(v, where, depth + 1)
-        return
-    raise UnsafeMetadata(f"{where} holds a {type(value).__name__}, not plain data")
+def _plain(value: Any, where: str) -> None:
+    """Plain data only: str, int, float, bool, None, and lists/tuples/dicts of them. Each
+    container is visited once however often it is shared, and the tree it stands for, its
+    shared parts counted as often as they are referred to (what any reader walking it
+    walks), may hold at most ``MAX_METADATA_NODES`` values: 64 references to one list, 12
+    levels deep, would stand for 64^12."""
+    expanded: dict[int, int] = {}  # id -> values in the tree below it, shared parts repeated
+    todo: list[tuple[Any, int, bool]] = [(value, 0, False)]
+    while todo:
+        v, depth, children_done = todo.pop()
+        if v is None or type(v) in (str, int, float, bool):
+            continue
+        if type(v) not in (list, tuple, dict):
+            raise UnsafeMetadata(f"{where} holds a {type(v).__name__}, not plain data")
+        if depth > 16:
+            raise UnsafeMetadata(f"{where} is nested deeper than DCP's planner data ever is")
+        items = [x for kv in v.items() for x in kv] if type(v) is dict else v
+        if children_done:
+            expanded[id(v)] = 1 + sum(expanded.get(id(x), 1) for x in items)
+            if expanded[id(v)] > MAX_METADATA_NODES:
+                raise UnsafeMetadata(f"{where} stands for more than {MAX_METADATA_NODES} values once its shared "
+                                     "parts are expanded; DCP's planner data is a small table")
+            continue
+        if id(v) in expanded:
+            continue
+        expanded[id(v)] = 0  # on the path: a cycle cannot be pickled as plain data, and is not walked twice
+        todo.append((v, depth, True))
+        todo.extend((x, depth + 1, False) for x in items)
 
 
 def check_metadata(metadata: Any, directory: str) -> None:

@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from knapray.nofollow import open_nofollow
 from knapray.train.config import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ def _read_id(path: str) -> str | None:
 
 
 def _write_id(path: str, run_id: str) -> None:
-    with open(path, "w") as f:
+    with open_nofollow(path, "w") as f:
         f.write(run_id + "\n")
 
 

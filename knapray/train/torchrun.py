@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     from knapray.planning.rules import PER_STEP
 
     from .checkpoint import StorageFull, no_space
+    from .guard import BadCorpus
     from .report import prediction_line, write_run_files
     from .trainer import Trainer
 
@@ -114,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         rank, world, local_rank = init_from_env(cfg.scaling.use_gpu, cfg.run.timeout_s)
         try:
             summary = Trainer(TorchrunContext(cfg, rank, world, local_rank), cfg).train()
+        except BadCorpus as e:  # every rank raises it together, from the same sums: rank 0 says it once
+            if rank == 0:
+                print(f"knapray torchrun: error: training failed: {e}", file=sys.stderr, flush=True)
+            return 1
         except OSError as e:  # the environment, not the inputs: a full disk says where
             full = e if isinstance(e, StorageFull) else no_space(e, cfg.run_dir)
             if full is None:

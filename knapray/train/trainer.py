@@ -47,6 +47,7 @@ from knapray.models.families import build_model, cross_text_pad
 from knapray.models.flops import model_flops, peak_tflops
 from knapray.models.flow import flow_loss
 from knapray.models.packing import PackedBatch
+from knapray.nofollow import open_nofollow
 from knapray.planning import BalancePlan, Topology, identity_plan
 from knapray.planning.blocks import block_sizes
 from knapray.planning.cost import CostModel
@@ -240,7 +241,7 @@ class Trainer:
             max(self.topology.bags), max(block_sizes(self.per_step_node, cfg.model.num_heads)))
         self.max_seq_len = cfg.data.max_tokens_per_gpu * largest_bag if cfg.data.max_tokens_per_gpu else None
         os.makedirs(os.path.join(self.run_dir, "pids"), exist_ok=True)
-        with open(os.path.join(self.run_dir, "pids", f"rank{self.rank}.pid"), "w") as f:
+        with open_nofollow(os.path.join(self.run_dir, "pids", f"rank{self.rank}.pid"), "w") as f:
             f.write(str(os.getpid()))  # for operators (and the chaos script) to find workers
         if self.rank == 0:
             logger.info("topology %s for %d ranks (balance %s)%s", self.topology, self.world, cfg.balance.enabled,

@@ -160,3 +160,38 @@ def test_gpu_check_stops_a_run_with_everything_under_it():
         time.sleep(0.1)
     else:
         pytest.fail("a process of the run's group outlived _stop_tree")
+
+
+@pytest.mark.dist
+def test_a_corpus_found_mostly_bad_under_torchrun_is_one_line(tmp_path):
+    """Three rows in four hold an infinite latent: the ranks stop together and the user
+    reads one line from rank 0, not a traceback per rank."""
+    import math
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from knapray.corpus import CORPUS_SCHEMA, shard_paths
+    from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
+
+    corpus = tmp_path / "corpus"
+    build_synthetic(SyntheticConfig(mix="g1b3i128f1s0,g1b2i64f1s0", steps=8, scale=4, channels=4, text_dim=16,
+                                    pooled_dim=16, shards=2, seed=4), corpus, progress=False)
+    for shard in shard_paths(corpus):
+        rows = pq.read_table(shard).to_pylist()
+        for i, row in enumerate(rows):
+            if i % 4:
+                row["latent"][0] = math.inf
+        pq.write_table(pa.Table.from_pylist(rows, schema=CORPUS_SCHEMA), shard)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"data:\n  corpus: {corpus}\n  samples_per_step: 2\nbalance:\n  topology: g1n2\n"
+                   f"run:\n  name: bad\n  storage: {tmp_path}\nmodel:\n  hidden_size: 32\n  num_heads: 2\n"
+                   "  depth_double: 1\n  depth_single: 1\n  rope_axes_dim: [4, 6, 6]\n")
+    out = _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "knapray.train.torchrun",
+                "--config", str(cfg)])
+    assert out.returncode != 0
+    # torchrun itself reports its ranks' non-zero exits with a traceback of its own launcher;
+    # none comes from a rank (no frame of knapray's code), and knapray says it once.
+    assert "knapray/train/" not in out.stderr and "BadCorpus" not in out.stderr, out.stderr[-3000:]
+    mine = [line for line in out.stderr.splitlines() if line.startswith("knapray torchrun: error: training failed")]
+    assert len(mine) == 1 and "is mostly bad" in mine[0], out.stderr[-3000:]

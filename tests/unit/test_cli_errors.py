@@ -31,6 +31,11 @@ def _run(argv: list[str], capsys) -> tuple[int, list[str]]:
     (["parity", "--tol=-1e-5"], ["--tol", "> 0"]),
     (["calibrate", "--hidden", "-128"], ["--hidden"]),
     (["no-such-command"], ["invalid choice"]),
+    (["export", "--run", "r", "--out", "o", "--max-shard-size", "infGB"], ["--max-shard-size", "infGB", "1PiB"]),
+    (["export", "--run", "r", "--out", "o", "--max-shard-size", "nanGB"], ["--max-shard-size", "nanGB"]),
+    (["export", "--run", "r", "--out", "o", "--max-shard-size", "1e30GB"], ["--max-shard-size", "1e30GB"]),
+    (["bench", "coordinator", "--ranks", "0"], ["--ranks [0]", "positive multiples of 32"]),
+    (["sample", "--run", "r", *[a for i in range(65) for a in ("--caption", f"c{i}")]], ["65 requests", "at most 64"]),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, names, capsys):
     code, err = _run(argv, capsys)
@@ -59,3 +64,74 @@ def test_front_door_subcommands_and_version(capsys):
     assert "--compare-unbalanced" in out and "--vae" in out and "--caption" in out and "knapray 0." in out
     code, err = _run(["train", "--config", "/nonexistent.yaml"], capsys)
     assert code == 2 and len(err) == 1 and "nonexistent.yaml" in err[0]
+
+
+def test_bench_coordinator_checks_its_flags_before_ray_starts(monkeypatch, capsys):
+    ray = pytest.importorskip("ray")
+
+    def started(*args, **kwargs):
+        raise AssertionError("Ray started before the flags were checked")
+
+    monkeypatch.setattr(ray, "init", started)
+    code, err = _run(["bench", "coordinator", "--ranks", "32,0"], capsys)
+    assert code == 2 and len(err) == 1 and "--ranks [0]" in err[0]
+
+
+class _FakeRay:
+    """``ray.init`` failing ``failures`` times (as an embedded Ray whose raylet died)."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures, self.inits, self.shutdowns = failures, 0, 0
+
+    def init(self, **kwargs) -> None:
+        self.inits += 1
+        if self.inits <= self.failures:
+            raise TimeoutError("Timed out waiting for file /tmp/ray/session_x/ports_by_node.json.\nmore lines")
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+
+
+def test_an_embedded_ray_that_fails_to_start_is_tried_once_more_then_one_line():
+    from knapray.train.job import RayStartFailed, start_ray
+
+    once = _FakeRay(failures=1)
+    start_ray(once, {"num_cpus": 4}, attempts=2)
+    assert (once.inits, once.shutdowns) == (2, 1)
+    always = _FakeRay(failures=5)
+    with pytest.raises(RayStartFailed) as e:
+        start_ray(always, {"num_cpus": 4}, attempts=2)
+    msg = str(e.value)
+    assert always.inits == 2 and "\n" not in msg
+    assert "Ray (embedded) did not start after 2 attempt(s): TimeoutError: Timed out waiting" in msg
+    assert "Ray's logs:" in msg and "more lines" not in msg
+    with pytest.raises(RayStartFailed, match=r"Ray \(at 10.0.0.1:6379\) did not start after 1 attempt"):
+        start_ray(_FakeRay(failures=1), {"address": "10.0.0.1:6379"}, attempts=1)
+
+
+def test_ctrl_c_while_starting_is_one_line_and_exit_130(tmp_path):
+    """SIGINT while the command imports, checks or starts Ray: no traceback."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
+
+    corpus = tmp_path / "corpus"
+    build_synthetic(SyntheticConfig(mix="g2b2i128f1s0", steps=2, scale=4, channels=4, text_dim=16, pooled_dim=16),
+                    corpus, progress=False)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"data:\n  corpus: {corpus}\nrun:\n  storage: {tmp_path / 'runs'}\nscaling:\n  num_workers: 2\n"
+                   "balance:\n  topology: g2n1\n")
+    for delay in (1.0, 3.0):  # while importing torch and checking; while starting Ray
+        proc = subprocess.Popen([sys.executable, "-m", "knapray.cli", "train", "--config", str(cfg)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 130, (delay, err[-2000:])
+        assert "Traceback" not in err and "interrupted" in err, (delay, err[-2000:])
+        assert len([line for line in err.splitlines() if line.strip()]) <= 2, (delay, err[-2000:])

@@ -336,6 +336,32 @@ def test_ingest_images_of_odd_sizes(media_dir: Path, tmp_path: Path) -> None:
     assert doc["dims"]["channels"] == 4 and doc["encoder"] == "PixelPatchEncoder"
 
 
+def test_ingest_reads_no_file_through_a_link(media_dir: Path, tmp_path: Path) -> None:
+    """A link to a picture outside --input (and a caption, a metadata file linked in) is not
+    read unless --follow-symlinks; a link inside stays out too (a regular file only)."""
+    image = pytest.importorskip("PIL.Image")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    image.fromarray(np.full((32, 32, 3), 7, np.uint8)).save(outside / "secret.png")
+    (outside / "secret.txt").write_text("a caption from outside")
+    (outside / "metadata.jsonl").write_text('{"file_name": "odd.png", "text": "planted"}\n')
+    (media_dir / "link.png").symlink_to(outside / "secret.png")
+    (media_dir / "link.txt").symlink_to(outside / "secret.txt")
+    (media_dir / "metadata.jsonl").symlink_to(outside / "metadata.jsonl")
+    (media_dir / "inner.png").symlink_to(media_dir / "odd.png")
+    cfg = ingest_mod.IngestConfig(max_side=64, max_text_tokens=3)
+    with pytest.warns(UserWarning):
+        ingest_mod.ingest(media_dir, tmp_path / "c", cfg, progress=False)
+    rows = {r["source"]: r for r in read_corpus(tmp_path / "c").to_pylist()}
+    assert set(rows) == {"odd.png", "sub/wide.jpg", "sub/alpha.png", "anim.gif"}
+    items, _ = ingest_mod.media_items(media_dir)
+    assert {i.source: i.caption for i in items}["odd.png"] == "A small odd-sized picture"  # not "planted"
+    followed, _ = ingest_mod.media_items(media_dir, follow_symlinks=True)
+    by_source = {i.source: i for i in followed}
+    assert {"link.png", "inner.png"} <= set(by_source) and by_source["odd.png"].caption == "planted"
+    assert by_source["link.png"].caption == "a caption from outside"
+
+
 def test_ingest_ids_are_stable_across_runs(media_dir: Path, tmp_path: Path) -> None:
     cfg = ingest_mod.IngestConfig(max_side=64)
     with pytest.warns(UserWarning):

@@ -10,9 +10,11 @@ import pickle
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
+from torch.distributed.checkpoint import metadata as dcp_md
 
 from knapray.train.checkpoint import CheckpointError, Checkpointer, JsonState, TensorsPart, check_checkpoint, training_parts
 from knapray.train.safe_dcp import MAX_METADATA_BYTES, read_metadata
@@ -136,7 +138,12 @@ def _mutated(planted, change) -> str:
 
 
 def test_an_extra_attribute_on_an_allowed_object_is_refused(planted):
-    assert "has attributes" in _mutated(planted, lambda md: setattr(md, "__setstate__", 1))
+    # Refused as it is being set (BUILD), before the object exists to be checked as data.
+    assert "it sets Metadata's ['__setstate__']" in _mutated(planted, lambda md: setattr(md, "__setstate__", 1))
+
+
+def test_an_extra_field_on_an_allowed_object_is_refused_as_data(planted):
+    assert "has attributes ['extra']" in _mutated(planted, lambda md: setattr(md, "extra", 1))
 
 
 def test_storage_outside_the_checkpoint_directory_is_refused(planted):
@@ -309,3 +316,52 @@ def test_sample_refuses_a_planted_checkpoint(tmp_path, checkpoint):
     with pytest.raises(CheckpointError, match="refused"):
         plan_sampling(args)
     assert not os.path.exists(marker)
+
+
+def test_a_build_aimed_at_a_class_is_refused_before_it_changes_anything(planted):
+    """GLOBAL Metadata, then BUILD with {'__reduce_ex__': ...}: pickle's default BUILD would
+    set the class attribute in this process before any check of the result."""
+    path, marker, plant = planted
+    before = vars(dcp_md.Metadata).get("__reduce_ex__")
+    plant(_program(_global(_MD, "Metadata") + b"}" + _s("__reduce_ex__") + _s("x") + b"sb"))
+    start = time.perf_counter()
+    msg = _refused(path, marker, "Metadata")
+    assert time.perf_counter() - start < 1.0
+    assert vars(dcp_md.Metadata).get("__reduce_ex__") is before, "the class was changed by the file"
+    assert "never does" in msg
+
+
+def _nested_shared(levels: int, width: int):
+    leaf: list = []
+    for _ in range(levels):
+        leaf = [leaf] * width
+    return leaf
+
+
+def test_shared_references_are_bounded_in_one_second(planted):
+    """64 references to one list, 12 levels deep: a 92 KB file standing for 64^12 lists."""
+    path, marker, plant = planted
+    md = _metadata(path)
+    md.planner_data = _nested_shared(12, 64)
+    data = pickle.dumps(md, protocol=4)
+    assert len(data) < 200_000
+    plant(data)
+    start = time.perf_counter()
+    msg = _refused(path, marker, "planner_data", "expanded")
+    assert time.perf_counter() - start < 1.0, msg
+
+
+@pytest.mark.parametrize("limit, body, needle", [
+    ("MAX_PICKLE_DEPTH", lambda n: b"(" * (n + 1), "nests containers"),
+    ("MAX_PICKLE_REFS", lambda n: b"N\x94" + b"h\x000" * (n + 1), "refers back"),
+    ("MAX_PICKLE_OPS", lambda n: b"N0" * (n // 2 + 1), "more than"),
+])
+def test_each_pickle_bound_is_one_line(planted, monkeypatch, limit, body, needle):
+    """Every bound of knapray.limits the unpickler enforces, reached by a planted file (the
+    bounds lowered so the files stay small)."""
+    from knapray.train import safe_dcp
+
+    monkeypatch.setattr(safe_dcp, limit, 1000)
+    path, marker, plant = planted
+    plant(_program(body(1000) + b"N"))
+    _refused(path, marker, needle)
