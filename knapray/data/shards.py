@@ -191,17 +191,24 @@ def check_shards(path: str | Path, info: CorpusInfo | None = None) -> tuple[list
     corpus's ``corpus_info``, when read already."""
     import pyarrow.parquet as pq
 
-    from knapray.corpus.schema import CORPUS_SCHEMA
+    from knapray.corpus.schema import corpus_schema
 
     info = corpus_info(path) if info is None else info
+    wanted = corpus_schema(info.text_dtype)  # the text column's type is schema.json's text_dtype
     good, bad = [], []
     for i, file in enumerate(checked_shards(path, info)):
         expected = info.shard_rows[i] if info.shard_rows is not None else None
         try:
             meta = pq.ParquetFile(file).metadata
-            missing = sorted(set(CORPUS_SCHEMA.names) - set(meta.schema.to_arrow_schema().names))
+            have = meta.schema.to_arrow_schema()
+            missing = sorted(set(wanted.names) - set(have.names))
             if missing:
                 raise ValueError(f"columns {missing} missing")
+            wrong = [f"{f.name} is {have.field(f.name).type}, not {f.type}" for f in wanted
+                     if not have.field(f.name).type.equals(f.type)]
+            if wrong:
+                raise ValueError("; ".join(wrong[:3]) + (f" (schema.json: text_dtype {info.text_dtype})"
+                                                        if any(w.startswith("text ") for w in wrong) else ""))
             if expected is not None and meta.num_rows != expected:
                 raise ValueError(f"{meta.num_rows} rows where schema.json records {expected}")
         except Exception as e:  # noqa: BLE001 - whatever pyarrow raises, the shard is unusable

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from knapray.corpus.schema import SchemaFileError
 from knapray.corpus.schema import load_schema_json as read_schema_json  # every field's type checked
 from knapray.data import BadShard, CorpusInfo, DuplicateId, FamilyMismatch, check_model_config, check_shards, corpus_info, duplicate_ids
@@ -243,7 +245,37 @@ def check(cfg: TrainConfig, worlds: Iterable[int], *, corpus: CorpusCheck | None
     except ValueError as e:
         raise RunError(f"{e}; leave model.in_channels / text_dim / pooled_dim out of the config to take the "
                        "corpus's, or use a corpus made with the encoders the config expects") from None
+    check_lengths(cfg, corpus, worlds)
     return Preflight(cfg=cfg, worlds=worlds, corpus=corpus)
+
+
+def largest_bag(cfg: TrainConfig, world: int) -> int:
+    """The largest bag any topology of the run may use on ``world`` ranks: a divisor of the
+    head count (Ulysses splits heads), inside a node (``balance.gpus_per_node``)."""
+    cap = min(world, cfg.balance.gpus_per_node or world)
+    return max(g for g in range(1, cap + 1) if cfg.model.num_heads % g == 0)
+
+
+def check_lengths(cfg: TrainConfig, corpus: CorpusCheck, worlds: tuple[int, ...]) -> None:
+    """With ``data.max_tokens_per_gpu``, a sample longer than the budget times the largest
+    bag the run may use is quarantined as ``too_long`` when read, and a run whose corpus is
+    more than ``data.max_bad_fraction`` such samples stops as mostly bad: refused here, from
+    the corpus's seq_len column, before any worker starts."""
+    budget = cfg.data.max_tokens_per_gpu
+    if not budget or not corpus.good_shards:
+        return
+    import pyarrow.parquet as pq
+
+    limit = budget * largest_bag(cfg, max(worlds))
+    lens = np.concatenate([pq.read_table(f, columns=["seq_len"]).column("seq_len").to_numpy()
+                           for f in corpus.good_shards])
+    too_long = int(np.count_nonzero(lens > limit))
+    if lens.size and too_long > cfg.data.max_bad_fraction * lens.size:
+        raise RunError(f"data.max_tokens_per_gpu={budget}: {too_long} of the corpus's {lens.size} samples are longer "
+                       f"than {limit} tokens (the budget times the largest bag, {limit // budget} GPUs, of "
+                       f"{max(worlds)} ranks and {cfg.model.num_heads} heads; longest {int(lens.max())}), more than "
+                       f"data.max_bad_fraction={cfg.data.max_bad_fraction}: they would all be quarantined; raise "
+                       "the budget or shorten the samples")
 
 
 def check_model_size(cfg: TrainConfig) -> None:

@@ -219,3 +219,45 @@ def test_loading_a_config_reads_only_its_yaml(demo_corpus, tmp_path, monkeypatch
     opened.clear()
     run = load_run_config(config, sets)
     assert run.model.text_dim == 16 and any(p.endswith("schema.json") for p in opened)
+
+
+# ---- pre-flight passes nothing training then refuses (issue 29) ----------------------------
+
+
+def _rewrite_shard(corpus: str, change) -> None:
+    import pyarrow.parquet as pq
+
+    from knapray.corpus import shard_paths
+
+    for shard in shard_paths(corpus):
+        pq.write_table(change(pq.read_table(shard)), shard)
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (lambda t: t.drop_columns(["pooled"]), "columns ['pooled'] missing"),
+    # the text stored as fp32 lists while schema.json says bf16 (the type the reader decodes)
+    ("bf16", "text is list<element: float>"),
+    (lambda t: t.set_column(t.schema.get_field_index("frames"), "frames",
+                            t.column("frames").cast("int64")), "frames is int64, not int32"),
+])
+def test_a_shard_whose_columns_training_cannot_read_is_refused(tmp_path, capsys, damage, needle):
+    corpus = _corpus(tmp_path / "corpus", DEFAULT_WIDTHS)
+    if damage == "bf16":
+        doc = json.loads((tmp_path / "corpus" / "schema.json").read_text())
+        doc["text_dtype"] = "bf16"
+        (tmp_path / "corpus" / "schema.json").write_text(json.dumps(doc))
+    else:
+        _rewrite_shard(corpus, damage)
+    code, out, err = _run(["train", "--config", str(REPO / "jobs/configs/demo.yaml"), "--set", f"data.corpus={corpus}",
+                           "--set", f"run.storage={tmp_path / 'runs'}", "--check"], capsys)
+    assert code == 2 and len(err) == 1 and needle in err[0], err
+
+
+def test_a_corpus_mostly_longer_than_the_token_budget_is_refused(tmp_path, capsys, demo_corpus):
+    base = ["train", "--config", str(REPO / "jobs/configs/demo.yaml"), "--set", f"data.corpus={demo_corpus}",
+            "--set", f"run.storage={tmp_path / 'runs'}", "--check"]
+    code, out, err = _run([*base, "--set", "data.max_tokens_per_gpu=1"], capsys)
+    assert code == 2 and len(err) == 1, err
+    assert "data.max_tokens_per_gpu=1:" in err[0] and "longer than 4 tokens (the budget times the largest bag, 4 GPUs" in err[0], err
+    code, out, err = _run([*base, "--set", "data.max_tokens_per_gpu=100000"], capsys)
+    assert code == 0, err
