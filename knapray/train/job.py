@@ -55,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     from knapray.train.config import ConfigError
     from knapray.train.guard import BadCorpus
     from knapray.train.run_dir import RunError
-    from knapray.train.report import comparison_lines, plot_comparison, prediction_line, quarantine_line, read_metrics
+    from knapray.train.report import (comparison_lines, plot_comparison, prediction_line, quarantine_line, read_metrics,
+                                      stopped_early_line)
 
     try:
         # Every input is checked here, before Ray or any worker starts.
@@ -149,6 +150,9 @@ def run(args: argparse.Namespace) -> int:
           f"{quarantine_line(balanced['run'])}")
     if "prediction_error_last" in s:
         print(f"[knapray] {prediction_line(s)}")
+    early = stopped_early_line(cfg, balanced)
+    if early:
+        print(f"[knapray] {early}")
     rows = [("balanced", s)]
     if args.compare_unbalanced:
         unbalanced = run_training(base.cfg, checked=base)

@@ -17,7 +17,7 @@ from . import preflight
 from .preflight import CorpusCheck, Preflight
 from .checkpoint import read_trainer_state
 from .run_dir import RunError, RunStart
-from .report import ProgressTail, expected_steps, read_metrics, summarize, write_run_files
+from .report import ProgressTail, expected_steps, max_steps_cap, read_metrics, summarize, write_run_files
 from .step_planner import coordinator_config, coordinator_name
 from .trainer import Trainer
 
@@ -209,6 +209,9 @@ def _fit(cfg: TrainConfig, corpus: CorpusCheck, done_steps: int) -> dict:
         ),
     )
     total = expected_steps(cfg, corpus.info.num_samples, done_steps)
+    cap = max_steps_cap(cfg, corpus.info.num_samples)
+    if cap:
+        print(f"[knapray] note: {cap}", flush=True)
     print(f"[knapray] starting {cfg.scaling.num_workers} workers"
           f"{f' (elastic down to {cfg.scaling.min_workers})' if cfg.scaling.min_workers else ''}, "
           f"{'GPU/NCCL' if cfg.scaling.use_gpu else 'CPU/gloo'}, about {total} steps; worker logs stay in Ray's "

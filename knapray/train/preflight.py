@@ -31,7 +31,7 @@ from knapray.data import BadShard, CorpusInfo, DuplicateId, FamilyMismatch, chec
 from .checkpoint import completed_checkpoints
 from .config import ConfigError, DataConfig, TrainConfig, config_from_dict, read_config
 from .guard import check_bad_shards, check_duplicates, write_duplicate_quarantine, write_shard_quarantine
-from .report import cut_torn_metrics
+from .report import max_steps_cap, truncate_metrics
 from .run_dir import (
     RunError,
     RunLock,
@@ -205,7 +205,8 @@ class Preflight:
             f"world sizes: {_worlds_text(self.worlds, cfg)}: the global batch, topology "
             f"{cfg.balance.topology!r} and heads fit each",
             f"run directory: {_would(start.message)}",
-        ] + ([f"run directory: {start.torn_metrics.replace('dropped', 'would drop', 1)}"] if start.torn_metrics else [])
+        ] + ([f"run directory: {start.torn_metrics.replace('dropped', 'would drop', 1)}"] if start.torn_metrics else []) \
+          + ([f"note: {cap}"] if (cap := max_steps_cap(cfg, info.num_samples)) else [])
 
 
 _WOULD = {"starting": "would start", "resuming": "would resume"}
@@ -350,9 +351,13 @@ def prepare(pre: Preflight) -> tuple[RunStart, RunLock]:
         start = decide_start(cfg, completed_checkpoints(os.path.join(cfg.run_dir, "checkpoints")))
         if start.resume_from is None:
             clear_stale_run_files(cfg.run_dir)
-        elif start.torn_metrics:
-            cut_torn_metrics(cfg.run_dir)
-            print(f"[knapray] warning: {start.torn_metrics}", file=sys.stderr, flush=True)
+        else:
+            # The steps after the checkpoint are trained again: their old lines (and a torn
+            # last line) go now, before the driver's progress tail reads the file, as rank 0
+            # would drop them after loading the checkpoint.
+            truncate_metrics(cfg.run_dir, int(os.path.basename(os.path.normpath(start.resume_from)).split("-")[1]) + 1)
+            if start.torn_metrics:
+                print(f"[knapray] warning: {start.torn_metrics}", file=sys.stderr, flush=True)
         write_config(cfg)
         write_shard_quarantine(cfg.run_dir, list(pre.corpus.bad_shards))
         write_duplicate_quarantine(cfg.run_dir, list(pre.corpus.duplicates))

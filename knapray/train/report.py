@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from knapray.nofollow import open_nofollow, truncate_nofollow
+from knapray.nofollow import open_nofollow
 
 from .config import TrainConfig
 from .run_dir import RunError
@@ -34,7 +34,7 @@ class MetricsScan:
 def scan_metrics(run_dir: str) -> MetricsScan:
     """Rank 0's step records. A last line without its newline that is not a record is torn
     (a crash mid-append leaves exactly that): left out, and reported in ``torn``; it is the
-    writer's to cut (``cut_torn_metrics``, ``truncate_metrics``). Any other line that is not
+    writer's to cut (``truncate_metrics``). Any other line that is not
     a JSON object with integer ``step`` and ``epoch`` is ``RunError`` naming the file and
     the line: every reader (the resume's rewrite, the step count, summary.json) needs them."""
     path = os.path.join(run_dir, METRICS_FILE)
@@ -89,20 +89,16 @@ def read_metrics(run_dir: str) -> list[dict]:
     return scan_metrics(run_dir).records
 
 
-def cut_torn_metrics(run_dir: str) -> None:
-    """Cut a torn last line off ``metrics.jsonl`` (before rank 0 appends after it)."""
-    torn_at = scan_metrics(run_dir).torn_at
-    if torn_at is not None:
-        truncate_nofollow(os.path.join(run_dir, METRICS_FILE), torn_at)
-
-
 def truncate_metrics(run_dir: str, from_step: int) -> None:
     """A resumed run redoes the steps after its checkpoint: drop their old lines (and a torn
     last line a worker killed mid-append left)."""
     path = os.path.join(run_dir, METRICS_FILE)
     if not os.path.exists(path):
         return
-    keep = [r for r in scan_metrics(run_dir).records if r["step"] < from_step]
+    scan = scan_metrics(run_dir)
+    keep = [r for r in scan.records if r["step"] < from_step]
+    if len(keep) == len(scan.records) and scan.torn_at is None:
+        return  # nothing to drop: the file stays as it is (a tail reading it sees no rewrite)
     tmp = path + ".tmp"
     with open_nofollow(tmp, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in keep)
@@ -308,11 +304,37 @@ def quarantine_line(run: dict) -> str:
             f"({run['quarantined_shard_rows']} rows); see quarantine.jsonl")
 
 
+def steps_per_epoch(cfg: TrainConfig, rows: int) -> int:
+    """Steps of one pass over ``rows`` corpus rows: every rank draws samples_per_step rows
+    per step until the epoch's rows run out."""
+    return -(-rows // (cfg.scaling.num_workers * cfg.samples_per_rank(cfg.scaling.num_workers)))
+
+
+def max_steps_cap(cfg: TrainConfig, rows: int) -> str | None:
+    """A line saying that ``run.max_steps`` ends the run before ``data.epochs`` are done
+    (None when it does not): said when the run starts and again when it ends."""
+    per_epoch = steps_per_epoch(cfg, rows)
+    if not cfg.run.max_steps or not per_epoch or cfg.run.max_steps >= per_epoch * cfg.data.epochs:
+        return None
+    return (f"run.max_steps={cfg.run.max_steps} ends the run before data.epochs={cfg.data.epochs} are done: an epoch "
+            f"of {rows} samples is about {per_epoch} steps, so it trains about {cfg.run.max_steps / per_epoch:.2g} "
+            "epoch(s); set run.max_steps=0 to train every epoch")
+
+
+def stopped_early_line(cfg: TrainConfig, summary: dict) -> str | None:
+    """At the end: the run stopped at ``run.max_steps`` with epochs left (the trainer's
+    summary says in which epoch it was)."""
+    epoch = summary.get("epoch")
+    if not cfg.run.max_steps or epoch is None or int(epoch) >= cfg.data.epochs:
+        return None
+    return (f"stopped by run.max_steps={cfg.run.max_steps} in epoch {int(epoch) + 1} of data.epochs="
+            f"{cfg.data.epochs}; set run.max_steps=0 (or higher) and run it again to train the rest")
+
+
 def expected_steps(cfg: TrainConfig, rows: int, start_step: int) -> int:
     """Steps the run will take, for the progress bar: every rank draws samples_per_step
     rows per step until the epoch's rows run out, over the epochs left, up to max_steps."""
-    per_epoch = -(-rows // (cfg.scaling.num_workers * cfg.samples_per_rank(cfg.scaling.num_workers)))
-    total = per_epoch * cfg.data.epochs
+    total = steps_per_epoch(cfg, rows) * cfg.data.epochs
     if cfg.run.max_steps:
         total = min(total, cfg.run.max_steps)
     return max(total - start_step, 0)
@@ -326,6 +348,9 @@ class ProgressTail:
         import threading
 
         self.path, self.total, self.name, self.start_step = path, total, name, start_step
+        # The lines there now are the steps before this call's first (pre-flight dropped any
+        # later ones): the tail reads from their end.
+        self._offset = os.path.getsize(path) if os.path.exists(path) else 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -341,7 +366,9 @@ class ProgressTail:
         from knapray.progress import progress_bar
 
         bar = progress_bar(self.total, self.name, "step", dynamic_ncols=True)
-        offset, last_step, epoch = 0, self.start_step - 1, None
+        bar.write(f"[knapray] waiting for step {self.start_step}: Ray starts the workers, they read the corpus and "
+                  "build the model (compiled blocks compile at their first step)")
+        offset, last_step, epoch = self._offset, self.start_step - 1, None
         while True:
             stopping = self._stop.wait(0.5)
             if os.path.exists(self.path):
@@ -349,7 +376,8 @@ class ProgressTail:
                     # A restarted worker group rewrote the file back to its checkpoint:
                     # read it again, and count only steps the bar has not shown.
                     offset = 0
-                    bar.write("[knapray] workers restarted from the last checkpoint")
+                    if last_step >= self.start_step:
+                        bar.write("[knapray] workers restarted from the last checkpoint")
                 with open(self.path) as f:
                     f.seek(offset)
                     chunk = f.read()

@@ -157,7 +157,7 @@ class RunStart:
     """The checkpoint directory to resume from (None: a fresh run)."""
     message: str
     torn_metrics: str | None = None
-    """A resume's warning that metrics.jsonl ends in a torn line, which ``cut_torn_metrics``
+    """A resume's warning that metrics.jsonl ends in a torn line, which ``truncate_metrics``
     drops (None: it does not)."""
 
 

@@ -75,6 +75,7 @@ def check_launch(cfg: TrainConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from . import preflight
+    from .report import max_steps_cap
     from .run_dir import resolve_paths
 
     rank_env = int(os.environ.get("RANK", "0"))
@@ -94,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         if rank_env == 0:
             start, lock = preflight.prepare(pre)
             print(f"[knapray] {start.message}", flush=True)
+            cap = max_steps_cap(cfg, pre.corpus.info.num_samples)
+            if cap:
+                print(f"[knapray] note: {cap}", flush=True)
     except (ValueError, OSError) as e:
         print(f"knapray torchrun: error: {e}", file=sys.stderr)
         return 2
@@ -102,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .checkpoint import StorageFull, no_space
     from .guard import BadCorpus
-    from .report import prediction_line, write_run_files
+    from .report import prediction_line, stopped_early_line, write_run_files
     from .trainer import Trainer
 
     # No Ray, so no coordinator actor: the ranks plan each step from an all-gather.
@@ -134,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{n_q} quarantined; run directory {cfg.run_dir}", flush=True)
             if "prediction_error_last" in out["summary"]:
                 print(f"[knapray] {prediction_line(out['summary'])}", flush=True)
+            early = stopped_early_line(cfg, summary)
+            if early:
+                print(f"[knapray] {early}", flush=True)
     finally:
         shutdown()
         if lock is not None:

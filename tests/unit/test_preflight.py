@@ -261,3 +261,25 @@ def test_a_corpus_mostly_longer_than_the_token_budget_is_refused(tmp_path, capsy
     assert "data.max_tokens_per_gpu=1:" in err[0] and "longer than 4 tokens (the budget times the largest bag, 4 GPUs" in err[0], err
     code, out, err = _run([*base, "--set", "data.max_tokens_per_gpu=100000"], capsys)
     assert code == 0, err
+
+
+def test_a_cap_by_max_steps_before_the_epochs_are_done_is_said(tmp_path, capsys, demo_corpus):
+    """--set data.epochs=2 on a config whose run.max_steps ends the first epoch: said at the
+    check (and by the launchers when the run starts and ends: report.stopped_early_line)."""
+    from knapray.train.config import load_config
+    from knapray.train.report import max_steps_cap, stopped_early_line
+
+    base = ["train", "--config", str(REPO / "jobs/configs/demo.yaml"), "--set", f"data.corpus={demo_corpus}",
+            "--set", f"run.storage={tmp_path / 'runs'}", "--set", "data.epochs=2", "--check"]
+    code, out, err = _run([*base, "--set", "run.max_steps=1"], capsys)
+    assert code == 0, err
+    note = [line for line in out if "note: run.max_steps=1 ends the run before data.epochs=2 are done" in line]
+    assert len(note) == 1 and "set run.max_steps=0" in note[0], out
+    code, out, err = _run([*base, "--set", "run.max_steps=0"], capsys)
+    assert code == 0 and not any("note:" in line for line in out), out
+    cfg = load_config(None, ["run.max_steps=24", "data.epochs=2", "scaling.num_workers=4", "data.samples_per_step=2"])
+    assert max_steps_cap(cfg, 178) .startswith("run.max_steps=24 ends the run before data.epochs=2 are done: an "
+                                               "epoch of 178 samples is about 23 steps")
+    assert stopped_early_line(cfg, {"epoch": 1}) == ("stopped by run.max_steps=24 in epoch 2 of data.epochs=2; set "
+                                                     "run.max_steps=0 (or higher) and run it again to train the rest")
+    assert stopped_early_line(cfg, {"epoch": 2}) is None and max_steps_cap(cfg, 10) is None
