@@ -235,16 +235,18 @@ def start_ray(ray, kwargs: dict, attempts: int = 1) -> None:
     sometimes loses its raylet while the dashboard agent waits for its ports; starting it
     again is safe: nothing of the run exists yet), then ``RayStartFailed``."""
     for attempt in range(1, attempts + 1):
+        before = ray.is_initialized()
         try:
             ray.init(**kwargs)
             return
         except Exception as e:  # noqa: BLE001 - Ray raises many kinds (ConnectionError, RuntimeError, TimeoutError)
             error = e
             logs = _ray_logs_dir()
-            try:
-                ray.shutdown()
-            except Exception:  # noqa: BLE001 - a half-started Ray may fail to stop too; the next try starts anew
-                pass
+            if not before and ray.is_initialized():  # what this attempt half-started, never a Ray in use before
+                try:
+                    ray.shutdown()
+                except Exception:  # noqa: BLE001 - a half-started Ray may fail to stop too; the next try starts anew
+                    pass
             if attempt < attempts:
                 print(f"[knapray] Ray did not start ({type(e).__name__}); trying once more", file=sys.stderr, flush=True)
     where = f"at {kwargs['address']}" if "address" in kwargs else "embedded"

@@ -209,13 +209,20 @@ def test_unwritable_storage_is_refused_before_ray_starts(corpus, tmp_path, capsy
     not_a_folder.write_text("x")
     code, err = _train(_argv(corpus, not_a_folder / "runs"), capsys)  # a real run, not --check: Ray would start
     _one_line(code, err, 2, str(not_a_folder), "is not a folder")
-    # Read-only or not writable (root writes into any mode-555 folder, so access is what is asked).
+    # A folder that takes no new file (root writes into any mode-555 folder, so the probe
+    # file pre-flight creates is refused here as the file system would refuse it).
     from knapray.train import run_dir
 
-    real = os.access
-    monkeypatch.setattr(run_dir.os, "access", lambda p, mode: False if str(p) == str(tmp_path) else real(p, mode))
+    real = os.open
+
+    def refusing(path, flags, *args, **kwargs):
+        if os.path.dirname(str(path)) == str(tmp_path) and ".knapray-write-probe" in str(path):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(run_dir.os, "open", refusing)
     code, err = _train(_argv(corpus, tmp_path / "runs"), capsys)
-    _one_line(code, err, 2, f"run.storage: {tmp_path} is", "cannot be written")
+    _one_line(code, err, 2, f"run.storage: {tmp_path} takes no new file (Permission denied)", "cannot be written")
     assert not (tmp_path / "runs").exists()
 
 

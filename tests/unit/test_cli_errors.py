@@ -80,16 +80,21 @@ def test_bench_coordinator_checks_its_flags_before_ray_starts(monkeypatch, capsy
 class _FakeRay:
     """``ray.init`` failing ``failures`` times (as an embedded Ray whose raylet died)."""
 
-    def __init__(self, failures: int) -> None:
-        self.failures, self.inits, self.shutdowns = failures, 0, 0
+    def __init__(self, failures: int, running: bool = False) -> None:
+        self.failures, self.inits, self.shutdowns, self.running = failures, 0, 0, running
+
+    def is_initialized(self) -> bool:
+        return self.running
 
     def init(self, **kwargs) -> None:
         self.inits += 1
+        self.running = True  # half-started, as a raylet that died waiting for its agent
         if self.inits <= self.failures:
             raise TimeoutError("Timed out waiting for file /tmp/ray/session_x/ports_by_node.json.\nmore lines")
 
     def shutdown(self) -> None:
         self.shutdowns += 1
+        self.running = False
 
 
 def test_an_embedded_ray_that_fails_to_start_is_tried_once_more_then_one_line():
@@ -107,6 +112,10 @@ def test_an_embedded_ray_that_fails_to_start_is_tried_once_more_then_one_line():
     assert "Ray's logs:" in msg and "more lines" not in msg
     with pytest.raises(RayStartFailed, match=r"Ray \(at 10.0.0.1:6379\) did not start after 1 attempt"):
         start_ray(_FakeRay(failures=1), {"address": "10.0.0.1:6379"}, attempts=1)
+    in_use = _FakeRay(failures=5, running=True)  # a Ray this process used before is never shut down
+    with pytest.raises(RayStartFailed):
+        start_ray(in_use, {"num_cpus": 4}, attempts=2)
+    assert in_use.shutdowns == 0
 
 
 def test_ctrl_c_while_starting_is_one_line_and_exit_130(tmp_path):
