@@ -33,16 +33,18 @@ class Chaos(threading.Thread):
         coordinator_name: str | None = None,
         coordinator_down_steps: int | None = None,
         recreate_coordinator=None,
+        coordinator_gone: bool = False,
         poll_s: float = 0.2,
     ) -> None:
         """``coordinator_down_steps``: instead of letting Ray restart the killed actor at
         once, keep it dead while the run trains that many more steps (a node that is down
-        for a while: ranks must plan locally meanwhile), then ``recreate_coordinator()``."""
+        for a while: ranks must plan locally meanwhile), then ``recreate_coordinator()``.
+        ``coordinator_gone``: killed without a restart and never back."""
         super().__init__(daemon=True)
         self.run_dir = run_dir
         self.kill_worker_at, self.worker_rank = kill_worker_at, worker_rank
         self.kill_coordinator_at, self.coordinator_name = kill_coordinator_at, coordinator_name
-        self.down_steps, self.recreate = coordinator_down_steps, recreate_coordinator
+        self.down_steps, self.recreate, self.gone = coordinator_down_steps, recreate_coordinator, coordinator_gone
         self.recreated = None
         self.poll_s = poll_s
         self.log = ChaosLog()
@@ -83,9 +85,9 @@ class Chaos(threading.Thread):
 
                 try:
                     down = self.down_steps is not None
-                    ray.kill(ray.get_actor(self.coordinator_name), no_restart=down)
+                    ray.kill(ray.get_actor(self.coordinator_name), no_restart=down or self.gone)
                     self.log.events.append({"event": "coordinator_killed", "after_step": step, "t": time.time()})
-                    if down:
+                    if down and not self.gone:
                         while self._last_step() < step + self.down_steps and not self._halt.wait(self.poll_s):
                             pass
                         # Keep the handle: a non-detached actor dies with its last reference.
@@ -97,6 +99,20 @@ class Chaos(threading.Thread):
                 self.kill_coordinator_at = None
             if self.kill_worker_at is None and self.kill_coordinator_at is None:
                 return
+
+
+def check_once_per_epoch(ledger_path: str, expected_ids, epochs: int) -> dict:
+    """``check_exactly_once`` for each of ``epochs`` epochs: every expected sample once in each."""
+    rows = [json.loads(line) for line in open(ledger_path) if line.strip()]
+    out = {"rows": len(rows), "epochs": {}}
+    for epoch in range(epochs):
+        counts = Counter(r["sample_id"] for r in rows if r["epoch"] == epoch)
+        expected = set(int(i) for i in expected_ids)
+        out["epochs"][epoch] = {"missing": sorted(expected - set(counts)),
+                                "duplicated": sorted(i for i, c in counts.items() if c > 1),
+                                "unexpected": sorted(set(counts) - expected)}
+    out["ok"] = all(not any(e.values()) for e in out["epochs"].values())
+    return out
 
 
 def check_exactly_once(ledger_path: str, expected_ids) -> dict:

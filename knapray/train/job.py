@@ -55,8 +55,8 @@ def run(args: argparse.Namespace) -> int:
     from knapray.train.config import ConfigError
     from knapray.train.guard import BadCorpus
     from knapray.train.run_dir import RunError
-    from knapray.train.report import (comparison_lines, plot_comparison, prediction_line, quarantine_line, read_metrics,
-                                      stopped_early_line)
+    from knapray.train.report import (comparison_lines, ledger_line, plot_comparison, prediction_line, quarantine_line,
+                                      read_metrics, stopped_early_line)
 
     try:
         # Every input is checked here, before Ray or any worker starts.
@@ -153,6 +153,10 @@ def run(args: argparse.Namespace) -> int:
     early = stopped_early_line(cfg, balanced)
     if early:
         print(f"[knapray] {early}")
+    gaps = ledger_line(balanced["run"])
+    if gaps:
+        print(f"knapray train: error: {gaps}", file=sys.stderr)
+        return 1
     rows = [("balanced", s)]
     if args.compare_unbalanced:
         unbalanced = run_training(base.cfg, checked=base)

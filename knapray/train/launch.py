@@ -4,6 +4,7 @@ run directory's summary files."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -164,11 +165,8 @@ def _fit(cfg: TrainConfig, corpus: CorpusCheck, done_steps: int) -> dict:
     """``done_steps``: the steps the checkpoint resumed from covers (0 for a fresh run)."""
     import ray
     from ray.data import DataContext
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
 
     from knapray.coordinator import create_coordinator
-    from knapray.data import corpus_dataset, ingest_execution_options
 
     DataContext.get_current().enable_progress_bars = False  # the training bar is enough
     run_dir = cfg.run_dir
@@ -181,9 +179,19 @@ def _fit(cfg: TrainConfig, corpus: CorpusCheck, done_steps: int) -> dict:
     coordinator = create_coordinator(coordinator_name(cfg), resources=placement,
                                      config=coordinator_config(cfg, state_dir=ledger_dir(run_dir)))
     start_timeout = worker_start_timeout(cfg, os.environ)
-    if start_timeout is not None:
-        # Ray Train reads it in the driver and hands it to its controller (ENV_VARS_TO_PROPAGATE).
-        os.environ[START_TIMEOUT_ENV] = f"{start_timeout:g}"
+    # Ray Train reads it in the driver and hands it to its controller (ENV_VARS_TO_PROPAGATE):
+    # set for this fit only, the driver's environment as it was afterwards.
+    with scoped_env(START_TIMEOUT_ENV, None if start_timeout is None else f"{start_timeout:g}"):
+        return _fit_in(cfg, corpus, done_steps, coordinator, run_dir)
+
+
+def _fit_in(cfg: TrainConfig, corpus: CorpusCheck, done_steps: int, coordinator: Any, run_dir: str) -> dict:
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from knapray.data import corpus_dataset, ingest_execution_options
+
     ds = corpus_dataset(cfg.data.corpus, rows_per_block=cfg.samples_per_rank(cfg.scaling.num_workers),
                         shards=list(corpus.good_shards))  # pre-flight quarantined the others
     workers: Any = cfg.scaling.num_workers
@@ -228,6 +236,16 @@ def _fit(cfg: TrainConfig, corpus: CorpusCheck, done_steps: int) -> dict:
         summary["coordinator_stats"] = ray.get(ray.get_actor(coordinator_name(cfg)).stats.remote(), timeout=30)
     except Exception as e:  # noqa: BLE001 - statistics only; the run itself is done
         logger.warning("coordinator statistics unavailable: %s", e)
+        # Gone for good (killed without a restart, its node lost): the rows it could not take
+        # are in the newest checkpoint; nothing else writes the journal now.
+        from .checkpoint import completed_checkpoints
+        from .ledger_files import take_over
+
+        newest = completed_checkpoints(os.path.join(run_dir, "checkpoints"))
+        added = take_over(run_dir, newest[-1] if newest else None)
+        if added:
+            print(f"[knapray] the coordinator is gone: the driver recorded the ledger rows of {len(added)} step(s) "
+                  f"({added[0]}..{added[-1]}) the last checkpoint carried", flush=True)
     del coordinator
     summary["run"] = write_run_files(cfg, summary)
     return summary
@@ -265,6 +283,22 @@ def coordinator_resources(node: str) -> dict[str, float]:
     if node == "any":
         return {}
     return {HEAD_RESOURCE if node == "head" else node: 0.001}
+
+
+@contextlib.contextmanager
+def scoped_env(name: str, value: str | None):
+    """``os.environ[name] = value`` inside the block (None: left as it is), and as it was
+    after it: a setting one Ray call needs does not outlive the call."""
+    before = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def worker_start_timeout(cfg: TrainConfig, environ) -> float | None:

@@ -101,3 +101,35 @@ def write_ledger_jsonl(run_dir: str, path: str) -> int:
     attempt, epoch); returns the number of rows (0 without a ledger, and no file)."""
     ledger = read_ledger(run_dir)
     return ledger.write_jsonl(path) if ledger is not None and ledger.rows else 0
+
+
+def take_over(run_dir: str, checkpoint: str | None) -> list[int]:
+    """The driver, at the end of a run whose coordinator is gone for good: the ledger rows
+    ``checkpoint`` (the run's newest) carried because the coordinator could not take them
+    (``StepPlanner.settle``), appended to the journal by this process (no other writes it
+    any more); steps the journal holds already are left as they are. Returns the steps
+    added."""
+    from .checkpoint import read_trainer_state
+
+    if checkpoint is None:
+        return []
+    rows = read_trainer_state(checkpoint).get("ledger_rows") or []
+    if not rows:
+        return []
+    ledger = Ledger(StateStore(ledger_dir(run_dir)))
+    try:
+        return [int(r["step"]) for r in rows if ledger.add(int(r["step"]), int(r["epoch"]), r["sample_ids"],
+                                                            r["home_ranks"])]
+    finally:
+        ledger.close()
+
+
+def unrecorded_steps(run_dir: str, trained_steps) -> list[int]:
+    """Steps the run trained (``metrics.jsonl``'s) of which the ledger holds no row: their
+    samples would be trained again by a resume, or never counted."""
+    ledger = read_ledger(run_dir)
+    recorded = np.unique(ledger.columns()["step"]) if ledger is not None else np.zeros(0, np.int64)
+    if ledger is not None:
+        ledger.close()
+    trained = np.unique(np.asarray(list(trained_steps), dtype=np.int64))
+    return [int(s) for s in np.setdiff1d(trained, recorded)]

@@ -226,9 +226,10 @@ def write_run_files(cfg: TrainConfig, summary: dict) -> dict:
            "quarantined_samples": sum("shard" not in q for q in quarantined),
            "quarantined_shards": sum("shard" in q for q in quarantined),
            "quarantined_shard_rows": sum(q.get("rows") or 0 for q in quarantined if "shard" in q)}
-    from .ledger_files import write_ledger_jsonl
+    from .ledger_files import unrecorded_steps, write_ledger_jsonl
 
     out["ledger_rows"] = write_ledger_jsonl(run_dir, os.path.join(run_dir, "ledger.jsonl"))
+    out["ledger_missing_steps"] = unrecorded_steps(run_dir, (r["step"] for r in records))
     with open_nofollow(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(out, f, indent=1, default=str)
     # Per-rank pictures need one world size: an elastic run plots its last one.
@@ -294,6 +295,17 @@ def plot_comparison(cfg: TrainConfig, base_cfg: TrainConfig, balanced: dict) -> 
         note="the legend's means are the table's 'planned imbalance' (dashed) and 'compute max/mean' (solid)"
         + ("; step 0 (warm-up) left out, as in the table" if len(summary_steps(b)) < len(b) else ""),
     )
+
+
+def ledger_line(run: dict) -> str | None:
+    """One line when the ledger lacks steps the run trained (``write_run_files``); None when
+    it holds them all."""
+    missing = run.get("ledger_missing_steps") or []
+    if not missing:
+        return None
+    shown = ", ".join(map(str, missing[:8])) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+    return (f"the ledger has no rows of {len(missing)} trained step(s) ({shown}): which samples they trained is not "
+            "recorded, so a resume could train them again; ledger.jsonl and summary.json say what it holds")
 
 
 def quarantine_line(run: dict) -> str:

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .checkpoint import StorageFull, no_space
     from .guard import BadCorpus
-    from .report import prediction_line, stopped_early_line, write_run_files
+    from .report import ledger_line, prediction_line, stopped_early_line, write_run_files
     from .trainer import Trainer
 
     # No Ray, so no coordinator actor: the ranks plan each step from an all-gather.
@@ -141,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
             early = stopped_early_line(cfg, summary)
             if early:
                 print(f"[knapray] {early}", flush=True)
+            gaps = ledger_line(out)
+            if gaps:
+                print(f"knapray torchrun: error: {gaps}", file=sys.stderr, flush=True)
+                return 1
     finally:
         shutdown()
         if lock is not None:

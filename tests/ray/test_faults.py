@@ -14,7 +14,7 @@ import pytest
 
 from knapray.corpus import CORPUS_SCHEMA, shard_paths
 from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
-from knapray.testing.chaos import Chaos, check_exactly_once
+from knapray.testing.chaos import Chaos, check_exactly_once, check_once_per_epoch
 from knapray.train.config import load_config
 
 pytestmark = pytest.mark.ray
@@ -114,6 +114,25 @@ def test_coordinator_killed_ranks_plan_locally_exactly_once(ray_session, tmp_pat
     reasons = {q["sample_id"]: q["reason"] for q in quarantine}
     assert {k: reasons.get(k) for k in bad} == bad
     assert {k for k, v in reasons.items() if v == "too_long"} == too_long
+
+
+@pytest.mark.parametrize("kill_after", [3, 8], ids=["mid-epoch-at-a-checkpoint", "at-the-epoch-boundary"])
+def test_a_coordinator_gone_for_good_loses_no_ledger_row(ray_session, clean_corpus, tmp_path, kill_after):
+    """``ray.kill(coordinator)`` without a restart: the ranks plan locally to the end, the
+    final checkpoint carries the rows nobody took, and the driver records them: every
+    sample once per epoch in both epochs (20 of 88 rows were left before). Killed right
+    after step 3's line, while its checkpoint is taken (checkpoint.every=2), or after step
+    8, the last of the first epoch (66 samples, 8 a step)."""
+    corpus_dir, ids = clean_corpus
+    cfg = _cfg(corpus_dir, tmp_path, f"gone{kill_after}", **{"run.max_failures": 0, "data.epochs": 2})
+    summary, events = _run_with_chaos(cfg, kill_coordinator_at=kill_after, coordinator_gone=True)
+    assert [e["event"] for e in events] == ["coordinator_killed"], events
+    planned_by = [r["planned_by"] for r in summary["records"]]
+    assert planned_by[-1] == "local" and "coordinator" in planned_by
+    check = check_once_per_epoch(os.path.join(cfg.run_dir, "ledger.jsonl"), ids, epochs=2)
+    assert check["ok"], check
+    assert summary["run"]["ledger_missing_steps"] == []
+    assert summary["run"]["ledger_rows"] == 2 * len(ids)
 
 
 def test_mostly_bad_corpus_stops_with_a_clear_error(ray_session, tmp_path_factory, tmp_path):

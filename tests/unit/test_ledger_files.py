@@ -102,3 +102,37 @@ def test_preflight_refuses_a_resume_whose_journal_lost_its_tail(tmp_path):
     with pytest.raises(RunError) as err:
         decide_start(cfg, [ck])
     assert "ledger journal" in str(err.value) and ck in str(err.value)
+
+
+def test_steps_trained_without_ledger_rows_are_named_in_one_line(tmp_path):
+    from knapray.coordinator.ledger import Ledger
+    from knapray.coordinator.store import StateStore
+    from knapray.train.ledger_files import ledger_dir, unrecorded_steps
+    from knapray.train.report import ledger_line
+
+    ledger = Ledger(StateStore(ledger_dir(str(tmp_path))))
+    for step in (0, 1, 3):
+        ledger.add(step, 0, [10 * step, 10 * step + 1], [0, 1])
+    ledger.close()
+    assert unrecorded_steps(str(tmp_path), [0, 1, 2, 3, 4]) == [2, 4]
+    assert unrecorded_steps(str(tmp_path / "none"), [0]) == [0]
+    line = ledger_line({"ledger_missing_steps": [2, 4]})
+    assert "\n" not in line and line.startswith("the ledger has no rows of 2 trained step(s) (2, 4)")
+    assert ledger_line({"ledger_missing_steps": []}) is None and ledger_line({}) is None
+
+
+def test_an_environment_setting_lasts_for_its_call_only(monkeypatch):
+    import os
+
+    from knapray.train.launch import scoped_env
+
+    monkeypatch.delenv("KNAPRAY_TEST_SCOPED", raising=False)
+    with scoped_env("KNAPRAY_TEST_SCOPED", "10"):
+        assert os.environ["KNAPRAY_TEST_SCOPED"] == "10"
+    assert "KNAPRAY_TEST_SCOPED" not in os.environ
+    monkeypatch.setenv("KNAPRAY_TEST_SCOPED", "30")
+    with scoped_env("KNAPRAY_TEST_SCOPED", "10"):
+        pass
+    with scoped_env("KNAPRAY_TEST_SCOPED", None):
+        assert os.environ["KNAPRAY_TEST_SCOPED"] == "30"
+    assert os.environ["KNAPRAY_TEST_SCOPED"] == "30"
