@@ -20,8 +20,9 @@ Where the ranks really are (``node_sizes``: ranks per node in rank order, gather
 the workers, ``topology.node_sizes_of``) overrides the config's uniform
 ``gpus_per_node`` picture: ``node_layout`` combines them into the units no bag may cross;
 with nodes of one size the rules above run with that size as the node; with uneven nodes
-(3 workers on one node, 1 on another) bags are sized by the largest power of two dividing
-every node, a concrete spec is re-laid out (``place_on_nodes``) and ``"per-step"`` is
+(3 workers on one node, 1 on another) every node is cut into the largest power-of-two
+bags it holds, up to the rule's largest (``node_bags``: nodes of 2, 2 and 1 give
+``g2n2+g1n1``), a concrete spec is re-laid out (``place_on_nodes``) and ``"per-step"`` is
 refused. The result is always checked against the real nodes: a bag never crosses one
 silently.
 
@@ -210,13 +211,63 @@ def resolve_rule(
         topo = place_on_nodes(Topology.parse(rule, world_size=world_size), layout.sizes)
         choice = RuleChoice(topo, f"spec {rule!r} laid out on nodes of {list(layout.sizes)} ranks")
     else:
-        # Uneven nodes: plan as if every node were blocks of the largest size dividing
-        # them all (bags of ``bags_of``/``auto`` never exceed a node, so none crosses one).
-        choice = _resolve(rule, world_size, layout.unit, history, model, solver, auto_tolerance, history_steps)
-        choice = RuleChoice(choice.topology, f"{choice.reason}; nodes of {list(layout.sizes)} ranks, "
-                                             f"bags within blocks of {layout.unit}")
+        # Uneven nodes: each node cut into the largest power-of-two bags it holds (3 ranks:
+        # a bag of 2 and one of 1), up to the rule's largest bag, in rank order.
+        choice = _uneven(kind, arg, layout.sizes, history, model, solver, auto_tolerance, history_steps)
     choice.topology.check_nodes(layout.sizes)
     return choice
+
+
+def node_bags(node_sizes: Sequence[int], largest: int) -> Topology:
+    """Every node (ranks in rank order) cut into power-of-two bags of at most ``largest``
+    ranks, the largest first: nodes of 2, 2 and 1 at 2 give ``g2n2+g1n1``; of 4 and 2 at 8
+    give ``g4n1+g2n1``; a node of 3 gives a bag of 2 and one of 1."""
+    bags = []
+    for n in node_sizes:
+        while n:
+            p = 1
+            while p * 2 <= min(n, largest):
+                p *= 2
+            bags.append(p)
+            n -= p
+    return Topology(tuple(bags))
+
+
+def _uneven(
+    kind: str,
+    arg: int | Topology | None,
+    sizes: tuple[int, ...],
+    history: LengthHistory,
+    model: WorkloadModel | CostModel | None,
+    solver: str,
+    tolerance: float,
+    history_steps: int,
+) -> RuleChoice:
+    """``bags_of``/``auto`` on nodes of different sizes: ``node_bags`` at the rule's largest
+    bag (``auto``: the smallest largest bag whose predicted mean imbalance over recent steps
+    is within ``tolerance`` of the best; no history yet: one node's)."""
+    world = sum(sizes)
+    where = f"nodes of {list(sizes)} ranks"
+    if kind == "bags_of":
+        return RuleChoice(node_bags(sizes, int(arg)), f"bags of up to {arg} inside each of the {where}")
+    cap = 1
+    while cap * 2 <= min(max(sizes), AUTO_MAX_BAG):
+        cap *= 2
+    steps = [s for s in redeal(history, world, history_steps) if any(s)]
+    if not steps:
+        return RuleChoice(node_bags(sizes, cap), f"auto: no length history yet, bags of up to {cap} inside each of the "
+                                                 f"{where}")
+    scores = {}
+    p = 1
+    while p <= cap:
+        topo = node_bags(sizes, p)
+        scores[p] = float(np.mean([plan_balance([np.asarray(r, np.int64) for r in s], topo, model or WorkloadModel(),
+                                                solver=solver).imbalance for s in steps]))
+        p *= 2
+    best = min(scores.values())
+    p = min(q for q, v in scores.items() if v <= best + tolerance)
+    return RuleChoice(node_bags(sizes, p), f"auto: mean predicted imbalance by largest bag "
+                                           f"{({q: round(v, 4) for q, v in scores.items()})}, inside each of the {where}")
 
 
 def _resolve(

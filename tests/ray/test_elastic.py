@@ -3,8 +3,8 @@ max))) on an emulated two-node Ray cluster (``ray.cluster_utils.Cluster``), wher
 bags follow where Ray really put the workers:
 
 - shrink: 4 workers on nodes of 3 and 1 slots (uneven: the rule bags_of:2 alone would
-  give g2n2, whose second bag spans both nodes; the real layout gives g1n4), then the
-  1-slot node is removed: 3 workers, g1n3;
+  give g2n2, whose second bag spans both nodes; the real layout gives g2n1+g1n2, a bag of 2
+  and one of 1 in the node of 3), then the 1-slot node is removed: 3 workers, g1n3;
 - grow: 2 workers on one node (g2n1); the coordinator actor is killed after step 1 (Ray
   restarts it on the head, where it is pinned; the ranks plan locally meanwhile), then a
   second 2-slot node joins: 4 workers, g2n2.
@@ -80,12 +80,12 @@ def _check(result: dict, worlds: tuple[int, int], topologies: tuple[str, str], n
 
 
 def test_elastic_shrink_uneven_nodes_4_to_3(tmp_path):
-    """Nodes of 3 and 1 slots: bags stay within them (g1n4, where the rule alone would give
-    g2n2 across the two); the 1-slot node is removed after step 2: the group fails, Ray
-    restarts it on the 3 workers left (after a 10 s start timeout, not its default 60),
-    g1n3."""
+    """Nodes of 3 and 1 slots: bags stay within them and keep sequence parallelism where a
+    node allows it (g2n1+g1n2, where the rule alone would give g2n2 across the two); the
+    1-slot node is removed after step 2: the group fails, Ray restarts it on the 3 workers
+    left (after a 10 s start timeout, not its default 60), g1n3."""
     result = _run_scenario("shrink", tmp_path)
-    _check(result, (4, 3), ("g1n4", "g1n3"), ([1, 3], [3]))
+    _check(result, (4, 3), ("g2n1+g1n2", "g1n3"), ([1, 3], [3]))
     assert result["checks"]["the rule alone (g2n2) would cross a node of the start layout"]
 
 

@@ -207,9 +207,13 @@ def test_real_node_layouts():
     with pytest.raises(ValueError, match="crosses a node boundary"):
         Topology.parse("g4n1").check_nodes((3, 1))  # ... of one size only
     # The rules re-plan for the real layout; nothing crosses a node, whatever the rule.
-    for rule, nodes, want in [("bags_of:2", (3, 1), "g1n4"), ("bags_of:2", (2, 2), "g2n2"),
-                              ("auto", (3, 1), "g1n4"), ("g1n2+g2n1", (3, 1), "g2n1+g1n2"),
-                              ("g1n2+g2n1", (4,), "g1n2+g2n1"), ("bags_of:8", (8, 8, 4), "g4n5")]:
+    # Uneven nodes keep sequence parallelism: each node cut into the largest power-of-two
+    # bags it holds (g1n5 for 2+2+1 before, no bag larger than the smallest node's share).
+    for rule, nodes, want in [("bags_of:2", (3, 1), "g2n1+g1n2"), ("bags_of:2", (2, 2), "g2n2"),
+                              ("auto", (3, 1), "g2n1+g1n2"), ("g1n2+g2n1", (3, 1), "g2n1+g1n2"),
+                              ("g1n2+g2n1", (4,), "g1n2+g2n1"), ("bags_of:8", (8, 8, 4), "g8n2+g4n1"),
+                              ("bags_of:8", (2, 2, 1), "g2n2+g1n1"), ("auto", (2, 2, 1), "g2n2+g1n1"),
+                              ("bags_of:8", (4, 2), "g4n1+g2n1"), ("auto", (4, 2), "g4n1+g2n1")]:
         topo = resolve_rule(rule, sum(nodes), node_sizes=nodes).topology
         assert str(topo) == want, (rule, nodes, str(topo))
         topo.check_nodes(nodes)
@@ -395,3 +399,19 @@ def test_lightest_breaks_ties_by_index_whatever_argpartition_does():
         x = rng.integers(0, 4, size=int(rng.integers(1, 30))).astype(float)
         k = int(rng.integers(1, x.size + 1))
         assert lightest(x, k).tolist() == np.lexsort((np.arange(x.size), x))[:k].tolist()
+
+
+def test_auto_on_uneven_nodes_scores_each_largest_bag_by_the_recent_steps():
+    """With a length history, auto picks the smallest largest bag within tolerance of the
+    best predicted imbalance, bags inside each node: a long sequence among short ones needs
+    the node of 4's bag of 4."""
+    from knapray.planning.rules import node_bags, resolve_rule
+
+    steps = [[[4000], [64, 64], [64], [64], [64, 64], [64]] for _ in range(4)]  # one long sequence a step
+    choice = resolve_rule("auto", 6, node_sizes=(4, 2), history=steps, model=WorkloadModel(d_model=64))
+    assert str(choice.topology) == "g4n1+g2n1" and "largest bag" in choice.reason
+    even = [[[64, 64]] * 6 for _ in range(4)]  # nothing to split: bags of one
+    assert str(resolve_rule("auto", 6, node_sizes=(4, 2), history=even, model=WorkloadModel(d_model=64)).topology) \
+        == "g1n6"
+    assert node_bags((5, 3), 8).bags == [4, 1, 2, 1]
+    node_bags((5, 3), 8).check_nodes((5, 3))
