@@ -13,7 +13,7 @@ one of, so a node with k slots runs k training workers), a tiny corpus, and runs
 
 - ``shrink``: starts on nodes of 3 and 1 slots (uneven: the rule's g2n2 would put a bag
   across the two nodes; the real layout gives g2n1+g1n2), then removes the 1-slot node
-  (4 -> 3 workers, g2n1+g1n2 -> g1n3);
+  (4 -> 3 workers, g2n1+g1n2 -> g2n1+g1n1);
 - ``grow``: starts on one node of 2 slots (g2n1), kills the coordinator actor after step 1
   (Ray restarts it on the head; it reloads its state from the run directory while the
   ranks plan locally), then adds a second node of 2 slots (2 -> 4 workers, g2n2).
