@@ -58,6 +58,8 @@ import threading
 import time
 from collections import Counter
 
+from knapray.testing.waits import ProgressDeadline
+
 SLOT = "knapray_slot"
 MODEL = [
     "model.hidden_size=32", "model.num_heads=4", "model.rope_axes_dim=[2,2,4]",
@@ -229,11 +231,14 @@ def run(args: argparse.Namespace) -> dict:
         placements: list[dict] = []
         first_key = None  # (world size, nodes) of the first attempt
         at_new_size = False
-        deadline = time.perf_counter() + args.timeout
-        while trainer.is_alive() and time.perf_counter() < deadline:
+        # Stuck, not slow: the wait expires after a quiet spell (no new step, no event) longer
+        # than --timeout or twice the time the run took to its last progress.
+        wait = ProgressDeadline(floor_s=args.timeout, clock=time.perf_counter)
+        while trainer.is_alive() and not wait.expired():
             trainer.join(timeout=0.2)
             # A restart rewrites metrics.jsonl back to its checkpoint: read it whole each time.
             records = _read_records(metrics)
+            wait.progressed((len(events), tuple((r["step"], r["world_size"]) for r in records)))
             if records and first_key is None:
                 first_key = (records[0]["world_size"], records[0].get("node_sizes"))
                 event("first step", step=records[0]["step"], world_size=first_key[0], node_sizes=first_key[1],
@@ -274,8 +279,8 @@ def run(args: argparse.Namespace) -> dict:
                     except Exception as e:  # then Ray's own 20 s tick does it
                         event("nudge failed", error=f"{type(e).__name__}: {e}")
         if trainer.is_alive():
-            event("TIMEOUT: the run did not finish", timeout_s=args.timeout)
-            box.setdefault("error", f"timeout after {args.timeout}s")
+            event("TIMEOUT: the run did not finish", why=wait.why("the run"))
+            box.setdefault("error", wait.why("the run"))
         else:
             event("run_training returned" if "summary" in box else "run_training raised", error=box.get("error"))
         fit_s = time.perf_counter() - t_fit
@@ -413,9 +418,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="have the AutoscalingCoordinator re-read the cluster right after the change")
     p.add_argument("--worker-logs", action="store_true", help="stream worker/actor logs to this process")
     p.add_argument("--keep-logs", action="store_true", help="copy the Ray session's logs to OUT/ray-logs")
-    p.add_argument("--timeout", type=float, default=420.0,
-                   help="give up on the run after this many seconds (a loaded 2-core machine took 160 s "
-                        "to the first step)")
+    p.add_argument("--timeout", type=float, default=240.0,
+                   help="give up on the run once nothing has changed (no step, no event) for this many seconds, "
+                        "or twice the time the run took to its last progress if longer (a loaded 2-core machine "
+                        "took 160 s to the first step)")
     args = p.parse_args(argv)
     result = run(args)
     path = os.path.join(os.path.abspath(args.out), "result.json")

@@ -32,7 +32,9 @@ import pytest
 
 from knapray.corpus import shard_paths
 
-pytestmark = pytest.mark.ray
+# The scenario waits on its run's progress (knapray.testing.waits): stuck after a quiet spell,
+# never for being slow; the bounds here only guard against a hang outside it.
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(1800)]
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -40,7 +42,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 def _run_scenario(scenario: str, out: pathlib.Path, *extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     cmd = [sys.executable, "-m", "knapray.testing.elastic_check", "--scenario", scenario, "--out", str(out), *extra]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=480)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1700)
     path = out / "result.json"
     assert path.exists(), f"{scenario}: no result.json (rc {proc.returncode})\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     result = json.loads(path.read_text())

@@ -184,6 +184,8 @@ RULES = (
     Rule(r"^torchrun --nproc-per-node 4 .*per-step", "check", "the demo corpus replaced by a small one; training "
          "per-step on gloo is tests/dist/test_block_groups.py's", extra=("--set", "data.corpus={W}/demo-corpus")),
     Rule(r"^PYTHON=python3 make gpu-check", "skip", "needs a CUDA GPU"),
+    Rule(r"^PYTHON=python3 make gpu-bench", "skip", "needs a CUDA GPU; tests/dist/test_torchrun.py runs the same "
+         "make target on CPU (GPU_BENCH_FLAGS=--cpu) in a Python without the packages the GPU machine lacks"),
     Rule(r"^ray start ", "skip", "starts a Ray head on fixed ports (another session's Ray may hold them); "
          "jobs/submit_demo.sh does the same on free ports"),
     Rule(r"^bash jobs/submit_demo\.sh", "skip", "waits 30-90 s for a head start here; tests/ray/test_submit_demo.py "
