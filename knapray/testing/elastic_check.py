@@ -59,6 +59,7 @@ import time
 from collections import Counter
 
 from knapray.testing.waits import ProgressDeadline
+from knapray.train.startup import read_startups
 
 SLOT = "knapray_slot"
 MODEL = [
@@ -228,6 +229,8 @@ def run(args: argparse.Namespace) -> dict:
         trainer.start()
 
         changed_at = None  # (time, last step logged before the change)
+        changed_wall = None  # the same moment in wall-clock seconds (the workers' startup marks are)
+        fit_wall = time.time()
         placements: list[dict] = []
         first_key = None  # (world size, nodes) of the first attempt
         at_new_size = False
@@ -272,6 +275,7 @@ def run(args: argparse.Namespace) -> dict:
                     event(f"added a worker node of {change} slots", after_step=step,
                           worker_node_slots=[slots[n.node_id] for n in workers])
                 changed_at = (time.perf_counter(), step)
+                changed_wall = time.time()
                 if args.nudge:
                     try:
                         _refresh_autoscaling_view(len(workers) + 1)
@@ -326,7 +330,9 @@ def run(args: argparse.Namespace) -> dict:
         if kill_coordinator_after is not None:
             checks["coordinator killed, restarted by Ray, found on the head again"] = len(placements) >= 2 and any(
                 e["event"] == "killed the coordinator actor" for e in events)
+        recovery = recovery_breakdown(read_startups(cfg.run_dir), fit_wall, changed_wall)
         result.update({
+            "recovery": recovery,
             "ok": all(checks.values()),
             "checks": checks,
             "segments": segs,
@@ -365,6 +371,52 @@ def run(args: argparse.Namespace) -> dict:
                 shutil.copytree(os.path.join(tmp, "ray", "session_latest", "logs"), os.path.join(out, "ray-logs"),
                                 dirs_exist_ok=True, ignore_dangling_symlinks=True)
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+PHASES = (
+    ("ray", "the change to the new workers' processes (Ray: notice, decide, place, start)", None, "process_started"),
+    ("build", "process start to the model built (imports, Ray Train, process group, topology, model)",
+     "process_started", "model_ready"),
+    ("restore", "the checkpoint loaded", "model_ready", "restored"),
+    ("first step", "the first step (data iterator, plan, compile, the step)", "restored", "first_step"),
+)
+
+
+def recovery_breakdown(startups: list[dict], fit_wall: float, changed_wall: float | None) -> dict:
+    """Seconds of each phase of the cold start (the first attempt, from the fit's start) and
+    of the first attempt after the change (from the change): ``PHASES``, and the total."""
+
+    def phases(attempt: dict | None, origin: float | None) -> dict | None:
+        if attempt is None or origin is None:
+            return None
+        out = {}
+        for name, _, start, end in PHASES:
+            a = origin if start is None else attempt.get(start)
+            b = attempt.get(end)
+            out[name] = round(b - a, 2) if a is not None and b is not None else None
+        out["total"] = round(attempt["first_step"] - origin, 2) if attempt.get("first_step") else None
+        out["world_size"], out["topology"] = attempt.get("world_size"), attempt.get("topology")
+        return out
+
+    after = next((a for a in startups if changed_wall is not None and (a.get("trainer_started") or 0) > changed_wall),
+                 None)
+    return {"cold_start": phases(startups[0] if startups else None, fit_wall), "after_change": phases(after, changed_wall)}
+
+
+def recovery_table(result: dict) -> str:
+    """The recovery of ``result`` (``recovery_breakdown``) and its ledger check, as a table."""
+    rec = result.get("recovery") or {}
+    cols = [("cold start", rec.get("cold_start")), ("after the change", rec.get("after_change"))]
+    lines = [f"{'phase':<12} {'cold start':>11} {'after change':>13}  what"]
+    for name, what, _, _ in PHASES:
+        vals = [f"{c[name]:.1f} s" if c and c.get(name) is not None else "-" for _, c in cols]
+        lines.append(f"{name:<12} {vals[0]:>11} {vals[1]:>13}  {what}")
+    vals = [f"{c['total']:.1f} s" if c and c.get("total") is not None else "-" for _, c in cols]
+    lines.append(f"{'total':<12} {vals[0]:>11} {vals[1]:>13}  to the first step")
+    ledger = result.get("ledger") or {}
+    lines.append(f"ledger: {'exactly once' if ledger.get('exactly_once') else 'NOT exactly once'} "
+                 f"({ledger.get('rows')} rows for {ledger.get('corpus_samples')} samples)")
+    return "\n".join(lines)
 
 
 def _placement(cluster, workers, coordinator: str) -> dict:
@@ -431,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
                                          "final_attempt", "coordinator_placements", "timings_s", "error")}
     brief["ledger"] = {k: v for k, v in result.get("ledger", {}).items() if k != "steps"}
     print(json.dumps(brief, indent=1))
+    print(recovery_table(result))
     print(f"[elastic_check] wrote {path}")
     return 0 if result.get("ok") else 1
 

@@ -350,7 +350,7 @@ class RunLock:
         return False
 
 
-STALE_FILES = ("metrics.jsonl", "summary.json", "ledger.jsonl", "quarantine.jsonl", "rank_work.png")
+STALE_FILES = ("metrics.jsonl", "summary.json", "ledger.jsonl", "quarantine.jsonl", "rank_work.png", "startup.jsonl")
 STALE_DIRS = (LEDGER_DIR, "pids")
 
 

@@ -68,6 +68,7 @@ from .parallelize import ParallelConfig, materialize, parallelize
 from .profiling import StepProfiler
 from .sinks import MetricSinks, scalars_of
 from .report import most_used_first, truncate_metrics
+from .startup import StartupClock
 from .step_planner import (
     Planned,
     StepPlanner,
@@ -129,6 +130,7 @@ def _split_lengths(plan: BalancePlan) -> list[list[int]]:
 
 class Trainer:
     def __init__(self, ctx: TrainContext, cfg: TrainConfig) -> None:
+        self.startup = StartupClock()
         self.ctx, self.cfg = ctx, cfg
         self.rank, self.world = ctx.rank, ctx.world_size
         self.device = ctx.device(cfg.scaling.use_gpu)
@@ -167,6 +169,7 @@ class Trainer:
             self._load_pretrained()
         else:
             materialize(self.model, self.device)
+        self.startup.mark("model_ready")
         # FSDP gathers parameters in the compute dtype itself; without it, bf16 is autocast.
         self.autocast = not sharded and self.dtype != torch.float32
         self.optimizer = build_optimizer(self.model, cfg.optim)
@@ -200,6 +203,7 @@ class Trainer:
             if self.rank == 0:
                 truncate_metrics(self.run_dir, self.step)
                 logger.info("resumed from %s: step %d, epoch %d", latest, self.step, self.epoch)
+        self.startup.mark("restored")
         # Optimizer steps so far: checkpoints fall on accumulation boundaries.
         self.schedule = LRSchedule(self.optimizer, cfg.optim, self._optimizer_steps(cfg.run.max_steps),
                                    start_step=self._optimizer_steps(self.step))
@@ -330,6 +334,10 @@ class Trainer:
             while not self._at_max_steps():
                 with self.profiler.step(self.step):
                     rec = self.train_step(stream)
+                if rec is not None and not self.startup.written and self.rank == 0:
+                    self.startup.mark("first_step")
+                    self.startup.write(self.run_dir, step=rec["step"], world_size=self.world,
+                                       node_sizes=list(self.node_sizes), topology=rec["topology"])
                 if rec is None:  # the epoch is over for every rank
                     self._apply_gradients()  # an accumulation group the epoch cut short
                     # The end step trained nothing: the next epoch's first step takes its

@@ -27,3 +27,36 @@ def test_a_slow_run_that_keeps_moving_never_expires_and_a_quiet_one_does():
     fresh = ProgressDeadline(floor_s=60, clock=clock)
     clock.t += 61
     assert fresh.expired()  # nothing at all for longer than the floor
+
+
+def test_startup_marks_and_the_recovery_breakdown(tmp_path):
+    """Rank 0's startup.jsonl line per attempt, split into Ray's part and the trainer's."""
+    import json
+    import os
+    import time
+
+    from knapray.testing.elastic_check import recovery_breakdown, recovery_table
+    from knapray.train.startup import StartupClock, process_started_at, read_startups
+
+    started = process_started_at()
+    assert started is not None and started <= time.time()
+    clock = StartupClock()
+    for name in ("model_ready", "restored", "first_step"):
+        clock.mark(name)
+    clock.write(str(tmp_path), step=0, world_size=4, node_sizes=[4], topology="g2n2")
+    clock.write(str(tmp_path), step=1)  # once per attempt
+    (line,) = read_startups(str(tmp_path))
+    assert line["step"] == 0 and line["process_started"] <= line["trainer_started"] <= line["first_step"]
+    cold = {"process_started": 105.0, "trainer_started": 110.0, "model_ready": 120.0, "restored": 120.0,
+            "first_step": 140.0, "world_size": 4, "topology": "g2n2"}
+    again = {"process_started": 230.0, "trainer_started": 235.0, "model_ready": 241.0, "restored": 243.0,
+             "first_step": 252.0, "world_size": 3, "topology": "g2n1+g1n1"}
+    with open(os.path.join(tmp_path, "startup.jsonl"), "w") as f:
+        f.write(json.dumps(cold) + "\n" + json.dumps(again) + "\n{torn")
+    rec = recovery_breakdown(read_startups(str(tmp_path)), fit_wall=100.0, changed_wall=200.0)
+    assert rec["cold_start"] == {"ray": 5.0, "build": 15.0, "restore": 0.0, "first step": 20.0, "total": 40.0,
+                                 "world_size": 4, "topology": "g2n2"}
+    assert rec["after_change"]["ray"] == 30.0 and rec["after_change"]["total"] == 52.0
+    table = recovery_table({"recovery": rec, "ledger": {"exactly_once": True, "rows": 44, "corpus_samples": 44}})
+    assert "ray                5.0 s        30.0 s" in table and "total             40.0 s        52.0 s" in table
+    assert table.endswith("ledger: exactly once (44 rows for 44 samples)")
