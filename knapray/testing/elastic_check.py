@@ -261,6 +261,7 @@ def run(args: argparse.Namespace) -> dict:
                     kill_coordinator_after is None or placements):
                 if kill_coordinator_after is None:
                     placements.append(_placement(cluster, workers, name))
+                changed_wall = time.time()  # when the node is asked to go or to come (its join takes a while)
                 if change < 0:
                     victim = next(n for n in reversed(workers) if slots[n.node_id] == -change)
                     workers.remove(victim)
@@ -275,7 +276,6 @@ def run(args: argparse.Namespace) -> dict:
                     event(f"added a worker node of {change} slots", after_step=step,
                           worker_node_slots=[slots[n.node_id] for n in workers])
                 changed_at = (time.perf_counter(), step)
-                changed_wall = time.time()
                 if args.nudge:
                     try:
                         _refresh_autoscaling_view(len(workers) + 1)
@@ -374,9 +374,12 @@ def run(args: argparse.Namespace) -> dict:
 
 
 PHASES = (
-    ("ray", "the change to the new workers' processes (Ray: notice, decide, place, start)", None, "process_started"),
-    ("build", "process start to the model built (imports, Ray Train, process group, topology, model)",
-     "process_started", "model_ready"),
+    # From the trainer's start, not the worker process's: Ray keeps idle worker processes
+    # started ahead, so a new attempt's process may predate the change.
+    ("ray", "the change to the trainer's start (Ray: notice, decide, place and start the workers; imports, "
+            "the process group)", None, "trainer_started"),
+    ("build", "the trainer's start to the model built (node layout, topology, model, optimizer)",
+     "trainer_started", "model_ready"),
     ("restore", "the checkpoint loaded", "model_ready", "restored"),
     ("first step", "the first step (data iterator, plan, compile, the step)", "restored", "first_step"),
 )

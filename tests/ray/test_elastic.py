@@ -89,6 +89,10 @@ def test_elastic_shrink_uneven_nodes_4_to_3(tmp_path):
     its bag of 2; g1n3 before)."""
     result = _run_scenario("shrink", tmp_path)
     _check(result, (4, 3), ("g2n1+g1n2", "g2n1+g1n1"), ([1, 3], [3]))
+    # The recovery, phase by phase, from each attempt's startup marks (the table the check prints).
+    after = result["recovery"]["after_change"]
+    assert after["world_size"] == 3 and after["total"] > 0
+    assert sum(after[p] for p in ("ray", "build", "restore", "first step")) == pytest.approx(after["total"], abs=0.1)
     assert result["checks"]["the rule alone (g2n2) would cross a node of the start layout"]
 
 

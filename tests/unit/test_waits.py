@@ -54,9 +54,9 @@ def test_startup_marks_and_the_recovery_breakdown(tmp_path):
     with open(os.path.join(tmp_path, "startup.jsonl"), "w") as f:
         f.write(json.dumps(cold) + "\n" + json.dumps(again) + "\n{torn")
     rec = recovery_breakdown(read_startups(str(tmp_path)), fit_wall=100.0, changed_wall=200.0)
-    assert rec["cold_start"] == {"ray": 5.0, "build": 15.0, "restore": 0.0, "first step": 20.0, "total": 40.0,
+    assert rec["cold_start"] == {"ray": 10.0, "build": 10.0, "restore": 0.0, "first step": 20.0, "total": 40.0,
                                  "world_size": 4, "topology": "g2n2"}
-    assert rec["after_change"]["ray"] == 30.0 and rec["after_change"]["total"] == 52.0
+    assert rec["after_change"]["ray"] == 35.0 and rec["after_change"]["total"] == 52.0
     table = recovery_table({"recovery": rec, "ledger": {"exactly_once": True, "rows": 44, "corpus_samples": 44}})
-    assert "ray                5.0 s        30.0 s" in table and "total             40.0 s        52.0 s" in table
+    assert "ray               10.0 s        35.0 s" in table and "total             40.0 s        52.0 s" in table
     assert table.endswith("ledger: exactly once (44 rows for 44 samples)")
