@@ -116,14 +116,21 @@ def test_coordinator_killed_ranks_plan_locally_exactly_once(ray_session, tmp_pat
     assert {k for k, v in reasons.items() if v == "too_long"} == too_long
 
 
-@pytest.mark.parametrize("kill_after", [3, 8], ids=["mid-epoch-at-a-checkpoint", "at-the-epoch-boundary"])
-def test_a_coordinator_gone_for_good_loses_no_ledger_row(ray_session, clean_corpus, tmp_path, kill_after):
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory):
+    out = tmp_path_factory.mktemp("small")
+    rows = _corpus(out, steps=3)  # 33 samples: 5 steps of 8 an epoch
+    return str(out), [r["sample_id"] for r in rows]
+
+
+@pytest.mark.parametrize("kill_after", [1, 4], ids=["mid-epoch-at-a-checkpoint", "at-the-epoch-boundary"])
+def test_a_coordinator_gone_for_good_loses_no_ledger_row(ray_session, small_corpus, tmp_path, kill_after):
     """``ray.kill(coordinator)`` without a restart: the ranks plan locally to the end, the
     final checkpoint carries the rows nobody took, and the driver records them: every
-    sample once per epoch in both epochs (20 of 88 rows were left before). Killed right
-    after step 3's line, while its checkpoint is taken (checkpoint.every=2), or after step
-    8, the last of the first epoch (66 samples, 8 a step)."""
-    corpus_dir, ids = clean_corpus
+    sample once per epoch in both epochs (20 of 176 rows were left before). Killed right
+    after step 1's line, while its checkpoint is taken (checkpoint.every=2), or after step
+    4, the last of the first epoch (33 samples, 8 a step)."""
+    corpus_dir, ids = small_corpus
     cfg = _cfg(corpus_dir, tmp_path, f"gone{kill_after}", **{"run.max_failures": 0, "data.epochs": 2})
     summary, events = _run_with_chaos(cfg, kill_coordinator_at=kill_after, coordinator_gone=True)
     assert [e["event"] for e in events] == ["coordinator_killed"], events
