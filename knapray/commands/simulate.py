@@ -34,7 +34,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--paper-table", action="store_true", help="auto vs best greedy on the paper mixes at 32 and 1024 "
                    "GPUs; with --topology per-step: per-step vs static auto on them, alternate:low-res/image+video and "
                    "alternate:low-res*2/image+video*2 (and --mix, if given)")
-    p.add_argument("--markdown", metavar="FILE", help="--paper-table: also write the table to this file")
+    p.add_argument("--rivals", action="store_true",
+                   help="knapray (auto, per-step) against the newest balancers' planners (KnapFormer's greedy on "
+                   "fixed bags, dynamic CP, FlexSP-style, Zellige-style overlapping groups: knapray.planning.rivals) "
+                   "on the paper's image and image+video mixes, the Wan mix and two held-out mixes at --worlds")
+    p.add_argument("--worlds", default="8,32,128,512", help="--rivals: GPU counts, comma-separated (default 8,32,128,512)")
+    p.add_argument("--markdown", metavar="FILE", help="--paper-table, --rivals: also write the table to this file")
     p.add_argument("--plot", metavar="PNG", help="write a PNG of predicted per-rank time")
     add_json(p)
 
@@ -59,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     preset = [f"{k}={json.dumps(v)}" for k, v in MODEL_PRESETS[args.model].items()]
     args.cost = preset + list(args.cost)  # --cost after the preset: it overrides it
     cost = cost_model(args)
+    if args.rivals:
+        return _rivals(args)
     if args.paper_table and args.topology == sim.PER_STEP:
         mixes = (*sim.PAPER_MIXES, *sim.NONSTATIONARY_MIXES) + ((args.mix,) if args.mix else ())
         print("mix                             GPUs  static s  per-step s  ratio   worst  behind", file=sys.stderr)
@@ -123,4 +130,40 @@ def run(args: argparse.Namespace) -> int:
     sim.print_report(result)
     if args.json:
         print(json.dumps(result))
+    return 0
+
+
+RIVAL_MIXES = (("mixed-res", "flux"), ("image+video", "flux"), ("wan", "wan14b"),
+               ("alternate:low-res/image+video", "flux"), ("long-video", "flux"))
+"""The paper's image (mixed-res) and image+video mixes, the Wan mix under the Wan 14B model,
+and two held out: image-only steps alternating with video-heavy ones, and a mix of long
+clips (``knapray.planning.mix``'s ``long-video``)."""
+
+
+def _rivals(args: argparse.Namespace) -> int:
+    from knapray.limits import MAX_WORLD_SIZE
+    from knapray.planning.rivals import rivals_markdown, rivals_table
+
+    try:
+        worlds = tuple(int(w) for w in args.worlds.split(","))
+    except ValueError:
+        raise ValueError(f"--worlds {args.worlds!r}: expected GPU counts such as 8,32,128,512") from None
+    if any(not 1 <= w <= MAX_WORLD_SIZE for w in worlds):
+        raise ValueError(f"--worlds {args.worlds!r}: each from 1 to {MAX_WORLD_SIZE}")
+    print("mix                             GPUs  best knapray s  rivals' step time over knapray's best", file=sys.stderr)
+    rows = rivals_table(
+        RIVAL_MIXES, worlds=worlds, steps=args.steps, seed=args.seed,
+        progress=lambda r: print(
+            f"{r['mix'][:31]:<31} {r['world_size']:>4}  {r['knapray_best_s']:>14.4f}  " + "  ".join(
+                f"{n} {v:.3f}" for n, v in r["ratios"].items() if not n.startswith("knapray")),
+            file=sys.stderr, flush=True),
+    )
+    command = f"knapray simulate --rivals --worlds {args.worlds} --steps {args.steps}"
+    text = rivals_markdown(rows, command)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text)
+    print(text)
+    if args.json:
+        print(json.dumps({"rows": rows}))
     return 0

@@ -201,5 +201,11 @@ clips through Wan's causal VAE: 17 frames at 512² (5 latent frames, 5120 tokens
 75600 at 1280x720 scaled down). Lengths are visual tokens: plan it with a cross-attention
 model (``knapray simulate --model wan14b``)."""
 
-MIXES = {**PAPER_MIXES, **WAN_MIXES}
+HELD_OUT_MIXES = {
+    "long-video": "g16b4i256f1s0,g8b1i512f85s1,g8b1i1024f33s1",
+}
+"""A mix no planner was tuned on (32 ranks): 256² images beside long clips, 85 frames at
+512² (25 latent frames, 25,600 tokens) and 33 at 1024² (10, 40,960)."""
+
+MIXES = {**PAPER_MIXES, **WAN_MIXES, **HELD_OUT_MIXES}
 """Every named mix ``parse_mix`` accepts."""

@@ -1,0 +1,342 @@
+"""The newest balancers' ideas as planners in the simulator, under knapray's cost model.
+
+knapray's own planners, ``auto`` (a static topology chosen from recent steps) and
+``per-step`` (each step's own partition of every node into aligned power-of-two blocks,
+``pertopo``), are compared with what the systems published since KnapFormer do, each
+re-implemented from its paper's description as a planner of one step (none of them ships
+code for this cost model; these are their ideas, not their code):
+
+- ``knapformer``: KnapFormer's greedy on fixed homogeneous bags, the best of
+  g1n*/g2n*/g4n*/g8n* over the steps (``sim.simulate``'s ``greedy``);
+- ``dynamic_cp`` (Megatron-Core dynamic context parallel): one CP degree for the whole
+  step, chosen per step among the homogeneous bag sizes, knapray's solver assigning;
+- ``flexsp`` (FlexSP): sequence-parallel groups of *any* size a node and the head count
+  allow (24 heads: 1, 2, 3, 4, 6, 8), chosen per step: every sequence asks for the
+  smallest group on which it takes at most a target time, the groups those sequences need
+  go to the nodes whose sequences ask for them most (not aligned), the rest of every node
+  is groups of one, and knapray's solver assigns; several targets, the best kept;
+- ``zellige`` (Zellige): overlapping groups: every sequence that one GPU cannot finish in
+  a target time is sharded over an aligned power-of-two group of the size it needs, or of
+  one size for all (both tried; on the group whose most loaded GPU is least loaded), and
+  every other sequence goes whole
+  to the least loaded GPU, which may also serve groups: no GPU idles inside a bag it only
+  partly uses. Its per-GPU times are computed here with the cost model's own terms
+  (chunk compute, Ulysses per chunk token on its group, routing of the tokens that leave
+  their home), since a ``BalancePlan``'s bags are disjoint.
+
+``rivals_step`` predicts one step with every planner; ``rivals_table`` runs mixes and
+world sizes and ``rivals_markdown`` writes the table (``knapray simulate --rivals``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .autotopo import search_topology
+from .cost import CostModel, StepTimes
+from .mix import MAX_TEXT_TOKENS
+from .pertopo import plan_step
+from .solver import plan_balance
+from .topology import Topology
+
+PLANNERS = ("knapray_auto", "knapray_per_step", "knapformer", "dynamic_cp", "flexsp", "zellige")
+MARGINS = (1.0, 1.05, 1.1, 1.2, 1.35)
+"""Target step times (x the step's ideal) the demand-driven rivals try; the best is kept."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One planner's predicted step."""
+
+    planner: str
+    step_s: float
+    compute_s: float
+    """The slowest GPU's compute seconds."""
+    comm_s: float
+    """Its Ulysses and routing seconds."""
+    layout: str
+    """What it ran on (a topology, or the groups of an overlapping plan)."""
+
+    @property
+    def comm_share(self) -> float:
+        return self.comm_s / self.step_s if self.step_s > 0 else 0.0
+
+
+def _prediction(planner: str, times: StepTimes, layout: str) -> Prediction:
+    total = times.total
+    r = int(np.argmax(total)) if total.size else 0
+    comm = float(times.ulysses[r] + times.route[r]) if total.size else 0.0
+    return Prediction(planner, times.step_time, float(times.compute[r]) if total.size else 0.0, comm, layout)
+
+
+def divisor_sizes(gpus_per_node: int, num_heads: int) -> list[int]:
+    """Group sizes FlexSP may use: every size up to a node that divides the head count."""
+    return [g for g in range(1, gpus_per_node + 1) if num_heads % g == 0]
+
+
+def pow2_sizes(gpus_per_node: int, num_heads: int) -> list[int]:
+    out, g = [], 1
+    while g <= gpus_per_node:
+        if num_heads % g == 0:
+            out.append(g)
+        g *= 2
+    return out
+
+
+def dynamic_cp(step: list[list[int]], cost: CostModel) -> Prediction:
+    """One degree for every sequence of the step, the best predicted among the homogeneous
+    bag sizes."""
+    world, gpn = len(step), cost.gpus_per_node
+    best = None
+    for g in pow2_sizes(min(gpn, world), cost.num_heads):
+        if world % g:
+            continue
+        topo = Topology((g,) * (world // g))
+        p = _prediction("dynamic_cp", cost.step_times(plan_balance(step, topo, cost)), f"g{g}n{world // g}")
+        if best is None or p.step_s < best.step_s:
+            best = p
+    return best
+
+
+def _flexsp_layout(lens: np.ndarray, home_node: np.ndarray, cost: CostModel, world: int, sizes: list[int],
+                   target: float) -> Topology | None:
+    """Groups of the sizes the step's sequences ask for at ``target`` seconds, placed on the
+    nodes whose own sequences ask for them most (``pertopo``'s placement), every node's rest
+    in groups of one."""
+    from .pertopo import _place
+
+    node = min(cost.gpus_per_node, world)
+    n_nodes = world // node
+    times = np.stack([cost.seq_cost(lens, g) for g in sizes])  # (sizes, S)
+    fits = times <= target
+    want = np.asarray(sizes)[np.where(fits.any(axis=0), np.argmax(fits, axis=0), len(sizes) - 1)]
+    counts: dict[int, int] = {}
+    for g in sizes[1:]:
+        need = float(times[sizes.index(g)][want == g].sum())
+        if need > 0:
+            counts[g] = max(1, int(np.ceil(need / target)))
+    # What does not fit the nodes is trimmed, largest groups first.
+    while sum(g * c for g, c in counts.items()) > world and counts:
+        g = max(counts)
+        counts[g] -= 1
+        if not counts[g]:
+            del counts[g]
+    counts[1] = world - sum(g * c for g, c in counts.items())
+    for _ in range(64):  # groups that fit the total but not the nodes: trade the largest for ones
+        bags = _place(counts, node, n_nodes, want, home_node, cost.compute(lens))
+        if bags is not None:
+            return Topology(tuple(bags))
+        g = max(k for k in counts if k > 1) if any(k > 1 for k in counts) else None
+        if g is None:
+            return None
+        counts[g] -= 1
+        counts[1] += g
+        if not counts[g]:
+            del counts[g]
+    return None
+
+
+def flexsp(step: list[list[int]], cost: CostModel) -> Prediction:
+    """Variable-size groups chosen per step (any divisor of the heads up to a node)."""
+    world = len(step)
+    node = min(cost.gpus_per_node, world)
+    lens = np.asarray([x for r in step for x in r], dtype=np.int64)
+    home_node = np.repeat(np.arange(world) // node, [len(r) for r in step])
+    sizes = divisor_sizes(node, cost.num_heads)
+    ideal = cost.ideal_step_time(lens, world) - cost.fixed_s
+    best, seen = None, set()
+    for margin in MARGINS:
+        topo = _flexsp_layout(lens, home_node, cost, world, sizes, ideal * margin)
+        if topo is None or tuple(topo.bags) in seen:
+            continue
+        seen.add(tuple(topo.bags))
+        p = _prediction("flexsp", cost.step_times(plan_balance(step, topo, cost)), _compact(topo))
+        if best is None or p.step_s < best.step_s:
+            best = p
+    return best
+
+
+def zellige_times(step: list[list[int]], cost: CostModel, target: float, long_group: int | None = None
+                  ) -> tuple[StepTimes, str]:
+    """Per-GPU times of the overlapping plan at ``target`` seconds (see the module doc);
+    ``long_group``: every sharded sequence on groups of this size (None: each the smallest
+    that meets the target)."""
+    world, gpn = len(step), cost.gpus_per_node
+    node = min(gpn, world)
+    sizes = pow2_sizes(node, cost.num_heads)
+    lens = np.asarray([x for r in step for x in r], dtype=np.int64)
+    home = np.repeat(np.arange(world), [len(r) for r in step])
+    speed = cost.speeds(world)
+    compute, ulysses = np.zeros(world), np.zeros(world)
+    sent, recv = np.zeros((2, world)), np.zeros((2, world))  # [intra, inter] tokens
+    load = np.zeros(world)
+    groups: dict[int, int] = {}
+
+    def move(src: int, dst: int, tokens: float) -> None:
+        if src == dst:
+            return
+        inter = int(src // gpn != dst // gpn)
+        sent[inter, src] += tokens
+        recv[inter, dst] += tokens
+
+    order = np.argsort(-cost.compute(lens), kind="stable")
+    for i in order:
+        length, src = int(lens[i]), int(home[i])
+        whole = float(cost.compute(length))
+        g = 1 if whole <= target else long_group or next(
+            (s for s in sizes if float(cost.seq_cost(length, s)) <= target), sizes[-1])
+        if g == 1:
+            r = int(np.argmin(load))
+            c = whole / speed[r]
+            compute[r] += c
+            load[r] += c
+            move(src, r, length)
+            continue
+        groups[g] = groups.get(g, 0) + 1
+        starts = np.arange(0, world, g)  # aligned blocks inside nodes (g divides the node size)
+        start = int(starts[np.argmin([load[s:s + g].max() for s in starts])])
+        chunk = float(cost.chunk(np.asarray(length / g), np.asarray(length), np.asarray(g)))
+        per_token = cost.ulysses_token_s(g, 0)
+        for r in range(start, start + g):
+            c, u = chunk / speed[r], length / g * per_token / speed[r]
+            compute[r] += c
+            ulysses[r] += u
+            load[r] += c + u
+            move(src, r, length / g)
+    t_intra, t_inter = cost.route_token_s(False), cost.route_token_s(True)
+    route = np.maximum(np.maximum(sent[0], recv[0]) * t_intra, np.maximum(sent[1], recv[1]) * t_inter)
+    layout = "overlapping: " + (", ".join(f"{n} group(s) of {g}" for g, n in sorted(groups.items(), reverse=True))
+                                or "every sequence whole")
+    return StepTimes(compute, ulysses, route, cost.fixed_s), layout
+
+
+def zellige(step: list[list[int]], cost: CostModel) -> Prediction:
+    world = len(step)
+    lens = np.asarray([x for r in step for x in r], dtype=np.int64)
+    ideal = cost.ideal_step_time(lens, world) - cost.fixed_s
+    sizes = pow2_sizes(min(cost.gpus_per_node, world), cost.num_heads)
+    best = None
+    for margin in MARGINS:
+        for long_group in (None, *sizes[1:]):  # the long sequences' groups sized by demand, or all alike
+            times, layout = zellige_times(step, cost, ideal * margin, long_group)
+            p = _prediction("zellige", times, layout)
+            if best is None or p.step_s < best.step_s:
+                best = p
+    return best
+
+
+def knapformer_topology(steps: Sequence[list[list[int]]], cost: CostModel) -> Topology:
+    """KnapFormer's fixed bags: the homogeneous topology its greedy does best on over ``steps``."""
+    world = len(steps[0])
+    best, best_s = None, np.inf
+    for g in pow2_sizes(min(cost.gpus_per_node, world), cost.num_heads):
+        if world % g:
+            continue
+        topo = Topology((g,) * (world // g))
+        s = sum(cost.step_times(plan_balance(st, topo, cost, solver="greedy")).step_time for st in steps)
+        if s < best_s:
+            best, best_s = topo, s
+    return best
+
+
+def rivals_step(step: list[list[int]], cost: CostModel, auto: Topology, fixed: Topology) -> dict[str, Prediction]:
+    """Every planner's prediction of one step (``auto``: knapray's static topology;
+    ``fixed``: KnapFormer's)."""
+    out = {
+        "knapray_auto": _prediction("knapray_auto", cost.step_times(plan_balance(step, auto, cost)), _compact(auto)),
+        "knapformer": _prediction("knapformer", cost.step_times(plan_balance(step, fixed, cost, solver="greedy")),
+                                  _compact(fixed)),
+    }
+    chosen = plan_step(step, cost, base=auto)
+    out["knapray_per_step"] = _prediction("knapray_per_step", cost.step_times(chosen.plan), _compact(chosen.topology))
+    out["dynamic_cp"] = dynamic_cp(step, cost)
+    out["flexsp"] = flexsp(step, cost)
+    out["zellige"] = zellige(step, cost)
+    return out
+
+
+def steps_at(mix: str, world: int, steps: int, seed: int, text_tokens: int) -> list[list[list[int]]]:
+    """``steps`` steps of a mix (or an ``alternate:`` schedule) on ``world`` GPUs: its ranks'
+    batches replicated over a larger world, or dealt onto a smaller one (rank r holds the
+    batches of ranks r, r + W, ...: the same data on fewer GPUs)."""
+    from .sim import schedule_ranks, schedule_steps
+
+    ranks = schedule_ranks(mix)
+    drawn = max(world, ranks)
+    if drawn % ranks or drawn % world:
+        raise ValueError(f"world {world} is neither a multiple nor a divisor of the mix's {ranks} ranks")
+    _, out = schedule_steps(mix, steps, seed, drawn, text_tokens)
+    if drawn == world:
+        return [list(s) for s in out]
+    return [[[x for j in range(r, drawn, world) for x in s[j]] for r in range(world)] for s in out]
+
+
+def rivals_table(
+    mixes: Sequence[tuple[str, str]],
+    worlds: Sequence[int] = (8, 32, 128, 512),
+    cost: CostModel | None = None,
+    steps: int = 3,
+    seed: int = 0,
+    history_steps: int = 2,
+    progress=None,
+) -> list[dict]:
+    """One row per (mix, world): every planner's mean predicted step time and communication
+    share over ``steps`` steps. ``mixes``: (mix, model preset) pairs (``wan`` plans with the
+    Wan 14B cross-attention model)."""
+    from .cost import MODEL_PRESETS
+
+    rows = []
+    for world in worlds:
+        for mix, model in mixes:
+            t0 = time.perf_counter()
+            c = cost or CostModel(**MODEL_PRESETS[model])
+            text = 0 if c.attention_kind == "cross" else MAX_TEXT_TOKENS  # a cross-attention model charges the text
+            evaluated = steps_at(mix, world, steps, seed, text)
+            history = steps_at(mix, world, history_steps, seed + 1000, text)
+            auto = search_topology(history, world, c, c.gpus_per_node).topology
+            fixed = knapformer_topology(history, c)
+            preds = [rivals_step(s, c, auto, fixed) for s in evaluated]
+            row = {"mix": mix, "model": model, "world_size": world, "steps": steps,
+                   "seconds": time.perf_counter() - t0, "planners": {}}
+            for name in PLANNERS:
+                ps = [p[name] for p in preds]
+                row["planners"][name] = {
+                    "step_s": float(np.mean([p.step_s for p in ps])),
+                    "comm_share": float(np.mean([p.comm_share for p in ps])),
+                    "layouts": sorted({p.layout for p in ps}),
+                }
+            best = min(row["planners"][n]["step_s"] for n in ("knapray_auto", "knapray_per_step"))
+            row["knapray_best_s"] = best
+            row["ratios"] = {n: row["planners"][n]["step_s"] / best for n in PLANNERS}
+            rows.append(row)
+            if progress is not None:
+                progress(row)
+    return rows
+
+
+def rivals_markdown(rows: list[dict], command: str) -> str:
+    head = ("| mix | GPUs | knapray auto s | knapray per-step s | KnapFormer greedy | dynamic CP | FlexSP-style "
+            "| Zellige-style | comm. share (best knapray / Zellige) | sim s |")
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for r in rows:
+        p, q = r["planners"], r["ratios"]
+        best = "knapray_auto" if p["knapray_auto"]["step_s"] <= p["knapray_per_step"]["step_s"] else "knapray_per_step"
+        cells = [f"{p[n]['step_s']:.4f} ({q[n]:.3f}x)" for n in ("knapformer", "dynamic_cp", "flexsp", "zellige")]
+        lines.append(
+            f"| {r['mix']} | {r['world_size']} | {p['knapray_auto']['step_s']:.4f} | "
+            f"{p['knapray_per_step']['step_s']:.4f} | " + " | ".join(cells)
+            + f" | {p[best]['comm_share']:.1%} / {p['zellige']['comm_share']:.1%} | {r['seconds']:.0f} |")
+    return (f"Command: `{command}`. Predicted step seconds (means over {rows[0]['steps'] if rows else 0} steps); "
+            "each rival's step time over knapray's best (auto or per-step) in brackets: above 1.000x the rival is "
+            "slower.\n\n" + "\n".join(lines) + "\n")
+
+
+def _compact(topology: Topology) -> str:
+    from .autotopo import composition_spec
+
+    spec = composition_spec(topology)
+    return spec if topology.num_groups == 1 else f"{spec} x{topology.num_groups}"
