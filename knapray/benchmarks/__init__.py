@@ -1,5 +1,5 @@
 """Benchmarks that print ratios measured side by side in one run: ``knapray bench
-planner|step|ledger|data|kernels|coordinator``, one subcommand each with only its own flags."""
+planner|step|rivals|ledger|data|kernels|coordinator``, one subcommand each with only its own flags."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ BENCHES = (
             "mixes at 32 and 1024 ranks", run="cli"),
     Command("step", "knapray.benchmarks.step", "measured per-rank compute of balanced vs unbalanced training steps "
             "(gloo processes on this machine), and FSDP / checkpointing / compile variants", run="cli"),
+    Command("rivals", "knapray.benchmarks.rivals", "measured per-rank compute of the plans of every planner knapray "
+            "can execute (knapray auto and per-step, KnapFormer greedy, dynamic CP, FlexSP-style) on gloo processes",
+            run="cli"),
     Command("ledger", "knapray.benchmarks.ledger", "what committing one step costs at 10k, 1M and 10M ledger rows "
             "(this machine's disk)", run="cli"),
     Command("data", "knapray.benchmarks.data", "rows/s and MB/s per worker of the Ray Data and torchrun readers "

@@ -14,7 +14,8 @@ code for this cost model; these are their ideas, not their code):
   allow (24 heads: 1, 2, 3, 4, 6, 8), chosen per step: every sequence asks for the
   smallest group on which it takes at most a target time, the groups those sequences need
   go to the nodes whose sequences ask for them most (not aligned), the rest of every node
-  is groups of one, and knapray's solver assigns; several targets, the best kept;
+  is groups of one, and knapray's solver assigns; several targets and every one-size layout
+  tried, the best kept (FlexSP solves for its groups exactly, which this heuristic does not);
 - ``zellige`` (Zellige): overlapping groups: every sequence that one GPU cannot finish in
   a target time is sharded over an aligned power-of-two group of the size it needs, or of
   one size for all (both tried; on the group whose most loaded GPU is least loaded), and
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -40,6 +41,7 @@ from .autotopo import search_topology
 from .cost import CostModel, StepTimes
 from .mix import MAX_TEXT_TOKENS
 from .pertopo import plan_step
+from .plan import BalancePlan
 from .solver import plan_balance
 from .topology import Topology
 
@@ -60,17 +62,23 @@ class Prediction:
     """Its Ulysses and routing seconds."""
     layout: str
     """What it ran on (a topology, or the groups of an overlapping plan)."""
+    plan: BalancePlan | None = field(default=None, compare=False, repr=False)
+    """The plan knapray's router could execute (disjoint bags); None for overlapping groups."""
 
     @property
     def comm_share(self) -> float:
         return self.comm_s / self.step_s if self.step_s > 0 else 0.0
 
 
-def _prediction(planner: str, times: StepTimes, layout: str) -> Prediction:
+def _prediction(planner: str, times: StepTimes, layout: str, plan: BalancePlan | None = None) -> Prediction:
     total = times.total
     r = int(np.argmax(total)) if total.size else 0
     comm = float(times.ulysses[r] + times.route[r]) if total.size else 0.0
-    return Prediction(planner, times.step_time, float(times.compute[r]) if total.size else 0.0, comm, layout)
+    return Prediction(planner, times.step_time, float(times.compute[r]) if total.size else 0.0, comm, layout, plan)
+
+
+def _planned(planner: str, plan: BalancePlan, cost: CostModel) -> Prediction:
+    return _prediction(planner, cost.step_times(plan), _compact(plan.topology), plan)
 
 
 def divisor_sizes(gpus_per_node: int, num_heads: int) -> list[int]:
@@ -95,8 +103,7 @@ def dynamic_cp(step: list[list[int]], cost: CostModel) -> Prediction:
     for g in pow2_sizes(min(gpn, world), cost.num_heads):
         if world % g:
             continue
-        topo = Topology((g,) * (world // g))
-        p = _prediction("dynamic_cp", cost.step_times(plan_balance(step, topo, cost)), f"g{g}n{world // g}")
+        p = _planned("dynamic_cp", plan_balance(step, Topology((g,) * (world // g)), cost), cost)
         if best is None or p.step_s < best.step_s:
             best = p
     return best
@@ -148,13 +155,16 @@ def flexsp(step: list[list[int]], cost: CostModel) -> Prediction:
     home_node = np.repeat(np.arange(world) // node, [len(r) for r in step])
     sizes = divisor_sizes(node, cost.num_heads)
     ideal = cost.ideal_step_time(lens, world) - cost.fixed_s
+    # FlexSP solves for its groups exactly; this heuristic also tries every one-size layout
+    # (each a layout FlexSP's solver may pick), so it never trails dynamic CP's choice.
+    layouts = [_flexsp_layout(lens, home_node, cost, world, sizes, ideal * margin) for margin in MARGINS]
+    layouts += [Topology((g,) * (world // g)) for g in sizes if node % g == 0 and world % g == 0]
     best, seen = None, set()
-    for margin in MARGINS:
-        topo = _flexsp_layout(lens, home_node, cost, world, sizes, ideal * margin)
+    for topo in layouts:
         if topo is None or tuple(topo.bags) in seen:
             continue
         seen.add(tuple(topo.bags))
-        p = _prediction("flexsp", cost.step_times(plan_balance(step, topo, cost)), _compact(topo))
+        p = _planned("flexsp", plan_balance(step, topo, cost), cost)
         if best is None or p.step_s < best.step_s:
             best = p
     return best
@@ -247,12 +257,10 @@ def rivals_step(step: list[list[int]], cost: CostModel, auto: Topology, fixed: T
     """Every planner's prediction of one step (``auto``: knapray's static topology;
     ``fixed``: KnapFormer's)."""
     out = {
-        "knapray_auto": _prediction("knapray_auto", cost.step_times(plan_balance(step, auto, cost)), _compact(auto)),
-        "knapformer": _prediction("knapformer", cost.step_times(plan_balance(step, fixed, cost, solver="greedy")),
-                                  _compact(fixed)),
+        "knapray_auto": _planned("knapray_auto", plan_balance(step, auto, cost), cost),
+        "knapformer": _planned("knapformer", plan_balance(step, fixed, cost, solver="greedy"), cost),
+        "knapray_per_step": _planned("knapray_per_step", plan_step(step, cost, base=auto).plan, cost),
     }
-    chosen = plan_step(step, cost, base=auto)
-    out["knapray_per_step"] = _prediction("knapray_per_step", cost.step_times(chosen.plan), _compact(chosen.topology))
     out["dynamic_cp"] = dynamic_cp(step, cost)
     out["flexsp"] = flexsp(step, cost)
     out["zellige"] = zellige(step, cost)

@@ -59,6 +59,10 @@ def test_per_step_never_trails_the_layouts_its_search_covers():
         assert best <= p["dynamic_cp"].step_s * (1 + 1e-9)
         assert best <= p["knapray_auto"].step_s * (1 + 1e-9)
         assert best <= p["knapformer"].step_s * (1 + 1e-9)
+        assert p["flexsp"].step_s <= p["dynamic_cp"].step_s * (1 + 1e-9)  # its one-size layouts are tried too
+        for name in ("knapray_auto", "knapray_per_step", "knapformer", "dynamic_cp", "flexsp"):
+            assert p[name].plan is not None and p[name].plan.topology.world_size == 32
+        assert p["zellige"].plan is None  # overlapping groups: no BalancePlan
         assert all(0 <= x.comm_share < 1 for x in p.values())
 
 
