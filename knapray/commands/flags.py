@@ -6,7 +6,7 @@ every subcommand against each other):
   and overrides of its values, wherever a run config applies;
 - ``--dtype auto|fp32|bf16|fp16`` (``float32``/``bfloat16``/``float16`` are read as the short names);
 - ``--device auto|cpu|cuda``;
-- ``--ac [none|full|every_k]`` (bare ``--ac``: full) and ``--ac-every K``;
+- ``--ac [none|full|every_k|selective]`` (bare ``--ac``: full) and ``--ac-every K``;
 - ``--fsdp none|full|hybrid``, ``--world-size N``, ``--gpus-per-node N``, ``--seed N``, ``--json``.
 
 Numbers are parsed by functions whose ``__name__`` says what they accept (``int>=1``,
@@ -21,6 +21,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from knapray.limits import MAX_SEED, MAX_STEPS, MAX_TEXT_LENGTH, MAX_WORLD_SIZE
+from knapray.planning.checkpointing import AC_MODES
 
 
 class Parser(argparse.ArgumentParser):
@@ -143,11 +144,10 @@ def add_device(p: argparse.ArgumentParser, help: str = "where the models run (au
     p.add_argument("--device", choices=DEVICES, default="auto", help=help)
 
 
-AC_MODES = ("none", "full", "every_k")
 
 
 def add_ac(p: argparse.ArgumentParser, *, default: str | None, help: str) -> None:
-    """``--ac [none|full|every_k]`` (bare ``--ac`` is full) and ``--ac-every K``."""
+    """``--ac [none|full|every_k|selective]`` (bare ``--ac`` is full) and ``--ac-every K``."""
     p.add_argument("--ac", nargs="?", const="full", choices=AC_MODES, default=default,
                    help=f"activation checkpointing of the blocks: {help} (bare --ac: full; every_k: every "
                    "--ac-every-th block)")

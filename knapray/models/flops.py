@@ -55,6 +55,14 @@ def model_flops(seq_lens: Iterable[int], cfg: MMDiTConfig, passes: float = TRAIN
     return passes * (cfg.depth_double + cfg.depth_single) * per_pass
 
 
+def attention_share(seq_lens: Iterable[int], cfg: MMDiTConfig) -> float:
+    """The attention core's share (``4*L^2*d``) of the blocks' model FLOPs on ``seq_lens``:
+    what ``selective`` checkpointing does not recompute."""
+    total = model_flops(seq_lens, cfg, passes=1)
+    attn = (cfg.depth_double + cfg.depth_single) * 4.0 * sum(float(n) ** 2 for n in seq_lens) * cfg.hidden_size
+    return attn / total if total else 0.0
+
+
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H100 PCIE": 756.0, "H100 NVL": 835.0, "H800": 989.0,
                     "A100": 312.0, "A800": 312.0, "L40S": 362.0, "B200": 2250.0, "GH200": 989.0}
 """Dense bf16 peak per GPU (vendor figures, no sparsity), for MFU."""

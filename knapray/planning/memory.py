@@ -98,7 +98,9 @@ conditioning row per modulation call (2 per double block, 1 per single block, 1 
 
 Activation checkpointing: a checkpointed block keeps only its input (``d*b`` per token);
 during backward one checkpointed block at a time is recomputed in full (the largest one
-is added). ``every_k`` checkpoints blocks ``k-1, 2k-1, ...`` in execution order (double
+is added). ``selective`` also keeps each attention call's output and fp32 log-sum-exp
+(``d*b + 4H`` per query token; Wan's two attentions twice), which its recompute then
+does not allocate again. ``every_k`` checkpoints blocks ``k-1, 2k-1, ...`` in execution order (double
 then single blocks, torchtitan's convention; ``knapray.planning.checkpointing``, the rule
 the trainer applies). The backward working set per token is the
 gradient of the widest Linear input (``(d+m)*b``) plus the residual stream's gradient and
@@ -111,12 +113,12 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .checkpointing import checkpointed_blocks
+from .checkpointing import AC_MODES, checkpointed_blocks
 
 GIB = 2**30
 
 SHARDING = ("none", "full", "hybrid")
-CHECKPOINTING = ("none", "full", "every_k")
+CHECKPOINTING = AC_MODES
 PRECISIONS = ("bf16", "fp32")
 ATTENTION = ("kernel", "reference")
 
@@ -282,6 +284,11 @@ class ModelShape:
             return (3 if single else 4) * d * b + FP32 * self.num_heads
         return 4 * d * b + FP32 * self.num_heads
 
+    def attention_kept_bytes(self, b: int) -> int:
+        """Per query token, what ``selective`` checkpointing keeps of one attention call:
+        the kernel's output (``d`` in the compute dtype) and its fp32 log-sum-exp per head."""
+        return self.hidden_size * b + FP32 * self.num_heads
+
     def _qk_norm(self, b: int) -> int:
         if not self.qk_norm:
             return 0
@@ -412,7 +419,8 @@ class MemoryModel:
     """``none`` (replicated), ``full`` (FSDP2 over the world), ``hybrid`` (FSDP2 within a
     node of ``gpus_per_node``, replicated across nodes)."""
     checkpointing: str = "none"
-    """``none``, ``full`` (every block) or ``every_k`` (every ``ac_every``-th block)."""
+    """``none``, ``full`` (every block), ``selective`` (every block, attention's outputs
+    kept) or ``every_k`` (every ``ac_every``-th block)."""
     ac_every: int = 2
     precision: str = "bf16"
     """Compute dtype: ``bf16`` (autocast over fp32 params without sharding, FSDP2 mixed
@@ -481,20 +489,22 @@ class MemoryModel:
         s, b = self.shape, self.compute_bytes
         d = s.hidden_size
         ckpt = self.checkpointed()
+        keep = self._selective_keeps(b)
         outside = (tokens - text_tokens) * s.outside_bytes(b, True) + text_tokens * s.outside_bytes(b, False)
         if s.cross_attention:  # Wan: blocks run on the image tokens; text rows are keys only
             image = tokens - text_tokens
             block = image * s.wan_image_bytes(b) + text_tokens * s.wan_text_bytes(b)
-            kept = sum(image * d * b if c else block for c in ckpt)  # a checkpointed block keeps its input
-            recompute = block if any(ckpt) else 0
+            # a checkpointed block keeps its input (and under selective both attentions' outputs)
+            kept = sum(image * (d * b + 2 * keep) if c else block for c in ckpt)
+            recompute = block - image * 2 * keep if any(ckpt) else 0
             # a block's backward: the FFN's and, for each of its two attentions, the gradients
             # of q, k, v and the output (knapray dryrun on Wan 2.1 14B's width: 11 d in all)
             working = image * (3 * d + s.mlp_hidden + 8 * d) * b
             return kept + outside + sequences * s.sequence_bytes(b), recompute, working
         per_block = s.block_bytes(b, self.attention)
-        kept = sum(d * b if c else a for a, c in zip(per_block, ckpt))
+        kept = sum(d * b + keep if c else a for a, c in zip(per_block, ckpt))
         saved = tokens * kept + outside + sequences * s.sequence_bytes(b)
-        recompute = tokens * max((a for a, c in zip(per_block, ckpt) if c), default=0)
+        recompute = tokens * max((a - keep for a, c in zip(per_block, ckpt) if c), default=0)
         working = tokens * (d + s.mlp_hidden + 2 * d) * b
         return saved, recompute, working
 
@@ -559,12 +569,16 @@ class MemoryModel:
     def _kept(self, tokens: int, text_tokens: int) -> list[int]:
         """Bytes each block keeps until its backward, in execution order."""
         s, b, d = self.shape, self.compute_bytes, self.shape.hidden_size
-        ckpt = self.checkpointed()
+        ckpt, keep = self.checkpointed(), self._selective_keeps(b)
         if s.cross_attention:
             image = tokens - text_tokens
             block = image * s.wan_image_bytes(b) + text_tokens * s.wan_text_bytes(b)
-            return [image * d * b if c else block for c in ckpt]
-        return [tokens * (d * b if c else a) for a, c in zip(s.block_bytes(b, self.attention), ckpt)]
+            return [image * (d * b + 2 * keep) if c else block for c in ckpt]
+        return [tokens * (d * b + keep if c else a) for a, c in zip(s.block_bytes(b, self.attention), ckpt)]
+
+    def _selective_keeps(self, b: int) -> int:
+        """Per token and attention call, what a checkpointed block keeps beyond its input."""
+        return self.shape.attention_kept_bytes(b) if self.checkpointing == "selective" else 0
 
     def _overlap(self, tokens: int, text_tokens: int, block_saved: int, grads: int) -> int:
         """Activations + gradients minus the most of both alive at once in backward.

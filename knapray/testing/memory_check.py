@@ -24,8 +24,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from knapray.models import MMDiT, MMDiTConfig, PackedBatch
+from knapray.planning.checkpointing import AC_MODES, SELECTIVE_KEEPS
 from knapray.planning.memory import GIB, MemoryModel, ModelShape
 from knapray.train.parallelize import ParallelConfig, parallelize
 
@@ -56,9 +58,12 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     }
 
 
-def saved_activation_bytes(fn: Callable[[], Any], exclude: Iterable[torch.Tensor] = ()) -> tuple[Any, int]:
+def saved_activation_bytes(fn: Callable[[], Any], exclude: Iterable[torch.Tensor] = (),
+                           kept_ops: frozenset[str] = frozenset()) -> tuple[Any, int]:
     """Run ``fn()`` and return (its result, bytes of the distinct storages it saved for
-    backward, leaving out those of ``exclude``, e.g. the parameters)."""
+    backward, leaving out those of ``exclude``, e.g. the parameters). ``kept_ops``: operators
+    whose outputs are held beyond the saved tensors (selective checkpointing's cache, which
+    no saved-tensor hook sees): their outputs are counted too."""
     skip = {_storage_key(t)[0] for t in exclude}
     saved: dict[int, int] = {}
 
@@ -71,9 +76,31 @@ def saved_activation_bytes(fn: Callable[[], Any], exclude: Iterable[torch.Tensor
             saved[ptr] = max(saved.get(ptr, 0), nbytes)
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _OutputsOf(kept_ops, pack):
         out = fn()
     return out, sum(saved.values())
+
+
+class _OutputsOf(TorchDispatchMode):
+    """Hands every tensor output of the named operators to ``record`` (nothing if none)."""
+
+    def __init__(self, names: frozenset[str], record: Callable[[torch.Tensor], Any]) -> None:
+        super().__init__()
+        self.names, self.record = names, record
+
+    def __enter__(self):
+        return super().__enter__() if self.names else self
+
+    def __exit__(self, *exc):
+        return super().__exit__(*exc) if self.names else None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func._schema.name in self.names:
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.record(t)
+        return out
 
 
 def cast_batch(batch: PackedBatch, dtype: torch.dtype) -> PackedBatch:
@@ -114,7 +141,8 @@ def measure_step(
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-    out, saved = saved_activation_bytes(lambda: model(batch), exclude=params)
+    kept = SELECTIVE_KEEPS if checkpointing == "selective" else frozenset()
+    out, saved = saved_activation_bytes(lambda: model(batch), exclude=params, kept_ops=kept)
     loss = (out.float() - batch.targets.float()).pow(2).mean()
     loss.backward()
     result: dict[str, Any] = {"activations": saved}
@@ -174,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=4096, help="image tokens per sequence x sequences (rounded)")
     p.add_argument("--sequences", type=int, default=4)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--ac", choices=["none", "full", "every_k"], default="none")
+    p.add_argument("--ac", choices=list(AC_MODES), default="none")
     p.add_argument("--ac-every", type=int, default=2)
     p.add_argument("--device", default=None)
     args = p.parse_args(argv)

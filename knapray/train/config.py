@@ -40,6 +40,7 @@ from knapray.models import MMDiTConfig
 from knapray.models.flow import TIMESTEP_KINDS
 from knapray.models.timesteps import ResolutionShift, TimestepDistribution
 from knapray.planning import SOLVERS
+from knapray.planning.checkpointing import AC_MODES
 
 
 class ConfigError(ValueError):
@@ -348,9 +349,11 @@ class ParallelSection:
     of gradients), ``full`` (parameters, gradients and optimizer state sharded over the
     world), ``hybrid`` (sharded within a node of ``balance.gpus_per_node`` ranks, replicated
     across nodes). With bf16 precision FSDP gathers parameters in bf16 and reduces in fp32."""
-    activation_checkpointing: str = field(default="none", metadata={"choices": ("none", "full", "every_k")})
+    activation_checkpointing: str = field(default="none", metadata={"choices": AC_MODES})
     """Recompute transformer blocks in backward instead of keeping their activations:
-    ``full`` (every block), ``every_k`` (every ``ac_every``-th block)."""
+    ``full`` (every block), ``selective`` (every block, but attention's output and
+    log-sum-exp are kept, so no attention kernel runs twice: a block keeps about twice
+    what ``full`` keeps), ``every_k`` (every ``ac_every``-th block)."""
     ac_every: int = field(default=2, metadata={"ge": 1, "le": MAX_MICRO_BATCHES})
     """k of ``activation_checkpointing: every_k``."""
     compile: bool = False

@@ -54,15 +54,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from knapray.distributed.grads import allreduce_gradients
 from knapray.distributed.parallel_dims import ParallelDims
 from knapray.models.families import FAMILIES
-from knapray.planning.checkpointing import checkpointed_blocks
+from knapray.planning.checkpointing import AC_MODES, SELECTIVE_KEEPS, checkpointed_blocks
 
 FSDP_MODES = ("none", "full", "hybrid")
-AC_MODES = ("none", "full", "every_k")
 FSDP_DTYPES = (torch.float32, torch.bfloat16)
 STAGE_METHODS = ("condition", "embed", "blocks", "head")
 """The MMDiT methods a balanced step calls; each enters FSDP through the root."""
@@ -83,8 +82,9 @@ class ParallelConfig:
     ``full``: FSDP2 shards parameters, gradients and optimizer state over the world;
     ``hybrid``: shards within a node, replicates across nodes (2-D mesh)."""
     ac: str = "none"
-    """Activation checkpointing of transformer blocks: ``none``, ``full`` (every block) or
-    ``every_k`` (blocks k-1, 2k-1, ... in double-then-single order:
+    """Activation checkpointing of transformer blocks: ``none``, ``full`` (every block),
+    ``selective`` (every block, keeping attention's outputs: no attention kernel runs twice)
+    or ``every_k`` (blocks k-1, 2k-1, ... in double-then-single order:
     ``knapray.planning.checkpointing.checkpointed_blocks``)."""
     ac_every: int = 2
     """k for ``ac="every_k"``."""
@@ -298,12 +298,22 @@ def _compiled_forward(block: nn.Module, compiled: Callable) -> Callable:
     return forward
 
 
-def _checkpointed_forward(forward: Callable) -> Callable:
+def _keep_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """``selective``'s policy: an attention kernel's outputs are kept, everything else is
+    recomputed (``knapray.planning.checkpointing.SELECTIVE_KEEPS``)."""
+    name = getattr(getattr(op, "_schema", None), "name", None)
+    return CheckpointPolicy.MUST_SAVE if name in SELECTIVE_KEEPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _checkpointed_forward(forward: Callable, selective: bool = False) -> Callable:
+    options = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _keep_attention)} if selective else {}
+
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
-        # Recompute in backward re-runs the block's attention, Ulysses exchanges included:
-        # every rank of a bag recomputes the same blocks in the same order.
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        # Recompute in backward re-runs the block, Ulysses exchanges included (every rank
+        # of a bag recomputes the same blocks in the same order); under ``selective`` the
+        # attention kernel returns what the forward kept instead of running again.
+        return checkpoint(forward, *args, use_reentrant=False, **options, **kwargs)
 
     return run
 
@@ -475,7 +485,7 @@ def parallelize(model: nn.Module, parallel: ParallelConfig | None = None, dims: 
         if cfg.compile:
             block.forward = _compiled_forward(block, compiled[type(block)])
         if recomputed:
-            block.forward = _checkpointed_forward(block.forward)
+            block.forward = _checkpointed_forward(block.forward, selective=cfg.ac == "selective")
     mesh = None
     if cfg.fsdp != "none":
         mesh = dims.fsdp_mesh(cfg.fsdp)

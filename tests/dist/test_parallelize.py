@@ -26,6 +26,8 @@ from knapray.models import MMDiT, add_noise, flow_loss, pack_samples
 from knapray.testing.parity import parity_config, passed, run_parity
 from knapray.distributed.parallel_dims import ParallelDims
 from knapray.train.parallelize import ParallelConfig, parallelize
+from knapray.planning.checkpointing import SELECTIVE_KEEPS
+from torch.utils._python_dispatch import TorchDispatchMode
 from knapray.testing.batches import mix_batches
 
 # As tests/dist/test_parity.py: rank 1 holds nothing; short sequences split over bags; long ones
@@ -151,6 +153,48 @@ def test_checkpointing_gives_identical_gradients_and_recomputes(ac, ac_every, re
         assert torch.equal(grads[name], grad), name
     # Backward re-ran the forward (attention included) of each checkpointed block.
     assert ref_calls == 4 and calls == 4 + recomputed
+
+
+class KernelCount(TorchDispatchMode):
+    """Counts executions of the attention kernels selective checkpointing keeps."""
+
+    def __init__(self):
+        super().__init__()
+        self.runs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.runs += func._schema.name in SELECTIVE_KEEPS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+def test_selective_checkpointing_keeps_attention_and_recomputes_the_rest(compiled):
+    """``selective``: every block checkpointed, outputs and gradients as without
+    checkpointing, and the attention kernel runs once per block (``full`` runs it twice),
+    compiled blocks included."""
+    cfg = dataclasses.replace(parity_config(), depth_double=2, depth_single=2)
+    batch = mix_batches(MIX, cfg, scale=4, seed=1, world_size=None, max_text_tokens=40)[0]
+
+    def run(ac):
+        torch.manual_seed(0)
+        model = MMDiT(cfg)
+        model.init_weights(std=0.1)
+        parallelize(model, ParallelConfig(ac=ac, compile=compiled))
+        attn = CountingAttention(LocalAttention(batch.cu_seqlens, batch.max_seqlen))
+        with KernelCount() as kernels:
+            out = model(batch, attn)
+            flow_loss(out, batch.targets, batch.x_img.shape[0]).backward()
+        return out, kernels.runs, attn.calls, {n: p.grad for n, p in model.named_parameters()}
+
+    ref_out, ref_kernels, _, ref_grads = run("none")
+    out, kernels, calls, grads = run("selective")
+    _, full_kernels, _, _ = run("full")
+    tol = dict(rtol=1e-4, atol=1e-5) if compiled else dict(rtol=0, atol=0)
+    torch.testing.assert_close(out, ref_out, **tol)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, **tol, msg=name)
+    assert ref_kernels > 0 and full_kernels == 2 * ref_kernels
+    assert calls == 8 and kernels == ref_kernels  # the blocks re-ran, their attention kernels did not
 
 
 def _varying_batches(cfg, steps: int = 50):

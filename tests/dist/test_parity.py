@@ -45,14 +45,17 @@ def test_parity_cli_rejects_bad_setups(capsys):
 
 
 @pytest.mark.dist
-def test_parity_cli_runs_fsdp_and_checkpointing(capsys):
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_parity_cli_runs_fsdp_and_checkpointing(capsys, ac):
+    """Ulysses bags of 2 under FSDP with checkpointing; ``selective`` keeps the attention
+    kernels' outputs while the all-to-alls around them are recomputed."""
     rc = main(["parity", "--world-size", "4", "--topology", "g2n2", "--mix", MIX, "--scale", "4", "--seed", "3",
-               "--max-text-tokens", "12", "--fsdp", "full", "--ac", "full", "--empty-ranks", "1",
+               "--max-text-tokens", "12", "--fsdp", "full", "--ac", ac, "--empty-ranks", "1",
                "--textless-ranks", "2", "--json"])
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and report["_meta"]["passed"]
     meta = report["_meta"]
-    assert (meta["fsdp"], meta["ac"], meta["compile"]) == ("full", "full", False)
+    assert (meta["fsdp"], meta["ac"], meta["compile"]) == ("full", ac, False)
     for case in ("g2n2", "unbalanced"):
         assert report[case]["grad_norm_rel"] <= 1e-5
         assert report[case]["ranks_without_sequences"] == 1 and report[case]["ranks_without_text"] >= 1

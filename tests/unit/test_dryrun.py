@@ -57,7 +57,7 @@ def _result(out: SimpleNamespace) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("name", ["eager", "fsdp-compile", "fsdp-compile-ac"])
+@pytest.mark.parametrize("name", ["eager", "fsdp-compile", "fsdp-compile-ac", "fsdp-compile-sac"])
 def test_gpu_check_runs_dry_run_at_world_1(dryrun, tmp_path, name):
     from knapray.testing.gpu_check import GPU_CHECKS, write_config
 

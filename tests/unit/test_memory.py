@@ -63,7 +63,7 @@ def test_parameter_counts_match_the_model(cfg):
 # ---- prediction vs measurement (CPU) ------------------------------------------------------
 
 
-@pytest.mark.parametrize("checkpointing", ["none", "full", "every_k"])
+@pytest.mark.parametrize("checkpointing", ["none", "full", "every_k", "selective"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", list(SMALL))
 def test_prediction_within_15_percent_of_measurement(name, dtype, checkpointing):
@@ -113,6 +113,11 @@ def test_checkpointing_keeps_only_block_inputs():
     dropped = (plain["activations"] - full["activations"]) / plain["tokens"]
     expected = cfg.depth_single * (per_token_block - cfg.hidden_size * 4)
     assert dropped == pytest.approx(expected, rel=0.05)
+    # selective keeps, beyond each block's input, its attention kernel's output and
+    # log-sum-exp (measured: what the forward's selective cache holds)
+    selective = measure_step(cfg, batch, checkpointing="selective", optimizer=False)
+    kept = (selective["activations"] - full["activations"]) / selective["tokens"]
+    assert kept == pytest.approx(cfg.depth_single * shape.attention_kept_bytes(4), rel=0.05)
 
 
 # ---- the model itself ------------------------------------------------------------------
@@ -154,9 +159,11 @@ def test_sharding_divides_the_state():
 
 def test_checkpointing_modes():
     tokens = 8192
-    modes = ("none", "every_k", "full")
+    modes = ("none", "every_k", "full", "selective")
     acts = {m: flux(checkpointing=m, sharding="full", world_size=8).breakdown(tokens) for m in modes}
     assert acts["full"].activations < acts["every_k"].activations < acts["none"].activations
+    assert acts["full"].activations < acts["selective"].activations < acts["every_k"].activations
+    assert acts["selective"].recompute < acts["full"].recompute
     assert acts["none"].recompute == 0 < acts["full"].recompute
     assert acts["full"].total < acts["every_k"].total < acts["none"].total
     m = MemoryModel(shape=ModelShape.of(dit_config(depth_single=7)), checkpointing="every_k", ac_every=3)
@@ -282,7 +289,7 @@ def test_memory_command_missing_config(tmp_path, capsys):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("checkpointing", ["none", "full"])
+@pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
 def test_cuda_peak_within_15_percent(checkpointing):
     cfg = MMDiTConfig(hidden_size=1024, num_heads=8, depth_double=2, depth_single=2, rope_axes_dim=(16, 56, 56))
     batch = mix_batches("g1b2i1024f1s0", cfg, scale=1, seed=0)[0]
