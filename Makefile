@@ -55,10 +55,10 @@ gpu-check:
 
 # The one prepared call for a lent GPU (torch 2.11, no Ray, no internet), at most 8 minutes:
 #   PYTHON=python3 make gpu-bench [GPU_WHEELS=.whl]
-# compiled bf16 gradients against float64 on the device, then the three GPU-check runs, each
+# compiled bf16 gradients against float64 on the device, then the four GPU-check runs, each
 # profiled (top kernels), with the kernel ceiling beside it; every number in GPU_BENCH_JSON.
 # GPU_WHEELS: a folder of wheels (flash-attn-4, ...) installed first, offline, when it has any.
-GPU_BENCH_TIMEOUT ?= 440
+GPU_BENCH_TIMEOUT ?= 470
 GPU_BENCH_JSON ?= runs/gpu-bench.json
 GPU_BENCH_FLAGS ?=
 GPU_WHEELS ?=

@@ -520,8 +520,8 @@ def calibration_args(args: argparse.Namespace) -> dict:
     if dtype == "auto" and cfg is not None:
         dtype = cfg.parallel.precision  # auto | bf16 | fp32
     ac = args.ac if args.ac is not None else (cfg.parallel.activation_checkpointing if cfg is not None else "none")
-    if ac == "every_k":
-        where = "--ac every_k" if args.ac is not None else f"parallel.activation_checkpointing every_k ({args.config})"
+    if ac in ("every_k", "selective"):
+        where = f"--ac {ac}" if args.ac is not None else f"parallel.activation_checkpointing {ac} ({args.config})"
         raise ValueError(f"{where}: a profile records activation checkpointing as full or none; calibrate with "
                          "--ac full or --ac none")
     budgets = None

@@ -216,3 +216,11 @@ def test_wan_calibration_prices_cross_attention_in_its_fit(tmp_path):
     predicted = [planner.batch_time(b["lengths"]) for b in profile["batches"]]
     np.testing.assert_allclose(predicted, profile["fit"]["fit_seconds"], rtol=1e-9)
     assert main(["calibrate", "--family", "flux"]) == 2  # flux's blocks are MMDiT's: one line, exit 2
+
+
+@pytest.mark.parametrize("mode", ["every_k", "selective"])
+def test_calibrate_refuses_checkpointing_a_profile_cannot_record(mode, capsys):
+    """A profile records checkpointing as on (full) or off: the other modes are one line, exit 2."""
+    assert main(["calibrate", "--ac", mode]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--ac {mode}" in err[0] and "--ac full or --ac none" in err[0]

@@ -60,11 +60,13 @@ def test_a_shared_flag_means_the_same_in_every_subcommand(parsers):
 def test_each_benchmark_has_only_its_own_flags(parsers):
     benches = {n: set(_options(p)) for n, p in parsers.items() if n.startswith("bench ")}
     assert sorted(benches) == ["bench coordinator", "bench data", "bench kernels", "bench ledger", "bench planner",
-                               "bench step"]
+                               "bench rivals", "bench step"]
     assert set(_options(parsers["bench"])) == {"-h", "--help"}
     # --ranks: world sizes (planner, coordinator); --dir: where a bench writes its files (ledger, data);
-    # --hidden, --heads, --warmup: the model's width and heads, untimed first runs (step, kernels)
-    common = {"-h", "--help", "--steps", "--seed", "--json", "--ranks", "--dir", "--hidden", "--heads", "--warmup"}
+    # --hidden, --heads, --warmup: the model's width and heads, untimed first runs (step, kernels);
+    # --world-size, --mix, --scale: gloo processes and the data codes they train on (step, rivals)
+    common = {"-h", "--help", "--steps", "--seed", "--json", "--ranks", "--dir", "--hidden", "--heads", "--warmup",
+              "--world-size", "--mix", "--scale"}
     for (a, fa), (b, fb) in itertools.combinations(benches.items(), 2):
         assert fa & fb <= common, (a, b, fa & fb - common)
     assert "--sizes" in benches["bench ledger"] and "--fsdp" in benches["bench step"]
