@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", required=True, help="run directory (runs/NAME)")
     p.add_argument("--out", required=True, help="new (or empty) directory to write the diffusers model to")
     p.add_argument("--ema", action="store_true", help="the EMA weights (optim.ema_decay > 0) instead of the raw ones")
+    p.add_argument("--lora", action="store_true",
+                   help="a LoRA run's adapters only, as pytorch_lora_weights.safetensors for a diffusers "
+                   "pipeline's load_lora_weights (--dtype and --max-shard-size do not apply)")
     p.add_argument("--checkpoint", help="checkpoint directory (default: the run's newest complete one)")
     add_dtype(p, help="dtype of the written tensors (auto = fp32: the trained weights exactly; FLUX.1 ships bf16)")
     p.add_argument("--max-shard-size", type=_size, default="10GB",
@@ -45,6 +48,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from knapray.weights.export import export_run
+
+    if args.lora:
+        from knapray.weights.lora_export import export_lora
+
+        r = export_lora(args.run, args.out, ema=args.ema, checkpoint=args.checkpoint)
+        print(f"wrote {r.out}: {r.family} LoRA adapters of step {r.step} ({r.checkpoint}){' (EMA)' if r.ema else ''}, "
+              f"rank {r.rank}, scale {r.scale:g} folded into lora_B, {r.layers} layers as {r.tensors} tensors; "
+              f"load with pipe.load_lora_weights({r.out!r}); {r.seconds:.1f} s")
+        if args.json:
+            print(json.dumps(r.to_json()))
+        return 0
 
     r = export_run(args.run, args.out, ema=args.ema, checkpoint=args.checkpoint,
                    dtype="fp32" if args.dtype == "auto" else args.dtype,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any
 
 from knapray.limits import MAX_MODEL_DEPTH, MAX_MODEL_WIDTH
@@ -14,6 +15,56 @@ def _known_family(name: object) -> None:
 
     if name not in FAMILY_NAMES:
         raise ValueError(f"expected one of {', '.join(map(repr, FAMILY_NAMES))}, got {name!r}")
+
+
+LORA_INITS = ("gaussian", "kaiming")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class LoraConfig:
+    """``model.lora``: rank 0 (the default) trains every weight; a rank trains adapters only."""
+
+    rank: int = dataclasses.field(default=0, metadata={"ge": 0, "le": 4096})
+    """Adapter rank r (0: no adapters, full fine-tuning)."""
+    alpha: float = dataclasses.field(default=0.0, metadata={"ge": 0, "le": 1e6})
+    """Scale numerator: the adapter adds (alpha / r) B A x; 0 means alpha = r (scale 1)."""
+    dropout: float = dataclasses.field(default=0.0, metadata={"ge": 0, "lt": 1})
+    """Dropout on the adapter's input (training only)."""
+    targets: tuple[str, ...] = ("attention",)
+    """Preset names of the family (``attention``: its attention projections, as diffusers'
+    LoRA scripts default to; ``all-linear``: every linear layer of the blocks) or regular
+    expressions matched in full against module names (``double_blocks\\.\\d+\\.img\\.qkv``)."""
+    init: str = dataclasses.field(default="gaussian", metadata={"choices": LORA_INITS})
+    """``lora_A``'s initial values: ``gaussian`` N(0, 1/r) (peft's ``gaussian``) or
+    ``kaiming`` (uniform, as nn.Linear's weights); ``lora_B`` starts at zero either way."""
+
+    def __post_init__(self) -> None:
+        self.targets = tuple(self.targets)
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            raise ValueError(f"lora.rank must be an int >= 0, got {self.rank!r}")
+        if not (0 <= self.alpha and math.isfinite(self.alpha)):
+            raise ValueError(f"lora.alpha must be a finite number >= 0, got {self.alpha!r}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.init not in LORA_INITS:
+            raise ValueError(f"lora.init must be one of {list(LORA_INITS)}, got {self.init!r}")
+        if not self.targets or not all(isinstance(t, str) and t for t in self.targets):
+            raise ValueError(f"lora.targets must be preset names or regular expressions, got {self.targets!r}")
+        for t in self.targets:
+            try:
+                re.compile(t)
+            except re.error as e:
+                raise ValueError(f"lora.targets: {t!r} is not a regular expression ({e})") from None
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        """alpha / rank (1 when alpha is 0)."""
+        return (self.alpha or self.rank) / self.rank if self.rank else 0.0
+
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -57,8 +108,12 @@ class MMDiTConfig:
     """A checkpoint directory to start from ("": random init): a diffusers-layout
     transformer (config.json + safetensors, sharded or not) or a BFL single file. Its
     config.json sets the architecture fields this section leaves out (knapray/weights)."""
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+    """LoRA adapters (``rank`` > 0): the base frozen, only adapters trained (knapray/models/lora.py)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.lora, dict):
+            self.lora = LoraConfig(**self.lora)
         _known_family(self.family)
         if type(self) is MMDiTConfig and self.family != "mmdit":
             raise ValueError(f"family {self.family!r} has its own config class: build it with "

@@ -266,13 +266,25 @@ class ModelPart(Stateful):
     shards saved by their owners, loaded at any world size)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
+        from knapray.models.lora import has_adapters
+
         self.model = model
+        self.adapters_only = has_adapters(model)
+        """A LoRA model: only the adapters (the trained parameters) are saved and loaded; the
+        base comes from ``model.pretrained`` (the trainer records its fingerprint)."""
 
     def state_dict(self) -> dict:
-        return get_model_state_dict(self.model)
+        return get_model_state_dict(self.model, options=StateDictOptions(ignore_frozen_params=self.adapters_only))
 
     def load_state_dict(self, state: dict) -> None:
-        set_model_state_dict(self.model, state, options=StateDictOptions(strict=True))
+        if self.adapters_only:
+            from knapray.models.lora import is_adapter
+
+            missing = [n for n, p in self.model.named_parameters() if is_adapter(n) and n not in state]
+            if missing:
+                raise CheckpointError(f"the checkpoint holds no adapter {missing[0]!r}: it was not written by a "
+                                      "LoRA run of this model.lora")
+        set_model_state_dict(self.model, state, options=StateDictOptions(strict=not self.adapters_only))
 
 
 class OptimizerPart(Stateful):

@@ -32,8 +32,8 @@ class EMA:
         _reshard(model)  # shadow the shards even if a forward without backward left them gathered
         with torch.no_grad():
             self.shadow: dict[str, torch.Tensor] = {
-                name: p.detach().clone().float() for name, p in model.named_parameters()
-            }
+                name: p.detach().clone().float() for name, p in model.named_parameters() if p.requires_grad
+            }  # trained parameters only: a LoRA run's frozen base has no average to keep
 
     def current_decay(self) -> float:
         """The decay the next ``update`` uses."""
@@ -44,7 +44,7 @@ class EMA:
         """The model's parameters in the shadow's order (FSDP2: its sharded ones); raises if
         the names differ."""
         _reshard(model)
-        params = dict(model.named_parameters())
+        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         if params.keys() != self.shadow.keys():
             missing, extra = sorted(self.shadow.keys() - params.keys()), sorted(params.keys() - self.shadow.keys())
             raise ValueError(f"EMA: the model's parameters differ from the EMA's: missing {missing}, unexpected {extra}")

@@ -237,6 +237,7 @@ def check(cfg: TrainConfig, worlds: Iterable[int], *, corpus: CorpusCheck | None
         check_world(cfg, world)
     check_model_size(cfg)
     check_pretrained(cfg)
+    check_lora(cfg)
     if corpus is None:
         corpus = check_corpus(cfg, schema)
     try:
@@ -305,6 +306,31 @@ def check_pretrained(cfg: TrainConfig) -> None:
         check(cfg.model)
     except ValueError as e:
         raise RunError(f"model.pretrained: {e}") from None
+
+
+def check_lora(cfg: TrainConfig) -> None:
+    """``model.lora`` (rank > 0): peft is installed, the targets select linear layers of
+    this model (built on the meta device: nothing allocated) and a base is given."""
+    lora = cfg.model.lora
+    if not lora.enabled:
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        raise RunError("model.lora.rank > 0 needs the peft package on the driver and every worker: "
+                       "pip install 'knapray[lora]'")
+    if not cfg.model.pretrained:
+        raise RunError("model.lora trains adapters on a pretrained base: set model.pretrained (a diffusers "
+                       "transformer directory or a BFL file), or set model.lora.rank=0 to train every weight")
+    import torch
+
+    from knapray.models.families import build_model
+
+    try:
+        with torch.device("meta"):
+            build_model(cfg.model)
+    except ValueError as e:
+        raise RunError(str(e)) from None
 
 
 def check_corpus(cfg: TrainConfig, schema: _SchemaReader | None = None) -> CorpusCheck:

@@ -188,7 +188,8 @@ def decide_start(cfg: TrainConfig, checkpoints: list[str]) -> RunStart:
         raise RunError(f"cannot resume run {cfg.run.name!r} in {run_dir}: its saved config "
                        f"({os.path.join(run_dir, CONFIG_FILE)}) differs in {'; '.join(blocking)}; choose another "
                        "run.name for a new run")
-    check_resumable(run_dir, checkpoints[-1])
+    trainer = check_resumable(run_dir, checkpoints[-1])
+    check_lora_base(cfg, trainer, checkpoints[-1])
     from .report import scan_metrics  # the report reads metrics.jsonl; it imports this module
 
     torn = scan_metrics(run_dir).torn
@@ -232,10 +233,27 @@ def _read_only(path: str) -> bool:
         return False
 
 
-def check_resumable(run_dir: str, checkpoint: str) -> None:
+def check_lora_base(cfg: TrainConfig, trainer: dict, checkpoint: str) -> None:
+    """A LoRA checkpoint resumes only on the base it was trained on: the fingerprint of
+    ``model.pretrained``'s headers must be the one the checkpoint recorded."""
+    saved = trainer.get("lora_base")
+    if not cfg.model.lora.enabled or not isinstance(saved, dict):
+        return
+    from .trainer import lora_base
+
+    now = lora_base(cfg.model)
+    if now is None or now.get("fingerprint") != saved.get("fingerprint"):
+        raise RunError(f"cannot resume the LoRA run in {cfg.run_dir}: {checkpoint} was trained on the base "
+                       f"{saved.get('path')!r} (header fingerprint {str(saved.get('fingerprint'))[:12]}), but "
+                       f"model.pretrained {cfg.model.pretrained!r} is another checkpoint"
+                       + (f" (fingerprint {now['fingerprint'][:12]})" if now else "")
+                       + "; point model.pretrained at the original base or choose another run.name")
+
+
+def check_resumable(run_dir: str, checkpoint: str) -> dict:
     """What a resume from ``checkpoint`` reads, checked before any worker starts: its
     trainer state and DCP metadata (nothing a planted file names is run), and the ledger
-    journal holding every step the checkpoint covers."""
+    journal holding every step the checkpoint covers. Returns the trainer state."""
     from knapray.coordinator.store import LedgerFileError
 
     from .checkpoint import RUN_STATE, CheckpointError, check_checkpoint
@@ -251,6 +269,7 @@ def check_resumable(run_dir: str, checkpoint: str) -> None:
                 ledger.close()
     except (CheckpointError, LedgerBehind, LedgerFileError) as e:
         raise RunError(str(e)) from None
+    return trainer
 
 
 def check_world(cfg: TrainConfig, world_size: int) -> None:

@@ -169,6 +169,13 @@ class Trainer:
             self._load_pretrained()
         else:
             materialize(self.model, self.device)
+        self.lora_base = None
+        """A LoRA run's base: {path, fingerprint of its safetensors headers} (trainer.json)."""
+        if cfg.model.lora.enabled:
+            from knapray.models.lora import init_adapters
+
+            init_adapters(self.model, cfg.model.lora, cfg.data.seed)
+            self.lora_base = lora_base(cfg.model)
         self.startup.mark("model_ready")
         # FSDP gathers parameters in the compute dtype itself; without it, bf16 is autocast.
         self.autocast = not sharded and self.dtype != torch.float32
@@ -261,8 +268,8 @@ class Trainer:
         from .checkpoint import completed_checkpoints
 
         self.model.to_empty(device=self.device)
-        if completed_checkpoints(os.path.join(self.run_dir, "checkpoints")):
-            return
+        if completed_checkpoints(os.path.join(self.run_dir, "checkpoints")) and not self.cfg.model.lora.enabled:
+            return  # (a LoRA checkpoint holds the adapters only: the base is always read)
         report = load_pretrained(self.model, self.cfg.model)
         logger.info("rank %d: %s", self.rank, report.line())
 
@@ -510,7 +517,8 @@ class Trainer:
         """The trainer's part of a checkpoint (JSON; the checkpointer adds the step): the
         epoch, where it ran, and the ledger's position or the rows it could not hand over."""
         return {"epoch": self.epoch, "world_size": self.world, "topology": self.topology.spec,
-                "ledger": self._ledger_position_to_save, "ledger_rows": self._ledger_rows_to_save}
+                "ledger": self._ledger_position_to_save, "ledger_rows": self._ledger_rows_to_save,
+                **({"lora_base": self.lora_base} if self.lora_base else {})}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume after the checkpoint's step (``trainer.json``, checked as data on read)."""
@@ -555,6 +563,17 @@ class Trainer:
         self._ledger_position_to_save, self._ledger_rows_to_save = position, carried
         self.checkpointer.save(step, barrier=self.sync.barrier)
         self.last_saved, self.saved_epoch = step, self.epoch
+
+
+def lora_base(model_cfg) -> dict | None:
+    """What a LoRA run records of its base (``model.pretrained``): the path and the
+    fingerprint of its safetensors headers; None without a pretrained base."""
+    if not model_cfg.pretrained:
+        return None
+    from knapray.models.lora import base_fingerprint
+    from knapray.weights.checks import check_pretrained
+
+    return {"path": model_cfg.pretrained, "fingerprint": base_fingerprint(check_pretrained(model_cfg).files)}
 
 
 def _attention_fields(choice) -> dict:

@@ -100,6 +100,9 @@ def export_run(run_dir: str, out: str, *, ema: bool = False, checkpoint: str | N
     if max_shard_bytes < 1 or read_bytes < 1:
         raise ValueError(f"shard and read sizes must be >= 1 byte, got {max_shard_bytes} and {read_bytes}")
     cfg = read_run_config(run_dir).model
+    if cfg.lora.enabled:
+        raise ValueError(f"run {run_dir} trained LoRA adapters (model.lora.rank {cfg.lora.rank}): export them with "
+                         "--lora; the base is model.pretrained, unchanged")
     family = get_family(cfg.family)
     layout = checkpoint_layout(cfg)  # ValueError for a family without a checkpoint format
     out = os.path.abspath(out)

@@ -87,7 +87,11 @@ def load_pretrained(model: nn.Module, cfg: MMDiTConfig, source: PretrainedSource
     t0 = time.perf_counter()
     source = source or check_pretrained(cfg)
     layout = checkpoint_layout(cfg, source.layout)
-    params = dict(model.named_parameters())
+    from knapray.models.lora import base_name, is_adapter
+
+    # A LoRA model's base parameters carry ``.base_layer`` in their names; its adapters are
+    # not in the checkpoint (``init_adapters`` fills them).
+    params = {base_name(n): p for n, p in model.named_parameters() if not is_adapter(n)}
     if set(params) != {p.param for p in layout.pieces}:
         raise ValueError(f"the model's parameters differ from family {cfg.family}'s layout: got "
                          f"{sorted(set(params) ^ {p.param for p in layout.pieces})[:3]}")

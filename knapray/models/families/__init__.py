@@ -46,10 +46,24 @@ class Family:
     """config.json -> model-section values (knapray's field names); ValueError naming the key."""
     to_diffusers: Callable[[Any], dict] | None = None
     """A config -> the diffusers config.json it exports with."""
+    lora_presets: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    """``model.lora.targets`` preset name -> regular expressions over module names."""
 
     @property
     def has_checkpoints(self) -> bool:
         return self.diffusers_class is not None
+
+
+MMDIT_LORA = {
+    # the attention projections (diffusers' Flux LoRA scripts: to_q/k/v and to_out; knapray's
+    # single blocks fuse q, k, v with the MLP's input in linear1 and the outputs in linear2)
+    "attention": (r"double_blocks\.\d+\.(img|txt)\.(qkv|proj)", r"single_blocks\.\d+\.linear[12]"),
+    "all-linear": (r"double_blocks\..+", r"single_blocks\..+"),
+}
+WAN_LORA = {
+    "attention": (r"single_blocks\.\d+\.attn[12]\.(to_q|to_k|to_v|to_out)",),
+    "all-linear": (r"single_blocks\..+",),
+}
 
 
 def _flux() -> Family:
@@ -61,6 +75,7 @@ def _flux() -> Family:
         exact_against="diffusers 0.42 FluxTransformer2DModel (fp32, 1e-5 relative, outputs and gradients)",
         diffusers_class=flux.DIFFUSERS_CLASS, layouts=("diffusers", "bfl"), layout=flux_keys.flux_layout,
         section_from_diffusers=flux.section_from_diffusers, to_diffusers=lambda cfg: cfg.to_diffusers(),
+        lora_presets=MMDIT_LORA,
     )
 
 
@@ -73,6 +88,7 @@ def _wan() -> Family:
         exact_against="diffusers 0.42 WanTransformer3DModel (fp32, 1e-5 relative, outputs and gradients; one rank)",
         diffusers_class=wan.DIFFUSERS_CLASS, layouts=("diffusers",), layout=wan_keys.wan_layout,
         section_from_diffusers=wan.section_from_diffusers, to_diffusers=lambda cfg: cfg.to_diffusers(),
+        lora_presets=WAN_LORA,
     )
 
 
@@ -80,6 +96,7 @@ FAMILIES: dict[str, Family] = {
     "mmdit": Family(
         name="mmdit", config_cls=MMDiTConfig, model_cls=MMDiT, condition_fields=lambda cfg: ("timesteps", "pooled"),
         exact_against="itself: balanced == single-process (knapray parity); no external reference",
+        lora_presets=MMDIT_LORA,
     ),
     "flux": _flux(),
     "wan": _wan(),
@@ -114,8 +131,15 @@ def family_of_class(diffusers_class: str) -> str | None:
 
 def build_model(cfg: MMDiTConfig) -> nn.Module:
     """The model of ``cfg``'s family (on the current default device: build under
-    ``torch.device("meta")`` to allocate nothing)."""
-    return get_family(cfg.family).model_cls(cfg)
+    ``torch.device("meta")`` to allocate nothing), with its LoRA adapters injected and the
+    base frozen when ``cfg.lora.rank`` > 0 (``init_adapters`` gives them values)."""
+    family = get_family(cfg.family)
+    model = family.model_cls(cfg)
+    if cfg.lora.enabled:
+        from knapray.models.lora import inject
+
+        inject(model, cfg.lora, dict(family.lora_presets))
+    return model
 
 
 def condition_inputs(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
@@ -140,9 +164,10 @@ def cross_text_pad(cfg: MMDiTConfig) -> int | None:
 
 
 def param_shapes(cfg: MMDiTConfig) -> dict[str, tuple[int, ...]]:
-    """``{parameter name: shape}`` of ``cfg``'s model, built on the meta device (no memory)."""
+    """``{parameter name: shape}`` of ``cfg``'s model (without LoRA adapters: the base a
+    checkpoint holds), built on the meta device (no memory)."""
     with torch.device("meta"):
-        model = build_model(cfg)
+        model = get_family(cfg.family).model_cls(cfg)
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 

@@ -1,0 +1,156 @@
+"""LoRA adapters on a knapray model: ``model.lora`` in a run config.
+
+    model:
+      pretrained: /ckpt/FLUX.1-dev/transformer
+      lora: {rank: 16, alpha: 16, targets: [attention]}
+
+``inject`` puts peft's LoRA layers (``peft.inject_adapter_in_model``) on the linear layers
+whose module names match the targets (a family's preset names, ``attention`` and
+``all-linear``, or regular expressions over knapray's module names) and freezes everything
+else. The model is built on the meta device and injected there, before ``parallelize``
+(compile, checkpointing and FSDP2 see the wrapped layers like any other); the base comes
+from the pretrained checkpoint (its parameter names are the layout's with ``.base_layer``
+in them: ``base_name``) and ``init_adapters`` gives the adapters their first values, the
+same on every rank whatever the sharding: ``lora_A`` from a generator seeded by the run's
+seed and the parameter's name, ``lora_B`` zeros (so the model starts as the base).
+
+The adapter's scale ``alpha / rank`` is peft's; ``knapray export --lora`` folds it into
+``lora_B`` so that diffusers, which reads no alpha from a plain peft state dict, computes
+the same (knapray/weights/lora_export.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from knapray.models.config import LoraConfig
+
+ADAPTER = "default"
+"""peft's adapter name (one adapter per model)."""
+BASE = ".base_layer"
+
+
+def target_modules(model: nn.Module, cfg: LoraConfig, presets: dict[str, tuple[str, ...]]) -> list[str]:
+    """Names of ``model``'s linear layers the targets select (presets expanded); ValueError
+    naming a target that selects nothing."""
+    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    chosen: list[str] = []
+    for target in cfg.targets:
+        patterns = presets.get(target, (target,))
+        hits = [n for n in linears if any(re.fullmatch(p, n) for p in patterns)]
+        if not hits:
+            valid = ", ".join(sorted(presets)) or "none"
+            raise ValueError(f"model.lora.targets: {target!r} selects no linear layer of this model "
+                             f"(presets: {valid}; or a regular expression over names such as {linears[0]!r})")
+        chosen += [n for n in hits if n not in chosen]
+    return chosen
+
+
+def inject(model: nn.Module, cfg: LoraConfig, presets: dict[str, tuple[str, ...]]) -> list[str]:
+    """Wrap the targeted linear layers with peft's LoRA layers (on whatever device the model
+    is, the meta device included) and freeze every other parameter; returns the wrapped
+    modules' names."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import inject_adapter_in_model
+
+    names = target_modules(model, cfg, presets)
+    peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha or cfg.rank, lora_dropout=cfg.dropout,
+                              target_modules=names, bias="none", init_lora_weights=False)
+    on_meta = any(p.is_meta for p in model.parameters())  # then the adapters too (allocated with the model)
+    inject_adapter_in_model(peft_cfg, model, adapter_name=ADAPTER, low_cpu_mem_usage=on_meta)
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter(name))
+    return names
+
+
+def is_adapter(name: str) -> bool:
+    """Is parameter ``name`` a LoRA adapter's (``...lora_A.default.weight``)?"""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def has_adapters(model: nn.Module) -> bool:
+    return any(is_adapter(n) for n, _ in model.named_parameters())
+
+
+def base_name(name: str) -> str:
+    """The parameter's name in the model without adapters (what checkpoints of the base use)."""
+    return name.replace(BASE + ".", ".")
+
+
+@torch.no_grad()
+def init_adapters(model: nn.Module, cfg: LoraConfig, seed: int) -> None:
+    """First values of every adapter parameter (allocated; plain or FSDP2-sharded): lora_B
+    zeros, lora_A from ``cfg.init`` drawn whole from a generator seeded by ``seed`` and the
+    parameter's name, each rank keeping its rows, so every sharding gives the same adapters."""
+    from knapray.weights.load import local_rows
+
+    for name, p in model.named_parameters():
+        if not is_adapter(name):
+            continue
+        local, start, rows = local_rows(p)
+        if ".lora_B." in name:
+            local.zero_()
+            continue
+        digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+        gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+        full = torch.empty(p.shape, dtype=torch.float32)
+        if cfg.init == "gaussian":
+            full.normal_(0.0, 1.0 / cfg.rank, generator=gen)
+        else:  # nn.Linear's own: kaiming uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in))
+            bound = 1.0 / math.sqrt(p.shape[1])
+            full.uniform_(-bound, bound, generator=gen)
+        local.copy_(full[start : start + rows])
+
+
+MAX_HEADER_BYTES = 100 * 2**20
+"""safetensors' own bound on a header."""
+
+
+FINGERPRINT_BLOCKS = 16
+FINGERPRINT_BLOCK_BYTES = 4096
+
+
+def base_fingerprint(files: list[str]) -> str:
+    """sha256 over a base checkpoint's safetensors files in order: each one's header (names,
+    dtypes, shapes, offsets) and 16 blocks of 4 KiB spread evenly over its data (64 KiB read
+    per file, whatever its size). What a LoRA checkpoint records of the base it was trained
+    on and a resume compares: another architecture changes the headers, other weights of
+    the same shapes (another fine-tune of it) the sampled bytes."""
+    import os
+    import struct
+
+    h = hashlib.sha256()
+    for path in files:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            if not 0 <= n <= min(MAX_HEADER_BYTES, size - 8):
+                raise ValueError(f"{path}: not a safetensors file (header length {n})")
+            h.update(os.path.basename(path).encode() + b"\0" + f.read(n))
+            start, data = 8 + n, size - 8 - n
+            for i in range(FINGERPRINT_BLOCKS):
+                f.seek(start + (data * i) // FINGERPRINT_BLOCKS)
+                h.update(f.read(min(FINGERPRINT_BLOCK_BYTES, data)))
+    return h.hexdigest()
+
+
+def adapter_state(model: nn.Module) -> dict[str, Any]:
+    """{module name: (lora_A, lora_B)} of full (gathered) adapter tensors, for export and tests."""
+    from torch.distributed.tensor import DTensor
+
+    params = dict(model.named_parameters())
+    out: dict[str, Any] = {}
+    for name, p in params.items():
+        if ".lora_A." in name:
+            module = name.split(".lora_A.")[0]
+            b = params[f"{module}.lora_B.{ADAPTER}.weight"]
+            full = [t.full_tensor() if isinstance(t, DTensor) else t for t in (p, b)]
+            out[module] = (full[0].detach(), full[1].detach())
+    return out

@@ -1,0 +1,157 @@
+"""``model.lora`` in one process: the config's one-line errors, pre-flight, which layers a
+preset selects, adapters that start as the base, and the export layout against diffusers
+for both families (tiny checkpoints saved by diffusers, random adapters put on knapray's
+model, the exported tensors loaded into diffusers' transformer: the same outputs in fp32).
+The training path (4 gloo ranks, FSDP, resume, export, a wrong base) is
+tests/dist/test_lora.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("peft", reason="needs peft (the lora extra)")
+
+from knapray.models.config import LoraConfig  # noqa: E402
+from knapray.models.families import build_model  # noqa: E402
+from knapray.models.lora import base_name, init_adapters, is_adapter  # noqa: E402
+from knapray.testing.parity import parity_config  # noqa: E402
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"rank": -1}, "lora.rank must be an int >= 0, got -1"),
+    ({"rank": 4, "dropout": 1.0}, "lora.dropout must be in [0, 1), got 1.0"),
+    ({"rank": 4, "init": "zeros"}, "lora.init must be one of ['gaussian', 'kaiming'], got 'zeros'"),
+    ({"rank": 4, "targets": ["(unclosed"]}, "lora.targets: '(unclosed' is not a regular expression"),
+])
+def test_bad_lora_values_are_one_line(values, message):
+    with pytest.raises(ValueError) as e:
+        LoraConfig(**values)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_run_config_lora_errors_name_the_key(tmp_path):
+    from knapray.train.config import ConfigError
+    from knapray.train.preflight import load_run_config
+
+    with pytest.raises(ConfigError, match=r"config model.lora.rank: expected an int in \[0, 4096\], got -2"):
+        load_run_config(None, ["model.lora.rank=-2"])
+    with pytest.raises(ConfigError, match=r"config model.lora: unknown key\(s\) \['rnak'\]"):
+        load_run_config(None, ["model.lora.rnak=4"])
+
+
+def test_preflight_refuses_lora_without_base_or_matching_targets(monkeypatch):
+    from knapray.train.config import TrainConfig
+    from knapray.train.preflight import check_lora
+    from knapray.train.run_dir import RunError
+
+    cfg = TrainConfig()
+    cfg.model.lora = LoraConfig(rank=4)
+    with pytest.raises(RunError, match="model.lora trains adapters on a pretrained base: set model.pretrained"):
+        check_lora(cfg)
+    cfg.model.pretrained = "/nowhere"  # check_lora builds on the meta device; the base is check_pretrained's
+    cfg.model.lora = LoraConfig(rank=4, targets=("no_such_layer",))
+    with pytest.raises(RunError, match="'no_such_layer' selects no linear layer of this model"):
+        check_lora(cfg)
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
+    with pytest.raises(RunError, match=r"needs the peft package .* pip install 'knapray\[lora\]'"):
+        check_lora(cfg)
+
+
+def test_presets_select_the_attention_projections_and_start_as_the_base():
+    cfg = dataclasses.replace(parity_config(), lora=LoraConfig(rank=4))
+    model = build_model(cfg)
+    wrapped = sorted({n.rsplit(".lora_A", 1)[0] for n, _ in model.named_parameters() if ".lora_A." in n})
+    blocks = cfg.depth_double + cfg.depth_single
+    assert len(wrapped) == 2 * 2 * cfg.depth_double + 2 * cfg.depth_single and blocks > 1
+    assert all(w.endswith((".qkv", ".proj", ".linear1", ".linear2")) for w in wrapped)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {
+        n for n, _ in model.named_parameters() if is_adapter(n)}
+    torch.manual_seed(0)
+    plain = build_model(parity_config())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not is_adapter(name):
+                p.copy_(dict(plain.named_parameters())[base_name(name)])
+    init_adapters(model, cfg.lora, seed=3)
+    a = [p for n, p in model.named_parameters() if ".lora_A." in n]
+    assert all(x.abs().sum() > 0 for x in a)  # lora_A drawn, lora_B zero: the output is the base's
+    from knapray.testing.batches import mix_batches
+
+    batch = mix_batches("g1b2i256f1s0", cfg, scale=4, seed=0, world_size=None, max_text_tokens=8)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(model(batch), plain(batch), rtol=0, atol=0)
+    again = build_model(cfg)
+    init_adapters(again, cfg.lora, seed=3)
+    for (n, p), (_, q) in zip(model.named_parameters(), again.named_parameters()):
+        if is_adapter(n):
+            assert torch.equal(p, q), n  # the same adapters from the same seed
+
+
+def _randomize_adapters(model, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if is_adapter(n):
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+
+
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_exported_adapters_load_into_diffusers_with_the_same_outputs(family, tmp_path):
+    """Random adapters on every linear layer of the blocks (``all-linear``: for Flux, the
+    fused qkv / linear1 / linear2 split over several diffusers layers), exported through the
+    family's layout with alpha / r folded in, loaded by diffusers' ``load_lora_adapter``."""
+    pytest.importorskip("diffusers")
+    from knapray.testing.reference import _diffusers_call, _diffusers_wan_call, _pack, _split, make_inputs
+    from knapray.testing.reference import reference_config
+    from knapray.weights.checks import checkpoint_family
+    from knapray.weights.load import load_pretrained
+    from knapray.weights.lora_export import lora_tensors
+    from knapray.weights.source import open_pretrained
+
+    if family == "flux":
+        import sys
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from flux_utils import save_tiny_flux
+        from diffusers import FluxTransformer2DModel as Ref
+
+        path = str(save_tiny_flux(tmp_path / "t", 2, 16, (4, 6, 6), 1, 1, True, text_dim=16, pooled_dim=12))
+    else:
+        from diffusers import WanTransformer3DModel as Ref
+
+        torch.manual_seed(0)
+        Ref(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
+            text_dim=12, freq_dim=32, ffn_dim=48, num_layers=2, cross_attn_norm=True).save_pretrained(tmp_path / "t")
+        path = str(tmp_path / "t")
+    source = open_pretrained(path)
+    cfg = dataclasses.replace(reference_config(source, checkpoint_family(source, family)),
+                              lora=LoraConfig(rank=3, alpha=6, targets=("all-linear",)))
+    model = build_model(cfg)
+    model.to_empty(device="cpu")
+    load_pretrained(model, cfg)
+    _randomize_adapters(model, seed=1)
+    params = dict(model.named_parameters())
+    adapters = {n.split(".lora_A.")[0]: (p.detach(), params[n.replace(".lora_A.", ".lora_B.")].detach())
+                for n, p in params.items() if ".lora_A." in n}
+    ref = Ref.from_pretrained(path, torch_dtype=torch.float32)
+    ref.load_lora_adapter(lora_tensors(adapters, cfg, cfg.lora.scale), prefix="transformer")
+    inputs = make_inputs(cfg, 2, seed=4)
+    with torch.no_grad():
+        ours = _split(model(_pack(cfg, inputs)), inputs)
+        if family == "flux":
+            theirs = [_diffusers_call(ref, s) for s in inputs]
+        else:
+            theirs = [_diffusers_wan_call(ref, s, cfg.patch_size, cfg.text_pad_to) for s in inputs]
+        plain = Ref.from_pretrained(path, torch_dtype=torch.float32)
+        base = [(_diffusers_call(plain, s) if family == "flux" else
+                 _diffusers_wan_call(plain, s, cfg.patch_size, cfg.text_pad_to)) for s in inputs]
+    for a, b, c in zip(ours, theirs, base):
+        assert (a - b).norm() / b.norm() <= 1e-5
+        assert (c - b).norm() / b.norm() > 1e-2  # the adapters matter
