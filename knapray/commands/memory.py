@@ -27,9 +27,11 @@ def run(args: argparse.Namespace) -> int:
     from knapray.train.preflight import load_run_config
 
     cfg = load_run_config(args.config, args.set)  # a ConfigError (ValueError) names the file or the key
+    from knapray.models.lora import adapter_counts
+
     mem = memory_model_for_run(
         cfg, world_size=args.world_size, gpus_per_node=args.gpus_per_node, sharding=args.fsdp,
-        checkpointing=args.ac, ac_every=args.ac_every,
+        checkpointing=args.ac, ac_every=args.ac_every, trainable=adapter_counts(cfg.model),
     )
     gpu_bytes = int(args.gpu_gib * GIB)
     fit = mem.max_tokens_per_gpu(gpu_bytes)
@@ -45,12 +47,15 @@ def run(args: argparse.Namespace) -> int:
         "tokens_per_gpu": tokens, "breakdown": {k: v for k, v in gib.items() if k != "total"},
         "total_gib": gib["total"], "peak_phase": br.peak_phase, "gpu_gib": args.gpu_gib,
         "usable_gib": mem.usable_bytes(gpu_bytes) / GIB, "fits": mem.fits(tokens, gpu_bytes),
-        "max_tokens_per_gpu": fit,
+        "max_tokens_per_gpu": fit, "trainable_params": mem.trainable[0] if mem.trainable else mem.shape.num_params,
     }
     ac = mem.checkpointing + (f" (k={mem.ac_every})" if mem.checkpointing == "every_k" else "")
     print(f"{cfg.run.name}: {mem.shape.num_params / 1e9:.2f} B parameters, {mem.precision}, "
           f"{mem.world_size} GPUs ({mem.gpus_per_node} per node), fsdp {mem.sharding} "
           f"(state sharded over {mem.shard_size}), activation checkpointing {ac}")
+    if mem.trainable:
+        print(f"LoRA: {mem.trainable[0] / 1e6:.1f} M adapter parameters train (rank {cfg.model.lora.rank}); the base "
+              "is frozen: gradients and AdamW state are the adapters' alone")
     print(f"per GPU at {tokens} tokens per GPU:")
     for key, value in result["breakdown"].items():
         note = {"step_buffers": "  (optimizer step, after activations are freed)",

@@ -142,9 +142,21 @@ def load_weights(cfg: Any, path: str, ema: bool = True, device: str = "cpu") -> 
     model = build_model(cfg.model)
     used_ema = ema and any(k.startswith("ema.") for k in saved_keys(path))
     prefix = "ema" if used_ema else "model"
-    state = {prefix: {k: v for k, v in model.state_dict().items()}}
+    lora = cfg.model.lora.enabled
+    if lora:  # the base from model.pretrained (the one trained on), the adapters from the checkpoint
+        from knapray.models.lora import is_adapter
+        from knapray.train.checkpoint import read_trainer_state
+        from knapray.train.trainer import lora_base
+        from knapray.weights.load import load_pretrained
+
+        saved, now = read_trainer_state(path).get("lora_base") or {}, lora_base(cfg.model)
+        if now is None or saved.get("fingerprint") != now["fingerprint"]:
+            raise ValueError(f"{path} holds LoRA adapters trained on the base {saved.get('path')!r}, but "
+                             f"model.pretrained {cfg.model.pretrained!r} is another checkpoint now")
+        load_pretrained(model, cfg.model)
+    state = {prefix: {k: v for k, v in model.state_dict().items() if not lora or is_adapter(k)}}
     safe_load(state, path)
-    model.load_state_dict(state[prefix], strict=True)
+    model.load_state_dict(state[prefix], strict=not lora)
     return model.to(device).eval(), used_ema
 
 

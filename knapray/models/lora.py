@@ -141,6 +141,20 @@ def base_fingerprint(files: list[str]) -> str:
     return h.hexdigest()
 
 
+def adapter_counts(model_cfg) -> tuple[int, int] | None:
+    """(parameters, tensors) of ``model_cfg``'s adapters (its model built on the meta
+    device: nothing allocated); None without ``model.lora``. What the memory model counts
+    gradients and AdamW state for."""
+    if not model_cfg.lora.enabled:
+        return None
+    from knapray.models.families import build_model
+
+    with torch.device("meta"):
+        model = build_model(model_cfg)
+    adapters = [p for n, p in model.named_parameters() if is_adapter(n)]
+    return sum(p.numel() for p in adapters), len(adapters)
+
+
 def adapter_state(model: nn.Module) -> dict[str, Any]:
     """{module name: (lora_A, lora_B)} of full (gathered) adapter tensors, for export and tests."""
     from torch.distributed.tensor import DTensor

@@ -430,6 +430,10 @@ class MemoryModel:
     ``reference`` (the per-sequence SDPA path of ``knapray.attention``: CPU)."""
     reserve_bytes: int = RESERVE_BYTES
     fragmentation: float = FRAGMENTATION
+    trainable: tuple[int, int] | None = None
+    """(parameters, tensors) that train, when not all do: a LoRA run's adapters
+    (``knapray.models.lora.adapter_counts``). Gradients and AdamW state are theirs alone; the
+    frozen base keeps its fp32 copy (sharded like the rest)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.shape, ModelShape):
@@ -524,6 +528,12 @@ class MemoryModel:
             return 0
         s = self.shape
         p = self.compute_bytes
+        if self.trainable:
+            # A frozen base (LoRA): no gradient buffers beside the adapters'; at the backward's
+            # start, where activations peak, FSDP holds the last block gathered and the one it
+            # prefetches, in the compute dtype (knapray dryrun of jobs/configs/flux_dev_lora.yaml).
+            last = sum(s.single_block[:2]) if s.depth_single else sum(s.double_block[:2])
+            return 2 * p * last
         largest = max(
             sum(s.double_block[:2]) if s.depth_double else 0, sum(s.single_block[:2]) if s.depth_single else 0
         )
@@ -537,13 +547,14 @@ class MemoryModel:
         """Per-GPU bytes of a step in which this rank holds ``tokens`` routed tokens."""
         s = self.shape
         n = s.num_params
+        t, t_tensors = self.trainable or (n, s.num_param_tensors)
         saved, recompute, working = self.activation_bytes(tokens, text_tokens=text_tokens, sequences=sequences)
-        allreduce = FP32 * n if self.sharding == "none" and self.world_size > 1 else 0
-        grads = FP32 * self._sharded(n)
+        allreduce = FP32 * t if self.sharding == "none" and self.world_size > 1 else 0
+        grads = FP32 * self._sharded(t)
         return MemoryBreakdown(
-            params=FP32 * self._sharded(n),
-            grads=FP32 * self._sharded(n),
-            optimizer=2 * FP32 * self._sharded(n) + FP32 * s.num_param_tensors,
+            params=FP32 * self._sharded(n + (t if self.trainable else 0)),
+            grads=grads,
+            optimizer=2 * FP32 * self._sharded(t) + FP32 * t_tensors,
             autocast_weights=self._autocast_bytes(),
             fsdp_buffers=self._fsdp_bytes(),
             activations=saved,
@@ -647,6 +658,7 @@ def memory_model_for_run(
     sharding: str | None = None,
     checkpointing: str | None = None,
     ac_every: int | None = None,
+    trainable: tuple[int, int] | None = None,
 ) -> MemoryModel:
     """The memory model of a run config (``knapray.train.config.TrainConfig``); keyword
     arguments override it. Its ``parallel`` section gives sharding, checkpointing and
@@ -672,4 +684,5 @@ def memory_model_for_run(
         checkpointing=mode,
         ac_every=k,
         precision=precision,
+        trainable=trainable,
     )

@@ -172,6 +172,8 @@ def host_batch(samples: list[Sample], cfg) -> Any:
               for s in samples for (t, h, w) in (s.grid,)]
     batch = pack_samples(packed, cfg)
     batch.targets = torch.zeros_like(batch.x_img)
+    if guidance and batch.guidance is None:  # no samples: no guidance values, but a model that embeds it
+        batch.guidance = torch.zeros(0)
     return batch
 
 
@@ -451,8 +453,11 @@ def expected_collectives(setup: Setup, plan, depth: tuple[int, int]) -> dict:
     bag = int(topo.bag_of_rank[rank])
     group = topo.group_ranks(int(topo.group_of_bag[bag]))
     rp = RoutePlan.build(plan, rank, tuple(int(r) for r in group))
+    # LoRA with adapters in the blocks only: nothing before the blocks trains, so autograd
+    # runs no backward through the embedders, the conditioning and their routing
+    frozen_front = cfg.model.lora.enabled
     if not rp.local_only:  # route, sequence features, route home; each sent back in backward
-        add("alltoall_base_", len(group), 6)
+        add("alltoall_base_", len(group), 4 if frozen_front else 6)
     g = int(topo.bag_sizes[bag])
     blocks = depth[0] + depth[1]
     recomputed = sum(checkpointed_blocks(cfg.parallel.activation_checkpointing, cfg.parallel.ac_every, blocks))
@@ -468,10 +473,12 @@ def expected_collectives(setup: Setup, plan, depth: tuple[int, int]) -> dict:
         shard, replicate = shape[-1], (shape[0] if len(shape) == 2 else 1)
         m = cfg.model
         units = 2 + (1 if m.text_dim else 0) + (1 if m.pooled_dim else 0) + blocks + 1
-        # Every unit gathered in forward and again in backward, but the final layer (kept).
-        add("_allgather_base_", shard, 2 * units - 1)
-        add("_reduce_scatter_base_", shard, units)
-        add("allreduce_", replicate, units)
+        embedders = 1 + (1 if m.text_dim else 0)
+        # Every unit gathered in forward and again in backward, but the final layer (kept)
+        # and, under LoRA, the embedders (no backward); only units that train reduce.
+        add("_allgather_base_", shard, 2 * units - 1 - (embedders if frozen_front else 0))
+        add("_reduce_scatter_base_", shard, blocks if frozen_front else units)
+        add("allreduce_", replicate, blocks if frozen_front else units)
         if cfg.optim.grad_clip > 0:
             add("all_reduce", shard, 1)  # the sharded gradients' norm (DTensor.full_tensor)
     return exp
@@ -534,7 +541,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"device a training step on fake tensors of a device that is not the host's (meta), unsharded, fp32, "
           f"{min(1, m.depth_double)}+{min(1, m.depth_single)} blocks, in {device.seconds:.0f} s")
 
-    mem = memory_model_for_run(cfg, world_size=world, gpus_per_node=setup.gpus_per_node)
+    from knapray.models.lora import adapter_counts
+
+    mem = memory_model_for_run(cfg, world_size=world, gpus_per_node=setup.gpus_per_node,
+                               trainable=adapter_counts(cfg.model))
     pred = mem.breakdown(step.routed_tokens, text_tokens=step.routed_text, sequences=step.routed_sequences)
     failures: list[str] = []
     for res, what in ((step, "step"), (device, "device pass")):

@@ -124,11 +124,16 @@ def read_run_config(run_dir: str) -> TrainConfig:
         raise RunError(f"run file {os.path.join(run_dir, CONFIG_FILE)}: {e}") from None
 
 
+NESTED_SECTIONS = ("model.lora",)
+"""Sections inside a section (flattened to their keys); other dict values (``balance.cost``)
+are one value."""
+
+
 def _flat(d: dict, prefix: str = "") -> dict[str, object]:
     out: dict[str, object] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
-        if isinstance(v, dict) and key.count(".") < 1:
+        if isinstance(v, dict) and (key.count(".") < 1 or key in NESTED_SECTIONS):
             out.update(_flat(v, key + "."))
         else:
             out[key] = list(v) if isinstance(v, tuple) else v

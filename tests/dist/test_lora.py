@@ -126,6 +126,11 @@ def test_lora_finetune_resume_export_and_refuse_another_base(tmp_path: Path, cap
     assert main(["export", "--run", str(runs / "flux-lora"), "--out", str(out), "--lora", "--json"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["rank"] == 4 and report["scale"] == 2.0 and report["step"] == 7
+    # knapray sample draws from the LoRA run: the base from model.pretrained, the adapters
+    # from the checkpoint (the synthetic corpus has no VAE: a latent preview)
+    assert main(["sample", "--run", str(runs / "flux-lora"), "--like", "1", "--size", "32x32", "--steps", "2",
+                 "--out", str(tmp_path / "grid.png"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["requests"] == 1
     vae, clip, t5 = te.save_vae(models / "vae"), te.save_clip(models / "clip", projection=False), te.save_t5(models / "t5")
     pipe = FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(), vae=AutoencoderKL.from_pretrained(vae),

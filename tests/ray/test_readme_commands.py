@@ -178,6 +178,9 @@ RULES = (
     Rule(r"^knapray simulate --paper-table", "parse", "the paper tables plan 32 and 1024 GPUs (20 s and more); "
          "tests/unit/test_simulate.py and tests/unit/test_pertopo.py check their rows"),
     Rule(r"^knapray parity ", "parse", "spawns 4 gloo processes (~20 s each); tests/dist/test_parity.py runs these cases"),
+    Rule(r"^knapray memory --config jobs/configs/flux_dev_lora\.yaml", "run"),
+    Rule(r"^knapray export --run runs/NAME --out lora/ --lora", "parse", "a placeholder run directory; "
+         "tests/dist/test_lora.py exports a LoRA run it trained and loads it into a FluxPipeline"),
     Rule(r"^knapray calibrate ", "parse", "times the model's blocks for minutes (or on CUDA); tests/unit/test_calibrate.py "
          "calibrates and validates a small model"),
     Rule(r"^torchrun --nproc-per-node 8 .*scaling\.use_gpu=true", "parse", "needs 8 CUDA GPUs"),

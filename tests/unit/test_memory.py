@@ -233,8 +233,10 @@ def test_run_config_sections_are_read():
 def _write_config(path: Path, model: MMDiTConfig, **parallel) -> str:
     import yaml
 
-    m = {k: (list(v) if isinstance(v, tuple) else v) for k, v in
-         ((f, getattr(model, f)) for f in model.__dataclass_fields__)}
+    import dataclasses
+    import json
+
+    m = json.loads(json.dumps(dataclasses.asdict(model)))  # tuples as lists, the lora section as a mapping
     data = {"model": m, "balance": {"gpus_per_node": 8}, "run": {"name": "t"},
             "scaling": {"num_workers": 64, "use_gpu": True}, "parallel": {"precision": "bf16", **parallel}}
     path.write_text(yaml.safe_dump(data))
