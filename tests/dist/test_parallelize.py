@@ -51,7 +51,7 @@ def _model(seed: int = 0) -> MMDiT:
     "kwargs, message",
     [
         ({"fsdp": "zero3"}, "fsdp must be one of ['none', 'full', 'hybrid'], got 'zero3'"),
-        ({"ac": "some"}, "ac must be one of ['none', 'full', 'every_k'], got 'some'"),
+        ({"ac": "some"}, "ac must be one of ['none', 'full', 'every_k', 'selective'], got 'some'"),
         ({"ac": "every_k", "ac_every": 0}, "ac_every must be an int >= 1, got 0"),
         ({"fsdp": "full", "param_dtype": torch.float16}, "param_dtype must be one of"),
         ({"param_dtype": torch.bfloat16}, "apply to FSDP only"),
