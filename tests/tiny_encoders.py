@@ -160,7 +160,8 @@ def sample_images(out: Path) -> Path:
 def save_flux_layout(root: Path) -> Path:
     """A FLUX.1-dev-shaped model folder of tiny models: ``vae/`` (AutoencoderKL with 16
     latent channels and downsample 8, Flux's factors), ``text_encoder/`` + ``tokenizer/``
-    (CLIP) and ``text_encoder_2/`` + ``tokenizer_2/`` (T5), so that a command written for
+    (CLIP) and ``text_encoder_2/`` + ``tokenizer_2/`` (T5), and ``transformer/`` (a Flux of
+    width 32 taking those widths: ``TINY_FLUX_TRANSFORMER``), so that a command written for
     the real folder runs with only its root substituted."""
     import torch
     from diffusers import AutoencoderKL
@@ -175,4 +176,14 @@ def save_flux_layout(root: Path) -> Path:
     save_clip(root / "text_encoder", projection=False)
     for model, tokenizer in (("text_encoder_2", "tokenizer_2"), ("text_encoder", "tokenizer")):
         (root / tokenizer).symlink_to(root / model, target_is_directory=True)
+    from diffusers import FluxTransformer2DModel
+
+    FluxTransformer2DModel(**TINY_FLUX_TRANSFORMER).save_pretrained(root / "transformer")
     return root
+
+
+TINY_FLUX_TRANSFORMER = dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                             num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=12,
+                             guidance_embeds=True, axes_dims_rope=(4, 6, 6))
+"""The tiny FLUX.1-dev stand-in's transformer: the VAE's 16 latent channels (x 2 x 2), the
+tiny T5's 16 and CLIP's 12 widths."""

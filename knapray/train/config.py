@@ -305,6 +305,42 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class ValidationConfig:
+    """``metrics.validation:`` samples drawn while training, every ``every`` steps, with the
+    run's current weights (the EMA's when the run keeps one), into TensorBoard (images; a
+    clip as a strip of its frames) and ``validation/step-<N>.png`` in the run directory."""
+
+    every: int = field(default=0, metadata={"ge": 0, "le": MAX_STEPS})
+    """Steps between validations (0: none). Also after the last step."""
+    like: tuple[int, ...] = ()
+    """Corpus sample ids whose caption embeddings condition the samples (no encoder needed)."""
+    captions: tuple[str, ...] = ()
+    """Captions, encoded once by the corpus's text encoder (the corpus must record one
+    knapray rebuilds, as ``knapray sample --caption``)."""
+    sizes: tuple[str, ...] = ("256x256",)
+    """WIDTHxHEIGHT of each sample, paired with the prompts as ``knapray sample`` pairs them."""
+    frames: int = field(default=1, metadata={"ge": 1, "le": 1024})
+    """Latent frames per sample (1: images)."""
+    steps: int = field(default=20, metadata={"ge": 1, "le": 1000})
+    """Euler steps per sample."""
+    seed: int = field(default=0, metadata={"ge": 0, "le": 2**31 - 1})
+    """The noise's seed: every validation draws from the same noise, so steps compare."""
+    guidance: float = field(default=0.0, metadata={"ge": 0, "le": 100})
+    """Guidance (the embedded guidance of a model that has it, else classifier-free); 0: the
+    family's default (3.5 embedded, 1 otherwise)."""
+
+    def __post_init__(self) -> None:
+        self.like, self.captions, self.sizes = tuple(self.like), tuple(self.captions), tuple(self.sizes)
+        if self.every and not (self.like or self.captions):
+            raise ValueError("validation.every > 0 needs prompts: validation.like (corpus sample ids) or "
+                             "validation.captions")
+        for size in self.sizes:
+            w, _, h = str(size).lower().partition("x")
+            if not (w.isdigit() and h.isdigit() and int(w) > 0 and int(h) > 0):
+                raise ValueError(f"validation.sizes: expected WIDTHxHEIGHT such as 512x512, got {size!r}")
+
+
+@dataclass(kw_only=True, slots=True)
 class MetricsConfig:
     """``metrics:`` Where the step metrics go, how often, and which steps are profiled."""
 
@@ -328,6 +364,8 @@ class MetricsConfig:
     """Profile steps [a, b) with torch.profiler on every rank: ``profile/rank<r>.trace.json``
     (Chrome trace) and ``profile/rank<r>.txt`` (device busy time, kernel time by kind, the
     heaviest kernels) in the run directory. [0, 0]: no profiling."""
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    """Samples while training (``every`` > 0)."""
 
     def __post_init__(self) -> None:
         a, b = self.profile_steps

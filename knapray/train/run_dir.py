@@ -124,7 +124,7 @@ def read_run_config(run_dir: str) -> TrainConfig:
         raise RunError(f"run file {os.path.join(run_dir, CONFIG_FILE)}: {e}") from None
 
 
-NESTED_SECTIONS = ("model.lora",)
+NESTED_SECTIONS = ("model.lora", "metrics.validation")
 """Sections inside a section (flattened to their keys); other dict values (``balance.cost``)
 are one value."""
 

@@ -176,6 +176,14 @@ class MetricSinks:
         for callback in self.callbacks:
             callback(step, dict(values))
 
+    def images(self, step: int, images: Mapping[str, "np.ndarray"]) -> None:
+        """Images ({tag: (H, W, 3) floats in [0, 1]}) at ``step``: TensorBoard only (W&B and
+        MLflow get the run directory's PNG files from ``validation/``)."""
+        if self._tb is not None:
+            for tag, image in images.items():
+                self._tb.add_image(tag, image, global_step=step, dataformats="HWC")
+            self._tb.flush()
+
     def close(self) -> None:
         """Flush and close every sink (idempotent)."""
         if self._closed:

@@ -248,6 +248,9 @@ class Trainer:
         self.profiler = StepProfiler(self.run_dir, self.rank, cfg.metrics.profile_steps if any(cfg.metrics.profile_steps)
                                      else None, self.device)
         self.sinks = MetricSinks(cfg, start_step=self.step) if self.rank == 0 else None
+        from .validation import Validator
+
+        self.validator = Validator(cfg, rank=self.rank, group=self.sync.meta_group if self.world > 1 else None)
         largest_bag = max(self.topology.bags) if self.per_step_node is None else max(
             max(self.topology.bags), max(block_sizes(self.per_step_node, cfg.model.num_heads)))
         self.max_seq_len = cfg.data.max_tokens_per_gpu * largest_bag if cfg.data.max_tokens_per_gpu else None
@@ -356,8 +359,12 @@ class Trainer:
                 records.append(rec)
                 topologies[rec["topology"]] = topologies.get(rec["topology"], 0) + 1
                 self.step += 1
+                if self.micro_steps == 0 and self.validator.due(self.step - 1):  # at an optimizer step
+                    self.validator.run(self.step - 1, self.model, self.ema, self.sinks)
         self._apply_gradients()
         last = self.step - 1 if self.step > 0 else None
+        if last is not None and self.validator.enabled and self.validator.last_step != last:
+            self.validator.run(last, self.model, self.ema, self.sinks)  # the run's last weights too
         if cfg.checkpoint.final and last is not None and (self.last_saved, self.saved_epoch) != (last, self.epoch):
             # The last steps of a run are never lost, and the checkpoint says which epochs
             # are done (a finished run is then known as such before any worker starts).
@@ -533,6 +540,8 @@ class Trainer:
         """Flush and close what the run holds open: the profiler window, the metric sinks,
         the local ledger (idempotent)."""
         self.profiler.close()
+        if getattr(self, "validator", None) is not None:
+            self.validator.close()  # its pictures go to the sinks: before they close
         if self.sinks is not None:
             self.sinks.close()
             self.sinks = None

@@ -2,7 +2,7 @@
 FSDP-sharded, in one spawn: 8 steps straight (checkpoints at steps 3 and 7), then the same
 run resumed from step 3's checkpoint. Then, in this process: only adapters changed (the
 base as the file holds it), the resume matched bit for bit, the checkpoint holds adapters
-only, ``knapray export --lora`` loads into a diffusers FluxPipeline whose transformer
+only, validation samples were drawn, ``knapray export --lora`` loads into a diffusers FluxPipeline whose transformer
 computes what knapray's model with the adapters computes, and a resume on another base is
 refused in one line."""
 
@@ -27,7 +27,8 @@ pytestmark = pytest.mark.dist
 
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=[attention]", "parallel.fsdp=full",
         "balance.topology=g1n2+g2n1", "optim.lr=0.03", "data.epochs=8", "checkpoint.every=4", "run.max_steps=8",
-        "flow.guidance=3.5"]
+        "flow.guidance=3.5", "metrics.validation.every=4", "metrics.validation.like=[1]",
+        "metrics.validation.sizes=[32x32]", "metrics.validation.steps=2"]
 
 
 def _numpy(state: dict) -> dict:
@@ -114,6 +115,10 @@ def test_lora_finetune_resume_export_and_refuse_another_base(tmp_path: Path, cap
     assert r0["resumed_from"] == 3
     for name in r0["trainable"]:
         np.testing.assert_array_equal(r0["resumed"][name], r0["straight"][name], err_msg=name)
+
+    # Validation samples of the LoRA run (base + adapters) at steps 3 and 7.
+    assert sorted(p.name for p in (runs / "flux-lora" / "validation").iterdir()) == [
+        "step-000003.png", "step-000007.png"]
 
     # The checkpoint holds adapters only.
     ckpt = runs / "flux-lora" / "checkpoints" / "step-000000007"

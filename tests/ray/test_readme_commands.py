@@ -144,6 +144,24 @@ def _widths_from_the_corpus(work: Path, out: str) -> None:
     assert (work / "runs" / "pictures" / "metrics.jsonl").read_text().strip(), out
 
 
+def _lora_trained(work: Path, out: str) -> None:
+    """Adapters trained on the stand-in's transformer; the checkpoint holds them alone."""
+    from knapray.train.checkpoint import completed_checkpoints, saved_keys
+
+    (ckpt,) = completed_checkpoints(str(work / "runs" / "pictures-lora" / "checkpoints"))
+    keys = [k for k in saved_keys(ckpt) if k.startswith("model.")]
+    assert keys and all(".lora_" in k for k in keys), out
+
+
+def _lora_exported(work: Path, out: str) -> None:
+    """What diffusers loads: peft keys of the transformer's layers."""
+    from safetensors import safe_open
+
+    with safe_open(str(work / "pictures-lora" / "pytorch_lora_weights.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert keys and all(k.startswith("transformer.") and ".lora_" in k for k in keys), out
+
+
 def _one_caption_two_sizes(work: Path, out: str) -> None:
     """One caption at both sizes, WIDTHxHEIGHT as written, decoded by the corpus's VAE."""
     assert "2 images: 512x512, 768x384 pixels" in out and "DiffusersVAE" in out, out
@@ -165,6 +183,17 @@ RULES = (
          extra=("--set", "data.corpus={W}/demo-corpus")),
     Rule(r"^knapray train .*--check", "run", "the demo corpus replaced by a small one",
          extra=("--set", "data.corpus={W}/demo-corpus")),
+    Rule(r"^knapray train --config jobs/configs/flux_dev_lora\.yaml", "run",
+         "after the own-images recipe above (its corpus); the tiny FLUX.1-dev stand-in's transformer, so the "
+         "config's FLUX.1-dev widths are set to the stand-in's; 2 steps on 2 CPU workers in fp32",
+         subs=(("/models/FLUX.1-dev", "{W}/models/FLUX.1-dev"),),
+         extra=("--set", "model.hidden_size=32", "--set", "model.num_heads=2", "--set", "model.depth_double=1",
+                "--set", "model.depth_single=1", "--set", "model.text_dim=16", "--set", "model.pooled_dim=12",
+                "--set", "model.rope_axes_dim=[4,6,6]", "--set", "run.max_steps=2", "--set", "scaling.num_workers=2",
+                "--set", "scaling.use_gpu=false", "--set", "balance.topology=g2n1", "--set", "balance.gpus_per_node=2",
+                "--set", "parallel.precision=fp32", "--set", "checkpoint.every=0"),
+         verify=_lora_trained),
+    Rule(r"^knapray export --run runs/pictures-lora", "run", "the LoRA run just trained", verify=_lora_exported),
     Rule(r"^knapray train ", "run", FAST,
          extra=("--set", "run.max_steps=2", "--set", "scaling.num_workers=2", "--set", "balance.topology=g2n1"),
          verify=_widths_from_the_corpus),
