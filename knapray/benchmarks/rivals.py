@@ -31,7 +31,7 @@ import time
 import numpy as np
 import torch
 
-from knapray.benchmarks.step import LOSS_TOL, step_config
+from knapray.benchmarks.step import LOSS_TOL, step_config, write_records
 from knapray.distributed.local import free_port, init_local_gloo
 from knapray.planning.cost import CostModel
 
@@ -159,11 +159,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, opts: dict) -> None:
                     "grad_norm": grad_norm, "tokens": int(plan.recv_counts[rank]),
                 })
                 del loss
-        gathered: list = [None] * world
-        dist.all_gather_object(gathered, records)
-        if rank == 0:
-            with open(os.path.join(out_dir, "records.json"), "w") as f:
-                json.dump([r for rank_records in gathered for r in rank_records], f)
+        write_records(records, world, rank, out_dir)
     finally:
         dist.destroy_process_group()
 

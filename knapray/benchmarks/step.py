@@ -293,13 +293,20 @@ def _worker(rank: int, world: int, port: int, out_dir: str, opts: dict) -> None:
             )
         for r in records:
             r.update(memory[r["mode"]])
-        gathered: list = [None] * world
-        dist.all_gather_object(gathered, records)
-        if rank == 0:
-            with open(os.path.join(out_dir, "records.json"), "w") as f:
-                json.dump([r for rank_records in gathered for r in rank_records], f)
+        write_records(records, world, rank, out_dir)
     finally:
         dist.destroy_process_group()
+
+
+def write_records(records: list[dict], world: int, rank: int, out_dir: str) -> None:
+    """Every rank's records gathered; rank 0 writes them to ``<out_dir>/records.json``."""
+    import torch.distributed as dist
+
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, records)
+    if rank == 0:
+        with open(os.path.join(out_dir, "records.json"), "w") as f:
+            json.dump([r for rank_records in gathered for r in rank_records], f)
 
 
 def _measure_memory(model, forward, targets, global_tokens: int, loss_fn) -> dict:
