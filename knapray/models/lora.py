@@ -69,6 +69,22 @@ def inject(model: nn.Module, cfg: LoraConfig, presets: dict[str, tuple[str, ...]
     return names
 
 
+def hold_base_in(model: nn.Module, dtype: torch.dtype) -> int:
+    """A LoRA model's frozen weight matrices held in ``dtype``, the run's compute dtype (on
+    any device, the meta device before ``parallelize`` included): what the forward computes
+    with anyway (FSDP's bf16 gathers, autocast's casts), at half the memory of fp32 copies.
+    Biases and norm gains stay fp32; adapters are trained in fp32. Returns how many
+    parameters it cast (0 for fp32 or a model without adapters)."""
+    if dtype == torch.float32 or not has_adapters(model):
+        return 0
+    cast = 0
+    for _, p in model.named_parameters():
+        if not p.requires_grad and p.ndim >= 2 and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+            cast += 1
+    return cast
+
+
 def is_adapter(name: str) -> bool:
     """Is parameter ``name`` a LoRA adapter's (``...lora_A.default.weight``)?"""
     return ".lora_A." in name or ".lora_B." in name

@@ -433,7 +433,8 @@ class MemoryModel:
     trainable: tuple[int, int] | None = None
     """(parameters, tensors) that train, when not all do: a LoRA run's adapters
     (``knapray.models.lora.adapter_counts``). Gradients and AdamW state are theirs alone; the
-    frozen base keeps its fp32 copy (sharded like the rest)."""
+    frozen base's linear layers are held in the compute dtype (``hold_base_in``), the rest
+    of it in fp32, sharded like the rest."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.shape, ModelShape):
@@ -551,8 +552,13 @@ class MemoryModel:
         saved, recompute, working = self.activation_bytes(tokens, text_tokens=text_tokens, sequences=sequences)
         allreduce = FP32 * t if self.sharding == "none" and self.world_size > 1 else 0
         grads = FP32 * self._sharded(t)
+        if self.trainable:  # fp32 adapters and small base tensors, the base's linears in the compute dtype
+            linear = s.num_linear_params
+            params = FP32 * self._sharded(n - linear + t) + self.compute_bytes * self._sharded(linear)
+        else:
+            params = FP32 * self._sharded(n)
         return MemoryBreakdown(
-            params=FP32 * self._sharded(n + (t if self.trainable else 0)),
+            params=params,
             grads=grads,
             optimizer=2 * FP32 * self._sharded(t) + FP32 * t_tensors,
             autocast_weights=self._autocast_bytes(),

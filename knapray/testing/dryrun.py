@@ -348,6 +348,9 @@ def run_step(setup: Setup, plan, text_tokens: np.ndarray, batch_host, *, device:
     groups = _groups(setup)  # before FSDP's mesh: every rank creates groups in one order
     with torch.device("meta"):
         model = build_model(model_cfg)  # the run's family: its blocks, its attentions
+    from knapray.models.lora import hold_base_in
+
+    hold_base_in(model, dtype)  # a LoRA run's frozen base, as the trainer holds it
     section = dataclasses.replace(cfg.parallel, fsdp=fsdp, activation_checkpointing="none") if device_pass \
         else cfg.parallel
     parallel = parallelize(model, ParallelConfig.from_section(section, dtype, setup.world),

@@ -162,6 +162,10 @@ class Trainer:
         torch.manual_seed(cfg.data.seed)  # the same initial model on every rank
         with torch.device("meta"):
             self.model = build_model(cfg.model)
+        if cfg.model.lora.enabled:  # the frozen base in the compute dtype, before FSDP shards it
+            from knapray.models.lora import hold_base_in
+
+            hold_base_in(self.model, self.dtype)
         self.parallel = parallelize(self.model, ParallelConfig.from_section(cfg.parallel, self.dtype, self.world),
                                     self.dims)
         sharded = self.parallel.sharded

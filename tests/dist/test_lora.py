@@ -177,3 +177,47 @@ def dataclass_replace_lora(cfg, rank: int):
     from knapray.models.config import LoraConfig
 
     return dataclasses.replace(cfg, lora=LoraConfig(rank=rank))
+
+
+def _bf16_base_or_fp32(rank: int, world: int, corpus: str, run_root: str, pretrained: str) -> dict:
+    from dist_utils import local_trainer
+    from torch.distributed.tensor import DTensor
+
+    import knapray.models.lora as lora
+
+    out = {}
+    held = lora.hold_base_in
+    for name, hold in (("bf16-base", held), ("fp32-base", lambda model, dtype: 0)):
+        lora.hold_base_in = hold
+        try:
+            trainer = local_trainer(rank, world, corpus, run_root, name, [
+                f"model.pretrained={pretrained}", "model.lora.rank=4", "parallel.fsdp=full",
+                "parallel.precision=bf16", "balance.topology=g2n1", "optim.lr=0.01", "run.max_steps=3",
+                "data.epochs=3", "flow.guidance=3.5"])
+        finally:
+            lora.hold_base_in = held
+        dtypes = {str(p.dtype) for n, p in trainer.model.named_parameters() if not p.requires_grad and p.ndim >= 2}
+        losses = [r["loss"] for r in trainer.train()["records"]]
+        adapters = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().numpy().copy()
+                    for n, p in trainer.model.named_parameters() if p.requires_grad}
+        trainer.close()
+        out[name] = {"dtypes": sorted(dtypes), "losses": losses, "adapters": adapters}
+    return out
+
+
+def test_a_bf16_run_holds_the_frozen_base_in_bf16_and_computes_the_same(tmp_path: Path) -> None:
+    """Under bf16 FSDP the forward gathers the base in bf16 anyway: holding its weight
+    matrices in bf16 (half the memory) gives the same losses and adapters, bit for bit, as
+    holding fp32 copies."""
+    pretrained = save_tiny_flux(tmp_path / "transformer", 2, 16, (4, 6, 6), 1, 1, True, text_dim=16, pooled_dim=12)
+    from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
+
+    corpus = tmp_path / "corpus"
+    build_synthetic(SyntheticConfig(mix="g2b2i256f1s0,g2b1i512f1s0", steps=4, scale=4, channels=4, text_dim=16,
+                                    pooled_dim=12, shards=2, seed=3), corpus, progress=False)
+    (r0, _) = run_distributed(_bf16_base_or_fp32, 2, str(corpus), str(tmp_path / "runs"), str(pretrained),
+                              timeout_s=240)
+    assert r0["bf16-base"]["dtypes"] == ["torch.bfloat16"] and r0["fp32-base"]["dtypes"] == ["torch.float32"]
+    assert r0["bf16-base"]["losses"] == r0["fp32-base"]["losses"] and len(r0["bf16-base"]["losses"]) == 3
+    for name, value in r0["fp32-base"]["adapters"].items():
+        np.testing.assert_array_equal(r0["bf16-base"]["adapters"][name], value, err_msg=name)
