@@ -146,10 +146,10 @@ def load_weights(cfg: Any, path: str, ema: bool = True, device: str = "cpu") -> 
     if lora:  # the base from model.pretrained (the one trained on), the adapters from the checkpoint
         from knapray.models.lora import is_adapter
         from knapray.train.checkpoint import read_trainer_state
-        from knapray.train.trainer import lora_base
+        from knapray.models.lora import base_record
         from knapray.weights.load import load_pretrained
 
-        saved, now = read_trainer_state(path).get("lora_base") or {}, lora_base(cfg.model)
+        saved, now = read_trainer_state(path).get("lora_base") or {}, base_record(cfg.model)
         if now is None or saved.get("fingerprint") != now["fingerprint"]:
             raise ValueError(f"{path} holds LoRA adapters trained on the base {saved.get('path')!r}, but "
                              f"model.pretrained {cfg.model.pretrained!r} is another checkpoint now")

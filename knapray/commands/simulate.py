@@ -79,13 +79,7 @@ def run(args: argparse.Namespace) -> int:
         command = "knapray simulate --paper-table --topology per-step" + (
             f" --steps {args.steps}" if args.steps != 3 else "") + (f" --mix {args.mix}" if args.mix else "")
         text = sim.per_step_markdown(rows, command, args.steps)
-        if args.markdown:
-            with open(args.markdown, "w") as f:
-                f.write(text)
-        print(text)
-        if args.json:
-            print(json.dumps({"rows": rows}))
-        return 0
+        return _table_out(args, text, rows)
     if args.paper_table:
         print("mix          GPUs  auto topology                  eff.    best greedy   eff.    ratio", file=sys.stderr)
         rows = sim.paper_table(
@@ -97,13 +91,7 @@ def run(args: argparse.Namespace) -> int:
         )
         command = "knapray simulate --paper-table" + (f" --steps {args.steps}" if args.steps != 3 else "")
         text = sim.table_markdown(rows, command, cost, args.steps)
-        if args.markdown:
-            with open(args.markdown, "w") as f:
-                f.write(text)
-        print(text)
-        if args.json:
-            print(json.dumps({"rows": rows}))
-        return 0
+        return _table_out(args, text, rows)
     if (args.mix is None) == (args.lengths is None):
         raise ValueError("give exactly one of --mix CODES|NAME, --lengths FILE or --paper-table")
     if args.mix is not None:
@@ -140,6 +128,17 @@ and two held out: image-only steps alternating with video-heavy ones, and a mix 
 clips (``knapray.planning.mix``'s ``long-video``)."""
 
 
+def _table_out(args: argparse.Namespace, text: str, rows: list[dict]) -> int:
+    """A table command's output: the markdown (also to --markdown FILE), then --json's rows."""
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text)
+    print(text)
+    if args.json:
+        print(json.dumps({"rows": rows}))
+    return 0
+
+
 def _rivals(args: argparse.Namespace) -> int:
     from knapray.limits import MAX_WORLD_SIZE
     from knapray.planning.rivals import rivals_markdown, rivals_table
@@ -160,10 +159,4 @@ def _rivals(args: argparse.Namespace) -> int:
     )
     command = f"knapray simulate --rivals --worlds {args.worlds} --steps {args.steps}"
     text = rivals_markdown(rows, command)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text)
-    print(text)
-    if args.json:
-        print(json.dumps({"rows": rows}))
-    return 0
+    return _table_out(args, text, rows)

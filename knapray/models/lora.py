@@ -171,16 +171,11 @@ def adapter_counts(model_cfg) -> tuple[int, int] | None:
     return sum(p.numel() for p in adapters), len(adapters)
 
 
-def adapter_state(model: nn.Module) -> dict[str, Any]:
-    """{module name: (lora_A, lora_B)} of full (gathered) adapter tensors, for export and tests."""
-    from torch.distributed.tensor import DTensor
+def base_record(model_cfg) -> dict | None:
+    """What a LoRA run records of its base (``model.pretrained``): the path and the
+    fingerprint of its safetensors files; None without a pretrained base."""
+    if not model_cfg.pretrained:
+        return None
+    from knapray.weights.checks import check_pretrained
 
-    params = dict(model.named_parameters())
-    out: dict[str, Any] = {}
-    for name, p in params.items():
-        if ".lora_A." in name:
-            module = name.split(".lora_A.")[0]
-            b = params[f"{module}.lora_B.{ADAPTER}.weight"]
-            full = [t.full_tensor() if isinstance(t, DTensor) else t for t in (p, b)]
-            out[module] = (full[0].detach(), full[1].detach())
-    return out
+    return {"path": model_cfg.pretrained, "fingerprint": base_fingerprint(check_pretrained(model_cfg).files)}

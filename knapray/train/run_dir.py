@@ -244,9 +244,9 @@ def check_lora_base(cfg: TrainConfig, trainer: dict, checkpoint: str) -> None:
     saved = trainer.get("lora_base")
     if not cfg.model.lora.enabled or not isinstance(saved, dict):
         return
-    from .trainer import lora_base
+    from knapray.models.lora import base_record
 
-    now = lora_base(cfg.model)
+    now = base_record(cfg.model)
     if now is None or now.get("fingerprint") != saved.get("fingerprint"):
         raise RunError(f"cannot resume the LoRA run in {cfg.run_dir}: {checkpoint} was trained on the base "
                        f"{saved.get('path')!r} (header fingerprint {str(saved.get('fingerprint'))[:12]}), but "

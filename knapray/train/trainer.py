@@ -176,10 +176,10 @@ class Trainer:
         self.lora_base = None
         """A LoRA run's base: {path, fingerprint of its safetensors headers} (trainer.json)."""
         if cfg.model.lora.enabled:
-            from knapray.models.lora import init_adapters
+            from knapray.models.lora import base_record, init_adapters
 
             init_adapters(self.model, cfg.model.lora, cfg.data.seed)
-            self.lora_base = lora_base(cfg.model)
+            self.lora_base = base_record(cfg.model)
         self.startup.mark("model_ready")
         # FSDP gathers parameters in the compute dtype itself; without it, bf16 is autocast.
         self.autocast = not sharded and self.dtype != torch.float32
@@ -576,17 +576,6 @@ class Trainer:
         self._ledger_position_to_save, self._ledger_rows_to_save = position, carried
         self.checkpointer.save(step, barrier=self.sync.barrier)
         self.last_saved, self.saved_epoch = step, self.epoch
-
-
-def lora_base(model_cfg) -> dict | None:
-    """What a LoRA run records of its base (``model.pretrained``): the path and the
-    fingerprint of its safetensors headers; None without a pretrained base."""
-    if not model_cfg.pretrained:
-        return None
-    from knapray.models.lora import base_fingerprint
-    from knapray.weights.checks import check_pretrained
-
-    return {"path": model_cfg.pretrained, "fingerprint": base_fingerprint(check_pretrained(model_cfg).files)}
 
 
 def _attention_fields(choice) -> dict:
