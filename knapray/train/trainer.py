@@ -174,7 +174,7 @@ class Trainer:
         else:
             materialize(self.model, self.device)
         self.lora_base = None
-        """A LoRA run's base: {path, fingerprint of its safetensors headers} (trainer.json)."""
+        """A LoRA run's base: {path, fingerprint of its safetensors files} (trainer.json; models.lora.base_record)."""
         if cfg.model.lora.enabled:
             from knapray.models.lora import base_record, init_adapters
 
