@@ -1,5 +1,5 @@
 """Entry point for `ray job submit -- python jobs/train.py --config ...` and for `make run`
-(the same as `knapray train`; see knapray/train/job.py)."""
+(the same as `knapray train`; see knapray/commands/train.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from knapray.train.job import main  # noqa: E402
+from knapray.commands.train import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

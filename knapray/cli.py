@@ -10,7 +10,7 @@ from knapray.commands.flags import Parser
 from knapray.commands.registry import Command, add_commands
 
 COMMANDS = (
-    Command("train", "knapray.train.job", "train on Ray (embedded local Ray, or --address for a cluster); "
+    Command("train", "knapray.commands.train", "train on Ray (embedded local Ray, or --address for a cluster); "
             "--check: pre-flight only"),
     Command("ingest", "knapray.corpus.ingest", "encode a folder of images/videos into a corpus", run="cli"),
     Command("sample", "knapray.commands.sample", "sample images from a trained run's checkpoint (PNG grid)", run="cli"),

@@ -5,7 +5,7 @@
     python3 -m knapray.testing.gpu_check --bench --json F   # make gpu-bench: gradients first, runs profiled
 
 Each run builds (once) a synthetic corpus, writes a run config, launches
-``torch.distributed.run -m knapray.train.torchrun`` (so it needs neither Ray nor an install:
+``torch.distributed.run -m knapray.commands.torchrun`` (so it needs neither Ray nor an install:
 only torch, numpy, pyarrow and pyyaml) and reads the run's metrics.jsonl. Per run it prints
 loss first -> last, tokens/s, model TFLOP/s (the formula is printed with it), recompiles
 and peak memory, and the check exits 1 if a step failed, fewer steps ran than asked, the
@@ -235,7 +235,7 @@ def run_check(check: Check, work: Path, *, steps: int, nproc: int, topology: str
         print(f"corpus: {check.mix} at 1/{check.scale} scale built in {time.perf_counter() - t0:.1f} s", flush=True)
     config = write_config(check, corpus, work, steps=steps, topology=topology, cpu=cpu, profile=profile)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "knapray.train.torchrun", "--config", str(config)]
+           "-m", "knapray.commands.torchrun", "--config", str(config)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p),
                PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", _host_threads(nproc, cpu)))
     print(f"== {check.name}: {json.dumps(check.parallel) if check.parallel else 'eager, no FSDP'}; "

@@ -51,7 +51,7 @@ def _train(corpus_dir, storage, *extra, nproc: int = 1) -> subprocess.CompletedP
     cfg.parent.mkdir(parents=True, exist_ok=True)
     cfg.write_text("{}\n")
     launcher = (["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else [])
-    cmd = [sys.executable, *launcher, "-m", "knapray.train.torchrun", "--config", str(cfg), *args]
+    cmd = [sys.executable, *launcher, "-m", "knapray.commands.torchrun", "--config", str(cfg), *args]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 

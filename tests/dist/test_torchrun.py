@@ -20,7 +20,7 @@ def _run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
 
 @pytest.mark.dist
 def test_gpu_check_chain_on_two_gloo_ranks(tmp_path):
-    """torch.distributed.run -> knapray.train.torchrun -> Trainer on 2 ranks, judged as
+    """torch.distributed.run -> knapray.commands.torchrun -> Trainer on 2 ranks, judged as
     on a GPU: steps ran, loss fell, speed and the FLOP formula printed, a profile written."""
     out = _run(["-m", "knapray.testing.gpu_check", "--cpu", "--nproc", "2", "--topology", "g2n1",
                 "--steps", "8", "--profile", "--out", str(tmp_path)])
@@ -114,7 +114,7 @@ def test_make_gpu_bench_rehearsed_where_only_torch_is_installed(tmp_path):
 def test_torchrun_without_a_corpus_is_one_line_and_exit_2(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"data:\n  corpus: {tmp_path / 'nowhere'}\nbalance:\n  topology: g1n1\n")
-    out = _run(["-m", "knapray.train.torchrun", "--config", str(cfg)])
+    out = _run(["-m", "knapray.commands.torchrun", "--config", str(cfg)])
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "data.corpus" in lines[0] and "nowhere" in lines[0], out.stderr
@@ -123,7 +123,7 @@ def test_torchrun_without_a_corpus_is_one_line_and_exit_2(tmp_path):
 def test_torchrun_bad_override_is_one_line_and_exit_2(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("run:\n  name: x\n")
-    out = _run(["-m", "knapray.train.torchrun", "--config", str(cfg), "--set", "optim.lr=fast"])
+    out = _run(["-m", "knapray.commands.torchrun", "--config", str(cfg), "--set", "optim.lr=fast"])
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "optim.lr" in lines[0] and "fast" in lines[0], out.stderr
@@ -187,7 +187,7 @@ def test_a_corpus_found_mostly_bad_under_torchrun_is_one_line(tmp_path):
     cfg.write_text(f"data:\n  corpus: {corpus}\n  samples_per_step: 2\nbalance:\n  topology: g1n2\n"
                    f"run:\n  name: bad\n  storage: {tmp_path}\nmodel:\n  hidden_size: 32\n  num_heads: 2\n"
                    "  depth_double: 1\n  depth_single: 1\n  rope_axes_dim: [4, 6, 6]\n")
-    out = _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "knapray.train.torchrun",
+    out = _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "knapray.commands.torchrun",
                 "--config", str(cfg)])
     assert out.returncode != 0
     # torchrun itself reports its ranks' non-zero exits with a traceback of its own launcher;

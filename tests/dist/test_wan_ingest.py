@@ -169,7 +169,7 @@ def test_one_rank_trains_two_steps_on_the_wan_corpus(wan_corpus, tmp_path):
     import sys
 
     repo = Path(__file__).resolve().parents[2]
-    cmd = [sys.executable, "-m", "knapray.train.torchrun", "--config", _wan_config(tmp_path, wan_corpus["corpus"]),
+    cmd = [sys.executable, "-m", "knapray.commands.torchrun", "--config", _wan_config(tmp_path, wan_corpus["corpus"]),
            "--set", "run.max_steps=2"]
     out = subprocess.run(cmd, cwd=repo, env=dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1"),
                          capture_output=True, text=True, timeout=300)

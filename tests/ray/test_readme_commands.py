@@ -285,15 +285,15 @@ def _parser_of(argv: list[str]):
         return build_parser(), argv[1:]
     if argv[:2] == ["python", "jobs/train.py"]:
         from knapray.commands.flags import Parser
-        from knapray.train.job import add_arguments
+        from knapray.commands.train import add_arguments
 
         p = Parser(prog="jobs/train.py")
         add_arguments(p)
         return p, argv[2:]
     if argv[0] == "torchrun":
-        from knapray.train.torchrun import build_parser
+        from knapray.commands.torchrun import build_parser
 
-        return build_parser(), argv[argv.index("knapray.train.torchrun") + 1 :]
+        return build_parser(), argv[argv.index("knapray.commands.torchrun") + 1 :]
     raise AssertionError(f"no parser for {argv}")
 
 
@@ -337,12 +337,12 @@ def _run_here(argv: list[str], work: Path, monkeypatch, capfd) -> tuple[int, str
 
         code = main(argv[1:])
     elif argv[0] == "torchrun":
-        from knapray.train.torchrun import main
+        from knapray.commands.torchrun import main
 
         monkeypatch.setenv("WORLD_SIZE", argv[argv.index("--nproc-per-node") + 1])
-        code = main(argv[argv.index("knapray.train.torchrun") + 1 :])
+        code = main(argv[argv.index("knapray.commands.torchrun") + 1 :])
     elif argv[:2] == ["python", "jobs/train.py"]:
-        from knapray.train.job import main
+        from knapray.commands.train import main
 
         code = main(argv[2:])
     elif argv[:2] == ["python", "-c"]:

@@ -91,7 +91,7 @@ def test_two_epochs_then_one_more_on_the_finished_run_exactly_once(ray_session, 
     assert (again["new_steps"], again["records"], again["resumed_from_step"]) == (0, [], steps[-1])
     assert _ledger(tmp_path) == rows
     # ... and `knapray train` says so before it starts Ray, with no unbalanced run either.
-    from knapray.train import job
+    from knapray.commands import train as job
 
     empty = tmp_path / "empty.yaml"
     empty.write_text("{}\n")

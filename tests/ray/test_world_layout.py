@@ -67,7 +67,7 @@ def test_known_worker_failures_are_one_line():
     from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
 
     from knapray.coordinator import StepFailed
-    from knapray.train.job import known_failure
+    from knapray.commands.train import known_failure
 
     layout = TopologyError("no topology for 4 workers on nodes of [3, 1] ranks: ...")
     wrapped = UserExceptionWithTraceback(layout, "Traceback ...\nTopologyError: no topology ...")  # as Ray Train 2.60 has it

@@ -98,7 +98,7 @@ class _FakeRay:
 
 
 def test_an_embedded_ray_that_fails_to_start_is_tried_once_more_then_one_line():
-    from knapray.train.job import RayStartFailed, start_ray
+    from knapray.commands.train import RayStartFailed, start_ray
 
     once = _FakeRay(failures=1)
     start_ray(once, {"num_cpus": 4}, attempts=2)

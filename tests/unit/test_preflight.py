@@ -94,7 +94,7 @@ def test_check_reports_what_it_checked_and_starts_nothing(demo_corpus, tmp_path,
     with pytest.raises(SystemExit) as e:
         runpy.run_path(str(REPO / "jobs" / "train.py"), run_name="__main__")
     assert e.value.code == 0 and "pre-flight passed" in capsys.readouterr().out
-    from knapray.train.torchrun import main as torchrun_main
+    from knapray.commands.torchrun import main as torchrun_main
 
     assert torchrun_main(base[:-1] + ["--set", "balance.topology=g1n1", "--check"]) == 0
     assert "world sizes: 1" in capsys.readouterr().out

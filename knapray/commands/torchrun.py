@@ -1,6 +1,6 @@
 """Training without Ray, on one machine:
 
-    torchrun --nproc-per-node N -m knapray.train.torchrun --config FILE [--set key=value ...]
+    torchrun --nproc-per-node N -m knapray.commands.torchrun --config FILE [--set key=value ...]
 
 The same ``Trainer`` as under Ray Train, with a context that reads each rank's rows
 straight from the corpus's parquet shards (``knapray.data.local_rows``: every N-th row)
@@ -17,47 +17,18 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 import sys
 from dataclasses import replace
 
 import torch
 
-from knapray.data import local_rows
-
-from .config import TrainConfig
-
-logger = logging.getLogger(__name__)
-
-
-class TorchrunContext:
-    """``TrainContext`` for a torchrun world (the process group is already initialized)."""
-
-    def __init__(self, cfg: TrainConfig, rank: int, world_size: int, local_rank: int) -> None:
-        self.cfg = cfg
-        self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
-
-    def device(self, use_gpu: bool) -> torch.device:
-        return torch.device("cuda", self.local_rank) if use_gpu else torch.device("cpu")
-
-    def node_id(self) -> str:
-        """The host: torchrun numbers the ranks of one host consecutively."""
-        return socket.gethostname()
-
-    def rows(self, epoch: int, on_bad_shard):
-        """Every world_size-th row of the readable shards, shards in an order drawn
-        from (seed, epoch); a shard that fails part-way goes to ``on_bad_shard``."""
-        return local_rows(self.cfg.data.corpus, self.rank, self.world_size,
-                          shuffle_seed=self.cfg.data.seed, epoch=epoch, on_bad_shard=on_bad_shard)
-
-    def report(self, metrics: dict) -> None:
-        pass  # rank 0 writes metrics.jsonl and logs every log_every steps
-
+from knapray.train.config import TrainConfig
+from knapray.train.context import TorchrunContext
 
 def build_parser() -> argparse.ArgumentParser:
     from knapray.commands.flags import Parser, add_config
 
-    p = Parser(prog="python -m knapray.train.torchrun",
+    p = Parser(prog="python -m knapray.commands.torchrun",
                description="knapray training without Ray (launch with torchrun)")
     add_config(p, required=True)
     p.add_argument("--check", action="store_true",
@@ -74,9 +45,9 @@ def check_launch(cfg: TrainConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from . import preflight
-    from .report import max_steps_cap
-    from .run_dir import resolve_paths
+    from knapray.train import preflight
+    from knapray.train.report import max_steps_cap
+    from knapray.train.run_dir import resolve_paths
 
     rank_env = int(os.environ.get("RANK", "0"))
     lock = None
@@ -104,10 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     from knapray.distributed.local import init_from_env, shutdown
     from knapray.planning.rules import PER_STEP
 
-    from .checkpoint import StorageFull, no_space
-    from .guard import BadCorpus
-    from .report import ledger_line, prediction_line, stopped_early_line, write_run_files
-    from .trainer import Trainer
+    from knapray.train.checkpoint import StorageFull, no_space
+    from knapray.train.guard import BadCorpus
+    from knapray.train.report import ledger_line, prediction_line, stopped_early_line, write_run_files
+    from knapray.train.trainer import Trainer
 
     # No Ray, so no coordinator actor: the ranks plan each step from an all-gather.
     cfg = replace(cfg, balance=replace(cfg.balance, coordinator=False))
