@@ -23,7 +23,8 @@ Topology rules (``"g8n4"``, ``"bags_of:N"``, ``"auto"``) are pure planning:
 """
 
 from .actor import create_coordinator
-from .client import CoordinatorClient, CoordinatorUnavailable
+from .client import CoordinatorClient
+from .errors import CoordinatorUnavailable
 from .config import PLANNERS, CoordinatorConfig, make_live_fit, make_planning_model
 from .coordinator import STATE_VERSION, BalanceCoordinator
 from .ledger import Ledger

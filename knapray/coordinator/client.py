@@ -10,6 +10,7 @@ import numpy as np
 
 from knapray.planning import BalancePlan, Topology
 
+from .errors import CoordinatorUnavailable
 from .steps import PlanTimeout
 from .wire import unpack
 
@@ -19,11 +20,6 @@ _BULK_TIMEOUT_S = 600.0
 
 RECENT_TIMINGS = 8
 """Timing reports a client holds while it has nothing to submit (older ones are dropped)."""
-
-
-class CoordinatorUnavailable(RuntimeError):
-    """The coordinator gave no plan within the client's timeout (actor dead, restarting,
-    or a step that never completed): plan locally from an all-gather of lengths."""
 
 
 class CoordinatorClient:

@@ -73,7 +73,7 @@ class NodeRelay:
     async def _forward(self, key: tuple[int, int | None], batch: _Batch, timeout_s: float) -> None:
         from ray.exceptions import RayActorError, RayTaskError
 
-        from .client import CoordinatorUnavailable
+        from .errors import CoordinatorUnavailable
         from .steps import PlanTimeout
 
         try:

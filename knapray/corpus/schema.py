@@ -14,6 +14,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+FORMAT_VERSION = 1
+"""The corpus format this knapray writes and reads (``format_version`` in schema.json)."""
+SCHEMA_FILE = "schema.json"
+
 PATCH = (1, 2, 2)
 """Patch size (t, h, w) of the DiT's patch embedding: one visual token per patch."""
 
@@ -295,7 +299,6 @@ def load_schema_json(corpus_dir: str) -> dict[str, Any]:
     import json
     import os
 
-    from knapray.corpus.writer import FORMAT_VERSION, SCHEMA_FILE
 
     path = os.path.join(corpus_dir, SCHEMA_FILE)
     try:

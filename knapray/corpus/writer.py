@@ -11,11 +11,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from knapray.corpus.schema import (BF16_TEXT, CORPUS_SCHEMA, FLOAT_LIST, INT_COLUMNS, PATCH, bf16_bits,
-                                   column_types, corpus_schema)
-
-FORMAT_VERSION = 1
-SCHEMA_FILE = "schema.json"
+from knapray.corpus.schema import (BF16_TEXT, CORPUS_SCHEMA, FLOAT_LIST, FORMAT_VERSION, INT_COLUMNS, PATCH,
+                                   SCHEMA_FILE, bf16_bits, column_types, corpus_schema)
 
 
 def shard_name(index: int) -> str:
