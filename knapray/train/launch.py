@@ -18,7 +18,8 @@ from . import preflight
 from .preflight import CorpusCheck, Preflight
 from .checkpoint import read_trainer_state
 from .run_dir import RunError, RunStart
-from .report import ProgressTail, expected_steps, max_steps_cap, read_metrics, summarize, write_run_files
+from .metrics import read_metrics
+from .report import ProgressTail, expected_steps, max_steps_cap, summarize, write_run_files
 from .step_planner import coordinator_config, coordinator_name
 from .trainer import Trainer
 

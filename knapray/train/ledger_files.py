@@ -18,7 +18,7 @@ import numpy as np
 from knapray.coordinator.ledger import Ledger
 from knapray.coordinator.store import StateStore
 
-from .run_dir import LEDGER_DIR
+from knapray.run_files import LEDGER_DIR
 
 
 def ledger_dir(run_dir: str) -> str:

@@ -1,5 +1,6 @@
-"""What a step reports: ``StepRecord`` (one line of ``metrics.jsonl``) and the writer that
-appends rank 0's records to the run directory."""
+"""What a step reports: ``StepRecord`` (one line of ``metrics.jsonl``), the writer that
+appends rank 0's records to the run directory, and the reader every resume and report
+shares (torn last lines cut, a resumed run's later steps dropped)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from knapray.nofollow import open_nofollow
+from knapray.run_files import METRICS_FILE, RunError
 
 
 @dataclass
@@ -127,3 +129,93 @@ class MetricsFile:
     def append(self, record: dict) -> None:
         with open_nofollow(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+
+
+@dataclass(frozen=True)
+class MetricsScan:
+    """``metrics.jsonl`` read and checked (``scan_metrics``)."""
+
+    records: list[dict]
+    torn_at: int | None = None
+    """Byte offset of a torn last line (None: there is none)."""
+    torn: str | None = None
+    """One line saying so, naming the file."""
+
+
+def scan_metrics(run_dir: str) -> MetricsScan:
+    """Rank 0's step records. A last line without its newline that is not a record is torn
+    (a crash mid-append leaves exactly that): left out, and reported in ``torn``; it is the
+    writer's to cut (``truncate_metrics``). Any other line that is not
+    a JSON object with integer ``step`` and ``epoch`` is ``RunError`` naming the file and
+    the line: every reader (the resume's rewrite, the step count, summary.json) needs them."""
+    path = os.path.join(run_dir, METRICS_FILE)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return MetricsScan([])
+    except OSError as e:
+        raise RunError(f"run file {path}: cannot be read ({e.strerror})") from None
+    lines = data.split(b"\n")
+    tail = lines.pop()  # b"" when the file ends with its newline
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        record, why = _metrics_record(line)
+        if why is not None:
+            raise RunError(f"run file {path}: line {number} is not a step record ({why}); fix or delete that line "
+                           "(the steps it held then go uncounted in summary.json)")
+        records.append(record)
+    if tail.strip():
+        record, why = _metrics_record(tail)
+        if why is None:  # whole but for its newline: the next rewrite adds it
+            records.append(record)
+        else:
+            return MetricsScan(records, len(data) - len(tail),
+                               f"run file {path}: dropped a torn last line {len(lines) + 1} ({len(tail)} bytes, "
+                               f"{why}), as a crash while writing it leaves it")
+    return MetricsScan(records)
+
+
+def _metrics_record(line: bytes) -> tuple[dict | None, str | None]:
+    """(the record, None) or (None, why the line is not one)."""
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError:
+        return None, "not UTF-8"
+    except ValueError:
+        return None, "not JSON"
+    if not isinstance(record, dict):
+        return None, f"a JSON {type(record).__name__}, not an object"
+    for key in ("step", "epoch"):
+        value = record.get(key)
+        if type(value) is not int or value < 0:
+            return None, f"{key} is {value!r}" if key in record else f"no {key}"
+    return record, None
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    """The records of ``metrics.jsonl`` (``scan_metrics``: a torn last line left out)."""
+    return scan_metrics(run_dir).records
+
+
+def truncate_metrics(run_dir: str, from_step: int) -> None:
+    """A resumed run redoes the steps after its checkpoint: drop their old lines (and a torn
+    last line a worker killed mid-append left)."""
+    path = os.path.join(run_dir, METRICS_FILE)
+    if not os.path.exists(path):
+        return
+    scan = scan_metrics(run_dir)
+    keep = [r for r in scan.records if r["step"] < from_step]
+    if len(keep) == len(scan.records) and scan.torn_at is None:
+        return  # nothing to drop: the file stays as it is (a tail reading it sees no rewrite)
+    tmp = path + ".tmp"
+    with open_nofollow(tmp, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in keep)
+    os.replace(tmp, path)
+
+
+def most_used_first(counts: dict[str, int]) -> dict[str, int]:
+    """``{topology: steps}`` ordered by steps, most first (ties by name)."""
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))

@@ -31,7 +31,8 @@ from knapray.data import BadShard, CorpusInfo, DuplicateId, FamilyMismatch, chec
 from .checkpoint import completed_checkpoints
 from .config import ConfigError, DataConfig, TrainConfig, config_from_dict, read_config
 from .guard import check_bad_shards, check_duplicates, write_duplicate_quarantine, write_shard_quarantine
-from .report import max_steps_cap, truncate_metrics
+from .metrics import truncate_metrics
+from .report import max_steps_cap
 from .run_dir import (
     RunError,
     RunLock,

@@ -16,13 +16,12 @@ from dataclasses import dataclass, replace
 
 from knapray.nofollow import PlantedLink, open_nofollow, refuse_links
 
+from knapray.run_files import CONFIG_FILE, LEDGER_DIR, LOCK_FILE, STALE_DIRS, STALE_FILES, RunError
+
 from .config import TrainConfig
 
 
 RESUME_MODES = ("auto", "never", "must")
-CONFIG_FILE = "config.json"
-LOCK_FILE = "RUNNING.lock"
-LEDGER_DIR = "ledger"
 RESUME_KEYS = ("model", "data.corpus", "data.samples_per_step", "data.global_batch", "data.seed")
 """Config values a resumed run must share with the run it continues: the model's shape
 and the data order. Anything else (learning rate, step limits, topology, world size...)
@@ -30,10 +29,6 @@ may change on resume, and the resume line names what did."""
 RAY_UPLOAD_MARKER = os.path.join("runtime_resources", "working_dir_files")
 DEFAULT_JOB_STORAGE = "~/knapray/runs"
 """Where a relative run.storage goes when the job runs inside Ray's upload folder."""
-
-
-class RunError(ValueError):
-    """A run cannot start as configured; the message names the value and what is valid."""
 
 
 def inside_ray_upload(path: str) -> bool:
@@ -195,7 +190,7 @@ def decide_start(cfg: TrainConfig, checkpoints: list[str]) -> RunStart:
                        "run.name for a new run")
     trainer = check_resumable(run_dir, checkpoints[-1])
     check_lora_base(cfg, trainer, checkpoints[-1])
-    from .report import scan_metrics  # the report reads metrics.jsonl; it imports this module
+    from .metrics import scan_metrics
 
     torn = scan_metrics(run_dir).torn
     changed = f" (changed: {'; '.join(other)})" if other else ""
@@ -374,8 +369,6 @@ class RunLock:
         return False
 
 
-STALE_FILES = ("metrics.jsonl", "summary.json", "ledger.jsonl", "quarantine.jsonl", "rank_work.png", "startup.jsonl")
-STALE_DIRS = (LEDGER_DIR, "pids")
 
 
 def clear_stale_run_files(run_dir: str) -> None:

@@ -341,7 +341,7 @@ def test_a_damaged_metrics_line_is_one_line_naming_file_and_line(damage, at, dam
 
 def test_a_torn_last_metrics_line_is_dropped_with_a_warning(damaged_run, capsys):
     from knapray.train import preflight
-    from knapray.train.report import read_metrics, truncate_metrics
+    from knapray.train.metrics import read_metrics, truncate_metrics
 
     run, argv = damaged_run
     path = run / "metrics.jsonl"

@@ -31,7 +31,8 @@ def test_the_progress_tail_of_a_resumed_run_counts_only_its_own_steps(tmp_path, 
     import json
     import time
 
-    from knapray.train.report import ProgressTail, truncate_metrics
+    from knapray.train.metrics import truncate_metrics
+    from knapray.train.report import ProgressTail
 
     path = tmp_path / "metrics.jsonl"
     line = lambda step: json.dumps({"step": step, "epoch": 0, "loss": 1.0, "baseline_imbalance_planned": 1.0,  # noqa: E731
