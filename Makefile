@@ -25,7 +25,7 @@ PAPER_MIX := g8b4i256f1s0,g2b5i512f1s0,g2b5i1024f1s0,g4b1i2048f1s0,g1b10i256f4s0
 # Every `make run` is a new run (its own run directory under runs/).
 DEMO_CORPUS := datasets/generated/demo
 run: $(STAMP)
-	test -f $(DEMO_CORPUS)/schema.json || $(BIN)/python -m knapray.corpus.synthetic --demo --quiet --out $(DEMO_CORPUS)
+	test -f $(DEMO_CORPUS)/schema.json || $(BIN)/python -m knapray.commands.synthetic --demo --quiet --out $(DEMO_CORPUS)
 	$(BIN)/python jobs/train.py --config jobs/configs/demo.yaml --compare-unbalanced \
 		--set run.name=demo-$$(date +%Y%m%d-%H%M%S)
 
@@ -50,7 +50,7 @@ GPU_CHECK_TIMEOUT ?= 520
 gpu-check:
 	@rc=0; \
 	$(PYTHON) -m pytest -q -m gpu -p no:cacheprovider tests || rc=1; \
-	$(PYTHON) -m knapray.testing.gpu_check --steps 30 --timeout $(GPU_CHECK_TIMEOUT) || rc=1; \
+	$(PYTHON) -m knapray.commands.gpu_check --steps 30 --timeout $(GPU_CHECK_TIMEOUT) || rc=1; \
 	exit $$rc
 
 # The one prepared call for a lent GPU (torch 2.11, no Ray, no internet), at most 8 minutes:
@@ -69,7 +69,7 @@ gpu-bench:
 	  export PYTHONPATH=/tmp/knapray-gpu-wheels$${PYTHONPATH:+:$$PYTHONPATH}; \
 	fi; \
 	mkdir -p $$(dirname $(GPU_BENCH_JSON)) && \
-	PYTHONUNBUFFERED=1 $(PYTHON) -m knapray.testing.gpu_check --bench --steps 30 --timeout $(GPU_BENCH_TIMEOUT) \
+	PYTHONUNBUFFERED=1 $(PYTHON) -m knapray.commands.gpu_check --bench --steps 30 --timeout $(GPU_BENCH_TIMEOUT) \
 	  --json $(GPU_BENCH_JSON) $(GPU_BENCH_FLAGS)
 
 bench: $(STAMP)

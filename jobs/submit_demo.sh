@@ -18,7 +18,7 @@ free_port() { python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 
 GCS_PORT=$(free_port); DASH_PORT=$(free_port)
 RAY_TMP=$(mktemp -d /tmp/knapray-ray-XXXXXX)
 [ "${1:-}" = "--head-only" ] || [ -f datasets/generated/demo/schema.json ] \
-    || python -m knapray.corpus.synthetic --demo --quiet --out datasets/generated/demo
+    || python -m knapray.commands.synthetic --demo --quiet --out datasets/generated/demo
 
 # --block keeps `ray start` in the foreground; stopping it (its own process group) stops
 # exactly the processes it started.

@@ -12,6 +12,7 @@ from knapray.commands.registry import Command, add_commands
 COMMANDS = (
     Command("train", "knapray.commands.train", "train on Ray (embedded local Ray, or --address for a cluster); "
             "--check: pre-flight only"),
+    Command("synthetic", "knapray.commands.synthetic", "build a synthetic corpus from a mix of the paper's data codes"),
     Command("ingest", "knapray.corpus.ingest", "encode a folder of images/videos into a corpus", run="cli"),
     Command("sample", "knapray.commands.sample", "sample images from a trained run's checkpoint (PNG grid)", run="cli"),
     Command("plan", "knapray.commands.plan", "plan steps of a data mix and report balance"),
@@ -23,7 +24,7 @@ COMMANDS = (
             "profile; or --validate a profile on held-out batches", run="cli"),
     Command("memory", "knapray.commands.memory",
             "per-GPU memory of a run config and the largest token budget that fits"),
-    Command("dryrun", "knapray.testing.dryrun",
+    Command("dryrun", "knapray.commands.dryrun",
             "one rank's training step of a run config at full scale on fake tensors (no GPU, no Ray)"),
     Command("reference", "knapray.commands.reference",
             "knapray's model against the reference implementation (diffusers), loaded from one checkpoint"),

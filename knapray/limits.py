@@ -58,20 +58,24 @@ MAX_EPOCHS = 1_000_000
 """Passes over a corpus."""
 
 MAX_TIMEOUT_S = 10_000_000
-"""Timeouts and intervals in seconds (``run.timeout_s``): about 115 days."""
+"""Timeouts and intervals in seconds (``distributed.timeout_s``): about 115 days."""
 
 MAX_CORPUS_SAMPLES = 1 << 27
 """Samples of a synthetic corpus (its per-sample columns are built in memory): 134,217,728."""
 
 MAX_EMBED_DIM = 1 << 16
-"""Channels and embedding widths of a synthetic corpus: 65,536."""
+"""Channels and embedding widths of a corpus (synthetic or ingested): 65,536."""
 
 MAX_SHUFFLE_BUFFER_MB = 1 << 16
 """MiB of corpus rows one training worker shuffles among (``data.shuffle_buffer_mb``): 64 GiB,
 more host memory than a GPU's share of any node (Ray's buffer holds up to twice this)."""
 
 MAX_SHARDS = 1 << 20
-"""Parquet files of a synthetic corpus."""
+"""Parquet files of a corpus (synthetic or ingested)."""
+
+MAX_SCALE = 1 << 12
+"""``--scale``: the divisor of resolutions (and text lengths) that makes a CPU-sized copy of a
+mix (synthetic corpora, parity, the step and rivals benchmarks): 4,096."""
 
 MAX_IMAGE_SIDE = 8192
 """``knapray sample``: the longest side of an image in pixels (FLUX.1 is trained up to

@@ -34,6 +34,7 @@ import torch
 from knapray.benchmarks.step import LOSS_TOL, step_config, write_records
 from knapray.distributed.local import free_port, init_local_gloo
 from knapray.planning.cost import CostModel
+from knapray.limits import MAX_SCALE
 
 MIX = ("g1b4i256f1s0,g1b5i512f1s0,g1b5i1024f1s0,g1b1i2048f1s0,"
        "g1b10i256f4s0,g1b1i512f4s0,g1b2i256f85s1,g1b1i512f85s1")
@@ -256,7 +257,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=step_count, default=4, help="steps, the warm-up included (default 4)")
     p.add_argument("--warmup", type=int_at_least(0), default=1, help="leading steps left out (default 1)")
     p.add_argument("--mix", default=MIX, help="data codes (default: the paper's image+video codes, one rank each)")
-    p.add_argument("--scale", type=int_at_least(1), default=SCALE, help=f"divide resolutions (default {SCALE})")
+    p.add_argument("--scale", type=int_at_least(1, MAX_SCALE), default=SCALE, help=f"divide resolutions (default {SCALE})")
     add_seed(p)
     add_json(p)
 

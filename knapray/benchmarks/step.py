@@ -69,6 +69,7 @@ from knapray.models import MMDiT, MMDiTConfig
 from knapray.distributed.parallel_dims import ParallelDims
 from knapray.train.parallelize import ParallelConfig
 from knapray.planning import Topology, WorkloadModel, identity_plan, plan_balance
+from knapray.limits import MAX_SCALE
 
 DEFAULT_MIX = "g1b2i512f34s1,g3b4i256f1s0"
 DEFAULT_TOPOLOGY = "g2n2"
@@ -112,7 +113,8 @@ def step_variants(
     """The variants to measure beside the eager baseline: each requested feature alone, then
     all of them together when more than one was requested. Checked here (ValueError), before
     any process is spawned."""
-    cfg = ParallelConfig(fsdp=fsdp, ac=ac, ac_every=ac_every, compile=compile, compile_backend=compile_backend)
+    cfg = ParallelConfig(fsdp=fsdp, activation_checkpointing=ac, ac_every=ac_every, compile=compile,
+                         compile_backend=compile_backend)
     if cfg.fsdp != "none":
         ParallelDims(world_size=world_size, gpus_per_node=gpus_per_node).mesh_shape(cfg.fsdp)
     if compile_backend not in ("inductor", "aot_eager"):
@@ -122,7 +124,7 @@ def step_variants(
     if fsdp != "none":
         alone.append(StepVariant(name=f"fsdp {fsdp}", parallel=ParallelConfig(fsdp=fsdp), gpus_per_node=gpus_per_node))
     if ac != "none":
-        alone.append(StepVariant(name=ac_name, parallel=ParallelConfig(ac=ac, ac_every=ac_every)))
+        alone.append(StepVariant(name=ac_name, parallel=ParallelConfig(activation_checkpointing=ac, ac_every=ac_every)))
     if compile:
         alone.append(StepVariant(name=f"compile {compile_backend}",
                                  parallel=ParallelConfig(compile=True, compile_backend=compile_backend)))
@@ -660,7 +662,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="leading steps left out of the averages (default 1)")
     p.add_argument("--mix", default=DEFAULT_MIX,
                    help="data codes; skewed by default: rank 0 holds two videos, the others small images")
-    p.add_argument("--scale", type=int_at_least(1), default=DEFAULT_SCALE,
+    p.add_argument("--scale", type=int_at_least(1, MAX_SCALE), default=DEFAULT_SCALE,
                    help=f"divide resolutions and text lengths (default {DEFAULT_SCALE})")
     p.add_argument("--topology", default=DEFAULT_TOPOLOGY,
                    help=f"bags of the balanced run (default {DEFAULT_TOPOLOGY})")

@@ -8,6 +8,7 @@ import json
 
 from .flags import add_ac, add_compile, add_fsdp, add_gpus_per_node, add_json, add_seed, add_world_size, float_in, \
     int_at_least, text_tokens
+from knapray.limits import MAX_SCALE
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -15,7 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topology", default="g1n2+g2n1", help="bags of the balanced run (default g1n2+g2n1)")
     p.add_argument("--mix", default="g1b3i256f1s0,g1b1i512f1s0,g1b2i128f2s0,g1b1i128f1s0",
                    help="data codes; the mix's ranks must divide --world-size")
-    p.add_argument("--scale", type=int_at_least(1), default=4, help="divide resolutions and text lengths (CPU size)")
+    p.add_argument("--scale", type=int_at_least(1, MAX_SCALE), default=4, help="divide resolutions and text lengths (CPU size)")
     p.add_argument("--max-text-tokens", type=text_tokens, default=392)
     p.add_argument("--heads", type=int_at_least(1), default=4, help="attention heads (every bag size must divide it)")
     add_seed(p)
@@ -41,8 +42,8 @@ def run(args: argparse.Namespace) -> int:
         args.world_size, [args.topology], args.mix, scale=args.scale, seed=args.seed,
         num_heads=args.heads, max_text_tokens=args.max_text_tokens,
         empty_ranks=tuple(args.empty_ranks), textless_ranks=tuple(args.textless_ranks),
-        parallelism=ParallelConfig(fsdp=args.fsdp, ac=args.ac, ac_every=args.ac_every or 2, compile=args.compile,
-                                   compile_backend=args.compile_backend),
+        parallelism=ParallelConfig(fsdp=args.fsdp, activation_checkpointing=args.ac, ac_every=args.ac_every or 2,
+                                   compile=args.compile, compile_backend=args.compile_backend),
         gpus_per_node=args.gpus_per_node,
     )
     ok = passed(report, args.tol)
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"parity: {m['world_size']} gloo ranks, {m['sequences']} sequences / {m['tokens']} tokens, "
               f"fp32, tolerance {args.tol:g} (max|a-b|/max|b| per tensor)")
         print(f"model: fsdp {m['fsdp']}" + (f" ({m['gpus_per_node']} ranks per node)" if m["fsdp"] == "hybrid" else "")
-              + f", activation checkpointing {m['ac']}, compile "
+              + f", activation checkpointing {m['activation_checkpointing']}, compile "
               + (f"{m['compile_backend']} (recompiles per rank {m['recompiles']})" if m["compile"] else "off"))
         print(f"{'case':<16} {'outputs':>10} {'loss':>10} {'grads(max)':>11} {'grad norm':>10}  worst parameter")
         for case, r in report.items():

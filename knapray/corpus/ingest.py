@@ -52,6 +52,7 @@ from knapray.corpus.stages import (
     decode_batch,
     items_table,
     load_factory,
+    model_family,
     prebuilt,
 )
 from knapray.corpus.unconditional import KEY as UNCONDITIONAL_KEY
@@ -204,11 +205,15 @@ def _settle_device(cfg: IngestConfig, spec: EncoderSpec) -> tuple[EncoderSpec, b
 
 
 def _check_family_widths(family: str | None, info: EncoderInfo) -> None:
-    """Wan has no pooled vector; mmdit and flux need one."""
-    if family == "wan" and info.pooled_dim != 0:
-        raise ValueError(f"family wan has no pooled vector, but the text encoder gives pooled_dim {info.pooled_dim}")
-    if family in ("mmdit", "flux") and info.pooled_dim == 0:
-        raise ValueError(f"family {family} needs a pooled vector, but the text encoder gives pooled_dim 0")
+    """A family whose corpus has no pooled vector (Wan) takes none; the others need one."""
+    fam = model_family(family)
+    if fam is None:
+        return
+    if not fam.encoders.pooled and info.pooled_dim != 0:
+        raise ValueError(f"family {fam.name} has no pooled vector, but the text encoder gives pooled_dim "
+                         f"{info.pooled_dim}")
+    if fam.encoders.pooled and info.pooled_dim == 0:
+        raise ValueError(f"family {fam.name} needs a pooled vector, but the text encoder gives pooled_dim 0")
 
 
 def ingest(
@@ -240,9 +245,11 @@ def ingest(
         raise ValueError(f"no media under {root}; extensions read: {sorted(IMAGE_EXTS | VIDEO_EXTS)}")
     pil_image()
     spec.check()
-    if spec.family == "wan" and cfg.max_text_tokens > WAN_TEXT_LENGTH:
-        raise ValueError(f"family wan: max_text_tokens {cfg.max_text_tokens} is over Wan's text length "
-                         f"{WAN_TEXT_LENGTH} (WanPipeline truncates prompts there)")
+    fam = model_family(spec.family)
+    text_length = fam.encoders.text_length if fam is not None else 0
+    if text_length and cfg.max_text_tokens > text_length:
+        raise ValueError(f"family {fam.name}: max_text_tokens {cfg.max_text_tokens} is over {fam.title}'s text length "
+                         f"{text_length} ({fam.encoders.pipeline} truncates prompts there)")
 
     spec, use_gpu = _settle_device(cfg, spec)
     build: Callable[[], tuple[LatentEncoder, TextEncoder]] = spec.build
@@ -337,7 +344,7 @@ def ingest(
             UNCONDITIONAL_KEY: unconditional,
             "video_decoder": decoder,
             **({"family": spec.family} if spec.family else {}),
-            **({"text_pad_to": WAN_TEXT_LENGTH} if spec.family == "wan" else {}),
+            **({"text_pad_to": text_length} if text_length else {}),
             "config": {f: getattr(cfg, f) for f in cfg.__dataclass_fields__},
         },
     )
@@ -363,6 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from knapray.commands.flags import add_device, add_dtype, add_seed, float_in, int_at_least, text_tokens
+    from knapray.limits import MAX_EMBED_DIM, MAX_SHARDS
 
     p.add_argument("--input", required=True, help="folder searched recursively")
     p.add_argument("--out", required=True, help="output directory (new or empty)")
@@ -390,11 +398,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"unpadded (WanPipeline pads to {WAN_TEXT_LENGTH} with zeros: schema.json text_pad_to), at most "
                    f"{WAN_TEXT_LENGTH}, prompts cleaned as WanPipeline does, no pooled vector (pooled_dim 0)")
     s = p.add_argument_group("stand-in encoders (used without --vae / --text-encoder)")
-    s.add_argument("--channels", type=int_at_least(1), default=4, help="latent channels")
+    s.add_argument("--channels", type=int_at_least(1, MAX_EMBED_DIM), default=4, help="latent channels")
     s.add_argument("--downsample", type=int_at_least(1), default=8, help="spatial downsample")
     add_seed(s, help="seed of the RGB->C matrix")
-    s.add_argument("--text-dim", type=int_at_least(1), default=64, help="text embedding width")
-    s.add_argument("--pooled-dim", type=int_at_least(1), default=32, help="pooled width")
+    s.add_argument("--text-dim", type=int_at_least(1, MAX_EMBED_DIM), default=64, help="text embedding width")
+    s.add_argument("--pooled-dim", type=int_at_least(1, MAX_EMBED_DIM), default=32, help="pooled width")
     r = p.add_argument_group("parallelism")
     r.add_argument("--workers", type=int_at_least(0), default=0, help="0: in this process, no Ray; N: Ray Data with "
                    "N encode actors (one GPU each when on cuda); joins RAY_ADDRESS's cluster if set")
@@ -407,7 +415,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--frame-stride", type=int_at_least(1), default=1, help="keep every n-th video frame")
     d.add_argument("--max-text-tokens", type=text_tokens, help=f"caption token limit (default {MAX_TEXT_TOKENS}; "
                    f"--family wan: {WAN_TEXT_LENGTH})")
-    d.add_argument("--shards", type=int_at_least(1), default=1, help="target number of parquet files")
+    d.add_argument("--shards", type=int_at_least(1, MAX_SHARDS), default=1, help="target number of parquet files")
     d.add_argument("--text-dtype", choices=TEXT_DTYPES, default="fp32", help="store text embeddings as fp32 or "
                    "bf16 (half the bytes; rounded as torch rounds, read back exactly; default fp32)")
     d.add_argument("--follow-symlinks", action="store_true",
@@ -437,7 +445,8 @@ def cli(args: argparse.Namespace) -> int:
 def _max_text_tokens(args: argparse.Namespace) -> int:
     if args.max_text_tokens is not None:
         return int(args.max_text_tokens)
-    return WAN_TEXT_LENGTH if args.family == "wan" else MAX_TEXT_TOKENS
+    fam = model_family(args.family)
+    return (fam.encoders.text_length if fam is not None else 0) or MAX_TEXT_TOKENS
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,7 +12,6 @@ Everything is deterministic from the seed; a sample's content depends only on
 
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,7 +19,6 @@ from typing import Any
 
 import numpy as np
 
-from knapray.commands.flags import Parser, int_at_least, step_count, text_tokens
 from knapray.corpus.schema import KINDS, PATCH, TEXT_DTYPES, visual_token_count
 from knapray.corpus.writer import ShardWriter, build_table, length_stats, write_schema_json
 from knapray.limits import (MAX_CORPUS_SAMPLES, MAX_EMBED_DIM, MAX_SEED, MAX_SHARDS, MAX_STEPS,
@@ -286,55 +284,3 @@ def build_synthetic(cfg: SyntheticConfig, out_dir: str | Path, *, progress: bool
 DEMO = SyntheticConfig(mix="image+video", steps=2, scale=8, channels=4, text_dim=32, pooled_dim=32)
 """The corpus of ``make run`` and the chaos demo (jobs/configs/demo.yaml's model): the
 paper's image+video mix at 1/8 resolution, sequences of 4..437 tokens, 178 samples."""
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = Parser(
-        prog="build_synthetic",
-        description="Build a synthetic knapray corpus (parquet shards + schema.json) from a "
-        "mix of the paper's data codes gGbBiRfFsS.",
-    )
-    p.add_argument("--demo", action="store_true",
-                   help="the demo corpus of `make run` (image+video mix, scale 8, 2 steps, text/pooled width 32)")
-    p.add_argument("--mix",
-                   help=f"data codes like 'g8b4i256f1s0,g2b1i1024f1s0' or a paper mix: {', '.join(PAPER_MIXES)}")
-    p.add_argument("--out", required=True, type=Path, help="output directory (new or empty)")
-    p.add_argument("--steps", type=step_count, default=1, help="steps of the mix to hold (default 1)")
-    p.add_argument("--scale", type=int_at_least(1, 1 << 12), default=1,
-                   help="divide resolution and max text tokens by this (1 = paper sizes; 8 for a CPU demo)")
-    p.add_argument("--channels", type=int_at_least(1, MAX_EMBED_DIM), default=4, help="latent channels C (4 demo, 16 Flux; default 4)")
-    p.add_argument("--text-dim", type=int_at_least(1, MAX_EMBED_DIM), default=64, help="text token embedding width (default 64)")
-    p.add_argument("--pooled-dim", type=int_at_least(1, MAX_EMBED_DIM), default=32, help="pooled text embedding width (default 32)")
-    p.add_argument("--max-text-tokens", type=text_tokens, default=MAX_TEXT_TOKENS,
-                   help=f"text tokens per sample before scaling (default {MAX_TEXT_TOKENS})")
-    p.add_argument("--shards", type=int_at_least(1, MAX_SHARDS), default=4, help="number of parquet files (default 4)")
-    p.add_argument("--seed", type=int_at_least(0, MAX_SEED), default=0, help="seed; same seed, same corpus (default 0)")
-    p.add_argument("--noise", type=float, default=0.05, help="white noise std on the latent field")
-    p.add_argument("--text-dtype", choices=TEXT_DTYPES, default="fp32",
-                   help="store text embeddings as fp32 or bf16 (half the bytes; read back exactly; default fp32)")
-    p.add_argument("--no-payload", action="store_true",
-                   help="write lengths only (null latent/text/pooled): cheap full-size corpora for planning")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if not args.demo and not args.mix:
-        build_parser().error("give --mix (or --demo)")
-    try:
-        cfg = DEMO if args.demo else SyntheticConfig(
-            mix=args.mix, steps=args.steps, scale=args.scale, channels=args.channels,
-            text_dim=args.text_dim, pooled_dim=args.pooled_dim,
-            max_text_tokens=args.max_text_tokens, shards=args.shards, seed=args.seed,
-            payload=not args.no_payload, noise=args.noise, text_dtype=args.text_dtype,
-        )
-        path = build_synthetic(cfg, args.out, progress=not args.quiet)
-    except (ValueError, FileExistsError) as e:
-        build_parser().error(str(e))
-    print(path)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -23,7 +23,6 @@ from knapray.corpus import (
     validate_row,
 )
 from knapray.corpus import ingest as ingest_mod
-from knapray.corpus import synthetic
 from knapray.corpus.encoders import tokenize
 from knapray.corpus.schema import visual_token_count
 from knapray.corpus.synthetic import SyntheticConfig, build_synthetic, sample_lengths, smooth_field
@@ -160,11 +159,13 @@ def test_writing_into_a_corpus_directory_is_refused(tiny: tuple[Path, pa.Table])
 def test_cli_builds_a_corpus(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--mix", MIX, "--out", str(tmp_path / "cli"), "--scale", "2", "--shards", "1",
             "--channels", "3", "--text-dim", "8", "--pooled-dim", "5", "--quiet"]
-    assert synthetic.main(argv) == 0
+    from knapray.commands import synthetic as command
+
+    assert command.main(argv) == 0
     assert capsys.readouterr().out.strip().endswith("schema.json")
     assert read_corpus(tmp_path / "cli").num_rows == 9
     with pytest.raises(SystemExit) as e:
-        synthetic.main(["--mix", MIX, "--out", str(tmp_path / "bad"), "--scale", "9"])
+        command.main(["--mix", MIX, "--out", str(tmp_path / "bad"), "--scale", "9"])
     assert e.value.code == 2
 
 
