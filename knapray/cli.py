@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from knapray.commands.flags import Parser
-from knapray.commands.registry import Command, add_commands
+from knapray.commands.registry import Command
 
 COMMANDS = (
     Command("train", "knapray.commands.train", "train on Ray (embedded local Ray, or --address for a cluster); "
@@ -32,19 +31,22 @@ COMMANDS = (
 )
 
 
-def build_parser() -> Parser:
+def build_parser():
+    from knapray.commands.flags import Parser
+    from knapray.commands.registry import add_commands
+
     parser = Parser(prog="knapray", description="Workload-balanced DiT training on Ray")
     parser.add_argument("--version", action="version", version=f"knapray {_version()}")
     add_commands(parser, COMMANDS, dest="command")
     return parser
 
 
-def subcommand_parsers(parser: Parser | None = None) -> dict[str, Parser]:
+def subcommand_parsers(parser=None) -> dict:
     """Every (sub)subcommand's parser with its arguments, by its full name (``"bench step"``):
     what ``tests/unit/test_cli_dialect.py`` compares."""
     import argparse
 
-    out: dict[str, Parser] = {}
+    out: dict = {}
 
     def walk(p, prefix: str) -> None:
         for action in p._actions:
