@@ -74,6 +74,23 @@ def _snapshot(run_dir: pathlib.Path) -> tuple:
             sorted(os.listdir(checkpoints)) if checkpoints.exists() else [])
 
 
+def _wait_until_up(head: subprocess.Popen, log: pathlib.Path, port: int) -> None:
+    """Until the head says it started and its GCS port takes connections: a driver attached
+    before that fails to connect (on a loaded machine the head takes tens of seconds). By
+    progress (the head's log growing), not by the clock."""
+    wait = ProgressDeadline(floor_s=60.0)
+    while True:
+        assert head.poll() is None, f"the Ray head exited ({head.returncode}):\n{log.read_text()[-3000:]}"
+        text = log.read_text(errors="replace")
+        if "Ray runtime started" in text:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    return
+        wait.progressed(len(text))
+        assert not wait.expired(), wait.why("the Ray head did not start") + f":\n{text[-3000:]}"
+        time.sleep(0.2)
+
+
 @pytest.fixture
 def ray_head(tmp_path):
     """A private Ray head: its GCS address; afterwards every process of its session is killed."""
@@ -87,6 +104,7 @@ def ray_head(tmp_path):
          "--disable-usage-stats", "--temp-dir", str(ray_tmp)],
         env=env, stdout=open(tmp_path / "head.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
+        _wait_until_up(head, tmp_path / "head.log", port)
         yield f"127.0.0.1:{port}", env, head.pid
     finally:
         for pid in _session_pids(head.pid):
