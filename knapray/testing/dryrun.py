@@ -1,6 +1,5 @@
-"""``knapray dryrun``: one rank's training step of a run config at full scale, without a GPU.
-
-    knapray dryrun --config jobs/configs/flux_cluster.yaml [--world-size 64] [--rank 0] [--gpu-gib 80]
+"""One rank's training step of a run config at full scale, without a GPU (the library of
+``knapray dryrun``, ``knapray.commands.dryrun``).
 
 Rank R of an N-rank run in one process, no GPU, no Ray: the model is built on the meta
 device, the run's parallelism is applied (FSDP full / hybrid, activation checkpointing,
@@ -9,15 +8,9 @@ collective returns at once, as any rank of any world), and one training step run
 tensors (``FakeTensorMode``: shapes, dtypes and devices, no data): routing, Ulysses,
 forward, backward, gradient reduction, clipping, AdamW and the EMA, on a packed batch
 drawn from a data mix at the run's ``data.max_tokens_per_gpu``, in the run's precision.
-It reports
-
-(a) the rank's peak memory by category, measured by torch's tracker (``FSDPMemTracker``
-    under FSDP, else ``MemTracker``), beside ``knapray memory``'s prediction;
-(b) the collectives one step issues (kind, group size, count, bytes) beside what the plan
-    and the parallelism imply;
-(c) a device and dtype check (q, k, v and every matrix multiply in the compute dtype; every
-    collective's tensors on the training device), host synchronizations inside the step's
-    timed region (forward + backward), and ops without a fake implementation.
+``assess`` judges it: the rank's peak memory by category (torch's tracker) against
+``knapray memory``'s prediction, the collectives one step issues against what the plan and
+the parallelism imply, and the device, dtype and host-sync checks.
 
 Two passes, because the CPU build of torch cannot run everything on a fake CUDA device:
 its autograd engine and its DeviceMesh need a real CUDA runtime. The *step* (forward,
@@ -29,23 +22,14 @@ implementation) and a backward with flash-attn's gradient shapes; it saves what 
 kernel saves (q, k, v, output, logsumexp). A first step on no tokens (every unit still runs,
 on zero rows) does FSDP's lazy initialization and creates AdamW's state; the second, on the
 batch, is measured: a run's steady state.
-
-Exit status: 0 if every check passed, 1 on a device or dtype violation, a host sync in
-the timed region, an op without a fake implementation, collectives other than the
-expected ones, or measured and predicted peaks more than 10% apart; 2 on bad input (one
-line, before anything runs).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
-import json
 import math
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -54,25 +38,6 @@ import torch
 GIB = 2**30
 MAX_PEAK_ERROR = 0.10
 DEFAULT_MIX = "image+video"
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from knapray.commands.flags import add_config, add_json, add_world_size, float_in, int_at_least
-
-    add_config(p, required=True)
-    add_world_size(p, default=None, help="ranks of the run (default: scaling.num_workers)")
-    p.add_argument("--rank", type=int_at_least(0), default=0, help="the rank to run (default 0)")
-    p.add_argument("--gpu-gib", type=float_in(gt=0), default=80.0, help="GPU memory in GiB, for the fit (default 80)")
-    p.add_argument("--mix", default=None,
-                   help="data codes (gGbBiRfFsS, or low-res / mixed-res / image+video) the batch is drawn from "
-                        f"(default: {DEFAULT_MIX}, the paper's; the corpus itself is never read)")
-    add_json(p)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="knapray dryrun", description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    return run(p.parse_args(argv))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,13 +55,12 @@ class Setup:
     dtype: torch.dtype
 
 
-def _error(message: str) -> int:
-    print(f"knapray dryrun: error: {message}", file=sys.stderr)
-    return 2
-
-
-def check_setup(args: argparse.Namespace) -> Setup:
-    """The config and the arguments, checked (ValueError naming the value) before anything runs."""
+def check_setup(config: str, overrides: list[str], *, world_size: int | None = None, rank: int = 0,
+                gpu_gib: float = 80.0, mix: str | None = None) -> Setup:
+    """The run config ``config`` with ``overrides`` (``SECTION.KEY=VALUE``), run as ``rank`` of
+    ``world_size`` (default: ``scaling.num_workers``) on GPUs of ``gpu_gib`` GiB with a batch
+    drawn from ``mix`` (default ``DEFAULT_MIX``), checked (ValueError naming the value, in the
+    command's flags) before anything runs."""
     from knapray.coordinator import BalanceCoordinator
     from knapray.planning.mix import parse_mix
     from knapray.planning.rules import per_step_node
@@ -104,15 +68,15 @@ def check_setup(args: argparse.Namespace) -> Setup:
     from knapray.train.preflight import load_run_config
     from knapray.train.step_planner import coordinator_config
 
-    cfg = load_run_config(args.config, args.set)
-    world = cfg.scaling.num_workers if args.world_size is None else args.world_size
+    cfg = load_run_config(config, overrides)
+    world = cfg.scaling.num_workers if world_size is None else world_size
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"--world-size must be an integer >= 1, got {world!r}")
-    if not 0 <= args.rank < world:
-        raise ValueError(f"--rank must be in [0, {world}) for a world of {world}, got {args.rank}")
-    if not (args.gpu_gib > 0 and math.isfinite(args.gpu_gib)):
-        raise ValueError(f"--gpu-gib must be a finite number > 0, got {args.gpu_gib!r}")
-    mix = args.mix or DEFAULT_MIX
+    if not 0 <= rank < world:
+        raise ValueError(f"--rank must be in [0, {world}) for a world of {world}, got {rank}")
+    if not (gpu_gib > 0 and math.isfinite(gpu_gib)):
+        raise ValueError(f"--gpu-gib must be a finite number > 0, got {gpu_gib!r}")
+    mix = mix or DEFAULT_MIX
     parse_mix(mix)
     gpn = cfg.balance.gpus_per_node or min(8, world)
     if cfg.parallel.fsdp != "none":
@@ -123,7 +87,7 @@ def check_setup(args: argparse.Namespace) -> Setup:
     TopologyDims(topology, world, cfg.model.num_heads)
     precision = cfg.parallel.precision
     dtype = torch.float32 if precision == "fp32" or (precision == "auto" and not cfg.scaling.use_gpu) else torch.bfloat16
-    return Setup(cfg=cfg, world=world, rank=args.rank, gpu_gib=args.gpu_gib, mix=mix, topology=topology,
+    return Setup(cfg=cfg, world=world, rank=rank, gpu_gib=gpu_gib, mix=mix, topology=topology,
                  per_step_node=per_step_node(cfg.balance.topology, world, cfg.balance.gpus_per_node or None),
                  gpus_per_node=gpn, dtype=dtype)
 
@@ -487,136 +451,132 @@ def expected_collectives(setup: Setup, plan, depth: tuple[int, int]) -> dict:
     return exp
 
 
-# ---- the report -----------------------------------------------------------------------------
 
 
-def run(args: argparse.Namespace) -> int:
-    from knapray.planning.memory import memory_model_for_run
+# ---- the dry run ----------------------------------------------------------------------------
 
-    try:
-        setup = check_setup(args)
-    except (ValueError, OSError) as e:
-        what = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename else str(e)
-        return _error(what)
+
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """The step every rank takes: the world's samples, planned, and this rank's host batch."""
+
+    samples: list[list[Sample]]
+    """Every rank's home samples (``draw_step``)."""
+    text_tokens: np.ndarray
+    """Text tokens of every sample of the world, in the plan's order."""
+    plan: Any
+    batch: Any
+    """This rank's packed batch on the host (``host_batch``)."""
+
+
+def step_inputs(setup: Setup) -> StepInputs:
+    """The world's samples drawn from the mix at the run's token budget, and their plan."""
     from knapray.coordinator import plan_from_gathered
     from knapray.train.step_planner import planning_model
 
-    cfg, world, rank = setup.cfg, setup.world, setup.rank
+    cfg = setup.cfg
     budget = cfg.data.max_tokens_per_gpu
-    samples = draw_step(setup.mix, world, budget, cfg.data.seed)
+    samples = draw_step(setup.mix, setup.world, budget, cfg.data.seed)
     lens = [[s.length for s in rank_samples] for rank_samples in samples]
     text_tokens = np.array([s.text for rank_samples in samples for s in rank_samples], dtype=np.int64)
     plan = plan_from_gathered(lens, setup.topology, planning_model(cfg), cfg.balance.solver, budget or None,
                               setup.per_step_node)
-    batch = host_batch(samples[rank], cfg.model)
-    m = cfg.model
-    depth = (m.depth_double, m.depth_single)
-    corpus = Path(cfg.data.corpus)
-    print(f"knapray dryrun: {args.config} as rank {rank} of {world} ({setup.gpus_per_node} per node); torch "
-          f"{torch.__version__}; no GPU, no Ray: fake tensors over a fake process group")
-    from knapray.planning.memory import ModelShape
+    return StepInputs(samples=samples, text_tokens=text_tokens, plan=plan, batch=host_batch(samples[setup.rank],
+                                                                                           cfg.model))
 
-    shape = ModelShape.of(m)
-    print(f"model  {shape.num_params / 1e9:.2f} B parameters ({m.depth_double} double + {m.depth_single} single "
-          f"blocks, d={m.hidden_size}, {m.num_heads} heads), {str(setup.dtype)[6:]}, fsdp {cfg.parallel.fsdp}, "
-          f"activation checkpointing {cfg.parallel.activation_checkpointing}"
-          + (f" (k={cfg.parallel.ac_every})" if cfg.parallel.activation_checkpointing == "every_k" else "")
-          + ("; parallel.compile is left out (eager blocks)" if cfg.parallel.compile else ""))
-    print(f"data   the corpus ({corpus}{'' if corpus.exists() else ', absent here'}) is not read: lengths from "
-          f"--mix {setup.mix}{' (the paper mix)' if args.mix is None else ''}, "
-          f"{sum(len(s) for s in samples)} samples over {world} ranks"
-          + (f", as many as keep the mean within data.max_tokens_per_gpu={budget}" if budget else ""))
-    routed_here = int(plan.rank_tokens[rank])
-    print(f"plan   topology {plan.topology} (balance.topology {cfg.balance.topology}); rank {rank}: "
-          f"{len(samples[rank])} home sequences, {routed_here} routed tokens (max over ranks "
-          f"{int(plan.rank_tokens.max())}); imbalance {plan.imbalance:.4f}")
 
+def measure(setup: Setup, inputs: StepInputs) -> tuple[StepResult, StepResult]:
+    """The step (fake CPU tensors) and the device pass (meta); the fake world is gone after."""
     try:
-        step = run_step(setup, plan, text_tokens, batch, device=torch.device("cpu"))
-        device = run_step(setup, plan, text_tokens, batch, device=torch.device("meta"), device_pass=True)
+        step = run_step(setup, inputs.plan, inputs.text_tokens, inputs.batch, device=torch.device("cpu"))
+        device = run_step(setup, inputs.plan, inputs.text_tokens, inputs.batch, device=torch.device("meta"),
+                          device_pass=True)
     finally:
         import torch.distributed as dist
 
-        if dist.is_initialized():  # the fake world: nothing of it outlives the command
+        if dist.is_initialized():  # the fake world: nothing of it outlives the dry run
             dist.destroy_process_group()
-    print(f"step   a training step on fake CPU tensors in {step.seconds:.0f} s (after one on no tokens: FSDP's "
-          f"lazy init, AdamW's state)")
-    print(f"device a training step on fake tensors of a device that is not the host's (meta), unsharded, fp32, "
-          f"{min(1, m.depth_double)}+{min(1, m.depth_single)} blocks, in {device.seconds:.0f} s")
+    return step, device
 
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveRow:
+    """One kind of collective on groups of one size: measured in one step, and implied."""
+
+    kind: str
+    group: int | None
+    count: int
+    nbytes: int
+    expected: int
+    measured: bool
+    """Issued by the step (False: implied by the plan, never issued)."""
+
+    @property
+    def differs(self) -> bool:
+        return self.count != self.expected
+
+
+@dataclasses.dataclass(frozen=True)
+class Findings:
+    """The dry run judged: memory, collectives, device and dtype checks, and what failed."""
+
+    memory: Any
+    """The memory model of the run (``memory_model_for_run``)."""
+    predicted: Any
+    """Its breakdown at the step's routed tokens (``MemoryBreakdown``)."""
+    measured_peak: int
+    peak_error: float
+    """(predicted - measured) / measured; NaN if nothing was measured."""
+    usable: int
+    """Bytes of a ``setup.gpu_gib`` GPU the run may use."""
+    expected: dict
+    """(kind, group size) -> count of one step (``expected_collectives``)."""
+    collectives: list[CollectiveRow]
+    """The measured kinds in the step's order, then those implied and never issued."""
+    device_violations: list[str]
+    dtype_violations: list[str]
+    syncs: list[str]
+    failures: list[str]
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+
+def assess(setup: Setup, inputs: StepInputs, step: StepResult, device: StepResult) -> Findings:
+    """``step`` and ``device`` (``measure``) against the memory model's prediction (within
+    ``MAX_PEAK_ERROR``), the collectives the plan implies, and the device and dtype checks."""
     from knapray.models.lora import adapter_counts
+    from knapray.planning.memory import memory_model_for_run
 
-    mem = memory_model_for_run(cfg, world_size=world, gpus_per_node=setup.gpus_per_node,
-                               trainable=adapter_counts(cfg.model))
+    cfg, m = setup.cfg, setup.cfg.model
+    mem = memory_model_for_run(cfg, world_size=setup.world, gpus_per_node=setup.gpus_per_node,
+                               trainable=adapter_counts(m))
     pred = mem.breakdown(step.routed_tokens, text_tokens=step.routed_text, sequences=step.routed_sequences)
-    failures: list[str] = []
-    for res, what in ((step, "step"), (device, "device pass")):
-        if res.error:
-            failures.append(f"{what}: {res.error}")
+    failures = [f"{what}: {res.error}" for res, what in ((step, "step"), (device, "device pass")) if res.error]
     measured = step.peak.get("Total", 0)
     err = (pred.total - measured) / measured if measured else math.nan
-    print(f"\nmemory: rank {rank}'s peak, {step.routed_tokens} routed tokens ({step.routed_text} text) of "
-          f"{step.routed_sequences} sequences")
-    print(f"  {'measured (torch tracker)':<28} {'GiB':>8}    {'predicted (knapray memory)':<28} {'GiB':>8}")
-    meas_rows = [(k, v) for k, v in step.peak.items() if k != "Total" and v]
-    pred_rows = [(k.replace("_", " "), v * GIB) for k, v in pred.to_gib().items() if k != "total" and v]
-    for i in range(max(len(meas_rows), len(pred_rows))):
-        left = f"  {meas_rows[i][0]:<28} {meas_rows[i][1] / GIB:>8.2f}" if i < len(meas_rows) else " " * 39
-        right = f"    {pred_rows[i][0]:<28} {pred_rows[i][1] / GIB:>8.2f}" if i < len(pred_rows) else ""
-        print(left + right)
-    print(f"  {'total (peak)':<28} {measured / GIB:>8.2f}    {'total (' + pred.peak_phase + ')':<28} "
-          f"{pred.total / GIB:>8.2f}   predicted {err:+.1%}")
     if not measured:
         failures.append("no memory was measured")
     elif abs(err) > MAX_PEAK_ERROR:
         failures.append(f"predicted peak {pred.total / GIB:.2f} GiB is {err:+.1%} off the measured "
                         f"{measured / GIB:.2f} GiB (more than {MAX_PEAK_ERROR:.0%})")
-    usable = mem.usable_bytes(int(setup.gpu_gib * GIB))
-    print(f"  fits {setup.gpu_gib:g} GiB: {'yes' if max(measured, pred.total) <= usable else 'NO'} (usable "
-          f"{usable / GIB:.2f} GiB after {mem.reserve_bytes / GIB:g} GiB reserve and "
-          f"{mem.fragmentation:.0%} fragmentation)")
-
-    expected = expected_collectives(setup, plan, depth)
-    print(f"\ncollectives: one training step of rank {rank} (measured | the plan and parallelism imply)")
-    print(f"  {'kind':<24} {'group':>5} {'count':>6} {'MiB':>10} | {'count':>6}")
-    seen = set()
-    for kind, size, count, nbytes in step.collectives:
-        seen.add((kind, size))
-        want = expected.get((kind, size), 0)
-        mark = "" if want == count else "   <- differs"
-        print(f"  {kind:<24} {size if size is not None else '?':>5} {count:>6} {nbytes / 2**20:>10.1f} | {want:>6}{mark}")
-        if want != count:
-            failures.append(f"{kind} on groups of {size}: {count} per step, the plan implies {want}")
-    for (kind, size), want in sorted(expected.items()):
-        if (kind, size) not in seen:
-            print(f"  {kind:<24} {size:>5} {0:>6} {0:>10.1f} | {want:>6}   <- differs")
-            failures.append(f"{kind} on groups of {size}: none, the plan implies {want}")
-
+    expected = expected_collectives(setup, inputs.plan, (m.depth_double, m.depth_single))
+    rows = [CollectiveRow(kind, size, count, nbytes, expected.get((kind, size), 0), True)
+            for kind, size, count, nbytes in step.collectives]
+    seen = {(r.kind, r.group) for r in rows}
+    rows += [CollectiveRow(kind, size, 0, 0, want, False) for (kind, size), want in sorted(expected.items())
+             if (kind, size) not in seen]
+    for r in rows:
+        if r.differs:
+            failures.append(f"{r.kind} on groups of {r.group}: " + (f"{r.count} per step" if r.measured else "none")
+                            + f", the plan implies {r.expected}")
     w = device.watch
-    print("\nchecks")
-    print(f"  device: every tensor of the step and every collective's on the training device (meta stands in for "
-          f"cuda): " + ("OK" if not w.device_violations else "; ".join(w.device_violations)))
-    dtype_lines = step.watch.dtype_violations + w.dtype_violations
-    print(f"  dtype: q, k, v and every matmul in {str(setup.dtype)[6:]} ({step.watch.attention_calls} attention "
-          f"calls, {step.watch.matmuls} matmuls in the measured step): " + ("OK" if not dtype_lines else "; ".join(dtype_lines)))
-    print(f"  host syncs in the timed region (forward + backward): {len(step.watch.syncs) + len(w.syncs)}"
-          + "".join(f"\n    {s}" for s in step.watch.syncs + w.syncs))
-    failures += [f"device: {v}" for v in w.device_violations + step.watch.device_violations]
-    failures += [f"dtype: {v}" for v in dtype_lines]
-    ok = not failures
-    print("DRY RUN " + ("PASSED" if ok else "FAILED: " + "; ".join(failures)))
-    if args.json:
-        print(json.dumps({
-            "config": args.config, "world_size": world, "rank": rank, "topology": str(plan.topology),
-            "routed_tokens": step.routed_tokens, "measured_peak_bytes": measured, "predicted_peak_bytes": pred.total,
-            "peak_error": err, "measured": step.peak, "predicted": pred.to_gib(),
-            "collectives": [{"kind": k, "group": s, "count": c, "bytes": b} for k, s, c, b in step.collectives],
-            "expected": [{"kind": k, "group": s, "count": c} for (k, s), c in sorted(expected.items())],
-            "syncs": step.watch.syncs + w.syncs, "failures": failures, "passed": ok,
-            "seconds": {"step": step.seconds, "device": device.seconds},
-        }))
-    return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    device_violations = w.device_violations + step.watch.device_violations
+    dtype_violations = step.watch.dtype_violations + w.dtype_violations
+    failures += [f"device: {v}" for v in device_violations]
+    failures += [f"dtype: {v}" for v in dtype_violations]
+    return Findings(memory=mem, predicted=pred, measured_peak=measured, peak_error=err,
+                    usable=mem.usable_bytes(int(setup.gpu_gib * GIB)), expected=expected, collectives=rows,
+                    device_violations=device_violations, dtype_violations=dtype_violations,
+                    syncs=step.watch.syncs + w.syncs, failures=failures)

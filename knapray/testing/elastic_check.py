@@ -1,7 +1,5 @@
-"""Elastic restart with a re-planned topology, end to end on a private two-node Ray cluster.
-
-    python -m knapray.testing.elastic_check --scenario shrink --out /tmp/elastic-shrink
-    python -m knapray.testing.elastic_check --scenario grow --out /tmp/elastic-grow
+"""Elastic restart with a re-planned topology, end to end on a private two-node Ray cluster
+(the library of ``python -m knapray.commands.elastic_check``).
 
 Builds its own Ray cluster (``ray.cluster_utils.Cluster``: a head with a few CPUs for Ray
 Data and the driver-side actors, the balance coordinator pinned there, plus worker nodes
@@ -20,10 +18,11 @@ one of, so a node with k slots runs k training workers), a tiny corpus, and runs
 
 Ray Train restarts the group at the new size from the latest checkpoint; every rank
 reports its node id, rank 0 asks the coordinator for the topology of that world on those
-nodes, bag groups are rebuilt and the data re-sharded. Printed and written to
-``OUT/result.json``: the (world size, nodes, topology) segments the run went through
-(from the per-step records), the steps trained after the change, the timings, where the
-coordinator ran, and the ledger's exactly-once check. Exit status 0 iff all checks pass.
+nodes, bag groups are rebuilt and the data re-sharded. ``run_scenario`` returns (and the
+command prints and writes to ``OUT/result.json``) the (world size, nodes, topology)
+segments the run went through (from the per-step records), the steps trained after the
+change, the timings, where the coordinator ran, the ledger's exactly-once check, and
+whether every check passed.
 
 How fast Ray notices (Ray 2.60, from its source):
 
@@ -37,26 +36,25 @@ How fast Ray notices (Ray 2.60, from its source):
   still counting the dead node until the next tick; the placement group for 4 cannot be
   placed, and Ray retries only after ``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`` (60 s by
   Ray's default: the ~70 s in RAY_NOTES). The launcher sets it to 10 s for elastic runs
-  (``scaling.worker_start_timeout_s``); ``--start-timeout`` sets that key (60: Ray's default,
-  to measure the difference). It bounds only the wait for the placement group, not the
+  (``scaling.worker_start_timeout_s``); the command's ``--start-timeout`` sets that key (60: Ray's
+  default, to measure the difference). It bounds only the wait for the placement group, not the
   workers' start-up.
 - Nodes noticed one at a time give one restart per size seen (e.g. 2 -> 3 -> 4).
-- ``--nudge`` asks the AutoscalingCoordinator to re-read the cluster right after the
+- ``nudge`` (``--nudge``) asks the AutoscalingCoordinator to re-read the cluster right after the
   change (its ``get_reserved_resources(recompute=True)``), which removes the wait for the
   tick; off by default, so the check measures what a real cluster does.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 from knapray.testing.waits import ProgressDeadline
 from knapray.train.startup import read_startups
@@ -164,7 +162,36 @@ def _read_records(path: str) -> list[dict]:
     return [json.loads(line) for line in lines[:-1] if line.strip()]  # the last may be partial
 
 
-def run(args: argparse.Namespace) -> dict:
+@dataclass(frozen=True)
+class Settings:
+    """One scenario's run (the command's flags of the same names)."""
+
+    scenario: str
+    """A key of ``SCENARIOS``."""
+    out: str
+    """Directory for the corpus, the run and (the command's) result.json."""
+    corpus_steps: int | None = None
+    """Mix steps in the corpus, 11 samples each (None: shrink 4, grow 12)."""
+    samples_per_step: int = 1
+    change_after_step: int = 2
+    """Remove/add nodes once this step has been logged."""
+    start_timeout: float = 0.0
+    """``scaling.worker_start_timeout_s`` (0: the launcher's 10 s for elastic runs)."""
+    monitor: float = 2.0
+    """``scaling.elastic_monitor_interval_s``."""
+    head_cpus: int = 2
+    nudge: bool = False
+    """Have the AutoscalingCoordinator re-read the cluster right after the change."""
+    worker_logs: bool = False
+    """Stream worker/actor logs to this process."""
+    keep_logs: bool = False
+    """Copy the Ray session's logs to ``out``/ray-logs."""
+    timeout: float = 240.0
+    """Give up once nothing has changed for this many seconds (``ProgressDeadline``'s floor)."""
+
+
+def run_scenario(settings: Settings) -> dict:
+    """Run one scenario on its own Ray cluster; the result (``ok``: every check passed)."""
     t_begin = time.perf_counter()
     tmp = _private_ray_env()
     import ray
@@ -175,10 +202,10 @@ def run(args: argparse.Namespace) -> dict:
     from knapray.train.launch import run_training
     from knapray.train.step_planner import coordinator_name
 
-    start_slots, min_w, max_w, change, kill_coordinator_after = SCENARIOS[args.scenario]
-    out = os.path.abspath(args.out)
+    start_slots, min_w, max_w, change, kill_coordinator_after = SCENARIOS[settings.scenario]
+    out = os.path.abspath(settings.out)
     os.makedirs(out, exist_ok=True)
-    corpus_steps = args.corpus_steps or {"shrink": 4, "grow": 12}[args.scenario]
+    corpus_steps = settings.corpus_steps or {"shrink": 4, "grow": 12}[settings.scenario]
     all_ids = build_corpus(os.path.join(out, f"corpus-{corpus_steps}"), corpus_steps)
     storage = os.path.join(out, "runs")
     shutil.rmtree(storage, ignore_errors=True)  # a fresh run, not a resume of an old one
@@ -192,25 +219,25 @@ def run(args: argparse.Namespace) -> dict:
     def node_args(slots: int) -> dict:
         return {"num_cpus": slots, "resources": {SLOT: slots}, "object_store_memory": 100 * 1024**2}
 
-    result: dict = {"scenario": args.scenario}
+    result: dict = {"scenario": settings.scenario}
     cluster = None
     try:
         cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": args.head_cpus, "include_dashboard": False, "object_store_memory": 200 * 1024**2,
+            "num_cpus": settings.head_cpus, "include_dashboard": False, "object_store_memory": 200 * 1024**2,
         })
         workers = [cluster.add_node(wait=False, **node_args(k)) for k in start_slots]
         slots = {n.node_id: k for n, k in zip(workers, start_slots)}
         cluster.wait_for_nodes(timeout=90)
-        ray.init(address=cluster.address, namespace="knapray-elastic", log_to_driver=args.worker_logs,
+        ray.init(address=cluster.address, namespace="knapray-elastic", log_to_driver=settings.worker_logs,
                  configure_logging=False)
-        event("cluster up", worker_node_slots=list(start_slots), head_cpus=args.head_cpus)
+        event("cluster up", worker_node_slots=list(start_slots), head_cpus=settings.head_cpus)
 
         cfg = load_run_config(None, MODEL + [
-            f"data.corpus={os.path.join(out, f'corpus-{corpus_steps}')}", f"data.samples_per_step={args.samples_per_step}",
-            f"balance.topology={RULE}", f"run.name=elastic-{args.scenario}", f"run.storage={storage}",
+            f"data.corpus={os.path.join(out, f'corpus-{corpus_steps}')}", f"data.samples_per_step={settings.samples_per_step}",
+            f"balance.topology={RULE}", f"run.name=elastic-{settings.scenario}", f"run.storage={storage}",
             f"scaling.num_workers={max_w}", f"scaling.min_workers={min_w}", "scaling.cpus_per_worker=0.5",
-            f"scaling.resources_per_worker={{{SLOT}: 1}}", f"scaling.elastic_monitor_interval_s={args.monitor}",
-            f"scaling.worker_start_timeout_s={args.start_timeout}",
+            f"scaling.resources_per_worker={{{SLOT}: 1}}", f"scaling.elastic_monitor_interval_s={settings.monitor}",
+            f"scaling.worker_start_timeout_s={settings.start_timeout}",
             "checkpoint.every=1", "run.max_failures=3", "run.timeout_s=60",
             "balance.coordinator_timeout_s=10",
         ])
@@ -236,7 +263,7 @@ def run(args: argparse.Namespace) -> dict:
         at_new_size = False
         # Stuck, not slow: the wait expires after a quiet spell (no new step, no event) longer
         # than --timeout or twice the time the run took to its last progress.
-        wait = ProgressDeadline(floor_s=args.timeout, clock=time.perf_counter)
+        wait = ProgressDeadline(floor_s=settings.timeout, clock=time.perf_counter)
         while trainer.is_alive() and not wait.expired():
             trainer.join(timeout=0.2)
             # A restart rewrites metrics.jsonl back to its checkpoint: read it whole each time.
@@ -257,7 +284,7 @@ def run(args: argparse.Namespace) -> dict:
                 placements.append(_placement(cluster, workers, name))
                 ray.kill(ray.get_actor(name), no_restart=False)  # Ray restarts it (max_restarts=-1)
                 event("killed the coordinator actor", after_step=step, was_on=placements[-1]["coordinator_on"])
-            if changed_at is None and step >= args.change_after_step and (
+            if changed_at is None and step >= settings.change_after_step and (
                     kill_coordinator_after is None or placements):
                 if kill_coordinator_after is None:
                     placements.append(_placement(cluster, workers, name))
@@ -276,7 +303,7 @@ def run(args: argparse.Namespace) -> dict:
                     event(f"added a worker node of {change} slots", after_step=step,
                           worker_node_slots=[slots[n.node_id] for n in workers])
                 changed_at = (time.perf_counter(), step)
-                if args.nudge:
+                if settings.nudge:
                     try:
                         _refresh_autoscaling_view(len(workers) + 1)
                         event("nudged the AutoscalingCoordinator to re-read the cluster")
@@ -354,8 +381,8 @@ def run(args: argparse.Namespace) -> dict:
             "error": box.get("error"),
             "events": events,
             "timings_s": {"fit": round(fit_s, 2), "total": round(time.perf_counter() - t_begin, 2)},
-            "settings": {"start_timeout_s": args.start_timeout, "monitor_interval_s": args.monitor,
-                         "nudge": args.nudge, "samples_per_step": args.samples_per_step,
+            "settings": {"start_timeout_s": settings.start_timeout, "monitor_interval_s": settings.monitor,
+                         "nudge": settings.nudge, "samples_per_step": settings.samples_per_step,
                          "corpus_steps": corpus_steps, "corpus_samples": len(all_ids), "run_dir": cfg.run_dir,
                          "coordinator": name, "rule": RULE},
         })
@@ -366,7 +393,7 @@ def run(args: argparse.Namespace) -> dict:
             if cluster is not None:
                 cluster.shutdown()
         finally:
-            if args.keep_logs:
+            if settings.keep_logs:
                 shutil.rmtree(os.path.join(out, "ray-logs"), ignore_errors=True)
                 shutil.copytree(os.path.join(tmp, "ray", "session_latest", "logs"), os.path.join(out, "ray-logs"),
                                 dirs_exist_ok=True, ignore_dangling_symlinks=True)
@@ -453,43 +480,3 @@ def _refresh_autoscaling_view(alive: int) -> None:
         time.sleep(0.1)
     actor = ray.get_actor("AutoscalingCoordinator", namespace="AutoscalingCoordinator")
     ray.get(actor.get_reserved_resources.remote("knapray-elastic-check", recompute=True), timeout=10)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--scenario", choices=sorted(SCENARIOS), required=True)
-    p.add_argument("--out", required=True, help="directory for the corpus, the run and result.json")
-    p.add_argument("--corpus-steps", type=int, default=None,
-                   help="mix steps in the corpus, 11 samples each (default: shrink 4, grow 12: a grow must "
-                        "still have steps left when Ray notices the new nodes)")
-    p.add_argument("--samples-per-step", type=int, default=1)
-    p.add_argument("--change-after-step", type=int, default=2,
-                   help="remove/add nodes once this step has been logged")
-    p.add_argument("--start-timeout", type=float, default=0.0,
-                   help="scaling.worker_start_timeout_s (0: the launcher's 10 s for elastic runs; 60: Ray's default)")
-    p.add_argument("--monitor", type=float, default=2.0, help="scaling.elastic_monitor_interval_s")
-    p.add_argument("--head-cpus", type=int, default=2)
-    p.add_argument("--nudge", action="store_true",
-                   help="have the AutoscalingCoordinator re-read the cluster right after the change")
-    p.add_argument("--worker-logs", action="store_true", help="stream worker/actor logs to this process")
-    p.add_argument("--keep-logs", action="store_true", help="copy the Ray session's logs to OUT/ray-logs")
-    p.add_argument("--timeout", type=float, default=240.0,
-                   help="give up on the run once nothing has changed (no step, no event) for this many seconds, "
-                        "or twice the time the run took to its last progress if longer (a loaded 2-core machine "
-                        "took 160 s to the first step)")
-    args = p.parse_args(argv)
-    result = run(args)
-    path = os.path.join(os.path.abspath(args.out), "result.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    brief = {k: result.get(k) for k in ("scenario", "ok", "checks", "segments", "change", "steps_after_change",
-                                         "final_attempt", "coordinator_placements", "timings_s", "error")}
-    brief["ledger"] = {k: v for k, v in result.get("ledger", {}).items() if k != "steps"}
-    print(json.dumps(brief, indent=1))
-    print(recovery_table(result))
-    print(f"[elastic_check] wrote {path}")
-    return 0 if result.get("ok") else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,5 @@
-"""The GPU check: short bf16 training runs through the torchrun launcher, judged.
-
-    python3 -m knapray.testing.gpu_check            # one GPU: NCCL, world 1, topology g1n1
-    python3 -m knapray.testing.gpu_check --cpu      # the first run's chain on gloo with a tiny model
-    python3 -m knapray.testing.gpu_check --bench --json F   # make gpu-bench: gradients first, runs profiled
+"""The GPU check: short bf16 training runs through the torchrun launcher, judged (the
+library of ``python3 -m knapray.commands.gpu_check``, ``make gpu-check`` and ``make gpu-bench``).
 
 Each run builds (once) a synthetic corpus, writes a run config, launches
 ``torch.distributed.run -m knapray.commands.torchrun`` (so it needs neither Ray nor an install:
@@ -26,13 +23,10 @@ loss did not fall, or a run with a speed bar stayed below it. The runs:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,27 +94,6 @@ CPU_CHECK = Check(
                            depth_single=1, text_dim=32, pooled_dim=32, rope_axes_dim=[4, 6, 6]),
     mix="image+video", scale=8, corpus_steps=2, samples_per_step=2, lr=1e-3,
 )
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python3 -m knapray.testing.gpu_check", description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=30, help="training steps per run (default 30)")
-    p.add_argument("--cpu", action="store_true", help="gloo on CPU with a tiny model (tests the chain)")
-    p.add_argument("--only", action="append", choices=[c.name for c in GPU_CHECKS],
-                   help="run only these GPU checks (default: all)")
-    p.add_argument("--profile", action="store_true",
-                   help="profile 3 steps after the warm-up (metrics.profile_steps) and print where the device time went")
-    p.add_argument("--nproc", type=int, default=1, help="ranks (default 1)")
-    p.add_argument("--topology", default=None, help="bags (default g1n<nproc>)")
-    p.add_argument("--out", default=None, help="work directory (default: a temporary one, removed)")
-    p.add_argument("--bench", action="store_true",
-                   help="make gpu-bench: the gradient check first (compiled bf16 against float64, "
-                        "knapray.testing.grad_truth), then the runs, each profiled")
-    p.add_argument("--json", default=None, metavar="FILE", help="write every number of the check to FILE")
-    p.add_argument("--timeout", type=int, default=520,
-                   help="seconds all training runs together may take (default 520: with the gpu tests, "
-                        "make gpu-check fits 10 minutes); a run that would pass it is stopped and fails")
-    return p
 
 
 def profile_window(steps: int) -> list[int]:
@@ -337,54 +310,6 @@ def _stop_tree(proc: subprocess.Popen) -> None:
             continue
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    import torch
-
-    if args.steps < 1 or args.nproc < 1:
-        print(f"gpu_check: error: --steps and --nproc must be >= 1, got {args.steps}, {args.nproc}", file=sys.stderr)
-        return 2
-    if not args.cpu and not torch.cuda.is_available():
-        print("gpu_check: error: no CUDA device here (use --cpu to check the chain on CPU)", file=sys.stderr)
-        return 2
-    checks = [CPU_CHECK] if args.cpu else [c for c in GPU_CHECKS if not args.only or c.name in args.only]
-    topology = args.topology or f"g1n{args.nproc}"
-    device = "cpu (gloo)" if args.cpu else f"{torch.cuda.get_device_name(0)} (NCCL)"
-    print(f"== knapray GPU check: {device}, torch {torch.__version__}, {args.nproc} rank(s), {args.steps} steps "
-          f"per run, runs: {', '.join(c.name for c in checks)}", flush=True)
-    work = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="knapray-gpu-check-"))
-    work.mkdir(parents=True, exist_ok=True)
-    failures = []
-    deadline = time.monotonic() + args.timeout
-    report = {"device": device, "torch": torch.__version__, "steps": args.steps, "nproc": args.nproc,
-              "commit": _commit(), "attention_packages": attention_packages(), "gradients": [], "runs": []}
-    print("attention: " + ", ".join(f"{k} {v}" for k, v in report["attention_packages"].items()), flush=True)
-    if args.bench:
-        failures += gradient_stage(report, cpu=args.cpu)
-    for check in checks:
-        left = deadline - time.monotonic()
-        if left < 10:
-            print(f"== {check.name}: not run, the check's {args.timeout} s are used up", flush=True)
-            failures.append(f"{check.name}: not run (out of time)")
-            continue
-        run_failures, numbers = run_check(check, work, steps=args.steps, nproc=args.nproc, topology=topology,
-                                          cpu=args.cpu, timeout=left, profile=args.profile or args.bench)
-        failures += run_failures
-        report["runs"].append(numbers)
-        shutil.rmtree(work / check.name / "checkpoints", ignore_errors=True)  # none by default; never kept
-    if not args.out:
-        shutil.rmtree(work, ignore_errors=True)
-    report["failures"] = failures
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1, default=str) + "\n")
-        print(f"every number above: {args.json}")
-    if failures:
-        print("GPU CHECK FAILED: " + "; ".join(failures))
-        return 1
-    print("GPU CHECK PASSED")
-    return 0
-
-
 GRADIENT_CASES = (("flux", "bf16_params"), ("wan", "bf16_params"), ("flux", "autocast"))
 """What ``--bench`` compares on the device first: FSDP's bf16 parameters (every shipped
 cluster config) for both families, and Flux under autocast (the runs without FSDP)."""
@@ -439,7 +364,7 @@ def attention_packages() -> dict[str, str]:
     return found
 
 
-def _commit() -> str | None:
+def checkout_commit() -> str | None:
     """The checkout's commit (a copy without git: None)."""
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
@@ -448,6 +373,3 @@ def _commit() -> str | None:
         return None
     return out.stdout.strip() or None
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,13 +10,13 @@
 - ``measure_step``: both, on a packed batch, plus on CUDA the peak allocated during
   forward + backward above what was allocated before it.
 
-``python -m knapray.testing.memory_check --hidden 3072 --heads 24 --depth-double 3 --depth-single 3
---tokens 16384`` compares prediction and measurement on this machine's device.
+``python -m knapray.commands.memory_check --hidden 3072 --heads 24 --depth-double 3 --depth-single 3
+--tokens 16384`` compares prediction and measurement on this machine's device (a model and
+batch of ``probe_step``).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 from collections.abc import Callable, Iterable
@@ -27,8 +27,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from knapray.models import MMDiT, MMDiTConfig, PackedBatch
-from knapray.planning.checkpointing import AC_MODES, SELECTIVE_KEEPS
-from knapray.planning.memory import GIB, MemoryModel, ModelShape
+from knapray.planning.checkpointing import SELECTIVE_KEEPS
+from knapray.planning.memory import MemoryModel, ModelShape
 from knapray.train.parallelize import ParallelConfig, parallelize
 
 
@@ -179,55 +179,27 @@ def measure_step(
     return result
 
 
-def _report(r: dict[str, Any]) -> None:
-    print(f"tokens {r['tokens']}")
-    print(f"{'':<16} {'predicted GiB':>14} {'measured GiB':>13} {'pred/meas':>10}")
-    rows = [("activations", "activations"), ("params", "params"), ("grads", "grads"), ("optimizer", "optimizer")]
-    if "cuda_fwd_bwd_peak" in r:
-        rows.append(("fwd_bwd_peak", "cuda_fwd_bwd_peak"))
-    for pred_key, meas_key in rows:
-        p, m = r["predicted"][pred_key], r[meas_key]
-        ratio = p / m if m else math.nan
-        print(f"{pred_key:<16} {p / GIB:>14.3f} {m / GIB:>13.3f} {ratio:>10.3f}")
-
-
-def main(argv: list[str] | None = None) -> int:
+def probe_step(*, hidden: int, heads: int, depth_double: int, depth_single: int, tokens: int,
+               sequences: int) -> tuple[MMDiTConfig, PackedBatch]:
+    """A model of that width and depth and a packed batch of ``sequences`` square images of
+    about ``tokens`` image tokens in all (16 text tokens each), to ``measure_step``."""
     from knapray.models.packing import pack_samples
 
-    p = argparse.ArgumentParser(description="memory model vs measurement on one packed batch")
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--depth-double", type=int, default=2)
-    p.add_argument("--depth-single", type=int, default=2)
-    p.add_argument("--tokens", type=int, default=4096, help="image tokens per sequence x sequences (rounded)")
-    p.add_argument("--sequences", type=int, default=4)
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--ac", choices=list(AC_MODES), default="none")
-    p.add_argument("--ac-every", type=int, default=2)
-    p.add_argument("--device", default=None)
-    args = p.parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    head_dim = args.hidden // args.heads
+    head_dim = hidden // heads
     wide = head_dim * 7 // 16 // 2 * 2  # h and w axes; Flux: 56 of 128
     axes = (head_dim - 2 * wide, wide, wide)
     cfg = MMDiTConfig(
-        hidden_size=args.hidden, num_heads=args.heads, depth_double=args.depth_double,
-        depth_single=args.depth_single, rope_axes_dim=axes, text_dim=64, pooled_dim=64,
+        hidden_size=hidden, num_heads=heads, depth_double=depth_double,
+        depth_single=depth_single, rope_axes_dim=axes, text_dim=64, pooled_dim=64,
     )
-    side = 2 * max(1, round(math.sqrt(args.tokens / args.sequences)))
+    side = 2 * max(1, round(math.sqrt(tokens / sequences)))
     gen = torch.Generator().manual_seed(0)
     samples = [
         {"latent": torch.randn(cfg.in_channels, 1, side, side, generator=gen),
          "text": torch.randn(16, cfg.text_dim, generator=gen),
          "pooled": torch.randn(cfg.pooled_dim, generator=gen), "timestep": 0.5}
-        for _ in range(args.sequences)
+        for _ in range(sequences)
     ]
     batch = pack_samples(samples, cfg)
     batch.targets = torch.randn_like(batch.x_img)
-    _report(measure_step(cfg, batch, dtype=dtype, checkpointing=args.ac, ac_every=args.ac_every, device=device))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return cfg, batch

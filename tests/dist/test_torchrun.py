@@ -22,7 +22,7 @@ def _run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
 def test_gpu_check_chain_on_two_gloo_ranks(tmp_path):
     """torch.distributed.run -> knapray.commands.torchrun -> Trainer on 2 ranks, judged as
     on a GPU: steps ran, loss fell, speed and the FLOP formula printed, a profile written."""
-    out = _run(["-m", "knapray.testing.gpu_check", "--cpu", "--nproc", "2", "--topology", "g2n1",
+    out = _run(["-m", "knapray.commands.gpu_check", "--cpu", "--nproc", "2", "--topology", "g2n1",
                 "--steps", "8", "--profile", "--out", str(tmp_path)])
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     text = out.stdout
@@ -60,7 +60,7 @@ def test_make_gpu_check_runs_where_only_torch_and_its_basics_are_installed(tmp_p
     assert probe.stdout.strip() == "[None, None, None]", probe.stderr  # the hiding works
     tests = run("-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-p", "no:timeout", "tests")
     assert tests.returncode == 0 and "error" not in tests.stdout.lower(), tests.stdout[-3000:]
-    out = run("-m", "knapray.testing.gpu_check", "--cpu", "--steps", "4", "--out", str(tmp_path))
+    out = run("-m", "knapray.commands.gpu_check", "--cpu", "--steps", "4", "--out", str(tmp_path))
     assert out.returncode == 0 and "GPU CHECK PASSED" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
     assert "the tensorboard package is not installed" in out.stdout + out.stderr
     assert not (tmp_path / "cpu" / "tensorboard").exists() and (tmp_path / "cpu" / "metrics.jsonl").exists()
@@ -134,7 +134,7 @@ def test_gpu_check_without_cuda_says_so():
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
-    out = _run(["-m", "knapray.testing.gpu_check"])
+    out = _run(["-m", "knapray.commands.gpu_check"])
     assert out.returncode == 2 and "no CUDA device" in out.stderr
 
 

@@ -13,7 +13,7 @@ After each change the run goes on from its checkpoint with the coordinator's top
 for the new world on its nodes, bag groups rebuilt, data re-sharded, and the ledger
 holds every corpus sample exactly once.
 
-Each scenario runs ``python -m knapray.testing.elastic_check`` in a subprocess: it builds
+Each scenario runs ``python -m knapray.commands.elastic_check`` in a subprocess: it builds
 its own Ray cluster (in a private Ray temp dir), which must not collide with the Ray
 instance this test session shares (``ray_session``).
 """
@@ -41,7 +41,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 
 def _run_scenario(scenario: str, out: pathlib.Path, *extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    cmd = [sys.executable, "-m", "knapray.testing.elastic_check", "--scenario", scenario, "--out", str(out), *extra]
+    cmd = [sys.executable, "-m", "knapray.commands.elastic_check", "--scenario", scenario, "--out", str(out), *extra]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1700)
     path = out / "result.json"
     assert path.exists(), f"{scenario}: no result.json (rc {proc.returncode})\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
