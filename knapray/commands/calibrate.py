@@ -53,7 +53,8 @@ import numpy as np
 import torch
 
 from knapray.attention import LocalAttention, _resolve_backend
-from knapray.models import MMDiT, MMDiTConfig
+from knapray.models.config import DiTConfig
+from knapray.models.families import FAMILIES, build_model, cross_text_pad, get_family
 from knapray.planning import PAPER_MIXES
 from knapray.planning.cost import MODE_KEYS, PROFILE_FORMAT, CostModel
 from knapray.planning.costfit import (
@@ -80,36 +81,34 @@ RETIME_FACTOR = 2.0
 """Calibration batches whose fit error exceeds this many times the mean are timed again."""
 MAX_ERROR = 0.05
 """Mean absolute error above which calibration and validation fail (exit 1)."""
+DEFAULT_FAMILY = "mmdit"
+"""Whose blocks are timed without ``--family`` or ``--config``."""
 
 
-WAN_FFN_RATIO = 13824 / 5120
-"""Wan 2.1's FFN width over its model width (14B: 13824 / 5120; 1.3B: 8960 / 1536 is 5.83)."""
+def _timed_families() -> tuple[str, str]:
+    """For errors: the families calibration builds (``mmdit or wan``), and where the others'
+    blocks are timed (`` (flux's blocks are MMDiT's: calibrate it as mmdit)``)."""
+    own = " or ".join(f.name for f in FAMILIES.values() if f.sized_config is not None)
+    others = "; ".join(f"{f.name}'s blocks are {get_family(f.calibrated_as).title}'s: calibrate it as {f.calibrated_as}"
+                       for f in FAMILIES.values() if f.sized_config is None)
+    return own, f" ({others})" if others else ""
 
 
-def calibration_config(hidden: int, heads: int, depth_double: int, depth_single: int, family: str = "mmdit"):
-    """A model of the given size: an MMDiT with RoPE channels split over (t, h, w), or for
-    ``family`` wan a Wan of ``depth_double + depth_single`` blocks (Wan's FFN ratio, text
-    padded to 512 as its pipelines do)."""
+def calibration_config(hidden: int, heads: int, depth_double: int, depth_single: int,
+                       family: str = DEFAULT_FAMILY) -> DiTConfig:
+    """A model of the given size, the family's ``sized_config``: an MMDiT with RoPE channels
+    split over (t, h, w), or for ``family`` wan a Wan of ``depth_double + depth_single``
+    blocks (Wan's FFN ratio, text padded to 512 as its pipelines do)."""
     if hidden % heads:
         raise ValueError(f"hidden size {hidden} must be divisible by heads {heads}")
     head_dim = hidden // heads
     if head_dim % 2 or head_dim < 6:
         raise ValueError(f"head_dim {head_dim} (hidden/heads) must be even and >= 6")
-    if family == "wan":
-        from knapray.models.families.wan import WanConfig
-
-        return WanConfig(in_channels=4, patch_size=(1, 2, 2), hidden_size=hidden, num_heads=heads,
-                         depth_single=depth_double + depth_single, text_dim=16,
-                         ffn_dim=max(2, round(hidden * WAN_FFN_RATIO)), freq_dim=256, text_pad_to=512)
-    if family != "mmdit":
-        raise ValueError(f"calibration times the mmdit or wan family's blocks, not {family!r} (flux's blocks are "
-                         "MMDiT's: calibrate it as mmdit)")
-    side = (head_dim * 3 // 8) // 2 * 2
-    return MMDiTConfig(
-        in_channels=4, patch_size=(1, 2, 2), hidden_size=hidden, num_heads=heads,
-        depth_double=depth_double, depth_single=depth_single, text_dim=16, pooled_dim=16,
-        rope_axes_dim=(head_dim - 2 * side, side, side),
-    )
+    fam = FAMILIES.get(family)
+    if fam is None or fam.sized_config is None:
+        own, others = _timed_families()
+        raise ValueError(f"calibration times the {own} family's blocks, not {family!r}{others}")
+    return fam.sized_config(hidden, heads, depth_double, depth_single)
 
 
 def execution_mode(device: torch.device, dtype: str, compile: bool, ac: bool, backend: str) -> dict:
@@ -143,16 +142,12 @@ class _Bench:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype_name!r}")
         self.dtype = getattr(torch, self.dtype_name)
         self.dims = {k: int(model_dims[k]) for k in ("hidden_size", "num_heads", "depth_double", "depth_single")}
-        self.family = str(model_dims.get("family", "mmdit"))
+        self.family = str(model_dims.get("family", DEFAULT_FAMILY))
         self.cfg = calibration_config(*self.dims.values(), family=self.family)
         self.layers = self.dims["depth_double"] + self.dims["depth_single"]
         torch.manual_seed(seed)
-        if self.family == "wan":
-            from knapray.models.families.wan import WanTransformer
-
-            self.model = WanTransformer(self.cfg).to(device=self.dev, dtype=self.dtype)  # random, diffusers-like
-        else:
-            self.model = MMDiT(self.cfg).to(device=self.dev, dtype=self.dtype)
+        self.model = build_model(self.cfg).to(device=self.dev, dtype=self.dtype)
+        if get_family(self.family).zero_init:
             self.model.init_weights(std=0.02)  # non-degenerate: no all-zero modulation shortcuts
         # The trainer's own checkpointing and compile (``parallelize``): the mode a profile
         # records is then the mode a run executes.
@@ -168,8 +163,8 @@ class _Bench:
         n_tok, d, dev, dtype = sum(lens), self.cfg.hidden_size, self.dev, self.dtype
         gen = torch.Generator().manual_seed(seed)
         h0 = torch.randn(n_tok, d, generator=gen).to(device=dev, dtype=dtype)
-        wan = self.family == "wan"  # Wan's condition is (S, 7 d): temb, then the blocks' modulation
-        vec = torch.randn(len(lens), 7 * d if wan else d, generator=gen).to(device=dev, dtype=dtype)
+        # the family's condition width (Wan's (S, 7 d): temb, then the blocks' modulation)
+        vec = torch.randn(len(lens), self.cfg.condition_dim, generator=gen).to(device=dev, dtype=dtype)
         seq_index = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(dev)
         is_text = torch.zeros(n_tok, dtype=torch.bool)
         pos = torch.zeros(n_tok, 3, dtype=torch.long)
@@ -186,10 +181,11 @@ class _Bench:
         # Under compile, parallelize keeps attention outside the compiled graphs, as in training.
         attn = LocalAttention(cu, max(lens))
         model = self.model
+        padded = bool(cross_text_pad(self.cfg))
 
         def run() -> None:
             h = h0.detach().requires_grad_(True)
-            if wan:  # the padding row ``embed`` would give the blocks (Wan attends to 512 text rows)
+            if padded:  # the padding row ``embed`` would give the blocks (Wan attends to 512 text rows)
                 model.embed(h0.new_zeros(0, self.cfg.text_dim), h0.new_zeros(0, self.cfg.patch_dim),
                             is_text[:0])
             out = model.blocks(h, vec, seq_index, pos, is_text, attn)
@@ -261,7 +257,7 @@ def calibrate(
     out: str | None = None,
     seed: int = 0,
     progress=None,
-    family: str = "mmdit",
+    family: str = DEFAULT_FAMILY,
 ) -> dict:
     """Time packed batches, fit, and (if ``out``) write the profile; returns it.
 
@@ -279,7 +275,8 @@ def calibrate(
     seconds = bench.time_batches(batches, repeats, progress)
     # The per-sequence sdpa path makes one attention call per distinct length; Wan's
     # cross-attention one per sequence (its keys are each sequence's own text).
-    seq_counts = "lengths" if bench.backend == "sdpa" and family != "wan" else "sequences"
+    cross = bench.cfg.attention_kind == "cross"
+    seq_counts = "lengths" if bench.backend == "sdpa" and not cross else "sequences"
     result = fit_packed(batches, seconds, bench.layers, per_sequence, seq_counts)
     # A batch far off the fit may have been disturbed on every one of its runs (a burst of
     # load elsewhere): time those again and keep each one's fastest run of all.
@@ -290,21 +287,20 @@ def calibrate(
         for i, t in zip(again, more):
             seconds[i] = min(seconds[i], t)
         result = fit_packed(batches, seconds, bench.layers, per_sequence, seq_counts)
-    wan = family == "wan"
     cost_fields = {
         "d_model": hidden,
         "num_heads": heads,
-        "double_blocks": 0 if wan else depth_double,
-        "single_blocks": depth_double + depth_single if wan else depth_single,
+        "double_blocks": bench.cfg.depth_double,  # Wan: all its blocks are single-stream
+        "single_blocks": bench.cfg.depth_single,
         **result.cost_fields(),
         "activation_bytes": torch.tensor([], dtype=bench.dtype).element_size(),
         # Ulysses all-to-alls per layer, in hidden-state volumes of a token: joint q, k, v and
         # output (4) forward, 4 backward, + 4 when the forward is recomputed; Wan's blocks
         # also send image q and bring its output back for cross-attention (6, 12, 18).
-        "ulysses_a2a_per_layer": (18 if ac else 12) if wan else (12 if ac else 8),
+        "ulysses_a2a_per_layer": (18 if ac else 12) if cross else (12 if ac else 8),
         "recompute_passes": 1.0 if ac else 0.0,
         # Wan: cross-attention is in the fitted terms (a sequence's L counts all its tokens)
-        **({"attention_kind": "cross", "text_tokens": 0} if wan else {}),
+        **({"attention_kind": "cross", "text_tokens": 0} if cross else {}),
     }
     profile = {
         "format": PROFILE_FORMAT,
@@ -424,9 +420,15 @@ def print_validation(report: dict, max_error: float = MAX_ERROR) -> None:
           f"{'PASS' if ok else 'FAIL'} (limit {max_error:.0%})")
 
 
-def _command(hidden, heads, dd, ds, budgets, short, longest, repeats, bench: _Bench, out, family="mmdit") -> str:
+def _flag(flag: str, value, default) -> list[str]:
+    """``[flag value]``, or nothing where ``value`` is the flag's default."""
+    return [] if value == default else [f"{flag} {value}"]
+
+
+def _command(hidden, heads, dd, ds, budgets, short, longest, repeats, bench: _Bench, out,
+             family=DEFAULT_FAMILY) -> str:
     parts = [
-        "knapray calibrate", *([f"--family {family}"] if family != "mmdit" else []), f"--hidden {hidden}", f"--heads {heads}", f"--depth-double {dd}",
+        "knapray calibrate", *_flag("--family", family, DEFAULT_FAMILY), f"--hidden {hidden}", f"--heads {heads}", f"--depth-double {dd}",
         f"--depth-single {ds}", "--budgets " + ",".join(str(x) for x in budgets), f"--short {short}",
         f"--longest {longest}",
         f"--repeats {repeats}", f"--device {bench.dev.type}",
@@ -530,10 +532,10 @@ def calibration_args(args: argparse.Namespace) -> dict:
             budgets = [int(x) for x in args.budgets.split(",")]
         except ValueError:
             raise ValueError(f"--budgets {args.budgets!r}: expected comma-separated token counts, e.g. 1024,2048")
-    family = args.family or ("wan" if cfg is not None and cfg.model.family == "wan" else "mmdit")
-    if family not in ("mmdit", "wan"):
-        raise ValueError(f"--family {family!r}: calibrate times the mmdit or wan family's blocks (flux's blocks are "
-                         "MMDiT's: calibrate it as mmdit)")
+    family = args.family or (get_family(cfg.model.family).calibrated_as if cfg is not None else DEFAULT_FAMILY)
+    if family not in FAMILIES or get_family(family).sized_config is None:
+        own, others = _timed_families()
+        raise ValueError(f"--family {family!r}: calibrate times the {own} family's blocks{others}")
     return {**dims, "family": family, "budgets": budgets, "short": args.short, "longest": args.longest, "repeats": args.repeats,
             "device": device, "dtype": None if dtype == "auto" else TORCH_DTYPE_NAMES[dtype],
             "compile": bool(args.compile or (cfg is not None and cfg.parallel.compile)), "ac": ac == "full",

@@ -317,7 +317,7 @@ class TextModelInfo:
     tokenizer: str
     cls: str
     """transformers class that loads it (T5EncoderModel, CLIPTextModel, ...)."""
-    family: str
+    kind: str
     """'t5' or 'clip'."""
     dim: int
     """Token embedding width."""
@@ -332,7 +332,7 @@ class TextModelInfo:
         pooled = {
             "t5": "mean of the kept token embeddings",
             "clip": "text_embeds (projection)" if self.cls == "CLIPTextModelWithProjection" else "pooler_output",
-        }[self.family]
+        }[self.kind]
         return {
             "path": self.path, "tokenizer": self.tokenizer, "class": self.cls,
             "config_sha256": self.config_sha256, "dim": self.dim, "pooled_dim": self.pooled_dim,
@@ -348,13 +348,13 @@ def text_model_info(path: str | Path, tokenizer: str | Path | None = None, flag:
     model_type = cfg.get("model_type")
     try:
         if model_type in T5_TYPES:
-            cls, family = T5_TYPES[model_type], "t5"
+            cls, kind = T5_TYPES[model_type], "t5"
             dim = pooled = cfg["d_model"]
             max_positions = None
         elif model_type == CLIP_TYPE:
             projected = "CLIPTextModelWithProjection" in (cfg.get("architectures") or [])
             cls = "CLIPTextModelWithProjection" if projected else "CLIPTextModel"
-            family, dim = "clip", cfg["hidden_size"]
+            kind, dim = "clip", cfg["hidden_size"]
             pooled = cfg["projection_dim"] if projected else dim
             max_positions = cfg["max_position_embeddings"]
         else:
@@ -375,7 +375,7 @@ def text_model_info(path: str | Path, tokenizer: str | Path | None = None, flag:
             f"directory with {tok_flag} (a Flux checkpoint keeps them in tokenizer/ and tokenizer_2/)"
         )
     return TextModelInfo(
-        path=str(d), tokenizer=str(tok.resolve()), cls=cls, family=family, dim=int(dim),
+        path=str(d), tokenizer=str(tok.resolve()), cls=cls, kind=kind, dim=int(dim),
         pooled_dim=int(pooled), max_positions=max_positions, config_sha256=config_sha256(cfg),
     )
 
@@ -411,7 +411,7 @@ class HFTextModel:
         hidden = out.last_hidden_state.float().cpu().numpy()  # (B, L, dim)
         counts = batch["attention_mask"].sum(dim=1).tolist()
         tokens = [np.ascontiguousarray(h[:n]) for h, n in zip(hidden, counts)]
-        if self.info.family != "clip":
+        if self.info.kind != "clip":
             return tokens, None
         pooled = out.text_embeds if self.info.cls == "CLIPTextModelWithProjection" else out.pooler_output
         return tokens, pooled.float().cpu().numpy()
@@ -482,7 +482,7 @@ class HFTextEncoder:
             return [(t, np.zeros(0, np.float32)) for t in texts]
         if self.pooled_model is not None:
             pooled = self.pooled_model.run(captions, None)[1]
-        elif self.text_info.family == "clip":
+        elif self.text_info.kind == "clip":
             pooled = self.text.run(captions, None)[1]
         else:
             pooled = np.stack([t.mean(axis=0) if len(t) else np.zeros(self.dim, np.float32) for t in texts])
@@ -495,7 +495,7 @@ def text_encoder_infos(
 ) -> tuple[TextModelInfo, TextModelInfo | None]:
     text_info = text_model_info(text, text_tokenizer, "--text-encoder")
     pooled_info = text_model_info(pooled, pooled_tokenizer, "--pooled-encoder") if pooled else None
-    if pooled_info is not None and pooled_info.family != "clip":
+    if pooled_info is not None and pooled_info.kind != "clip":
         raise ValueError(f"--pooled-encoder {pooled}: is {pooled_info.cls}; the pooled vector comes from CLIP")
     return text_info, pooled_info
 

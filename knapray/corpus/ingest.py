@@ -49,10 +49,10 @@ from knapray.corpus.stages import (
     EncoderInfo,
     EncoderSpec,
     EncodeStage,
+    FamilyEncoding,
     decode_batch,
     items_table,
     load_factory,
-    model_family,
     prebuilt,
 )
 from knapray.corpus.unconditional import KEY as UNCONDITIONAL_KEY
@@ -204,16 +204,15 @@ def _settle_device(cfg: IngestConfig, spec: EncoderSpec) -> tuple[EncoderSpec, b
     return spec.resolved("cuda" if use_gpu else "cpu"), use_gpu
 
 
-def _check_family_widths(family: str | None, info: EncoderInfo) -> None:
+def _check_family_widths(family: FamilyEncoding | None, info: EncoderInfo) -> None:
     """A family whose corpus has no pooled vector (Wan) takes none; the others need one."""
-    fam = model_family(family)
-    if fam is None:
+    if family is None:
         return
-    if not fam.encoders.pooled and info.pooled_dim != 0:
-        raise ValueError(f"family {fam.name} has no pooled vector, but the text encoder gives pooled_dim "
+    if not family.pooled and info.pooled_dim != 0:
+        raise ValueError(f"family {family.family} has no pooled vector, but the text encoder gives pooled_dim "
                          f"{info.pooled_dim}")
-    if fam.encoders.pooled and info.pooled_dim == 0:
-        raise ValueError(f"family {fam.name} needs a pooled vector, but the text encoder gives pooled_dim 0")
+    if family.pooled and info.pooled_dim == 0:
+        raise ValueError(f"family {family.family} needs a pooled vector, but the text encoder gives pooled_dim 0")
 
 
 def ingest(
@@ -245,11 +244,11 @@ def ingest(
         raise ValueError(f"no media under {root}; extensions read: {sorted(IMAGE_EXTS | VIDEO_EXTS)}")
     pil_image()
     spec.check()
-    fam = model_family(spec.family)
-    text_length = fam.encoders.text_length if fam is not None else 0
+    family = spec.family
+    text_length = family.text_length if family is not None else 0
     if text_length and cfg.max_text_tokens > text_length:
-        raise ValueError(f"family {fam.name}: max_text_tokens {cfg.max_text_tokens} is over {fam.title}'s text length "
-                         f"{text_length} ({fam.encoders.pipeline} truncates prompts there)")
+        raise ValueError(f"family {family.family}: max_text_tokens {cfg.max_text_tokens} is over {family.model}'s "
+                         f"text length {text_length} ({family.pipeline} truncates prompts there)")
 
     spec, use_gpu = _settle_device(cfg, spec)
     build: Callable[[], tuple[LatentEncoder, TextEncoder]] = spec.build
@@ -343,7 +342,7 @@ def ingest(
             "captions": {"column": cfg.caption_column, **dict(captions)},
             UNCONDITIONAL_KEY: unconditional,
             "video_decoder": decoder,
-            **({"family": spec.family} if spec.family else {}),
+            **({"family": family.family} if family is not None else {}),
             **({"text_pad_to": text_length} if text_length else {}),
             "config": {f: getattr(cfg, f) for f in cfg.__dataclass_fields__},
         },
@@ -442,18 +441,29 @@ def cli(args: argparse.Namespace) -> int:
         raise ValueError(str(e)) from None
 
 
-def _max_text_tokens(args: argparse.Namespace) -> int:
+def _family(name: str | None) -> FamilyEncoding | None:
+    """``--family``'s encoding (``knapray.models.families.Family.encoders``)."""
+    if name is None:
+        return None
+    from knapray.models.families import FAMILIES, FAMILY_NAMES  # the command line knows the families
+
+    if name not in FAMILIES:
+        raise ValueError(f"family {name!r} is not one of {FAMILY_NAMES}")
+    return FAMILIES[name].encoders
+
+
+def _max_text_tokens(args: argparse.Namespace, family: FamilyEncoding | None) -> int:
     if args.max_text_tokens is not None:
         return int(args.max_text_tokens)
-    fam = model_family(args.family)
-    return (fam.encoders.text_length if fam is not None else 0) or MAX_TEXT_TOKENS
+    return (family.text_length if family is not None else 0) or MAX_TEXT_TOKENS
 
 
 def run(args: argparse.Namespace) -> int:
     """Ingest as the parsed arguments say; bad input raises (ValueError, FileExistsError, ...)."""
+    family = _family(args.family)
     cfg = IngestConfig(
         max_side=args.max_side, max_frames=args.max_frames, frame_stride=args.frame_stride,
-        max_text_tokens=_max_text_tokens(args), shards=args.shards, caption_column=args.caption_column,
+        max_text_tokens=_max_text_tokens(args, family), shards=args.shards, caption_column=args.caption_column,
         batch_size=args.batch_size, workers=args.workers, cpus_per_worker=args.cpus_per_worker,
         text_dtype=args.text_dtype, follow_symlinks=args.follow_symlinks,
     )
@@ -463,7 +473,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device, dtype=args.dtype, vae_batch=args.vae_batch, text_batch=args.text_batch,
         encoder_factory=args.encoder_factory, text_encoder_factory=args.text_encoder_factory,
         channels=args.channels, downsample=args.downsample, seed=args.seed,
-        text_dim=args.text_dim, pooled_dim=args.pooled_dim, family=args.family,
+        text_dim=args.text_dim, pooled_dim=args.pooled_dim, family=family,
     )
     report = ingest(Path(args.input), Path(args.out), cfg, encoders=spec, progress=not args.quiet)
     print(

@@ -38,7 +38,7 @@ from knapray.corpus.media import (
     read_video,
     sample_id_for,
 )
-from knapray.corpus.schema import CORPUS_SCHEMA, FAMILIES, visual_token_count
+from knapray.corpus.schema import CORPUS_SCHEMA, visual_token_count
 from knapray.corpus.writer import build_table
 
 ITEM_SCHEMA = pa.schema([("path", pa.string()), ("source", pa.string()), ("caption", pa.string())])
@@ -69,6 +69,29 @@ def load_factory(spec: str) -> Callable[[], Any]:
     if not callable(obj):
         raise ValueError(f"{spec!r}: {module} has no callable {name!r}")
     return obj
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FamilyEncoding:
+    """What a corpus made for a model family holds: how the family's pipeline encodes a
+    caption. Each family declares its own (``knapray.models.families.Family.encoders``); the
+    caller that knows the families hands it to ``EncoderSpec`` (the corpus knows none)."""
+
+    family: str
+    """The family's name (schema.json ``family``: pre-flight refuses a model of another)."""
+    model: str
+    """Its model, as errors name it (``Wan's text length``)."""
+    pooled: bool = True
+    """A pooled text vector per sample (CLIP's) besides the token embeddings; False: none
+    (pooled_dim 0, each row's ``pooled`` empty)."""
+    text_length: int = 0
+    """The pipeline's text length: it truncates a prompt's tokens there and pads their
+    embeddings with zero rows to it (the corpus keeps the tokens; schema.json
+    ``text_pad_to`` says the length); 0: none fixed."""
+    pipeline: str = ""
+    """The diffusers pipeline whose text handling the corpus reproduces (named in errors)."""
+    clean_prompts: bool = False
+    """Captions cleaned as the pipeline cleans prompts (:func:`knapray.corpus.hf.wan_prompt_clean`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -110,9 +133,10 @@ class EncoderSpec:
     """Stand-in HashTextEncoder: token width."""
     pooled_dim: int = 32
     """Stand-in HashTextEncoder: pooled width."""
-    family: str | None = None
-    """The model family the corpus is made for (recorded in schema.json), or None (any).
-    wan: no pooled vector (pooled_dim 0), captions cleaned as WanPipeline cleans prompts."""
+    family: FamilyEncoding | None = None
+    """The model family the corpus is made for (its name recorded in schema.json), or None
+    (any): how its pipeline encodes captions (wan: no pooled vector, pooled_dim 0, captions
+    cleaned as WanPipeline cleans prompts)."""
 
     def __post_init__(self) -> None:
         pairs = (("vae", "encoder_factory"), ("text_encoder", "text_encoder_factory"))
@@ -130,15 +154,18 @@ class EncoderSpec:
         for name in ("vae_batch", "text_batch", "channels", "downsample", "text_dim", "pooled_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.family is not None and self.family not in FAMILIES:
-            raise ValueError(f"family {self.family!r} is not one of {FAMILIES}")
-        if self.family == "wan" and self.pooled_encoder:
-            raise ValueError("pooled_encoder is given for family wan, which has no pooled vector")
+        if self.pooled_encoder and not self.pooled_vector:
+            raise ValueError(f"pooled_encoder is given for family {self.family.family}, which has no pooled vector")
 
     @property
     def pooled_vector(self) -> bool:
-        """Whether the corpus has a pooled vector (every family but Wan)."""
-        return self.family != "wan"
+        """Whether the corpus has a pooled vector (every family's but Wan's)."""
+        return self.family is None or self.family.pooled
+
+    @property
+    def clean_prompts(self) -> bool:
+        """Whether captions are cleaned as the family's pipeline cleans prompts (Wan's)."""
+        return self.family is not None and self.family.clean_prompts
 
     def _standin_text(self) -> HashTextEncoder:
         return HashTextEncoder(dim=self.text_dim, pooled_dim=self.pooled_dim if self.pooled_vector else 0)
@@ -177,7 +204,7 @@ class EncoderSpec:
             text: Any = hf.HFTextEncoder(
                 self.text_encoder, text_tokenizer=self.text_tokenizer, pooled=self.pooled_encoder,
                 pooled_tokenizer=self.pooled_tokenizer, device=device, dtype=dtype,
-                batch_size=self.text_batch, pooled_vector=self.pooled_vector, wan_prompts=self.family == "wan",
+                batch_size=self.text_batch, pooled_vector=self.pooled_vector, wan_prompts=self.clean_prompts,
             )
         elif self.text_encoder_factory:
             text = load_factory(self.text_encoder_factory)()
@@ -201,7 +228,7 @@ class EncoderSpec:
             t, p = hf.text_encoder_infos(self.text_encoder, self.text_tokenizer, self.pooled_encoder,
                                          self.pooled_tokenizer)
             text_record = hf.text_encoder_record(t, p, self.dtype, pooled_vector=self.pooled_vector,
-                                                 wan_prompts=self.family == "wan")
+                                                 wan_prompts=self.clean_prompts)
             dim, pooled_dim = text_record["dim"], text_record["pooled_dim"]
         else:
             made = (load_factory(self.text_encoder_factory)() if self.text_encoder_factory else

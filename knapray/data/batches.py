@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from knapray.models.config import MMDiTConfig
+from knapray.models.config import DiTConfig
 from knapray.models.flow import add_noise
 from knapray.models.timesteps import TimestepDistribution
 from knapray.models.packing import PackedBatch, pack_samples
@@ -49,7 +49,7 @@ def _as_tensor(array: np.ndarray) -> torch.Tensor:
 
 def build_packed_batch(
     samples: Sequence[Mapping[str, Any]],
-    cfg: MMDiTConfig,
+    cfg: DiTConfig,
     *,
     seed: int,
     epoch: int = 0,

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from knapray.corpus import read_schema_json
-from knapray.models.config import MMDiTConfig
+from knapray.models.config import DiTConfig
 
 
 # --- corpus description ------------------------------------------------------------------
@@ -75,12 +75,12 @@ class FamilyMismatch(ValueError):
     """A corpus made for one model family and a model of another."""
 
 
-def check_model_config(info: CorpusInfo, cfg: MMDiTConfig) -> None:
+def check_model_config(info: CorpusInfo, cfg: DiTConfig) -> None:
     """Raise ValueError if the model cannot train on this corpus, naming both values of
     every mismatch (:class:`FamilyMismatch` first, alone, when the corpus was made for
     another family). The patch must be equal, not merely compatible: the corpus's seq_len
     column (what the balancer plans with) counts patches of the corpus's size."""
-    if info.family is not None and info.family != cfg.family:
+    if info.family not in (None, cfg.family):
         raise FamilyMismatch(
             f"corpus {info.path} was made for model family {info.family} (schema.json family), the model is "
             f"model.family {cfg.family}: set model.family: {info.family}, or ingest the corpus with --family "

@@ -1,20 +1,16 @@
-"""Typed, validated configuration of the packed MMDiT / DiT."""
+"""Typed, validated configuration of the packed DiTs: ``DiTConfig``, the fields every
+family's model section has, and ``MMDiTConfig``, knapray's own MMDiT (the ``mmdit`` family;
+Flux.1's config is one). The other families' configs live with them (knapray/models/families),
+which map family names to config classes; this module knows no family but its own."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import re
-from typing import Any
+from typing import Any, ClassVar
 
 from knapray.limits import MAX_MODEL_DEPTH, MAX_MODEL_WIDTH
-
-
-def _known_family(name: object) -> None:
-    from knapray.models.families import FAMILY_NAMES  # the registry imports this module
-
-    if name not in FAMILY_NAMES:
-        raise ValueError(f"expected one of {', '.join(map(repr, FAMILY_NAMES))}, got {name!r}")
 
 
 LORA_INITS = ("gaussian", "kaiming")
@@ -68,13 +64,20 @@ class LoraConfig:
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
-class MMDiTConfig:
-    """Architecture of a Flux-style MMDiT. ``depth_double=0`` gives a plain single-stream DiT.
+class DiTConfig:
+    """Architecture of a packed-sequence DiT: the fields every family's model section has
+    (a family's config class adds its own and fixes some of these). Not built itself: each
+    family's config class sets ``family`` (``knapray.models.families.config_class``).
 
     Field ``metadata`` holds the bounds a run config checks at load with the field's dotted
     key (knapray/train/config.py); ``__post_init__`` checks them again, and the rules that
     relate fields, for a config built in code.
     """
+
+    attention_kind: ClassVar[str] = "joint"
+    """How the blocks attend to the text: ``joint`` (text and image tokens of a sequence in
+    one attention) or ``cross`` (image tokens cross-attend to the text: Wan). What the
+    balance planner's cost model and the memory model price."""
 
     in_channels: int = dataclasses.field(default=4, metadata={"ge": 1, "le": MAX_MODEL_WIDTH})
     """Channels of the latent (C in (C, T, H, W))."""
@@ -85,7 +88,8 @@ class MMDiTConfig:
     num_heads: int = dataclasses.field(default=4, metadata={"ge": 1, "le": MAX_MODEL_DEPTH})
     """Attention heads; head_dim = hidden_size / num_heads."""
     depth_double: int = dataclasses.field(default=2, metadata={"ge": 0, "le": MAX_MODEL_DEPTH})
-    """Double-stream blocks (separate text / image weights, joint attention)."""
+    """Double-stream blocks (separate text / image weights, joint attention); 0 in a family
+    without them (Wan)."""
     depth_single: int = dataclasses.field(default=2, metadata={"ge": 0, "le": MAX_MODEL_DEPTH})
     """Single-stream blocks (shared weights over all tokens)."""
     mlp_ratio: float = dataclasses.field(default=4.0, metadata={"gt": 0, "le": 64})
@@ -100,10 +104,11 @@ class MMDiTConfig:
     """RoPE base period."""
     qk_norm: bool = True
     """RMS-normalize q and k per head before RoPE (stabilizes attention logits)."""
-    family: str = dataclasses.field(default="mmdit", metadata={"check": _known_family})
-    """Model family (knapray/models/families): ``mmdit`` (knapray's own MMDiT) or ``flux``
+    family: str
+    """Model family (knapray/models/families): ``mmdit`` (knapray's own MMDiT), ``flux``
     (Flux.1, exact against diffusers' FluxTransformer2DModel; its config adds
-    ``guidance_embeds``)."""
+    ``guidance_embeds``) or ``wan`` (Wan 2.1 T2V). Each family's config class has its own as
+    the default, and only that one."""
     pretrained: str = ""
     """A checkpoint directory to start from ("": random init): a diffusers-layout
     transformer (config.json + safetensors, sharded or not) or a BFL single file. Its
@@ -114,10 +119,13 @@ class MMDiTConfig:
     def __post_init__(self) -> None:
         if isinstance(self.lora, dict):
             self.lora = LoraConfig(**self.lora)
-        _known_family(self.family)
-        if type(self) is MMDiTConfig and self.family != "mmdit":
-            raise ValueError(f"family {self.family!r} has its own config class: build it with "
-                             "knapray.models.families.config_class(family)")
+        own = type(self).__dataclass_fields__["family"].default
+        if own is dataclasses.MISSING:
+            raise TypeError(f"{type(self).__name__} is the base of the families' configs: build a family's with "
+                            "knapray.models.families.config_class(family)")
+        if own != self.family:
+            raise ValueError(f"family {self.family!r} is not {type(self).__name__}'s ({own!r}): build a family's "
+                             "config with knapray.models.families.config_class(family)")
         self.patch_size = tuple(self.patch_size)
         self.rope_axes_dim = tuple(self.rope_axes_dim)
         for name in ("in_channels", "hidden_size", "num_heads"):
@@ -165,14 +173,27 @@ class MMDiTConfig:
     def mlp_hidden(self) -> int:
         return int(self.hidden_size * self.mlp_ratio)
 
+    @property
+    def condition_dim(self) -> int:
+        """Width of the per-sequence vector ``condition`` returns (the blocks' ``vec_seq``)."""
+        return self.hidden_size
+
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> MMDiTConfig:
+    def from_dict(cls, values: dict[str, Any]) -> DiTConfig:
         """Build from a plain mapping (e.g. YAML); unknown keys raise, naming the valid ones."""
         valid = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(values) - set(valid))
         if unknown:
-            raise ValueError(f"unknown MMDiTConfig keys {unknown}; valid: {valid}")
+            raise ValueError(f"unknown {cls.__name__} keys {unknown}; valid: {valid}")
         return cls(**values)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class MMDiTConfig(DiTConfig):
+    """Architecture of knapray's Flux-style MMDiT (the ``mmdit`` family): double-stream
+    blocks, then single-stream blocks. ``depth_double=0`` gives a plain single-stream DiT."""
+
+    family: str = "mmdit"
 
 
 def dit_config(**overrides: Any) -> MMDiTConfig:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from knapray.models.config import MMDiTConfig
+from knapray.models.config import DiTConfig
 
 TRAIN_PASSES = 3.0
 
@@ -35,7 +35,7 @@ def model_tflops_bar(plain_bar: float, recomputed_fraction: float) -> float:
     return plain_bar * TRAIN_PASSES / hardware_passes(recomputed_fraction)
 
 
-def formula(cfg: MMDiTConfig) -> str:
+def formula(cfg: DiTConfig) -> str:
     r = cfg.mlp_ratio
     return (
         f"model FLOPs = 3 (fwd+bwd) x {cfg.depth_double + cfg.depth_single} blocks x "
@@ -43,7 +43,7 @@ def formula(cfg: MMDiTConfig) -> str:
     )
 
 
-def model_flops(seq_lens: Iterable[int], cfg: MMDiTConfig, passes: float = TRAIN_PASSES) -> float:
+def model_flops(seq_lens: Iterable[int], cfg: DiTConfig, passes: float = TRAIN_PASSES) -> float:
     """FLOPs of ``passes`` passes of every block over whole sequences of ``seq_lens``."""
     d = float(cfg.hidden_size)
     linear, attn = 0.0, 0.0
@@ -55,7 +55,7 @@ def model_flops(seq_lens: Iterable[int], cfg: MMDiTConfig, passes: float = TRAIN
     return passes * (cfg.depth_double + cfg.depth_single) * per_pass
 
 
-def attention_share(seq_lens: Iterable[int], cfg: MMDiTConfig) -> float:
+def attention_share(seq_lens: Iterable[int], cfg: DiTConfig) -> float:
     """The attention core's share (``4*L^2*d``) of the blocks' model FLOPs on ``seq_lens``:
     what ``selective`` checkpointing does not recompute."""
     total = model_flops(seq_lens, cfg, passes=1)

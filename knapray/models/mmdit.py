@@ -25,6 +25,7 @@ import torch.nn as nn
 from knapray.attention import AttentionFn, LocalAttention
 from knapray.models.blocks import DoubleStreamBlock, FinalLayer, SingleStreamBlock, TokenStreams
 from knapray.models.config import MMDiTConfig
+from knapray.models.interface import FsdpUnits
 from knapray.models.layers import MLP, TIME_EMBED_DIM, Modulation, RMSNorm, rope_frequencies, timestep_embedding
 from knapray.models.packing import PackedBatch
 
@@ -113,6 +114,13 @@ class MMDiT(nn.Module):
         """The MLPs of the per-sequence conditioning (timestep, pooled text), which the
         init draws from N(0, 0.02) after the xavier pass (``init_weights``, ``initial_values``)."""
         return [m for m in (self.time_in, self.vector_in) if m is not None]
+
+    def fsdp_units(self) -> FsdpUnits:
+        """The conditioning MLPs, then the image and text embedders; the double-stream, then
+        the single-stream blocks; the final layer."""
+        embedders = [*self.conditioning_mlps(), self.img_in, self.txt_in]
+        return FsdpUnits(embedders=tuple(m for m in embedders if m is not None),
+                         blocks=(*self.double_blocks, *self.single_blocks), final=self.final)
 
     def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE (cos, sin), each (N, head_dim/2), of integer positions pos (N, 3)."""

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from knapray.models.config import MMDiTConfig
+from knapray.models.config import DiTConfig
 from knapray.transfer import host_to_device
 
 
@@ -159,7 +159,7 @@ class PackedBatch:
         return np.bincount(self.seq_index[self.is_text].numpy(), minlength=self.num_sequences).astype(np.int64)
 
 
-def pack_samples(samples: Sequence[dict[str, Any]], cfg: MMDiTConfig) -> PackedBatch:
+def pack_samples(samples: Sequence[dict[str, Any]], cfg: DiTConfig) -> PackedBatch:
     """Pack samples ``{latent (C,T,H,W), text (Lt, text_dim), pooled (pooled_dim,), timestep}``.
 
     ``text`` may have Lt = 0 (or be absent when cfg.text_dim == 0); ``pooled`` may be absent

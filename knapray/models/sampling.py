@@ -8,8 +8,8 @@ all of them:
     x_1 = noise;  x_{t - dt} = x_t - dt * v(x_t, t)      (x_t = (1-t)·x_0 + t·noise)
 
 with classifier-free guidance against unconditional embeddings, or a FLUX.1-dev model's
-embedded guidance input; each request's timesteps shifted by its own shift (FLUX.1-dev:
-from its image tokens; Wan: 5.0)."""
+embedded guidance input; each request's timesteps shifted by its own shift (the family's
+``sample_shift``: FLUX.1-dev from its image tokens; Wan 5.0)."""
 
 from __future__ import annotations
 
@@ -35,21 +35,19 @@ def embeds_guidance(model) -> bool:
     return bool(getattr(model.cfg, "guidance_embeds", False))
 
 
-WAN_SHIFT = 5.0
-"""Wan's sampling shift (its pipelines' ``flow_shift``: 5.0 at 720p, 3.0 at 480p)."""
-
-
 def request_shifts(model, shapes: list[tuple[int, int, int]], shift: float | None) -> list[float]:
-    """Each request's timestep shift: ``shift`` for all when given; else for FLUX.1-dev (a
-    flux model with the guidance input) the per-request resolution shift from its image
-    tokens, as BFL's and diffusers' dev pipelines; Wan: ``WAN_SHIFT``; 1 for the others
-    (schnell samples unshifted, as BFL's ``get_schedule(..., shift=not is_schnell)``)."""
+    """Each request's timestep shift: ``shift`` for all when given; else the family's
+    (``Family.sample_shift``: 1 for the MMDiT and FLUX.1-schnell, which samples unshifted as
+    BFL's ``get_schedule(..., shift=not is_schnell)``; Wan 5, its pipelines' ``flow_shift``),
+    or, where that is None (FLUX.1-dev), the per-request resolution shift from its image
+    tokens, as BFL's and diffusers' dev pipelines."""
+    from knapray.models.families import get_family
+
     if shift is not None:
         return [shift] * len(shapes)
-    if model.cfg.family == "wan":
-        return [WAN_SHIFT] * len(shapes)
-    if model.cfg.family != "flux" or not embeds_guidance(model):
-        return [1.0] * len(shapes)
+    own = get_family(model.cfg.family).sample_shift(model.cfg)
+    if own is not None:
+        return [own] * len(shapes)
     from knapray.models.timesteps import ResolutionShift
 
     pt, ph, pw = model.cfg.patch_size

@@ -84,7 +84,7 @@ double block, 64d B = 192 KiB per single block (3.47 / 3.00 GiB at 16k tokens).
 parameters, so bf16 norms) computes them. Under ``torch.autocast`` (``sharding="none"``)
 CUDA runs LayerNorm in fp32, and the fp32 RMSNorm gain makes q and k fp32 (which also
 sends them to the per-sequence SDPA path): by reading the code about 10% more activation
-bytes than counted here; not modelled, not measured (``python -m knapray.commands.memory_check`` on
+bytes than counted here; not modelled, not measured (``python -m knapray.testing.memory_check`` on
 a GPU measures it).
 
 Outside the blocks, per token: the embedders' inputs (``patch_dim*b`` per image token,
@@ -139,7 +139,7 @@ change shape every step, so freed blocks rarely fit the next request exactly."""
 
 @dataclass(frozen=True, kw_only=True)
 class ModelShape:
-    """What the memory model needs of an ``MMDiTConfig`` (plain numbers)."""
+    """What the memory model needs of a model config (``DiTConfig``; plain numbers)."""
 
     hidden_size: int
     num_heads: int
@@ -181,7 +181,9 @@ class ModelShape:
 
     @classmethod
     def of(cls, cfg: Any) -> ModelShape:
-        """From an ``MMDiTConfig`` (or anything with its field names), read by attribute."""
+        """From a model config (``knapray.models.config.DiTConfig``, or anything with its
+        field names), read by attribute; ``attention_kind`` is its family's (``joint``
+        when absent)."""
         if isinstance(cfg, ModelShape):
             return cfg
         d = cfg.hidden_size
@@ -199,7 +201,7 @@ class ModelShape:
             pooled_dim=getattr(cfg, "pooled_dim", 0),
             qk_norm=bool(getattr(cfg, "qk_norm", True)),
             guidance_embeds=bool(getattr(cfg, "guidance_embeds", False)),
-            cross_attention=getattr(cfg, "family", "mmdit") == "wan",
+            cross_attention=getattr(cfg, "attention_kind", "joint") == "cross",
             time_dim=int(getattr(cfg, "freq_dim", TIME_EMBED_DIM)),
             cross_norm=bool(getattr(cfg, "cross_attn_norm", True)),
         )

@@ -29,12 +29,14 @@ import dataclasses
 import torch
 import torch.nn as nn
 
-from knapray.models.families import build_model
+from knapray.models.families import FAMILIES as REGISTRY
+from knapray.models.families import build_model, get_family
 from knapray.models.packing import PackedBatch, pack_samples
 
 RATIO_BAR = 1.5
 """The most any parameter's relative gradient error may exceed the worst matmul weight's."""
-FAMILIES = ("flux", "wan")
+FAMILIES = tuple(f.name for f in REGISTRY.values() if f.small_config is not None)
+"""The families checked: those with a ``small_config`` (the MMDiT's blocks are Flux's)."""
 MODES = ("autocast", "bf16_params")
 
 
@@ -77,19 +79,10 @@ class GradientReport:
 
 
 def small_config(family: str, width: int = 64):
-    """A family's architecture at ``width`` (heads of 32 channels)."""
-    heads = width // 32
-    if family == "flux":
-        from knapray.models.families.flux import FluxConfig
-
-        return FluxConfig(hidden_size=width, num_heads=heads, depth_double=1, depth_single=1, in_channels=4,
-                          text_dim=32, pooled_dim=32, rope_axes_dim=(8, 12, 12), guidance_embeds=True)
-    if family == "wan":
-        from knapray.models.families.wan import WanConfig
-
-        return WanConfig(in_channels=4, patch_size=(1, 2, 2), hidden_size=width, num_heads=heads, depth_single=2,
-                         text_dim=32, ffn_dim=2 * width, freq_dim=32, text_pad_to=0)
-    raise ValueError(f"family must be one of {list(FAMILIES)}, got {family!r}")
+    """A family's architecture at ``width`` (heads of 32 channels): its ``small_config``."""
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {list(FAMILIES)}, got {family!r}")
+    return get_family(family).small_config(width)
 
 
 def long_batch(cfg, sequences: int = 3, side: int = 96, text: int = 64, seed: int = 0) -> PackedBatch:
@@ -127,7 +120,7 @@ def _per_token_linears(model: nn.Module) -> tuple[str, ...]:
     modulation's, which runs once per sequence): the yardstick."""
     from knapray.models.layers import Modulation
 
-    blocks = [*model.double_blocks, *model.single_blocks]
+    blocks = model.fsdp_units().blocks
     per_sequence = {id(m.lin) for b in blocks for m in b.modules() if isinstance(m, Modulation)}
     ids = {id(p) for b in blocks for m in b.modules()
            if isinstance(m, nn.Linear) and id(m) not in per_sequence for p in m.parameters()}
@@ -147,7 +140,7 @@ def gradient_errors(family: str, mode: str, *, device: str = "cpu", compile: boo
     cfg = small_config(family, width)
     torch.manual_seed(seed)
     model = build_model(cfg)
-    if family != "wan":
+    if get_family(family).zero_init:
         model.init_weights(std=0.05)  # every parameter gets a gradient (adaLN-Zero would zero most)
     if mode == "bf16_params":
         model = model.to(torch.bfloat16)

@@ -51,23 +51,29 @@ TEXT_LENS = (5, 1, 12, 0, 8, 3)
 """Text tokens of the sequences, cycled (one without text)."""
 
 
-WAN_GRIDS = ((1, 2, 2), (2, 3, 2), (3, 2, 3), (2, 1, 4), (1, 4, 3), (2, 2, 2))
-"""Wan: patch grids (frames, rows, columns) of the sequences, cycled (latent = grid x patch)."""
-WAN_TEXT_LENS = (5, 1, 12, 3, 8, 2)
-"""Wan: text tokens of the sequences, cycled (at least one: the reference compares the bare
-model call, whose cross-attention over no keys is undefined; with the model's
-``text_pad_to`` both sides would pad, as Wan's pipeline pads to 512)."""
+VIDEO_GRIDS = ((1, 2, 2), (2, 3, 2), (3, 2, 3), (2, 1, 4), (1, 4, 3), (2, 2, 2))
+"""A family whose latents have frames (``Family.video``: Wan): patch grids (frames, rows,
+columns) of the sequences, cycled (latent = grid x patch)."""
+CROSS_TEXT_LENS = (5, 1, 12, 3, 8, 2)
+"""A family that cross-attends to its text (Wan): text tokens of the sequences, cycled (at
+least one: the reference compares the bare model call, whose cross-attention over no keys
+is undefined; with the model's ``text_pad_to`` both sides would pad, as Wan's pipeline pads
+to 512)."""
 
 
 def make_inputs(cfg: Any, sequences: int, seed: int) -> list[Inputs]:
-    """``sequences`` random sequences for a model config (knapray field names)."""
-    if cfg.family == "wan":
-        return _wan_inputs(cfg, sequences, seed)
+    """``sequences`` random sequences for a model config (knapray field names), shaped as
+    its family's reference takes them: clips or images, a pooled vector or none."""
+    from knapray.models.families import get_family
+
+    text_lens = CROSS_TEXT_LENS if cfg.attention_kind == "cross" else TEXT_LENS
+    if get_family(cfg.family).video:
+        return _clip_inputs(cfg, sequences, seed, text_lens)
     gen = torch.Generator().manual_seed(seed)
     out = []
     for i in range(sequences):
         h, w = SIZES[i % len(SIZES)]
-        n_txt = TEXT_LENS[i % len(TEXT_LENS)]
+        n_txt = text_lens[i % len(text_lens)]
         guidance = 1.0 + 4.0 * float(torch.rand((), generator=gen)) if getattr(cfg, "guidance_embeds", False) else None
         out.append(Inputs(
             latent=torch.randn(cfg.in_channels, 1, h, w, generator=gen),
@@ -80,15 +86,16 @@ def make_inputs(cfg: Any, sequences: int, seed: int) -> list[Inputs]:
     return out
 
 
-def _wan_inputs(cfg: Any, sequences: int, seed: int) -> list[Inputs]:
+def _clip_inputs(cfg: Any, sequences: int, seed: int, text_lens: tuple[int, ...]) -> list[Inputs]:
+    """Clips of ``VIDEO_GRIDS``, no pooled vector or guidance (Wan's)."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for i in range(sequences):
-        grid = WAN_GRIDS[i % len(WAN_GRIDS)]
+        grid = VIDEO_GRIDS[i % len(VIDEO_GRIDS)]
         shape = tuple(g * p for g, p in zip(grid, cfg.patch_size))
         out.append(Inputs(
             latent=torch.randn(cfg.in_channels, *shape, generator=gen),
-            text=torch.randn(WAN_TEXT_LENS[i % len(WAN_TEXT_LENS)], cfg.text_dim, generator=gen),
+            text=torch.randn(text_lens[i % len(text_lens)], cfg.text_dim, generator=gen),
             pooled=torch.zeros(0), timestep=float(torch.rand((), generator=gen)), guidance=None,
             target=torch.randn(grid[0] * grid[1] * grid[2], cfg.patch_dim, generator=gen),
         ))
@@ -109,54 +116,34 @@ def _pack(cfg: Any, inputs: list[Inputs]):
 # ---- the reference side (diffusers) ---------------------------------------------------------
 
 
-def _diffusers_call(ref, s: Inputs) -> torch.Tensor:
-    """One sequence through diffusers' Flux as its pipeline packs it -> (H/2 · W/2, 4·C)."""
-    c, _, h, w = s.latent.shape
-    # (C, 1, H, W) -> (1, C, H/2, 2, W/2, 2) -> (1, H/2, W/2, C, 2, 2) -> (1, H/2 · W/2, 4C): FluxPipeline._pack_latents
-    x = s.latent[:, 0].reshape(1, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(1, (h // 2) * (w // 2), 4 * c)
-    ids = torch.zeros(h // 2, w // 2, 3)  # FluxPipeline._prepare_latent_image_ids: (0, row, column)
-    ids[..., 1] = torch.arange(h // 2)[:, None]
-    ids[..., 2] = torch.arange(w // 2)[None, :]
-    kwargs = {"guidance": torch.tensor([s.guidance])} if s.guidance is not None else {}
-    out = ref(hidden_states=x, encoder_hidden_states=s.text[None], pooled_projections=s.pooled[None],
-              timestep=torch.tensor([s.timestep]), img_ids=ids.reshape(-1, 3), txt_ids=torch.zeros(s.text.shape[0], 3),
-              return_dict=False, **kwargs)[0]
-    return out[0]
+def diffusers_call(ref, cfg: Any, s: Inputs) -> torch.Tensor:
+    """One sequence through diffusers' model ``ref`` of ``cfg``'s family, as the family's
+    pipeline calls it (``Family.diffusers_call``) -> its output as knapray's image tokens."""
+    from knapray.models.families import get_family
 
-
-def _diffusers_wan_call(ref, s: Inputs, patch_size: tuple[int, int, int], pad_to: int) -> torch.Tensor:
-    """One sequence through diffusers' Wan (latent (1, C, T, H, W), timestep t·1000 as the
-    pipeline's scheduler gives it, text padded with zero rows to ``pad_to`` as the
-    pipeline pads it) -> its output patchified as knapray's tokens."""
-    from knapray.models.packing import patchify
-
-    text = s.text
-    if pad_to > text.shape[0]:
-        text = torch.cat([text, text.new_zeros(pad_to - text.shape[0], text.shape[1])])
-    if text.shape[0] == 0:
-        raise ValueError("a Wan sequence without text tokens needs text_pad_to > 0 (diffusers attends to no keys)")
-    out = ref(hidden_states=s.latent[None], timestep=torch.tensor([s.timestep]).float() * 1000.0,
-              encoder_hidden_states=text[None], return_dict=False)[0]
-    return patchify(out[0], patch_size)[0]
+    return get_family(cfg.family).diffusers_call(ref, cfg, s)
 
 
 def diffusers_reference(path: str, inputs: list[Inputs], cfg: Any = None) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     """(outputs per sequence, gradient per checkpoint tensor) of diffusers' model at
-    ``path`` (fp32), every sequence its own call, the loss summed over them."""
-    if cfg is not None and cfg.family == "wan":
-        from diffusers import WanTransformer3DModel
+    ``path`` (fp32), every sequence its own call, the loss summed over them. ``cfg``: the
+    model config the inputs were made for (None: the checkpoint's, ``reference_config``)."""
+    import diffusers
 
-        ref = WanTransformer3DModel.from_pretrained(path, torch_dtype=torch.float32)
-        call = lambda s: _diffusers_wan_call(ref, s, cfg.patch_size, cfg.text_pad_to)  # noqa: E731
-    else:
-        from diffusers import FluxTransformer2DModel
+    from knapray.models.families import get_family
 
-        ref = FluxTransformer2DModel.from_pretrained(path, torch_dtype=torch.float32)
-        call = lambda s: _diffusers_call(ref, s)  # noqa: E731
+    if cfg is None:
+        from knapray.weights.checks import checkpoint_family
+        from knapray.weights.source import open_pretrained
+
+        source = open_pretrained(path)
+        cfg = reference_config(source, checkpoint_family(source, None))
+    fam = get_family(cfg.family)
+    ref = getattr(diffusers, fam.diffusers_class).from_pretrained(path, torch_dtype=torch.float32)
     total = sum(s.target.numel() for s in inputs)
     outs = []
     for s in inputs:
-        out = call(s)
+        out = fam.diffusers_call(ref, cfg, s)
         ((out - s.target).pow(2).sum() / total).backward()
         outs.append(out.detach())
     return outs, {k: p.grad.detach().clone() for k, p in ref.named_parameters() if p.grad is not None}
@@ -166,13 +153,14 @@ def diffusers_reference(path: str, inputs: list[Inputs], cfg: Any = None) -> tup
 
 
 def reference_config(source: Any, family: str) -> Any:
-    """The model config the reference compares: the checkpoint's. For Wan, without the text
-    padding Wan's pipeline adds (``text_pad_to`` 0): the reference is the model's own call,
-    which takes the text as given; the padding is tests/dist/test_wan.py's float64 check."""
-    from knapray.models.families import config_class
+    """The model config the reference compares: the checkpoint's, with the family's
+    ``reference_overrides`` (Wan: without the text padding its pipeline adds, ``text_pad_to``
+    0: the reference is the model's own call, which takes the text as given; the padding is
+    tests/dist/test_wan.py's float64 check)."""
+    from knapray.models.families import config_class, get_family
     from knapray.weights.checks import section_values
 
-    extra = {"text_pad_to": 0} if family == "wan" else {}
+    extra = dict(get_family(family).reference_overrides)
     return config_class(family)(**section_values(source, family), pretrained=source.path, **extra)
 
 

@@ -12,7 +12,7 @@ tuple, ``dict[str, float]``, ``dict``, a nested section) and against the rules i
 - ``check``: a function of the value as written that raises ValueError saying what is
   wrong and what is valid.
 
-The model section (``MMDiTConfig``, or its family's subclass chosen by ``model.family``)
+The model section (``DiTConfig``: the class of its ``model.family``, ``MMDiTConfig`` by default)
 declares its rules the same way and keeps its own ``__post_init__`` checks; with
 ``model.pretrained`` the checkpoint's config.json fills the architecture fields the file
 leaves out (and a field that disagrees with it is an error). Unknown keys are rejected with the valid ones. Every error is a
@@ -36,7 +36,7 @@ from knapray.limits import (MAX_EPOCHS, MAX_GLOBAL_BATCH, MAX_MICRO_BATCHES, MAX
                             MAX_SAMPLES_PER_RANK, MAX_SEED, MAX_SHUFFLE_BUFFER_MB, MAX_STEPS, MAX_TIMEOUT_S,
                             MAX_WORLD_SIZE)
 from knapray.planning.rules import parse_rule
-from knapray.models import MMDiTConfig
+from knapray.models import DiTConfig, MMDiTConfig
 from knapray.models.flow import TIMESTEP_KINDS
 from knapray.models.timesteps import ResolutionShift, TimestepDistribution
 from knapray.planning import SOLVERS
@@ -431,7 +431,7 @@ def from_saved_layout(data: dict) -> dict:
 
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
-    model: MMDiTConfig = field(default_factory=MMDiTConfig)
+    model: DiTConfig = field(default_factory=MMDiTConfig)
     data: DataConfig = field(default_factory=DataConfig)
     balance: BalanceConfig = field(default_factory=BalanceConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -639,7 +639,7 @@ def _build(cls: type, data: Any, path: str) -> Any:
     values: dict[str, Any] = {}
     for f in fields:  # types first: a bound may name another field of the section
         typ, raw = hints[f.name], data.get(f.name)
-        if typ is MMDiTConfig:
+        if typ is DiTConfig:
             typ = _model_section_class(raw, keys[f.name])
         if dataclasses.is_dataclass(typ):
             values[f.name] = _build(typ, raw, keys[f.name])
@@ -671,7 +671,7 @@ def _build(cls: type, data: Any, path: str) -> Any:
             )
     try:
         return cls(**values)
-    except ValueError as e:  # the section's own checks, e.g. MMDiTConfig's that relate fields
+    except ValueError as e:  # the section's own checks, e.g. DiTConfig's that relate fields
         raise ConfigError(f"{where}: {e}") from None
 
 

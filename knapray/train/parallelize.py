@@ -1,17 +1,18 @@
 """FSDP2, activation checkpointing and torch.compile, applied to a finished model of any
-family (``MMDiT``, ``FluxTransformer``: knapray/models/families) from outside ``models/``
-(torchtitan's habit). ``parallelize`` mutates the model in place and returns a
-``ParallelModel`` handle with what the trainer needs after backward.
+family (``MMDiT``, ``FluxTransformer``, ``WanTransformer``: knapray/models/families) from
+outside ``models/`` (torchtitan's habit). ``parallelize`` mutates the model in place and
+returns a ``ParallelModel`` handle with what the trainer needs after backward.
 
 A balanced step does not call ``model.forward``: it calls ``model.condition``, ``model.embed``,
 ``model.blocks`` and ``model.head`` (knapray/train/balanced.py). So every parameter lives in
-a child FSDP unit that runs through its module's ``__call__`` exactly once per step:
+a child FSDP unit that runs through its module's ``__call__`` exactly once per step; the
+model declares them (``model.fsdp_units()``, ``knapray.models.interface.FsdpUnits``):
 
-    time_in, guidance_in, vector_in,     one unit each (embedders: their inputs need no
-    img_in, txt_in                       grad, so FSDP reduces them in its end-of-backward
-                                         callback; guidance_in: Flux.1-dev only)
-    double_blocks[i], single_blocks[i]   one unit per block
-    final                                one unit, kept gathered from forward into backward
+    embedders    one unit each (the conditioning MLPs, e.g. time_in, guidance_in,
+                 vector_in, then img_in, txt_in: their inputs need no grad, so FSDP
+                 reduces them in its end-of-backward callback)
+    blocks       one unit per block (e.g. double_blocks[i], then single_blocks[i])
+    final        one unit, kept gathered from forward into backward
 
 and the root (``fully_shard(model)``) owns no parameter: it is there for FSDP's lazy init
 and its end-of-backward callback, and the four stage methods are registered as forward
@@ -318,16 +319,6 @@ def _checkpointed_forward(forward: Callable, selective: bool = False) -> Callabl
     return run
 
 
-def _blocks(model: nn.Module) -> list[nn.Module]:
-    return [*model.double_blocks, *model.single_blocks]
-
-
-def _embedders(model: nn.Module) -> list[nn.Module]:
-    # guidance_in: Flux.1-dev's guidance MLP (absent from the MMDiT and from schnell)
-    embedders = (model.time_in, getattr(model, "guidance_in", None), model.vector_in, model.img_in, model.txt_in)
-    return [m for m in embedders if m is not None]
-
-
 def _apply_fsdp(model: nn.Module, mesh, cfg: ParallelConfig) -> None:
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
@@ -341,7 +332,7 @@ def _apply_fsdp(model: nn.Module, mesh, cfg: ParallelConfig) -> None:
     # without it shards any world (tests/dist/test_parallelize.py runs the gloo parity with it
     # hidden).
     unused_ok = hasattr(FSDPModule, "set_reduce_scatter_unused_params")
-    units = [*_embedders(model), *_blocks(model), model.final]
+    units = model.fsdp_units()
     in_units = {id(p) for unit in units for p in unit.parameters()}
     orphans = [n for n, p in model.named_parameters() if id(p) not in in_units]
     if orphans:
@@ -355,12 +346,12 @@ def _apply_fsdp(model: nn.Module, mesh, cfg: ParallelConfig) -> None:
     # stay fp32, as in the unsharded bf16 path.
     embed_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=cfg.reduce_dtype)
     body_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=cfg.reduce_dtype, cast_forward_inputs=False)
-    for unit in _embedders(model):
+    for unit in units.embedders:
         fully_shard(unit, mesh=mesh, mp_policy=embed_mp)
-    for block in _blocks(model):
+    for block in units.blocks:
         fully_shard(block, mesh=mesh, mp_policy=body_mp)
     # The last unit of forward is the first of backward: resharding it would gather it again.
-    fully_shard(model.final, mesh=mesh, mp_policy=body_mp, reshard_after_forward=False)
+    fully_shard(units.final, mesh=mesh, mp_policy=body_mp, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, mp_policy=body_mp)
     for name in STAGE_METHODS:
         register_fsdp_forward_method(model, name)
@@ -478,9 +469,9 @@ def parallelize(model: nn.Module, parallel: ParallelConfig | None = None, dims: 
             isolate = {}
         compiled = {
             cls: torch.compile(cls.forward, backend=stats, dynamic=True, **isolate)
-            for cls in {type(b) for b in _blocks(model)}
+            for cls in {type(b) for b in model.fsdp_units().blocks}
         }
-    blocks = _blocks(model)
+    blocks = model.fsdp_units().blocks
     for block, recomputed in zip(blocks, cfg.checkpointed(len(blocks))):
         if cfg.compile:
             block.forward = _compiled_forward(block, compiled[type(block)])

@@ -70,7 +70,7 @@ def coordinator_config(cfg: TrainConfig, **extra: Any) -> CoordinatorConfig:
         cost.setdefault("single_blocks", cfg.model.depth_single)
     return CoordinatorConfig(
         topology=cfg.balance.topology, d_model=cfg.model.hidden_size, gamma=cfg.balance.gamma,
-        attention_kind="cross" if cfg.model.family == "wan" else "joint",  # Wan cross-attends to its text
+        attention_kind=cfg.model.attention_kind,  # the family's: Wan cross-attends to its text
         solver=cfg.balance.solver, gpus_per_node=cfg.balance.gpus_per_node or None,
         planner=cfg.balance.planner, cost=cost or None, cost_profile=cfg.balance.cost_profile or None,
         max_tokens_per_gpu=cfg.data.max_tokens_per_gpu or None,

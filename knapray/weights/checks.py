@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from knapray.models.config import MMDiTConfig
+from knapray.models.config import DiTConfig
 from knapray.models.families import (
     FAMILIES,
     OTHER_DIFFUSERS_CLASSES,
@@ -52,7 +52,7 @@ def section_values(source: PretrainedSource, family: str) -> dict[str, Any]:
     return {"family": family, **values}
 
 
-def section_mismatch(cfg: MMDiTConfig, values: dict[str, Any]) -> str | None:
+def section_mismatch(cfg: DiTConfig, values: dict[str, Any]) -> str | None:
     """The first model field whose value differs from the checkpoint's, as ``key=x but
     the checkpoint has y``; None if all agree."""
     for key, value in values.items():
@@ -62,7 +62,7 @@ def section_mismatch(cfg: MMDiTConfig, values: dict[str, Any]) -> str | None:
     return None
 
 
-def check_tensors(source: PretrainedSource, cfg: MMDiTConfig) -> None:
+def check_tensors(source: PretrainedSource, cfg: DiTConfig) -> None:
     """Every tensor the model of ``cfg`` needs is in ``source`` with its shape and a float
     dtype, and nothing else; ValueError naming the first bad key."""
     layout = checkpoint_layout(cfg, source.layout)
@@ -75,7 +75,7 @@ def check_tensors(source: PretrainedSource, cfg: MMDiTConfig) -> None:
                              f"dtype ({', '.join(FLOAT_DTYPES)})")
 
 
-def check_pretrained(cfg: MMDiTConfig) -> PretrainedSource:
+def check_pretrained(cfg: DiTConfig) -> PretrainedSource:
     """The whole pre-flight of ``model.pretrained``: readable, of ``cfg``'s family, the same
     architecture, the exact tensors. Returns the source; ValueError in one line."""
     from knapray.weights.source import open_pretrained

@@ -21,7 +21,7 @@ import time
 import torch
 import torch.nn as nn
 
-from knapray.models.config import MMDiTConfig
+from knapray.models.config import DiTConfig
 from knapray.models.families import checkpoint_layout
 from knapray.weights.source import PretrainedSource
 
@@ -77,7 +77,7 @@ def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int, int]:
 
 
 @torch.no_grad()
-def load_pretrained(model: nn.Module, cfg: MMDiTConfig, source: PretrainedSource | None = None) -> LoadReport:
+def load_pretrained(model: nn.Module, cfg: DiTConfig, source: PretrainedSource | None = None) -> LoadReport:
     """Fill ``model``'s parameters (plain or FSDP2-sharded, on any device, allocated) from
     ``cfg.pretrained``, checked first (``check_pretrained``). Returns what it read."""
     from safetensors import safe_open

@@ -79,7 +79,7 @@ def test_lora_finetune_resume_export_and_refuse_another_base(tmp_path: Path, cap
     from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
     from knapray.models.families import build_model
     from knapray.models.lora import base_name, is_adapter
-    from knapray.testing.reference import _diffusers_call, _pack, _split, make_inputs
+    from knapray.testing.reference import _pack, _split, diffusers_call, make_inputs
     from knapray.train.checkpoint import saved_keys
     from knapray.train.run_dir import RunError, decide_start, read_run_config
     from knapray.weights.load import load_pretrained
@@ -155,9 +155,9 @@ def test_lora_finetune_resume_export_and_refuse_another_base(tmp_path: Path, cap
     inputs = make_inputs(cfg, 3, seed=5)
     with torch.no_grad():
         ours = _split(tuned(_pack(cfg, inputs)), inputs)
-        theirs = [_diffusers_call(pipe.transformer, s) for s in inputs]
+        theirs = [diffusers_call(pipe.transformer, cfg, s) for s in inputs]
         plain = FluxTransformer2DModel.from_pretrained(pretrained, torch_dtype=torch.float32)
-        untuned = [_diffusers_call(plain, s) for s in inputs]
+        untuned = [diffusers_call(plain, cfg, s) for s in inputs]
     for a, b, c in zip(ours, theirs, untuned):
         assert (a - b).norm() / b.norm() <= 1e-5
         assert (c - b).norm() / b.norm() > 1e-3  # the adapter changed the output

@@ -102,8 +102,7 @@ def test_text_padding_equals_the_pipelines_zero_rows_in_float64(checkpoints, pad
 
     from knapray.models.families import build_model
     from knapray.models.flow import flow_loss
-    from knapray.testing.reference import (Inputs, _diffusers_wan_call, _grads_as_checkpoint, _pack, _split,
-                                           load_model)
+    from knapray.testing.reference import Inputs, _grads_as_checkpoint, _pack, _split, diffusers_call, load_model
 
     path = checkpoints["h2"]
     loaded, cfg, _, _ = load_model(path, "wan")
@@ -126,7 +125,7 @@ def test_text_padding_equals_the_pipelines_zero_rows_in_float64(checkpoints, pad
     total = sum(s.target.numel() for s in inputs)
     ref_outs = []
     for s in inputs:
-        o = _diffusers_wan_call(ref, s, cfg.patch_size, pad_to)
+        o = diffusers_call(ref, cfg, s)  # cfg pads the text to pad_to, as the model does
         ((o - s.target).pow(2).sum() / total).backward()
         ref_outs.append(o.detach())
     # 1e-6: diffusers keeps some of Wan in fp32 even as a float64 model (its RoPE tables; ~1e-7

@@ -107,7 +107,7 @@ def test_exported_adapters_load_into_diffusers_with_the_same_outputs(family, tmp
     fused qkv / linear1 / linear2 split over several diffusers layers), exported through the
     family's layout with alpha / r folded in, loaded by diffusers' ``load_lora_adapter``."""
     pytest.importorskip("diffusers")
-    from knapray.testing.reference import _diffusers_call, _diffusers_wan_call, _pack, _split, make_inputs
+    from knapray.testing.reference import _pack, _split, diffusers_call, make_inputs
     from knapray.testing.reference import reference_config
     from knapray.weights.checks import checkpoint_family
     from knapray.weights.load import load_pretrained
@@ -145,13 +145,9 @@ def test_exported_adapters_load_into_diffusers_with_the_same_outputs(family, tmp
     inputs = make_inputs(cfg, 2, seed=4)
     with torch.no_grad():
         ours = _split(model(_pack(cfg, inputs)), inputs)
-        if family == "flux":
-            theirs = [_diffusers_call(ref, s) for s in inputs]
-        else:
-            theirs = [_diffusers_wan_call(ref, s, cfg.patch_size, cfg.text_pad_to) for s in inputs]
+        theirs = [diffusers_call(ref, cfg, s) for s in inputs]
         plain = Ref.from_pretrained(path, torch_dtype=torch.float32)
-        base = [(_diffusers_call(plain, s) if family == "flux" else
-                 _diffusers_wan_call(plain, s, cfg.patch_size, cfg.text_pad_to)) for s in inputs]
+        base = [diffusers_call(plain, cfg, s) for s in inputs]
     for a, b, c in zip(ours, theirs, base):
         assert (a - b).norm() / b.norm() <= 1e-5
         assert (c - b).norm() / b.norm() > 1e-2  # the adapters matter

@@ -1,17 +1,25 @@
-"""Model families: name -> config class, model class, checkpoint layouts, condition inputs.
+"""Model families: each family's facts on one ``Family`` object, looked up by name
+(``get_family``). Code outside this package asks the family what it needs (its config
+class, its model, how its corpus is encoded, how it samples, how it is calibrated and
+checked) and never which family it is: a family added to ``FAMILIES`` is picked up by
+every caller.
 
 Every family's model is architecture only and offers the stage interface the balanced
-executor calls (knapray/train/balanced.py):
+executor calls (knapray/train/balanced.py; ``knapray.models.interface.StageModel``):
 
-    vec = model.condition(**condition_inputs(model, batch))   # (S, d), per sequence
+    vec = model.condition(**condition_inputs(model, batch))   # (S, cfg.condition_dim), per sequence
     h = model.embed(x_txt, x_img, is_text)                     # (N, d), per token
     h = model.blocks(h, vec_loc, seq_index_loc, pos, is_text, attn)
     out_img = model.head(h, vec_loc, seq_index_loc, is_text)
 
-with the submodules ``parallelize`` shards (embedders, ``double_blocks``, ``single_blocks``,
-``final``). A family declares which ``PackedBatch`` fields its ``condition`` takes, and,
-when it has a reference implementation, the diffusers class of its checkpoints and the
-layouts (``diffusers``, ``bfl``) that map their tensors onto its parameters.
+and declares the modules ``parallelize`` shards, compiles and checkpoints
+(``model.fsdp_units()``: embedders, blocks, final). Its config class (a
+``knapray.models.config.DiTConfig``) carries the architecture's own facts (``attention_kind``,
+``condition_dim``); the ``Family`` the rest: which ``PackedBatch`` fields its ``condition``
+takes, what its corpus holds (``encoders``), its sampling shift, how calibration and the
+gradient check build it, and, when it has a reference implementation, the diffusers class
+of its checkpoints, the layouts (``diffusers``, ``bfl``) that map their tensors onto its
+parameters and how diffusers' pipeline calls that class.
 """
 
 from __future__ import annotations
@@ -23,22 +31,58 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from knapray.models.config import MMDiTConfig
+from knapray.corpus.stages import FamilyEncoding
+from knapray.models.config import DiTConfig, MMDiTConfig
 from knapray.models.families.layout import Layout
 from knapray.models.mmdit import MMDiT
 
+Sized = Callable[[int, int, int, int], DiTConfig]
+"""(hidden, heads, depth_double, depth_single) -> a config of that size."""
+DiffusersCall = Callable[[nn.Module, Any, Any], torch.Tensor]
+"""(diffusers model, cfg, one sequence: ``knapray.testing.reference.Inputs``) -> its output
+as knapray's image tokens (their patch features, in knapray's token order)."""
 
-@dataclasses.dataclass(frozen=True)
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Family:
+    """Everything knapray knows about a model family besides its architecture."""
+
     name: str
-    config_cls: type[MMDiTConfig]
+    title: str
+    """How messages name its architecture (``Wan's text length``)."""
+    config_cls: type[DiTConfig]
+    """Its model section (``model.family`` selects it); carries ``attention_kind``."""
     model_cls: type[nn.Module]
+    """Its model (``knapray.models.interface.StageModel``), built from a ``config_cls``."""
     condition_fields: Callable[[Any], tuple[str, ...]]
     """The ``PackedBatch`` fields ``model.condition`` takes as keywords, for a config."""
     exact_against: str
     """What the family's math is checked against (docs, ``knapray reference``)."""
+    encoders: FamilyEncoding
+    """What its corpus holds: how its pipeline encodes captions (``knapray ingest --family``)."""
+    video: bool
+    """Its latents may have frames (clips as well as images); False: single images."""
+    sample_shift: Callable[[Any], float | None]
+    """``knapray sample``'s default timestep shift for a config: one for every request, or
+    None: each request's own from its image tokens (``knapray.models.timesteps.ResolutionShift``)."""
+    zero_init: bool = True
+    """Its default init zeroes the modulation and output layers (adaLN-Zero: many gradients
+    exactly zero at init), so timing and gradient checks re-draw it with
+    ``model.init_weights(std=...)``; False: its init is already random everywhere."""
+    sized_config: Sized | None = None
+    """Calibration's model of a size (``knapray calibrate``); None: timed as ``calibrate_as``."""
+    calibrate_as: str | None = None
+    """The family whose blocks calibration times for this one (its blocks are that family's)."""
+    small_config: Callable[[int], DiTConfig] | None = None
+    """Its real blocks at a small width (heads of 32 channels), for the bf16 gradient check
+    (knapray/testing/grad_truth.py); None: not checked there."""
     diffusers_class: str | None = None
     """The diffusers model class whose checkpoints hold this family (None: no checkpoint format)."""
+    diffusers_call: DiffusersCall | None = None
+    """How its diffusers pipeline calls ``diffusers_class`` on one sequence (``knapray reference``)."""
+    reference_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """Config values under which knapray's model computes what a bare call of
+    ``diffusers_class`` does (Wan: ``text_pad_to`` 0, no pipeline padding)."""
     layouts: tuple[str, ...] = ()
     """Checkpoint layouts it reads (the first is the one ``knapray export`` writes)."""
     layout: Callable[[Any, str, Mapping[str, tuple[int, ...]]], Layout] | None = None
@@ -49,9 +93,28 @@ class Family:
     lora_presets: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     """``model.lora.targets`` preset name -> regular expressions over module names."""
 
+    def __post_init__(self) -> None:
+        """What a registration must hold together (checked when the registry is built)."""
+        if (self.encoders.family, self.encoders.model) != (self.name, self.title):
+            raise ValueError(f"family {self.name}: its encoders name {self.encoders.family!r} ({self.encoders.model!r})")
+        if (self.sized_config is None) == (self.calibrate_as is None):
+            raise ValueError(f"family {self.name}: give sized_config or calibrate_as, one of them")
+        if (self.diffusers_call is None) != (self.diffusers_class is None):
+            raise ValueError(f"family {self.name}: a diffusers_class comes with its diffusers_call")
+
     @property
     def has_checkpoints(self) -> bool:
         return self.diffusers_class is not None
+
+    @property
+    def attention(self) -> str:
+        """``joint`` or ``cross``: its config class's ``attention_kind``."""
+        return self.config_cls.attention_kind
+
+    @property
+    def calibrated_as(self) -> str:
+        """The family whose blocks calibration times for this one: itself, or ``calibrate_as``."""
+        return self.calibrate_as or self.name
 
 
 MMDIT_LORA = {
@@ -66,14 +129,39 @@ WAN_LORA = {
 }
 
 
+def _mmdit_sized(hidden: int, heads: int, depth_double: int, depth_single: int) -> MMDiTConfig:
+    """An MMDiT of the given size with RoPE channels split over (t, h, w): what calibration times."""
+    head_dim = hidden // heads
+    side = (head_dim * 3 // 8) // 2 * 2
+    return MMDiTConfig(
+        in_channels=4, patch_size=(1, 2, 2), hidden_size=hidden, num_heads=heads,
+        depth_double=depth_double, depth_single=depth_single, text_dim=16, pooled_dim=16,
+        rope_axes_dim=(head_dim - 2 * side, side, side),
+    )
+
+
+def _mmdit() -> Family:
+    return Family(
+        name="mmdit", title="MMDiT", config_cls=MMDiTConfig, model_cls=MMDiT,
+        condition_fields=lambda cfg: ("timesteps", "pooled"),
+        exact_against="itself: balanced == single-process (knapray parity); no external reference",
+        encoders=FamilyEncoding(family="mmdit", model="MMDiT"), video=True, sample_shift=lambda cfg: 1.0,
+        sized_config=_mmdit_sized, lora_presets=MMDIT_LORA,
+    )
+
+
 def _flux() -> Family:
     from knapray.models.families import flux, flux_keys
 
     return Family(
-        name="flux", config_cls=flux.FluxConfig, model_cls=flux.FluxTransformer,
+        name="flux", title="Flux.1", config_cls=flux.FluxConfig, model_cls=flux.FluxTransformer,
         condition_fields=flux.condition_fields,
         exact_against="diffusers 0.42 FluxTransformer2DModel (fp32, 1e-5 relative, outputs and gradients)",
-        diffusers_class=flux.DIFFUSERS_CLASS, layouts=("diffusers", "bfl"), layout=flux_keys.flux_layout,
+        encoders=FamilyEncoding(family="flux", model="Flux.1", pipeline="FluxPipeline"), video=False,
+        sample_shift=flux.sample_shift,
+        calibrate_as="mmdit", small_config=flux.small_config,
+        diffusers_class=flux.DIFFUSERS_CLASS, diffusers_call=flux.diffusers_call,
+        layouts=("diffusers", "bfl"), layout=flux_keys.flux_layout,
         section_from_diffusers=flux.section_from_diffusers, to_diffusers=lambda cfg: cfg.to_diffusers(),
         lora_presets=MMDIT_LORA,
     )
@@ -83,24 +171,21 @@ def _wan() -> Family:
     from knapray.models.families import wan, wan_keys
 
     return Family(
-        name="wan", config_cls=wan.WanConfig, model_cls=wan.WanTransformer,
+        name="wan", title="Wan", config_cls=wan.WanConfig, model_cls=wan.WanTransformer,
         condition_fields=wan.condition_fields,
         exact_against="diffusers 0.42 WanTransformer3DModel (fp32, 1e-5 relative, outputs and gradients; one rank)",
-        diffusers_class=wan.DIFFUSERS_CLASS, layouts=("diffusers",), layout=wan_keys.wan_layout,
+        encoders=FamilyEncoding(family="wan", model="Wan", pooled=False, text_length=wan.TEXT_LENGTH,
+                                pipeline="WanPipeline", clean_prompts=True), video=True,
+        sample_shift=wan.sample_shift, zero_init=False, sized_config=wan.sized_config, small_config=wan.small_config,
+        diffusers_class=wan.DIFFUSERS_CLASS, diffusers_call=wan.diffusers_call,
+        reference_overrides={"text_pad_to": 0},
+        layouts=("diffusers",), layout=wan_keys.wan_layout,
         section_from_diffusers=wan.section_from_diffusers, to_diffusers=lambda cfg: cfg.to_diffusers(),
         lora_presets=WAN_LORA,
     )
 
 
-FAMILIES: dict[str, Family] = {
-    "mmdit": Family(
-        name="mmdit", config_cls=MMDiTConfig, model_cls=MMDiT, condition_fields=lambda cfg: ("timesteps", "pooled"),
-        exact_against="itself: balanced == single-process (knapray parity); no external reference",
-        lora_presets=MMDIT_LORA,
-    ),
-    "flux": _flux(),
-    "wan": _wan(),
-}
+FAMILIES: dict[str, Family] = {"mmdit": _mmdit(), "flux": _flux(), "wan": _wan()}
 FAMILY_NAMES = tuple(FAMILIES)
 
 OTHER_DIFFUSERS_CLASSES = {
@@ -119,7 +204,7 @@ def get_family(name: str) -> Family:
     return FAMILIES[name]
 
 
-def config_class(family: str) -> type[MMDiTConfig]:
+def config_class(family: str) -> type[DiTConfig]:
     """The model-section class of ``family`` (what ``model.family`` selects in a run config)."""
     return get_family(family).config_cls
 
@@ -129,7 +214,7 @@ def family_of_class(diffusers_class: str) -> str | None:
     return next((f.name for f in FAMILIES.values() if f.diffusers_class == diffusers_class), None)
 
 
-def build_model(cfg: MMDiTConfig) -> nn.Module:
+def build_model(cfg: DiTConfig) -> nn.Module:
     """The model of ``cfg``'s family (on the current default device: build under
     ``torch.device("meta")`` to allocate nothing), with its LoRA adapters injected and the
     base frozen when ``cfg.lora.rank`` > 0 (``init_adapters`` gives them values)."""
@@ -156,14 +241,14 @@ def condition_inputs(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def cross_text_pad(cfg: MMDiTConfig) -> int | None:
+def cross_text_pad(cfg: DiTConfig) -> int | None:
     """For a family whose text is cross-attended (keys only: Wan), the text rows every
-    sequence attends to, padding included (0: its tokens alone); None for joint attention.
-    The balanced executor builds the bag's attentions by it."""
-    return int(cfg.text_pad_to) if cfg.family == "wan" else None
+    sequence attends to, padding included (``text_pad_to``; 0: its tokens alone); None for
+    joint attention. The balanced executor builds the bag's attentions by it."""
+    return int(cfg.text_pad_to) if cfg.attention_kind == "cross" else None
 
 
-def param_shapes(cfg: MMDiTConfig) -> dict[str, tuple[int, ...]]:
+def param_shapes(cfg: DiTConfig) -> dict[str, tuple[int, ...]]:
     """``{parameter name: shape}`` of ``cfg``'s model (without LoRA adapters: the base a
     checkpoint holds), built on the meta device (no memory)."""
     with torch.device("meta"):
@@ -171,7 +256,7 @@ def param_shapes(cfg: MMDiTConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
-def checkpoint_layout(cfg: MMDiTConfig, name: str | None = None) -> Layout:
+def checkpoint_layout(cfg: DiTConfig, name: str | None = None) -> Layout:
     """The checkpoint layout ``name`` (default: the family's first, what export writes) of
     ``cfg``'s model; ValueError for a family without checkpoints."""
     fam = get_family(cfg.family)
@@ -186,7 +271,6 @@ def checkpoint_layout(cfg: MMDiTConfig, name: str | None = None) -> Layout:
 
 
 __all__ = [
-    "FAMILIES", "FAMILY_NAMES", "Family", "build_model", "checkpoint_layout", "condition_inputs", "config_class",
-    "cross_text_pad",
-    "family_of_class", "get_family", "param_shapes",
+    "FAMILIES", "FAMILY_NAMES", "Family", "build_model", "checkpoint_layout", "condition_inputs",
+    "config_class", "cross_text_pad", "family_of_class", "get_family", "param_shapes",
 ]

@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from knapray.attention import AttentionFn, LocalAttention
 from knapray.models.blocks import DoubleStreamBlock, FinalLayer, SingleStreamBlock
-from knapray.models.config import MMDiTConfig, _known_family
+from knapray.models.config import MMDiTConfig
 from knapray.models.layers import MLP, TIME_EMBED_DIM, timestep_embedding
 from knapray.models.mmdit import MMDiT
 from knapray.models.packing import PackedBatch
@@ -58,13 +58,13 @@ class FluxConfig(MMDiTConfig):
     text_dim: int = dataclasses.field(default=4096, metadata={"ge": 1})
     pooled_dim: int = dataclasses.field(default=768, metadata={"ge": 1})
     rope_axes_dim: tuple[int, int, int] = dataclasses.field(default=(16, 56, 56), metadata={"ge": 0})
-    family: str = dataclasses.field(default="flux", metadata={"check": _known_family})
+    family: str = "flux"
     guidance_embeds: bool = False
     """Embed a guidance strength per sequence (FLUX.1-dev: true; schnell: false)."""
 
     def __post_init__(self) -> None:
         MMDiTConfig.__post_init__(self)
-        fixed = {"family": "flux", "patch_size": PATCH, "mlp_ratio": 4.0, "qk_norm": True, "rope_theta": THETA}
+        fixed = {"patch_size": PATCH, "mlp_ratio": 4.0, "qk_norm": True, "rope_theta": THETA}
         for name, value in fixed.items():
             if getattr(self, name) != value:
                 raise ValueError(f"family flux: {name} must be {value!r} (fixed in Flux.1), got {getattr(self, name)!r}")
@@ -146,6 +146,37 @@ def section_from_diffusers(config: dict[str, Any], where: str) -> dict[str, Any]
 def condition_fields(cfg: FluxConfig) -> tuple[str, ...]:
     """The ``PackedBatch`` fields ``FluxTransformer.condition`` takes: the guidance too for dev."""
     return ("timesteps", "pooled", "guidance") if cfg.guidance_embeds else ("timesteps", "pooled")
+
+
+def sample_shift(cfg: FluxConfig) -> float | None:
+    """FLUX.1-dev (guidance embedded): None, each request's own shift from its image tokens,
+    as BFL's and diffusers' dev pipelines; schnell samples unshifted, as BFL's
+    ``get_schedule(..., shift=not is_schnell)``."""
+    return None if cfg.guidance_embeds else 1.0
+
+
+def small_config(width: int) -> FluxConfig:
+    """Flux.1's blocks at ``width`` (heads of 32 channels): one double- and one single-stream
+    block, guidance embedded (FLUX.1-dev)."""
+    return FluxConfig(hidden_size=width, num_heads=width // 32, depth_double=1, depth_single=1, in_channels=4,
+                      text_dim=32, pooled_dim=32, rope_axes_dim=(8, 12, 12), guidance_embeds=True)
+
+
+def diffusers_call(ref: nn.Module, cfg: FluxConfig, s: Any) -> torch.Tensor:
+    """One sequence ``s`` (``latent`` (C, 1, H, W), ``text`` (L, text_dim), ``pooled``,
+    ``timestep``, ``guidance``: ``knapray.testing.reference.Inputs``) through diffusers'
+    ``FluxTransformer2DModel`` ``ref`` as ``FluxPipeline`` packs it -> (H/2 · W/2, 4·C)."""
+    c, _, h, w = s.latent.shape
+    # (C, 1, H, W) -> (1, C, H/2, 2, W/2, 2) -> (1, H/2, W/2, C, 2, 2) -> (1, H/2 · W/2, 4C): FluxPipeline._pack_latents
+    x = s.latent[:, 0].reshape(1, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(1, (h // 2) * (w // 2), 4 * c)
+    ids = torch.zeros(h // 2, w // 2, 3)  # FluxPipeline._prepare_latent_image_ids: (0, row, column)
+    ids[..., 1] = torch.arange(h // 2)[:, None]
+    ids[..., 2] = torch.arange(w // 2)[None, :]
+    kwargs = {"guidance": torch.tensor([s.guidance])} if s.guidance is not None else {}
+    out = ref(hidden_states=x, encoder_hidden_states=s.text[None], pooled_projections=s.pooled[None],
+              timestep=torch.tensor([s.timestep]), img_ids=ids.reshape(-1, 3), txt_ids=torch.zeros(s.text.shape[0], 3),
+              return_dict=False, **kwargs)[0]
+    return out[0]
 
 
 # ---- the model ------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.nn as nn
@@ -47,14 +47,22 @@ import torch.nn.functional as F
 from knapray.attention import AttentionFn, cross_attention, varlen_attention
 from knapray.indexing import gather_rows, permute_rows
 from knapray.models.blocks import TokenStreams
-from knapray.models.config import MMDiTConfig, _known_family
+from knapray.models.config import DiTConfig
 from knapray.models.families.flux import flux_rope
+from knapray.models.interface import FsdpUnits
 from knapray.models.layers import MLP, timestep_embedding
-from knapray.models.packing import PackedBatch
+from knapray.models.packing import PackedBatch, patchify
 
 DIFFUSERS_CLASS = "WanTransformer3DModel"
 THETA = 10000.0
 """``WanRotaryPosEmbed``'s theta: fixed in diffusers."""
+TEXT_LENGTH = 512
+"""Wan's text length: ``WanPipeline`` truncates a prompt's umT5 tokens to 512 and pads its
+embeddings with zero rows to 512."""
+SAMPLE_SHIFT = 5.0
+"""Wan's sampling shift (its pipelines' ``flow_shift``: 5.0 at 720p, 3.0 at 480p)."""
+FFN_RATIO = 13824 / 5120
+"""Wan 2.1's FFN width over its model width (14B: 13824 / 5120; 1.3B: 8960 / 1536 is 5.83)."""
 
 
 def wan_rope_split(head_dim: int) -> tuple[int, int, int]:
@@ -64,11 +72,13 @@ def wan_rope_split(head_dim: int) -> tuple[int, int, int]:
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
-class WanConfig(MMDiTConfig):
+class WanConfig(DiTConfig):
     """Wan 2.1 T2V in knapray's field names (defaults: the 14B shape, diffusers' defaults).
     ``depth_single`` counts Wan's blocks (``num_layers``); ``depth_double`` is 0;
     ``rope_axes_dim`` is Wan's split of the head (left out: derived); ``mlp_ratio`` is
     derived from ``ffn_dim``."""
+
+    attention_kind: ClassVar[str] = "cross"
 
     in_channels: int = dataclasses.field(default=16, metadata={"ge": 1})
     hidden_size: int = dataclasses.field(default=5120, metadata={"ge": 1})
@@ -78,7 +88,7 @@ class WanConfig(MMDiTConfig):
     text_dim: int = dataclasses.field(default=4096, metadata={"ge": 1})
     pooled_dim: int = dataclasses.field(default=0, metadata={"ge": 0})
     rope_axes_dim: tuple[int, ...] = ()
-    family: str = dataclasses.field(default="wan", metadata={"check": _known_family})
+    family: str = "wan"
     ffn_dim: int = dataclasses.field(default=13824, metadata={"ge": 1})
     """FFN hidden width (diffusers' ``ffn_dim``)."""
     freq_dim: int = dataclasses.field(default=256, metadata={"ge": 2})
@@ -89,7 +99,7 @@ class WanConfig(MMDiTConfig):
     """Epsilon of every LayerNorm and the q/k RMSNorms."""
     rope_max_seq_len: int = dataclasses.field(default=1024, metadata={"ge": 1})
     """RoPE table length per axis in diffusers: no patch index may reach it."""
-    text_pad_to: int = dataclasses.field(default=512, metadata={"ge": 0, "le": 1 << 16})
+    text_pad_to: int = dataclasses.field(default=TEXT_LENGTH, metadata={"ge": 0, "le": 1 << 16})
     """Text rows each sequence cross-attends to: its tokens and zero rows up to this many, as
     Wan's pipelines pad umT5 embeddings to 512 (the corpus keeps only the tokens; its
     ``text_pad_to`` says the same). Wan's cross-attention has no mask, so the zero rows are
@@ -100,9 +110,9 @@ class WanConfig(MMDiTConfig):
         if self.hidden_size % self.num_heads == 0 and not tuple(self.rope_axes_dim):
             self.rope_axes_dim = wan_rope_split(self.hidden_size // self.num_heads)
         self.mlp_ratio = self.ffn_dim / self.hidden_size
-        MMDiTConfig.__post_init__(self)
+        DiTConfig.__post_init__(self)
         split = wan_rope_split(self.head_dim)
-        fixed = {"family": "wan", "depth_double": 0, "pooled_dim": 0, "qk_norm": True, "rope_theta": THETA,
+        fixed = {"depth_double": 0, "pooled_dim": 0, "qk_norm": True, "rope_theta": THETA,
                  "rope_axes_dim": split}
         for name, value in fixed.items():
             if getattr(self, name) != value:
@@ -116,6 +126,11 @@ class WanConfig(MMDiTConfig):
         for name in ("cross_attn_norm",):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+    @property
+    def condition_dim(self) -> int:
+        """``condition``'s (S, 7·d): temb, then the blocks' modulation."""
+        return 7 * self.hidden_size
 
     def to_diffusers(self) -> dict[str, Any]:
         """The ``config.json`` of the equivalent ``WanTransformer3DModel``."""
@@ -174,6 +189,40 @@ def section_from_diffusers(config: dict[str, Any], where: str) -> dict[str, Any]
 
 def condition_fields(cfg: WanConfig) -> tuple[str, ...]:
     return ("timesteps",)
+
+
+def sample_shift(cfg: WanConfig) -> float:
+    return SAMPLE_SHIFT
+
+
+def sized_config(hidden: int, heads: int, depth_double: int, depth_single: int) -> WanConfig:
+    """A Wan of ``depth_double + depth_single`` blocks at width ``hidden`` (Wan 2.1's FFN
+    ratio, text padded to 512 as its pipelines do): what calibration times."""
+    return WanConfig(in_channels=4, patch_size=(1, 2, 2), hidden_size=hidden, num_heads=heads,
+                     depth_single=depth_double + depth_single, text_dim=16,
+                     ffn_dim=max(2, round(hidden * FFN_RATIO)), freq_dim=256, text_pad_to=TEXT_LENGTH)
+
+
+def small_config(width: int) -> WanConfig:
+    """Wan's blocks at ``width`` (heads of 32 channels): two blocks, text unpadded."""
+    return WanConfig(in_channels=4, patch_size=(1, 2, 2), hidden_size=width, num_heads=width // 32, depth_single=2,
+                     text_dim=32, ffn_dim=2 * width, freq_dim=32, text_pad_to=0)
+
+
+def diffusers_call(ref: nn.Module, cfg: WanConfig, s: Any) -> torch.Tensor:
+    """One sequence ``s`` (``latent`` (C, T, H, W), ``text`` (L, text_dim), ``timestep``:
+    ``knapray.testing.reference.Inputs``; Wan has no pooled vector or guidance) through
+    diffusers' ``WanTransformer3DModel`` ``ref``: timestep t·1000 as the pipeline's scheduler
+    gives it, text padded with zero rows to ``cfg.text_pad_to`` as the pipeline pads it ->
+    its output patchified as knapray's tokens."""
+    text, pad_to = s.text, cfg.text_pad_to
+    if pad_to > text.shape[0]:
+        text = torch.cat([text, text.new_zeros(pad_to - text.shape[0], text.shape[1])])
+    if text.shape[0] == 0:
+        raise ValueError("a Wan sequence without text tokens needs text_pad_to > 0 (diffusers attends to no keys)")
+    out = ref(hidden_states=s.latent[None], timestep=torch.tensor([s.timestep]).float() * 1000.0,
+              encoder_hidden_states=text[None], return_dict=False)[0]
+    return patchify(out[0], cfg.patch_size)[0]
 
 
 # ---- the model ------------------------------------------------------------------------------
@@ -359,9 +408,8 @@ class _Segments:
 
 
 class WanTransformer(nn.Module):
-    """Wan 2.1 T2V over packed token batches. Submodules follow the names parallelization
-    knows (``img_in``, ``txt_in``, ``time_in``, ``single_blocks``, ``final``; no
-    ``double_blocks`` or ``vector_in``)."""
+    """Wan 2.1 T2V over packed token batches. Submodules ``img_in``, ``txt_in``,
+    ``time_in``, ``single_blocks`` (Wan's blocks), ``final``: the units of ``fsdp_units``."""
 
     def __init__(self, cfg: WanConfig) -> None:
         super().__init__()
@@ -372,8 +420,6 @@ class WanTransformer(nn.Module):
         self.img_in = PatchEmbed(cfg)
         self.txt_in = MLP(cfg.text_dim, d, d, activation="gelu_tanh")
         self.time_in = TimeEmbed(cfg)
-        self.vector_in = None
-        self.double_blocks = nn.ModuleList()
         self.single_blocks = nn.ModuleList(WanBlock(cfg) for _ in range(cfg.depth_single))
         self.final = WanHead(cfg)
         self._pad_row: torch.Tensor | None = None
@@ -390,6 +436,11 @@ class WanTransformer(nn.Module):
 
     def conditioning_mlps(self) -> list[nn.Module]:
         return [self.time_in]
+
+    def fsdp_units(self) -> FsdpUnits:
+        """The time embedding, then the image and text embedders; the blocks; the head."""
+        return FsdpUnits(embedders=(self.time_in, self.img_in, self.txt_in), blocks=tuple(self.single_blocks),
+                         final=self.final)
 
     @property
     def param_dtype(self) -> torch.dtype:
