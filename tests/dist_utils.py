@@ -150,6 +150,7 @@ def sampling_run_dir(tmp_path):
     from knapray.corpus.writer import FORMAT_VERSION
     from knapray.train.checkpoint import COMPLETE
     from knapray.train.config import load_config
+    from knapray.train.run_dir import RUN_FORMAT
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -165,5 +166,5 @@ def sampling_run_dir(tmp_path):
     (step / ".metadata").write_text("")
     cfg = load_config(None, [f"data.corpus={corpus}", "model.in_channels=16", "model.text_dim=16",
                              "model.pooled_dim=12"])
-    (run / "config.json").write_text(json.dumps(cfg.to_dict()))
+    (run / "config.json").write_text(json.dumps({"format_version": RUN_FORMAT, **cfg.to_dict()}))
     return run

@@ -151,7 +151,8 @@ class _Bench:
             self.model.init_weights(std=0.02)  # non-degenerate: no all-zero modulation shortcuts
         # The trainer's own checkpointing and compile (``parallelize``): the mode a profile
         # records is then the mode a run executes.
-        parallelize(self.model, ParallelConfig(ac="full" if ac else "none", compile=bool(compile)))
+        parallelize(self.model, ParallelConfig(activation_checkpointing="full" if ac else "none",
+                                               compile=bool(compile)))
         self.compile = bool(compile)
         probe = torch.zeros(1, self.cfg.num_heads, self.cfg.head_dim, device=self.dev, dtype=self.dtype)
         self.backend = _resolve_backend("auto", probe)

@@ -84,10 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = replace(cfg, balance=replace(cfg.balance, coordinator=False))
     logging.basicConfig(level=logging.INFO if rank_env == 0 else logging.WARNING,
                         format=f"[rank {rank_env}] %(message)s")
-    if cfg.run.gloo_socket_ifname:  # a CPU run's default group is gloo too
-        os.environ["GLOO_SOCKET_IFNAME"] = cfg.run.gloo_socket_ifname
+    if cfg.distributed.gloo_socket_ifname:  # a CPU run's default group is gloo too
+        os.environ["GLOO_SOCKET_IFNAME"] = cfg.distributed.gloo_socket_ifname
     try:
-        rank, world, local_rank = init_from_env(cfg.scaling.use_gpu, cfg.run.timeout_s)
+        rank, world, local_rank = init_from_env(cfg.scaling.use_gpu, cfg.distributed.timeout_s)
         try:
             summary = Trainer(TorchrunContext(cfg, rank, world, local_rank), cfg).train()
         except BadCorpus as e:  # every rank raises it together, from the same sums: rank 0 says it once

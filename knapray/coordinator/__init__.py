@@ -16,7 +16,8 @@ One job per module:
 - ``relay``: ``NodeRelay``, one per node, batching its ranks' submissions into one call;
 - ``wire``: the plan as the object store holds it (packed; rebuilt exactly on each rank);
 - ``client``: ``CoordinatorClient``, what a training worker calls;
-- ``config``: ``CoordinatorConfig``, ``make_planning_model`` and ``make_live_fit``.
+- ``config``: ``BalanceConfig`` (the run config's ``balance`` section), ``CoordinatorConfig``
+  (it, the model's facts, the world), ``make_planning_model`` and ``make_live_fit``.
 
 Topology rules (``"g8n4"``, ``"bags_of:N"``, ``"auto"``) are pure planning:
 ``knapray.planning.rules``.
@@ -25,7 +26,7 @@ Topology rules (``"g8n4"``, ``"bags_of:N"``, ``"auto"``) are pure planning:
 from .actor import create_coordinator
 from .client import CoordinatorClient
 from .errors import CoordinatorUnavailable
-from .config import PLANNERS, CoordinatorConfig, make_live_fit, make_planning_model
+from .config import PLANNERS, BalanceConfig, CoordinatorConfig, make_live_fit, make_planning_model
 from .coordinator import STATE_VERSION, BalanceCoordinator
 from .ledger import Ledger
 from .steps import PlanTimeout, StepFailed, is_epoch_done, plan_from_gathered
@@ -34,6 +35,7 @@ from .store import LedgerFileError, StateStore
 __all__ = [
     "PLANNERS",
     "STATE_VERSION",
+    "BalanceConfig",
     "BalanceCoordinator",
     "CoordinatorClient",
     "CoordinatorConfig",

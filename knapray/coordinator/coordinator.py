@@ -57,7 +57,7 @@ from .store import LedgerFileError, StateStore
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 2
-"""``state_dict()`` format: 2 = the ledger position; 1 (read only) carried every row."""
+"""``state_dict()`` format: 2 = the ledger position (1, which carried every row, is refused)."""
 STATS_EVERY = 256
 """Plans between rewrites of ``stats.json`` (statistics only: a restart may lose some)."""
 
@@ -154,9 +154,10 @@ class BalanceCoordinator:
         """One step's plan: on the run's topology, or (rule ``"per-step"``) on the step's own
         aligned blocks with it as the base; the local fallback calls the same function."""
         c = self.config
-        node = per_step_node(c.topology, self._world_size, planning_node(self._world_size, c.gpus_per_node,
-                                                                         self._node_sizes))
-        return plan_from_gathered(lens, self._topology, self._live_model(), c.solver, c.max_tokens_per_gpu, node)
+        node = per_step_node(c.balance.topology, self._world_size,
+                             planning_node(self._world_size, c.gpus_per_node, self._node_sizes))
+        return plan_from_gathered(lens, self._topology, self._live_model(), c.balance.solver, c.max_tokens_per_gpu,
+                                  node)
 
     def _live_model(self) -> WorkloadModel | CostModel:
         """The cost model re-fitted to the measured per-rank times (``LiveFit``: its
@@ -250,31 +251,16 @@ class BalanceCoordinator:
         (its files were lost, or it was cut back below it since) that is logged as an
         error: training goes on, and the ledger lacks those rows."""
         version = state.get("version") if isinstance(state, dict) else None
-        if version == 1:
-            self._load_v1(state)
-        elif version != STATE_VERSION:
+        if version != STATE_VERSION:
             raise ValueError(f"coordinator state version {version!r} is not supported (expected {STATE_VERSION})")
-        else:
-            why = self.ledger.covers(state)
-            if why is not None:
-                log.error("the coordinator's ledger misses rows the checkpoint at step %s covers: %s",
-                          state["committed_step"], why)
-            self.ledger.truncate(int(state["committed_step"]), max(self.ledger.attempt, int(state["attempt"])))
+        why = self.ledger.covers(state)
+        if why is not None:
+            log.error("the coordinator's ledger misses rows the checkpoint at step %s covers: %s",
+                      state["committed_step"], why)
+        self.ledger.truncate(int(state["committed_step"]), max(self.ledger.attempt, int(state["attempt"])))
         ends = {int(e): int(t) for e, t in state["epoch_ends"].items()}
         self._steps.restart("coordinator state loaded", int(state["epoch"]), ends, self.ledger.committed_step)
         self._save_run_state()
-
-    def _load_v1(self, state: dict) -> None:
-        """A checkpoint of the pickled-state era, which carried every ledger row: import them."""
-        led = state["ledger"]
-        step, ids, home, att = (np.asarray(led[k], dtype=np.int64) for k in ("step", "sample_id", "home_rank", "attempt"))
-        if not step.size == ids.size == home.size == att.size or np.any(np.diff(step) < 0):
-            raise ValueError("corrupt coordinator state (version 1): ledger columns differ in size or are not by step")
-        steps, first, counts = np.unique(step, return_index=True, return_counts=True)
-        ends = {int(e): int(t) for e, t in state["epoch_ends"].items()}
-        epochs = [next((e for e in sorted(ends) if ends[e] >= t), int(state["epoch"])) for t in steps.tolist()]
-        table = np.stack([steps, np.asarray(epochs, np.int64), att[first], counts], axis=1)
-        self.ledger.replace(table, ids, home, int(state["committed_step"]), max(self.ledger.attempt, int(state["attempt"])))
 
     # ---- runs and topology --------------------------------------------------------------
 
@@ -316,11 +302,12 @@ class BalanceCoordinator:
         self._world_size, self._topology = world_size, topo
         self._steps.world_size = world_size
         if old_topo is None:
-            log.info("coordinator topology %s for world size %d (rule %r)", topo, world_size, self.config.topology)
+            log.info("coordinator topology %s for world size %d (rule %r)", topo, world_size,
+                     self.config.balance.topology)
         elif topo != old_topo:
             log.info(
                 "coordinator topology changed: %s -> %s (world size %s -> %d, rule %r)",
-                old_topo, topo, old_world, world_size, self.config.topology,
+                old_topo, topo, old_world, world_size, self.config.balance.topology,
             )
 
     def topology_for(self, world_size: int, node_sizes: Sequence[int] | None = None) -> Topology:
@@ -328,14 +315,14 @@ class BalanceCoordinator:
         (in rank order; None: the config's ``gpus_per_node`` says where nodes are) by the
         configured rule (``knapray.planning.rules.resolve_rule``; ``"auto"`` judges by
         recent lengths)."""
-        c = self.config
+        c, rule = self.config, self.config.balance.topology
         choice = resolve_rule(
-            c.topology, world_size, gpus_per_node=c.gpus_per_node, node_sizes=node_sizes,
+            rule, world_size, gpus_per_node=c.gpus_per_node, node_sizes=node_sizes,
             history=self._stats.length_history,
-            model=self.model, solver=c.solver, auto_tolerance=c.auto_tolerance, history_steps=c.history_steps,
+            model=self.model, solver=c.balance.solver, auto_tolerance=c.auto_tolerance, history_steps=c.history_steps,
         )
-        if c.topology in ("auto", PER_STEP) or node_sizes is not None:
-            log.info("%s topology for world size %d: %s (%s)", c.topology, world_size, choice.topology, choice.reason)
+        if rule in ("auto", PER_STEP) or node_sizes is not None:
+            log.info("%s topology for world size %d: %s (%s)", rule, world_size, choice.topology, choice.reason)
         return choice.topology
 
     # ---- timing and statistics ----------------------------------------------------------

@@ -193,8 +193,8 @@ class Ledger:
     def replace(self, table: np.ndarray, sample_ids: np.ndarray, home_ranks: np.ndarray,
                 committed_step: int, attempt: int) -> None:
         """Hold exactly these rows (``table``: (k, 4) step, epoch, attempt, rows per step),
-        as a new ledger written as one snapshot: for importing old checkpoints and for
-        building large ledgers fast (benchmarks)."""
+        as a new ledger written as one snapshot: for building large ledgers fast
+        (benchmarks)."""
         table = np.asarray(table, np.int64).reshape(-1, 4)
         if int(table[:, _ROWS].sum()) != len(sample_ids) or len(sample_ids) != len(home_ranks):
             raise ValueError(f"{len(sample_ids)} sample ids, {len(home_ranks)} home ranks and "

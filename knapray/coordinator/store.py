@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from knapray.files import read_json
 from knapray.nofollow import open_nofollow
 
 MAGIC = b"KRLJ\x00\x00\x00\x01"
@@ -50,6 +51,9 @@ SNAPSHOT_FORMAT = 1
 COMMIT, TRUNCATE = 1, 2
 """Record kinds: a committed step's rows (or, with no rows, only the committed step
 moving on); a cut back to an earlier step with a new attempt."""
+MAX_STATE_FILE_BYTES = 1 << 28
+"""``run.json`` and ``stats.json`` hold a few steps' sample ids and recent lengths
+(megabytes at a large world); a larger file is not one the coordinator wrote."""
 
 _FRAME = struct.Struct("<III")  # payload bytes, crc32 of payload, crc32 of the 8 bytes before
 _HEAD = struct.Struct("<BqqqqI")  # kind, step, epoch, attempt, through, n
@@ -283,18 +287,7 @@ class StateStore:
 
     def read_json(self, name: str) -> dict | None:
         """The object in ``name``, None if there is no such file."""
-        path = self._path(name)
-        if not os.path.exists(path):
-            return None
-        with open(path, "rb") as f:
-            data = f.read()
-        try:
-            obj = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise LedgerFileError(f"{path} is not a JSON file written by the coordinator: {e}") from None
-        if not isinstance(obj, dict):
-            raise LedgerFileError(f"{path}: expected a JSON object, got {type(obj).__name__}")
-        return obj
+        return read_json(self._path(name), MAX_STATE_FILE_BYTES, "coordinator file", LedgerFileError, missing=None)
 
     def _numbered(self, pattern: re.Pattern) -> list[tuple[int, str]]:
         found = [(pattern.match(name), name) for name in os.listdir(self.directory)]

@@ -296,26 +296,16 @@ def load_schema_json(corpus_dir: str) -> dict[str, Any]:
     """``<corpus_dir>/schema.json``, with every field a reader takes from it checked for its
     type (``FileNotFoundError`` if there is none; ``SchemaFileError`` naming the file and the
     field otherwise): what pre-flight reads before any worker starts."""
-    import json
+    import errno
     import os
 
+    from knapray.files import read_json
 
     path = os.path.join(corpus_dir, SCHEMA_FILE)
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_SCHEMA_BYTES + 1)
-    except FileNotFoundError:
-        raise
-    except OSError as e:
-        raise SchemaFileError(f"corpus file {path} cannot be read: {e.strerror or e}") from None
-    if len(data) > MAX_SCHEMA_BYTES:
-        raise SchemaFileError(f"corpus file {path} is over {MAX_SCHEMA_BYTES >> 20} MiB: not a knapray schema.json")
-    try:
-        doc = json.loads(data.decode("utf-8"))
-    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError alike
-        raise SchemaFileError(f"corpus file {path} is not JSON ({e}): rebuild the corpus or restore the file") from None
-    if not isinstance(doc, dict):
-        raise SchemaFileError(f"corpus file {path} holds a {type(doc).__name__}, not an object")
+    doc = read_json(path, MAX_SCHEMA_BYTES, "corpus file", SchemaFileError,
+                    advice="rebuild the corpus or restore the file", missing=None)
+    if doc is None:
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
     if doc.get("format_version") != FORMAT_VERSION:
         raise SchemaFileError(f"corpus file {path}: format_version {str(doc.get('format_version'))[:40]!r}, "
                               f"this knapray reads {FORMAT_VERSION}")

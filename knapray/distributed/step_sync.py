@@ -46,7 +46,7 @@ class StepSync:
         creates the gloo group); a single process without a process group gets a world of
         one in which every method is local.
 
-        ``gloo_socket_ifname`` (``run.gloo_socket_ifname``): the network interface(s) gloo
+        ``gloo_socket_ifname`` (``distributed.gloo_socket_ifname``): the network interface(s) gloo
         binds, set as GLOO_SOCKET_IFNAME for this and every later gloo group of the process
         (gloo reads it when a group is created); "" keeps the environment's."""
         device = torch.device(device)

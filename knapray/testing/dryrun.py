@@ -296,7 +296,7 @@ def run_step(setup: Setup, plan, text_tokens: np.ndarray, batch_host, *, device:
     from knapray.train.ema import build_ema
     from knapray.train.optim import build_optimizer
     from knapray.distributed.parallel_dims import ParallelDims
-    from knapray.train.parallelize import ParallelConfig, sharding_of, parallelize
+    from knapray.train.parallelize import sharding_of, parallelize
 
     from .step_watch import HostSync, StepWatch
 
@@ -315,11 +315,10 @@ def run_step(setup: Setup, plan, text_tokens: np.ndarray, batch_host, *, device:
     from knapray.models.lora import hold_base_in
 
     hold_base_in(model, dtype)  # a LoRA run's frozen base, as the trainer holds it
-    section = dataclasses.replace(cfg.parallel, fsdp=fsdp, activation_checkpointing="none") if device_pass \
-        else cfg.parallel
-    parallel = parallelize(model, ParallelConfig.from_section(section, dtype, setup.world),
-                           ParallelDims(world_size=setup.world, device_type=device.type,
-                                        gpus_per_node=setup.gpus_per_node))
+    applied = dataclasses.replace(cfg.parallel, fsdp=fsdp, activation_checkpointing="none") if device_pass \
+        else cfg.parallel.for_world(setup.world)
+    parallel = parallelize(model, applied, ParallelDims(world_size=setup.world, device_type=device.type,
+                                                        gpus_per_node=setup.gpus_per_node), compute_dtype=dtype)
     bag_group, route_group = groups.for_topology(plan.topology)
     routed = routed_text_mask(plan, setup.rank, text_tokens)
     global_img = int(sum(plan.seq_lens) - text_tokens.sum())

@@ -238,7 +238,7 @@ def run_scenario(settings: Settings) -> dict:
             f"scaling.num_workers={max_w}", f"scaling.min_workers={min_w}", "scaling.cpus_per_worker=0.5",
             f"scaling.resources_per_worker={{{SLOT}: 1}}", f"scaling.elastic_monitor_interval_s={settings.monitor}",
             f"scaling.worker_start_timeout_s={settings.start_timeout}",
-            "checkpoint.every=1", "run.max_failures=3", "run.timeout_s=60",
+            "checkpoint.every=1", "run.max_failures=3", "distributed.timeout_s=60",
             "balance.coordinator_timeout_s=10",
         ])
         name = coordinator_name(cfg)

@@ -109,7 +109,8 @@ def write_config(check: Check, corpus: Path, run_root: Path, *, steps: int, topo
         "data": {"corpus": str(corpus), "samples_per_step": check.samples_per_step, "epochs": 1, "seed": 0},
         "balance": {"topology": topology, "coordinator": False},
         "optim": {"lr": check.lr, "grad_clip": 1.0},
-        "run": {"name": check.name, "storage": str(run_root), "max_steps": steps, "timeout_s": 300},
+        "run": {"name": check.name, "storage": str(run_root), "max_steps": steps},
+        "distributed": {"timeout_s": 300},
         "scaling": {"use_gpu": not cpu},
         "parallel": {"precision": "fp32" if cpu else "bf16", **check.parallel},
         # the runs are judged, not resumed: no 15 GB writes

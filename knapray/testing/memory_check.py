@@ -133,7 +133,7 @@ def measure_step(
     model = MMDiT(cfg).to(device=device, dtype=dtype)
     # The trainer's own checkpointing (the rule of knapray.planning.checkpointing), so the
     # blocks measured as recomputed are those the memory model counts and training recomputes.
-    parallelize(model, ParallelConfig(ac=checkpointing, ac_every=ac_every))
+    parallelize(model, ParallelConfig(activation_checkpointing=checkpointing, ac_every=ac_every))
     batch = cast_batch(batch, dtype).to(device)
     params = list(model.parameters())
     cuda = device.type == "cuda"

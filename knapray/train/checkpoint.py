@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from knapray.files import read_json
 from knapray.nofollow import open_nofollow
 
 from .safe_dcp import UnsafeMetadata, read_metadata
@@ -172,19 +173,7 @@ def read_trainer_state(path: str, required: tuple[str, ...] = ("step",)) -> dict
     one of ``required``) epoch, world size and topology of the run that wrote it; with
     ``ledger`` required, the ledger position too (a dict of ints, or null)."""
     file = os.path.join(path, TRAINER_STATE)
-    try:
-        with open(file, "rb") as f:
-            data = f.read(TRAINER_STATE_MAX_BYTES + 1)
-    except OSError as e:
-        raise CheckpointError(f"checkpoint file {file} cannot be read: {e.strerror or e}") from None
-    if len(data) > TRAINER_STATE_MAX_BYTES:
-        raise CheckpointError(f"checkpoint file {file} is over {TRAINER_STATE_MAX_BYTES} bytes, not a trainer state")
-    try:
-        trainer = json.loads(data.decode("utf-8"))
-    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError alike
-        raise CheckpointError(f"checkpoint file {file} is not JSON: {e}") from None
-    if not isinstance(trainer, dict):
-        raise CheckpointError(f"checkpoint file {file} holds a {type(trainer).__name__}, not an object")
+    trainer = read_json(file, TRAINER_STATE_MAX_BYTES, "checkpoint file", CheckpointError)
     for name, typ in _TRAINER_FIELDS.items():
         if name not in required and name not in trainer:
             continue

@@ -12,6 +12,13 @@ tuple, ``dict[str, float]``, ``dict``, a nested section) and against the rules i
 - ``check``: a function of the value as written that raises ValueError saying what is
   wrong and what is valid.
 
+Each section is a dataclass. A section that only the run config has is named ``...Section``
+here (``RunSection``, ``DataSection``...: named apart from Ray Train's ``RunConfig``,
+``ScalingConfig``, ``DataConfig`` and ``CheckpointConfig``, which the Ray launcher uses
+beside them); a component that owns its section declares it beside its code and the run
+config embeds it: ``balance`` is ``knapray.coordinator.config.BalanceConfig``, ``parallel``
+``knapray.train.parallelize.ParallelConfig``, ``model`` the family's config.
+
 The model section (``DiTConfig``: the class of its ``model.family``, ``MMDiTConfig`` by default)
 declares its rules the same way and keeps its own ``__post_init__`` checks; with
 ``model.pretrained`` the checkpoint's config.json fills the architecture fields the file
@@ -32,15 +39,16 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
+from knapray.coordinator.config import BalanceConfig
+from knapray.files import read_text
 from knapray.limits import (MAX_EPOCHS, MAX_GLOBAL_BATCH, MAX_MICRO_BATCHES, MAX_RANK_TOKENS, MAX_RUN_NAME,
                             MAX_SAMPLES_PER_RANK, MAX_SEED, MAX_SHUFFLE_BUFFER_MB, MAX_STEPS, MAX_TIMEOUT_S,
                             MAX_WORLD_SIZE)
-from knapray.planning.rules import parse_rule
 from knapray.models import DiTConfig, MMDiTConfig
 from knapray.models.flow import TIMESTEP_KINDS
 from knapray.models.timesteps import ResolutionShift, TimestepDistribution
-from knapray.planning import SOLVERS
-from knapray.planning.checkpointing import AC_MODES
+
+from .parallelize import ParallelConfig
 
 
 class ConfigError(ValueError):
@@ -67,18 +75,15 @@ def _directory_name(name: Any) -> None:
         )
 
 
-def _coordinator_node(value: Any) -> None:
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"expected 'head', 'any' or the name of a custom node resource, {_got(value)}")
-
-
 def _finite(value: Any) -> None:
     if isinstance(value, float) and not math.isfinite(value):  # other non-numbers: the type check
         raise ValueError(f"expected a finite number, {_got(value)}")
 
 
 @dataclass(kw_only=True, slots=True)
-class DataConfig:
+class DataSection:
+    """``data:`` The corpus, how much of it a step draws, in what order, and what is left out."""
+
     corpus: str = "datasets/generated/demo"
     """Directory of parquet shards + schema.json. It must exist: knapray never builds or
     replaces a corpus on its own (build one with ``python -m knapray.corpus.synthetic`` or
@@ -118,47 +123,9 @@ class DataConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class BalanceConfig:
-    enabled: bool = True
-    """False trains unbalanced (every rank computes its own samples): the baseline."""
-    topology: str = field(default="g1n2+g2n1", metadata={"check": parse_rule})
-    """Bags (e.g. g8n4), replicated to the world size; 'bags_of:N'; 'auto'; or 'per-step'
-    (with ``planner: cost``: every step chooses its own partition of each node of
-    ``gpus_per_node`` ranks, the world if 0, into aligned power-of-two blocks; the 'auto'
-    topology is the run's static one, tried every step too)."""
-    solver: str = field(default="knapray", metadata={"choices": SOLVERS})
-    gamma: float = field(default=0.4, metadata={"ge": 0})
-    """Attention cost factor of the workload model (d_model comes from the model)."""
-    gpus_per_node: int = field(default=0, metadata={"ge": 0, "le": MAX_WORLD_SIZE})
-    """If > 0, bags never cross a node boundary when they fit in one."""
-    planner: str = field(default="workload", metadata={"choices": ("workload", "cost")})
-    """``workload`` (the paper's work estimate) or ``cost`` (predicted seconds with
-    communication and live per-rank speeds; then ``topology: auto`` searches mixed bags)."""
-    cost: dict = field(default_factory=dict)
-    """CostModel fields for ``planner: cost`` (num_heads defaults to the model's)."""
-    cost_profile: str = ""
-    """A ``knapray calibrate`` profile for ``planner: cost``."""
-    live_fit: bool = True
-    """With ``planner: cost``: re-fit the cost model's compute coefficients and per-rank
-    speeds from the measured per-rank times while training; false plans with it as given."""
-    coordinator: bool = True
-    """Plan on the BalanceCoordinator actor (else every rank plans from an all-gather)."""
-    coordinator_timeout_s: float = field(default=30.0, metadata={"gt": 0, "le": MAX_TIMEOUT_S})
-    """After this long without an answer a rank falls back to local planning."""
-    coordinator_node: str = field(default="head", metadata={"check": _coordinator_node})
-    """Where the coordinator actor runs: ``head`` (the Ray head node: it outlives the
-    worker nodes, spot ones included), ``any`` (wherever Ray puts it), or the name of a
-    custom resource that the nodes meant for it carry (e.g. one given to a node type in
-    cluster.yaml); it asks for a thousandth of it."""
+class OptimSection:
+    """``optim:`` The optimizer (AdamW), its learning-rate schedule, accumulation and the EMA."""
 
-    def __post_init__(self) -> None:
-        if self.topology == "per-step" and self.planner != "cost":
-            raise ValueError(f"topology 'per-step' chooses bags by predicted step time: it needs planner: cost, "
-                             f"got planner {self.planner!r}")
-
-
-@dataclass(kw_only=True, slots=True)
-class OptimConfig:
     lr: float = field(default=1e-3, metadata={"gt": 0})
     weight_decay: float = field(default=0.0, metadata={"ge": 0})
     betas: tuple[float, float] = field(default=(0.9, 0.999), metadata={"ge": 0, "lt": 1})
@@ -187,7 +154,9 @@ class OptimConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class FlowConfig:
+class FlowSection:
+    """``flow:`` How training draws each sample's timestep, and the guidance it trains with."""
+
     timesteps: str = field(default="logit_normal", metadata={"choices": TIMESTEP_KINDS})
     """How training draws each sample's timestep t in (0, 1) (t = 1 is pure noise):
     ``logit_normal``: sigmoid(N(timestep_mean, timestep_std)) (SD3), ``uniform``: U(0, 1)."""
@@ -240,8 +209,9 @@ class FlowConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class RunConfig:
-    """``run:`` What the run is called, where it lives, how long it runs and how its collectives wait."""
+class RunSection:
+    """``run:`` What the run is called, where it lives, how long it runs and how often Ray Train
+    restarts it."""
 
     name: str = field(default="demo", metadata={"check": _directory_name})
     """The run's directory name under ``storage`` (also names its coordinator actor)."""
@@ -251,6 +221,13 @@ class RunConfig:
     """Stop after this many steps (0: run the epochs out)."""
     max_failures: int = field(default=1, metadata={"ge": -1, "le": MAX_STEPS})
     """Worker-group restarts Ray Train allows (-1: unlimited)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class DistributedSection:
+    """``distributed:`` How the ranks' process groups wait and which network they use (both
+    launchers: Ray Train's and torchrun)."""
+
     timeout_s: int = field(default=1800, metadata={"ge": 1, "le": MAX_TIMEOUT_S})
     """Collective timeout (seconds): a dead peer surfaces as an error instead of a hang. It
     must also outlast the longest a rank may wait in a collective for a live peer, which the
@@ -266,8 +243,9 @@ class RunConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class ScalingConfig:
-    """``scaling:`` How many workers, on what resources, and how an elastic run resizes (Ray Train's ``ScalingConfig``)."""
+class ScalingSection:
+    """``scaling:`` How many workers, on what resources, and how an elastic run resizes (what
+    the Ray launcher gives Ray Train's ``ScalingConfig``)."""
 
     num_workers: int = field(default=4, metadata={"ge": 1, "le": MAX_WORLD_SIZE})
     """Ray Train workers (one per GPU on a GPU cluster)."""
@@ -290,7 +268,7 @@ class ScalingConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class CheckpointConfig:
+class CheckpointSection:
     """``checkpoint:`` When checkpoints are written and whether a run continues one."""
 
     every: int = field(default=10, metadata={"ge": 0, "le": MAX_STEPS})
@@ -305,7 +283,7 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class ValidationConfig:
+class ValidationSection:
     """``metrics.validation:`` samples drawn while training, every ``every`` steps, with the
     run's current weights (the EMA's when the run keeps one), into TensorBoard (images; a
     clip as a strip of its frames) and ``validation/step-<N>.png`` in the run directory."""
@@ -341,7 +319,7 @@ class ValidationConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class MetricsConfig:
+class MetricsSection:
     """``metrics:`` Where the step metrics go, how often, and which steps are profiled."""
 
     log_every: int = field(default=1, metadata={"ge": 1, "le": MAX_STEPS})
@@ -364,7 +342,7 @@ class MetricsConfig:
     """Profile steps [a, b) with torch.profiler on every rank: ``profile/rank<r>.trace.json``
     (Chrome trace) and ``profile/rank<r>.txt`` (device busy time, kernel time by kind, the
     heaviest kernels) in the run directory. [0, 0]: no profiling."""
-    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    validation: ValidationSection = field(default_factory=ValidationSection)
     """Samples while training (``every`` > 0)."""
 
     def __post_init__(self) -> None:
@@ -375,72 +353,20 @@ class MetricsConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class ParallelSection:
-    """``parallel:`` How the model is run on the devices: precision, sharding, recomputation, compilation
-    (``parallelize`` applies it: ``ParallelConfig.from_section``)."""
-
-    precision: str = field(default="auto", metadata={"choices": ("auto", "bf16", "fp32")})
-    """Compute precision: ``bf16`` (mixed: fp32 master weights, bf16 compute under autocast,
-    on CUDA and on CPU), ``fp32``, or ``auto``: bf16 on a GPU, fp32 on CPU."""
-    fsdp: str = field(default="none", metadata={"choices": ("none", "full", "hybrid")})
-    """Parameter sharding (FSDP2): ``none`` (every rank holds the model; one flat all-reduce
-    of gradients), ``full`` (parameters, gradients and optimizer state sharded over the
-    world), ``hybrid`` (sharded within a node of ``balance.gpus_per_node`` ranks, replicated
-    across nodes). With bf16 precision FSDP gathers parameters in bf16 and reduces in fp32."""
-    activation_checkpointing: str = field(default="none", metadata={"choices": AC_MODES})
-    """Recompute transformer blocks in backward instead of keeping their activations:
-    ``full`` (every block), ``selective`` (every block, but attention's output and
-    log-sum-exp are kept, so no attention kernel runs twice: a block keeps about twice
-    what ``full`` keeps), ``every_k`` (every ``ac_every``-th block)."""
-    ac_every: int = field(default=2, metadata={"ge": 1, "le": MAX_MICRO_BATCHES})
-    """k of ``activation_checkpointing: every_k``."""
-    compile: bool = False
-    """torch.compile each transformer block (dynamic shapes: packed batches change size
-    every step; recompiles are counted in the metrics)."""
-
-
-MOVED = {
-    **{k: f"scaling.{k}" for k in ("num_workers", "min_workers", "use_gpu", "cpus_per_worker", "resources_per_worker",
-                                  "elastic_monitor_interval_s", "worker_start_timeout_s")},
-    "checkpoint_every": "checkpoint.every", "final_checkpoint": "checkpoint.final", "resume": "checkpoint.resume",
-    **{k: f"metrics.{k}" for k in ("log_every", "tensorboard", "wandb_project", "mlflow_tracking_uri",
-                                  "mlflow_experiment", "profile_steps")},
-    **{k: f"parallel.{k}" for k in ("precision", "fsdp", "activation_checkpointing", "ac_every", "compile")},
-}
-"""Keys the ``run`` section had before it was split, and where each is now: a config that
-still gives one is refused in one line naming the new key (``_build``); a run directory's
-saved config.json of that layout is moved over when read (``from_saved_layout``)."""
-
-
-def from_saved_layout(data: dict) -> dict:
-    """A saved config (plain values) in today's sections: a run directory written before the
-    run section was split keeps its keys under ``run``; they move to their sections here
-    (data only: nothing is executed or imported)."""
-    run = data.get("run")
-    if not isinstance(run, dict) or not any(k in MOVED for k in run):
-        return data
-    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
-    for key in [k for k in run if k in MOVED]:
-        section, name = MOVED[key].split(".")
-        out.setdefault(section, {})
-        if isinstance(out[section], dict):
-            out[section].setdefault(name, run[key])
-        del out["run"][key]
-    return out
-
-
-@dataclass(kw_only=True, slots=True)
 class TrainConfig:
+    """The run config: one field per section."""
+
     model: DiTConfig = field(default_factory=MMDiTConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    data: DataSection = field(default_factory=DataSection)
     balance: BalanceConfig = field(default_factory=BalanceConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    flow: FlowConfig = field(default_factory=FlowConfig)
-    run: RunConfig = field(default_factory=RunConfig)
-    scaling: ScalingConfig = field(default_factory=ScalingConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)
-    parallel: ParallelSection = field(default_factory=ParallelSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    flow: FlowSection = field(default_factory=FlowSection)
+    run: RunSection = field(default_factory=RunSection)
+    distributed: DistributedSection = field(default_factory=DistributedSection)
+    scaling: ScalingSection = field(default_factory=ScalingSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -628,12 +554,8 @@ def _build(cls: type, data: Any, path: str) -> Any:
     fields = dataclasses.fields(cls)
     names = [f.name for f in fields]
     unknown = sorted(map(str, set(data) - set(names)))
-    moved = [f"config {path}.{k} is now {MOVED[k]}" for k in unknown if path == "run" and k in MOVED]
-    if moved:
-        raise ConfigError(f"{moved[0]} (the run section was split into run, scaling, checkpoint, metrics and "
-                          "parallel: docs/training.md)")
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; valid keys: {names}")
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; valid keys: {names}{_elsewhere(unknown, path)}")
     hints = get_type_hints(cls)
     keys = {f.name: f"{path}.{f.name}" if path else f.name for f in fields}
     values: dict[str, Any] = {}
@@ -673,6 +595,18 @@ def _build(cls: type, data: Any, path: str) -> Any:
         return cls(**values)
     except ValueError as e:  # the section's own checks, e.g. DiTConfig's that relate fields
         raise ConfigError(f"{where}: {e}") from None
+
+
+def _elsewhere(keys: list[str], path: str) -> str:
+    """"; did you mean distributed.timeout_s?" for the first of ``keys`` (unknown in the
+    section at ``path``) that another section of the run config holds; "" if none does."""
+    sections = {name: typ for name, typ in get_type_hints(TrainConfig).items() if dataclasses.is_dataclass(typ)}
+    for key in keys:
+        places = [f"{name}.{key}" for name, typ in sections.items()
+                  if name != path and key in {f.name for f in dataclasses.fields(typ)}]
+        if places:
+            return f"; did you mean {' or '.join(places)}?"
+    return ""
 
 
 def _model_section_class(raw: Any, path: str) -> type:
@@ -737,25 +671,16 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     return _build(TrainConfig, read_config(path, overrides), "")
 
 
-MAX_CONFIG_BYTES = 1 << 20
-"""A run config is a few KB; a larger file is not one (and is never read whole)."""
+MAX_CONFIG_FILE_BYTES = 1 << 20
+"""A YAML run config a user writes is a few KB; a larger file is not one (and is never read
+whole). A run directory's saved ``config.json`` has its own bound
+(``knapray.train.run_dir.MAX_SAVED_CONFIG_BYTES``)."""
 
 
 def _config_text(path: str) -> str:
-    """The config file's text: UTF-8, at most ``MAX_CONFIG_BYTES``; a ConfigError naming the
-    file otherwise."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_CONFIG_BYTES + 1)
-    except OSError as e:
-        raise ConfigError(f"config file {path!r}: cannot read it ({e.strerror})") from None
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"config file {path!r}: larger than {MAX_CONFIG_BYTES // 1024} KiB; is it a run config?")
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {path!r}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
-                          "is it a binary file?") from None
+    """The config file's text: UTF-8, at most ``MAX_CONFIG_FILE_BYTES``; a ConfigError naming
+    the file otherwise."""
+    return read_text(path, MAX_CONFIG_FILE_BYTES, "config file", ConfigError, advice="is it a run config?")
 
 
 def config_from_dict(data: dict) -> TrainConfig:

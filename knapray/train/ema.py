@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from knapray.train.config import OptimConfig
+from knapray.train.config import OptimSection
 
 NUM_UPDATES = "num_updates"
 """The state-dict key of the update count; every other key is a parameter's name."""
@@ -107,7 +107,7 @@ def _reshard(model: torch.nn.Module) -> None:
             module.reshard()
 
 
-def build_ema(model: torch.nn.Module, cfg: OptimConfig) -> EMA | None:
+def build_ema(model: torch.nn.Module, cfg: OptimSection) -> EMA | None:
     """The EMA ``cfg`` asks for (``ema_decay``, ``ema_warmup``), None when ema_decay is 0.
     Build it after the model is sharded and before a checkpoint is loaded into it."""
     return EMA(model, cfg.ema_decay, warmup=cfg.ema_warmup) if cfg.ema_decay > 0 else None

@@ -203,7 +203,8 @@ def _fit_in(cfg: TrainConfig, corpus: CorpusCheck, done_steps: int, coordinator:
         train_loop_config=cfg.to_dict(),
         datasets={"train": ds},
         dataset_config=_every_row_data_config(ingest_execution_options()),
-        torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo", timeout_s=cfg.run.timeout_s),
+        torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo",
+                                 timeout_s=cfg.distributed.timeout_s),
         scaling_config=ScalingConfig(
             num_workers=workers, use_gpu=cfg.scaling.use_gpu,
             resources_per_worker={"CPU": cfg.scaling.cpus_per_worker, **cfg.scaling.resources_per_worker},

@@ -13,10 +13,10 @@ from collections.abc import Iterable
 
 import torch
 
-from knapray.train.config import OptimConfig
+from knapray.train.config import OptimSection
 
 
-def decay_horizon(cfg: OptimConfig, max_steps: int = 0) -> int:
+def decay_horizon(cfg: OptimSection, max_steps: int = 0) -> int:
     """The step where ``cosine`` reaches min_lr_ratio·lr: ``cfg.decay_steps``, else the
     run's ``max_steps``; 0 for ``constant``. Raises ValueError for a cosine without a
     horizon or one that ends before warm-up does."""
@@ -38,7 +38,7 @@ def decay_horizon(cfg: OptimConfig, max_steps: int = 0) -> int:
     return horizon
 
 
-def lr_at(step: int, cfg: OptimConfig, max_steps: int = 0) -> float:
+def lr_at(step: int, cfg: OptimSection, max_steps: int = 0) -> float:
     """The learning rate of optimizer step ``step`` (from 0).
 
     Warm-up (step < W = warmup_steps): lr·(step+1)/(W+1), a line from 0 that reaches lr at
@@ -69,7 +69,7 @@ class LRSchedule:
     so the trainer may skip the state dict.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int = 0,
+    def __init__(self, optimizer: torch.optim.Optimizer, cfg: OptimSection, max_steps: int = 0,
                  start_step: int = 0) -> None:
         decay_horizon(cfg, max_steps)  # refuse a schedule without an end now, not at warm-up's end
         self.optimizer, self.cfg, self.max_steps = optimizer, cfg, max_steps
@@ -105,7 +105,7 @@ def _decays(param: torch.Tensor, embeddings: set[int]) -> bool:
 
 
 def build_optimizer(
-    params: torch.nn.Module | Iterable[tuple[str, torch.Tensor]] | Iterable[torch.Tensor], cfg: OptimConfig,
+    params: torch.nn.Module | Iterable[tuple[str, torch.Tensor]] | Iterable[torch.Tensor], cfg: OptimSection,
     *, fused: bool | None = None,
 ) -> torch.optim.AdamW:
     """AdamW on fp32 master weights with ``cfg``'s lr, betas and weight decay.

@@ -59,10 +59,13 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from knapray.distributed.grads import allreduce_gradients
 from knapray.distributed.parallel_dims import ParallelDims
+from knapray.limits import MAX_MICRO_BATCHES
 from knapray.models.families import FAMILIES
 from knapray.planning.checkpointing import AC_MODES, SELECTIVE_KEEPS, checkpointed_blocks
 
 FSDP_MODES = ("none", "full", "hybrid")
+PRECISIONS = ("auto", "bf16", "fp32")
+COMPILE_BACKENDS = ("inductor", "aot_eager")
 FSDP_DTYPES = (torch.float32, torch.bfloat16)
 STAGE_METHODS = ("condition", "embed", "blocks", "head")
 """The MMDiT methods a balanced step calls; each enters FSDP through the root."""
@@ -76,71 +79,60 @@ def sharding_of(fsdp: str, world_size: int | None) -> str:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class ParallelConfig:
-    """What ``parallelize`` applies; checked in ``__post_init__``, no process group needed."""
+    """``parallel:`` How the model is run on the devices: precision, sharding, recomputation,
+    compilation; what ``parallelize`` applies. Each field's rules (``metadata``) are checked
+    when the run config is loaded (``knapray.train.config``) and again in ``__post_init__``
+    for one built in code: no process group needed."""
 
-    fsdp: str = "none"
-    """``none``: every rank holds the whole model, gradients summed by one flat all-reduce;
-    ``full``: FSDP2 shards parameters, gradients and optimizer state over the world;
-    ``hybrid``: shards within a node, replicates across nodes (2-D mesh)."""
-    ac: str = "none"
-    """Activation checkpointing of transformer blocks: ``none``, ``full`` (every block),
-    ``selective`` (every block, keeping attention's outputs: no attention kernel runs twice)
-    or ``every_k`` (blocks k-1, 2k-1, ... in double-then-single order:
-    ``knapray.planning.checkpointing.checkpointed_blocks``)."""
-    ac_every: int = 2
-    """k for ``ac="every_k"``."""
+    precision: str = dataclasses.field(default="auto", metadata={"choices": PRECISIONS})
+    """Compute precision: ``bf16`` (mixed: fp32 master weights, bf16 compute under autocast,
+    on CUDA and on CPU), ``fp32``, or ``auto``: bf16 on a GPU, fp32 on CPU. The trainer
+    resolves it to the dtype ``parallelize`` is given (``compute_dtype``)."""
+    fsdp: str = dataclasses.field(default="none", metadata={"choices": FSDP_MODES})
+    """Parameter sharding (FSDP2): ``none`` (every rank holds the model; one flat all-reduce
+    of gradients), ``full`` (parameters, gradients and optimizer state sharded over the
+    world), ``hybrid`` (sharded within a node of ``balance.gpus_per_node`` ranks, replicated
+    across nodes: a 2-D mesh). With bf16 precision FSDP gathers parameters in bf16 and
+    reduces in fp32. One rank shards nothing (``for_world``)."""
+    activation_checkpointing: str = dataclasses.field(default="none", metadata={"choices": AC_MODES})
+    """Recompute transformer blocks in backward instead of keeping their activations:
+    ``full`` (every block), ``selective`` (every block, but attention's output and
+    log-sum-exp are kept, so no attention kernel runs twice: a block keeps about twice
+    what ``full`` keeps), ``every_k`` (every ``ac_every``-th block: blocks k-1, 2k-1, ...
+    in double-then-single order, ``knapray.planning.checkpointing.checkpointed_blocks``)."""
+    ac_every: int = dataclasses.field(default=2, metadata={"ge": 1, "le": MAX_MICRO_BATCHES})
+    """k of ``activation_checkpointing: every_k``."""
     compile: bool = False
-    """torch.compile each block (dynamic shapes; attention stays eager)."""
-    compile_backend: str = "inductor"
-    """torch.compile backend (``aot_eager`` compiles fast, for tests)."""
-    param_dtype: torch.dtype = torch.float32
-    """dtype FSDP gathers parameters in for compute (bf16 in a bf16 run). FSDP only."""
-    reduce_dtype: torch.dtype = torch.float32
-    """dtype FSDP reduces gradients in. FSDP only."""
+    """torch.compile each transformer block (dynamic shapes: packed batches change size
+    every step; recompiles are counted in the metrics; attention stays eager)."""
+    compile_backend: str = dataclasses.field(default="inductor", metadata={"choices": COMPILE_BACKENDS})
+    """torch.compile's backend: ``inductor`` (generated kernels: what a run wants) or
+    ``aot_eager`` (no code generation: compiles fast, for tests and for telling a compiler
+    problem from a model one)."""
 
     def __post_init__(self) -> None:
-        if self.fsdp not in FSDP_MODES:
-            raise ValueError(f"fsdp must be one of {list(FSDP_MODES)}, got {self.fsdp!r}")
-        if self.ac not in AC_MODES:
-            raise ValueError(f"ac must be one of {list(AC_MODES)}, got {self.ac!r}")
+        for name, valid in (("precision", PRECISIONS), ("fsdp", FSDP_MODES), ("activation_checkpointing", AC_MODES),
+                            ("compile_backend", COMPILE_BACKENDS)):
+            if getattr(self, name) not in valid:
+                raise ValueError(f"{name} must be one of {list(valid)}, got {getattr(self, name)!r}")
         if not isinstance(self.ac_every, int) or isinstance(self.ac_every, bool) or self.ac_every < 1:
             raise ValueError(f"ac_every must be an int >= 1, got {self.ac_every!r}")
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile must be a bool, got {self.compile!r}")
-        for name in ("param_dtype", "reduce_dtype"):
-            value = getattr(self, name)
-            if value not in FSDP_DTYPES:
-                raise ValueError(f"{name} must be one of {[str(d) for d in FSDP_DTYPES]}, got {value!r}")
-        if self.fsdp == "none" and (self.param_dtype, self.reduce_dtype) != (torch.float32, torch.float32):
-            raise ValueError(
-                f"param_dtype={self.param_dtype} / reduce_dtype={self.reduce_dtype} apply to FSDP only "
-                "(fsdp full|hybrid); with fsdp none the run's precision (autocast) sets the compute dtype"
-            )
 
-    @classmethod
-    def from_section(cls, section, compute_dtype: torch.dtype, world_size: int | None = None,
-                     **extra) -> "ParallelConfig":
-        """The run config's ``parallel`` section (``knapray.train.config.ParallelSection``)
-        for a run computing in ``compute_dtype`` on ``world_size`` ranks: FSDP gathers
-        parameters in it and reduces in fp32; without FSDP the parameters stay fp32 (autocast
-        computes in bf16). One rank shards nothing: FSDP there would only add casts and
-        copies (``sharding_of``). ``extra``: fields the section does not have
-        (``compile_backend``)."""
-        fsdp = sharding_of(section.fsdp, world_size)
-        sharded = fsdp != "none"
-        return cls(fsdp=fsdp, ac=section.activation_checkpointing, ac_every=section.ac_every,
-                   compile=section.compile, param_dtype=compute_dtype if sharded else torch.float32,
-                   reduce_dtype=torch.float32, **extra)
+    def for_world(self, world_size: int | None) -> "ParallelConfig":
+        """What a world of ``world_size`` ranks applies: one rank shards nothing, FSDP there
+        would only add casts and copies (``sharding_of``)."""
+        return dataclasses.replace(self, fsdp=sharding_of(self.fsdp, world_size))
 
     def describe(self) -> dict:
-        """Plain values (dtypes by name), for JSON reports."""
-        return {f.name: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v
-                for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}
+        """Plain values, for JSON reports."""
+        return dataclasses.asdict(self)
 
     def checkpointed(self, num_blocks: int) -> tuple[bool, ...]:
         """Per block (double blocks first, then single): is it checkpointed? The one rule
         the memory model and calibration use too."""
-        return checkpointed_blocks(self.ac, self.ac_every, num_blocks)
+        return checkpointed_blocks(self.activation_checkpointing, self.ac_every, num_blocks)
 
 
 class CompileStats:
@@ -319,7 +311,7 @@ def _checkpointed_forward(forward: Callable, selective: bool = False) -> Callabl
     return run
 
 
-def _apply_fsdp(model: nn.Module, mesh, cfg: ParallelConfig) -> None:
+def _apply_fsdp(model: nn.Module, mesh, compute_dtype: torch.dtype) -> None:
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     # Every rank must reduce-scatter the same parameters of a unit in every backward. FSDP2
@@ -340,12 +332,13 @@ def _apply_fsdp(model: nn.Module, mesh, cfg: ParallelConfig) -> None:
             f"parameters {orphans} belong to no FSDP unit (embedders, blocks, final); the root "
             "would reduce them before embed's backward ran. Put them in one of those modules"
         )
-    param_dtype = None if cfg.param_dtype == torch.float32 else cfg.param_dtype
+    # Parameters are gathered in the compute dtype, gradients reduced in fp32.
+    param_dtype = None if compute_dtype == torch.float32 else compute_dtype
     # Embedders take raw fp32 inputs (latents, text features, timestep features) and cast
     # them; everything after them is already in the compute dtype, and RoPE's cos/sin must
     # stay fp32, as in the unsharded bf16 path.
-    embed_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=cfg.reduce_dtype)
-    body_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=cfg.reduce_dtype, cast_forward_inputs=False)
+    embed_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    body_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for unit in units.embedders:
         fully_shard(unit, mesh=mesh, mp_policy=embed_mp)
     for block in units.blocks:
@@ -442,11 +435,14 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
     model.initial_values(write)
 
 
-def parallelize(model: nn.Module, parallel: ParallelConfig | None = None, dims: ParallelDims | None = None
-                ) -> ParallelModel:
+def parallelize(model: nn.Module, parallel: ParallelConfig | None = None, dims: ParallelDims | None = None, *,
+                compute_dtype: torch.dtype = torch.float32) -> ParallelModel:
     """Apply compile, activation checkpointing and FSDP (in that order, inside out) to
-    ``model`` in place, as ``parallel`` says (default: none of them), on the devices of
-    ``dims`` (default: one process; with FSDP it builds the mesh: collective).
+    ``model`` in place, as ``parallel`` says (default: none of them; its ``fsdp`` as given,
+    ``ParallelConfig.for_world`` drops it on one rank), on the devices of ``dims``
+    (default: one process; with FSDP it builds the mesh: collective). ``compute_dtype``:
+    the dtype FSDP gathers parameters in (the run's precision; gradients are reduced in
+    fp32); without FSDP the parameters stay fp32 and autocast computes in it.
 
     The one way a model is parallelized: training, calibration, memory measurement, the
     dry run, parity and the step benchmark all call it. Call it once, on a model whose
@@ -454,6 +450,9 @@ def parallelize(model: nn.Module, parallel: ParallelConfig | None = None, dims: 
     it), before building the optimizer and before loading a checkpoint."""
     cfg = parallel if parallel is not None else ParallelConfig()
     dims = dims if dims is not None else ParallelDims.local()
+    if cfg.fsdp != "none" and compute_dtype not in FSDP_DTYPES:
+        raise ValueError(f"compute_dtype must be one of {[str(d) for d in FSDP_DTYPES]} with FSDP, "
+                         f"got {compute_dtype!r}")
     model_classes = tuple(f.model_cls for f in FAMILIES.values())
     if not isinstance(model, model_classes):
         raise TypeError(f"parallelize takes a family's model ({', '.join(c.__name__ for c in model_classes)}), "
@@ -476,9 +475,9 @@ def parallelize(model: nn.Module, parallel: ParallelConfig | None = None, dims: 
         if cfg.compile:
             block.forward = _compiled_forward(block, compiled[type(block)])
         if recomputed:
-            block.forward = _checkpointed_forward(block.forward, selective=cfg.ac == "selective")
+            block.forward = _checkpointed_forward(block.forward, selective=cfg.activation_checkpointing == "selective")
     mesh = None
     if cfg.fsdp != "none":
         mesh = dims.fsdp_mesh(cfg.fsdp)
-        _apply_fsdp(model, mesh, cfg)
+        _apply_fsdp(model, mesh, compute_dtype)
     return ParallelModel(model=model, config=cfg, mesh=mesh, compile_stats=stats)

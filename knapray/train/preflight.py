@@ -14,7 +14,6 @@ what is valid, which the launchers print with exit code 2.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping
@@ -24,12 +23,13 @@ from typing import Any
 
 import numpy as np
 
-from knapray.corpus.schema import SchemaFileError
+from knapray.corpus.schema import MAX_SCHEMA_BYTES, SCHEMA_FILE, SchemaFileError
 from knapray.corpus.schema import load_schema_json as read_schema_json  # every field's type checked
 from knapray.data import BadShard, CorpusInfo, DuplicateId, FamilyMismatch, check_model_config, check_shards, corpus_info, duplicate_ids
+from knapray.files import read_json
 
 from .checkpoint import completed_checkpoints
-from .config import ConfigError, DataConfig, TrainConfig, config_from_dict, read_config
+from .config import ConfigError, DataSection, TrainConfig, config_from_dict, read_config
 from .guard import check_bad_shards, check_duplicates, write_duplicate_quarantine, write_shard_quarantine
 from .metrics import truncate_metrics
 from .report import max_steps_cap
@@ -72,9 +72,8 @@ def read_corpus_dims(corpus: str) -> Mapping[str, Any] | None:
     """The ``dims`` of ``<corpus>/schema.json``, or None when it cannot be read (no corpus
     yet: the launcher names the path)."""
     try:
-        with open(os.path.join(corpus, "schema.json")) as f:
-            dims = json.load(f)["dims"]
-    except (OSError, ValueError, KeyError, TypeError):
+        dims = read_json(os.path.join(corpus, SCHEMA_FILE), MAX_SCHEMA_BYTES, "corpus file", missing={}).get("dims")
+    except ValueError:
         return None
     return dims if isinstance(dims, dict) else None
 
@@ -84,7 +83,7 @@ def _dims_from_corpus(data: dict, corpus_dims: Callable[[str], Mapping[str, Any]
     the corpus's schema.json, when the corpus is there (pre-flight checks the model
     against the corpus either way, so a pinned width that differs is one error line)."""
     data_section = data.get("data") if isinstance(data.get("data"), dict) else {}
-    corpus = data_section.get("corpus", DataConfig().corpus)
+    corpus = data_section.get("corpus", DataSection().corpus)
     model = data.setdefault("model", {}) if isinstance(data.get("model", {}), dict) else None
     if model is None or not isinstance(corpus, str) or all(k in model for k in CORPUS_DIMS):
         return
@@ -347,7 +346,7 @@ def check_corpus(cfg: TrainConfig, schema: _SchemaReader | None = None) -> Corpu
                 hint = ("; this job runs in the folder ray job submit uploaded, which holds no gitignored data: "
                         "give data.corpus as an absolute path on storage every node reads")
             raise RunError(f"data.corpus {path!r}: no corpus there (no schema.json){hint}; build one with "
-                           "python -m knapray.corpus.synthetic or python -m knapray.corpus.ingest")
+                           "knapray synthetic or knapray ingest")
         if isinstance(reader.error, SchemaFileError):  # names the file already
             raise RunError(f"data.corpus: {reader.error}")
         raise RunError(f"data.corpus {path!r}: {reader.error}")

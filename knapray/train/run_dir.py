@@ -14,6 +14,7 @@ import socket
 import time
 from dataclasses import dataclass, replace
 
+from knapray.files import read_json
 from knapray.nofollow import PlantedLink, open_nofollow, refuse_links
 
 from knapray.run_files import CONFIG_FILE, LEDGER_DIR, LOCK_FILE, STALE_DIRS, STALE_FILES, RunError
@@ -58,36 +59,39 @@ def resolve_paths(cfg: TrainConfig) -> TrainConfig:
     )
 
 
-MAX_CONFIG_BYTES = 16 << 20
+MAX_SAVED_CONFIG_BYTES = 16 << 20
+"""A run directory's ``config.json`` is a few KB (more with a long ``balance.cost`` or list
+of validation captions); a larger file is not one. A YAML config file a user writes has its
+own bound (``knapray.train.config.MAX_CONFIG_FILE_BYTES``)."""
+RUN_FORMAT = 2
+"""The run directory format this knapray writes and reads: ``format_version`` in its
+``config.json``. 2: the collective timeout and gloo's network interface are in the
+``distributed`` section (they were ``run.timeout_s``, ``run.gloo_socket_ifname``). A
+config.json without ``format_version`` is format 1. A run of another format is refused in
+one line, never read as this one."""
 
 
 def saved_config(run_dir: str) -> dict | None:
-    """The run directory's ``config.json`` (None if it has none): an object of sections,
-    each an object, as ``write_config`` writes it; else ``RunError`` naming the file."""
+    """The run directory's ``config.json`` (None if it has none) as ``write_config`` writes
+    it: ``format_version`` ``RUN_FORMAT`` and an object of sections, each an object (the
+    sections are returned); else ``RunError`` naming the file."""
     path = os.path.join(run_dir, CONFIG_FILE)
     if not os.path.lexists(path):
         return None
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)
-        if len(data) > MAX_CONFIG_BYTES:
-            raise ValueError(f"over {MAX_CONFIG_BYTES >> 20} MiB")
-        doc = json.loads(data.decode("utf-8"))
-    except OSError as e:
-        raise RunError(f"run file {path} cannot be read: {e.strerror or e}") from None
-    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError alike
-        raise RunError(f"run file {path} is not JSON ({e}): restore it, or choose another run.name") from None
-    if not isinstance(doc, dict):
-        raise RunError(f"run file {path} holds a {type(doc).__name__}, not a knapray config object: restore it, "
-                       "or choose another run.name")
+    doc = read_json(path, MAX_SAVED_CONFIG_BYTES, "run file", RunError, advice="restore it, or choose another run.name")
+    given = "format_version" in doc
+    version = doc.pop("format_version", 1)
+    if type(version) is not int or version != RUN_FORMAT:
+        which = f"run format {str(version)[:20]}" if given else \
+            "written by an earlier knapray (no format_version: run format 1)"
+        raise RunError(f"run file {path}: {which}; this knapray reads run format {RUN_FORMAT} only: continue that "
+                       "run with the knapray that wrote it, or choose another run.name")
     defaults = TrainConfig().to_dict()
     for section, value in doc.items():
         if section in defaults and isinstance(defaults[section], dict) and not isinstance(value, dict):
             raise RunError(f"run file {path}: section {section!r} is {str(value)[:60]!r}, not an object: restore "
                            "it, or choose another run.name")
-    from .config import from_saved_layout
-
-    return from_saved_layout(doc)  # a run written before the run section was split reads as today's
+    return doc
 
 
 def run_checkpoint(run_dir: str, checkpoint: str | None, purpose: str) -> str:
@@ -299,7 +303,7 @@ def write_config(cfg: TrainConfig) -> None:
     os.makedirs(cfg.run_dir, exist_ok=True)
     tmp = os.path.join(cfg.run_dir, CONFIG_FILE + ".tmp")
     with open_nofollow(tmp, "w") as f:
-        json.dump(cfg.to_dict(), f, indent=1)
+        json.dump({"format_version": RUN_FORMAT, **cfg.to_dict()}, f, indent=1)
     os.replace(tmp, os.path.join(cfg.run_dir, CONFIG_FILE))
 
 

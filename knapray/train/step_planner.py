@@ -60,24 +60,16 @@ def coordinator_name(cfg: TrainConfig) -> str:
 
 
 def coordinator_config(cfg: TrainConfig, **extra: Any) -> CoordinatorConfig:
-    """The coordinator's settings from the run config, typed and checked (the driver
-    creates the actor with them; a rank planning locally builds the same planning model
-    from them). ``extra``: fields the run config does not hold (world_size, state_dir)."""
-    cost = dict(cfg.balance.cost)
-    if cfg.balance.planner == "cost":
-        cost.setdefault("num_heads", cfg.model.num_heads)
-        cost.setdefault("double_blocks", cfg.model.depth_double)
-        cost.setdefault("single_blocks", cfg.model.depth_single)
+    """The coordinator's settings: the run config's ``balance`` section and the model's
+    facts, checked (the driver creates the actor with them; a rank planning locally builds
+    the same planning model from them). ``extra``: fields the run config does not hold
+    (world_size, state_dir)."""
+    m = cfg.model
     return CoordinatorConfig(
-        topology=cfg.balance.topology, d_model=cfg.model.hidden_size, gamma=cfg.balance.gamma,
-        attention_kind=cfg.model.attention_kind,  # the family's: Wan cross-attends to its text
-        solver=cfg.balance.solver, gpus_per_node=cfg.balance.gpus_per_node or None,
-        planner=cfg.balance.planner, cost=cost or None, cost_profile=cfg.balance.cost_profile or None,
-        max_tokens_per_gpu=cfg.data.max_tokens_per_gpu or None,
-        # An unbalanced run (balance.enabled false) does not run the coordinator's plans,
-        # so its times must not fit them: no live fit there.
-        live_fit=cfg.balance.live_fit and cfg.balance.enabled,
-        **extra,
+        balance=cfg.balance, d_model=m.hidden_size,
+        attention_kind=m.attention_kind,  # the family's: Wan cross-attends to its text
+        num_heads=m.num_heads, double_blocks=m.depth_double, single_blocks=m.depth_single,
+        max_tokens_per_gpu=cfg.data.max_tokens_per_gpu or None, **extra,
     )
 
 

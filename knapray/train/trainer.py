@@ -64,7 +64,7 @@ from .ledger_files import LocalLedger, committed_ids
 from .ema import build_ema
 from .metrics import MetricsFile, StepRecord
 from .optim import LRSchedule, build_optimizer
-from .parallelize import ParallelConfig, materialize, parallelize
+from .parallelize import materialize, parallelize
 from .profiling import StepProfiler
 from .sinks import MetricSinks, scalars_of
 from .report import most_used_first, truncate_metrics
@@ -138,7 +138,7 @@ class Trainer:
         # sync group now, the FSDP mesh in parallelize, the bags once the topology is known.
         self.dims = ParallelDims(world_size=self.world, device_type=self.device.type,
                                  gpus_per_node=cfg.balance.gpus_per_node or None)
-        self.sync = self.dims.step_sync(self.device, gloo_socket_ifname=cfg.run.gloo_socket_ifname)
+        self.sync = self.dims.step_sync(self.device, gloo_socket_ifname=cfg.distributed.gloo_socket_ifname)
         # Where every rank really runs: bags (and FSDP's node shards) must not cross a node.
         node_ids = self.sync.gather_objects(ctx.node_id())
         self.node_sizes = node_sizes_of(node_ids)
@@ -166,8 +166,8 @@ class Trainer:
             from knapray.models.lora import hold_base_in
 
             hold_base_in(self.model, self.dtype)
-        self.parallel = parallelize(self.model, ParallelConfig.from_section(cfg.parallel, self.dtype, self.world),
-                                    self.dims)
+        self.parallel = parallelize(self.model, cfg.parallel.for_world(self.world), self.dims,
+                                    compute_dtype=self.dtype)
         sharded = self.parallel.sharded
         if cfg.model.pretrained:
             self._load_pretrained()

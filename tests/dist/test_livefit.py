@@ -213,6 +213,7 @@ def test_local_plans_fall_back_to_the_configured_model_if_rank_fits_differ():
 def test_only_a_balanced_run_with_the_cost_planner_fits_live():
     """An unbalanced run does not run the coordinator's plans: its times must not fit them."""
     from knapray.train.config import load_config
+    from knapray.coordinator import make_live_fit
     from knapray.train.step_planner import coordinator_config, live_fit
 
     def cfg(*sets):
@@ -220,7 +221,8 @@ def test_only_a_balanced_run_with_the_cost_planner_fits_live():
 
     assert isinstance(live_fit(cfg("balance.planner=cost")), LiveFit)
     assert live_fit(cfg("balance.planner=cost", "balance.enabled=false")) is None
-    assert coordinator_config(cfg("balance.planner=cost", "balance.enabled=false")).live_fit is False
+    # the coordinator builds its own from the same section (``make_live_fit``)
+    assert make_live_fit(coordinator_config(cfg("balance.planner=cost", "balance.enabled=false"))) is None
     assert live_fit(cfg("balance.planner=cost", "balance.live_fit=false")) is None
     assert live_fit(cfg("balance.planner=workload")) is None
 

@@ -34,7 +34,7 @@ def test_meta_model_materialized_equals_the_cpu_built_one(name):
     torch.manual_seed(7)
     with torch.device("meta"):
         model = MMDiT(cfg)
-    parallelize(model, ParallelConfig(ac="full"))
+    parallelize(model, ParallelConfig(activation_checkpointing="full"))
     materialize(model, "cpu")
     got = dict(model.named_parameters())
     assert list(got) == list(ref)

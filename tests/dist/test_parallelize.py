@@ -51,10 +51,11 @@ def _model(seed: int = 0) -> MMDiT:
     "kwargs, message",
     [
         ({"fsdp": "zero3"}, "fsdp must be one of ['none', 'full', 'hybrid'], got 'zero3'"),
-        ({"ac": "some"}, "ac must be one of ['none', 'full', 'every_k', 'selective'], got 'some'"),
-        ({"ac": "every_k", "ac_every": 0}, "ac_every must be an int >= 1, got 0"),
-        ({"fsdp": "full", "param_dtype": torch.float16}, "param_dtype must be one of"),
-        ({"param_dtype": torch.bfloat16}, "apply to FSDP only"),
+        ({"activation_checkpointing": "some"},
+         "activation_checkpointing must be one of ['none', 'full', 'every_k', 'selective'], got 'some'"),
+        ({"activation_checkpointing": "every_k", "ac_every": 0}, "ac_every must be an int >= 1, got 0"),
+        ({"precision": "fp16"}, "precision must be one of ['auto', 'bf16', 'fp32'], got 'fp16'"),
+        ({"compile_backend": "eager"}, "compile_backend must be one of ['inductor', 'aot_eager'], got 'eager'"),
         ({"compile": "yes"}, "compile must be a bool, got 'yes'"),
     ],
 )
@@ -71,10 +72,7 @@ def test_one_rank_shards_nothing():
     from knapray.train.parallelize import sharding_of
 
     cfg = load_config(None, ["parallel.fsdp=full", "parallel.precision=bf16", "scaling.num_workers=1"])
-    one = ParallelConfig.from_section(cfg.parallel, torch.bfloat16, world_size=1)
-    two = ParallelConfig.from_section(cfg.parallel, torch.bfloat16, world_size=2)
-    assert (one.fsdp, one.param_dtype) == ("none", torch.float32)
-    assert (two.fsdp, two.param_dtype) == ("full", torch.bfloat16)
+    assert cfg.parallel.for_world(1).fsdp == "none" and cfg.parallel.for_world(2).fsdp == "full"
     assert sharding_of("hybrid", 1) == "none" and sharding_of("hybrid", None) == "hybrid"
     assert memory_model_for_run(cfg).sharding == "none"
     assert memory_model_for_run(cfg, world_size=8).sharding == "full"
@@ -92,9 +90,9 @@ def test_mesh_shapes_and_checkpointed_blocks():
         ParallelDims(world_size=4, gpus_per_node=0)
     with pytest.raises(ValueError, match="fsdp 'none' has no device mesh"):
         ParallelDims(world_size=4).mesh_shape("none")
-    every3 = ParallelConfig(ac="every_k", ac_every=3)
+    every3 = ParallelConfig(activation_checkpointing="every_k", ac_every=3)
     assert every3.checkpointed(7) == (False, False, True, False, False, True, False)
-    assert all(ParallelConfig(ac="full").checkpointed(5))
+    assert all(ParallelConfig(activation_checkpointing="full").checkpointed(5))
     assert not any(ParallelConfig().checkpointed(5))
 
 
@@ -106,7 +104,7 @@ def test_trainer_memory_model_and_measurement_checkpoint_the_same_blocks(ac, eve
 
     cfg = dataclasses.replace(parity_config(), depth_double=2, depth_single=3)
     model = MMDiT(cfg)
-    parallelize(model, ParallelConfig(ac=ac, ac_every=every))
+    parallelize(model, ParallelConfig(activation_checkpointing=ac, ac_every=every))
     wrapped = [hasattr(b.forward, "__wrapped__") for b in [*model.double_blocks, *model.single_blocks]]
     predicted = MemoryModel(shape=ModelShape.of(cfg), checkpointing=ac, ac_every=every).checkpointed()
     assert wrapped == predicted
@@ -145,7 +143,7 @@ def test_checkpointing_gives_identical_gradients_and_recomputes(ac, ac_every, re
 
     ref_out, ref_calls, ref_grads = run(build())
     model = build()
-    parallelize(model, ParallelConfig(ac=ac, ac_every=ac_every))
+    parallelize(model, ParallelConfig(activation_checkpointing=ac, ac_every=ac_every))
     out, calls, grads = run(model)
     assert torch.equal(out, ref_out)
     assert list(grads) == list(ref_grads)  # names unchanged: state dicts interchange
@@ -179,7 +177,7 @@ def test_selective_checkpointing_keeps_attention_and_recomputes_the_rest(compile
         torch.manual_seed(0)
         model = MMDiT(cfg)
         model.init_weights(std=0.1)
-        parallelize(model, ParallelConfig(ac=ac, compile=compiled))
+        parallelize(model, ParallelConfig(activation_checkpointing=ac, compile=compiled))
         attn = CountingAttention(LocalAttention(batch.cu_seqlens, batch.max_seqlen))
         with KernelCount() as kernels:
             out = model(batch, attn)
@@ -216,7 +214,8 @@ def _varying_batches(cfg, steps: int = 50):
 def test_compile_matches_eager_and_recompiles_at_most_twice_over_50_steps():
     cfg = parity_config()
     eager, model = _model(), _model()
-    par = parallelize(model, ParallelConfig(compile=True, ac="every_k", ac_every=2))  # inductor, as in training
+    # inductor, as in training
+    par = parallelize(model, ParallelConfig(compile=True, activation_checkpointing="every_k", ac_every=2))
     batches = _varying_batches(cfg)
     assert len({int(b.seq_lens.sum()) for b in batches}) >= 20
     assert sum(b.num_sequences == 0 for b in batches) >= 3
@@ -276,8 +275,8 @@ def test_wan_blocks_compile_and_match_eager_over_varying_steps():
 @pytest.mark.parametrize(
     "parallelism, gpus_per_node, textless",
     [
-        (ParallelConfig(fsdp="full", ac="full"), None, (2,)),
-        (ParallelConfig(fsdp="hybrid", ac="every_k"), 2, (0, 3)),
+        (ParallelConfig(fsdp="full", activation_checkpointing="full"), None, (2,)),
+        (ParallelConfig(fsdp="hybrid", activation_checkpointing="every_k"), 2, (0, 3)),
     ],
     ids=["full-ac_full", "hybrid-ac_every2"],
 )
@@ -290,7 +289,8 @@ def test_balanced_fsdp_matches_single_process_reference(parallelism, gpus_per_no
         monkeypatch.setattr(knapray.testing.parity, "_worker", _worker_on_a_torch_without_unused_params)
     report = run_parity(4, TOPOLOGIES, MIX, scale=4, seed=5, max_text_tokens=12, empty_ranks=(1,),
                         textless_ranks=textless, parallelism=parallelism, gpus_per_node=gpus_per_node)
-    assert report["_meta"]["fsdp"] == parallelism.fsdp and report["_meta"]["ac"] == parallelism.ac
+    meta = report["_meta"]
+    assert (meta["fsdp"], meta["activation_checkpointing"]) == (parallelism.fsdp, parallelism.activation_checkpointing)
     for case in TOPOLOGIES + ["unbalanced"]:
         r = report[case]
         assert r["num_params"] > 30
@@ -329,8 +329,8 @@ def _bf16_fsdp_worker(rank: int, world: int) -> dict:
     batch = batches[rank]
     model = _model()
     names = [n for n, _ in model.named_parameters()]
-    par = parallelize(model, ParallelConfig(fsdp="full", ac="full", param_dtype=torch.bfloat16,
-                                            reduce_dtype=torch.float32), ParallelDims(world_size=world))
+    par = parallelize(model, ParallelConfig(fsdp="full", activation_checkpointing="full"),
+                      ParallelDims(world_size=world), compute_dtype=torch.bfloat16)
     seen = {}
     model.double_blocks[0].register_forward_pre_hook(
         lambda m, args: seen.update(h=args[0].dtype, vec=args[2].dtype, rope=args[6][0].dtype))

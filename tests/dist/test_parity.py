@@ -55,7 +55,7 @@ def test_parity_cli_runs_fsdp_and_checkpointing(capsys, ac):
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and report["_meta"]["passed"]
     meta = report["_meta"]
-    assert (meta["fsdp"], meta["ac"], meta["compile"]) == ("full", ac, False)
+    assert (meta["fsdp"], meta["activation_checkpointing"], meta["compile"]) == ("full", ac, False)
     for case in ("g2n2", "unbalanced"):
         assert report[case]["grad_norm_rel"] <= 1e-5
         assert report[case]["ranks_without_sequences"] == 1 and report[case]["ranks_without_text"] >= 1

@@ -145,8 +145,8 @@ def test_fsdp_step_on_nccl_without_set_reduce_scatter_unused_params(nccl_world, 
     cfg = parity_config()
     batch = mix_batches("g1b2i256f1s0", cfg, scale=4, seed=1, world_size=None, max_text_tokens=0)[0].to("cuda")
     model = MMDiT(cfg).cuda()
-    par = parallelize(model, ParallelConfig(fsdp="full", param_dtype=torch.bfloat16),
-                      ParallelDims(world_size=1, device_type="cuda"))
+    par = parallelize(model, ParallelConfig(fsdp="full"), ParallelDims(world_size=1, device_type="cuda"),
+                      compute_dtype=torch.bfloat16)
     flow_loss(model(batch), batch.targets, batch.x_img.shape[0]).backward()  # no text: text weights unused
     assert torch.isfinite(par.clip_grad_norm_(1.0))
 
@@ -180,11 +180,11 @@ def test_gather_rows_sums_in_fp32_on_cuda_where_bf16_index_select_does_not():
 
 
 def test_optimizer_is_fused_on_cuda():
-    from knapray.train.config import OptimConfig
+    from knapray.train.config import OptimSection
     from knapray.train.optim import build_optimizer
 
     model = torch.nn.Linear(8, 8).cuda()
-    opt = build_optimizer(model, OptimConfig())
+    opt = build_optimizer(model, OptimSection())
     assert opt.defaults.get("fused") is True
 
 

@@ -462,14 +462,14 @@ def test_topology_for_concrete_spec_replicates_or_fails_clearly():
 @pytest.mark.parametrize(
     "rule, gpus_per_node, world, bag",
     [
-        ("bags_of:8", None, 12, 4),
-        ("bags_of:8", None, 24, 8),
-        ("bags_of:8", None, 6, 2),
-        ("bags_of:8", None, 7, 1),
-        ("bags_of:4", None, 32, 4),
+        ("bags_of:8", 0, 12, 4),
+        ("bags_of:8", 0, 24, 8),
+        ("bags_of:8", 0, 6, 2),
+        ("bags_of:8", 0, 7, 1),
+        ("bags_of:4", 0, 32, 4),
         ("bags_of:8", 4, 16, 4),
         ("bags_of:8", 6, 12, 2),
-        ("auto", None, 16, 8),  # no length history yet: one node's worth
+        ("auto", 0, 16, 8),  # no length history yet: one node's worth
     ],
 )
 def test_topology_for_rules(rule, gpus_per_node, world, bag):

@@ -148,8 +148,10 @@ CONFIG_DAMAGE = {
     "not JSON": ("{nope", "is not JSON"),
     "binary": (b"\xff\xfe\x00", "is not JSON"),
     "a list": ("[]", "holds a list"),
-    "a section a number": ('{"model": 5}', "section 'model' is '5'"),
-    "a section a list": ('{"data": [1]}', "section 'data'"),
+    "a section a number": ('{"format_version": 2, "model": 5}', "section 'model' is '5'"),
+    "a section a list": ('{"format_version": 2, "data": [1]}', "section 'data'"),
+    "another format": ('{"format_version": 3}', "run format 3; this knapray reads run format 2 only"),
+    "no format": ('{"model": {}}', "no format_version: run format 1"),
 }
 
 

@@ -38,7 +38,7 @@ def _cfg(corpus_dir, storage, name, **kw):
     sets = MODEL + [
         f"data.corpus={corpus_dir}", "data.samples_per_step=2", "balance.topology=g2n2",
         f"run.name={name}", f"run.storage={storage}", "scaling.num_workers=4", "scaling.cpus_per_worker=0.5",
-        "checkpoint.every=2", "run.timeout_s=60", "balance.coordinator_timeout_s=4",
+        "checkpoint.every=2", "distributed.timeout_s=60", "balance.coordinator_timeout_s=4",
     ] + [f"{k}={v}" for k, v in kw.items()]
     return load_config(None, sets)
 

@@ -42,20 +42,20 @@ def test_ray_worker_device_comes_from_ray_train_get_device(monkeypatch):
 
 
 def test_collective_timeout_outlasts_cold_compiles():
-    from knapray.train.config import RunConfig
+    from knapray.train.config import DistributedSection
 
-    assert RunConfig().timeout_s >= 1800  # torch's NCCL default; compiles take minutes per rank
+    assert DistributedSection().timeout_s >= 1800  # torch's NCCL default; compiles take minutes per rank
 
 
 def test_gloo_interface_is_settable_and_used_by_the_step_groups(monkeypatch, tmp_path):
-    """``run.gloo_socket_ifname`` reaches GLOO_SOCKET_IFNAME before StepSync creates its gloo
+    """``distributed.gloo_socket_ifname`` reaches GLOO_SOCKET_IFNAME before StepSync creates its gloo
     group: a name no interface has makes that creation fail, naming it."""
     import torch.distributed as dist
 
     from knapray.distributed.step_sync import StepSync
     from knapray.train.config import load_config
 
-    assert load_config(None, ["run.gloo_socket_ifname=ens5"]).run.gloo_socket_ifname == "ens5"
+    assert load_config(None, ["distributed.gloo_socket_ifname=ens5"]).distributed.gloo_socket_ifname == "ens5"
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     StepSync.build("cpu", gloo_socket_ifname="lo")  # no process group: a world of one
     assert os.environ["GLOO_SOCKET_IFNAME"] == "lo"

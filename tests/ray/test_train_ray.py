@@ -41,7 +41,7 @@ def _sets(corpus_dir, run_root, max_steps, epochs=1):
         f"data.corpus={corpus_dir}", "data.samples_per_step=2", f"data.epochs={epochs}",
         "balance.topology=g2n2", "run.name=resume", f"run.storage={run_root}",
         "scaling.num_workers=4", "scaling.cpus_per_worker=0.5", f"run.max_steps={max_steps}",
-        "checkpoint.every=2", "run.max_failures=0", "run.timeout_s=60",
+        "checkpoint.every=2", "run.max_failures=0", "distributed.timeout_s=60",
         "balance.coordinator_timeout_s=20",
     ]
 

@@ -211,8 +211,8 @@ def test_wan_calibration_prices_cross_attention_in_its_fit(tmp_path):
     assert profile["model"]["family"] == "wan" and profile["command"].startswith("knapray calibrate --family wan")
     assert (cm["attention_kind"], cm["text_tokens"], cm["double_blocks"], cm["single_blocks"]) == ("cross", 0, 0, 2)
     assert cm["ulysses_a2a_per_layer"] == 12 and cm["seq_s_counts"] == "sequences"
-    planner = make_planning_model(CoordinatorConfig(planner="cost", cost_profile=str(out), attention_kind="cross",
-                                                    d_model=32))
+    planner = make_planning_model(CoordinatorConfig.from_kwargs(planner="cost", cost_profile=str(out),
+                                                                attention_kind="cross", d_model=32))
     predicted = [planner.batch_time(b["lengths"]) for b in profile["batches"]]
     np.testing.assert_allclose(predicted, profile["fit"]["fit_seconds"], rtol=1e-9)
     assert main(["calibrate", "--family", "flux"]) == 2  # flux's blocks are MMDiT's: one line, exit 2

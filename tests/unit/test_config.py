@@ -105,7 +105,7 @@ RANGES = [
     ("checkpoint.every", "-1", "0"),
     ("run.max_failures", "-2", "-1"),
     ("metrics.log_every", "0", "1"),
-    ("run.timeout_s", "0", "1"),
+    ("distributed.timeout_s", "0", "1"),
     ("model.hidden_size", "0", "4"),
     ("model.mlp_ratio", "0", "0.5"),
     ("model.rope_theta", "-.inf", "100"),
@@ -151,7 +151,7 @@ def test_range_errors_say_what_is_valid() -> None:
         ("data.seed=1.5", "an int"),
         ("data.seed=true", "an int"),  # a bool is no int
         ("data.epochs='3'", "an int"),
-        ("run.timeout_s=1e3", "an int"),
+        ("distributed.timeout_s=1e3", "an int"),
         ("optim.lr=abc", "a number"),
         ("optim.lr=false", "a number"),
         ("optim.lr=[1]", "a number"),
@@ -263,7 +263,7 @@ def test_unknown_keys_are_rejected_with_the_valid_ones(tmp_path) -> None:
     path.write_text("optimizer:\n  lr: 0.1\n")
     assert _error(path=str(path)) == (
         "config: unknown key(s) ['optimizer']; valid keys: ['model', 'data', 'balance', 'optim', 'flow', 'run', "
-        "'scaling', 'checkpoint', 'metrics', 'parallel']"
+        "'distributed', 'scaling', 'checkpoint', 'metrics', 'parallel']"
     )
     message = _error("model.hiden_size=8")
     assert message.startswith("config model: unknown key(s) ['hiden_size']; valid keys: [")
@@ -278,7 +278,7 @@ def test_unknown_keys_are_rejected_with_the_valid_ones(tmp_path) -> None:
         ("optim..lr=3", "expected section.key=value"),
         ("optim.lr.x=1", "optim.lr is a value (a number), not a section"),
         ("run.name.x=1", "run.name is a value (a string), not a section"),
-        ("optimizer.lr=1", "unknown key 'optimizer'; valid keys here: ['model', 'data', 'balance', 'optim', 'flow', 'run', 'scaling', 'checkpoint', 'metrics', 'parallel']"),
+        ("optimizer.lr=1", "unknown key 'optimizer'; valid keys here: ['model', 'data', 'balance', 'optim', 'flow', 'run', 'distributed', 'scaling', 'checkpoint', 'metrics', 'parallel']"),
         ("run.x.y=1", "unknown key 'run.x'; valid keys here: ['name', "),
     ],
 )
@@ -298,7 +298,7 @@ def test_overrides_enter_empty_sections_and_mapping_fields(tmp_path) -> None:
 
 def test_missing_or_non_mapping_file(tmp_path) -> None:
     missing = str(tmp_path / "nope.yaml")
-    assert _error(path=missing) == f"config file {missing!r}: cannot read it (No such file or directory)"
+    assert _error(path=missing) == f"config file {missing} cannot be read (No such file or directory)"
     path = tmp_path / "list.yaml"
     path.write_text("- 1\n- 2\n")
     assert _error(path=str(path)) == f"config file {str(path)!r}: expected a mapping of sections, got [1, 2] (list)"
@@ -375,56 +375,27 @@ def test_per_step_topology_needs_the_cost_planner_and_whole_nodes():
         check_world(cfg, 6)
 
 
-# ---- the run section's split -------------------------------------------------------------
+# ---- a key in the wrong section ------------------------------------------------------------
 
-SPLIT = [("num_workers", "8", "scaling.num_workers"), ("checkpoint_every", "5", "checkpoint.every"),
-         ("final_checkpoint", "false", "checkpoint.final"), ("resume", "never", "checkpoint.resume"),
-         ("log_every", "2", "metrics.log_every"), ("fsdp", "full", "parallel.fsdp"),
-         ("precision", "bf16", "parallel.precision"), ("compile", "true", "parallel.compile")]
+ELSEWHERE = [("run", "timeout_s", "60", "distributed.timeout_s"),
+             ("run", "gloo_socket_ifname", "eth0", "distributed.gloo_socket_ifname"),
+             ("run", "num_workers", "8", "scaling.num_workers"), ("run", "resume", "never", "checkpoint.resume"),
+             ("run", "precision", "bf16", "parallel.precision"), ("parallel", "max_steps", "3", "run.max_steps")]
 
 
-@pytest.mark.parametrize("old, value, new", SPLIT)
-def test_an_old_run_key_names_its_new_place(old, value, new, tmp_path) -> None:
-    assert _error(f"run.{old}={value}") == (
-        f"config run.{old} is now {new} (the run section was split into run, scaling, checkpoint, metrics and "
-        "parallel: docs/training.md)")
+@pytest.mark.parametrize("section, key, value, place", ELSEWHERE)
+def test_a_key_in_the_wrong_section_names_where_it_goes(section, key, value, place, tmp_path) -> None:
     path = tmp_path / "old.yaml"
-    path.write_text(f"run:\n  name: x\n  {old}: {value}\n")
-    assert _error(path=str(path)).startswith(f"config run.{old} is now {new} ")
-    section, key = new.split(".")
-    got = getattr(getattr(load_config(None, [f"{new}={value}"]), section), key)
+    path.write_text(f"{section}:\n  {key}: {value}\n")
+    message = _error(path=str(path))
+    assert message.startswith(f"config {section}: unknown key(s) [{key!r}]; valid keys: [")
+    assert message.endswith(f"]; did you mean {place}?") and "\n" not in message
+    got = getattr(getattr(load_config(None, [f"{place}={value}"]), place.split(".")[0]), key)
     assert got == read_yaml(value, "test")
 
 
-def test_every_old_run_key_is_mapped_to_a_field_that_exists() -> None:
-    from knapray.train.config import MOVED
-
-    cfg = TrainConfig()
-    assert len(MOVED) == 21
-    for old, new in MOVED.items():
-        section, key = new.split(".")
-        assert hasattr(getattr(cfg, section), key), (old, new)
-        assert not hasattr(cfg.run, old), old
-
-
-def test_a_saved_config_of_the_old_layout_reads_as_today(tmp_path) -> None:
-    """A run directory written before the split (config.json with every key under run)
-    resumes and exports: its keys move to their sections when read."""
-    import json
-
-    from knapray.train.config import MOVED, from_saved_layout
-    from knapray.train.run_dir import read_run_config
-
-    old = TrainConfig().to_dict()
-    run = old.pop("run")
-    for section in ("scaling", "checkpoint", "metrics", "parallel"):
-        for key, value in old.pop(section).items():
-            old_key = {"every": "checkpoint_every", "final": "final_checkpoint"}.get(key, key)
-            if old_key in MOVED:  # keys added since the split (metrics.validation) were never under run
-                run[old_key] = value
-    run.update(num_workers=16, fsdp="full", checkpoint_every=7)
-    old["run"] = run
-    (tmp_path / "config.json").write_text(json.dumps(old))
-    cfg = read_run_config(str(tmp_path))
-    assert (cfg.scaling.num_workers, cfg.parallel.fsdp, cfg.checkpoint.every) == (16, "full", 7)
-    assert from_saved_layout(TrainConfig().to_dict()) == TrainConfig().to_dict()  # today's layout: as it is
+def test_a_key_no_section_holds_is_the_usual_error() -> None:
+    assert _error("run.checkpoint_every=5").startswith(
+        "config run: unknown key(s) ['checkpoint_every']; valid keys: ['name', 'storage', 'max_steps', "
+        "'max_failures']")
+    assert "did you mean" not in _error("run.checkpoint_every=5")

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from knapray.coordinator import BalanceCoordinator, CoordinatorConfig
+from knapray.coordinator import BalanceConfig, BalanceCoordinator
 from knapray.planning import PAPER_MIXES, parse_mix, sample_step
 from knapray.planning.cost import CostModel
 from knapray.planning.livefit import MIN_STEPS, SKIP_STEPS, RankFeatures, predict
@@ -106,14 +106,14 @@ def test_live_fit_off_plans_with_the_configured_model():
 
 def test_unknown_planner_is_rejected():
     with pytest.raises(ValueError, match="unknown planner 'flops'; valid: workload, cost"):
-        CoordinatorConfig(planner="flops")
+        BalanceConfig(planner="flops")
 
 
 def test_per_step_topology_planned_by_the_coordinator_as_by_the_ranks():
     from knapray.coordinator import plan_from_gathered
 
-    with pytest.raises(ValueError, match="topology 'per-step' .* needs planner 'cost', got planner 'workload'"):
-        CoordinatorConfig(topology="per-step")
+    with pytest.raises(ValueError, match="topology 'per-step' .* needs planner: cost, got planner 'workload'"):
+        BalanceConfig(topology="per-step")
     coord = BalanceCoordinator(topology="per-step", planner="cost", gpus_per_node=4, live_fit=False,
                                cost={"num_heads": 4})
     base = coord.begin_run(4)

@@ -183,7 +183,7 @@ def test_adapters_compile_and_checkpoint_as_eager():
         return out.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
     ref_out, ref = run(ParallelConfig())
-    out, grads = run(ParallelConfig(compile=True, ac="selective"))
+    out, grads = run(ParallelConfig(compile=True, activation_checkpointing="selective"))
     assert set(grads) == set(ref) and all(ref[n].norm() > 0 for n in ref)
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
     for n in ref:

@@ -38,17 +38,14 @@ def test_a_stage_may_be_skipped_but_not_repeated():
         dims.step_groups(Topology.parse("g1n1", world_size=1), num_heads=4)
 
 
-def test_parallel_config_from_the_run_section():
-    import torch
-
+def test_the_run_sections_parallel_is_what_parallelize_applies():
     from knapray.train.config import load_config
     from knapray.train.parallelize import ParallelConfig
 
     cfg = load_config(None, ["parallel.fsdp=full", "parallel.activation_checkpointing=every_k", "parallel.ac_every=3",
-                             "parallel.compile=true"])
-    p = ParallelConfig.from_section(cfg.parallel, torch.bfloat16)
-    assert (p.fsdp, p.ac, p.ac_every, p.compile, p.param_dtype, p.reduce_dtype) == (
-        "full", "every_k", 3, True, torch.bfloat16, torch.float32)
-    # Without FSDP the parameters stay fp32: autocast computes in bf16.
-    p = ParallelConfig.from_section(load_config(None, []).parallel, torch.bfloat16)
-    assert (p.fsdp, p.param_dtype) == ("none", torch.float32)
+                             "parallel.compile=true", "parallel.compile_backend=aot_eager"])
+    assert cfg.parallel == ParallelConfig(fsdp="full", activation_checkpointing="every_k", ac_every=3, compile=True,
+                                          compile_backend="aot_eager")
+    # One rank shards nothing; any other world applies the section as it is.
+    assert cfg.parallel.for_world(1).fsdp == "none" and cfg.parallel.for_world(8) == cfg.parallel
+    assert cfg.parallel.checkpointed(6) == (False, False, True, False, False, True)

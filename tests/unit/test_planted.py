@@ -251,7 +251,7 @@ def test_carried_ledger_rows_are_checked_as_data(planted):
     limit = checkpoint.TRAINER_STATE_MAX_BYTES
     try:
         checkpoint.TRAINER_STATE_MAX_BYTES = 1000
-        with pytest.raises(CheckpointError, match="is over 1000 bytes, not a trainer state"):
+        with pytest.raises(CheckpointError, match="is over 1000 bytes, more than any checkpoint file"):
             read_trainer_state(path, RUN_STATE)
     finally:
         checkpoint.TRAINER_STATE_MAX_BYTES = limit

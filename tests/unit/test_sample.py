@@ -62,8 +62,10 @@ def test_arguments_are_checked_before_anything_loads(run_dir, extra, names, monk
 
 
 @pytest.mark.parametrize("command", [["sample", "--caption", "a fox"], ["export", "--out", "exported"]])
-@pytest.mark.parametrize("damage, needle", [(b"{nope", "is not JSON"), (b"[]", "holds a list"),
-                                            (b'{"model": {"hidden_size": "wide"}}', "model.hidden_size")])
+@pytest.mark.parametrize("damage, needle", [
+    (b"{nope", "is not JSON"), (b"[]", "holds a list"),
+    (b'{"format_version": 2, "model": {"hidden_size": "wide"}}', "model.hidden_size"),
+    (b'{"model": {}}', "run format 1")])
 def test_sample_and_export_read_a_damaged_config_json_in_one_line(command, damage, needle, tmp_path, capsys):
     """The run's config.json is read as pre-flight reads it (knapray.train.run_files)."""
     run = tmp_path / "run"
