@@ -16,11 +16,11 @@ Per step, on every rank:
    solver (so all ranks always run the same plan, and nobody waits in a collective for a
    rank that has none; with ``balance.topology: per-step`` the plan carries the step's own
    bags, chosen by the same deterministic search as on the coordinator).
-4. After the optimizer step, ``committed(step, planned)``: rank 0 records the step in
-   the ledger: by a commit to the coordinator (which knows the step's samples), or, for a
-   locally planned step, by rows it hands the coordinator once it is back (steps the
-   coordinator may have lost are re-sent from every rank's recent ids), or, without a
-   coordinator, by appending to the run's own ledger journal.
+4. The samples a step trained enter the ledger after its optimizer step, through the
+   ``LedgerKeeper`` (``ledger_keeper``): a locally planned step's ``Planned.rows`` are
+   what rank 0 records, its all-gather carries every rank's recent ids (steps a lost
+   coordinator may have dropped are re-sent, ``LedgerKeeper.resend``), and a step the
+   coordinator planned lets rank 0 hand over the rows it still holds (``flush``).
 5. ``observe(step, plan, compute_s)``: every rank's measured compute seconds (all-reduced,
    so the same everywhere) feed the live re-fit of the cost model (``LiveFit``), which
    local plans use; every rank fits the same data the same way, and the all-gather of a
@@ -52,6 +52,7 @@ from knapray.planning import BalancePlan, Topology
 from knapray.planning.livefit import LiveFit, RankFeatures
 
 from .config import TrainConfig
+from .ledger_keeper import LedgerKeeper
 
 logger = logging.getLogger(__name__)
 
@@ -83,23 +84,6 @@ def live_fit(cfg: TrainConfig) -> LiveFit | None:
     return make_live_fit(coordinator_config(cfg))
 
 
-def hand_over(client: CoordinatorClient, rows: list[dict]) -> list[dict]:
-    """Rank 0 of a resumed run, before ``begin_run`` cuts the ledger back: the rows its
-    checkpoint carried (``StepPlanner.settle``), recorded with the attempt that trained
-    them (resends of rows the coordinator has are ignored). Returns those it did not
-    take (it is away): ``StepPlanner.adopt`` keeps trying."""
-    for i, r in enumerate(rows):
-        try:
-            client.record_external(r["step"], r["sample_ids"], r["home_ranks"], r["epoch"])
-        except CoordinatorUnavailable:
-            return rows[i:]
-    return []
-
-
-RECENT_STEPS = 32
-"""Steps whose sample ids each rank keeps, to re-record steps a lost coordinator dropped."""
-
-
 @dataclass(frozen=True)
 class Fetched:
     plan: BalancePlan | None
@@ -124,10 +108,10 @@ class Planned:
 
 class StepPlanner:
     def __init__(self, sync: StepSync, topology: Topology, workload, solver: str,
-                 client: CoordinatorClient | None, local_ledger=None, max_tokens_per_gpu: int | None = None,
+                 client: CoordinatorClient | None, ledger: LedgerKeeper, max_tokens_per_gpu: int | None = None,
                  live: LiveFit | None = None, per_step_node: int | None = None) -> None:
-        """``local_ledger``: rank 0's ledger when there is no coordinator (it has
-        ``append(step, epoch, sample_ids, home_ranks)``); None elsewhere.
+        """``ledger``: this rank's ``LedgerKeeper`` (a local plan's all-gather carries its
+        recent steps; rank 0 hands over its rows when the coordinator answers).
         ``max_tokens_per_gpu``: the memory budget local plans keep (as the coordinator's do).
         ``live``: the live re-fit of ``workload`` local plans use (``planner: cost``).
         ``per_step_node``: ranks per node when every step chooses its own bags
@@ -139,12 +123,7 @@ class StepPlanner:
         """Local plans made with the configured model because the ranks' fits differed."""
         self.max_tokens_per_gpu = max_tokens_per_gpu
         self.client = client
-        self.local_ledger = local_ledger
-        self._pending: dict[int, tuple[list[int], list[int], int]] = {}
-        """Rank 0: (sample ids, home ranks, epoch) of locally planned steps the coordinator
-        has not taken yet (and of steps a lost coordinator may have dropped)."""
-        self._recent: dict[int, tuple[int, list[int]]] = {}
-        """This rank's (epoch, sample ids) of recent steps (a lost coordinator drops commits)."""
+        self.ledger = ledger
 
     # ---- per step ------------------------------------------------------------------------
 
@@ -181,11 +160,10 @@ class StepPlanner:
     def resolve(self, step: int, fetched: Fetched, everyone_has_plan: bool, this: StepMeta,
                 nxt: StepMeta) -> Planned:
         if everyone_has_plan:
-            if self.sync.rank == 0 and self._pending:
-                self._flush_pending()
+            self.ledger.flush()  # rows rank 0 still holds, now the coordinator answers
             return Planned(fetched.plan, fetched.epoch_done, "coordinator", fetched.wait_s)
         gathered = self.sync.gather_objects(
-            (list(this.seq_lens), list(this.sample_ids), this.exhausted, self._recent,
+            (list(this.seq_lens), list(this.sample_ids), this.exhausted, self.ledger.recent,
              None if self.live is None else self.live.digest()))
         lens = [g[0] for g in gathered]
         done = is_epoch_done(lens, [g[2] for g in gathered])
@@ -194,15 +172,8 @@ class StepPlanner:
         rows = None
         if self.sync.rank == 0:
             rows = ([sid for g in gathered for sid in g[1]], [r for r, g in enumerate(gathered) for _ in g[1]])
-            if self.client is not None:
-                # Steps the lost coordinator may never have committed (resent rows of steps
-                # it did commit are ignored), then this one once it is trained.
-                for t in sorted(set().union(*(g[3] for g in gathered))):
-                    self._pending.setdefault(t, (
-                        [sid for g in gathered for sid in g[3].get(t, (None, ()))[1]],
-                        [r for r, g in enumerate(gathered) for _ in g[3].get(t, (None, ()))[1]],
-                        next(g[3][t][0] for g in gathered if t in g[3]),
-                    ))
+            # Steps the lost coordinator may never have committed, then this one once it is trained.
+            self.ledger.resend([g[3] for g in gathered])
         if self.client is not None:
             # A restarted coordinator may have lost the prefetched submission of the next
             # step: send it again (identical resends are ignored).
@@ -229,64 +200,8 @@ class StepPlanner:
                        "the configured model", self.sync.rank, len(set(digests)))
         return self.workload
 
-    def committed(self, step: int, epoch: int, planned: Planned, this: StepMeta) -> None:
-        """After the optimizer step that trained ``step`` (in ``epoch``)."""
-        self._recent[step] = (int(epoch), [int(i) for i in this.sample_ids])
-        if len(self._recent) > RECENT_STEPS:
-            self._recent.pop(min(self._recent))
-        if self.sync.rank != 0:
-            return
-        if self.client is None:
-            assert planned.rows is not None and self.local_ledger is not None
-            self.local_ledger.append(step, epoch, *planned.rows)
-        elif planned.planned_by == "coordinator":
-            self.client.commit_async(step)
-        else:
-            assert planned.rows is not None
-            self._pending[step] = (*planned.rows, epoch)
-
-    def settle(self) -> list[dict]:
-        """Rank 0, before a checkpoint: hand the coordinator every pending row it will take
-        now; returns the rows it did not (the coordinator is away), as ``ledger_rows`` for
-        the checkpoint to carry. With none left, a commit of the checkpoint's step covers
-        every step it trained; with some, the checkpoint carries them and the resume hands
-        them over (``adopt``), so a group lost right after the checkpoint loses no rows."""
-        if self.sync.rank != 0 or self.client is None:
-            return []
-        self._flush_pending()
-        return [{"step": int(t), "epoch": int(e), "sample_ids": [int(i) for i in ids],
-                 "home_ranks": [int(h) for h in home]}
-                for t, (ids, home, e) in sorted(self._pending.items())]
-
-    def adopt(self, rows: list[dict]) -> None:
-        """Rank 0 of a resumed run: carried rows the coordinator did not take at the start
-        (``hand_over``), handed to it as soon as it takes them."""
-        if self.sync.rank != 0 or self.client is None:
-            return
-        for r in rows:
-            self._pending.setdefault(int(r["step"]), (list(r["sample_ids"]), list(r["home_ranks"]), int(r["epoch"])))
-        self._flush_pending()
-
-    def finish(self, last_step: int | None) -> None:
-        """Rank 0 at the end of the run: hand over what is pending and commit the last step."""
-        if self.sync.rank != 0 or self.client is None:
-            return
-        self._flush_pending()
-        if self._pending:
-            raise CoordinatorUnavailable(f"ledger rows of steps {sorted(self._pending)} could not be handed over")
-        if last_step is not None:
-            self.client.commit(last_step)
-
     # ---- helpers -------------------------------------------------------------------------
 
     def _submit(self, step: int, meta: StepMeta) -> None:
         if self.client is not None:
             self.client.submit_async(step, list(meta.seq_lens), list(meta.sample_ids), exhausted=meta.exhausted)
-
-    def _flush_pending(self) -> None:
-        for t in sorted(self._pending):
-            try:
-                self.client.record_external(t, *self._pending[t])
-            except CoordinatorUnavailable:
-                return  # still away: try again after the next step
-            del self._pending[t]

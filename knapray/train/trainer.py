@@ -60,21 +60,20 @@ from .checkpoint import Checkpointer, training_parts
 from .config import TrainConfig
 from .context import TrainContext
 from .guard import BadDataGuard, quarantined_duplicates
-from .ledger_files import LocalLedger, committed_ids
 from .ema import build_ema
+from .ledger_keeper import LedgerKeeper
 from .metrics import MetricsFile, StepRecord
 from .optim import LRSchedule, build_optimizer
 from .parallelize import materialize, parallelize
 from .profiling import StepProfiler
 from .sinks import MetricSinks, scalars_of
-from .report import most_used_first, truncate_metrics
+from .metrics import most_used_first, truncate_metrics
 from .startup import StartupClock
 from .step_planner import (
     Planned,
     StepPlanner,
     coordinator_config,
     coordinator_name,
-    hand_over,
     live_fit,
     planning_model,
 )
@@ -134,15 +133,7 @@ class Trainer:
         self.ctx, self.cfg = ctx, cfg
         self.rank, self.world = ctx.rank, ctx.world_size
         self.device = ctx.device(cfg.scaling.use_gpu)
-        # Every process group, created in one order on every rank (ParallelDims): the step's
-        # sync group now, the FSDP mesh in parallelize, the bags once the topology is known.
-        self.dims = ParallelDims(world_size=self.world, device_type=self.device.type,
-                                 gpus_per_node=cfg.balance.gpus_per_node or None)
-        self.sync = self.dims.step_sync(self.device, gloo_socket_ifname=cfg.distributed.gloo_socket_ifname)
-        # Where every rank really runs: bags (and FSDP's node shards) must not cross a node.
-        node_ids = self.sync.gather_objects(ctx.node_id())
-        self.node_sizes = node_sizes_of(node_ids)
-        check_node_layout(cfg, self.node_sizes)
+        node_ids = self._join_world()
         self.dtype = compute_dtype(cfg.parallel.precision, self.device)
         self.peak_tflops = peak_tflops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
         self.flash_impl = activate_flash_impl(self.device)  # FA3 / FA4 where installed, else None
@@ -154,35 +145,10 @@ class Trainer:
         self.info = corpus_info(cfg.data.corpus)
         check_model_config(self.info, cfg.model)
 
-        # Built on the meta device (no storage), parallelized, then given storage and its
-        # weights shard by shard: a pretrained model's from its checkpoint (each rank reads
-        # only its shard), else its initial ones (``materialize``: the same weights as building
-        # it on the CPU from this seed), without holding the whole model anywhere. Then the
-        # optimizer and the EMA (over FSDP's sharded parameters), then the checkpoint.
-        torch.manual_seed(cfg.data.seed)  # the same initial model on every rank
-        with torch.device("meta"):
-            self.model = build_model(cfg.model)
-        if cfg.model.lora.enabled:  # the frozen base in the compute dtype, before FSDP shards it
-            from knapray.models.lora import hold_base_in
-
-            hold_base_in(self.model, self.dtype)
-        self.parallel = parallelize(self.model, cfg.parallel.for_world(self.world), self.dims,
-                                    compute_dtype=self.dtype)
-        sharded = self.parallel.sharded
-        if cfg.model.pretrained:
-            self._load_pretrained()
-        else:
-            materialize(self.model, self.device)
-        self.lora_base = None
-        """A LoRA run's base: {path, fingerprint of its safetensors files} (trainer.json; models.lora.base_record)."""
-        if cfg.model.lora.enabled:
-            from knapray.models.lora import base_record, init_adapters
-
-            init_adapters(self.model, cfg.model.lora, cfg.data.seed)
-            self.lora_base = base_record(cfg.model)
+        self._build_model()
         self.startup.mark("model_ready")
         # FSDP gathers parameters in the compute dtype itself; without it, bf16 is autocast.
-        self.autocast = not sharded and self.dtype != torch.float32
+        self.autocast = not self.parallel.sharded and self.dtype != torch.float32
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.ema = build_ema(self.model, cfg.optim)
         self.timesteps = cfg.flow.distribution()
@@ -190,30 +156,15 @@ class Trainer:
         self.unconditional = unconditional_embeddings(cfg.data.corpus, self.info.text_dim, self.info.pooled_dim) \
             if cfg.data.caption_dropout > 0 else None
         self.accum = cfg.optim.grad_accum_steps
-        # The checkpointer owns the cadence and the parts (model, optimizer, EMA); the
-        # trainer's own state (step, epoch, ledger position) is its state dict, in JSON.
-        self.checkpointer = Checkpointer(os.path.join(self.run_dir, "checkpoints"), rank=self.rank,
-                                         group=self.sync.meta_group, every=cfg.checkpoint.every, state=self,
-                                         parts=training_parts(self.model, self.optimizer, ema=self.ema))
-        self.step, self.epoch, self.resumed_from = 0, 0, None
-        self.last_saved: int | None = None
-        self.saved_epoch: int | None = None
-        """The epoch the last checkpoint recorded (an epoch end after it makes it stale)."""
-        self.ledger_position: dict | None = None
-        """Where the ledger stood at the checkpoint resumed from (the coordinator checks it)."""
-        self.carried_rows: list[dict] = []
-        """Ledger rows of locally planned steps the checkpoint resumed from covers but the
-        coordinator had not taken when it was written (``StepPlanner.settle``)."""
-        self.carried_rows_left: list[dict] = []
-        """Rank 0: those the coordinator did not take at the start either (``hand_over``)."""
-        self._ledger_rows_to_save: list[dict] = []
-        self._ledger_position_to_save: dict | None = None
-        latest = self.checkpointer.latest()
-        if latest is not None:
-            self.checkpointer.load(latest)  # every part, then load_state_dict(trainer.json)
-            if self.rank == 0:
-                truncate_metrics(self.run_dir, self.step)
-                logger.info("resumed from %s: step %d, epoch %d", latest, self.step, self.epoch)
+
+        self.client = (
+            CoordinatorClient(coordinator_name(cfg), None, rank=self.rank, timeout_s=cfg.balance.coordinator_timeout_s,
+                              node_ranks=node_ids.count(ctx.node_id()))  # a node's ranks share one relay
+            if cfg.balance.coordinator else None
+        )
+        self.ledger = LedgerKeeper(self.rank, self.client, self.run_dir)
+        """This rank's side of the sample ledger; a checkpoint holds its state, a resume gives it back."""
+        latest = self._restore()
         self.startup.mark("restored")
         # Optimizer steps so far: checkpoints fall on accumulation boundaries.
         self.schedule = LRSchedule(self.optimizer, cfg.optim, self._optimizer_steps(cfg.run.max_steps),
@@ -226,15 +177,7 @@ class Trainer:
         self.pending: list[tuple[int, int, Planned, StepMeta]] = []
         """Those micro-steps, to enter the ledger once their optimizer step is done."""
 
-        self.client = (
-            CoordinatorClient(coordinator_name(cfg), None, rank=self.rank, timeout_s=cfg.balance.coordinator_timeout_s,
-                              node_ranks=node_ids.count(ctx.node_id()))  # a node's ranks share one relay
-            if cfg.balance.coordinator else None
-        )
-        self.local_ledger = None
-        if self.client is None and self.rank == 0:
-            self.local_ledger = LocalLedger.open(self.run_dir, resume_step=self.resumed_from,
-                                                position=self.ledger_position, checkpoint=latest or "")
+        self.ledger.open(latest)  # without a coordinator, rank 0's journal
         self.topology = self._choose_topology()
         """The run's static topology (with ``per-step``: the base every step also tries); checkpoints keep it."""
         node = planning_node(self.world, cfg.balance.gpus_per_node or None, self.node_sizes)
@@ -242,9 +185,93 @@ class Trainer:
         self.groups = self._build_groups() if cfg.balance.enabled else None
         self.workload = planning_model(cfg)
         self.planner = StepPlanner(self.sync, self.topology, self.workload, cfg.balance.solver, self.client,
-                                   self.local_ledger, cfg.data.max_tokens_per_gpu or None, live=live_fit(cfg),
+                                   self.ledger, cfg.data.max_tokens_per_gpu or None, live=live_fit(cfg),
                                    per_step_node=self.per_step_node)
-        self.planner.adopt(self.carried_rows_left)
+        self.max_seq_len = self._max_seq_len()
+        self._open_outputs()
+        self._write_pid()
+        if self.rank == 0:
+            logger.info("topology %s for %d ranks (balance %s)%s", self.topology, self.world, cfg.balance.enabled,
+                        "" if self.per_step_node is None else
+                        f"; per-step: every step chooses aligned blocks of nodes of {self.per_step_node} ranks, "
+                        f"{self.topology} is the base it also tries")
+
+    # ---- set-up pieces ------------------------------------------------------------------
+
+    def _join_world(self) -> list:
+        """Every process group, created in one order on every rank (``ParallelDims``): the
+        step's sync group now, the FSDP mesh in ``parallelize``, the bags once the topology
+        is known. Then where every rank really runs (bags and FSDP's node shards must not
+        cross a node; ``TopologyError`` if they would). Returns every rank's node id."""
+        cfg = self.cfg
+        self.dims = ParallelDims(world_size=self.world, device_type=self.device.type,
+                                 gpus_per_node=cfg.balance.gpus_per_node or None)
+        self.sync = self.dims.step_sync(self.device, gloo_socket_ifname=cfg.distributed.gloo_socket_ifname)
+        node_ids = self.sync.gather_objects(self.ctx.node_id())
+        self.node_sizes = node_sizes_of(node_ids)
+        check_node_layout(cfg, self.node_sizes)
+        return node_ids
+
+    def _build_model(self) -> None:
+        """The model, built on the meta device (no storage), parallelized, then given storage
+        and its weights shard by shard: a pretrained model's from its checkpoint (each rank
+        reads only its shard), else its initial ones (``materialize``: the same weights as
+        building it on the CPU from this seed), without holding the whole model anywhere.
+        (The optimizer and the EMA come after it, over FSDP's sharded parameters, then the
+        checkpoint.)"""
+        cfg = self.cfg
+        torch.manual_seed(cfg.data.seed)  # the same initial model on every rank
+        with torch.device("meta"):
+            self.model = build_model(cfg.model)
+        if cfg.model.lora.enabled:  # the frozen base in the compute dtype, before FSDP shards it
+            from knapray.models.lora import hold_base_in
+
+            hold_base_in(self.model, self.dtype)
+        self.parallel = parallelize(self.model, cfg.parallel.for_world(self.world), self.dims,
+                                    compute_dtype=self.dtype)
+        if cfg.model.pretrained:
+            self._load_pretrained()
+        else:
+            materialize(self.model, self.device)
+        self.lora_base = None
+        """A LoRA run's base: {path, fingerprint of its safetensors files} (trainer.json; models.lora.base_record)."""
+        if cfg.model.lora.enabled:
+            from knapray.models.lora import base_record, init_adapters
+
+            init_adapters(self.model, cfg.model.lora, cfg.data.seed)
+            self.lora_base = base_record(cfg.model)
+
+    def _restore(self) -> str | None:
+        """The checkpointer, then the newest checkpoint if there is one (its path, else
+        None): the checkpointer owns the cadence and the parts (model, optimizer, EMA); the
+        trainer's own state (step, epoch, the ledger keeper's) is its state dict, in JSON."""
+        self.checkpointer = Checkpointer(os.path.join(self.run_dir, "checkpoints"), rank=self.rank,
+                                         group=self.sync.meta_group, every=self.cfg.checkpoint.every, state=self,
+                                         parts=training_parts(self.model, self.optimizer, ema=self.ema))
+        self.step, self.epoch, self.resumed_from = 0, 0, None
+        self.last_saved: int | None = None
+        self.saved_epoch: int | None = None
+        """The epoch the last checkpoint recorded (an epoch end after it makes it stale)."""
+        latest = self.checkpointer.latest()
+        if latest is not None:
+            self.checkpointer.load(latest)  # every part, then load_state_dict(trainer.json)
+            if self.rank == 0:
+                truncate_metrics(self.run_dir, self.step)
+                logger.info("resumed from %s: step %d, epoch %d", latest, self.step, self.epoch)
+        return latest
+
+    def _max_seq_len(self) -> int | None:
+        """The longest sequence a step may hold: the memory budget per GPU times the largest
+        bag (with ``per-step``, the largest block a node can form); None without a budget."""
+        cfg = self.cfg
+        largest_bag = max(self.topology.bags) if self.per_step_node is None else max(
+            max(self.topology.bags), max(block_sizes(self.per_step_node, cfg.model.num_heads)))
+        return cfg.data.max_tokens_per_gpu * largest_bag if cfg.data.max_tokens_per_gpu else None
+
+    def _open_outputs(self) -> None:
+        """What the run writes besides checkpoints: the bad-data guard, rank 0's metrics and
+        sinks, the profiler, the validator."""
+        cfg = self.cfg
         self.guard = BadDataGuard(self.run_dir, self.rank, cfg.data.corpus, cfg.data.max_bad_fraction)
         self.duplicates = quarantined_duplicates(self.run_dir)
         """Ids pre-flight quarantined because several corpus rows carry them: never trained."""
@@ -255,17 +282,12 @@ class Trainer:
         from .validation import Validator
 
         self.validator = Validator(cfg, rank=self.rank, group=self.sync.meta_group if self.world > 1 else None)
-        largest_bag = max(self.topology.bags) if self.per_step_node is None else max(
-            max(self.topology.bags), max(block_sizes(self.per_step_node, cfg.model.num_heads)))
-        self.max_seq_len = cfg.data.max_tokens_per_gpu * largest_bag if cfg.data.max_tokens_per_gpu else None
+
+    def _write_pid(self) -> None:
+        """``pids/rank<r>.pid``: for operators (and the chaos script) to find workers."""
         os.makedirs(os.path.join(self.run_dir, "pids"), exist_ok=True)
         with open_nofollow(os.path.join(self.run_dir, "pids", f"rank{self.rank}.pid"), "w") as f:
-            f.write(str(os.getpid()))  # for operators (and the chaos script) to find workers
-        if self.rank == 0:
-            logger.info("topology %s for %d ranks (balance %s)%s", self.topology, self.world, cfg.balance.enabled,
-                        "" if self.per_step_node is None else
-                        f"; per-step: every step chooses aligned blocks of nodes of {self.per_step_node} ranks, "
-                        f"{self.topology} is the base it also tries")
+            f.write(str(os.getpid()))
 
     def _load_pretrained(self) -> None:
         """Allocate the meta-built (sharded) model and fill it from ``model.pretrained``,
@@ -283,31 +305,23 @@ class Trainer:
     def _optimizer_steps(self, steps: int) -> int:
         return -(-steps // self.accum)
 
-    # ---- set-up pieces ------------------------------------------------------------------
-
     def _build_groups(self) -> StepGroups:
         """The static topology's groups and, for a per-step run, a group for every aligned
         block of each node: created once, by every rank in the same order."""
         return self.dims.step_groups(self.topology, self.cfg.model.num_heads, self.per_step_node)
 
     def _choose_topology(self) -> Topology:
-        """Rank 0 starts the coordinator's run (it answers with the topology for this
-        world and its nodes) and hands it to every rank; without a coordinator, the same
-        rule locally. Every rank must build the same groups: rank 0's answer wins, and
-        a world the rule cannot serve (a bag would cross a node) fails on every rank with
-        rank 0's message."""
+        """Rank 0 starts the coordinator's run (``LedgerKeeper.begin_run``: the rows the
+        checkpoint carried first; it answers with the topology for this world and its
+        nodes) and hands it to every rank; without a coordinator, the same rule locally.
+        Every rank must build the same groups: rank 0's answer wins, and a world the rule
+        cannot serve (a bag would cross a node) fails on every rank with rank 0's message."""
         from knapray.coordinator import BalanceCoordinator
 
         topo, error = None, None
         if self.rank == 0:
             try:
-                if self.client is not None:
-                    try:
-                        self.carried_rows_left = hand_over(self.client, self.carried_rows)
-                        topo = self.client.begin_run(self.world, resume_step=self.resumed_from,
-                                                     state=self.ledger_position, node_sizes=self.node_sizes)
-                    except CoordinatorUnavailable:
-                        topo = None
+                topo = self.ledger.begin_run(self.world, self.node_sizes)
                 if topo is None:
                     topo = BalanceCoordinator(coordinator_config(self.cfg, world_size=self.world)).topology_for(
                         self.world, self.node_sizes)
@@ -330,13 +344,9 @@ class Trainer:
         records: collections.deque[dict] = collections.deque(maxlen=RECORDS_RETURNED)
         topologies: dict[str, int] = {}
         while self.epoch < cfg.data.epochs and not self._at_max_steps():
-            # A resumed epoch skips the samples the ledger has for it; a new one skips none.
-            skip = committed_ids(self.run_dir, self.epoch, through_step=self.resumed_from) \
-                if self.resumed_from is not None else np.zeros(0, dtype=np.int64)
-            # ... and the rows the checkpoint carried (the coordinator may not have them yet).
-            skip = np.union1d(skip, np.asarray([i for r in self.carried_rows if r["epoch"] == self.epoch
-                                                for i in r["sample_ids"]], dtype=np.int64))
-            skip = np.union1d(skip, self.duplicates)  # ids several corpus rows carry (data.duplicate_ids)
+            # What the epoch trained already (a resumed epoch's ledger rows, the rows the
+            # checkpoint carried), and ids several corpus rows carry (data.duplicate_ids).
+            skip = np.union1d(self.ledger.trained_ids(self.epoch, through_step=self.resumed_from), self.duplicates)
             dropout = None if self.unconditional is None else CaptionDropout(
                 cfg.data.caption_dropout, cfg.data.seed, self.epoch, *self.unconditional)
             stream = StepStream.for_corpus(
@@ -375,7 +385,7 @@ class Trainer:
             self._save(last)
         self.close()
         try:
-            self.planner.finish(last)
+            self.ledger.finish(last)
         except CoordinatorUnavailable as e:
             logger.error("coordinator unreachable at the end of the run: ledger incomplete (%s)", e)
         return {"steps": self.step, "records": list(records), "topology": str(self.topology),
@@ -518,7 +528,7 @@ class Trainer:
             self.ema.update(self.model)
         self.optimizer.zero_grad(set_to_none=True)
         for step, epoch, planned, meta in self.pending:
-            self.planner.committed(step, epoch, planned, meta)
+            self.ledger.committed(step, epoch, planned, meta)
         self.pending.clear()
         self.micro_steps = 0
 
@@ -528,7 +538,7 @@ class Trainer:
         """The trainer's part of a checkpoint (JSON; the checkpointer adds the step): the
         epoch, where it ran, and the ledger's position or the rows it could not hand over."""
         return {"epoch": self.epoch, "world_size": self.world, "topology": self.topology.spec,
-                "ledger": self._ledger_position_to_save, "ledger_rows": self._ledger_rows_to_save,
+                **self.ledger.state_dict(),  # "ledger" (its position), "ledger_rows" (rows carried)
                 **({"lora_base": self.lora_base} if self.lora_base else {})}
 
     def load_state_dict(self, state: dict) -> None:
@@ -537,8 +547,7 @@ class Trainer:
         self.step, self.epoch = step + 1, int(state["epoch"])
         self.resumed_from = self.last_saved = step
         self.saved_epoch = self.epoch
-        self.ledger_position = state.get("ledger")
-        self.carried_rows = state.get("ledger_rows") or []
+        self.ledger.load_state_dict(state)  # its "ledger" and "ledger_rows"
 
     def close(self) -> None:
         """Flush and close what the run holds open: the profiler window, the metric sinks,
@@ -549,31 +558,14 @@ class Trainer:
         if self.sinks is not None:
             self.sinks.close()
             self.sinks = None
-        if self.local_ledger is not None:
-            self.local_ledger.close()
-            self.local_ledger = None
+        self.ledger.close()
 
     def _save(self, step: int) -> None:
         """A checkpoint covering every step <= ``step`` (the ledger first: rank 0 hands
         over the rows of locally planned steps and waits for the coordinator's commit, so
         the ledger position it records is durable and covers every step the checkpoint
         does; rows the coordinator cannot take now travel in the checkpoint instead)."""
-        position, carried = None, []
-        if self.rank == 0:
-            if self.client is not None:
-                carried = self.planner.settle()
-                if carried:
-                    logger.warning("checkpoint at step %d: the coordinator has not taken the rows of locally "
-                                   "planned steps %s; the checkpoint carries them", step, [r["step"] for r in carried])
-                else:
-                    try:
-                        self.client.commit(step)
-                        position = self.client.state_dict()  # a few numbers: the ledger's position
-                    except CoordinatorUnavailable as e:
-                        logger.warning("checkpoint at step %d: coordinator commit not confirmed (%s)", step, e)
-            elif self.local_ledger is not None:
-                position = self.local_ledger.position()
-        self._ledger_position_to_save, self._ledger_rows_to_save = position, carried
+        self.ledger.settle(step)
         self.checkpointer.save(step, barrier=self.sync.barrier)
         self.last_saved, self.saved_epoch = step, self.epoch
 

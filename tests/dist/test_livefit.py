@@ -200,11 +200,12 @@ def test_bad_input_is_refused():
 
 
 def test_local_plans_fall_back_to_the_configured_model_if_rank_fits_differ():
+    from knapray.train.ledger_keeper import LedgerKeeper
     from knapray.train.step_planner import StepPlanner
 
     live = LiveFit(PRIOR)
     _feed(live, 12, noise=0.0)
-    planner = StepPlanner(SimpleNamespace(rank=0), TOPO, PRIOR, "knapray", None, live=live)
+    planner = StepPlanner(SimpleNamespace(rank=0), TOPO, PRIOR, "knapray", None, LedgerKeeper(0, None, ""), live=live)
     assert planner._local_model([live.digest()] * 8) is live.model()
     assert planner._local_model([live.digest()] * 7 + ["other"]) is PRIOR
     assert planner.live_disagreements == 1
