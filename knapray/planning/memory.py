@@ -84,7 +84,7 @@ double block, 64d B = 192 KiB per single block (3.47 / 3.00 GiB at 16k tokens).
 parameters, so bf16 norms) computes them. Under ``torch.autocast`` (``sharding="none"``)
 CUDA runs LayerNorm in fp32, and the fp32 RMSNorm gain makes q and k fp32 (which also
 sends them to the per-sequence SDPA path): by reading the code about 10% more activation
-bytes than counted here; not modelled, not measured (``python -m knapray.testing.memory_check`` on
+bytes than counted here; not modelled, not measured (``python -m knapray.commands.memory_check`` on
 a GPU measures it).
 
 Outside the blocks, per token: the embedders' inputs (``patch_dim*b`` per image token,
