@@ -12,7 +12,7 @@ COMMANDS = (
     Command("train", "knapray.commands.train", "train on Ray (embedded local Ray, or --address for a cluster); "
             "--check: pre-flight only"),
     Command("synthetic", "knapray.commands.synthetic", "build a synthetic corpus from a mix of the paper's data codes"),
-    Command("ingest", "knapray.corpus.ingest", "encode a folder of images/videos into a corpus", run="cli"),
+    Command("ingest", "knapray.commands.ingest", "encode a folder of images/videos into a corpus", run="cli"),
     Command("sample", "knapray.commands.sample", "sample images from a trained run's checkpoint (PNG grid)", run="cli"),
     Command("plan", "knapray.commands.plan", "plan steps of a data mix and report balance"),
     Command("parity", "knapray.commands.parity", "balanced vs unbalanced vs single-process reference (gloo)"),

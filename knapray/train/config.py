@@ -87,7 +87,7 @@ class DataSection:
     corpus: str = "datasets/generated/demo"
     """Directory of parquet shards + schema.json. It must exist: knapray never builds or
     replaces a corpus on its own (build one with ``knapray synthetic`` or
-    ingest images with ``python -m knapray.corpus.ingest``)."""
+    ingest images with ``knapray ingest``)."""
     samples_per_step: int = field(default=2, metadata={"ge": 1, "le": MAX_SAMPLES_PER_RANK})
     """Samples each rank draws per step (the paper's B), unless ``global_batch`` is set."""
     global_batch: int = field(default=0, metadata={"ge": 0, "le": MAX_GLOBAL_BATCH})

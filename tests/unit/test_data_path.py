@@ -183,8 +183,7 @@ def test_shuffle_buffer_mb_past_its_bound_is_one_config_error() -> None:
 
 
 def test_synthetic_cli_and_ingest_take_text_dtype(tmp_path: Path) -> None:
-    from knapray.commands import synthetic
-    from knapray.corpus import ingest
+    from knapray.commands import ingest, synthetic
 
     assert synthetic.build_parser().parse_args(["--mix", "g1b1i256f1s0", "--out", "x", "--text-dtype",
                                                 "bf16"]).text_dtype == "bf16"

@@ -25,7 +25,8 @@ from transformers import (
 )
 
 from knapray.corpus import decode_row, hf, read_corpus, read_schema_json
-from knapray.corpus.ingest import EncoderSpec, IngestConfig, ingest, main
+from knapray.commands.ingest import main
+from knapray.corpus.ingest import EncoderSpec, IngestConfig, ingest
 from knapray.corpus.media import fit_frames, read_image
 
 ATOL = 2e-5  # fp32; batching and padding reorder float sums

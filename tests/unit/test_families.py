@@ -125,7 +125,7 @@ def tiny(monkeypatch):
 
 def test_a_new_family_is_picked_up_without_editing_callers(tiny, tmp_path) -> None:
     from knapray.commands.calibrate import calibration_config
-    from knapray.corpus.ingest import _family, _max_text_tokens
+    from knapray.commands.ingest import _family, _max_text_tokens
     from knapray.models.sampling import request_shifts
     from knapray.planning.memory import ModelShape
     from knapray.train.config import load_config
