@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     from knapray.train.preflight import load_run_config
 
     cfg = load_run_config(args.config, args.set)  # a ConfigError (ValueError) names the file or the key
-    from knapray.models.lora import adapter_counts
+    from knapray.models.families import adapter_counts
 
     mem = memory_model_for_run(
         cfg, world_size=args.world_size, gpus_per_node=args.gpus_per_node, sharding=args.fsdp,

@@ -146,7 +146,7 @@ def load_weights(cfg: Any, path: str, ema: bool = True, device: str = "cpu") -> 
     if lora:  # the base from model.pretrained (the one trained on), the adapters from the checkpoint
         from knapray.models.lora import is_adapter
         from knapray.train.checkpoint import read_trainer_state
-        from knapray.models.lora import base_record
+        from knapray.weights.checks import base_record
         from knapray.weights.load import load_pretrained
 
         saved, now = read_trainer_state(path).get("lora_base") or {}, base_record(cfg.model)

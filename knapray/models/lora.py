@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from typing import Any
 
 import torch
 from torch import nn
@@ -104,12 +103,12 @@ def init_adapters(model: nn.Module, cfg: LoraConfig, seed: int) -> None:
     """First values of every adapter parameter (allocated; plain or FSDP2-sharded): lora_B
     zeros, lora_A from ``cfg.init`` drawn whole from a generator seeded by ``seed`` and the
     parameter's name, each rank keeping its rows, so every sharding gives the same adapters."""
-    from knapray.weights.load import local_rows
+    from knapray.distributed.param_rows import shard_rows
 
     for name, p in model.named_parameters():
         if not is_adapter(name):
             continue
-        local, start, rows = local_rows(p)
+        local, start, rows = shard_rows(p)
         if ".lora_B." in name:
             local.zero_()
             continue
@@ -155,27 +154,3 @@ def base_fingerprint(files: list[str]) -> str:
                 f.seek(start + (data * i) // FINGERPRINT_BLOCKS)
                 h.update(f.read(min(FINGERPRINT_BLOCK_BYTES, data)))
     return h.hexdigest()
-
-
-def adapter_counts(model_cfg) -> tuple[int, int] | None:
-    """(parameters, tensors) of ``model_cfg``'s adapters (its model built on the meta
-    device: nothing allocated); None without ``model.lora``. What the memory model counts
-    gradients and AdamW state for."""
-    if not model_cfg.lora.enabled:
-        return None
-    from knapray.models.families import build_model
-
-    with torch.device("meta"):
-        model = build_model(model_cfg)
-    adapters = [p for n, p in model.named_parameters() if is_adapter(n)]
-    return sum(p.numel() for p in adapters), len(adapters)
-
-
-def base_record(model_cfg) -> dict | None:
-    """What a LoRA run records of its base (``model.pretrained``): the path and the
-    fingerprint of its safetensors files; None without a pretrained base."""
-    if not model_cfg.pretrained:
-        return None
-    from knapray.weights.checks import check_pretrained
-
-    return {"path": model_cfg.pretrained, "fingerprint": base_fingerprint(check_pretrained(model_cfg).files)}

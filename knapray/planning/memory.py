@@ -434,7 +434,7 @@ class MemoryModel:
     fragmentation: float = FRAGMENTATION
     trainable: tuple[int, int] | None = None
     """(parameters, tensors) that train, when not all do: a LoRA run's adapters
-    (``knapray.models.lora.adapter_counts``). Gradients and AdamW state are theirs alone; the
+    (``knapray.models.families.adapter_counts``). Gradients and AdamW state are theirs alone; the
     frozen base's linear layers are held in the compute dtype (``hold_base_in``), the rest
     of it in fp32, sharded like the rest."""
 

@@ -545,7 +545,7 @@ class Findings:
 def assess(setup: Setup, inputs: StepInputs, step: StepResult, device: StepResult) -> Findings:
     """``step`` and ``device`` (``measure``) against the memory model's prediction (within
     ``MAX_PEAK_ERROR``), the collectives the plan implies, and the device and dtype checks."""
-    from knapray.models.lora import adapter_counts
+    from knapray.models.families import adapter_counts
     from knapray.planning.memory import memory_model_for_run
 
     cfg, m = setup.cfg, setup.cfg.model

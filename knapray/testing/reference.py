@@ -249,7 +249,7 @@ def balanced_results(rank: int, world: int, paths: list[str], family: str | None
     from knapray.models.flow import flow_loss
     from knapray.planning import Topology, WorkloadModel, plan_balance
     from knapray.train.balanced import balanced_forward
-    from knapray.weights.load import local_rows
+    from knapray.distributed.param_rows import shard_rows
     from knapray.weights.source import open_pretrained
 
     results = {}
@@ -259,7 +259,7 @@ def balanced_results(rank: int, world: int, paths: list[str], family: str | None
         source, weights_diff = open_pretrained(path), 0.0
         params = dict(model.named_parameters())
         for p in checkpoint_layout(cfg, source.layout).pieces:
-            local, start, rows = local_rows(params[p.param])
+            local, start, rows = shard_rows(params[p.param])
             lo, hi = max(p.dst, start), min(p.dst + p.rows, start + rows)
             if lo < hi:
                 with safe_open(source.tensors[p.key].file, framework="pt") as f:

@@ -26,7 +26,7 @@ The decisions on rows are plain functions (``rows_to_carry``, ``pending_of``,
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
@@ -36,13 +36,19 @@ from knapray.planning import Topology
 
 from .ledger_files import LocalLedger, committed_ids
 
-if TYPE_CHECKING:
-    from .step_planner import Planned
-
 logger = logging.getLogger(__name__)
 
 RECENT_STEPS = 32
 """Steps whose sample ids each rank keeps, to re-record steps a lost coordinator dropped."""
+
+class PlannedStep(Protocol):
+    """What the keeper reads of a step's plan (``step_planner.Planned``)."""
+
+    planned_by: str
+    """``coordinator`` or ``local``."""
+    rows: tuple[list[int], list[int]] | None
+    """(sample ids, home ranks) of a locally planned step's samples, on rank 0."""
+
 
 Row = tuple[list[int], list[int], int]
 """One step's ledger row as rank 0 holds it: (sample ids, home ranks, epoch)."""
@@ -175,7 +181,7 @@ class LedgerKeeper:
 
     # ---- per step ----------------------------------------------------------------------------
 
-    def committed(self, step: int, epoch: int, planned: Planned, this: StepMeta) -> None:
+    def committed(self, step: int, epoch: int, planned: PlannedStep, this: StepMeta) -> None:
         """After the optimizer step that trained ``step`` (in ``epoch``)."""
         self.recent[step] = (int(epoch), [int(i) for i in this.sample_ids])
         if len(self.recent) > RECENT_STEPS:

@@ -243,7 +243,7 @@ def check_lora_base(cfg: TrainConfig, trainer: dict, checkpoint: str) -> None:
     saved = trainer.get("lora_base")
     if not cfg.model.lora.enabled or not isinstance(saved, dict):
         return
-    from knapray.models.lora import base_record
+    from knapray.weights.checks import base_record
 
     now = base_record(cfg.model)
     if now is None or now.get("fingerprint") != saved.get("fingerprint"):

@@ -234,9 +234,10 @@ class Trainer:
         else:
             materialize(self.model, self.device)
         self.lora_base = None
-        """A LoRA run's base: {path, fingerprint of its safetensors files} (trainer.json; models.lora.base_record)."""
+        """A LoRA run's base: {path, fingerprint of its safetensors files} (trainer.json; weights.checks.base_record)."""
         if cfg.model.lora.enabled:
-            from knapray.models.lora import base_record, init_adapters
+            from knapray.models.lora import init_adapters
+            from knapray.weights.checks import base_record
 
             init_adapters(self.model, cfg.model.lora, cfg.data.seed)
             self.lora_base = base_record(cfg.model)

@@ -14,6 +14,7 @@ from knapray.models.families import (
     family_of_class,
     get_family,
 )
+from knapray.models.lora import base_fingerprint
 from knapray.weights.source import FLOAT_DTYPES, PretrainedSource
 
 
@@ -87,3 +88,11 @@ def check_pretrained(cfg: DiTConfig) -> PretrainedSource:
         raise ValueError(f"model.pretrained {source.path}: {mismatch}")
     check_tensors(source, cfg)
     return source
+
+
+def base_record(model_cfg) -> dict | None:
+    """What a LoRA run records of its base (``model.pretrained``): the path and the
+    fingerprint of its safetensors files; None without a pretrained base."""
+    if not model_cfg.pretrained:
+        return None
+    return {"path": model_cfg.pretrained, "fingerprint": base_fingerprint(check_pretrained(model_cfg).files)}

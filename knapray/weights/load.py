@@ -14,13 +14,13 @@ model, on the host or on the device. Nothing is unpickled: safetensors only.
 from __future__ import annotations
 
 import dataclasses
-import math
 import resource
 import time
 
 import torch
 import torch.nn as nn
 
+from knapray.distributed.param_rows import shard_rows
 from knapray.models.config import DiTConfig
 from knapray.models.families import checkpoint_layout
 from knapray.weights.source import PretrainedSource
@@ -52,30 +52,6 @@ def peak_host_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """(local tensor, first row, rows) of ``param`` within the full parameter: the whole
-    tensor for a plain one; an FSDP2 DTensor's own shard of dim 0."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(param, DTensor):
-        return param.data, 0, param.shape[0]
-    start, rows = 0, param.shape[0]
-    coordinate = param.device_mesh.get_coordinate()
-    for axis, placement in enumerate(param.placements):
-        if placement.is_replicate():
-            continue
-        if not (placement.is_shard() and placement.dim == 0):
-            raise ValueError(f"cannot load into a parameter placed as {param.placements}: only Shard(0) "
-                             "(FSDP2) and Replicate are supported")
-        chunk = math.ceil(rows / param.device_mesh.size(axis))
-        first = min(coordinate[axis] * chunk, rows)
-        start, rows = start + first, min(chunk, rows - first)
-    local = param.to_local()
-    if local.shape[0] != rows:
-        raise ValueError(f"a DTensor's local shard has {local.shape[0]} rows where its placement gives {rows}")
-    return local, start, rows
-
-
 @torch.no_grad()
 def load_pretrained(model: nn.Module, cfg: DiTConfig, source: PretrainedSource | None = None) -> LoadReport:
     """Fill ``model``'s parameters (plain or FSDP2-sharded, on any device, allocated) from
@@ -98,7 +74,7 @@ def load_pretrained(model: nn.Module, cfg: DiTConfig, source: PretrainedSource |
     meta = [n for n, p in params.items() if p.is_meta]
     if meta:
         raise ValueError(f"parameter {meta[0]!r} is on the meta device: allocate the model (to_empty) before loading")
-    targets = {name: local_rows(p) for name, p in params.items()}
+    targets = {name: shard_rows(p) for name, p in params.items()}
     written = dict.fromkeys(params, 0)
     by_file: dict[str, list] = {}
     for piece in layout.pieces:

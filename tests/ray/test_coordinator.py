@@ -387,7 +387,7 @@ def test_conflicting_resend_of_a_planned_step_fails_it_for_every_rank():
         coord.submit(1, 1, [200], [2], epoch=1)
 
 
-def test_a_rejected_submission_is_raised_by_the_trainer_not_taken_for_an_epoch_end():
+def test_a_rejected_submission_is_raised_by_the_trainer_not_taken_for_an_epoch_end(tmp_path):
     """The training side: the client's StepFailed (a rejected submission, or a step failed
     for everyone) becomes ``Fetched.error``, counted in the per-step all-reduce, and every
     rank raises the failing ranks' reasons (here a world of one)."""
@@ -395,6 +395,7 @@ def test_a_rejected_submission_is_raised_by_the_trainer_not_taken_for_an_epoch_e
 
     from knapray.data import StepMeta
     from knapray.distributed.step_sync import StepSync
+    from knapray.train.ledger_keeper import LedgerKeeper
     from knapray.train.step_planner import StepPlanner
 
     class RejectingClient:
@@ -410,8 +411,9 @@ def test_a_rejected_submission_is_raised_by_the_trainer_not_taken_for_an_epoch_e
         def get_plan(self, step):
             raise StepFailed(f"step {step}: rank 0 submitted different data after the step was planned")
 
+    client = RejectingClient()
     planner = StepPlanner(StepSync.build(torch.device("cpu")), Topology.parse("g1n1"), WorkloadModel(**MODEL),
-                          "knapray", RejectingClient())
+                          "knapray", client, LedgerKeeper(0, client, str(tmp_path)))
     meta = StepMeta(0, (100,), (1,))
     planner.begin_epoch(23, 1, meta)
     fetched = planner.fetch(23, meta, meta)

@@ -4,7 +4,6 @@ and cross-attend to a fixed-length text), the Wan mix, and `knapray simulate --m
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -144,13 +143,14 @@ def test_simulate_wan14b_at_64_gpus(capsys):
 
 
 def test_the_trainer_plans_wan_with_cross_attention():
+    """The run config's model section (its family's config class) tells the planner how
+    the family attends to its text."""
+    from knapray.train.config import load_config
+
     def cfg(family, planner):
-        return SimpleNamespace(
-            model=SimpleNamespace(family=family, hidden_size=5120, num_heads=40, depth_double=0, depth_single=40),
-            balance=SimpleNamespace(cost={}, planner=planner, topology="bags_of:8", gamma=0.4, solver="knapray",
-                                    gpus_per_node=8, cost_profile="", live_fit=False, enabled=True),
-            data=SimpleNamespace(max_tokens_per_gpu=0),
-        )
+        return load_config(None, [f"model.family={family}", "model.hidden_size=5120", "model.num_heads=40",
+                                  "model.depth_single=40", "model.rope_axes_dim=[44,42,42]", f"balance.planner={planner}",
+                                  "balance.topology=bags_of:8", "balance.gpus_per_node=8"])
     for planner in ("workload", "cost"):
         wan = make_planning_model(coordinator_config(cfg("wan", planner)))
         flux = make_planning_model(coordinator_config(cfg("mmdit", planner)))

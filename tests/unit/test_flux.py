@@ -312,10 +312,13 @@ def test_export_writes_a_diffusers_model_one_shard_at_a_time(tiny: dict[str, Pat
             p.add_(0.01)
     run = tmp_path / "run"
     run.mkdir()
-    from knapray.train.preflight import load_run_config
+    from dataclasses import replace
 
-    (run / "config.json").write_text(json.dumps(load_run_config(None, [f"model.pretrained={path}",
-                                                                   f"data.corpus={tmp_path}"]).to_dict()))
+    from knapray.train.preflight import load_run_config
+    from knapray.train.run_dir import write_config
+
+    run_cfg = load_run_config(None, [f"model.pretrained={path}", f"data.corpus={tmp_path}"])
+    write_config(replace(run_cfg, run=replace(run_cfg.run, storage=str(tmp_path), name="run")))
     ema = EMA(model, 0.9)
     opt = torch.optim.AdamW(model.parameters())
     Checkpointer(str(run / "checkpoints"), rank=0, group=None, parts=training_parts(model, opt, ema=ema),

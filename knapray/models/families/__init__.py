@@ -270,7 +270,21 @@ def checkpoint_layout(cfg: DiTConfig, name: str | None = None) -> Layout:
     return fam.layout(cfg, name, param_shapes(cfg))
 
 
+def adapter_counts(model_cfg) -> tuple[int, int] | None:
+    """(parameters, tensors) of ``model_cfg``'s adapters (its model built on the meta
+    device: nothing allocated); None without ``model.lora``. What the memory model counts
+    gradients and AdamW state for."""
+    if not model_cfg.lora.enabled:
+        return None
+    from knapray.models.lora import is_adapter
+
+    with torch.device("meta"):
+        model = build_model(model_cfg)
+    adapters = [p for n, p in model.named_parameters() if is_adapter(n)]
+    return sum(p.numel() for p in adapters), len(adapters)
+
+
 __all__ = [
-    "FAMILIES", "FAMILY_NAMES", "Family", "build_model", "checkpoint_layout", "condition_inputs",
+    "FAMILIES", "FAMILY_NAMES", "Family", "adapter_counts", "build_model", "checkpoint_layout", "condition_inputs",
     "config_class", "cross_text_pad", "family_of_class", "get_family", "param_shapes",
 ]
