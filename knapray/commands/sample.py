@@ -33,94 +33,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
+from knapray.inference.conditioning import TEXT_ENCODERS, corpus_codecs, corpus_records, corpus_text
+from knapray.inference.images import preview, save_grid
+from knapray.inference.requests import Request, check_sizes, pair_requests, parse_size
 from knapray.models.sampling import embeds_guidance, request_shifts, sample_latents
 
 # The registry imports this module only for `knapray sample` itself (knapray.models, and
 # so torch, comes with it); `knapray --help` and the planning commands never load it.
-
-
-@dataclass(frozen=True)
-class Request:
-    caption: str | None
-    height: int
-    """Pixels (latent height times the corpus's VAE downsample)."""
-    width: int
-    frames: int = 1
-    like: int | None = None
-    """A corpus sample id whose text embeddings to use instead of a caption."""
-
-
-def parse_size(text: str) -> tuple[int, int]:
-    """``"768x384"`` -> (width 768, height 384), in pixels, each side at most ``MAX_IMAGE_SIDE``."""
-    from knapray.limits import MAX_IMAGE_SIDE
-
-    try:
-        w, h = (int(v) for v in text.lower().split("x")) if len(text) <= 40 else ()
-    except ValueError:
-        w = h = None
-    if w is None or not text.strip():
-        raise ValueError(f"--size {text[:40]!r}: expected WIDTHxHEIGHT in pixels, e.g. 768x512")
-    if w < 1 or h < 1:
-        raise ValueError(f"--size {text!r}: width and height must be positive")
-    if max(w, h) > MAX_IMAGE_SIDE:
-        raise ValueError(f"--size {text}: at most {MAX_IMAGE_SIDE} pixels a side")
-    return w, h
-
-
-def check_sizes(sizes: list[tuple[int, int]], frames: int, down: int, patch: tuple[int, int]) -> None:
-    """Every (width, height) a multiple of what the model takes (VAE factor ``down`` times the
-    patch (height, width)), never rounded: the error names the nearest valid sizes; and the
-    image tokens of a request and of all of them bounded (one packed batch per step)."""
-    from knapray.limits import MAX_IMAGE_TOKENS, MAX_SAMPLE_BATCH_TOKENS
-
-    mh, mw = down * patch[0], down * patch[1]
-    total = 0
-    for w, h in sizes:
-        if h % mh or w % mw:
-            def near(v: int, m: int) -> tuple[int, int]:
-                return max(m, v // m * m), max(m, -(-v // m) * m)
-
-            (w0, w1), (h0, h1) = near(w, mw), near(h, mh)
-            nearest = " or ".join(dict.fromkeys(f"{a}x{b}" for a, b in ((w0, h0), (w1, h1))))
-            both = f"of {mw}" if mw == mh else f"of {mw} (width) and {mh} (height)"
-            raise ValueError(f"--size {w}x{h}: with a VAE downsample of {down} and patches of {patch[1]}x{patch[0]} "
-                             f"the width and height must be multiples {both} pixels; nearest valid: {nearest}")
-        tokens = frames * (h // mh) * (w // mw)
-        if tokens > MAX_IMAGE_TOKENS:
-            raise ValueError(f"--size {w}x{h}" + (f" --frames {frames}" if frames > 1 else "") + f": {tokens} image "
-                             f"tokens; at most {MAX_IMAGE_TOKENS} a request (e.g. {256 * mw}x{256 * mh})")
-        total += tokens
-    if total > MAX_SAMPLE_BATCH_TOKENS:
-        raise ValueError(f"{len(sizes)} requests of {total} image tokens together (one batch every step); at most "
-                         f"{MAX_SAMPLE_BATCH_TOKENS}: sample them in several runs")
-
-
-def pair_requests(prompts: list, sizes: list[tuple[int, int]]) -> list[tuple[Any, tuple[int, int]]]:
-    """(prompt, size) per request: one size for every prompt, one size per prompt, or one
-    prompt at every size; anything else, or more than ``MAX_SAMPLE_REQUESTS`` requests, is a
-    ValueError naming the counts."""
-    from knapray.limits import MAX_SAMPLE_REQUESTS
-
-    requests = max(len(prompts), len(sizes))
-    if requests > MAX_SAMPLE_REQUESTS:
-        raise ValueError(f"{requests} requests (--caption / --like / --size); at most {MAX_SAMPLE_REQUESTS} a call "
-                         "(each is a tile of one PNG grid): sample them in several calls")
-    if len(sizes) == 1:
-        return [(p, sizes[0]) for p in prompts]
-    if len(prompts) == 1:
-        return [(prompts[0], size) for size in sizes]
-    if len(sizes) == len(prompts):
-        return list(zip(prompts, sizes))
-    raise ValueError(f"{len(prompts)} requests (--caption / --like) and {len(sizes)} --size values: give one "
-                     "--size for all, one per request, or one caption with several sizes")
-
-
 
 
 # ---- loading a run ------------------------------------------------------------------------
@@ -158,119 +80,6 @@ def load_weights(cfg: Any, path: str, ema: bool = True, device: str = "cpu") -> 
     safe_load(state, path)
     model.load_state_dict(state[prefix], strict=not lora)
     return model.to(device).eval(), used_ema
-
-
-# ---- conditioning and decoding from the corpus's record ---------------------------------
-
-
-def corpus_records(corpus: str) -> tuple[dict, dict, dict]:
-    """(text encoder record, latent encoder record, dims) from the corpus's schema.json."""
-    from knapray.corpus import read_schema_json
-
-    try:
-        doc = read_schema_json(corpus)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"the run's corpus: {e}") from None
-    records = doc.get("encoders") or {}
-    return records.get("text") or {}, records.get("latent") or {}, doc["dims"]
-
-
-TEXT_ENCODERS = ("HashTextEncoder", "HFTextEncoder")
-"""Text encoders a corpus can record that ``corpus_codecs`` rebuilds for captions."""
-
-
-def corpus_codecs(corpus: str, device: str = "cpu") -> tuple[Any, Any, dict]:
-    """(text encoder or None, latent decoder or None, schema dims) rebuilt from the
-    corpus's schema.json."""
-    from knapray.corpus.encoders import HashTextEncoder, PixelPatchEncoder
-
-    text_rec, latent_rec, dims = corpus_records(corpus)
-    text = decoder = None
-    if text_rec.get("class") == "HashTextEncoder":
-        text = HashTextEncoder(dim=int(text_rec["dim"]), pooled_dim=int(text_rec["pooled_dim"]))
-    elif text_rec.get("class") == "HFTextEncoder":
-        from knapray.corpus.hf import HFTextEncoder
-
-        t, p = text_rec["text"], text_rec["pooled"]
-        separate = p is not None and p["path"] != t["path"]
-        # Wan's record: no pooled vector (pooled_dim 0), captions cleaned as WanPipeline cleans them
-        text = HFTextEncoder(t["path"], text_tokenizer=t["tokenizer"],
-                             pooled=p["path"] if separate else None,
-                             pooled_tokenizer=p["tokenizer"] if separate else None, device=device,
-                             pooled_vector=int(text_rec.get("pooled_dim", 1)) > 0,
-                             wan_prompts="prompt_clean" in text_rec)
-    if latent_rec.get("class") == "PixelPatchEncoder":
-        decoder = PixelPatchEncoder(channels=int(latent_rec["channels"]), downsample=int(latent_rec["downsample"]),
-                                    temporal_downsample=int(latent_rec["temporal_downsample"]),
-                                    seed=int(latent_rec["seed"]))
-    elif "path" in latent_rec:  # a diffusers VAE directory
-        from knapray.corpus.hf import DiffusersVAE
-
-        decoder = DiffusersVAE(latent_rec["path"], device=device)
-    return text, decoder, dims
-
-
-def preview(latent: np.ndarray) -> np.ndarray:
-    """(C, T, h, w) -> (T, h, w, 3) uint8 from the first three channels, each stretched
-    to its own range: how a latent without a decoder looks."""
-    x = latent[:3] if latent.shape[0] >= 3 else np.repeat(latent[:1], 3, axis=0)
-    lo = x.min(axis=(1, 2, 3), keepdims=True)
-    hi = x.max(axis=(1, 2, 3), keepdims=True)
-    x = (x - lo) / np.maximum(hi - lo, 1e-6)
-    return (x.transpose(1, 2, 3, 0) * 255).astype(np.uint8)
-
-
-def corpus_text(corpus: str, sample_id: int, text_dim: int, pooled_dim: int) -> tuple[np.ndarray, np.ndarray]:
-    """A corpus sample's text and pooled embeddings."""
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    from knapray.corpus import decode_row, shard_paths
-
-    for path in shard_paths(corpus):
-        table = pq.read_table(path)
-        hit = table.filter(pc.equal(table["sample_id"], sample_id))
-        if hit.num_rows:
-            row = decode_row(hit.to_pylist()[0], text_dim=text_dim, pooled_dim=pooled_dim)
-            return row["text"], row["pooled"]
-    raise ValueError(f"--like {sample_id}: no sample with that id in {corpus}")
-
-
-# ---- sampling -----------------------------------------------------------------------------
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-def save_grid(path: str, images: list[np.ndarray], titles: list[str]) -> str:
-    """One row per request (a video's frames side by side, at most 8), titled."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cols = min(4, len(images))
-    rows = math.ceil(len(images) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 4 * rows), squeeze=False)
-    for ax in axes.ravel():
-        ax.axis("off")
-    for ax, frames, title in zip(axes.ravel(), images, titles):
-        strip = np.concatenate(list(frames[:8]), axis=1)  # (T, H, W, 3) -> (H, T*W, 3)
-        ax.imshow(strip)
-        ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,8 @@ class Validator:
         self._decoder = None
         if not self.enabled:
             return
-        from knapray.commands.sample import corpus_records, pair_requests, parse_size
+        from knapray.inference.conditioning import corpus_records
+        from knapray.inference.requests import pair_requests, parse_size
 
         _, _, dims = corpus_records(cfg.data.corpus)
         self.down = int(dims.get("vae_downsample", 8))
@@ -54,7 +55,7 @@ class Validator:
         """Rank 0 embeds the prompts (and the empty caption) once; every rank gets them."""
         payload = None
         if self.rank == 0:
-            from knapray.commands.sample import corpus_codecs, corpus_text
+            from knapray.inference.conditioning import corpus_codecs, corpus_text
             from knapray.corpus.unconditional import unconditional_embeddings
 
             m = self.cfg.model
@@ -111,7 +112,8 @@ class Validator:
         return seconds
 
     def _write(self, step: int, latents: list[np.ndarray], sinks: Any, seconds: float) -> None:
-        from knapray.commands.sample import corpus_codecs, preview, save_grid
+        from knapray.inference.conditioning import corpus_codecs
+        from knapray.inference.images import preview, save_grid
 
         try:
             if self._decoder is None:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from knapray.cli import main
-from knapray.commands.sample import pair_requests, parse_size
+from knapray.inference.requests import pair_requests, parse_size
 from knapray.models.sampling import flow_timesteps
 
 

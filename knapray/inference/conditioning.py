@@ -1,0 +1,72 @@
+"""A corpus's record of how it was encoded (schema.json), rebuilt for sampling: the text
+encoder that embeds captions as the corpus's were, the decoder of its latents, and a
+corpus sample's own text embeddings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def corpus_records(corpus: str) -> tuple[dict, dict, dict]:
+    """(text encoder record, latent encoder record, dims) from the corpus's schema.json."""
+    from knapray.corpus import read_schema_json
+
+    try:
+        doc = read_schema_json(corpus)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"the run's corpus: {e}") from None
+    records = doc.get("encoders") or {}
+    return records.get("text") or {}, records.get("latent") or {}, doc["dims"]
+
+
+TEXT_ENCODERS = ("HashTextEncoder", "HFTextEncoder")
+"""Text encoders a corpus can record that ``corpus_codecs`` rebuilds for captions."""
+
+
+def corpus_codecs(corpus: str, device: str = "cpu") -> tuple[Any, Any, dict]:
+    """(text encoder or None, latent decoder or None, schema dims) rebuilt from the
+    corpus's schema.json."""
+    from knapray.corpus.encoders import HashTextEncoder, PixelPatchEncoder
+
+    text_rec, latent_rec, dims = corpus_records(corpus)
+    text = decoder = None
+    if text_rec.get("class") == "HashTextEncoder":
+        text = HashTextEncoder(dim=int(text_rec["dim"]), pooled_dim=int(text_rec["pooled_dim"]))
+    elif text_rec.get("class") == "HFTextEncoder":
+        from knapray.corpus.hf import HFTextEncoder
+
+        t, p = text_rec["text"], text_rec["pooled"]
+        separate = p is not None and p["path"] != t["path"]
+        # Wan's record: no pooled vector (pooled_dim 0), captions cleaned as WanPipeline cleans them
+        text = HFTextEncoder(t["path"], text_tokenizer=t["tokenizer"],
+                             pooled=p["path"] if separate else None,
+                             pooled_tokenizer=p["tokenizer"] if separate else None, device=device,
+                             pooled_vector=int(text_rec.get("pooled_dim", 1)) > 0,
+                             wan_prompts="prompt_clean" in text_rec)
+    if latent_rec.get("class") == "PixelPatchEncoder":
+        decoder = PixelPatchEncoder(channels=int(latent_rec["channels"]), downsample=int(latent_rec["downsample"]),
+                                    temporal_downsample=int(latent_rec["temporal_downsample"]),
+                                    seed=int(latent_rec["seed"]))
+    elif "path" in latent_rec:  # a diffusers VAE directory
+        from knapray.corpus.hf import DiffusersVAE
+
+        decoder = DiffusersVAE(latent_rec["path"], device=device)
+    return text, decoder, dims
+
+
+def corpus_text(corpus: str, sample_id: int, text_dim: int, pooled_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """A corpus sample's text and pooled embeddings."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from knapray.corpus import decode_row, shard_paths
+
+    for path in shard_paths(corpus):
+        table = pq.read_table(path)
+        hit = table.filter(pc.equal(table["sample_id"], sample_id))
+        if hit.num_rows:
+            row = decode_row(hit.to_pylist()[0], text_dim=text_dim, pooled_dim=pooled_dim)
+            return row["text"], row["pooled"]
+    raise ValueError(f"--like {sample_id}: no sample with that id in {corpus}")
