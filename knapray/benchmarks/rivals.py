@@ -107,7 +107,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str, opts: dict) -> None:
     from knapray.models.flow import flow_loss
     from knapray.testing.batches import mix_batches
     from knapray.train.balanced import balanced_forward
-    from knapray.train.parallelize import ParallelConfig, clip_grad_norm_, parallelize
+    from knapray.config.parallel import ParallelConfig
+    from knapray.train.parallelize import clip_grad_norm_, parallelize
 
     init_local_gloo(rank, world, port, timeout_s=600)
     try:

@@ -67,7 +67,7 @@ from knapray.distributed.local import free_port, init_local_gloo
 
 from knapray.models import MMDiT, MMDiTConfig
 from knapray.distributed.parallel_dims import ParallelDims
-from knapray.train.parallelize import ParallelConfig
+from knapray.config.parallel import ParallelConfig
 from knapray.planning import Topology, WorkloadModel, identity_plan, plan_balance
 from knapray.limits import MAX_SCALE
 

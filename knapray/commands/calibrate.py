@@ -63,7 +63,8 @@ from knapray.planning.costfit import (
     mean_abs_error,
     validation_batches,
 )
-from knapray.train.parallelize import ParallelConfig, parallelize
+from knapray.config.parallel import ParallelConfig
+from knapray.train.parallelize import parallelize
 
 CPU_BUDGETS = (1024, 2048, 3072)
 """On CPU the per-token cost grows once a batch's activations leave the 2 MB L2 cache

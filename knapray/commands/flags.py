@@ -21,6 +21,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from knapray.limits import MAX_SEED, MAX_STEPS, MAX_TEXT_LENGTH, MAX_WORLD_SIZE
+from knapray.config.parallel import FSDP_MODES
 from knapray.planning.checkpointing import AC_MODES
 
 
@@ -153,9 +154,6 @@ def add_ac(p: argparse.ArgumentParser, *, default: str | None, help: str) -> Non
                    "--ac-every-th block)")
     p.add_argument("--ac-every", type=int_at_least(1), default=None, metavar="K",
                    help="k of --ac every_k (default 2)")
-
-
-FSDP_MODES = ("none", "full", "hybrid")
 
 
 def add_fsdp(p: argparse.ArgumentParser, *, default: str | None, help: str) -> None:

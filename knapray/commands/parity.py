@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from knapray.testing.parity import passed, run_parity
-    from knapray.train.parallelize import ParallelConfig
+    from knapray.config.parallel import ParallelConfig
     from .flags import check_local_processes
 
     check_local_processes(args.world_size, "knapray parity")

@@ -687,7 +687,7 @@ def memory_model_for_run(
         shape=ModelShape.of(cfg.model),
         world_size=world,
         gpus_per_node=per_node,
-        # One rank shards nothing (``knapray.train.parallelize.sharding_of``): autocast over fp32
+        # One rank shards nothing (``knapray.config.parallel.sharding_of``): autocast over fp32
         sharding="none" if world == 1 else sharding,
         checkpointing=mode,
         ac_every=k,

@@ -296,7 +296,8 @@ def run_step(setup: Setup, plan, text_tokens: np.ndarray, batch_host, *, device:
     from knapray.train.ema import build_ema
     from knapray.train.optim import build_optimizer
     from knapray.distributed.parallel_dims import ParallelDims
-    from knapray.train.parallelize import sharding_of, parallelize
+    from knapray.config.parallel import sharding_of
+    from knapray.train.parallelize import parallelize
 
     from .step_watch import HostSync, StepWatch
 

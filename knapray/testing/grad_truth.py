@@ -133,7 +133,8 @@ def gradient_errors(family: str, mode: str, *, device: str = "cpu", compile: boo
     on ``device``, run one forward and backward on ``long_batch``, and compare every
     parameter's gradient with a float64 eager copy's (same weights: the bf16 parameters'
     values for ``bf16_params``)."""
-    from knapray.train.parallelize import ParallelConfig, parallelize
+    from knapray.config.parallel import ParallelConfig
+    from knapray.train.parallelize import parallelize
 
     if mode not in MODES:
         raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")

@@ -29,7 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from knapray.models import MMDiT, MMDiTConfig, PackedBatch
 from knapray.planning.checkpointing import SELECTIVE_KEEPS
 from knapray.planning.memory import MemoryModel, ModelShape
-from knapray.train.parallelize import ParallelConfig, parallelize
+from knapray.config.parallel import ParallelConfig
+from knapray.train.parallelize import parallelize
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:

@@ -33,7 +33,7 @@ from knapray.planning.mix import MAX_TEXT_TOKENS
 from knapray.testing.batches import concat_batches, mix_batches
 
 if TYPE_CHECKING:
-    from knapray.train.parallelize import ParallelConfig
+    from knapray.config.parallel import ParallelConfig
 
 UNBALANCED = "unbalanced"
 DEFAULT_TOL = 1e-5
@@ -74,7 +74,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str, specs: list[str], mi
     from knapray.distributed import BagGroups
     from knapray.train.balanced import balanced_forward, prepare_step
     from knapray.distributed.parallel_dims import ParallelDims
-    from knapray.train.parallelize import ParallelConfig, parallelize
+    from knapray.config.parallel import ParallelConfig
+    from knapray.train.parallelize import parallelize
 
     init_local_gloo(rank, world, port, timeout_s=120)
     try:
@@ -191,7 +192,7 @@ def run_parity(
     import torch.multiprocessing as mp
 
     from knapray.distributed import check_heads
-    from knapray.train.parallelize import ParallelConfig
+    from knapray.config.parallel import ParallelConfig
 
     cfg = parity_config(num_heads)
     for spec in topologies:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from knapray.train.parallelize import ParallelConfig
+    from knapray.config.parallel import ParallelConfig
 
 DEFAULT_TOL = 1e-5
 
@@ -333,7 +333,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _parallel(fsdp: str) -> ParallelConfig:
-    from knapray.train.parallelize import ParallelConfig
+    from knapray.config.parallel import ParallelConfig
 
     return ParallelConfig(fsdp=fsdp)
 

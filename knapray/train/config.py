@@ -17,7 +17,7 @@ here (``RunSection``, ``DataSection``...: named apart from Ray Train's ``RunConf
 ``ScalingConfig``, ``DataConfig`` and ``CheckpointConfig``, which the Ray launcher uses
 beside them); a component that owns its section declares it beside its code and the run
 config embeds it: ``balance`` is ``knapray.coordinator.config.BalanceConfig``, ``parallel``
-``knapray.train.parallelize.ParallelConfig``, ``model`` the family's config.
+``knapray.config.parallel.ParallelConfig``, ``model`` the family's config.
 
 The model section (``DiTConfig``: the class of its ``model.family``, ``MMDiTConfig`` by default)
 declares its rules the same way and keeps its own ``__post_init__`` checks; with
@@ -48,7 +48,7 @@ from knapray.models import DiTConfig, MMDiTConfig
 from knapray.models.flow import TIMESTEP_KINDS
 from knapray.models.timesteps import ResolutionShift, TimestepDistribution
 
-from .parallelize import ParallelConfig
+from knapray.config.parallel import ParallelConfig
 
 
 class ConfigError(ValueError):

@@ -44,7 +44,7 @@ def _reference_then_finetune(rank: int, world: int, tiny: list[str], corpus: str
     from dist_utils import local_trainer
 
     from knapray.testing.reference import balanced_results
-    from knapray.train.parallelize import ParallelConfig
+    from knapray.config.parallel import ParallelConfig
     from knapray.train.run_dir import write_config
 
     a = REFERENCE_ARGS

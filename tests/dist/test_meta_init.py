@@ -27,7 +27,8 @@ def _reference(cfg: MMDiTConfig, seed: int) -> tuple[dict[str, torch.Tensor], to
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_meta_model_materialized_equals_the_cpu_built_one(name):
-    from knapray.train.parallelize import ParallelConfig, materialize, parallelize
+    from knapray.config.parallel import ParallelConfig
+    from knapray.train.parallelize import materialize, parallelize
 
     cfg = CONFIGS[name]
     ref, ref_after = _reference(cfg, seed=7)
@@ -47,7 +48,8 @@ def _sharded_worker(rank: int, world: int) -> dict:
     from torch.distributed.tensor import DTensor
 
     from knapray.distributed.parallel_dims import ParallelDims
-    from knapray.train.parallelize import ParallelConfig, materialize, parallelize
+    from knapray.config.parallel import ParallelConfig
+    from knapray.train.parallelize import materialize, parallelize
 
     out = {}
     for fsdp in ("full", "hybrid"):  # one world, two models (each builds its own mesh)

@@ -25,7 +25,8 @@ from knapray.attention import LocalAttention
 from knapray.models import MMDiT, add_noise, flow_loss, pack_samples
 from knapray.testing.parity import parity_config, passed, run_parity
 from knapray.distributed.parallel_dims import ParallelDims
-from knapray.train.parallelize import ParallelConfig, parallelize
+from knapray.config.parallel import ParallelConfig
+from knapray.train.parallelize import parallelize
 from knapray.planning.checkpointing import SELECTIVE_KEEPS
 from torch.utils._python_dispatch import TorchDispatchMode
 from knapray.testing.batches import mix_batches
@@ -69,7 +70,7 @@ def test_one_rank_shards_nothing():
     fp32 parameters instead, and the memory model counts it so."""
     from knapray.planning.memory import memory_model_for_run
     from knapray.train.config import load_config
-    from knapray.train.parallelize import sharding_of
+    from knapray.config.parallel import sharding_of
 
     cfg = load_config(None, ["parallel.fsdp=full", "parallel.precision=bf16", "scaling.num_workers=1"])
     assert cfg.parallel.for_world(1).fsdp == "none" and cfg.parallel.for_world(2).fsdp == "full"

@@ -138,7 +138,8 @@ def test_fsdp_step_on_nccl_without_set_reduce_scatter_unused_params(nccl_world, 
     from knapray.testing.parity import parity_config
     from knapray.testing.batches import mix_batches
     from knapray.distributed.parallel_dims import ParallelDims
-    from knapray.train.parallelize import ParallelConfig, parallelize
+    from knapray.config.parallel import ParallelConfig
+    from knapray.train.parallelize import parallelize
 
     if hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
         monkeypatch.delattr(FSDPModule, "set_reduce_scatter_unused_params")

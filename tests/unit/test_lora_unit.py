@@ -161,7 +161,8 @@ def test_adapters_compile_and_checkpoint_as_eager():
     from knapray.models.families import MMDIT_LORA
     from knapray.models.lora import inject
     from knapray.testing.batches import mix_batches
-    from knapray.train.parallelize import ParallelConfig, parallelize
+    from knapray.config.parallel import ParallelConfig
+    from knapray.train.parallelize import parallelize
 
     cfg = dataclasses.replace(parity_config(), depth_double=1, depth_single=1)
     lora = LoraConfig(rank=4)
