@@ -14,7 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from knapray.train.preflight import load_run_config  # noqa: E402
+from knapray.driver.preflight import load_run_config  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,9 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     from knapray.corpus import shard_paths
     from knapray.corpus.synthetic import DEMO, build_synthetic
     from knapray.testing.chaos import Chaos, check_exactly_once
-    from knapray.train.launch import run_training
-    from knapray.train.run_dir import resolve_paths
-    from knapray.train.step_planner import coordinator_name
+    from knapray.driver.launch import run_training
+    from knapray.driver.run_dir import resolve_paths
+    from knapray.worker.step_planner import coordinator_name
 
     cfg = resolve_paths(cfg)
     if not os.path.exists(os.path.join(cfg.data.corpus, "schema.json")):

@@ -112,7 +112,7 @@ def local_config(corpus: str, run_root: str, name: str, overrides: list[str]):
     """The config ``local_trainer`` runs: no coordinator, fp32, no checkpoints unless
     ``overrides`` ask for them; the widths it leaves out from the corpus and
     ``model.pretrained``, as the launchers load it)."""
-    from knapray.train.preflight import load_run_config
+    from knapray.driver.preflight import load_run_config
 
     return load_run_config(None, [
         f"data.corpus={corpus}", "data.samples_per_step=2", "balance.coordinator=false", f"run.name={name}",
@@ -124,8 +124,8 @@ def local_trainer(rank: int, world: int, corpus: str, run_root: str, name: str, 
     """A ``Trainer`` over a ``LocalContext`` on this gloo rank: the corpus's shards read
     locally (``local_config``)."""
     from knapray.data import local_rows
-    from knapray.train.context import LocalContext
-    from knapray.train.trainer import Trainer
+    from knapray.worker.context import LocalContext
+    from knapray.worker.trainer import Trainer
 
     cfg = local_config(corpus, run_root, name, overrides)
     ctx = LocalContext(shards=[list(local_rows(corpus, r, world)) for r in range(world)], rank=rank, world_size=world)
@@ -148,9 +148,9 @@ def sampling_run_dir(tmp_path):
     import json
 
     from knapray.corpus.writer import FORMAT_VERSION
-    from knapray.train.checkpoint import COMPLETE
-    from knapray.train.config import load_config
-    from knapray.train.run_dir import RUN_FORMAT
+    from knapray.worker.checkpoint import COMPLETE
+    from knapray.config.run import load_config
+    from knapray.driver.run_dir import RUN_FORMAT
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()

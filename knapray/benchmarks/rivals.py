@@ -106,9 +106,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str, opts: dict) -> None:
     from knapray.models import MMDiT, MMDiTConfig
     from knapray.models.flow import flow_loss
     from knapray.testing.batches import mix_batches
-    from knapray.train.balanced import balanced_forward
+    from knapray.worker.balanced import balanced_forward
     from knapray.config.parallel import ParallelConfig
-    from knapray.train.parallelize import clip_grad_norm_, parallelize
+    from knapray.worker.parallelize import clip_grad_norm_, parallelize
 
     init_local_gloo(rank, world, port, timeout_s=600)
     try:

@@ -22,7 +22,7 @@ The footnote of the printed table explains the projected speedup.
 
 Variants (``--fsdp``, ``--ac``, ``--compile``): the balanced step is also run, on the same
 batches and plans, by models parallelized with each requested feature alone and with all of
-them together (``knapray.train.parallelize``). Each variant has its own model, built from the
+them together (``knapray.worker.parallelize``). Each variant has its own model, built from the
 same seed (``parallelize`` mutates in place), so every variant computes the same loss and
 gradients as the eager baseline (``balanced``: fsdp none, no checkpointing, eager); the
 largest relative difference of the global loss and of the gradient norm is reported per
@@ -200,8 +200,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str, opts: dict) -> None:
     from knapray.distributed import BagGroups
     from knapray.distributed.comms import comm_timer
     from knapray.models.flow import flow_loss
-    from knapray.train.balanced import balanced_forward
-    from knapray.train.parallelize import clip_grad_norm_, parallelize
+    from knapray.worker.balanced import balanced_forward
+    from knapray.worker.parallelize import clip_grad_norm_, parallelize
     from knapray.testing.batches import mix_batches
 
     init_local_gloo(rank, world, port, timeout_s=300)
@@ -626,7 +626,7 @@ def _variant_label(row: dict) -> str:
 
 def plot_rank_compute(path: str, result: dict) -> str:
     """Bars of mean per-rank compute time, unbalanced vs balanced."""
-    from knapray.train.plots import _plt
+    from knapray.driver.plots import _plt
 
     plt = _plt()
     unbal = np.asarray(result["unbalanced"]["rank_compute_s"])

@@ -16,7 +16,7 @@ if leave-one-out cross-validation says the data show one.
 Execution mode: timings hold only for the mode they were taken in, so the run's mode is
 reproduced here and recorded in the profile (``mode``: device, dtype, compile, ac,
 attention backend, device name, torch version): both are applied by the trainer's own
-``knapray.train.parallelize``: ``compile=True`` compiles every block as training does
+``knapray.worker.parallelize``: ``compile=True`` compiles every block as training does
 (each batch runs once untimed first, so compilation is never timed; attention runs
 outside the compiled graphs); ``ac=True`` checkpoints every block (``ac: full``: its
 forward is recomputed in the backward). ``CostModel.from_profile(path, run_mode=...)`` refuses a
@@ -64,7 +64,7 @@ from knapray.planning.costfit import (
     validation_batches,
 )
 from knapray.config.parallel import ParallelConfig
-from knapray.train.parallelize import parallelize
+from knapray.worker.parallelize import parallelize
 
 CPU_BUDGETS = (1024, 2048, 3072)
 """On CPU the per-token cost grows once a batch's activations leave the 2 MB L2 cache
@@ -508,7 +508,7 @@ def calibration_args(args: argparse.Namespace) -> dict:
 
     cfg = None
     if args.config:
-        from knapray.train.preflight import load_run_config
+        from knapray.driver.preflight import load_run_config
 
         cfg = load_run_config(args.config, args.set)
     elif args.set:

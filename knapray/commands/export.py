@@ -1,5 +1,5 @@
 """``knapray export``: a run's trained (or EMA) weights as a diffusers model directory
-(knapray/weights/export.py)."""
+(knapray/driver/export.py)."""
 
 from __future__ import annotations
 
@@ -47,10 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from knapray.weights.export import export_run
+    from knapray.driver.export import export_run
 
     if args.lora:
-        from knapray.weights.lora_export import export_lora
+        from knapray.driver.lora_export import export_lora
 
         r = export_lora(args.run, args.out, ema=args.ema, checkpoint=args.checkpoint)
         print(f"wrote {r.out}: {r.family} LoRA adapters of step {r.step} ({r.checkpoint}){' (EMA)' if r.ema else ''}, "

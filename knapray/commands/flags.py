@@ -2,7 +2,7 @@
 their names, types and choices cannot drift apart (``tests/unit/test_cli_dialect.py`` checks
 every subcommand against each other):
 
-- ``--config FILE`` / ``--set SECTION.KEY=VALUE``: a run config (``knapray.train.config``)
+- ``--config FILE`` / ``--set SECTION.KEY=VALUE``: a run config (``knapray.config.run``)
   and overrides of its values, wherever a run config applies;
 - ``--dtype auto|fp32|bf16|fp16`` (``float32``/``bfloat16``/``float16`` are read as the short names);
 - ``--device auto|cpu|cuda``;

@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from knapray.planning.memory import GIB, memory_model_for_run
-    from knapray.train.preflight import load_run_config
+    from knapray.driver.preflight import load_run_config
 
     cfg = load_run_config(args.config, args.set)  # a ConfigError (ValueError) names the file or the key
     from knapray.models.families import adapter_counts

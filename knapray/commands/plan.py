@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
             json.dump({"world_size": world, "steps": [p.to_json() for p in summary.plans], **extra}, f)
         result["export"] = args.export
     if args.plot:
-        from knapray.train.plots import plot_rank_work
+        from knapray.driver.plots import plot_rank_work
 
         plot_rank_work(
             args.plot,

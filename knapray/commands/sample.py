@@ -50,7 +50,7 @@ from knapray.models.sampling import embeds_guidance, request_shifts, sample_late
 
 def read_run(run_dir: str, checkpoint: str | None = None) -> tuple[Any, str]:
     """(TrainConfig, checkpoint path) of a run directory, read without loading weights."""
-    from knapray.train.run_dir import read_run_config, run_checkpoint
+    from knapray.driver.run_dir import read_run_config, run_checkpoint
 
     cfg = read_run_config(run_dir)
     return cfg, run_checkpoint(run_dir, checkpoint, "sample from")
@@ -59,7 +59,7 @@ def read_run(run_dir: str, checkpoint: str | None = None) -> tuple[Any, str]:
 def load_weights(cfg: Any, path: str, ema: bool = True, device: str = "cpu") -> tuple[Any, bool]:
     """(the model of ``cfg.model``'s family with the checkpoint's weights, EMA used)."""
     from knapray.models.families import build_model
-    from knapray.train.checkpoint import safe_load, saved_keys
+    from knapray.worker.checkpoint import safe_load, saved_keys
 
     model = build_model(cfg.model)
     used_ema = ema and any(k.startswith("ema.") for k in saved_keys(path))
@@ -67,7 +67,7 @@ def load_weights(cfg: Any, path: str, ema: bool = True, device: str = "cpu") -> 
     lora = cfg.model.lora.enabled
     if lora:  # the base from model.pretrained (the one trained on), the adapters from the checkpoint
         from knapray.models.lora import is_adapter
-        from knapray.train.checkpoint import read_trainer_state
+        from knapray.worker.checkpoint import read_trainer_state
         from knapray.weights.checks import base_record
         from knapray.weights.load import load_pretrained
 
@@ -94,7 +94,7 @@ class SamplePlan:
 def plan_sampling(args: argparse.Namespace) -> SamplePlan:
     """Check every argument against the run (config.json, its checkpoint, the corpus's
     record) without loading weights; ValueError naming the first bad value."""
-    from knapray.train.checkpoint import check_checkpoint
+    from knapray.worker.checkpoint import check_checkpoint
 
     sizes = [parse_size(s) for s in (args.size or ["256x256"])]
     prompts: list[tuple[str | None, int | None]] = [(c, None) for c in (args.caption or [])]

@@ -22,8 +22,8 @@ from dataclasses import replace
 
 import torch
 
-from knapray.train.config import TrainConfig
-from knapray.train.context import TorchrunContext
+from knapray.config.run import TrainConfig
+from knapray.worker.context import TorchrunContext
 
 def build_parser() -> argparse.ArgumentParser:
     from knapray.commands.flags import Parser, add_config
@@ -45,9 +45,9 @@ def check_launch(cfg: TrainConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from knapray.train import preflight
-    from knapray.train.report import max_steps_cap
-    from knapray.train.run_dir import resolve_paths
+    from knapray.driver import preflight
+    from knapray.driver.report import max_steps_cap
+    from knapray.driver.run_dir import resolve_paths
 
     rank_env = int(os.environ.get("RANK", "0"))
     lock = None
@@ -75,10 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     from knapray.distributed.local import init_from_env, shutdown
     from knapray.planning.rules import PER_STEP
 
-    from knapray.train.checkpoint import StorageFull, no_space
-    from knapray.train.guard import BadCorpus
-    from knapray.train.report import ledger_line, prediction_line, stopped_early_line, write_run_files
-    from knapray.train.trainer import Trainer
+    from knapray.worker.checkpoint import StorageFull, no_space
+    from knapray.worker.guard import BadCorpus
+    from knapray.driver.report import ledger_line, prediction_line, stopped_early_line, write_run_files
+    from knapray.worker.trainer import Trainer
 
     # No Ray, so no coordinator actor: the ranks plan each step from an all-gather.
     cfg = replace(cfg, balance=replace(cfg.balance, coordinator=False))

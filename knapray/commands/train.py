@@ -3,7 +3,7 @@ run on Ray.
 
 Connects to the Ray cluster given by ``--address`` or ``RAY_ADDRESS`` (``ray job submit``
 sets it), or starts an embedded local Ray. Every input is checked before Ray starts
-(``knapray.train.preflight``): a bad config value, a missing corpus, a model that does not
+(``knapray.driver.preflight``): a bad config value, a missing corpus, a model that does not
 fit the corpus, a world size the topology cannot take or a run directory that may not be
 used is one line on stderr and exit code 2. ``--check`` stops after those checks. With
 ``--compare-unbalanced`` it trains the same steps a second time without balancing, prints
@@ -51,11 +51,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from knapray.train import preflight
-    from knapray.train.config import ConfigError
-    from knapray.train.guard import BadCorpus
-    from knapray.train.run_dir import RunError
-    from knapray.train.report import (comparison_lines, ledger_line, plot_comparison, prediction_line, quarantine_line,
+    from knapray.driver import preflight
+    from knapray.config.run import ConfigError
+    from knapray.worker.guard import BadCorpus
+    from knapray.driver.run_dir import RunError
+    from knapray.driver.report import (comparison_lines, ledger_line, plot_comparison, prediction_line, quarantine_line,
                                       read_metrics, stopped_early_line)
 
     try:
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         # (The launcher decides again under the run's lock: another run may have started.)
         start = pre.run_dir_decision()
         lines = pre.summary(args.config, start) if args.check else []
-        from knapray.train.launch import completed_run  # torch: only past the config checks
+        from knapray.driver.launch import completed_run  # torch: only past the config checks
 
         done_at = completed_run(pre.cfg, start)
         if args.check and done_at is not None:
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     import ray
     from ray.train import TrainingFailedError
 
-    from knapray.train.launch import interrupted_line, run_training
+    from knapray.driver.launch import interrupted_line, run_training
 
     address = args.address or os.environ.get("RAY_ADDRESS")
     # Ray's own INFO/WARNING lines stay in its session logs; the console shows knapray's
@@ -194,8 +194,8 @@ def known_failure(error: Exception) -> str | None:
     corpus found mostly bad while reading it);
     None for anything else, whose traceback is worth showing."""
     from knapray.coordinator import StepFailed
-    from knapray.train.guard import BadCorpus
-    from knapray.train.trainer import TopologyError
+    from knapray.worker.guard import BadCorpus
+    from knapray.worker.trainer import TopologyError
 
     reasons = []
     for failure in getattr(error, "worker_failures", {}).values():

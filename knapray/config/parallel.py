@@ -1,6 +1,6 @@
 """The run config's ``parallel`` section: how a run's model is spread over its ranks
 (precision, FSDP2 sharding, activation checkpointing, torch.compile). Plain values, checked
-here; ``knapray.train.parallelize`` applies them to a model."""
+here; ``knapray.worker.parallelize`` applies them to a model."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def sharding_of(fsdp: str, world_size: int | None) -> str:
 class ParallelConfig:
     """``parallel:`` How the model is run on the devices: precision, sharding, recomputation,
     compilation; what ``parallelize`` applies. Each field's rules (``metadata``) are checked
-    when the run config is loaded (``knapray.train.config``) and again in ``__post_init__``
+    when the run config is loaded (``knapray.config.run``) and again in ``__post_init__``
     for one built in code: no process group needed."""
 
     precision: str = dataclasses.field(default="auto", metadata={"choices": PRECISIONS})

@@ -185,7 +185,7 @@ def create_coordinator(
     Ray resources that place it (and its restarts), e.g. ``{"node:__internal_head__":
     0.001}`` for the head node, which a spot worker node's loss never takes with it.
     """
-    # ``config`` (typed: a run's is ``knapray.train.step_planner.coordinator_config``), its
+    # ``config`` (typed: a run's is ``knapray.worker.step_planner.coordinator_config``), its
     # fields replaced by ``overrides``; or the fields alone. Checked here, not in the actor.
     cfg = CoordinatorConfig.from_kwargs(**overrides) if config is None else dataclasses.replace(config, **overrides)
     import ray

@@ -25,7 +25,7 @@ def _coordinator_node(value: Any) -> None:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BalanceConfig:
     """``balance:`` How steps are balanced and who plans them. Each field's rules (``metadata``)
-    are checked when the run config is loaded (``knapray.train.config``); ``__post_init__``
+    are checked when the run config is loaded (``knapray.config.run``); ``__post_init__``
     checks what relates fields, and the values a coordinator built in code is given."""
 
     enabled: bool = True

@@ -70,7 +70,7 @@ class DiTConfig:
     family's config class sets ``family`` (``knapray.models.families.config_class``).
 
     Field ``metadata`` holds the bounds a run config checks at load with the field's dotted
-    key (knapray/train/config.py); ``__post_init__`` checks them again, and the rules that
+    key (knapray/config/run.py); ``__post_init__`` checks them again, and the rules that
     relate fields, for a config built in code.
     """
 

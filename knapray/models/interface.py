@@ -1,5 +1,5 @@
 """What every family's model offers, whoever runs it: the four stages the balanced executor
-calls, and the modules ``knapray.train.parallelize`` wraps (``fsdp_units``).
+calls, and the modules ``knapray.worker.parallelize`` wraps (``fsdp_units``).
 
 The model says which of its modules are the units; nothing outside it looks for attribute
 names (a family without double-stream blocks or a pooled-vector MLP has none to declare).

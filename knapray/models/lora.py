@@ -16,7 +16,7 @@ seed and the parameter's name, ``lora_B`` zeros (so the model starts as the base
 
 The adapter's scale ``alpha / rank`` is peft's; ``knapray export --lora`` folds it into
 ``lora_B`` so that diffusers, which reads no alpha from a plain peft state dict, computes
-the same (knapray/weights/lora_export.py).
+the same (knapray/driver/lora_export.py).
 """
 
 from __future__ import annotations

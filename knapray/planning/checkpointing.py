@@ -9,7 +9,7 @@ attention returns (its output and log-sum-exp: ``SELECTIVE_KEEPS``), so backward
 recomputes the matrix products and elementwise work and never the attention kernel.
 
 Everything that applies or models checkpointing asks this function: the trainer's
-``parallelize`` (``knapray.train.parallelize``), the memory model
+``parallelize`` (``knapray.worker.parallelize``), the memory model
 (``knapray.planning.memory``), its measurement (``knapray.testing.memory_check``) and
 calibration (through ``parallelize``), so all four agree on what is recomputed.
 """

@@ -2,7 +2,7 @@
 
 A profile (``knapray calibrate``) or the FLOP constants price a step before the run; the
 run itself then measures, every step and on every rank, the seconds of model compute
-(``knapray.train.timing``: forward + backward of the chunks the rank ran, its home sequences'
+(``knapray.worker.timing``: forward + backward of the chunks the rank ran, its home sequences'
 embedding, head and loss; the all-to-alls excluded). ``LiveFit`` keeps a window of recent
 steps and fits, to those seconds, what ``CostModel.step_times`` predicts them with::
 

@@ -30,7 +30,7 @@ What a rank holds at its peak, by category:
 ``step_buffers``
     After backward: ``sharding="none"`` on more than one rank all-reduces the gradients
     through one flat fp32 buffer (``knapray.distributed.grads``), 4 B per parameter. The
-    AdamW step on a GPU is fused (``knapray.train.optim``) and allocates nothing more.
+    AdamW step on a GPU is fused (``knapray.worker.optim``) and allocates nothing more.
 
 The peak is the larger of two phases: *backward* (state + autocast copies + FSDP buffers
 + activations + gradients, less their ``overlap``: backward frees each block's activations
@@ -668,7 +668,7 @@ def memory_model_for_run(
     ac_every: int | None = None,
     trainable: tuple[int, int] | None = None,
 ) -> MemoryModel:
-    """The memory model of a run config (``knapray.train.config.TrainConfig``); keyword
+    """The memory model of a run config (``knapray.config.run.TrainConfig``); keyword
     arguments override it. Its ``parallel`` section gives sharding, checkpointing and
     precision (``auto``: bf16 on GPUs, ``scaling.use_gpu``, fp32 otherwise), ``scaling`` the
     world size."""

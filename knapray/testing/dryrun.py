@@ -65,8 +65,8 @@ def check_setup(config: str, overrides: list[str], *, world_size: int | None = N
     from knapray.planning.mix import parse_mix
     from knapray.planning.rules import per_step_node
     from knapray.distributed.parallel_dims import ParallelDims
-    from knapray.train.preflight import load_run_config
-    from knapray.train.step_planner import coordinator_config
+    from knapray.driver.preflight import load_run_config
+    from knapray.worker.step_planner import coordinator_config
 
     cfg = load_run_config(config, overrides)
     world = cfg.scaling.num_workers if world_size is None else world_size
@@ -292,12 +292,12 @@ def run_step(setup: Setup, plan, text_tokens: np.ndarray, batch_host, *, device:
     from knapray.coordinator import plan_from_gathered
     from knapray.models.families import build_model, cross_text_pad
     from knapray.models.flow import flow_loss
-    from knapray.train.balanced import balanced_forward, prepare_step, routed_text_mask
-    from knapray.train.ema import build_ema
-    from knapray.train.optim import build_optimizer
+    from knapray.worker.balanced import balanced_forward, prepare_step, routed_text_mask
+    from knapray.worker.ema import build_ema
+    from knapray.worker.optim import build_optimizer
     from knapray.distributed.parallel_dims import ParallelDims
     from knapray.config.parallel import sharding_of
-    from knapray.train.parallelize import parallelize
+    from knapray.worker.parallelize import parallelize
 
     from .step_watch import HostSync, StepWatch
 
@@ -472,7 +472,7 @@ class StepInputs:
 def step_inputs(setup: Setup) -> StepInputs:
     """The world's samples drawn from the mix at the run's token budget, and their plan."""
     from knapray.coordinator import plan_from_gathered
-    from knapray.train.step_planner import planning_model
+    from knapray.worker.step_planner import planning_model
 
     cfg = setup.cfg
     budget = cfg.data.max_tokens_per_gpu

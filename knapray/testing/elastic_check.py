@@ -57,7 +57,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from knapray.testing.waits import ProgressDeadline
-from knapray.train.startup import read_startups
+from knapray.worker.startup import read_startups
 
 SLOT = "knapray_slot"
 MODEL = [
@@ -198,9 +198,9 @@ def run_scenario(settings: Settings) -> dict:
     from ray.cluster_utils import Cluster
 
     from knapray.planning.rules import resolve_rule
-    from knapray.train.preflight import load_run_config
-    from knapray.train.launch import run_training
-    from knapray.train.step_planner import coordinator_name
+    from knapray.driver.preflight import load_run_config
+    from knapray.driver.launch import run_training
+    from knapray.worker.step_planner import coordinator_name
 
     start_slots, min_w, max_w, change, kill_coordinator_after = SCENARIOS[settings.scenario]
     out = os.path.abspath(settings.out)

@@ -240,7 +240,7 @@ def run_check(check: Check, work: Path, *, steps: int, nproc: int, topology: str
     summary = work / check.name / "profile" / "rank0.json"
     if profile:
         if summary.exists():
-            from knapray.train.profiling import format_summary
+            from knapray.worker.profiling import format_summary
 
             numbers["profile"] = json.loads(summary.read_text())
             print(f"profile (rank 0):\n{format_summary(numbers['profile'], top=TOP_KERNELS)}")
@@ -259,7 +259,7 @@ def ceiling_line(check: Check, records: list[dict], nproc: int, cpu: bool) -> tu
     """The run's forward+backward speed over the kernel ceiling measured here, now, at the
     run's shape (``knapray bench kernels`` with the attention training picks): a ratio that
     holds on any GPU, where the bars are absolute."""
-    from knapray.benchmarks.kernels import run as kernel_ceiling
+    from knapray.testing.kernels import run as kernel_ceiling
 
     body = records[WARMUP_STEPS:] if len(records) > WARMUP_STEPS + 1 else records
     if not body:

@@ -134,7 +134,7 @@ def gradient_errors(family: str, mode: str, *, device: str = "cpu", compile: boo
     parameter's gradient with a float64 eager copy's (same weights: the bf16 parameters'
     values for ``bf16_params``)."""
     from knapray.config.parallel import ParallelConfig
-    from knapray.train.parallelize import parallelize
+    from knapray.worker.parallelize import parallelize
 
     if mode not in MODES:
         raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")

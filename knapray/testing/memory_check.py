@@ -30,7 +30,7 @@ from knapray.models import MMDiT, MMDiTConfig, PackedBatch
 from knapray.planning.checkpointing import SELECTIVE_KEEPS
 from knapray.planning.memory import MemoryModel, ModelShape
 from knapray.config.parallel import ParallelConfig
-from knapray.train.parallelize import parallelize
+from knapray.worker.parallelize import parallelize
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:

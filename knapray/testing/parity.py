@@ -1,7 +1,7 @@
 """`knapray parity`: balanced and unbalanced execution against a single-process reference.
 
 Spawns ``world_size`` local gloo processes; each builds the same seeded model and the same
-per-rank batches, parallelizes it (``knapray.train.parallelize``: FSDP full / hybrid,
+per-rank batches, parallelizes it (``knapray.worker.parallelize``: FSDP full / hybrid,
 activation checkpointing, compile; none by default), runs one forward+backward per topology
 (balanced) and once with the identity plan (unbalanced), and sums gradients across ranks
 (FSDP: during backward). The parent computes the single-process reference on all batches
@@ -72,10 +72,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str, specs: list[str], mi
     import torch.distributed as dist
 
     from knapray.distributed import BagGroups
-    from knapray.train.balanced import balanced_forward, prepare_step
+    from knapray.worker.balanced import balanced_forward, prepare_step
     from knapray.distributed.parallel_dims import ParallelDims
     from knapray.config.parallel import ParallelConfig
-    from knapray.train.parallelize import parallelize
+    from knapray.worker.parallelize import parallelize
 
     init_local_gloo(rank, world, port, timeout_s=120)
     try:

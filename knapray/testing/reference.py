@@ -180,7 +180,7 @@ def load_model(path: str, family: str | None, device: str = "cpu", *, parallel: 
     par = None
     if parallel is not None:
         from knapray.distributed.parallel_dims import ParallelDims
-        from knapray.train.parallelize import parallelize
+        from knapray.worker.parallelize import parallelize
 
         par = parallelize(model, parallel, ParallelDims(world_size=world_size, device_type=torch.device(device).type))
     model.to_empty(device=device)
@@ -248,7 +248,7 @@ def balanced_results(rank: int, world: int, paths: list[str], family: str | None
     from knapray.models.families import checkpoint_layout
     from knapray.models.flow import flow_loss
     from knapray.planning import Topology, WorkloadModel, plan_balance
-    from knapray.train.balanced import balanced_forward
+    from knapray.worker.balanced import balanced_forward
     from knapray.distributed.param_rows import shard_rows
     from knapray.weights.source import open_pretrained
 

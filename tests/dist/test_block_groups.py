@@ -53,7 +53,7 @@ def _worker(rank: int, world: int) -> dict:
     from knapray.distributed import BagGroups
     from knapray.distributed.block_groups import BlockGroups, StepGroups
     from knapray.distributed.grads import allreduce_gradients
-    from knapray.train.balanced import balanced_forward
+    from knapray.worker.balanced import balanced_forward
 
     blocks = BlockGroups.build(GPN, num_heads=4)
     groups = StepGroups(BagGroups.build(BASE, num_heads=4), blocks)
@@ -143,7 +143,7 @@ def test_a_per_step_training_run_trains_on_several_topologies(tmp_path):
 
     from dist_utils import build_tiny_corpus
 
-    from knapray.train.report import summarize
+    from knapray.driver.report import summarize
 
     corpus = build_tiny_corpus(tmp_path / "corpus", "g1b2i256f1s0,g1b1i512f34s1", steps=7)
     results = run_distributed(_train_per_step, 2, corpus, str(tmp_path / "runs"))

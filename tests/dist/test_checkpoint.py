@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from knapray.train.checkpoint import (
+from knapray.worker.checkpoint import (
     COMPLETE,
     Checkpointer,
     CheckpointError,
@@ -159,7 +159,7 @@ def test_the_checkpointer_owns_its_cadence(tmp_path):
 def test_an_extra_part_is_saved_and_restored_and_may_be_absent(tmp_path):
     """The EMA's path: any Stateful part goes through the checkpointer; a checkpoint
     written without it (an older run, no EMA) still loads, the part left as it was."""
-    from knapray.train.checkpoint import TensorsPart
+    from knapray.worker.checkpoint import TensorsPart
 
     model, opt = _trained()
     shadow = {"w": torch.arange(6.0).reshape(2, 3)}

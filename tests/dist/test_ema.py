@@ -12,8 +12,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dist_utils import run_distributed
-from knapray.train.config import load_config
-from knapray.train.ema import EMA, NUM_UPDATES, build_ema
+from knapray.config.run import load_config
+from knapray.worker.ema import EMA, NUM_UPDATES, build_ema
 
 
 def _model() -> torch.nn.Module:

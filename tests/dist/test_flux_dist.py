@@ -45,7 +45,7 @@ def _reference_then_finetune(rank: int, world: int, tiny: list[str], corpus: str
 
     from knapray.testing.reference import balanced_results
     from knapray.config.parallel import ParallelConfig
-    from knapray.train.run_dir import write_config
+    from knapray.driver.run_dir import write_config
 
     a = REFERENCE_ARGS
     reference = balanced_results(rank, world, tiny, a["family"], a["topology"], a["seed"], a["sequences"],

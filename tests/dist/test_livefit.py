@@ -200,8 +200,8 @@ def test_bad_input_is_refused():
 
 
 def test_local_plans_fall_back_to_the_configured_model_if_rank_fits_differ():
-    from knapray.train.ledger_keeper import LedgerKeeper
-    from knapray.train.step_planner import StepPlanner
+    from knapray.worker.ledger_keeper import LedgerKeeper
+    from knapray.worker.step_planner import StepPlanner
 
     live = LiveFit(PRIOR)
     _feed(live, 12, noise=0.0)
@@ -213,9 +213,9 @@ def test_local_plans_fall_back_to_the_configured_model_if_rank_fits_differ():
 
 def test_only_a_balanced_run_with_the_cost_planner_fits_live():
     """An unbalanced run does not run the coordinator's plans: its times must not fit them."""
-    from knapray.train.config import load_config
+    from knapray.config.run import load_config
     from knapray.coordinator import make_live_fit
-    from knapray.train.step_planner import coordinator_config, live_fit
+    from knapray.worker.step_planner import coordinator_config, live_fit
 
     def cfg(*sets):
         return load_config(None, ["balance.topology=g1n2", *sets])
@@ -256,7 +256,7 @@ def _late_errors(records: list[dict]) -> tuple[float, float]:
 def test_cpu_training_with_the_cost_planner_learns_to_predict_step_time(tmp_path):
     from dist_utils import build_tiny_corpus, run_distributed
 
-    from knapray.train.report import prediction_line, prediction_summary
+    from knapray.driver.report import prediction_line, prediction_summary
 
     corpus = build_tiny_corpus(tmp_path / "corpus", "g1b3i128f1s0,g1b2i256f1s0,g1b1i256f2s0", steps=20, scale=2)
     # On this 2-core machine the mean per-rank error after step 20 is 2.5-7% in most runs;

@@ -42,7 +42,7 @@ def _train_then_resume(rank: int, world: int, corpus: str, run_root: str, pretra
     from dist_utils import local_trainer
     from torch.distributed.tensor import DTensor
 
-    from knapray.train.run_dir import write_config
+    from knapray.driver.run_dir import write_config
 
     def full(model):
         return {n: (p.full_tensor() if isinstance(p, DTensor) else p) for n, p in model.named_parameters()}
@@ -80,8 +80,8 @@ def test_lora_finetune_resume_export_and_refuse_another_base(tmp_path: Path, cap
     from knapray.models.families import build_model
     from knapray.models.lora import base_name, is_adapter
     from knapray.testing.reference import _pack, _split, diffusers_call, make_inputs
-    from knapray.train.checkpoint import saved_keys
-    from knapray.train.run_dir import RunError, decide_start, read_run_config
+    from knapray.worker.checkpoint import saved_keys
+    from knapray.driver.run_dir import RunError, decide_start, read_run_config
     from knapray.weights.load import load_pretrained
     from knapray.weights.source import open_pretrained
 

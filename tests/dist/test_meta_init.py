@@ -28,7 +28,7 @@ def _reference(cfg: MMDiTConfig, seed: int) -> tuple[dict[str, torch.Tensor], to
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_meta_model_materialized_equals_the_cpu_built_one(name):
     from knapray.config.parallel import ParallelConfig
-    from knapray.train.parallelize import materialize, parallelize
+    from knapray.worker.parallelize import materialize, parallelize
 
     cfg = CONFIGS[name]
     ref, ref_after = _reference(cfg, seed=7)
@@ -49,7 +49,7 @@ def _sharded_worker(rank: int, world: int) -> dict:
 
     from knapray.distributed.parallel_dims import ParallelDims
     from knapray.config.parallel import ParallelConfig
-    from knapray.train.parallelize import materialize, parallelize
+    from knapray.worker.parallelize import materialize, parallelize
 
     out = {}
     for fsdp in ("full", "hybrid"):  # one world, two models (each builds its own mesh)
@@ -88,7 +88,7 @@ def test_flux_meta_init_equals_the_cpu_built_model():
     conditioning MLPs): a meta-built FluxTransformer materialized equals one built on the CPU."""
     from knapray.models.families import build_model
     from knapray.models.families.flux import FluxConfig
-    from knapray.train.parallelize import materialize
+    from knapray.worker.parallelize import materialize
 
     cfg = FluxConfig(family="flux", hidden_size=32, num_heads=2, depth_double=1, depth_single=1, in_channels=4,
                      text_dim=8, pooled_dim=8, rope_axes_dim=(4, 6, 6), guidance_embeds=True)

@@ -1,4 +1,4 @@
-"""FSDP2, activation checkpointing and compile applied by knapray.train.parallelize, each
+"""FSDP2, activation checkpointing and compile applied by knapray.worker.parallelize, each
 against the single-process reference.
 
 - pure: ParallelConfig checks and mesh shapes, no process group;
@@ -26,7 +26,7 @@ from knapray.models import MMDiT, add_noise, flow_loss, pack_samples
 from knapray.testing.parity import parity_config, passed, run_parity
 from knapray.distributed.parallel_dims import ParallelDims
 from knapray.config.parallel import ParallelConfig
-from knapray.train.parallelize import parallelize
+from knapray.worker.parallelize import parallelize
 from knapray.planning.checkpointing import SELECTIVE_KEEPS
 from torch.utils._python_dispatch import TorchDispatchMode
 from knapray.testing.batches import mix_batches
@@ -69,7 +69,7 @@ def test_one_rank_shards_nothing():
     """FSDP at world 1 would only add casts and copies: the run computes under autocast over
     fp32 parameters instead, and the memory model counts it so."""
     from knapray.planning.memory import memory_model_for_run
-    from knapray.train.config import load_config
+    from knapray.config.run import load_config
     from knapray.config.parallel import sharding_of
 
     cfg = load_config(None, ["parallel.fsdp=full", "parallel.precision=bf16", "scaling.num_workers=1"])

@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from knapray.train.config import load_config
-from knapray.train.run_dir import RUN_FORMAT, RunError, read_run_config, saved_config, write_config
+from knapray.config.run import load_config
+from knapray.driver.run_dir import RUN_FORMAT, RunError, read_run_config, saved_config, write_config
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 FIXTURE = REPO / "tests" / "fixtures" / "run-9508edb"

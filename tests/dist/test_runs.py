@@ -17,9 +17,9 @@ import pytest
 from knapray.corpus import shard_paths
 from dist_utils import build_tiny_corpus
 from knapray.data import BadShard, local_rows
-from knapray.train.config import load_config
-from knapray.train.preflight import check_corpus
-from knapray.train.run_dir import (
+from knapray.config.run import load_config
+from knapray.driver.preflight import check_corpus
+from knapray.driver.run_dir import (
     RunError,
     RunLock,
     decide_start,

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from dist_utils import build_tiny_corpus, run_distributed
 from knapray.distributed.step_sync import StepSync
-from knapray.train.timing import StepTimer
+from knapray.worker.timing import StepTimer
 
 TINY_MODEL = [
     "model.hidden_size=32", "model.num_heads=4", "model.rope_axes_dim=[2,2,4]",

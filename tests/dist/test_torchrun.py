@@ -192,6 +192,6 @@ def test_a_corpus_found_mostly_bad_under_torchrun_is_one_line(tmp_path):
     assert out.returncode != 0
     # torchrun itself reports its ranks' non-zero exits with a traceback of its own launcher;
     # none comes from a rank (no frame of knapray's code), and knapray says it once.
-    assert "knapray/train/" not in out.stderr and "BadCorpus" not in out.stderr, out.stderr[-3000:]
+    assert "knapray/worker/" not in out.stderr and "knapray/driver/" not in out.stderr and "BadCorpus" not in out.stderr, out.stderr[-3000:]
     mine = [line for line in out.stderr.splitlines() if line.startswith("knapray torchrun: error: training failed")]
     assert len(mine) == 1 and "is mostly bad" in mine[0], out.stderr[-3000:]

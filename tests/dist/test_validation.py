@@ -48,8 +48,8 @@ def test_validation_samples_reach_the_run_directory_and_tensorboard(tmp_path: Pa
 
 
 def test_a_bad_validation_section_is_one_line():
-    from knapray.train.config import ConfigError
-    from knapray.train.preflight import load_run_config
+    from knapray.config.run import ConfigError
+    from knapray.driver.preflight import load_run_config
 
     with pytest.raises(ConfigError, match="validation.every > 0 needs prompts"):
         load_run_config(None, ["metrics.validation.every=10"])

@@ -77,7 +77,7 @@ def _balanced(rank: int, world: int, pad: int, dtype_name: str, topologies: list
     from knapray.models.flow import flow_loss
     from knapray.planning import Topology, WorkloadModel, plan_balance
     from knapray.testing.reference import _pack
-    from knapray.train.balanced import balanced_forward
+    from knapray.worker.balanced import balanced_forward
 
     dtype = getattr(torch, dtype_name)
     cfg = _cfg(pad)

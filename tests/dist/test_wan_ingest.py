@@ -183,7 +183,7 @@ def test_one_rank_trains_two_steps_on_the_wan_corpus(wan_corpus, tmp_path):
 def _finetune(rank: int, world: int, corpus: str, run_root: str, pretrained: str) -> list[float]:
     from dist_utils import local_trainer
 
-    from knapray.train.run_dir import write_config
+    from knapray.driver.run_dir import write_config
 
     trainer = local_trainer(rank, world, corpus, run_root, "wan4", [
         f"model.pretrained={pretrained}", "parallel.fsdp=full", "run.max_steps=5", "balance.topology=g1n2+g2n1",
@@ -198,7 +198,7 @@ def _lora_finetune(rank: int, world: int, corpus: str, run_root: str, pretrained
     from dist_utils import local_trainer
     from torch.distributed.tensor import DTensor
 
-    from knapray.train.run_dir import write_config
+    from knapray.driver.run_dir import write_config
 
     trainer = local_trainer(rank, world, corpus, run_root, "wan4-lora", [
         f"model.pretrained={pretrained}", "parallel.fsdp=full", "run.max_steps=6", "balance.topology=g1n2+g2n1",

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from knapray.distributed.local import free_port
 from knapray.distributed.step_sync import StepSync
-from knapray.train.timing import StepTimer
+from knapray.worker.timing import StepTimer
 
 pytestmark = [
     pytest.mark.gpu,
@@ -95,7 +95,7 @@ def test_a_training_step_never_waits_for_the_device():
     from knapray.testing.parity import parity_config
     from knapray.planning import Topology, WorkloadModel, plan_balance
     from knapray.testing.batches import mix_batches
-    from knapray.train.balanced import balanced_forward, prepare_step
+    from knapray.worker.balanced import balanced_forward, prepare_step
 
     cfg = parity_config()
     host = mix_batches("g1b2i256f1s0,g1b1i128f2s0", cfg, scale=4, seed=1, world_size=None, max_text_tokens=20)[0]
@@ -117,7 +117,7 @@ def test_a_training_step_never_waits_for_the_device():
 def test_meta_init_on_the_gpu_equals_the_cpu_built_model():
     from knapray.models import MMDiT
     from knapray.testing.parity import parity_config
-    from knapray.train.parallelize import materialize, parallelize
+    from knapray.worker.parallelize import materialize, parallelize
 
     torch.manual_seed(5)
     ref = MMDiT(parity_config())
@@ -139,7 +139,7 @@ def test_fsdp_step_on_nccl_without_set_reduce_scatter_unused_params(nccl_world, 
     from knapray.testing.batches import mix_batches
     from knapray.distributed.parallel_dims import ParallelDims
     from knapray.config.parallel import ParallelConfig
-    from knapray.train.parallelize import parallelize
+    from knapray.worker.parallelize import parallelize
 
     if hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
         monkeypatch.delattr(FSDPModule, "set_reduce_scatter_unused_params")
@@ -181,8 +181,8 @@ def test_gather_rows_sums_in_fp32_on_cuda_where_bf16_index_select_does_not():
 
 
 def test_optimizer_is_fused_on_cuda():
-    from knapray.train.config import OptimSection
-    from knapray.train.optim import build_optimizer
+    from knapray.config.run import OptimSection
+    from knapray.worker.optim import build_optimizer
 
     model = torch.nn.Linear(8, 8).cuda()
     opt = build_optimizer(model, OptimSection())

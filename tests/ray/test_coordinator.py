@@ -395,8 +395,8 @@ def test_a_rejected_submission_is_raised_by_the_trainer_not_taken_for_an_epoch_e
 
     from knapray.data import StepMeta
     from knapray.distributed.step_sync import StepSync
-    from knapray.train.ledger_keeper import LedgerKeeper
-    from knapray.train.step_planner import StepPlanner
+    from knapray.worker.ledger_keeper import LedgerKeeper
+    from knapray.worker.step_planner import StepPlanner
 
     class RejectingClient:
         def set_epoch(self, epoch):

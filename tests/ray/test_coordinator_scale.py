@@ -72,7 +72,7 @@ def test_plan_read_from_the_object_store_executes_exactly_as_the_coordinators(ra
     """Every rank's plan, read through the reference the actor hands out, gives the same
     routing, Ulysses order, text masks and work as the plan the coordinator computed."""
     from knapray.distributed.router import RoutePlan
-    from knapray.train.balanced import routed_text_mask
+    from knapray.worker.balanced import routed_text_mask
 
     world = 32
     name = f"coord-share-{time.monotonic_ns()}"

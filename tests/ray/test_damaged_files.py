@@ -20,10 +20,10 @@ import torch
 
 from dist_utils import build_tiny_corpus
 from knapray.cli import main
-from knapray.train.checkpoint import Checkpointer, JsonState, StorageFull, training_parts
-from knapray.train.config import load_config
-from knapray.train.ledger_files import LocalLedger
-from knapray.train.run_dir import resolve_paths, write_config
+from knapray.worker.checkpoint import Checkpointer, JsonState, StorageFull, training_parts
+from knapray.config.run import load_config
+from knapray.worker.ledger_files import LocalLedger
+from knapray.driver.run_dir import resolve_paths, write_config
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SETS = ["model.hidden_size=32", "model.num_heads=4", "model.rope_axes_dim=[2,2,4]", "model.depth_double=1",
@@ -213,7 +213,7 @@ def test_unwritable_storage_is_refused_before_ray_starts(corpus, tmp_path, capsy
     _one_line(code, err, 2, str(not_a_folder), "is not a folder")
     # A folder that takes no new file (root writes into any mode-555 folder, so the probe
     # file pre-flight creates is refused here as the file system would refuse it).
-    from knapray.train import run_dir
+    from knapray.driver import run_dir
 
     real = os.open
 
@@ -238,7 +238,7 @@ def _save_tiny(root: str) -> str:
 
 @pytest.mark.parametrize("failure", ["zip writer", "ENOSPC"])
 def test_a_full_disk_during_a_checkpoint_says_no_space_left_on_the_path(failure, tmp_path, monkeypatch):
-    from knapray.train import checkpoint
+    from knapray.worker import checkpoint
 
     def full(*args, **kwargs):  # what DCP raises when the disk fills, measured on a 700 KiB tmpfs
         if failure == "ENOSPC":
@@ -256,7 +256,7 @@ def test_a_full_disk_during_a_checkpoint_says_no_space_left_on_the_path(failure,
 
 
 def test_a_failed_save_with_space_left_is_not_called_a_full_disk(tmp_path, monkeypatch):
-    from knapray.train import checkpoint
+    from knapray.worker import checkpoint
 
     monkeypatch.setattr(checkpoint.dcp, "save", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
@@ -271,7 +271,7 @@ def fake_ray(monkeypatch):
     """``knapray train`` past pre-flight with Ray's start-up stubbed: ``run_training`` raises
     what the test gives."""
     ray = pytest.importorskip("ray")
-    from knapray.train import launch
+    from knapray.driver import launch
 
     monkeypatch.setattr(ray, "init", lambda *a, **k: None)
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 4})
@@ -302,7 +302,7 @@ def test_workers_failing_past_max_failures_are_one_line(corpus, tmp_path, capsys
 
 
 def test_an_interrupted_run_says_where_it_stopped_and_exits_130(damaged_run, capsys, fake_ray):
-    from knapray.train.launch import Interrupted
+    from knapray.driver.launch import Interrupted
 
     run, argv = damaged_run
     fake_ray(Interrupted(str(run)))
@@ -342,8 +342,8 @@ def test_a_damaged_metrics_line_is_one_line_naming_file_and_line(damage, at, dam
 
 
 def test_a_torn_last_metrics_line_is_dropped_with_a_warning(damaged_run, capsys):
-    from knapray.train import preflight
-    from knapray.train.metrics import read_metrics, truncate_metrics
+    from knapray.driver import preflight
+    from knapray.worker.metrics import read_metrics, truncate_metrics
 
     run, argv = damaged_run
     path = run / "metrics.jsonl"

@@ -15,7 +15,7 @@ import pytest
 from knapray.corpus import CORPUS_SCHEMA, shard_paths
 from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
 from knapray.testing.chaos import Chaos, check_exactly_once, check_once_per_epoch
-from knapray.train.config import load_config
+from knapray.config.run import load_config
 
 pytestmark = pytest.mark.ray
 
@@ -51,8 +51,8 @@ def clean_corpus(tmp_path_factory):
 
 
 def _run_with_chaos(cfg, **chaos):
-    from knapray.train.launch import run_training
-    from knapray.train.step_planner import coordinator_name
+    from knapray.driver.launch import run_training
+    from knapray.worker.step_planner import coordinator_name
 
     os.makedirs(cfg.run_dir, exist_ok=True)
     chaos_thread = Chaos(cfg.run_dir, coordinator_name=coordinator_name(cfg), **chaos)
@@ -94,8 +94,8 @@ def test_coordinator_killed_ranks_plan_locally_exactly_once(ray_session, tmp_pat
     assert too_long
     cfg = _cfg(str(out), tmp_path, "coordkill", **{"run.max_failures": 0, "data.max_tokens_per_gpu": 40})
     from knapray.coordinator import create_coordinator
-    from knapray.train.ledger_files import ledger_dir
-    from knapray.train.step_planner import coordinator_config, coordinator_name
+    from knapray.worker.ledger_files import ledger_dir
+    from knapray.worker.step_planner import coordinator_config, coordinator_name
 
     # The actor is gone for 3 steps (its node died), then comes back and reloads its state.
     def recreate():
@@ -145,7 +145,7 @@ def test_a_coordinator_gone_for_good_loses_no_ledger_row(ray_session, small_corp
 def test_mostly_bad_corpus_stops_with_a_clear_error(ray_session, tmp_path_factory, tmp_path):
     from ray.train import WorkerGroupError
 
-    from knapray.train.launch import run_training
+    from knapray.driver.launch import run_training
 
     out = tmp_path_factory.mktemp("mostly_bad")
     _corpus(out, seed=4)

@@ -29,7 +29,7 @@ def test_ray_worker_device_comes_from_ray_train_get_device(monkeypatch):
     """Ray maps a worker's GPU through CUDA_VISIBLE_DEVICES; the local rank need not be it."""
     import ray.train.torch
 
-    from knapray.train.launch import RayTrainContext
+    from knapray.driver.launch import RayTrainContext
 
     bound = []
     monkeypatch.setattr(ray.train.torch, "get_device", lambda: torch.device("cuda", 2))
@@ -42,7 +42,7 @@ def test_ray_worker_device_comes_from_ray_train_get_device(monkeypatch):
 
 
 def test_collective_timeout_outlasts_cold_compiles():
-    from knapray.train.config import DistributedSection
+    from knapray.config.run import DistributedSection
 
     assert DistributedSection().timeout_s >= 1800  # torch's NCCL default; compiles take minutes per rank
 
@@ -53,7 +53,7 @@ def test_gloo_interface_is_settable_and_used_by_the_step_groups(monkeypatch, tmp
     import torch.distributed as dist
 
     from knapray.distributed.step_sync import StepSync
-    from knapray.train.config import load_config
+    from knapray.config.run import load_config
 
     assert load_config(None, ["distributed.gloo_socket_ifname=ens5"]).distributed.gloo_socket_ifname == "ens5"
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)

@@ -146,7 +146,7 @@ def _widths_from_the_corpus(work: Path, out: str) -> None:
 
 def _lora_trained(work: Path, out: str) -> None:
     """Adapters trained on the stand-in's transformer; the checkpoint holds them alone."""
-    from knapray.train.checkpoint import completed_checkpoints, saved_keys
+    from knapray.worker.checkpoint import completed_checkpoints, saved_keys
 
     (ckpt,) = completed_checkpoints(str(work / "runs" / "pictures-lora" / "checkpoints"))
     keys = [k for k in saved_keys(ckpt) if k.startswith("model.")]

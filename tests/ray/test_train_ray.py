@@ -13,7 +13,7 @@ import pytest
 
 from knapray.corpus import shard_paths
 from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
-from knapray.train.config import load_config
+from knapray.config.run import load_config
 
 pytestmark = pytest.mark.ray
 
@@ -65,7 +65,7 @@ def test_two_epochs_then_one_more_on_the_finished_run_exactly_once(ray_session, 
     """Two epochs in one run, the same run again (complete: nothing trained), then a third
     epoch on the finished run. (A resume in the middle of an epoch under Ray is
     test_faults' SIGKILLed worker; under torchrun, test_runs.)"""
-    from knapray.train.launch import run_training
+    from knapray.driver.launch import run_training
 
     corpus_dir, all_ids = corpus
     # Two epochs: epoch 1 starts at the step number epoch 0 ended at (its end step trained

@@ -9,10 +9,10 @@ import pathlib
 
 import pytest
 
-from knapray.train.config import ConfigError, load_config
-from knapray.train.launch import ELASTIC_START_TIMEOUT_S, coordinator_resources, run_complete, worker_start_timeout
-from knapray.train.run_dir import check_world
-from knapray.train.trainer import TopologyError, check_node_layout
+from knapray.config.run import ConfigError, load_config
+from knapray.driver.launch import ELASTIC_START_TIMEOUT_S, coordinator_resources, run_complete, worker_start_timeout
+from knapray.driver.run_dir import check_world
+from knapray.worker.trainer import TopologyError, check_node_layout
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "jobs" / "configs"
 

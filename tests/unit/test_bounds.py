@@ -20,7 +20,7 @@ from knapray.cli import main
 from knapray.limits import (MAX_CORPUS_SAMPLES, MAX_IMAGE_SIDE, MAX_IMAGE_TOKENS, MAX_LOCAL_PROCESSES,
                             MAX_PLANNED_SEQUENCES, MAX_SAMPLES_PER_RANK, MAX_STEP_SEQUENCES, MAX_STEPS,
                             MAX_WORLD_SIZE)
-from knapray.train.config import ConfigError, load_config
+from knapray.config.run import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 QUICK_S = 10.0

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from knapray.train.config import ConfigError, TrainConfig, config_from_dict, load_config, read_yaml
+from knapray.config.run import ConfigError, TrainConfig, config_from_dict, load_config, read_yaml
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = sorted(glob.glob(os.path.join(REPO, "jobs", "configs", "*.yaml")))
@@ -363,7 +363,7 @@ def test_train_job_exits_2_without_a_traceback() -> None:
 
 
 def test_per_step_topology_needs_the_cost_planner_and_whole_nodes():
-    from knapray.train.run_dir import RunError, check_world
+    from knapray.driver.run_dir import RunError, check_world
 
     with pytest.raises(ConfigError, match=r"^config balance: topology 'per-step' chooses bags by predicted step "
                                           r"time: it needs planner: cost, got planner 'workload'$"):

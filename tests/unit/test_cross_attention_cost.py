@@ -14,7 +14,7 @@ from knapray.planning import Topology, WorkloadModel, plan_balance
 from knapray.planning.cost import MODEL_PRESETS, CostModel
 from knapray.planning.mix import parse_code, parse_mix
 from knapray.planning.sim import simulate_mix
-from knapray.train.step_planner import coordinator_config
+from knapray.worker.step_planner import coordinator_config
 
 LENS = np.array([1.0, 256.0, 1024.0, 21504.0, 48384.0])
 
@@ -145,7 +145,7 @@ def test_simulate_wan14b_at_64_gpus(capsys):
 def test_the_trainer_plans_wan_with_cross_attention():
     """The run config's model section (its family's config class) tells the planner how
     the family attends to its text."""
-    from knapray.train.config import load_config
+    from knapray.config.run import load_config
 
     def cfg(family, planner):
         return load_config(None, [f"model.family={family}", "model.hidden_size=5120", "model.num_heads=40",

@@ -172,7 +172,7 @@ def test_shuffle_buffer_is_sized_in_bytes_and_bounded() -> None:
 
 def test_shuffle_buffer_mb_past_its_bound_is_one_config_error() -> None:
     from knapray.limits import MAX_SHUFFLE_BUFFER_MB
-    from knapray.train.config import ConfigError, TrainConfig, config_from_dict
+    from knapray.config.run import ConfigError, TrainConfig, config_from_dict
 
     data = TrainConfig().to_dict()
     assert data["data"]["shuffle_buffer_mb"] == 256

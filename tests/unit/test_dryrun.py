@@ -107,7 +107,7 @@ def test_host_sync_watch_flags_the_step_without_a_layout_and_not_the_trainers():
     from knapray.planning import Topology, WorkloadModel, plan_balance
     from knapray.testing.batches import mix_batches
     from knapray.testing.step_watch import HostSync, StepWatch
-    from knapray.train.balanced import balanced_forward, prepare_step
+    from knapray.worker.balanced import balanced_forward, prepare_step
 
     cfg = parity_config()
     batch = mix_batches("g1b2i256f1s0,g1b1i128f2s0", cfg, scale=4, seed=1, world_size=None, max_text_tokens=20)[0]

@@ -13,11 +13,11 @@ import pytest
 
 from dist_utils import build_tiny_corpus, local_trainer
 from knapray.data import duplicate_ids, shard_paths
-from knapray.train.config import load_config
-from knapray.train.guard import BadCorpus
-from knapray.train.ledger_files import read_ledger
-from knapray.train import preflight
-from knapray.train.run_dir import resolve_paths
+from knapray.config.run import load_config
+from knapray.worker.guard import BadCorpus
+from knapray.worker.ledger_files import read_ledger
+from knapray.driver import preflight
+from knapray.driver.run_dir import resolve_paths
 
 TINY = ["model.hidden_size=32", "model.num_heads=4", "model.rope_axes_dim=[2,2,4]", "model.depth_double=1",
         "model.depth_single=1", "model.text_dim=16", "model.pooled_dim=16"]

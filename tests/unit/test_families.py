@@ -128,8 +128,8 @@ def test_a_new_family_is_picked_up_without_editing_callers(tiny, tmp_path) -> No
     from knapray.commands.ingest import _family, _max_text_tokens
     from knapray.models.sampling import request_shifts
     from knapray.planning.memory import ModelShape
-    from knapray.train.config import load_config
-    from knapray.train.parallelize import parallelize
+    from knapray.config.run import load_config
+    from knapray.worker.parallelize import parallelize
 
     # the run config's model section is the family's class
     path = tmp_path / "run.yaml"

@@ -191,10 +191,10 @@ def _fields(cfg: FluxConfig) -> dict:
 
 
 def test_a_run_config_takes_the_architecture_from_the_checkpoint(tiny: dict[str, Path], tmp_path: Path) -> None:
-    from knapray.train.config import ConfigError, load_config
-    from knapray.train.preflight import check_pretrained as preflight
-    from knapray.train.preflight import load_run_config
-    from knapray.train.run_dir import RunError
+    from knapray.config.run import ConfigError, load_config
+    from knapray.driver.preflight import check_pretrained as preflight
+    from knapray.driver.preflight import load_run_config
+    from knapray.driver.run_dir import RunError
 
     path = tiny["dev_h6"]
     corpus = f"data.corpus={tmp_path / 'none'}"
@@ -301,9 +301,9 @@ def test_caption_dropout_uses_the_recorded_unconditional_embeddings(tmp_path: Pa
 def test_export_writes_a_diffusers_model_one_shard_at_a_time(tiny: dict[str, Path], tmp_path: Path) -> None:
     from diffusers import FluxTransformer2DModel
 
-    from knapray.train.checkpoint import Checkpointer, JsonState, training_parts
-    from knapray.train.ema import EMA
-    from knapray.weights.export import export_run
+    from knapray.worker.checkpoint import Checkpointer, JsonState, training_parts
+    from knapray.worker.ema import EMA
+    from knapray.driver.export import export_run
 
     path = tiny["schnell_h4"]
     model, cfg, _, _ = load_model(str(path), None)
@@ -314,8 +314,8 @@ def test_export_writes_a_diffusers_model_one_shard_at_a_time(tiny: dict[str, Pat
     run.mkdir()
     from dataclasses import replace
 
-    from knapray.train.preflight import load_run_config
-    from knapray.train.run_dir import write_config
+    from knapray.driver.preflight import load_run_config
+    from knapray.driver.run_dir import write_config
 
     run_cfg = load_run_config(None, [f"model.pretrained={path}", f"data.corpus={tmp_path}"])
     write_config(replace(run_cfg, run=replace(run_cfg.run, storage=str(tmp_path), name="run")))
@@ -380,8 +380,8 @@ def test_sampling_a_dev_model_feeds_guidance_and_shifts_each_request(tiny: dict[
 def test_a_run_saved_before_model_families_still_resumes() -> None:
     """Its config.json lacks the fields added since (model.family, model.pretrained, ...):
     at their defaults they are no change, so they do not block a resume."""
-    from knapray.train.config import load_config
-    from knapray.train.run_dir import config_changes
+    from knapray.config.run import load_config
+    from knapray.driver.run_dir import config_changes
 
     old = load_config(None, []).to_dict()
     for key in ("family", "pretrained"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from knapray.train.ledger_files import LocalLedger, committed_ids, ledger_dir, read_ledger, write_ledger_jsonl
+from knapray.worker.ledger_files import LocalLedger, committed_ids, ledger_dir, read_ledger, write_ledger_jsonl
 
 
 def _fill(led: LocalLedger, steps, epoch=0):
@@ -63,7 +63,7 @@ def _journal_behind(tmp_path, lost: int) -> tuple[str, dict, list[int]]:
 def test_a_journal_behind_its_checkpoint_stops_the_resume_naming_both(tmp_path):
     import pytest
 
-    from knapray.train.ledger_files import LedgerBehind
+    from knapray.worker.ledger_files import LedgerBehind
 
     run, position, _ = _journal_behind(tmp_path, lost=2)
     with pytest.raises(LedgerBehind) as err:
@@ -85,11 +85,11 @@ def test_preflight_refuses_a_resume_whose_journal_lost_its_tail(tmp_path):
     with the journal, so the run stops before any worker starts, with or without a coordinator."""
     import pytest
 
-    from knapray.train.config import load_config
-    from knapray.train.run_dir import RunError, decide_start, write_config
+    from knapray.config.run import load_config
+    from knapray.driver.run_dir import RunError, decide_start, write_config
     import torch
 
-    from knapray.train.checkpoint import Checkpointer, JsonState, training_parts
+    from knapray.worker.checkpoint import Checkpointer, JsonState, training_parts
 
     cfg = load_config(None, [f"run.storage={tmp_path}", "run.name=r"])
     run, position, _sizes = _journal_behind(tmp_path / "r", lost=2)
@@ -107,8 +107,8 @@ def test_preflight_refuses_a_resume_whose_journal_lost_its_tail(tmp_path):
 def test_steps_trained_without_ledger_rows_are_named_in_one_line(tmp_path):
     from knapray.coordinator.ledger import Ledger
     from knapray.coordinator.store import StateStore
-    from knapray.train.ledger_files import ledger_dir, unrecorded_steps
-    from knapray.train.report import ledger_line
+    from knapray.worker.ledger_files import ledger_dir, unrecorded_steps
+    from knapray.driver.report import ledger_line
 
     ledger = Ledger(StateStore(ledger_dir(str(tmp_path))))
     for step in (0, 1, 3):
@@ -124,7 +124,7 @@ def test_steps_trained_without_ledger_rows_are_named_in_one_line(tmp_path):
 def test_an_environment_setting_lasts_for_its_call_only(monkeypatch):
     import os
 
-    from knapray.train.launch import scoped_env
+    from knapray.driver.launch import scoped_env
 
     monkeypatch.delenv("KNAPRAY_TEST_SCOPED", raising=False)
     with scoped_env("KNAPRAY_TEST_SCOPED", "10"):

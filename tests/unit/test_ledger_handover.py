@@ -23,8 +23,8 @@ import pyarrow.parquet as pq
 from dist_utils import TINY_MMDIT, build_tiny_corpus, local_config, local_trainer
 from knapray.coordinator import BalanceCoordinator, CoordinatorUnavailable
 from knapray.corpus.writer import shard_paths
-from knapray.train.ledger_files import ledger_dir, read_ledger
-from knapray.train.step_planner import coordinator_config
+from knapray.worker.ledger_files import ledger_dir, read_ledger
+from knapray.worker.step_planner import coordinator_config
 
 
 class GroupLost(BaseException):
@@ -89,7 +89,7 @@ class InProcessClient:
 
 @pytest.mark.parametrize("refuse_rows", [False, True], ids=["handed-over-at-checkpoint", "carried-in-checkpoint"])
 def test_a_locally_planned_step_is_in_the_ledger_after_the_group_is_lost(tmp_path, monkeypatch, refuse_rows):
-    import knapray.train.trainer as trainer_module
+    import knapray.worker.trainer as trainer_module
 
     corpus = build_tiny_corpus(tmp_path / "corpus", "g1b2i64f1s0", steps=6, seed=5)
     overrides = [*TINY_MMDIT, "balance.coordinator=true", "balance.topology=g1n1", "checkpoint.every=1", "data.epochs=1"]

@@ -16,9 +16,9 @@ import pytest
 from knapray.coordinator import CoordinatorUnavailable
 from knapray.data import StepMeta
 from knapray.planning import Topology
-from knapray.train.checkpoint import TRAINER_STATE, read_trainer_state
-from knapray.train.ledger_files import read_ledger, take_over
-from knapray.train.ledger_keeper import (
+from knapray.worker.checkpoint import TRAINER_STATE, read_trainer_state
+from knapray.worker.ledger_files import read_ledger, take_over
+from knapray.worker.ledger_keeper import (
     RECENT_STEPS,
     LedgerKeeper,
     carried_ids,
@@ -27,7 +27,7 @@ from knapray.train.ledger_keeper import (
     pending_of,
     rows_to_carry,
 )
-from knapray.train.step_planner import Planned
+from knapray.worker.step_planner import Planned
 
 TOPO = Topology.parse("g1n2")
 
@@ -188,7 +188,7 @@ def test_a_checkpoint_carries_the_rows_the_coordinator_does_not_take_and_no_posi
     keeper = LedgerKeeper(0, client, "unused")
     keeper.committed(1, 0, local(1, [10], [0]), meta([10]))
     keeper.committed(2, 0, local(2, [20, 21], [0, 1]), meta([20]))
-    with caplog.at_level(logging.WARNING, logger="knapray.train.ledger_keeper"):
+    with caplog.at_level(logging.WARNING, logger="knapray.worker.ledger_keeper"):
         keeper.settle(2)
     assert ("commit", 2) not in client.calls  # a commit would claim steps the coordinator lacks
     assert keeper.state_dict() == {"ledger": None, "ledger_rows": [
@@ -206,7 +206,7 @@ def test_an_unconfirmed_commit_records_no_position(caplog):
     client = FakeClient(away=True)
     keeper = LedgerKeeper(0, client, "unused")
     keeper.committed(0, 0, COORDINATOR, meta([1]))
-    with caplog.at_level(logging.WARNING, logger="knapray.train.ledger_keeper"):
+    with caplog.at_level(logging.WARNING, logger="knapray.worker.ledger_keeper"):
         keeper.settle(0)
     assert keeper.state_dict() == {"ledger": None, "ledger_rows": []}
     assert "checkpoint at step 0: coordinator commit not confirmed (commit of step 0: away)" in caplog.text

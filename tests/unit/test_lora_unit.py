@@ -33,8 +33,8 @@ def test_bad_lora_values_are_one_line(values, message):
 
 
 def test_run_config_lora_errors_name_the_key(tmp_path):
-    from knapray.train.config import ConfigError
-    from knapray.train.preflight import load_run_config
+    from knapray.config.run import ConfigError
+    from knapray.driver.preflight import load_run_config
 
     with pytest.raises(ConfigError, match=r"config model.lora.rank: expected an int in \[0, 4096\], got -2"):
         load_run_config(None, ["model.lora.rank=-2"])
@@ -43,9 +43,9 @@ def test_run_config_lora_errors_name_the_key(tmp_path):
 
 
 def test_preflight_refuses_lora_without_base_or_matching_targets(monkeypatch):
-    from knapray.train.config import TrainConfig
-    from knapray.train.preflight import check_lora
-    from knapray.train.run_dir import RunError
+    from knapray.config.run import TrainConfig
+    from knapray.driver.preflight import check_lora
+    from knapray.driver.run_dir import RunError
 
     cfg = TrainConfig()
     cfg.model.lora = LoraConfig(rank=4)
@@ -111,7 +111,7 @@ def test_exported_adapters_load_into_diffusers_with_the_same_outputs(family, tmp
     from knapray.testing.reference import reference_config
     from knapray.weights.checks import checkpoint_family
     from knapray.weights.load import load_pretrained
-    from knapray.weights.lora_export import lora_tensors
+    from knapray.driver.lora_export import lora_tensors
     from knapray.weights.source import open_pretrained
 
     if family == "flux":
@@ -162,7 +162,7 @@ def test_adapters_compile_and_checkpoint_as_eager():
     from knapray.models.lora import inject
     from knapray.testing.batches import mix_batches
     from knapray.config.parallel import ParallelConfig
-    from knapray.train.parallelize import parallelize
+    from knapray.worker.parallelize import parallelize
 
     cfg = dataclasses.replace(parity_config(), depth_double=1, depth_single=1)
     lora = LoraConfig(rank=4)

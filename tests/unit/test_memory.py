@@ -208,7 +208,7 @@ def test_bad_token_counts():
 
 
 def test_run_config_sections_are_read():
-    from knapray.train.config import load_config
+    from knapray.config.run import load_config
 
     cfg = load_config(None, ["scaling.num_workers=32", "scaling.use_gpu=true", "parallel.fsdp=hybrid",
                              "parallel.activation_checkpointing=every_k", "parallel.ac_every=4",

@@ -421,7 +421,7 @@ def test_token_streams_are_index_copies_that_split_and_merge_back() -> None:
 
 def test_step_record_throughput_over_wall_time_and_over_forward_backward() -> None:
     from knapray.models.flops import peak_tflops
-    from knapray.train.metrics import StepRecord
+    from knapray.worker.metrics import StepRecord
 
     rec = StepRecord(step=0, loss=1.0, loss_rel=1.0, tokens=10, seconds=2.0, imbalance=1.0, baseline_imbalance=1.0,
                      compute_s=[1.0, 0.5], comm_s=[0.25, 0.0], wait_plan_s=0.0, planned_by="local",

@@ -11,8 +11,8 @@ import torch
 from knapray.models import MMDiT, MMDiTConfig
 from knapray.models.flow import sample_timesteps
 from knapray.models.timesteps import TimestepDistribution, shift_timesteps
-from knapray.train.config import ConfigError, load_config
-from knapray.train.optim import LRSchedule, build_optimizer, decay_horizon, is_last_micro_step, lr_at
+from knapray.config.run import ConfigError, load_config
+from knapray.worker.optim import LRSchedule, build_optimizer, decay_horizon, is_last_micro_step, lr_at
 
 
 def _optim(*overrides: str):

@@ -39,7 +39,7 @@ def test_a_stage_may_be_skipped_but_not_repeated():
 
 
 def test_the_run_sections_parallel_is_what_parallelize_applies():
-    from knapray.train.config import load_config
+    from knapray.config.run import load_config
     from knapray.config.parallel import ParallelConfig
 
     cfg = load_config(None, ["parallel.fsdp=full", "parallel.activation_checkpointing=every_k", "parallel.ac_every=3",

@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint import metadata as dcp_md
 
-from knapray.train.checkpoint import CheckpointError, Checkpointer, JsonState, TensorsPart, check_checkpoint, training_parts
-from knapray.train.safe_dcp import MAX_METADATA_BYTES, read_metadata
+from knapray.worker.checkpoint import CheckpointError, Checkpointer, JsonState, TensorsPart, check_checkpoint, training_parts
+from knapray.worker.safe_dcp import MAX_METADATA_BYTES, read_metadata
 
 _MD = "torch.distributed.checkpoint.metadata"
 _FS = "torch.distributed.checkpoint.filesystem"
@@ -208,7 +208,7 @@ TRAINER_BASE = {"step": 9, "epoch": 2, "world_size": 4, "topology": "g1n4", "led
 def _read_back(path: str, key: str, good, bad, refusal: str) -> None:
     """trainer.json with each of ``good`` as ``key`` reads back as written; each of ``bad``
     is one line matching ``refusal``."""
-    from knapray.train.checkpoint import RUN_STATE, read_trainer_state
+    from knapray.worker.checkpoint import RUN_STATE, read_trainer_state
 
     for value in (*good, *bad):
         with open(os.path.join(path, "trainer.json"), "w") as f:
@@ -237,8 +237,8 @@ def test_carried_ledger_rows_are_checked_as_data(planted):
     well-formed ones come back as they are, anything else is one line naming the file; an
     oversized trainer.json is refused before it is parsed."""
     path, _, _ = planted
-    from knapray.train import checkpoint
-    from knapray.train.checkpoint import RUN_STATE, read_trainer_state
+    from knapray.worker import checkpoint
+    from knapray.worker.checkpoint import RUN_STATE, read_trainer_state
 
     good = [{"step": 8, "epoch": 2, "sample_ids": [5, -1], "home_ranks": [0, 3]}]
     bad = ["rows", [{"step": 8, "epoch": 2, "sample_ids": [5], "home_ranks": [0, 1]}],
@@ -277,8 +277,8 @@ def _planted_run(tmp_path, checkpoint) -> tuple[list[str], str, str]:
     """A run directory whose newest checkpoint's metadata is a payload: (the `knapray train`
     arguments that resume it, the run directory, the marker the payload would create)."""
     from dist_utils import build_tiny_corpus
-    from knapray.train.preflight import load_run_config
-    from knapray.train.run_dir import resolve_paths, write_config
+    from knapray.driver.preflight import load_run_config
+    from knapray.driver.run_dir import resolve_paths, write_config
 
     corpus = build_tiny_corpus(tmp_path / "corpus", "g2b2i64f1s0", steps=2, shards=1)
     args = ["--config", "jobs/configs/demo.yaml", "--set", f"data.corpus={corpus}",
@@ -359,7 +359,7 @@ def test_shared_references_are_bounded_in_one_second(planted):
 def test_each_pickle_bound_is_one_line(planted, monkeypatch, limit, body, needle):
     """Every bound of knapray.limits the unpickler enforces, reached by a planted file (the
     bounds lowered so the files stay small)."""
-    from knapray.train import safe_dcp
+    from knapray.worker import safe_dcp
 
     monkeypatch.setattr(safe_dcp, limit, 1000)
     path, marker, plant = planted

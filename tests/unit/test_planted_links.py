@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from knapray.nofollow import PlantedLink, open_nofollow, refuse_links, truncate_nofollow
-from knapray.train.metrics import MetricsFile
-from knapray.train.run_dir import RunError, check_writable
+from knapray.worker.metrics import MetricsFile
+from knapray.driver.run_dir import RunError, check_writable
 
 TARGET_TEXT = "a file outside the run directory\n" * 2
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from knapray.train.plots import Line, over_mean, plot_rank_work
-from knapray.train.config import load_config
-from knapray.train.report import run_title, summarize, summary_steps
+from knapray.driver.plots import Line, over_mean, plot_rank_work
+from knapray.config.run import load_config
+from knapray.driver.report import run_title, summarize, summary_steps
 
 
 def _records(world: int, steps: int, topology: str) -> list[dict]:

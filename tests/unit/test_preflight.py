@@ -15,7 +15,7 @@ import yaml
 
 from knapray.cli import main
 from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
-from knapray.train.run_dir import RunLock
+from knapray.driver.run_dir import RunLock
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "jobs" / "configs").glob("*.yaml"))
@@ -146,7 +146,7 @@ def test_pre_flight_reads_each_file_once(demo_corpus, tmp_path, monkeypatch):
     footer once."""
     import pyarrow.parquet as pq
 
-    import knapray.train.preflight as preflight
+    import knapray.driver.preflight as preflight
 
     reads = {"schema": 0, "footer": 0}
     read_schema, parquet_file = preflight.read_schema_json, pq.ParquetFile
@@ -170,8 +170,8 @@ def test_pre_flight_reads_each_file_once(demo_corpus, tmp_path, monkeypatch):
 def test_train_check_passes_each_step_once(demo_corpus, tmp_path, monkeypatch, capsys):
     """``knapray train --check``, from the command line to the run directory's decision:
     the paths resolved once, the corpus checked once, the run directory decided once."""
-    import knapray.train.preflight as preflight
-    import knapray.train.run_dir as run_dir
+    import knapray.driver.preflight as preflight
+    import knapray.driver.run_dir as run_dir
 
     calls = {"resolve_paths": 0, "check_corpus": 0, "decide_start": 0}
 
@@ -200,8 +200,8 @@ def test_loading_a_config_reads_only_its_yaml(demo_corpus, tmp_path, monkeypatch
     config leaves out from the corpus."""
     import builtins
 
-    from knapray.train.config import load_config
-    from knapray.train.preflight import load_run_config
+    from knapray.config.run import load_config
+    from knapray.driver.preflight import load_run_config
 
     opened = []
     real_open = builtins.open
@@ -266,8 +266,8 @@ def test_a_corpus_mostly_longer_than_the_token_budget_is_refused(tmp_path, capsy
 def test_a_cap_by_max_steps_before_the_epochs_are_done_is_said(tmp_path, capsys, demo_corpus):
     """--set data.epochs=2 on a config whose run.max_steps ends the first epoch: said at the
     check (and by the launchers when the run starts and ends: report.stopped_early_line)."""
-    from knapray.train.config import load_config
-    from knapray.train.report import max_steps_cap, stopped_early_line
+    from knapray.config.run import load_config
+    from knapray.driver.report import max_steps_cap, stopped_early_line
 
     base = ["train", "--config", str(REPO / "jobs/configs/demo.yaml"), "--set", f"data.corpus={demo_corpus}",
             "--set", f"run.storage={tmp_path / 'runs'}", "--set", "data.epochs=2", "--check"]

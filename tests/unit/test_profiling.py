@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from knapray.benchmarks.kernels import matmul_shapes, report, run
-from knapray.train.config import ConfigError, load_config
-from knapray.train.profiling import Interval, StepProfiler, busy_us, kind_of, summarize
+from knapray.testing.kernels import matmul_shapes, report, run
+from knapray.config.run import ConfigError, load_config
+from knapray.worker.profiling import Interval, StepProfiler, busy_us, kind_of, summarize
 
 
 def test_busy_time_counts_overlapping_kernels_once():

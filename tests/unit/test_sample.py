@@ -67,7 +67,7 @@ def test_arguments_are_checked_before_anything_loads(run_dir, extra, names, monk
     (b'{"format_version": 2, "model": {"hidden_size": "wide"}}', "model.hidden_size"),
     (b'{"model": {}}', "run format 1")])
 def test_sample_and_export_read_a_damaged_config_json_in_one_line(command, damage, needle, tmp_path, capsys):
-    """The run's config.json is read as pre-flight reads it (knapray.train.run_files)."""
+    """The run's config.json is read as pre-flight reads it (knapray.driver.run_dir)."""
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.json").write_bytes(damage)

@@ -17,8 +17,8 @@ import pytest
 pytest.importorskip("tensorboard")  # a knapray dependency; the GPU machine has only torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
-from knapray.train.config import load_config
-from knapray.train.sinks import MLFLOW_ID_FILE, TENSORBOARD_DIR, WANDB_ID_FILE, MetricSinks, enabled_sinks, scalars_of
+from knapray.config.run import load_config
+from knapray.worker.sinks import MLFLOW_ID_FILE, TENSORBOARD_DIR, WANDB_ID_FILE, MetricSinks, enabled_sinks, scalars_of
 
 
 def _cfg(tmp_path, *overrides: str):
@@ -187,14 +187,14 @@ def test_configured_but_not_installed(tmp_path, monkeypatch, caplog) -> None:
     with pytest.raises(RuntimeError, match=r"metrics.mlflow_tracking_uri='http://x' but the mlflow package"):
         MetricSinks(_cfg(tmp_path, "metrics.mlflow_tracking_uri=http://x"))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://x")
-    with caplog.at_level(logging.WARNING, logger="knapray.train.sinks"):
+    with caplog.at_level(logging.WARNING, logger="knapray.worker.sinks"):
         assert enabled_sinks(_cfg(tmp_path)) == ["tensorboard"]
     assert "MLFLOW_TRACKING_URI is set but mlflow is not installed" in caplog.text
 
 
 def test_tensorboard_auto_on_off_where_it_is_not_installed(tmp_path, monkeypatch, caplog) -> None:
     monkeypatch.setitem(sys.modules, "tensorboard", None)
-    with caplog.at_level(logging.WARNING, logger="knapray.train.sinks"):
+    with caplog.at_level(logging.WARNING, logger="knapray.worker.sinks"):
         assert enabled_sinks(_cfg(tmp_path)) == []  # auto: the run goes on without it
     assert "the tensorboard package is not installed" in caplog.text
     got = []
@@ -205,7 +205,7 @@ def test_tensorboard_auto_on_off_where_it_is_not_installed(tmp_path, monkeypatch
         enabled_sinks(_cfg(tmp_path, "metrics.tensorboard=on"))
     monkeypatch.delitem(sys.modules, "tensorboard")
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="knapray.train.sinks"):
+    with caplog.at_level(logging.WARNING, logger="knapray.worker.sinks"):
         assert enabled_sinks(_cfg(tmp_path, "metrics.tensorboard=off")) == []
         assert enabled_sinks(_cfg(tmp_path, "metrics.tensorboard=on")) == ["tensorboard"]
     assert not caplog.text

@@ -34,7 +34,7 @@ def test_the_full_range_draws_as_before():
 
 
 def test_config_reads_the_range_and_refuses_bad_ones():
-    from knapray.train.config import ConfigError, load_config
+    from knapray.config.run import ConfigError, load_config
 
     cfg = load_config(None, ["flow.timestep_range=[0.875, 1.0]", "flow.timestep_shift=5.0"])
     dist = cfg.flow.distribution()

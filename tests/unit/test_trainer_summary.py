@@ -10,7 +10,7 @@ from dist_utils import TINY_MMDIT, build_tiny_corpus, local_trainer
 
 
 def test_train_returns_the_newest_records_and_counts_every_step(tmp_path, monkeypatch):
-    import knapray.train.trainer as trainer_module
+    import knapray.worker.trainer as trainer_module
 
     corpus = build_tiny_corpus(tmp_path / "corpus", "g1b2i64f1s0", steps=5, seed=3)
     monkeypatch.setattr(trainer_module, "RECORDS_RETURNED", 2)
@@ -31,8 +31,8 @@ def test_the_progress_tail_of_a_resumed_run_counts_only_its_own_steps(tmp_path, 
     import json
     import time
 
-    from knapray.train.metrics import truncate_metrics
-    from knapray.train.report import ProgressTail
+    from knapray.worker.metrics import truncate_metrics
+    from knapray.driver.report import ProgressTail
 
     path = tmp_path / "metrics.jsonl"
     line = lambda step: json.dumps({"step": step, "epoch": 0, "loss": 1.0, "baseline_imbalance_planned": 1.0,  # noqa: E731

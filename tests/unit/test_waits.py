@@ -36,7 +36,7 @@ def test_startup_marks_and_the_recovery_breakdown(tmp_path):
     import time
 
     from knapray.testing.elastic_check import recovery_breakdown, recovery_table
-    from knapray.train.startup import StartupClock, process_started_at, read_startups
+    from knapray.worker.startup import StartupClock, process_started_at, read_startups
 
     started = process_started_at()
     assert started is not None and started <= time.time()

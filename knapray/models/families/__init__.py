@@ -5,7 +5,7 @@ checked) and never which family it is: a family added to ``FAMILIES`` is picked 
 every caller.
 
 Every family's model is architecture only and offers the stage interface the balanced
-executor calls (knapray/train/balanced.py; ``knapray.models.interface.StageModel``):
+executor calls (knapray/worker/balanced.py; ``knapray.models.interface.StageModel``):
 
     vec = model.condition(**condition_inputs(model, batch))   # (S, cfg.condition_dim), per sequence
     h = model.embed(x_txt, x_img, is_text)                     # (N, d), per token

@@ -53,23 +53,23 @@ from knapray.planning.blocks import block_sizes
 from knapray.planning.cost import CostModel
 from knapray.planning.rules import per_step_node, planning_node
 from knapray.planning.topology import node_sizes_of
-from knapray.train.timing import StepTimer
+from knapray.worker.timing import StepTimer
 
-from .balanced import balanced_forward, prepare_step
-from .checkpoint import Checkpointer, training_parts
-from .config import TrainConfig
-from .context import TrainContext
-from .guard import BadDataGuard, quarantined_duplicates
-from .ema import build_ema
-from .ledger_keeper import LedgerKeeper
-from .metrics import MetricsFile, StepRecord
-from .optim import LRSchedule, build_optimizer
-from .parallelize import materialize, parallelize
-from .profiling import StepProfiler
-from .sinks import MetricSinks, scalars_of
-from .metrics import most_used_first, truncate_metrics
-from .startup import StartupClock
-from .step_planner import (
+from knapray.worker.balanced import balanced_forward, prepare_step
+from knapray.worker.checkpoint import Checkpointer, training_parts
+from knapray.config.run import TrainConfig
+from knapray.worker.context import TrainContext
+from knapray.worker.guard import BadDataGuard, quarantined_duplicates
+from knapray.worker.ema import build_ema
+from knapray.worker.ledger_keeper import LedgerKeeper
+from knapray.worker.metrics import MetricsFile, StepRecord
+from knapray.worker.optim import LRSchedule, build_optimizer
+from knapray.worker.parallelize import materialize, parallelize
+from knapray.worker.profiling import StepProfiler
+from knapray.worker.sinks import MetricSinks, scalars_of
+from knapray.worker.metrics import most_used_first, truncate_metrics
+from knapray.worker.startup import StartupClock
+from knapray.worker.step_planner import (
     Planned,
     StepPlanner,
     coordinator_config,
@@ -280,7 +280,7 @@ class Trainer:
         self.profiler = StepProfiler(self.run_dir, self.rank, cfg.metrics.profile_steps if any(cfg.metrics.profile_steps)
                                      else None, self.device)
         self.sinks = MetricSinks(cfg, start_step=self.step) if self.rank == 0 else None
-        from .validation import Validator
+        from knapray.worker.validation import Validator
 
         self.validator = Validator(cfg, rank=self.rank, group=self.sync.meta_group if self.world > 1 else None)
 
@@ -295,7 +295,7 @@ class Trainer:
         unless a checkpoint of this run will overwrite every weight anyway."""
         from knapray.weights.load import load_pretrained
 
-        from .checkpoint import completed_checkpoints
+        from knapray.worker.checkpoint import completed_checkpoints
 
         self.model.to_empty(device=self.device)
         if completed_checkpoints(os.path.join(self.run_dir, "checkpoints")) and not self.cfg.model.lora.enabled:

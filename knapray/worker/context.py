@@ -19,7 +19,7 @@ import torch
 from knapray.data import BadShard, local_rows
 
 if TYPE_CHECKING:
-    from knapray.train.config import TrainConfig
+    from knapray.config.run import TrainConfig
 
 
 class TrainContext(Protocol):

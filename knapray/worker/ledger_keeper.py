@@ -34,7 +34,7 @@ from knapray.coordinator import CoordinatorClient, CoordinatorUnavailable
 from knapray.data import StepMeta
 from knapray.planning import Topology
 
-from .ledger_files import LocalLedger, committed_ids
+from knapray.worker.ledger_files import LocalLedger, committed_ids
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from knapray.nofollow import open_nofollow
-from knapray.train.config import TrainConfig
+from knapray.config.run import TrainConfig
 
 logger = logging.getLogger(__name__)
 

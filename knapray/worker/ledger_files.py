@@ -109,7 +109,7 @@ def take_over(run_dir: str, checkpoint: str | None) -> list[int]:
     (``StepPlanner.settle``), appended to the journal by this process (no other writes it
     any more); steps the journal holds already are left as they are. Returns the steps
     added."""
-    from .checkpoint import read_trainer_state
+    from knapray.worker.checkpoint import read_trainer_state
 
     if checkpoint is None:
         return []

@@ -12,16 +12,16 @@ from typing import Any
 
 import torch
 
-from .config import TrainConfig, config_from_dict
-from .ledger_files import ledger_dir
-from . import preflight
-from .preflight import CorpusCheck, Preflight
-from .checkpoint import read_trainer_state
-from .run_dir import RunError, RunStart
-from .metrics import read_metrics
-from .report import ProgressTail, expected_steps, max_steps_cap, summarize, write_run_files
-from .step_planner import coordinator_config, coordinator_name
-from .trainer import Trainer
+from knapray.config.run import TrainConfig, config_from_dict
+from knapray.worker.ledger_files import ledger_dir
+from knapray.driver import preflight
+from knapray.driver.preflight import CorpusCheck, Preflight
+from knapray.worker.checkpoint import read_trainer_state
+from knapray.driver.run_dir import RunError, RunStart
+from knapray.worker.metrics import read_metrics
+from knapray.driver.report import ProgressTail, expected_steps, max_steps_cap, summarize, write_run_files
+from knapray.worker.step_planner import coordinator_config, coordinator_name
+from knapray.worker.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -240,8 +240,8 @@ def _fit_in(cfg: TrainConfig, corpus: CorpusCheck, done_steps: int, coordinator:
         logger.warning("coordinator statistics unavailable: %s", e)
         # Gone for good (killed without a restart, its node lost): the rows it could not take
         # are in the newest checkpoint; nothing else writes the journal now.
-        from .checkpoint import completed_checkpoints
-        from .ledger_files import take_over
+        from knapray.worker.checkpoint import completed_checkpoints
+        from knapray.worker.ledger_files import take_over
 
         newest = completed_checkpoints(os.path.join(run_dir, "checkpoints"))
         added = take_over(run_dir, newest[-1] if newest else None)
@@ -259,7 +259,7 @@ class Interrupted(KeyboardInterrupt):
 
 def interrupted_line(cfg: TrainConfig) -> str:
     """Where an interrupted run stopped and how to go on: its last complete checkpoint."""
-    from .checkpoint import completed_checkpoints
+    from knapray.worker.checkpoint import completed_checkpoints
 
     done = completed_checkpoints(os.path.join(cfg.run_dir, "checkpoints"))
     if not done:

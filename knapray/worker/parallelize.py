@@ -4,7 +4,7 @@ outside ``models/`` (torchtitan's habit). ``parallelize`` mutates the model in p
 returns a ``ParallelModel`` handle with what the trainer needs after backward.
 
 A balanced step does not call ``model.forward``: it calls ``model.condition``, ``model.embed``,
-``model.blocks`` and ``model.head`` (knapray/train/balanced.py). So every parameter lives in
+``model.blocks`` and ``model.head`` (knapray/worker/balanced.py). So every parameter lives in
 a child FSDP unit that runs through its module's ``__call__`` exactly once per step; the
 model declares them (``model.fsdp_units()``, ``knapray.models.interface.FsdpUnits``):
 

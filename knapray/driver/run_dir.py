@@ -19,7 +19,7 @@ from knapray.nofollow import PlantedLink, open_nofollow, refuse_links
 
 from knapray.run_files import CONFIG_FILE, LEDGER_DIR, LOCK_FILE, STALE_DIRS, STALE_FILES, RunError
 
-from .config import TrainConfig
+from knapray.config.run import TrainConfig
 
 
 RESUME_MODES = ("auto", "never", "must")
@@ -62,7 +62,7 @@ def resolve_paths(cfg: TrainConfig) -> TrainConfig:
 MAX_SAVED_CONFIG_BYTES = 16 << 20
 """A run directory's ``config.json`` is a few KB (more with a long ``balance.cost`` or list
 of validation captions); a larger file is not one. A YAML config file a user writes has its
-own bound (``knapray.train.config.MAX_CONFIG_FILE_BYTES``)."""
+own bound (``knapray.config.run.MAX_CONFIG_FILE_BYTES``)."""
 RUN_FORMAT = 2
 """The run directory format this knapray writes and reads: ``format_version`` in its
 ``config.json``. 2: the collective timeout and gloo's network interface are in the
@@ -97,7 +97,7 @@ def saved_config(run_dir: str) -> dict | None:
 def run_checkpoint(run_dir: str, checkpoint: str | None, purpose: str) -> str:
     """``checkpoint``, or the run's newest complete one: a directory with DCP metadata;
     ValueError naming the flag otherwise (``purpose``: what it is for, e.g. "export")."""
-    from .checkpoint import completed_checkpoints
+    from knapray.worker.checkpoint import completed_checkpoints
 
     done = completed_checkpoints(os.path.join(run_dir, "checkpoints"))
     path = checkpoint or (done[-1] if done else None)
@@ -112,7 +112,7 @@ def read_run_config(run_dir: str) -> TrainConfig:
     """The config a finished or running run was trained with (``knapray sample``,
     ``knapray export``): its ``config.json`` checked as ``saved_config`` does, then as a
     config file is; ``RunError`` in one line naming the directory or the file."""
-    from .config import config_from_dict
+    from knapray.config.run import config_from_dict
 
     doc = saved_config(run_dir)
     if doc is None:
@@ -194,7 +194,7 @@ def decide_start(cfg: TrainConfig, checkpoints: list[str]) -> RunStart:
                        "run.name for a new run")
     trainer = check_resumable(run_dir, checkpoints[-1])
     check_lora_base(cfg, trainer, checkpoints[-1])
-    from .metrics import scan_metrics
+    from knapray.worker.metrics import scan_metrics
 
     torn = scan_metrics(run_dir).torn
     changed = f" (changed: {'; '.join(other)})" if other else ""
@@ -260,8 +260,8 @@ def check_resumable(run_dir: str, checkpoint: str) -> dict:
     journal holding every step the checkpoint covers. Returns the trainer state."""
     from knapray.coordinator.store import LedgerFileError
 
-    from .checkpoint import RUN_STATE, CheckpointError, check_checkpoint
-    from .ledger_files import LedgerBehind, check_covers, ledger_dir, read_ledger
+    from knapray.worker.checkpoint import RUN_STATE, CheckpointError, check_checkpoint
+    from knapray.worker.ledger_files import LedgerBehind, check_covers, ledger_dir, read_ledger
 
     try:
         trainer = check_checkpoint(checkpoint, RUN_STATE)

@@ -5,7 +5,7 @@ rank at the same step, instead of training on what is left.
 Files: each rank appends to ``quarantine-rank<r>.jsonl`` (one JSON object per line:
 ``sample_id``, ``reason``, ``rank`` for a sample; ``shard``, ``rows``, ``reason`` for a
 shard); the driver's shard check writes ``quarantine-shards.jsonl``; at the end of the
-run they are merged into ``quarantine.jsonl`` (``knapray.train.report``).
+run they are merged into ``quarantine.jsonl`` (``knapray.driver.report``).
 """
 
 from __future__ import annotations

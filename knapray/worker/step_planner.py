@@ -51,8 +51,8 @@ from knapray.distributed.step_sync import StepSync
 from knapray.planning import BalancePlan, Topology
 from knapray.planning.livefit import LiveFit, RankFeatures
 
-from .config import TrainConfig
-from .ledger_keeper import LedgerKeeper
+from knapray.config.run import TrainConfig
+from knapray.worker.ledger_keeper import LedgerKeeper
 
 logger = logging.getLogger(__name__)
 

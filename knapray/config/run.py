@@ -667,14 +667,14 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     """The config in the YAML file ``path`` (defaults if None) with ``overrides`` applied,
     every value checked; raises ConfigError naming the first bad item. No other file is
     read: the model widths a run takes from its corpus and its pretrained checkpoint are
-    filled by ``knapray.train.preflight.load_run_config``."""
+    filled by ``knapray.driver.preflight.load_run_config``."""
     return _build(TrainConfig, read_config(path, overrides), "")
 
 
 MAX_CONFIG_FILE_BYTES = 1 << 20
 """A YAML run config a user writes is a few KB; a larger file is not one (and is never read
 whole). A run directory's saved ``config.json`` has its own bound
-(``knapray.train.run_dir.MAX_SAVED_CONFIG_BYTES``)."""
+(``knapray.driver.run_dir.MAX_SAVED_CONFIG_BYTES``)."""
 
 
 def _config_text(path: str) -> str:

@@ -1,7 +1,7 @@
 """Write a run's trained (or EMA) weights as a diffusers model directory.
 
 The run's newest complete DCP checkpoint (or the one named) is read through the run
-directory's safe reader (``knapray.train.checkpoint.safe_load``: no unrestricted unpickling)
+directory's safe reader (``knapray.worker.checkpoint.safe_load``: no unrestricted unpickling)
 in one process without a process group. Output tensors are grouped into shard files of
 at most ``max_shard_bytes`` in the model's parameter order; for each shard, the parameters
 its tensors come from are read from the checkpoint a few at a time (at most
@@ -91,8 +91,8 @@ def export_run(run_dir: str, out: str, *, ema: bool = False, checkpoint: str | N
     run, checkpoint or output that cannot be exported."""
     from safetensors.torch import save_file
 
-    from knapray.train.checkpoint import read_trainer_state, safe_load, saved_keys
-    from knapray.train.run_dir import read_run_config, run_checkpoint
+    from knapray.worker.checkpoint import read_trainer_state, safe_load, saved_keys
+    from knapray.driver.run_dir import read_run_config, run_checkpoint
 
     t0 = time.perf_counter()
     if dtype not in DTYPES:

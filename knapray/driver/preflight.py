@@ -28,12 +28,12 @@ from knapray.corpus.schema import load_schema_json as read_schema_json  # every 
 from knapray.data import BadShard, CorpusInfo, DuplicateId, FamilyMismatch, check_model_config, check_shards, corpus_info, duplicate_ids
 from knapray.files import read_json
 
-from .checkpoint import completed_checkpoints
-from .config import ConfigError, DataSection, TrainConfig, config_from_dict, read_config
-from .guard import check_bad_shards, check_duplicates, write_duplicate_quarantine, write_shard_quarantine
-from .metrics import truncate_metrics
-from .report import max_steps_cap
-from .run_dir import (
+from knapray.worker.checkpoint import completed_checkpoints
+from knapray.config.run import ConfigError, DataSection, TrainConfig, config_from_dict, read_config
+from knapray.worker.guard import check_bad_shards, check_duplicates, write_duplicate_quarantine, write_shard_quarantine
+from knapray.worker.metrics import truncate_metrics
+from knapray.driver.report import max_steps_cap
+from knapray.driver.run_dir import (
     RunError,
     RunLock,
     RunStart,

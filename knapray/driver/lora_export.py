@@ -74,8 +74,8 @@ def export_lora(run_dir: str, out: str, *, ema: bool = False, checkpoint: str | 
     run that trained no adapters or a checkpoint without them."""
     from safetensors.torch import save_file
 
-    from knapray.train.checkpoint import read_trainer_state, safe_load, saved_keys
-    from knapray.train.run_dir import read_run_config, run_checkpoint
+    from knapray.worker.checkpoint import read_trainer_state, safe_load, saved_keys
+    from knapray.driver.run_dir import read_run_config, run_checkpoint
 
     t0 = time.perf_counter()
     cfg = read_run_config(run_dir).model

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import torch
 
-from knapray.train.config import OptimSection
+from knapray.config.run import OptimSection
 
 
 def decay_horizon(cfg: OptimSection, max_steps: int = 0) -> int:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from knapray.train.config import OptimSection
+from knapray.config.run import OptimSection
 
 NUM_UPDATES = "num_updates"
 """The state-dict key of the update count; every other key is a parameter's name."""

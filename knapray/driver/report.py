@@ -12,8 +12,8 @@ import numpy as np
 
 from knapray.nofollow import open_nofollow
 
-from .config import TrainConfig
-from .metrics import most_used_first, read_metrics
+from knapray.config.run import TrainConfig
+from knapray.worker.metrics import most_used_first, read_metrics
 
 
 def summary_steps(records: list[dict]) -> list[dict]:
@@ -132,7 +132,7 @@ def write_run_files(cfg: TrainConfig, summary: dict) -> dict:
            "quarantined_samples": sum("shard" not in q for q in quarantined),
            "quarantined_shards": sum("shard" in q for q in quarantined),
            "quarantined_shard_rows": sum(q.get("rows") or 0 for q in quarantined if "shard" in q)}
-    from .ledger_files import unrecorded_steps, write_ledger_jsonl
+    from knapray.worker.ledger_files import unrecorded_steps, write_ledger_jsonl
 
     out["ledger_rows"] = write_ledger_jsonl(run_dir, os.path.join(run_dir, "ledger.jsonl"))
     out["ledger_missing_steps"] = unrecorded_steps(run_dir, (r["step"] for r in records))
@@ -141,7 +141,7 @@ def write_run_files(cfg: TrainConfig, summary: dict) -> dict:
     # Per-rank pictures need one world size: an elastic run plots its last one.
     records = [r for r in records if r["world_size"] == records[-1]["world_size"]] if records else []
     if records:
-        from knapray.train.plots import plot_rank_work
+        from knapray.driver.plots import plot_rank_work
 
         body = summary_steps(records)
         plot_rank_work(
@@ -186,7 +186,7 @@ def comparison_lines(rows: list[tuple[str, dict]], balanced: dict, unbalanced: d
 def plot_comparison(cfg: TrainConfig, base_cfg: TrainConfig, balanced: dict) -> None:
     """comparison.png: both runs' per-step planned and measured max/mean, and their measured
     per-rank compute, over the steps the table's means are taken over."""
-    from knapray.train.plots import plot_run_comparison
+    from knapray.driver.plots import plot_run_comparison
 
     b, u = read_metrics(cfg.run_dir), read_metrics(base_cfg.run_dir)
     if not b or not u:

@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from knapray.files import read_json
 from knapray.nofollow import open_nofollow
 
-from .safe_dcp import UnsafeMetadata, read_metadata
+from knapray.worker.safe_dcp import UnsafeMetadata, read_metadata
 
 logger = logging.getLogger(__name__)
 

@@ -1,1 +1,0 @@
-"""Training: balanced execution of the model, the per-worker loop, the Ray Train wiring."""
