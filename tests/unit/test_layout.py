@@ -1,0 +1,115 @@
+"""The house rules, measured from the source (tests/layout_graph.py reads every import,
+also those inside functions): every package on a floor, no import circles, at most two
+imports up the floors, command-line code only in commands/ (and benchmarks/, cli.py), no
+switch on a model family's name outside models/families, a short Trainer.__init__, and
+docs/architecture.md's picture drawn from today's imports."""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+
+import layout_graph as lg
+
+FAMILY_NAMES = {"flux", "wan", "mmdit"}
+CLI_HOMES = ("knapray.commands", "knapray.benchmarks", "knapray.cli")
+MAX_UPWARD = 2
+
+
+@pytest.fixture(scope="module")
+def mods():
+    return lg.modules()
+
+
+@pytest.fixture(scope="module")
+def edges(mods):
+    return lg.imports(mods)
+
+
+def _where(e: lg.Import) -> str:
+    return f"{e.source} -> {e.target} (line {e.line})"
+
+
+def test_every_package_is_on_a_floor(mods):
+    assert lg.unplaced(mods) == [], "add these to FLOORS in tests/layout_graph.py (and the docs' table)"
+
+
+def test_no_import_circles_between_modules(edges):
+    assert lg.circles(edges) == []
+
+
+def test_no_import_circles_between_packages(edges):
+    assert lg.circles(edges, level=lg.top) == []
+
+
+def test_at_most_two_imports_run_up_the_floors(edges):
+    up = lg.upward(edges)
+    assert len(up) <= MAX_UPWARD, "\n".join(map(_where, up))
+
+
+def test_the_analysis_finds_circles_and_upward_imports():
+    """The measure itself: a made-up graph with one circle and one import up a floor."""
+    made = [lg.Import("knapray.planning.a", "knapray.planning.b", 1),
+            lg.Import("knapray.planning.b", "knapray.planning.a", 2),
+            lg.Import("knapray.planning.a", "knapray.models.x", 3),
+            lg.Import("knapray.commands.c", "knapray.planning.a", 4)]
+    assert lg.circles(made) == [["knapray.planning.a", "knapray.planning.b"]]
+    assert [e.line for e in lg.upward(made)] == [3]
+    assert lg.circles(made, level=lg.top) == []
+
+
+def _trees(mods):
+    for name, path in mods.items():
+        yield name, path, ast.parse(path.read_text(), str(path))
+
+
+def test_command_line_code_lives_in_commands(mods):
+    """No argparse import and no ``__main__`` block outside commands/, benchmarks/, cli.py."""
+    found = []
+    for name, path, tree in _trees(mods):
+        if name.startswith(CLI_HOMES):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import) and any(a.name == "argparse" for a in node.names) or \
+                    isinstance(node, ast.ImportFrom) and node.module == "argparse":
+                found.append(f"{name}:{node.lineno} imports argparse")
+            if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
+                found.append(f"{name}:{node.lineno} has a __main__ block")
+    assert found == []
+
+
+def _family_switch(node: ast.AST) -> bool:
+    if not isinstance(node, ast.Compare):
+        return False
+    for side in (node.left, *node.comparators):
+        values = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+        if any(isinstance(v, ast.Constant) and v.value in FAMILY_NAMES for v in values):
+            return True
+    return False
+
+
+def test_no_switch_on_a_family_name_outside_the_families(mods):
+    """What a family does differently is declared on the family (models/families)."""
+    found = [f"{name}:{node.lineno}: {ast.unparse(node)}"
+             for name, path, tree in _trees(mods) if not name.startswith("knapray.models.families")
+             for node in ast.walk(tree) if _family_switch(node)]
+    assert found == []
+
+
+def test_the_switch_finder_sees_a_switch():
+    assert _family_switch(ast.parse('cfg.family == "wan"', mode="eval").body)
+    assert _family_switch(ast.parse('family in ("flux", "mmdit")', mode="eval").body)
+    assert not _family_switch(ast.parse('family == name', mode="eval").body)
+
+
+def test_trainer_init_is_short(mods):
+    tree = ast.parse(next(p for n, p in mods.items() if n.endswith(".trainer")).read_text())
+    trainer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
+    init = next(n for n in trainer.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    assert init.end_lineno - init.lineno + 1 <= 70
+
+
+def test_the_architecture_picture_is_drawn_from_todays_imports():
+    doc = (lg.REPO / "docs" / "architecture.md").read_text()
+    assert lg.picture_block() in doc, "redraw it: python tests/layout_graph.py, into docs/architecture.md"
