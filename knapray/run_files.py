@@ -19,6 +19,10 @@ QUARANTINE_FILE = "quarantine.jsonl"
 STARTUP_FILE = "startup.jsonl"
 RANK_WORK_PLOT = "rank_work.png"
 PIDS_DIR = "pids"
+CHECKPOINTS_DIR = "checkpoints"
+PROFILE_DIR = "profile"
+COMPARISON_FILE = "comparison.json"
+COMPARISON_PLOT = "comparison.png"
 STALE_FILES = (METRICS_FILE, SUMMARY_FILE, LEDGER_FILE, QUARANTINE_FILE, RANK_WORK_PLOT, STARTUP_FILE)
 """What a previous run left that a fresh run (``run.resume: never``) clears."""
 STALE_DIRS = (LEDGER_DIR, PIDS_DIR)
@@ -76,3 +80,22 @@ class RunDir:
     @property
     def pids(self) -> str:
         return self.path(PIDS_DIR)
+
+    def pid_file(self, rank: int) -> str:
+        return self.path(PIDS_DIR, f"rank{rank}.pid")
+
+    @property
+    def checkpoints(self) -> str:
+        return self.path(CHECKPOINTS_DIR)
+
+    @property
+    def profile(self) -> str:
+        return self.path(PROFILE_DIR)
+
+    @property
+    def comparison(self) -> str:
+        return self.path(COMPARISON_FILE)
+
+    @property
+    def comparison_plot(self) -> str:
+        return self.path(COMPARISON_PLOT)

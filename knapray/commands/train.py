@@ -20,6 +20,7 @@ import sys
 import time
 
 from knapray.nofollow import open_nofollow
+from knapray.run_files import RunDir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -167,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         plot_comparison(cfg, base.cfg, balanced)
     print(f"run directory: {cfg.run_dir} (metrics.jsonl, summary.json, ledger.jsonl, rank_work.png"
           f"{', comparison.png' if len(rows) == 2 else ''})")
-    with open_nofollow(os.path.join(cfg.run_dir, "comparison.json"), "w") as f:
+    with open_nofollow(RunDir(cfg.run_dir).comparison, "w") as f:
         json.dump(dict(rows), f, indent=1)
     return 0
 

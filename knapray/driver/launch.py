@@ -22,6 +22,7 @@ from knapray.worker.metrics import read_metrics
 from knapray.driver.report import ProgressTail, expected_steps, max_steps_cap, summarize, write_run_files
 from knapray.worker.step_planner import coordinator_config, coordinator_name
 from knapray.worker.trainer import Trainer
+from knapray.run_files import RunDir
 
 logger = logging.getLogger(__name__)
 
@@ -226,7 +227,7 @@ def _fit_in(cfg: TrainConfig, corpus: CorpusCheck, done_steps: int, coordinator:
           f"{f' (elastic down to {cfg.scaling.min_workers})' if cfg.scaling.min_workers else ''}, "
           f"{'GPU/NCCL' if cfg.scaling.use_gpu else 'CPU/gloo'}, about {total} steps; worker logs stay in Ray's "
           "session logs", flush=True)
-    with ProgressTail(os.path.join(run_dir, "metrics.jsonl"), total, cfg.run.name, start_step=done_steps):
+    with ProgressTail(RunDir(run_dir).metrics, total, cfg.run.name, start_step=done_steps):
         try:
             result = trainer.fit()
         except (KeyboardInterrupt, SystemExit):
@@ -243,7 +244,7 @@ def _fit_in(cfg: TrainConfig, corpus: CorpusCheck, done_steps: int, coordinator:
         from knapray.worker.checkpoint import completed_checkpoints
         from knapray.worker.ledger_files import take_over
 
-        newest = completed_checkpoints(os.path.join(run_dir, "checkpoints"))
+        newest = completed_checkpoints(RunDir(run_dir).checkpoints)
         added = take_over(run_dir, newest[-1] if newest else None)
         if added:
             print(f"[knapray] the coordinator is gone: the driver recorded the ledger rows of {len(added)} step(s) "
@@ -261,7 +262,7 @@ def interrupted_line(cfg: TrainConfig) -> str:
     """Where an interrupted run stopped and how to go on: its last complete checkpoint."""
     from knapray.worker.checkpoint import completed_checkpoints
 
-    done = completed_checkpoints(os.path.join(cfg.run_dir, "checkpoints"))
+    done = completed_checkpoints(RunDir(cfg.run_dir).checkpoints)
     if not done:
         return (f"run {cfg.run.name!r} stopped before its first checkpoint ({cfg.run_dir}); run the same "
                 "command again to start it afresh")

@@ -45,6 +45,7 @@ from knapray.driver.run_dir import (
     resolve_paths,
     write_config,
 )
+from knapray.run_files import RunDir
 
 
 def load_run_config(config_file: str | None = None, overrides: list[str] | None = None, *,
@@ -374,7 +375,7 @@ def prepare(pre: Preflight) -> tuple[RunStart, RunLock]:
     check_writable(cfg.run_dir)  # again, now: a link planted since --check is refused before any write
     lock = RunLock(cfg.run_dir).acquire()
     try:
-        start = decide_start(cfg, completed_checkpoints(os.path.join(cfg.run_dir, "checkpoints")))
+        start = decide_start(cfg, completed_checkpoints(RunDir(cfg.run_dir).checkpoints))
         if start.resume_from is None:
             clear_stale_run_files(cfg.run_dir)
         else:

@@ -14,6 +14,7 @@ from knapray.nofollow import open_nofollow
 
 from knapray.config.run import TrainConfig
 from knapray.worker.metrics import most_used_first, read_metrics
+from knapray.run_files import RunDir
 
 
 def summary_steps(records: list[dict]) -> list[dict]:
@@ -113,7 +114,7 @@ def merge_quarantine(run_dir: str) -> list[dict]:
     merged = [shards[k] for k in sorted(shards)] + [
         samples[k] for k in sorted(samples, key=lambda k: (k[0] is None, k[0] if k[0] is not None else 0, k[1]))]
     if merged:
-        with open_nofollow(os.path.join(run_dir, "quarantine.jsonl"), "w") as f:
+        with open_nofollow(RunDir(run_dir).quarantine, "w") as f:
             for r in merged:
                 f.write(json.dumps(r) + "\n")
     return merged
@@ -134,9 +135,9 @@ def write_run_files(cfg: TrainConfig, summary: dict) -> dict:
            "quarantined_shard_rows": sum(q.get("rows") or 0 for q in quarantined if "shard" in q)}
     from knapray.worker.ledger_files import unrecorded_steps, write_ledger_jsonl
 
-    out["ledger_rows"] = write_ledger_jsonl(run_dir, os.path.join(run_dir, "ledger.jsonl"))
+    out["ledger_rows"] = write_ledger_jsonl(run_dir, RunDir(run_dir).ledger)
     out["ledger_missing_steps"] = unrecorded_steps(run_dir, (r["step"] for r in records))
-    with open_nofollow(os.path.join(run_dir, "summary.json"), "w") as f:
+    with open_nofollow(RunDir(run_dir).summary, "w") as f:
         json.dump(out, f, indent=1, default=str)
     # Per-rank pictures need one world size: an elastic run plots its last one.
     records = [r for r in records if r["world_size"] == records[-1]["world_size"]] if records else []
@@ -145,7 +146,7 @@ def write_run_files(cfg: TrainConfig, summary: dict) -> dict:
 
         body = summary_steps(records)
         plot_rank_work(
-            os.path.join(run_dir, "rank_work.png"),
+            RunDir(run_dir).rank_work_plot,
             [np.asarray(r["baseline_rank_work"]) for r in body],
             [np.asarray(r["rank_work"]) for r in body],
             [r["baseline_imbalance_planned"] for r in body],
@@ -194,7 +195,7 @@ def plot_comparison(cfg: TrainConfig, base_cfg: TrainConfig, balanced: dict) -> 
     topologies = balanced["run"]["summary"].get("topologies") or {}
     on = next(iter(topologies)) if len(topologies) == 1 else f"{len(topologies)} topologies"
     plot_run_comparison(
-        os.path.join(cfg.run_dir, "comparison.png"),
+        RunDir(cfg.run_dir).comparison_plot,
         [(f"balanced ({on})", summary_steps(b)),
          (f"unbalanced (g1n{u[-1]['world_size']})", summary_steps(u))],
         title=f"{cfg.run.name}: the same {len(u)} steps balanced and unbalanced, {u[-1]['world_size']} workers",

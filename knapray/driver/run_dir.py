@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from knapray.files import read_json
 from knapray.nofollow import PlantedLink, open_nofollow, refuse_links
 
-from knapray.run_files import CONFIG_FILE, LEDGER_DIR, LOCK_FILE, STALE_DIRS, STALE_FILES, RunError
+from knapray.run_files import CONFIG_FILE, STALE_DIRS, STALE_FILES, RunDir, RunError
 
 from knapray.config.run import TrainConfig
 
@@ -75,7 +75,7 @@ def saved_config(run_dir: str) -> dict | None:
     """The run directory's ``config.json`` (None if it has none) as ``write_config`` writes
     it: ``format_version`` ``RUN_FORMAT`` and an object of sections, each an object (the
     sections are returned); else ``RunError`` naming the file."""
-    path = os.path.join(run_dir, CONFIG_FILE)
+    path = RunDir(run_dir).config
     if not os.path.lexists(path):
         return None
     doc = read_json(path, MAX_SAVED_CONFIG_BYTES, "run file", RunError, advice="restore it, or choose another run.name")
@@ -99,7 +99,7 @@ def run_checkpoint(run_dir: str, checkpoint: str | None, purpose: str) -> str:
     ValueError naming the flag otherwise (``purpose``: what it is for, e.g. "export")."""
     from knapray.worker.checkpoint import completed_checkpoints
 
-    done = completed_checkpoints(os.path.join(run_dir, "checkpoints"))
+    done = completed_checkpoints(RunDir(run_dir).checkpoints)
     path = checkpoint or (done[-1] if done else None)
     if path is None:
         raise ValueError(f"--run {run_dir}: no complete checkpoint to {purpose}")
@@ -120,7 +120,7 @@ def read_run_config(run_dir: str) -> TrainConfig:
     try:
         return config_from_dict(doc)
     except ValueError as e:
-        raise RunError(f"run file {os.path.join(run_dir, CONFIG_FILE)}: {e}") from None
+        raise RunError(f"run file {RunDir(run_dir).config}: {e}") from None
 
 
 NESTED_SECTIONS = ("model.lora", "metrics.validation")
@@ -190,7 +190,7 @@ def decide_start(cfg: TrainConfig, checkpoints: list[str]) -> RunStart:
     blocking, other = config_changes(old, cfg.to_dict())
     if blocking:
         raise RunError(f"cannot resume run {cfg.run.name!r} in {run_dir}: its saved config "
-                       f"({os.path.join(run_dir, CONFIG_FILE)}) differs in {'; '.join(blocking)}; choose another "
+                       f"({RunDir(run_dir).config}) differs in {'; '.join(blocking)}; choose another "
                        "run.name for a new run")
     trainer = check_resumable(run_dir, checkpoints[-1])
     check_lora_base(cfg, trainer, checkpoints[-1])
@@ -211,7 +211,7 @@ def check_writable(run_dir: str) -> None:
         refuse_links(run_dir)
     except PlantedLink as e:
         raise RunError(f"run directory {run_dir}: {e}") from None
-    for path in (run_dir, os.path.join(run_dir, "checkpoints"), os.path.join(run_dir, LEDGER_DIR)):
+    for path in (run_dir, RunDir(run_dir).checkpoints, RunDir(run_dir).ledger_dir):
         if os.path.lexists(path) and not os.path.isdir(path):
             raise RunError(f"run directory {run_dir}: {path} is not a folder; remove it or choose another "
                            "run.storage / run.name")
@@ -304,7 +304,7 @@ def write_config(cfg: TrainConfig) -> None:
     tmp = os.path.join(cfg.run_dir, CONFIG_FILE + ".tmp")
     with open_nofollow(tmp, "w") as f:
         json.dump({"format_version": RUN_FORMAT, **cfg.to_dict()}, f, indent=1)
-    os.replace(tmp, os.path.join(cfg.run_dir, CONFIG_FILE))
+    os.replace(tmp, RunDir(cfg.run_dir).config)
 
 
 class RunLock:
@@ -312,7 +312,7 @@ class RunLock:
     the same name is refused. A lock left by a dead process on this host is taken over."""
 
     def __init__(self, run_dir: str) -> None:
-        self.path = os.path.join(run_dir, LOCK_FILE)
+        self.path = RunDir(run_dir).lock
         self.held = False
 
     def check_free(self) -> None:

@@ -15,6 +15,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from knapray.run_files import RunDir
 
 
 @dataclass
@@ -55,7 +56,7 @@ class Chaos(threading.Thread):
         self.join(timeout=5)
 
     def _last_step(self) -> int:
-        path = os.path.join(self.run_dir, "metrics.jsonl")
+        path = RunDir(self.run_dir).metrics
         if not os.path.exists(path):
             return -1
         last = -1
@@ -71,7 +72,7 @@ class Chaos(threading.Thread):
         while not self._halt.wait(self.poll_s):
             step = self._last_step()
             if self.kill_worker_at is not None and step >= self.kill_worker_at:
-                pid_file = os.path.join(self.run_dir, "pids", f"rank{self.worker_rank}.pid")
+                pid_file = RunDir(self.run_dir).pid_file(self.worker_rank)
                 try:
                     pid = int(open(pid_file).read())
                     os.kill(pid, signal.SIGKILL)

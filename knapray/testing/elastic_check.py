@@ -58,6 +58,7 @@ from dataclasses import dataclass
 
 from knapray.testing.waits import ProgressDeadline
 from knapray.worker.startup import read_startups
+from knapray.run_files import RunDir
 
 SLOT = "knapray_slot"
 MODEL = [
@@ -242,7 +243,7 @@ def run_scenario(settings: Settings) -> dict:
             "balance.coordinator_timeout_s=10",
         ])
         name = coordinator_name(cfg)
-        metrics = os.path.join(cfg.run_dir, "metrics.jsonl")
+        metrics = RunDir(cfg.run_dir).metrics
         box: dict = {}
 
         def train() -> None:
@@ -328,7 +329,7 @@ def run_scenario(settings: Settings) -> dict:
         worlds = [s["world_size"] for s in segs]
         after = [s for s in segs if s["world_size"] == end_w]
         t_new = next((e["t"] for e in events if e["event"] == "training at new size"), None)
-        ledger = ledger_check(os.path.join(cfg.run_dir, "ledger.jsonl"), all_ids)
+        ledger = ledger_check(RunDir(cfg.run_dir).ledger, all_ids)
         first = segs[0] if segs else {}
         # Where the real layout mattered: the rule alone (no nodes) would cross one.
         naive = str(resolve_rule(RULE, start_w).topology)

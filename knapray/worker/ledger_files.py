@@ -18,11 +18,11 @@ import numpy as np
 from knapray.coordinator.ledger import Ledger
 from knapray.coordinator.store import StateStore
 
-from knapray.run_files import LEDGER_DIR
+from knapray.run_files import RunDir
 
 
 def ledger_dir(run_dir: str) -> str:
-    return os.path.join(run_dir, LEDGER_DIR)
+    return RunDir(run_dir).ledger_dir
 
 
 class LocalLedger:

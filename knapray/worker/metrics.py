@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from knapray.nofollow import open_nofollow
-from knapray.run_files import METRICS_FILE, RunError
+from knapray.run_files import RunDir, RunError
 
 
 @dataclass
@@ -124,7 +124,7 @@ class MetricsFile:
     """``<run dir>/metrics.jsonl``, appended by rank 0 after every step."""
 
     def __init__(self, run_dir: str) -> None:
-        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.path = RunDir(run_dir).metrics
 
     def append(self, record: dict) -> None:
         with open_nofollow(self.path, "a") as f:
@@ -148,7 +148,7 @@ def scan_metrics(run_dir: str) -> MetricsScan:
     writer's to cut (``truncate_metrics``). Any other line that is not
     a JSON object with integer ``step`` and ``epoch`` is ``RunError`` naming the file and
     the line: every reader (the resume's rewrite, the step count, summary.json) needs them."""
-    path = os.path.join(run_dir, METRICS_FILE)
+    path = RunDir(run_dir).metrics
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -203,7 +203,7 @@ def read_metrics(run_dir: str) -> list[dict]:
 def truncate_metrics(run_dir: str, from_step: int) -> None:
     """A resumed run redoes the steps after its checkpoint: drop their old lines (and a torn
     last line a worker killed mid-append left)."""
-    path = os.path.join(run_dir, METRICS_FILE)
+    path = RunDir(run_dir).metrics
     if not os.path.exists(path):
         return
     scan = scan_metrics(run_dir)

@@ -24,6 +24,7 @@ from typing import Iterator
 import torch
 
 from knapray.nofollow import open_nofollow
+from knapray.run_files import RunDir
 
 KINDS = (
     ("compiled", ("triton_",)),
@@ -139,7 +140,7 @@ class StepProfiler:
     """Profiles steps ``[start, stop)``: ``with profiler.step(n): ...`` around each step."""
 
     def __init__(self, run_dir: str, rank: int, window: tuple[int, int] | list[int] | None, device: torch.device):
-        self.dir = os.path.join(run_dir, "profile")
+        self.dir = RunDir(run_dir).profile
         self.rank = rank
         self.window = tuple(window) if window else None
         self.device = "cuda" if device.type == "cuda" else "cpu"

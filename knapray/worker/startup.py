@@ -21,8 +21,8 @@ import os
 import time
 
 from knapray.nofollow import open_nofollow
+from knapray.run_files import RunDir
 
-FILE = "startup.jsonl"
 MARKS = ("process_started", "trainer_started", "model_ready", "restored", "first_step")
 
 
@@ -55,13 +55,13 @@ class StartupClock:
         if self.written:
             return
         self.written = True
-        with open_nofollow(os.path.join(run_dir, FILE), "a") as f:
+        with open_nofollow(RunDir(run_dir).startup, "a") as f:
             f.write(json.dumps({**attempt, **self.marks}) + "\n")
 
 
 def read_startups(run_dir: str) -> list[dict]:
     """Every attempt's line, oldest first (a torn last line left out)."""
-    path = os.path.join(run_dir, FILE)
+    path = RunDir(run_dir).startup
     if not os.path.exists(path):
         return []
     out = []

@@ -77,6 +77,7 @@ from knapray.worker.step_planner import (
     live_fit,
     planning_model,
 )
+from knapray.run_files import RunDir
 
 logger = logging.getLogger(__name__)
 
@@ -246,7 +247,7 @@ class Trainer:
         """The checkpointer, then the newest checkpoint if there is one (its path, else
         None): the checkpointer owns the cadence and the parts (model, optimizer, EMA); the
         trainer's own state (step, epoch, the ledger keeper's) is its state dict, in JSON."""
-        self.checkpointer = Checkpointer(os.path.join(self.run_dir, "checkpoints"), rank=self.rank,
+        self.checkpointer = Checkpointer(RunDir(self.run_dir).checkpoints, rank=self.rank,
                                          group=self.sync.meta_group, every=self.cfg.checkpoint.every, state=self,
                                          parts=training_parts(self.model, self.optimizer, ema=self.ema))
         self.step, self.epoch, self.resumed_from = 0, 0, None
@@ -286,8 +287,8 @@ class Trainer:
 
     def _write_pid(self) -> None:
         """``pids/rank<r>.pid``: for operators (and the chaos script) to find workers."""
-        os.makedirs(os.path.join(self.run_dir, "pids"), exist_ok=True)
-        with open_nofollow(os.path.join(self.run_dir, "pids", f"rank{self.rank}.pid"), "w") as f:
+        os.makedirs(RunDir(self.run_dir).pids, exist_ok=True)
+        with open_nofollow(RunDir(self.run_dir).pid_file(self.rank), "w") as f:
             f.write(str(os.getpid()))
 
     def _load_pretrained(self) -> None:
@@ -298,7 +299,7 @@ class Trainer:
         from knapray.worker.checkpoint import completed_checkpoints
 
         self.model.to_empty(device=self.device)
-        if completed_checkpoints(os.path.join(self.run_dir, "checkpoints")) and not self.cfg.model.lora.enabled:
+        if completed_checkpoints(RunDir(self.run_dir).checkpoints) and not self.cfg.model.lora.enabled:
             return  # (a LoRA checkpoint holds the adapters only: the base is always read)
         report = load_pretrained(self.model, self.cfg.model)
         logger.info("rank %d: %s", self.rank, report.line())
