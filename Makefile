@@ -34,12 +34,15 @@ plan-demo: $(STAMP)
 	mkdir -p runs
 	$(BIN)/knapray plan --mix "$(PAPER_MIX)" --topology g8n4 --steps 50 --plot runs/plan-demo.png
 
+# The suite on TEST_WORKERS processes (pytest-xdist), a test file per worker at a time, the
+# slowest files first (tests/conftest.py): 2 fit this 2-core machine's CI. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 # The pure and single-process tiers only (no gloo processes, no Ray): about 2 minutes (935 tests, 2026-11-26).
 test-quick: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not ray and not dist and not gpu" tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not ray and not dist and not gpu" tests
 
 # On a machine with a CUDA GPU and torch installed (no venv, no Ray, no internet needed):
 #   PYTHON=python3 make gpu-check

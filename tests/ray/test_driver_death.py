@@ -74,47 +74,67 @@ def _snapshot(run_dir: pathlib.Path) -> tuple:
             sorted(os.listdir(checkpoints)) if checkpoints.exists() else [])
 
 
-def _wait_until_up(head: subprocess.Popen, log: pathlib.Path, port: int) -> None:
-    """Until the head says it started and its GCS port takes connections: a driver attached
-    before that fails to connect (on a loaded machine the head takes tens of seconds). By
-    progress (the head's log growing), not by the clock."""
+HEAD_STARTS = 3
+"""Tries at starting the private head. On a loaded machine ``ray start`` itself can give up
+("Failed to get node info: Deadline Exceeded", Ray's own wall-clock bound); a new head on
+a new port is started then, and the test fails only if every try did."""
+
+
+def _up(head: subprocess.Popen, log: pathlib.Path, port: int) -> bool:
+    """Whether the head came up: its log says it started and its GCS port takes connections
+    (a driver attached before that fails to connect). False if the head exited first. Waited
+    for by progress (the head's log growing), not by the clock."""
     wait = ProgressDeadline(floor_s=60.0)
     while True:
-        assert head.poll() is None, f"the Ray head exited ({head.returncode}):\n{log.read_text()[-3000:]}"
+        if head.poll() is not None:
+            return False
         text = log.read_text(errors="replace")
         if "Ray runtime started" in text:
             with socket.socket() as s:
                 if s.connect_ex(("127.0.0.1", port)) == 0:
-                    return
+                    return True
         wait.progressed(len(text))
         assert not wait.expired(), wait.why("the Ray head did not start") + f":\n{text[-3000:]}"
         time.sleep(0.2)
 
 
+def _kill_session(head: subprocess.Popen) -> None:
+    for pid in _session_pids(head.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    head.wait(timeout=30)
+
+
 @pytest.fixture
 def ray_head(tmp_path):
     """A private Ray head: its GCS address; afterwards every process of its session is killed."""
+    import shutil
+
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["RAY_AUTH_MODE"] = "token"  # Ray 2.60's head asks for its token; the driver sends it only in this mode
-    port = _free_port()
     ray_tmp = pathlib.Path("/tmp") / f"kr-dd-{os.getpid()}"  # short: Ray's socket paths have a length limit
-    head = subprocess.Popen(
-        [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head", "--block", "--port", str(port),
-         "--node-ip-address", "127.0.0.1", "--num-cpus", "4", "--include-dashboard=false",
-         "--disable-usage-stats", "--temp-dir", str(ray_tmp)],
-        env=env, stdout=open(tmp_path / "head.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    for attempt in range(1, HEAD_STARTS + 1):
+        port, log = _free_port(), tmp_path / f"head-{attempt}.log"
+        head = subprocess.Popen(
+            [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head", "--block", "--port", str(port),
+             "--node-ip-address", "127.0.0.1", "--num-cpus", "4", "--include-dashboard=false",
+             "--disable-usage-stats", "--temp-dir", str(ray_tmp)],
+            env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            if _up(head, log, port):
+                break
+        except BaseException:
+            _kill_session(head)
+            raise
+        _kill_session(head)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+        assert attempt < HEAD_STARTS, f"the Ray head exited {HEAD_STARTS} times:\n{log.read_text()[-3000:]}"
     try:
-        _wait_until_up(head, tmp_path / "head.log", port)
         yield f"127.0.0.1:{port}", env, head.pid
     finally:
-        for pid in _session_pids(head.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        head.wait(timeout=30)
-        import shutil
-
+        _kill_session(head)
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
