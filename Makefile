@@ -38,11 +38,11 @@ plan-demo: $(STAMP)
 # slowest files first (tests/conftest.py): 2 fit this 2-core machine's CI. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
-# The pure and single-process tiers only (no gloo processes, no Ray): about 2 minutes (935 tests, 2026-11-26).
+# The pure and single-process tiers only (no gloo processes, no Ray): 1,102 tests (2026-11-27).
 test-quick: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not ray and not dist and not gpu" tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not ray and not dist and not gpu" tests
 
 # On a machine with a CUDA GPU and torch installed (no venv, no Ray, no internet needed):
 #   PYTHON=python3 make gpu-check

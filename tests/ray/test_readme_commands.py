@@ -185,13 +185,15 @@ RULES = (
          extra=("--set", "data.corpus={W}/demo-corpus")),
     Rule(r"^knapray train --config jobs/configs/flux_dev_lora\.yaml", "run",
          "after the own-images recipe above (its corpus); the tiny FLUX.1-dev stand-in's transformer, so the "
-         "config's FLUX.1-dev widths are set to the stand-in's; 2 steps on 2 CPU workers in fp32",
+         "config's FLUX.1-dev widths are set to the stand-in's; 2 steps on 2 CPU workers (1 CPU each, not the "
+         "config's 8: an embedded Ray of 18 CPUs on this 2-core machine) in fp32",
          subs=(("/models/FLUX.1-dev", "{W}/models/FLUX.1-dev"),),
          extra=("--set", "model.hidden_size=32", "--set", "model.num_heads=2", "--set", "model.depth_double=1",
                 "--set", "model.depth_single=1", "--set", "model.text_dim=16", "--set", "model.pooled_dim=12",
                 "--set", "model.rope_axes_dim=[4,6,6]", "--set", "run.max_steps=2", "--set", "scaling.num_workers=2",
                 "--set", "scaling.use_gpu=false", "--set", "balance.topology=g2n1", "--set", "balance.gpus_per_node=2",
-                "--set", "parallel.precision=fp32", "--set", "checkpoint.every=0"),
+                "--set", "parallel.precision=fp32", "--set", "checkpoint.every=0",
+                "--set", "scaling.cpus_per_worker=1"),
          verify=_lora_trained),
     Rule(r"^knapray export --run runs/pictures-lora", "run", "the LoRA run just trained", verify=_lora_exported),
     Rule(r"^knapray train ", "run", FAST,
