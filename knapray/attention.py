@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -45,10 +46,24 @@ try:
 except ImportError:
     _flash_varlen = None
 
-try:
-    from torch.nn.attention.varlen import varlen_attn as _torch_varlen
-except ImportError:
-    _torch_varlen = None
+_NOT_LOADED = object()
+_torch_varlen: Any = _NOT_LOADED
+"""``torch.nn.attention.varlen.varlen_attn`` (None where this torch has none), imported at the
+first question about a CUDA device (``_varlen_kernel``): the import loads dynamo and
+inductor, about 1.3 s of CPU that a process which never asks (the driver, gloo ranks, a
+CPU run) should not pay."""
+
+
+def _varlen_kernel() -> Callable | None:
+    global _torch_varlen
+    if _torch_varlen is _NOT_LOADED:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:
+            varlen_attn = None
+        _torch_varlen = varlen_attn
+    return _torch_varlen
+
 
 BACKENDS = ("auto", "flash", "torch_varlen", "sdpa")
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -65,7 +80,7 @@ def available_backends(device: torch.device | str | None = None) -> list[str]:
     names = []
     if on_cuda and _flash_varlen is not None:
         names.append("flash")
-    if on_cuda and _torch_varlen is not None:
+    if on_cuda and _varlen_kernel() is not None:
         names.append("torch_varlen")
     names.append("sdpa")
     return names
@@ -81,11 +96,11 @@ def _resolve_backend(backend: str, q: torch.Tensor) -> str:
     if backend == "auto":
         if _kernel_usable(q) and _flash_varlen is not None:
             return "flash"
-        if _kernel_usable(q) and _torch_varlen is not None:
+        if _kernel_usable(q) and _varlen_kernel() is not None:
             return "torch_varlen"
         return "sdpa"
     if backend in ("flash", "torch_varlen"):
-        missing = _flash_varlen is None if backend == "flash" else _torch_varlen is None
+        missing = _flash_varlen is None if backend == "flash" else _varlen_kernel() is None
         if missing:
             raise RuntimeError(f"attention backend {backend!r} is not available in this environment")
         if not _kernel_usable(q):
@@ -141,9 +156,9 @@ def choose_backend(seq_lens: Sequence[int], device: torch.device, dtype: torch.d
     chooses the same."""
     if not (torch.device(device).type == "cuda" and dtype in _HALF_DTYPES):
         return AttentionChoice("sdpa", f"no fused kernel for {torch.device(device).type} {str(dtype).removeprefix('torch.')}")
-    fused = "flash" if _flash_varlen is not None else "torch_varlen" if _torch_varlen is not None else None
+    fused = "flash" if _flash_varlen is not None else "torch_varlen" if _varlen_kernel() is not None else None
     impl = flash_impl()
-    if impl is not None and _torch_varlen is not None:
+    if impl is not None and _varlen_kernel() is not None:
         return AttentionChoice("torch_varlen", f"{impl} (activate_flash_attention_impl)")
     runs = equal_length_runs(seq_lens)
     work = sum(b * n * n for b, n in runs)
@@ -347,12 +362,13 @@ def torch_varlen(
     cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None)`` has none and always
     scales by 1/sqrt(D). There a different scale is folded into q: softmax(q·s·kᵀ) equals
     softmax((q·s·sqrt(D))·kᵀ/sqrt(D)), gradients included."""
-    if _varlen_takes_scale(_torch_varlen):
-        return _torch_varlen(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale)
+    kernel = _varlen_kernel()
+    if _varlen_takes_scale(kernel):
+        return kernel(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale)
     factor = scale * math.sqrt(q.shape[-1])
     if factor != 1.0:
         q = q * factor
-    return _torch_varlen(q, k, v, cu, cu, max_seqlen, max_seqlen)
+    return kernel(q, k, v, cu, cu, max_seqlen, max_seqlen)
 
 
 def _varlen_takes_scale(fn: Callable) -> bool:

@@ -110,17 +110,23 @@ class _EagerAttention:
     def __init__(self, attn: Any) -> None:
         self.attn = attn
 
-    @torch.compiler.disable
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return _token_output(self.attn(q, k, v))
 
-    @torch.compiler.disable
     def self_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return _token_output(self.attn.self_attn(q, k, v))
 
-    @torch.compiler.disable
     def cross_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: Any = None) -> torch.Tensor:
         return _token_output(self.attn.cross_attn(q, k, v, pad))
+
+
+@functools.cache
+def _eager_attention() -> type:
+    """``_EagerAttention`` with each call behind ``torch.compiler.disable``, made at the first
+    compiled call: the decorator imports dynamo (about 0.5 s of CPU), which a process that
+    never compiles (the driver, gloo ranks, eager runs) should not pay at import."""
+    calls = {name: torch.compiler.disable(getattr(_EagerAttention, name)) for name in ("__call__", "self_attn", "cross_attn")}
+    return type("_EagerAttention", (_EagerAttention,), {"__slots__": (), **calls})
 
 
 def _token_output(out: torch.Tensor) -> torch.Tensor:
@@ -214,7 +220,7 @@ def _compiled_forward(block: nn.Module, compiled: Callable) -> Callable:
             return eager(*args, **kwargs)
         for name, value in bound.arguments.items():
             if name == "attn":
-                bound.arguments[name] = _EagerAttention(value)
+                bound.arguments[name] = _eager_attention()(value)
             else:
                 bound.arguments[name] = value = _dense(value)
                 _mark_token_axes(name, value)

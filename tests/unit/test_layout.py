@@ -113,3 +113,16 @@ def test_trainer_init_is_short(mods):
 def test_the_architecture_picture_is_drawn_from_todays_imports():
     doc = (lg.REPO / "docs" / "architecture.md").read_text()
     assert lg.picture_block() in doc, "redraw it: python tests/layout_graph.py, into docs/architecture.md"
+
+
+def test_a_worker_that_never_compiles_never_loads_the_compiler():
+    """Every gloo rank, Ray Train worker and the driver import the trainer; the compiler
+    stack (dynamo, inductor: about 1.3 s of CPU a process) loads only when something
+    compiles or asks about a CUDA kernel."""
+    import subprocess
+    import sys
+
+    code = ("import sys, knapray.worker.trainer, knapray.driver.launch, knapray.commands.train; "
+            "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
