@@ -14,14 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("diffusers", reason="needs diffusers (the test extra)")
-pytest.importorskip("transformers", reason="needs transformers (the test extra)")
 
+from needs import needs  # noqa: E402
 import tiny_encoders as te  # noqa: E402
 from dist_utils import run_distributed  # noqa: E402
 from flux_utils import save_all, save_tiny_flux  # noqa: E402
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, needs("diffusers", "transformers")]
 
 
 REFERENCE_ARGS = dict(family=None, topology="g1n2+g2n1", seed=1, sequences=4)

@@ -16,14 +16,13 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("diffusers", reason="needs diffusers (the test extra)")
-pytest.importorskip("peft", reason="needs peft (the test extra)")
 
+from needs import needs  # noqa: E402
 import tiny_encoders as te  # noqa: E402
 from dist_utils import run_distributed  # noqa: E402
 from flux_utils import save_tiny_flux  # noqa: E402
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, needs("diffusers", "peft")]
 
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=[attention]", "parallel.fsdp=full",
         "balance.topology=g1n2+g2n1", "optim.lr=0.03", "data.epochs=8", "checkpoint.every=4", "run.max_steps=8",

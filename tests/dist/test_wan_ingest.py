@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
+from needs import needs  # noqa: E402
 import tiny_encoders as te
 from knapray.cli import main
 from knapray.corpus.schema import FAMILIES, WAN_TEXT_LENGTH, decode_row, schema_doc_problem
 from knapray.corpus.writer import read_corpus
 
-pytest.importorskip("diffusers")
-pytest.importorskip("transformers")
+pytestmark = needs("diffusers", "transformers")
 
 ATOL = 1e-5
 CAPTIONS = {
