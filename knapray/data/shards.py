@@ -81,8 +81,6 @@ def corpus_dataset(
     a dataset's execution options with ``DataConfig``'s: pass
     ``DataConfig(execution_options=ingest_execution_options())`` to TorchTrainer.
     """
-    import ray.data
-
     if rows_per_block < 1:
         raise ValueError(f"rows_per_block must be >= 1, got {rows_per_block}")
     files = checked_shards(path) if shards is None else list(shards)
