@@ -12,6 +12,8 @@ the buffer, when the buffer holds the whole corpus). ``old`` rows repeat the rea
 were before the zero-copy change, in this process: the torchrun reader's ``to_pylist``
 rows, Ray Data's numpy batches with a 256-row shuffle buffer, and a writable copy of every
 payload before it became a tensor (the finiteness check they decode with is today's).
+The ``v2`` row is today's Ray reader through Ray Data's V2 parquet datasource (Ray's default,
+which indexes the files' footers on a pool of actors first) instead of V1, which knapray uses.
 
 The rate one GPU needs: a GPU training at ``--tflops`` model TFLOP/s a model of
 ``--params`` parameters, ``--layers`` attention layers of width ``--width``, takes
@@ -118,7 +120,7 @@ def measure_ray(path: Path, variant: str, shuffle_buffer_mb: int) -> dict[str, f
                               shard_batches, shuffle_rows)
 
     info = corpus_info(path)
-    it = corpus_dataset(path, rows_per_block=BATCH_ROWS).iterator()
+    it = corpus_dataset(path, rows_per_block=BATCH_ROWS, parquet_v2=variant == "v2").iterator()
     seed = epoch_seed(0, 0)
     if variant == "old":
         batches = it.iter_batches(batch_format="numpy", batch_size=BATCH_ROWS, prefetch_batches=2,
@@ -183,7 +185,7 @@ def run(*, corpus: str | None = None, steps: int = 3, text_dtypes: tuple[str, ..
             print(header)
             print("-" * len(header))
             for reader in readers:
-                for variant in (("old", "new") if old else ("new",)):
+                for variant in (("old", "new") if old else ("new",)) + (("v2",) if reader == "ray" else ()):
                     if reader == "torchrun":
                         r = measure_torchrun(path, variant)
                     else:

@@ -62,6 +62,7 @@ def corpus_dataset(
     epoch: int = 0,
     rows_per_block: int = 32,
     shards: Sequence[Path] | None = None,
+    parquet_v2: bool = False,
 ) -> ray.data.Dataset:
     """A Ray Dataset of the corpus's rows in a deterministic order.
 
@@ -75,6 +76,8 @@ def corpus_dataset(
     block, which would give one rank everything. ``samples_per_step`` is a good value.
 
     ``shards``: the files to read (default: all; the driver passes the readable ones).
+    ``parquet_v2``: through Ray Data's V2 parquet reader, Ray's default, instead of V1
+    (``_read_listed_parquet``; ``knapray bench data`` runs both).
 
     ``preserve_order`` is set on this dataset's own context so that the row order, and
     with it which rows each split receives, is the same on every run. Ray Train replaces
@@ -85,13 +88,13 @@ def corpus_dataset(
         raise ValueError(f"rows_per_block must be >= 1, got {rows_per_block}")
     files = checked_shards(path) if shards is None else list(shards)
     order = shard_order(len(files), shuffle_seed=shuffle_seed, epoch=epoch)
-    ds = _read_listed_parquet([str(files[i]) for i in order])
+    ds = _read_listed_parquet([str(files[i]) for i in order], v2=parquet_v2)
     ds = ds.repartition(target_num_rows_per_block=rows_per_block)
     ds.context.execution_options.preserve_order = True
     return ds
 
 
-def _read_listed_parquet(paths: list[str]) -> ray.data.Dataset:
+def _read_listed_parquet(paths: list[str], *, v2: bool = False) -> ray.data.Dataset:
     """``ray.data.read_parquet`` of files already listed and checked (their footers read by
     the pre-flight), through Ray Data's V1 parquet reader. The V2 reader (Ray's default)
     first indexes the footers again on a pool of up to 32 ``FooterReader`` actors, a
@@ -101,7 +104,7 @@ def _read_listed_parquet(paths: list[str]) -> ray.data.Dataset:
 
     ctx = ray.data.DataContext.get_current()
     chosen = ctx.use_datasource_v2
-    ctx.use_datasource_v2 = False  # read_parquet consults it at the call
+    ctx.use_datasource_v2 = v2  # read_parquet consults it at the call
     try:
         return ray.data.read_parquet(paths)
     finally:
