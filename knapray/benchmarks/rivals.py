@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from knapray.benchmarks.step import LOSS_TOL, step_config, write_records
-from knapray.distributed.local import free_port, init_local_gloo
+from knapray.distributed.local import free_port, init_local_gloo, spawn_local
 from knapray.planning.cost import CostModel
 from knapray.limits import MAX_SCALE
 
@@ -209,8 +209,6 @@ def summarize(records: list[dict], world: int, warmup: int) -> list[dict]:
 def run_rivals_bench(*, world_size: int = 8, steps: int = 4, warmup: int = 1, mix: str = MIX, scale: int = SCALE,
                      max_text_tokens: int = MAX_TEXT_TOKENS, hidden: int = 192, heads: int = 4, depth: int = 2,
                      seed: int = 0) -> dict:
-    import torch.multiprocessing as mp
-
     from knapray.testing.batches import mix_batches
 
     if warmup < 0 or steps <= warmup:
@@ -222,7 +220,7 @@ def run_rivals_bench(*, world_size: int = 8, steps: int = 4, warmup: int = 1, mi
             "max_text_tokens": max_text_tokens, "steps": steps, "seed": seed}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world_size, free_port(), tmp, opts), nprocs=world_size, join=True)
+        spawn_local(_worker, (world_size, free_port(), tmp, opts), world_size)
         with open(os.path.join(tmp, "records.json")) as f:
             records = json.load(f)
     rows = summarize(records, world_size, warmup)

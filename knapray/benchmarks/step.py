@@ -63,7 +63,7 @@ import time
 import numpy as np
 import torch
 
-from knapray.distributed.local import free_port, init_local_gloo
+from knapray.distributed.local import free_port, init_local_gloo, spawn_local
 
 from knapray.models import MMDiT, MMDiTConfig
 from knapray.distributed.parallel_dims import ParallelDims
@@ -454,8 +454,6 @@ def run_step_bench(
 
     ``fsdp``, ``ac``, ``ac_every``, ``compile``, ``compile_backend``, ``gpus_per_node``: the
     variants measured beside the eager baseline (``step_variants``); none by default."""
-    import torch.multiprocessing as mp
-
     from knapray.distributed import check_heads
     from knapray.testing.batches import mix_batches
 
@@ -475,7 +473,7 @@ def run_step_bench(
     }
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world_size, free_port(), tmp, opts), nprocs=world_size, join=True)
+        spawn_local(_worker, (world_size, free_port(), tmp, opts), world_size)
         with open(os.path.join(tmp, "records.json")) as f:
             records = json.load(f)
     seconds = time.perf_counter() - t0

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from knapray.distributed.local import free_port, init_local_gloo
+from knapray.distributed.local import free_port, init_local_gloo, spawn_local
 from knapray.models import MMDiT, MMDiTConfig, pack_samples
 from knapray.models.flow import add_noise, flow_loss
 from knapray.planning import Topology, WorkloadModel, identity_plan, plan_balance
@@ -189,8 +189,6 @@ def run_parity(
     """Run the check; returns {case: {out_rel, loss_rel, grad_rel_max, worst_param, ...}}.
     ``parallelism``: how the ranks parallelize their model (default: not at all);
     ``gpus_per_node``: ranks per node, for a hybrid FSDP mesh."""
-    import torch.multiprocessing as mp
-
     from knapray.distributed import check_heads
     from knapray.config.parallel import ParallelConfig
 
@@ -222,14 +220,9 @@ def run_parity(
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(
-            _worker,
-            args=(world_size, free_port(), tmp, specs, mix, scale, seed, dataclasses.asdict(cfg),
-                  max_text_tokens, tuple(empty_ranks), tuple(textless_ranks), par,
-                  gpus_per_node),
-            nprocs=world_size,
-            join=True,
-        )
+        spawn_local(_worker, (world_size, free_port(), tmp, specs, mix, scale, seed, dataclasses.asdict(cfg),
+                              max_text_tokens, tuple(empty_ranks), tuple(textless_ranks), par, gpus_per_node),
+                    world_size)
         per_rank = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world_size)]
     lens = [b.seq_lens.tolist() for b in batches]
     n_text = torch.stack([(full.is_text & (full.seq_index == i)).sum() for i in range(full.num_sequences)]) \

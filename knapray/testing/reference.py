@@ -342,10 +342,8 @@ def run_reference(paths: list[str], *, family: str | None = None, world_size: in
                   seed: int = 0, sequences: int = 4, fsdp: str = "none") -> dict:
     """The check for every checkpoint in ``paths``: {path: {out_rel, grad_rel, ...}} plus
     ``_meta``. ValueError (one line) for a checkpoint, family or topology that cannot run."""
-    import torch.multiprocessing as mp
-
     from knapray.distributed import check_heads
-    from knapray.distributed.local import free_port
+    from knapray.distributed.local import free_port, spawn_local
     from knapray.planning import Topology
     from knapray.weights.checks import check_tensors, checkpoint_family
     from knapray.weights.source import open_pretrained
@@ -381,8 +379,8 @@ def run_reference(paths: list[str], *, family: str | None = None, world_size: in
             report[path] = compare(cfg, outs, grads, ref_outs, ref_grads)
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            mp.spawn(_worker, args=(world_size, free_port(), tmp, list(paths), family, topology, seed, sequences,
-                                    _parallel(fsdp)), nprocs=world_size, join=True)
+            spawn_local(_worker, (world_size, free_port(), tmp, list(paths), family, topology, seed, sequences,
+                                  _parallel(fsdp)), world_size)
             per_rank = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=True) for r in range(world_size)]
         report.update(summarize_balanced(list(paths), per_rank, family=family, seed=seed, sequences=sequences))
     for path, cfg in cfgs.items():
