@@ -23,8 +23,8 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 # Under pytest-xdist each worker process gets its share of the cores for torch's intra-op
 # threads (torch reads it at its first parallel op; the processes tests start inherit it):
-# two workers of two threads each on two cores made the compute-bound tests (compiled
-# gradients, dry runs) 20% slower than two of one.
+# two copies of a compiled-gradient test, two threads each on two cores, took 20% longer
+# than with one thread each.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     os.environ.setdefault("OMP_NUM_THREADS",
                           str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))

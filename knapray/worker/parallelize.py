@@ -123,7 +123,7 @@ class _EagerAttention:
 @functools.cache
 def _eager_attention() -> type:
     """``_EagerAttention`` with each call behind ``torch.compiler.disable``, made at the first
-    compiled call: the decorator imports dynamo (about 0.5 s of CPU), which a process that
+    compiled call: the decorator imports dynamo, which a process that
     never compiles (the driver, gloo ranks, eager runs) should not pay at import."""
     calls = {name: torch.compiler.disable(getattr(_EagerAttention, name)) for name in ("__call__", "self_attn", "cross_attn")}
     return type("_EagerAttention", (_EagerAttention,), {"__slots__": (), **calls})

@@ -117,7 +117,7 @@ def test_the_architecture_picture_is_drawn_from_todays_imports():
 
 def test_a_worker_that_never_compiles_never_loads_the_compiler():
     """Every gloo rank, Ray Train worker and the driver import the trainer; the compiler
-    stack (dynamo, inductor: about 1.3 s of CPU a process) loads only when something
+    stack (dynamo, inductor: importing the trainer took 2.25 s with it, 1.8 s without) loads only when something
     compiles or asks about a CUDA kernel."""
     import subprocess
     import sys
