@@ -39,47 +39,11 @@ from typing import Any
 from knapray.inference.conditioning import TEXT_ENCODERS, corpus_codecs, corpus_records, corpus_text
 from knapray.inference.images import preview, save_grid
 from knapray.inference.requests import Request, check_sizes, pair_requests, parse_size
+from knapray.driver.trained import load_weights, read_run
 from knapray.models.sampling import embeds_guidance, request_shifts, sample_latents
 
 # The registry imports this module only for `knapray sample` itself (knapray.models, and
 # so torch, comes with it); `knapray --help` and the planning commands never load it.
-
-
-# ---- loading a run ------------------------------------------------------------------------
-
-
-def read_run(run_dir: str, checkpoint: str | None = None) -> tuple[Any, str]:
-    """(TrainConfig, checkpoint path) of a run directory, read without loading weights."""
-    from knapray.driver.run_dir import read_run_config, run_checkpoint
-
-    cfg = read_run_config(run_dir)
-    return cfg, run_checkpoint(run_dir, checkpoint, "sample from")
-
-
-def load_weights(cfg: Any, path: str, ema: bool = True, device: str = "cpu") -> tuple[Any, bool]:
-    """(the model of ``cfg.model``'s family with the checkpoint's weights, EMA used)."""
-    from knapray.models.families import build_model
-    from knapray.worker.checkpoint import safe_load, saved_keys
-
-    model = build_model(cfg.model)
-    used_ema = ema and any(k.startswith("ema.") for k in saved_keys(path))
-    prefix = "ema" if used_ema else "model"
-    lora = cfg.model.lora.enabled
-    if lora:  # the base from model.pretrained (the one trained on), the adapters from the checkpoint
-        from knapray.models.lora import is_adapter
-        from knapray.worker.checkpoint import read_trainer_state
-        from knapray.weights.checks import base_record
-        from knapray.weights.load import load_pretrained
-
-        saved, now = read_trainer_state(path).get("lora_base") or {}, base_record(cfg.model)
-        if now is None or saved.get("fingerprint") != now["fingerprint"]:
-            raise ValueError(f"{path} holds LoRA adapters trained on the base {saved.get('path')!r}, but "
-                             f"model.pretrained {cfg.model.pretrained!r} is another checkpoint now")
-        load_pretrained(model, cfg.model)
-    state = {prefix: {k: v for k, v in model.state_dict().items() if not lora or is_adapter(k)}}
-    safe_load(state, path)
-    model.load_state_dict(state[prefix], strict=not lora)
-    return model.to(device).eval(), used_ema
 
 
 @dataclass(frozen=True)
@@ -89,6 +53,8 @@ class SamplePlan:
     cfg: Any
     checkpoint: str
     requests: list[Request]
+    topology: str | None = None
+    """The bags of ``--world-size N`` > 1 (default ``driver.gang.default_topology``)."""
 
 
 def plan_sampling(args: argparse.Namespace) -> SamplePlan:
@@ -111,7 +77,29 @@ def plan_sampling(args: argparse.Namespace) -> SamplePlan:
     requests = [Request(caption=caption, height=h, width=w, frames=args.frames, like=like)
                 for (caption, like), (w, h) in pairs]
     check_checkpoint(ckpt)  # before anything is built from it: a planted file is refused, never run
-    return SamplePlan(cfg=cfg, checkpoint=ckpt, requests=requests)
+    return SamplePlan(cfg=cfg, checkpoint=ckpt, requests=requests, topology=_topology(args, cfg))
+
+
+def _topology(args: argparse.Namespace, cfg: Any) -> str | None:
+    """``--topology`` checked against ``--world-size`` and the model's heads (None: one process)."""
+    world = getattr(args, "world_size", 1)
+    if world == 1:
+        if getattr(args, "topology", None):
+            raise ValueError("--topology: bags need --world-size N > 1")
+        return None
+    from knapray.commands.flags import check_local_processes
+    from knapray.distributed.groups import check_heads
+    from knapray.driver.gang import default_topology
+    from knapray.planning import Topology
+
+    check_local_processes(world, "knapray sample")
+    spec = args.topology or default_topology(world, cfg.model.num_heads)
+    try:
+        topo = Topology.parse(spec, world_size=world)
+        check_heads(cfg.model.num_heads, topo)
+    except ValueError as e:
+        raise ValueError(f"--topology {spec}: {e}") from None
+    return spec
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -122,6 +110,8 @@ def run(args: argparse.Namespace) -> dict:
     plan = plan_sampling(args)  # every argument checked before anything loads
     cfg = plan.cfg
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if plan.topology is not None:
+        return _run_ranks(args, plan, device)
     conds = []
     for r in plan.requests:  # --like ids first: they only read the corpus
         if r.like is not None:
@@ -152,8 +142,42 @@ def run(args: argparse.Namespace) -> dict:
             "shapes": [list(im.shape) for im in images], "decoder": type(decoder).__name__ if decoder else "preview"}
 
 
+def _run_ranks(args: argparse.Namespace, plan: SamplePlan, device: str) -> dict:
+    """``--world-size N``: the requests planned over the bags of ``plan.topology`` and drawn
+    by N local processes (``driver.gang.sample_local``); the grid as one process draws it."""
+    from knapray.corpus.unconditional import unconditional_embeddings
+    from knapray.driver.gang import sample_local
+    from knapray.inference.jobs import Job
+    from knapray.inference.prepare import default_guidance, denoise_jobs
+    from knapray.models.sampling import config_shifts
+    from knapray.worker.checkpoint import saved_keys
+
+    cfg = plan.cfg
+    text_encoder, decoder, dims = corpus_codecs(cfg.data.corpus, "cpu")
+    unconditional = unconditional_embeddings(cfg.data.corpus, cfg.model.text_dim, cfg.model.pooled_dim)
+    guidance = args.guidance if args.guidance is not None else default_guidance(cfg.model)
+    down = int(dims.get("vae_downsample", 8))
+    jobs = [Job(caption=r.caption, width=r.width, height=r.height, frames=r.frames, steps=args.steps,
+                guidance=guidance, shift=args.shift, seed=args.seed, like=r.like) for r in plan.requests]
+    djobs = denoise_jobs(cfg, jobs, text_encoder, unconditional, down=down, shared_seed=args.seed,
+                         max_text_tokens=args.max_text_tokens)
+    latents = sample_local(args.run, args.checkpoint, djobs, world_size=args.world_size, topology=plan.topology,
+                           device=device, ema=not args.no_ema, cfg_parallel=not args.no_cfg_parallel)
+    images = [decoder.decode(z) if decoder is not None else preview(z) for z in latents]
+    titles = [f"{r.caption or (f'like sample {r.like}' if r.like is not None else 'unconditional')}\n"
+              f"{r.width}x{r.height}" for r in plan.requests]
+    shapes = [tuple(z.shape[1:]) for z in latents]
+    return {"out": save_grid(args.out, images, titles), "checkpoint": plan.checkpoint,
+            "ema": not args.no_ema and any(k.startswith("ema.") for k in saved_keys(plan.checkpoint)),
+            "requests": len(images), "family": cfg.model.family, "guidance": guidance,
+            "shifts": config_shifts(cfg.model, shapes, args.shift), "shapes": [list(im.shape) for im in images],
+            "decoder": type(decoder).__name__ if decoder else "preview", "world_size": args.world_size,
+            "topology": plan.topology}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from knapray.commands.flags import add_device, add_json, add_seed, float_in, int_at_least, step_count, text_tokens
+    from knapray.commands.flags import add_device, add_json, add_seed, float_in, int_at_least, ranks, step_count, \
+        text_tokens
 
     p.add_argument("--run", required=True, help="run directory (runs/NAME)")
     p.add_argument("--checkpoint", help="checkpoint directory (default: the run's newest)")
@@ -174,6 +198,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-text-tokens", type=text_tokens, default=256, help="caption token limit (default 256)")
     add_seed(p)
     add_device(p, help="where the model runs (auto: cuda if present)")
+    p.add_argument("--world-size", type=ranks, default=1, metavar="N",
+                   help="local processes drawing the requests together, planned over bags (default 1)")
+    p.add_argument("--topology", default=None,
+                   help="bags of --world-size N, e.g. g2n1+g1n2 (default: halving bags, driver/gang.py)")
+    p.add_argument("--no-cfg-parallel", action="store_true",
+                   help="guided requests run both passes over their whole bag (default: on two halves of an even bag)")
     p.add_argument("--out", default="samples.png", help="PNG grid to write (default samples.png)")
     add_json(p)
 

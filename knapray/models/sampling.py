@@ -13,7 +13,7 @@ embedded guidance input; each request's timesteps shifted by its own shift (the 
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -36,6 +36,11 @@ def embeds_guidance(model) -> bool:
 
 
 def request_shifts(model, shapes: list[tuple[int, int, int]], shift: float | None) -> list[float]:
+    """``config_shifts`` of ``model``'s config."""
+    return config_shifts(model.cfg, shapes, shift)
+
+
+def config_shifts(cfg, shapes: list[tuple[int, int, int]], shift: float | None) -> list[float]:
     """Each request's timestep shift: ``shift`` for all when given; else the family's
     (``Family.sample_shift``: 1 for the MMDiT and FLUX.1-schnell, which samples unshifted as
     BFL's ``get_schedule(..., shift=not is_schnell)``; Wan 5, its pipelines' ``flow_shift``),
@@ -45,13 +50,83 @@ def request_shifts(model, shapes: list[tuple[int, int, int]], shift: float | Non
 
     if shift is not None:
         return [shift] * len(shapes)
-    own = get_family(model.cfg.family).sample_shift(model.cfg)
+    own = get_family(cfg.family).sample_shift(cfg)
     if own is not None:
         return [own] * len(shapes)
     from knapray.models.timesteps import ResolutionShift
 
-    pt, ph, pw = model.cfg.patch_size
+    pt, ph, pw = cfg.patch_size
     return [ResolutionShift().shift((t // pt) * (h // ph) * (w // pw)) for t, h, w in shapes]
+
+
+@dataclass(frozen=True, eq=False)
+class DenoiseJob:
+    """One request as the ranks of a parallel sampler run it (numpy, picklable): its
+    noise, conditioning, timesteps and guidance, resolved on one process for all."""
+
+    noise: np.ndarray
+    """(C, T, H, W) latent noise, x_1."""
+    text: np.ndarray
+    """(Lt, text_dim) text embeddings."""
+    pooled: np.ndarray
+    """(pooled_dim,)."""
+    times: tuple[float, ...]
+    """``steps + 1`` times from 1 to 0 (``flow_timesteps`` with the job's shift)."""
+    image_tokens: int
+    cfg_scale: float = 1.0
+    """Classifier-free guidance scale (1: one pass a step)."""
+    unconditional: tuple[np.ndarray, np.ndarray] | None = None
+    """(text, pooled) of the unconditional pass when ``cfg_scale != 1``."""
+    guidance_input: float | None = None
+    """The embedded guidance input of a model that takes one (FLUX.1-dev)."""
+
+    @property
+    def steps(self) -> int:
+        return len(self.times) - 1
+
+    @property
+    def passes(self) -> int:
+        return 1 if self.cfg_scale == 1.0 else 2
+
+    @property
+    def tokens(self) -> int:
+        """Sequence length of the (conditional) pass."""
+        return int(self.text.shape[0]) + self.image_tokens
+
+
+def denoise_job(cfg, noise: np.ndarray, cond: tuple[np.ndarray, np.ndarray], *, steps: int, guidance: float,
+                shift: float | None, unconditional: tuple[np.ndarray, np.ndarray] | None) -> DenoiseJob:
+    """The ``DenoiseJob`` of one request, resolved as ``sample_latents`` resolves it: the
+    family's shift (None) or ``shift``, classifier-free guidance at ``guidance`` against
+    ``unconditional`` (default: no text tokens, zero pooled) unless the model embeds
+    guidance, then ``guidance`` is its input."""
+    embedded = bool(getattr(cfg, "guidance_embeds", False))
+    c, t, h, w = noise.shape
+    pt, ph, pw = cfg.patch_size
+    (s,) = config_shifts(cfg, [(t, h, w)], shift)
+    scale = 1.0 if embedded else float(guidance)
+    uncond = None
+    if scale != 1.0:
+        uncond = unconditional if unconditional is not None else (
+            np.zeros((0, cfg.text_dim), np.float32), np.zeros(cfg.pooled_dim, np.float32))
+    text, pooled = cond
+    return DenoiseJob(noise=np.asarray(noise, np.float32), text=np.asarray(text, np.float32),
+                      pooled=np.asarray(pooled, np.float32), times=tuple(flow_timesteps(steps, s)),
+                      image_tokens=(t // pt) * (h // ph) * (w // pw), cfg_scale=scale, unconditional=uncond,
+                      guidance_input=float(guidance) if embedded else None)
+
+
+def job_noise(cfg, shapes: list[tuple[int, int, int]], seeds: list[int] | int) -> list[np.ndarray]:
+    """Noise of every request: one seed for all draws them in order from one generator (as
+    ``sample_latents`` does for a batch); one seed per request draws each alone (what
+    ``sample_latents`` gives that request sampled by itself)."""
+    import torch
+
+    if isinstance(seeds, int):
+        gen = torch.Generator().manual_seed(seeds)
+        return [torch.randn(cfg.in_channels, *shape, generator=gen).numpy() for shape in shapes]
+    return [torch.randn(cfg.in_channels, *shape, generator=torch.Generator().manual_seed(int(seed))).numpy()
+            for shape, seed in zip(shapes, seeds, strict=True)]
 
 
 def sample_latents(model, conds: list[tuple[np.ndarray, np.ndarray]], shapes: list[tuple[int, int, int]],

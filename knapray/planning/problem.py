@@ -73,7 +73,10 @@ class GroupProblem:
         bag_sizes: np.ndarray,
         model: Model,
         comm: GroupComm | None = None,
+        repeats: np.ndarray | None = None,
     ):
+        """``repeats``: (S,) how many times each sequence runs (a sampling job's steps times
+        its passes): its work and times are that many of one run's; None: once each."""
         self.model = model
         self.comm = comm
         self.token_work = float(model.linear(1.0))
@@ -83,6 +86,10 @@ class GroupProblem:
         self.lens = np.maximum(lens, bag_sizes.min())
         self.home = home
         self.work = model(lens)
+        reps = np.ones(lens.size) if repeats is None else np.asarray(repeats, dtype=np.float64)
+        if reps.shape != lens.shape or not np.all(reps > 0):
+            raise ValueError(f"repeats must be one positive count per sequence, got shape {reps.shape}")
+        self.work = self.work * reps
         self.bag_sizes = bag_sizes
         self.g = bag_sizes.astype(np.float64)
         self.k = bag_sizes.size
@@ -101,10 +108,10 @@ class GroupProblem:
             self.cls = self.cls.reshape(-1)
             class_g, class_u = keys[:, 0], keys[:, 1]
         # A cost model's per-sequence part is paid in full by every GPU of the bag.
-        self.seq_fixed = model.per_sequence(lens) if isinstance(model, CostModel) else np.zeros(lens.size)
+        self.seq_fixed = model.per_sequence(lens) * reps if isinstance(model, CostModel) else np.zeros(lens.size)
         self.cost = (self.work - self.seq_fixed)[:, None] / class_g[None, :] + self.seq_fixed[:, None]
         if class_u.any():
-            self.cost += (lens[:, None] / class_g[None, :]) * class_u[None, :]
+            self.cost += (reps * lens)[:, None] / class_g[None, :] * class_u[None, :]
         # Exact per-rank time: (attention/g + per-token cost x tokens) / speed.
         self.bag_token_cost = self.token_work + token_s
         # Equal bags of equal speed, no communication term: the published greedy is LPT.

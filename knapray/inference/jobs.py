@@ -1,0 +1,92 @@
+"""One sampling job (a request with its own steps, guidance and seed) and the rules a run
+sets for them, read without loading weights: what ``knapray sample --world-size N`` plans
+together and what ``knapray serve`` receives over HTTP.
+
+A job's result is the single-process ``knapray sample`` output of that one request with
+the same ``seed`` (its noise is drawn alone from ``seed``), whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from knapray.limits import MAX_IMAGE_SIDE, MAX_SEED, MAX_STEPS, MAX_TEXT_LENGTH
+
+MAX_GUIDANCE = 100.0
+"""Largest guidance scale a job may ask for (classifier-free, or FLUX.1-dev's input)."""
+
+
+@dataclass(frozen=True)
+class Job:
+    caption: str | None
+    """None: the unconditional caption, or ``like``'s text."""
+    width: int
+    """Pixels."""
+    height: int
+    frames: int = 1
+    """Latent frames (videos); 1 for an image."""
+    steps: int = 28
+    guidance: float | None = None
+    """None: the family's default (1, off; FLUX.1-dev: 3.5, its embedded input)."""
+    shift: float | None = None
+    """None: the family's (``models.sampling.request_shifts``)."""
+    seed: int = 0
+    like: int | None = None
+    """A corpus sample id whose text embeddings replace the caption."""
+
+
+@dataclass(frozen=True)
+class RunRules:
+    """What a run's jobs must satisfy, from its config and corpus record (no weights)."""
+
+    down: int
+    """The corpus's VAE downsample."""
+    patch: tuple[int, int]
+    """The model's patch (height, width)."""
+    text_encoder: bool
+    """Whether captions can be encoded (the corpus records a text encoder)."""
+    max_text_tokens: int = 256
+
+    @property
+    def multiple(self) -> tuple[int, int]:
+        """(width, height) every size must be a multiple of, in pixels."""
+        return self.down * self.patch[1], self.down * self.patch[0]
+
+    def check(self, job: Job) -> None:
+        """ValueError naming the first bad field and its valid range (the bounds
+        ``knapray sample`` applies to its flags)."""
+        from knapray.inference.requests import check_sizes
+
+        if job.caption is not None and not self.text_encoder:
+            raise ValueError("caption: this run's corpus records no text encoder; send 'like' (a corpus sample id)")
+        if job.caption is not None and len(job.caption) > MAX_TEXT_LENGTH:
+            raise ValueError(f"caption: {len(job.caption)} characters; at most {MAX_TEXT_LENGTH}")
+        for name, value, lo, hi in (("width", job.width, 1, MAX_IMAGE_SIDE), ("height", job.height, 1, MAX_IMAGE_SIDE),
+                                    ("frames", job.frames, 1, 1 << 16), ("steps", job.steps, 1, MAX_STEPS),
+                                    ("seed", job.seed, 0, MAX_SEED)):
+            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+                raise ValueError(f"{name}: {value!r}; an integer in [{lo}, {hi}]")
+        if job.like is not None and (isinstance(job.like, bool) or not isinstance(job.like, int) or job.like < 0):
+            raise ValueError(f"like: {job.like!r}; a corpus sample id, an integer >= 0")
+        for name, value, lo in (("guidance", job.guidance, 0.0), ("shift", job.shift, None)):
+            if value is None:
+                continue
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+            ok = ok and (value > 0 if lo is None else lo <= value) and value <= MAX_GUIDANCE
+            if not ok:
+                what = "> 0" if lo is None else f"in [{lo:g}, {MAX_GUIDANCE:g}]"
+                raise ValueError(f"{name}: {value!r}; a number {what}")
+        try:
+            check_sizes([(job.width, job.height)], job.frames, self.down, self.patch)
+        except ValueError as e:  # the sample command's words, with the field names of a job
+            raise ValueError(str(e).replace("--size ", "width x height ").replace("--frames", "frames")) from None
+
+
+def run_rules(cfg, max_text_tokens: int = 256) -> RunRules:
+    """The ``RunRules`` of a run's config (its corpus's schema.json read, nothing else)."""
+    from knapray.inference.conditioning import TEXT_ENCODERS, corpus_records
+
+    text_rec, _, dims = corpus_records(cfg.data.corpus)
+    _, ph, pw = cfg.model.patch_size
+    return RunRules(down=int(dims.get("vae_downsample", 8)), patch=(int(ph), int(pw)),
+                    text_encoder=text_rec.get("class") in TEXT_ENCODERS, max_text_tokens=max_text_tokens)

@@ -1,0 +1,120 @@
+"""Balanced sampling on 4 gloo ranks against the single-process sampler, per request.
+
+A batch of jobs (each its own size, frames, steps, guidance and seed) is planned over the
+bags of a topology (``planning.sampling.plan_jobs``) and drawn by ``worker.denoise``: each
+bag runs its jobs' loops with Ulysses over its ranks, or CFG parallel over its halves.
+Every job's latent must be what ``sample_latents`` gives that one request with its seed
+(fp32, relative 1e-5), for the Flux family (embedded guidance, and a schnell-like variant
+with classifier-free guidance) and the Wan family (cross-attention, video frames).
+
+The batches cover: a request larger than one rank's token budget (planned onto a bag),
+an empty rank (a bag with no job), a bag in CFG parallel, requests of different step
+counts, and a bag in Ulysses without CFG parallel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from dist_utils import run_distributed
+
+pytestmark = pytest.mark.dist
+
+BUDGET = 72
+"""Tokens one GPU may hold of a job's passes (``max_tokens_per_gpu``): the largest guided
+job (its two passes of 53 or 69 tokens) fits only a bag of 2 or more."""
+
+
+def _model(family: str, variant: str):
+    import torch
+
+    from knapray.models.families import build_model, get_family
+
+    cfg = get_family(family).small_config(128)  # 4 heads: Ulysses over 4 ranks divides them
+    if variant == "cfg" and family == "flux":  # schnell-like: classifier-free guidance instead
+        cfg = dataclasses.replace(cfg, guidance_embeds=False)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    with torch.no_grad():  # non-degenerate outputs: zero-initialized output layers get values
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return model.eval()
+
+
+# (latent shape (T, H, W), steps, guidance, seed, text tokens)
+JOBS = {
+    "flux": [((1, 16, 16), 3, 3.5, 1, 5), ((1, 4, 4), 2, 3.5, 2, 3), ((1, 8, 12), 4, 2.0, 3, 0),
+             ((1, 6, 6), 3, 3.5, 4, 7)],
+    "wan": [((3, 8, 8), 3, 4.0, 1, 5), ((1, 4, 4), 2, 1.0, 2, 3), ((2, 6, 4), 4, 3.0, 3, 6), ((1, 6, 6), 3, 1.0, 4, 2)],
+}
+
+
+def _jobs(model, family: str):
+    from knapray.models.sampling import denoise_job, job_noise
+
+    cfg = model.cfg
+    rng = np.random.default_rng(7)
+    out = []
+    for shape, steps, guidance, seed, ntext in JOBS[family]:
+        cond = (rng.standard_normal((ntext, cfg.text_dim)).astype(np.float32),
+                rng.standard_normal(cfg.pooled_dim).astype(np.float32))
+        (noise,) = job_noise(cfg, [shape], [seed])
+        job = denoise_job(cfg, noise, cond, steps=steps, guidance=guidance, shift=None, unconditional=None)
+        out.append((job, cond, shape, steps, guidance, seed))
+    return out
+
+
+def _draw(rank: int, world: int, family: str, variant: str, topology: str, cfg_parallel: bool, n_jobs: int):
+    from knapray.planning import Topology
+    from knapray.worker.denoise import SamplingGroups, denoise_rank
+
+    model = _model(family, variant)
+    groups = SamplingGroups.build(Topology.parse(topology, world_size=world), rank)
+    jobs = [j[0] for j in _jobs(model, family)[:n_jobs]]
+    return denoise_rank(model, jobs, groups, cfg_parallel=cfg_parallel, max_tokens_per_gpu=BUDGET)
+
+
+CASES = [
+    # family, variant, topology, CFG parallel, jobs
+    ("flux", "dev", "g2n1+g1n2", True, 4),  # embedded guidance: one pass a step
+    ("flux", "cfg", "g2n1+g1n2", True, 3),  # the large guided job's bag of 2 in CFG parallel
+    ("flux", "cfg", "g4n1", False, 4),  # Ulysses over 4, both passes in one bag
+    ("wan", "cfg", "g2n1+g1n2", True, 2),  # 2 jobs, 3 bags: a rank with nothing to do
+    ("wan", "cfg", "g4n1", True, 4),  # CFG parallel on halves of 2 (Ulysses inside each half)
+]
+
+
+@pytest.mark.parametrize("family, variant, topology, cfg_parallel, n_jobs", CASES)
+def test_each_request_is_the_single_process_sample(family, variant, topology, cfg_parallel, n_jobs):
+    from knapray.models.sampling import sample_latents
+    from knapray.planning import Topology
+    from knapray.planning.sampling import cfg_parallel_bag, plan_jobs
+
+    model = _model(family, variant)
+    jobs = _jobs(model, family)[:n_jobs]
+    topo = Topology.parse(topology, world_size=4)
+    plan = plan_jobs([j[0].tokens for j in jobs], [j[0].steps for j in jobs], [j[0].passes for j in jobs], topo,
+                     max_tokens_per_gpu=BUDGET)
+    # What the case exercises, from the plan every rank derives.
+    largest = int(np.argmax([j[0].tokens for j in jobs]))
+    if variant == "cfg":
+        assert jobs[largest][0].tokens * jobs[largest][0].passes > BUDGET  # over one rank's budget ...
+        assert topo.bag_sizes[plan.bag[largest]] >= 2  # ... so it runs on a bag of several ranks
+    assert len({j[0].steps for j in jobs}) > 1
+    assert (len(set(plan.bag.tolist())) < topo.num_bags) == (n_jobs < topo.num_bags)  # an empty rank where fewer
+    if variant == "cfg" and cfg_parallel:
+        guided = [plan.bag[k] for k, j in enumerate(jobs) if j[0].passes == 2]
+        assert any(cfg_parallel_bag(int(topo.bag_sizes[b]), True) for b in guided)  # a bag in CFG parallel
+
+    got: dict[int, np.ndarray] = {}
+    for part in run_distributed(_draw, 4, family, variant, topology, cfg_parallel, n_jobs, timeout_s=240):
+        assert not set(part) & set(got)  # each job comes back from one lead
+        got.update(part)
+    assert sorted(got) == list(range(len(jobs)))
+    for k, (job, cond, shape, steps, guidance, seed) in enumerate(jobs):
+        (ref,) = sample_latents(model, [cond], [shape], steps=steps, seed=seed, guidance=guidance, shift=None)
+        err = float(np.abs(got[k] - ref).max() / np.abs(ref).max())
+        assert err <= 1e-5, (k, shape, steps, err)
