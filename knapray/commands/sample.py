@@ -76,8 +76,9 @@ def plan_sampling(args: argparse.Namespace) -> SamplePlan:
     check_sizes([size for _, size in pairs], args.frames, down, (ph, pw))
     requests = [Request(caption=caption, height=h, width=w, frames=args.frames, like=like)
                 for (caption, like), (w, h) in pairs]
+    topology = _topology(args, cfg)
     check_checkpoint(ckpt)  # before anything is built from it: a planted file is refused, never run
-    return SamplePlan(cfg=cfg, checkpoint=ckpt, requests=requests, topology=_topology(args, cfg))
+    return SamplePlan(cfg=cfg, checkpoint=ckpt, requests=requests, topology=topology)
 
 
 def _topology(args: argparse.Namespace, cfg: Any) -> str | None:
@@ -135,11 +136,19 @@ def run(args: argparse.Namespace) -> dict:
         titles.append(f"{what}\n{r.width}x{r.height}")
     latents = sample_latents(model, conds, shapes, steps=args.steps, seed=args.seed, guidance=guidance,
                              shift=args.shift, unconditional=unconditional)
+    _save_latents(args, latents)
     images = [decoder.decode(z) if decoder is not None else preview(z) for z in latents]
     out = save_grid(args.out, images, titles)
     return {"out": out, "checkpoint": plan.checkpoint, "ema": used_ema, "requests": len(images),
             "family": cfg.model.family, "guidance": guidance, "shifts": request_shifts(model, shapes, args.shift),
             "shapes": [list(im.shape) for im in images], "decoder": type(decoder).__name__ if decoder else "preview"}
+
+
+def _save_latents(args: argparse.Namespace, latents: list) -> None:
+    if args.latents:
+        import numpy as np
+
+        np.savez(args.latents, **{f"request_{i}": z for i, z in enumerate(latents)})
 
 
 def _run_ranks(args: argparse.Namespace, plan: SamplePlan, device: str) -> dict:
@@ -163,6 +172,7 @@ def _run_ranks(args: argparse.Namespace, plan: SamplePlan, device: str) -> dict:
                          max_text_tokens=args.max_text_tokens)
     latents = sample_local(args.run, args.checkpoint, djobs, world_size=args.world_size, topology=plan.topology,
                            device=device, ema=not args.no_ema, cfg_parallel=not args.no_cfg_parallel)
+    _save_latents(args, latents)
     images = [decoder.decode(z) if decoder is not None else preview(z) for z in latents]
     titles = [f"{r.caption or (f'like sample {r.like}' if r.like is not None else 'unconditional')}\n"
               f"{r.width}x{r.height}" for r in plan.requests]
@@ -205,6 +215,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cfg-parallel", action="store_true",
                    help="guided requests run both passes over their whole bag (default: on two halves of an even bag)")
     p.add_argument("--out", default="samples.png", help="PNG grid to write (default samples.png)")
+    p.add_argument("--latents", metavar="FILE.npz", help="also write every request's latent (C, T, H, W), "
+                   "request_0, request_1, ... (before decoding)")
     add_json(p)
 
 

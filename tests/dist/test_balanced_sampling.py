@@ -15,6 +15,7 @@ counts, and a bag in Ulysses without CFG parallel.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -118,3 +119,66 @@ def test_each_request_is_the_single_process_sample(family, variant, topology, cf
         (ref,) = sample_latents(model, [cond], [shape], steps=steps, seed=seed, guidance=guidance, shift=None)
         err = float(np.abs(got[k] - ref).max() / np.abs(ref).max())
         assert err <= 1e-5, (k, shape, steps, err)
+
+
+def _train_one_step(rank: int, world: int, corpus: str, runs: str) -> None:
+    from dist_utils import TINY_MMDIT, local_trainer
+
+    from knapray.driver.run_dir import write_config
+
+    trainer = local_trainer(rank, world, corpus, runs, "s", [*TINY_MMDIT, "checkpoint.every=1", "run.max_steps=1",
+                                                             "balance.topology=g1n1"])
+    write_config(trainer.cfg)  # what a launcher's pre-flight writes: sample reads it
+    trainer.train()
+
+
+def test_knapray_sample_world_size_4_is_knapray_sample(tmp_path, capsys):
+    """The command a user runs: ``knapray sample --world-size 4`` on a trained run writes
+    the latents ``knapray sample`` writes, request by request (guided, sizes differ)."""
+    import pyarrow.parquet as pq
+
+    from dist_utils import build_tiny_corpus
+
+    from knapray.cli import main
+    from knapray.corpus import shard_paths
+
+    corpus = build_tiny_corpus(tmp_path / "corpus", "g2b2i256f1s0,g2b1i512f1s0", steps=2)
+    run_distributed(_train_one_step, 1, corpus, str(tmp_path / "runs"), timeout_s=120)
+    ids = pq.read_table(shard_paths(corpus)[0], columns=["sample_id"])["sample_id"].to_pylist()[:3]
+    args = ["sample", "--run", str(tmp_path / "runs" / "s"), *[a for i in ids for a in ("--like", str(i))],
+            "--size", "64x64", "--size", "16x16", "--size", "32x48", "--steps", "3", "--guidance", "2.5"]
+    assert main([*args, "--out", str(tmp_path / "one.png"), "--latents", str(tmp_path / "one.npz")]) == 0
+    assert main([*args, "--out", str(tmp_path / "four.png"), "--latents", str(tmp_path / "four.npz"),
+                 "--world-size", "4", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["world_size"] == 4 and report["topology"] == "g2n1+g1n2" and report["requests"] == 3
+    one, four = np.load(tmp_path / "one.npz"), np.load(tmp_path / "four.npz")
+    assert sorted(one.files) == sorted(four.files) == ["request_0", "request_1", "request_2"]
+    for name in one.files:
+        ref = one[name]
+        assert four[name].shape == ref.shape
+        assert float(np.abs(four[name] - ref).max() / np.abs(ref).max()) <= 1e-5, name
+    assert (tmp_path / "four.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--world-size", "4", "--topology", "g3n1+g1n1"], ["--topology g3n1+g1n1", "4 heads"]),
+    (["--world-size", "4", "--topology", "g3n1"], ["--topology g3n1"]),
+    (["--topology", "g2n1"], ["--topology", "--world-size N > 1"]),
+])
+def test_bad_world_or_topology_is_one_line_before_anything_starts(tmp_path, extra, words, capsys, monkeypatch):
+    import knapray.commands.sample as sample
+    from dist_utils import sampling_run_dir
+
+    from knapray.cli import main
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("started before the arguments were checked")
+
+    monkeypatch.setattr(sample, "load_weights", refuse)
+    monkeypatch.setattr(sample, "corpus_codecs", refuse)
+    code = main(["sample", "--run", str(sampling_run_dir(tmp_path)), "--caption", "a", *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    for word in words:
+        assert word in err[0], err
