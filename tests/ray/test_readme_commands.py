@@ -201,6 +201,8 @@ RULES = (
          verify=_widths_from_the_corpus),
     Rule(r"^knapray sample ", "run", "2 Euler steps instead of 28", extra=("--steps", "2"),
          verify=_one_caption_two_sizes),
+    Rule(r"^knapray serve ", "parse", "serves until Ctrl-C; tests/ray/test_serve_http.py serves runs over real HTTP "
+         "(concurrent good, malformed and oversized requests)"),
     Rule(r"^knapray plan --mix \.\.\.", "skip", "an elided mix ('...'): the full plan commands run"),
     Rule(r"^knapray plan --lengths steps\.json", "run", "steps.json written here (2 steps of 32 ranks)",
          setup=_steps_json),

@@ -1,0 +1,141 @@
+"""``knapray serve``: a trained run behind HTTP, on Ray Serve (embedded local Ray).
+
+    knapray serve --run runs/NAME --world-size 4
+    curl -X POST localhost:8000/v1/generate -d '{"caption": "a red bicycle", "size": "512x512"}' -o out.png
+
+Requests arriving within ``--window-ms`` are sampled together by a gang of ``--world-size``
+workers that hold the model once (knapray/driver/serving.py has the routes and answers).
+Every flag and the run (its config, checkpoint and corpus record) are checked before Ray
+starts; it serves until Ctrl-C. ``--config-out FILE`` writes a Serve config for ``serve
+deploy`` on a cluster instead (the run path as given: where the cluster's nodes read it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import time
+
+from knapray.limits import MAX_SAMPLE_REQUESTS
+
+MAX_QUEUE = 1 << 16
+MAX_WINDOW_MS = 60_000
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from knapray.commands.flags import add_device, add_world_size, int_at_least
+
+    p.add_argument("--run", required=True, help="run directory (runs/NAME)")
+    p.add_argument("--checkpoint", help="checkpoint directory (default: the run's newest)")
+    add_world_size(p, default=1, help="workers of the gang that holds the model once (default 1)")
+    p.add_argument("--topology", default=None, help="bags of the gang, e.g. g1n2+g2n1 (default: the gang's choice)")
+    add_device(p, help="where the gang runs (auto: cuda when Ray has GPUs)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: every one)")
+    p.add_argument("--port", type=int_at_least(1, 65535), default=8000, help="HTTP port (default 8000)")
+    p.add_argument("--window-ms", type=int_at_least(0, MAX_WINDOW_MS), default=50,
+                   help="how long a request waits for others to share its batch (default 50)")
+    p.add_argument("--max-batch", type=int_at_least(1, MAX_SAMPLE_REQUESTS), default=16,
+                   help="requests sampled together, at most (default 16)")
+    p.add_argument("--max-queue", type=int_at_least(1, MAX_QUEUE), default=256,
+                   help="requests waiting, at most; more are answered 503 (default 256)")
+    p.add_argument("--config-out", metavar="FILE",
+                   help="write a Serve config for `serve deploy` on a cluster and exit (nothing starts)")
+
+
+def serve_options(args: argparse.Namespace):
+    """The ``ServeOptions`` of the flags; ValueError naming the first bad one."""
+    from knapray.planning import Topology
+
+    try:
+        from knapray.driver.serving import ServeOptions
+    except ImportError as e:  # ray[serve], PyAV: the serve extra
+        raise ValueError(f"knapray serve needs the serve extra: pip install -e '.[serve]' ({e})") from None
+
+    if args.topology is not None:
+        try:
+            Topology.parse(args.topology, args.world_size)
+        except ValueError as e:
+            raise ValueError(f"--topology {args.topology}: {e}") from None
+    return ServeOptions(run=args.run, world_size=args.world_size, topology=args.topology, device=args.device,
+                        checkpoint=args.checkpoint, window_ms=args.window_ms, max_batch=args.max_batch,
+                        max_queue=args.max_queue)
+
+
+def check_run(run_dir: str, checkpoint: str | None) -> str:
+    """What ``knapray sample`` checks before loading weights: the run's config, its
+    checkpoint, the corpus record. Returns the checkpoint's path."""
+    from knapray.driver.run_dir import read_run_config, run_checkpoint
+    from knapray.inference.jobs import run_rules
+    from knapray.worker.checkpoint import check_checkpoint
+
+    cfg = read_run_config(run_dir)
+    path = run_checkpoint(run_dir, checkpoint, "serve")
+    run_rules(cfg)
+    check_checkpoint(path)
+    return path
+
+
+def check_port(host: str, port: int) -> None:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror or e})") from None
+
+
+def write_config(path: str, options, host: str, port: int) -> None:
+    import yaml
+
+    from knapray.driver.serving import serve_config
+
+    with open(path, "w") as f:
+        f.write("# knapray serve on a Ray cluster: serve deploy " + path + "\n")
+        yaml.safe_dump(serve_config(options, host=host, port=port), f, sort_keys=False)
+
+
+def cli(args: argparse.Namespace) -> int:
+    """``knapray serve``."""
+    from knapray.commands.flags import check_local_processes
+
+    options = serve_options(args)
+    if args.config_out:
+        write_config(args.config_out, options, "0.0.0.0" if args.host == "127.0.0.1" else args.host, args.port)
+        print(f"wrote {args.config_out}: serve deploy {args.config_out} (ray[serve] on every node; the run at "
+              f"{args.run} readable there)")
+        return 0
+    check_local_processes(args.world_size, "knapray serve (embedded Ray)")
+    checkpoint = check_run(args.run, args.checkpoint)
+    check_port(args.host, args.port)
+
+    import ray
+    from ray import serve
+
+    from knapray.driver.serving import build_app
+
+    ray.init(include_dashboard=False, configure_logging=False)
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_app(options), name="knapray", route_prefix="/")
+        host = "localhost" if args.host in ("127.0.0.1", "0.0.0.0") else args.host
+        print(f"serving {args.run} ({checkpoint}, {args.world_size} workers) at http://{host}:{args.port}/v1/generate "
+              "(Ctrl-C stops)", flush=True)
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        print("\nknapray serve: stopped", flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from knapray.commands.flags import Parser
+
+    p = Parser(prog="knapray serve", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return cli(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
