@@ -60,7 +60,7 @@ def test_a_shared_flag_means_the_same_in_every_subcommand(parsers):
 def test_each_benchmark_has_only_its_own_flags(parsers):
     benches = {n: set(_options(p)) for n, p in parsers.items() if n.startswith("bench ")}
     assert sorted(benches) == ["bench coordinator", "bench data", "bench kernels", "bench ledger", "bench planner",
-                               "bench rivals", "bench step"]
+                               "bench rivals", "bench serve", "bench step"]
     assert set(_options(parsers["bench"])) == {"-h", "--help"}
     # --ranks: world sizes (planner, coordinator); --dir: where a bench writes its files (ledger, data);
     # --hidden, --heads, --warmup: the model's width and heads, untimed first runs (step, kernels);

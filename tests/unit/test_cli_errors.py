@@ -35,6 +35,7 @@ def _run(argv: list[str], capsys) -> tuple[int, list[str]]:
     (["export", "--run", "r", "--out", "o", "--max-shard-size", "nanGB"], ["--max-shard-size", "nanGB"]),
     (["export", "--run", "r", "--out", "o", "--max-shard-size", "1e30GB"], ["--max-shard-size", "1e30GB"]),
     (["bench", "coordinator", "--ranks", "0"], ["--ranks [0]", "positive multiples of 32"]),
+    (["bench", "serve", "--gpus", "12"], ["--gpus 12", "whole nodes of 8"]),
     (["sample", "--run", "r", *[a for i in range(65) for a in ("--caption", f"c{i}")]], ["65 requests", "at most 64"]),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, names, capsys):

@@ -1,0 +1,517 @@
+"""Serving a mixed request stream, simulated: knapray's balanced plan against static USP and
+data parallel, predicted by the ``CostModel`` (no GPU, no torch).
+
+**The stream** (``request_stream``): ``n`` requests drawn from a mix of kinds (``MIX``,
+weights by count), Poisson arrivals at ``rate`` requests/s. The kinds and the unit-rate
+gaps come from ``seed`` alone; the gaps are divided by ``rate``, so every rate serves the
+same requests in the same order, only closer together.
+
+**A request's tokens** (VAE downsample 8, patch 2x2, so ``H/16 · W/16`` tokens per latent
+frame):
+
+- images are Flux.1-dev (``MODEL_PRESETS["flux"]``: joint attention, so the sequence is
+  its visual tokens plus 512 T5 tokens), 28 sampling steps, 1 pass per step (Flux-dev's
+  guidance is embedded, no classifier-free guidance): 512x512 -> 1,024 + 512 tokens,
+  1024x1024 -> 4,096 + 512, 1024x576 -> 2,304 + 512, 2048x2048 -> 16,384 + 512;
+- 480p clips are Wan 2.1 T2V 14B (``MODEL_PRESETS["wan14b"]``: cross-attention to 512
+  umT5 tokens, so the sequence is its visual tokens): 832x480, 81 frames -> 21 latent
+  frames (temporal downsample 4), 52·30·21 = 32,760 tokens, 50 steps, 2 passes per step
+  (classifier-free guidance: conditional and unconditional).
+
+Every GPU holds both models' weights (bf16: 24 + 28 GB), so any bag can run any request.
+Text encoding and VAE decoding are left out (they are the same for every policy).
+
+**Seconds of a request** on a bag of ``g`` GPUs: ``steps · passes · seq_cost(L, g, off)``,
+with the model's ``CostModel`` turned to inference (``inference_cost``: forward only, no
+backward, no recompute; Ulysses moves q, k, v and the output per layer, 4 all-to-alls, and
+for cross-attention the cross-attention's query and output too, 6). ``seq_cost`` is per-GPU
+seconds of one sequence split over the bag, Ulysses communication included (intra-node at
+``intra_node_bw``, peers on other nodes at ``inter_node_bw``; ``off`` = peers on other
+nodes). The constants are the ``CostModel`` defaults: 400 TFLOP/s bf16 per H100, 300 GB/s
+NVLink, 40 GB/s InfiniBand, 8 GPUs per node, no fixed per-step or per-layer overhead (no
+H100 profile has been calibrated yet). A 2-pass request on a bag of even ``g`` may run its
+passes on the two halves at once (CFG parallel: ``steps · seq_cost(L, g/2)``, the small
+exchange that combines them left out); every policy takes whichever is faster.
+
+**Policies** over ``N`` GPUs (``gpus_per_node`` to a node):
+
+- ``usp`` (static USP, as xDiT runs): every request over all ``N`` GPUs, FIFO, one after
+  another. Where ``N`` does not divide the heads (Flux 24, Wan 40; e.g. ``N = 32``) xDiT
+  combines Ulysses with ring attention; it is priced here by the same Ulysses formula at
+  ``N``, with ``N - gpus_per_node`` peers off the node: the baseline gets no penalty for it.
+- ``dp`` (data parallel): every request on one GPU, FIFO: to the lowest idle rank, or
+  when none is idle to the GPU that frees first.
+- ``knapray``: a rolling plan. At every arrival or completion, if requests wait and a GPU
+  is idle, the oldest ``window`` (default ``N``) waiting requests are planned over the
+  whole gang, busy GPUs included at the time they free: for each candidate topology (``k``
+  bags of ``G`` GPUs and the rest in bags of ``s < G``; ``s`` a power of two that divides
+  both models' heads and fits a node, ``G`` such a size or whole nodes; a bag within a
+  node takes the node's GPUs that free first, nodes that free first are used first),
+  requests are assigned largest first to the bag where they would
+  finish earliest (a bag is ready when its last GPU frees), and the topology with the
+  smallest predicted makespan wins (ties: the smaller sum of completions). Each bag runs
+  its requests in the order of ``arrival + seconds on the bag`` (earliest deadline: short
+  requests pass a clip that arrived shortly before them, but re-planning never starves
+  it); of the winning plan only the first request of every bag whose GPUs are all idle
+  now starts; the rest wait for the next event and are planned again. Bags of whole
+  nodes (16, 32 GPUs) are candidates too, priced as static USP is. So at a light load a
+  request gets a big bag (as fast as USP), and as the queue grows the bags shrink towards
+  one request per GPU (no communication).
+
+A request's latency is its completion minus its arrival; throughput is the requests served
+over the time from the first arrival to the last completion. ``ServiceTimes.best`` is the
+fastest any bag of the gang could run a request alone: no policy's latency is below it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .cost import MODEL_PRESETS, CostModel
+
+POLICIES = ("knapray", "usp", "dp")
+"""The three serving policies (see the module docstring)."""
+
+VAE_DOWNSAMPLE = 8
+PATCH = 2
+TOKENS_PER_SIDE = VAE_DOWNSAMPLE * PATCH
+
+
+@dataclass(frozen=True)
+class RequestKind:
+    """One kind of request of the mix."""
+
+    name: str
+    width: int
+    height: int
+    latent_frames: int
+    """1 for an image; ``1 + (frames - 1) / 4`` for a clip (Wan's VAE: 81 frames -> 21)."""
+    model: str
+    """Key of ``MODEL_PRESETS``: ``flux`` (joint attention) or ``wan14b`` (cross)."""
+    steps: int
+    """Sampling steps."""
+    passes: int
+    """Transformer passes per step: 2 with classifier-free guidance, else 1."""
+    weight: float
+    """Share of the stream's requests (normalized over the mix)."""
+    text_tokens: int = 512
+
+    @property
+    def visual_tokens(self) -> int:
+        return (self.height // TOKENS_PER_SIDE) * (self.width // TOKENS_PER_SIDE) * self.latent_frames
+
+    @property
+    def tokens(self) -> int:
+        """Sequence length ``L`` the cost model sees: visual + text tokens for joint
+        attention, visual tokens for cross-attention (the text is priced by the model)."""
+        joint = MODEL_PRESETS[self.model].get("attention_kind", "joint") == "joint"
+        return self.visual_tokens + (self.text_tokens if joint else 0)
+
+
+MIX = (
+    RequestKind("512x512", 512, 512, 1, "flux", 28, 1, 0.30),
+    RequestKind("1024x1024", 1024, 1024, 1, "flux", 28, 1, 0.30),
+    RequestKind("1024x576", 1024, 576, 1, "flux", 28, 1, 0.20),
+    RequestKind("2048x2048", 2048, 2048, 1, "flux", 28, 1, 0.10),
+    RequestKind("480p 81f clip", 832, 480, 21, "wan14b", 50, 2, 0.10),
+)
+"""The issue's mix: three image sizes of 1 MP or less, one of 4 MP, and 480p clips."""
+
+
+def inference_cost(model: str, **overrides) -> CostModel:
+    """A named model's ``CostModel`` for sampling: one forward pass (no backward, no
+    recomputation), 4 Ulysses all-to-alls per layer for joint attention (q, k, v, output),
+    6 for cross-attention (also the cross-attention's query and output)."""
+    preset = dict(MODEL_PRESETS[model])
+    cross = preset.get("attention_kind", "joint") == "cross"
+    return CostModel(**{**preset, "backward_factor": 0.0, "recompute_passes": 0.0,
+                        "ulysses_a2a_per_layer": 6 if cross else 4, **overrides})
+
+
+def bag_sizes(mix=MIX, gpus_per_node: int = 8, costs: dict[str, CostModel] | None = None) -> tuple[int, ...]:
+    """Bag sizes knapray may use: powers of two up to a node that divide every model's heads."""
+    costs = costs or {k.model: inference_cost(k.model) for k in mix}
+    heads = [c.num_heads for c in costs.values()]
+    out, g = [], 1
+    while g <= gpus_per_node:
+        if all(h % g == 0 for h in heads):
+            out.append(g)
+        g *= 2
+    return tuple(out)
+
+
+def _off_node(g: int, gpus_per_node: int) -> int:
+    """Peers on other nodes of a GPU in a bag of ``g`` laid out over whole nodes."""
+    return 0 if g <= gpus_per_node else g - gpus_per_node
+
+
+def request_seconds(kind: RequestKind, g: int, cost: CostModel, gpus_per_node: int = 8) -> float:
+    """Predicted seconds of one request of ``kind`` alone on a bag of ``g`` GPUs:
+    ``steps · passes · seq_cost``, or with CFG parallel (2 passes, even ``g``) the two
+    passes at once on the halves, whichever is faster."""
+    t = kind.steps * kind.passes * float(cost.seq_cost(kind.tokens, g, _off_node(g, gpus_per_node)))
+    if kind.passes == 2 and g % 2 == 0:
+        h = g // 2
+        t = min(t, kind.steps * float(cost.seq_cost(kind.tokens, h, _off_node(h, gpus_per_node))))
+    return t
+
+
+@dataclass(frozen=True)
+class ServiceTimes:
+    """Seconds of every kind on every bag size the policies use, for a gang of ``gpus``."""
+
+    gpus: int
+    gpus_per_node: int
+    sizes: tuple[int, ...]
+    """knapray's bag sizes (``bag_sizes``)."""
+    on_bag: np.ndarray
+    """(kinds, len(sizes)) seconds of a request alone on a bag of each size."""
+    on_gang: np.ndarray
+    """(kinds,) seconds of a request over all ``gpus`` (static USP)."""
+    on_one: np.ndarray
+    """(kinds,) seconds of a request on one GPU (data parallel)."""
+
+    @property
+    def best(self) -> np.ndarray:
+        """(kinds,) the fastest a request of each kind can run on this gang."""
+        usable = [j for j, g in enumerate(self.sizes) if g <= self.gpus]
+        return np.minimum(self.on_gang, self.on_bag[:, usable].min(axis=1))
+
+
+def service_times(gpus: int, gpus_per_node: int = 8, mix=MIX, costs: dict[str, CostModel] | None = None
+                  ) -> ServiceTimes:
+    if gpus < 1 or gpus_per_node < 1:
+        raise ValueError(f"gpus and gpus_per_node must be >= 1, got {gpus} and {gpus_per_node}")
+    if gpus > gpus_per_node and gpus % gpus_per_node:
+        raise ValueError(f"{gpus} GPUs: more than one node must be whole nodes of {gpus_per_node}")
+    costs = costs or {k.model: inference_cost(k.model) for k in mix}
+    node = min(gpus, gpus_per_node)
+    sizes = tuple(g for g in bag_sizes(mix, gpus_per_node, costs) if g <= node)
+    whole = node
+    while whole * 2 <= gpus:  # bags of whole nodes, priced as static USP is
+        whole *= 2
+        if gpus % whole == 0:
+            sizes += (whole,)
+    if gpus > node and gpus not in sizes:
+        sizes += (gpus,)
+    on_bag = np.array([[request_seconds(k, g, costs[k.model], gpus_per_node) for g in sizes] for k in mix])
+    on_gang = np.array([request_seconds(k, gpus, costs[k.model], gpus_per_node) for k in mix])
+    on_one = np.array([request_seconds(k, 1, costs[k.model], gpus_per_node) for k in mix])
+    return ServiceTimes(gpus, gpus_per_node, sizes, on_bag, on_gang, on_one)
+
+
+@dataclass(frozen=True)
+class Stream:
+    kind: np.ndarray
+    """(n,) index into the mix of every request."""
+    arrival: np.ndarray
+    """(n,) arrival second of every request, ascending."""
+    rate: float
+
+
+def request_stream(n: int, rate: float, seed: int, mix=MIX) -> Stream:
+    """``n`` requests of ``mix`` with Poisson arrivals at ``rate`` per second; the same
+    ``seed`` gives the same kinds and the same gaps (scaled by ``1/rate``) at every rate."""
+    if n < 1 or not (np.isfinite(rate) and rate > 0):
+        raise ValueError(f"need n >= 1 requests and a rate > 0, got {n} and {rate}")
+    rng = np.random.default_rng(seed)
+    w = np.array([k.weight for k in mix], dtype=np.float64)
+    kind = rng.choice(len(mix), size=n, p=w / w.sum())
+    gaps = rng.standard_exponential(n)
+    return Stream(kind.astype(np.int64), np.cumsum(gaps) / rate, float(rate))
+
+
+@dataclass(frozen=True)
+class Served:
+    """What a policy did with a stream."""
+
+    policy: str
+    gpus: int
+    arrival: np.ndarray
+    start: np.ndarray
+    finish: np.ndarray
+    ranks: tuple[tuple[int, ...], ...]
+    """The GPUs that ran every request."""
+    best: np.ndarray
+    """(n,) ``ServiceTimes.best`` of every request's kind: a floor under its latency."""
+    plans: int = 0
+    """knapray: how many times the planner ran."""
+    latency: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "latency", self.finish - self.arrival)
+
+    @property
+    def p50(self) -> float:
+        return float(np.percentile(self.latency, 50))
+
+    @property
+    def p99(self) -> float:
+        return float(np.percentile(self.latency, 99))
+
+    @property
+    def throughput(self) -> float:
+        """Requests per second from the first arrival to the last completion."""
+        return len(self.finish) / float(self.finish.max() - self.arrival.min())
+
+    def summary(self) -> dict:
+        return {"policy": self.policy, "gpus": self.gpus, "p50_s": self.p50, "p99_s": self.p99,
+                "throughput_rps": self.throughput, "requests": len(self.finish)}
+
+
+def serve_usp(stream: Stream, times: ServiceTimes) -> Served:
+    """Every request over all GPUs, FIFO."""
+    n = len(stream.kind)
+    start, finish = np.empty(n), np.empty(n)
+    free = 0.0
+    for i in range(n):
+        start[i] = max(stream.arrival[i], free)
+        free = finish[i] = start[i] + times.on_gang[stream.kind[i]]
+    gang = tuple(range(times.gpus))
+    return Served("usp", times.gpus, stream.arrival, start, finish, (gang,) * n, times.best[stream.kind])
+
+
+def serve_dp(stream: Stream, times: ServiceTimes) -> Served:
+    """Every request on one GPU, FIFO to the GPU that frees first (lowest rank on ties)."""
+    n = len(stream.kind)
+    start, finish = np.empty(n), np.empty(n)
+    ranks: list[tuple[int, ...]] = []
+    free = np.zeros(times.gpus)
+    for i in range(n):
+        idle = np.flatnonzero(free <= stream.arrival[i])
+        r = int(idle[0]) if idle.size else int(np.argmin(free))
+        start[i] = max(stream.arrival[i], free[r])
+        free[r] = finish[i] = start[i] + times.on_one[stream.kind[i]]
+        ranks.append((r,))
+    return Served("dp", times.gpus, stream.arrival, start, finish, tuple(ranks), times.best[stream.kind])
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """One plan of waiting requests over the gang."""
+
+    bags: tuple[tuple[int, ...], ...]
+    """The GPUs of every bag."""
+    size_index: tuple[int, ...]
+    """Every bag's size as an index into ``ServiceTimes.sizes``."""
+    order: tuple[tuple[int, ...], ...]
+    """Per bag, the requests (indices into the batch) it runs, in order."""
+    start: np.ndarray
+    """(batch,) predicted start of every request."""
+    finish: np.ndarray
+    """(batch,) predicted completion of every request."""
+
+    @property
+    def makespan(self) -> float:
+        return float(self.finish.max()) if self.finish.size else 0.0
+
+
+def _candidates(gpus: int, sizes: tuple[int, ...], requests: int, node: int) -> list[tuple[int, int, int]]:
+    """``(G, k, s)``: ``k`` bags of ``G`` GPUs, the rest in bags of ``s`` (within a node);
+    homogeneous as ``(s, 0, s)``. More big bags than requests are never needed."""
+    small = [s for s in sizes if s <= node]
+    out = [(s, 0, s) for s in small] + [(G, gpus // G, G) for G in sizes if G > node and gpus % G == 0]
+    for G in sizes:
+        for s in small:
+            if s < G:
+                out += [(G, k, s) for k in range(1, min(requests, gpus // G) + 1)]
+    return out
+
+
+def _gpu_order(ready: np.ndarray, gpus_per_node: int) -> tuple[np.ndarray, list[int]]:
+    """The GPUs in the order bags take them: nodes that free first (mean free time) first,
+    and in a node the GPUs that free first first; and where every node starts in it."""
+    n = len(ready)
+    per = min(n, gpus_per_node)
+    nodes = [np.arange(a, min(a + per, n)) for a in range(0, n, per)]
+    nodes = [node[np.argsort(ready[node], kind="stable")] for node in nodes]
+    nodes.sort(key=lambda node: (float(ready[node].mean()), int(node[0])))
+    starts = np.cumsum([0] + [len(node) for node in nodes])[:-1].tolist()
+    return np.concatenate(nodes), starts
+
+
+def _layout(node_starts: list[int], per: int, G: int, k: int, s: int) -> list[tuple[int, int]]:
+    """``(offset, size)`` in the GPU order of every bag of candidate ``(G, k, s)``: ``k``
+    bags of ``G`` first (whole nodes, or the first GPUs of the first nodes), then bags of
+    ``s`` within each node."""
+    bags: list[tuple[int, int]] = []
+    nodes = list(node_starts)
+    left = k
+    if G > per:
+        span = G // per
+        while left and len(nodes) >= span:
+            bags.append((nodes[0], G))
+            nodes, left = nodes[span:], left - 1
+        left = 0
+    for start in nodes:
+        at = 0
+        while left and at + G <= per:
+            bags.append((start + at, G))
+            at, left = at + G, left - 1
+        while at + s <= per:
+            bags.append((start + at, s))
+            at += s
+    return bags
+
+
+def plan_batch(cost: np.ndarray, ready: np.ndarray, now: float, times: ServiceTimes,
+               arrival: np.ndarray | None = None) -> BatchPlan:
+    """Plan a batch over the gang: ``cost`` (batch, len(sizes)) seconds of every request on
+    every bag size, ``ready`` (gpus,) when every GPU frees, ``arrival`` (batch,) when every
+    request arrived. For every candidate topology (``_candidates``), requests go largest
+    first to the bag where they would finish earliest; the smallest makespan wins (then the
+    smaller sum of completions). Each bag runs its requests in the order of
+    ``arrival + seconds on the bag`` (an earliest-deadline order: a short request may pass a
+    long one that arrived before it, but not one that arrived more than the long one's own
+    time earlier, so re-planning never starves a clip)."""
+    ready = np.maximum(np.asarray(ready, dtype=np.float64), now)
+    q = cost.shape[0]
+    arrival = np.zeros(q) if arrival is None else np.asarray(arrival, dtype=np.float64)
+    index = {g: j for j, g in enumerate(times.sizes)}
+    per = min(times.gpus, times.gpus_per_node)
+    gpus, node_starts = _gpu_order(ready, times.gpus_per_node)
+    ready_ordered = ready[gpus]
+    layouts = [b for b in (_layout(node_starts, per, G, k, s)
+                           for G, k, s in _candidates(times.gpus, times.sizes, q, per)) if b]
+    c, width = len(layouts), max(len(b) for b in layouts)
+    load = np.full((c, width), np.inf)
+    size_index = np.zeros((c, width), dtype=np.int64)
+    for i, bags in enumerate(layouts):
+        for j, (o, g) in enumerate(bags):
+            load[i, j] = ready_ordered[o:o + g].max()
+            size_index[i, j] = index[g]
+    start_load = load.copy()
+    rows = np.arange(c)
+    bag_of = np.empty((c, q), dtype=np.int64)
+    for r in np.argsort(-cost[:, 0], kind="stable"):  # largest first, every candidate at once
+        end = load + cost[r][size_index]
+        b = end.argmin(axis=1)
+        bag_of[:, r] = b
+        load[rows, b] = end[rows, b]
+    makespan = np.where(np.isfinite(start_load), load, -np.inf).max(axis=1)
+    best = None
+    for i in np.flatnonzero(makespan <= makespan.min() * (1 + 1e-12)):
+        start, finish = np.empty(q), np.empty(q)
+        order = []
+        for j in range(len(layouts[i])):
+            mine = np.flatnonzero(bag_of[i] == j)
+            secs = cost[mine, size_index[i, j]]
+            keep = np.argsort(arrival[mine] + secs, kind="stable")
+            t = float(start_load[i, j])
+            for r, d in zip(mine[keep], secs[keep]):
+                start[r] = t
+                t = finish[r] = t + d
+            order.append(tuple(int(r) for r in mine[keep]))
+        if best is None or finish.sum() < best[0]:
+            bags = tuple(tuple(int(x) for x in gpus[o:o + g]) for o, g in layouts[i])
+            sizes = tuple(int(size_index[i, j]) for j in range(len(bags)))
+            best = (float(finish.sum()), BatchPlan(bags, sizes, tuple(order), start, finish))
+    assert best is not None
+    return best[1]
+
+
+def serve_knapray(stream: Stream, times: ServiceTimes, window: int | None = None) -> Served:
+    """The rolling plan of the module docstring: at every event with waiting requests and
+    an idle GPU, plan the oldest ``window`` (default: as many as GPUs) over the gang and
+    start the first request of every bag that is idle now."""
+    window = window or times.gpus
+    n = len(stream.kind)
+    start, finish = np.full(n, np.nan), np.full(n, np.nan)
+    ranks: list[tuple[int, ...]] = [()] * n
+    ready = np.zeros(times.gpus)
+    waiting: list[int] = []
+    nxt, done, plans = 0, 0, 0
+    now = 0.0
+    eps = 1e-9
+    while done < n:
+        while nxt < n and stream.arrival[nxt] <= now + eps:
+            waiting.append(nxt)
+            nxt += 1
+        if waiting and (ready <= now + eps).any():
+            batch = waiting[:window]
+            plan = plan_batch(times.on_bag[stream.kind[batch]], ready, now, times, stream.arrival[batch])
+            plans += 1
+            started = []
+            for bag, order in zip(plan.bags, plan.order):
+                if order and plan.start[order[0]] <= now + eps:
+                    j = order[0]
+                    i = batch[j]
+                    start[i] = now
+                    finish[i] = now + (plan.finish[j] - plan.start[j])
+                    ranks[i] = bag
+                    ready[list(bag)] = finish[i]
+                    started.append(i)
+            done += len(started)
+            gone = set(started)
+            waiting = [i for i in waiting if i not in gone]
+        later = ready[ready > now + eps]
+        events = ([stream.arrival[nxt]] if nxt < n else []) + ([float(later.min())] if later.size else [])
+        if not events:
+            if done < n:  # cannot happen: an idle gang always starts a request
+                raise RuntimeError("knapray serving stalled with requests waiting")
+            break
+        now = max(now, min(events))
+    return Served("knapray", times.gpus, stream.arrival, start, finish, tuple(ranks), times.best[stream.kind],
+                  plans=plans)
+
+
+SERVERS = {"knapray": serve_knapray, "usp": serve_usp, "dp": serve_dp}
+
+
+def serve(policy: str, stream: Stream, times: ServiceTimes) -> Served:
+    if policy not in SERVERS:
+        raise ValueError(f"unknown policy {policy!r}; valid: {list(SERVERS)}")
+    return SERVERS[policy](stream, times)
+
+
+def capacity(times: ServiceTimes, mix=MIX) -> float:
+    """Requests/s the gang could serve if every request ran on one GPU with no
+    communication at all: ``gpus / mean seconds on one GPU`` over the mix's weights, an
+    upper bound on every policy's sustained throughput."""
+    w = np.array([k.weight for k in mix], dtype=np.float64)
+    return times.gpus / float((w / w.sum()) @ times.on_one)
+
+
+TIGHT_FACTOR = 3.0
+LOOSE_FACTOR = 2.0
+
+
+def p99_targets(times: ServiceTimes) -> dict[str, float]:
+    """The p99 latencies at which throughputs are compared: ``tight`` is 3x the slowest
+    kind's best time on the gang (the clip's; data parallel, whose clip takes its time on
+    one GPU, cannot meet it), ``loose`` 2x the slowest kind's time on one GPU (every policy
+    can meet it at a low enough rate)."""
+    return {"tight": TIGHT_FACTOR * float(times.best.max()), "loose": LOOSE_FACTOR * float(times.on_one.max())}
+
+
+def rate_at_p99(policy: str, times: ServiceTimes, target_p99: float, n: int, seed: int, mix=MIX,
+                iterations: int = 10, on_run=None) -> tuple[float, Served | None]:
+    """The highest arrival rate at which ``policy``'s p99 latency over ``n`` requests
+    stays at or under ``target_p99``, and what it served there: ``capacity`` itself if it
+    meets the target there, else bisection in log space between ``capacity/1000`` and
+    ``capacity`` (``iterations`` halvings); ``(0, None)`` if even ``capacity/1000`` misses
+    it. ``on_run()`` is called after every simulated run (progress)."""
+    def run(rate: float) -> Served:
+        served = serve(policy, request_stream(n, rate, seed, mix), times)
+        if on_run is not None:
+            on_run()
+        return served
+
+    hi = capacity(times, mix)
+    at_hi = run(hi)
+    if at_hi.p99 <= target_p99:
+        return hi, at_hi
+    lo = hi / 1000.0
+    found = run(lo)
+    if found.p99 > target_p99:
+        return 0.0, None
+    for _ in range(iterations):
+        mid = float(np.sqrt(lo * hi))
+        served = run(mid)
+        if served.p99 <= target_p99:
+            lo, found = mid, served
+        else:
+            hi = mid
+    return lo, found

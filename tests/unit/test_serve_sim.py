@@ -1,0 +1,168 @@
+"""The serving simulator (knapray.planning.serving) and `knapray bench serve`: a seeded
+stream, policies that never run two requests on one GPU at once, latencies never below a
+request's own best time, a balanced plan no longer than either baseline's on one batch,
+and bad flags as one line with exit 2."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from knapray.cli import main
+from knapray.planning import serving as sv
+
+
+@pytest.fixture(scope="module")
+def times8():
+    return sv.service_times(8)
+
+
+def _overlaps(served: sv.Served) -> list[tuple[int, int, int]]:
+    """(gpu, request, request) of every two requests that ran on one GPU at once."""
+    by_gpu: dict[int, list[int]] = {}
+    for i, ranks in enumerate(served.ranks):
+        for r in ranks:
+            by_gpu.setdefault(r, []).append(i)
+    bad = []
+    for r, reqs in by_gpu.items():
+        reqs.sort(key=lambda i: served.start[i])
+        for a, b in zip(reqs, reqs[1:]):
+            if served.start[b] < served.finish[a] - 1e-9:
+                bad.append((r, a, b))
+    return bad
+
+
+def test_tokens_and_seconds_follow_the_documented_choices(times8):
+    kinds = {k.name: k for k in sv.MIX}
+    assert kinds["512x512"].tokens == 32 * 32 + 512  # Flux: joint attention, T5 512
+    assert kinds["2048x2048"].tokens == 128 * 128 + 512
+    assert kinds["1024x576"].tokens == 64 * 36 + 512
+    assert kinds["480p 81f clip"].tokens == 52 * 30 * 21  # Wan: cross-attention, visual tokens only
+    clip = kinds["480p 81f clip"]
+    wan = sv.inference_cost("wan14b")
+    assert wan.passes == 1.0 and wan.ulysses_a2a_per_layer == 6
+    assert sv.request_seconds(clip, 1, wan) == pytest.approx(50 * 2 * float(wan.seq_cost(clip.tokens, 1)))
+    # CFG parallel on the halves of a bag of 8 beats both passes on all 8.
+    assert sv.request_seconds(clip, 8, wan) == pytest.approx(50 * float(wan.seq_cost(clip.tokens, 4)))
+    assert times8.sizes == (1, 2, 4, 8) and sv.service_times(32).sizes == (1, 2, 4, 8, 16, 32)
+
+
+def test_the_stream_is_seeded_and_the_rate_only_scales_it():
+    a, b = sv.request_stream(400, 0.5, seed=3), sv.request_stream(400, 0.5, seed=3)
+    assert np.array_equal(a.kind, b.kind) and np.array_equal(a.arrival, b.arrival)
+    fast = sv.request_stream(400, 2.0, seed=3)
+    assert np.array_equal(fast.kind, a.kind) and np.allclose(fast.arrival * 4, a.arrival)
+    other = sv.request_stream(400, 0.5, seed=4)
+    assert not np.array_equal(other.kind, a.kind)
+    assert np.all(np.diff(a.arrival) >= 0)
+    share = np.bincount(a.kind, minlength=len(sv.MIX)) / 400
+    assert np.allclose(share, [k.weight for k in sv.MIX], atol=0.06)
+    with pytest.raises(ValueError):
+        sv.request_stream(10, 0.0, 0)
+
+
+@pytest.mark.parametrize("policy", sv.POLICIES)
+@pytest.mark.parametrize("load", [0.3, 0.9])
+def test_no_gpu_runs_two_requests_at_once_and_no_latency_beats_the_best(policy, load, times8):
+    stream = sv.request_stream(150, load * sv.capacity(times8), seed=1)
+    served = sv.serve(policy, stream, times8)
+    assert not _overlaps(served)
+    assert np.all(served.start >= stream.arrival - 1e-9)
+    assert np.all(served.latency >= served.best - 1e-9)
+    assert np.all(np.isfinite(served.finish))
+    if policy == "dp":
+        assert all(len(r) == 1 for r in served.ranks)
+    if policy == "usp":
+        assert all(r == tuple(range(8)) for r in served.ranks)
+        assert np.all(served.start[1:] >= served.finish[:-1] - 1e-9)  # FIFO, one at a time
+    if policy == "knapray":
+        assert {len(r) for r in served.ranks} <= set(times8.sizes)
+        assert served.plans >= 1
+
+
+def test_knapray_bags_stay_in_a_node_or_take_whole_nodes():
+    times = sv.service_times(32)
+    served = sv.serve("knapray", sv.request_stream(120, 0.7 * sv.capacity(times), seed=2), times)
+    assert not _overlaps(served)
+    for ranks in served.ranks:
+        nodes = {r // 8 for r in ranks}
+        assert len(nodes) == 1 or len(ranks) == 8 * len(nodes), ranks
+
+
+@pytest.mark.parametrize("gpus, seed", [(8, 0), (8, 5), (32, 1)])
+def test_the_balanced_plan_of_one_batch_is_no_longer_than_either_baseline(gpus, seed):
+    times = sv.service_times(gpus)
+    stream = sv.request_stream(3 * gpus, 1e9, seed)  # every request waiting at once
+    plan = sv.plan_batch(times.on_bag[stream.kind], np.zeros(gpus), 0.0, times)
+    usp = sv.serve_usp(stream, times).finish.max()
+    dp = sv.serve_dp(stream, times).finish.max()
+    assert plan.makespan <= min(usp, dp) + 1e-6, (plan.makespan, usp, dp)
+    assert sorted(r for order in plan.order for r in order) == list(range(len(stream.kind)))
+    gpus_used = [r for bag in plan.bags for r in bag]
+    assert len(gpus_used) == len(set(gpus_used)) <= gpus
+
+
+def test_rate_at_p99_meets_its_target_and_dp_cannot_meet_a_tight_one(times8):
+    tight = sv.p99_targets(times8)["tight"]
+    rate, served = sv.rate_at_p99("knapray", times8, tight, 60, seed=0, iterations=4)
+    assert rate > 0 and served is not None and served.p99 <= tight
+    assert sv.rate_at_p99("dp", times8, tight, 60, seed=0, iterations=4) == (0.0, None)
+
+
+def test_bench_serve_predicts_a_small_stream(capsys):
+    assert main(["bench", "serve", "--gpus", "8", "--rates", "0.5", "--requests", "40", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "throughput at equal p99" in out and "cost model" in out
+    import json
+
+    data = json.loads(out.strip().splitlines()[-1])
+    assert {r["policy"] for r in data["predicted"]} == set(sv.POLICIES)
+    assert [r["target"] for r in data["at_p99"]] == ["tight", "loose"]
+
+
+def test_measure_runs_through_the_executor_hook(capsys):
+    from knapray.benchmarks.serve import measure
+
+    calls = []
+
+    def serve_stream(policy, stream, mix, ranks):
+        calls.append((policy, ranks))
+        return sv.serve(policy, stream, sv.service_times(ranks))
+
+    rows = measure([0.5], 20, 0, serve_stream=serve_stream)
+    assert calls == [(p, 4) for p in sv.POLICIES] and len(rows) == 3
+
+
+def _one_line(argv, capsys) -> str:
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("knapray"), (code, err)
+    return err[0]
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--gpus", "0"], ["--gpus", "'0'"]),
+    (["--gpus", "12"], ["--gpus 12", "whole nodes"]),
+    (["--gpus", "99999"], ["--gpus", "4096"]),
+    (["--rates", "-1"], ["--rates", "'-1'"]),
+    (["--rates", "nan"], ["--rates", "nan"]),
+    (["--rates", "1000"], ["--rates 1000", "capacity"]),
+    (["--requests", "0"], ["--requests", "'0'"]),
+    (["--steps", "3"], ["unrecognized arguments: --steps"]),
+])
+def test_bad_flags_are_one_line_and_exit_2(argv, names, capsys):
+    line = _one_line(["bench", "serve", *argv], capsys)
+    for name in names:
+        assert name in line, (name, line)
+
+
+def test_measure_without_the_executor_is_one_line_before_anything_runs(monkeypatch, capsys):
+    import knapray.benchmarks.serve as bench
+
+    monkeypatch.setattr(bench, "executor_or_none", lambda: None)
+    monkeypatch.setattr(bench, "run", lambda *a, **k: (_ for _ in ()).throw(AssertionError("predicted part ran")))
+    line = _one_line(["bench", "serve", "--measure"], capsys)
+    assert "knapray.driver.gang.serve_stream" in line
