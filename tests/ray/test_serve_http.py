@@ -173,7 +173,8 @@ CASES = {
     "size not a multiple": ({"size": "500x512"}, "", 400,
                             lambda kind, body: _error(body).startswith("size: 500x512")
                             and "nearest valid: 496x512 or 512x512" in _error(body)),
-    "size not a size": ({"size": "big"}, "", 400, lambda kind, body: "size: 'big': expected WIDTHxHEIGHT" in _error(body)),
+    "size not a size": ({"size": "big"}, "", 400,
+                        lambda kind, body: "size: 'big': expected WIDTHxHEIGHT" in _error(body)),
     "side too long": ({"size": "9000x512"}, "", 400,
                       lambda kind, body: _error(body) == "size: 9000x512: at most 8192 pixels a side"),
     "too many tokens": ({"width": 8192, "height": 4096}, "", 400,
@@ -244,6 +245,22 @@ def test_concurrent_requests_each_get_their_answer(served):
     assert _metric(text, "knapray_serve_queue_length") == 0
 
 
+if HAS_GANG:
+    from knapray.driver.gang import Gang
+
+    class GangLosingRank1(Gang):
+        """The real gang, whose rank 1 is killed (``ray.kill``) as the first batch holding
+        a job of seed 666 starts: that batch loses the jobs of rank 1's bag."""
+
+        def generate(self, jobs):
+            import ray
+
+            if any(j.seed == 666 for j in jobs) and not getattr(self, "killed", False):
+                self.killed = True
+                ray.kill(self.actors[1])
+            return super().generate(jobs)
+
+
 def _trained_run(tmp_path: Path) -> Path:
     """A run directory with a real (untrained) tiny MMDiT checkpoint over a small synthetic
     corpus (no text encoder: jobs borrow a sample's text with ``like``)."""
@@ -278,13 +295,15 @@ def _trained_run(tmp_path: Path) -> Path:
 def test_the_real_gang_serves_a_trained_run(served, tmp_path):
     """Two Ray actors (gloo) holding a tiny model answer concurrent requests; the same job
     twice in one batch is the same picture (a job's result is its own, whatever shares the
-    batch), and a bad one is refused without disturbing the others."""
+    batch), and a bad one is refused without disturbing the others. Then a rank is killed
+    as a batch starts: its jobs are retried on a restarted gang and answered the same."""
     from ray import serve
 
     from knapray.driver.serving import ServeOptions, build_app
 
     run = _trained_run(tmp_path)
-    serve.run(build_app(ServeOptions(run=str(run), world_size=2, device="cpu", window_ms=500, max_batch=8)),
+    serve.run(build_app(ServeOptions(run=str(run), world_size=2, device="cpu", window_ms=500, max_batch=8,
+                                     gang="test_serve_http:GangLosingRank1")),
               name="knapray-real", route_prefix="/real")
     try:
         bodies = [{"like": 0, "size": "32x32", "steps": 2, "seed": 5}, {"like": 1, "size": "64x32", "steps": 3},
@@ -298,6 +317,19 @@ def test_the_real_gang_serves_a_trained_run(served, tmp_path):
             assert _png_size(body) == size
         assert answers[0][2] == answers[2][2]
         assert answers[3][0] == 400 and _error(answers[3][2]).startswith("size: 30x32"), answers[3]
+        assert _call(f"{served}/real/health")[0] == 200
+
+        # Two jobs, one on each rank's bag; rank 1 dies as their batch starts.
+        lost = [{"like": 0, "size": "32x32", "steps": 2, "seed": 666},
+                {"like": 1, "size": "32x32", "steps": 2, "seed": 3}]
+        with concurrent.futures.ThreadPoolExecutor(len(lost)) as pool:
+            again = list(pool.map(lambda b: _call(f"{served}/real/v1/generate", json.dumps(b).encode(), 240), lost))
+        assert [a[0] for a in again] == [200, 200], [a[2][:300] for a in again]
+        text = _call(f"{served}/real/metrics")[2].decode()
+        assert _metric(text, "knapray_serve_retries_total") == 1
+        assert _metric(text, "knapray_serve_gang_restarts_total") == 1
+        for body, (status, _, picture) in zip(lost, again):  # the restarted gang draws what the first one would
+            assert _call(f"{served}/real/v1/generate", json.dumps(body).encode(), 240)[2] == picture
         assert _call(f"{served}/real/health")[0] == 200
     finally:
         serve.delete("knapray-real")
