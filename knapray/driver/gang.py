@@ -169,6 +169,8 @@ class JobResult:
     frames: np.ndarray | None = None
     """(T, H, W, 3) uint8; T == 1 for an image."""
     error: str | None = None
+    latent: np.ndarray | None = None
+    """(C, T, H, W), instead of ``frames``, from ``generate(..., decode=False)``."""
     lost: bool = False
     """Its bag lost a rank mid-batch: the caller may retry it on a restarted gang."""
 
@@ -192,6 +194,8 @@ class Gang:
     checkpoint: str | None = None
     cfg_parallel: bool = True
     actors: list = field(default_factory=list)
+    broken: bool = False
+    """A rank failed: the next batch starts a new gang first."""
 
     @classmethod
     def start(cls, run_dir: str, world_size: int, *, topology: str | None = None, device: str = "cpu",
@@ -222,9 +226,11 @@ class Gang:
         address = "127.0.0.1" if not gpu else ray.get(self.actors[0].node_address.remote())
         port = free_port()
         ray.get([a.join.remote(address, port) for a in self.actors])
+        self.broken = False
 
-    def generate(self, jobs: list[Job]) -> list[JobResult]:
-        """One result per job, in order: the jobs planned and drawn together."""
+    def generate(self, jobs: list[Job], decode: bool = True) -> list[JobResult]:
+        """One result per job, in order: the jobs planned and drawn together (``decode``:
+        pictures, else the latents)."""
         import ray
 
         from knapray.planning import Topology
@@ -233,34 +239,60 @@ class Gang:
         results = [JobResult() for _ in jobs]
         if not jobs:
             return results
+        checked = []
+        for i, job in enumerate(jobs):
+            try:
+                self.rules.check(job)
+                checked.append(i)
+            except ValueError as e:
+                results[i].error = str(e)
+        if self.broken:
+            self.restart()
         try:
-            prepared = ray.get(self.actors[0].prepare.remote(list(jobs)))
+            prepared = ray.get(self.actors[0].prepare.remote([jobs[i] for i in checked]))
         except ray.exceptions.RayError as e:
-            return [JobResult(error=f"the gang's rank 0 failed: {type(e).__name__}", lost=True) for _ in jobs]
-        ok = [i for i, p in enumerate(prepared) if not isinstance(p, str)]
-        for i, p in enumerate(prepared):
+            self.broken = True
+            for i in checked:
+                results[i] = JobResult(error=f"the gang's rank 0 failed: {type(e).__name__}", lost=True)
+            return results
+        ok = []
+        for i, p in zip(checked, prepared):
             if isinstance(p, str):
                 results[i].error = p
+            else:
+                ok.append(i)
         if not ok:
             return results
-        djobs = [prepared[i] for i in ok]
+        djobs = [p for p in prepared if not isinstance(p, str)]
         topo = Topology.parse(self.topology, world_size=self.world_size)
         bag = plan_jobs([j.tokens for j in djobs], [j.steps for j in djobs], [j.passes for j in djobs], topo).bag
-        refs = [a.run.remote(djobs) for a in self.actors]
-        failed: set[int] = set()
-        pictures: dict[int, np.ndarray] = {}
-        for r, ref in enumerate(refs):
-            try:
-                pictures.update(ray.get(ref))
-            except ray.exceptions.RayError:
-                failed.add(r)
-        lost_bags = {int(topo.bag_of_rank[r]) for r in failed}
+        pictures, lost_bags = self._collect([a.run.remote(djobs, decode) for a in self.actors], topo)
         for k, i in enumerate(ok):
             if int(bag[k]) in lost_bags or k not in pictures:
                 results[i] = JobResult(error="a worker of its bag was lost mid-batch", lost=True)
-            else:
+            elif decode:
                 results[i].frames = pictures[k]
+            else:
+                results[i].latent = pictures[k]
         return results
+
+    def _collect(self, refs: list, topo) -> tuple[dict[int, np.ndarray], set[int]]:
+        """Every rank's results as they come; a rank that fails fails its bag, whose other
+        ranks (stuck in a collective with it) are not waited for: the gang is then
+        ``broken`` and restarts before its next batch."""
+        import ray
+
+        bag_of = {ref: int(topo.bag_of_rank[r]) for r, ref in enumerate(refs)}
+        pending, pictures, lost = list(refs), {}, set()
+        while pending:
+            (ref,), pending = ray.wait(pending, num_returns=1)
+            try:
+                pictures.update(ray.get(ref))
+            except ray.exceptions.RayError:
+                lost.add(bag_of[ref])
+                pending = [p for p in pending if bag_of[p] not in lost]
+        self.broken = self.broken or bool(lost)
+        return pictures, lost
 
     def restart(self) -> None:
         """New actors (after a loss): the old ones are killed first."""

@@ -142,10 +142,10 @@ def _tokens(job: DenoiseJob, cfg, device) -> torch.Tensor:
     """The job's noise as image tokens (N, patch_dim), as packing lays them out."""
     from knapray.models import pack_samples
 
-    return pack_samples([_item(job, SINGLE, torch.as_tensor(job.noise))], cfg).x_img.to(device)
+    return pack_samples([_item(job, SINGLE, torch.tensor(job.noise))], cfg).x_img.to(device)
 
 
 def _pack(jobs: list[DenoiseJob], passes: list[tuple[int, int]], cfg):
     from knapray.models import pack_samples
 
-    return pack_samples([_item(jobs[k], kind, torch.as_tensor(jobs[k].noise)) for k, kind in passes], cfg)
+    return pack_samples([_item(jobs[k], kind, torch.tensor(jobs[k].noise)) for k, kind in passes], cfg)
