@@ -54,7 +54,8 @@ class SamplePlan:
     checkpoint: str
     requests: list[Request]
     topology: str | None = None
-    """The bags of ``--world-size N`` > 1 (default ``driver.gang.default_topology``)."""
+    """The bags of ``--world-size N`` > 1, or ``auto`` (chosen for the batch among
+    ``planning.sampling.candidate_topologies``)."""
 
 
 def plan_sampling(args: argparse.Namespace) -> SamplePlan:
@@ -90,16 +91,16 @@ def _topology(args: argparse.Namespace, cfg: Any) -> str | None:
         return None
     from knapray.commands.flags import check_local_processes
     from knapray.distributed.groups import check_heads
-    from knapray.driver.gang import default_topology
     from knapray.planning import Topology
+    from knapray.planning.sampling import AUTO, candidate_topologies
 
     check_local_processes(world, "knapray sample")
-    spec = args.topology or default_topology(world, cfg.model.num_heads)
-    try:
-        topo = Topology.parse(spec, world_size=world)
-        check_heads(cfg.model.num_heads, topo)
-    except ValueError as e:
-        raise ValueError(f"--topology {spec}: {e}") from None
+    spec = args.topology or AUTO
+    for one in candidate_topologies(spec, world, cfg.model.num_heads):
+        try:
+            check_heads(cfg.model.num_heads, Topology.parse(one, world_size=world))
+        except ValueError as e:
+            raise ValueError(f"--topology {one}: {e}") from None
     return spec
 
 
@@ -159,7 +160,9 @@ def _run_ranks(args: argparse.Namespace, plan: SamplePlan, device: str) -> dict:
     from knapray.inference.jobs import Job
     from knapray.inference.prepare import default_guidance, denoise_jobs
     from knapray.models.sampling import config_shifts
+    from knapray.planning.sampling import candidate_topologies
     from knapray.worker.checkpoint import saved_keys
+    from knapray.worker.denoise import batch_plan
 
     cfg = plan.cfg
     text_encoder, decoder, dims = corpus_codecs(cfg.data.corpus, "cpu")
@@ -172,6 +175,8 @@ def _run_ranks(args: argparse.Namespace, plan: SamplePlan, device: str) -> dict:
                          max_text_tokens=args.max_text_tokens)
     latents = sample_local(args.run, args.checkpoint, djobs, world_size=args.world_size, topology=plan.topology,
                            device=device, ema=not args.no_ema, cfg_parallel=not args.no_cfg_parallel)
+    specs = candidate_topologies(plan.topology, args.world_size, cfg.model.num_heads)
+    chosen, job_plan = batch_plan(cfg.model, djobs, specs, args.world_size)  # what the ranks chose
     _save_latents(args, latents)
     images = [decoder.decode(z) if decoder is not None else preview(z) for z in latents]
     titles = [f"{r.caption or (f'like sample {r.like}' if r.like is not None else 'unconditional')}\n"
@@ -182,7 +187,7 @@ def _run_ranks(args: argparse.Namespace, plan: SamplePlan, device: str) -> dict:
             "requests": len(images), "family": cfg.model.family, "guidance": guidance,
             "shifts": config_shifts(cfg.model, shapes, args.shift), "shapes": [list(im.shape) for im in images],
             "decoder": type(decoder).__name__ if decoder else "preview", "world_size": args.world_size,
-            "topology": plan.topology}
+            "topology": chosen, "bags": job_plan.bag.tolist()}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -211,7 +216,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=ranks, default=1, metavar="N",
                    help="local processes drawing the requests together, planned over bags (default 1)")
     p.add_argument("--topology", default=None,
-                   help="bags of --world-size N, e.g. g2n1+g1n2 (default: halving bags, driver/gang.py)")
+                   help="bags of --world-size N, e.g. g2n1+g1n2 (default auto: the candidate of least predicted "
+                   "time for the batch, from one rank per bag to one bag of all)")
     p.add_argument("--no-cfg-parallel", action="store_true",
                    help="guided requests run both passes over their whole bag (default: on two halves of an even bag)")
     p.add_argument("--out", default="samples.png", help="PNG grid to write (default samples.png)")

@@ -19,23 +19,7 @@ from typing import Any
 import numpy as np
 
 from knapray.inference.jobs import Job, RunRules
-
-
-def default_topology(world_size: int, num_heads: int | None = None) -> str:
-    """Bags halving in size (4 ranks: ``g2n1+g1n2``; 8: ``g4n1+g2n1+g1n2``): a bag for the
-    large requests and single ranks for the small ones, each size dividing the heads."""
-    sizes, rest = [], world_size
-    while rest > 1:
-        b = 1 << max(0, (rest // 2).bit_length() - 1)
-        while num_heads and num_heads % b:
-            b //= 2
-        sizes.append(b)
-        rest -= b
-    sizes += [1] * rest
-    counts: dict[int, int] = {}
-    for b in sizes:
-        counts[b] = counts.get(b, 0) + 1
-    return "+".join(f"g{b}n{n}" for b, n in counts.items())
+from knapray.planning.sampling import AUTO
 
 
 class SamplerRank:
@@ -60,7 +44,7 @@ class SamplerRank:
         import torch
         import torch.distributed as dist
 
-        from knapray.planning import Topology
+        from knapray.planning.sampling import candidate_topologies
         from knapray.worker.denoise import SamplingGroups
 
         torch.set_num_threads(1) if self.device == "cpu" else None
@@ -68,8 +52,8 @@ class SamplerRank:
         dist.init_process_group("nccl" if self.device.startswith("cuda") else "gloo",
                                 init_method=f"tcp://{address}:{port}", rank=self.rank, world_size=self.world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-        topo = Topology.parse(self.spec, world_size=self.world_size)
-        self.groups = SamplingGroups.build(topo, self.rank)
+        specs = candidate_topologies(self.spec, self.world_size, self.model.cfg.num_heads)
+        self.groups = SamplingGroups.build_all(specs, self.world_size, self.rank)
 
     @functools.cached_property
     def codecs(self) -> tuple[Any, Any, dict, tuple[np.ndarray, np.ndarray]]:
@@ -189,13 +173,17 @@ class Gang:
     run_dir: str
     world_size: int
     topology: str
+    """A topology, or ``auto``: each batch on the candidate of least predicted makespan."""
     rules: RunRules
+    model_cfg: Any
     device: str = "cpu"
     checkpoint: str | None = None
     cfg_parallel: bool = True
     actors: list = field(default_factory=list)
     broken: bool = False
     """A rank failed: the next batch starts a new gang first."""
+    last_topology: str | None = None
+    """The topology of the last batch."""
 
     @classmethod
     def start(cls, run_dir: str, world_size: int, *, topology: str | None = None, device: str = "cpu",
@@ -204,13 +192,15 @@ class Gang:
         from knapray.distributed.groups import check_heads
         from knapray.inference.jobs import run_rules
         from knapray.planning import Topology
+        from knapray.planning.sampling import candidate_topologies
         from knapray.worker.checkpoint import check_checkpoint
 
         cfg, ckpt = read_run(run_dir, checkpoint)
         check_checkpoint(ckpt)
-        spec = topology or default_topology(world_size, cfg.model.num_heads)
-        check_heads(cfg.model.num_heads, Topology.parse(spec, world_size=world_size))
-        gang = cls(run_dir, world_size, spec, run_rules(cfg), device, checkpoint, cfg_parallel)
+        spec = topology or AUTO
+        for one in candidate_topologies(spec, world_size, cfg.model.num_heads):
+            check_heads(cfg.model.num_heads, Topology.parse(one, world_size=world_size))
+        gang = cls(run_dir, world_size, spec, run_rules(cfg), cfg.model, device, checkpoint, cfg_parallel)
         gang._spawn()
         return gang
 
@@ -234,7 +224,8 @@ class Gang:
         import ray
 
         from knapray.planning import Topology
-        from knapray.planning.sampling import plan_jobs
+        from knapray.planning.sampling import candidate_topologies
+        from knapray.worker.denoise import batch_plan
 
         results = [JobResult() for _ in jobs]
         if not jobs:
@@ -264,8 +255,10 @@ class Gang:
         if not ok:
             return results
         djobs = [p for p in prepared if not isinstance(p, str)]
-        topo = Topology.parse(self.topology, world_size=self.world_size)
-        bag = plan_jobs([j.tokens for j in djobs], [j.steps for j in djobs], [j.passes for j in djobs], topo).bag
+        specs = candidate_topologies(self.topology, self.world_size, self.model_cfg.num_heads)
+        spec, plan = batch_plan(self.model_cfg, djobs, specs, self.world_size)  # what every rank chooses
+        topo, bag = Topology.parse(spec, world_size=self.world_size), plan.bag
+        self.last_topology = spec
         pictures, lost_bags = self._collect([a.run.remote(djobs, decode) for a in self.actors], topo)
         for k, i in enumerate(ok):
             if int(bag[k]) in lost_bags or k not in pictures:

@@ -30,7 +30,7 @@ from .construct import greedy, lpt
 from .cost import CostModel
 from .lengths import flatten_lengths
 from .plan import BalancePlan
-from .problem import GroupProblem
+from .problem import GroupComm, GroupProblem
 from .refine import refine
 from .topology import Topology
 from .workload import WorkloadModel
@@ -77,7 +77,10 @@ def plan_jobs(tokens, steps, passes, topology: Topology,
     model = model or WorkloadModel()
     if not lens.size:
         return JobPlan(topology, np.zeros(0, np.int64), np.zeros(sizes.size), "empty")
-    p = GroupProblem(lens, np.zeros(lens.size, np.int64), sizes, model, repeats=reps)
+    comm = None
+    if isinstance(model, CostModel):  # each bag's Ulysses seconds per token, as the training planner's
+        comm = GroupComm(model.bag_ulysses_token_s(topology), model.bag_speed(topology), 0)
+    p = GroupProblem(lens, np.zeros(lens.size, np.int64), sizes, model, comm, repeats=reps)
     if max_tokens_per_gpu is not None:
         held = (lens * np.asarray(passes, dtype=np.int64).reshape(-1))[:, None] / p.sizes[None, :]  # (J, sizes)
         over = held > max_tokens_per_gpu
@@ -100,6 +103,62 @@ def plan_jobs(tokens, steps, passes, topology: Topology,
 COND, UNCOND, SINGLE = 0, 1, 2
 """What a sequence of a bag's step is: a guided job's conditional or unconditional pass,
 or the one pass of a job without classifier-free guidance."""
+
+
+def halving_topology(world_size: int, num_heads: int | None = None) -> str:
+    """Bags halving in size (4 ranks: ``g2n1+g1n2``; 8: ``g4n1+g2n1+g1n2``): a bag for the
+    large requests and single ranks for the small ones, each size dividing the heads."""
+    sizes, rest = [], world_size
+    while rest > 1:
+        b = 1 << max(0, (rest // 2).bit_length() - 1)
+        while num_heads and num_heads % b:
+            b //= 2
+        sizes.append(b)
+        rest -= b
+    sizes += [1] * rest
+    counts: dict[int, int] = {}
+    for b in sizes:
+        counts[b] = counts.get(b, 0) + 1
+    return "+".join(f"g{b}n{n}" for b, n in counts.items())
+
+
+AUTO = "auto"
+"""A sampling topology chosen per batch among ``candidate_topologies``."""
+
+
+def candidate_topologies(spec: str, world_size: int, num_heads: int | None = None) -> list[str]:
+    """The topologies a gang prepares groups for: ``spec`` itself, or for ``auto`` one rank
+    per bag (data parallel), the halving layout, and bags of every power-of-two size that
+    divides the heads and the world, up to one bag of all (static USP), smallest first."""
+    if spec != AUTO:
+        return [spec]
+    out = [f"g1n{world_size}", halving_topology(world_size, num_heads)]
+    b = 2
+    while b <= world_size:
+        if world_size % b == 0 and (not num_heads or num_heads % b == 0):
+            out.append(f"g{b}n{world_size // b}")
+        b *= 2
+    return list(dict.fromkeys(out))
+
+
+def choose_job_plan(tokens, steps, passes, topologies: list[Topology],
+                    model: WorkloadModel | CostModel | None = None,
+                    max_tokens_per_gpu: int | None = None) -> tuple[int, JobPlan]:
+    """(index, plan) of the topology whose plan has the smallest predicted makespan (a cost
+    model's Ulysses seconds included); the first on a tie (the list goes smallest bags
+    first: less communication). Topologies no plan fits within the budget are skipped."""
+    best, err = None, None
+    for i, topo in enumerate(topologies):
+        try:
+            plan = plan_jobs(tokens, steps, passes, topo, model, max_tokens_per_gpu)
+        except ValueError as e:
+            err = err or e
+            continue
+        if best is None or plan.makespan < best[1].makespan * (1 - 1e-9):
+            best = (i, plan)
+    if best is None:
+        raise err
+    return best
 
 
 def cfg_parallel_bag(bag_size: int, has_guided_job: bool, enabled: bool = True) -> bool:

@@ -24,7 +24,9 @@ import torch.distributed as dist
 
 from knapray.models.sampling import DenoiseJob
 from knapray.planning import Topology
-from knapray.planning.sampling import COND, SINGLE, UNCOND, bag_plan, cfg_parallel_bag, plan_jobs
+from knapray.planning import CostModel
+from knapray.planning.sampling import COND, SINGLE, UNCOND, JobPlan, bag_plan, cfg_parallel_bag, choose_job_plan, \
+    plan_jobs
 
 
 @dataclass(frozen=True, eq=False)
@@ -41,31 +43,75 @@ class SamplingGroups:
     """The group of the rank's half of an even bag (None: halves of one rank, or odd)."""
 
     @classmethod
-    def build(cls, topology: Topology, rank: int) -> "SamplingGroups":
+    def build(cls, topology: Topology, rank: int, made: dict | None = None) -> "SamplingGroups":
         """Every rank of the world calls it with the same topology: groups are created in
-        one order everywhere, also those a rank is not in (``dist.new_group``)."""
+        one order everywhere, also those a rank is not in (``dist.new_group``). ``made``:
+        groups created already, by their ranks (several topologies share them)."""
+        made = {} if made is None else made
+
+        def group(ranks: list[int]) -> dist.ProcessGroup:
+            if tuple(ranks) not in made:
+                made[tuple(ranks)] = dist.new_group(ranks)
+            return made[tuple(ranks)]
+
         bag = int(topology.bag_of_rank[rank])
         whole = half = None
         for b in range(topology.num_bags):
             ranks = list(topology.bag_ranks(b))
             g = len(ranks)
             if g > 1:
-                group = dist.new_group(ranks)
-                whole = group if b == bag else whole
+                made_now = group(ranks)  # created on every rank, kept by the bag's own
+                whole = made_now if b == bag else whole
             if g % 2 == 0 and g > 2:
                 for part in (ranks[: g // 2], ranks[g // 2:]):
-                    group = dist.new_group(part)
-                    half = group if rank in part else half
+                    made_now = group(part)
+                    half = made_now if rank in part else half
         return cls(topology, rank, bag, whole, half)
 
+    @classmethod
+    def build_all(cls, specs: list[str], world_size: int, rank: int) -> dict[str, "SamplingGroups"]:
+        """The groups of every topology a gang may choose per batch, each set of ranks once."""
+        made: dict = {}
+        return {spec: cls.build(Topology.parse(spec, world_size=world_size), rank, made) for spec in specs}
 
-def denoise_rank(model: torch.nn.Module, jobs: list[DenoiseJob], groups: SamplingGroups, *,
-                 cfg_parallel: bool = True, planner=None, max_tokens_per_gpu: int | None = None) -> dict[int, np.ndarray]:
-    """Run the batch ``jobs`` (the same list on every rank of the world). Returns the
-    latents (C, T, H, W) of the jobs whose bag this rank leads, by job index."""
-    topo = groups.topology
-    plan = plan_jobs([j.tokens for j in jobs], [j.steps for j in jobs], [j.passes for j in jobs], topo, planner,
-                     max_tokens_per_gpu)
+
+def sampling_cost(cfg) -> CostModel:
+    """The cost model that chooses a batch's topology: the model's shape (width, blocks,
+    heads, attention kind) forward only (no backward, no recomputation), 4 Ulysses
+    all-to-alls per layer (6 with cross-attention), the default bandwidths."""
+    cross = getattr(cfg, "attention_kind", "joint") == "cross"
+    return CostModel(d_model=int(cfg.hidden_size), double_blocks=int(getattr(cfg, "depth_double", 0)),
+                     single_blocks=int(getattr(cfg, "depth_single", 0)), num_heads=int(cfg.num_heads),
+                     backward_factor=0.0, recompute_passes=0.0, ulysses_a2a_per_layer=6 if cross else 4,
+                     attention_kind="cross" if cross else "joint",
+                     text_tokens=int(getattr(cfg, "text_pad_to", 0) or 0) if cross else 512)
+
+
+def batch_plan(cfg, jobs: list[DenoiseJob], specs: list[str], world_size: int,
+               max_tokens_per_gpu: int | None = None) -> tuple[str, JobPlan]:
+    """(topology, plan) of a batch: the one topology of ``specs``, or the one of least
+    predicted makespan under ``sampling_cost(cfg)`` (every rank derives the same)."""
+    tokens, steps, passes = [j.tokens for j in jobs], [j.steps for j in jobs], [j.passes for j in jobs]
+    topos = [Topology.parse(s, world_size=world_size) for s in specs]
+    if len(specs) == 1:
+        return specs[0], plan_jobs(tokens, steps, passes, topos[0], None, max_tokens_per_gpu)
+    i, plan = choose_job_plan(tokens, steps, passes, topos, sampling_cost(cfg), max_tokens_per_gpu)
+    return specs[i], plan
+
+
+def denoise_rank(model: torch.nn.Module, jobs: list[DenoiseJob], groups: SamplingGroups | dict[str, SamplingGroups],
+                 *, cfg_parallel: bool = True, planner=None, max_tokens_per_gpu: int | None = None
+                 ) -> dict[int, np.ndarray]:
+    """Run the batch ``jobs`` (the same list on every rank of the world) on ``groups``' topology,
+    or (several) on the one ``batch_plan`` chooses. Returns the latents (C, T, H, W) of the
+    jobs whose bag this rank leads, by job index."""
+    if isinstance(groups, dict):
+        first = next(iter(groups.values()))
+        spec, plan = batch_plan(model.cfg, jobs, list(groups), first.topology.world_size, max_tokens_per_gpu)
+        groups = groups[spec]
+    else:
+        plan = plan_jobs([j.tokens for j in jobs], [j.steps for j in jobs], [j.passes for j in jobs],
+                         groups.topology, planner, max_tokens_per_gpu)
     mine = plan.jobs_of(groups.bag).tolist()
     if not mine:
         return {}

@@ -43,16 +43,12 @@ def trained(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def gang(trained):
-    import ray
-
+def gang(ray_session, trained):
     from knapray.driver.gang import Gang
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     g = Gang.start(trained[0], 4)
     yield g
     g.close()
-    ray.shutdown()
 
 
 def _reference(run: str, job):
@@ -76,7 +72,7 @@ def test_a_batch_of_mixed_jobs_is_each_the_single_process_sample(gang, trained):
     from knapray.inference.jobs import Job
 
     run, ids = trained
-    assert gang.topology == "g2n1+g1n2"
+    assert gang.topology == "auto"
     jobs = [Job(None, 64, 64, steps=3, guidance=2.0, seed=1, like=ids[0]),
             Job(None, 16, 16, steps=2, guidance=1.0, seed=2, like=ids[1]),
             Job(None, 32, 48, steps=4, guidance=3.0, seed=3, like=ids[2]),
@@ -91,6 +87,7 @@ def test_a_batch_of_mixed_jobs_is_each_the_single_process_sample(gang, trained):
     assert pictures[0].frames.shape == (1, 8, 8, 3) and pictures[0].frames.dtype == np.uint8
     assert pictures[1].frames.shape == (1, 2, 2, 3)
     assert pictures[2].frames is None and "40x40" in pictures[2].error and not pictures[2].lost
+    assert gang.last_topology in ("g1n4", "g2n1+g1n2", "g2n2", "g4n1")
 
 
 def test_a_rank_lost_mid_batch_loses_its_bags_jobs_only(gang, trained):
@@ -98,17 +95,16 @@ def test_a_rank_lost_mid_batch_loses_its_bags_jobs_only(gang, trained):
 
     from knapray.inference.jobs import Job
     from knapray.planning import Topology
-    from knapray.planning.sampling import plan_jobs
+    from knapray.worker.denoise import batch_plan
 
     run, ids = trained
-    # One long job and three short ones; the long one's bag is killed while it runs.
-    jobs = [Job(None, 32, 32, steps=4000, seed=5, like=ids[0])] + [
-        Job(None, 16, 16, steps=2, seed=6 + i, like=ids[1 + i]) for i in range(3)]
+    # Four equal long jobs: one rank each (no communication wins); one rank is killed.
+    jobs = [Job(None, 32, 32, steps=3000, seed=5 + i, like=ids[i]) for i in range(4)]
     prepared = ray.get(gang.actors[0].prepare.remote(jobs))
-    topo = Topology.parse(gang.topology, world_size=4)
-    bags = plan_jobs([j.tokens for j in prepared], [j.steps for j in prepared], [j.passes for j in prepared],
-                     topo).bag
-    victim = int(topo.bag_starts[bags[0]])  # the long job's lead
+    spec, plan = batch_plan(gang.model_cfg, prepared, ["g1n4", "g2n1+g1n2", "g2n2", "g4n1"], 4)
+    assert spec == "g1n4", spec
+    topo, bags = Topology.parse(spec, world_size=4), plan.bag
+    victim = int(topo.bag_starts[bags[0]])  # the first job's rank
     done: list = []
     t = threading.Thread(target=lambda: done.append(gang.generate(jobs, decode=False)))
     t.start()
@@ -125,5 +121,5 @@ def test_a_rank_lost_mid_batch_loses_its_bags_jobs_only(gang, trained):
     gang.restart()
     again = gang.generate([Job(None, 32, 32, steps=3, seed=5, like=ids[0])], decode=False)[0]
     assert not again.lost and again.error is None
-    ref = _reference(run, Job(None, 32, 32, steps=3, seed=5, like=ids[0]))
+    ref = _reference(run, Job(None, 32, 32, steps=3, seed=5, like=ids[0]))  # the restarted gang is right
     assert float(np.abs(again.latent - ref).max() / np.abs(ref).max()) <= 1e-5
