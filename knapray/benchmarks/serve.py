@@ -6,9 +6,9 @@ each policy's throughput at equal p99 (the highest rate whose p99 meets a target
 
 The default run is *predicted*: ``knapray.planning.serving`` simulates the three policies
 over 8 and 32 H100s with the ``CostModel``'s constants (its module docstring has the
-formulas and every choice). ``--measure`` also runs the same stream on 4 CPU ranks through
-the gang executor's ``knapray.driver.gang.serve_stream``; where this checkout lacks it, it is
-one line and exit 2 before anything runs.
+formulas and every choice). ``--measure`` also serves the stream, scaled to a CPU, on 4
+local gloo ranks for real, with the code ``knapray serve``'s gang runs
+(``knapray.benchmarks.serve_measured``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Sequence
 import numpy as np
 
 from knapray.planning.serving import (
-    LOOSE_FACTOR, MIX, POLICIES, TIGHT_FACTOR, ServiceTimes, Served, capacity, inference_cost, p99_targets,
+    LOOSE_FACTOR, MIX, POLICIES, TIGHT_FACTOR, ServiceTimes, capacity, inference_cost, p99_targets,
     rate_at_p99, request_stream, serve, service_times,
 )
 
@@ -77,9 +77,11 @@ def run(
     requests: int = DEFAULT_REQUESTS,
     seed: int = 0,
     progress: bool = True,
+    ulysses_layer_s: float = 0.0,
 ) -> dict:
     """The predicted tables: for every gang size, every policy at every rate (fractions of
-    ``capacity``), then every policy's throughput at each p99 target (``p99_targets``)."""
+    ``capacity``), then every policy's throughput at each p99 target (``p99_targets``).
+    ``ulysses_layer_s``: a bag's extra seconds per layer of a pass (``--ulysses-overhead``)."""
     from knapray.progress import progress_bar
 
     check(gpus, rates, requests)
@@ -89,9 +91,13 @@ def run(
     out = {"predicted": [], "at_p99": [], "requests": requests, "seed": seed}
     for line in describe():
         print(line)
+    print(f"  Ulysses overhead beyond the bytes: {ulysses_layer_s * 1e6:.0f} us per layer of a pass on a bag of "
+          "more than one GPU" + (" (fitted to xDiT's published FLUX.1-dev 1024x1024 times: 4.30 s on one H100, "
+                                 "1.63 s with Ulysses-4)" if ulysses_layer_s else ""))
+    out["ulysses_layer_s"] = ulysses_layer_s
     try:
         for n in gpus:
-            times = service_times(n, GPUS_PER_NODE)
+            times = service_times(n, GPUS_PER_NODE, ulysses_layer_s=ulysses_layer_s)
             cap = capacity(times)
             print(f"\npredicted, {n} H100s: {requests} requests, seed {seed}; capacity (every request on one GPU, "
                   f"no communication) {cap:.4f} req/s")
@@ -186,45 +192,43 @@ def check(gpus: Sequence[int], rates: Sequence[float], requests: int) -> None:
             raise ValueError(f"--rates {r:g}: a rate is a fraction of the gang's capacity, at most {MAX_RATE:g}")
 
 
-EXECUTOR = "knapray.driver.gang"
-EXECUTOR_FUNCTION = "serve_stream"
-
-
-def executor_or_none():
-    """The gang executor's ``serve_stream`` if this checkout has it, else None."""
-    import importlib
-
-    try:
-        module = importlib.import_module(EXECUTOR)
-    except ModuleNotFoundError as e:
-        if e.name not in (EXECUTOR, EXECUTOR.rsplit(".", 1)[0]):
-            raise
-        return None
-    return getattr(module, EXECUTOR_FUNCTION, None)
-
-
-def measure(rates: Sequence[float], requests: int, seed: int, ranks: int = MEASURE_RANKS, serve_stream=None
-            ) -> list[dict]:
-    """The measured part: the same stream served by the three policies on ``ranks`` CPU
-    ranks by ``serve_stream(policy, stream, mix, ranks) -> Served`` (start and finish in
-    measured seconds; default ``knapray.driver.gang.serve_stream``). Raises
-    ``ValueError`` if the executor is not there."""
-    serve_stream = serve_stream or executor_or_none()
-    if serve_stream is None:
-        raise ValueError(f"--measure needs {EXECUTOR}.{EXECUTOR_FUNCTION} (the executor that serves a request "
-                         f"stream on {ranks} CPU ranks), which this checkout does not have; without --measure "
-                         "the bench prints the predicted part")
-    rows = []
-    times = service_times(ranks, GPUS_PER_NODE)
-    for load in rates:
-        rate = load * capacity(times)
-        stream = request_stream(requests, rate, seed)
+def measure(loads: Sequence[float], requests: int, seed: int, ranks: int = MEASURE_RANKS, serve_measured=None
+            ) -> dict:
+    """The measured part: the stream at CPU scale served for real by the three policies on
+    ``ranks`` local gloo processes (``knapray.benchmarks.serve_measured``: the gang's
+    sampling code, the tiny model, the calibrated capacity). Per load and policy: p50, p99,
+    throughput; and each policy's throughput at the highest measured load whose p99 meets
+    each target: ``tight`` = the slowest kind's (the clip's) measured seconds alone on one
+    rank, ``loose`` = ``LOOSE_FACTOR`` times that (the predicted part's loose target)."""
+    if serve_measured is None:
+        from knapray.benchmarks.serve_measured import serve_measured
+    rows, served = [], {}
+    seconds = None
+    for policy in POLICIES:
+        got = serve_measured(policy, list(loads), requests, seed, ranks)
+        seconds = got["seconds"] if seconds is None else seconds
+        for load, sv_ in zip(loads, got["served"]):
+            served[(policy, load)] = sv_
+            rows.append({"ranks": ranks, "load": load, "capacity_rps": got["capacity"], **sv_.summary()})
+            print(f"measured, {ranks} CPU ranks: {policy:<8} load {load:.2f} ({load * got['capacity']:.2f} req/s) "
+                  f"p50 {sv_.p50:.3f} s p99 {sv_.p99:.3f} s thr {sv_.throughput:.3f} req/s", flush=True)
+    at_p99 = []
+    for name, factor in (("tight", 1.0), ("loose", LOOSE_FACTOR)):
+        target = factor * float(np.max(seconds))
+        at, where = {}, {}
         for policy in POLICIES:
-            served: Served = serve_stream(policy, stream, MIX, ranks)
-            rows.append({"ranks": ranks, "load": load, "rate_rps": rate, **served.summary()})
-            print(f"measured, {ranks} CPU ranks: load {load:.2f} {policy:<8} p50 {served.p50:.2f} s p99 "
-                  f"{served.p99:.2f} s thr {served.throughput:.4f} req/s", flush=True)
-    return rows
+            ok = [load for load in loads if served[(policy, load)].p99 <= target]
+            at[policy] = served[(policy, max(ok))].throughput if ok else 0.0
+            where[policy] = max(ok) if ok else None
+        ratios = {p: (at["knapray"] / at[p] if at[p] > 0 else float("inf")) for p in ("usp", "dp")}
+        print(f"measured, at equal p99 ({name}: p99 <= {target:.3f} s, the highest load meeting it, "
+              + "/".join("-" if where[p] is None else f"{where[p]:.2f}" for p in POLICIES)
+              + f"): knapray {at['knapray']:.3f}, usp {at['usp']:.3f}, dp {at['dp']:.3f} req/s; knapray/usp "
+              f"{ratios['usp']:.2f}x (goal {TARGETS['usp']}x), knapray/dp {ratios['dp']:.2f}x (goal "
+              f"{TARGETS['dp']}x)", flush=True)
+        at_p99.append({"target": name, "p99_target_s": target, "at_load": where, "throughput_rps": at,
+                       "knapray_over": ratios})
+    return {"rows": rows, "at_p99": at_p99}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -237,21 +241,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "GPU with no communication), default 0.3 0.6 0.8")
     p.add_argument("--requests", type=int_at_least(1, MAX_REQUESTS), default=DEFAULT_REQUESTS,
                    help=f"requests in the stream (default {DEFAULT_REQUESTS})")
+    p.add_argument("--ulysses-overhead", choices=("none", "xdit"), default="none",
+                   help="predicted part: what a bag of several GPUs pays per layer beyond the all-to-all bytes: none "
+                   "(the cost model's defaults), or xdit (fitted to xDiT's published Flux Ulysses-4 time, ~350 us)")
     p.add_argument("--measure", action="store_true",
-                   help=f"also serve the stream on {MEASURE_RANKS} CPU ranks (needs the gang executor, "
-                   "knapray.driver.gang)")
+                   help=f"also serve the stream, at CPU scale, on {MEASURE_RANKS} local CPU ranks for real "
+                   "(knapray/benchmarks/serve_measured.py)")
+    p.add_argument("--measure-loads", type=float_in(gt=0), nargs="+", default=[0.4, 0.7, 1.0, 1.3], metavar="LOAD",
+                   help="loads of the measured part, fractions of its measured capacity (default 0.4 0.7 1.0 1.3)")
+    p.add_argument("--measure-requests", type=int_at_least(1, MAX_REQUESTS), default=60, metavar="N",
+                   help="requests of each measured stream (default 60)")
     add_seed(p)
     add_json(p)
 
 
 def cli(args: argparse.Namespace) -> int:
     check(args.gpus, args.rates, args.requests)
-    serve_stream = executor_or_none() if args.measure else None
-    if args.measure and serve_stream is None:  # before the predicted part runs, not after it
-        measure(args.rates, args.requests, args.seed)  # raises the one-line error
-    out = run(args.gpus, args.rates, args.requests, args.seed)
+    for load in args.measure_loads:
+        if load > MAX_RATE:
+            raise ValueError(f"--measure-loads {load:g}: a load is a fraction of the measured capacity, at most "
+                             f"{MAX_RATE:g}")
+    from knapray.planning.serving import ulysses_layer_fit
+
+    overhead = ulysses_layer_fit() if args.ulysses_overhead == "xdit" else 0.0
+    out = run(args.gpus, args.rates, args.requests, args.seed, ulysses_layer_s=overhead)
     if args.measure:
-        out["measured"] = measure(args.rates, args.requests, args.seed, serve_stream=serve_stream)
+        out["measured"] = measure(args.measure_loads, min(args.requests, args.measure_requests), args.seed)
     if args.json:
         print(json.dumps(out))
     return 0

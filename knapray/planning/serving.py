@@ -147,15 +147,39 @@ def _off_node(g: int, gpus_per_node: int) -> int:
     return 0 if g <= gpus_per_node else g - gpus_per_node
 
 
-def request_seconds(kind: RequestKind, g: int, cost: CostModel, gpus_per_node: int = 8) -> float:
+def request_seconds(kind: RequestKind, g: int, cost: CostModel, gpus_per_node: int = 8,
+                    ulysses_layer_s: float = 0.0) -> float:
     """Predicted seconds of one request of ``kind`` alone on a bag of ``g`` GPUs:
     ``steps · passes · seq_cost``, or with CFG parallel (2 passes, even ``g``) the two
-    passes at once on the halves, whichever is faster."""
-    t = kind.steps * kind.passes * float(cost.seq_cost(kind.tokens, g, _off_node(g, gpus_per_node)))
+    passes at once on the halves, whichever is faster. ``ulysses_layer_s``: seconds every
+    layer of a pass costs on a bag of more than one GPU beyond ``seq_cost`` (0: none; see
+    ``ulysses_layer_fit``)."""
+    def one_pass(bag: int) -> float:
+        return float(cost.seq_cost(kind.tokens, bag, _off_node(bag, gpus_per_node))) + (
+            cost.layers * ulysses_layer_s if bag > 1 else 0.0)
+
+    t = kind.steps * kind.passes * one_pass(g)
     if kind.passes == 2 and g % 2 == 0:
-        h = g // 2
-        t = min(t, kind.steps * float(cost.seq_cost(kind.tokens, h, _off_node(h, gpus_per_node))))
+        t = min(t, kind.steps * one_pass(g // 2))
     return t
+
+
+XDIT_FLUX_1024 = {"steps": 28, "one_gpu_s": 4.30, "ulysses4_s": 1.63}
+"""xDiT's published FLUX.1-dev time at 1024x1024, 28 steps, on H100s with torch.compile: one
+GPU and Ulysses over 4 (the issue quotes it)."""
+
+
+def ulysses_layer_fit(mix=MIX) -> float:
+    """The ``ulysses_layer_s`` at which the cost model's Ulysses-4 over one-GPU time of a
+    1024x1024 Flux request is xDiT's published ratio (1.63 / 4.30 s = 0.379; the model
+    alone gives 0.25 plus its all-to-all bytes): what a bag of several GPUs really pays per
+    layer beyond the bytes (collective latency, kernels on a quarter of the tokens). One
+    published point, so a sensitivity, not a calibration."""
+    kind = next(k for k in mix if k.model == "flux" and k.width == 1024 and k.height == 1024)
+    flux = inference_cost("flux")
+    t1, t4 = (float(flux.seq_cost(kind.tokens, g, 0)) for g in (1, 4))
+    ratio = XDIT_FLUX_1024["ulysses4_s"] / XDIT_FLUX_1024["one_gpu_s"]
+    return max(0.0, (ratio * t1 - t4) / flux.layers)
 
 
 @dataclass(frozen=True)
@@ -180,8 +204,8 @@ class ServiceTimes:
         return np.minimum(self.on_gang, self.on_bag[:, usable].min(axis=1))
 
 
-def service_times(gpus: int, gpus_per_node: int = 8, mix=MIX, costs: dict[str, CostModel] | None = None
-                  ) -> ServiceTimes:
+def service_times(gpus: int, gpus_per_node: int = 8, mix=MIX, costs: dict[str, CostModel] | None = None,
+                  ulysses_layer_s: float = 0.0) -> ServiceTimes:
     if gpus < 1 or gpus_per_node < 1:
         raise ValueError(f"gpus and gpus_per_node must be >= 1, got {gpus} and {gpus_per_node}")
     if gpus > gpus_per_node and gpus % gpus_per_node:
@@ -196,9 +220,12 @@ def service_times(gpus: int, gpus_per_node: int = 8, mix=MIX, costs: dict[str, C
             sizes += (whole,)
     if gpus > node and gpus not in sizes:
         sizes += (gpus,)
-    on_bag = np.array([[request_seconds(k, g, costs[k.model], gpus_per_node) for g in sizes] for k in mix])
-    on_gang = np.array([request_seconds(k, gpus, costs[k.model], gpus_per_node) for k in mix])
-    on_one = np.array([request_seconds(k, 1, costs[k.model], gpus_per_node) for k in mix])
+    def seconds(k: RequestKind, g: int) -> float:
+        return request_seconds(k, g, costs[k.model], gpus_per_node, ulysses_layer_s)
+
+    on_bag = np.array([[seconds(k, g) for g in sizes] for k in mix])
+    on_gang = np.array([seconds(k, gpus) for k in mix])
+    on_one = np.array([seconds(k, 1) for k in mix])
     return ServiceTimes(gpus, gpus_per_node, sizes, on_bag, on_gang, on_one)
 
 

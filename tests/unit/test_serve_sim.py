@@ -120,17 +120,23 @@ def test_bench_serve_predicts_a_small_stream(capsys):
     assert [r["target"] for r in data["at_p99"]] == ["tight", "loose"]
 
 
-def test_measure_runs_through_the_executor_hook(capsys):
+def test_measure_serves_every_policy_and_finds_the_loads_that_meet_the_p99(capsys):
     from knapray.benchmarks.serve import measure
 
     calls = []
+    times = sv.service_times(4)
 
-    def serve_stream(policy, stream, mix, ranks):
+    def serve_measured(policy, loads, n, seed, ranks):
         calls.append((policy, ranks))
-        return sv.serve(policy, stream, sv.service_times(ranks))
+        cap = sv.capacity(times)
+        return {"served": [sv.serve(policy, sv.request_stream(n, load * cap, seed), times) for load in loads],
+                "capacity": cap, "seconds": times.on_one}
 
-    rows = measure([0.5], 20, 0, serve_stream=serve_stream)
-    assert calls == [(p, 4) for p in sv.POLICIES] and len(rows) == 3
+    out = measure([0.3, 0.6], 20, 0, serve_measured=serve_measured)
+    assert calls == [(p, 4) for p in sv.POLICIES] and len(out["rows"]) == 6
+    assert [r["target"] for r in out["at_p99"]] == ["tight", "loose"]
+    assert all(set(r["throughput_rps"]) == set(sv.POLICIES) and r["p99_target_s"] > 0 for r in out["at_p99"])
+    assert "at equal p99" in capsys.readouterr().out
 
 
 def _one_line(argv, capsys) -> str:
@@ -159,10 +165,13 @@ def test_bad_flags_are_one_line_and_exit_2(argv, names, capsys):
         assert name in line, (name, line)
 
 
-def test_measure_without_the_executor_is_one_line_before_anything_runs(monkeypatch, capsys):
-    import knapray.benchmarks.serve as bench
-
-    monkeypatch.setattr(bench, "executor_or_none", lambda: None)
-    monkeypatch.setattr(bench, "run", lambda *a, **k: (_ for _ in ()).throw(AssertionError("predicted part ran")))
-    line = _one_line(["bench", "serve", "--measure"], capsys)
-    assert "knapray.driver.gang.serve_stream" in line
+def test_the_xdit_fitted_overhead_reproduces_the_published_ratio():
+    o = sv.ulysses_layer_fit()
+    flux = sv.inference_cost("flux")
+    kind = next(k for k in sv.MIX if k.name == "1024x1024")
+    t1, t4 = (sv.request_seconds(kind, g, flux, ulysses_layer_s=o) for g in (1, 4))
+    assert t4 / t1 == pytest.approx(1.63 / 4.30, rel=1e-9)
+    assert sv.request_seconds(kind, 1, flux) == t1  # one GPU pays no Ulysses overhead
+    assert sv.request_seconds(kind, 4, flux) < t4
+    with_o = sv.service_times(8, ulysses_layer_s=o)
+    assert np.all(with_o.on_gang > sv.service_times(8).on_gang) and np.all(with_o.on_one == sv.service_times(8).on_one)
