@@ -192,8 +192,8 @@ def check(gpus: Sequence[int], rates: Sequence[float], requests: int) -> None:
             raise ValueError(f"--rates {r:g}: a rate is a fraction of the gang's capacity, at most {MAX_RATE:g}")
 
 
-def measure(loads: Sequence[float], requests: int, seed: int, ranks: int = MEASURE_RANKS, serve_measured=None
-            ) -> dict:
+def measure(loads: Sequence[float], requests: int, seed: int, ranks: int = MEASURE_RANKS, serve_measured=None,
+            knapray_topology: str = "auto") -> dict:
     """The measured part: the stream at CPU scale served for real by the three policies on
     ``ranks`` local gloo processes (``knapray.benchmarks.serve_measured``: the gang's
     sampling code, the tiny model, the calibrated capacity). Per load and policy: p50, p99,
@@ -205,7 +205,7 @@ def measure(loads: Sequence[float], requests: int, seed: int, ranks: int = MEASU
     rows, served = [], {}
     seconds = None
     for policy in POLICIES:
-        got = serve_measured(policy, list(loads), requests, seed, ranks)
+        got = serve_measured(policy, list(loads), requests, seed, ranks, knapray_topology=knapray_topology)
         seconds = got["seconds"] if seconds is None else seconds
         for load, sv_ in zip(loads, got["served"]):
             served[(policy, load)] = sv_
@@ -249,6 +249,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(knapray/benchmarks/serve_measured.py)")
     p.add_argument("--measure-loads", type=float_in(gt=0), nargs="+", default=[0.4, 0.7, 1.0, 1.3], metavar="LOAD",
                    help="loads of the measured part, fractions of its measured capacity (default 0.4 0.7 1.0 1.3)")
+    p.add_argument("--measure-topology", default="auto", metavar="SPEC",
+                   help="the knapray policy's bags in the measured part: auto (chosen per batch, the default of "
+                   "knapray serve) or one topology of 4 ranks, e.g. g2n1+g1n2")
     p.add_argument("--measure-requests", type=int_at_least(1, MAX_REQUESTS), default=60, metavar="N",
                    help="requests of each measured stream (default 60)")
     add_seed(p)
@@ -257,6 +260,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def cli(args: argparse.Namespace) -> int:
     check(args.gpus, args.rates, args.requests)
+    if args.measure_topology != "auto":  # the tiny model's 4 heads over 4 ranks
+        from knapray.distributed.groups import check_heads
+        from knapray.planning import Topology
+
+        try:
+            check_heads(4, Topology.parse(args.measure_topology, world_size=MEASURE_RANKS))
+        except ValueError as e:
+            raise ValueError(f"--measure-topology {args.measure_topology[:40]}: {e}") from None
     for load in args.measure_loads:
         if load > MAX_RATE:
             raise ValueError(f"--measure-loads {load:g}: a load is a fraction of the measured capacity, at most "
@@ -266,7 +277,8 @@ def cli(args: argparse.Namespace) -> int:
     overhead = ulysses_layer_fit() if args.ulysses_overhead == "xdit" else 0.0
     out = run(args.gpus, args.rates, args.requests, args.seed, ulysses_layer_s=overhead)
     if args.measure:
-        out["measured"] = measure(args.measure_loads, min(args.requests, args.measure_requests), args.seed)
+        out["measured"] = measure(args.measure_loads, min(args.requests, args.measure_requests), args.seed,
+                                  knapray_topology=args.measure_topology)
     if args.json:
         print(json.dumps(out))
     return 0

@@ -115,7 +115,8 @@ def _calibrate(model) -> np.ndarray:
     return np.array(out)
 
 
-def _rank(rank: int, world: int, port: int, policy: str, loads: list[float], n: int, seed: int, out: str) -> None:
+def _rank(rank: int, world: int, port: int, policy: str, loads: list[float], n: int, seed: int, out: str,
+          knapray_topology: str) -> None:
     import torch.distributed as dist
 
     from knapray.distributed.local import init_local_gloo
@@ -126,7 +127,7 @@ def _rank(rank: int, world: int, port: int, policy: str, loads: list[float], n: 
     init_local_gloo(rank, world, port)
     try:
         model = _model()
-        spec, cfg_parallel = topology_of(policy, world)
+        spec, cfg_parallel = topology_of(policy, world, knapray_topology)
         specs = candidate_topologies(spec, world, model.cfg.num_heads)
         groups = SamplingGroups.build_all(specs, world, rank)
         seconds = _calibrate(model)
@@ -179,7 +180,8 @@ def _rank(rank: int, world: int, port: int, policy: str, loads: list[float], n: 
         dist.destroy_process_group()
 
 
-def serve_measured(policy: str, loads: list[float], n: int, seed: int, ranks: int = 4) -> dict:
+def serve_measured(policy: str, loads: list[float], n: int, seed: int, ranks: int = 4,
+                   knapray_topology: str = "auto") -> dict:
     """``{"served": [Served per load], "capacity": req/s, "seconds": per kind}`` of ``policy``
     serving ``n`` requests at each load on ``ranks`` local gloo processes."""
     import pickle
@@ -188,6 +190,6 @@ def serve_measured(policy: str, loads: list[float], n: int, seed: int, ranks: in
 
     topology_of(policy, ranks)  # a bad policy before any process starts
     with tempfile.TemporaryDirectory(prefix="knapray-serve-bench-") as out:
-        spawn_local(_rank, (ranks, free_port(), policy, list(loads), n, seed, out), ranks)
+        spawn_local(_rank, (ranks, free_port(), policy, list(loads), n, seed, out, knapray_topology), ranks)
         with open(os.path.join(out, "served.pkl"), "rb") as f:
             return pickle.load(f)

@@ -168,6 +168,12 @@ def _one_caption_two_sizes(work: Path, out: str) -> None:
     assert (work / "grid.png").stat().st_size > 0
 
 
+def _four_ranks(work: Path, out: str) -> None:
+    """Two captions at two sizes drawn by 4 local processes, decoded by the corpus's VAE."""
+    assert "2 images: 512x512, 768x384 pixels" in out and "DiffusersVAE" in out, out
+    assert (work / "grid4.png").stat().st_size > 0
+
+
 TINY = "tiny models in a FLUX.1-dev-shaped folder (tests/tiny_encoders.save_flux_layout)"
 FAST = "a few steps, 2 workers (bags g2n1), so that it takes seconds"
 RULES = (
@@ -199,6 +205,8 @@ RULES = (
     Rule(r"^knapray train ", "run", FAST,
          extra=("--set", "run.max_steps=2", "--set", "scaling.num_workers=2", "--set", "balance.topology=g2n1"),
          verify=_widths_from_the_corpus),
+    Rule(r"^knapray sample .*--world-size 4", "run", "2 Euler steps instead of 28", extra=("--steps", "2"),
+         verify=_four_ranks),
     Rule(r"^knapray sample ", "run", "2 Euler steps instead of 28", extra=("--steps", "2"),
          verify=_one_caption_two_sizes),
     Rule(r"^knapray serve ", "parse", "serves until Ctrl-C; tests/ray/test_serve_http.py serves runs over real HTTP "

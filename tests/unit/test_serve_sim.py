@@ -126,7 +126,7 @@ def test_measure_serves_every_policy_and_finds_the_loads_that_meet_the_p99(capsy
     calls = []
     times = sv.service_times(4)
 
-    def serve_measured(policy, loads, n, seed, ranks):
+    def serve_measured(policy, loads, n, seed, ranks, knapray_topology):
         calls.append((policy, ranks))
         cap = sv.capacity(times)
         return {"served": [sv.serve(policy, sv.request_stream(n, load * cap, seed), times) for load in loads],
@@ -158,6 +158,7 @@ def _one_line(argv, capsys) -> str:
     (["--rates", "1000"], ["--rates 1000", "capacity"]),
     (["--requests", "0"], ["--requests", "'0'"]),
     (["--steps", "3"], ["unrecognized arguments: --steps"]),
+    (["--measure", "--measure-topology", "g3n1+g1n1"], ["--measure-topology g3n1+g1n1"]),
 ])
 def test_bad_flags_are_one_line_and_exit_2(argv, names, capsys):
     line = _one_line(["bench", "serve", *argv], capsys)
