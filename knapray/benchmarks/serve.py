@@ -193,7 +193,7 @@ def check(gpus: Sequence[int], rates: Sequence[float], requests: int) -> None:
 
 
 def measure(loads: Sequence[float], requests: int, seed: int, ranks: int = MEASURE_RANKS, serve_measured=None,
-            knapray_topology: str = "auto") -> dict:
+            knapray_topology: str | None = None) -> dict:
     """The measured part: the stream at CPU scale served for real by the three policies on
     ``ranks`` local gloo processes (``knapray.benchmarks.serve_measured``: the gang's
     sampling code, the tiny model, the calibrated capacity). Per load and policy: p50, p99,
@@ -249,9 +249,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(knapray/benchmarks/serve_measured.py)")
     p.add_argument("--measure-loads", type=float_in(gt=0), nargs="+", default=[0.4, 0.7, 1.0, 1.3], metavar="LOAD",
                    help="loads of the measured part, fractions of its measured capacity (default 0.4 0.7 1.0 1.3)")
-    p.add_argument("--measure-topology", default="auto", metavar="SPEC",
-                   help="the knapray policy's bags in the measured part: auto (chosen per batch, the default of "
-                   "knapray serve) or one topology of 4 ranks, e.g. g2n1+g1n2")
+    p.add_argument("--measure-topology", default=None, metavar="SPEC",
+                   help="the knapray policy's bags in the measured part (default: knapray serve's, g2n1+g1n2 for 4 "
+                   "ranks): one topology of 4 ranks, or auto (chosen per batch)")
     p.add_argument("--measure-requests", type=int_at_least(1, MAX_REQUESTS), default=60, metavar="N",
                    help="requests of each measured stream (default 60)")
     add_seed(p)
@@ -260,7 +260,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def cli(args: argparse.Namespace) -> int:
     check(args.gpus, args.rates, args.requests)
-    if args.measure_topology != "auto":  # the tiny model's 4 heads over 4 ranks
+    if args.measure_topology not in (None, "auto"):  # the tiny model's 4 heads over 4 ranks
         from knapray.distributed.groups import check_heads
         from knapray.planning import Topology
 

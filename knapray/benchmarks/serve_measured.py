@@ -2,9 +2,10 @@
 local gloo processes (``worker.denoise``, the code ``knapray serve``'s gang runs), by the
 three policies:
 
-- ``knapray``: each batch planned over the bags of the topology of least predicted makespan
-  among ``planning.sampling.candidate_topologies`` (4 ranks: ``g1n4``, ``g2n1+g1n2``,
-  ``g2n2``, ``g4n1``; ``worker.denoise.batch_plan``), CFG parallel on an even bag;
+- ``knapray``: each batch planned by ``plan_jobs`` over the bags of the gang's default
+  topology (``halving_topology``, 4 ranks: ``g2n1+g1n2``), CFG parallel on an even bag; or
+  (``knapray_topology="auto"``) over the topology of least predicted makespan among
+  ``planning.sampling.candidate_topologies`` (``g1n4``, ``g2n1+g1n2``, ``g2n2``, ``g4n1``);
 - ``usp``: one bag of all ranks (``g{N}n1``), every request with Ulysses over all of them,
   both guidance passes in it (no CFG parallel), as static USP runs;
 - ``dp``: ``N`` bags of one (``g1n{N}``), one request per rank, no communication.
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from knapray.planning.sampling import halving_topology
 from knapray.planning.serving import Served, request_stream
 
 WINDOW = 16
@@ -59,10 +61,11 @@ CPU_MIX = (
 TEXT_TOKENS = 8
 
 
-def topology_of(policy: str, ranks: int) -> tuple[str, bool]:
-    """(topology, CFG parallel) of a policy on ``ranks`` ranks."""
+def topology_of(policy: str, ranks: int, knapray_topology: str | None = None) -> tuple[str, bool]:
+    """(topology, CFG parallel) of a policy on ``ranks`` ranks (``knapray_topology``: the
+    knapray policy's, ``auto`` or one spec; None: the gang's default, ``halving_topology``)."""
     if policy == "knapray":
-        return "auto", True
+        return knapray_topology or halving_topology(ranks, 4), True
     if policy == "usp":
         return f"g{ranks}n1", False
     if policy == "dp":
@@ -181,7 +184,7 @@ def _rank(rank: int, world: int, port: int, policy: str, loads: list[float], n: 
 
 
 def serve_measured(policy: str, loads: list[float], n: int, seed: int, ranks: int = 4,
-                   knapray_topology: str = "auto") -> dict:
+                   knapray_topology: str | None = None) -> dict:
     """``{"served": [Served per load], "capacity": req/s, "seconds": per kind}`` of ``policy``
     serving ``n`` requests at each load on ``ranks`` local gloo processes."""
     import pickle
