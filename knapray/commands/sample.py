@@ -54,8 +54,8 @@ class SamplePlan:
     checkpoint: str
     requests: list[Request]
     topology: str | None = None
-    """The bags of ``--world-size N`` > 1, or ``auto`` (chosen for the batch among
-    ``planning.sampling.candidate_topologies``)."""
+    """The bags of ``--world-size N`` > 1 (default ``planning.sampling.halving_topology``), or
+    ``auto`` (chosen for the batch among ``planning.sampling.candidate_topologies``)."""
 
 
 def plan_sampling(args: argparse.Namespace) -> SamplePlan:
@@ -92,10 +92,10 @@ def _topology(args: argparse.Namespace, cfg: Any) -> str | None:
     from knapray.commands.flags import check_local_processes
     from knapray.distributed.groups import check_heads
     from knapray.planning import Topology
-    from knapray.planning.sampling import AUTO, candidate_topologies
+    from knapray.planning.sampling import candidate_topologies, halving_topology
 
     check_local_processes(world, "knapray sample")
-    spec = args.topology or AUTO
+    spec = args.topology or halving_topology(world, cfg.model.num_heads)
     for one in candidate_topologies(spec, world, cfg.model.num_heads):
         try:
             check_heads(cfg.model.num_heads, Topology.parse(one, world_size=world))
@@ -216,8 +216,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=ranks, default=1, metavar="N",
                    help="local processes drawing the requests together, planned over bags (default 1)")
     p.add_argument("--topology", default=None,
-                   help="bags of --world-size N, e.g. g2n1+g1n2 (default auto: the candidate of least predicted "
-                   "time for the batch, from one rank per bag to one bag of all)")
+                   help="bags of --world-size N (default: halving bags, 4 ranks: g2n1+g1n2), or auto: for each "
+                   "batch the candidate of least predicted time, from one rank per bag to one bag of all")
     p.add_argument("--no-cfg-parallel", action="store_true",
                    help="guided requests run both passes over their whole bag (default: on two halves of an even bag)")
     p.add_argument("--out", default="samples.png", help="PNG grid to write (default samples.png)")

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from knapray.inference.jobs import Job, RunRules
-from knapray.planning.sampling import AUTO
+from knapray.planning.sampling import halving_topology
 
 
 class SamplerRank:
@@ -173,7 +173,8 @@ class Gang:
     run_dir: str
     world_size: int
     topology: str
-    """A topology, or ``auto``: each batch on the candidate of least predicted makespan."""
+    """A topology (default: ``halving_topology``), or ``auto``: each batch on the candidate of
+    least predicted makespan (``planning.sampling.candidate_topologies``)."""
     rules: RunRules
     model_cfg: Any
     device: str = "cpu"
@@ -197,7 +198,7 @@ class Gang:
 
         cfg, ckpt = read_run(run_dir, checkpoint)
         check_checkpoint(ckpt)
-        spec = topology or AUTO
+        spec = topology or halving_topology(world_size, cfg.model.num_heads)
         for one in candidate_topologies(spec, world_size, cfg.model.num_heads):
             check_heads(cfg.model.num_heads, Topology.parse(one, world_size=world_size))
         gang = cls(run_dir, world_size, spec, run_rules(cfg), cfg.model, device, checkpoint, cfg_parallel)

@@ -11,42 +11,21 @@ import time
 import numpy as np
 import pytest
 
-from dist_utils import run_distributed
-
 pytestmark = pytest.mark.ray
-
-
-def _train_one_step(rank: int, world: int, corpus: str, runs: str) -> None:
-    from dist_utils import TINY_MMDIT, local_trainer
-
-    from knapray.driver.run_dir import write_config
-
-    trainer = local_trainer(rank, world, corpus, runs, "g", [*TINY_MMDIT, "checkpoint.every=1", "run.max_steps=1",
-                                                             "balance.topology=g1n1"])
-    write_config(trainer.cfg)
-    trainer.train()
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    import pyarrow.parquet as pq
+    from dist_utils import trained_tiny_run
 
-    from dist_utils import build_tiny_corpus
-
-    from knapray.corpus import shard_paths
-
-    tmp = tmp_path_factory.mktemp("gang")
-    corpus = build_tiny_corpus(tmp / "corpus", "g2b2i256f1s0,g2b1i512f1s0", steps=2)
-    run_distributed(_train_one_step, 1, corpus, str(tmp / "runs"), timeout_s=120)
-    ids = pq.read_table(shard_paths(corpus)[0], columns=["sample_id"])["sample_id"].to_pylist()
-    return str(tmp / "runs" / "g"), ids
+    return trained_tiny_run(tmp_path_factory.mktemp("gang"), "g")
 
 
 @pytest.fixture(scope="module")
 def gang(ray_session, trained):
     from knapray.driver.gang import Gang
 
-    g = Gang.start(trained[0], 4)
+    g = Gang.start(trained[0], 4, topology="auto")  # each batch on its best topology
     yield g
     g.close()
 
