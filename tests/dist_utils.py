@@ -155,6 +155,29 @@ def build_tiny_corpus(out, mix: str, steps: int, scale: int = 4, shards: int = 2
     return str(out)
 
 
+def _train_one_step(rank: int, world: int, corpus: str, runs: str, name: str) -> None:
+    from knapray.driver.run_dir import write_config
+
+    trainer = local_trainer(rank, world, corpus, runs, name, [*TINY_MMDIT, "checkpoint.every=1", "run.max_steps=1",
+                                                              "balance.topology=g1n1"])
+    write_config(trainer.cfg)  # what a launcher's pre-flight writes: sample and serve read it
+    trainer.train()
+
+
+def trained_tiny_run(tmp_path, name: str) -> tuple[str, list[int]]:
+    """(run directory, the corpus's first sample ids): the tiny MMDiT (4 heads) trained one
+    step by one gloo rank on a synthetic corpus without a text encoder (requests borrow a
+    sample's text with ``like``), its checkpoint and config.json written as a run's are."""
+    import pyarrow.parquet as pq
+
+    from knapray.corpus import shard_paths
+
+    corpus = build_tiny_corpus(tmp_path / "corpus", "g2b2i256f1s0,g2b1i512f1s0", steps=2)
+    run_distributed(_train_one_step, 1, corpus, str(tmp_path / "runs"), name, timeout_s=120)
+    ids = pq.read_table(shard_paths(corpus)[0], columns=["sample_id"])["sample_id"].to_pylist()
+    return str(tmp_path / "runs" / name), ids
+
+
 def sampling_run_dir(tmp_path):
     """A run directory as far as ``knapray sample`` reads it before loading weights:
     config.json, a marked checkpoint, the corpus's schema.json (a VAE of downsample 8, a T5

@@ -164,7 +164,7 @@ def request_seconds(kind: RequestKind, g: int, cost: CostModel, gpus_per_node: i
     return t
 
 
-XDIT_FLUX_1024 = {"steps": 28, "one_gpu_s": 4.30, "ulysses4_s": 1.63}
+XDIT_FLUX_1024 = {"kind": "1024x1024", "steps": 28, "one_gpu_s": 4.30, "ulysses4_s": 1.63}
 """xDiT's published FLUX.1-dev time at 1024x1024, 28 steps, on H100s with torch.compile: one
 GPU and Ulysses over 4 (the issue quotes it)."""
 
@@ -175,8 +175,8 @@ def ulysses_layer_fit(mix=MIX) -> float:
     alone gives 0.25 plus its all-to-all bytes): what a bag of several GPUs really pays per
     layer beyond the bytes (collective latency, kernels on a quarter of the tokens). One
     published point, so a sensitivity, not a calibration."""
-    kind = next(k for k in mix if k.model == "flux" and k.width == 1024 and k.height == 1024)
-    flux = inference_cost("flux")
+    kind = next(k for k in mix if k.name == XDIT_FLUX_1024["kind"])
+    flux = inference_cost(kind.model)
     t1, t4 = (float(flux.seq_cost(kind.tokens, g, 0)) for g in (1, 4))
     ratio = XDIT_FLUX_1024["ulysses4_s"] / XDIT_FLUX_1024["one_gpu_s"]
     return max(0.0, (ratio * t1 - t4) / flux.layers)

@@ -121,31 +121,15 @@ def test_each_request_is_the_single_process_sample(family, variant, topology, cf
         assert err <= 1e-5, (k, shape, steps, err)
 
 
-def _train_one_step(rank: int, world: int, corpus: str, runs: str) -> None:
-    from dist_utils import TINY_MMDIT, local_trainer
-
-    from knapray.driver.run_dir import write_config
-
-    trainer = local_trainer(rank, world, corpus, runs, "s", [*TINY_MMDIT, "checkpoint.every=1", "run.max_steps=1",
-                                                             "balance.topology=g1n1"])
-    write_config(trainer.cfg)  # what a launcher's pre-flight writes: sample reads it
-    trainer.train()
-
-
 def test_knapray_sample_world_size_4_is_knapray_sample(tmp_path, capsys):
     """The command a user runs: ``knapray sample --world-size 4`` on a trained run writes
     the latents ``knapray sample`` writes, request by request (guided, sizes differ)."""
-    import pyarrow.parquet as pq
-
-    from dist_utils import build_tiny_corpus
+    from dist_utils import trained_tiny_run
 
     from knapray.cli import main
-    from knapray.corpus import shard_paths
 
-    corpus = build_tiny_corpus(tmp_path / "corpus", "g2b2i256f1s0,g2b1i512f1s0", steps=2)
-    run_distributed(_train_one_step, 1, corpus, str(tmp_path / "runs"), timeout_s=120)
-    ids = pq.read_table(shard_paths(corpus)[0], columns=["sample_id"])["sample_id"].to_pylist()[:3]
-    args = ["sample", "--run", str(tmp_path / "runs" / "s"), *[a for i in ids for a in ("--like", str(i))],
+    run, ids = trained_tiny_run(tmp_path, "s")
+    args = ["sample", "--run", run, *[a for i in ids[:3] for a in ("--like", str(i))],
             "--size", "64x64", "--size", "16x16", "--size", "32x48", "--steps", "3", "--guidance", "2.5"]
     assert main([*args, "--out", str(tmp_path / "one.png"), "--latents", str(tmp_path / "one.npz")]) == 0
     assert main([*args, "--out", str(tmp_path / "four.png"), "--latents", str(tmp_path / "four.npz"),

@@ -26,7 +26,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PNG = b"\x89PNG\r\n\x1a\n"
-HAS_GANG = importlib.util.find_spec("knapray.driver.gang") is not None
 needs_serve = pytest.mark.skipif(
     importlib.util.find_spec("fastapi") is None or getattr(importlib.util.find_spec("ray"), "origin", None) is None,
     reason="needs ray[serve] (the serve extra)")
@@ -245,20 +244,20 @@ def test_concurrent_requests_each_get_their_answer(served):
     assert _metric(text, "knapray_serve_queue_length") == 0
 
 
-if HAS_GANG:
-    from knapray.driver.gang import Gang
+from knapray.driver.gang import Gang  # noqa: E402
 
-    class GangLosingRank1(Gang):
-        """The real gang, whose rank 1 is killed (``ray.kill``) as the first batch holding
-        a job of seed 666 starts: that batch loses the jobs of rank 1's bag."""
 
-        def generate(self, jobs):
-            import ray
+class GangLosingRank1(Gang):
+    """The real gang, whose rank 1 is killed (``ray.kill``) as the first batch holding a
+    job of seed 666 starts: that batch loses the jobs of rank 1's bag."""
 
-            if any(j.seed == 666 for j in jobs) and not getattr(self, "killed", False):
-                self.killed = True
-                ray.kill(self.actors[1])
-            return super().generate(jobs)
+    def generate(self, jobs, decode=True):
+        import ray
+
+        if any(j.seed == 666 for j in jobs) and not getattr(self, "killed", False):
+            self.killed = True
+            ray.kill(self.actors[1])
+        return super().generate(jobs, decode)
 
 
 def _trained_run(tmp_path: Path) -> Path:
@@ -291,7 +290,6 @@ def _trained_run(tmp_path: Path) -> Path:
 
 @pytest.mark.ray
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(not HAS_GANG, reason="knapray/driver/gang.py (the real gang) is not in this tree")
 def test_the_real_gang_serves_a_trained_run(served, tmp_path):
     """Two Ray actors (gloo) holding a tiny model answer concurrent requests; the same job
     twice in one batch is the same picture (a job's result is its own, whatever shares the
