@@ -28,7 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", required=True, help="run directory (runs/NAME)")
     p.add_argument("--checkpoint", help="checkpoint directory (default: the run's newest)")
     add_world_size(p, default=1, help="workers of the gang that holds the model once (default 1)")
-    p.add_argument("--topology", default=None, help="bags of the gang, e.g. g1n2+g2n1 (default: the gang's choice)")
+    p.add_argument("--topology", default=None,
+                   help="bags of the gang, e.g. g2n1+g1n2 (default: halving bags), or auto (chosen per batch)")
     add_device(p, help="where the gang runs (auto: cuda when Ray has GPUs)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: every one)")
     p.add_argument("--port", type=int_at_least(1, 65535), default=8000, help="HTTP port (default 8000)")
@@ -51,7 +52,7 @@ def serve_options(args: argparse.Namespace):
     except ImportError as e:  # ray[serve], PyAV: the serve extra
         raise ValueError(f"knapray serve needs the serve extra: pip install -e '.[serve]' ({e})") from None
 
-    if args.topology is not None:
+    if args.topology not in (None, "auto"):  # auto: chosen per batch among candidate_topologies
         try:
             Topology.parse(args.topology, args.world_size)
         except ValueError as e:
@@ -61,16 +62,26 @@ def serve_options(args: argparse.Namespace):
                         max_queue=args.max_queue)
 
 
-def check_run(run_dir: str, checkpoint: str | None) -> str:
+def check_run(run_dir: str, checkpoint: str | None, world_size: int = 1, topology: str | None = None) -> str:
     """What ``knapray sample`` checks before loading weights: the run's config, its
-    checkpoint, the corpus record. Returns the checkpoint's path."""
+    checkpoint, the corpus record, and that the model's heads split over every bag the gang
+    may use. Returns the checkpoint's path."""
+    from knapray.distributed.groups import check_heads
     from knapray.driver.run_dir import read_run_config, run_checkpoint
     from knapray.inference.jobs import run_rules
+    from knapray.planning import Topology
+    from knapray.planning.sampling import candidate_topologies, halving_topology
     from knapray.worker.checkpoint import check_checkpoint
 
     cfg = read_run_config(run_dir)
     path = run_checkpoint(run_dir, checkpoint, "serve")
     run_rules(cfg)
+    heads = cfg.model.num_heads
+    for spec in candidate_topologies(topology or halving_topology(world_size, heads), world_size, heads):
+        try:
+            check_heads(heads, Topology.parse(spec, world_size=world_size))
+        except ValueError as e:
+            raise ValueError(f"--topology {spec}: {e}") from None
     check_checkpoint(path)
     return path
 
@@ -104,7 +115,7 @@ def cli(args: argparse.Namespace) -> int:
               f"{args.run} readable there)")
         return 0
     check_local_processes(args.world_size, "knapray serve (embedded Ray)")
-    checkpoint = check_run(args.run, args.checkpoint)
+    checkpoint = check_run(args.run, args.checkpoint, args.world_size, args.topology)
     check_port(args.host, args.port)
 
     import ray

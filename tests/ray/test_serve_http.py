@@ -369,6 +369,7 @@ def test_the_shipped_serve_config_deploys_knapray(tmp_path):
 @pytest.mark.parametrize("argv, names", [
     (["--run", "{missing}"], ["--run", "no config.json"]),
     (["--run", "{run}", "--world-size", "3", "--topology", "g2n1"], ["--topology g2n1", "world size 3"]),
+    (["--run", "{run}", "--world-size", "5", "--topology", "g5n1"], ["--topology g5n1", "heads"]),
     (["--run", "{run}", "--checkpoint", "/nonexistent/step-1"], ["--checkpoint /nonexistent/step-1"]),
     (["--run", "{run}", "--max-batch", "65"], ["--max-batch", "[1, 64]"]),
     (["--run", "{run}", "--world-size", "65"], ["--world-size 65", "at most 64"]),
