@@ -172,13 +172,16 @@ def _rank(rank: int, world: int, port: int, policy: str, loads: list[float], n: 
                 topo = Topology.parse(chosen, world_size=world)
                 for k, i in enumerate(batch):
                     bag_ranks[i] = tuple(topo.bag_ranks(int(plan.bag[k])))
-            best = seconds[stream.kind] / 1.0
+            best = seconds[stream.kind]
             results.append(Served(policy, world, stream.arrival.copy(), start, finish, tuple(bag_ranks), best))
-        if rank == 0:
-            import pickle
+        if rank == 0:  # plain arrays and JSON, read back without unpickling
+            import json
 
-            with open(os.path.join(out, "served.pkl"), "wb") as f:
-                pickle.dump({"served": results, "capacity": capacity, "seconds": seconds}, f)
+            for j, sv in enumerate(results):
+                np.savez(os.path.join(out, f"load{j}.npz"), arrival=sv.arrival, start=sv.start, finish=sv.finish,
+                         best=sv.best, ranks=np.array([list(r) + [-1] * (world - len(r)) for r in sv.ranks]))
+            with open(os.path.join(out, "measured.json"), "w") as f:
+                json.dump({"capacity": capacity, "seconds": seconds.tolist(), "loads": len(results)}, f)
     finally:
         dist.destroy_process_group()
 
@@ -187,12 +190,18 @@ def serve_measured(policy: str, loads: list[float], n: int, seed: int, ranks: in
                    knapray_topology: str | None = None) -> dict:
     """``{"served": [Served per load], "capacity": req/s, "seconds": per kind}`` of ``policy``
     serving ``n`` requests at each load on ``ranks`` local gloo processes."""
-    import pickle
+    import json
 
     from knapray.distributed.local import free_port, spawn_local
 
     topology_of(policy, ranks)  # a bad policy before any process starts
     with tempfile.TemporaryDirectory(prefix="knapray-serve-bench-") as out:
         spawn_local(_rank, (ranks, free_port(), policy, list(loads), n, seed, out, knapray_topology), ranks)
-        with open(os.path.join(out, "served.pkl"), "rb") as f:
-            return pickle.load(f)
+        with open(os.path.join(out, "measured.json")) as f:
+            doc = json.load(f)
+        served = []
+        for j in range(doc["loads"]):
+            with np.load(os.path.join(out, f"load{j}.npz"), allow_pickle=False) as a:
+                bag_ranks = tuple(tuple(int(r) for r in row if r >= 0) for row in a["ranks"])
+                served.append(Served(policy, ranks, a["arrival"], a["start"], a["finish"], bag_ranks, a["best"]))
+    return {"served": served, "capacity": doc["capacity"], "seconds": np.array(doc["seconds"])}

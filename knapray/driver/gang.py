@@ -115,13 +115,12 @@ def _local_device(rank: int) -> int:
 
 
 def _local_rank(rank: int, world: int, port: int, args: tuple, out_dir: str) -> None:
-    import torch
-
     run_dir, checkpoint, ema, topology, device, cfg_parallel, djobs = args
     r = SamplerRank(run_dir, checkpoint, rank, world, topology, device, ema, cfg_parallel)
     r.join("127.0.0.1", port)
     try:
-        torch.save(r.run(djobs, decode=False), os.path.join(out_dir, f"rank{rank}.pt"))
+        # Plain arrays, read back without unpickling (job index -> latent).
+        np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **{str(k): z for k, z in r.run(djobs, decode=False).items()})
     finally:
         r.leave()
 
@@ -129,8 +128,6 @@ def _local_rank(rank: int, world: int, port: int, args: tuple, out_dir: str) -> 
 def sample_local(run_dir: str, checkpoint: str | None, djobs: list, *, world_size: int, topology: str,
                  device: str = "cpu", ema: bool = True, cfg_parallel: bool = True) -> list[np.ndarray]:
     """Latents of ``djobs`` drawn by ``world_size`` local processes on ``topology``."""
-    import torch
-
     from knapray.distributed.local import free_port, spawn_local
 
     with tempfile.TemporaryDirectory(prefix="knapray-sample-") as out:
@@ -138,7 +135,8 @@ def sample_local(run_dir: str, checkpoint: str | None, djobs: list, *, world_siz
         spawn_local(_local_rank, (world_size, free_port(), args, out), world_size)
         got: dict[int, np.ndarray] = {}
         for r in range(world_size):
-            got.update(torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False))
+            with np.load(os.path.join(out, f"rank{r}.npz"), allow_pickle=False) as part:
+                got.update({int(k): part[k] for k in part.files})
     missing = [k for k in range(len(djobs)) if k not in got]
     if missing:
         raise RuntimeError(f"jobs {missing} came back from no rank")

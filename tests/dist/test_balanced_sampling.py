@@ -169,7 +169,7 @@ def test_bad_world_or_topology_is_one_line_before_anything_starts(tmp_path, extr
         assert word in err[0], err
 
 
-@pytest.mark.parametrize("policy, bag", [("knapray", None), ("usp", (0, 1, 2, 3)), ("dp", 1)])
+@pytest.mark.parametrize("policy, bag", [("knapray", None), ("usp", (0, 1, 2, 3))])  # dp: g1n4, topology_of
 def test_the_measured_serving_bench_serves_every_request_once(policy, bag):
     """``knapray bench serve --measure``'s executor: every request of the stream is drawn
     once, after it arrived, on the bags its policy gives it."""

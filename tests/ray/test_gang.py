@@ -78,7 +78,7 @@ def test_a_rank_lost_mid_batch_loses_its_bags_jobs_only(gang, trained):
 
     run, ids = trained
     # Four equal long jobs: one rank each (no communication wins); one rank is killed.
-    jobs = [Job(None, 32, 32, steps=3000, seed=5 + i, like=ids[i]) for i in range(4)]
+    jobs = [Job(None, 32, 32, steps=1500, seed=5 + i, like=ids[i]) for i in range(4)]
     prepared = ray.get(gang.actors[0].prepare.remote(jobs))
     spec, plan = batch_plan(gang.model_cfg, prepared, ["g1n4", "g2n1+g1n2", "g2n2", "g4n1"], 4)
     assert spec == "g1n4", spec
@@ -87,8 +87,8 @@ def test_a_rank_lost_mid_batch_loses_its_bags_jobs_only(gang, trained):
     done: list = []
     t = threading.Thread(target=lambda: done.append(gang.generate(jobs, decode=False)))
     t.start()
-    time.sleep(3.0)
-    assert t.is_alive()  # still drawing the long job
+    time.sleep(2.0)
+    assert t.is_alive()  # still drawing the long jobs
     ray.kill(gang.actors[victim])
     t.join(timeout=120)
     (results,) = done
