@@ -98,21 +98,19 @@ def _job(cfg, kind: CpuKind, seed: int):
 
 
 def _calibrate(model) -> np.ndarray:
-    """Seconds of every kind alone on this rank (the faster of two runs)."""
-    import torch
-
+    """Seconds of every kind alone on this rank (the faster of two runs): a world of one
+    rank, no group, the model run as ``sample_latents`` runs it."""
     from knapray.planning import Topology
-    from knapray.worker.denoise import SamplingGroups, _run_bag
+    from knapray.worker.denoise import SamplingGroups, denoise_rank
 
-    groups = SamplingGroups(Topology((1,)), 0, 0, None, None)
+    alone = SamplingGroups(Topology((1,)), rank=0, bag=0, whole=None, half=None)
     out = []
     for k, kind in enumerate(CPU_MIX):
         job = _job(model.cfg, kind, k)
         best = float("inf")
         for _ in range(2):
             t = time.perf_counter()
-            with torch.no_grad():
-                _run_bag(model, [job], [0], groups, False, None)
+            denoise_rank(model, [job], alone, cfg_parallel=False)
             best = min(best, time.perf_counter() - t)
         out.append(best)
     return np.array(out)

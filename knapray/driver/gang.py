@@ -47,8 +47,10 @@ class SamplerRank:
         from knapray.planning.sampling import candidate_topologies
         from knapray.worker.denoise import SamplingGroups
 
-        torch.set_num_threads(1) if self.device == "cpu" else None
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo") if address in ("127.0.0.1", "localhost") else None
+        if self.device == "cpu":  # ranks share the cores
+            torch.set_num_threads(1)
+        if address in ("127.0.0.1", "localhost"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         dist.init_process_group("nccl" if self.device.startswith("cuda") else "gloo",
                                 init_method=f"tcp://{address}:{port}", rank=self.rank, world_size=self.world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from knapray.limits import MAX_IMAGE_SIDE, MAX_SEED, MAX_STEPS, MAX_TEXT_LENGTH
 
 MAX_GUIDANCE = 100.0
-"""Largest guidance scale a job may ask for (classifier-free, or FLUX.1-dev's input)."""
+"""Largest guidance scale (classifier-free, or FLUX.1-dev's input) and timestep shift a job may ask for."""
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,6 @@ class RunRules:
     """The model's patch (height, width)."""
     text_encoder: bool
     """Whether captions can be encoded (the corpus records a text encoder)."""
-    max_text_tokens: int = 256
 
     @property
     def multiple(self) -> tuple[int, int]:
@@ -74,7 +73,7 @@ class RunRules:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
             ok = ok and (value > 0 if lo is None else lo <= value) and value <= MAX_GUIDANCE
             if not ok:
-                what = "> 0" if lo is None else f"in [{lo:g}, {MAX_GUIDANCE:g}]"
+                what = f"in (0, {MAX_GUIDANCE:g}]" if lo is None else f"in [{lo:g}, {MAX_GUIDANCE:g}]"
                 raise ValueError(f"{name}: {value!r}; a number {what}")
         try:
             check_sizes([(job.width, job.height)], job.frames, self.down, self.patch)
@@ -82,11 +81,11 @@ class RunRules:
             raise ValueError(str(e).replace("--size ", "width x height ").replace("--frames", "frames")) from None
 
 
-def run_rules(cfg, max_text_tokens: int = 256) -> RunRules:
+def run_rules(cfg) -> RunRules:
     """The ``RunRules`` of a run's config (its corpus's schema.json read, nothing else)."""
     from knapray.inference.conditioning import TEXT_ENCODERS, corpus_records
 
     text_rec, _, dims = corpus_records(cfg.data.corpus)
     _, ph, pw = cfg.model.patch_size
     return RunRules(down=int(dims.get("vae_downsample", 8)), patch=(int(ph), int(pw)),
-                    text_encoder=text_rec.get("class") in TEXT_ENCODERS, max_text_tokens=max_text_tokens)
+                    text_encoder=text_rec.get("class") in TEXT_ENCODERS)

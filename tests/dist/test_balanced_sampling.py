@@ -184,4 +184,4 @@ def test_the_measured_serving_bench_serves_every_request_once(policy, bag):
     elif bag is not None:
         assert all(r == bag for r in s.ranks)
     else:
-        assert {len(r) for r in s.ranks} <= {1, 2, 4}  # a batch on one of the candidate topologies
+        assert {len(r) for r in s.ranks} <= {1, 2}  # the gang's default bags, g2n1+g1n2

@@ -75,3 +75,22 @@ def test_sample_and_export_read_a_damaged_config_json_in_one_line(command, damag
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
     assert str(run / "config.json") in err[0] and needle in err[0], err[0]
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("shift", 500.0, "shift: 500.0; a number in (0, 100]"),
+    ("shift", 0.0, "shift: 0.0; a number in (0, 100]"),
+    ("guidance", -1.0, "guidance: -1.0; a number in [0, 100]"),
+    ("steps", 0, "steps: 0; an integer in [1, "),
+])
+def test_a_job_out_of_bounds_names_the_field_and_its_range(field, value, words):
+    """What ``knapray serve`` answers a bad request with (``inference.jobs.RunRules``)."""
+    from dataclasses import replace
+
+    from knapray.inference.jobs import Job, RunRules
+
+    rules = RunRules(down=8, patch=(2, 2), text_encoder=False)
+    rules.check(Job(None, 64, 64, shift=2.0, guidance=3.0))  # in bounds: no error
+    with pytest.raises(ValueError) as e:
+        rules.check(replace(Job(None, 64, 64), **{field: value}))
+    assert str(e.value).startswith(words), str(e.value)
