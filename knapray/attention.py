@@ -276,6 +276,14 @@ def _bounds(cu_seqlens: torch.Tensor, n_tokens: int) -> list[int]:
     return bounds
 
 
+def _host_bounds(seq_lens: Sequence[int], n_tokens: int) -> list[int]:
+    """``_bounds`` from the host's lengths: no tensor made, nothing read back."""
+    bounds = [0, *np.cumsum(seq_lens, dtype=np.int64).tolist()]
+    if bounds[-1] != n_tokens or min(seq_lens, default=0) < 0:
+        raise ValueError(f"seq_lens must be non-negative and sum to N={n_tokens}, got {list(seq_lens)[:8]}")
+    return bounds
+
+
 def _empty_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     # (0, H, D). Built from q, k, v rather than torch.empty so the output stays in the
     # autograd graph: backward must reach the collectives that produced q, k, v on every
@@ -289,8 +297,7 @@ def _sdpa_varlen(
 ) -> torch.Tensor:
     n_tokens, n_heads, head_dim = q.shape
     # The host's lengths when given: reading cu_seqlens back from a GPU would wait for it.
-    bounds = _bounds(cu_seqlens, n_tokens) if seq_lens is None else \
-        _bounds(torch.tensor([0, *np.cumsum(seq_lens, dtype=np.int64).tolist()]), n_tokens)
+    bounds = _bounds(cu_seqlens, n_tokens) if seq_lens is None else _host_bounds(seq_lens, n_tokens)
     # Runs of adjacent sequences of one length: each is a view (B, L, H, D) of the packed
     # rows, so SDPA reads q, k, v in place (no gathered copies to save for backward), and
     # the runs' outputs, in order, are the packed output.

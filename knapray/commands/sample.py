@@ -36,11 +36,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from knapray.inference.conditioning import TEXT_ENCODERS, corpus_codecs, corpus_records, corpus_text
-from knapray.inference.images import preview, save_grid
+from knapray.inference.conditioning import TEXT_ENCODERS, corpus_records
+from knapray.inference.images import save_grid
+from knapray.inference.prepare import default_guidance
 from knapray.inference.requests import Request, check_sizes, pair_requests, parse_size
-from knapray.driver.trained import load_weights, read_run
-from knapray.models.sampling import embeds_guidance, request_shifts, sample_latents
+from knapray.driver.trained import read_run
 
 # The registry imports this module only for `knapray sample` itself (knapray.models, and
 # so torch, comes with it); `knapray --help` and the planning commands never load it.
@@ -105,44 +105,46 @@ def _topology(args: argparse.Namespace, cfg: Any) -> str | None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    """The requests drawn by one process (``--world-size 1``) or N local ones, planned over
+    bags (``driver.gang.sample_local``: rank 0 encodes the captions together and frees its
+    encoder, every rank loads the model in the compute dtype, each bag's lead decodes its
+    own requests), then the grid as one process draws it."""
     import torch
 
-    from knapray.corpus.unconditional import unconditional_embeddings
+    from knapray.driver.gang import LocalSampling, sample_local
+    from knapray.inference.jobs import Job
+    from knapray.models.sampling import config_shifts
 
     plan = plan_sampling(args)  # every argument checked before anything loads
     cfg = plan.cfg
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dims = corpus_records(cfg.data.corpus)[2]
+    down, pt = int(dims.get("vae_downsample", 8)), cfg.model.patch_size[0]
+    jobs = [Job(caption=r.caption, width=r.width, height=r.height, frames=r.frames, steps=args.steps,
+                guidance=args.guidance, shift=args.shift, seed=args.seed, like=r.like) for r in plan.requests]
+    world = getattr(args, "world_size", 1)
+    what = LocalSampling(run_dir=args.run, checkpoint=args.checkpoint, jobs=jobs, topology=plan.topology or "g1n1",
+                         device=device, ema=not args.no_ema, cfg_parallel=not args.no_cfg_parallel,
+                         precision=args.precision, compile={"auto": None, "on": True, "off": False}[args.compile],
+                         seed=args.seed, max_text_tokens=args.max_text_tokens)
+    got = sample_local(what, world)
+    _save_latents(args, got.latents)
+    titles = [f"{r.caption or (f'like sample {r.like}' if r.like is not None else 'unconditional')}\n"
+              f"{r.width}x{r.height}" for r in plan.requests]
+    shapes = [(r.frames * pt, r.height // down, r.width // down) for r in plan.requests]
+    report = {"out": save_grid(args.out, got.frames, titles), "checkpoint": plan.checkpoint, "ema": got.ema,
+              "requests": len(got.frames), "family": cfg.model.family,
+              "guidance": args.guidance if args.guidance is not None else default_guidance(cfg.model),
+              "shifts": config_shifts(cfg.model, shapes, args.shift), "shapes": [list(f.shape) for f in got.frames],
+              "decoder": _decoder_name(cfg), "recompiles": got.recompiles}
     if plan.topology is not None:
-        return _run_ranks(args, plan, device)
-    conds = []
-    for r in plan.requests:  # --like ids first: they only read the corpus
-        if r.like is not None:
-            conds.append(corpus_text(cfg.data.corpus, r.like, cfg.model.text_dim, cfg.model.pooled_dim))
-        else:
-            conds.append(None)
-    model, used_ema = load_weights(cfg, plan.checkpoint, ema=not args.no_ema, device=device)
-    text_encoder, decoder, dims = corpus_codecs(cfg.data.corpus, device)
-    unconditional = unconditional_embeddings(cfg.data.corpus, cfg.model.text_dim, cfg.model.pooled_dim)
-    guidance = args.guidance if args.guidance is not None else (3.5 if embeds_guidance(model) else 1.0)
-    down = int(dims.get("vae_downsample", 8))
-    pt = cfg.model.patch_size[0]
-    shapes, titles = [], []
-    for i, r in enumerate(plan.requests):
-        if r.caption is not None:
-            conds[i] = text_encoder.encode(r.caption, args.max_text_tokens)
-        elif r.like is None:
-            conds[i] = unconditional
-        shapes.append((r.frames * pt, r.height // down, r.width // down))
-        what = r.caption or (f"like sample {r.like}" if r.like is not None else "unconditional")
-        titles.append(f"{what}\n{r.width}x{r.height}")
-    latents = sample_latents(model, conds, shapes, steps=args.steps, seed=args.seed, guidance=guidance,
-                             shift=args.shift, unconditional=unconditional)
-    _save_latents(args, latents)
-    images = [decoder.decode(z) if decoder is not None else preview(z) for z in latents]
-    out = save_grid(args.out, images, titles)
-    return {"out": out, "checkpoint": plan.checkpoint, "ema": used_ema, "requests": len(images),
-            "family": cfg.model.family, "guidance": guidance, "shifts": request_shifts(model, shapes, args.shift),
-            "shapes": [list(im.shape) for im in images], "decoder": type(decoder).__name__ if decoder else "preview"}
+        report.update(world_size=world, topology=got.topology, bags=got.bags)
+    return report
+
+
+def _decoder_name(cfg) -> str:
+    latent_rec = corpus_records(cfg.data.corpus)[1]
+    return "DiffusersVAE" if "path" in latent_rec else latent_rec.get("class") or "preview"
 
 
 def _save_latents(args: argparse.Namespace, latents: list) -> None:
@@ -150,44 +152,6 @@ def _save_latents(args: argparse.Namespace, latents: list) -> None:
         import numpy as np
 
         np.savez(args.latents, **{f"request_{i}": z for i, z in enumerate(latents)})
-
-
-def _run_ranks(args: argparse.Namespace, plan: SamplePlan, device: str) -> dict:
-    """``--world-size N``: the requests planned over the bags of ``plan.topology`` and drawn
-    by N local processes (``driver.gang.sample_local``); the grid as one process draws it."""
-    from knapray.corpus.unconditional import unconditional_embeddings
-    from knapray.driver.gang import sample_local
-    from knapray.inference.jobs import Job
-    from knapray.inference.prepare import default_guidance, denoise_jobs
-    from knapray.models.sampling import config_shifts
-    from knapray.planning.sampling import candidate_topologies
-    from knapray.worker.checkpoint import saved_keys
-    from knapray.worker.denoise import batch_plan
-
-    cfg = plan.cfg
-    text_encoder, decoder, dims = corpus_codecs(cfg.data.corpus, "cpu")
-    unconditional = unconditional_embeddings(cfg.data.corpus, cfg.model.text_dim, cfg.model.pooled_dim)
-    guidance = args.guidance if args.guidance is not None else default_guidance(cfg.model)
-    down = int(dims.get("vae_downsample", 8))
-    jobs = [Job(caption=r.caption, width=r.width, height=r.height, frames=r.frames, steps=args.steps,
-                guidance=guidance, shift=args.shift, seed=args.seed, like=r.like) for r in plan.requests]
-    djobs = denoise_jobs(cfg, jobs, text_encoder, unconditional, down=down, shared_seed=args.seed,
-                         max_text_tokens=args.max_text_tokens)
-    latents = sample_local(args.run, args.checkpoint, djobs, world_size=args.world_size, topology=plan.topology,
-                           device=device, ema=not args.no_ema, cfg_parallel=not args.no_cfg_parallel)
-    specs = candidate_topologies(plan.topology, args.world_size, cfg.model.num_heads)
-    chosen, job_plan = batch_plan(cfg.model, djobs, specs, args.world_size)  # what the ranks chose
-    _save_latents(args, latents)
-    images = [decoder.decode(z) if decoder is not None else preview(z) for z in latents]
-    titles = [f"{r.caption or (f'like sample {r.like}' if r.like is not None else 'unconditional')}\n"
-              f"{r.width}x{r.height}" for r in plan.requests]
-    shapes = [tuple(z.shape[1:]) for z in latents]
-    return {"out": save_grid(args.out, images, titles), "checkpoint": plan.checkpoint,
-            "ema": not args.no_ema and any(k.startswith("ema.") for k in saved_keys(plan.checkpoint)),
-            "requests": len(images), "family": cfg.model.family, "guidance": guidance,
-            "shifts": config_shifts(cfg.model, shapes, args.shift), "shapes": [list(im.shape) for im in images],
-            "decoder": type(decoder).__name__ if decoder else "preview", "world_size": args.world_size,
-            "topology": chosen, "bags": job_plan.bag.tolist()}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -218,6 +182,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topology", default=None,
                    help="bags of --world-size N (default: halving bags, 4 ranks: g2n1+g1n2), or auto: for each "
                    "batch the candidate of least predicted time, from one rank per bag to one bag of all")
+    p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="compute dtype of the model's weights and blocks (auto: bf16 on a GPU, fp32 on the CPU); "
+                   "the latents and the Euler update are fp32 always")
+    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                   help="torch.compile the blocks (auto: on a GPU)")
     p.add_argument("--no-cfg-parallel", action="store_true",
                    help="guided requests run both passes over their whole bag (default: on two halves of an even bag)")
     p.add_argument("--out", default="samples.png", help="PNG grid to write (default samples.png)")

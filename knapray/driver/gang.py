@@ -2,10 +2,22 @@
 jobs together (``worker.denoise``): local processes for ``knapray sample --world-size N``
 (``sample_local``), Ray actors for ``knapray serve`` (``Gang``). gloo on CPUs, NCCL on GPUs.
 
-Rank 0 resolves a batch (captions encoded, noise drawn: ``inference.prepare``); every
-rank plans it the same way; each bag's lead decodes its own jobs' latents. A rank that dies
+Where things live (the placement ``knapray dryrun --sample`` counts):
+
+- the transformer on every rank, in the compute dtype (bf16 on a GPU, cast once: no fp32
+  copy), compiled and warmed up on start (``worker.denoise.prepare_model``, ``warm_up``);
+- the text encoder on rank 0 only, in bf16 on a GPU: it encodes a batch's captions in one
+  call (``inference.prepare.resolve_jobs``). ``encoders``: ``keep`` (resident: serving),
+  ``offload`` (on the host between batches, on the device only to encode), ``free``
+  (``knapray sample``: encode first, free it, then the transformer loads);
+- the VAE on every bag's lead, which decodes its own jobs.
+
+Every rank plans a batch the same way; each bag's lead returns its jobs. A rank that dies
 mid-batch loses the jobs of its bag only: the other bags never talk to it, and the gang
-marks those jobs ``lost`` for the caller to retry on a restarted gang.
+marks those jobs ``lost`` for the caller to retry on a restarted gang. A rank that stops
+answering (stuck in a collective with a partner that never comes) is noticed the same way:
+every rank reports its steps as it takes them, and a bag whose ranks report nothing for
+``timeout_s`` is lost (its process group's collectives time out after as long).
 """
 
 from __future__ import annotations
@@ -13,6 +25,7 @@ from __future__ import annotations
 import functools
 import os
 import tempfile
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,24 +34,57 @@ import numpy as np
 from knapray.inference.jobs import Job, RunRules
 from knapray.planning.sampling import halving_topology
 
+ENCODER_POLICIES = ("keep", "offload", "free")
+DEFAULT_TIMEOUT_S = 300.0
+"""How long a gang waits for a rank that reports no step (and a collective for a partner)."""
+
 
 class SamplerRank:
-    """One rank: the run's model (loaded once), its codecs, and its sampling groups."""
+    """One rank: the run's model (loaded once by ``load``), its codecs, its sampling groups."""
 
     def __init__(self, run_dir: str, checkpoint: str | None, rank: int, world_size: int, topology: str,
-                 device: str = "cpu", ema: bool = True, cfg_parallel: bool = True) -> None:
-        from knapray.driver.trained import load_weights, read_run
+                 device: str = "cpu", ema: bool = True, cfg_parallel: bool = True, *, precision: str = "auto",
+                 compile: bool | None = None, encoders: str = "keep", load: bool = True) -> None:
+        from knapray.driver.trained import read_run
         from knapray.worker.checkpoint import check_checkpoint
 
+        if encoders not in ENCODER_POLICIES:
+            raise ValueError(f"encoders must be one of {list(ENCODER_POLICIES)}, got {encoders!r}")
         self.rank, self.world_size, self.spec = rank, world_size, topology
-        self.cfg_parallel = cfg_parallel
+        self.cfg_parallel, self.ema_wanted, self.precision, self.compile = cfg_parallel, ema, precision, compile
+        self.encoders = encoders
         self.device = f"cuda:{_local_device(rank)}" if device.startswith("cuda") else device
-        self.cfg, ckpt = read_run(run_dir, checkpoint)
-        check_checkpoint(ckpt)
-        self.model, self.ema = load_weights(self.cfg, ckpt, ema=ema, device=self.device)
-        self.groups = None
+        if self.device.startswith("cuda"):
+            import torch
 
-    def join(self, address: str, port: int, timeout_s: float = 120.0) -> None:
+            torch.cuda.set_device(self.device)  # collectives and current-device tensors (Wan) land here
+        self.cfg, self.checkpoint = read_run(run_dir, checkpoint)
+        check_checkpoint(self.checkpoint)
+        self.model = self.parallel = self.ema = None
+        self.groups = None
+        self.steps_done, self.last_step_at = 0, time.monotonic()
+        """Steps this rank has taken (every rank of a bag takes its bag's), and when the last was."""
+        self._text: Any = None
+        if load:
+            self.load()
+
+    def load(self) -> None:
+        """The model, in the compute dtype, on the rank's device; compiled and warmed up
+        where compiled (a first batch then compiles nothing)."""
+        from knapray.driver.trained import load_weights
+        from knapray.worker.denoise import prepare_model, warm_up
+        from knapray.worker.parallelize import compute_dtype
+
+        dtype = compute_dtype(self.precision, self.device)
+        self.model, self.ema = load_weights(self.cfg, self.checkpoint, ema=self.ema_wanted, device=self.device,
+                                            dtype=dtype)
+        self.parallel = prepare_model(self.model, self.device, precision=self.precision, compile=self.compile)
+        if self.parallel.compile_stats is not None:
+            warm_up(self.model)
+
+    def join(self, address: str, port: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        """The world's process group (its collectives give up after ``timeout_s``) and every
+        candidate topology's groups, made once for the gang's life."""
         import datetime
 
         import torch
@@ -54,46 +100,82 @@ class SamplerRank:
         dist.init_process_group("nccl" if self.device.startswith("cuda") else "gloo",
                                 init_method=f"tcp://{address}:{port}", rank=self.rank, world_size=self.world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-        specs = candidate_topologies(self.spec, self.world_size, self.model.cfg.num_heads)
+        specs = candidate_topologies(self.spec, self.world_size, self.cfg.model.num_heads)
         self.groups = SamplingGroups.build_all(specs, self.world_size, self.rank)
 
+    # ---- codecs: the text encoder on rank 0, the VAE on the leads -------------------------
+
+    def text_encoder(self) -> Any:
+        """The corpus's text encoder on this rank's device (built on first use)."""
+        from knapray.inference.conditioning import corpus_text_encoder
+
+        if self._text is None:
+            self._text = corpus_text_encoder(self.cfg.data.corpus, self.device)
+        elif self.encoders == "offload":
+            _move(self._text, self.device)
+        return self._text
+
+    def release_text_encoder(self) -> None:
+        """After a batch's captions: per the ``encoders`` policy, kept, moved to the host, or freed."""
+        if self._text is None or self.encoders == "keep":
+            return
+        if self.encoders == "offload":
+            _move(self._text, "cpu")
+        else:
+            self._text = None
+        _empty_cache(self.device)
+
     @functools.cached_property
-    def codecs(self) -> tuple[Any, Any, dict, tuple[np.ndarray, np.ndarray]]:
+    def decoder(self) -> Any:
+        from knapray.inference.conditioning import corpus_decoder
+
+        return corpus_decoder(self.cfg.data.corpus, self.device)
+
+    @functools.cached_property
+    def unconditional(self) -> tuple[np.ndarray, np.ndarray]:
         from knapray.corpus.unconditional import unconditional_embeddings
-        from knapray.inference.conditioning import corpus_codecs
 
         m = self.cfg.model
-        text, decoder, dims = corpus_codecs(self.cfg.data.corpus, self.device)
-        return text, decoder, dims, unconditional_embeddings(self.cfg.data.corpus, m.text_dim, m.pooled_dim)
+        return unconditional_embeddings(self.cfg.data.corpus, m.text_dim, m.pooled_dim)
 
-    def prepare(self, jobs: list[Job], max_text_tokens: int = 256) -> list:
-        """Each job's ``DenoiseJob``, or the error (a string) that rules it out."""
-        from knapray.inference.prepare import denoise_jobs
+    def prepare(self, jobs: list[Job], max_text_tokens: int = 256, shared_seed: int | None = None) -> list:
+        """Each job's ``DenoiseJob``, or the error (a string) that rules it out; the batch's
+        captions encoded in one call, on this rank's device."""
+        from knapray.inference.conditioning import corpus_records
+        from knapray.inference.prepare import resolve_jobs
 
-        text, _, dims, uncond = self.codecs
-        out: list = []
-        for job in jobs:
-            try:
-                (dj,) = denoise_jobs(self.cfg, [job], text, uncond, down=int(dims.get("vae_downsample", 8)),
-                                     max_text_tokens=max_text_tokens)
-                out.append(dj)
-            except ValueError as e:
-                out.append(str(e))
-        return out
+        down = int(corpus_records(self.cfg.data.corpus)[2].get("vae_downsample", 8))
+        text = self.text_encoder() if any(j.caption is not None for j in jobs) else None
+        try:
+            return resolve_jobs(self.cfg, jobs, text, self.unconditional, down=down, shared_seed=shared_seed,
+                                max_text_tokens=max_text_tokens)
+        finally:
+            self.release_text_encoder()
+
+    # ---- a batch ------------------------------------------------------------------------------
 
     def run(self, djobs: list, decode: bool = True) -> dict[int, np.ndarray]:
         """This rank's part of the batch: the latents (``decode``: pictures (T, H, W, 3)
         uint8) of the jobs of the bag it leads."""
         from knapray.worker.denoise import denoise_rank
 
-        latents = denoise_rank(self.model, djobs, self.groups, cfg_parallel=self.cfg_parallel)
+        self.last_step_at = time.monotonic()  # a batch starts: idle time between batches is no stall
+        latents = denoise_rank(self.model, djobs, self.groups, cfg_parallel=self.cfg_parallel, on_step=self._tick)
         return {k: self.picture(z) for k, z in latents.items()} if decode else latents
+
+    def _tick(self, step: int) -> None:
+        self.steps_done += 1
+        self.last_step_at = time.monotonic()
+
+    def progress(self) -> tuple[int, float]:
+        """(steps taken, seconds since the last): answered while ``run`` is busy (the actor
+        runs two calls at once)."""
+        return self.steps_done, time.monotonic() - self.last_step_at
 
     def picture(self, latent: np.ndarray) -> np.ndarray:
         from knapray.inference.images import preview
 
-        decoder = self.codecs[1]
-        return decoder.decode(latent) if decoder is not None else preview(latent)
+        return self.decoder.decode(latent) if self.decoder is not None else preview(latent)
 
     def node_address(self) -> str:
         import ray
@@ -107,6 +189,22 @@ class SamplerRank:
             dist.destroy_process_group()
 
 
+def _move(encoder: Any, device: str) -> None:
+    """A text encoder's models to ``device`` (the hash stand-in has none)."""
+    for name in ("text", "pooled_model"):
+        holder = getattr(encoder, name, None)
+        if holder is not None and hasattr(holder, "model"):
+            holder.model.to(device)
+            holder.device = device
+
+
+def _empty_cache(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
+
+
 def _local_device(rank: int) -> int:
     """The CUDA device of a rank: the one Ray gave the process, or the rank's own."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -116,33 +214,108 @@ def _local_device(rank: int) -> int:
 # ---- local processes: knapray sample --world-size N ----------------------------------------
 
 
-def _local_rank(rank: int, world: int, port: int, args: tuple, out_dir: str) -> None:
-    run_dir, checkpoint, ema, topology, device, cfg_parallel, djobs = args
-    r = SamplerRank(run_dir, checkpoint, rank, world, topology, device, ema, cfg_parallel)
-    r.join("127.0.0.1", port)
+@dataclass(frozen=True)
+class LocalSampling:
+    """What ``sample_local`` hands its ranks (picklable)."""
+
+    run_dir: str
+    checkpoint: str | None
+    jobs: list
+    """``Job``s, resolved by rank 0 (its text encoder on its device), or ``DenoiseJob``s."""
+    topology: str
+    device: str = "cpu"
+    ema: bool = True
+    cfg_parallel: bool = True
+    precision: str = "auto"
+    compile: bool | None = None
+    seed: int | None = None
+    """The shared noise seed of the batch (``knapray sample``'s ``--seed``)."""
+    max_text_tokens: int = 256
+    decode: bool = True
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+
+def _local_rank(rank: int, world: int, port: int | None, what: LocalSampling, out_dir: str) -> None:
+    """One rank of ``sample_local`` (``port`` None: the only one, in this process, no group)."""
+    import json
+
+    from knapray.models.sampling import DenoiseJob
+    from knapray.planning.sampling import candidate_topologies
+    from knapray.worker.denoise import SamplingGroups, batch_plan
+
+    r = SamplerRank(what.run_dir, what.checkpoint, rank, world, what.topology, what.device, what.ema,
+                    what.cfg_parallel, precision=what.precision, compile=what.compile, encoders="free", load=False)
+    if port is None:
+        r.groups = {what.topology: SamplingGroups.alone()}
+    else:
+        r.join("127.0.0.1", port, what.timeout_s)
     try:
-        # Plain arrays, read back without unpickling (job index -> latent).
-        np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **{str(k): z for k, z in r.run(djobs, decode=False).items()})
+        box = [None]
+        if rank == 0:  # the batch's captions encoded on rank 0's device, then the encoder freed
+            box = [what.jobs if all(isinstance(j, DenoiseJob) for j in what.jobs) else
+                   r.prepare(what.jobs, what.max_text_tokens, shared_seed=what.seed)]
+        if port is not None:
+            import torch.distributed as dist
+
+            dist.broadcast_object_list(box, src=0)
+        djobs = box[0]
+        errors = [d for d in djobs if isinstance(d, str)]
+        if errors:
+            raise ValueError(errors[0])
+        r.load()
+        latents = r.run(djobs, decode=False)
+        # Plain arrays, read back without unpickling (job index -> latent, and its pictures).
+        arrays = {f"latent_{k}": z for k, z in latents.items()}
+        if what.decode:
+            arrays.update({f"frames_{k}": r.picture(z) for k, z in latents.items()})
+        np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **arrays)
+        if rank == 0:
+            specs = candidate_topologies(what.topology, world, r.cfg.model.num_heads)
+            chosen, plan = batch_plan(r.cfg.model, djobs, specs, world)  # what every rank chose
+            with open(os.path.join(out_dir, "plan.json"), "w") as f:
+                json.dump({"topology": chosen, "bags": plan.bag.tolist(), "tokens": [j.tokens for j in djobs],
+                           "recompiles": r.parallel.recompiles, "ema": bool(r.ema)}, f)
     finally:
         r.leave()
 
 
-def sample_local(run_dir: str, checkpoint: str | None, djobs: list, *, world_size: int, topology: str,
-                 device: str = "cpu", ema: bool = True, cfg_parallel: bool = True) -> list[np.ndarray]:
-    """Latents of ``djobs`` drawn by ``world_size`` local processes on ``topology``."""
+@dataclass
+class LocalResult:
+    latents: list[np.ndarray]
+    """(C, T, H, W) per job."""
+    frames: list[np.ndarray] | None
+    """(T, H, W, 3) uint8 per job, decoded by its bag's lead (None: not decoded)."""
+    topology: str
+    bags: list[int]
+    recompiles: int
+    ema: bool
+    """Drawn with the checkpoint's EMA weights."""
+
+
+def sample_local(what: LocalSampling, world_size: int) -> LocalResult:
+    """``what.jobs`` drawn by ``world_size`` local processes on ``what.topology`` (one: this process)."""
+    import json
+
     from knapray.distributed.local import free_port, spawn_local
 
     with tempfile.TemporaryDirectory(prefix="knapray-sample-") as out:
-        args = (run_dir, checkpoint, ema, topology, device, cfg_parallel, djobs)
-        spawn_local(_local_rank, (world_size, free_port(), args, out), world_size)
-        got: dict[int, np.ndarray] = {}
+        if world_size == 1:  # this process, no process group
+            _local_rank(0, 1, None, what, out)
+        else:
+            spawn_local(_local_rank, (world_size, free_port(), what, out), world_size)
+        got: dict[str, np.ndarray] = {}
         for r in range(world_size):
             with np.load(os.path.join(out, f"rank{r}.npz"), allow_pickle=False) as part:
-                got.update({int(k): part[k] for k in part.files})
-    missing = [k for k in range(len(djobs)) if k not in got]
+                got.update({k: part[k] for k in part.files})
+        with open(os.path.join(out, "plan.json")) as f:
+            plan = json.load(f)
+    n = len(what.jobs)
+    missing = [k for k in range(n) if f"latent_{k}" not in got]
     if missing:
         raise RuntimeError(f"jobs {missing} came back from no rank")
-    return [got[k] for k in range(len(djobs))]
+    frames = [got[f"frames_{k}"] for k in range(n)] if what.decode else None
+    return LocalResult([got[f"latent_{k}"] for k in range(n)], frames, plan["topology"], plan["bags"],
+                       int(plan["recompiles"]), bool(plan["ema"]))
 
 
 # ---- Ray actors: knapray serve -------------------------------------------------------------
@@ -163,7 +336,8 @@ class JobResult:
 def _actor_class():
     import ray
 
-    return ray.remote(SamplerRank)
+    # Two calls at once: ``progress`` answers while ``run`` draws a batch.
+    return ray.remote(max_concurrency=2)(SamplerRank)
 
 
 @dataclass
@@ -180,6 +354,10 @@ class Gang:
     device: str = "cpu"
     checkpoint: str | None = None
     cfg_parallel: bool = True
+    precision: str = "auto"
+    compile: bool | None = None
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    """A bag whose ranks take no step for this long is lost (and a collective gives up after it)."""
     actors: list = field(default_factory=list)
     broken: bool = False
     """A rank failed: the next batch starts a new gang first."""
@@ -188,7 +366,8 @@ class Gang:
 
     @classmethod
     def start(cls, run_dir: str, world_size: int, *, topology: str | None = None, device: str = "cpu",
-              checkpoint: str | None = None, cfg_parallel: bool = True) -> "Gang":
+              checkpoint: str | None = None, cfg_parallel: bool = True, precision: str = "auto",
+              compile: bool | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> "Gang":
         from knapray.driver.trained import read_run
         from knapray.distributed.groups import check_heads
         from knapray.inference.jobs import run_rules
@@ -201,7 +380,8 @@ class Gang:
         spec = topology or halving_topology(world_size, cfg.model.num_heads)
         for one in candidate_topologies(spec, world_size, cfg.model.num_heads):
             check_heads(cfg.model.num_heads, Topology.parse(one, world_size=world_size))
-        gang = cls(run_dir, world_size, spec, run_rules(cfg), cfg.model, device, checkpoint, cfg_parallel)
+        gang = cls(run_dir, world_size, spec, run_rules(cfg), cfg.model, device, checkpoint, cfg_parallel, precision,
+                   compile, timeout_s)
         gang._spawn()
         return gang
 
@@ -213,10 +393,13 @@ class Gang:
         gpu = self.device.startswith("cuda")
         cls = _actor_class().options(num_gpus=1 if gpu else 0, num_cpus=0 if not gpu else 1)
         self.actors = [cls.remote(self.run_dir, self.checkpoint, r, self.world_size, self.topology, self.device,
-                                  True, self.cfg_parallel) for r in range(self.world_size)]
+                                  True, self.cfg_parallel, precision=self.precision, compile=self.compile,
+                                  load=False)
+                       for r in range(self.world_size)]
         address = "127.0.0.1" if not gpu else ray.get(self.actors[0].node_address.remote())
         port = free_port()
-        ray.get([a.join.remote(address, port) for a in self.actors])
+        ray.get([a.join.remote(address, port, self.timeout_s) for a in self.actors])
+        ray.get([a.load.remote() for a in self.actors])
         self.broken = False
 
     def generate(self, jobs: list[Job], decode: bool = True) -> list[JobResult]:
@@ -241,8 +424,8 @@ class Gang:
         if self.broken:
             self.restart()
         try:
-            prepared = ray.get(self.actors[0].prepare.remote([jobs[i] for i in checked]))
-        except ray.exceptions.RayError as e:
+            prepared = ray.get(self.actors[0].prepare.remote([jobs[i] for i in checked]), timeout=self.timeout_s)
+        except (ray.exceptions.RayError, TimeoutError) as e:
             self.broken = True
             for i in checked:
                 results[i] = JobResult(error=f"the gang's rank 0 failed: {type(e).__name__}", lost=True)
@@ -270,23 +453,46 @@ class Gang:
                 results[i].latent = pictures[k]
         return results
 
+    POLL_S = 1.0
+    """How often a batch's pending ranks are asked for their progress."""
+
     def _collect(self, refs: list, topo) -> tuple[dict[int, np.ndarray], set[int]]:
-        """Every rank's results as they come; a rank that fails fails its bag, whose other
-        ranks (stuck in a collective with it) are not waited for: the gang is then
-        ``broken`` and restarts before its next batch."""
+        """Every rank's results as they come; a rank that fails, or whose bag takes no step
+        for ``timeout_s``, fails its bag, whose other ranks (stuck in a collective with it)
+        are not waited for: the gang is then ``broken`` and restarts before its next batch."""
         import ray
 
         bag_of = {ref: int(topo.bag_of_rank[r]) for r, ref in enumerate(refs)}
+        actor_of = dict(zip(refs, self.actors))
         pending, pictures, lost = list(refs), {}, set()
         while pending:
-            (ref,), pending = ray.wait(pending, num_returns=1)
-            try:
-                pictures.update(ray.get(ref))
-            except ray.exceptions.RayError:
-                lost.add(bag_of[ref])
-                pending = [p for p in pending if bag_of[p] not in lost]
+            ready, pending = ray.wait(pending, num_returns=1, timeout=min(self.POLL_S, self.timeout_s))
+            for ref in ready:
+                try:
+                    pictures.update(ray.get(ref))
+                except ray.exceptions.RayError:
+                    lost.add(bag_of[ref])
+            if not ready:
+                lost |= self._stalled_bags(pending, bag_of, actor_of)
+            pending = [p for p in pending if bag_of[p] not in lost]
         self.broken = self.broken or bool(lost)
         return pictures, lost
+
+    def _stalled_bags(self, pending: list, bag_of: dict, actor_of: dict) -> set[int]:
+        """Bags of ``pending`` whose every pending rank took its last step (or none) more than
+        ``timeout_s`` ago, or does not answer within it."""
+        import ray
+
+        quiet: dict[int, list[bool]] = {}
+        asks = {ref: actor_of[ref].progress.remote() for ref in pending}
+        for ref, ask in asks.items():
+            try:
+                _, idle = ray.get(ask, timeout=self.timeout_s)
+                stalled = idle > self.timeout_s
+            except (ray.exceptions.RayError, TimeoutError):
+                stalled = True
+            quiet.setdefault(bag_of[ref], []).append(stalled)
+        return {b for b, flags in quiet.items() if all(flags)}
 
     def restart(self) -> None:
         """New actors (after a loss): the old ones are killed first."""

@@ -27,33 +27,51 @@ TEXT_ENCODERS = ("HashTextEncoder", "HFTextEncoder")
 
 def corpus_codecs(corpus: str, device: str = "cpu") -> tuple[Any, Any, dict]:
     """(text encoder or None, latent decoder or None, schema dims) rebuilt from the
-    corpus's schema.json."""
-    from knapray.corpus.encoders import HashTextEncoder, PixelPatchEncoder
+    corpus's schema.json, both on ``device`` (``corpus_text_encoder``, ``corpus_decoder``)."""
+    return corpus_text_encoder(corpus, device), corpus_decoder(corpus, device), corpus_records(corpus)[2]
 
-    text_rec, latent_rec, dims = corpus_records(corpus)
-    text = decoder = None
+
+def corpus_text_encoder(corpus: str, device: str = "cpu") -> Any:
+    """The text encoder the corpus records (None: none knapray rebuilds), on ``device``: in
+    bf16 on a GPU (as the pipelines run T5, umT5 and CLIP), fp32 on the CPU."""
+    from knapray.corpus.encoders import HashTextEncoder
+
+    text_rec = corpus_records(corpus)[0]
     if text_rec.get("class") == "HashTextEncoder":
-        text = HashTextEncoder(dim=int(text_rec["dim"]), pooled_dim=int(text_rec["pooled_dim"]))
-    elif text_rec.get("class") == "HFTextEncoder":
-        from knapray.corpus.hf import HFTextEncoder
+        return HashTextEncoder(dim=int(text_rec["dim"]), pooled_dim=int(text_rec["pooled_dim"]))
+    if text_rec.get("class") != "HFTextEncoder":
+        return None
+    from knapray.corpus.hf import HFTextEncoder
 
-        t, p = text_rec["text"], text_rec["pooled"]
-        separate = p is not None and p["path"] != t["path"]
-        # Wan's record: no pooled vector (pooled_dim 0), captions cleaned as WanPipeline cleans them
-        text = HFTextEncoder(t["path"], text_tokenizer=t["tokenizer"],
-                             pooled=p["path"] if separate else None,
-                             pooled_tokenizer=p["tokenizer"] if separate else None, device=device,
-                             pooled_vector=int(text_rec.get("pooled_dim", 1)) > 0,
-                             wan_prompts="prompt_clean" in text_rec)
+    t, p = text_rec["text"], text_rec["pooled"]
+    separate = p is not None and p["path"] != t["path"]
+    # Wan's record: no pooled vector (pooled_dim 0), captions cleaned as WanPipeline cleans them
+    return HFTextEncoder(t["path"], text_tokenizer=t["tokenizer"], pooled=p["path"] if separate else None,
+                         pooled_tokenizer=p["tokenizer"] if separate else None, device=device,
+                         dtype=_half_on_gpu(device), pooled_vector=int(text_rec.get("pooled_dim", 1)) > 0,
+                         wan_prompts="prompt_clean" in text_rec)
+
+
+def corpus_decoder(corpus: str, device: str = "cpu") -> Any:
+    """The decoder of the corpus's latents (None: none recorded), on ``device``: an image VAE
+    in bf16 on a GPU, a video VAE in fp32 (as WanPipeline runs AutoencoderKLWan), the CPU fp32."""
+    from knapray.corpus.encoders import PixelPatchEncoder
+
+    latent_rec = corpus_records(corpus)[1]
     if latent_rec.get("class") == "PixelPatchEncoder":
-        decoder = PixelPatchEncoder(channels=int(latent_rec["channels"]), downsample=int(latent_rec["downsample"]),
-                                    temporal_downsample=int(latent_rec["temporal_downsample"]),
-                                    seed=int(latent_rec["seed"]))
-    elif "path" in latent_rec:  # a diffusers VAE directory
-        from knapray.corpus.hf import DiffusersVAE
+        return PixelPatchEncoder(channels=int(latent_rec["channels"]), downsample=int(latent_rec["downsample"]),
+                                 temporal_downsample=int(latent_rec["temporal_downsample"]),
+                                 seed=int(latent_rec["seed"]))
+    if "path" not in latent_rec:
+        return None
+    from knapray.corpus.hf import DiffusersVAE
 
-        decoder = DiffusersVAE(latent_rec["path"], device=device)
-    return text, decoder, dims
+    video = int(latent_rec.get("temporal_downsample", 1)) > 1
+    return DiffusersVAE(latent_rec["path"], device=device, dtype="fp32" if video else _half_on_gpu(device))
+
+
+def _half_on_gpu(device: str) -> str:
+    return "bf16" if str(device).startswith("cuda") else "fp32"
 
 
 def corpus_text(corpus: str, sample_id: int, text_dim: int, pooled_dim: int) -> tuple[np.ndarray, np.ndarray]:

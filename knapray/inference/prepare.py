@@ -26,20 +26,45 @@ def latent_shape(model_cfg, down: int, job: Job) -> tuple[int, int, int]:
 def denoise_jobs(cfg: Any, jobs: list[Job], text_encoder: Any, unconditional: tuple[np.ndarray, np.ndarray], *,
                  down: int, shared_seed: int | None = None, max_text_tokens: int = 256) -> list[DenoiseJob]:
     """``cfg``: the run's TrainConfig. ``shared_seed``: draw every job's noise in order from
-    one generator (``knapray sample``'s batch); None: each from its own ``seed``."""
+    one generator (``knapray sample``'s batch); None: each from its own ``seed``. The first
+    job that cannot be resolved is a ValueError."""
+    out = resolve_jobs(cfg, jobs, text_encoder, unconditional, down=down, shared_seed=shared_seed,
+                       max_text_tokens=max_text_tokens)
+    for got in out:
+        if isinstance(got, str):
+            raise ValueError(got)
+    return out
+
+
+def resolve_jobs(cfg: Any, jobs: list[Job], text_encoder: Any, unconditional: tuple[np.ndarray, np.ndarray], *,
+                 down: int, shared_seed: int | None = None, max_text_tokens: int = 256) -> list[DenoiseJob | str]:
+    """Each job's ``DenoiseJob``, or the error (one line) that rules it out alone. Every
+    caption of the batch is encoded in one call (``encode_captions``: batched on the
+    encoder's device), ``like`` ids read from the corpus."""
+    from knapray.corpus.encoders import encode_captions
     from knapray.inference.conditioning import corpus_text
 
     m = cfg.model
-    conds = []
+    conds: list[Any] = []
     for job in jobs:
         if job.like is not None:
-            conds.append(corpus_text(cfg.data.corpus, job.like, m.text_dim, m.pooled_dim))
-        elif job.caption is not None:
-            conds.append(text_encoder.encode(job.caption, max_text_tokens))
+            try:
+                conds.append(corpus_text(cfg.data.corpus, job.like, m.text_dim, m.pooled_dim))
+            except ValueError as e:
+                conds.append(str(e))
         else:
-            conds.append(unconditional)
-    shapes = [latent_shape(m, down, job) for job in jobs]
-    noise = job_noise(m, shapes, shared_seed if shared_seed is not None else [job.seed for job in jobs])
-    return [denoise_job(m, z, cond, steps=job.steps, shift=job.shift, unconditional=unconditional,
-                        guidance=job.guidance if job.guidance is not None else default_guidance(m))
-            for job, z, cond in zip(jobs, noise, conds)]
+            conds.append(unconditional if job.caption is None else None)
+    captioned = [i for i, job in enumerate(jobs) if job.caption is not None]
+    if captioned:
+        encoded = encode_captions(text_encoder, [jobs[i].caption for i in captioned], max_text_tokens)
+        for i, cond in zip(captioned, encoded):
+            conds[i] = cond
+    ok = [i for i, c in enumerate(conds) if not isinstance(c, str)]
+    shapes = [latent_shape(m, down, jobs[i]) for i in ok]
+    noise = job_noise(m, shapes, shared_seed if shared_seed is not None else [jobs[i].seed for i in ok])
+    out: list[DenoiseJob | str] = list(conds)
+    for i, z in zip(ok, noise):
+        job = jobs[i]
+        out[i] = denoise_job(m, z, conds[i], steps=job.steps, shift=job.shift, unconditional=unconditional,
+                             guidance=job.guidance if job.guidance is not None else default_guidance(m))
+    return out

@@ -10,23 +10,38 @@ its jobs' denoising loops, with no other bag in step:
   brings the velocities home;
 - a job leaves the loop after its own steps; the plan of the remaining ones is rebuilt.
 
-A bag of one rank runs the model as ``sample_latents`` does. Every job's result is the
-single-process sampler's for the same noise, up to floating-point reassociation.
+A bag of one rank (and one process with no group at all: ``denoise_local``) runs the same
+loop over a plan that moves nothing. Every job's result is the single-process sampler's
+(``models.sampling.sample_latents``) for the same noise, up to floating-point
+reassociation, and in the compute dtype's rounding when that is bf16.
+
+How it runs on a GPU (``prepare_model``): the weights in the compute dtype, held once
+(bf16 on CUDA: no fp32 copy), the blocks compiled by the same ``parallelize`` as training,
+attention chosen per batch as in training (``knapray.attention.choose_backend``), the
+latents and the Euler update in fp32 (TF32 allowed for what stays fp32). The loop is
+planned first and executed thinly: every stretch of steps whose active jobs do not change
+(a *segment*) gets its plan, its ``StepLayout``, its packed batch on the device and its
+timestep and step-size tables once; a step then only slices those tables, runs the model
+and updates the latents, so nothing in it reads the device back or builds a tensor on the
+host (``step_context`` lets a test watch that).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from knapray.models.sampling import DenoiseJob
-from knapray.planning import Topology
-from knapray.planning import CostModel
+from knapray.planning import CostModel, Topology
 from knapray.planning.sampling import COND, SINGLE, UNCOND, JobPlan, bag_plan, cfg_parallel_bag, choose_job_plan, \
     plan_jobs
+from knapray.transfer import host_to_device
 
 
 @dataclass(frozen=True, eq=False)
@@ -61,11 +76,13 @@ class SamplingGroups:
             g = len(ranks)
             if g > 1:
                 made_now = group(ranks)  # created on every rank, kept by the bag's own
-                whole = made_now if b == bag else whole
+                if b == bag:
+                    whole = made_now
             if g % 2 == 0 and g > 2:
                 for part in (ranks[: g // 2], ranks[g // 2:]):
                     made_now = group(part)
-                    half = made_now if rank in part else half
+                    if rank in part:
+                        half = made_now
         return cls(topology, rank, bag, whole, half)
 
     @classmethod
@@ -73,6 +90,11 @@ class SamplingGroups:
         """The groups of every topology a gang may choose per batch, each set of ranks once."""
         made: dict = {}
         return {spec: cls.build(Topology.parse(spec, world_size=world_size), rank, made) for spec in specs}
+
+    @classmethod
+    def alone(cls) -> "SamplingGroups":
+        """One process, no process group: a world of one rank in one bag."""
+        return cls(Topology((1,)), rank=0, bag=0, whole=None, half=None)
 
 
 def sampling_cost(cfg) -> CostModel:
@@ -99,12 +121,72 @@ def batch_plan(cfg, jobs: list[DenoiseJob], specs: list[str], world_size: int,
     return specs[i], plan
 
 
+# ---- the model as sampling runs it -----------------------------------------------------------
+
+
+def prepare_model(model: torch.nn.Module, device: torch.device | str, *, precision: str = "auto",
+                  compile: bool | None = None, compile_backend: str = "inductor"):
+    """``model`` (any family's, on any device, fp32 or not) made ready to sample on
+    ``device``, in place: its weights in the compute dtype of ``precision`` (``auto``: bf16
+    on CUDA, fp32 elsewhere; ``knapray.worker.parallelize.compute_dtype``), cast once so a
+    rank holds them once; TF32 allowed on CUDA for what stays fp32 (the Euler update's
+    inputs are fp32 already); the blocks compiled as training compiles them (``compile``:
+    default on CUDA). Returns ``parallelize``'s handle (``recompiles`` counts recompilations)."""
+    from knapray.config.parallel import ParallelConfig
+    from knapray.worker.parallelize import compute_dtype, parallelize
+
+    device = torch.device(device)
+    dtype = compute_dtype(precision, device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    model.to(device=device, dtype=dtype).eval()
+    compile = device.type == "cuda" if compile is None else compile
+    return parallelize(model, ParallelConfig(compile=compile, compile_backend=compile_backend))
+
+
+def warm_up(model: torch.nn.Module, steps: int = 1) -> None:
+    """Run the model on a few made-up requests of different sizes (guided and not, with and
+    without text) so that compiled blocks have their graphs before the first real batch:
+    shapes are dynamic, so a later mix of sizes reuses them (a recompile is counted by
+    ``prepare_model``'s handle)."""
+    from knapray.models.sampling import denoise_job
+
+    cfg = model.cfg
+    pt, ph, pw = cfg.patch_size
+    jobs = []
+    for k, (side, text, guidance) in enumerate(((4, 3, 2.0), (6, 0, 1.0), (2, 5, 3.0))):
+        noise = np.zeros((cfg.in_channels, pt, side * ph, side * pw), np.float32)
+        cond = (np.zeros((text, cfg.text_dim), np.float32), np.zeros(cfg.pooled_dim, np.float32))
+        jobs.append(denoise_job(cfg, noise, cond, steps=steps + k % 2, guidance=guidance, shift=1.0,
+                                unconditional=None))
+    denoise_rank(model, jobs, SamplingGroups.alone())
+
+
+# ---- the denoising loop ------------------------------------------------------------------------
+
+
+StepContext = Callable[[], contextlib.AbstractContextManager]
+"""A context entered around every denoising step's body (``denoise_rank(step_context=...)``)."""
+
+
+def denoise_local(model: torch.nn.Module, jobs: list[DenoiseJob], **kwargs: Any) -> list[np.ndarray]:
+    """Latents (C, T, H, W) of ``jobs`` drawn by this process alone (no process group), in order."""
+    got = denoise_rank(model, jobs, SamplingGroups.alone(), cfg_parallel=False, **kwargs)
+    return [got[k] for k in range(len(jobs))]
+
+
 def denoise_rank(model: torch.nn.Module, jobs: list[DenoiseJob], groups: SamplingGroups | dict[str, SamplingGroups],
-                 *, cfg_parallel: bool = True, planner=None, max_tokens_per_gpu: int | None = None
+                 *, cfg_parallel: bool = True, planner=None, max_tokens_per_gpu: int | None = None,
+                 on_step: Callable[[int], None] | None = None, step_context: StepContext | None = None,
                  ) -> dict[int, np.ndarray]:
     """Run the batch ``jobs`` (the same list on every rank of the world) on ``groups``' topology,
     or (several) on the one ``batch_plan`` chooses. Returns the latents (C, T, H, W) of the
-    jobs whose bag this rank leads, by job index."""
+    jobs whose bag this rank leads, by job index.
+
+    ``on_step(i)``: called after the bag's step ``i`` (a host int; nothing is read from the
+    device for it). ``step_context``: entered around every step's body (a test's watch)."""
     if isinstance(groups, dict):
         first = next(iter(groups.values()))
         spec, plan = batch_plan(model.cfg, jobs, list(groups), first.topology.world_size, max_tokens_per_gpu)
@@ -116,63 +198,160 @@ def denoise_rank(model: torch.nn.Module, jobs: list[DenoiseJob], groups: Samplin
     if not mine:
         return {}
     with torch.no_grad():
-        return _run_bag(model, jobs, mine, groups, cfg_parallel, planner)
+        return _BagLoop(model, jobs, mine, groups, cfg_parallel, planner).run(on_step, step_context)
 
 
-def _run_bag(model, jobs: list[DenoiseJob], mine: list[int], groups: SamplingGroups, cfg_parallel: bool,
-             planner) -> dict[int, np.ndarray]:
-    from knapray.models import pack_samples
-    from knapray.models.packing import unpatchify
-    from knapray.worker.balanced import balanced_forward
+@dataclass(frozen=True, eq=False)
+class _Segment:
+    """Steps ``[start, stop)`` of a bag whose active jobs do not change: everything its steps
+    need, built once on the host and placed on the device."""
 
-    topo, rank, bag = groups.topology, groups.rank, groups.bag
-    g = int(topo.bag_sizes[bag])
-    lead = rank == int(topo.bag_starts[bag])
-    cfg = model.cfg
-    device = next(model.parameters()).device
-    use_halves = cfg_parallel_bag(g, any(jobs[k].passes == 2 for k in mine), cfg_parallel)
-    attn_group = (groups.half if use_halves else groups.whole)
-    x = {k: _tokens(jobs[k], cfg, device) for k in mine} if lead else {}
-    empty = pack_samples([], cfg)
-    if getattr(cfg, "guidance_embeds", False):
-        empty = replace(empty, guidance=torch.zeros(0))
-    empty = empty.to(device)
-    steps = max(jobs[k].steps for k in mine)
-    base = None
-    for i in range(steps):
-        active = [k for k in mine if jobs[k].steps > i]
+    start: int
+    stop: int
+    active: list[int]
+    """Job indices, in the order of their rows in the lead's latents."""
+    plan: Any
+    """The bag's ``BalancePlan`` for the segment's passes."""
+    layout: Any
+    """``StepLayout`` of this rank for ``plan``."""
+    batch: Any
+    """The packed passes on the device (the lead's; the others' is empty)."""
+    times: torch.Tensor
+    """(S_pass, stop - start) fp32: every pass's timestep at each step (the lead's; empty elsewhere)."""
+    step_size: torch.Tensor
+    """(Ni, stop - start) fp32: each latent row's Euler step at every step of the segment."""
+    pass_rows: torch.Tensor | None
+    """(Ni_pass,) rows of the latents each pass's image tokens are (None: every pass is a
+    job's only or conditional pass, in row order)."""
+    guided_rows: torch.Tensor | None
+    """(Ng,) latent rows of the guided jobs, whose velocity is combined from two passes."""
+    guided_scale: torch.Tensor | None
+    """(Ng, 1) fp32 guidance scale of each of those rows."""
+
+
+class _BagLoop:
+    """A bag's denoising loops (see the module docstring): planned segment by segment, run
+    step by step."""
+
+    def __init__(self, model, jobs: list[DenoiseJob], mine: list[int], groups: SamplingGroups, cfg_parallel: bool,
+                 planner) -> None:
+        from knapray.models import pack_samples
+
+        topo, bag = groups.topology, groups.bag
+        self.model, self.jobs, self.mine, self.groups, self.planner = model, jobs, mine, groups, planner
+        self.g = int(topo.bag_sizes[bag])
+        self.lead = groups.rank == int(topo.bag_starts[bag])
+        self.cfg = model.cfg
+        self.device = next(model.parameters()).device
+        self.use_halves = cfg_parallel_bag(self.g, any(jobs[k].passes == 2 for k in mine), cfg_parallel)
+        self.attn_group = groups.half if self.use_halves else groups.whole
+        empty = pack_samples([], self.cfg)
+        if getattr(self.cfg, "guidance_embeds", False):
+            empty = replace(empty, guidance=torch.zeros(0))
+        self.empty = empty
+
+    def run(self, on_step, step_context) -> dict[int, np.ndarray]:
+        jobs, mine = self.jobs, self.mine
+        # The lead's latents: every active job's image tokens, job after job, fp32.
+        x = torch.cat([_tokens(jobs[k], self.cfg) for k in mine]).to(self.device) if self.lead else None
+        rows = {k: n for k, n in zip(mine, (jobs[k].image_tokens for k in mine))}
+        done: dict[int, torch.Tensor] = {}
+        active = list(mine)
+        start = 0
+        context = step_context or contextlib.nullcontext
+        while active:
+            stop = min(jobs[k].steps for k in active)
+            seg = self._segment(start, stop, active, rows)
+            for i in range(start, stop):
+                with context():
+                    x = self._step(seg, i, x)
+                if on_step is not None:
+                    on_step(i)
+            if self.lead:  # jobs that end here leave; the others' rows stay, in order
+                keep, offset, kept = [], 0, []
+                for k in active:
+                    n = rows[k]
+                    if jobs[k].steps == stop:
+                        done[k] = x.narrow(0, offset, n)
+                    else:
+                        keep.append(np.arange(offset, offset + n))
+                        kept.append(k)
+                    offset += n
+                if kept:
+                    x = x.index_select(0, host_to_device(np.concatenate(keep), self.device, torch.int64))
+            active = [k for k in active if jobs[k].steps > stop]
+            start = stop
+        return self._unpack(done) if self.lead else {}
+
+    def _segment(self, start: int, stop: int, active: list[int], rows: dict[int, int]) -> _Segment:
+        from knapray.models.families import cross_text_pad
+        from knapray.worker.balanced import prepare_step
+
+        jobs, cfg = self.jobs, self.cfg
         passes = [(k, COND if jobs[k].passes == 2 else SINGLE) for k in active]
-        passes += [(k, UNCOND) for k in active if jobs[k].passes == 2]
-        if base is None or base[0] != active:  # the set changed: pack and plan again
-            lens = [jobs[k].tokens if kind != UNCOND else jobs[k].image_tokens + jobs[k].unconditional[0].shape[0]
-                    for k, kind in passes]
-            plan = bag_plan(topo, bag, lens, [kind for _, kind in passes], use_halves, planner) if g > 1 else None
-            batch = _pack(jobs, passes, cfg).to(device) if lead else empty
-            base = (active, plan, batch)
-        _, plan, batch = base
-        if lead:
-            t = torch.tensor([jobs[k].times[i] for k, _ in passes], dtype=torch.float64, device=device)
-            batch = replace(batch, x_img=torch.cat([x[k] for k, _ in passes]), timesteps=t.float())
-        if g == 1:
-            v = model(batch)
-        else:
-            v = balanced_forward(model, batch, plan, rank, bag_group=attn_group, route_group=groups.whole)
-        if not lead:
-            continue
-        parts = dict(zip([(k, kind) for k, kind in passes], torch.split(v, [x[k].shape[0] for k, _ in passes])))
-        for k in active:
-            job = jobs[k]
-            vk = parts[(k, COND)] if job.passes == 2 else parts[(k, SINGLE)]
-            if job.passes == 2:
-                vu = parts[(k, UNCOND)]
-                vk = vu + job.cfg_scale * (vk - vu)
-            dt = torch.tensor(job.times[i] - job.times[i + 1], dtype=torch.float64).to(x[k].dtype)
-            x[k] = x[k] - dt * vk
-    out = {}
-    for k in mine if lead else ():
-        grid = tuple(s // p for s, p in zip(jobs[k].noise.shape[1:], cfg.patch_size))
-        out[k] = unpatchify(x[k].cpu(), grid, cfg.patch_size, cfg.in_channels).numpy()
-    return out
+        guided = [k for k in active if jobs[k].passes == 2]
+        passes += [(k, UNCOND) for k in guided]
+        text = np.array([_text(jobs[k], kind).shape[0] for k, kind in passes], dtype=np.int64)
+        lens = [int(t) + jobs[k].image_tokens for t, (k, _) in zip(text, passes)]
+        topo = self.groups.topology
+        plan = bag_plan(topo, self.groups.bag, lens, [kind for _, kind in passes], self.use_halves, self.planner)
+        host = _pack(jobs, passes, cfg) if self.lead else self.empty
+        layout = prepare_step(host, plan, self.groups.rank, text, self.device, bag_group=self.attn_group,
+                              route_group=self.groups.whole, cross_pad=cross_text_pad(cfg))
+        empty = torch.zeros(0, device=self.device)
+        if not self.lead:
+            return _Segment(start, stop, active, plan, layout, host.to(self.device), empty, empty, None, None, None)
+        # Tables, on the host once: every pass's timesteps, every latent row's step sizes.
+        times = np.array([jobs[k].times[start:stop] for k, _ in passes], dtype=np.float64).reshape(len(passes), -1)
+        counts = [rows[k] for k in active]
+        own = np.repeat(np.arange(len(active)), counts)  # (Ni,) job of each latent row
+        sizes = np.array([[jobs[k].times[i] - jobs[k].times[i + 1] for i in range(start, stop)] for k in active])
+        first = np.cumsum(counts) - counts
+        pass_rows = guided_rows = scale = None
+        if guided:
+            g_rows = np.concatenate([np.arange(first[active.index(k)], first[active.index(k)] + rows[k])
+                                     for k in guided])
+            pass_rows = host_to_device(np.concatenate([np.arange(own.size), g_rows]), self.device, torch.int64)
+            guided_rows = host_to_device(g_rows, self.device, torch.int64)
+            scale = host_to_device(np.repeat([jobs[k].cfg_scale for k in guided], [rows[k] for k in guided])[:, None],
+                                   self.device, torch.float32)
+        return _Segment(start, stop, active, plan, layout, host.to(self.device),
+                        host_to_device(times, self.device, torch.float32),
+                        host_to_device(sizes[own], self.device, torch.float32), pass_rows, guided_rows, scale)
+
+    def _step(self, seg: _Segment, i: int, x: torch.Tensor | None) -> torch.Tensor | None:
+        """One Euler step of the segment's jobs: device work only."""
+        from knapray.worker.balanced import balanced_forward
+
+        batch = seg.batch
+        if self.lead:
+            x_in = x if seg.pass_rows is None else x.index_select(0, seg.pass_rows)
+            batch = replace(batch, x_img=x_in, timesteps=seg.times[:, i - seg.start])
+        v = balanced_forward(self.model, batch, seg.plan, self.groups.rank, bag_group=self.attn_group,
+                             route_group=self.groups.whole, layout=seg.layout)
+        if not self.lead:
+            return x
+        v = v.float()
+        n = x.shape[0]
+        if seg.guided_rows is not None:  # v = v_u + s (v_c - v_u) on the guided rows
+            v_c, v_u = v[:n], v[n:]
+            mixed = torch.addcmul(v_u, seg.guided_scale, v_c.index_select(0, seg.guided_rows) - v_u)
+            v = v_c.index_copy(0, seg.guided_rows, mixed)
+        return torch.addcmul(x, seg.step_size[:, i - seg.start: i - seg.start + 1], v, value=-1.0)
+
+    def _unpack(self, done: dict[int, torch.Tensor]) -> dict[int, np.ndarray]:
+        from knapray.models.packing import unpatchify
+
+        cfg = self.cfg
+        out = {}
+        for k in self.mine:
+            grid = tuple(s // p for s, p in zip(self.jobs[k].noise.shape[1:], cfg.patch_size))
+            out[k] = unpatchify(done[k].cpu(), grid, cfg.patch_size, cfg.in_channels).numpy()
+        return out
+
+
+def _text(job: DenoiseJob, kind: int) -> np.ndarray:
+    return job.text if kind != UNCOND else job.unconditional[0]
 
 
 def _item(job: DenoiseJob, kind: int, latent: torch.Tensor) -> dict:
@@ -184,14 +363,15 @@ def _item(job: DenoiseJob, kind: int, latent: torch.Tensor) -> dict:
     return item
 
 
-def _tokens(job: DenoiseJob, cfg, device) -> torch.Tensor:
-    """The job's noise as image tokens (N, patch_dim), as packing lays them out."""
-    from knapray.models import pack_samples
+def _tokens(job: DenoiseJob, cfg) -> torch.Tensor:
+    """The job's noise as image tokens (N, patch_dim) on the host, as packing lays them out."""
+    from knapray.models.packing import patchify
 
-    return pack_samples([_item(job, SINGLE, torch.tensor(job.noise))], cfg).x_img.to(device)
+    return patchify(torch.from_numpy(np.ascontiguousarray(job.noise, dtype=np.float32)), cfg.patch_size)[0]
 
 
 def _pack(jobs: list[DenoiseJob], passes: list[tuple[int, int]], cfg):
+    """The passes packed on the host (their latents are the loop's: zeros here)."""
     from knapray.models import pack_samples
 
-    return pack_samples([_item(jobs[k], kind, torch.tensor(jobs[k].noise)) for k, kind in passes], cfg)
+    return pack_samples([_item(jobs[k], kind, torch.zeros(jobs[k].noise.shape)) for k, kind in passes], cfg)

@@ -230,6 +230,13 @@ def _compiled_forward(block: nn.Module, compiled: Callable) -> Callable:
     return forward
 
 
+def compute_dtype(precision: str, device: torch.device | str) -> torch.dtype:
+    """``parallel.precision`` on ``device``: ``auto`` is bf16 on CUDA and fp32 elsewhere."""
+    if precision == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+
+
 def _keep_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """``selective``'s policy: an attention kernel's outputs are kept, everything else is
     recomputed (``knapray.planning.checkpointing.SELECTIVE_KEEPS``)."""

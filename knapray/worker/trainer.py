@@ -64,7 +64,7 @@ from knapray.worker.ema import build_ema
 from knapray.worker.ledger_keeper import LedgerKeeper
 from knapray.worker.metrics import MetricsFile, StepRecord
 from knapray.worker.optim import LRSchedule, build_optimizer
-from knapray.worker.parallelize import materialize, parallelize
+from knapray.worker.parallelize import compute_dtype, materialize, parallelize
 from knapray.worker.profiling import StepProfiler
 from knapray.worker.sinks import MetricSinks, scalars_of
 from knapray.worker.metrics import most_used_first, truncate_metrics
@@ -101,13 +101,6 @@ def check_node_layout(cfg: TrainConfig, node_sizes: tuple[int, ...]) -> None:
             f"{sum(node_sizes)} workers are on nodes of {list(node_sizes)} ranks (in rank order): every node must "
             f"hold a multiple of {gpn} workers (give each node {gpn} worker slots, e.g. {gpn} GPUs, or set "
             "balance.gpus_per_node to a size that divides every node)")
-
-
-def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
-    """``parallel.precision`` on ``device``: ``auto`` is bf16 on CUDA and fp32 elsewhere."""
-    if precision == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
 
 
 def _plan_order(plan: BalancePlan, text_slots: dict[str, list[float]]) -> np.ndarray:

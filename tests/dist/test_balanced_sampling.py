@@ -152,7 +152,8 @@ def test_knapray_sample_world_size_4_is_knapray_sample(tmp_path, capsys):
     (["--topology", "g2n1"], ["--topology", "--world-size N > 1"]),
 ])
 def test_bad_world_or_topology_is_one_line_before_anything_starts(tmp_path, extra, words, capsys, monkeypatch):
-    import knapray.commands.sample as sample
+    import knapray.driver.gang as gang
+    import knapray.driver.trained as trained
     from dist_utils import sampling_run_dir
 
     from knapray.cli import main
@@ -160,8 +161,8 @@ def test_bad_world_or_topology_is_one_line_before_anything_starts(tmp_path, extr
     def refuse(*args, **kwargs):
         raise AssertionError("started before the arguments were checked")
 
-    monkeypatch.setattr(sample, "load_weights", refuse)
-    monkeypatch.setattr(sample, "corpus_codecs", refuse)
+    monkeypatch.setattr(gang, "sample_local", refuse)
+    monkeypatch.setattr(trained, "load_weights", refuse)
     code = main(["sample", "--run", str(sampling_run_dir(tmp_path)), "--caption", "a", *extra])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err

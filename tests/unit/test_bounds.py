@@ -168,13 +168,14 @@ def run_dir(tmp_path):
 
 
 def _sample(run_dir, extra: list[str], monkeypatch, capsys) -> tuple[int, str]:
-    import knapray.commands.sample as sample
+    import knapray.driver.gang as gang
+    import knapray.driver.trained as trained
 
     def refuse(*args, **kwargs):
         raise AssertionError("weights loaded before the sizes were checked")
 
-    monkeypatch.setattr(sample, "load_weights", refuse)
-    monkeypatch.setattr(sample, "sample_latents", refuse)
+    monkeypatch.setattr(gang, "sample_local", refuse)
+    monkeypatch.setattr(trained, "load_weights", refuse)
     return _in_process(["sample", "--run", str(run_dir), "--caption", "a", *extra], capsys)
 
 

@@ -47,13 +47,14 @@ def run_dir(tmp_path):
     (["--checkpoint", "/nonexistent/step-1"], ["/nonexistent/step-1", "no .metadata"]),
 ])
 def test_arguments_are_checked_before_anything_loads(run_dir, extra, names, monkeypatch, capsys):
-    import knapray.commands.sample as sample
+    import knapray.driver.gang as gang
+    import knapray.driver.trained as trained
 
     def refuse(*args, **kwargs):
         raise AssertionError("weights loaded before the arguments were checked")
 
-    monkeypatch.setattr(sample, "load_weights", refuse)
-    monkeypatch.setattr(sample, "corpus_codecs", refuse)
+    monkeypatch.setattr(gang, "sample_local", refuse)
+    monkeypatch.setattr(trained, "load_weights", refuse)
     code = main(["sample", "--run", str(run_dir), "--caption", "a", *extra])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
