@@ -43,11 +43,21 @@ def resolve_paths(cfg: TrainConfig) -> TrainConfig:
 
     Inside a ``ray job submit`` upload folder a relative ``run.storage`` would put the run
     directory into Ray's temporary files: it goes to ``$KNAPRAY_STORAGE`` or
-    ``~/knapray/runs`` instead. A relative ``data.corpus`` there must exist (a
-    gitignored corpus is not uploaded): see ``check_corpus``."""
+    ``~/knapray/runs`` instead; a storage that still lies in that folder (an empty or
+    relative ``$KNAPRAY_STORAGE``, an absolute ``run.storage`` there) is ``RunError``. A
+    relative ``data.corpus`` there must exist (a gitignored corpus is not uploaded): see
+    ``check_corpus``."""
     storage = cfg.run.storage
     if not os.path.isabs(storage) and inside_ray_upload(os.getcwd()):
         storage = os.path.join(os.path.expanduser(os.environ.get("KNAPRAY_STORAGE", DEFAULT_JOB_STORAGE)), storage)
+    storage = os.path.abspath(os.path.expanduser(storage))
+    if inside_ray_upload(storage):
+        given = os.environ.get("KNAPRAY_STORAGE")
+        why = (f"$KNAPRAY_STORAGE={given!r} is not an absolute folder" if given is not None and not
+               os.path.isabs(os.path.expanduser(given)) else f"run.storage={cfg.run.storage!r} lies in it")
+        raise RunError(f"run.storage: {storage} is inside the folder ray job submit uploaded, which Ray deletes when "
+                       f"the job ends ({why}): give run.storage, or $KNAPRAY_STORAGE, an absolute folder outside it "
+                       "(on storage every node can write)")
     model = cfg.model
     if model.pretrained:  # workers run elsewhere: an absolute path (it must be on storage every node reads)
         model = replace(model, pretrained=os.path.abspath(os.path.expanduser(model.pretrained)))
@@ -55,7 +65,7 @@ def resolve_paths(cfg: TrainConfig) -> TrainConfig:
         cfg,
         model=model,
         data=replace(cfg.data, corpus=os.path.abspath(cfg.data.corpus)),
-        run=replace(cfg.run, storage=os.path.abspath(os.path.expanduser(storage))),
+        run=replace(cfg.run, storage=storage),
     )
 
 
@@ -74,24 +84,46 @@ one line, never read as this one."""
 def saved_config(run_dir: str) -> dict | None:
     """The run directory's ``config.json`` (None if it has none) as ``write_config`` writes
     it: ``format_version`` ``RUN_FORMAT`` and an object of sections, each an object (the
-    sections are returned); else ``RunError`` naming the file."""
+    sections are returned); else ``RunError`` naming the file, never quoting what it holds.
+    A symbolic link there is refused, its target never opened."""
     path = RunDir(run_dir).config
     if not os.path.lexists(path):
         return None
-    doc = read_json(path, MAX_SAVED_CONFIG_BYTES, "run file", RunError, advice="restore it, or choose another run.name")
+    doc = read_json(path, MAX_SAVED_CONFIG_BYTES, "run file", RunError, advice="restore it, or choose another run.name",
+                    follow_links=False)
     given = "format_version" in doc
     version = doc.pop("format_version", 1)
     if type(version) is not int or version != RUN_FORMAT:
-        which = f"run format {str(version)[:20]}" if given else \
-            "written by an earlier knapray (no format_version: run format 1)"
+        which = ("written by an earlier knapray (no format_version: run format 1)" if not given else
+                 f"run format {version}" if type(version) is int and 0 <= version < 1 << 20 else
+                 f"format_version is {_kind(version)}, not a run format number")
         raise RunError(f"run file {path}: {which}; this knapray reads run format {RUN_FORMAT} only: continue that "
                        "run with the knapray that wrote it, or choose another run.name")
     defaults = TrainConfig().to_dict()
     for section, value in doc.items():
         if section in defaults and isinstance(defaults[section], dict) and not isinstance(value, dict):
-            raise RunError(f"run file {path}: section {section!r} is {str(value)[:60]!r}, not an object: restore "
+            raise RunError(f"run file {path}: section {section!r} is {_kind(value)}, not an object: restore "
                            "it, or choose another run.name")
     return doc
+
+
+def _kind(value: object) -> str:
+    """What a value read from a run file is, without its content: "a str", "a list"."""
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def refuse_run_links(run_dir: str) -> None:
+    """``RunError`` in one line if the run directory is a symbolic link or holds one
+    (knapray makes none there, so one was planted: ``knapray.nofollow``); ``run.storage``
+    above it may be one (a user's ``runs -> /scratch/runs``)."""
+    if os.path.islink(run_dir):
+        raise RunError(f"run directory {PlantedLink(run_dir, 'a run directory')}; give run.storage the real folder, "
+                       "or choose another run.name")
+    try:
+        refuse_links(run_dir)
+    except PlantedLink as e:
+        raise RunError(f"run directory {run_dir}: {e}") from None
 
 
 def run_checkpoint(run_dir: str, checkpoint: str | None, purpose: str) -> str:
@@ -111,16 +143,33 @@ def run_checkpoint(run_dir: str, checkpoint: str | None, purpose: str) -> str:
 def read_run_config(run_dir: str) -> TrainConfig:
     """The config a finished or running run was trained with (``knapray sample``,
     ``knapray export``): its ``config.json`` checked as ``saved_config`` does, then as a
-    config file is; ``RunError`` in one line naming the directory or the file."""
-    from knapray.config.run import config_from_dict
-
+    config file is; ``RunError`` in one line naming the directory or the file. A run
+    directory that is, or holds, a symbolic link is refused before anything is read."""
+    refuse_run_links(run_dir)
     doc = saved_config(run_dir)
     if doc is None:
         raise RunError(f"--run {run_dir}: no {CONFIG_FILE} there; is it a knapray run directory?")
+    return _saved_as_config(doc, run_dir)
+
+
+def _saved_as_config(doc: dict, run_dir: str) -> TrainConfig:
+    """A saved config (``saved_config``) checked as a config file is: ``RunError`` naming the
+    file and the key, not the value it holds."""
+    from knapray.config.run import config_from_dict
+
     try:
         return config_from_dict(doc)
     except ValueError as e:
-        raise RunError(f"run file {RunDir(run_dir).config}: {e}") from None
+        raise RunError(f"run file {RunDir(run_dir).config}: {_failing_key(e)} is not what this knapray reads (a run "
+                       "file may hold anything: its value is not repeated here); restore it, or choose another "
+                       "run.name") from None
+
+
+def _failing_key(error: ValueError) -> str:
+    """The dotted key a config error names ("config model.hidden_size"), without the value
+    it quotes: every ``ConfigError`` starts with it."""
+    head = str(error).split(":", 1)[0]
+    return head if head.startswith("config") and len(head) <= 120 and "'" not in head else "its config"
 
 
 NESTED_SECTIONS = ("model.lora", "metrics.validation")
@@ -173,6 +222,7 @@ def decide_start(cfg: TrainConfig, checkpoints: list[str]) -> RunStart:
     config is compatible (else an error listing what differs); start fresh if there is
     none."""
     run_dir, mode = cfg.run_dir, cfg.checkpoint.resume
+    refuse_run_links(run_dir)
     if mode not in RESUME_MODES:
         raise RunError(f"checkpoint.resume {mode!r}: valid values are {', '.join(RESUME_MODES)}")
     exists = os.path.isdir(run_dir) and bool(os.listdir(run_dir))
@@ -187,6 +237,7 @@ def decide_start(cfg: TrainConfig, checkpoints: list[str]) -> RunStart:
     if old is None:
         raise RunError(f"run directory {run_dir} has checkpoints but no {CONFIG_FILE}; it was not written by "
                        "this knapray: choose another run.name")
+    _saved_as_config(old, run_dir)  # only values a config may hold are compared (and named) below
     blocking, other = config_changes(old, cfg.to_dict())
     if blocking:
         raise RunError(f"cannot resume run {cfg.run.name!r} in {run_dir}: its saved config "
@@ -202,15 +253,12 @@ def decide_start(cfg: TrainConfig, checkpoints: list[str]) -> RunStart:
 
 
 def check_writable(run_dir: str) -> None:
-    """The run directory can be written, before Ray starts: nothing below it is a symbolic
-    link (knapray never makes one there, so one was planted: ``knapray.nofollow``), it and
+    """The run directory can be written, before Ray starts: neither it nor anything below it
+    is a symbolic link (``refuse_run_links``), it and
     its ``checkpoints`` and ``ledger`` folders are folders where they exist, and it, or the
     nearest folder above it that exists, takes a new file (one is created and removed:
     ``os.access`` says yes to root on /proc or a read-only bind mount)."""
-    try:
-        refuse_links(run_dir)
-    except PlantedLink as e:
-        raise RunError(f"run directory {run_dir}: {e}") from None
+    refuse_run_links(run_dir)
     for path in (run_dir, RunDir(run_dir).checkpoints, RunDir(run_dir).ledger_dir):
         if os.path.lexists(path) and not os.path.isdir(path):
             raise RunError(f"run directory {run_dir}: {path} is not a folder; remove it or choose another "
@@ -265,6 +313,7 @@ def check_resumable(run_dir: str, checkpoint: str) -> dict:
 
     try:
         trainer = check_checkpoint(checkpoint, RUN_STATE)
+        check_agrees(trainer, checkpoint)
         ledger = read_ledger(run_dir)
         try:
             check_covers(ledger, trainer.get("ledger"), checkpoint, ledger_dir(run_dir))
@@ -274,6 +323,28 @@ def check_resumable(run_dir: str, checkpoint: str) -> dict:
     except (CheckpointError, LedgerBehind, LedgerFileError) as e:
         raise RunError(str(e)) from None
     return trainer
+
+
+def check_agrees(trainer: dict, checkpoint: str) -> None:
+    """A checkpoint's files agree with each other: its ``trainer.json`` covers the step its
+    directory is named after, and the ledger position it recorded committed that same step
+    (a trainer state one step behind its ledger would train that step's samples again on
+    resume, one ahead would skip the next step's). ``RunError`` in one line otherwise."""
+    from knapray.worker.checkpoint import TRAINER_STATE
+
+    file = os.path.join(checkpoint, TRAINER_STATE)
+    named = os.path.basename(os.path.normpath(checkpoint)).split("-", 1)[-1]
+    step = trainer["step"]
+    if not named.isdigit() or int(named) != step:
+        raise RunError(f"checkpoint file {file} says step {step}, but its directory is the checkpoint of step "
+                       f"{int(named) if named.isdigit() else '?'}: the checkpoint's files disagree (one was changed "
+                       "or copied from another checkpoint); restore it, or delete that checkpoint to resume from an "
+                       "earlier one")
+    ledger = trainer.get("ledger")
+    if isinstance(ledger, dict) and ledger["committed_step"] != step:
+        raise RunError(f"checkpoint file {file} says step {step}, but the ledger position it recorded has committed "
+                       f"step {ledger['committed_step']}: the checkpoint's files disagree, so a resume would repeat or "
+                       "skip samples; restore it, or delete that checkpoint to resume from an earlier one")
 
 
 def check_world(cfg: TrainConfig, world_size: int) -> None:
@@ -317,11 +388,12 @@ class RunLock:
 
     def check_free(self) -> None:
         """Raise ``RunError`` if a live run holds the lock (taking nothing: pre-flight)."""
-        owner = self._owner() if os.path.exists(self.path) else None
+        owner = self._owner() if os.path.lexists(self.path) else None
         if owner is not None and not self._stale(owner):
+            host = owner["host"] if len(owner["host"]) <= 255 else "another host"
             raise RunError(
-                f"run directory {os.path.dirname(self.path)} is in use by a live run (pid {owner.get('pid')} "
-                f"on {owner.get('host')} since {owner.get('started')}); wait for it or choose another run.name"
+                f"run directory {os.path.dirname(self.path)} is in use by a live run (pid {owner['pid']} on {host}, "
+                f"see {self.path}); wait for it or choose another run.name"
             )
 
     def acquire(self) -> "RunLock":
@@ -353,24 +425,35 @@ class RunLock:
         self.release()
 
     def _owner(self) -> dict | None:
+        """The lock's pid and host, as ``acquire`` writes them; None for a lock no live
+        process can hold (unreadable, not JSON, a pid no process has: 0 or below, or above
+        ``MAX_PID``), which is taken over."""
         try:
-            with open(self.path) as f:
-                owner = json.load(f)
-            return owner if isinstance(owner, dict) else None
-        except (OSError, ValueError):
+            owner = read_json(self.path, MAX_LOCK_BYTES, "run file", RunError, follow_links=False)
+        except RunError:
             return None
+        pid, host = owner.get("pid"), owner.get("host")
+        if type(pid) is not int or not 0 < pid <= MAX_PID or not isinstance(host, str):
+            return None
+        return {"pid": pid, "host": host}
 
     @staticmethod
     def _stale(owner: dict) -> bool:
-        if owner.get("host") != socket.gethostname():
+        if owner["host"] != socket.gethostname():
             return False  # another machine's process: cannot tell, assume alive
         try:
-            os.kill(int(owner.get("pid", -1)), 0)
+            os.kill(owner["pid"], 0)
         except ProcessLookupError:
             return True
-        except (PermissionError, ValueError, TypeError):
-            return False
+        except PermissionError:
+            return False  # another user's live process
         return False
+
+
+MAX_LOCK_BYTES = 1 << 16
+"""``RUNNING.lock`` holds a pid, a host name and a time; a larger file is not one."""
+MAX_PID = 1 << 22
+"""The largest pid Linux gives (``/proc/sys/kernel/pid_max`` is at most 2^22)."""
 
 
 

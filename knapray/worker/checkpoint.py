@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from knapray.files import read_json
+from knapray.limits import MAX_EPOCHS, MAX_STEPS, MAX_WORLD_SIZE
 from knapray.nofollow import open_nofollow
 
 from knapray.worker.safe_dcp import UnsafeMetadata, read_metadata
@@ -154,8 +155,13 @@ def no_space(error: BaseException, path: str, needed: int = 0) -> StorageFull | 
                        "checkpoints), or give the run more storage, then run the same command again to resume")
 
 
-_TRAINER_FIELDS = {"step": int, "epoch": int, "world_size": int, "topology": str}
-_LEDGER_POSITION = ("ledger_id", "records", "committed_step", "attempt")
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+_COUNT = (0, (1 << 63) - 1)
+_TRAINER_FIELDS = {"step": (0, MAX_STEPS), "epoch": (0, MAX_EPOCHS), "world_size": (1, MAX_WORLD_SIZE),
+                   "topology": 1024}
+"""Every field of ``trainer.json``: an int in [lo, hi], or (topology) a topology spec of at most that many characters."""
+_LEDGER_POSITION = {"ledger_id": _COUNT, "records": _COUNT, "committed_step": (-1, MAX_STEPS),
+                    "attempt": (0, (1 << 31) - 1)}
 
 
 RUN_STATE = ("step", "epoch", "world_size", "topology", "ledger")
@@ -171,57 +177,91 @@ was away (a long outage at a large world: megabytes); anything longer is refused
 def read_trainer_state(path: str, required: tuple[str, ...] = ("step",)) -> dict:
     """A checkpoint's ``trainer.json``, its fields checked: step, and where present (every
     one of ``required``) epoch, world size and topology of the run that wrote it; with
-    ``ledger`` required, the ledger position too (a dict of ints, or null)."""
+    ``ledger`` required, the ledger position too (a dict of ints, or null). Every number is
+    range-checked (a step within ``MAX_STEPS``, a world within ``MAX_WORLD_SIZE``, ledger
+    counts within int64...); a refusal names the file and the field, never what it holds.
+    A symbolic link there is refused, its target never opened."""
     file = os.path.join(path, TRAINER_STATE)
-    trainer = read_json(file, TRAINER_STATE_MAX_BYTES, "checkpoint file", CheckpointError)
-    for name, typ in _TRAINER_FIELDS.items():
+    trainer = read_json(file, TRAINER_STATE_MAX_BYTES, "checkpoint file", CheckpointError, follow_links=False)
+    for name, rule in _TRAINER_FIELDS.items():
         if name not in required and name not in trainer:
             continue
         value = trainer.get(name)
-        if type(value) is not typ or (typ is int and value < (1 if name == "world_size" else 0)):
-            raise CheckpointError(f"checkpoint file {file}: {name} is {value!r}, not a valid {typ.__name__}")
+        if isinstance(rule, int):
+            if not (type(value) is str and 0 < len(value) <= rule and _is_topology(value)):
+                raise CheckpointError(f"checkpoint file {file}: {name} is {_kind(value)}, not a topology spec "
+                                      "(e.g. g8n4, g1n2+g2n1)")
+        elif not _int_in(value, rule):
+            what = f"an int outside [{rule[0]}, {rule[1]}]" if type(value) is int else \
+                f"{_kind(value)}, not an int in [{rule[0]}, {rule[1]}]"
+            raise CheckpointError(f"checkpoint file {file}: {name} is {what}")
     ledger = trainer.get("ledger") if "ledger" in required else None
     if ledger is not None and not _is_ledger_position(ledger):
-        raise CheckpointError(f"checkpoint file {file}: ledger is {str(ledger)[:200]}, not a ledger position "
-                              f"(ints {', '.join(_LEDGER_POSITION)}; with a coordinator also ints "
-                              f"{', '.join(_COORDINATOR_INTS)} and epoch_ends, epoch -> step)")
+        raise CheckpointError(f"checkpoint file {file}: ledger is not a ledger position (ints {', '.join(_LEDGER_POSITION)} "
+                              f"in range; with a coordinator also ints {', '.join(_COORDINATOR_INTS)} and epoch_ends, "
+                              "epoch -> step)")
     rows = trainer.get("ledger_rows")
     if rows is not None and not _are_ledger_rows(rows):
-        raise CheckpointError(f"checkpoint file {file}: ledger_rows is {str(rows)[:200]}, not a list of "
-                              "{step, epoch, sample_ids, home_ranks} (ints >= 0, two lists of ints of one length)")
+        raise CheckpointError(f"checkpoint file {file}: ledger_rows is not a list of {{step, epoch, sample_ids, "
+                              "home_ranks}} (a step and an epoch in range, two lists of one length: int64 ids, ranks "
+                              "of a world)")
     return trainer
 
 
-def _are_ledger_rows(rows: object) -> bool:
-    """``ledger_rows`` as ``StepPlanner.settle`` writes them: data only."""
-    def nat(v):
-        return type(v) is int and v >= 0
+def _is_topology(spec: str) -> bool:
+    from knapray.planning import Topology
 
+    try:
+        Topology.parse(spec)
+    except ValueError:
+        return False
+    return True
+
+
+def _int_in(value: object, bounds: tuple[int, int]) -> bool:
+    return type(value) is int and bounds[0] <= value <= bounds[1]
+
+
+def _kind(value: object) -> str:
+    """What a value read from a file is, without its content: "an int", "a str", "null"."""
+    if value is None:
+        return "null"
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def _are_ledger_rows(rows: object) -> bool:
+    """``ledger_rows`` as ``StepPlanner.settle`` writes them: data only, every number in range."""
     return isinstance(rows, list) and all(
         isinstance(r, dict) and set(r) == {"step", "epoch", "sample_ids", "home_ranks"}
-        and nat(r["step"]) and nat(r["epoch"])
+        and _int_in(r["step"], _TRAINER_FIELDS["step"]) and _int_in(r["epoch"], _TRAINER_FIELDS["epoch"])
         and isinstance(r["sample_ids"], list) and isinstance(r["home_ranks"], list)
         and len(r["sample_ids"]) == len(r["home_ranks"])
-        and all(type(i) is int for i in r["sample_ids"]) and all(nat(h) for h in r["home_ranks"])
+        and all(_int_in(i, _INT64) for i in r["sample_ids"])
+        and all(_int_in(h, (0, MAX_WORLD_SIZE - 1)) for h in r["home_ranks"])
         for r in rows)
 
 
-_COORDINATOR_INTS = ("version", "epoch")
+_COORDINATOR_INTS = {"version": (0, 1 << 20), "epoch": (0, MAX_EPOCHS)}
 """What a coordinator's ``state_dict`` adds to the ledger position (``epoch_ends`` besides)."""
 
 
 def _is_ledger_position(ledger: object) -> bool:
     """A ledger position as ``Ledger.position`` writes it (rank 0's local ledger), or as the
     coordinator's ``state_dict`` does: the position plus its epoch state. Data only: every
-    value an int, ``epoch_ends`` a map of epoch numbers (as JSON keys) to steps."""
-    if not isinstance(ledger, dict) or not all(type(ledger.get(k)) is int for k in _LEDGER_POSITION):
+    value an int in its range, ``epoch_ends`` a map of epoch numbers (as JSON keys) to steps."""
+    if not isinstance(ledger, dict) or not all(_int_in(ledger.get(k), r) for k, r in _LEDGER_POSITION.items()):
         return False
     for key, value in ledger.items():
         if key == "epoch_ends":
             if not (isinstance(value, dict) and len(value) <= 1 << 20 and all(
-                    isinstance(e, str) and e.isdigit() and type(t) is int for e, t in value.items())):
+                    isinstance(e, str) and e.isdigit() and len(e) <= 7 and int(e) <= MAX_EPOCHS
+                    and _int_in(t, (-1, MAX_STEPS)) for e, t in value.items())):
                 return False
-        elif key not in _LEDGER_POSITION + _COORDINATOR_INTS or type(value) is not int:
+        elif key in _COORDINATOR_INTS:
+            if not _int_in(value, _COORDINATOR_INTS[key]):
+                return False
+        elif key not in _LEDGER_POSITION:
             return False
     return True
 

@@ -245,7 +245,7 @@ def test_carried_ledger_rows_are_checked_as_data(planted):
            [{"step": -1, "epoch": 2, "sample_ids": [], "home_ranks": []}],
            [{"step": 8, "epoch": 2, "sample_ids": ["os.system"], "home_ranks": [0]}],
            [{"step": 8, "epoch": 2, "sample_ids": [1], "home_ranks": [0], "call": "eval"}]]
-    _read_back(path, "ledger_rows", ([], good), bad, "ledger_rows is .*, not a list of")
+    _read_back(path, "ledger_rows", ([], good), bad, "ledger_rows is not a list of")
     with open(os.path.join(path, "trainer.json"), "w") as f:
         json.dump({**TRAINER_BASE, "ledger_rows": good * 50}, f)
     limit = checkpoint.TRAINER_STATE_MAX_BYTES
