@@ -69,13 +69,19 @@ def _jobs(model, family: str):
 
 
 def _draw(rank: int, world: int, family: str, variant: str, topology: str, cfg_parallel: bool, n_jobs: int):
+    """This rank's latents, and what it did on the host inside its denoising steps (nothing:
+    ``knapray.testing.host_watch``), also around Ulysses and CFG parallel's collectives."""
     from knapray.planning import Topology
+    from knapray.testing.host_watch import NoHostWork
     from knapray.worker.denoise import SamplingGroups, denoise_rank
 
     model = _model(family, variant)
     groups = SamplingGroups.build(Topology.parse(topology, world_size=world), rank)
     jobs = [j[0] for j in _jobs(model, family)[:n_jobs]]
-    return denoise_rank(model, jobs, groups, cfg_parallel=cfg_parallel, max_tokens_per_gpu=BUDGET)
+    with NoHostWork() as watch:
+        got = denoise_rank(model, jobs, groups, cfg_parallel=cfg_parallel, max_tokens_per_gpu=BUDGET,
+                           step_context=watch.step)
+    return got, watch.calls, watch.steps
 
 
 CASES = [
@@ -111,8 +117,10 @@ def test_each_request_is_the_single_process_sample(family, variant, topology, cf
         assert any(cfg_parallel_bag(int(topo.bag_sizes[b]), True) for b in guided)  # a bag in CFG parallel
 
     got: dict[int, np.ndarray] = {}
-    for part in run_distributed(_draw, 4, family, variant, topology, cfg_parallel, n_jobs, timeout_s=240):
+    for part, host_calls, steps in run_distributed(_draw, 4, family, variant, topology, cfg_parallel, n_jobs,
+                                                   timeout_s=240):
         assert not set(part) & set(got)  # each job comes back from one lead
+        assert host_calls == [], host_calls  # no host work inside a step, on any rank
         got.update(part)
     assert sorted(got) == list(range(len(jobs)))
     for k, (job, cond, shape, steps, guidance, seed) in enumerate(jobs):

@@ -1,0 +1,134 @@
+"""The sampling engine (``knapray.worker.denoise``) as a GPU runs it, checked on the CPU:
+
+- no host work inside a denoising step: everything a step needs is built before it, so no
+  value is read back and no tensor is built from host data inside the loop (every Tensor
+  ``.item/.tolist/.cpu/.numpy`` and ``torch.tensor/as_tensor/from_numpy`` patched, and the
+  dispatcher watched for ``nonzero``, boolean masks and blocking copies);
+- compiled once: 30 batches of varied sizes after the warm-up recompile nothing;
+- forward truth: a compiled bf16 trajectory against float64 eager, per family, at each of
+  8 steps within 1.5x of what rounding the matrix products' inputs to bf16 alone gives
+  (``knapray.testing.sample_truth``); a residual stream accumulated in bf16 fails it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+
+def _small(family: str, variant: str = "", width: int = 64):
+    from knapray.models.families import build_model, get_family
+
+    cfg = get_family(family).small_config(width)
+    if variant == "cfg" and family == "flux":  # classifier-free guidance instead of the embedded input
+        cfg = dataclasses.replace(cfg, guidance_embeds=False)
+    torch.manual_seed(0)
+    return build_model(cfg).eval()
+
+
+def _jobs(cfg, seed: int = 0, count: int = 3, steps: tuple[int, ...] = (3, 2, 4)):
+    from knapray.models.sampling import denoise_job, job_noise
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for k in range(count):
+        side = int(rng.integers(2, 6)) * 2
+        frames = int(rng.integers(1, 3)) if cfg.family == "wan" else 1
+        text = int(rng.integers(0, 9))
+        cond = (rng.standard_normal((text, cfg.text_dim)).astype(np.float32),
+                rng.standard_normal(cfg.pooled_dim).astype(np.float32))
+        (noise,) = job_noise(cfg, [(frames * cfg.patch_size[0], side, side + 2)], [seed * 100 + k])
+        out.append(denoise_job(cfg, noise, cond, steps=steps[k % len(steps)], guidance=[3.0, 1.0, 2.0][k % 3],
+                               shift=None, unconditional=None))
+    return out
+
+
+@pytest.mark.parametrize("family, variant, precision", [
+    ("flux", "dev", "fp32"), ("flux", "cfg", "bf16"), ("wan", "cfg", "fp32"), ("wan", "cfg", "bf16")])
+def test_no_host_work_inside_a_denoising_step(family, variant, precision):
+    from knapray.testing.host_watch import NoHostWork
+    from knapray.worker.denoise import denoise_local, prepare_model
+
+    model = _small(family, variant)
+    prepare_model(model, "cpu", precision=precision, compile=False)
+    jobs = _jobs(model.cfg)  # three jobs of 2, 3 and 4 steps: three segments, guided and not
+    with NoHostWork() as watch:
+        out = denoise_local(model, jobs, step_context=watch.step)
+    assert watch.steps == 4 and watch.calls == [], watch.calls
+    assert [z.shape for z in out] == [j.noise.shape for j in jobs] and all(np.isfinite(z).all() for z in out)
+
+
+def test_the_host_work_watch_catches_a_read_back_and_a_host_built_tensor(monkeypatch):
+    """The watch above can fail: a step that reads a value back, or builds a tensor from a
+    host list (what the loop did before it was planned per segment), is named."""
+    import knapray.worker.denoise as denoise
+    from knapray.testing.host_watch import NoHostWork
+
+    model = _small("flux", "dev")
+    step = denoise._BagLoop._step
+
+    def chatty(self, seg, i, x):
+        t = torch.tensor([1.0])  # a host-built tensor per step
+        return step(self, seg, i, x) * t
+
+    monkeypatch.setattr(denoise._BagLoop, "_step", chatty)
+    with NoHostWork() as watch:
+        denoise.denoise_local(model, _jobs(model.cfg), step_context=watch.step)
+    assert any(c.startswith("torch.tensor at") for c in watch.calls), watch.calls
+
+    def reading(self, seg, i, x):
+        out = step(self, seg, i, x)
+        float(out.abs().max())  # a value read back every step
+        return out
+
+    monkeypatch.setattr(denoise._BagLoop, "_step", reading)
+    with NoHostWork() as watch, pytest.raises(Exception):
+        denoise.denoise_local(model, _jobs(model.cfg), step_context=watch.step)
+    assert any("device sync" in c for c in watch.calls), watch.calls
+
+
+@pytest.fixture(scope="module")
+def compiled_flux():
+    """Flux's small blocks in bf16, compiled by inductor and warmed up, as a GPU rank holds them."""
+    from knapray.worker.denoise import prepare_model, warm_up
+
+    model = _small("flux", "dev")
+    handle = prepare_model(model, "cpu", precision="bf16", compile=True)
+    warm_up(model)
+    return model, handle
+
+
+def test_compiled_sampling_recompiles_at_most_twice_over_30_batches_of_varied_sizes(compiled_flux):
+    from knapray.worker.denoise import denoise_local
+
+    model, handle = compiled_flux
+    compiles = handle.compile_stats.compiles
+    assert compiles >= 2 and handle.recompiles == 0  # the warm-up compiled the blocks
+    for b in range(30):
+        jobs = _jobs(model.cfg, seed=b + 1, count=1 + b % 3, steps=(1, 2))
+        denoise_local(model, jobs)
+    assert handle.recompiles <= 2, handle.recompiles
+    assert handle.compile_stats.compiles == compiles  # nothing new was compiled either
+
+
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_compiled_bf16_sampling_is_as_exact_as_its_matmul_inputs(family, capsys):
+    from knapray.testing.sample_truth import RATIO_BAR, trajectory_errors
+
+    report = trajectory_errors(family, device="cpu", compile=True, steps=8)
+    with capsys.disabled():
+        print("\n" + report.summary())
+    assert report.tokens > 2000 and report.steps == 8 and len(report.errors) == 8
+    assert 1e-3 < min(report.yardstick) and max(report.yardstick) < 2e-2, report.summary()  # bf16 is bf16
+    assert max(report.ratios) <= RATIO_BAR, report.summary()
+    assert report.final_error < 1e-2, report.summary()
+
+
+def test_the_forward_truth_fails_on_a_residual_stream_accumulated_in_bf16():
+    from knapray.testing.sample_truth import RATIO_BAR, bf16_stream, trajectory_errors
+
+    report = trajectory_errors("flux", device="cpu", compile=False, steps=2, variant=bf16_stream)
+    assert min(report.ratios) > RATIO_BAR, report.summary()
