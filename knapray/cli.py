@@ -18,7 +18,7 @@ COMMANDS = (
             run="cli"),
     Command("plan", "knapray.commands.plan", "plan steps of a data mix and report balance"),
     Command("parity", "knapray.commands.parity", "balanced vs unbalanced vs single-process reference (gloo)"),
-    Command("bench", "knapray.benchmarks", "benchmarks (ratios measured side by side): planner, step, ledger, data, kernels, coordinator, rivals, serve"),
+    Command("bench", "knapray.benchmarks", "benchmarks (ratios measured side by side): planner, step, ledger, data, kernels, coordinator, rivals, sample, serve"),
     Command("simulate", "knapray.commands.simulate",
             "predicted step time per rank: unbalanced, greedy, knapray (cost model)"),
     Command("calibrate", "knapray.commands.calibrate", "time packed batches on this device, fit the cost model, write a "

@@ -1,5 +1,5 @@
 """Benchmarks that print ratios measured side by side in one run: ``knapray bench
-planner|step|rivals|ledger|data|kernels|coordinator|serve``, one subcommand each with only its own flags."""
+planner|step|rivals|ledger|data|kernels|coordinator|sample|serve``, one subcommand each with only its own flags."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ BENCHES = (
             "shape: their model TFLOP/s and the ceiling a step could reach (GPU)", run="cli"),
     Command("coordinator", "knapray.benchmarks.coordinator", "the coordinator actor driven by simulated ranks at "
             "32 to 4096 ranks: plan latency, actor CPU, calls and bytes per step", run="cli"),
+    Command("sample", "knapray.benchmarks.sample", "one denoising loop fp32 eager against bf16 compiled (the "
+            "ratio), and the first-block step cache's speedup and error, at a CPU size", run="cli"),
     Command("serve", "knapray.benchmarks.serve", "a mixed request stream served by knapray's balanced plan, static "
             "USP and data parallel: p50/p99 latency and throughput at equal p99, predicted at 8 and 32 H100s "
             "(--measure: on 4 CPU ranks)", run="cli"),

@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> dict:
     what = LocalSampling(run_dir=args.run, checkpoint=args.checkpoint, jobs=jobs, topology=plan.topology or "g1n1",
                          device=device, ema=not args.no_ema, cfg_parallel=not args.no_cfg_parallel,
                          precision=args.precision, compile={"auto": None, "on": True, "off": False}[args.compile],
-                         seed=args.seed, max_text_tokens=args.max_text_tokens)
+                         seed=args.seed, max_text_tokens=args.max_text_tokens, step_cache=args.step_cache)
     got = sample_local(what, world)
     _save_latents(args, got.latents)
     titles = [f"{r.caption or (f'like sample {r.like}' if r.like is not None else 'unconditional')}\n"
@@ -187,6 +187,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "the latents and the Euler update are fp32 always")
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                    help="torch.compile the blocks (auto: on a GPU)")
+    p.add_argument("--step-cache", type=float_in(gt=0), default=None, metavar="THRESHOLD",
+                   help="skip the blocks after the first on a step where the first block's residual moved less than "
+                   "THRESHOLD (relative) since the last full step, adding the others' residual from then (off by "
+                   "default; knapray bench sample prints its speedup and error)")
     p.add_argument("--no-cfg-parallel", action="store_true",
                    help="guided requests run both passes over their whole bag (default: on two halves of an even bag)")
     p.add_argument("--out", default="samples.png", help="PNG grid to write (default samples.png)")

@@ -44,7 +44,8 @@ class SamplerRank:
 
     def __init__(self, run_dir: str, checkpoint: str | None, rank: int, world_size: int, topology: str,
                  device: str = "cpu", ema: bool = True, cfg_parallel: bool = True, *, precision: str = "auto",
-                 compile: bool | None = None, encoders: str = "keep", load: bool = True) -> None:
+                 compile: bool | None = None, encoders: str = "keep", load: bool = True,
+                 step_cache: float | None = None) -> None:
         from knapray.driver.trained import read_run
         from knapray.worker.checkpoint import check_checkpoint
 
@@ -52,7 +53,7 @@ class SamplerRank:
             raise ValueError(f"encoders must be one of {list(ENCODER_POLICIES)}, got {encoders!r}")
         self.rank, self.world_size, self.spec = rank, world_size, topology
         self.cfg_parallel, self.ema_wanted, self.precision, self.compile = cfg_parallel, ema, precision, compile
-        self.encoders = encoders
+        self.encoders, self.step_cache = encoders, step_cache
         self.device = f"cuda:{_local_device(rank)}" if device.startswith("cuda") else device
         if self.device.startswith("cuda"):
             import torch
@@ -160,7 +161,8 @@ class SamplerRank:
         from knapray.worker.denoise import denoise_rank
 
         self.last_step_at = time.monotonic()  # a batch starts: idle time between batches is no stall
-        latents = denoise_rank(self.model, djobs, self.groups, cfg_parallel=self.cfg_parallel, on_step=self._tick)
+        latents = denoise_rank(self.model, djobs, self.groups, cfg_parallel=self.cfg_parallel, on_step=self._tick,
+                               step_cache=self.step_cache)
         return {k: self.picture(z) for k, z in latents.items()} if decode else latents
 
     def _tick(self, step: int) -> None:
@@ -233,6 +235,8 @@ class LocalSampling:
     max_text_tokens: int = 256
     decode: bool = True
     timeout_s: float = DEFAULT_TIMEOUT_S
+    step_cache: float | None = None
+    """The first-block cache's threshold (``knapray.models.step_cache``; None: off)."""
 
 
 def _local_rank(rank: int, world: int, port: int | None, what: LocalSampling, out_dir: str) -> None:
@@ -244,7 +248,8 @@ def _local_rank(rank: int, world: int, port: int | None, what: LocalSampling, ou
     from knapray.worker.denoise import SamplingGroups, batch_plan
 
     r = SamplerRank(what.run_dir, what.checkpoint, rank, world, what.topology, what.device, what.ema,
-                    what.cfg_parallel, precision=what.precision, compile=what.compile, encoders="free", load=False)
+                    what.cfg_parallel, precision=what.precision, compile=what.compile, encoders="free", load=False,
+                    step_cache=what.step_cache)
     if port is None:
         r.groups = {what.topology: SamplingGroups.alone()}
     else:

@@ -28,6 +28,7 @@ from knapray.models.config import MMDiTConfig
 from knapray.models.interface import FsdpUnits
 from knapray.models.layers import MLP, TIME_EMBED_DIM, Modulation, RMSNorm, rope_frequencies, timestep_embedding
 from knapray.models.packing import PackedBatch
+from knapray.models.step_cache import StepCache
 
 
 class MMDiT(nn.Module):
@@ -189,13 +190,15 @@ class MMDiT(nn.Module):
         attn: AttentionFn,
         *,
         streams: TokenStreams | None = None,
+        cache: StepCache | None = None,
     ) -> torch.Tensor:
         """Double-stream then single-stream blocks over the local tokens.
 
         h (N, d); vec_seq (S_loc, d) one row per local sequence; seq_index (N,) long in
         [0, S_loc); pos (N, 3) int64; is_text (N,) bool. ``attn`` is called exactly once per
-        block (depth_double + depth_single times), also when N == 0. ``streams``: as in
-        ``embed``, for these tokens.
+        block (depth_double + depth_single times), also when N == 0, unless ``cache`` (a
+        sampling step's ``StepCache``) has the first block's output reuse the others'.
+        ``streams``: as in ``embed``, for these tokens.
         """
         n, d = h.shape
         if seq_index.shape != (n,) or is_text.shape != (n,) or pos.shape != (n, 3):
@@ -206,16 +209,27 @@ class MMDiT(nn.Module):
         if vec_seq.dim() != 2 or vec_seq.shape[1] != d:
             raise ValueError(f"vec_seq must be (S_loc, {d}), got {tuple(vec_seq.shape)}")
         rope = self.rope(pos)
+        h_in, h_0 = h, None
         if len(self.double_blocks):
             streams = streams if streams is not None else TokenStreams.from_mask(is_text)
             # Kept split across all double blocks; only q, k, v are merged for attention.
             h_txt, h_img = streams.split(h)
             seq_txt, seq_img = streams.split(seq_index)
-            for block in self.double_blocks:
+            for i, block in enumerate(self.double_blocks):
                 h_txt, h_img = block(h_txt, h_img, vec_seq, seq_txt, seq_img, streams, rope, attn)
+                if i == 0 and cache is not None:
+                    h_0 = streams.merge(h_txt, h_img)
+                    if cache.reuse(h_in, h_0):
+                        return cache.apply(h_0)
             h = streams.merge(h_txt, h_img)
-        for block in self.single_blocks:
+        for i, block in enumerate(self.single_blocks):
             h = block(h, vec_seq, seq_index, rope, attn)
+            if i == 0 and cache is not None and h_0 is None:
+                h_0 = h
+                if cache.reuse(h_in, h_0):
+                    return cache.apply(h_0)
+        if cache is not None:
+            cache.store(h_0, h)
         return h
 
     def head(

@@ -43,6 +43,7 @@ from knapray.distributed.router import RoutePlan, concat_ranges
 from knapray.models import PackedBatch
 from knapray.models.blocks import TokenStreams
 from knapray.models.families import condition_inputs, cross_text_pad
+from knapray.models.step_cache import StepCache
 from knapray.planning import BalancePlan
 from knapray.transfer import host_to_device
 
@@ -130,6 +131,7 @@ def balanced_forward(
     route_group: dist.ProcessGroup | None = None,
     backend: str = "auto",
     layout: StepLayout | None = None,
+    cache: StepCache | None = None,
 ) -> torch.Tensor:
     """Model output for this rank's image tokens, (Ni_home, patch_dim), in home order.
 
@@ -139,6 +141,8 @@ def balanced_forward(
     ``route_group``: the balance group (None: the world). Collective: every rank of the
     balance group calls it for the same plan, also ranks with no sequences. ``layout``:
     from ``prepare_step`` (then nothing here waits for the device), else derived here.
+    ``cache``: a sampling step's first-block cache (``knapray.models.step_cache``), decided
+    the same on every rank of the bag.
     """
     if layout is None and cross_text_pad(model.cfg) is not None:
         # The bag's attentions need every sequence's text count: the ranks tell each other.
@@ -149,9 +153,9 @@ def balanced_forward(
         check_batch_matches_plan(batch, plan, rank)
         return _forward(model, batch, plan, rank, route_plan(plan, rank, route_group, batch.x_img.device),
                         UlyssesAttention(plan, rank, bag_group, backend=backend, device=batch.x_img.device),
-                        route_group, None, None, None)
+                        route_group, None, None, None, cache)
     return _forward(model, batch, plan, rank, layout.route, layout.attention, route_group, layout.home,
-                    layout.routed, layout.routed_is_text)
+                    layout.routed, layout.routed_is_text, cache)
 
 
 def _gather_text_tokens(batch: PackedBatch, group: dist.ProcessGroup | None) -> np.ndarray:
@@ -166,7 +170,7 @@ def _gather_text_tokens(batch: PackedBatch, group: dist.ProcessGroup | None) -> 
 
 def _forward(model: nn.Module, batch: PackedBatch, plan: BalancePlan, rank: int, rp: RoutePlan, attn: UlyssesAttention,
              route_group: dist.ProcessGroup | None, home: TokenStreams | None, routed_streams: TokenStreams | None,
-             routed_is_text: torch.Tensor | None) -> torch.Tensor:
+             routed_is_text: torch.Tensor | None, cache: StepCache | None = None) -> torch.Tensor:
     vec = model.condition(**condition_inputs(model, batch))  # (S_home, d)
     h = model.embed(batch.x_txt, batch.x_img, batch.is_text, streams=home)  # (N_home, d)
     if routed_is_text is None:  # the modality travels with the tokens
@@ -176,6 +180,6 @@ def _forward(model: nn.Module, batch: PackedBatch, plan: BalancePlan, rank: int,
         routed = route(rp, rank, {"h": h, "pos": batch.pos}, route_group)
     vec_loc = route_sequence_features(rp, rank, vec, route_group)  # (S_loc, d)
     h_loc = model.blocks(routed["h"], vec_loc, rp.token_seq_local, routed["pos"], routed_is_text, attn,
-                         streams=routed_streams)
+                         streams=routed_streams, **({} if cache is None else {"cache": cache}))
     h_home = reverse_route(rp, rank, h_loc, route_group)  # (N_home, d)
     return model.head(h_home, vec, batch.seq_index, batch.is_text, streams=home)

@@ -209,13 +209,16 @@ def denoise_local(model: torch.nn.Module, jobs: list[DenoiseJob], **kwargs: Any)
 def denoise_rank(model: torch.nn.Module, jobs: list[DenoiseJob], groups: SamplingGroups | dict[str, SamplingGroups],
                  *, cfg_parallel: bool = True, planner=None, max_tokens_per_gpu: int | None = None,
                  on_step: Callable[[int], None] | None = None, step_context: StepContext | None = None,
-                 ) -> dict[int, np.ndarray]:
+                 step_cache: float | None = None, stats: dict | None = None) -> dict[int, np.ndarray]:
     """Run the batch ``jobs`` (the same list on every rank of the world) on ``groups``' topology,
     or (several) on the one ``batch_plan`` chooses. Returns the latents (C, T, H, W) of the
     jobs whose bag this rank leads, by job index.
 
     ``on_step(i)``: called after the bag's step ``i`` (a host int; nothing is read from the
-    device for it). ``step_context``: entered around every step's body (a test's watch)."""
+    device for it). ``step_context``: entered around every step's body (a test's watch).
+    ``step_cache``: the first-block cache's threshold (``knapray.models.step_cache``; None: off).
+    ``stats``: filled with this rank's ``steps``, ``segments`` and, with the cache, its
+    ``full_steps`` and ``cached_steps``."""
     if isinstance(groups, dict):
         first = next(iter(groups.values()))
         spec, plan = batch_plan(model.cfg, jobs, list(groups), first.topology.world_size, max_tokens_per_gpu)
@@ -226,8 +229,14 @@ def denoise_rank(model: torch.nn.Module, jobs: list[DenoiseJob], groups: Samplin
     mine = plan.jobs_of(groups.bag).tolist()
     if not mine:
         return {}
+    loop = _BagLoop(model, jobs, mine, groups, cfg_parallel, planner, step_cache)
     with torch.no_grad():
-        return _BagLoop(model, jobs, mine, groups, cfg_parallel, planner).run(on_step, step_context)
+        out = loop.run(on_step, step_context)
+    if stats is not None:
+        stats.update(steps=max(jobs[k].steps for k in mine), segments=len({jobs[k].steps for k in mine}))
+        if loop.caches:
+            stats.update(full_steps=sum(c.full for c in loop.caches), cached_steps=sum(c.cached for c in loop.caches))
+    return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -249,6 +258,8 @@ class _Segment:
     """(S_pass, stop - start) fp32: every pass's timestep at each step (the lead's; empty elsewhere)."""
     step_size: torch.Tensor
     """(Ni, stop - start) fp32: each latent row's Euler step at every step of the segment."""
+    cache: Any
+    """The segment's first-block cache (None: off)."""
     pass_rows: torch.Tensor | None
     """(Ni_pass,) rows of the latents each pass's image tokens are (None: every pass is a
     job's only or conditional pass, in row order)."""
@@ -263,7 +274,7 @@ class _BagLoop:
     step by step."""
 
     def __init__(self, model, jobs: list[DenoiseJob], mine: list[int], groups: SamplingGroups, cfg_parallel: bool,
-                 planner) -> None:
+                 planner, step_cache: float | None = None) -> None:
         from knapray.models import pack_samples
 
         topo, bag = groups.topology, groups.bag
@@ -278,6 +289,9 @@ class _BagLoop:
         if getattr(self.cfg, "guidance_embeds", False):
             empty = replace(empty, guidance=torch.zeros(0))
         self.empty = empty
+        self.step_cache = step_cache
+        self.caches: list = []
+        """Every segment's ``StepCache`` (with ``step_cache``): its full and cached steps."""
 
     def run(self, on_step, step_context) -> dict[int, np.ndarray]:
         jobs, mine = self.jobs, self.mine
@@ -328,8 +342,15 @@ class _BagLoop:
         layout = prepare_step(host, plan, self.groups.rank, text, self.device, bag_group=self.attn_group,
                               route_group=self.groups.whole, cross_pad=cross_text_pad(cfg))
         empty = torch.zeros(0, device=self.device)
+        cache = None
+        if self.step_cache is not None:
+            from knapray.models.step_cache import StepCache
+
+            cache = StepCache(self.step_cache, _bag_sum(self.groups.whole))
+            self.caches.append(cache)
         if not self.lead:
-            return _Segment(start, stop, active, plan, layout, host.to(self.device), empty, empty, None, None, None)
+            return _Segment(start, stop, active, plan, layout, host.to(self.device), empty, empty, cache, None, None,
+                            None)
         # Tables, on the host once: every pass's timesteps, every latent row's step sizes.
         times = np.array([jobs[k].times[start:stop] for k, _ in passes], dtype=np.float64).reshape(len(passes), -1)
         counts = [rows[k] for k in active]
@@ -346,7 +367,7 @@ class _BagLoop:
                                    self.device, torch.float32)
         return _Segment(start, stop, active, plan, layout, host.to(self.device),
                         host_to_device(times, self.device, torch.float32),
-                        host_to_device(sizes[own], self.device, torch.float32), pass_rows, guided_rows, scale)
+                        host_to_device(sizes[own], self.device, torch.float32), cache, pass_rows, guided_rows, scale)
 
     def _step(self, seg: _Segment, i: int, x: torch.Tensor | None) -> torch.Tensor | None:
         """One Euler step of the segment's jobs: device work only."""
@@ -357,7 +378,7 @@ class _BagLoop:
             x_in = x if seg.pass_rows is None else x.index_select(0, seg.pass_rows)
             batch = replace(batch, x_img=x_in, timesteps=seg.times[:, i - seg.start])
         v = balanced_forward(self.model, batch, seg.plan, self.groups.rank, bag_group=self.attn_group,
-                             route_group=self.groups.whole, layout=seg.layout)
+                             route_group=self.groups.whole, layout=seg.layout, cache=seg.cache)
         if not self.lead:
             return x
         v = v.float()
@@ -377,6 +398,18 @@ class _BagLoop:
             grid = tuple(s // p for s, p in zip(self.jobs[k].noise.shape[1:], cfg.patch_size))
             out[k] = unpatchify(done[k].cpu(), grid, cfg.patch_size, cfg.in_channels).numpy()
         return out
+
+
+def _bag_sum(group: dist.ProcessGroup | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The step cache's ``agree``: a sum over the bag (None: a bag of one)."""
+    if group is None:
+        return None
+
+    def total(t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, group=group)
+        return t
+
+    return total
 
 
 def _text(job: DenoiseJob, kind: int) -> np.ndarray:

@@ -194,3 +194,33 @@ def test_the_measured_serving_bench_serves_every_request_once(policy, bag):
         assert all(r == bag for r in s.ranks)
     else:
         assert {len(r) for r in s.ranks} <= {1, 2}  # the gang's default bags, g2n1+g1n2
+
+
+def _draw_cached(rank: int, world: int, family: str, topology: str):
+    from knapray.planning import Topology
+    from knapray.worker.denoise import SamplingGroups, denoise_rank
+
+    model = _model(family, "cfg")
+    groups = SamplingGroups.build(Topology.parse(topology, world_size=world), rank)
+    jobs = [j[0] for j in _jobs(model, family)]
+    stats: dict = {}
+    got = denoise_rank(model, jobs, groups, cfg_parallel=True, max_tokens_per_gpu=BUDGET, step_cache=1e9, stats=stats)
+    return got, stats
+
+
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_a_bag_decides_the_step_cache_together(family):
+    """The first-block cache over a bag of 4 in CFG parallel (two halves of 2): every rank
+    takes the same decision (the norms summed over the bag), so the collectives stay in step
+    and each job is what one process gets from the same batch with the same cache."""
+    from knapray.worker.denoise import denoise_local
+
+    model = _model(family, "cfg")
+    jobs = [j[0] for j in _jobs(model, family)]
+    ref = denoise_local(model, jobs, step_cache=1e9)
+    got: dict[int, np.ndarray] = {}
+    for part, stats in run_distributed(_draw_cached, 4, family, "g4n1", timeout_s=240):
+        assert stats["cached_steps"] > 0
+        got.update(part)
+    for k, z in enumerate(ref):
+        assert float(np.abs(got[k] - z).max() / np.abs(z).max()) <= 1e-5, k

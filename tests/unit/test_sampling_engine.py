@@ -132,3 +132,25 @@ def test_the_forward_truth_fails_on_a_residual_stream_accumulated_in_bf16():
 
     report = trajectory_errors("flux", device="cpu", compile=False, steps=2, variant=bf16_stream)
     assert min(report.ratios) > RATIO_BAR, report.summary()
+
+
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_the_step_cache_skips_the_blocks_only_when_the_first_block_barely_moved(family):
+    """Threshold tiny: nothing cached, the latents are the uncached ones bit for bit; huge:
+    every step after a segment's first is cached, and the latents move off the uncached ones
+    (finite, at most as far as skipping everything would take them)."""
+    from knapray.testing.sample_truth import small_model
+    from knapray.worker.denoise import denoise_local
+
+    model = small_model(family)  # every block moves the stream (adaLN-zero's blocks would not)
+    jobs = _jobs(model.cfg, steps=(4, 3, 4))
+    plain = denoise_local(model, jobs)
+    stats: dict = {}
+    never = denoise_local(model, jobs, step_cache=1e-12, stats=stats)
+    assert stats["cached_steps"] == 0 and stats["full_steps"] == 4  # 3 + 1 over two segments, every one full
+    assert all(np.array_equal(a, b) for a, b in zip(never, plain))
+    stats = {}
+    always = denoise_local(model, jobs, step_cache=1e9, stats=stats)
+    assert stats["full_steps"] == 2 and stats["cached_steps"] == 2  # each segment's first step runs in full
+    assert all(np.isfinite(z).all() for z in always)
+    assert any(not np.array_equal(a, b) for a, b in zip(always, plain))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -45,6 +46,17 @@ class Layout:
 
     def pieces_of(self, key: str) -> list[Piece]:
         return [p for p in self.pieces if p.key == key]
+
+    def gather(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """The checkpoint's tensors from a model's parameters (``named_parameters``, plain
+        tensors), each made where and in the dtype of the parameter it starts from."""
+        out: dict[str, Any] = {}
+        for p in self.pieces:
+            src = params[p.param]
+            if p.key not in out:
+                out[p.key] = src.new_empty(self.shapes[p.key])
+            out[p.key][p.src: p.src + p.rows].copy_(src[p.dst: p.dst + p.rows])
+        return out
 
     def first_mismatch(self, found: Mapping[str, Sequence[int]]) -> str | None:
         """The first problem of a checkpoint holding ``found`` (key -> shape), in one phrase

@@ -52,6 +52,7 @@ from knapray.models.families.flux import flux_rope
 from knapray.models.interface import FsdpUnits
 from knapray.models.layers import MLP, timestep_embedding
 from knapray.models.packing import PackedBatch, patchify
+from knapray.models.step_cache import StepCache
 
 DIFFUSERS_CLASS = "WanTransformer3DModel"
 THETA = 10000.0
@@ -474,7 +475,7 @@ class WanTransformer(nn.Module):
 
     def blocks(self, h: torch.Tensor, vec_seq: torch.Tensor, seq_index: torch.Tensor, pos: torch.Tensor,
                is_text: torch.Tensor, attn: "WanAttentionOps | AttentionFn | None", *,
-               streams: TokenStreams | None = None) -> torch.Tensor:
+               streams: TokenStreams | None = None, cache: StepCache | None = None) -> torch.Tensor:
         """Wan's blocks over the visual tokens of h (N, d); text rows come back unchanged.
 
         ``attn``: the bag's attentions (``knapray.distributed.BagCrossAttention``, the
@@ -499,8 +500,15 @@ class WanTransformer(nn.Module):
             attn = _Segments(seq_img, seq_txt, num_seq, self.cfg.text_pad_to)
         rope = self.rope(pos.index_select(0, streams.img_idx))
         mod = vec_seq[:, d:].unflatten(1, (6, d))  # (S, 6, d): per sequence, indexed per token in the blocks
-        for block in self.single_blocks:
+        x_in = x
+        for i, block in enumerate(self.single_blocks):
             x = block(x, ctx, mod, seq_img, rope, attn, pad_row)
+            if i == 0 and cache is not None:  # a sampling step's first-block cache (models/step_cache)
+                x_0 = x
+                if cache.reuse(x_in, x_0):
+                    return streams.merge(ctx, cache.apply(x_0))
+        if cache is not None:
+            cache.store(x_0, x)
         return streams.merge(ctx, x)
 
     def head(self, h: torch.Tensor, vec_seq: torch.Tensor, seq_index: torch.Tensor, is_text: torch.Tensor, *,
