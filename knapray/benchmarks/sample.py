@@ -1,5 +1,5 @@
-"""``knapray bench sample``: one denoising loop run the ways ``knapray sample`` can run it,
-side by side, at a size a CPU runs (``knapray.testing.sample_bench``):
+"""``knapray bench sample``: one denoising loop of a FLUX.1-dev-shaped model run the ways
+``knapray sample`` can run it, side by side, at a size a CPU runs (``knapray.testing.sample_bench``):
 
 - fp32 eager (a CPU's default) against bf16 compiled (a GPU's: bf16 weights, fp32 residual
   stream, the blocks compiled and warmed up), per step, and their ratio;
@@ -24,7 +24,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from knapray.commands.flags import add_json, int_at_least
     from knapray.limits import MAX_MODEL_WIDTH
 
-    p.add_argument("--family", choices=("flux", "wan"), default="flux", help="the blocks timed (default flux)")
     for name, most in (("hidden", MAX_MODEL_WIDTH), ("heads", MAX_MODEL_WIDTH), ("double", 1024), ("single", 1024),
                        ("side", 4096), ("text", 4096), ("steps", 1000)):
         p.add_argument(f"--{name}", type=int_at_least(0 if name in ("double", "single", "text") else 1, most),
@@ -51,16 +50,14 @@ def _thresholds(text: str) -> list[float]:
 
 
 def _config(args: argparse.Namespace):
-    from knapray.models.families import get_family
+    """A FLUX.1-dev-shaped model of the flags' size."""
     from knapray.testing.sample_bench import flux_config
 
     if args.hidden % args.heads or (args.hidden // args.heads) % 8:
         raise ValueError(f"--hidden {args.hidden} over --heads {args.heads}: heads of a multiple of 8 channels")
     if args.side % 16:
         raise ValueError(f"--side {args.side}: a multiple of 16 pixels")
-    if args.family == "flux":
-        return flux_config(args.hidden, args.heads, args.double, args.single)
-    return get_family("wan").sized_config(args.hidden, args.heads, 0, args.double + args.single)
+    return flux_config(args.hidden, args.heads, args.double, args.single)
 
 
 def cli(args: argparse.Namespace) -> int:
@@ -71,8 +68,8 @@ def cli(args: argparse.Namespace) -> int:
         cfg = _config(args)
     except ValueError as e:
         return _error(str(e).replace("could not convert string to float: ", "--step-cache: not a number: "))
-    job = request(cfg, args.side, args.text, args.steps, guidance=3.5 if args.family == "flux" else 1.0)
-    print(f"knapray bench sample: {args.family} d={args.hidden}, {args.heads} heads, "
+    job = request(cfg, args.side, args.text, args.steps)
+    print(f"knapray bench sample: FLUX.1-dev-shaped, d={args.hidden}, {args.heads} heads, "
           f"{args.double + args.single} blocks, one {args.side}x{args.side} request ({job.tokens} tokens), "
           f"{args.steps} steps, median of {args.repeat} loops, on the CPU", flush=True)
     eager = time_knapray("fp32 eager", prepared(cfg, "cpu", "fp32", compile=False), job, repeats=args.repeat)
@@ -90,7 +87,7 @@ def cli(args: argparse.Namespace) -> int:
               f"uncached loop, latents {err:.2e} off the uncached ones", flush=True)
         cached.append({**run.row(), "threshold": t, "speedup": speedup, "error": err})
     if args.json:
-        print(json.dumps({"family": args.family, "tokens": job.tokens, "steps": args.steps,
+        print(json.dumps({"family": cfg.family, "tokens": job.tokens, "steps": args.steps,
                           "rows": [eager.row(), compiled.row()], "ratio": ratio, "step_cache": cached}))
     return 0
 
