@@ -2,7 +2,7 @@
 
     python3 -m knapray.commands.gpu_check            # one GPU: NCCL, world 1, topology g1n1
     python3 -m knapray.commands.gpu_check --cpu      # the first run's chain on gloo with a tiny model
-    python3 -m knapray.commands.gpu_check --bench --json F   # make gpu-bench: gradients first, runs profiled
+    python3 -m knapray.commands.gpu_check --bench --json F   # make gpu-bench: gradients, sampling, runs profiled
 
 The runs, how each is launched and judged: ``knapray.testing.gpu_check``. It needs neither
 Ray nor an install (only torch, numpy, pyarrow and pyyaml): ``make gpu-check`` and
@@ -36,10 +36,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bench", action="store_true",
                    help="make gpu-bench: the gradient check first (compiled bf16 against float64, "
                         "knapray.testing.grad_truth), then the runs, each profiled")
+    p.add_argument("--no-sampling", action="store_true",
+                   help="with --bench: leave out the sampling section (its forward truth, and knapray beside diffusers)")
     p.add_argument("--json", default=None, metavar="FILE", help="write every number of the check to FILE")
     p.add_argument("--timeout", type=int, default=520,
-                   help="seconds all training runs together may take (default 520: with the gpu tests, "
-                        "make gpu-check fits 10 minutes); a run that would pass it is stopped and fails")
+                   help="seconds the check may take from its start, the bench's stages included (default 520: "
+                        "with the gpu tests, make gpu-check fits 10 minutes); a run that would pass it is stopped "
+                        "and fails, a stage with too little time left is not run")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from knapray.testing.gpu_check import (CPU_CHECK, GPU_CHECKS, attention_packages, checkout_commit, gradient_stage,
-                                           run_check)
+                                           run_check, sampling_stage)
 
     if args.steps < 1 or args.nproc < 1:
         print(f"gpu_check: error: --steps and --nproc must be >= 1, got {args.steps}, {args.nproc}", file=sys.stderr)
@@ -68,12 +71,14 @@ def run(args: argparse.Namespace) -> int:
     work = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="knapray-gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)
     failures = []
-    deadline = time.monotonic() + args.timeout
+    deadline = time.monotonic() + args.timeout  # from the start: the bench's stages count
     report = {"device": device, "torch": torch.__version__, "steps": args.steps, "nproc": args.nproc,
               "commit": checkout_commit(), "attention_packages": attention_packages(), "gradients": [], "runs": []}
     print("attention: " + ", ".join(f"{k} {v}" for k, v in report["attention_packages"].items()), flush=True)
     if args.bench:
         failures += gradient_stage(report, cpu=args.cpu)
+        if not args.no_sampling:
+            failures += sampling_stage(report, cpu=args.cpu, deadline=deadline)
     for check in checks:
         left = deadline - time.monotonic()
         if left < 10:

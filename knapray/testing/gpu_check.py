@@ -344,6 +344,54 @@ def gradient_stage(report: dict, *, cpu: bool) -> list[str]:
     return failures
 
 
+SAMPLE_REHEARSAL = {"hidden": 64, "heads": 2, "double": 1, "single": 1, "side": 64, "text": 8, "steps": 3}
+"""The sampling section's shape on the CPU rehearsal (the chain, not the numbers)."""
+
+
+def sampling_stage(report: dict, *, cpu: bool, deadline: float | None = None) -> list[str]:
+    """Sampling on the device: the forward truth of a compiled bf16 trajectory against
+    float64 per family (``knapray.testing.sample_truth``), then a FLUX.1-dev-shaped model at
+    1024², 28 steps, knapray beside diffusers' transformer (``sample_bench.flux_side_by_side``;
+    diffusers must be importable: carried as wheels, ``GPU_WHEELS``). One line per result, the
+    numbers into ``report["sampling"]``; the failures."""
+    from knapray.testing.sample_bench import FLUX_DEV, flux_side_by_side
+    from knapray.testing.sample_truth import trajectory_errors
+
+    device = "cpu" if cpu else "cuda"
+    print("== sampling: compiled bf16 trajectories against float64 (knapray.testing.sample_truth), then "
+          "knapray beside diffusers (knapray.testing.sample_bench)", flush=True)
+    out = report.setdefault("sampling", {"truth": [], "flux": None})
+    failures = []
+    for family in ("flux", "wan"):
+        t0 = time.perf_counter()
+        try:
+            r = trajectory_errors(family, device=device, compile=True, side=32 if cpu else 96)
+        except Exception as e:  # noqa: BLE001 - reported, the bench goes on
+            print(f"{family}: FAILED to run: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            failures.append(f"sampling truth {family}: {type(e).__name__}")
+            continue
+        print(f"{r.summary()} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        out["truth"].append({"family": family, "tokens": r.tokens, "errors": r.errors, "yardstick": r.yardstick,
+                             "ratios": r.ratios, "final_error": r.final_error, "passed": r.passed})
+        if not r.passed:
+            failures.append(f"sampling truth {family}: ratio {max(r.ratios):.2f}")
+    if deadline is not None and deadline - time.monotonic() < 120:
+        print("== sampling side by side: not run, too little of the bench's time left", flush=True)
+        return failures + ["sampling side by side: not run (out of time)"]
+    try:
+        import diffusers  # noqa: F401
+    except ImportError:
+        print("== sampling side by side: not run, diffusers is not importable here (carry its wheels: GPU_WHEELS)")
+        return failures + ["sampling side by side: diffusers missing"]
+    try:
+        out["flux"] = flux_side_by_side(SAMPLE_REHEARSAL if cpu else FLUX_DEV, device, repeats=1 if cpu else 2,
+                                        log=lambda line: print(line, flush=True))
+    except Exception as e:  # noqa: BLE001
+        print(f"sampling side by side: FAILED to run: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        failures.append(f"sampling side by side: {type(e).__name__}")
+    return failures
+
+
 def attention_packages() -> dict[str, str]:
     """The optional attention packages this Python finds (flash-attn 2, FA3's
     ``flash_attn_interface``, FA4's ``flash_attn.cute``) and what torch's flash kernels are

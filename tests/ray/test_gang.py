@@ -11,6 +11,8 @@ import time
 import numpy as np
 import pytest
 
+from knapray.driver.gang import SamplerRank
+
 pytestmark = pytest.mark.ray
 
 
@@ -102,3 +104,61 @@ def test_a_rank_lost_mid_batch_loses_its_bags_jobs_only(gang, trained):
     assert not again.lost and again.error is None
     ref = _reference(run, Job(None, 32, 32, steps=3, seed=5, like=ids[0]))  # the restarted gang is right
     assert float(np.abs(again.latent - ref).max() / np.abs(ref).max()) <= 1e-5
+
+
+SLEEP_STEPS = 7
+"""A batch of jobs of this many steps makes ``SleepyRank`` 1 sleep inside its bag's loop."""
+
+
+class SleepyRank(SamplerRank):
+    """The gang's rank class, but rank 1 stops answering at its second step of a batch of
+    ``SLEEP_STEPS``-step jobs (its bag partner waits for it inside the next all-to-all);
+    every other batch runs as ``SamplerRank`` runs it."""
+
+    def _tick(self, step: int) -> None:
+        super()._tick(step)
+        if self.rank == 1 and step == 1 and self._batch_steps == SLEEP_STEPS:
+            time.sleep(120)
+
+    def run(self, djobs, decode=True):
+        self._batch_steps = max(j.steps for j in djobs)
+        return super().run(djobs, decode)
+
+
+def test_a_rank_stuck_in_a_collective_fails_its_bag_within_the_timeout(ray_session, trained, monkeypatch):
+    import ray
+
+    import knapray.driver.gang as gang_module
+    from knapray.driver.gang import Gang
+    from knapray.inference.jobs import Job
+    from knapray.planning import Topology
+    from knapray.worker.denoise import batch_plan
+
+    monkeypatch.setattr(gang_module, "_actor_class", lambda: ray.remote(max_concurrency=2)(SleepyRank))
+    run, ids = trained
+    g = Gang.start(run, 4, topology="g2n1+g1n2", timeout_s=6.0)
+    try:
+        jobs = [Job(None, 64, 64, steps=SLEEP_STEPS, seed=1, like=ids[0]),
+                Job(None, 16, 16, steps=SLEEP_STEPS, seed=2, like=ids[1]),
+                Job(None, 16, 16, steps=SLEEP_STEPS, seed=3, like=ids[2])]
+        prepared = ray.get(g.actors[0].prepare.remote(jobs))
+        _, plan = batch_plan(g.model_cfg, prepared, ["g2n1+g1n2"], 4)
+        topo = Topology.parse("g2n1+g1n2", world_size=4)
+        stuck_bag = int(topo.bag_of_rank[1])
+        assert stuck_bag in set(plan.bag.tolist())  # a job runs on the sleeper's bag (ranks 0 and 1)
+        t0 = time.monotonic()
+        results = g.generate(jobs, decode=False)
+        took = time.monotonic() - t0
+        assert took < 60, took  # the sleeper's 120 s were not waited for
+        for k, r in enumerate(results):
+            if plan.bag[k] == stuck_bag:
+                assert r.lost and r.latent is None
+            else:
+                assert not r.lost and r.error is None and r.latent is not None
+        assert g.broken
+        again = g.generate([Job(None, 64, 64, steps=3, seed=1, like=ids[0])], decode=False)[0]  # a new gang
+        assert not again.lost and again.error is None
+        ref = _reference(run, Job(None, 64, 64, steps=3, seed=1, like=ids[0]))
+        assert float(np.abs(again.latent - ref).max() / np.abs(ref).max()) <= 1e-5
+    finally:
+        g.close()

@@ -95,3 +95,24 @@ def test_a_job_out_of_bounds_names_the_field_and_its_range(field, value, words):
     with pytest.raises(ValueError) as e:
         rules.check(replace(Job(None, 64, 64), **{field: value}))
     assert str(e.value).startswith(words), str(e.value)
+
+
+@pytest.mark.parametrize("visible, rank, want", [(None, 2, "cuda:2"), ("5", 2, "cuda:0"), ("0,1,2,3", 3, "cuda:3")])
+def test_each_local_sampling_rank_sets_its_own_cuda_device(run_dir, monkeypatch, visible, rank, want):
+    """``knapray sample --world-size N`` on one machine: rank r on cuda:r, made the current
+    device before anything lands on one (Wan's all_gather_object uses the current device);
+    under Ray each actor sees one GPU, device 0."""
+    import torch
+
+    import knapray.driver.gang as gang
+    import knapray.worker.checkpoint as checkpoint
+
+    monkeypatch.setattr(checkpoint, "check_checkpoint", lambda path: None)  # the stand-in run has no weights
+    made = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: made.append(str(d)))
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    r = gang.SamplerRank(str(run_dir), None, rank, 4, "g1n4", device="cuda", load=False)
+    assert r.device == want and made == [want]

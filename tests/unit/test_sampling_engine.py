@@ -154,3 +154,36 @@ def test_the_step_cache_skips_the_blocks_only_when_the_first_block_barely_moved(
     assert stats["full_steps"] == 2 and stats["cached_steps"] == 2  # each segment's first step runs in full
     assert all(np.isfinite(z).all() for z in always)
     assert any(not np.array_equal(a, b) for a, b in zip(always, plain))
+
+
+def test_the_diffusers_loop_beside_knapray_computes_what_knapray_computes():
+    """The GPU section's two sides (``knapray.testing.sample_bench``) time the same loop: in
+    fp32, diffusers' FluxTransformer2DModel with knapray's weights (through the export
+    layout) and knapray's engine give the same latents from the same request."""
+    pytest.importorskip("diffusers")
+    from knapray.testing.gpu_check import SAMPLE_REHEARSAL as shape
+    from knapray.testing.sample_bench import diffusers_flux, flux_config, prepared, relative, request, time_diffusers, \
+        time_knapray
+
+    cfg = flux_config(shape["hidden"], shape["heads"], shape["double"], shape["single"])
+    job = request(cfg, shape["side"], shape["text"], shape["steps"])
+    model = prepared(cfg, "cpu", "fp32", compile=False)
+    ours = time_knapray("knapray", model, job, repeats=1)
+    theirs = time_diffusers("diffusers", diffusers_flux(model), cfg, job, compiled=False, repeats=1)
+    assert ours.latents.shape == theirs.latents.shape == job.noise.shape
+    assert relative(ours.latents, theirs.latents) < 1e-5
+
+
+def test_bench_sample_prints_the_ratio_last(capsys):
+    import json
+
+    from knapray.cli import main
+
+    assert main(["bench", "sample", "--hidden", "64", "--heads", "2", "--double", "1", "--single", "1", "--side", "64",
+                 "--text", "8", "--steps", "3", "--repeat", "1", "--step-cache", "10", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["ratio"] > 0 and [r["name"] for r in out["rows"]] == ["fp32 eager", "bf16 compiled"]
+    (cached,) = out["step_cache"]
+    assert cached["cached_steps"] == 2 and cached["full_steps"] == 1 and cached["error"] > 0  # skipped, and it shows
+    assert main(["bench", "sample", "--step-cache", "x", "--json"]) == 2
+    assert capsys.readouterr().err.strip().startswith("knapray bench sample: error: --step-cache")
