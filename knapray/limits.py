@@ -126,3 +126,18 @@ MAX_METADATA_NODES = 1 << 24
 MAX_SAMPLE_REQUESTS = 64
 """``knapray sample``: requests of one call (each is a tile of the PNG grid it writes; more
 in several calls)."""
+
+MAX_DRYRUN_WORLD = 1 << 16
+"""``knapray dryrun --world-size``: 65,536 ranks. The dry run draws every rank's samples and
+makes the rank's groups in one process (it plans only its own balance group): 2^20 ranks
+took minutes there (the general bound is ``MAX_WORLD_SIZE``)."""
+
+MAX_DRYRUN_PER_STEP_WORLD = 1 << 13
+"""``knapray dryrun --world-size`` of a run whose topology is chosen every step
+(``balance.topology: per-step``): 8,192 ranks. Its plan weighs block layouts of every node
+of the world together (about 3 ms a rank here: 4,096 ranks took 11 s)."""
+
+MAX_BENCH_COORDINATOR_RANKS = 1 << 14
+"""``knapray bench coordinator --ranks``: 16,384 simulated ranks, four times the largest world
+measured (docs/results.md). The bench plays every rank's calls on this machine's Ray;
+1,048,576 ran 126 s into an ActorUnavailableError."""

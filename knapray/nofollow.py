@@ -12,12 +12,20 @@ run directory or a corpus, so:
 
 The root itself may be a link (a user's ``runs -> /scratch/runs``): only what lies below it
 is the run's.
+
+A file ``open_nofollow`` opened says what failed and where: an error of the file system
+(opening it, or any read or write through it: a full disk when the buffer is flushed) is
+a ``FileError`` naming the operation and the path (``appending to <path>: No space left
+on device``), of the kind the caller catches (``FileExistsError`` stays one).
 """
 
 from __future__ import annotations
 
+import io
 import os
 from typing import IO
+
+from knapray.file_errors import file_op
 
 
 class PlantedLink(ValueError):
@@ -54,9 +62,35 @@ _MODES = {
 }
 
 
+_OPS = {"r": "reading", "w": "writing", "a": "appending to", "x": "creating"}
+"""What a mode does to its file, as an error message says it."""
+
+
+class _NamedFile(io.FileIO):
+    """A raw file whose failing reads and writes say which file and what was being done
+    (every buffered flush reaches the file system through ``write``)."""
+
+    def __init__(self, fd: int, mode: str, path: str) -> None:
+        super().__init__(fd, mode[0], closefd=True)
+        self._path, self._op = path, _OPS[mode[0]]
+
+    def write(self, data) -> int | None:
+        with file_op(self._op, self._path):
+            return super().write(data)
+
+    def readinto(self, buffer) -> int | None:
+        with file_op("reading", self._path):
+            return super().readinto(buffer)
+
+    def readall(self) -> bytes:
+        with file_op("reading", self._path):
+            return super().readall()
+
+
 def open_nofollow(path: str, mode: str = "r", what: str = "a run directory", encoding: str | None = None) -> IO:
     """``open(path, mode)`` (r, w, a, x, with b) that refuses a symbolic link at ``path``
-    (``PlantedLink``) instead of opening its target."""
+    (``PlantedLink``) instead of opening its target; what the file system refuses, then or
+    later through the file, is a ``FileError`` naming the operation and ``path``."""
     if mode not in _MODES:
         raise ValueError(f"open_nofollow: mode {mode!r} is not one of {sorted(_MODES)}")
     try:
@@ -64,8 +98,15 @@ def open_nofollow(path: str, mode: str = "r", what: str = "a run directory", enc
     except OSError as e:
         if os.path.islink(path):
             raise PlantedLink(path, what) from None
-        raise e
-    return os.fdopen(fd, mode, encoding=None if "b" in mode else (encoding or "utf-8"))
+        with file_op(_OPS[mode[0]], path):
+            raise e
+    try:
+        raw = _NamedFile(fd, mode, str(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    f = io.BufferedReader(raw) if mode[0] == "r" else io.BufferedWriter(raw)
+    return f if "b" in mode else io.TextIOWrapper(f, encoding=encoding or "utf-8")
 
 
 def truncate_nofollow(path: str, size: int, what: str = "a run directory") -> None:

@@ -18,7 +18,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "knapray"
 
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("base", ("attention", "files", "indexing", "limits", "nofollow", "progress", "run_files", "transfer")),
+    ("base", ("attention", "file_errors", "files", "indexing", "limits", "nofollow", "progress", "run_files",
+              "transfer")),
     ("planning", ("planning",)),
     ("services", ("coordinator", "corpus", "distributed")),
     ("models", ("models",)),

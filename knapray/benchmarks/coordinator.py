@@ -188,10 +188,11 @@ def _measure(world: int, steps: int, drivers: int, codes, ranks_per_call: int, t
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from knapray.commands.flags import add_json, int_list, step_count
 
-    from knapray.limits import MAX_WORLD_SIZE
+    from knapray.limits import MAX_BENCH_COORDINATOR_RANKS
 
-    p.add_argument("--ranks", type=int_list(MAX_WORLD_SIZE), default=None,
-                   help="world sizes, comma-separated multiples of 32 (default 32,128,512,1024,4096)")
+    p.add_argument("--ranks", type=int_list(MAX_BENCH_COORDINATOR_RANKS), default=None,
+                   help="world sizes, comma-separated multiples of 32 (default 32,128,512,1024,4096; at most "
+                        f"{MAX_BENCH_COORDINATOR_RANKS}: every rank is played on this machine)")
     p.add_argument("--steps", type=step_count, default=5, help="measured steps per world size (default 5)")
     p.add_argument("--drivers", type=int, choices=range(1, 17), default=4, metavar="N",
                    help="driver actors playing the ranks (default 4)")

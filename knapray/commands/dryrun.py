@@ -84,9 +84,18 @@ def run(args: argparse.Namespace) -> int:
           f"{sum(len(s) for s in samples)} samples over {world} ranks"
           + (f", as many as keep the mean within data.max_tokens_per_gpu={budget}" if budget else ""))
     routed_here = int(plan.rank_tokens[rank])
+    part = inputs.planned
+    if len(part) == world:
+        over, imbalance = "ranks", plan.imbalance
+    else:  # the rank's balance group alone was planned
+        work = plan.rank_work[part.start:part.stop]
+        over, imbalance = f"its balance group, ranks {part.start}-{part.stop - 1}", \
+            float(work.max() / work.mean()) if work.mean() > 0 else 1.0
     print(f"plan   topology {plan.topology} (balance.topology {cfg.balance.topology}); rank {rank}: "
-          f"{len(samples[rank])} home sequences, {routed_here} routed tokens (max over ranks "
-          f"{int(plan.rank_tokens.max())}); imbalance {plan.imbalance:.4f}")
+          f"{len(samples[rank])} home sequences, {routed_here} routed tokens (max over {over} "
+          f"{int(plan.rank_tokens[part.start:part.stop].max())}); imbalance {imbalance:.4f}"
+          + ("" if len(part) == world else " (only this group planned: the others plan alike, apart, and change "
+             "nothing this rank computes)"))
 
     step, device = measure(setup, inputs)
     print(f"step   a training step on fake CPU tensors in {step.seconds:.0f} s (after one on no tokens: FSDP's "

@@ -23,7 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--demo", action="store_true",
-                   help="the demo corpus of `make run` (image+video mix, scale 8, 2 steps, text/pooled width 32)")
+                   help="the demo corpus of `make run` (image+video mix, scale 8, 2 steps, text/pooled width 32); "
+                        "--text-dtype, --seed, --shards, --noise and --no-payload apply to it, the mix's flags are "
+                        "refused with it")
     p.add_argument("--mix",
                    help=f"data codes like 'g8b4i256f1s0,g2b1i1024f1s0' or a paper mix: {', '.join(PAPER_MIXES)}")
     p.add_argument("--out", required=True, help="output directory (new or empty)")
@@ -47,22 +49,49 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Build the corpus and print its path; a bad value is ValueError (one line, exit 2)."""
-    from knapray.corpus.synthetic import DEMO, SyntheticConfig, build_synthetic
+    from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
 
     if not args.demo and not args.mix:
         raise ValueError("give --mix (or --demo)")
-    cfg = DEMO if args.demo else SyntheticConfig(
-        mix=args.mix, steps=args.steps, scale=args.scale, channels=args.channels,
-        text_dim=args.text_dim, pooled_dim=args.pooled_dim,
-        max_text_tokens=args.max_text_tokens, shards=args.shards, seed=args.seed,
-        payload=not args.no_payload, noise=args.noise, text_dtype=args.text_dtype,
-    )
+    if args.demo:
+        cfg = _demo(args)
+    else:
+        cfg = SyntheticConfig(
+            mix=args.mix, steps=args.steps, scale=args.scale, channels=args.channels,
+            text_dim=args.text_dim, pooled_dim=args.pooled_dim,
+            max_text_tokens=args.max_text_tokens, shards=args.shards, seed=args.seed,
+            payload=not args.no_payload, noise=args.noise, text_dtype=args.text_dtype,
+        )
     try:
         path = build_synthetic(cfg, args.out, progress=not args.quiet)
     except FileExistsError as e:
         raise ValueError(str(e)) from None
     print(path)
     return 0
+
+
+DEMO_FIXES = ("mix", "steps", "scale", "channels", "text_dim", "pooled_dim", "max_text_tokens")
+"""What ``--demo`` is (make run's corpus, which jobs/configs/demo.yaml's model fits): a flag
+that changes one of them is refused with it; the others apply to the demo too."""
+
+
+def _demo(args: argparse.Namespace):
+    """``DEMO`` with the flags given beside ``--demo`` that leave it make run's corpus
+    (--text-dtype, --seed, --shards, --noise, --no-payload); ValueError naming a flag that
+    would change what it is."""
+    from dataclasses import replace
+
+    from knapray.corpus.synthetic import DEMO
+
+    defaults = build_parser().parse_args(["--out", "x"])
+    changed = [name for name in DEMO_FIXES if getattr(args, name) != getattr(defaults, name)]
+    if changed:
+        flags = ", ".join("--" + name.replace("_", "-") for name in changed)
+        raise ValueError(f"--demo builds make run's corpus ({DEMO.mix}, scale {DEMO.scale}, {DEMO.steps} steps, "
+                         f"widths {DEMO.channels}/{DEMO.text_dim}/{DEMO.pooled_dim}): {flags} would change it; leave "
+                         "it out, or give --mix instead of --demo")
+    return replace(DEMO, shards=args.shards, seed=args.seed, noise=args.noise, payload=not args.no_payload,
+                   text_dtype=args.text_dtype)
 
 
 def main(argv: list[str] | None = None) -> int:

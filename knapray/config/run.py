@@ -33,6 +33,7 @@ import math
 import operator
 import os
 import re
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, get_args, get_origin, get_type_hints
@@ -55,9 +56,15 @@ class ConfigError(ValueError):
     """A bad config file, override or value; the message is one line."""
 
 
+_SHOWN = reprlib.Repr()
+"""How much of a value an error shows: a few levels, a few items (a 1 MB list, or a value
+nested deep, is never walked whole)."""
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxdict, _SHOWN.maxstring, _SHOWN.maxother = 3, 8, 8, 60, 60
+
+
 def _got(value: Any) -> str:
-    shown = repr(value)
-    if len(shown) > 80:  # a 1 MB list stays a short line
+    shown = _SHOWN.repr(value)
+    if len(shown) > 80:
         shown = f"{shown[:77]}..."
     return f"got {shown} ({type(value).__name__})"
 
@@ -420,7 +427,17 @@ class _YAMLLoader(yaml.SafeLoader):
     """yaml.SafeLoader (it builds no Python objects) with two YAML 1.2 readings: a number in
     exponent form is a float (3e-4, 1E5, -2.5e-3: YAML 1.1 wants a dot and a signed
     exponent, else it gives the string "3e-4"), and only true/false are booleans
-    (yes/no/on/off stay strings)."""
+    (yes/no/on/off stay strings). An alias (``*name``) is refused where it is met: nine
+    levels of nine aliases are 454 bytes that stand for 9^9 values, which anything walking
+    the value (an error message's repr, a JSON dump) expands."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.get_event()
+            raise yaml.composer.ComposerError(
+                None, None, f"an alias (*{str(event.anchor)[:40]}): a run config takes no YAML aliases (they can "
+                "stand for more values than memory holds); write the value out", event.start_mark)
+        return super().compose_node(parent, index)
 
 
 _BOOL, _FLOAT = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:float"
@@ -443,6 +460,8 @@ def read_yaml(text: str, where: str) -> Any:
     """``text`` as plain YAML values (see ``_YAMLLoader``); ``where`` names it in errors."""
     try:
         return yaml.load(text, Loader=_YAMLLoader)  # a SafeLoader: no Python objects
+    except RecursionError:
+        raise ConfigError(f"{where}: not plain YAML: nested too deeply") from None
     except yaml.YAMLError as e:
         problem = "; ".join(p for p in (getattr(e, "context", None), getattr(e, "problem", None)) if p)
         mark = getattr(e, "problem_mark", None)

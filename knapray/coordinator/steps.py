@@ -78,6 +78,7 @@ def plan_from_gathered(
     solver: str = "knapray",
     max_tokens_per_gpu: int | None = None,
     per_step_node: int | None = None,
+    groups: Sequence[int] | None = None,
 ) -> BalancePlan:
     """Plan one step from every rank's lengths, in rank order.
 
@@ -96,6 +97,9 @@ def plan_from_gathered(
     partition of every node into aligned blocks that ``plan_step`` predicts fastest, with
     ``topology`` (the run's static one) among the candidates; the plan's ``topology`` says
     which. Needs a ``CostModel``. None: the step is planned on ``topology``.
+
+    ``groups``: only these balance groups of ``topology`` are planned (``plan_balance``);
+    not with ``per_step_node``.
     """
     lens = [np.asarray(list(map(int, rank_lens)), dtype=np.int64) for rank_lens in all_lens_per_rank]
     model = model or WorkloadModel()
@@ -105,7 +109,7 @@ def plan_from_gathered(
 
     def plan_on(budget: int | None) -> BalancePlan:
         if per_step_node is None:
-            return plan_balance(lens, topology, model, solver=solver, max_tokens_per_gpu=budget)
+            return plan_balance(lens, topology, model, solver=solver, max_tokens_per_gpu=budget, groups=groups)
         return plan_step(lens, model, gpus_per_node=per_step_node, base=topology, solver=solver,
                          max_tokens_per_gpu=budget).plan
 

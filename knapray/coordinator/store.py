@@ -18,7 +18,9 @@ A state directory holds
 
 Snapshots and JSON files are written to a temporary file, fsync'd and renamed over the
 old one, so a crash leaves the old file or the new one, never a mix. Nothing here is
-ever unpickled: a planted file can make a restore fail, not run code.
+ever unpickled: a planted file can make a restore fail, not run code. A write the file
+system refuses (a full disk) is a ``FileError`` naming the file and what was being done to
+it (``appending to the ledger journal <path>: No space left on device``).
 
 Reading a journal: a last record cut short (a crash mid-append: an incomplete frame, a
 payload running past the end of the file, a zero-filled tail, or a payload checksum
@@ -42,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from knapray.file_errors import file_op
 from knapray.files import read_json
 from knapray.nofollow import open_nofollow
 
@@ -122,13 +125,16 @@ class StateStore:
     """The files of one state directory. One writer at a time (the coordinator actor)."""
 
     def __init__(self, directory: str) -> None:
-        os.makedirs(directory, exist_ok=True)
+        with file_op("creating the ledger folder", directory):
+            os.makedirs(directory, exist_ok=True)
         self.directory = directory
         self.bytes_written = 0
         """Bytes this store wrote so far (journal, snapshots, JSON files)."""
         self.segment_bytes = 0
         """Size of the open journal segment."""
         self._fd: int | None = None
+        self._journal = ""
+        """The open journal segment's path."""
         for name in os.listdir(directory):  # leftovers of writes a crash interrupted
             if name.endswith(".tmp"):
                 os.remove(self._path(name))
@@ -189,17 +195,19 @@ class StateStore:
         """Append from now on to segment ``first``: a new one, or (``keep_bytes`` given) an
         existing one cut to its first ``keep_bytes`` bytes (dropping a torn tail)."""
         self.close()
-        path = self._path(f"journal-{first:012d}.bin")
+        path = self._journal = self._path(f"journal-{first:012d}.bin")
         if keep_bytes is None or keep_bytes < len(MAGIC):
-            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+            with file_op("creating the ledger journal", path):
+                self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
             self._write(MAGIC)
             self.segment_bytes = len(MAGIC)
             _fsync_dir(self.directory)
         else:
-            self._fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
-            os.ftruncate(self._fd, keep_bytes)
-            os.lseek(self._fd, keep_bytes, os.SEEK_SET)
-            os.fsync(self._fd)
+            with file_op("cutting the torn tail of the ledger journal", path):
+                self._fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+                os.ftruncate(self._fd, keep_bytes)
+                os.lseek(self._fd, keep_bytes, os.SEEK_SET)
+                os.fsync(self._fd)
             self.segment_bytes = keep_bytes
 
     def append(self, record: Record) -> None:
@@ -212,9 +220,10 @@ class StateStore:
 
     def _write(self, data: bytes) -> None:
         view = memoryview(data)
-        while view:
-            view = view[os.write(self._fd, view) :]
-        os.fsync(self._fd)
+        with file_op("appending to the ledger journal", self._journal):
+            while view:
+                view = view[os.write(self._fd, view) :]
+            os.fsync(self._fd)
         self.bytes_written += len(data)
 
     def close(self) -> None:
@@ -271,12 +280,14 @@ class StateStore:
         if not snaps:
             return
         for _, path in snaps[:-keep_snapshots]:
-            os.remove(path)
+            with file_op("removing the old ledger snapshot", path):
+                os.remove(path)
         oldest = snaps[-keep_snapshots:][0][0]
         segs = self.segments()
         for (_, path), (nxt, _) in zip(segs, segs[1:]):
             if nxt <= oldest:
-                os.remove(path)
+                with file_op("removing the old ledger journal", path):
+                    os.remove(path)
 
     # ---- JSON files -------------------------------------------------------------------------
 
@@ -306,21 +317,27 @@ class _AtomicFile:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
-            self.f.close()
+            try:
+                self.f.close()
+            except OSError:
+                pass  # the error in flight says what failed
             os.remove(self.tmp)
             return
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.store.bytes_written += self.f.tell()
-        self.f.close()
-        os.replace(self.tmp, self.path)
+        with file_op("writing", self.tmp):
+            self.f.flush()
+            os.fsync(self.f.fileno())
+            self.store.bytes_written += self.f.tell()
+            self.f.close()
+        with file_op(f"renaming {self.tmp} over", self.path):
+            os.replace(self.tmp, self.path)
         _fsync_dir(os.path.dirname(self.path))
 
 
 def _fsync_dir(directory: str) -> None:
     """Make a rename or a new file in ``directory`` survive a power loss."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with file_op("syncing the folder", directory):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -108,7 +108,9 @@ def saved_config(run_dir: str) -> dict | None:
 
 
 def _kind(value: object) -> str:
-    """What a value read from a run file is, without its content: "a str", "a list"."""
+    """What a value read from a run file is, without its content: "a str", "a list", "null"."""
+    if value is None:
+        return "null"
     name = type(value).__name__
     return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 

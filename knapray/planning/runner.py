@@ -40,6 +40,9 @@ def load_lengths(path: str) -> list[list[list[int]]]:
         raise ValueError(f"{path}: cannot read it ({e.strerror})") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except RecursionError:  # lists in lists past Python's recursion limit
+        raise ValueError(f"{path}: nested too deeply: expected a list of steps, each a list of per-rank lists of "
+                         "lengths (3 levels)") from None
     if not isinstance(data, list) or not data or not all(isinstance(s, list) for s in data):
         raise ValueError(
             f"{path}: expected a JSON list of steps, each a list of per-rank lists of lengths, "

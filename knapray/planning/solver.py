@@ -69,6 +69,7 @@ def plan_balance(
     model: WorkloadModel | CostModel | None = None,
     solver: str = "knapray",
     max_tokens_per_gpu: int | None = None,
+    groups: Sequence[int] | None = None,
 ) -> BalancePlan:
     """Plan one step: ``seq_lens_per_rank[r]`` lists the lengths of rank ``r``'s sequences.
 
@@ -79,6 +80,11 @@ def plan_balance(
     more routed tokens than this. A sequence whose chunk would exceed it even on the
     largest bag, or a step that fits no assignment, is rejected with an error naming the
     step's tokens, the budget and the capacity.
+
+    ``groups``: plan only these balance groups; every sequence of another group stays on
+    the bag that holds its home rank. Groups are planned independently (no sequence leaves
+    its group), so a rank's part of the plan depends on its own group alone: a dry run of
+    one rank of 65,536 plans one group, not 16,384.
     """
     t0 = time.perf_counter()
     model = model or WorkloadModel()
@@ -92,7 +98,13 @@ def plan_balance(
     if is_cost:
         token_s, speed = model.bag_ulysses_token_s(topology), model.bag_speed(topology)
     nb = len(topology.group_bags)
-    for grp in range(topology.num_groups):
+    planned = range(topology.num_groups)
+    if groups is not None:
+        planned = sorted({int(g) for g in groups})
+        if planned and not 0 <= planned[0] <= planned[-1] < topology.num_groups:
+            raise ValueError(f"groups {planned}: the topology has balance groups 0..{topology.num_groups - 1}")
+        bag[:] = topology.bag_of_rank[home]  # the groups not planned: every sequence at home
+    for grp in planned:
         ranks = topology.group_ranks(grp)
         lo = np.searchsorted(home, ranks.start)
         hi = np.searchsorted(home, ranks.stop)

@@ -321,3 +321,103 @@ def test_the_launcher_script_refuses_a_binary_config_file(tmp_path):
 def test_other_commands_taking_config_refuse_an_empty_file(command, tmp_path, capsys):
     path = _config_file(tmp_path, "empty.yaml", b"")
     _one_line(*_in_process([*command, "--config", path], capsys), "empty.yaml", "empty")
+
+
+# ---- issue 43, item 10: every documented bound answers within a minute -----------------------
+
+
+def test_yaml_aliases_are_refused_before_they_expand(tmp_path, capsys):
+    """A 454-byte alias bomb in a value (9 aliases of 9 aliases ... 9 deep: 9^9 strings once
+    expanded) ran train --check past 120 s at 5.4 GB (the error's repr expanded it)."""
+    from knapray.config.run import read_config
+
+    lines = ['a0: &a0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    lines += [f"a{i}: &a{i} [{','.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
+    path = tmp_path / "bomb.yaml"
+    path.write_text("\n".join(["defs:"] + [f"  {line}" for line in lines] + ["run:", "  name: *a8", ""]))
+    assert len(path.read_bytes()) < 700
+    with pytest.raises(ConfigError, match="alias") as e:
+        read_config(str(path))
+    assert "\n" not in str(e.value)
+    code, err, took = _subprocess(["-m", "knapray.cli", "train", "--config", str(path), "--check"], cwd=tmp_path,
+                                  timeout=60)
+    _one_line(code, err, "bomb.yaml", "alias")
+    assert took < QUICK_S, took
+    for override in ("run.name=*a", "run.name=[*a]"):
+        with pytest.raises(ConfigError):
+            read_config(None, [override])
+
+
+def test_a_deeply_nested_config_value_is_one_line(tmp_path, capsys):
+    path = tmp_path / "deep.yaml"
+    path.write_text("run:\n  name: " + "[" * 5000 + "]" * 5000 + "\n")
+    _one_line(*_in_process(["train", "--config", str(path), "--check"], capsys), "deep.yaml")
+
+
+def test_a_lengths_file_nested_deep_is_one_line(tmp_path, capsys):
+    """--lengths on JSON nested 100,000 deep was a RecursionError traceback."""
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    _one_line(*_in_process(["plan", "--lengths", str(path), "--topology", "g1n2"], capsys), "deep.json",
+              "nested too deeply")
+
+
+def test_dryrun_worlds_are_bounded_and_the_bound_answers_within_a_minute(tmp_path, capsys, monkeypatch):
+    """--world-size 1048576 (the general bound) did not answer in 300 s: the dry run draws every
+    rank's samples, plans and makes groups in one process. Its own bound (MAX_DRYRUN_WORLD)
+    is refused past in one line; at the bound, one rank's inputs (its samples and its balance
+    group's plan: the other groups' plans change nothing it computes) take seconds."""
+    import knapray.testing.dryrun as dryrun
+    from knapray.limits import MAX_DRYRUN_WORLD
+
+    def reached(*args, **kwargs):
+        raise AssertionError("the dry run started past its bound")
+
+    monkeypatch.setattr(dryrun, "step_inputs", reached)
+    config = str(REPO / "jobs" / "configs" / "demo.yaml")
+    _one_line(*_in_process(["dryrun", "--config", config, "--world-size", str(MAX_DRYRUN_WORLD + 1)], capsys),
+              "--world-size", str(MAX_DRYRUN_WORLD + 1), str(MAX_DRYRUN_WORLD))
+    from knapray.limits import MAX_DRYRUN_PER_STEP_WORLD  # its plan weighs every node's layouts: 11 s at 4,096
+
+    per_step = ["--set", "balance.topology=per-step", "--set", "balance.planner=cost", "--set", "balance.gpus_per_node=8"]
+    _one_line(*_in_process(["dryrun", "--config", config, *per_step, "--world-size",
+                            str(MAX_DRYRUN_PER_STEP_WORLD + 8)], capsys), "per-step", str(MAX_DRYRUN_PER_STEP_WORLD))
+    monkeypatch.undo()
+    start = time.monotonic()
+    setup = dryrun.check_setup(config, [], world_size=MAX_DRYRUN_WORLD, rank=MAX_DRYRUN_WORLD - 1)
+    inputs = dryrun.step_inputs(setup)
+    took = time.monotonic() - start
+    assert took < 15, took  # 25 s for the plan alone when every one of the 16,384 groups was planned
+    topo = inputs.plan.topology
+    group = topo.group_ranks(int(topo.group_of_bag[int(topo.bag_of_rank[MAX_DRYRUN_WORLD - 1])]))
+    assert inputs.plan.rank_tokens[group.start:group.stop].sum() == sum(
+        s.length for r in group for s in inputs.samples[r])
+
+
+def test_bench_coordinator_ranks_are_bounded_before_ray_starts(monkeypatch, capsys):
+    """--ranks 1048576 ended in an ActorUnavailableError traceback after 126 s: the bench
+    plays every rank on this machine."""
+    ray = pytest.importorskip("ray")
+    from knapray.limits import MAX_BENCH_COORDINATOR_RANKS
+
+    def started(*args, **kwargs):
+        raise AssertionError("Ray started before the flags were checked")
+
+    monkeypatch.setattr(ray, "init", started)
+    over = MAX_BENCH_COORDINATOR_RANKS + 32
+    _one_line(*_in_process(["bench", "coordinator", "--ranks", f"32,{over}"], capsys), str(over),
+              str(MAX_BENCH_COORDINATOR_RANKS))
+
+
+def test_synthetic_demo_takes_the_text_dtype_it_is_given(tmp_path, capsys):
+    """--demo --text-dtype bf16 wrote fp32 without a word; a flag --demo fixes is refused."""
+    import json
+
+    from knapray.commands import synthetic
+
+    out = tmp_path / "demo"
+    assert synthetic.main(["--demo", "--text-dtype", "bf16", "--quiet", "--out", str(out)]) == 0
+    assert json.loads((out / "schema.json").read_text())["text_dtype"] == "bf16"
+    _one_line(*_in_process(["--demo", "--scale", "2", "--out", str(tmp_path / "d2")], capsys, synthetic.main),
+              "--demo", "--scale")
+    assert not (tmp_path / "d2").exists()
