@@ -19,7 +19,7 @@ PACKAGE = REPO / "knapray"
 
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("attention", "file_errors", "files", "indexing", "limits", "nofollow", "progress", "run_files",
-              "transfer")),
+              "stopping", "transfer")),
     ("planning", ("planning",)),
     ("services", ("coordinator", "corpus", "distributed")),
     ("models", ("models",)),

@@ -85,9 +85,13 @@ def plan_sampling(args: argparse.Namespace) -> SamplePlan:
 def _topology(args: argparse.Namespace, cfg: Any) -> str | None:
     """``--topology`` checked against ``--world-size`` and the model's heads (None: one process)."""
     world = getattr(args, "world_size", 1)
+    shard = getattr(args, "shard", "auto") == "bags"
     if world == 1:
         if getattr(args, "topology", None):
             raise ValueError("--topology: bags need --world-size N > 1")
+        if shard:
+            raise ValueError("--shard bags: a model is sharded over bags of several ranks; give --world-size N > 1 "
+                             "and a --topology of bags of 2 or more")
         return None
     from knapray.commands.flags import check_local_processes
     from knapray.distributed.groups import check_heads
@@ -98,9 +102,14 @@ def _topology(args: argparse.Namespace, cfg: Any) -> str | None:
     spec = args.topology or halving_topology(world, cfg.model.num_heads)
     for one in candidate_topologies(spec, world, cfg.model.num_heads):
         try:
-            check_heads(cfg.model.num_heads, Topology.parse(one, world_size=world))
+            topo = Topology.parse(one, world_size=world)
+            check_heads(cfg.model.num_heads, topo)
         except ValueError as e:
             raise ValueError(f"--topology {one}: {e}") from None
+        if shard and (spec == "auto" or min(topo.bags) < 2):
+            raise ValueError(f"--shard bags: the model is sharded over each bag, so every bag needs 2 ranks or more "
+                             f"and one topology; --topology {spec} has {'several' if spec == 'auto' else 'bags of one'}"
+                             f" (e.g. --topology g2n{world // 2})")
     return spec
 
 
@@ -126,7 +135,8 @@ def run(args: argparse.Namespace) -> dict:
     what = LocalSampling(run_dir=args.run, checkpoint=args.checkpoint, jobs=jobs, topology=plan.topology or "g1n1",
                          device=device, ema=not args.no_ema, cfg_parallel=not args.no_cfg_parallel,
                          precision=args.precision, compile={"auto": None, "on": True, "off": False}[args.compile],
-                         seed=args.seed, max_text_tokens=args.max_text_tokens, step_cache=args.step_cache)
+                         seed=args.seed, max_text_tokens=args.max_text_tokens, step_cache=args.step_cache,
+                         shard=args.shard)
     got = sample_local(what, world)
     _save_latents(args, got.latents)
     titles = [f"{r.caption or (f'like sample {r.like}' if r.like is not None else 'unconditional')}\n"
@@ -187,6 +197,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "the latents and the Euler update are fp32 always")
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                    help="torch.compile the blocks (auto: on a GPU)")
+    p.add_argument("--shard", choices=("auto", "off", "bags"), default="auto",
+                   help="the transformer whole on every rank, or sharded (FSDP2) over each bag's ranks (auto: sharded "
+                   "only where its weights would not fit one GPU; bags need 2 ranks or more)")
     p.add_argument("--step-cache", type=float_in(gt=0), default=None, metavar="THRESHOLD",
                    help="skip the blocks after the first on a step where the first block's residual moved less than "
                    "THRESHOLD (relative) since the last full step, adding the others' residual from then (off by "

@@ -10,19 +10,28 @@ solver, the same plans). NCCL when ``scaling.use_gpu`` is true, gloo otherwise.
 
 It is how the GPU check runs (the GPU machine has torch but no Ray) and how a user
 debugs on one box. Run without torchrun, it trains as a world of one.
+
+What stops a rank is one line, never a rank's traceback: a file-system error names the file
+and what was done to it (``rank 0: appending to the ledger journal <path>: No space left on
+device``); SIGINT or SIGTERM (torchrun passes both on to every rank) closes the ledger and
+the lock, rank 0 says where the run stopped, exit 130 or 143; a rank whose collective broke
+because another rank stopped says so in one line (the other rank's line says why).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import re
 import sys
 from dataclasses import replace
 
 import torch
 
 from knapray.config.run import TrainConfig
+from knapray.file_errors import FileError
 from knapray.worker.context import TorchrunContext
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,8 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     from knapray.distributed.local import init_from_env, shutdown
     from knapray.planning.rules import PER_STEP
 
-    from knapray.worker.checkpoint import StorageFull, no_space
-    from knapray.worker.guard import BadCorpus
+    from knapray.stopping import stop_on_signals
     from knapray.driver.report import ledger_line, prediction_line, stopped_early_line, write_run_files
     from knapray.worker.trainer import Trainer
 
@@ -86,20 +94,25 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"[rank {rank_env}] %(message)s")
     if cfg.distributed.gloo_socket_ifname:  # a CPU run's default group is gloo too
         os.environ["GLOO_SOCKET_IFNAME"] = cfg.distributed.gloo_socket_ifname
+    rank = rank_env
     try:
-        rank, world, local_rank = init_from_env(cfg.scaling.use_gpu, cfg.distributed.timeout_s)
+        summary, failure, stops = None, None, None
         try:
-            summary = Trainer(TorchrunContext(cfg, rank, world, local_rank), cfg).train()
-        except BadCorpus as e:  # every rank raises it together, from the same sums: rank 0 says it once
-            if rank == 0:
-                print(f"knapray torchrun: error: training failed: {e}", file=sys.stderr, flush=True)
-            return 1
-        except OSError as e:  # the environment, not the inputs: a full disk says where
-            full = e if isinstance(e, StorageFull) else no_space(e, cfg.run_dir)
-            if full is None:
-                raise
-            print(f"knapray torchrun: error: rank {rank}: {full.strerror}", file=sys.stderr, flush=True)
-            return 1
+            with stop_on_signals() as stops:
+                trainer = None
+                try:
+                    rank, world, local_rank = init_from_env(cfg.scaling.use_gpu, cfg.distributed.timeout_s)
+                    trainer = Trainer(TorchrunContext(cfg, rank, world, local_rank), cfg)
+                    summary = trainer.train()
+                except (Exception, KeyboardInterrupt) as e:
+                    failure = e
+                    if trainer is not None:
+                        with contextlib.suppress(Exception):  # what stopped the rank says why, not this
+                            trainer.close()  # the ledger journal, the metric sinks
+        except KeyboardInterrupt as e:  # a signal while the failure above was being handled
+            failure = failure or e
+        if failure is not None:
+            return _stopped(failure, rank, cfg, stops)
         if rank == 0:
             out = write_run_files(cfg, summary)
             n_q = out["quarantined_samples"] + out["quarantined_shards"]
@@ -121,6 +134,61 @@ def main(argv: list[str] | None = None) -> int:
         if lock is not None:
             lock.release()
     return 0
+
+
+def _stopped(failure: BaseException, rank: int, cfg: TrainConfig, stops) -> int:
+    """One line (or none) for what stopped this rank, and its exit code; anything else is
+    raised, its traceback worth reading."""
+    from knapray.driver.launch import interrupted_line
+    from knapray.stopping import exit_code, signal_name
+    from knapray.worker.checkpoint import StorageFull, no_space
+    from knapray.worker.guard import BadCorpus
+
+    def say(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    if isinstance(failure, KeyboardInterrupt):  # SIGINT or SIGTERM: rank 0 says where the run stopped
+        if rank == 0:
+            say(f"knapray torchrun: stopped by {signal_name(failure, stops)}: {interrupted_line(cfg)}")
+        return exit_code(failure, stops)
+    if isinstance(failure, BadCorpus):  # every rank raises it together, from the same sums: rank 0 says it once
+        if rank == 0:
+            say(f"knapray torchrun: error: training failed: {failure}")
+        return 1
+    if isinstance(failure, OSError):  # the environment, not the inputs: the file and the operation
+        full = failure if isinstance(failure, StorageFull) else None
+        if full is None and not isinstance(failure, FileError):
+            full = no_space(failure, cfg.run_dir)
+        say(f"knapray torchrun: error: rank {rank}: {full.strerror if full is not None else failure}; "
+            f"{interrupted_line(cfg)}")
+        return 1
+    if collective_failed(failure):
+        if stops is None or not stops.count:  # torchrun stopping this rank (SIGTERM) is no news
+            say(f"knapray torchrun: rank {rank} stopped: a collective failed ({_first_line(failure)}), as it does "
+                "when another rank stops first: that rank's line says why")
+        return 1
+    raise failure
+
+
+def collective_failed(error: BaseException) -> bool:
+    """Whether ``error`` is a broken collective (a peer gone, a timeout): torch's own
+    distributed errors, and gloo's, which are plain RuntimeErrors."""
+    import torch.distributed as dist
+
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(error, dist_error):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("gloo/transport" in text or "Connection closed by peer" in text
+                                                or "ProcessGroupGloo" in text or "NCCL" in text)
+
+
+def _first_line(error: BaseException) -> str:
+    """The error's type and first sentence, without gloo's source location."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", lines[0] if lines else "")
+    text = f"{type(error).__name__}: {text.split('. ')[0]}"
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 if __name__ == "__main__":

@@ -45,15 +45,17 @@ class SamplerRank:
     def __init__(self, run_dir: str, checkpoint: str | None, rank: int, world_size: int, topology: str,
                  device: str = "cpu", ema: bool = True, cfg_parallel: bool = True, *, precision: str = "auto",
                  compile: bool | None = None, encoders: str = "keep", load: bool = True,
-                 step_cache: float | None = None) -> None:
+                 step_cache: float | None = None, shard: str = "auto") -> None:
         from knapray.driver.trained import read_run
         from knapray.worker.checkpoint import check_checkpoint
 
         if encoders not in ENCODER_POLICIES:
             raise ValueError(f"encoders must be one of {list(ENCODER_POLICIES)}, got {encoders!r}")
+        if shard not in SHARD_POLICIES:
+            raise ValueError(f"shard must be one of {list(SHARD_POLICIES)}, got {shard!r}")
         self.rank, self.world_size, self.spec = rank, world_size, topology
         self.cfg_parallel, self.ema_wanted, self.precision, self.compile = cfg_parallel, ema, precision, compile
-        self.encoders, self.step_cache = encoders, step_cache
+        self.encoders, self.step_cache, self.shard = encoders, step_cache, shard
         self.device = f"cuda:{_local_device(rank)}" if device.startswith("cuda") else device
         if self.device.startswith("cuda"):
             import torch
@@ -70,18 +72,54 @@ class SamplerRank:
             self.load()
 
     def load(self) -> None:
-        """The model, in the compute dtype, on the rank's device; compiled and warmed up
+        """The model, in the compute dtype, on the rank's device (sharded over the rank's bag
+        when ``shard``: every rank of the gang calls this together); compiled and warmed up
         where compiled (a first batch then compiles nothing)."""
         from knapray.driver.trained import load_weights
         from knapray.worker.denoise import prepare_model, warm_up
         from knapray.worker.parallelize import compute_dtype
 
         dtype = compute_dtype(self.precision, self.device)
+        group = self._shard_group()
+        made: list = []
+
+        def prepare(model) -> None:
+            made.append(prepare_model(model, self.device, precision=self.precision, compile=self.compile,
+                                      shard_group=group))
+
         self.model, self.ema = load_weights(self.cfg, self.checkpoint, ema=self.ema_wanted, device=self.device,
-                                            dtype=dtype)
-        self.parallel = prepare_model(self.model, self.device, precision=self.precision, compile=self.compile)
+                                            dtype=dtype, prepare=prepare, group=group)
+        (self.parallel,) = made
         if self.parallel.compile_stats is not None:
             warm_up(self.model)
+
+    def _shard_group(self):
+        """The bag's group the model is sharded over, else None: ``shard`` ``bags``, or ``auto``
+        where the weights would not fit one rank's device (``weights_fit``; every rank of the
+        gang agrees: one collective)."""
+        if self.shard == "off":
+            return None
+        wanted = self.shard == "bags"
+        if self.shard == "auto":
+            wanted = not weights_fit(self.cfg.model, self.device, self.precision)
+            import torch
+            import torch.distributed as dist
+
+            if dist.is_initialized():  # one answer for the gang (a rank's device may differ)
+                flag = torch.tensor([int(wanted)], device=self.device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                wanted = bool(flag.item())
+        if not wanted:
+            return None
+        if self.groups is None or len(self.groups) != 1:
+            raise ValueError("the model is sharded over its bags (it does not fit one GPU, or --shard bags): that needs "
+                             "one --topology, not auto, and a gang of several ranks")
+        (groups,) = self.groups.values()
+        if min(groups.topology.bags) < 2:
+            raise ValueError(f"the model is sharded over its bags (it does not fit one GPU, or --shard bags), but "
+                             f"topology {groups.topology} has bags of one rank: give bags of 2 or more "
+                             f"(e.g. g2n{self.world_size // 2})")
+        return groups.whole
 
     def join(self, address: str, port: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         """The world's process group (its collectives give up after ``timeout_s``) and every
@@ -191,6 +229,29 @@ class SamplerRank:
             dist.destroy_process_group()
 
 
+SHARD_POLICIES = ("auto", "off", "bags")
+"""How a gang holds the transformer: ``auto`` (whole on every rank where it fits, else
+sharded over each bag), ``off`` (whole), ``bags`` (FSDP2 over each bag's ranks)."""
+WEIGHTS_SHARE = 0.7
+"""The share of a device the transformer's weights may take whole (the rest: activations,
+the encoders, the VAE)."""
+
+
+def weights_fit(model_cfg: Any, device: str, precision: str = "auto") -> bool:
+    """Whether ``model_cfg``'s weights, in the compute dtype, fit ``WEIGHTS_SHARE`` of one
+    ``device`` (any CPU: yes)."""
+    import torch
+
+    from knapray.models.families import param_shapes
+    from knapray.worker.parallelize import compute_dtype
+
+    if not str(device).startswith("cuda") or not torch.cuda.is_available():
+        return True
+    itemsize = torch.empty((), dtype=compute_dtype(precision, device)).element_size()
+    numel = sum(int(np.prod(s)) for s in param_shapes(model_cfg).values())
+    return numel * itemsize <= WEIGHTS_SHARE * torch.cuda.get_device_properties(device).total_memory
+
+
 def _move(encoder: Any, device: str) -> None:
     """A text encoder's models to ``device`` (the hash stand-in has none)."""
     for name in ("text", "pooled_model"):
@@ -237,6 +298,8 @@ class LocalSampling:
     timeout_s: float = DEFAULT_TIMEOUT_S
     step_cache: float | None = None
     """The first-block cache's threshold (``knapray.models.step_cache``; None: off)."""
+    shard: str = "auto"
+    """``SHARD_POLICIES``."""
 
 
 def _local_rank(rank: int, world: int, port: int | None, what: LocalSampling, out_dir: str) -> None:
@@ -249,7 +312,7 @@ def _local_rank(rank: int, world: int, port: int | None, what: LocalSampling, ou
 
     r = SamplerRank(what.run_dir, what.checkpoint, rank, world, what.topology, what.device, what.ema,
                     what.cfg_parallel, precision=what.precision, compile=what.compile, encoders="free", load=False,
-                    step_cache=what.step_cache)
+                    step_cache=what.step_cache, shard=what.shard)
     if port is None:
         r.groups = {what.topology: SamplingGroups.alone()}
     else:
@@ -363,6 +426,8 @@ class Gang:
     compile: bool | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
     """A bag whose ranks take no step for this long is lost (and a collective gives up after it)."""
+    shard: str = "auto"
+    """``SHARD_POLICIES``."""
     actors: list = field(default_factory=list)
     broken: bool = False
     """A rank failed: the next batch starts a new gang first."""
@@ -372,7 +437,7 @@ class Gang:
     @classmethod
     def start(cls, run_dir: str, world_size: int, *, topology: str | None = None, device: str = "cpu",
               checkpoint: str | None = None, cfg_parallel: bool = True, precision: str = "auto",
-              compile: bool | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> "Gang":
+              compile: bool | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, shard: str = "auto") -> "Gang":
         from knapray.driver.trained import read_run
         from knapray.distributed.groups import check_heads
         from knapray.inference.jobs import run_rules
@@ -386,7 +451,7 @@ class Gang:
         for one in candidate_topologies(spec, world_size, cfg.model.num_heads):
             check_heads(cfg.model.num_heads, Topology.parse(one, world_size=world_size))
         gang = cls(run_dir, world_size, spec, run_rules(cfg), cfg.model, device, checkpoint, cfg_parallel, precision,
-                   compile, timeout_s)
+                   compile, timeout_s, shard)
         gang._spawn()
         return gang
 
@@ -399,7 +464,7 @@ class Gang:
         cls = _actor_class().options(num_gpus=1 if gpu else 0, num_cpus=0 if not gpu else 1)
         self.actors = [cls.remote(self.run_dir, self.checkpoint, r, self.world_size, self.topology, self.device,
                                   True, self.cfg_parallel, precision=self.precision, compile=self.compile,
-                                  load=False)
+                                  load=False, shard=self.shard)
                        for r in range(self.world_size)]
         address = "127.0.0.1" if not gpu else ray.get(self.actors[0].node_address.remote())
         port = free_port()

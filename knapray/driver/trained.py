@@ -15,11 +15,14 @@ def read_run(run_dir: str, checkpoint: str | None = None) -> tuple[Any, str]:
     return cfg, run_checkpoint(run_dir, checkpoint, "sample from")
 
 
-def load_weights(cfg: Any, path: str, ema: bool = True, device: str = "cpu", dtype: Any = None) -> tuple[Any, bool]:
+def load_weights(cfg: Any, path: str, ema: bool = True, device: str = "cpu", dtype: Any = None, *,
+                 prepare: Any = None, group: Any = None) -> tuple[Any, bool]:
     """(the model of ``cfg.model``'s family with the checkpoint's weights, EMA used), on
     ``device`` in ``dtype`` (None: fp32). The model is built on the meta device and given
     storage where it runs, in its dtype, before the weights are read into it: nothing holds
-    a second, fp32 copy (a 12B model is 24 GB in bf16, 48 more in fp32)."""
+    a second, fp32 copy (a 12B model is 24 GB in bf16, 48 more in fp32). ``prepare(model)``:
+    applied to the meta model first (sharding it over ``group``: every rank of the group then
+    calls this together and reads only its shards)."""
     import torch
 
     from knapray.models.families import build_model
@@ -29,6 +32,8 @@ def load_weights(cfg: Any, path: str, ema: bool = True, device: str = "cpu", dty
         model = build_model(cfg.model)
     if dtype is not None:
         model.to(dtype)
+    if prepare is not None:
+        prepare(model)
     model.to_empty(device=device)
     used_ema = ema and any(k.startswith("ema.") for k in saved_keys(path))
     prefix = "ema" if used_ema else "model"
@@ -46,6 +51,6 @@ def load_weights(cfg: Any, path: str, ema: bool = True, device: str = "cpu", dty
         load_pretrained(model, cfg.model)
     # The model's own tensors: DCP reads every saved value into them, converting its dtype.
     state = {prefix: {k: v for k, v in model.state_dict().items() if not lora or is_adapter(k)}}
-    safe_load(state, path)
+    safe_load(state, path, group)
     model.load_state_dict(state[prefix], strict=not lora)
     return model.eval(), used_ema

@@ -125,13 +125,19 @@ def batch_plan(cfg, jobs: list[DenoiseJob], specs: list[str], world_size: int,
 
 
 def prepare_model(model: torch.nn.Module, device: torch.device | str, *, precision: str = "auto",
-                  compile: bool | None = None, compile_backend: str = "inductor"):
-    """``model`` (any family's, on any device, fp32 or not) made ready to sample on
-    ``device``, in place: its weights in the compute dtype of ``precision`` (``auto``: bf16
-    on CUDA, fp32 elsewhere; ``knapray.worker.parallelize.compute_dtype``), cast once so a
-    rank holds them once; TF32 allowed on CUDA for what stays fp32 (the Euler update's
-    inputs are fp32 already); the blocks compiled as training compiles them (``compile``:
-    default on CUDA). Returns ``parallelize``'s handle (``recompiles`` counts recompilations)."""
+                  compile: bool | None = None, compile_backend: str = "inductor",
+                  shard_group: dist.ProcessGroup | None = None):
+    """``model`` (any family's, on any device or on the meta device, fp32 or not) made ready
+    to sample on ``device``, in place: its weights in the compute dtype of ``precision``
+    (``auto``: bf16 on CUDA, fp32 elsewhere; ``knapray.worker.parallelize.compute_dtype``),
+    cast once so a rank holds them once; TF32 allowed on CUDA for what stays fp32 (the Euler
+    update's inputs are fp32 already), torch's flash kernels routed to FA3/FA4 where
+    installed; the blocks compiled as training compiles them (``compile``: default on CUDA).
+    ``shard_group``: FSDP2 over these ranks (a bag's: they run every unit together), for a
+    model that does not fit one device; a meta model is then given storage (``to_empty``)
+    and its weights by the caller, shard by shard. Returns ``parallelize``'s handle
+    (``recompiles`` counts recompilations, ``sharded`` whether FSDP was applied)."""
+    from knapray.attention import activate_flash_impl
     from knapray.config.parallel import ParallelConfig
     from knapray.worker.parallelize import compute_dtype, parallelize
 
@@ -141,11 +147,23 @@ def prepare_model(model: torch.nn.Module, device: torch.device | str, *, precisi
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    model.to(device=device, dtype=dtype).eval()
+        activate_flash_impl(device)
+    meta = next(model.parameters()).is_meta
+    model.to(dtype=dtype) if meta else model.to(device=device, dtype=dtype)
+    model.eval()
     if dtype != torch.float32:
         _bf16_matmuls_fp32_stream(model, device.type, dtype)
     compile = device.type == "cuda" if compile is None else compile
-    return parallelize(model, ParallelConfig(compile=compile, compile_backend=compile_backend))
+    config = ParallelConfig(compile=compile, compile_backend=compile_backend,
+                            fsdp="full" if shard_group is not None else "none")
+    mesh = None
+    if shard_group is not None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = DeviceMesh.from_group(shard_group, device.type)
+    # The weights are in their dtypes already (the final layer fp32, the rest ``dtype``): FSDP
+    # gathers each unit in its own, casting nothing.
+    return parallelize(model, config, compute_dtype=torch.float32, mesh=mesh)
 
 
 def _bf16_matmuls_fp32_stream(model: torch.nn.Module, device_type: str, dtype: torch.dtype) -> None:

@@ -382,7 +382,7 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
 
 
 def parallelize(model: nn.Module, parallel: ParallelConfig | None = None, dims: ParallelDims | None = None, *,
-                compute_dtype: torch.dtype = torch.float32) -> ParallelModel:
+                compute_dtype: torch.dtype = torch.float32, mesh=None) -> ParallelModel:
     """Apply compile, activation checkpointing and FSDP (in that order, inside out) to
     ``model`` in place, as ``parallel`` says (default: none of them; its ``fsdp`` as given,
     ``ParallelConfig.for_world`` drops it on one rank), on the devices of ``dims``
@@ -393,7 +393,8 @@ def parallelize(model: nn.Module, parallel: ParallelConfig | None = None, dims: 
     The one way a model is parallelized: training, calibration, memory measurement, the
     dry run, parity and the step benchmark all call it. Call it once, on a model whose
     parameters are on the training device, or on the meta device (then ``materialize``
-    it), before building the optimizer and before loading a checkpoint."""
+    it), before building the optimizer and before loading a checkpoint. ``mesh``: FSDP's
+    mesh made elsewhere (a sampling bag's group), instead of ``dims``'."""
     cfg = parallel if parallel is not None else ParallelConfig()
     dims = dims if dims is not None else ParallelDims.local()
     if cfg.fsdp != "none" and compute_dtype not in FSDP_DTYPES:
@@ -422,8 +423,9 @@ def parallelize(model: nn.Module, parallel: ParallelConfig | None = None, dims: 
             block.forward = _compiled_forward(block, compiled[type(block)])
         if recomputed:
             block.forward = _checkpointed_forward(block.forward, selective=cfg.activation_checkpointing == "selective")
-    mesh = None
     if cfg.fsdp != "none":
-        mesh = dims.fsdp_mesh(cfg.fsdp)
+        mesh = mesh if mesh is not None else dims.fsdp_mesh(cfg.fsdp)
         _apply_fsdp(model, mesh, compute_dtype)
+    else:
+        mesh = None
     return ParallelModel(model=model, config=cfg, mesh=mesh, compile_stats=stats)

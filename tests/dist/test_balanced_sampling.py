@@ -152,12 +152,21 @@ def test_knapray_sample_world_size_4_is_knapray_sample(tmp_path, capsys):
         assert four[name].shape == ref.shape
         assert float(np.abs(four[name] - ref).max() / np.abs(ref).max()) <= 1e-5, name
     assert (tmp_path / "four.png").stat().st_size > 0
+    # The same, the model sharded (FSDP2) over bags of 2: each rank reads only its shards.
+    assert main([*args, "--out", str(tmp_path / "sharded.png"), "--latents", str(tmp_path / "sharded.npz"),
+                 "--world-size", "4", "--topology", "g2n2", "--shard", "bags"]) == 0
+    sharded = np.load(tmp_path / "sharded.npz")
+    for name in one.files:
+        assert float(np.abs(sharded[name] - one[name]).max() / np.abs(one[name]).max()) <= 1e-5, name
 
 
 @pytest.mark.parametrize("extra, words", [
     (["--world-size", "4", "--topology", "g3n1+g1n1"], ["--topology g3n1+g1n1", "4 heads"]),
     (["--world-size", "4", "--topology", "g3n1"], ["--topology g3n1"]),
     (["--topology", "g2n1"], ["--topology", "--world-size N > 1"]),
+    (["--shard", "bags"], ["--shard bags", "--world-size N > 1"]),
+    (["--world-size", "4", "--shard", "bags"], ["--shard bags", "bags of one"]),
+    (["--world-size", "4", "--topology", "auto", "--shard", "bags"], ["--shard bags", "several"]),
 ])
 def test_bad_world_or_topology_is_one_line_before_anything_starts(tmp_path, extra, words, capsys, monkeypatch):
     import knapray.driver.gang as gang
@@ -224,3 +233,36 @@ def test_a_bag_decides_the_step_cache_together(family):
         got.update(part)
     for k, z in enumerate(ref):
         assert float(np.abs(got[k] - z).max() / np.abs(z).max()) <= 1e-5, k
+
+
+def _draw_sharded(rank: int, world: int, family: str, topology: str):
+    from knapray.planning import Topology
+    from knapray.testing.host_watch import NoHostWork
+    from knapray.worker.denoise import SamplingGroups, denoise_rank, prepare_model
+
+    model = _model(family, "cfg")
+    groups = SamplingGroups.build(Topology.parse(topology, world_size=world), rank)
+    handle = prepare_model(model, "cpu", precision="fp32", compile=False, shard_group=groups.whole)
+    jobs = [j[0] for j in _jobs(model, family)]
+    with NoHostWork() as watch:
+        got = denoise_rank(model, jobs, groups, cfg_parallel=True, step_context=watch.step)
+    return got, handle.sharded, watch.calls
+
+
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_a_model_sharded_over_its_bag_samples_as_one_process(family):
+    """The placement for a model that does not fit one device: FSDP2 over each bag's ranks
+    (g2n2: two bags of 2, CFG parallel on halves of one), every unit gathered in the bag as
+    it runs; every job is ``sample_latents``' for its seed, and no step waits on the host."""
+    from knapray.models.sampling import sample_latents
+
+    model = _model(family, "cfg")
+    jobs = _jobs(model, family)
+    got: dict[int, np.ndarray] = {}
+    for part, sharded, calls in run_distributed(_draw_sharded, 4, family, "g2n2", timeout_s=240):
+        assert sharded and calls == [], calls
+        got.update(part)
+    assert sorted(got) == list(range(len(jobs)))
+    for k, (job, cond, shape, steps, guidance, seed) in enumerate(jobs):
+        (ref,) = sample_latents(model, [cond], [shape], steps=steps, seed=seed, guidance=guidance, shift=None)
+        assert float(np.abs(got[k] - ref).max() / np.abs(ref).max()) <= 1e-5, k

@@ -195,3 +195,58 @@ def test_a_corpus_found_mostly_bad_under_torchrun_is_one_line(tmp_path):
     assert "knapray/worker/" not in out.stderr and "knapray/driver/" not in out.stderr and "BadCorpus" not in out.stderr, out.stderr[-3000:]
     mine = [line for line in out.stderr.splitlines() if line.startswith("knapray torchrun: error: training failed")]
     assert len(mine) == 1 and "is mostly bad" in mine[0], out.stderr[-3000:]
+
+
+FULL_JOURNAL = """\
+import errno, os
+
+_write, _journal_writes = os.write, [0]
+
+
+def _write_refusing_the_journal(fd, data):
+    try:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        path = ""
+    if "/ledger/journal-" in path:
+        _journal_writes[0] += 1
+        if _journal_writes[0] > {ok}:
+            raise OSError(errno.ENOSPC, "No space left on device")
+    return _write(fd, data)
+
+
+os.write = _write_refusing_the_journal
+"""
+
+
+@pytest.mark.dist
+def test_a_full_disk_at_the_journal_under_torchrun_is_one_line_naming_it(tmp_path):
+    """Rank 0's ledger journal refuses its third write (ENOSPC, as a full disk does): the user
+    reads one line naming the journal and the operation, and no rank's traceback (before:
+    rank 1's gloo RuntimeError traceback, and rank 0's line without the path)."""
+    from dist_utils import build_tiny_corpus
+
+    corpus = build_tiny_corpus(tmp_path / "corpus", "g2b2i64f1s0", steps=8)
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(FULL_JOURNAL.replace("{ok}", "2"))  # the magic and one record
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"data:\n  corpus: {corpus}\n  samples_per_step: 2\nbalance:\n  topology: g1n2\n"
+                   f"run:\n  name: full\n  storage: {tmp_path}\n  max_steps: 6\ncheckpoint:\n  every: 0\n"
+                   "model:\n  hidden_size: 32\n  num_heads: 2\n  depth_double: 1\n  depth_single: 1\n"
+                   "  rope_axes_dim: [4, 6, 6]\n  text_dim: 16\n  pooled_dim: 16\ndistributed:\n  timeout_s: 60\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(inject), str(REPO)]), OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          "-m", "knapray.commands.torchrun", "--config", str(cfg)],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0, out.stdout[-2000:]
+    journal = tmp_path / "full" / "ledger" / "journal-000000000000.bin"
+    mine = [line for line in out.stderr.splitlines() if line.startswith("knapray torchrun: error:")]
+    assert len(mine) == 1, out.stderr[-4000:]
+    assert f"appending to the ledger journal {journal}: No space left on device" in mine[0], mine
+    # torchrun's own launcher traceback stays (it reports a failed rank so); none from a rank,
+    # whose broken collective is at most a line of its own.
+    assert "knapray/" not in out.stderr and out.stderr.count("Traceback (most recent call last)") <= 1, \
+        out.stderr[-4000:]
+    assert all(line.startswith("knapray torchrun: rank 1 stopped: a collective failed")
+               for line in out.stderr.splitlines() if "Connection closed by peer" in line), out.stderr[-4000:]
