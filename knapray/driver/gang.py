@@ -193,19 +193,27 @@ class SamplerRank:
 
     # ---- a batch ------------------------------------------------------------------------------
 
-    def run(self, djobs: list, decode: bool = True) -> dict[int, np.ndarray]:
+    def run(self, djobs: list, decode: bool = True, progress: int | None = None) -> dict[int, np.ndarray]:
         """This rank's part of the batch: the latents (``decode``: pictures (T, H, W, 3)
-        uint8) of the jobs of the bag it leads."""
+        uint8) of the jobs of the bag it leads. ``progress``: show a bar over this many steps."""
+        from knapray.progress import progress_bar
         from knapray.worker.denoise import denoise_rank
 
         self.last_step_at = time.monotonic()  # a batch starts: idle time between batches is no stall
-        latents = denoise_rank(self.model, djobs, self.groups, cfg_parallel=self.cfg_parallel, on_step=self._tick,
-                               step_cache=self.step_cache)
+        self._bar = progress_bar(progress, "denoising", "step") if progress else None
+        try:
+            latents = denoise_rank(self.model, djobs, self.groups, cfg_parallel=self.cfg_parallel, on_step=self._tick,
+                                   step_cache=self.step_cache)
+        finally:
+            if self._bar is not None:
+                self._bar.close()
         return {k: self.picture(z) for k, z in latents.items()} if decode else latents
 
     def _tick(self, step: int) -> None:
         self.steps_done += 1
         self.last_step_at = time.monotonic()
+        if getattr(self, "_bar", None) is not None:
+            self._bar.update(1)
 
     def progress(self) -> tuple[int, float]:
         """(steps taken, seconds since the last): answered while ``run`` is busy (the actor
@@ -331,15 +339,16 @@ def _local_rank(rank: int, world: int, port: int | None, what: LocalSampling, ou
         if errors:
             raise ValueError(errors[0])
         r.load()
-        latents = r.run(djobs, decode=False)
+        specs = candidate_topologies(what.topology, world, r.cfg.model.num_heads)
+        chosen, plan = batch_plan(r.cfg.model, djobs, specs, world)  # what every rank chooses
+        mine = [djobs[k].steps for k in plan.jobs_of(int(plan.topology.bag_of_rank[rank]))]
+        latents = r.run(djobs, decode=False, progress=max(mine, default=0) if rank == 0 else None)
         # Plain arrays, read back without unpickling (job index -> latent, and its pictures).
         arrays = {f"latent_{k}": z for k, z in latents.items()}
         if what.decode:
             arrays.update({f"frames_{k}": r.picture(z) for k, z in latents.items()})
         np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **arrays)
         if rank == 0:
-            specs = candidate_topologies(what.topology, world, r.cfg.model.num_heads)
-            chosen, plan = batch_plan(r.cfg.model, djobs, specs, world)  # what every rank chose
             with open(os.path.join(out_dir, "plan.json"), "w") as f:
                 json.dump({"topology": chosen, "bags": plan.bag.tolist(), "tokens": [j.tokens for j in djobs],
                            "recompiles": r.parallel.recompiles, "ema": bool(r.ema)}, f)
