@@ -49,12 +49,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Build the corpus and print its path; a bad value is ValueError (one line, exit 2)."""
-    from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
+    from knapray.corpus.synthetic import DEMO, SyntheticConfig, build_synthetic
 
     if not args.demo and not args.mix:
         raise ValueError("give --mix (or --demo)")
     if args.demo:
-        cfg = _demo(args)
+        cfg = _demo(args, DEMO)
     else:
         cfg = SyntheticConfig(
             mix=args.mix, steps=args.steps, scale=args.scale, channels=args.channels,
@@ -75,22 +75,20 @@ DEMO_FIXES = ("mix", "steps", "scale", "channels", "text_dim", "pooled_dim", "ma
 that changes one of them is refused with it; the others apply to the demo too."""
 
 
-def _demo(args: argparse.Namespace):
-    """``DEMO`` with the flags given beside ``--demo`` that leave it make run's corpus
-    (--text-dtype, --seed, --shards, --noise, --no-payload); ValueError naming a flag that
-    would change what it is."""
+def _demo(args: argparse.Namespace, demo):
+    """``demo`` (``DEMO``) with the flags given beside ``--demo`` that leave it make run's
+    corpus (--text-dtype, --seed, --shards, --noise, --no-payload); ValueError naming a flag
+    that would change what it is."""
     from dataclasses import replace
-
-    from knapray.corpus.synthetic import DEMO
 
     defaults = build_parser().parse_args(["--out", "x"])
     changed = [name for name in DEMO_FIXES if getattr(args, name) != getattr(defaults, name)]
     if changed:
         flags = ", ".join("--" + name.replace("_", "-") for name in changed)
-        raise ValueError(f"--demo builds make run's corpus ({DEMO.mix}, scale {DEMO.scale}, {DEMO.steps} steps, "
-                         f"widths {DEMO.channels}/{DEMO.text_dim}/{DEMO.pooled_dim}): {flags} would change it; leave "
+        raise ValueError(f"--demo builds make run's corpus ({demo.mix}, scale {demo.scale}, {demo.steps} steps, "
+                         f"widths {demo.channels}/{demo.text_dim}/{demo.pooled_dim}): {flags} would change it; leave "
                          "it out, or give --mix instead of --demo")
-    return replace(DEMO, shards=args.shards, seed=args.seed, noise=args.noise, payload=not args.no_payload,
+    return replace(demo, shards=args.shards, seed=args.seed, noise=args.noise, payload=not args.no_payload,
                    text_dtype=args.text_dtype)
 
 
