@@ -55,7 +55,7 @@ def check_launch(cfg: TrainConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from knapray.driver import preflight
-    from knapray.driver.report import max_steps_cap
+    from knapray.driver.report import run_length_note
     from knapray.driver.run_dir import resolve_paths
 
     rank_env = int(os.environ.get("RANK", "0"))
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank_env == 0:
             start, lock = preflight.prepare(pre)
             print(f"[knapray] {start.message}", flush=True)
-            cap = max_steps_cap(cfg, pre.corpus.info.num_samples)
+            cap = run_length_note(cfg, pre.corpus.info.num_samples)
             if cap:
                 print(f"[knapray] note: {cap}", flush=True)
     except (ValueError, OSError) as e:

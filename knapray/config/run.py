@@ -1,6 +1,8 @@
 """Typed run configuration, loaded from YAML; every value is checked at load.
 
-Overrides: ``--set model.hidden_size=128`` (dotted path, value read as YAML).
+Overrides: ``--set model.hidden_size=128`` (dotted path, value read as YAML);
+``--set model.hidden_size=null`` removes a key the file gives, so the value is what the run
+takes without it (the default, or a width from ``model.pretrained`` or the corpus).
 
 Every field is checked against its annotation (int, float, bool, str, a fixed-length
 tuple, ``dict[str, float]``, ``dict``, a nested section) and against the rules in its
@@ -102,8 +104,9 @@ class DataSection:
     rank then draws global_batch / world_size, so the world size must divide it; under the
     torchrun launcher a step trains the same samples at any world size, and a run resumed
     at another one continues the same loss curve."""
-    epochs: int = field(default=1, metadata={"ge": 1, "le": MAX_EPOCHS})
-    """Passes over the corpus."""
+    epochs: int = field(default=1, metadata={"ge": 0, "le": MAX_EPOCHS})
+    """Passes over the corpus; 0: as many as ``run.max_steps`` steps take (the corpus's size
+    decides: 12 pictures at 8 a step are 2 steps an epoch, so 200 steps are 100 epochs)."""
     seed: int = field(default=0, metadata={"ge": 0, "le": MAX_SEED})
     max_tokens_per_gpu: int = field(default=0, metadata={"ge": 0, "le": MAX_RANK_TOKENS})
     """Memory budget (``knapray memory`` says what fits): the planner routes no rank more
@@ -390,6 +393,9 @@ class TrainConfig:
                 f"scaling.min_workers={scaling.min_workers} and scaling.num_workers={scaling.num_workers} must be multiples of {gpn}, "
                 f"e.g. scaling.min_workers={-(-scaling.min_workers // gpn) * gpn} "
                 f"scaling.num_workers={-(-scaling.num_workers // gpn) * gpn}")
+        if not self.data.epochs and not self.run.max_steps:
+            raise ValueError("data.epochs=0 trains run.max_steps steps, as many epochs as they take: set "
+                             "run.max_steps to the steps to train (or data.epochs to the passes over the corpus)")
 
     def world_sizes(self) -> list[int]:
         """Every world size the Ray launcher may start this run with: ``scaling.num_workers``, or
@@ -638,6 +644,10 @@ def _model_section_class(raw: Any, path: str) -> type:
     return config_class(family)
 
 
+NULLS = ("null", "Null", "NULL", "~")
+"""An override's value that removes its key (``--set model.hidden_size=null``)."""
+
+
 def _apply_override(data: dict, item: str) -> None:
     """Set ``section.key=value`` in ``data``; the path is checked against the sections (a
     dict-valued field such as ``balance.cost`` may be entered too)."""
@@ -661,8 +671,12 @@ def _apply_override(data: dict, item: str) -> None:
             node[part] = {}
         node = node[part]
         if not isinstance(node, dict):
-            raise ConfigError(f"{where}: {prefix} is not a section here, it holds {node!r}")
-    node[parts[-1]] = read_yaml(text, where)
+            raise ConfigError(f"{where}: {prefix} is not a section here, it holds {_SHOWN.repr(node)}")
+    value = read_yaml(text, where)
+    if value is None and text.strip() in NULLS:  # key=null: as if the file left the key out
+        node.pop(parts[-1], None)
+    else:  # (key= with nothing after it stays a value, which the checks refuse)
+        node[parts[-1]] = value
 
 
 def read_config(path: str | None = None, overrides: list[str] | None = None) -> dict:

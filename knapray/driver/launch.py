@@ -19,7 +19,7 @@ from knapray.driver.preflight import CorpusCheck, Preflight
 from knapray.worker.checkpoint import read_trainer_state
 from knapray.driver.run_dir import RunError, RunStart
 from knapray.worker.metrics import read_metrics
-from knapray.driver.report import ProgressTail, expected_steps, max_steps_cap, summarize, write_run_files
+from knapray.driver.report import ProgressTail, expected_steps, run_length_note, summarize, write_run_files
 from knapray.worker.step_planner import coordinator_config, coordinator_name
 from knapray.worker.trainer import Trainer
 from knapray.run_files import RunDir
@@ -155,7 +155,8 @@ def run_complete(cfg: TrainConfig, saved: dict) -> bool:
     before its epoch's end was seen says neither; the workers then find the epoch empty
     and train nothing, which the caller counts the same way.)"""
     steps_done = int(saved["step"]) + 1
-    return int(saved["epoch"]) >= cfg.data.epochs or bool(cfg.run.max_steps and steps_done >= cfg.run.max_steps)
+    epochs_done = bool(cfg.data.epochs) and int(saved["epoch"]) >= cfg.data.epochs  # data.epochs=0: max_steps decides
+    return epochs_done or bool(cfg.run.max_steps and steps_done >= cfg.run.max_steps)
 
 
 def checkpoint_step(path: str | None) -> int:
@@ -220,7 +221,7 @@ def _fit_in(cfg: TrainConfig, corpus: CorpusCheck, done_steps: int, coordinator:
         ),
     )
     total = expected_steps(cfg, corpus.info.num_samples, done_steps)
-    cap = max_steps_cap(cfg, corpus.info.num_samples)
+    cap = run_length_note(cfg, corpus.info.num_samples)
     if cap:
         print(f"[knapray] note: {cap}", flush=True)
     print(f"[knapray] starting {cfg.scaling.num_workers} workers"

@@ -32,7 +32,7 @@ from knapray.worker.checkpoint import completed_checkpoints
 from knapray.config.run import ConfigError, DataSection, TrainConfig, config_from_dict, read_config
 from knapray.worker.guard import check_bad_shards, check_duplicates, write_duplicate_quarantine, write_shard_quarantine
 from knapray.worker.metrics import truncate_metrics
-from knapray.driver.report import max_steps_cap
+from knapray.driver.report import run_length_note, steps_line
 from knapray.driver.run_dir import (
     RunError,
     RunLock,
@@ -205,9 +205,10 @@ class Preflight:
             f"{info.text_dim}, pooled_dim {info.pooled_dim}, patch {tuple(info.patch)}: the model fits it",
             f"world sizes: {_worlds_text(self.worlds, cfg)}: the global batch, topology "
             f"{cfg.balance.topology!r} and heads fit each",
+            f"steps: {steps_line(cfg, info.num_samples)}",
             f"run directory: {_would(start.message)}",
         ] + ([f"run directory: {start.torn_metrics.replace('dropped', 'would drop', 1)}"] if start.torn_metrics else []) \
-          + ([f"note: {cap}"] if (cap := max_steps_cap(cfg, info.num_samples)) else [])
+          + ([f"note: {cap}"] if (cap := run_length_note(cfg, info.num_samples)) else [])
 
 
 _WOULD = {"starting": "would start", "resuming": "would resume"}

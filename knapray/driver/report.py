@@ -229,22 +229,45 @@ def steps_per_epoch(cfg: TrainConfig, rows: int) -> int:
     return -(-rows // (cfg.scaling.num_workers * cfg.samples_per_rank(cfg.scaling.num_workers)))
 
 
-def max_steps_cap(cfg: TrainConfig, rows: int) -> str | None:
-    """A line saying that ``run.max_steps`` ends the run before ``data.epochs`` are done
-    (None when it does not): said when the run starts and again when it ends."""
+def steps_line(cfg: TrainConfig, rows: int) -> str:
+    """How long the run is, from the corpus's size: its steps, and its epochs of ``rows``
+    samples (said by pre-flight)."""
     per_epoch = steps_per_epoch(cfg, rows)
-    if not cfg.run.max_steps or not per_epoch or cfg.run.max_steps >= per_epoch * cfg.data.epochs:
+    batch = f"{rows} samples, {cfg.scaling.num_workers * cfg.samples_per_rank(cfg.scaling.num_workers)} a step"
+    if not cfg.data.epochs:
+        return (f"{cfg.run.max_steps} steps (run.max_steps; data.epochs=0): about "
+                f"{cfg.run.max_steps / max(per_epoch, 1):.3g} epochs of {batch}")
+    return (f"about {expected_steps(cfg, rows, 0)} steps: data.epochs={cfg.data.epochs} of {batch} "
+            f"({per_epoch} steps an epoch)")
+
+
+def run_length_note(cfg: TrainConfig, rows: int) -> str | None:
+    """A line when the run's length is not what its config reads as (None when it is): said
+    when the run starts, and again when it ends (``stopped_early_line``).
+
+    ``run.max_steps`` ends the run before ``data.epochs`` are done; or the epochs end it far
+    short of ``run.max_steps`` (a small corpus: 12 pictures at 8 a step are 2 steps an
+    epoch), where ``data.epochs=0`` trains ``run.max_steps`` steps."""
+    per_epoch = steps_per_epoch(cfg, rows)
+    epochs, max_steps = cfg.data.epochs, cfg.run.max_steps
+    if not max_steps or not per_epoch or not epochs:
         return None
-    return (f"run.max_steps={cfg.run.max_steps} ends the run before data.epochs={cfg.data.epochs} are done: an epoch "
-            f"of {rows} samples is about {per_epoch} steps, so it trains about {cfg.run.max_steps / per_epoch:.2g} "
-            "epoch(s); set run.max_steps=0 to train every epoch")
+    if max_steps < per_epoch * epochs:
+        return (f"run.max_steps={max_steps} ends the run before data.epochs={epochs} are done: an epoch of {rows} "
+                f"samples is about {per_epoch} steps, so it trains about {max_steps / per_epoch:.2g} epoch(s); set "
+                "run.max_steps=0 to train every epoch")
+    if 2 * per_epoch * epochs <= max_steps:
+        return (f"data.epochs={epochs} ends the run after about {per_epoch * epochs} steps, far short of "
+                f"run.max_steps={max_steps}: an epoch of {rows} samples is about {per_epoch} steps; set data.epochs=0 "
+                f"to train run.max_steps steps (about {max_steps / per_epoch:.3g} epochs)")
+    return None
 
 
 def stopped_early_line(cfg: TrainConfig, summary: dict) -> str | None:
     """At the end: the run stopped at ``run.max_steps`` with epochs left (the trainer's
     summary says in which epoch it was)."""
     epoch = summary.get("epoch")
-    if not cfg.run.max_steps or epoch is None or int(epoch) >= cfg.data.epochs:
+    if not cfg.run.max_steps or not cfg.data.epochs or epoch is None or int(epoch) >= cfg.data.epochs:
         return None
     return (f"stopped by run.max_steps={cfg.run.max_steps} in epoch {int(epoch) + 1} of data.epochs="
             f"{cfg.data.epochs}; set run.max_steps=0 (or higher) and run it again to train the rest")
@@ -253,7 +276,7 @@ def stopped_early_line(cfg: TrainConfig, summary: dict) -> str | None:
 def expected_steps(cfg: TrainConfig, rows: int, start_step: int) -> int:
     """Steps the run will take, for the progress bar: every rank draws samples_per_step
     rows per step until the epoch's rows run out, over the epochs left, up to max_steps."""
-    total = steps_per_epoch(cfg, rows) * cfg.data.epochs
+    total = steps_per_epoch(cfg, rows) * cfg.data.epochs if cfg.data.epochs else cfg.run.max_steps
     if cfg.run.max_steps:
         total = min(total, cfg.run.max_steps)
     return max(total - start_step, 0)

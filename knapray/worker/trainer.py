@@ -244,6 +244,8 @@ class Trainer:
                                          group=self.sync.meta_group, every=self.cfg.checkpoint.every, state=self,
                                          parts=training_parts(self.model, self.optimizer, ema=self.ema))
         self.step, self.epoch, self.resumed_from = 0, 0, None
+        self.out_of_data = False
+        """An epoch trained no step (``data.epochs: 0`` stops there rather than loop on empty epochs)."""
         self.last_saved: int | None = None
         self.saved_epoch: int | None = None
         """The epoch the last checkpoint recorded (an epoch end after it makes it stale)."""
@@ -338,7 +340,8 @@ class Trainer:
         # all): a long run's summary stays small, and nothing grows with its length here.
         records: collections.deque[dict] = collections.deque(maxlen=RECORDS_RETURNED)
         topologies: dict[str, int] = {}
-        while self.epoch < cfg.data.epochs and not self._at_max_steps():
+        while self._epochs_left() and not self._at_max_steps():
+            first_step = self.step
             # What the epoch trained already (a resumed epoch's ledger rows, the rows the
             # checkpoint carried), and ids several corpus rows carry (data.duplicate_ids).
             skip = np.union1d(self.ledger.trained_ids(self.epoch, through_step=self.resumed_from), self.duplicates)
@@ -364,6 +367,10 @@ class Trainer:
                     # by epoch).
                     self.epoch += 1
                     self.resumed_from = None
+                    if not cfg.data.epochs and self.step == first_step:  # nothing left to train, ever
+                        logger.warning("epoch %d trained no step (every sample skipped): stopping before "
+                                       "run.max_steps=%d (data.epochs=0)", self.epoch - 1, cfg.run.max_steps)
+                        self.out_of_data = True
                     break
                 records.append(rec)
                 topologies[rec["topology"]] = topologies.get(rec["topology"], 0) + 1
@@ -389,6 +396,12 @@ class Trainer:
 
     def _at_max_steps(self) -> bool:
         return bool(self.cfg.run.max_steps) and self.step >= self.cfg.run.max_steps
+
+    def _epochs_left(self) -> bool:
+        """``data.epochs`` not done; with ``data.epochs: 0`` (as many as ``run.max_steps``
+        takes), until an epoch finds nothing left to train."""
+        epochs = self.cfg.data.epochs
+        return self.epoch < epochs if epochs else not self.out_of_data
 
     def train_step(self, stream: StepStream) -> dict | None:
         """One step; None (on every rank together) when the epoch is over."""

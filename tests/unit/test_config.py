@@ -76,7 +76,7 @@ def test_broken_yaml_is_one_line_naming_the_override() -> None:
 # (key, a value out of range, the value on the range's edge, which is valid)
 RANGES = [
     ("data.samples_per_step", "0", "1"),
-    ("data.epochs", "0", "1"),
+    ("data.epochs", "-1", "1"),  # 0: as many epochs as run.max_steps takes
     ("data.max_tokens_per_gpu", "-1", "0"),
     ("data.max_bad_fraction", "-0.1", "0"),
     ("data.max_bad_fraction", "1.5", "1"),

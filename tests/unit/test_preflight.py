@@ -267,7 +267,7 @@ def test_a_cap_by_max_steps_before_the_epochs_are_done_is_said(tmp_path, capsys,
     """--set data.epochs=2 on a config whose run.max_steps ends the first epoch: said at the
     check (and by the launchers when the run starts and ends: report.stopped_early_line)."""
     from knapray.config.run import load_config
-    from knapray.driver.report import max_steps_cap, stopped_early_line
+    from knapray.driver.report import run_length_note, stopped_early_line
 
     base = ["train", "--config", str(REPO / "jobs/configs/demo.yaml"), "--set", f"data.corpus={demo_corpus}",
             "--set", f"run.storage={tmp_path / 'runs'}", "--set", "data.epochs=2", "--check"]
@@ -278,8 +278,11 @@ def test_a_cap_by_max_steps_before_the_epochs_are_done_is_said(tmp_path, capsys,
     code, out, err = _run([*base, "--set", "run.max_steps=0"], capsys)
     assert code == 0 and not any("note:" in line for line in out), out
     cfg = load_config(None, ["run.max_steps=24", "data.epochs=2", "scaling.num_workers=4", "data.samples_per_step=2"])
-    assert max_steps_cap(cfg, 178) .startswith("run.max_steps=24 ends the run before data.epochs=2 are done: an "
+    assert run_length_note(cfg, 178) .startswith("run.max_steps=24 ends the run before data.epochs=2 are done: an "
                                                "epoch of 178 samples is about 23 steps")
     assert stopped_early_line(cfg, {"epoch": 1}) == ("stopped by run.max_steps=24 in epoch 2 of data.epochs=2; set "
                                                      "run.max_steps=0 (or higher) and run it again to train the rest")
-    assert stopped_early_line(cfg, {"epoch": 2}) is None and max_steps_cap(cfg, 10) is None
+    assert stopped_early_line(cfg, {"epoch": 2}) is None and run_length_note(cfg, 80) is None
+    # 10 samples: 2 steps an epoch, 4 in all, far short of run.max_steps=24 (issue 43)
+    assert run_length_note(cfg, 10).startswith("data.epochs=2 ends the run after about 4 steps, far short of "
+                                               "run.max_steps=24")
