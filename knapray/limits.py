@@ -137,7 +137,8 @@ MAX_DRYRUN_PER_STEP_WORLD = 1 << 13
 (``balance.topology: per-step``): 8,192 ranks. Its plan weighs block layouts of every node
 of the world together (about 3 ms a rank here: 4,096 ranks took 11 s)."""
 
-MAX_BENCH_COORDINATOR_RANKS = 1 << 14
-"""``knapray bench coordinator --ranks``: 16,384 simulated ranks, four times the largest world
-measured (docs/results.md). The bench plays every rank's calls on this machine's Ray;
-1,048,576 ran 126 s into an ActorUnavailableError."""
+MAX_BENCH_COORDINATOR_RANKS = 1 << 13
+"""``knapray bench coordinator --ranks``: 8,192 simulated ranks, twice the largest world in
+docs/results.md. The bench plays every rank's calls on this machine's Ray: 8,192 took 47 s
+here (2 cores, loaded), 16,384 did not answer in 400 s, 1,048,576 ran 126 s into an
+ActorUnavailableError."""
