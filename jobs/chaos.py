@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
           f"kill the coordinator after step {kill_coordinator_at}", flush=True)
 
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
-    ray.init(num_cpus=max(4, int(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker) + 2),
+    from knapray.local_ray import init_ray
+
+    init_ray(ray, num_cpus=max(4, int(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker) + 2),
              include_dashboard=False, log_to_driver=False)
     import shutil
 

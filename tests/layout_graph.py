@@ -18,8 +18,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "knapray"
 
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("base", ("attention", "file_errors", "files", "indexing", "limits", "nofollow", "progress", "run_files",
-              "stopping", "transfer")),
+    ("base", ("attention", "file_errors", "files", "indexing", "limits", "local_ray", "nofollow", "progress",
+              "run_files", "stopping", "transfer")),
     ("planning", ("planning",)),
     ("services", ("coordinator", "corpus", "distributed")),
     ("models", ("models",)),

@@ -107,7 +107,9 @@ def run(ranks: tuple[int, ...] = DEFAULT_RANKS, steps: int = 5, drivers: int = 4
         raise ValueError(f"ranks_per_call must divide {RANKS_PER_NODE}, got {ranks_per_call}")
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=max(4, drivers), include_dashboard=False, namespace=NAMESPACE, log_to_driver=False,
+        from knapray.local_ray import init_ray
+
+        init_ray(ray, num_cpus=max(4, drivers), include_dashboard=False, namespace=NAMESPACE, log_to_driver=False,
                  configure_logging=False)
     print(f"coordinator protocol: {mix} mix, {steps} steps per world size (after 1 warm-up), {drivers} driver "
           f"actors playing nodes of {RANKS_PER_NODE} ranks, {ranks_per_call} rank(s) per actor call, "

@@ -165,8 +165,10 @@ def run(*, corpus: str | None = None, steps: int = 3, text_dtypes: tuple[str, ..
             import ray
             from ray.data import DataContext
 
+            from knapray.local_ray import init_ray
+
             if not ray.is_initialized():
-                ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+                init_ray(ray, num_cpus=4, include_dashboard=False, log_to_driver=False)
             DataContext.get_current().enable_progress_bars = False
             logging.getLogger("ray.data").setLevel(logging.WARNING)
         results, needs = [], {}

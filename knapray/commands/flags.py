@@ -101,6 +101,14 @@ def add_config(p: argparse.ArgumentParser, *, required: bool, what: str = "") ->
                    help="override a run config value, e.g. --set scaling.num_workers=8 (repeatable)")
 
 
+def add_ray_interfaces(p: argparse.ArgumentParser) -> None:
+    """``--ray-all-interfaces``: a Ray the command starts itself listens on every interface
+    (Ray's default) instead of 127.0.0.1 only (``knapray.local_ray``)."""
+    p.add_argument("--ray-all-interfaces", action="store_true",
+                   help="the Ray this command starts (no --address, no $RAY_ADDRESS) listens on every interface, "
+                   "as Ray's default does, instead of 127.0.0.1 only: for a machine whose Ray others must reach")
+
+
 class _Removed(argparse.Action):
     """A spelling that was renamed: using it is one line naming the new one."""
 

@@ -2,7 +2,8 @@
 run on Ray.
 
 Connects to the Ray cluster given by ``--address`` or ``RAY_ADDRESS`` (``ray job submit``
-sets it), or starts an embedded local Ray. Every input is checked before Ray starts
+sets it), or starts an embedded local Ray that listens on 127.0.0.1 only
+(``--ray-all-interfaces``: on every interface). Every input is checked before Ray starts
 (``knapray.driver.preflight``): a bad config value, a missing corpus, a model that does not
 fit the corpus, a world size the topology cannot take or a run directory that may not be
 used is one line on stderr and exit code 2. ``--check`` stops after those checks. With
@@ -24,7 +25,7 @@ from knapray.run_files import RunDir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from knapray.commands.flags import add_config, int_at_least
+    from knapray.commands.flags import add_config, add_ray_interfaces, int_at_least
 
     add_config(p, required=True)
     p.add_argument("--check", action="store_true",
@@ -34,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=None,
                    help="Ray address (default: $RAY_ADDRESS if set, else an embedded local Ray)")
     p.add_argument("--num-cpus", type=int_at_least(1), default=None, help="logical CPUs of the embedded local Ray")
+    add_ray_interfaces(p)
     p.add_argument("--compare-unbalanced", action="store_true",
                    help="also train the same steps without balancing and compare")
 
@@ -110,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         os.environ.setdefault("RAY_worker_maximum_startup_concurrency", str(num_cpus * 4))
         start = dict(num_cpus=num_cpus, include_dashboard=False, **quiet)
     try:
-        start_ray(ray, start, attempts=1 if address else 2)
+        start_ray(ray, start, attempts=1 if address else 2, all_interfaces=args.ray_all_interfaces)
     except RayStartFailed as e:
         print(f"knapray train: error: {e}", file=sys.stderr)
         return 1
@@ -235,14 +237,17 @@ class RayStartFailed(RuntimeError):
     Ray's logs are, in one line."""
 
 
-def start_ray(ray, kwargs: dict, attempts: int = 1) -> None:
-    """``ray.init(**kwargs)``, tried ``attempts`` times (an embedded Ray on a loaded machine
-    sometimes loses its raylet while the dashboard agent waits for its ports; starting it
-    again is safe: nothing of the run exists yet), then ``RayStartFailed``."""
+def start_ray(ray, kwargs: dict, attempts: int = 1, all_interfaces: bool = False) -> None:
+    """``ray.init(**kwargs)`` through ``knapray.local_ray.init_ray`` (an embedded Ray listens on
+    127.0.0.1 only unless ``all_interfaces``), tried ``attempts`` times (an embedded Ray on a
+    loaded machine sometimes loses its raylet while the dashboard agent waits for its ports;
+    starting it again is safe: nothing of the run exists yet), then ``RayStartFailed``."""
+    from knapray.local_ray import init_ray
+
     for attempt in range(1, attempts + 1):
         before = ray.is_initialized()
         try:
-            ray.init(**kwargs)
+            init_ray(ray, all_interfaces=all_interfaces, **kwargs)
             return
         except Exception as e:  # noqa: BLE001 - Ray raises many kinds (ConnectionError, RuntimeError, TimeoutError)
             error = e

@@ -141,8 +141,10 @@ def _run_ray(
     path's row for row."""
     import ray
 
+    from knapray.local_ray import init_ray
+
     if not ray.is_initialized():
-        ray.init()  # joins the cluster RAY_ADDRESS names, or starts a local one
+        init_ray(ray)  # joins the cluster RAY_ADDRESS names, or starts a local one on 127.0.0.1
     if use_gpu and _gpu_count() < cfg.workers:
         warnings.warn(
             f"{cfg.workers} GPU encode workers asked for, the cluster has {_gpu_count():g} GPUs now: "
@@ -197,8 +199,10 @@ def _settle_device(cfg: IngestConfig, spec: EncoderSpec) -> tuple[EncoderSpec, b
     if spec.device == "auto":
         import ray
 
+        from knapray.local_ray import init_ray
+
         if not ray.is_initialized():
-            ray.init()  # joins the cluster RAY_ADDRESS names, or starts a local one
+            init_ray(ray)  # joins the cluster RAY_ADDRESS names, or starts a local one on 127.0.0.1
         use_gpu = _gpu_count() > 0
     return spec.resolved("cuda" if use_gpu else "cpu"), use_gpu
 

@@ -1,0 +1,116 @@
+"""A single-machine Ray that knapray starts listens on 127.0.0.1 only (issue 43, item 5): the
+GCS, the raylet, the dashboard agent and the workers of ``make run``'s and ``knapray train``'s
+embedded Ray listened on every interface. ``--ray-all-interfaces`` keeps Ray's default."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+LISTENING = """
+import json, os, sys, time
+import psutil, ray
+from knapray.commands.train import start_ray
+
+start_ray(ray, dict(num_cpus=1, include_dashboard=False, log_to_driver=False), attempts=1)
+
+@ray.remote
+def where():
+    return ray.util.get_node_ip_address()
+
+node = ray.get(where.remote(), timeout=120)  # a worker runs, with its own server
+me = psutil.Process()
+pids = {p.pid for p in me.children(recursive=True)} | {me.pid}
+found = [(c.laddr.ip, c.laddr.port, psutil.Process(c.pid).name()) for c in psutil.net_connections(kind="inet")
+         if c.status == psutil.CONN_LISTEN and c.pid in pids]
+print(json.dumps({"node": node, "listening": found}))
+ray.shutdown()
+"""
+
+
+@pytest.mark.ray
+def test_the_ray_knapray_train_starts_listens_on_loopback_only():
+    import os
+    import shutil
+    import tempfile
+
+    ray_tmp = tempfile.mkdtemp(prefix="kr-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(PYTHONPATH=str(REPO), RAY_TMPDIR=ray_tmp)
+    try:
+        out = subprocess.run([sys.executable, "-c", LISTENING], cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=240)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    import json
+
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["node"] == "127.0.0.1", seen
+    names = {name for _, _, name in seen["listening"]}
+    assert {"gcs_server", "raylet"} <= names, seen  # Ray's servers were found, and...
+    others = [s for s in seen["listening"] if s[0] not in ("127.0.0.1", "::ffff:127.0.0.1")]
+    assert not others, f"listening beyond the loopback interface: {others}"  # ... none listens elsewhere
+
+
+class _FakeRay:
+    """Records whether Ray would have taken 127.0.0.1 as its node's address."""
+
+    def __init__(self) -> None:
+        self.loopback: list[bool] = []
+        self.kwargs: list[dict] = []
+
+    def is_initialized(self) -> bool:
+        return False
+
+    def init(self, **kwargs) -> None:
+        from ray._private import ray_constants, services
+
+        self.kwargs.append(kwargs)
+        self.loopback.append(not ray_constants.ENABLE_RAY_CLUSTER and services.get_node_ip_address() == "127.0.0.1")
+
+
+def test_ray_all_interfaces_keeps_rays_default_and_an_address_is_joined(monkeypatch):
+    pytest.importorskip("ray")
+    from ray._private import ray_constants
+
+    from knapray.commands.train import start_ray
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    fake = _FakeRay()
+    start_ray(fake, {"num_cpus": 1})
+    start_ray(fake, {"num_cpus": 1}, all_interfaces=True)
+    start_ray(fake, {"address": "10.0.0.1:6379"})
+    assert fake.loopback == [True, False, False]
+    assert fake.kwargs[2] == {"address": "10.0.0.1:6379"}
+    assert ray_constants.ENABLE_RAY_CLUSTER == before  # Ray's setting as it was
+    from knapray.cli import build_parser
+
+    args = build_parser().parse_args(["train", "--config", "x.yaml", "--ray-all-interfaces"])
+    assert args.ray_all_interfaces is True
+
+
+PENDING = {"knapray/commands/serve.py": "its owner applies the one-line change (init_ray), then this entry goes"}
+"""Files whose ``ray.init`` is yet to move to ``knapray.local_ray.init_ray``."""
+
+
+def test_every_ray_init_of_knapray_goes_through_init_ray():
+    """Only ``knapray/local_ray.py`` calls ``ray.init`` to start a Ray; elsewhere a call must
+    join a cluster by its address."""
+    found = []
+    for path in sorted([*(REPO / "knapray").rglob("*.py"), *(REPO / "jobs").rglob("*.py")]):
+        rel = str(path.relative_to(REPO))
+        if rel == "knapray/local_ray.py" or rel in PENDING:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "ray.init" and \
+                    not any(k.arg == "address" for k in node.keywords):
+                found.append(f"{rel}:{node.lineno}")
+    assert found == [], "start Ray with knapray.local_ray.init_ray (127.0.0.1 only): " + ", ".join(found)
