@@ -4,22 +4,28 @@
     curl -X POST localhost:8000/v1/generate -d '{"caption": "a red bicycle", "size": "512x512"}' -o out.png
 
 Requests arriving within ``--window-ms`` are sampled together by a gang of ``--world-size``
-workers that hold the model once (knapray/driver/serving.py has the routes and answers).
-Every flag and the run (its config, checkpoint and corpus record) are checked before Ray
-starts; it serves until Ctrl-C. ``--config-out FILE`` writes a Serve config for ``serve
-deploy`` on a cluster instead (the run path as given: where the cluster's nodes read it).
+workers that hold the model once (knapray/driver/serving.py has the routes and answers;
+docs/serving.md the routes, limits, cancelling, keys and metrics). Every flag and the run
+(its config, checkpoint and corpus record) are checked before Ray starts; the embedded Ray
+listens on 127.0.0.1 only (``knapray.local_ray``), the HTTP server on ``--host``. It serves
+until Ctrl-C. ``--config-out FILE`` writes a Serve config for ``serve deploy`` on a cluster
+instead (the run path as given: where the cluster's nodes read it; ``--host`` as given).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import time
 
-from knapray.limits import MAX_SAMPLE_REQUESTS
+from knapray.limits import MAX_IMAGE_SIDE, MAX_IMAGE_TOKENS, MAX_SAMPLE_REQUESTS
 
 MAX_QUEUE = 1 << 16
 MAX_WINDOW_MS = 60_000
+MAX_SERVE_STEPS = 10_000
+MAX_REQUEST_TIMEOUT_S = 86_400
+API_KEY_ENV = "KNAPRAY_API_KEY"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,8 +45,50 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests sampled together, at most (default 16)")
     p.add_argument("--max-queue", type=int_at_least(1, MAX_QUEUE), default=256,
                    help="requests waiting, at most; more are answered 503 (default 256)")
+    p.add_argument("--max-steps", type=int_at_least(1, MAX_SERVE_STEPS), default=100,
+                   help="Euler steps a request may ask for, at most (default 100; more is answered 400)")
+    p.add_argument("--max-request-side", type=int_at_least(1, MAX_IMAGE_SIDE), default=None,
+                   help="pixels a side a request may ask for, at most (default: the run's, the largest square of "
+                   f"{MAX_IMAGE_TOKENS} image tokens, e.g. 4096 at VAE 8 and 2x2 patches)")
+    p.add_argument("--max-request-frames", type=int_at_least(1, MAX_IMAGE_TOKENS), default=None,
+                   help="latent frames a request may ask for, at most (default: the run's: 1 for an image family)")
+    p.add_argument("--max-n", type=int_at_least(1, MAX_SAMPLE_REQUESTS), default=4,
+                   help="images one /v1/images/generations request may ask for (n), at most (default 4)")
+    p.add_argument("--request-timeout", type=seconds_in(MAX_REQUEST_TIMEOUT_S), default=300.0, metavar="SECONDS",
+                   help="a request not answered this long after it arrived is answered 504: dropped if still queued, "
+                   "its result discarded if running (default 300)")
+    p.add_argument("--api-key", default=None,
+                   help=f"a bearer token every route but /health requires (default: ${API_KEY_ENV}, else none; "
+                   "prefer the variable: a flag is seen by this machine's other users in ps)")
     p.add_argument("--config-out", metavar="FILE",
                    help="write a Serve config for `serve deploy` on a cluster and exit (nothing starts)")
+
+
+def seconds_in(most: int):
+    """A flag type: seconds in (0, ``most``]."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text) if len(text) <= 40 else float("nan")
+        except ValueError:
+            value = float("nan")
+        if not 0 < value <= most:  # NaN too
+            raise argparse.ArgumentTypeError(f"expected seconds in (0, {most}], got {text[:40]!r}")
+        return value
+
+    parse.__name__ = f"seconds(0,{most}]"
+    return parse
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """``--api-key``, else ``$KNAPRAY_API_KEY``, else None; ValueError naming where a bad one
+    came from (never the key)."""
+    from knapray.driver.serving import check_api_key
+
+    if args.api_key is not None:
+        return check_api_key(args.api_key, "--api-key")
+    key = os.environ.get(API_KEY_ENV)
+    return check_api_key(key, f"${API_KEY_ENV}") if key else None
 
 
 def serve_options(args: argparse.Namespace):
@@ -57,25 +105,39 @@ def serve_options(args: argparse.Namespace):
             Topology.parse(args.topology, args.world_size)
         except ValueError as e:
             raise ValueError(f"--topology {args.topology}: {e}") from None
+    if args.max_n > args.max_queue:
+        raise ValueError(f"--max-n {args.max_n}: more than --max-queue {args.max_queue}; a request of n images "
+                         "queues n jobs")
     return ServeOptions(run=args.run, world_size=args.world_size, topology=args.topology, device=args.device,
                         checkpoint=args.checkpoint, window_ms=args.window_ms, max_batch=args.max_batch,
-                        max_queue=args.max_queue)
+                        max_queue=args.max_queue, max_steps=args.max_steps, max_side=args.max_request_side,
+                        max_frames=args.max_request_frames, max_n=args.max_n, request_timeout_s=args.request_timeout,
+                        api_key=api_key(args))
 
 
-def check_run(run_dir: str, checkpoint: str | None, world_size: int = 1, topology: str | None = None) -> str:
+def check_run(run_dir: str, checkpoint: str | None, world_size: int = 1, topology: str | None = None,
+              options=None) -> str:
     """What ``knapray sample`` checks before loading weights: the run's config, its
-    checkpoint, the corpus record, and that the model's heads split over every bag the gang
-    may use. Returns the checkpoint's path."""
+    checkpoint, the corpus record, that the model's heads split over every bag the gang
+    may use, and that ``options``' limits leave the run a size. Returns the checkpoint's path."""
     from knapray.distributed.groups import check_heads
     from knapray.driver.run_dir import read_run_config, run_checkpoint
     from knapray.inference.jobs import run_rules
+    from knapray.models.families import get_family
     from knapray.planning import Topology
     from knapray.planning.sampling import candidate_topologies, halving_topology
     from knapray.worker.checkpoint import check_checkpoint
 
     cfg = read_run_config(run_dir)
     path = run_checkpoint(run_dir, checkpoint, "serve")
-    run_rules(cfg)
+    rules = run_rules(cfg)
+    if options is not None:
+        from knapray.driver.serving import ServeLimits
+
+        try:
+            ServeLimits.of(options, rules, get_family(cfg.model.family).video)
+        except ValueError as e:
+            raise ValueError(str(e).replace("max_side: ", "--max-request-side ", 1)) from None
     heads = cfg.model.num_heads
     for spec in candidate_topologies(topology or halving_topology(world_size, heads), world_size, heads):
         try:
@@ -94,13 +156,24 @@ def check_port(host: str, port: int) -> None:
             raise ValueError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror or e})") from None
 
 
+def listening(host: str) -> str:
+    """Who can reach a server on ``host``, in words."""
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return f"{host} only: this machine's clients alone (--host 0.0.0.0 for every interface)"
+    if host in ("0.0.0.0", "::"):
+        return f"{host}: every interface, open to the network (give --api-key)"
+    return f"{host} only"
+
+
 def write_config(path: str, options, host: str, port: int) -> None:
     import yaml
 
     from knapray.driver.serving import serve_config
 
     with open(path, "w") as f:
-        f.write("# knapray serve on a Ray cluster: serve deploy " + path + "\n")
+        f.write(f"# knapray serve on a Ray cluster: serve deploy {path}\n# listens on {listening(host)}\n")
+        if options.api_key is not None:
+            f.write(f"# requires an API key, not written here: set {API_KEY_ENV} in the replica's environment\n")
         yaml.safe_dump(serve_config(options, host=host, port=port), f, sort_keys=False)
 
 
@@ -110,26 +183,29 @@ def cli(args: argparse.Namespace) -> int:
 
     options = serve_options(args)
     if args.config_out:
-        write_config(args.config_out, options, "0.0.0.0" if args.host == "127.0.0.1" else args.host, args.port)
+        write_config(args.config_out, options, args.host, args.port)
+        key = f"; it requires {API_KEY_ENV} in the replica's environment" if options.api_key is not None else ""
         print(f"wrote {args.config_out}: serve deploy {args.config_out} (ray[serve] on every node; the run at "
-              f"{args.run} readable there)")
+              f"{args.run} readable there{key}); it listens on {listening(args.host)}")
         return 0
     check_local_processes(args.world_size, "knapray serve (embedded Ray)")
-    checkpoint = check_run(args.run, args.checkpoint, args.world_size, args.topology)
+    checkpoint = check_run(args.run, args.checkpoint, args.world_size, args.topology, options)
     check_port(args.host, args.port)
 
     import ray
     from ray import serve
 
     from knapray.driver.serving import build_app
+    from knapray.local_ray import init_ray
 
-    ray.init(include_dashboard=False, configure_logging=False)
+    init_ray(ray, include_dashboard=False, configure_logging=False)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_app(options), name="knapray", route_prefix="/")
         host = "localhost" if args.host in ("127.0.0.1", "0.0.0.0") else args.host
         print(f"serving {args.run} ({checkpoint}, {args.world_size} workers) at http://{host}:{args.port}/v1/generate "
-              "(Ctrl-C stops)", flush=True)
+              f"(listening on {listening(args.host)}{'; API key required' if options.api_key else ''}; Ctrl-C stops)",
+              flush=True)
         while True:
             time.sleep(1)
     except KeyboardInterrupt:

@@ -6,21 +6,32 @@ arriving within a window (``window_ms``, at most ``max_batch`` jobs and
 ``MAX_SAMPLE_BATCH_TOKENS`` image tokens) are handed to the gang together, which plans and
 samples them as one batch; the gang runs in a thread, so the event loop keeps answering.
 
-Routes:
+A served run has limits no request may pass (``ServeLimits``: steps, image side, frames,
+images per request, a deadline), set at start and shown by ``GET /v1/models``; what a
+request may cost is bounded before it is queued, and the queue is bounded too.
+
+Routes (docs/serving.md has them in full):
 
 - ``POST /v1/generate``: a JSON object (``caption``, ``size`` "WIDTHxHEIGHT" or
   ``width``/``height``, ``frames``, ``steps``, ``guidance``, ``shift``, ``seed``, ``like``;
   ``"wait": false`` or ``?async=1`` for a job id). The answer is a PNG (``image/png``) for
   an image and an MP4 (``video/mp4``, H.264 by PyAV) for a clip; without PyAV a clip is an
   animated PNG (``image/apng``). A bad request is HTTP 400 with one JSON error naming the
-  field and its valid range (``knapray sample``'s bounds: ``knapray.inference.jobs``);
-  a full queue 503, a body over ``MAX_BODY_BYTES`` 413.
-- ``GET /v1/jobs/{id}``: 202 while a job waits or runs, then its answer as above.
+  field and its valid range (the served limits, then ``knapray sample``'s bounds:
+  ``knapray.inference.jobs``); a full queue 503, a body over ``MAX_BODY_BYTES`` 413, a job
+  past its deadline 504.
+- ``POST /v1/images/generations``: OpenAI's images API (``model``, ``prompt``, ``n``,
+  ``size``, ``response_format`` ``b64_json``; knapray's ``steps``, ``guidance``, ``shift``,
+  ``seed``, ``like`` as extra fields); errors in OpenAI's shape.
+- ``GET /v1/models``: the served model and its limits, in OpenAI's list shape.
+- ``GET /v1/jobs/{id}``: 202 while a job waits or runs, then its answer as above;
+  ``DELETE /v1/jobs/{id}``: a queued job is cancelled (never drawn), a running one is not.
 - ``GET /health``: 200 while the gang is up, 503 while it is down or restarting.
-- ``GET /metrics``: Prometheus text: ``knapray_serve_queue_length``,
-  ``knapray_serve_batch_size``, ``knapray_serve_latency_seconds``,
-  ``knapray_serve_requests_total{code}``, ``knapray_serve_retries_total``,
-  ``knapray_serve_gang_restarts_total``.
+- ``GET /metrics``: Prometheus text (``ServeMetrics``).
+
+With an API key (``api_key``, or ``KNAPRAY_API_KEY`` in the replica's environment) every
+route but ``/health`` answers 401 without ``Authorization: Bearer KEY``. A client that
+disconnects while its job is queued cancels it.
 
 A job whose worker was lost mid-batch (``JobResult.lost``, or the whole ``generate``
 raising) is retried once, in a later batch, after ``gang.restart()``; lost a second time it
@@ -34,10 +45,13 @@ test can serve a stand-in with the same API.
 
 # No `from __future__ import annotations`: FastAPI reads the routes' annotations (Request) as types.
 import asyncio
+import base64
 import collections
+import hmac
 import importlib
 import io
 import json
+import os
 import time
 import uuid
 from dataclasses import dataclass, fields
@@ -48,23 +62,39 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 
 from knapray.inference.jobs import Job, RunRules
-from knapray.limits import MAX_SAMPLE_BATCH_TOKENS, MAX_SAMPLE_REQUESTS
+from knapray.limits import MAX_IMAGE_SIDE, MAX_IMAGE_TOKENS, MAX_SAMPLE_BATCH_TOKENS, MAX_SAMPLE_REQUESTS
 
 DEFAULT_GANG = "knapray.driver.gang:Gang"
 """Import path of the gang class: ``start(run_dir, world_size, topology=, device=,
 checkpoint=)``, ``rules``, ``generate(jobs)``, ``restart()``, ``close()``."""
 JOB_FIELDS = ("caption", "size", "width", "height", "frames", "steps", "guidance", "shift", "seed", "like", "wait")
 """What a ``POST /v1/generate`` body may hold."""
+IMAGES_FIELDS = ("model", "prompt", "n", "size", "response_format", "output_format", "user", "steps", "guidance",
+                 "shift", "seed", "like")
+"""What a ``POST /v1/images/generations`` body may hold (OpenAI's fields, then knapray's)."""
+API_KEY_ENV = "KNAPRAY_API_KEY"
+"""The environment variable a replica reads its API key from when its options give none."""
 MAX_BODY_BYTES = 1 << 20
 """A request body: a caption of ``MAX_TEXT_LENGTH`` characters, JSON-escaped, fits."""
 MAX_QUEUE = 1 << 16
 """Largest ``max_queue``."""
 MAX_WINDOW_MS = 60_000
+MAX_SERVE_STEPS = 10_000
+"""Largest ``max_steps`` (samplers take 1 to 1,000)."""
+MAX_REQUEST_TIMEOUT_S = 86_400
+"""Largest ``request_timeout_s``: a day."""
+MAX_API_KEY_LENGTH = 1024
+DEFAULT_STEPS = 28
+"""A request's steps when it gives none (``knapray sample``'s), or ``max_steps`` if fewer."""
+DEFAULT_SIDE = 256
+"""A request's width and height when it gives none (``knapray sample``'s), or the largest
+valid side below ``max_side``."""
 KEPT_RESULTS = 1024
 """Answers of finished ``wait: false`` jobs kept for polling (the oldest go first)."""
 VIDEO_FPS = 16
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+STAGE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
 # ---- options ------------------------------------------------------------------------------------
@@ -72,7 +102,7 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ServeOptions:
-    """What one served run is: the run, its gang, and how requests are gathered."""
+    """What one served run is: the run, its gang, how requests are gathered and what one may ask."""
 
     run: str
     """The run directory (``runs/NAME``); on a cluster, a path every node reads."""
@@ -90,6 +120,22 @@ class ServeOptions:
     """Jobs planned together, at most."""
     max_queue: int = 256
     """Jobs waiting, at most; more are answered 503."""
+    max_steps: int = 100
+    """Euler steps a request may ask for, at most."""
+    max_side: int | None = None
+    """Pixels a side, at most; None: the run's (the largest square of ``MAX_IMAGE_TOKENS``)."""
+    max_frames: int | None = None
+    """Latent frames, at most; None: the run's (1 for an image family)."""
+    max_n: int = 4
+    """Images one ``/v1/images/generations`` request may ask for (``n``), at most."""
+    request_timeout_s: float = 300.0
+    """A job not answered this long after it arrived is answered 504: dropped if still
+    queued, its result discarded if running."""
+    api_key: str | None = None
+    """Bearer token every route but ``/health`` requires; None: ``KNAPRAY_API_KEY`` of the
+    replica's environment, or none."""
+    require_api_key: bool = False
+    """Refuse to start without an API key (a written Serve config that never holds the key)."""
     gang: str = DEFAULT_GANG
     """Import path ``module:Class`` of the gang."""
 
@@ -99,15 +145,30 @@ class ServeOptions:
         if not isinstance(self.run, str) or not self.run:
             raise ValueError(f"run: {self.run!r}; a run directory")
         for name, lo, hi in (("world_size", 1, MAX_WORLD_SIZE), ("window_ms", 0, MAX_WINDOW_MS),
-                             ("max_batch", 1, MAX_SAMPLE_REQUESTS), ("max_queue", 1, MAX_QUEUE)):
+                             ("max_batch", 1, MAX_SAMPLE_REQUESTS), ("max_queue", 1, MAX_QUEUE),
+                             ("max_steps", 1, MAX_SERVE_STEPS), ("max_side", 1, MAX_IMAGE_SIDE),
+                             ("max_frames", 1, MAX_IMAGE_TOKENS), ("max_n", 1, MAX_SAMPLE_REQUESTS)):
             value = getattr(self, name)
+            if value is None and name in ("max_side", "max_frames"):
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-                raise ValueError(f"{name}: {value!r}; an integer in [{lo}, {hi}]")
+                raise ValueError(f"{name}: {value!r}; an integer in [{lo}, {hi}]" +
+                                 ("" if name not in ("max_side", "max_frames") else " or null (the run's)"))
+        if self.max_n > self.max_queue:
+            raise ValueError(f"max_n: {self.max_n}; at most max_queue ({self.max_queue}): a request of n images "
+                             "queues n jobs")
+        t = self.request_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= MAX_REQUEST_TIMEOUT_S:
+            raise ValueError(f"request_timeout_s: {t!r}; seconds in (0, {MAX_REQUEST_TIMEOUT_S}]")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device: {self.device!r}; one of auto, cpu, cuda")
         for name in ("topology", "checkpoint"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name}: {getattr(self, name)!r}; a string or null")
+        if self.api_key is not None:
+            check_api_key(self.api_key, "api_key")
+        if not isinstance(self.require_api_key, bool):
+            raise ValueError(f"require_api_key: {self.require_api_key!r}; true or false")
         if not isinstance(self.gang, str) or self.gang.count(":") != 1:
             raise ValueError(f"gang: {self.gang!r}; an import path module:Class")
 
@@ -126,20 +187,89 @@ class ServeOptions:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+def check_api_key(key: Any, what: str) -> str:
+    """``key`` if it can be a bearer token (1 to ``MAX_API_KEY_LENGTH`` visible ASCII
+    characters); ValueError naming ``what`` (never the key) otherwise."""
+    if not isinstance(key, str) or not 1 <= len(key) <= MAX_API_KEY_LENGTH or not all(33 <= ord(c) <= 126 for c in key):
+        length = len(key) if isinstance(key, str) else type(key).__name__
+        raise ValueError(f"{what}: not a usable API key ({length} characters); 1 to {MAX_API_KEY_LENGTH} visible "
+                         "ASCII characters, no spaces")
+    return key
+
+
 def resolve_gang_class(path: str) -> type:
     """The class an import path ``module:Class`` names."""
     module, _, name = path.partition(":")
     return getattr(importlib.import_module(module), name)
 
 
+# ---- limits -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ServeLimits:
+    """What one request may ask of a served run, at most (``GET /v1/models`` shows them)."""
+
+    max_steps: int
+    max_side: int
+    """Pixels a side, a multiple of the run's size multiple."""
+    max_frames: int
+    max_n: int
+    request_timeout_s: float
+    multiple: tuple[int, int]
+    """(width, height) every size is a multiple of, in pixels."""
+    max_image_tokens: int = MAX_IMAGE_TOKENS
+
+    @classmethod
+    def of(cls, options: ServeOptions, rules: RunRules, video: bool) -> "ServeLimits":
+        """The limits of ``options`` on a run (its ``rules``; ``video``: its family draws
+        clips). ValueError when ``max_side`` is below the run's size multiple."""
+        mw, mh = rules.multiple
+        step = max(mw, mh)
+        run_side = min(MAX_IMAGE_SIDE, 256 * step) // step * step  # the largest square of MAX_IMAGE_TOKENS
+        side = run_side if options.max_side is None else min(options.max_side, run_side) // step * step
+        if side < step:
+            raise ValueError(f"max_side: {options.max_side}; this run's sizes are multiples of {mw}x{mh} pixels: at "
+                             f"least {step}")
+        frames = options.max_frames or (MAX_IMAGE_TOKENS if video else 1)
+        return cls(options.max_steps, side, frames if video else 1, options.max_n, float(options.request_timeout_s),
+                   (mw, mh))
+
+    @property
+    def default_side(self) -> int:
+        step = max(self.multiple)
+        return max(step, min(DEFAULT_SIDE, self.max_side) // step * step)
+
+    def check(self, job: Job, named_size: bool = False) -> None:
+        """ValueError naming the first field past its limit (before the run's own rules);
+        ``named_size``: the request gave ``size`` (parsed: two integers)."""
+        if named_size and max(job.width, job.height) > self.max_side:
+            raise ValueError(f"size: {job.width}x{job.height}: at most {self.max_side} pixels a side (this server's "
+                             "--max-request-side)")
+        for name, value, most, flag in (("steps", job.steps, self.max_steps, "--max-steps"),
+                                        ("width", job.width, self.max_side, "--max-request-side"),
+                                        ("height", job.height, self.max_side, "--max-request-side"),
+                                        ("frames", job.frames, self.max_frames, "--max-request-frames")):
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+                raise ValueError(f"{name}: {_short(value)}; an integer in [1, {most}] (this server's {flag})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"max_steps": self.max_steps, "max_side": self.max_side, "max_frames": self.max_frames,
+                "max_image_tokens": self.max_image_tokens, "max_n": self.max_n,
+                "request_timeout_s": self.request_timeout_s, "size_multiple": list(self.multiple)}
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 # ---- requests -----------------------------------------------------------------------------------
 
 
-def parse_job(doc: Any, rules: RunRules) -> tuple[Job, bool]:
-    """(the job of a request body, whether the client waits for it); ValueError naming the
-    first bad field and its valid range."""
-    from knapray.inference.requests import parse_size
-
+def parse_job(doc: Any, rules: RunRules, limits: ServeLimits | None = None) -> tuple[Job, bool]:
+    """(the job of a ``/v1/generate`` body, whether the client waits for it); ValueError
+    naming the first bad field and its valid range."""
     if not isinstance(doc, dict):
         raise ValueError(f"body: a JSON {type(doc).__name__}; a JSON object with fields {', '.join(JOB_FIELDS)}")
     unknown = [k for k in doc if k not in JOB_FIELDS]
@@ -150,33 +280,89 @@ def parse_job(doc: Any, rules: RunRules) -> tuple[Job, bool]:
         raise ValueError(f"caption: a JSON {type(caption).__name__}; a string or null")
     wait = doc.get("wait", True)
     if not isinstance(wait, bool):
-        raise ValueError(f"wait: {wait!r}; true or false")
+        raise ValueError(f"wait: {_short(wait)}; true or false")
     if "size" in doc and ("width" in doc or "height" in doc):
         raise ValueError("size: give size (WIDTHxHEIGHT) or width and height, not both")
     if "size" in doc:
-        size = doc["size"]
-        if not isinstance(size, str):
-            raise ValueError(f"size: {size!r}; a string WIDTHxHEIGHT in pixels, e.g. 512x512")
-        try:
-            width, height = parse_size(size)
-        except ValueError as e:
-            raise ValueError(str(e).replace("--size ", "size: ", 1)) from None
+        width, height = _size(doc["size"])
     elif "width" in doc or "height" in doc:
         if "width" not in doc or "height" not in doc:
             raise ValueError(f"{'height' if 'width' in doc else 'width'}: missing; give width and height, or size")
         width, height = doc["width"], doc["height"]
     else:
-        width = height = 256  # knapray sample's default size
-    job = Job(caption=caption, width=width, height=height, frames=doc.get("frames", 1), steps=doc.get("steps", 28),
+        width = height = DEFAULT_SIDE if limits is None else limits.default_side
+    steps = doc.get("steps", DEFAULT_STEPS if limits is None else min(DEFAULT_STEPS, limits.max_steps))
+    job = Job(caption=caption, width=width, height=height, frames=doc.get("frames", 1), steps=steps,
               guidance=doc.get("guidance"), shift=doc.get("shift"), seed=doc.get("seed", 0), like=doc.get("like"))
+    _check(job, rules, limits, "size" in doc)
+    return job, wait
+
+
+def parse_images_request(doc: Any, rules: RunRules, limits: ServeLimits, model: str) -> list[Job]:
+    """The jobs of an OpenAI ``/v1/images/generations`` body (``n`` of them, seeds ``seed``,
+    ``seed + 1``, ...); ValueError naming the first bad field (OpenAI's names: ``prompt``)."""
+    if not isinstance(doc, dict):
+        raise ValueError(f"body: a JSON {type(doc).__name__}; a JSON object with fields {', '.join(IMAGES_FIELDS)}")
+    unknown = [k for k in doc if k not in IMAGES_FIELDS]
+    if unknown:
+        raise ValueError(f"{str(unknown[0])[:60]}: unknown field; valid: {', '.join(IMAGES_FIELDS)}")
+    if doc.get("model") not in (None, model):
+        raise ValueError(f"model: {_short(doc['model'])}; this server serves {model!r}")
+    prompt = doc.get("prompt")
+    if not isinstance(prompt, str):
+        raise ValueError(f"prompt: {'missing' if prompt is None else 'a JSON ' + type(prompt).__name__}; a string")
+    for name, valid in (("response_format", "b64_json"), ("output_format", "png")):
+        if doc.get(name) not in (None, valid):
+            raise ValueError(f"{name}: {_short(doc[name])}; only {valid!r} (this server keeps no files)"
+                             if name == "response_format" else f"{name}: {_short(doc[name])}; only {valid!r}")
+    if doc.get("user") is not None and not isinstance(doc["user"], str):
+        raise ValueError(f"user: a JSON {type(doc['user']).__name__}; a string")
+    n = doc.get("n", 1)
+    if n is None:
+        n = 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= limits.max_n:
+        raise ValueError(f"n: {_short(n)}; an integer in [1, {limits.max_n}] (this server's --max-n)")
+    size = doc.get("size")
+    width, height = (limits.default_side,) * 2 if size in (None, "auto") else _size(size)
+    seed = doc.get("seed", 0)
+    like = doc.get("like")
+    caption = None if like is not None else prompt  # like: a corpus sample's text instead of the prompt
+    base = Job(caption=caption, width=width, height=height, steps=doc.get("steps", min(DEFAULT_STEPS, limits.max_steps)),
+               guidance=doc.get("guidance"), shift=doc.get("shift"), seed=seed, like=like)
     try:
+        _check(base, rules, limits, size not in (None, "auto"))
+        jobs = [base] + [Job(caption=caption, width=width, height=height, steps=base.steps, guidance=base.guidance,
+                             shift=base.shift, seed=seed + i, like=like) for i in range(1, n)]
+        if n > 1:
+            rules.check(jobs[-1])  # the last seed in range
+    except ValueError as e:
+        text = str(e)
+        raise ValueError("prompt" + text[len("caption"):] if text.startswith("caption:") else text) from None
+    return jobs
+
+
+def _size(size: Any) -> tuple[int, int]:
+    from knapray.inference.requests import parse_size
+
+    if not isinstance(size, str):
+        raise ValueError(f"size: {_short(size)}; a string WIDTHxHEIGHT in pixels, e.g. 512x512")
+    try:
+        return parse_size(size)
+    except ValueError as e:
+        raise ValueError(str(e).replace("--size ", "size: ", 1)) from None
+
+
+def _check(job: Job, rules: RunRules, limits: ServeLimits | None, named_size: bool) -> None:
+    """The served limits, then the run's rules; the error names ``size`` when the request did."""
+    try:
+        if limits is not None:
+            limits.check(job, named_size)
         rules.check(job)
     except ValueError as e:
         text = str(e)
-        if "size" in doc:  # the request named it size
+        if named_size:
             text = text.replace("width x height ", "size: ", 1)
         raise ValueError(text) from None
-    return job, wait
 
 
 def job_tokens(job: Job, rules: RunRules) -> int:
@@ -193,13 +379,37 @@ class Answer:
     status: int
     body: bytes
     media_type: str
+    message: str | None = None
+    """An error's text (its body is ``{"error": message}``)."""
 
     @classmethod
     def error(cls, status: int, text: str) -> "Answer":
-        return cls(status, json.dumps({"error": text}).encode(), "application/json")
+        return cls(status, json.dumps({"error": text}).encode(), "application/json", text)
 
-    def response(self) -> Response:
-        return Response(content=self.body, status_code=self.status, media_type=self.media_type)
+    @classmethod
+    def document(cls, status: int, doc: Any) -> "Answer":
+        return cls(status, json.dumps(doc).encode(), "application/json")
+
+    def response(self, headers: dict[str, str] | None = None) -> Response:
+        return Response(content=self.body, status_code=self.status, media_type=self.media_type, headers=headers)
+
+    def openai(self) -> Response:
+        """An error in OpenAI's shape (``{"error": {message, type, param, code}}``), or as is."""
+        if self.message is None:
+            return self.response()
+        kind, code = OPENAI_ERRORS.get(self.status, ("server_error", None))
+        head = self.message.split(":", 1)[0]
+        param = head if self.status == 400 and head.isidentifier() and head != "body" else None  # the field named
+        doc = {"error": {"message": self.message, "type": kind, "param": param, "code": code}}
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(doc, status_code=self.status, headers=headers)
+
+
+OPENAI_ERRORS = {400: ("invalid_request_error", None), 401: ("invalid_request_error", "invalid_api_key"),
+                 404: ("invalid_request_error", "not_found"), 409: ("invalid_request_error", "conflict"),
+                 413: ("invalid_request_error", "request_too_large"), 500: ("server_error", None),
+                 503: ("server_error", "overloaded"), 504: ("server_error", "timeout")}
+"""An error's (type, code) in OpenAI's shape, by HTTP status."""
 
 
 def encode_png(frame: Any) -> bytes:
@@ -253,6 +463,11 @@ def media_answer(frames: Any) -> Answer:
 # ---- metrics ------------------------------------------------------------------------------------
 
 
+GANG_STAGES = ("encode", "denoise", "decode")
+"""Per-job seconds a gang may report (``JobResult.seconds``: its captions encoded, its
+Euler loop, its latent decoded); each is a histogram when reported."""
+
+
 class ServeMetrics:
     """This replica's Prometheus metrics, in a registry of its own (``GET /metrics``)."""
 
@@ -266,8 +481,20 @@ class ServeMetrics:
                                registry=r)
         self.latency = Histogram("knapray_serve_latency_seconds", "a job's arrival to its answer",
                                  buckets=LATENCY_BUCKETS, registry=r)
-        self.requests = Counter("knapray_serve_requests", "POST /v1/generate answers by status code", ["code"],
-                                registry=r)
+        self.queued = Histogram("knapray_serve_queue_seconds", "a job's arrival to its batch's start (per job)",
+                                buckets=STAGE_BUCKETS, registry=r)
+        self.gang = Histogram("knapray_serve_gang_seconds", "the gang's generate call of a batch (per batch)",
+                              buckets=STAGE_BUCKETS, registry=r)
+        self.stages = {s: Histogram(f"knapray_serve_{s}_seconds", f"a job's {s} seconds, as the gang reports them "
+                                    "(per job)", buckets=STAGE_BUCKETS, registry=r) for s in GANG_STAGES}
+        self.media = Histogram("knapray_serve_media_seconds", "a job's picture written as PNG or MP4 (per job)",
+                               buckets=STAGE_BUCKETS, registry=r)
+        self.requests = Counter("knapray_serve_requests", "answers of the POST routes by route and status code",
+                                ["route", "code"], registry=r)
+        self.cancelled = Counter("knapray_serve_cancelled", "queued jobs cancelled, never drawn: by DELETE, or "
+                                 "their client gone", ["reason"], registry=r)
+        self.expired = Counter("knapray_serve_expired", "jobs past their deadline (504): dropped from the queue, or "
+                               "their result discarded when the gang answers", ["state"], registry=r)
         self.retries = Counter("knapray_serve_retries", "jobs retried after their worker was lost", registry=r)
         self.restarts = Counter("knapray_serve_gang_restarts", "gang restarts after a loss", registry=r)
 
@@ -291,6 +518,9 @@ class Pending:
     future: asyncio.Future
     attempts: int = 0
     state: str = "queued"
+    """queued, running, done, cancelled, expired."""
+    timer: asyncio.TimerHandle | None = None
+    """Its deadline."""
 
 
 api = FastAPI(title="knapray serve")
@@ -302,17 +532,30 @@ class Generator:
     """The ingress: validates requests, gathers them into batches for the gang it owns."""
 
     def __init__(self, options: ServeOptions) -> None:
+        from knapray.driver.run_dir import read_run_config
+        from knapray.models.families import get_family
+
         self.options = options
+        self.model_id = os.path.basename(os.path.normpath(options.run))
+        self.api_key = options.api_key or os.environ.get(API_KEY_ENV) or None
+        if self.api_key is not None:
+            check_api_key(self.api_key, API_KEY_ENV if options.api_key is None else "api_key")
+        elif options.require_api_key:
+            raise ValueError(f"require_api_key: no API key; set {API_KEY_ENV} in the replica's environment "
+                             "(runtime_env.env_vars, or the nodes')")
         self.metrics = ServeMetrics()
         self._pending: collections.deque[Pending] = collections.deque()
         self._jobs: collections.OrderedDict[str, Pending] = collections.OrderedDict()  # wait: false jobs
         self._wake: asyncio.Event | None = None
         self._batcher: asyncio.Task | None = None
         self._gang_up = False
+        self.created = int(time.time())
+        video = get_family(read_run_config(options.run).model.family).video
         self._gang = resolve_gang_class(options.gang).start(
             options.run, options.world_size, topology=options.topology, device=self._device(options.device),
             checkpoint=options.checkpoint)
         self.rules: RunRules = self._gang.rules
+        self.limits = ServeLimits.of(options, self.rules, video)
         self._gang_up = True
 
     @staticmethod
@@ -327,19 +570,56 @@ class Generator:
 
     @api.post("/v1/generate")
     async def generate(self, request: Request) -> Response:
-        answer = await self._generate(request)
-        self.metrics.requests.labels(code=str(answer.status)).inc()
+        answer = self._denied(request) or await self._generate(request)
+        self.metrics.requests.labels(route="generate", code=str(answer.status)).inc()
         return answer.response()
 
+    @api.post("/v1/images/generations")
+    async def images(self, request: Request) -> Response:
+        answer = self._denied(request) or await self._images(request)
+        self.metrics.requests.labels(route="images", code=str(answer.status)).inc()
+        return answer.openai()
+
+    @api.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        denied = self._denied(request)
+        if denied:
+            return denied.openai()
+        model = {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "knapray",
+                 "limits": {**self.limits.to_dict(), "max_queue": self.options.max_queue,
+                            "max_batch": self.options.max_batch, "max_body_bytes": MAX_BODY_BYTES}}
+        return JSONResponse({"object": "list", "data": [model]})
+
     @api.get("/v1/jobs/{job_id}")
-    async def job(self, job_id: str) -> Response:
+    async def job(self, job_id: str, request: Request) -> Response:
+        denied = self._denied(request)
+        if denied:
+            return denied.response()
         p = self._jobs.get(job_id)
         if p is None:
-            return Answer.error(404, f"job: no job {job_id[:40]!r} here (unknown, or its answer was dropped: "
-                                     f"the newest {KEPT_RESULTS} are kept)").response()
+            return self._unknown(job_id).response()
         if not p.future.done():
             return JSONResponse({"job": job_id, "status": p.state}, status_code=202)
         return p.future.result().response()
+
+    @api.delete("/v1/jobs/{job_id}")
+    async def cancel(self, job_id: str, request: Request) -> Response:
+        denied = self._denied(request)
+        if denied:
+            return denied.response()
+        p = self._jobs.get(job_id)
+        if p is None:
+            return self._unknown(job_id).response()
+        if p.state == "queued":
+            self._cancel(p, "delete")
+        if p.state == "cancelled":
+            return JSONResponse({"job": job_id, "status": "cancelled"})
+        if p.state == "running":
+            return Answer.error(409, f"job {job_id}: running on the gang; a running job is not cancelled (it is "
+                                     f"answered, or its deadline of {self.limits.request_timeout_s:g} s ends it)"
+                                ).response()
+        return Answer.error(409, f"job {job_id}: already answered ({p.state}, HTTP {p.future.result().status}); "
+                                 "nothing to cancel").response()
 
     @api.get("/health")
     async def health(self) -> Response:
@@ -348,48 +628,116 @@ class Generator:
                              "world_size": self.options.world_size}, status_code=200 if up else 503)
 
     @api.get("/metrics")
-    async def prometheus(self) -> Response:
+    async def prometheus(self, request: Request) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
+        denied = self._denied(request)
+        if denied:
+            return denied.response()
         self.metrics.queue.set(len(self._pending))
         return Response(content=self.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     # ---- requests in ----
 
-    async def _generate(self, request: Request) -> Answer:
+    def _denied(self, request: Request) -> Answer | None:
+        """401 unless the request carries this server's key (when it has one)."""
+        if self.api_key is None:
+            return None
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            return None
+        given = "no Authorization header" if not scheme else "a wrong key" if scheme.lower() == "bearer" else \
+            f"an {scheme[:20]!r} Authorization"
+        return Answer.error(401, f"authorization: {given}; send 'Authorization: Bearer KEY' with this server's API "
+                                 f"key (knapray serve --api-key or {API_KEY_ENV})")
+
+    @staticmethod
+    def _unknown(job_id: str) -> Answer:
+        return Answer.error(404, f"job: no job {job_id[:40]!r} here (unknown, or its answer was dropped: "
+                                 f"the newest {KEPT_RESULTS} are kept)")
+
+    async def _document(self, request: Request, valid: tuple[str, ...]) -> Any:
+        """The request's JSON body, or the Answer that refuses it."""
         body = await self._read_body(request)
         if isinstance(body, Answer):
             return body
         try:
-            doc = json.loads(body)
+            return json.loads(body)
         except (ValueError, RecursionError) as e:
-            return Answer.error(400, f"body: not JSON ({str(e)[:100]}); a JSON object with fields "
-                                     f"{', '.join(JOB_FIELDS)}")
+            return Answer.error(400, f"body: not JSON ({str(e)[:100]}); a JSON object with fields {', '.join(valid)}")
+
+    async def _generate(self, request: Request) -> Answer:
+        doc = await self._document(request, JOB_FIELDS)
+        if isinstance(doc, Answer):
+            return doc
         try:
-            job, wait = parse_job(doc, self.rules)
+            job, wait = parse_job(doc, self.rules, self.limits)
         except ValueError as e:
             return Answer.error(400, str(e))
         if request.query_params.get("async", "0").lower() in ("1", "true", "yes"):
             wait = False
-        if len(self._pending) >= self.options.max_queue:
+        full = self._full(1)
+        if full:
+            return full
+        (p,) = self._enqueue([job])
+        if not wait:
+            self._keep(p)
+            return Answer.document(202, {"job": p.id, "poll": f"/v1/jobs/{p.id}"})
+        return (await self._wait([p]))[0]
+
+    async def _images(self, request: Request) -> Answer:
+        doc = await self._document(request, IMAGES_FIELDS)
+        if isinstance(doc, Answer):
+            return doc
+        try:
+            jobs = parse_images_request(doc, self.rules, self.limits, self.model_id)
+        except ValueError as e:
+            return Answer.error(400, str(e))
+        full = self._full(len(jobs))
+        if full:
+            return full
+        answers = await self._wait(self._enqueue(jobs))
+        failed = next((a for a in answers if a.status != 200), None)
+        if failed is not None:
+            return failed
+        if any(a.media_type != "image/png" for a in answers):
+            return Answer.error(500, "result: not an image")
+        job = jobs[0]
+        return Answer.document(200, {"created": int(time.time()), "output_format": "png",
+                                 "size": f"{job.width}x{job.height}",
+                                 "data": [{"b64_json": base64.b64encode(a.body).decode()} for a in answers]})
+
+    def _full(self, n: int) -> Answer | None:
+        if len(self._pending) + n > self.options.max_queue:
             return Answer.error(503, f"queue: {len(self._pending)} jobs waiting; at most {self.options.max_queue} "
                                      "(max_queue): try again later")
-        p = self._enqueue(job)
-        if not wait:
-            self._jobs[p.id] = p
-            while len(self._jobs) > KEPT_RESULTS:  # the oldest finished answers go first
-                old = next((k for k, v in self._jobs.items() if v.future.done()), None)
-                if old is None:
-                    break
-                del self._jobs[old]
-            return Answer(202, json.dumps({"job": p.id, "poll": f"/v1/jobs/{p.id}"}).encode(), "application/json")
-        return await asyncio.shield(p.future)  # a client gone does not cancel a job its batch holds
+        return None
+
+    def _keep(self, p: Pending) -> None:
+        """A ``wait: false`` job, kept for polling and DELETE."""
+        self._jobs[p.id] = p
+        while len(self._jobs) > KEPT_RESULTS:  # the oldest finished answers go first
+            old = next((k for k, v in self._jobs.items() if v.future.done()), None)
+            if old is None:
+                break
+            del self._jobs[old]
+
+    async def _wait(self, ps: list[Pending]) -> list[Answer]:
+        """The answers of ``ps``. The client gone (Serve cancels its request) cancels those
+        still queued; a running one is drawn and its result discarded."""
+        try:
+            return list(await asyncio.shield(asyncio.gather(*(p.future for p in ps))))
+        except asyncio.CancelledError:
+            for p in ps:
+                if p.state == "queued":
+                    self._cancel(p, "disconnect")
+            raise
 
     @staticmethod
     async def _read_body(request: Request) -> bytes | Answer:
         declared = request.headers.get("content-length", "0")
         if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-            return Answer.error(413, f"body: {declared} bytes; at most {MAX_BODY_BYTES}")
+            return Answer.error(413, f"body: {declared[:20]} bytes; at most {MAX_BODY_BYTES}")
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
@@ -398,16 +746,43 @@ class Generator:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _enqueue(self, job: Job) -> Pending:
+    def _enqueue(self, jobs: list[Job]) -> list[Pending]:
         loop = asyncio.get_running_loop()
         if self._batcher is None or self._batcher.done():
             self._wake = asyncio.Event()
             self._batcher = loop.create_task(self._batches())
-        p = Pending(uuid.uuid4().hex, job, job_tokens(job, self.rules), time.monotonic(), loop.create_future())
-        self._pending.append(p)
+        now = time.monotonic()
+        ps = []
+        for job in jobs:
+            p = Pending(uuid.uuid4().hex, job, job_tokens(job, self.rules), now, loop.create_future())
+            p.timer = loop.call_later(self.limits.request_timeout_s, self._expire, p)
+            self._pending.append(p)
+            ps.append(p)
         self.metrics.queue.set(len(self._pending))
         self._wake.set()
-        return p
+        return ps
+
+    def _cancel(self, p: Pending, reason: str) -> None:
+        """A queued job out of the queue, never drawn."""
+        self._pending.remove(p)
+        self.metrics.queue.set(len(self._pending))
+        self.metrics.cancelled.labels(reason=reason).inc()
+        self._answer(p, Answer.error(410, f"job {p.id}: cancelled before it ran ({reason})"), "cancelled")
+
+    def _expire(self, p: Pending) -> None:
+        """Its deadline: a queued job is dropped; a running one is answered now, its result
+        discarded when the gang gives it."""
+        if p.future.done():
+            return
+        t = self.limits.request_timeout_s
+        if p.state == "queued":
+            self._pending.remove(p)
+            self.metrics.queue.set(len(self._pending))
+            text = f"job: still queued after {t:g} s (--request-timeout); dropped, never drawn"
+        else:
+            text = f"job: running past {t:g} s (--request-timeout); its result will be discarded"
+        self.metrics.expired.labels(state=p.state).inc()
+        self._answer(p, Answer.error(504, text), "expired")
 
     # ---- batches ----
 
@@ -425,10 +800,12 @@ class Generator:
                 await asyncio.wait_for(self._wake.wait(), left)
             except asyncio.TimeoutError:
                 break
-        batch, tokens = [], 0
+        batch, tokens, now = [], 0, time.monotonic()
         while self._pending and len(batch) < self.options.max_batch and (
                 not batch or tokens + self._pending[0].tokens <= MAX_SAMPLE_BATCH_TOKENS):
             p = self._pending.popleft()
+            p.state = "running"  # out of the queue: no longer cancelled by DELETE or a client gone
+            self.metrics.queued.observe(now - p.arrived)
             batch.append(p)
             tokens += p.tokens
         self.metrics.queue.set(len(self._pending))
@@ -437,6 +814,8 @@ class Generator:
     async def _batches(self) -> None:
         while True:
             batch = await self._next_batch()
+            if not batch:  # every job of the window was cancelled or expired
+                continue
             try:
                 await self._run_batch(batch)
             except Exception as e:  # never leave a client waiting on a job this loop dropped
@@ -451,25 +830,34 @@ class Generator:
                     self._answer(p, Answer.error(503, "gang: its workers are down and a restart failed; "
                                                       "try again later"))
                 return
-        for p in batch:
-            p.state = "running"
         self.metrics.batch.observe(len(batch))
+        t0 = time.monotonic()
         results = await asyncio.to_thread(self._generate_on_gang, [p.job for p in batch])
+        self.metrics.gang.observe(time.monotonic() - t0)
         lost = []
         for p, result in zip(batch, results):
+            for stage, seconds in (getattr(result, "seconds", None) or {}).items():
+                if stage in self.metrics.stages:
+                    self.metrics.stages[stage].observe(seconds)
+            if p.future.done():  # past its deadline: answered 504 already, the result discarded
+                continue
             if getattr(result, "lost", False):
                 lost.append(p)
             elif result.error is not None:
                 self._answer(p, Answer.error(500, f"job: {result.error}"))
             else:
+                t1 = time.monotonic()
                 try:
                     answer = await asyncio.to_thread(media_answer, result.frames)
                 except Exception as e:
                     answer = Answer.error(500, f"result: could not encode it ({type(e).__name__}: {str(e)[:200]})")
+                self.metrics.media.observe(time.monotonic() - t1)
                 self._answer(p, answer)
         if lost:
             await self._restart()
         for p in reversed(lost):  # retried once, ahead of the jobs that arrived since
+            if p.future.done():
+                continue
             if p.attempts >= 1:
                 self._answer(p, Answer.error(503, "job: its worker was lost twice (retried once after a gang "
                                                   "restart); try again"))
@@ -499,10 +887,13 @@ class Generator:
         except Exception:
             self._gang_up = False
 
-    def _answer(self, p: Pending, answer: Answer) -> None:
-        if not p.future.done():
-            p.future.set_result(answer)
-        p.state = "done"
+    def _answer(self, p: Pending, answer: Answer, state: str = "done") -> None:
+        if p.future.done():
+            return
+        p.future.set_result(answer)
+        p.state = state
+        if p.timer is not None:
+            p.timer.cancel()
         self.metrics.latency.observe(time.monotonic() - p.arrived)
 
     def __del__(self) -> None:
@@ -535,11 +926,15 @@ def app_builder(args: dict):  # plain dict: Serve inspects the annotation (a pyd
     return build_app(ServeOptions.from_dict(dict(args)))
 
 
-def serve_config(options: ServeOptions, *, host: str = "0.0.0.0", port: int = 8000) -> dict[str, Any]:
-    """A Serve config for ``serve deploy`` that serves ``options`` (defaults left out)."""
+def serve_config(options: ServeOptions, *, host: str = "127.0.0.1", port: int = 8000) -> dict[str, Any]:
+    """A Serve config for ``serve deploy`` that serves ``options`` on ``host`` (defaults left
+    out). An API key is never written: the config requires one (``require_api_key``) and
+    the replica reads it from ``KNAPRAY_API_KEY``."""
     defaults = ServeOptions(run=options.run)
-    args = {k: v for k, v in options.to_dict().items() if k == "run" or v != getattr(defaults, k)}
+    args = {k: v for k, v in options.to_dict().items()
+            if k == "run" or (k != "api_key" and v != getattr(defaults, k))}
+    if options.api_key is not None:
+        args["require_api_key"] = True
     return {"proxy_location": "EveryNode", "http_options": {"host": host, "port": port},
             "applications": [{"name": "knapray", "route_prefix": "/",
                               "import_path": "knapray.driver.serving:app_builder", "args": args}]}
-

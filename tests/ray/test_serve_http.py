@@ -1,17 +1,23 @@
 """``knapray serve`` over real HTTP: a local Ray Serve deployment answers concurrent
 requests (good, malformed, oversized, lost by a worker once and twice) each as it should,
-keeps serving after the bad ones, and counts them in its metrics. The gang is a stand-in
-with the real one's API (``FakeGang``: gradient images, a worker lost on request), so that
-this runs in seconds; ``test_the_real_gang_serves_a_trained_run`` serves the real one.
-Then the Serve config for ``serve deploy`` and the command's checks before Ray starts."""
+keeps serving after the bad ones, and counts them in its metrics; a flood of requests (the
+extremes of every field, more than its queue holds, a client gone while queued) leaves it
+answering; queued jobs are cancelled (DELETE, a client gone) and deadlines kept; the
+official ``openai`` client draws from it and reads its errors; every route but /health
+wants its key. The gang is a stand-in with the real one's API (``FakeGang``: gradient
+images, a worker lost on request), so that this runs in seconds;
+``test_the_real_gang_serves_a_trained_run`` serves the real one. Then the Serve config for
+``serve deploy`` and the command's checks before Ray starts."""
 
 from __future__ import annotations
 
+import base64
 import collections
 import concurrent.futures
 import importlib.util
 import io
 import json
+import os
 import re
 import socket
 import threading
@@ -41,12 +47,20 @@ class FakeResult:
     frames: np.ndarray | None
     error: str | None = None
     lost: bool = False
+    seconds: dict | None = None
+
+
+HOLD_S = 3.0
+SLOW_S = 1.0
+KEY = "test-key-0123456789"
+"""The API key of the stand-in's deployment."""
 
 
 class FakeGang:
     """``knapray.driver.gang.Gang``'s API in one process: the run's real rules, a gradient
-    (T, H, W, 3) per job after a short wait; caption "lose once" is lost by its worker the
-    first time, "lose always" every time, "fail" fails."""
+    (T, H, W, 3) per job after a short wait, with its stage seconds; caption "lose once" is
+    lost by its worker the first time, "lose always" every time, "fail" fails, "hold" holds
+    the gang ``HOLD_S``, "slow" ``SLOW_S``; a caption "trace:PATH" is written to PATH when drawn."""
 
     def __init__(self, rules) -> None:
         self.rules = rules
@@ -65,10 +79,14 @@ class FakeGang:
     def generate(self, jobs):
         assert self.lock.acquire(blocking=False), "generate called while a batch runs"
         try:
-            time.sleep(0.3)
+            captions = {job.caption for job in jobs}
+            time.sleep(HOLD_S if "hold" in captions else SLOW_S if "slow" in captions else 0.3)
             out = []
             for job in jobs:
                 self.seen[job.caption] += 1
+                if job.caption and job.caption.startswith("trace:"):
+                    with open(job.caption[len("trace:"):], "a") as f:
+                        f.write("drawn\n")
                 if job.caption == "lose always" or (job.caption == "lose once" and self.seen[job.caption] == 1):
                     out.append(FakeResult(None, "worker 1 died", lost=True))
                 elif job.caption == "fail":
@@ -76,7 +94,8 @@ class FakeGang:
                 else:
                     ramp = np.linspace(0, 255, job.width, dtype=np.float32).astype(np.uint8)
                     frame = np.broadcast_to(ramp[None, :, None], (job.height, job.width, 3))
-                    out.append(FakeResult(np.stack([frame] * job.frames)))
+                    out.append(FakeResult(np.stack([frame] * job.frames),
+                                          seconds={"encode": 0.01, "denoise": 0.25, "decode": 0.04}))
             return out
         finally:
             self.lock.release()
@@ -97,10 +116,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _call(url: str, body: bytes | None = None, timeout: float = 60) -> tuple[int, str, bytes]:
-    """(status, content type, body) of a GET, or of a POST of ``body``."""
-    req = urllib.request.Request(url, data=body, method="GET" if body is None else "POST",
-                                 headers={"Content-Type": "application/json"})
+def _call(url: str, body: bytes | None = None, timeout: float = 60, key: str | None = KEY,
+          method: str | None = None) -> tuple[int, str, bytes]:
+    """(status, content type, body) of a GET, or of a POST of ``body`` (``method``: another),
+    with the stand-in's key (``key``: another, or None)."""
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url, data=body, method=method or ("GET" if body is None else "POST"), headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.headers.get("Content-Type", ""), r.read()
@@ -122,8 +145,9 @@ def _metric(text: str, name: str, labels: str = "") -> float:
 
 @pytest.fixture(scope="module")
 def served(ray_session, tmp_path_factory):
-    """A local deployment of the stand-in gang (2 workers, a 0.4 s window); Serve shut down
-    at the end (Ray is the session's)."""
+    """A local deployment of the stand-in gang (2 workers, a 0.4 s window, batches of 8, a
+    queue of 64, sides up to 512, an API key); Serve shut down at the end (Ray is the
+    session's)."""
     from ray import serve
 
     from dist_utils import sampling_run_dir
@@ -134,7 +158,8 @@ def served(ray_session, tmp_path_factory):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         serve.run(build_app(ServeOptions(run=str(run), world_size=2, device="cpu", window_ms=400, max_batch=8,
-                                         gang="test_serve_http:FakeGang")), name="knapray-test", route_prefix="/")
+                                         max_queue=64, max_side=512, api_key=KEY, gang="test_serve_http:FakeGang")),
+                  name="knapray-test", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -167,7 +192,7 @@ CASES = {
     "not json": (b"{nope", "", 400, lambda kind, body: _error(body).startswith("body: not JSON")),
     "not an object": ([1, 2], "", 400, lambda kind, body: _error(body).startswith("body: a JSON list")),
     "steps 0": ({"caption": "x", "steps": 0}, "", 400,
-                lambda kind, body: _error(body) == "steps: 0; an integer in [1, 1000000000]"),
+                lambda kind, body: _error(body) == "steps: 0; an integer in [1, 100] (this server's --max-steps)"),
     "steps a string": ({"steps": "2"}, "", 400, lambda kind, body: _error(body).startswith("steps: '2'; an integer")),
     "size not a multiple": ({"size": "500x512"}, "", 400,
                             lambda kind, body: _error(body).startswith("size: 500x512")
@@ -176,8 +201,12 @@ CASES = {
                         lambda kind, body: "size: 'big': expected WIDTHxHEIGHT" in _error(body)),
     "side too long": ({"size": "9000x512"}, "", 400,
                       lambda kind, body: _error(body) == "size: 9000x512: at most 8192 pixels a side"),
-    "too many tokens": ({"width": 8192, "height": 4096}, "", 400,
-                        lambda kind, body: _error(body).startswith("width x height 8192x4096: 131072 image tokens")),
+    "side past the server's": ({"size": "528x512"}, "", 400,
+                               lambda kind, body: _error(body) == "size: 528x512: at most 512 pixels a side (this "
+                               "server's --max-request-side)"),
+    "too many frames": ({"width": 512, "height": 512, "frames": 65}, "", 400,
+                        lambda kind, body: _error(body).startswith("width x height 512x512 frames 65: 66560 image "
+                                                                   "tokens")),
     "guidance NaN": (b'{"guidance": NaN}', "", 400, lambda kind, body: _error(body).startswith("guidance: nan")),
     "unknown field": ({"captoin": "x"}, "", 400, lambda kind, body: _error(body).startswith("captoin: unknown field")),
     "caption a number": ({"caption": 5}, "", 400, lambda kind, body: _error(body).startswith("caption: a JSON int")),
@@ -233,7 +262,7 @@ def test_concurrent_requests_each_get_their_answer(served):
     assert status == 200 and kind.startswith("text/plain"), kind
     by_code = collections.Counter(str(c[2]) for c in CASES.values()) + collections.Counter({"200": 1})
     for code, n in by_code.items():
-        assert _metric(text, "knapray_serve_requests_total", f'{{code="{code}"}}') == n, code
+        assert _metric(text, "knapray_serve_requests_total", f'{{code="{code}",route="generate"}}') == n, code
     jobs = len(TO_GANG) + 1  # and the request after them
     assert _metric(text, "knapray_serve_batch_size_sum") == jobs
     batches = _metric(text, "knapray_serve_batch_size_count")
@@ -242,6 +271,303 @@ def test_concurrent_requests_each_get_their_answer(served):
     assert _metric(text, "knapray_serve_retries_total") == 2
     assert _metric(text, "knapray_serve_gang_restarts_total") >= 2
     assert _metric(text, "knapray_serve_queue_length") == 0
+    assert _metric(text, "knapray_serve_queue_seconds_count") == jobs
+    assert _metric(text, "knapray_serve_gang_seconds_count") == batches
+    drawn = jobs - 4  # no picture: the three lost draws and the failed one
+    for stage, seconds in (("encode", 0.01), ("denoise", 0.25), ("decode", 0.04)):
+        assert _metric(text, f"knapray_serve_{stage}_seconds_count") == drawn, stage
+        assert _metric(text, f"knapray_serve_{stage}_seconds_sum") == pytest.approx(drawn * seconds), stage
+    assert _metric(text, "knapray_serve_media_seconds_count") == drawn
+
+
+# ---- limits, floods, cancelling, deadlines, keys, the openai client -----------------------------------------
+
+
+def _post(served: str, doc: dict, route: str = "/v1/generate", **kwargs) -> tuple[int, str, bytes]:
+    return _call(f"{served}{route}", json.dumps(doc).encode(), **kwargs)
+
+
+def _until(what, timeout: float = 20, every: float = 0.05):
+    """``what()`` once it is truthy, polled for ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    while not (got := what()):
+        assert time.monotonic() < end, "timed out waiting"
+        time.sleep(every)
+    return got
+
+
+def _metrics(served: str) -> str:
+    return _call(f"{served}/metrics")[2].decode()
+
+
+def _counter(served: str, name: str, labels: str = "") -> float:
+    """A metric's value, 0 where the series has not appeared yet."""
+    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", _metrics(served), re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def _hold(served: str) -> threading.Thread:
+    """A thread whose request holds the stand-in gang ``HOLD_S``, returned once its batch runs."""
+    batched = _counter(served, "knapray_serve_queue_seconds_count")
+    t = threading.Thread(target=_post, args=(served, {"caption": "hold", "size": "16x16"}), daemon=True)
+    t.start()
+    _until(lambda: _counter(served, "knapray_serve_queue_seconds_count") > batched)
+    return t
+
+
+def _queue(served: str) -> int:
+    return json.loads(_call(f"{served}/health", key=None)[2])["queue"]
+
+
+def _gone_while_queued(served: str, doc: dict) -> None:
+    """A client that sends ``doc`` to wait for its answer, sees it queued, and hangs up."""
+    from urllib.parse import urlsplit
+
+    url = urlsplit(served)
+    body = json.dumps(doc).encode()
+    queued = _queue(served)
+    with socket.create_connection((url.hostname, url.port), timeout=10) as s:
+        s.sendall(b"POST /v1/generate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                  + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        _until(lambda: _queue(served) > queued)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(180)
+def test_a_flood_and_the_extremes_leave_the_server_answering(served, tmp_path):
+    """A 10^5-step and a 10^9-step request, 200 concurrent small ones against a queue of 64
+    and a client gone while queued: the extremes are 400, every small one 200 or 503, the
+    gone client's job cancelled (never drawn), /health 200 throughout, and an ordinary
+    request after them answers within 3x its time alone."""
+    ordinary = {"caption": "ordinary", "size": "32x32", "steps": 2}
+
+    def timed() -> float:
+        t = time.monotonic()
+        status, _, body = _post(served, ordinary)
+        assert status == 200, body[:300]
+        return time.monotonic() - t
+
+    alone = sorted(timed() for _ in range(3))[1]
+
+    trace = tmp_path / "drawn"
+    hold = _hold(served)
+    cancelled = _counter(served, "knapray_serve_cancelled_total", '{reason="disconnect"}')
+    _gone_while_queued(served, {"caption": f"trace:{trace}", "size": "16x16", "steps": 2})
+    _until(lambda: _counter(served, "knapray_serve_cancelled_total", '{reason="disconnect"}') == cancelled + 1)
+    assert hold.is_alive()  # it was cancelled while the gang still held its batch
+
+    health, flooding = [], threading.Event()
+
+    def watch() -> None:
+        while flooding.is_set():
+            health.append(_call(f"{served}/health", key=None, timeout=30)[0])
+            time.sleep(0.1)
+
+    extremes = [{"caption": "x", "steps": 100_000, "wait": False}, {"caption": "x", "steps": 10**9}]
+    small = [{"caption": f"small {i}", "size": "16x16", "steps": 2} for i in range(200)]
+    flooding.set()
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(len(extremes) + len(small)) as pool:
+        answers = list(pool.map(lambda doc: _post(served, doc, timeout=90), extremes + small))
+    flooding.clear()
+    watcher.join()
+    flood_s = time.monotonic() - t0
+    for (status, _, body), doc in zip(answers[:2], extremes):
+        assert status == 400 and _error(body) == f"steps: {doc['steps']}; an integer in [1, 100] (this server's " \
+                                                  "--max-steps)", (status, body)
+    codes = collections.Counter(status for status, _, _ in answers[2:])
+    assert set(codes) <= {200, 503} and codes[200] >= 64 and codes[503] >= 1, codes
+    for status, kind, body in answers[2:]:
+        assert (status, kind) == (200, "image/png") or _error(body).startswith("queue: "), (status, body[:200])
+    assert health and set(health) == {200}, collections.Counter(health)
+    after = timed()
+    hold.join()
+    assert not trace.exists(), "the job of the client that hung up was drawn"
+    assert after <= 3 * alone, (after, alone)
+    print(f"\nalone {alone:.2f} s, after the flood {after:.2f} s; flood {flood_s:.1f} s: {dict(codes)}; "
+          f"{len(health)} health checks")
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(120)
+def test_delete_cancels_a_queued_job_and_answers_what_happened(served, tmp_path):
+    trace = tmp_path / "drawn"
+    hold = _hold(served)
+    status, _, body = _post(served, {"caption": f"trace:{trace}", "size": "16x16", "wait": False})
+    assert status == 202, body
+    job = json.loads(body)["job"]
+    deleted = _call(f"{served}/v1/jobs/{job}", method="DELETE")
+    assert deleted[0] == 200 and json.loads(deleted[2]) == {"job": job, "status": "cancelled"}, deleted
+    status, _, body = _call(f"{served}/v1/jobs/{job}")
+    assert status == 410 and _error(body) == f"job {job}: cancelled before it ran (delete)", (status, body)
+    assert _call(f"{served}/v1/jobs/{job}", method="DELETE")[0] == 200  # again: the same answer
+
+    status, _, body = _post(served, {"caption": "slow", "size": "16x16", "wait": False})
+    slow = json.loads(body)["job"]
+    _until(lambda: json.loads(_call(f"{served}/v1/jobs/{slow}")[2]).get("status") == "running", every=0.02)
+    status, _, body = _call(f"{served}/v1/jobs/{slow}", method="DELETE")
+    assert status == 409 and _error(body).startswith(f"job {slow}: running on the gang; a running job is not "
+                                                     "cancelled"), (status, body)
+    _until(lambda: _call(f"{served}/v1/jobs/{slow}")[0] == 200)
+    status, _, body = _call(f"{served}/v1/jobs/{slow}", method="DELETE")
+    assert status == 409 and _error(body) == f"job {slow}: already answered (done, HTTP 200); nothing to cancel"
+    status, _, body = _call(f"{served}/v1/jobs/{'0' * 32}", method="DELETE")
+    assert status == 404 and _error(body).startswith("job: no job")
+    hold.join()
+    assert not trace.exists(), "a cancelled job was drawn"
+    assert _counter(served, "knapray_serve_cancelled_total", '{reason="delete"}') == 1
+
+
+EXTREMES = [
+    # (route, body, the field its error names)
+    *[("/v1/generate", {"steps": v}, "steps") for v in (101, 100_000, 10**9, 2**63, -1, 1.5, True, None, [1])],
+    *[("/v1/generate", {"width": v, "height": 64}, "width") for v in (0, 528, 10**9, -16, 64.0, "64")],
+    ("/v1/generate", {"width": 64, "height": 10**18}, "height"),
+    *[("/v1/generate", {"size": v}, "size") for v in ("0x0", "99999999x16", "16x" + "9" * 5000, "17x16", 16, "")],
+    *[("/v1/generate", {"size": "16x16", "frames": v}, "frames") for v in (0, 65_537, 10**9, 2.0)],
+    *[("/v1/generate", {"guidance": v}, "guidance") for v in (1e308, -1, 100.5, "3")],
+    *[("/v1/generate", {"shift": v}, "shift") for v in (0, 1e308, -1.0)],
+    *[("/v1/generate", {"seed": v}, "seed") for v in (-1, 2**63, 10**30, 0.5)],
+    *[("/v1/generate", {"like": v}, "like") for v in (-1, 1.5, "0")],
+    ("/v1/generate", {"caption": "x" * 65_537}, "caption"),
+    ("/v1/generate", {"wait": "no"}, "wait"),
+    ("/v1/generate", {"steps": 1, "nope": 1}, "nope"),
+    *[("/v1/images/generations", {"prompt": "x", "n": v}, "n") for v in (0, 5, 10**9, "2", 1.0)],
+    ("/v1/images/generations", {"prompt": "x", "n": 2, "seed": 2**63 - 1}, "seed"),
+    ("/v1/images/generations", {"prompt": "x", "steps": 10**9}, "steps"),
+    ("/v1/images/generations", {"prompt": "x", "size": "9000x9000"}, "size"),
+    ("/v1/images/generations", {"prompt": "x" * 65_537}, "prompt"),
+    ("/v1/images/generations", {"n": 1}, "prompt"),
+    ("/v1/images/generations", {"prompt": 3}, "prompt"),
+    ("/v1/images/generations", {"prompt": "x", "model": "dall-e-3"}, "model"),
+    ("/v1/images/generations", {"prompt": "x", "response_format": "url"}, "response_format"),
+    ("/v1/images/generations", {"prompt": "x", "quality": "hd"}, "quality"),
+]
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(120)
+def test_the_extremes_of_every_field_are_one_line_400s(served):
+    """Past every limit and bound, in each field of both POST routes: 400 naming the field
+    (OpenAI's shape on its route), nothing queued; then bodies no parser should expand."""
+    def send(case):
+        route, doc, _ = case
+        return _post(served, doc, route)
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(send, EXTREMES))
+    for (route, doc, field), (status, _, body) in zip(EXTREMES, answers):
+        assert status == 400, (route, str(doc)[:80], status, body[:200])
+        error = json.loads(body)["error"]
+        message = error["message"] if route.startswith("/v1/images") else error
+        assert message.startswith(f"{field}: ") and "\n" not in message and len(message) < 400, (str(doc)[:80], message)
+        if route.startswith("/v1/images"):
+            assert error["type"] == "invalid_request_error" and error["param"] == field, error
+    for raw in (b"[" * 100_000 + b"]" * 100_000, b'{"steps": 1' + b"0" * 5000 + b"}"):
+        status, _, body = _call(f"{served}/v1/generate", raw)
+        assert status == 400 and _error(body).startswith("body: not JSON"), body[:200]
+    assert _queue(served) == 0 and _call(f"{served}/health", key=None)[0] == 200
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(60)
+def test_every_route_but_health_wants_the_key(served):
+    routes = [("GET", "/v1/models", None), ("GET", "/metrics", None), ("GET", f"/v1/jobs/{'0' * 32}", None),
+              ("DELETE", f"/v1/jobs/{'0' * 32}", None), ("POST", "/v1/generate", b'{"size": "16x16"}'),
+              ("POST", "/v1/images/generations", b'{"prompt": "x"}')]
+    for key, words in ((None, "no Authorization header"), ("wrong-key", "a wrong key")):
+        for method, route, body in routes:
+            status, _, answer = _call(f"{served}{route}", body, key=key, method=method)
+            error = json.loads(answer)["error"]
+            message = error if isinstance(error, str) else error["message"]
+            assert status == 401 and message.startswith(f"authorization: {words}"), (route, status, answer)
+            if route in ("/v1/models", "/v1/images/generations"):
+                assert error["code"] == "invalid_api_key", error
+    assert _call(f"{served}/health", key=None)[0] == 200
+    assert _call(f"{served}/v1/models")[0] == 200
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(60)
+def test_the_openai_client_draws_and_reads_our_errors(served):
+    """The official client against the live server: the model and its limits, two images
+    of one request, a 400 as ``BadRequestError`` with our message, a wrong key as
+    ``AuthenticationError``."""
+    import openai
+    from PIL import Image
+
+    client = openai.OpenAI(base_url=f"{served}/v1", api_key=KEY, max_retries=0, timeout=60)
+    (model,) = client.models.list().data
+    assert model.id == "r" and model.owned_by == "knapray"
+    assert model.model_extra["limits"] == {"max_steps": 100, "max_side": 512, "max_frames": 65536,
+                                           "max_image_tokens": 65536, "max_n": 4, "request_timeout_s": 300.0,
+                                           "size_multiple": [16, 16], "max_queue": 64, "max_batch": 8,
+                                           "max_body_bytes": 1 << 20}
+    got = client.images.generate(model="r", prompt="a red bicycle", n=2, size="64x48", response_format="b64_json",
+                                 extra_body={"steps": 2, "seed": 7, "guidance": 1.0})
+    assert len(got.data) == 2 and got.size == "64x48"
+    for image in got.data:
+        assert Image.open(io.BytesIO(base64.b64decode(image.b64_json))).size == (64, 48)
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.images.generate(prompt="a red bicycle", extra_body={"steps": 100_000})
+    assert e.value.status_code == 400 and e.value.param == "steps"
+    assert e.value.body == {"message": "steps: 100000; an integer in [1, 100] (this server's --max-steps)",
+                            "type": "invalid_request_error", "param": "steps", "code": None}
+    with pytest.raises(openai.BadRequestError, match="n: 5; an integer in \\[1, 4\\]"):
+        client.images.generate(prompt="a red bicycle", n=5)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{served}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(120)
+def test_a_deadline_drops_a_queued_job_and_answers_a_running_one(served, tmp_path):
+    """``request_timeout_s`` 1.5: a job running past it (the gang held 3 s) is answered 504
+    at its deadline, its result discarded; one queued behind it is dropped, never drawn,
+    whether its client waits or polls."""
+    from ray import serve
+
+    from dist_utils import sampling_run_dir
+    from knapray.driver.serving import ServeOptions, build_app
+
+    run = sampling_run_dir(tmp_path)
+    serve.run(build_app(ServeOptions(run=str(run), world_size=2, device="cpu", window_ms=50, request_timeout_s=1.5,
+                                     api_key=KEY, gang="test_serve_http:FakeGang")),
+              name="knapray-deadline", route_prefix="/deadline")
+    short = f"{served}/deadline"
+    try:
+        trace = tmp_path / "drawn"
+
+        def waited(doc):
+            t = time.monotonic()
+            status, _, body = _post(short, doc)
+            return status, body, time.monotonic() - t
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            running = pool.submit(waited, {"caption": "hold", "size": "16x16"})
+            _until(lambda: _counter(short, "knapray_serve_queue_seconds_count") == 1)
+            queued = pool.submit(waited, {"caption": f"trace:{trace}", "size": "16x16"})
+            status, body = _post(short, {"caption": f"trace:{trace}", "size": "16x16", "wait": False})[::2]
+            polled = json.loads(body)["job"]
+            (s1, b1, t1), (s2, b2, t2) = running.result(), queued.result()
+        assert s1 == 504 and _error(b1) == "job: running past 1.5 s (--request-timeout); its result will be discarded"
+        assert 1.4 < t1 < HOLD_S, t1  # answered at its deadline, before the gang answered
+        assert s2 == 504 and _error(b2) == "job: still queued after 1.5 s (--request-timeout); dropped, never drawn"
+        assert t2 < HOLD_S, t2
+        status, _, body = _call(f"{short}/v1/jobs/{polled}")
+        assert status == 504 and "still queued" in _error(body)
+        _until(lambda: _counter(short, "knapray_serve_gang_seconds_count") == 1)  # the held batch came back
+        assert _post(short, {"caption": "after", "size": "16x16"})[0] == 200
+        text = _metrics(short)
+        assert _metric(text, "knapray_serve_expired_total", '{state="running"}') == 1
+        assert _metric(text, "knapray_serve_expired_total", '{state="queued"}') == 2
+        assert _metric(text, "knapray_serve_media_seconds_count") == 1  # the discarded result was not encoded
+        assert not trace.exists(), "a job past its deadline in the queue was drawn"
+    finally:
+        serve.delete("knapray-deadline")
 
 
 from knapray.driver.gang import Gang  # noqa: E402
@@ -317,6 +643,23 @@ def test_the_real_gang_serves_a_trained_run(served, tmp_path):
         assert answers[3][0] == 400 and _error(answers[3][2]).startswith("size: 30x32"), answers[3]
         assert _call(f"{served}/real/health")[0] == 200
 
+        # The issue's extremes: 10^5 steps (not waited for) and 10^9 are refused at once; an
+        # ordinary request after them answers as fast as alone.
+        ordinary = json.dumps({"like": 1, "size": "32x32", "steps": 2, "seed": 9}).encode()
+
+        def timed() -> float:
+            t = time.monotonic()
+            assert _call(f"{served}/real/v1/generate", ordinary, 240)[0] == 200
+            return time.monotonic() - t
+
+        alone = timed()
+        for steps in (100_000, 10**9):
+            status, _, body = _call(f"{served}/real/v1/generate", json.dumps(
+                {"like": 0, "size": "32x32", "steps": steps, "wait": steps < 10**9}).encode())
+            assert status == 400 and _error(body).startswith(f"steps: {steps}; an integer in [1, 100]"), body
+        after = timed()
+        assert after <= 3 * alone, (after, alone)
+
         # Two jobs, one on each rank's bag; rank 1 dies as their batch starts.
         lost = [{"like": 0, "size": "32x32", "steps": 2, "seed": 666},
                 {"like": 1, "size": "32x32", "steps": 2, "seed": 3}]
@@ -352,6 +695,7 @@ def test_the_shipped_serve_config_deploys_knapray(tmp_path):
         if path.name == "out.yaml":
             assert main(["serve", "--run", "/mnt/shared/runs/r", "--world-size", "4", "--window-ms", "20",
                          "--config-out", str(path)]) == 0
+            assert "\n# listens on 127.0.0.1 only: this machine's clients alone" in path.read_text()
         doc = yaml.safe_load(path.read_text())
         ServeDeploySchema.model_validate(doc)
         (application,) = doc["applications"]
@@ -359,6 +703,18 @@ def test_the_shipped_serve_config_deploys_knapray(tmp_path):
         assert isinstance(call_user_app_builder_with_args_if_necessary(app_builder, application["args"]), Application)
         ServeOptions.from_dict(application["args"])
     assert application["args"] == {"run": "/mnt/shared/runs/r", "world_size": 4, "window_ms": 20}
+    assert doc["http_options"] == {"host": "127.0.0.1", "port": 8000}  # what was asked for: the default
+
+    # Every interface when asked, with a key the file never holds: the replica requires one.
+    key = "k" * 40
+    assert main(["serve", "--run", "/mnt/shared/runs/r", "--host", "0.0.0.0", "--api-key", key, "--max-steps", "50",
+                 "--config-out", str(tmp_path / "open.yaml")]) == 0
+    text = (tmp_path / "open.yaml").read_text()
+    doc = yaml.safe_load(text)
+    assert key not in text and "# listens on 0.0.0.0: every interface" in text and "KNAPRAY_API_KEY" in text
+    assert doc["http_options"]["host"] == "0.0.0.0"
+    assert doc["applications"][0]["args"] == {"run": "/mnt/shared/runs/r", "max_steps": 50, "require_api_key": True}
+    assert ServeOptions.from_dict(doc["applications"][0]["args"]).require_api_key
     with pytest.raises(ValueError, match="^world_sise: not an option of knapray serve; valid: run, world_size"):
         ServeOptions.from_dict({"run": "r", "world_sise": 2})
     with pytest.raises(ValueError, match=r"^max_batch: 0; an integer in \[1, 64\]"):
@@ -373,6 +729,17 @@ def test_the_shipped_serve_config_deploys_knapray(tmp_path):
     (["--run", "{run}", "--checkpoint", "/nonexistent/step-1"], ["--checkpoint /nonexistent/step-1"]),
     (["--run", "{run}", "--max-batch", "65"], ["--max-batch", "[1, 64]"]),
     (["--run", "{run}", "--world-size", "65"], ["--world-size 65", "at most 64"]),
+    (["--run", "{run}", "--max-steps", "0"], ["--max-steps", "[1, 10000]", "'0'"]),
+    (["--run", "{run}", "--max-steps", "1000000000"], ["--max-steps", "[1, 10000]"]),
+    (["--run", "{run}", "--request-timeout", "0"], ["--request-timeout", "(0, 86400]"]),
+    (["--run", "{run}", "--request-timeout", "nan"], ["--request-timeout", "'nan'"]),
+    (["--run", "{run}", "--max-request-side", "9000"], ["--max-request-side", "[1, 8192]"]),
+    (["--run", "{run}", "--max-request-side", "8"], ["--max-request-side 8", "multiples of 16x16"]),
+    (["--run", "{run}", "--max-request-frames", "0"], ["--max-request-frames", "[1, 65536]"]),
+    (["--run", "{run}", "--max-n", "65"], ["--max-n", "[1, 64]"]),
+    (["--run", "{run}", "--max-n", "10", "--max-queue", "5"], ["--max-n 10", "--max-queue 5"]),
+    (["--run", "{run}", "--api-key", "a key"], ["--api-key", "not a usable API key (5 characters)"]),
+    (["--run", "{run}", "--api-key", ""], ["--api-key", "not a usable API key (0 characters)"]),
 ])
 def test_bad_flags_and_runs_are_one_line_before_ray_starts(argv, names, tmp_path, capsys, monkeypatch):
     from dist_utils import sampling_run_dir
@@ -401,4 +768,43 @@ def test_the_command_and_the_deployment_share_their_bounds():
     from knapray.commands import serve as command
     from knapray.driver import serving
 
-    assert (command.MAX_QUEUE, command.MAX_WINDOW_MS) == (serving.MAX_QUEUE, serving.MAX_WINDOW_MS)
+    for name in ("MAX_QUEUE", "MAX_WINDOW_MS", "MAX_SERVE_STEPS", "MAX_REQUEST_TIMEOUT_S", "API_KEY_ENV"):
+        assert getattr(command, name) == getattr(serving, name), name
+
+
+@needs_serve
+def test_a_bad_key_in_the_environment_is_one_line_that_never_shows_it(tmp_path, capsys, monkeypatch):
+    from dist_utils import sampling_run_dir
+    from knapray.cli import main
+
+    monkeypatch.setenv("KNAPRAY_API_KEY", "secret with spaces")
+    code = main(["serve", "--run", str(sampling_run_dir(tmp_path)), "--config-out", str(tmp_path / "c.yaml")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "$KNAPRAY_API_KEY: not a usable API key" in err[0], err
+    assert "secret" not in err[0]
+
+
+@needs_serve
+def test_the_served_limits_come_from_the_flags_and_the_run():
+    """Sides: the largest square of a request's token bound, at the run's size multiple
+    (or the flag's, rounded down to it); frames: 1 for a family of images; the default
+    size and steps within the limits."""
+    from knapray.driver.serving import ServeLimits, ServeOptions, parse_images_request, parse_job
+    from knapray.inference.jobs import RunRules
+
+    rules = RunRules(down=8, patch=(2, 2), text_encoder=True)
+    limits = ServeLimits.of(ServeOptions(run="r"), rules, video=True)
+    assert (limits.max_side, limits.max_frames, limits.max_steps, limits.max_n) == (4096, 65536, 100, 4)
+    limits = ServeLimits.of(ServeOptions(run="r", max_side=1000, max_frames=9, max_steps=10), rules, video=False)
+    assert (limits.max_side, limits.max_frames) == (992, 1)
+    assert parse_job({}, rules, limits)[0].steps == 10  # 28 by default, within the limit
+    small = ServeLimits.of(ServeOptions(run="r", max_side=100), rules, video=False)
+    assert parse_job({}, rules, small)[0].width == 96
+    with pytest.raises(ValueError, match=r"^frames: 2; an integer in \[1, 1\] \(this server's --max-request-frames\)$"):
+        parse_job({"size": "64x64", "frames": 2}, rules, limits)
+    with pytest.raises(ValueError, match="^max_side: 8; this run's sizes are multiples of 16x16 pixels: at least 16$"):
+        ServeLimits.of(ServeOptions(run="r", max_side=8), rules, video=False)
+    jobs = parse_images_request({"prompt": "a cat", "n": 3, "seed": 5, "size": "64x32"}, rules, limits, "r")
+    assert [(j.caption, j.seed, j.width, j.height) for j in jobs] == [("a cat", s, 64, 32) for s in (5, 6, 7)]
+    (job,) = parse_images_request({"prompt": "ignored", "like": 3, "model": "r"}, rules, limits, "r")
+    assert (job.caption, job.like, job.width) == (None, 3, 256)
