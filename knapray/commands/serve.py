@@ -80,23 +80,12 @@ def seconds_in(most: int):
     return parse
 
 
-def api_key(args: argparse.Namespace) -> str | None:
-    """``--api-key``, else ``$KNAPRAY_API_KEY``, else None; ValueError naming where a bad one
-    came from (never the key)."""
-    from knapray.driver.serving import check_api_key
-
-    if args.api_key is not None:
-        return check_api_key(args.api_key, "--api-key")
-    key = os.environ.get(API_KEY_ENV)
-    return check_api_key(key, f"${API_KEY_ENV}") if key else None
-
-
 def serve_options(args: argparse.Namespace):
     """The ``ServeOptions`` of the flags; ValueError naming the first bad one."""
     from knapray.planning import Topology
 
     try:
-        from knapray.driver.serving import ServeOptions
+        from knapray.driver.serving import ServeOptions, check_api_key
     except ImportError as e:  # ray[serve], PyAV: the serve extra
         raise ValueError(f"knapray serve needs the serve extra: pip install -e '.[serve]' ({e})") from None
 
@@ -105,6 +94,10 @@ def serve_options(args: argparse.Namespace):
             Topology.parse(args.topology, args.world_size)
         except ValueError as e:
             raise ValueError(f"--topology {args.topology}: {e}") from None
+    # --api-key, else $KNAPRAY_API_KEY, else none; a bad one named by where it came from, never shown
+    key = args.api_key if args.api_key is not None else (os.environ.get(API_KEY_ENV) or None)
+    if key is not None:
+        check_api_key(key, "--api-key" if args.api_key is not None else f"${API_KEY_ENV}")
     if args.max_n > args.max_queue:
         raise ValueError(f"--max-n {args.max_n}: more than --max-queue {args.max_queue}; a request of n images "
                          "queues n jobs")
@@ -112,7 +105,7 @@ def serve_options(args: argparse.Namespace):
                         checkpoint=args.checkpoint, window_ms=args.window_ms, max_batch=args.max_batch,
                         max_queue=args.max_queue, max_steps=args.max_steps, max_side=args.max_request_side,
                         max_frames=args.max_request_frames, max_n=args.max_n, request_timeout_s=args.request_timeout,
-                        api_key=api_key(args))
+                        api_key=key)
 
 
 def check_run(run_dir: str, checkpoint: str | None, world_size: int = 1, topology: str | None = None,
@@ -123,7 +116,6 @@ def check_run(run_dir: str, checkpoint: str | None, world_size: int = 1, topolog
     from knapray.distributed.groups import check_heads
     from knapray.driver.run_dir import read_run_config, run_checkpoint
     from knapray.inference.jobs import run_rules
-    from knapray.models.families import get_family
     from knapray.planning import Topology
     from knapray.planning.sampling import candidate_topologies, halving_topology
     from knapray.worker.checkpoint import check_checkpoint
@@ -135,7 +127,7 @@ def check_run(run_dir: str, checkpoint: str | None, world_size: int = 1, topolog
         from knapray.driver.serving import ServeLimits
 
         try:
-            ServeLimits.of(options, rules, get_family(cfg.model.family).video)
+            ServeLimits.of(options, rules, cfg.model.family)
         except ValueError as e:
             raise ValueError(str(e).replace("max_side: ", "--max-request-side ", 1)) from None
     heads = cfg.model.num_heads

@@ -221,9 +221,12 @@ class ServeLimits:
     max_image_tokens: int = MAX_IMAGE_TOKENS
 
     @classmethod
-    def of(cls, options: ServeOptions, rules: RunRules, video: bool) -> "ServeLimits":
-        """The limits of ``options`` on a run (its ``rules``; ``video``: its family draws
-        clips). ValueError when ``max_side`` is below the run's size multiple."""
+    def of(cls, options: ServeOptions, rules: RunRules, family: str) -> "ServeLimits":
+        """The limits of ``options`` on a run (its ``rules``, its model ``family``: one of
+        images has one frame). ValueError when ``max_side`` is below the run's size multiple."""
+        from knapray.models.families import get_family
+
+        video = get_family(family).video
         mw, mh = rules.multiple
         step = max(mw, mh)
         run_side = min(MAX_IMAGE_SIDE, 256 * step) // step * step  # the largest square of MAX_IMAGE_TOKENS
@@ -533,7 +536,6 @@ class Generator:
 
     def __init__(self, options: ServeOptions) -> None:
         from knapray.driver.run_dir import read_run_config
-        from knapray.models.families import get_family
 
         self.options = options
         self.model_id = os.path.basename(os.path.normpath(options.run))
@@ -550,12 +552,12 @@ class Generator:
         self._batcher: asyncio.Task | None = None
         self._gang_up = False
         self.created = int(time.time())
-        video = get_family(read_run_config(options.run).model.family).video
+        family = read_run_config(options.run).model.family
         self._gang = resolve_gang_class(options.gang).start(
             options.run, options.world_size, topology=options.topology, device=self._device(options.device),
             checkpoint=options.checkpoint)
         self.rules: RunRules = self._gang.rules
-        self.limits = ServeLimits.of(options, self.rules, video)
+        self.limits = ServeLimits.of(options, self.rules, family)
         self._gang_up = True
 
     @staticmethod

@@ -793,17 +793,17 @@ def test_the_served_limits_come_from_the_flags_and_the_run():
     from knapray.inference.jobs import RunRules
 
     rules = RunRules(down=8, patch=(2, 2), text_encoder=True)
-    limits = ServeLimits.of(ServeOptions(run="r"), rules, video=True)
+    limits = ServeLimits.of(ServeOptions(run="r"), rules, "mmdit")  # a family of clips
     assert (limits.max_side, limits.max_frames, limits.max_steps, limits.max_n) == (4096, 65536, 100, 4)
-    limits = ServeLimits.of(ServeOptions(run="r", max_side=1000, max_frames=9, max_steps=10), rules, video=False)
+    limits = ServeLimits.of(ServeOptions(run="r", max_side=1000, max_frames=9, max_steps=10), rules, "flux")
     assert (limits.max_side, limits.max_frames) == (992, 1)
     assert parse_job({}, rules, limits)[0].steps == 10  # 28 by default, within the limit
-    small = ServeLimits.of(ServeOptions(run="r", max_side=100), rules, video=False)
+    small = ServeLimits.of(ServeOptions(run="r", max_side=100), rules, "flux")
     assert parse_job({}, rules, small)[0].width == 96
     with pytest.raises(ValueError, match=r"^frames: 2; an integer in \[1, 1\] \(this server's --max-request-frames\)$"):
         parse_job({"size": "64x64", "frames": 2}, rules, limits)
     with pytest.raises(ValueError, match="^max_side: 8; this run's sizes are multiples of 16x16 pixels: at least 16$"):
-        ServeLimits.of(ServeOptions(run="r", max_side=8), rules, video=False)
+        ServeLimits.of(ServeOptions(run="r", max_side=8), rules, "flux")
     jobs = parse_images_request({"prompt": "a cat", "n": 3, "seed": 5, "size": "64x32"}, rules, limits, "r")
     assert [(j.caption, j.seed, j.width, j.height) for j in jobs] == [("a cat", s, 64, 32) for s in (5, 6, 7)]
     (job,) = parse_images_request({"prompt": "ignored", "like": 3, "model": "r"}, rules, limits, "r")
