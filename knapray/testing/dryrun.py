@@ -36,6 +36,8 @@ import numpy as np
 import torch
 
 from knapray.limits import MAX_DRYRUN_PER_STEP_WORLD, MAX_DRYRUN_WORLD
+from knapray.testing.fakes import Sample, fake_batch, fake_world, host_batch, kernel_attention, leave_world, on_device, \
+    to_empty
 
 GIB = 2**30
 MAX_PEAK_ERROR = 0.10
@@ -103,17 +105,6 @@ def check_setup(config: str, overrides: list[str], *, world_size: int | None = N
 # ---- the batch ------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Sample:
-    text: int
-    grid: tuple[int, int, int]
-    """Image tokens along (t, h, w)."""
-
-    @property
-    def length(self) -> int:
-        return self.text + math.prod(self.grid)
-
-
 def draw_step(mix: str, world: int, budget: int, seed: int) -> list[list[Sample]]:
     """Every rank's samples: rank r draws code ``r % len(codes)`` of the mix (each code
     repeated for its G ranks), B samples per round, with 0..392 text tokens; as many
@@ -133,70 +124,7 @@ def draw_step(mix: str, world: int, budget: int, seed: int) -> list[list[Sample]
     return out
 
 
-def host_batch(samples: list[Sample], cfg) -> Any:
-    """This rank's packed batch on the host (zero latents: under fake tensors only shapes count)."""
-    from knapray.models import pack_samples
-
-    pt, ph, pw = cfg.patch_size
-    guidance = {"guidance": 3.5} if getattr(cfg, "guidance_embeds", False) else {}  # FLUX.1-dev's input
-    packed = [{"latent": torch.zeros(cfg.in_channels, t * pt, h * ph, w * pw), "text": torch.zeros(s.text, cfg.text_dim),
-               "pooled": torch.zeros(cfg.pooled_dim), "timestep": 0.5, **guidance}
-              for s in samples for (t, h, w) in (s.grid,)]
-    batch = pack_samples(packed, cfg)
-    batch.targets = torch.zeros_like(batch.x_img)
-    if guidance and batch.guidance is None:  # no samples: no guidance values, but a model that embeds it
-        batch.guidance = torch.zeros(0)
-    return batch
-
-
-def _fake_batch(batch, device: torch.device):
-    """The batch as fake tensors on ``device`` (the CPU build cannot copy to a fake CUDA device)."""
-    return dataclasses.replace(batch, **{
-        f.name: torch.empty(v.shape, dtype=v.dtype, device=device)
-        for f in dataclasses.fields(batch) for v in (getattr(batch, f.name),) if isinstance(v, torch.Tensor)})
-
-
-# ---- attention: the fused kernel's stand-in -------------------------------------------------
-
-
-class _KernelStandIn(torch.autograd.Function):
-    """torch's varlen_attn forward op on fake tensors, saving what a fused kernel saves;
-    backward returns flash-attn's gradient shapes."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu, max_seqlen):
-        with torch.no_grad():
-            out, lse, _ = torch.ops.torch_attn._varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, False)
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, _, _ = ctx.saved_tensors
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None, None
-
-
-@contextlib.contextmanager
-def _kernel_attention(watch):
-    """Route ``knapray.attention.varlen_attention`` (what Ulysses calls) to the stand-in,
-    checking q, k, v with ``watch`` first."""
-    import knapray.attention as attention
-    import torch.nn.attention.varlen  # noqa: F401 - registers torch_attn::_varlen_attn
-
-    original = attention.varlen_attention
-
-    def stand_in(q, k, v, cu_seqlens, max_seqlen, *, backend="auto", scale=None, seq_lens=None):
-        attention.check_qkv(q, k, v)
-        watch.check_attention(q, k, v)
-        if q.shape[0] == 0:
-            return (q + k + v) * 0.0
-        return _KernelStandIn.apply(q, k, v, cu_seqlens, int(max_seqlen))
-
-    attention.varlen_attention = stand_in
-    try:
-        yield
-    finally:
-        attention.varlen_attention = original
+# ---- autocast ------------------------------------------------------------------------------
 
 
 @contextlib.contextmanager
@@ -223,15 +151,6 @@ def _autocast(device: torch.device, dtype: torch.dtype, enabled: bool):
 # ---- the run --------------------------------------------------------------------------------
 
 
-def _fake_world(rank: int, world: int) -> None:
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-
-
 def _groups(setup: Setup):
     from knapray.distributed import BagGroups
     from knapray.distributed.block_groups import BlockGroups, StepGroups
@@ -240,42 +159,6 @@ def _groups(setup: Setup):
     base = BagGroups.build(setup.topology, heads)
     blocks = BlockGroups.build(setup.per_step_node, heads) if setup.per_step_node is not None else None
     return StepGroups(base, blocks)
-
-
-def _on_device(obj: Any, device: torch.device) -> Any:
-    """A copy of a step layout (dataclasses of index tensors, the Ulysses callable) with every
-    tensor an empty one of its shape and dtype on ``device`` (under the fake mode: a fake)."""
-    import copy
-
-    from knapray.distributed import BagCrossAttention, UlyssesAttention
-
-    if isinstance(obj, torch.Tensor):
-        return torch.empty(obj.shape, dtype=obj.dtype, device=device)
-    if isinstance(obj, UlyssesAttention):
-        moved = copy.copy(obj)
-        moved.layout = _on_device(obj.layout, device)
-        return moved
-    if isinstance(obj, BagCrossAttention):  # Wan: a Ulysses over the image tokens, a layout of the text
-        moved = copy.copy(obj)
-        moved.image, moved.text = _on_device(obj.image, device), _on_device(obj.text, device)
-        return moved
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: _on_device(getattr(obj, f.name), device)
-                                           for f in dataclasses.fields(obj) if f.init})
-    return obj
-
-
-def _to_empty(model: torch.nn.Module, device: torch.device, sharded: bool) -> None:
-    """Parameters (meta) as fake tensors on ``device``. FSDP's DTensors move with ``to_empty``;
-    plain parameters are replaced (swapping a meta parameter into a fake one is refused)."""
-    if sharded:
-        model.to_empty(device=device)
-        return
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is not None:
-                module._parameters[name] = torch.nn.Parameter(
-                    torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
 
 
 @dataclasses.dataclass
@@ -317,7 +200,7 @@ def run_step(setup: Setup, plan, text_tokens: np.ndarray, batch_host, *, device:
     fsdp = "none" if device_pass else sharding_of(cfg.parallel.fsdp, setup.world)
     sharded = fsdp != "none"
     dtype = torch.float32 if device_pass else setup.dtype
-    _fake_world(setup.rank, setup.world)
+    fake_world(setup.rank, setup.world)
     groups = _groups(setup)  # before FSDP's mesh: every rank creates groups in one order
     with torch.device("meta"):
         model = build_model(model_cfg)  # the run's family: its blocks, its attentions
@@ -351,14 +234,14 @@ def run_step(setup: Setup, plan, text_tokens: np.ndarray, batch_host, *, device:
                                 bag_group=bag_group, route_group=route_group, cross_pad=cross_text_pad(model_cfg))
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     try:
-        with fake, _kernel_attention(watch):
-            _to_empty(model, device, sharded)
-            batch = _fake_batch(batch_host, device)
-            layout = _on_device(meta_layout, device)
+        with fake, kernel_attention(watch):
+            to_empty(model, device, sharded)
+            batch = fake_batch(batch_host, device)
+            layout = on_device(meta_layout, device)
             autocast = not sharded and dtype != torch.float32
             optimizer = build_optimizer(model, cfg.optim, fused=cfg.scaling.use_gpu and not device_pass)  # as a GPU runs it
             ema = build_ema(model, cfg.optim)
-            steps = [(empty_plan, _fake_batch(empty_host, device), _on_device(empty_layout, device), 1, False),
+            steps = [(empty_plan, fake_batch(empty_host, device), on_device(empty_layout, device), 1, False),
                      (plan, batch, layout, max(global_img, 1), True)]
             for step_plan, step_batch, step_layout, images, measured in steps:
                 tracker = _tracker(model, optimizer, sharded) if measured and not device_pass else \
@@ -510,10 +393,7 @@ def measure(setup: Setup, inputs: StepInputs) -> tuple[StepResult, StepResult]:
         device = run_step(setup, inputs.plan, inputs.text_tokens, inputs.batch, device=torch.device("meta"),
                           device_pass=True)
     finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():  # the fake world: nothing of it outlives the dry run
-            dist.destroy_process_group()
+        leave_world()
     return step, device
 
 

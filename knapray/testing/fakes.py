@@ -1,0 +1,176 @@
+"""What a dry run (``knapray dryrun``) needs to run full-size models in one process without a
+GPU: torch's fake process group, models built on the meta device given fake parameters,
+batches and step layouts as fake tensors, and the fused attention kernel's stand-in."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def fake_world(rank: int, world: int) -> None:
+    """This process as ``rank`` of ``world`` over torch's fake process group (every
+    collective returns at once); a group made before is destroyed first."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+
+
+def leave_world() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # the fake world: nothing of it outlives a dry run
+        dist.destroy_process_group()
+
+
+# ---- models, batches and layouts as fake tensors ---------------------------------------------
+
+
+def to_empty(model: torch.nn.Module, device: torch.device, sharded: bool = False) -> None:
+    """Parameters and buffers (meta) as fake tensors on ``device``. FSDP's DTensors move with
+    ``to_empty``; plain ones are replaced (swapping a meta parameter into a fake one is
+    refused), a tensor shared by several modules (tied embeddings) once."""
+    if sharded:
+        model.to_empty(device=device)
+        return
+    made: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in list(table.items()):
+                if t is None:
+                    continue
+                if id(t) not in made:
+                    empty = torch.empty(t.shape, dtype=t.dtype, device=device)
+                    made[id(t)] = torch.nn.Parameter(empty, requires_grad=t.requires_grad) \
+                        if isinstance(t, torch.nn.Parameter) else empty
+                table[name] = made[id(t)]
+
+
+def fake_batch(batch, device: torch.device):
+    """The batch as fake tensors on ``device`` (the CPU build cannot copy to a fake CUDA device)."""
+    return dataclasses.replace(batch, **{
+        f.name: torch.empty(v.shape, dtype=v.dtype, device=device)
+        for f in dataclasses.fields(batch) for v in (getattr(batch, f.name),) if isinstance(v, torch.Tensor)})
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """A copy of a step layout (dataclasses of index tensors, the Ulysses callable) with every
+    tensor replaced by ``fn`` of it."""
+    from knapray.distributed import BagCrossAttention, UlyssesAttention
+
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, UlyssesAttention):
+        moved = copy.copy(obj)
+        moved.layout = map_tensors(obj.layout, fn)
+        return moved
+    if isinstance(obj, BagCrossAttention):  # Wan: a Ulysses over the image tokens, a layout of the text
+        moved = copy.copy(obj)
+        moved.image, moved.text = map_tensors(obj.image, fn), map_tensors(obj.text, fn)
+        return moved
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: map_tensors(getattr(obj, f.name), fn)
+                                           for f in dataclasses.fields(obj) if f.init})
+    return obj
+
+
+def on_device(obj: Any, device: torch.device) -> Any:
+    """A step layout with every tensor an empty one of its shape and dtype on ``device``
+    (under the fake mode: a fake)."""
+    return map_tensors(obj, lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """Every tensor of a step layout or a batch."""
+    found: list[torch.Tensor] = []
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        found.append(t)
+        return t
+
+    map_tensors(obj, keep)
+    return found
+
+
+# ---- a packed batch of given lengths --------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    text: int
+    grid: tuple[int, int, int]
+    """Image tokens along (t, h, w)."""
+
+    @property
+    def length(self) -> int:
+        return self.text + math.prod(self.grid)
+
+
+def host_batch(samples: list[Sample], cfg, *, targets: bool = True) -> Any:
+    """A packed batch of ``samples`` on the host (zero latents: under fake tensors only shapes
+    count), with training's regression targets when ``targets``."""
+    from knapray.models import pack_samples
+
+    pt, ph, pw = cfg.patch_size
+    guidance = {"guidance": 3.5} if getattr(cfg, "guidance_embeds", False) else {}  # FLUX.1-dev's input
+    packed = [{"latent": torch.zeros(cfg.in_channels, t * pt, h * ph, w * pw), "text": torch.zeros(s.text, cfg.text_dim),
+               "pooled": torch.zeros(cfg.pooled_dim), "timestep": 0.5, **guidance}
+              for s in samples for (t, h, w) in (s.grid,)]
+    batch = pack_samples(packed, cfg)
+    if targets:
+        batch.targets = torch.zeros_like(batch.x_img)
+    if guidance and batch.guidance is None:  # no samples: no guidance values, but a model that embeds it
+        batch.guidance = torch.zeros(0)
+    return batch
+
+
+# ---- attention: the fused kernel's stand-in -------------------------------------------------
+
+
+class KernelStandIn(torch.autograd.Function):
+    """torch's varlen_attn forward op on fake tensors, saving what a fused kernel saves;
+    backward returns flash-attn's gradient shapes."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, max_seqlen):
+        with torch.no_grad():
+            out, lse, _ = torch.ops.torch_attn._varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, False)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None, None
+
+
+@contextlib.contextmanager
+def kernel_attention(watch):
+    """Route ``knapray.attention.varlen_attention`` (what Ulysses calls) to the stand-in,
+    checking q, k, v with ``watch`` first."""
+    import knapray.attention as attention
+    import torch.nn.attention.varlen  # noqa: F401 - registers torch_attn::_varlen_attn
+
+    original = attention.varlen_attention
+
+    def stand_in(q, k, v, cu_seqlens, max_seqlen, *, backend="auto", scale=None, seq_lens=None):
+        attention.check_qkv(q, k, v)
+        watch.check_attention(q, k, v)
+        if q.shape[0] == 0:
+            return (q + k + v) * 0.0
+        return KernelStandIn.apply(q, k, v, cu_seqlens, int(max_seqlen))
+
+    attention.varlen_attention = stand_in
+    try:
+        yield
+    finally:
+        attention.varlen_attention = original
