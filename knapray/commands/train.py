@@ -5,10 +5,16 @@ Connects to the Ray cluster given by ``--address`` or ``RAY_ADDRESS`` (``ray job
 sets it), or starts an embedded local Ray that listens on 127.0.0.1 only
 (``--ray-all-interfaces``: on every interface). Every input is checked before Ray starts
 (``knapray.driver.preflight``): a bad config value, a missing corpus, a model that does not
-fit the corpus, a world size the topology cannot take or a run directory that may not be
-used is one line on stderr and exit code 2. ``--check`` stops after those checks. With
-``--compare-unbalanced`` it trains the same steps a second time without balancing, prints
-the two side by side and draws them per step (``comparison.png``).
+fit the corpus, a world size the topology cannot take, workers no node can hold
+(``knapray.driver.placement``) or a run directory that may not be used is one line on
+stderr and exit code 2 (what a cluster holds is asked of it once connected). ``--check``
+stops after those checks. With ``--compare-unbalanced`` it trains the same steps a second
+time without balancing, prints the two side by side and draws them per step
+(``comparison.png``).
+
+SIGINT and SIGTERM stop a run alike (its workers, the lock; one line saying where it
+stopped; exit 130 or 143); as a ``ray job submit`` entrypoint the driver stops the same way
+when the shell that ran it dies (``knapray.stopping``).
 """
 
 from __future__ import annotations
@@ -45,21 +51,37 @@ def main(argv: list[str] | None = None) -> int:
 
     p = Parser(prog="knapray train", description="knapray training on Ray")
     add_arguments(p)
-    args = p.parse_args(argv)
-    try:
-        return run(args)
-    except KeyboardInterrupt:  # Ctrl-C before training started (imports, pre-flight, Ray's start)
-        print("\nknapray train: interrupted before training started; nothing was trained", file=sys.stderr)
-        return 130
+    return run(p.parse_args(argv))
 
 
 def run(args: argparse.Namespace) -> int:
+    """``knapray train`` (``knapray.cli``) and ``jobs/train.py`` past their flags: SIGINT and
+    SIGTERM stop it alike from here on."""
+    from knapray.stopping import exit_code, signal_name, stop_on_signals, stop_with_parent
+
+    stop_with_parent()  # a ray job submit entrypoint: SIGTERM when its shell dies
+    signals = None
+    try:
+        with stop_on_signals() as signals:
+            return _run(args, signals)
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM before training started (imports, pre-flight, Ray's start)
+        name = signal_name(e, signals)
+        how = "interrupted" if name == "SIGINT" else f"stopped by {name}"
+        print(f"\nknapray train: {how} before training started; nothing was trained", file=sys.stderr)
+        return exit_code(e, signals)
+
+
+def _run(args: argparse.Namespace, signals) -> int:
+    """Pre-flight, Ray, the run (``signals``: the stop signals' handlers, armed again once
+    Ray has started: ``ray.init`` installs its own)."""
     from knapray.driver import preflight
     from knapray.config.run import ConfigError
     from knapray.worker.guard import BadCorpus
+    from knapray.driver.placement import (check_placement, cluster_capacity, embedded_capacity, fits_line, local_gpus,
+                                          slots, worker_request)
     from knapray.driver.run_dir import RunError
-    from knapray.driver.report import (comparison_lines, ledger_line, plot_comparison, prediction_line, quarantine_line,
-                                      read_metrics, stopped_early_line)
+    from knapray.driver.report import read_metrics
+    from knapray.local_ray import address_given
 
     try:
         # Every input is checked here, before Ray or any worker starts.
@@ -78,26 +100,26 @@ def run(args: argparse.Namespace) -> int:
         if args.compare_unbalanced:  # its run directory too, not only after the balanced run
             base = preflight.check(_unbalanced(pre.cfg), pre.worlds, corpus=pre.corpus)
             lines += [f"--compare-unbalanced: {base.summary(args.config)[-1]}"]
+        address = address_given(args.address)
+        if address is None:  # an embedded Ray has exactly what it is given: checked before it starts
+            num_cpus = embedded_cpus(pre.cfg, args.num_cpus)
+            capacity = embedded_capacity(num_cpus, local_gpus())
+            check_placement(pre.cfg, capacity, pre.worlds)
+            lines += [fits_line(pre.cfg, capacity, pre.worlds)]
     except (ConfigError, RunError, BadCorpus) as e:  # one line that names the value; a traceback adds nothing
         print(f"knapray train: error: {e}", file=sys.stderr)
         return 2
     cfg = pre.cfg
-    if args.check:
-        print("[knapray] pre-flight passed (nothing was started):")
-        for line in lines:
-            print(f"  {line}")
+    if args.check and address is None:
+        _passed(lines)
         return 0
-    if done_at is not None:
+    if done_at is not None and not args.check:
         # A finished run resubmitted: say so, start nothing, compare nothing.
         _nothing_trained(cfg, done_at, len(read_metrics(cfg.run_dir)))
         return 0
 
     import ray
-    from ray.train import TrainingFailedError
 
-    from knapray.driver.launch import interrupted_line, run_training
-
-    address = args.address or os.environ.get("RAY_ADDRESS")
     # Ray's own INFO/WARNING lines stay in its session logs; the console shows knapray's
     # lines and the progress bar. Workers' output stays in their log files too.
     quiet = {"logging_level": logging.ERROR, "log_to_driver": False}
@@ -105,19 +127,59 @@ def run(args: argparse.Namespace) -> int:
         start = dict(address=address, **quiet)
     else:
         os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
-        num_cpus = args.num_cpus or max(4, int(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker) + 2)
         # The raylet warns on the console when more workers start at once than the machine
         # has cores (a run starts its workers, the coordinator and data actors together);
         # an embedded Ray expects exactly that many.
         os.environ.setdefault("RAY_worker_maximum_startup_concurrency", str(num_cpus * 4))
-        start = dict(num_cpus=num_cpus, include_dashboard=False, **quiet)
+        start = dict(num_cpus=num_cpus, num_gpus=capacity.nodes[0]["GPU"], include_dashboard=False, **quiet)
     try:
         start_ray(ray, start, attempts=1 if address else 2, all_interfaces=args.ray_all_interfaces)
     except RayStartFailed as e:
         print(f"knapray train: error: {e}", file=sys.stderr)
         return 1
+    signals.arm()  # ray.init put its own SIGTERM handler in place
     for name in ("ray", "ray.train", "ray.data"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    if address:  # what the cluster has, and the node types its autoscaler may add
+        capacity = cluster_capacity(ray, f"the Ray cluster at {address}")
+        try:
+            check_placement(cfg, capacity, pre.worlds)
+        except RunError as e:
+            print(f"knapray train: error: {e}", file=sys.stderr)
+            return 2
+        if args.check:
+            ray.shutdown()
+            _passed(lines + [fits_line(cfg, capacity, pre.worlds)])
+            return 0
+        if capacity.autoscaler_unknown and not any(slots(n, worker_request(cfg)) for n in capacity.nodes):
+            print(f"[knapray] note: {fits_line(cfg, capacity, pre.worlds)}", flush=True)
+    return _train(args, cfg, pre, base, address, signals)
+
+
+def _passed(lines: list[str]) -> None:
+    print("[knapray] pre-flight passed (nothing was started):")
+    for line in lines:
+        print(f"  {line}")
+
+
+def embedded_cpus(cfg, num_cpus: int | None) -> int:
+    """Logical CPUs of the embedded Ray: ``--num-cpus``, else room for every worker and two
+    more (Ray Data's readers, the coordinator) and at least 4."""
+    return num_cpus or max(4, int(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker) + 2)
+
+
+def _train(args: argparse.Namespace, cfg, pre, base, address: str | None, signals) -> int:
+    """The run itself (and its unbalanced twin), on the Ray this process started or joined."""
+    import ray
+    from ray.train import TrainingFailedError
+
+    from knapray.driver.launch import Interrupted, StartTimeout, interrupted_line, run_training
+    from knapray.driver.run_dir import RunError
+    from knapray.stopping import exit_code, signal_name
+    from knapray.worker.guard import BadCorpus
+    from knapray.driver.report import (comparison_lines, ledger_line, plot_comparison, prediction_line, quarantine_line,
+                                      stopped_early_line)
+
     print(f"[knapray] Ray {'at ' + address if address else 'embedded'}: {ray.cluster_resources().get('CPU', 0):g} CPUs, "
           f"{ray.cluster_resources().get('GPU', 0):g} GPUs; Ray's and the workers' logs: {_ray_logs_dir()}", flush=True)
     t0 = time.perf_counter()
@@ -133,9 +195,14 @@ def run(args: argparse.Namespace) -> int:
                    f"{_ray_logs_dir()}; {interrupted_line(cfg)}")
         print(f"knapray train: error: training failed: {why}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # Ctrl-C: Ray Train stopped the workers
-        print(f"\nknapray train: interrupted: {interrupted_line(cfg)}", file=sys.stderr, flush=True)
-        return 130
+    except StartTimeout as e:  # the workers waited past scaling.start_timeout_s: stopped, Ray's reason
+        print(f"knapray train: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the workers were stopped
+        name = signal_name(e, None if isinstance(e, Interrupted) else signals)
+        how = "interrupted" if name == "SIGINT" else f"stopped by {name}"
+        print(f"\nknapray train: {how}: {interrupted_line(cfg)}", file=sys.stderr, flush=True)
+        return exit_code(e, None if isinstance(e, Interrupted) else signals)
     except OSError as e:  # the environment (a disk, a mount): one line naming the path
         print(f"knapray train: error: {e}", file=sys.stderr)
         return 1

@@ -275,6 +275,11 @@ class ScalingSection:
     loss Ray first asks for the old size, which can no longer be placed; the retry sizes
     the group from the nodes left), Ray's own default (60 s, or the environment variable
     if set) otherwise (a fixed-size run may wait for the autoscaler to add nodes)."""
+    start_timeout_s: float = field(default=900.0, metadata={"ge": 0, "le": MAX_TIMEOUT_S})
+    """How long a run's workers may wait for Ray to place them (their resources, on nodes
+    the cluster has or its autoscaler adds) before the run stops with Ray's reason in one
+    line; counted again after every restart. 15 minutes: a cloud autoscaler's new GPU node
+    takes minutes. 0: wait for good. (Pre-flight refuses at once what can never be placed.)"""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,12 +1,22 @@
 """Ray wiring: the only module that touches ray.train. Prepares the run directory,
 builds the dataset, creates the coordinator actor, runs ``TorchTrainer`` and writes the
-run directory's summary files."""
+run directory's summary files.
+
+While the workers train the driver owns SIGINT and SIGTERM (``knapray.stopping``): either
+one, once, stops the run (Ray Train's controller aborted, killed if it does not answer
+within ``ABORT_WAIT_S``: a controller waiting for its placement group answers nothing),
+raising ``Interrupted`` with the signal. Ray Train's own SIGINT handler, which took three
+Ctrl-C to stop a run whose workers waited, is not installed (``_KnaprayTrainer``). Workers
+that wait longer than ``scaling.start_timeout_s`` for Ray to place them stop the run the
+same way, with ``StartTimeout`` and Ray's reason (``knapray.driver.placement``).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
+import signal
 import time
 from typing import Any
 
@@ -19,7 +29,9 @@ from knapray.driver.preflight import CorpusCheck, Preflight
 from knapray.worker.checkpoint import read_trainer_state
 from knapray.driver.run_dir import RunError, RunStart
 from knapray.worker.metrics import read_metrics
+from knapray.driver.placement import PlacementWatch, job_groups, monitor_words, worker_request
 from knapray.driver.report import ProgressTail, expected_steps, run_length_note, summarize, write_run_files
+from knapray.stopping import Stop, stop_on_signals
 from knapray.worker.step_planner import coordinator_config, coordinator_name
 from knapray.worker.trainer import Trainer
 from knapray.run_files import RunDir
@@ -200,7 +212,7 @@ def _fit_in(cfg: TrainConfig, corpus: CorpusCheck, done_steps: int, coordinator:
     workers: Any = cfg.scaling.num_workers
     if cfg.scaling.min_workers:
         workers = (cfg.scaling.min_workers, cfg.scaling.num_workers)
-    trainer = TorchTrainer(
+    trainer = _trainer_class(TorchTrainer)(
         _train_func,
         train_loop_config=cfg.to_dict(),
         datasets={"train": ds},
@@ -228,13 +240,7 @@ def _fit_in(cfg: TrainConfig, corpus: CorpusCheck, done_steps: int, coordinator:
           f"{f' (elastic down to {cfg.scaling.min_workers})' if cfg.scaling.min_workers else ''}, "
           f"{'GPU/NCCL' if cfg.scaling.use_gpu else 'CPU/gloo'}, about {total} steps; worker logs stay in Ray's "
           "session logs", flush=True)
-    with ProgressTail(RunDir(run_dir).metrics, total, cfg.run.name, start_step=done_steps):
-        try:
-            result = trainer.fit()
-        except (KeyboardInterrupt, SystemExit):
-            # Ray Train's own SIGINT handler aborts the workers, then exits (SystemExit) or lets
-            # the interrupt through: either way the run stopped here.
-            raise Interrupted(cfg.run_dir) from None
+    result = _fit_or_stop(trainer, cfg, ray, total, done_steps)
     summary = result.return_value or {}
     try:  # by name: the actor may have been replaced while the run went on
         summary["coordinator_stats"] = ray.get(ray.get_actor(coordinator_name(cfg)).stats.remote(), timeout=30)
@@ -255,8 +261,125 @@ def _fit_in(cfg: TrainConfig, corpus: CorpusCheck, done_steps: int, coordinator:
     return summary
 
 
+ABORT_WAIT_S = 10.0
+"""How long a stopped run's controller may take to abort its workers before it is killed
+(its workers go with it): a controller waiting for a placement group answers only when the
+wait (``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S``, 60 s by default) ends."""
+
+
+def _trainer_class(base: type) -> type:
+    """``base`` (``TorchTrainer``) whose ``fit`` leaves SIGINT to knapray and keeps its
+    controller's handle (``.controller``) so that knapray can stop it."""
+
+    class _KnaprayTrainer(base):  # type: ignore[misc, valid-type]
+        controller = None
+
+        def _register_sigint_handler(self, controller) -> None:  # Ray Train 2.60, in fit() on the main thread
+            self.controller = controller
+
+    if not hasattr(base, "_register_sigint_handler"):
+        raise RuntimeError(f"{base.__name__} has no _register_sigint_handler: this Ray Train is not the one knapray "
+                           "was written for (2.60)")
+    return _KnaprayTrainer
+
+
+def _fit_or_stop(trainer: Any, cfg: TrainConfig, ray: Any, total: int, done_steps: int) -> Any:
+    """``trainer.fit()``, with the progress bar (``total`` steps after ``done_steps``); stopped
+    by SIGINT or SIGTERM (``Interrupted``) or by workers waiting past
+    ``scaling.start_timeout_s`` (``StartTimeout``)."""
+    stopping = _Stopping()
+    watch = PlacementWatch(timeout_s=cfg.scaling.start_timeout_s, request=worker_request(cfg),
+                           groups=lambda: job_groups(ray), on_timeout=stopping.time_out,
+                           cluster=ray.cluster_resources, ray_words=lambda: monitor_words(_logs_dir()))
+    with ProgressTail(RunDir(cfg.run_dir).metrics, total, cfg.run.name, start_step=done_steps), \
+            stop_on_signals() as signals:
+        try:
+            watch.start()
+            return trainer.fit()
+        except (KeyboardInterrupt, SystemExit) as e:
+            # Ray's get turns the Stop a handler raised inside it into a plain KeyboardInterrupt:
+            # which signal it was is what the handler saw first.
+            signum = signals.first or (e.signum if isinstance(e, Stop) else signal.SIGINT)
+            _abort(ray, trainer, cfg, signals)
+            if stopping.reason is not None:
+                raise StartTimeout(stopping.reason) from None
+            raise Interrupted(cfg.run_dir, signum) from None
+        finally:
+            watch.stop()
+
+
+class _Stopping:
+    """The placement watch's way into the main thread: the reason, then a SIGINT as if typed."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+
+    def time_out(self, reason: str) -> None:
+        import _thread
+
+        self.reason = reason
+        _thread.interrupt_main(signal.SIGINT)
+
+
+def _abort(ray: Any, trainer: Any, cfg: TrainConfig, signals) -> None:
+    """Stop the run's controller and its workers: ask it to abort, wait up to ``ABORT_WAIT_S``
+    (a second signal: no longer; no worker placed yet: not at all, it would not answer), then
+    kill it; then remove the placement groups of workers it had asked for (a waiting one would
+    otherwise take its resources when they free)."""
+    controller = getattr(trainer, "controller", None)
+    if controller is not None:
+        seen = signals.count
+        try:
+            placed = any(g.get("state") == "CREATED" for g in job_groups(ray).values())
+        except Exception:  # noqa: BLE001 - unknown: ask it, as if placed
+            placed = True
+        try:
+            ref = controller.abort.remote()
+            deadline = time.monotonic() + (ABORT_WAIT_S if placed else 0.0)
+            while time.monotonic() < deadline and signals.count == seen:
+                done, _ = ray.wait([ref], timeout=0.2)
+                if done:
+                    break
+            ray.kill(controller)
+        except Exception as e:  # noqa: BLE001 - gone already: what it owned went with it
+            logger.info("stopping the controller: %s", e)
+    _remove_groups(ray, worker_request(cfg))
+
+
+def _remove_groups(ray: Any, request: dict) -> None:
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    try:
+        for pg_id, group in job_groups(ray).items():
+            bundles = list((group.get("bundles") or {}).values())
+            if group.get("state") != "REMOVED" and bundles and all(
+                    {k: float(v) for k, v in b.items()} == {k: float(v) for k, v in request.items()} for b in bundles):
+                remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+    except Exception as e:  # noqa: BLE001 - best effort: the job's end removes them too
+        logger.info("removing the run's placement groups: %s", e)
+
+
+def _logs_dir() -> str | None:
+    try:  # not public API; only for Ray's own words on a placement it cannot make
+        from ray._private.worker import _global_node
+
+        return _global_node.get_logs_dir_path()
+    except Exception:  # noqa: BLE001
+        return None
+
+
 class Interrupted(KeyboardInterrupt):
-    """The driver was interrupted (SIGINT) while the workers trained; they were stopped."""
+    """The driver was stopped by a signal (``signum``: SIGINT or SIGTERM) while the workers
+    trained or waited; they were stopped."""
+
+    def __init__(self, run_dir: str, signum: int = signal.SIGINT) -> None:
+        super().__init__(run_dir)
+        self.signum = int(signum)
+
+
+class StartTimeout(RuntimeError):
+    """The workers waited longer than ``scaling.start_timeout_s`` for Ray to place them; the
+    message says why, in one line. The workers were stopped."""
 
 
 def interrupted_line(cfg: TrainConfig) -> str:

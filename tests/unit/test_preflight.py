@@ -58,10 +58,16 @@ def demo_corpus(tmp_path_factory):
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
-def test_every_shipped_config_passes_its_check(config, tmp_path, capsys):
+def test_every_shipped_config_passes_its_check(config, tmp_path, capsys, monkeypatch):
     """Against a corpus of the widths the config pins (the corpus's own otherwise).
     ``flux_cluster.yaml`` (elastic 16..64 GPUs, hybrid FSDP in nodes of 8) passes once the
-    elastic range is sized in whole nodes (issue 17's Ray-runtime half)."""
+    elastic range is sized in whole nodes (issue 17's Ray-runtime half). A GPU config is
+    checked as on a machine with a GPU per worker (here, without one, its workers could
+    never be placed: ``tests/unit/test_placement.py``)."""
+    from knapray.driver import placement
+
+    scaling = yaml.safe_load(config.read_text()).get("scaling") or {}
+    monkeypatch.setattr(placement, "local_gpus", lambda: scaling.get("num_workers", 4) if scaling.get("use_gpu") else 0)
     pinned = (yaml.safe_load(config.read_text()).get("model") or {})
     defaults = {**DEFAULT_WIDTHS, "pooled_dim": 0} if pinned.get("family") == "wan" else DEFAULT_WIDTHS  # umT5 only
     widths = {k: pinned.get(k, v) for k, v in defaults.items()}
