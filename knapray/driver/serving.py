@@ -918,8 +918,12 @@ class _Lost:
 
 
 def build_app(options: ServeOptions):
-    """The Serve application of ``options`` (``serve.run(build_app(...))``)."""
-    return Generator.options(max_ongoing_requests=options.max_queue + 64).bind(options)
+    """The Serve application of ``options`` (``serve.run(build_app(...))``). The replica takes
+    its queue, a batch and as many again (requests it answers at once: 400, 503, /health);
+    Serve's proxy holds at most ``max_queue`` more and answers the rest 503 itself, so a
+    flood is bounded before it reaches the replica too."""
+    return Generator.options(max_ongoing_requests=2 * options.max_queue + 2 * MAX_SAMPLE_REQUESTS,
+                             max_queued_requests=options.max_queue).bind(options)
 
 
 def app_builder(args: dict):  # plain dict: Serve inspects the annotation (a pydantic model is parsed)

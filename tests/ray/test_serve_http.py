@@ -379,8 +379,9 @@ def test_a_flood_and_the_extremes_leave_the_server_answering(served, tmp_path):
                                                   "--max-steps)", (status, body)
     codes = collections.Counter(status for status, _, _ in answers[2:])
     assert set(codes) <= {200, 503} and codes[200] >= 64 and codes[503] >= 1, codes
-    for status, kind, body in answers[2:]:
-        assert (status, kind) == (200, "image/png") or _error(body).startswith("queue: "), (status, body[:200])
+    for status, kind, body in answers[2:]:  # 503: our queue full, or Serve's proxy holding its most
+        assert (status, kind) == (200, "image/png") or _error(body).startswith("queue: ") or \
+            b"max_queued_requests" in body, (status, body[:200])
     assert health and set(health) == {200}, collections.Counter(health)
     after = timed()
     hold.join()
@@ -659,6 +660,7 @@ def test_the_real_gang_serves_a_trained_run(served, tmp_path):
             assert status == 400 and _error(body).startswith(f"steps: {steps}; an integer in [1, 100]"), body
         after = timed()
         assert after <= 3 * alone, (after, alone)
+        print(f"\nthe real gang: an ordinary request alone {alone:.2f} s, after the extremes {after:.2f} s")
 
         # Two jobs, one on each rank's bag; rank 1 dies as their batch starts.
         lost = [{"like": 0, "size": "32x32", "steps": 2, "seed": 666},
