@@ -27,6 +27,12 @@ class BadCorpus(ValueError):
     """Too much of the corpus could not be read; the message names what and where."""
 
 
+class NonFiniteSteps(BadCorpus):
+    """Optimizer steps in a row whose loss or gradients were not finite (their updates not
+    applied, their samples quarantined): the model diverged, or the corpus holds values it
+    cannot take. A ``BadCorpus``, so every launcher says it in its one line."""
+
+
 @dataclass
 class BadDataGuard:
     run_dir: str
@@ -49,6 +55,13 @@ class BadDataGuard:
     def on_corrupt(self, sample_id, reason: str) -> None:
         self._append({"sample_id": int(sample_id) if sample_id is not None else None,
                       "reason": reason, "rank": self.rank})
+
+    def on_nonfinite(self, step: int, sample_ids) -> None:
+        """This rank's samples of ``step``, whose loss or gradients were not finite (the
+        step's update was not applied): quarantined with the step, never trained again."""
+        for sample_id in sample_ids:
+            self._append({"sample_id": int(sample_id), "reason": "non_finite_loss", "rank": self.rank,
+                          "step": int(step)})
 
     def on_bad_shard(self, bad: BadShard) -> None:
         """Every rank reading the shard sees the failure; rank 0 records and counts it."""

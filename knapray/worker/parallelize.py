@@ -339,6 +339,21 @@ class ParallelModel:
         ``reduce_gradients``. Sharded gradients: the norm is reduced over the mesh."""
         return clip_grad_norm_(self.model.parameters(), max_norm)
 
+    def nonfinite_gradients(self) -> torch.Tensor:
+        """A 0-d float on the gradients' device: 1 if this rank's gradients (its shards under
+        FSDP) hold a NaN or an inf, or their norm overflows; else 0. Local work only (no
+        collective, no host sync): the trainer sums it over ranks with the step's numbers.
+        Call after ``reduce_gradients``."""
+        from torch.distributed.tensor import DTensor
+
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                 for p in self.model.parameters() if p.grad is not None]
+        grads = [g for g in grads if g.numel()]
+        if not grads:
+            return torch.zeros(())
+        total = torch.stack(torch._foreach_norm(grads)).sum()  # NaN and inf carry through the sum
+        return (~torch.isfinite(total)).to(torch.float32)
+
 
 def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` that also takes FSDP's DTensor gradients: their

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import time
 
@@ -59,7 +60,7 @@ from knapray.worker.balanced import balanced_forward, prepare_step
 from knapray.worker.checkpoint import Checkpointer, training_parts
 from knapray.config.run import TrainConfig
 from knapray.worker.context import TrainContext
-from knapray.worker.guard import BadDataGuard, quarantined_duplicates
+from knapray.worker.guard import BadDataGuard, NonFiniteSteps, quarantined_duplicates
 from knapray.worker.ema import build_ema
 from knapray.worker.ledger_keeper import LedgerKeeper
 from knapray.worker.metrics import MetricsFile, StepRecord
@@ -83,6 +84,9 @@ logger = logging.getLogger(__name__)
 
 RECORDS_RETURNED = 4096
 """Step records ``train`` returns (the newest); every step's is in metrics.jsonl."""
+MAX_NONFINITE_STEPS = 3
+"""Optimizer steps in a row whose loss or gradients were not finite before the run stops
+(``NonFiniteSteps``): one bad sample spoils one step; three in a row is a diverged model."""
 
 
 class TopologyError(ValueError):
@@ -246,6 +250,10 @@ class Trainer:
         self.step, self.epoch, self.resumed_from = 0, 0, None
         self.out_of_data = False
         """An epoch trained no step (``data.epochs: 0`` stops there rather than loop on empty epochs)."""
+        self.group_finite = True
+        """Every loss of the micro-steps accumulated so far was finite (each step's gather says)."""
+        self.nonfinite_run: list[list[int]] = []
+        """The steps of each of the last optimizer steps in a row not applied (non-finite)."""
         self.last_saved: int | None = None
         self.saved_epoch: int | None = None
         """The epoch the last checkpoint recorded (an epoch end after it makes it stale)."""
@@ -445,11 +453,14 @@ class Trainer:
         lr = self.schedule.get_last_lr()[0]  # what this step trains with
         self.micro_steps += 1
         self.pending.append((step, self.epoch, planned, current.meta))
-        if self.micro_steps == self.accum:
-            self._apply_gradients()
-        # The step's kernels and its optimizer step are queued: the host decodes and packs
-        # the next step's batch while the device computes, then waits for the step's own
-        # kernels (once) and gathers the step's numbers in one collective.
+        boundary = self.micro_steps == self.accum
+        # At an accumulation boundary the gradients are summed over ranks now, and whether
+        # any holds a NaN or an inf goes into the step's one gather below: the optimizer
+        # step waits for that answer (a non-finite update is never applied).
+        bad_grads = self._reduce_gradients() if boundary else 0.0
+        # The step's kernels are queued: the host decodes and packs the next step's batch
+        # while the device computes, then waits for the step's own kernels (once) and
+        # gathers the step's numbers in one collective.
         self._prefetched = (stream, *self._read_batch(stream))
         took = timer.result()
         # The loss of predicting zero velocity on the same batch: the loss over it is 1.0
@@ -457,9 +468,14 @@ class Trainer:
         # step-to-step variance of the data and the timesteps.
         zero_loss = flow_loss(torch.zeros_like(batch.targets), batch.targets, global_img)
         totals, per_rank = self.sync.sum_over_ranks(
-            summed={"loss": loss.detach(), "zero_loss": zero_loss, "tokens": int(batch.seq_lens.sum())},
+            summed={"loss": loss.detach(), "zero_loss": zero_loss, "tokens": int(batch.seq_lens.sum()),
+                    "nonfinite_grads": bad_grads},
             per_rank={"compute_s": took.compute_s, "comm_s": took.comm_s},
         )
+        nonfinite = not math.isfinite(totals["loss"]) or totals["nonfinite_grads"] != 0
+        self.group_finite = self.group_finite and not nonfinite
+        if boundary:
+            self._apply_gradients(finite=self.group_finite)
         if self.client is not None:
             self.client.report_timing_async(step, took.compute_s, took.comm_s, planned.wait_s)
         self.planner.observe(step, run_plan, per_rank["compute_s"])
@@ -475,6 +491,8 @@ class Trainer:
             predicted_compute_s=self._predicted_compute(run_plan), recompiles=self.parallel.recompiles,
             node_sizes=list(self.node_sizes), **_attention_fields(layout.attention.choice),
         ).to_json()
+        if nonfinite:
+            rec["nonfinite"] = True  # its loss or its group's gradients: not applied, its samples quarantined
         if self.metrics is not None:
             self.metrics.append(rec)
             self.sinks.log(step, scalars_of(rec))
@@ -516,29 +534,59 @@ class Trainer:
         times = plan.step_times()
         return (times.compute + times.overhead).tolist()
 
-    def _apply_gradients(self) -> None:
-        """The optimizer step over the micro-steps accumulated so far: gradients summed over
-        ranks and averaged over the micro-steps, clipped, applied; then the LR schedule, the
-        EMA, and the micro-steps enter the ledger (a step is committed once its update is)."""
+    def _reduce_gradients(self) -> torch.Tensor:
+        """The accumulated gradients summed over ranks (FSDP reduced them in backward
+        already); returns a 0-d device flag, 1 where this rank's gradients are not finite."""
+        self.parallel.reduce_gradients(group=self.sync.group)
+        return self.parallel.nonfinite_gradients()
+
+    def _apply_gradients(self, finite: bool | None = None) -> None:
+        """The optimizer step over the micro-steps accumulated so far: gradients (summed over
+        ranks by ``_reduce_gradients``) averaged over the micro-steps, clipped, applied; then
+        the LR schedule, the EMA, and the micro-steps enter the ledger (a step is committed
+        once its update is). ``finite``: whether every micro-step's loss and the gradients
+        were finite, as the last step's gather said; None (a group an epoch or the run cut
+        short) reduces and asks the ranks here. A non-finite group is not applied: its
+        samples are quarantined (``non_finite_loss``) and still committed (they were drawn;
+        a resume must not draw them again), and after ``MAX_NONFINITE_STEPS`` such optimizer
+        steps in a row every rank raises ``NonFiniteSteps``."""
         n = self.micro_steps
         if not n:
             return
-        self.parallel.reduce_gradients(group=self.sync.group)  # FSDP reduced them in backward already
+        if finite is None:
+            bad = self.sync.sum_over_ranks(summed={"nonfinite_grads": self._reduce_gradients()})[0]
+            finite = self.group_finite and bad["nonfinite_grads"] == 0
         if n > 1:  # each micro-step's loss is a mean over its own tokens: average them
             for p in self.model.parameters():
                 if p.grad is not None:
                     p.grad.div_(n)
-        if self.cfg.optim.grad_clip > 0:
-            self.parallel.clip_grad_norm_(self.cfg.optim.grad_clip)
-        self.optimizer.step()
-        self.schedule.step()
-        if self.ema is not None:
+        if finite:
+            if self.cfg.optim.grad_clip > 0:
+                self.parallel.clip_grad_norm_(self.cfg.optim.grad_clip)
+            self.optimizer.step()
+        self.schedule.step()  # a skipped update keeps its place in the schedule (a resume counts steps)
+        if finite and self.ema is not None:
             self.ema.update(self.model)
         self.optimizer.zero_grad(set_to_none=True)
+        steps = [step for step, *_ in self.pending]
+        if not finite:
+            for step, _, _, meta in self.pending:
+                self.guard.on_nonfinite(step, meta.sample_ids)
+            logger.warning("steps %s: the loss or the gradients were not finite: their update was not applied and "
+                           "this rank's samples of them were quarantined (%s)", steps, self.guard.path)
+        self.nonfinite_run = [] if finite else [*self.nonfinite_run, steps]
         for step, epoch, planned, meta in self.pending:
             self.ledger.committed(step, epoch, planned, meta)
         self.pending.clear()
         self.micro_steps = 0
+        self.group_finite = True
+        if len(self.nonfinite_run) >= MAX_NONFINITE_STEPS:
+            raise NonFiniteSteps(
+                f"the loss or the gradients were not finite at steps "
+                f"{', '.join(str(t) for group in self.nonfinite_run for t in group)} in a "
+                f"row (their updates not applied, their samples quarantined in {self.run_dir}/quarantine-rank*.jsonl): "
+                "the model diverged (lower optim.lr, set optim.grad_clip) or the corpus holds values it cannot take "
+                "(huge latents?); the run stopped at its last checkpoint")
 
     # ---- Stateful: what trainer.json holds ---------------------------------------------
 
