@@ -189,23 +189,27 @@ def cli(args: argparse.Namespace) -> int:
 
     from knapray.driver.serving import build_app
     from knapray.local_ray import init_ray
+    from knapray.stopping import exit_code, signal_name, stop_on_signals
 
-    init_ray(ray, include_dashboard=False, configure_logging=False)
-    try:
-        serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_app(options), name="knapray", route_prefix="/")
-        host = "localhost" if args.host in ("127.0.0.1", "0.0.0.0") else args.host
-        print(f"serving {args.run} ({checkpoint}, {args.world_size} workers) at http://{host}:{args.port}/v1/generate "
-              f"(listening on {listening(args.host)}{'; API key required' if options.api_key else ''}; Ctrl-C stops)",
-              flush=True)
-        while True:
-            time.sleep(1)
-    except KeyboardInterrupt:
-        print("\nknapray serve: stopped", flush=True)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-    return 0
+    with stop_on_signals() as signals:  # SIGTERM (a scheduler, a container's stop) as Ctrl-C
+        try:
+            init_ray(ray, include_dashboard=False, configure_logging=False)
+            signals.arm()  # ray.init put its own SIGTERM handler in place
+            serve.start(http_options={"host": args.host, "port": args.port})
+            serve.run(build_app(options), name="knapray", route_prefix="/")
+            host = "localhost" if args.host in ("127.0.0.1", "0.0.0.0") else args.host
+            print(f"serving {args.run} ({checkpoint}, {args.world_size} workers) at http://{host}:{args.port}"
+                  f"/v1/generate (listening on {listening(args.host)}{'; API key required' if options.api_key else ''}"
+                  "; Ctrl-C stops)", flush=True)
+            while True:
+                time.sleep(1)
+        except KeyboardInterrupt as e:
+            print(f"\nknapray serve: stopped ({signal_name(e, signals)})", flush=True)
+            return exit_code(e, signals)
+        finally:
+            if ray.is_initialized():
+                serve.shutdown()
+                ray.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
