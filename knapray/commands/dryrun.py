@@ -17,6 +17,19 @@ Exit status: 0 if every check passed, 1 on a device or dtype violation, a host s
 the timed region, an op without a fake implementation, collectives other than the
 expected ones, or measured and predicted peaks more than 10% apart; 2 on bad input (one
 line, before anything runs).
+
+    knapray dryrun --sample --config jobs/configs/wan_t2v_14b.yaml --world-size 8 --topology g8n1 \
+        --size 832x480 --frames 21 --guidance 5 [--encoders keep|offload|free] [--rank 0] [--gpu-gib 80]
+
+``--sample``: rank R of an N-rank sampling gang drawing one request (``knapray sample``'s
+``--size``, ``--frames`` in latent frames, ``--guidance``, ``--topology``), placed as the
+gang places it (``knapray.planning.sampling_memory``: the transformer replicated in bf16,
+the text encoders on rank 0 per ``--encoders``, the VAE on each bag lead): each phase the
+rank runs (encode, denoise, decode) measured on fake tensors by torch's ``MemTracker`` beside
+the memory model's prediction (``knapray.testing.sample_dryrun``). Exit status as above (1:
+a phase more than 10% off, a host sync in the denoising step, q/k/v or a matmul not in
+bf16); a gang the model predicts a GPU cannot hold is refused like bad input, in one line
+naming what would fit, exit 2, before anything is built.
 """
 
 from __future__ import annotations
@@ -38,7 +51,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mix", default=None,
                    help="data codes (gGbBiRfFsS, or low-res / mixed-res / image+video) the batch is drawn from "
                         f"(default: {DEFAULT_MIX}, the paper's; the corpus itself is never read)")
+    _add_sample_arguments(p)
     add_json(p)
+
+
+SAMPLE_FLAGS = ("size", "frames", "guidance", "encoders", "topology")
+
+
+def _add_sample_arguments(p: argparse.ArgumentParser) -> None:
+    from knapray.commands.flags import float_in, int_at_least
+    from knapray.planning.sampling_memory import ENCODER_POLICIES
+    from knapray.testing.sample_dryrun import DEFAULT_ENCODERS, DEFAULT_SIZE
+
+    p.add_argument("--sample", action="store_true",
+                   help="a sampling gang's rank instead of a training step: its peak per phase (encode, denoise, "
+                        "decode) measured beside the sampling memory model's")
+    p.add_argument("--size", action="append", metavar="WIDTHxHEIGHT",
+                   help=f"--sample: a request's size in pixels, one request per --size (default one of {DEFAULT_SIZE})")
+    p.add_argument("--frames", type=int_at_least(1), default=None,
+                   help="--sample: latent frames of every request, as knapray sample's (videos; default 1)")
+    p.add_argument("--guidance", type=float_in(ge=0), default=None,
+                   help="--sample: classifier-free guidance scale (not 1: two passes), or FLUX.1-dev's embedded input "
+                        "(default: 1, off; FLUX.1-dev: 3.5)")
+    p.add_argument("--encoders", choices=ENCODER_POLICIES, default=None,
+                   help="--sample: rank 0's text encoders kept beside the transformer (serving), offloaded to the host "
+                        f"between batches, or freed before it loads (default {DEFAULT_ENCODERS}: knapray sample's)")
+    p.add_argument("--topology", default=None,
+                   help="--sample: the gang's bags (default: knapray sample's halving bags; 4 ranks: g2n1+g1n2)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,6 +94,12 @@ def _error(message: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from knapray.testing.dryrun import GIB, assess, check_setup, measure, step_inputs
 
+    if args.sample:
+        return run_sample(args)
+    given = [f"--{f}" for f in SAMPLE_FLAGS if getattr(args, f) is not None]
+    if given:
+        return _error(f"{', '.join(given)}: --sample's (a sampling gang's dry run); a training step's batch comes "
+                      "from --mix")
     try:
         setup = check_setup(args.config, args.set, world_size=args.world_size, rank=args.rank, gpu_gib=args.gpu_gib,
                             mix=args.mix)
@@ -149,6 +194,114 @@ def run(args: argparse.Namespace) -> int:
             "seconds": {"step": step.seconds, "device": device.seconds},
         }))
     return 0 if found.passed else 1
+
+
+def run_sample(args: argparse.Namespace) -> int:
+    """``--sample``: one rank of a sampling gang (the module docstring)."""
+    from knapray.testing.sample_dryrun import DEFAULT_ENCODERS, DoesNotFit, assess, check_sample_setup, measure
+
+    if args.mix is not None:
+        return _error("--mix: the training dry run's; --sample draws a request per --size")
+    try:
+        setup = check_sample_setup(args.config, args.set, world_size=args.world_size, rank=args.rank,
+                                   gpu_gib=args.gpu_gib, sizes=args.size, frames=args.frames or 1,
+                                   guidance=args.guidance, encoders=args.encoders or DEFAULT_ENCODERS,
+                                   topology=args.topology)
+    except DoesNotFit as e:
+        return _error(f"does not fit: {e}")
+    except (ValueError, OSError) as e:
+        what = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename else str(e)
+        return _error(what)
+    import torch
+
+    from knapray.planning.sampling_memory import GIB
+
+    _print_sample_setup(args, setup, torch.__version__)
+    measured = measure(setup)
+    found = assess(setup, measured)
+    role = setup.role
+    print(f"\nmemory: rank {setup.rank}'s peak by phase, GiB: predicted (knapray.planning.sampling_memory) | "
+          f"measured (torch's MemTracker)")
+    print(f"  {'phase':<8} {'transformer':>11} {'encoders':>8} {'vae':>6} {'latents':>7} {'working':>7} {'total':>7}"
+          f"  | {'weights':>7} {'latents':>7} {'working':>7} {'total':>7} {'error':>7}")
+    for r in found.rows:
+        p, m = r.predicted, r.measured
+        print(f"  {r.phase:<8} {p.transformer / GIB:>11.2f} {p.encoders / GIB:>8.2f} {p.vae / GIB:>6.2f} "
+              f"{p.latents / GIB:>7.2f} {p.working / GIB:>7.2f} {p.total / GIB:>7.2f}  | "
+              f"{m.category('weights') / GIB:>7.2f} {m.category('latents') / GIB:>7.2f} "
+              f"{m.category('working') / GIB:>7.2f} {m.total / GIB:>7.2f} {r.error:>+7.1%}")
+    mem = setup.memory
+    fits = max(found.measured_peak, found.predicted_peak) <= found.usable
+    print(f"  peak: {found.peak_phase}, {found.predicted_peak / GIB:.2f} GiB predicted, "
+          f"{found.measured_peak / GIB:.2f} measured ({found.peak_error:+.1%}); fits {setup.gpu_gib:g} GiB: "
+          f"{'yes' if fits else 'NO'} (usable {found.usable / GIB:.2f} GiB after {mem.reserve_bytes / GIB:g} GiB "
+          f"reserve and {mem.fragmentation:.0%} fragmentation)")
+    w = measured.watch
+    print("\nchecks")
+    print(f"  dtype: q, k, v and every matmul of the denoising step in bfloat16 ({w.attention_calls} attention calls, "
+          f"{w.matmuls} matmuls): " + ("OK" if not w.dtype_violations else "; ".join(w.dtype_violations)))
+    print(f"  host syncs in the denoising step: {len(w.syncs)}" + "".join(f"\n    {s}" for s in w.syncs))
+    print(f"  measured in {measured.seconds:.0f} s")
+    print("DRY RUN " + ("PASSED" if found.passed else "FAILED: " + "; ".join(found.failures)))
+    if args.json:
+        print(json.dumps({
+            "config": args.config, "sample": True, "world_size": setup.world, "rank": setup.rank,
+            "topology": str(setup.topology), "encoders": setup.encoders, "sizes": [list(wh) for wh in setup.sizes],
+            "frames": setup.frames, "guidance": setup.guidance, "passes": setup.jobs[0].passes,
+            "bags": [s.bag for s in setup.steps],
+            "role": {"encodes": role.encodes, "lead": role.lead, "bag_size": role.bag_size,
+                     "routed_tokens": role.routed, "routed_text": role.routed_text, "home_tokens": role.home},
+            "phases": [{"phase": r.phase, "predicted": r.predicted.to_gib(), "predicted_bytes": r.predicted.total,
+                        "measured": r.measured.peak, "measured_bytes": r.measured.total, "error": r.error}
+                       for r in found.rows],
+            "predicted_peak_bytes": found.predicted_peak, "measured_peak_bytes": found.measured_peak,
+            "peak_error": found.peak_error, "peak_phase": found.peak_phase, "usable_bytes": found.usable,
+            "fits": fits, "syncs": w.syncs, "failures": found.failures, "passed": found.passed,
+            "seconds": measured.seconds,
+        }))
+    return 0 if found.passed else 1
+
+
+def _print_sample_setup(args: argparse.Namespace, setup, torch_version: str) -> None:
+    from knapray.models.families import get_family
+    from knapray.planning.sampling_memory import GIB
+
+    m, mem, role, job = setup.cfg.model, setup.memory, setup.role, setup.jobs[0]
+    print(f"knapray dryrun: {args.config} sampling, as rank {setup.rank} of a gang of {setup.world}; torch "
+          f"{torch_version}; no GPU, no Ray: fake CPU tensors over a fake process group")
+    print(f"model    {get_family(m.family).title}, {mem.shape.num_params / 1e9:.2f} B parameters in bfloat16 on every "
+          f"rank (replicated: {mem.transformer_bytes() / GIB:.2f} GiB)")
+    encoders = ", ".join(f"{e.cls} {e.num_params / 1e9:.2f} B at {e.tokens} tokens" for e in mem.text_encoders)
+    vae = "no VAE declared (no decode phase)" if mem.vae is None else \
+        f"VAE {mem.vae.cls} {mem.vae.num_params / 1e6:.1f} M in {'bfloat16' if mem.vae.dtype == 'bf16' else 'float32'}" \
+        " on every bag lead"
+    print(f"encoders {encoders or 'none declared by the family'} in bfloat16 on rank 0, --encoders {setup.encoders}; "
+          f"{vae}")
+    sizes = ", ".join(f"{w}x{h}" for w, h in setup.sizes)
+    frames = f", {setup.frames} latent frames ({mem.vae.frames(setup.frames)} frames)" if setup.frames > 1 and mem.vae \
+        else ""
+    guide = (f"FLUX.1-dev's embedded guidance {setup.guidance:g} (1 pass)" if setup.embedded else
+             f"classifier-free guidance {setup.guidance:g} (2 passes)" if job.passes == 2 else "no guidance (1 pass)")
+    tokens = "+".join(str(j.image_tokens) for j in setup.jobs)
+    print(f"requests {sizes}{frames}: {tokens} image tokens + {job.text_tokens} text tokens a pass, {guide}")
+    bags = ", ".join(f"bag {s.bag} ({_count(int(setup.topology.bag_sizes[s.bag]), 'rank')}: "
+                     f"{_count(len(s.jobs), 'request')}" + (", CFG parallel in halves" if s.halves else "") + ")"
+                     for s in setup.steps)
+    what = []
+    if role.encodes:
+        what.append(f"encodes the batch's captions ({role.captions})")
+    if role.lead:
+        what.append("leads its bag (latents, batch, VAE)")
+    if role.routed:
+        what.append(f"{role.routed} routed tokens ({role.routed_text} text)"
+                    + (f" of {role.home} at home" if role.lead else ""))
+    else:
+        what.append("its bag has no request: the transformer alone")
+    print(f"plan     topology {setup.topology}: the requests on {bags}; rank {setup.rank}: " + ", ".join(what))
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
 
 
 if __name__ == "__main__":

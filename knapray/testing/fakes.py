@@ -1,6 +1,7 @@
-"""What a dry run (``knapray dryrun``) needs to run full-size models in one process without a
-GPU: torch's fake process group, models built on the meta device given fake parameters,
-batches and step layouts as fake tensors, and the fused attention kernel's stand-in."""
+"""What the dry runs (``knapray dryrun``: a training step, ``--sample``: a sampling gang's rank)
+share to run full-size models in one process without a GPU: torch's fake process group,
+models built on the meta device given fake parameters, batches and step layouts as fake
+tensors, and the fused attention kernel's stand-in."""
 
 from __future__ import annotations
 

@@ -242,6 +242,10 @@ RULES = (
     Rule(r"^ray (job status|job logs|up) ", "skip", "needs a submitted job / a cloud account"),
     Rule(r"^knapray \S+ .*'\[--", "skip", "a usage synopsis (options in brackets), not a command; the command's "
          "--help has the same options, and tests/unit/test_cli_dialect.py checks them"),
+    Rule(r"^knapray dryrun --sample .*--gpu-gib 24", "error", "Wan 2.1 14B's sampling gang on 24 GiB GPUs: refused "
+         "before anything is built"),
+    Rule(r"^knapray dryrun --sample ", "parse", "each builds full-size models on fake tensors (13-20 s here); "
+         "tests/unit/test_sample_dryrun.py runs the three placements"),
     Rule(r"^knapray dryrun --config jobs/configs/flux_cluster\.yaml", "parse", "the 64-rank Flux dry run takes "
          "minutes here; tests/unit/test_dryrun.py runs it"),
     Rule(r"(?s)^python -c .*FluxTransformer2DModel", "run", "two tiny random Flux checkpoints, saved by diffusers"),

@@ -36,12 +36,31 @@ from knapray.models.config import MMDiTConfig
 from knapray.models.layers import MLP, TIME_EMBED_DIM, timestep_embedding
 from knapray.models.mmdit import MMDiT
 from knapray.models.packing import PackedBatch
+from knapray.planning.sampling_memory import ArchSpec
 
 DIFFUSERS_CLASS = "FluxTransformer2DModel"
 PATCH = (1, 2, 2)
 """Flux packs 2x2 latent patches into one token (the pipelines' ``_pack_latents``)."""
 THETA = 10000.0
 """``FluxPosEmbed(theta=10000)``: fixed in diffusers, not a config value."""
+
+# FLUX.1-dev's other models (its pipeline folder's text_encoder_2/, text_encoder/ and vae/
+# config.json): google/t5-v1_1-xxl at FluxPipeline's 512 tokens, openai/clip-vit-large-patch14
+# at its 77, the 16-channel AutoencoderKL in bf16. What sampling holds besides the transformer.
+TEXT_MODELS = (
+    ArchSpec.of("T5EncoderModel", {"vocab_size": 32128, "d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_heads": 64,
+                                   "num_layers": 24, "feed_forward_proj": "gated-gelu",
+                                   "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128},
+                tokens=512),
+    ArchSpec.of("CLIPTextModel", {"vocab_size": 49408, "hidden_size": 768, "intermediate_size": 3072,
+                                  "num_hidden_layers": 12, "num_attention_heads": 12, "max_position_embeddings": 77,
+                                  "hidden_act": "quick_gelu", "projection_dim": 768}, tokens=77),
+)
+VAE = ArchSpec.of("AutoencoderKL", {
+    "in_channels": 3, "out_channels": 3, "latent_channels": 16, "block_out_channels": [128, 256, 512, 512],
+    "layers_per_block": 2, "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
+    "norm_num_groups": 32, "act_fn": "silu", "use_quant_conv": False, "use_post_quant_conv": False,
+    "scaling_factor": 0.3611, "shift_factor": 0.1159, "sample_size": 1024}, dtype="bf16")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

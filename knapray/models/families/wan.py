@@ -53,6 +53,7 @@ from knapray.models.interface import FsdpUnits
 from knapray.models.layers import MLP, timestep_embedding
 from knapray.models.packing import PackedBatch, patchify
 from knapray.models.step_cache import StepCache
+from knapray.planning.sampling_memory import ArchSpec
 
 DIFFUSERS_CLASS = "WanTransformer3DModel"
 THETA = 10000.0
@@ -60,6 +61,19 @@ THETA = 10000.0
 TEXT_LENGTH = 512
 """Wan's text length: ``WanPipeline`` truncates a prompt's umT5 tokens to 512 and pads its
 embeddings with zero rows to 512."""
+# Wan 2.1's other models (Wan2.1-T2V-14B-Diffusers' text_encoder/ and vae/ config.json): umT5-XXL
+# at TEXT_LENGTH tokens, and AutoencoderKLWan's default (Wan 2.1's) in fp32, as WanPipeline
+# decodes. What sampling holds besides the transformer.
+TEXT_MODELS = (
+    ArchSpec.of("UMT5EncoderModel", {"vocab_size": 256384, "d_model": 4096, "d_ff": 10240, "d_kv": 64,
+                                     "num_heads": 64, "num_layers": 24, "feed_forward_proj": "gated-gelu",
+                                     "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128},
+                tokens=TEXT_LENGTH),
+)
+VAE = ArchSpec.of("AutoencoderKLWan", {
+    "base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
+    "temperal_downsample": [False, True, True], "dropout": 0.0, "is_residual": False, "in_channels": 3,
+    "out_channels": 3, "patch_size": None}, dtype="fp32")
 SAMPLE_SHIFT = 5.0
 """Wan's sampling shift (its pipelines' ``flow_shift``: 5.0 at 720p, 3.0 at 480p)."""
 FFN_RATIO = 13824 / 5120
