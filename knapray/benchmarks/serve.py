@@ -32,8 +32,9 @@ MAX_REQUESTS = 100_000
 MAX_GPUS = 4096
 MAX_RATE = 100.0
 ITERATIONS = 10
-TARGETS = {"usp": 1.3, "dp": 1.2}
-"""The issue's bar: knapray's throughput at equal p99 over static USP's and data parallel's."""
+TARGETS = {"usp": 1.3, "dp": 1.2, "batches": 1.2}
+"""The issue's bar: knapray's throughput at equal p99 over static USP's, data parallel's and
+the batch-by-batch gang's."""
 GPUS_PER_NODE = 8
 
 
@@ -156,16 +157,16 @@ def _at_p99_row(gpus: int, name: str, target: float, got: dict, cap: float) -> d
         row[f"{p}_load"] = rate / cap
         row[f"{p}_throughput_rps"] = thr[p]
         row[f"{p}_p99_s"] = s.p99 if s is not None else None
-    for p in ("usp", "dp"):
+    for p in TARGETS:
         row[f"knapray_over_{p}"] = thr["knapray"] / thr[p] if thr[p] > 0 else float("inf")
     return row
 
 
 def _print_at_p99(rows: list[dict]) -> None:
-    print(f"throughput at equal p99 (req/s; '-': p99 never meets the target), goal >= {TARGETS['usp']}x USP, "
-          f">= {TARGETS['dp']}x DP:")
-    header = (f"{'target':<6} {'p99 <= s':>9} | {'knapray':>8} {'usp':>8} {'dp':>8} | {'at load':>14} | "
-              f"{'vs usp':>7} {'':>6} | {'vs dp':>7} {'':>6}")
+    print("throughput at equal p99 (req/s; '-': p99 never meets the target), goal "
+          + ", ".join(f">= {v}x {k}" for k, v in TARGETS.items()) + ":")
+    header = (f"{'target':<6} {'p99 <= s':>9} | " + " ".join(f"{p:>8}" for p in POLICIES) + f" | {'at load':>19} | "
+              + " | ".join(f"{'vs ' + p:>9} {'':>6}" for p in TARGETS))
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -175,11 +176,11 @@ def _print_at_p99(rows: list[dict]) -> None:
         def ratio(p: str) -> str:
             x = r[f"knapray_over_{p}"]
             verdict = "met" if x >= TARGETS[p] else "missed"
-            return f"{x:>6.2f}x {verdict:>6}" if np.isfinite(x) else f"{'inf':>7} {verdict:>6}"
+            return f"{x:>8.2f}x {verdict:>6}" if np.isfinite(x) else f"{'inf':>9} {verdict:>6}"
 
         loads = "/".join(f"{r[f'{p}_load']:.2f}" if r[f"{p}_rate_rps"] > 0 else "-" for p in POLICIES)
-        print(f"{r['target']:<6} {r['p99_target_s']:>9.1f} | {thr('knapray')} {thr('usp')} {thr('dp')} | "
-              f"{loads:>14} | {ratio('usp')} | {ratio('dp')}", flush=True)
+        print(f"{r['target']:<6} {r['p99_target_s']:>9.1f} | " + " ".join(thr(p) for p in POLICIES)
+              + f" | {loads:>19} | " + " | ".join(ratio(p) for p in TARGETS), flush=True)
 
 
 def check(gpus: Sequence[int], rates: Sequence[float], requests: int) -> None:
@@ -192,22 +193,22 @@ def check(gpus: Sequence[int], rates: Sequence[float], requests: int) -> None:
             raise ValueError(f"--rates {r:g}: a rate is a fraction of the gang's capacity, at most {MAX_RATE:g}")
 
 
-def measure(loads: Sequence[float], requests: int, seed: int, ranks: int = MEASURE_RANKS, serve_measured=None,
-            knapray_topology: str | None = None) -> dict:
-    """The measured part: the stream at CPU scale served for real by the three policies on
+def measure(loads: Sequence[float], requests: int, seed: int, ranks: int = MEASURE_RANKS, serve_measured=None
+            ) -> dict:
+    """The measured part: the stream at CPU scale served for real by every policy on
     ``ranks`` local gloo processes (``knapray.benchmarks.serve_measured``: the gang's
-    sampling code, the tiny model, the calibrated capacity). Per load and policy: p50, p99,
+    sampling code and the scheduler ``knapray serve`` runs, the tiny model, calibrated once
+    for all policies, the same arrivals for each). Per load and policy: p50, p99,
     throughput; and each policy's throughput at the highest measured load whose p99 meets
     each target: ``tight`` = the slowest kind's (the clip's) measured seconds alone on one
     rank, ``loose`` = ``LOOSE_FACTOR`` times that (the predicted part's loose target)."""
     if serve_measured is None:
         from knapray.benchmarks.serve_measured import serve_measured
     rows, served = [], {}
-    seconds = None
+    got = serve_measured(list(POLICIES), list(loads), requests, seed, ranks)
+    seconds = got["seconds"]
     for policy in POLICIES:
-        got = serve_measured(policy, list(loads), requests, seed, ranks, knapray_topology=knapray_topology)
-        seconds = got["seconds"] if seconds is None else seconds
-        for load, sv_ in zip(loads, got["served"]):
+        for load, sv_ in zip(loads, got["served"][policy]):
             served[(policy, load)] = sv_
             rows.append({"ranks": ranks, "load": load, "capacity_rps": got["capacity"], **sv_.summary()})
             print(f"measured, {ranks} CPU ranks: {policy:<8} load {load:.2f} ({load * got['capacity']:.2f} req/s) "
@@ -220,12 +221,11 @@ def measure(loads: Sequence[float], requests: int, seed: int, ranks: int = MEASU
             ok = [load for load in loads if served[(policy, load)].p99 <= target]
             at[policy] = served[(policy, max(ok))].throughput if ok else 0.0
             where[policy] = max(ok) if ok else None
-        ratios = {p: (at["knapray"] / at[p] if at[p] > 0 else float("inf")) for p in ("usp", "dp")}
+        ratios = {p: (at["knapray"] / at[p] if at[p] > 0 else float("inf")) for p in TARGETS}
         print(f"measured, at equal p99 ({name}: p99 <= {target:.3f} s, the highest load meeting it, "
               + "/".join("-" if where[p] is None else f"{where[p]:.2f}" for p in POLICIES)
-              + f"): knapray {at['knapray']:.3f}, usp {at['usp']:.3f}, dp {at['dp']:.3f} req/s; knapray/usp "
-              f"{ratios['usp']:.2f}x (goal {TARGETS['usp']}x), knapray/dp {ratios['dp']:.2f}x (goal "
-              f"{TARGETS['dp']}x)", flush=True)
+              + "): " + ", ".join(f"{p} {at[p]:.3f}" for p in POLICIES) + " req/s; "
+              + ", ".join(f"knapray/{p} {ratios[p]:.2f}x (goal {TARGETS[p]}x)" for p in TARGETS), flush=True)
         at_p99.append({"target": name, "p99_target_s": target, "at_load": where, "throughput_rps": at,
                        "knapray_over": ratios})
     return {"rows": rows, "at_p99": at_p99}
@@ -249,9 +249,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(knapray/benchmarks/serve_measured.py)")
     p.add_argument("--measure-loads", type=float_in(gt=0), nargs="+", default=[0.4, 0.7, 1.0, 1.3], metavar="LOAD",
                    help="loads of the measured part, fractions of its measured capacity (default 0.4 0.7 1.0 1.3)")
-    p.add_argument("--measure-topology", default=None, metavar="SPEC",
-                   help="the knapray policy's bags in the measured part (default: knapray serve's, g2n1+g1n2 for 4 "
-                   "ranks): one topology of 4 ranks, or auto (chosen per batch)")
     p.add_argument("--measure-requests", type=int_at_least(1, MAX_REQUESTS), default=60, metavar="N",
                    help="requests of each measured stream (default 60)")
     add_seed(p)
@@ -260,14 +257,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def cli(args: argparse.Namespace) -> int:
     check(args.gpus, args.rates, args.requests)
-    if args.measure_topology not in (None, "auto"):  # the tiny model's 4 heads over 4 ranks
-        from knapray.distributed.groups import check_heads
-        from knapray.planning import Topology
-
-        try:
-            check_heads(4, Topology.parse(args.measure_topology, world_size=MEASURE_RANKS))
-        except ValueError as e:
-            raise ValueError(f"--measure-topology {args.measure_topology[:40]}: {e}") from None
     for load in args.measure_loads:
         if load > MAX_RATE:
             raise ValueError(f"--measure-loads {load:g}: a load is a fraction of the measured capacity, at most "
@@ -277,8 +266,7 @@ def cli(args: argparse.Namespace) -> int:
     overhead = ulysses_layer_fit() if args.ulysses_overhead == "xdit" else 0.0
     out = run(args.gpus, args.rates, args.requests, args.seed, ulysses_layer_s=overhead)
     if args.measure:
-        out["measured"] = measure(args.measure_loads, min(args.requests, args.measure_requests), args.seed,
-                                  knapray_topology=args.measure_topology)
+        out["measured"] = measure(args.measure_loads, min(args.requests, args.measure_requests), args.seed)
     if args.json:
         print(json.dumps(out))
     return 0

@@ -71,8 +71,8 @@ import numpy as np
 
 from .cost import MODEL_PRESETS, CostModel
 
-POLICIES = ("knapray", "usp", "dp")
-"""The three serving policies (see the module docstring)."""
+POLICIES = ("knapray", "usp", "dp", "batches")
+"""The serving policies (see the module docstring)."""
 
 VAE_DOWNSAMPLE = 8
 PATCH = 2
@@ -288,203 +288,136 @@ class Served:
                 "throughput_rps": self.throughput, "requests": len(self.finish)}
 
 
+def bag_seconds(times: ServiceTimes, sizes: tuple[int, ...]) -> np.ndarray:
+    """(kinds, bags) seconds of every kind alone on every bag of sizes ``sizes``."""
+    cols = []
+    for g in sizes:
+        if g == times.gpus:
+            cols.append(times.on_gang)
+        elif g in times.sizes:
+            cols.append(times.on_bag[:, times.sizes.index(g)])
+        else:
+            raise ValueError(f"a bag of {g} GPUs: not a size this gang prices ({list(times.sizes)}, or all {times.gpus})")
+    return np.stack(cols, axis=1)
+
+
+def knapray_blocks(times: ServiceTimes) -> tuple[tuple[int, int], ...]:
+    """The blocks ``knapray serve``'s gang forms on this gang: every aligned power-of-two
+    block of a node whose size every model's heads divide (``times.sizes`` within a node)."""
+    from .scheduler import aligned_blocks
+
+    node = min(times.gpus, times.gpus_per_node)
+    return aligned_blocks(times.gpus, tuple(g for g in times.sizes if g <= node), node)
+
+
+def serve_on_blocks(stream: Stream, times: ServiceTimes, blocks: tuple[tuple[int, int], ...], order: str,
+                    policy: str, window: int | None = None, mix=MIX) -> Served:
+    """``stream`` served on ``blocks`` ((first rank, size), see ``planning.scheduler``) by
+    ``BagScheduler`` in ``order``, as ``knapray serve``'s gang serves: a decision at every
+    arrival and completion, a block running one packed loop at a time."""
+    from .scheduler import BagScheduler, packed_finish
+
+    n = len(stream.kind)
+    secs = bag_seconds(times, tuple(g for _, g in blocks))[stream.kind]  # (n, blocks)
+    steps = np.array([k.steps for k in mix])[stream.kind]
+    start, finish = np.full(n, np.nan), np.full(n, np.nan)
+    ranks: list[tuple[int, ...]] = [()] * n
+    sched = BagScheduler(blocks, order, window)
+    ends: dict[int, float] = {}
+    nxt, now = 0, 0.0
+    while nxt < n or ends or sched.waiting:
+        while nxt < n and stream.arrival[nxt] <= now + 1e-12:
+            sched.add(nxt, float(stream.arrival[nxt]), secs[nxt], int(steps[nxt]))
+            nxt += 1
+        for b in [b for b, t in ends.items() if t <= now + 1e-12]:
+            del ends[b]
+            sched.finished(b, now)
+        for b, keys in sched.decide(now):
+            done = now + packed_finish(secs[keys, b], steps[keys])
+            first, g = blocks[b]
+            for i, t in zip(keys, done):
+                start[i], finish[i] = now, t
+                ranks[i] = tuple(range(first, first + g))
+            ends[b] = float(done.max())
+        events = ([float(stream.arrival[nxt])] if nxt < n else []) + list(ends.values())
+        if not events:
+            if sched.waiting:  # cannot happen: a free gang always starts a request
+                raise RuntimeError(f"{policy} serving stalled with requests waiting")
+            break
+        now = max(now, min(events))
+    return Served(policy, times.gpus, stream.arrival, start, finish, tuple(ranks), times.best[stream.kind],
+                  plans=sched.decisions)
+
+
 def serve_usp(stream: Stream, times: ServiceTimes) -> Served:
     """Every request over all GPUs, FIFO."""
-    n = len(stream.kind)
-    start, finish = np.empty(n), np.empty(n)
-    free = 0.0
-    for i in range(n):
-        start[i] = max(stream.arrival[i], free)
-        free = finish[i] = start[i] + times.on_gang[stream.kind[i]]
-    gang = tuple(range(times.gpus))
-    return Served("usp", times.gpus, stream.arrival, start, finish, (gang,) * n, times.best[stream.kind])
+    return serve_on_blocks(stream, times, ((0, times.gpus),), "fifo", "usp")
 
 
 def serve_dp(stream: Stream, times: ServiceTimes) -> Served:
     """Every request on one GPU, FIFO to the GPU that frees first (lowest rank on ties)."""
-    n = len(stream.kind)
-    start, finish = np.empty(n), np.empty(n)
-    ranks: list[tuple[int, ...]] = []
-    free = np.zeros(times.gpus)
-    for i in range(n):
-        idle = np.flatnonzero(free <= stream.arrival[i])
-        r = int(idle[0]) if idle.size else int(np.argmin(free))
-        start[i] = max(stream.arrival[i], free[r])
-        free[r] = finish[i] = start[i] + times.on_one[stream.kind[i]]
-        ranks.append((r,))
-    return Served("dp", times.gpus, stream.arrival, start, finish, tuple(ranks), times.best[stream.kind])
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    """One plan of waiting requests over the gang."""
-
-    bags: tuple[tuple[int, ...], ...]
-    """The GPUs of every bag."""
-    size_index: tuple[int, ...]
-    """Every bag's size as an index into ``ServiceTimes.sizes``."""
-    order: tuple[tuple[int, ...], ...]
-    """Per bag, the requests (indices into the batch) it runs, in order."""
-    start: np.ndarray
-    """(batch,) predicted start of every request."""
-    finish: np.ndarray
-    """(batch,) predicted completion of every request."""
-
-    @property
-    def makespan(self) -> float:
-        return float(self.finish.max()) if self.finish.size else 0.0
-
-
-def _candidates(gpus: int, sizes: tuple[int, ...], requests: int, node: int) -> list[tuple[int, int, int]]:
-    """``(G, k, s)``: ``k`` bags of ``G`` GPUs, the rest in bags of ``s`` (within a node);
-    homogeneous as ``(s, 0, s)``. More big bags than requests are never needed."""
-    small = [s for s in sizes if s <= node]
-    out = [(s, 0, s) for s in small] + [(G, gpus // G, G) for G in sizes if G > node and gpus % G == 0]
-    for G in sizes:
-        for s in small:
-            if s < G:
-                out += [(G, k, s) for k in range(1, min(requests, gpus // G) + 1)]
-    return out
-
-
-def _gpu_order(ready: np.ndarray, gpus_per_node: int) -> tuple[np.ndarray, list[int]]:
-    """The GPUs in the order bags take them: nodes that free first (mean free time) first,
-    and in a node the GPUs that free first first; and where every node starts in it."""
-    n = len(ready)
-    per = min(n, gpus_per_node)
-    nodes = [np.arange(a, min(a + per, n)) for a in range(0, n, per)]
-    nodes = [node[np.argsort(ready[node], kind="stable")] for node in nodes]
-    nodes.sort(key=lambda node: (float(ready[node].mean()), int(node[0])))
-    starts = np.cumsum([0] + [len(node) for node in nodes])[:-1].tolist()
-    return np.concatenate(nodes), starts
-
-
-def _layout(node_starts: list[int], per: int, G: int, k: int, s: int) -> list[tuple[int, int]]:
-    """``(offset, size)`` in the GPU order of every bag of candidate ``(G, k, s)``: ``k``
-    bags of ``G`` first (whole nodes, or the first GPUs of the first nodes), then bags of
-    ``s`` within each node."""
-    bags: list[tuple[int, int]] = []
-    nodes = list(node_starts)
-    left = k
-    if G > per:
-        span = G // per
-        while left and len(nodes) >= span:
-            bags.append((nodes[0], G))
-            nodes, left = nodes[span:], left - 1
-        left = 0
-    for start in nodes:
-        at = 0
-        while left and at + G <= per:
-            bags.append((start + at, G))
-            at, left = at + G, left - 1
-        while at + s <= per:
-            bags.append((start + at, s))
-            at += s
-    return bags
-
-
-def plan_batch(cost: np.ndarray, ready: np.ndarray, now: float, times: ServiceTimes,
-               arrival: np.ndarray | None = None) -> BatchPlan:
-    """Plan a batch over the gang: ``cost`` (batch, len(sizes)) seconds of every request on
-    every bag size, ``ready`` (gpus,) when every GPU frees, ``arrival`` (batch,) when every
-    request arrived. For every candidate topology (``_candidates``), requests go largest
-    first to the bag where they would finish earliest; the smallest makespan wins (then the
-    smaller sum of completions). Each bag runs its requests in the order of
-    ``arrival + seconds on the bag`` (an earliest-deadline order: a short request may pass a
-    long one that arrived before it, but not one that arrived more than the long one's own
-    time earlier, so re-planning never starves a clip)."""
-    ready = np.maximum(np.asarray(ready, dtype=np.float64), now)
-    q = cost.shape[0]
-    arrival = np.zeros(q) if arrival is None else np.asarray(arrival, dtype=np.float64)
-    index = {g: j for j, g in enumerate(times.sizes)}
-    per = min(times.gpus, times.gpus_per_node)
-    gpus, node_starts = _gpu_order(ready, times.gpus_per_node)
-    ready_ordered = ready[gpus]
-    layouts = [b for b in (_layout(node_starts, per, G, k, s)
-                           for G, k, s in _candidates(times.gpus, times.sizes, q, per)) if b]
-    c, width = len(layouts), max(len(b) for b in layouts)
-    load = np.full((c, width), np.inf)
-    size_index = np.zeros((c, width), dtype=np.int64)
-    for i, bags in enumerate(layouts):
-        for j, (o, g) in enumerate(bags):
-            load[i, j] = ready_ordered[o:o + g].max()
-            size_index[i, j] = index[g]
-    start_load = load.copy()
-    rows = np.arange(c)
-    bag_of = np.empty((c, q), dtype=np.int64)
-    for r in np.argsort(-cost[:, 0], kind="stable"):  # largest first, every candidate at once
-        end = load + cost[r][size_index]
-        b = end.argmin(axis=1)
-        bag_of[:, r] = b
-        load[rows, b] = end[rows, b]
-    makespan = np.where(np.isfinite(start_load), load, -np.inf).max(axis=1)
-    best = None
-    for i in np.flatnonzero(makespan <= makespan.min() * (1 + 1e-12)):
-        start, finish = np.empty(q), np.empty(q)
-        order = []
-        for j in range(len(layouts[i])):
-            mine = np.flatnonzero(bag_of[i] == j)
-            secs = cost[mine, size_index[i, j]]
-            keep = np.argsort(arrival[mine] + secs, kind="stable")
-            t = float(start_load[i, j])
-            for r, d in zip(mine[keep], secs[keep]):
-                start[r] = t
-                t = finish[r] = t + d
-            order.append(tuple(int(r) for r in mine[keep]))
-        if best is None or finish.sum() < best[0]:
-            bags = tuple(tuple(int(x) for x in gpus[o:o + g]) for o, g in layouts[i])
-            sizes = tuple(int(size_index[i, j]) for j in range(len(bags)))
-            best = (float(finish.sum()), BatchPlan(bags, sizes, tuple(order), start, finish))
-    assert best is not None
-    return best[1]
+    return serve_on_blocks(stream, times, tuple((r, 1) for r in range(times.gpus)), "fifo", "dp")
 
 
 def serve_knapray(stream: Stream, times: ServiceTimes, window: int | None = None) -> Served:
-    """The rolling plan of the module docstring: at every event with waiting requests and
-    an idle GPU, plan the oldest ``window`` (default: as many as GPUs) over the gang and
-    start the first request of every bag that is idle now."""
-    window = window or times.gpus
+    """knapray serve's policy: every request on the aligned block where it would finish
+    earliest (``knapray_blocks``, ``BagScheduler``'s balanced order)."""
+    return serve_on_blocks(stream, times, knapray_blocks(times), "balanced", "knapray", window)
+
+
+def serve_batches(stream: Stream, times: ServiceTimes, window: int = 16) -> Served:
+    """The batch-by-batch gang (``knapray serve`` before continuous batching): when the whole
+    gang is free, the waiting requests (at most ``window``) are planned over the halving bags
+    (largest first to the bag where they finish earliest); a bag runs its requests packed
+    in one loop (a request ends after its own steps: the others' share of each step it
+    shares counts), and the next batch waits for the batch's last bag."""
+    from .sampling import halving_topology
+    from .scheduler import packed_finish
+    from .topology import Topology
+
+    node = min(times.gpus, times.gpus_per_node)
+    heads = max(g for g in times.sizes if g <= node)
+    sizes: tuple[int, ...] = ()
+    for begin in range(0, times.gpus, node):  # the halving bags, node by node
+        sizes += tuple(Topology.parse(halving_topology(min(node, times.gpus - begin), heads)).bags)
+    secs = bag_seconds(times, sizes)
+    steps = np.array([k.steps for k in MIX])
+    first = np.cumsum((0,) + sizes)[:-1]
     n = len(stream.kind)
     start, finish = np.full(n, np.nan), np.full(n, np.nan)
     ranks: list[tuple[int, ...]] = [()] * n
-    ready = np.zeros(times.gpus)
-    waiting: list[int] = []
-    nxt, done, plans = 0, 0, 0
-    now = 0.0
-    eps = 1e-9
-    while done < n:
-        while nxt < n and stream.arrival[nxt] <= now + eps:
-            waiting.append(nxt)
+    nxt, now, plans = 0, 0.0, 0
+    while nxt < n:
+        now = max(now, float(stream.arrival[nxt]))
+        batch = []
+        while nxt < n and stream.arrival[nxt] <= now + 1e-12 and len(batch) < window:
+            batch.append(nxt)
             nxt += 1
-        if waiting and (ready <= now + eps).any():
-            batch = waiting[:window]
-            plan = plan_batch(times.on_bag[stream.kind[batch]], ready, now, times, stream.arrival[batch])
-            plans += 1
-            started = []
-            for bag, order in zip(plan.bags, plan.order):
-                if order and plan.start[order[0]] <= now + eps:
-                    j = order[0]
-                    i = batch[j]
-                    start[i] = now
-                    finish[i] = now + (plan.finish[j] - plan.start[j])
-                    ranks[i] = bag
-                    ready[list(bag)] = finish[i]
-                    started.append(i)
-            done += len(started)
-            gone = set(started)
-            waiting = [i for i in waiting if i not in gone]
-        later = ready[ready > now + eps]
-        events = ([stream.arrival[nxt]] if nxt < n else []) + ([float(later.min())] if later.size else [])
-        if not events:
-            if done < n:  # cannot happen: an idle gang always starts a request
-                raise RuntimeError("knapray serving stalled with requests waiting")
-            break
-        now = max(now, min(events))
-    return Served("knapray", times.gpus, stream.arrival, start, finish, tuple(ranks), times.best[stream.kind],
+        plans += 1
+        cost = secs[stream.kind[batch]]  # (q, bags)
+        load = np.zeros(len(sizes))
+        bag_of = np.empty(len(batch), dtype=np.int64)
+        for r in np.argsort(-cost.min(axis=1), kind="stable"):
+            b = int(np.argmin(load + cost[r]))
+            load[b] += cost[r, b]
+            bag_of[r] = b
+        end = now
+        for b in range(len(sizes)):
+            mine = [r for r in range(len(batch)) if bag_of[r] == b]
+            if not mine:
+                continue
+            done = now + packed_finish(cost[mine, b], steps[stream.kind[[batch[r] for r in mine]]])
+            for r, t in zip(mine, done):
+                i = batch[r]
+                start[i], finish[i] = now, t
+                ranks[i] = tuple(range(int(first[b]), int(first[b]) + sizes[b]))
+            end = max(end, float(done.max()))
+        now = end
+    return Served("batches", times.gpus, stream.arrival, start, finish, tuple(ranks), times.best[stream.kind],
                   plans=plans)
 
 
-SERVERS = {"knapray": serve_knapray, "usp": serve_usp, "dp": serve_dp}
+SERVERS = {"knapray": serve_knapray, "usp": serve_usp, "dp": serve_dp, "batches": serve_batches}
 
 
 def serve(policy: str, stream: Stream, times: ServiceTimes) -> Served:

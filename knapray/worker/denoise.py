@@ -29,6 +29,7 @@ host (``step_context`` lets a test watch that).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -244,14 +245,29 @@ def denoise_rank(model: torch.nn.Module, jobs: list[DenoiseJob], groups: Samplin
     else:
         plan = plan_jobs([j.tokens for j in jobs], [j.steps for j in jobs], [j.passes for j in jobs],
                          groups.topology, planner, max_tokens_per_gpu)
-    mine = plan.jobs_of(groups.bag).tolist()
+    return _run_bag(model, jobs, plan.jobs_of(groups.bag).tolist(), groups, cfg_parallel, planner, on_step,
+                    step_context, step_cache, stats)
+
+
+def denoise_bag(model: torch.nn.Module, jobs: list[DenoiseJob], groups: SamplingGroups, *, cfg_parallel: bool = True,
+                on_step: Callable[[int], None] | None = None, step_cache: float | None = None,
+                stats: dict | None = None) -> dict[int, np.ndarray]:
+    """Run every job of ``jobs`` on this rank's bag of ``groups`` (a serving gang's block: the
+    scheduler chose the bag, every rank of it calls this with the same jobs, no other rank
+    does). Returns the latents of the jobs, by index, on the bag's lead (else ``{}``)."""
+    return _run_bag(model, jobs, list(range(len(jobs))), groups, cfg_parallel, None, on_step, None, step_cache,
+                    stats)
+
+
+def _run_bag(model, jobs, mine, groups, cfg_parallel, planner, on_step, step_context, step_cache, stats):
     if not mine:
         return {}
     loop = _BagLoop(model, jobs, mine, groups, cfg_parallel, planner, step_cache)
     with torch.no_grad():
         out = loop.run(on_step, step_context)
     if stats is not None:
-        stats.update(steps=max(jobs[k].steps for k in mine), segments=len({jobs[k].steps for k in mine}))
+        stats.update(steps=max(jobs[k].steps for k in mine), segments=len({jobs[k].steps for k in mine}),
+                     left_at=dict(loop.left_at))
         if loop.caches:
             stats.update(full_steps=sum(c.full for c in loop.caches), cached_steps=sum(c.cached for c in loop.caches))
     return out
@@ -308,6 +324,8 @@ class _BagLoop:
             empty = replace(empty, guidance=torch.zeros(0))
         self.empty = empty
         self.step_cache = step_cache
+        self.left_at: dict[int, float] = {}
+        """When (host's monotonic clock) each of the lead's jobs left the loop."""
         self.caches: list = []
         """Every segment's ``StepCache`` (with ``step_cache``): its full and cached steps."""
 
@@ -334,6 +352,7 @@ class _BagLoop:
                     n = rows[k]
                     if jobs[k].steps == stop:
                         done[k] = x.narrow(0, offset, n)
+                        self.left_at[k] = time.monotonic()  # queued there; a GPU may still run it
                     else:
                         keep.append(np.arange(offset, offset + n))
                         kept.append(k)

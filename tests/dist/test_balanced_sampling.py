@@ -187,22 +187,21 @@ def test_bad_world_or_topology_is_one_line_before_anything_starts(tmp_path, extr
         assert word in err[0], err
 
 
-@pytest.mark.parametrize("policy, bag", [("knapray", None), ("usp", (0, 1, 2, 3))])  # dp: g1n4, topology_of
-def test_the_measured_serving_bench_serves_every_request_once(policy, bag):
+def test_the_measured_serving_bench_serves_every_request_once():
     """``knapray bench serve --measure``'s executor: every request of the stream is drawn
-    once, after it arrived, on the bags its policy gives it."""
+    once, after it arrived, on the blocks its policy gives it (knapray: aligned blocks of 1,
+    2 or 4; static USP: all four; data parallel: one; batch by batch: the halving bags)."""
     from knapray.benchmarks.serve_measured import serve_measured
 
-    got = serve_measured(policy, [0.5], 6, 0)
-    (s,) = got["served"]
-    assert got["capacity"] > 0 and len(s.finish) == 6
-    assert np.all(s.start >= s.arrival - 1e-9) and np.all(s.finish > s.start)
-    if bag == 1:
-        assert all(len(r) == 1 for r in s.ranks)
-    elif bag is not None:
-        assert all(r == bag for r in s.ranks)
-    else:
-        assert {len(r) for r in s.ranks} <= {1, 2}  # the gang's default bags, g2n1+g1n2
+    got = serve_measured(["knapray", "usp", "dp", "batches"], [0.5], 6, 0)
+    assert got["capacity"] > 0
+    for policy, blocks in (("knapray", {(0,), (1,), (2,), (3,), (0, 1), (2, 3), (0, 1, 2, 3)}),
+                           ("usp", {(0, 1, 2, 3)}), ("dp", {(0,), (1,), (2,), (3,)}),
+                           ("batches", {(0, 1), (2,), (3,)})):
+        (s,) = got["served"][policy]
+        assert len(s.finish) == 6 and np.all(np.isfinite(s.finish)), policy
+        assert np.all(s.start >= s.arrival - 1e-9) and np.all(s.finish > s.start), policy
+        assert set(s.ranks) <= blocks, (policy, s.ranks)
 
 
 def _draw_cached(rank: int, world: int, family: str, topology: str):

@@ -66,7 +66,10 @@ def test_the_stream_is_seeded_and_the_rate_only_scales_it():
 def test_no_gpu_runs_two_requests_at_once_and_no_latency_beats_the_best(policy, load, times8):
     stream = sv.request_stream(150, load * sv.capacity(times8), seed=1)
     served = sv.serve(policy, stream, times8)
-    assert not _overlaps(served)
+    if policy in ("batches", "knapray"):  # a bag's packed loop: its requests start together
+        assert all(served.start[a] == served.start[b] for _, a, b in _overlaps(served))
+    else:
+        assert not _overlaps(served)
     assert np.all(served.start >= stream.arrival - 1e-9)
     assert np.all(served.latency >= served.best - 1e-9)
     assert np.all(np.isfinite(served.finish))
@@ -77,29 +80,54 @@ def test_no_gpu_runs_two_requests_at_once_and_no_latency_beats_the_best(policy, 
         assert np.all(served.start[1:] >= served.finish[:-1] - 1e-9)  # FIFO, one at a time
     if policy == "knapray":
         assert {len(r) for r in served.ranks} <= set(times8.sizes)
+        assert all(r[0] % len(r) == 0 for r in served.ranks)  # aligned blocks
         assert served.plans >= 1
 
 
 def test_knapray_bags_stay_in_a_node_or_take_whole_nodes():
     times = sv.service_times(32)
     served = sv.serve("knapray", sv.request_stream(120, 0.7 * sv.capacity(times), seed=2), times)
-    assert not _overlaps(served)
+    assert all(served.start[a] == served.start[b] for _, a, b in _overlaps(served))  # packed loops only
     for ranks in served.ranks:
         nodes = {r // 8 for r in ranks}
         assert len(nodes) == 1 or len(ranks) == 8 * len(nodes), ranks
 
 
-@pytest.mark.parametrize("gpus, seed", [(8, 0), (8, 5), (32, 1)])
-def test_the_balanced_plan_of_one_batch_is_no_longer_than_either_baseline(gpus, seed):
-    times = sv.service_times(gpus)
-    stream = sv.request_stream(3 * gpus, 1e9, seed)  # every request waiting at once
-    plan = sv.plan_batch(times.on_bag[stream.kind], np.zeros(gpus), 0.0, times)
-    usp = sv.serve_usp(stream, times).finish.max()
-    dp = sv.serve_dp(stream, times).finish.max()
-    assert plan.makespan <= min(usp, dp) + 1e-6, (plan.makespan, usp, dp)
-    assert sorted(r for order in plan.order for r in order) == list(range(len(stream.kind)))
-    gpus_used = [r for bag in plan.bags for r in bag]
-    assert len(gpus_used) == len(set(gpus_used)) <= gpus
+def test_a_light_load_runs_wide_and_a_heavy_one_packs_single_ranks():
+    """The balanced order plans the waiting requests over every partition of the ranks into
+    blocks: one request alone takes the block of four (it finishes soonest there); eight at
+    once, each twice as fast on four ranks as on one (half the ranks' time wasted), are
+    packed two to a rank (the partition of the smallest makespan)."""
+    from knapray.planning.scheduler import BagScheduler, aligned_blocks, partitions
+
+    blocks = aligned_blocks(4, (1, 2, 4))  # ranks 0..3 alone, then (0, 1), (2, 3), then all four
+    assert blocks == ((0, 1), (1, 1), (2, 1), (3, 1), (0, 2), (2, 2), (0, 4))
+    assert sorted(partitions(blocks, 4)) == sorted([(0, 1, 2, 3), (4, 2, 3), (0, 1, 5), (4, 5), (6,)])
+    seconds = [4.0] * 4 + [2.8] * 2 + [2.0]
+    alone = BagScheduler(blocks)
+    alone.add("one", 0.0, seconds, steps=4)
+    assert alone.decide(0.0) == [(6, ["one"])]
+    loaded = BagScheduler(blocks)
+    for k in range(8):
+        loaded.add(k, 0.0, seconds, steps=4)
+    started = loaded.decide(0.0)
+    assert sorted(b for b, _ in started) == [0, 1, 2, 3]
+    assert sorted(len(keys) for _, keys in started) == [2, 2, 2, 2] and loaded.waiting == []
+    assert loaded.decide(0.0) == [] and loaded.finished(2, 8.0) == started[2][1]
+
+
+def test_a_packed_loop_ends_each_request_after_its_own_steps():
+    from knapray.planning.scheduler import packed_finish
+
+    # 2 s over 4 steps and 7 s over 7 steps: 4 shared steps of 0.5 + 1 s, then 3 of 1 s
+    assert packed_finish([2.0, 7.0], [4, 7]).tolist() == pytest.approx([6.0, 9.0])
+
+
+@pytest.mark.parametrize("policy", ["usp", "dp"])
+def test_fifo_on_fixed_blocks_is_first_in_first_out(policy, times8):
+    stream = sv.request_stream(80, 0.8 * sv.capacity(times8), seed=2)
+    served = sv.serve(policy, stream, times8)
+    assert np.all(np.diff(served.start) >= -1e-9)  # requests start in the order they arrived
 
 
 def test_rate_at_p99_meets_its_target_and_dp_cannot_meet_a_tight_one(times8):
@@ -126,14 +154,14 @@ def test_measure_serves_every_policy_and_finds_the_loads_that_meet_the_p99(capsy
     calls = []
     times = sv.service_times(4)
 
-    def serve_measured(policy, loads, n, seed, ranks, knapray_topology):
-        calls.append((policy, ranks))
+    def serve_measured(policies, loads, n, seed, ranks):
+        calls.append((tuple(policies), ranks))
         cap = sv.capacity(times)
-        return {"served": [sv.serve(policy, sv.request_stream(n, load * cap, seed), times) for load in loads],
-                "capacity": cap, "seconds": times.on_one}
+        return {"served": {p: [sv.serve(p, sv.request_stream(n, load * cap, seed), times) for load in loads]
+                           for p in policies}, "capacity": cap, "seconds": times.on_one}
 
     out = measure([0.3, 0.6], 20, 0, serve_measured=serve_measured)
-    assert calls == [(p, 4) for p in sv.POLICIES] and len(out["rows"]) == 6
+    assert calls == [(sv.POLICIES, 4)] and len(out["rows"]) == 2 * len(sv.POLICIES)
     assert [r["target"] for r in out["at_p99"]] == ["tight", "loose"]
     assert all(set(r["throughput_rps"]) == set(sv.POLICIES) and r["p99_target_s"] > 0 for r in out["at_p99"])
     assert "at equal p99" in capsys.readouterr().out
@@ -158,7 +186,6 @@ def _one_line(argv, capsys) -> str:
     (["--rates", "1000"], ["--rates 1000", "capacity"]),
     (["--requests", "0"], ["--requests", "'0'"]),
     (["--steps", "3"], ["unrecognized arguments: --steps"]),
-    (["--measure", "--measure-topology", "g3n1+g1n1"], ["--measure-topology g3n1+g1n1"]),
 ])
 def test_bad_flags_are_one_line_and_exit_2(argv, names, capsys):
     line = _one_line(["bench", "serve", *argv], capsys)
