@@ -204,3 +204,16 @@ def bag_plan(topology: Topology, bag: int, lens, passes, cfg_parallel: bool,
     chunk_seq, chunk_rank, chunk_start, chunk_len = make_chunks(lens_, home, bag_of_seq, sub)
     return BalancePlan(sub, model, lens_, home, local, bag_of_seq.astype(np.int64), chunk_seq, chunk_rank,
                        chunk_start, chunk_len, solver="bag")
+
+
+def job_seconds(tokens: int, steps: int, passes: int, sizes, cost: CostModel) -> np.ndarray:
+    """Predicted seconds of one job alone on a bag of each size of ``sizes``: ``steps x passes
+    x cost.seq_cost(tokens, g)``, or for two passes on an even bag the two at once on its
+    halves (CFG parallel), whichever is faster (what a serving gang's scheduler compares)."""
+    out = []
+    for g in sizes:
+        t = steps * passes * float(cost.seq_cost(tokens, int(g)))
+        if passes == 2 and g % 2 == 0:
+            t = min(t, steps * float(cost.seq_cost(tokens, int(g) // 2)))
+        out.append(max(t, 1e-9))
+    return np.asarray(out)

@@ -57,6 +57,9 @@ class SamplingGroups:
     """The bag's group (None for a bag of one)."""
     half: dist.ProcessGroup | None
     """The group of the rank's half of an even bag (None: halves of one rank, or odd)."""
+    host: dist.ProcessGroup | None = None
+    """The bag's gloo group where the world's backend is not gloo (NCCL): small host-side
+    agreements between steps (a serving bag's stopped jobs); None: ``whole`` serves."""
 
     @classmethod
     def build(cls, topology: Topology, rank: int, made: dict | None = None) -> "SamplingGroups":
@@ -71,7 +74,8 @@ class SamplingGroups:
             return made[tuple(ranks)]
 
         bag = int(topology.bag_of_rank[rank])
-        whole = half = None
+        whole = half = host = None
+        gloo = not dist.is_initialized() or dist.get_backend() == "gloo"
         for b in range(topology.num_bags):
             ranks = list(topology.bag_ranks(b))
             g = len(ranks)
@@ -79,12 +83,18 @@ class SamplingGroups:
                 made_now = group(ranks)  # created on every rank, kept by the bag's own
                 if b == bag:
                     whole = made_now
+                if not gloo:
+                    key = ("gloo", *ranks)
+                    if key not in made:
+                        made[key] = dist.new_group(ranks, backend="gloo")
+                    if b == bag:
+                        host = made[key]
             if g % 2 == 0 and g > 2:
                 for part in (ranks[: g // 2], ranks[g // 2:]):
                     made_now = group(part)
                     if rank in part:
                         half = made_now
-        return cls(topology, rank, bag, whole, half)
+        return cls(topology, rank, bag, whole, half, host)
 
     @classmethod
     def build_all(cls, specs: list[str], world_size: int, rank: int) -> dict[str, "SamplingGroups"]:
@@ -251,23 +261,28 @@ def denoise_rank(model: torch.nn.Module, jobs: list[DenoiseJob], groups: Samplin
 
 def denoise_bag(model: torch.nn.Module, jobs: list[DenoiseJob], groups: SamplingGroups, *, cfg_parallel: bool = True,
                 on_step: Callable[[int], None] | None = None, step_cache: float | None = None,
-                stats: dict | None = None) -> dict[int, np.ndarray]:
+                stats: dict | None = None, stop: Callable[[], set[int]] | None = None) -> dict[int, np.ndarray]:
     """Run every job of ``jobs`` on this rank's bag of ``groups`` (a serving gang's block: the
     scheduler chose the bag, every rank of it calls this with the same jobs, no other rank
-    does). Returns the latents of the jobs, by index, on the bag's lead (else ``{}``)."""
+    does). Returns the latents of the jobs, by index, on the bag's lead (else ``{}``).
+
+    ``stop()``: the jobs (indices) to drop, asked on the lead after every step and agreed on
+    by the bag (one small host-side broadcast a step, on the bag's gloo group): a dropped job
+    leaves the loop at once, gives no latent, and its bag goes on with the others (or ends).
+    ``stats["stopped"]`` lists them."""
     return _run_bag(model, jobs, list(range(len(jobs))), groups, cfg_parallel, None, on_step, None, step_cache,
-                    stats)
+                    stats, stop)
 
 
-def _run_bag(model, jobs, mine, groups, cfg_parallel, planner, on_step, step_context, step_cache, stats):
+def _run_bag(model, jobs, mine, groups, cfg_parallel, planner, on_step, step_context, step_cache, stats, stop=None):
     if not mine:
         return {}
-    loop = _BagLoop(model, jobs, mine, groups, cfg_parallel, planner, step_cache)
+    loop = _BagLoop(model, jobs, mine, groups, cfg_parallel, planner, step_cache, stop)
     with torch.no_grad():
         out = loop.run(on_step, step_context)
     if stats is not None:
         stats.update(steps=max(jobs[k].steps for k in mine), segments=len({jobs[k].steps for k in mine}),
-                     left_at=dict(loop.left_at))
+                     left_at=dict(loop.left_at), stopped=sorted(loop.stopped))
         if loop.caches:
             stats.update(full_steps=sum(c.full for c in loop.caches), cached_steps=sum(c.cached for c in loop.caches))
     return out
@@ -308,7 +323,7 @@ class _BagLoop:
     step by step."""
 
     def __init__(self, model, jobs: list[DenoiseJob], mine: list[int], groups: SamplingGroups, cfg_parallel: bool,
-                 planner, step_cache: float | None = None) -> None:
+                 planner, step_cache: float | None = None, stop: Callable[[], set[int]] | None = None) -> None:
         from knapray.models import pack_samples
 
         topo, bag = groups.topology, groups.bag
@@ -324,6 +339,9 @@ class _BagLoop:
             empty = replace(empty, guidance=torch.zeros(0))
         self.empty = empty
         self.step_cache = step_cache
+        self.stop = stop
+        self.stopped: set[int] = set()
+        """Jobs dropped by ``stop``."""
         self.left_at: dict[int, float] = {}
         """When (host's monotonic clock) each of the lead's jobs left the loop."""
         self.caches: list = []
@@ -339,18 +357,25 @@ class _BagLoop:
         start = 0
         context = step_context or contextlib.nullcontext
         while active:
-            stop = min(jobs[k].steps for k in active)
-            seg = self._segment(start, stop, active, rows)
-            for i in range(start, stop):
+            end = min(jobs[k].steps for k in active)
+            seg = self._segment(start, end, active, rows)
+            i, dropped = start, set()
+            while i < end and not dropped:
                 with context():
                     x = self._step(seg, i, x)
                 if on_step is not None:
                     on_step(i)
-            if self.lead:  # jobs that end here leave; the others' rows stay, in order
+                i += 1
+                if self.stop is not None:  # between steps: what the bag drops now
+                    dropped = self._agreed_stop() & set(active)
+            self.stopped |= dropped
+            if self.lead:  # jobs that end or stop here leave; the others' rows stay, in order
                 keep, offset, kept = [], 0, []
                 for k in active:
                     n = rows[k]
-                    if jobs[k].steps == stop:
+                    if k in dropped:
+                        pass
+                    elif jobs[k].steps == i:
                         done[k] = x.narrow(0, offset, n)
                         self.left_at[k] = time.monotonic()  # queued there; a GPU may still run it
                     else:
@@ -359,9 +384,21 @@ class _BagLoop:
                     offset += n
                 if kept:
                     x = x.index_select(0, host_to_device(np.concatenate(keep), self.device, torch.int64))
-            active = [k for k in active if jobs[k].steps > stop]
-            start = stop
+            active = [k for k in active if jobs[k].steps > i and k not in dropped]
+            start = i
         return self._unpack(done) if self.lead else {}
+
+    def _agreed_stop(self) -> set[int]:
+        """The lead's ``stop()``, the same on every rank of the bag (host tensors on its gloo group)."""
+        if self.g == 1:
+            return set(self.stop())
+        flags = torch.zeros(len(self.jobs), dtype=torch.uint8)
+        if self.lead:
+            wanted = [k for k in self.stop() if 0 <= k < len(self.jobs)]
+            flags[wanted] = 1
+        group = self.groups.host if self.groups.host is not None else self.groups.whole
+        dist.broadcast(flags, src=int(self.groups.topology.bag_starts[self.groups.bag]), group=group)
+        return set(np.flatnonzero(flags.numpy()).tolist())
 
     def _segment(self, start: int, stop: int, active: list[int], rows: dict[int, int]) -> _Segment:
         from knapray.models.families import cross_text_pad
@@ -431,7 +468,7 @@ class _BagLoop:
 
         cfg = self.cfg
         out = {}
-        for k in self.mine:
+        for k in [k for k in self.mine if k in done]:  # stopped jobs give none
             grid = tuple(s // p for s, p in zip(self.jobs[k].noise.shape[1:], cfg.patch_size))
             out[k] = unpatchify(done[k].cpu(), grid, cfg.patch_size, cfg.in_channels).numpy()
         return out

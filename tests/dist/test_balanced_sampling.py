@@ -265,3 +265,41 @@ def test_a_model_sharded_over_its_bag_samples_as_one_process(family):
     for k, (job, cond, shape, steps, guidance, seed) in enumerate(jobs):
         (ref,) = sample_latents(model, [cond], [shape], steps=steps, seed=seed, guidance=guidance, shift=None)
         assert float(np.abs(got[k] - ref).max() / np.abs(ref).max()) <= 1e-5, k
+
+
+def _draw_stopped(rank: int, world: int):
+    from knapray.planning import Topology
+    from knapray.worker.denoise import SamplingGroups, denoise_bag
+
+    model = _model("flux", "cfg")
+    groups = SamplingGroups.build(Topology.parse("g2n2", world_size=world), rank)
+    jobs = [j[0] for j in _jobs(model, "flux")]
+    asked = [0]
+
+    def stop() -> set[int]:  # only the lead's answer counts: the others would drop everything
+        asked[0] += 1
+        return {0} if rank % 2 == 0 and asked[0] == 1 else (set() if rank % 2 == 0 else {0, 1, 2, 3})
+
+    stats: dict = {}
+    got = denoise_bag(model, jobs, groups, cfg_parallel=True, stop=stop, stats=stats)
+    return got, stats["stopped"]
+
+
+def test_a_bag_drops_a_stopped_job_together():
+    """Two bags of 2 each run every job (g2n2, CFG parallel on halves of one); each lead stops
+    job 0 after the first step: both ranks of a bag drop it at once (the lead's word, not
+    its partner's), and the other jobs are what one process draws without it."""
+    from knapray.worker.denoise import denoise_local
+
+    model = _model("flux", "cfg")
+    jobs = [j[0] for j in _jobs(model, "flux")]
+    ref = denoise_local(model, jobs[1:])
+    parts = run_distributed(_draw_stopped, 4, timeout_s=240)
+    for rank, (got, stopped) in enumerate(parts):
+        assert stopped == [0]
+        if rank % 2 == 0:  # a lead
+            assert sorted(got) == [1, 2, 3]
+            for k in (1, 2, 3):
+                assert float(np.abs(got[k] - ref[k - 1]).max() / np.abs(ref[k - 1]).max()) <= 1e-5
+        else:
+            assert got == {}

@@ -187,3 +187,25 @@ def test_bench_sample_prints_the_ratio_last(capsys):
     assert cached["cached_steps"] == 2 and cached["full_steps"] == 1 and cached["error"] > 0  # skipped, and it shows
     assert main(["bench", "sample", "--step-cache", "x", "--json"]) == 2
     assert capsys.readouterr().err.strip().startswith("knapray bench sample: error: --step-cache")
+
+
+def test_a_job_stopped_between_steps_leaves_and_the_others_go_on():
+    """A serving bag's ``stop``: job 1 is dropped after the loop's second step; it gives no
+    latent, and the others are what they are without it."""
+    from knapray.worker.denoise import SamplingGroups, denoise_bag, denoise_local
+
+    model = _small("flux", "cfg")
+    jobs = _jobs(model.cfg, steps=(4, 3, 4))
+    seen = []
+
+    def stop() -> set[int]:
+        seen.append(len(seen))
+        return {1} if len(seen) >= 2 else set()
+
+    stats: dict = {}
+    got = denoise_bag(model, jobs, SamplingGroups.alone(), stop=stop, stats=stats)
+    assert sorted(got) == [0, 2] and stats["stopped"] == [1]
+    alone = denoise_local(model, [jobs[0], jobs[2]])
+    for k, ref in zip((0, 2), alone):
+        assert float(np.abs(got[k] - ref).max() / np.abs(ref).max()) <= 1e-5
+    assert len(seen) == 4  # asked after every step: 2 steps with job 1, 2 more without it
