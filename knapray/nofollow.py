@@ -10,8 +10,10 @@ run directory or a corpus, so:
 - ``open_nofollow`` / ``truncate_nofollow`` open the file itself with ``O_NOFOLLOW``, so a
   link planted after the check is refused too, and its target is never opened.
 
-The root itself may be a link (a user's ``runs -> /scratch/runs``): only what lies below it
-is the run's.
+``refuse_links`` looks below ``root``, not at it: a folder above a run directory may be a link
+(a user's ``runs -> /scratch/runs``), the run directory itself may not
+(``knapray.driver.run_dir.refuse_run_links``: the target of ``runs/r -> /elsewhere`` is not
+the run's).
 
 A file ``open_nofollow`` opened says what failed and where: an error of the file system
 (opening it, or any read or write through it: a full disk when the buffer is flushed) is

@@ -306,9 +306,10 @@ def load_schema_json(corpus_dir: str) -> dict[str, Any]:
                     advice="rebuild the corpus or restore the file", missing=None)
     if doc is None:
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
-    if doc.get("format_version") != FORMAT_VERSION:
-        raise SchemaFileError(f"corpus file {path}: format_version {str(doc.get('format_version'))[:40]!r}, "
-                              f"this knapray reads {FORMAT_VERSION}")
+    version = doc.get("format_version")
+    if version != FORMAT_VERSION:
+        which = version if type(version) is int and 0 <= version < 1 << 20 else f"is {_short(version)}"
+        raise SchemaFileError(f"corpus file {path}: format_version {which}, this knapray reads {FORMAT_VERSION}")
     problem = schema_doc_problem(doc)
     if problem:
         raise SchemaFileError(f"corpus file {path}: {problem}; rebuild the corpus or restore the file")
@@ -361,5 +362,9 @@ def schema_doc_problem(doc: Mapping[str, Any]) -> str | None:
 
 
 def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    """What a value of schema.json is, without its content ("a str", "an int", "null"): a
+    corpus is untrusted input, and a message never shows what a file holds."""
+    if value is None:
+        return "null"
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"

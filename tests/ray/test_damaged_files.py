@@ -83,8 +83,8 @@ SCHEMA_DAMAGE = {
     "binary": (lambda p: p.write_bytes(b"\xff\xfe\x00"), "is not JSON"),
     "a list": (lambda p: p.write_text("[]"), "holds a list"),
     "channels a string": (lambda p: _edit_schema(p, lambda d: d["dims"].__setitem__("channels", "abc")),
-                          "dims.channels is 'abc'"),
-    "shards an int": (lambda p: _edit_schema(p, lambda d: d.__setitem__("shards", 5)), "shards is 5"),
+                          "dims.channels is a str, not an int"),  # named by kind, never by content (issue 43)
+    "shards an int": (lambda p: _edit_schema(p, lambda d: d.__setitem__("shards", 5)), "shards is an int"),
     "counts missing": (lambda p: _edit_schema(p, lambda d: d.pop("counts")), "counts.samples"),
 }
 

@@ -157,7 +157,7 @@ def test_schema_text_dtype_is_checked_and_defaults_to_fp32(corpora: dict[str, Pa
     (tmp_path / "schema.json").write_text(json.dumps(doc))
     assert corpus_info(tmp_path).text_dtype == "fp32"
     problem = schema_doc_problem({**doc, "text_dtype": "fp16"})
-    assert problem == "text_dtype is 'fp16', not one of fp32, bf16"
+    assert problem == "text_dtype is a str, not one of fp32, bf16"  # by kind, never by content (issue 43)
 
 
 def test_shuffle_buffer_is_sized_in_bytes_and_bounded() -> None:

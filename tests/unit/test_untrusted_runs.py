@@ -236,3 +236,17 @@ def test_a_run_directory_inside_the_ray_upload_folder_is_refused(storage_env, tm
     monkeypatch.setenv("KNAPRAY_STORAGE", str(tmp_path / "shared"))
     cfg = resolve_paths(load_config(None, ["run.storage=runs", "data.corpus=/data/c"]))
     assert cfg.run.storage == str(tmp_path / "shared" / "runs")
+
+
+@pytest.mark.parametrize("field", ["format_version", "family", "text_dtype", "dims", "shards", "payload"])
+def test_no_message_about_a_corpus_schema_quotes_what_it_holds(field, corpus, tmp_path):
+    """A corpus is untrusted input too: its schema.json's fields are named by kind."""
+    from knapray.corpus.schema import SchemaFileError, load_schema_json
+
+    copy = tmp_path / "corpus"
+    shutil.copytree(corpus, copy)
+    doc = json.loads((copy / "schema.json").read_text())
+    (copy / "schema.json").write_text(json.dumps({**doc, field: SECRET}))
+    with pytest.raises(SchemaFileError) as e:
+        load_schema_json(str(copy))
+    assert field in str(e.value) and SECRET not in str(e.value), e.value
