@@ -21,15 +21,16 @@ line, before anything runs).
     knapray dryrun --sample --config jobs/configs/wan_t2v_14b.yaml --world-size 8 --topology g8n1 \
         --size 832x480 --frames 21 --guidance 5 [--encoders keep|offload|free] [--rank 0] [--gpu-gib 80]
 
-``--sample``: rank R of an N-rank sampling gang drawing one request (``knapray sample``'s
-``--size``, ``--frames`` in latent frames, ``--guidance``, ``--topology``), placed as the
-gang places it (``knapray.planning.sampling_memory``: the transformer replicated in bf16,
-the text encoders on rank 0 per ``--encoders``, the VAE on each bag lead): each phase the
+``--sample``: rank R of an N-rank sampling gang drawing a request per ``--size`` (``knapray
+sample``'s ``--size``, ``--frames`` in latent frames, ``--guidance``, ``--topology``), placed as
+the gang places it (``knapray.planning.sampling_memory``: the transformer whole on every rank
+as ``worker.denoise.prepare_model`` holds it, the text encoders on rank 0 per ``--encoders``,
+the VAE on each bag lead): each phase the
 rank runs (encode, denoise, decode) measured on fake tensors by torch's ``MemTracker`` beside
 the memory model's prediction (``knapray.testing.sample_dryrun``). Exit status as above (1:
-a phase more than 10% off, a host sync in the denoising step, q/k/v or a matmul not in
-bf16); a gang the model predicts a GPU cannot hold is refused like bad input, in one line
-naming what would fit, exit 2, before anything is built.
+a phase more than 10% off, a host sync in the denoising step, q/k/v not in bf16); a gang
+the model predicts a GPU cannot hold is refused like bad input, in one line naming what
+would fit, exit 2, before anything is built.
 """
 
 from __future__ import annotations
@@ -198,7 +199,8 @@ def run(args: argparse.Namespace) -> int:
 
 def run_sample(args: argparse.Namespace) -> int:
     """``--sample``: one rank of a sampling gang (the module docstring)."""
-    from knapray.testing.sample_dryrun import DEFAULT_ENCODERS, DoesNotFit, assess, check_sample_setup, measure
+    from knapray.testing.sample_dryrun import DEFAULT_ENCODERS, DoesNotFit, assess, attention_dtype_violations, \
+        check_sample_setup, fp32_matmuls, measure
 
     if args.mix is not None:
         return _error("--mix: the training dry run's; --sample draws a request per --size")
@@ -238,8 +240,10 @@ def run_sample(args: argparse.Namespace) -> int:
           f"reserve and {mem.fragmentation:.0%} fragmentation)")
     w = measured.watch
     print("\nchecks")
-    print(f"  dtype: q, k, v and every matmul of the denoising step in bfloat16 ({w.attention_calls} attention calls, "
-          f"{w.matmuls} matmuls): " + ("OK" if not w.dtype_violations else "; ".join(w.dtype_violations)))
+    bad = attention_dtype_violations(w)
+    print(f"  dtype: q, k, v in bfloat16 at the denoising step's {w.attention_calls} attention calls: "
+          + ("OK" if not bad else "; ".join(bad)) + f"; of its {w.matmuls} matrix products those in fp32 are at "
+          + (", ".join(fp32_matmuls(w)) or "none") + " (the engine keeps the final layer in fp32)")
     print(f"  host syncs in the denoising step: {len(w.syncs)}" + "".join(f"\n    {s}" for s in w.syncs))
     print(f"  measured in {measured.seconds:.0f} s")
     print("DRY RUN " + ("PASSED" if found.passed else "FAILED: " + "; ".join(found.failures)))
@@ -269,8 +273,9 @@ def _print_sample_setup(args: argparse.Namespace, setup, torch_version: str) -> 
     m, mem, role, job = setup.cfg.model, setup.memory, setup.role, setup.jobs[0]
     print(f"knapray dryrun: {args.config} sampling, as rank {setup.rank} of a gang of {setup.world}; torch "
           f"{torch_version}; no GPU, no Ray: fake CPU tensors over a fake process group")
-    print(f"model    {get_family(m.family).title}, {mem.shape.num_params / 1e9:.2f} B parameters in bfloat16 on every "
-          f"rank (replicated: {mem.transformer_bytes() / GIB:.2f} GiB)")
+    print(f"model    {get_family(m.family).title}, {mem.shape.num_params / 1e9:.2f} B parameters, whole on every rank "
+          f"as the engine prepares it (bf16, the final layer and the residual stream fp32): "
+          f"{mem.transformer_bytes() / GIB:.2f} GiB")
     encoders = ", ".join(f"{e.cls} {e.num_params / 1e9:.2f} B at {e.tokens} tokens" for e in mem.text_encoders)
     vae = "no VAE declared (no decode phase)" if mem.vae is None else \
         f"VAE {mem.vae.cls} {mem.vae.num_params / 1e6:.1f} M in {'bfloat16' if mem.vae.dtype == 'bf16' else 'float32'}" \

@@ -3,11 +3,13 @@ stdlib and numpy only, no torch). ``knapray dryrun --sample`` measures it on fak
 
 The placement policy it counts (what knapray's sampling engine holds where):
 
-- **The transformer** runs in its compute dtype, bf16, cast once (no fp32 copy).
-  ``replicated`` (what the engine runs): every rank of the gang holds the whole model.
-  ``bag-sharded`` (modelled, not run or measured: what the refusal offers): FSDP2 over a
-  bag's ``g`` ranks, ``params / g`` per rank plus the largest unit gathered (a block, or
-  the embedders and final layer together), in bf16.
+- **The transformer** as ``worker.denoise.prepare_model`` holds it: its weights in bf16,
+  cast once (no fp32 copy), its final layer in fp32; the residual stream in fp32 around and
+  between the blocks, whose matrix products run in bf16 under autocast. ``replicated``
+  (``--shard off``, and ``auto`` where the weights fit; what ``knapray dryrun --sample``
+  measures): every rank of the gang holds the whole model. ``bag-sharded`` (``--shard
+  bags``; modelled, not measured): FSDP2 over a bag's ``g`` ranks, a ``g``-th of the weights
+  per rank plus the largest unit gathered (a block, or the embedders and final layer).
 - **The text encoders** (Flux: T5-XXL and CLIP-L; Wan: umT5-XXL) live on rank 0 only, in
   bf16, and encode the batch's captions together. Policy ``encoders``: ``keep`` (resident
   beside the transformer: serving), ``offload`` (on the host between batches, on the device
@@ -37,8 +39,9 @@ decode     a lead: transformer, encoders (``keep``),    one job's VAE decode (th
 =========  ===========================================  ================================
 
 Working memory, counted from what torch's tracker saw alive at each peak on fake tensors
-(``knapray dryrun --sample``; ``b`` the compute dtype's bytes, ``d`` the width, ``m`` the
-MLP width, ``D`` the head width; "per token" of the rank's routed tokens unless "home"):
+(``knapray dryrun --sample``; ``b`` the compute dtype's bytes (bf16: 2), ``f`` the stream's
+(fp32: 4), ``d`` the width, ``m`` the MLP width, ``D`` the head width; "per token" of the
+rank's routed tokens unless "home"):
 
 - *T5 / umT5*, B captions of L tokens: the relative position bias (L, L, heads), its masked
   copy and that copy's clone (B, heads, L, L), q, k, v, the input embeddings, the residual
@@ -46,21 +49,22 @@ MLP width, ``D`` the head width; "per token" of the rank's routed tokens unless 
   encoders returned. *CLIP*: at its MLP, fc1's output, the quick-GELU's two (B, L, ffn) and
   four (B, L, d). Attention itself keeps no scores (SDPA's fused kernels).
 - *Joint blocks* (Flux), the largest of a double block at its image MLP: per image token
-  ``(15d + 2m) b`` (modulation 6d, q/k/v 3d, normed q and k, the attention's split output,
-  the stream and its residual, the MLP input, fc1 and GELU), per text token ``14 d b``, per
-  token ``4 d b`` (merged q, k, v, attention output) and RoPE's fp32 cos/sin (``4 D``);
-  and of a single block at its concatenation: per token ``(12d + 3m) b`` (11d without
-  double blocks) + RoPE.
-- *Wan blocks*, at the self-attention's modulation: per image token nine fp32 rows of d
-  (six modulation rows gathered, the fp32 norm and its products) and eight of d in ``b``
-  (q, k, v, RoPE'd q and k, normed q and k, the stream) + RoPE; per text token the context
-  and its padded copy.
-- Around the blocks: the home embedding (``d b`` per home token, a lead's), the routing
-  buffer (``d b`` + 24 B per routed token, in a bag of more than one rank); at the end the
-  head over the home image tokens (Flux: ``6 d b``: modulation 2d, the split stream, the
-  norm and its two products; Wan, in fp32: ``24 d + d b``), the blocks' output home again
-  and the routed one. Wan's text MLP output (home text rows + its padding row) stays all
-  step.
+  ``(12d + 2m) b + 3 d f`` (in ``b`` the modulation 6d, q/k/v 3d, normed q and k, the
+  attention's split output, fc1 and GELU; in ``f`` the stream, its residual and the MLP's
+  input), per text token ``12 d b + 2 d f``, per token ``4 d b`` (merged q, k, v, attention
+  output) and RoPE's fp32 cos/sin (``4 D``); and of a single block at its concatenation:
+  per token ``(10d + 3m) b + 2 d f`` (the block's input and the double blocks' last
+  streams; ``1 d f`` without double blocks) + RoPE.
+- *Wan blocks*, at the self-attention's modulation: per image token thirteen fp32 rows of d
+  (six modulation rows gathered, the stream, its norm and products, q and k normed) and
+  five in ``b`` (q, k, v, RoPE'd q and k) + RoPE; per text token the context and its
+  padded copy, in ``f``.
+- Around the blocks: the home embedding (``d f`` per home token, a lead's), the routing
+  buffer (``d f`` + 24 B per routed token, in a bag of more than one rank); at the end the
+  head over the home image tokens in fp32 (Flux: ``24 d``: modulation 2d, the split stream,
+  the norm and its two products; Wan: ``24 d + d f``), the blocks' output home again and
+  the routed one. Wan's text MLP output (home text rows + its padding row, in ``b``) stays
+  all step.
 - *AutoencoderKL* decoding frames at P pixels: the last up block's first ResNet input, its
   GroupNorm and SiLU, ``3 C P b`` (C its input channels). *AutoencoderKLWan* (Wan 2.1's,
   causal, one latent frame a chunk after the first): two frames of every causal
@@ -96,6 +100,9 @@ CATEGORIES = ("transformer", "encoders", "vae", "latents", "working")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": FP32}
 COMPUTE_BYTES = 2
 """The transformer's and the text encoders' dtype on a GPU: bf16."""
+STREAM_BYTES = FP32
+"""The transformer's residual stream: fp32 between and around the blocks, whose matrix
+products run in bf16 under autocast (``worker.denoise.prepare_model``); its final layer too."""
 ROUTE_POS = 3 * INDEX
 """Per routed token, the (t, h, w) positions sent beside the hidden state."""
 
@@ -592,11 +599,19 @@ class SamplingMemoryModel:
 
     # ---- weights ----------------------------------------------------------------------------
 
-    def transformer_bytes(self, bag_size: int = 1) -> int:
-        """The transformer's weights on a rank: whole (replicated), or a ``bag_size``-th of them
-        plus the largest unit gathered (bag-sharded)."""
+    @property
+    def final_params(self) -> int:
+        """The final layer's parameters (fp32 on a GPU): its modulation and output projection
+        (Flux), or its shift/scale table and output projection (Wan)."""
         s = self.shape
-        total = s.num_params * COMPUTE_BYTES
+        out = s.hidden_size * s.patch_dim + s.patch_dim
+        return out + (2 * s.hidden_size if s.cross_attention else 2 * s.hidden_size * (s.hidden_size + 1))
+
+    def transformer_bytes(self, bag_size: int = 1) -> int:
+        """The transformer's weights on a rank, bf16 and its final layer fp32: whole
+        (replicated), or a ``bag_size``-th of them plus the largest unit gathered (bag-sharded)."""
+        s = self.shape
+        total = s.num_params * COMPUTE_BYTES + self.final_params * (STREAM_BYTES - COMPUTE_BYTES)
         if self.placement == "replicated" or bag_size == 1:
             return total
         largest = max(sum(s.double_block[:2]) if s.depth_double else 0,
@@ -638,27 +653,28 @@ class SamplingMemoryModel:
 
     def denoise_bytes(self, role: RankRole) -> int:
         """The forward's peak beyond weights and batch: the largest of the blocks and the head."""
-        s, b = self.shape, COMPUTE_BYTES
+        s, b, f = self.shape, COMPUTE_BYTES, STREAM_BYTES
         d, m, hd = s.hidden_size, s.mlp_hidden, s.head_dim
         ni, nt, n = role.routed_image, role.routed_text, role.routed
         if not n and not role.home:
             return 0
-        home_h = role.home * d * b
-        route = n * (d * b + ROUTE_POS) if role.bag_size > 1 else 0
+        home_h = role.home * d * f  # the embedding, widened to the stream's dtype
+        route = n * (d * f + ROUTE_POS) if role.bag_size > 1 else 0
         rope = 4 * hd  # fp32 cos and sin of D/2 frequencies
         if s.cross_attention:
             text_rows = (role.home_text + 1) * d * b  # the text MLP's output and its padding row
-            block = ni * (9 * FP32 * d + 8 * b * d + rope) + (2 * nt + 1) * d * b
+            block = ni * (13 * FP32 * d + 5 * b * d + rope) + (2 * nt + 1) * d * f
             blocks = home_h + text_rows + route + block
-            head = role.home_image * (6 * FP32 * d + d * b) + text_rows
+            head = role.home_image * (6 * FP32 * d + d * f) + text_rows
         else:
-            double = ni * (15 * d + 2 * m) * b + nt * 14 * d * b + n * (4 * d * b + rope) if s.depth_double else 0
-            single = n * ((11 + (1 if s.depth_double else 0)) * d + 3 * m) * b + n * rope if s.depth_single else 0
+            double = ni * ((12 * d + 2 * m) * b + 3 * d * f) + nt * (12 * d * b + 2 * d * f) + n * (4 * d * b + rope) \
+                if s.depth_double else 0
+            single = n * ((10 * d + 3 * m) * b + (2 if s.depth_double else 1) * d * f + rope) if s.depth_single else 0
             blocks = home_h + route + max(double, single)
-            head = role.home_image * 6 * d * b
+            head = role.home_image * 6 * d * FP32  # the final layer in fp32
         # the head at home: the embedding, the blocks' output home again (and the routed one, and
         # the routing buffer, in a bag of more ranks)
-        head += 2 * home_h + (n * d * b + route if role.bag_size > 1 else 0)
+        head += 2 * home_h + (n * d * f + route if role.bag_size > 1 else 0)
         return max(blocks, head if role.lead else 0)
 
     def decode_bytes(self, role: RankRole) -> int:

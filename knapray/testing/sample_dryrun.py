@@ -22,9 +22,13 @@ than ``MAX_PEAK_ERROR`` apart fails. The CPU build of torch cannot index a fake 
 (Python indexing needs the CUDA runtime: "not linked with support for cuda devices"), and
 fake tensors of the meta device take SDPA's math path (a GPU's fused kernels keep no score
 matrix; the VAEs' attention would count one): the phases run on fake **CPU** tensors, as
-the training dry run's step does. The engine's own casts (``prepare_model``: ``model.to``)
-cannot run on fake parameters (torch will not swap a fake parameter's dtype), so the dry run
-casts on the meta device before the parameters become fakes.
+the training dry run's step does. The transformer is prepared by the engine's own
+``worker.denoise.prepare_model`` on the meta device, before its parameters become fakes (torch
+will not swap a fake parameter's dtype): bf16 weights, the final layer in fp32, the residual
+stream in fp32 with the blocks under autocast (CPU autocast standing in for CUDA's: the same
+matrix products in bf16), not compiled. It measures the transformer whole on every rank
+(``--shard off``, and ``auto`` where the weights fit); the memory model also counts it sharded
+over each bag (``--shard bags``).
 """
 
 from __future__ import annotations
@@ -202,13 +206,13 @@ def refusal(setup: SampleSetup) -> str | None:
     need = max(mem.gpu_gib_needed(r) for r in setup.roles)
     options.append(f"GPUs of {need:g} GiB as placed")
     return (f"rank {worst.rank} needs {peak / GIB:.2f} GiB at its peak ({mem.breakdown(worst).peak_phase}; the "
-            f"transformer replicated, --encoders {setup.encoders}), {usable / GIB:.2f} GiB are usable on "
+            f"transformer whole on every rank, --encoders {setup.encoders}), {usable / GIB:.2f} GiB are usable on "
             f"{setup.gpu_gib:g} GiB GPUs; would fit: " + "; or ".join(options))
 
 
 def _option(a: Alternative, encoders: str) -> str:
     where = "--encoders " + a.encoders if a.placement == "replicated" else \
-        "the transformer sharded over each bag (FSDP2, not what the engine runs yet)" + \
+        "the gang's --shard bags (the transformer sharded over each bag; modelled, not measured here)" + \
         ("" if a.encoders == encoders else f" with --encoders {a.encoders}")
     return f"{where}: {a.peak / GIB:.2f} GiB"
 
@@ -286,6 +290,7 @@ def measure(setup: SampleSetup) -> SampleMeasured:
 
     from knapray.models.families import build_model
     from knapray.testing.step_watch import HostSync, StepWatch
+    from knapray.worker.denoise import prepare_model
 
     role, device = setup.role, torch.device("cpu")
     t0 = time.perf_counter()
@@ -296,7 +301,10 @@ def measure(setup: SampleSetup) -> SampleMeasured:
         groups = _groups(setup.topology, setup.rank)
         with torch.device("meta"):
             transformer = build_model(setup.cfg.model)
-        transformer.to(torch.bfloat16).eval()  # prepare_model's cast: the weights in bf16, once
+        # the engine's preparation, on the meta device (the parameters become fakes after):
+        # weights in bf16 once, the final layer in fp32, the residual stream in fp32 with the
+        # blocks under autocast (CPU autocast standing in for CUDA's), not compiled
+        prepare_model(transformer, device, precision="bf16", compile=False)
         encoders = [build_text_model(s) for s in setup.text_models] if role.encodes else []
         vae = build_vae(setup.vae) if role.lead and setup.vae is not None else None
         step = _step_inputs(setup, groups)
@@ -484,6 +492,16 @@ def _decode(vae: torch.nn.Module, setup: SampleSetup) -> None:
 # ---- judging -----------------------------------------------------------------------------------
 
 
+def attention_dtype_violations(watch) -> list[str]:
+    """q, k or v not in bf16 at an attention call (``StepWatch.check_attention``'s)."""
+    return [v for v in watch.dtype_violations if v.startswith("attention ")]
+
+
+def fp32_matmuls(watch) -> list[str]:
+    """Where matrix products ran outside bf16: the final layer's, fp32 by the engine's choice."""
+    return sorted({v.split(" at ", 1)[1] for v in watch.dtype_violations if not v.startswith("attention ")})
+
+
 @dataclasses.dataclass(frozen=True)
 class PhaseRow:
     phase: str
@@ -536,7 +554,8 @@ def assess(setup: SampleSetup, measured: SampleMeasured) -> SampleFindings:
         elif abs(row.error) > MAX_PEAK_ERROR:
             failures.append(f"{phase}: predicted {p.total / GIB:.2f} GiB is {row.error:+.1%} off the measured "
                             f"{got.total / GIB:.2f} GiB (more than {MAX_PEAK_ERROR:.0%})")
-    failures += [f"dtype: {v}" for v in measured.watch.dtype_violations]
+    # the engine keeps the final layer in fp32 (prepare_model): only attention's inputs must be bf16
+    failures += [f"dtype: {v}" for v in attention_dtype_violations(measured.watch)]
     usable = mem.usable_bytes(int(setup.gpu_gib * GIB))
     measured_peak = max((r.measured.total for r in rows), default=0)
     if measured_peak > usable:
