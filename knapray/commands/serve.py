@@ -117,7 +117,7 @@ def check_run(run_dir: str, checkpoint: str | None, world_size: int = 1, topolog
     from knapray.driver.run_dir import read_run_config, run_checkpoint
     from knapray.inference.jobs import run_rules
     from knapray.planning import Topology
-    from knapray.planning.sampling import candidate_topologies, halving_topology
+    from knapray.driver.gang import gang_blocks
     from knapray.worker.checkpoint import check_checkpoint
 
     cfg = read_run_config(run_dir)
@@ -131,7 +131,11 @@ def check_run(run_dir: str, checkpoint: str | None, world_size: int = 1, topolog
         except ValueError as e:
             raise ValueError(str(e).replace("max_side: ", "--max-request-side ", 1)) from None
     heads = cfg.model.num_heads
-    for spec in candidate_topologies(topology or halving_topology(world_size, heads), world_size, heads):
+    try:
+        specs = gang_blocks(topology, world_size, heads)[1]
+    except ValueError as e:
+        raise ValueError(f"--topology {topology}: {e}") from None
+    for spec in specs:
         try:
             check_heads(heads, Topology.parse(spec, world_size=world_size))
         except ValueError as e:

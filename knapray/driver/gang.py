@@ -32,7 +32,6 @@ from typing import Any
 import numpy as np
 
 from knapray.inference.jobs import Job, RunRules
-from knapray.planning.sampling import halving_topology
 
 ENCODER_POLICIES = ("keep", "offload", "free")
 DEFAULT_TIMEOUT_S = 300.0
@@ -124,12 +123,19 @@ class SamplerRank:
     def join(self, address: str, port: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         """The world's process group (its collectives give up after ``timeout_s``) and every
         candidate topology's groups, made once for the gang's life."""
+        from knapray.planning.sampling import candidate_topologies
+
+        self.join_blocks(address, port, candidate_topologies(self.spec, self.world_size, self.cfg.model.num_heads),
+                         timeout_s)
+
+    def join_blocks(self, address: str, port: int, specs: list[str], timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        """The world's process group and the groups of every topology of ``specs`` (a serving
+        gang's blocks: ``gang_blocks``), made once for the gang's life."""
         import datetime
 
         import torch
         import torch.distributed as dist
 
-        from knapray.planning.sampling import candidate_topologies
         from knapray.worker.denoise import SamplingGroups
 
         if self.device == "cpu":  # ranks share the cores
@@ -139,7 +145,6 @@ class SamplerRank:
         dist.init_process_group("nccl" if self.device.startswith("cuda") else "gloo",
                                 init_method=f"tcp://{address}:{port}", rank=self.rank, world_size=self.world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-        specs = candidate_topologies(self.spec, self.world_size, self.cfg.model.num_heads)
         self.groups = SamplingGroups.build_all(specs, self.world_size, self.rank)
 
     # ---- codecs: the text encoder on rank 0, the VAE on the leads -------------------------
@@ -208,6 +213,40 @@ class SamplerRank:
             if self._bar is not None:
                 self._bar.close()
         return {k: self.picture(z) for k, z in latents.items()} if decode else latents
+
+    def run_block(self, spec: str, keys: list[int], djobs: list, decode) -> dict:
+        """A serving gang's block: this rank's part of running ``djobs`` on its bag of topology
+        ``spec`` (every rank of the block is called with the same jobs). On the block's lead:
+        ``{"results": {index: pictures or latent}, "stopped": [indices], "seconds": {index:
+        {"denoise", "decode"}}}``; ``cancel`` stops a job (by its key) between two steps."""
+        from knapray.worker.denoise import denoise_bag
+
+        decode = [decode] * len(djobs) if isinstance(decode, bool) else list(decode)
+        self.last_step_at = time.monotonic()
+        self._keys, self._cancelled = list(keys), set()
+        stats: dict = {}
+        t0 = time.monotonic()
+        latents = denoise_bag(self.model, djobs, self.groups[spec], cfg_parallel=self.cfg_parallel,
+                              on_step=self._tick, step_cache=self.step_cache, stats=stats, stop=self._stops)
+        t1 = time.monotonic()
+        results, seconds = {}, {}
+        for k, z in latents.items():
+            left = stats["left_at"].get(k, t1)
+            seconds[k] = {"denoise": left - t0}
+            if decode[k]:
+                d0 = time.monotonic()
+                results[k] = self.picture(z)
+                seconds[k]["decode"] = time.monotonic() - d0
+            else:
+                results[k] = z
+        return {"results": results, "stopped": list(stats.get("stopped", [])), "seconds": seconds}
+
+    def _stops(self) -> set[int]:
+        return {i for i, k in enumerate(self._keys) if k in self._cancelled}
+
+    def cancel(self, keys: list[int]) -> None:
+        """Stop these jobs of the running block between two steps (asked of its lead)."""
+        self._cancelled = set(getattr(self, "_cancelled", set())) | set(keys)
 
     def _tick(self, step: int) -> None:
         self.steps_done += 1
@@ -404,28 +443,83 @@ class JobResult:
     """(T, H, W, 3) uint8; T == 1 for an image."""
     error: str | None = None
     latent: np.ndarray | None = None
-    """(C, T, H, W), instead of ``frames``, from ``generate(..., decode=False)``."""
+    """(C, T, H, W), instead of ``frames``, from ``decode=False``."""
     lost: bool = False
-    """Its bag lost a rank mid-batch: the caller may retry it on a restarted gang."""
+    """A rank of its block was lost while it ran: the caller may retry it (the gang restarts)."""
+    cancelled: bool = False
+    """Dropped by ``Gang.cancel``: while waiting, or between two of its steps."""
+    seconds: dict = field(default_factory=dict)
+    """Where its time went: ``queue`` (arrival to its block's start), ``encode`` (its batch's
+    captions on rank 0), ``denoise`` (its loop), ``decode`` (its latent through the VAE)."""
+    ranks: tuple = ()
+    """The ranks of the block that ran it."""
 
 
 @functools.cache
 def _actor_class():
     import ray
 
-    # Two calls at once: ``progress`` answers while ``run`` draws a batch.
-    return ray.remote(max_concurrency=2)(SamplerRank)
+    # Calls at once: ``run_block`` draws, while ``prepare`` (rank 0), ``progress`` and
+    # ``cancel`` answer.
+    return ray.remote(max_concurrency=4)(SamplerRank)
+
+
+BLOCK_NODE = 8
+"""Ranks to a node, for the aligned blocks of a gang on ``auto`` (a block never spans two)."""
+
+
+def gang_blocks(spec: str | None, world: int, heads: int) -> tuple[tuple[tuple[int, int], ...], list[str],
+                                                                     list[tuple[str, int]]]:
+    """(blocks as (first rank, size), the topologies whose groups hold them, each block's
+    (topology, bag)): for ``auto`` (or None) every aligned power-of-two block of a node whose
+    size divides the heads; for a topology, its bags."""
+    from knapray.planning import Topology
+    from knapray.planning.scheduler import aligned_blocks
+
+    if spec not in (None, "auto"):
+        topo = Topology.parse(spec, world_size=world)
+        blocks = tuple((int(topo.bag_starts[b]), int(topo.bag_sizes[b])) for b in range(topo.num_bags))
+        return blocks, [spec], [(spec, b) for b in range(topo.num_bags)]
+    node = min(world, BLOCK_NODE)
+    sizes = tuple(g for g in (1, 2, 4, 8) if g <= node and heads % g == 0)
+    blocks = aligned_blocks(world, sizes, node)
+    specs, where = {}, []
+    for first, g in blocks:
+        if g not in specs:
+            tiles = [(a, size) for a, size in blocks if size == g]
+            covered = sum(size for _, size in tiles)
+            specs[g] = f"g{g}n{len(tiles)}" + (f"+g1n{world - covered}" if covered < world else "")
+            if covered < world and any(a >= covered for a, _ in tiles):
+                raise ValueError(f"blocks of {g} ranks do not tile the front of a world of {world}")
+        where.append((specs[g], first // g))
+    return blocks, list(dict.fromkeys(specs.values())), where
+
+
+@dataclass(eq=False)
+class _Submission:
+    key: int
+    job: Any
+    """A ``Job`` (rank 0 resolves it) or a ``DenoiseJob`` (resolved already)."""
+    decode: bool
+    future: Any
+    arrival: float
+    djob: Any = None
+    seconds: dict = field(default_factory=dict)
+    state: str = "new"
+    """new, waiting, running, done."""
 
 
 @dataclass
 class Gang:
-    """``world_size`` Ray actors holding the run's model, one process group."""
+    """``world_size`` Ray actors holding the run's model, one process group, serving requests
+    continuously: each on a block of ranks the serving policy (``planning.scheduler``, the
+    one the simulator predicts) gives it, a block taking the next requests when it finishes."""
 
     run_dir: str
     world_size: int
     topology: str
-    """A topology (default: ``halving_topology``), or ``auto``: each batch on the candidate of
-    least predicted makespan (``planning.sampling.candidate_topologies``)."""
+    """``auto``: every aligned block (``gang_blocks``), the balanced policy choosing among
+    their partitions; or one topology, its bags the blocks."""
     rules: RunRules
     model_cfg: Any
     device: str = "cpu"
@@ -434,14 +528,14 @@ class Gang:
     precision: str = "auto"
     compile: bool | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
-    """A bag whose ranks take no step for this long is lost (and a collective gives up after it)."""
+    """A block whose ranks take no step for this long is lost (and a collective gives up after it)."""
     shard: str = "auto"
     """``SHARD_POLICIES``."""
     actors: list = field(default_factory=list)
     broken: bool = False
-    """A rank failed: the next batch starts a new gang first."""
-    last_topology: str | None = None
-    """The topology of the last batch."""
+    """A rank failed: no block starts until the running ones end and the gang restarts."""
+    last_blocks: list = field(default_factory=list)
+    """The blocks (ranks) of the last requests started."""
 
     @classmethod
     def start(cls, run_dir: str, world_size: int, *, topology: str | None = None, device: str = "cpu",
@@ -451,18 +545,38 @@ class Gang:
         from knapray.distributed.groups import check_heads
         from knapray.inference.jobs import run_rules
         from knapray.planning import Topology
-        from knapray.planning.sampling import candidate_topologies
         from knapray.worker.checkpoint import check_checkpoint
 
         cfg, ckpt = read_run(run_dir, checkpoint)
         check_checkpoint(ckpt)
-        spec = topology or halving_topology(world_size, cfg.model.num_heads)
-        for one in candidate_topologies(spec, world_size, cfg.model.num_heads):
+        spec = topology or "auto"
+        for one in gang_blocks(spec, world_size, cfg.model.num_heads)[1]:
             check_heads(cfg.model.num_heads, Topology.parse(one, world_size=world_size))
         gang = cls(run_dir, world_size, spec, run_rules(cfg), cfg.model, device, checkpoint, cfg_parallel, precision,
                    compile, timeout_s, shard)
         gang._spawn()
         return gang
+
+    def __post_init__(self) -> None:
+        import threading
+
+        from knapray.planning.scheduler import BagScheduler
+        from knapray.worker.denoise import sampling_cost
+
+        self.blocks, self.specs, self.where = gang_blocks(self.topology, self.world_size, self.model_cfg.num_heads)
+        self.scheduler = BagScheduler(self.blocks, "balanced")
+        self.cost = sampling_cost(self.model_cfg)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._inbox: list[_Submission] = []
+        self._cancels: list[int] = []
+        self._subs: dict[int, _Submission] = {}
+        self._running: dict[int, dict] = {}
+        """Block -> its run: refs, submissions, start time."""
+        self._preparing: list[tuple[Any, list[_Submission], float]] = []
+        self._next_key = 0
+        self._thread = None
+        self._closing = False
 
     def _spawn(self) -> None:
         import ray
@@ -471,114 +585,274 @@ class Gang:
 
         gpu = self.device.startswith("cuda")
         cls = _actor_class().options(num_gpus=1 if gpu else 0, num_cpus=0 if not gpu else 1)
-        self.actors = [cls.remote(self.run_dir, self.checkpoint, r, self.world_size, self.topology, self.device,
+        topology = self.specs[0] if len(self.specs) == 1 else "auto"
+        self.actors = [cls.remote(self.run_dir, self.checkpoint, r, self.world_size, topology, self.device,
                                   True, self.cfg_parallel, precision=self.precision, compile=self.compile,
                                   load=False, shard=self.shard)
                        for r in range(self.world_size)]
         address = "127.0.0.1" if not gpu else ray.get(self.actors[0].node_address.remote())
         port = free_port()
-        ray.get([a.join.remote(address, port, self.timeout_s) for a in self.actors])
+        ray.get([a.join_blocks.remote(address, port, self.specs, self.timeout_s) for a in self.actors])
         ray.get([a.load.remote() for a in self.actors])
         self.broken = False
 
-    def generate(self, jobs: list[Job], decode: bool = True) -> list[JobResult]:
-        """One result per job, in order: the jobs planned and drawn together (``decode``:
-        pictures, else the latents)."""
-        import ray
+    # ---- the caller's side --------------------------------------------------------------------
 
-        from knapray.planning import Topology
-        from knapray.planning.sampling import candidate_topologies
-        from knapray.worker.denoise import batch_plan
+    def submit(self, job: Any, decode: bool = True):
+        """A ``concurrent.futures.Future`` of the job's ``JobResult`` (its ``key`` attribute is
+        what ``cancel`` takes). A ``Job`` is checked against the run's rules first (an error
+        result at once) and resolved by rank 0; a ``DenoiseJob`` runs as it is."""
+        import concurrent.futures
+        import threading
 
-        results = [JobResult() for _ in jobs]
-        if not jobs:
-            return results
-        checked = []
-        for i, job in enumerate(jobs):
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if isinstance(job, Job):
             try:
                 self.rules.check(job)
-                checked.append(i)
             except ValueError as e:
-                results[i].error = str(e)
-        if self.broken:
-            self.restart()
-        try:
-            prepared = ray.get(self.actors[0].prepare.remote([jobs[i] for i in checked]), timeout=self.timeout_s)
-        except (ray.exceptions.RayError, TimeoutError) as e:
-            self.broken = True
-            for i in checked:
-                results[i] = JobResult(error=f"the gang's rank 0 failed: {type(e).__name__}", lost=True)
-            return results
-        ok = []
-        for i, p in zip(checked, prepared):
-            if isinstance(p, str):
-                results[i].error = p
-            else:
-                ok.append(i)
-        if not ok:
-            return results
-        djobs = [p for p in prepared if not isinstance(p, str)]
-        specs = candidate_topologies(self.topology, self.world_size, self.model_cfg.num_heads)
-        spec, plan = batch_plan(self.model_cfg, djobs, specs, self.world_size)  # what every rank chooses
-        topo, bag = Topology.parse(spec, world_size=self.world_size), plan.bag
-        self.last_topology = spec
-        pictures, lost_bags = self._collect([a.run.remote(djobs, decode) for a in self.actors], topo)
-        for k, i in enumerate(ok):
-            if int(bag[k]) in lost_bags or k not in pictures:
-                results[i] = JobResult(error="a worker of its bag was lost mid-batch", lost=True)
-            elif decode:
-                results[i].frames = pictures[k]
-            else:
-                results[i].latent = pictures[k]
-        return results
+                future.set_result(JobResult(error=str(e)))
+                future.key = -1
+                return future
+        with self._lock:
+            key = self._next_key
+            self._next_key += 1
+            future.key = key
+            sub = _Submission(key, job, decode, future, time.monotonic())
+            self._subs[key] = sub
+            self._inbox.append(sub)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve_forever, name="knapray-gang", daemon=True)
+                self._thread.start()
+        self._wake.set()
+        return future
 
-    POLL_S = 1.0
-    """How often a batch's pending ranks are asked for their progress."""
+    def cancel(self, key: int) -> str:
+        """Cancel a submitted job: ``dropped`` (it had not started: its result says cancelled),
+        ``stopping`` (it runs: its block drops it between two steps), ``done`` or ``unknown``."""
+        with self._lock:
+            sub = self._subs.get(key)
+            if sub is None:
+                return "unknown"
+            if sub.future.done():
+                return "done"
+            self._cancels.append(key)
+            state = "stopping" if sub.state == "running" else "dropped"
+        self._wake.set()
+        return state
 
-    def _collect(self, refs: list, topo) -> tuple[dict[int, np.ndarray], set[int]]:
-        """Every rank's results as they come; a rank that fails, or whose bag takes no step
-        for ``timeout_s``, fails its bag, whose other ranks (stuck in a collective with it)
-        are not waited for: the gang is then ``broken`` and restarts before its next batch."""
+    def generate(self, jobs: list, decode: bool = True) -> list[JobResult]:
+        """One result per job, in order: every job submitted, all waited for."""
+        futures = [self.submit(job, decode) for job in jobs]
+        return [f.result() for f in futures]
+
+    # ---- the scheduler's thread ---------------------------------------------------------------
+
+    POLL_S = 0.05
+    """How often the thread looks at running blocks when nothing arrives."""
+    PROGRESS_S = 1.0
+    """How often a running block's ranks are asked for their progress."""
+
+    def _serve_forever(self) -> None:
         import ray
 
-        bag_of = {ref: int(topo.bag_of_rank[r]) for r, ref in enumerate(refs)}
-        actor_of = dict(zip(refs, self.actors))
-        pending, pictures, lost = list(refs), {}, set()
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=min(self.POLL_S, self.timeout_s))
-            for ref in ready:
-                try:
-                    pictures.update(ray.get(ref))
-                except ray.exceptions.RayError:
-                    lost.add(bag_of[ref])
-            if not ready:
-                lost |= self._stalled_bags(pending, bag_of, actor_of)
-            pending = [p for p in pending if bag_of[p] not in lost]
-        self.broken = self.broken or bool(lost)
-        return pictures, lost
-
-    def _stalled_bags(self, pending: list, bag_of: dict, actor_of: dict) -> set[int]:
-        """Bags of ``pending`` whose every pending rank took its last step (or none) more than
-        ``timeout_s`` ago, or does not answer within it."""
-        import ray
-
-        quiet: dict[int, list[bool]] = {}
-        asks = {ref: actor_of[ref].progress.remote() for ref in pending}
-        for ref, ask in asks.items():
+        last_progress = time.monotonic()
+        while not self._closing:
+            self._wake.wait(self.POLL_S)
+            self._wake.clear()
             try:
-                _, idle = ray.get(ask, timeout=self.timeout_s)
-                stalled = idle > self.timeout_s
-            except (ray.exceptions.RayError, TimeoutError):
-                stalled = True
-            quiet.setdefault(bag_of[ref], []).append(stalled)
-        return {b for b, flags in quiet.items() if all(flags)}
+                self._intake()
+                self._prepared()
+                self._apply_cancels()
+                self._finish_blocks()
+                if time.monotonic() - last_progress > self.PROGRESS_S:
+                    self._stalls()
+                    last_progress = time.monotonic()
+                if self.broken and not self._running:
+                    self._restart_now()
+                if not self.broken:
+                    self._start_blocks()
+            except ray.exceptions.RayError as e:  # rank 0 lost while preparing, say
+                self._lose_everything_running(f"{type(e).__name__}")
 
-    def restart(self) -> None:
-        """New actors (after a loss): the old ones are killed first."""
-        self.close()
+    def _intake(self) -> None:
+        import ray
+
+        from knapray.models.sampling import DenoiseJob
+
+        with self._lock:
+            new, self._inbox = self._inbox, []
+        ready = [s for s in new if isinstance(s.job, DenoiseJob)]
+        for s in ready:
+            s.djob = s.job
+            self._wait(s)
+        jobs = [s for s in new if not isinstance(s.job, DenoiseJob)]
+        if jobs:  # every new caption of this moment encoded together on rank 0
+            self._preparing.append((self.actors[0].prepare.remote([s.job for s in jobs]), jobs, time.monotonic()))
+        del ray
+
+    def _prepared(self) -> None:
+        import ray
+
+        still = []
+        for ref, subs, t0 in self._preparing:
+            done, _ = ray.wait([ref], timeout=0)
+            if not done:
+                if time.monotonic() - t0 > self.timeout_s:
+                    self.broken = True
+                    for s in subs:
+                        self._resolve(s, JobResult(error="the gang's rank 0 did not answer", lost=True))
+                    continue
+                still.append((ref, subs, t0))
+                continue
+            try:
+                out = ray.get(ref)
+            except ray.exceptions.RayError as e:
+                self.broken = True
+                for s in subs:
+                    self._resolve(s, JobResult(error=f"the gang's rank 0 failed: {type(e).__name__}", lost=True))
+                continue
+            took = time.monotonic() - t0
+            for s, p in zip(subs, out):
+                s.seconds["encode"] = took
+                if isinstance(p, str):
+                    self._resolve(s, JobResult(error=p, seconds=s.seconds))
+                else:
+                    s.djob = p
+                    self._wait(s)
+        self._preparing = still
+
+    def _wait(self, s: _Submission) -> None:
+        from knapray.planning.sampling import job_seconds
+
+        if s.future.done():  # cancelled while it was prepared
+            return
+        d = s.djob
+        s.state = "waiting"
+        self.scheduler.add(s.key, s.arrival, job_seconds(d.tokens, d.steps, d.passes, [g for _, g in self.blocks],
+                                                          self.cost), d.steps)
+
+    def _apply_cancels(self) -> None:
+        with self._lock:
+            keys, self._cancels = self._cancels, []
+        for key in keys:
+            s = self._subs.get(key)
+            if s is None or s.future.done():
+                continue
+            if self.scheduler.cancel(key) or s.state == "new":
+                self._resolve(s, JobResult(error="cancelled", cancelled=True, seconds=s.seconds))
+            elif s.state == "running":
+                for block, run in self._running.items():
+                    if key in [x.key for x in run["subs"]]:
+                        first = self.blocks[block][0]
+                        self.actors[first].cancel.remote([key])  # the block's lead decides
+
+    def _start_blocks(self) -> None:
+        now = time.monotonic()
+        for block, keys in self.scheduler.decide(now):
+            subs = [self._subs[k] for k in keys]
+            first, g = self.blocks[block]
+            spec, _ = self.where[block]
+            for s in subs:
+                s.state = "running"
+                s.seconds["queue"] = now - s.arrival
+            djobs = [s.djob for s in subs]
+            decode = [s.decode for s in subs]
+            refs = [self.actors[r].run_block.remote(spec, keys, djobs, decode) for r in range(first, first + g)]
+            self._running[block] = {"refs": refs, "subs": subs, "start": now}
+            self.last_blocks = [tuple(range(first, first + g))]
+
+    def _finish_blocks(self) -> None:
+        import ray
+
+        for block, run in list(self._running.items()):
+            done, _ = ray.wait(run["refs"], num_returns=len(run["refs"]), timeout=0)
+            failed = False
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayError:
+                    failed = True
+            if failed:
+                self._lose(block, "a worker of its block was lost")
+            elif len(done) == len(run["refs"]):
+                out = ray.get(run["refs"][0])  # the block's lead's
+                first, g = self.blocks[block]
+                ranks = tuple(range(first, first + g))
+                for i, s in enumerate(run["subs"]):
+                    got = out["results"].get(i)
+                    seconds = {**s.seconds, **out["seconds"].get(i, {})}
+                    if i in out["stopped"]:
+                        result = JobResult(error="cancelled", cancelled=True)
+                    elif got is None:
+                        result = JobResult(error="its block gave no result", lost=True)
+                    elif s.decode:
+                        result = JobResult(frames=got)
+                    else:
+                        result = JobResult(latent=got)
+                    result.seconds, result.ranks = seconds, ranks
+                    self._resolve(s, result)
+                del self._running[block]
+                self.scheduler.finished(block, time.monotonic())
+
+    def _stalls(self) -> None:
+        """Blocks whose every rank took its last step more than ``timeout_s`` ago (or does not
+        answer within it) are lost: their ranks are stuck in a collective with a partner that
+        does not come."""
+        import ray
+
+        for block, run in list(self._running.items()):
+            first, g = self.blocks[block]
+            quiet = []
+            for r in range(first, first + g):
+                try:
+                    _, idle = ray.get(self.actors[r].progress.remote(), timeout=self.timeout_s)
+                    quiet.append(idle > self.timeout_s)
+                except (ray.exceptions.RayError, TimeoutError):
+                    quiet.append(True)
+            if all(quiet):
+                self._lose(block, f"its block took no step for {self.timeout_s:g} s")
+
+    def _lose(self, block: int, why: str) -> None:
+        run = self._running.pop(block)
+        first, g = self.blocks[block]
+        for s in run["subs"]:
+            self._resolve(s, JobResult(error=why, lost=True, seconds=s.seconds, ranks=tuple(range(first, first + g))))
+        self.scheduler.finished(block, time.monotonic())
+        self.broken = True
+
+    def _lose_everything_running(self, why: str) -> None:
+        for block in list(self._running):
+            self._lose(block, why)
+        self.broken = True
+
+    def _resolve(self, s: _Submission, result: JobResult) -> None:
+        s.state = "done"
+        with self._lock:
+            self._subs.pop(s.key, None)
+        if not s.future.done():
+            s.future.set_result(result)
+
+    def restart(self, timeout_s: float = 600.0) -> None:
+        """New actors: the old ones are killed first; waiting jobs wait on. With requests in
+        flight the gang's thread does it once its running blocks have ended (as after a loss)."""
+        import threading
+
+        if self._thread is None or not self._thread.is_alive() or threading.current_thread() is self._thread:
+            self._restart_now()
+            return
+        self.broken = True
+        self._wake.set()
+        deadline = time.monotonic() + timeout_s
+        while self.broken and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.broken:
+            raise RuntimeError(f"the gang did not restart within {timeout_s:g} s")
+
+    def _restart_now(self) -> None:
+        self.close_actors()
         self._spawn()
 
-    def close(self) -> None:
+    def close_actors(self) -> None:
         import ray
 
         for a in self.actors:
@@ -587,3 +861,12 @@ class Gang:
             except Exception:  # already gone
                 pass
         self.actors = []
+
+    def close(self) -> None:
+        self._closing = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self.close_actors()
+        for s in list(self._subs.values()):
+            self._resolve(s, JobResult(error="the gang closed", lost=True))
