@@ -81,6 +81,11 @@ MAX_IMAGE_SIDE = 8192
 """``knapray sample``: the longest side of an image in pixels (FLUX.1 is trained up to
 2048; 8192 allows panoramas and upscales)."""
 
+SIZE_FORM = r"([0-9]+)x([0-9]+)"
+"""The one spelling of an image size (``re.fullmatch``), wherever a user gives one (``--size``,
+``metrics.validation.sizes``, a served request's ``size``, as OpenAI's images API writes it):
+WIDTHxHEIGHT in ASCII digits and a lowercase x; ``512X512`` or ``512 x 512`` is refused."""
+
 MAX_IMAGE_TOKENS = 1 << 16
 """``knapray sample``: image tokens of one request: 65,536, a 4096x4096 image at a VAE
 factor of 8 and 2x2 patches (FLUX.1 at 2048x2048 holds 16,384)."""

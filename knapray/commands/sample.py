@@ -1,7 +1,7 @@
 """``knapray sample``: images (and videos) from a trained run, by rectified-flow Euler steps.
 
     knapray sample --run runs/NAME --caption "a red bicycle" --caption "a cat" \\
-        --size 512x512 --size 768x384 --steps 28 --out grid.png
+        --size 512x512 --size 768x384 --steps 28 --out bicycles/
 
 Sizes are WIDTHxHEIGHT in pixels. Requests pair captions (then ``--like`` ids) with sizes:
 one size for all of them, one per request, or, for a single caption, one request per
@@ -25,19 +25,21 @@ request's own timestep shift from its image tokens (FluxPipeline's ``calculate_s
 and ``--guidance`` (default 3.5) is the embedded guidance input, one forward pass per
 step, no classifier-free guidance (schnell: no shift, no guidance input). Latents are
 decoded with the corpus's VAE when it has one, the stand-in pixel encoder's inverse, or
-(synthetic corpora) shown as their first three channels. The grid is a PNG with each
-request's caption and size.
+(synthetic corpora) shown as their first three channels. ``--out FOLDER`` holds each request
+at the size it was drawn (``request_0.png``, a clip as ``request_1.mp4``) and ``grid.png``;
+``--out FILE.png`` is the grid alone, each request's caption and size over its tile.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from knapray.inference.conditioning import TEXT_ENCODERS, corpus_records
-from knapray.inference.images import save_grid
+from knapray.inference.images import GRID_FILE, save_grid, save_requests
 from knapray.inference.prepare import default_guidance
 from knapray.inference.requests import Request, check_sizes, pair_requests, parse_size
 from knapray.driver.trained import read_run
@@ -56,6 +58,8 @@ class SamplePlan:
     topology: str | None = None
     """The bags of ``--world-size N`` > 1 (default ``planning.sampling.halving_topology``), or
     ``auto`` (chosen for the batch among ``planning.sampling.candidate_topologies``)."""
+    folder: str | None = None
+    """``--out`` as a folder (each request and the grid), or None: ``--out`` is the grid's file."""
 
 
 def plan_sampling(args: argparse.Namespace) -> SamplePlan:
@@ -78,8 +82,25 @@ def plan_sampling(args: argparse.Namespace) -> SamplePlan:
     requests = [Request(caption=caption, height=h, width=w, frames=args.frames, like=like)
                 for (caption, like), (w, h) in pairs]
     topology = _topology(args, cfg)
+    folder = out_folder(args.out) if getattr(args, "out", None) else None
     check_checkpoint(ckpt)  # before anything is built from it: a planted file is refused, never run
-    return SamplePlan(cfg=cfg, checkpoint=ckpt, requests=requests, topology=topology)
+    return SamplePlan(cfg=cfg, checkpoint=ckpt, requests=requests, topology=topology, folder=folder)
+
+
+def out_folder(out: str) -> str | None:
+    """The folder ``--out`` names, new or empty: a directory, a path ending in ``/``, or a name
+    without an extension (``samples``); None for a file name (``grid.png``: the grid alone)."""
+    name = out.rstrip("/" + os.sep)
+    if not (os.path.isdir(out) or name != out or not os.path.splitext(name)[1]):
+        return None
+    if os.path.isdir(out):
+        if os.listdir(out):
+            raise ValueError(f"--out {out}: a folder that is not empty; choose a new or empty one (it receives "
+                             f"request_0.png, ... and {GRID_FILE}), or a FILE.png for the grid alone")
+    elif os.path.lexists(out):
+        raise ValueError(f"--out {out}: a file without an extension; give a folder for every request at full "
+                         "resolution, or FILE.png for the grid alone")
+    return out
 
 
 def _topology(args: argparse.Namespace, cfg: Any) -> str | None:
@@ -142,7 +163,12 @@ def run(args: argparse.Namespace) -> dict:
     titles = [f"{r.caption or (f'like sample {r.like}' if r.like is not None else 'unconditional')}\n"
               f"{r.width}x{r.height}" for r in plan.requests]
     shapes = [(r.frames * pt, r.height // down, r.width // down) for r in plan.requests]
-    report = {"out": save_grid(args.out, got.frames, titles), "checkpoint": plan.checkpoint, "ema": got.ema,
+    if plan.folder is None:
+        out, files = save_grid(args.out, got.frames, titles), []
+    else:
+        names = save_requests(plan.folder, got.frames, titles)
+        out, files = os.path.join(plan.folder, GRID_FILE), [os.path.join(plan.folder, n) for n in names]
+    report = {"out": out, "files": files, "checkpoint": plan.checkpoint, "ema": got.ema,
               "requests": len(got.frames), "family": cfg.model.family,
               "guidance": args.guidance if args.guidance is not None else default_guidance(cfg.model),
               "shifts": config_shifts(cfg.model, shapes, args.shift), "shapes": [list(f.shape) for f in got.frames],
@@ -206,7 +232,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "default; knapray bench sample prints its speedup and error)")
     p.add_argument("--no-cfg-parallel", action="store_true",
                    help="guided requests run both passes over their whole bag (default: on two halves of an even bag)")
-    p.add_argument("--out", default="samples.png", help="PNG grid to write (default samples.png)")
+    p.add_argument("--out", default="samples.png",
+                   help="a new or empty folder for every request at full resolution (request_0.png, a clip as "
+                   ".mp4) and grid.png; or FILE.png for the grid alone (default samples.png)")
     p.add_argument("--latents", metavar="FILE.npz", help="also write every request's latent (C, T, H, W), "
                    "request_0, request_1, ... (before decoding)")
     add_json(p)
@@ -227,9 +255,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_report(report: dict, as_json: bool) -> None:
-    sizes = ", ".join(f"{w}x{h}" for _, h, w, _ in report["shapes"])  # (frames, height, width, 3) each
-    print(f"wrote {report['out']} ({report['requests']} images: {sizes} pixels; {'EMA' if report['ema'] else 'raw'} "
-          f"weights of {report['checkpoint']}, decoded by {report['decoder']})")
+    sizes = [f"{w}x{h}" for _, h, w, _ in report["shapes"]]  # (frames, height, width, 3) each
+    weights = f"{'EMA' if report['ema'] else 'raw'} weights of {report['checkpoint']}, decoded by {report['decoder']}"
+    if report["files"]:
+        each = ", ".join(f"{os.path.basename(f)} {size}" for f, size in zip(report["files"], sizes))
+        print(f"wrote {os.path.dirname(report['out'])}: {each} at full resolution, and {GRID_FILE} ({weights})")
+    else:
+        print(f"wrote {report['out']} ({report['requests']} images: {', '.join(sizes)} pixels; {weights})")
     if as_json:
         print(json.dumps(report))
 

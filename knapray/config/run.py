@@ -46,7 +46,7 @@ from knapray.coordinator.config import BalanceConfig
 from knapray.files import read_text
 from knapray.limits import (MAX_EPOCHS, MAX_GLOBAL_BATCH, MAX_MICRO_BATCHES, MAX_RANK_TOKENS, MAX_RUN_NAME,
                             MAX_SAMPLES_PER_RANK, MAX_SEED, MAX_SHUFFLE_BUFFER_MB, MAX_STEPS, MAX_TIMEOUT_S,
-                            MAX_WORLD_SIZE)
+                            MAX_WORLD_SIZE, SIZE_FORM)
 from knapray.models import DiTConfig, MMDiTConfig
 from knapray.models.flow import TIMESTEP_KINDS
 from knapray.models.timesteps import ResolutionShift, TimestepDistribution
@@ -328,9 +328,10 @@ class ValidationSection:
             raise ValueError("validation.every > 0 needs prompts: validation.like (corpus sample ids) or "
                              "validation.captions")
         for size in self.sizes:
-            w, _, h = str(size).lower().partition("x")
-            if not (w.isdigit() and h.isdigit() and int(w) > 0 and int(h) > 0):
-                raise ValueError(f"validation.sizes: expected WIDTHxHEIGHT such as 512x512, got {size!r}")
+            match = re.fullmatch(SIZE_FORM, str(size)) if len(str(size)) <= 40 else None
+            if not (match and int(match[1]) > 0 and int(match[2]) > 0):
+                raise ValueError(f"validation.sizes: expected WIDTHxHEIGHT such as 512x512, got {reprlib.repr(size)} "
+                                 "(ASCII digits and a lowercase x)")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -3,6 +3,7 @@ checked against what the model takes, and captions paired with sizes."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,15 +20,18 @@ class Request:
 
 
 def parse_size(text: str) -> tuple[int, int]:
-    """``"768x384"`` -> (width 768, height 384), in pixels, each side at most ``MAX_IMAGE_SIDE``."""
-    from knapray.limits import MAX_IMAGE_SIDE
+    """``"768x384"`` -> (width 768, height 384), in pixels, each side at most ``MAX_IMAGE_SIDE``.
+    One spelling: ``512X512``, ``512 x 512`` or ``+512x512`` is refused, naming the form."""
+    import unicodedata
 
-    try:
-        w, h = (int(v) for v in text.lower().split("x")) if len(text) <= 40 else ()
-    except ValueError:
-        w = h = None
-    if w is None or not text.strip():
-        raise ValueError(f"--size {text[:40]!r}: expected WIDTHxHEIGHT in pixels, e.g. 768x512")
+    from knapray.limits import MAX_IMAGE_SIDE, SIZE_FORM
+
+    match = re.fullmatch(SIZE_FORM, text) if len(text) <= 40 else None
+    if match is None:
+        meant = re.sub(r"[\s+]", "", unicodedata.normalize("NFKC", text)).lower() if len(text) <= 40 else ""
+        raise ValueError(f"--size {text[:40]!r}: expected WIDTHxHEIGHT in pixels, ASCII digits and a lowercase x: "
+                         + (meant if re.fullmatch(SIZE_FORM, meant) else "e.g. 768x512"))
+    w, h = int(match[1]), int(match[2])
     if w < 1 or h < 1:
         raise ValueError(f"--size {text!r}: width and height must be positive")
     if max(w, h) > MAX_IMAGE_SIDE:

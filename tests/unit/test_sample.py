@@ -116,3 +116,95 @@ def test_each_local_sampling_rank_sets_its_own_cuda_device(run_dir, monkeypatch,
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     r = gang.SamplerRank(str(run_dir), None, rank, 4, "g1n4", device="cuda", load=False)
     assert r.device == want and made == [want]
+
+
+def _drawn(frames):
+    """What ``driver.gang.sample_local`` hands back, for a run without weights."""
+    from types import SimpleNamespace
+
+    return lambda what, world: SimpleNamespace(latents=[], frames=frames, ema=False, recompiles=0, topology=None,
+                                               bags=None)
+
+
+def test_out_dir_holds_every_request_at_full_resolution_and_the_grid(run_dir, tmp_path, monkeypatch, capsys):
+    """A 512x512 and a 768x384 request come out as two files of their own sizes, pixel for
+    pixel what the ranks decoded, beside the titled grid; ``--out FILE.png`` is the grid alone."""
+    from PIL import Image
+
+    import knapray.driver.gang as gang
+    import knapray.worker.checkpoint as checkpoint
+
+    rng = np.random.default_rng(0)
+    frames = [rng.integers(0, 256, (1, 512, 512, 3), dtype=np.uint8),
+              rng.integers(0, 256, (1, 384, 768, 3), dtype=np.uint8)]
+    monkeypatch.setattr(checkpoint, "check_checkpoint", lambda path: None)  # the stand-in run has no weights
+    monkeypatch.setattr(gang, "sample_local", _drawn(frames))
+    argv = ["sample", "--run", str(run_dir), "--caption", "a red bicycle", "--size", "512x512", "--size", "768x384"]
+    out = tmp_path / "bicycles"
+    assert main([*argv, "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == ["grid.png", "request_0.png", "request_1.png"]
+    for i, want in enumerate(frames):
+        got = np.asarray(Image.open(out / f"request_{i}.png").convert("RGB"))
+        assert np.array_equal(got, want[0]), i
+    assert "request_0.png 512x512" in said and "request_1.png 768x384" in said, said
+    assert main([*argv, "--out", str(tmp_path / "grid.png")]) == 0
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".png"] == ["grid.png"]
+
+
+def test_out_dir_must_be_new_or_empty_before_anything_loads(run_dir, tmp_path, monkeypatch, capsys):
+    import knapray.driver.gang as gang
+    import knapray.worker.checkpoint as checkpoint
+
+    monkeypatch.setattr(checkpoint, "check_checkpoint", lambda path: None)
+    monkeypatch.setattr(gang, "sample_local", lambda *a: pytest.fail("sampled into a folder that holds files"))
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "request_0.png").write_bytes(b"")
+    assert main(["sample", "--run", str(run_dir), "--caption", "a", "--out", str(tmp_path / "old")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--out" in err[0] and "not empty" in err[0], err
+
+
+@pytest.mark.parametrize("av", [True, False])
+def test_a_clip_is_an_mp4_with_pyav_else_an_animated_png(tmp_path, monkeypatch, av):
+    import importlib.util
+
+    from knapray.inference.images import save_requests
+
+    if av:
+        pytest.importorskip("av")
+    else:
+        real = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "av" else real(name, *a))
+    clip = np.random.default_rng(1).integers(0, 256, (5, 48, 64, 3), dtype=np.uint8)
+    names = save_requests(str(tmp_path), [clip], ["a clip\n64x48"])
+    name = names[0]
+    assert name == ("request_0.mp4" if av else "request_0.png") and (tmp_path / "grid.png").exists()
+    if av:
+        import av as pyav
+
+        with pyav.open(str(tmp_path / name)) as f:
+            got = [fr.to_ndarray(format="rgb24") for fr in f.decode(video=0)]
+        assert len(got) == 5 and got[0].shape == (48, 64, 3)
+    else:
+        from PIL import Image
+
+        with Image.open(tmp_path / name) as im:
+            assert im.n_frames == 5 and im.size == (64, 48)
+            im.seek(2)
+            assert np.array_equal(np.asarray(im.convert("RGB")), clip[2])
+
+
+@pytest.mark.parametrize("text", ["512X512", "512 x 512", "５１２x512", "+512x512"])
+def test_a_size_has_one_spelling(text):
+    with pytest.raises(ValueError) as e:
+        parse_size(text)
+    assert "WIDTHxHEIGHT" in str(e.value) and "512x512" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_validation_size_has_the_same_spelling():
+    from knapray.config.run import ConfigError
+    from knapray.driver.preflight import load_run_config
+
+    with pytest.raises(ConfigError, match="validation.sizes.*512X512"):
+        load_run_config(None, ["metrics.validation.sizes=[512X512]"])
