@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from collections.abc import Callable, Sequence
 
 from knapray.limits import MAX_SEED, MAX_STEPS, MAX_TEXT_LENGTH, MAX_WORLD_SIZE
@@ -27,10 +28,48 @@ from knapray.planning.checkpointing import AC_MODES
 
 class Parser(argparse.ArgumentParser):
     """A bad argument is one line (``knapray plan: error: ...``) and exit code 2, as every
-    other user error of the command."""
+    other user error of the command. An argument the command does not take is refused by the
+    command itself (``knapray train: error: unrecognized arguments: --steps 8; ...``: argparse
+    leaves a subcommand's unknown arguments to ``knapray``, whose error named no command), with
+    a hint: the run-config key a familiar flag stands for (``hints``), else the command's
+    nearest flag."""
+
+    def __init__(self, *args, hints: dict[str, str] | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.hints: dict[str, str] = dict(hints or {})
+        """Flag -> the run-config key a command that takes ``--set`` reads instead."""
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}{self._hint(extras)}")
+        return namespace, extras
+
+    def _hint(self, extras: list[str]) -> str:
+        import difflib
+
+        flags = [(i, e.split("=", 1)) for i, e in enumerate(extras) if e.startswith("--")]
+        for i, (flag, *given) in flags:
+            if flag in self.hints:
+                value = given[0] if given else extras[i + 1] if i + 1 < len(extras) and \
+                    not extras[i + 1].startswith("-") else None
+                shown = value if value and re.fullmatch(r"[\w.+-]{1,40}", value) else "VALUE"
+                return f"; {flag} is a run-config value here: --set {self.hints[flag]}={shown}"
+        own = [o for o in self._option_string_actions if o.startswith("--")]
+        for _, (flag, *_) in flags:
+            near = difflib.get_close_matches(flag, own, n=1, cutoff=0.75)
+            if near:
+                return f"; did you mean {near[0]}?"
+        return f"; {self.prog} --help lists its flags"
+
+
+CONFIG_FLAG_HINTS = {"--steps": "run.max_steps", "--max-steps": "run.max_steps", "--epochs": "data.epochs",
+                     "--lr": "optim.lr", "--name": "run.name", "--num-workers": "scaling.num_workers",
+                     "--world-size": "scaling.num_workers", "--seed": "data.seed", "--batch-size": "data.global_batch"}
+"""Flags other trainers take that a knapray run config holds (``--set KEY=VALUE``)."""
 
 
 def int_at_least(low: int, most: int | None = None) -> Callable[[str], int]:
@@ -99,6 +138,8 @@ def add_config(p: argparse.ArgumentParser, *, required: bool, what: str = "") ->
                    help=f"run config YAML (see jobs/configs/){what}")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a run config value, e.g. --set scaling.num_workers=8 (repeatable)")
+    if isinstance(p, Parser):
+        p.hints.update({f: k for f, k in CONFIG_FLAG_HINTS.items() if f not in p._option_string_actions})
 
 
 def add_ray_interfaces(p: argparse.ArgumentParser) -> None:

@@ -46,6 +46,32 @@ def test_bad_input_is_one_line_and_exit_2(argv, names, capsys):
         assert name in err[0], (name, err[0])
 
 
+@pytest.mark.parametrize("argv, starts, names", [
+    (["train", "--config", "c.yaml", "--steps", "8"], "knapray train: error:",
+     ["unrecognized arguments: --steps 8", "--set run.max_steps=8"]),
+    (["sample", "--run", "r", "--captoin", "a fox"], "knapray sample: error:",
+     ["unrecognized arguments: --captoin", "did you mean --caption?"]),
+    (["bench", "planner", "--sizes", "10"], "knapray bench planner: error:", ["unrecognized arguments: --sizes"]),
+    (["export", "--run", "r", "--out", "o", "extra"], "knapray export: error:", ["unrecognized arguments: extra"]),
+])
+def test_an_unknown_flag_is_refused_by_its_subcommand_with_a_hint(argv, starts, names, capsys):
+    code, err = _run(argv, capsys)
+    assert code == 2 and len(err) == 1 and err[0].startswith(starts), err
+    for name in names:
+        assert name in err[0], (name, err[0])
+
+
+def test_the_entrypoints_without_the_table_give_the_same_hint(capsys):
+    """``python jobs/train.py`` and ``python -m knapray.commands.torchrun`` parse their own flags."""
+    from knapray.commands import torchrun, train
+
+    for entry in (train.main, torchrun.main):
+        with pytest.raises(SystemExit) as e:
+            entry(["--config", "c.yaml", "--steps", "3"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and "--set run.max_steps=3" in err[0], err
+
+
 def test_bad_json_names_the_file_and_the_place(tmp_path, capsys):
     bad = tmp_path / "steps.json"
     bad.write_text("[[[1, 2], [3]], ")
