@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
         from knapray.driver.lora_export import export_lora
 
         r = export_lora(args.run, args.out, ema=args.ema, checkpoint=args.checkpoint)
-        print(f"wrote {r.out}: {r.family} LoRA adapters of step {r.step} ({r.checkpoint}){' (EMA)' if r.ema else ''}, "
+        print(f"wrote {r.out}: {r.family} LoRA adapters after {r.steps} steps ({r.checkpoint})"
+              f"{' (EMA)' if r.ema else ''}, "
               f"rank {r.rank}, scale {r.scale:g} folded into lora_B, {r.layers} layers as {r.tensors} tensors; "
               f"load with pipe.load_lora_weights({r.out!r}); {r.seconds:.1f} s")
         if args.json:
@@ -64,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
                    dtype="fp32" if args.dtype == "auto" else args.dtype,
                    max_shard_bytes=args.max_shard_size)
     mib = 2**20
-    print(f"wrote {r.out}: {r.family} {'EMA' if r.ema else 'trained'} weights of step {r.step} ({r.checkpoint}), "
+    print(f"wrote {r.out}: {r.family} {'EMA' if r.ema else 'trained'} weights after {r.steps} steps ({r.checkpoint}), "
           f"{r.tensors} tensors, {r.dtype}, {len(r.shards)} file(s), {r.total_bytes / mib:.1f} MiB; largest file "
           f"{r.largest_shard_bytes / mib:.1f} MiB, at most {r.largest_read_bytes / mib:.1f} MiB of parameters read from the "
           f"checkpoint at once; peak host memory {r.peak_host_bytes / mib:.0f} MiB; {r.seconds:.1f} s")

@@ -40,6 +40,9 @@ class ExportReport:
     out: str
     checkpoint: str
     step: int
+    """The checkpoint's step: the index of the last step it holds, counted from 0 (``trainer.json``)."""
+    steps: int
+    """Steps trained into the weights (``step + 1``): what the run's progress bar and summary counted."""
     ema: bool
     family: str
     dtype: str
@@ -54,6 +57,18 @@ class ExportReport:
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str) -> None:
+    """``safetensors.torch.save_file`` with the file readable as any other this process writes
+    (0644 under a umask of 022): safetensors creates its files 0600, which another user (a
+    serving account, a shared model store) cannot read."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, path, metadata={"format": "pt"})
+    umask = os.umask(0o022)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def _shard_plan(layout, dtype: torch.dtype, max_bytes: int) -> list[list[str]]:
@@ -89,8 +104,6 @@ def export_run(run_dir: str, out: str, *, ema: bool = False, checkpoint: str | N
                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, read_bytes: int = DEFAULT_READ_BYTES) -> ExportReport:
     """Export ``run_dir``'s weights to the new directory ``out``; ValueError (one line) for a
     run, checkpoint or output that cannot be exported."""
-    from safetensors.torch import save_file
-
     from knapray.worker.checkpoint import read_trainer_state, safe_load, saved_keys
     from knapray.driver.run_dir import read_run_config, run_checkpoint
 
@@ -139,7 +152,7 @@ def export_run(run_dir: str, out: str, *, ema: bool = False, checkpoint: str | N
                     tensors[p.key][p.src : p.src + p.rows].copy_(state[prefix][p.param][p.dst : p.dst + p.rows])
             largest_read = max(largest_read, sum(sizes[n] for n in read))
             del state
-        save_file(tensors, os.path.join(partial, name), metadata={"format": "pt"})
+        save_safetensors(tensors, os.path.join(partial, name))
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         total, largest = total + nbytes, max(largest, nbytes)
         weight_map.update(dict.fromkeys(keys, name))
@@ -159,7 +172,7 @@ def export_run(run_dir: str, out: str, *, ema: bool = False, checkpoint: str | N
     if os.path.isdir(out):
         os.rmdir(out)  # empty, checked above
     os.rename(partial, out)
-    return ExportReport(out=out, checkpoint=path, step=step, ema=ema, family=cfg.family, dtype=dtype,
+    return ExportReport(out=out, checkpoint=path, step=step, steps=step + 1, ema=ema, family=cfg.family, dtype=dtype,
                         tensors=len(weight_map), shards=names, total_bytes=total, largest_shard_bytes=largest,
                         largest_read_bytes=largest_read, seconds=time.perf_counter() - t0,
                         peak_host_bytes=peak_host_bytes())

@@ -32,6 +32,9 @@ class LoraExportReport:
     out: str
     checkpoint: str
     step: int
+    """The checkpoint's step: the index of the last step it holds, counted from 0 (``trainer.json``)."""
+    steps: int
+    """Steps trained into the adapters (``step + 1``): what the run's progress bar and summary counted."""
     ema: bool
     family: str
     rank: int
@@ -72,8 +75,7 @@ def lora_tensors(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], cfg, sc
 def export_lora(run_dir: str, out: str, *, ema: bool = False, checkpoint: str | None = None) -> LoraExportReport:
     """Write ``run_dir``'s adapters to the new directory ``out``; ValueError (one line) for a
     run that trained no adapters or a checkpoint without them."""
-    from safetensors.torch import save_file
-
+    from knapray.driver.export import save_safetensors
     from knapray.worker.checkpoint import read_trainer_state, safe_load, saved_keys
     from knapray.driver.run_dir import read_run_config, run_checkpoint
 
@@ -105,10 +107,11 @@ def export_lora(run_dir: str, out: str, *, ema: bool = False, checkpoint: str | 
     tensors = lora_tensors(adapters, cfg, cfg.lora.scale)
     partial = out + ".partial"
     os.makedirs(partial, exist_ok=True)
-    save_file(tensors, os.path.join(partial, LORA_FILE), metadata={"format": "pt"})
+    save_safetensors(tensors, os.path.join(partial, LORA_FILE))
     if os.path.isdir(out):
         os.rmdir(out)
     os.rename(partial, out)
-    return LoraExportReport(out=out, checkpoint=path, step=read_trainer_state(path)["step"], ema=ema,
+    step = read_trainer_state(path)["step"]
+    return LoraExportReport(out=out, checkpoint=path, step=step, steps=step + 1, ema=ema,
                             family=cfg.family, rank=r, scale=cfg.lora.scale, layers=len(modules),
                             tensors=len(tensors), seconds=time.perf_counter() - t0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -339,8 +340,14 @@ def test_export_writes_a_diffusers_model_one_shard_at_a_time(tiny: dict[str, Pat
             shadow.sub_(0.5)  # the EMA weights differ from the raw ones
     Checkpointer(str(run / "checkpoints"), rank=0, group=None, parts=training_parts(model, opt, ema=ema),
                  state=JsonState({"epoch": 0})).save(5, barrier=lambda: None)
-    ema_out = export_run(str(run), str(tmp_path / "ema"), ema=True, dtype="bf16")
-    assert ema_out.ema and ema_out.step == 5 and len(ema_out.shards) == 1
+    old_umask = os.umask(0o022)
+    try:
+        ema_out = export_run(str(run), str(tmp_path / "ema"), ema=True, dtype="bf16")
+    finally:
+        os.umask(old_umask)
+    assert ema_out.ema and ema_out.step == 5 and ema_out.steps == 6 and len(ema_out.shards) == 1
+    for name in os.listdir(tmp_path / "ema"):  # safetensors writes 0600: readable by others as config.json is
+        assert stat.S_IMODE(os.stat(tmp_path / "ema" / name).st_mode) == 0o644, name
     written = open_pretrained(str(tmp_path / "ema"))
     assert {t.dtype for t in written.tensors.values()} == {"BF16"}
     sd = FluxTransformer2DModel.from_pretrained(tmp_path / "ema").state_dict()

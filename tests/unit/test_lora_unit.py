@@ -189,3 +189,45 @@ def test_adapters_compile_and_checkpoint_as_eager():
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
     for n in ref:
         torch.testing.assert_close(grads[n], ref[n], rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_export_lora_names_the_steps_trained_and_writes_a_file_others_can_read(tmp_path, capsys):
+    """A run that trained 2 steps holds its checkpoint as ``step-000000001`` (trainer.json's
+    step is the last step's index, counted from 0): the report says 2 steps. The file is
+    0644 under a umask of 022, as any file written with open() (safetensors writes 0600)."""
+    import json
+    import os
+    import stat
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from flux_utils import save_tiny_flux
+
+    from knapray.cli import main
+    from knapray.driver.preflight import load_run_config
+    from knapray.driver.run_dir import write_config
+    from knapray.worker.checkpoint import Checkpointer, JsonState, training_parts
+
+    base = save_tiny_flux(tmp_path / "base", 2, 16, (4, 6, 6), 1, 1, True, text_dim=16, pooled_dim=12)
+    cfg = load_run_config(None, [f"model.pretrained={base}", f"data.corpus={tmp_path}", "model.lora.rank=2",
+                                 f"run.storage={tmp_path}", "run.name=lora"])
+    write_config(cfg)
+    model = build_model(cfg.model)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    Checkpointer(os.path.join(cfg.run_dir, "checkpoints"), rank=0, group=None, parts=training_parts(model, opt),
+                 state=JsonState({"epoch": 0})).save(1, barrier=lambda: None)  # after steps 0 and 1
+    old = os.umask(0o022)
+    try:
+        assert main(["export", "--run", cfg.run_dir, "--out", str(tmp_path / "out"), "--lora", "--json"]) == 0
+    finally:
+        os.umask(old)
+    text, doc = capsys.readouterr().out.strip().splitlines()
+    assert "adapters after 2 steps" in text and "step-000000001" in text, text
+    assert json.loads(doc)["steps"] == 2
+    assert stat.S_IMODE(os.stat(tmp_path / "out" / "pytorch_lora_weights.safetensors").st_mode) == 0o644
+    assert stat.S_IMODE(os.stat(tmp_path / "out").st_mode) == 0o755
