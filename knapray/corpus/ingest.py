@@ -116,7 +116,7 @@ class IngestReport:
     written: int
     """Rows written."""
     skipped: dict[str, int] = field(default_factory=dict)
-    """Skipped files per reason: too_small, unreadable, video_no_decoder."""
+    """Skipped files per reason: too_small, unreadable, video_no_decoder, caption_not_text, name_not_text."""
     schema_path: Path | None = None
     """The corpus's schema.json."""
     seconds: float = 0.0
@@ -245,6 +245,15 @@ def ingest(
     items, orphans = media_items(root, cfg.caption_column, cfg.follow_symlinks)
     if not items:
         raise ValueError(f"no media under {root}; extensions read: {sorted(IMAGE_EXTS | VIDEO_EXTS)}")
+    skipped: Counter[str] = Counter()
+    examples: dict[str, Path | str] = {}
+    for item in items:
+        if item.skip:  # a caption or a name that is not text: named, the file left out, the ingest goes on
+            skipped[item.skip] += 1
+            examples.setdefault(item.skip, item.skip_at)
+    items = [item for item in items if not item.skip]
+    if not items:
+        raise ValueError(f"every file under {root} was skipped: {dict(skipped)}, e.g. {next(iter(examples.values()))}")
     pil_image()
     spec.check()
     family = spec.family
@@ -280,8 +289,6 @@ def ingest(
 
     writer = ShardWriter(out_dir, rows_per_shard=math.ceil(len(items) / cfg.shards), text_dtype=cfg.text_dtype)
     caption_from = {item.source: item.caption_from for item in items}
-    skipped: Counter[str] = Counter()
-    examples: dict[str, Path] = {}
     seen: dict[int, str] = {}
     kinds: list[str] = []
     seq_lens: list[int] = []

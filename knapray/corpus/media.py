@@ -35,6 +35,16 @@ class MediaItem:
     """Its caption, "" when it has none."""
     caption_from: str
     """Where the caption came from: one of CAPTION_SOURCES."""
+    skip: str = ""
+    """Why the file is left out before it is read (``NOT_TEXT``), "" when it is not."""
+    skip_at: str = ""
+    """What to name for it: the metadata.jsonl entry (file:line), or the file's path as bytes."""
+
+
+NOT_TEXT = {"caption": "caption_not_text", "name": "name_not_text"}
+"""Skip reasons of a file whose metadata.jsonl caption, or whose own name, has no UTF-8 (a lone
+surrogate such as ``"\\ud800"`` is valid JSON; a name of bytes that are not UTF-8 is a valid
+file name): the corpus and its schema.json hold text, so the file is left out, the ingest goes on."""
 
 
 def pil_image() -> Any:
@@ -82,11 +92,15 @@ def is_video_file(path: Path) -> bool:
     return path.suffix.lower() in VIDEO_EXTS
 
 
-def read_metadata_captions(root: Path, column: str = "text", follow_symlinks: bool = False) -> dict[str, str]:
+def read_metadata_captions(root: Path, column: str = "text", follow_symlinks: bool = False
+                           ) -> tuple[dict[str, str], dict[str, str]]:
     """Captions from every ``metadata.jsonl`` under ``root`` (``readable_inside`` each):
     one JSON object per line with ``file_name`` (relative to the metadata file's folder)
-    and ``column``. Returns source (relative to ``root``) -> caption. A null caption is ""."""
+    and ``column``. Returns source (relative to ``root``) -> caption (a null caption is ""),
+    and source -> the entry (file:line) of each caption that is not text (no UTF-8 for it):
+    those files are skipped, not the ingest."""
     captions: dict[str, str] = {}
+    refused: dict[str, str] = {}
     for meta in sorted(m for m in root.rglob(METADATA_FILE) if readable_inside(m, root, follow_symlinks)):
         base = meta.parent.relative_to(root)
         for lineno, line in enumerate(meta.read_text(errors="replace").splitlines(), 1):
@@ -111,19 +125,33 @@ def read_metadata_captions(root: Path, column: str = "text", follow_symlinks: bo
             if source in captions:
                 raise ValueError(f"{where}: {source!r} is captioned twice")
             captions[source] = caption or ""
-    return captions
+            if not _is_text(captions[source]):
+                refused[source] = where
+    return captions, refused
+
+
+def _is_text(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def media_items(root: Path, caption_column: str = "text", follow_symlinks: bool = False
                 ) -> tuple[list[MediaItem], int]:
-    """Every media file under ``root`` with its caption, in path order, and the number
-    of metadata.jsonl entries that name no media file (a typo or a removed file). Only
-    files ``readable_inside`` ``root`` are read: media, metadata and sidecar captions."""
+    """Every media file under ``root`` with its caption, in path order (a file whose caption
+    or name is not text marked to ``skip``), and the number of metadata.jsonl entries that name no
+    media file (a typo or a removed file). Only files ``readable_inside`` ``root`` are read:
+    media, metadata and sidecar captions."""
     files = list_media(root, follow_symlinks)
-    metadata = read_metadata_captions(root, caption_column, follow_symlinks)
+    metadata, refused = read_metadata_captions(root, caption_column, follow_symlinks)
     items: list[MediaItem] = []
     for path in files:
         source = path.relative_to(root).as_posix()
+        if not _is_text(source):
+            items.append(MediaItem(path, source, "", "none", NOT_TEXT["name"], repr(os.fsencode(path))[2:-1]))
+            continue
         sidecar = path.with_suffix(".txt")
         if source in metadata:
             caption, origin = metadata[source], "metadata"
@@ -131,7 +159,8 @@ def media_items(root: Path, caption_column: str = "text", follow_symlinks: bool 
             caption, origin = sidecar.read_text(errors="replace"), "sidecar"
         else:
             caption, origin = "", "none"
-        items.append(MediaItem(path, source, caption, origin))
+        bad = refused.get(source)
+        items.append(MediaItem(path, source, caption, origin, *((NOT_TEXT["caption"], bad) if bad else ())))
     orphans = len(set(metadata) - {item.source for item in items})
     return items, orphans
 

@@ -4,6 +4,8 @@ corruption detection. No Ray here."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -465,6 +467,26 @@ def test_bad_metadata_lines_name_the_file_and_line(tmp_path: Path, line: str, ma
     with pytest.raises(ValueError, match=match):
         ingest_mod.ingest(tmp_path, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_caption_or_name_that_is_not_text_skips_its_file_and_names_it(tmp_path: Path) -> None:
+    """A lone surrogate (``"\\ud800"``: valid JSON, no UTF-8 for it) failed the whole ingest in
+    pyarrow without naming the entry, and so did a file whose name is not UTF-8; now each file
+    is skipped and counted, the metadata line or the file named."""
+    image = pytest.importorskip("PIL.Image", reason="Pillow is needed to write test images")
+    for name in ("a.png", "b.png", "c.png", os.fsdecode(b"d\xff.png")):
+        image.fromarray(np.full((32, 32, 3), len(name), np.uint8)).save(tmp_path / name)
+    (tmp_path / "metadata.jsonl").write_text('{"file_name": "a.png", "text": "fine"}\n'
+                                             '{"file_name": "b.png", "text": "bad \\ud800 here"}\n'
+                                             '{"file_name": "c.png", "text": "also fine"}\n')
+    with pytest.warns(UserWarning) as seen:
+        report = ingest_mod.ingest(tmp_path, tmp_path / "out", progress=False)
+    said = [str(w.message) for w in seen]
+    assert any(re.search(r"skipped 1 file\(s\) .*\(caption_not_text\), e\.g\. .*metadata.jsonl:2", m) for m in said)
+    assert any(re.search(r"skipped 1 file\(s\) .*\(name_not_text\), e\.g\. .*d\\xff\.png", m) for m in said), said
+    assert report.written == 2 and report.skipped == {"caption_not_text": 1, "name_not_text": 1}
+    assert sorted(r["source"] for r in read_corpus(tmp_path / "out").to_pylist()) == ["a.png", "c.png"]
+    assert read_schema_json(tmp_path / "out")["counts"]["skipped"] == {"caption_not_text": 1, "name_not_text": 1}
 
 
 def test_batch_size_does_not_change_the_corpus(tmp_path: Path) -> None:
