@@ -19,11 +19,13 @@ standard deviation is small next to the spread of the means.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import html
 import importlib
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -380,6 +382,21 @@ def text_model_info(path: str | Path, tokenizer: str | Path | None = None, flag:
     )
 
 
+@contextlib.contextmanager
+def _no_loading_bar(transformers: Any) -> Iterator[None]:
+    """transformers 5 draws a "Loading weights" bar for every model it loads (two for T5 +
+    CLIP, in every command that loads them, under knapray's own bars); its switch is global,
+    so it is put back as it was."""
+    hf_logging = transformers.utils.logging
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 class HFTextModel:
     """A loaded T5 or CLIP text model with its tokenizer."""
 
@@ -388,9 +405,10 @@ class HFTextModel:
         self.info, self.device = info, device
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(info.tokenizer, local_files_only=True)
         self.tokenizer.padding_side = "right"  # real tokens first: row i keeps hidden[i, :n_i]
-        model = getattr(transformers, info.cls).from_pretrained(
-            info.path, local_files_only=True, dtype=torch_dtype(dtype)
-        )
+        with _no_loading_bar(transformers):
+            model = getattr(transformers, info.cls).from_pretrained(
+                info.path, local_files_only=True, dtype=torch_dtype(dtype)
+            )
         self.model = model.to(device).eval()
 
     def limit(self, max_tokens: int | None) -> int:

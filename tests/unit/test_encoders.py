@@ -139,6 +139,16 @@ def test_text_encoder_drops_padding_caps_tokens_and_pools_with_clip(models: dict
     assert none.shape == (0, 16) and none_pooled.shape == (10,)
 
 
+def test_loading_the_text_models_draws_no_bars(models: dict[str, Path], capfd: pytest.CaptureFixture) -> None:
+    """transformers draws a "Loading weights" bar per model (two for T5 + CLIP) in every
+    command that loads them; knapray's own bars say what it does."""
+    from transformers.utils import logging as hf_logging
+
+    hf.HFTextEncoder(str(models["t5"]), pooled=str(models["clip_proj"]))
+    assert "Loading weights" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()  # transformers' switch as it was
+
+
 def test_t5_alone_pools_by_mean_and_clip_alone_gives_tokens_and_pooled(models: dict[str, Path]) -> None:
     t5_only = hf.HFTextEncoder(str(models["t5"]))
     text, pooled = t5_only.encode("a blue box", max_tokens=10)
