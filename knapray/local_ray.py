@@ -10,6 +10,13 @@ that address only when Ray clusters are off (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER
 it does on macOS and Windows; read when ``ray`` is imported, so ``init_ray`` sets Ray's
 constant for the start). ``all_interfaces=True`` (``--ray-all-interfaces``) keeps Ray's
 default, for the rare machine whose embedded Ray other machines must reach.
+
+An embedded Ray expects up to 4 Python processes per logical CPU to start together
+(``STARTUP_ENV``): Ray's bar is min(cores, CPUs), 2 on a 2-core machine, and at 4x it printed
+"(raylet) WARNING: 8 PYTHON worker processes have been started ... 4x the maximum expected
+startup concurrency (2)" when a command's zero- and half-CPU actors (training workers, the
+coordinator and a relay; a serving gang, Serve's controller and proxy) started at once, as
+they do by design. A value the user set is kept; a cluster's raylets are never ours to set.
 """
 
 from __future__ import annotations
@@ -21,6 +28,9 @@ from typing import Any
 
 LOOPBACK = "127.0.0.1"
 _CLUSTERS_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+STARTUP_ENV = "RAY_worker_maximum_startup_concurrency"
+"""Ray's setting (its ``worker_maximum_startup_concurrency``, read by the raylet when it starts)
+of how many worker processes start at once, and the bar of its "4x the maximum expected" warning."""
 
 
 def address_given(address: str | None = None) -> str | None:
@@ -36,10 +46,25 @@ def init_ray(ray: Any, *, address: str | None = None, all_interfaces: bool = Fal
     joined = address_given(address)
     if joined is not None:
         return ray.init(address=joined, **kwargs)
-    if all_interfaces:
-        return ray.init(**kwargs)
-    with loopback_only():
-        return ray.init(**kwargs)
+    with _expected_startups(kwargs.get("num_cpus")):
+        if all_interfaces:
+            return ray.init(**kwargs)
+        with loopback_only():
+            return ray.init(**kwargs)
+
+
+@contextlib.contextmanager
+def _expected_startups(num_cpus: int | None) -> Iterator[None]:
+    """Inside: the raylet started expects 4 worker processes per logical CPU (``num_cpus``, else
+    the machine's) to start together, unless the user set ``STARTUP_ENV``."""
+    if STARTUP_ENV in os.environ:
+        yield
+        return
+    os.environ[STARTUP_ENV] = str(4 * int(num_cpus or os.cpu_count() or 1))
+    try:
+        yield
+    finally:
+        os.environ.pop(STARTUP_ENV, None)
 
 
 @contextlib.contextmanager

@@ -127,10 +127,6 @@ def _run(args: argparse.Namespace, signals) -> int:
         start = dict(address=address, **quiet)
     else:
         os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
-        # The raylet warns on the console when more workers start at once than the machine
-        # has cores (a run starts its workers, the coordinator and data actors together);
-        # an embedded Ray expects exactly that many.
-        os.environ.setdefault("RAY_worker_maximum_startup_concurrency", str(num_cpus * 4))
         start = dict(num_cpus=num_cpus, num_gpus=capacity.nodes[0]["GPU"], include_dashboard=False, **quiet)
     try:
         start_ray(ray, start, attempts=1 if address else 2, all_interfaces=args.ray_all_interfaces)
