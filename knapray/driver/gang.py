@@ -44,7 +44,7 @@ class SamplerRank:
     def __init__(self, run_dir: str, checkpoint: str | None, rank: int, world_size: int, topology: str,
                  device: str = "cpu", ema: bool = True, cfg_parallel: bool = True, *, precision: str = "auto",
                  compile: bool | None = None, encoders: str = "keep", load: bool = True,
-                 step_cache: float | None = None, shard: str = "auto") -> None:
+                 step_cache: float | None = None, shard: str = "auto", adapters: dict | None = None) -> None:
         from knapray.driver.trained import read_run
         from knapray.worker.checkpoint import check_checkpoint
 
@@ -55,6 +55,8 @@ class SamplerRank:
         self.rank, self.world_size, self.spec = rank, world_size, topology
         self.cfg_parallel, self.ema_wanted, self.precision, self.compile = cfg_parallel, ema, precision, compile
         self.encoders, self.step_cache, self.shard = encoders, step_cache, shard
+        self.adapters: dict[str, str] = dict(adapters or {})
+        """Name -> LoRA run served beside the run's own model (``add_adapter``)."""
         self.device = f"cuda:{_local_device(rank)}" if device.startswith("cuda") else device
         if self.device.startswith("cuda"):
             import torch
@@ -75,7 +77,7 @@ class SamplerRank:
         when ``shard``: every rank of the gang calls this together); compiled and warmed up
         where compiled (a first batch then compiles nothing)."""
         from knapray.driver.trained import load_weights
-        from knapray.worker.denoise import prepare_model, warm_up
+        from knapray.worker.denoise import prepare_model
         from knapray.worker.parallelize import compute_dtype
 
         dtype = compute_dtype(self.precision, self.device)
@@ -89,7 +91,44 @@ class SamplerRank:
         self.model, self.ema = load_weights(self.cfg, self.checkpoint, ema=self.ema_wanted, device=self.device,
                                             dtype=dtype, prepare=prepare, group=group)
         (self.parallel,) = made
+        for name, run in self.adapters.items():
+            self._load_adapter(name, run)
         if self.parallel.compile_stats is not None:
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compiled blocks warmed up once per adapter the rank serves (the active one is part
+        of what a compiled graph assumes)."""
+        from knapray.worker.denoise import warm_up
+
+        if not self.adapters:
+            warm_up(self.model)
+            return
+        from knapray.models.lora import use_adapter
+
+        for name in [self._own_adapter(), *self.adapters]:
+            use_adapter(self.model, name)
+            warm_up(self.model)
+
+    def _load_adapter(self, name: str, run: str) -> None:
+        from knapray.driver.trained import load_adapter
+        from knapray.worker.parallelize import compute_dtype
+
+        if self.parallel is not None and self.parallel.sharded:
+            raise ValueError(f"adapter {name}: a model sharded over its bags takes no adapters at run time")
+        load_adapter(self.model, (self.cfg, self.checkpoint), name, run, device=self.device,
+                     dtype=compute_dtype(self.precision, self.device))
+
+    def add_adapter(self, name: str, run: str) -> None:
+        """Another LoRA run of the same base, served as adapter ``name`` (no block may run:
+        the gang calls this between blocks, on every rank)."""
+        from knapray.models.lora import use_adapter
+        from knapray.worker.denoise import warm_up
+
+        self._load_adapter(name, run)
+        self.adapters[name] = run
+        if self.parallel.compile_stats is not None:
+            use_adapter(self.model, name)
             warm_up(self.model)
 
     def _shard_group(self):
@@ -223,23 +262,42 @@ class SamplerRank:
 
         decode = [decode] * len(djobs) if isinstance(decode, bool) else list(decode)
         self.last_step_at = time.monotonic()
-        self._keys, self._cancelled = list(keys), set()
-        stats: dict = {}
-        t0 = time.monotonic()
-        latents = denoise_bag(self.model, djobs, self.groups[spec], cfg_parallel=self.cfg_parallel,
+        self._cancelled = set()
+        latents, left, stopped, began = {}, {}, [], {}
+        # Jobs of one adapter at a time: each group is one packed loop (each job's result is
+        # its own whatever shares its loop), the adapter set between loops.
+        for adapter in dict.fromkeys(getattr(d, "adapter", None) for d in djobs):
+            mine = [i for i, d in enumerate(djobs) if getattr(d, "adapter", None) == adapter]
+            if self.adapters or adapter is not None:
+                from knapray.models.lora import use_adapter
+
+                use_adapter(self.model, adapter if adapter is not None else self._own_adapter())
+            self._keys = [keys[i] for i in mine]
+            stats: dict = {}
+            t0 = time.monotonic()
+            got = denoise_bag(self.model, [djobs[i] for i in mine], self.groups[spec], cfg_parallel=self.cfg_parallel,
                               on_step=self._tick, step_cache=self.step_cache, stats=stats, stop=self._stops)
-        t1 = time.monotonic()
+            t1 = time.monotonic()
+            for j, i in enumerate(mine):
+                began[i] = t0
+                if j in got:
+                    latents[i] = got[j]
+                    left[i] = stats["left_at"].get(j, t1)
+            stopped += [mine[j] for j in stats.get("stopped", [])]
         results, seconds = {}, {}
         for k, z in latents.items():
-            left = stats["left_at"].get(k, t1)
-            seconds[k] = {"denoise": left - t0}
+            seconds[k] = {"denoise": left[k] - began[k]}
             if decode[k]:
                 d0 = time.monotonic()
                 results[k] = self.picture(z)
                 seconds[k]["decode"] = time.monotonic() - d0
             else:
                 results[k] = z
-        return {"results": results, "stopped": list(stats.get("stopped", [])), "seconds": seconds}
+        return {"results": results, "stopped": stopped, "seconds": seconds}
+
+    def _own_adapter(self) -> str | None:
+        """The served run's own adapter (``default`` for a LoRA run), or None (its model alone)."""
+        return "default" if self.cfg.model.lora.enabled else None
 
     def _stops(self) -> set[int]:
         return {i for i, k in enumerate(self._keys) if k in self._cancelled}
@@ -531,6 +589,8 @@ class Gang:
     """A block whose ranks take no step for this long is lost (and a collective gives up after it)."""
     shard: str = "auto"
     """``SHARD_POLICIES``."""
+    adapters: dict = field(default_factory=dict)
+    """Name -> LoRA run of the served run's base, each a ``Job.adapter`` (``add_adapter``)."""
     actors: list = field(default_factory=list)
     broken: bool = False
     """A rank failed: no block starts until the running ones end and the gang restarts."""
@@ -540,8 +600,9 @@ class Gang:
     @classmethod
     def start(cls, run_dir: str, world_size: int, *, topology: str | None = None, device: str = "cpu",
               checkpoint: str | None = None, cfg_parallel: bool = True, precision: str = "auto",
-              compile: bool | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, shard: str = "auto") -> "Gang":
-        from knapray.driver.trained import read_run
+              compile: bool | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, shard: str = "auto",
+              adapters: dict | None = None) -> "Gang":
+        from knapray.driver.trained import check_adapter, read_run
         from knapray.distributed.groups import check_heads
         from knapray.inference.jobs import run_rules
         from knapray.planning import Topology
@@ -552,8 +613,10 @@ class Gang:
         spec = topology or "auto"
         for one in gang_blocks(spec, world_size, cfg.model.num_heads)[1]:
             check_heads(cfg.model.num_heads, Topology.parse(one, world_size=world_size))
+        for name, run in (adapters or {}).items():  # every one checked before a rank starts
+            check_adapter((cfg, ckpt), name, run)
         gang = cls(run_dir, world_size, spec, run_rules(cfg), cfg.model, device, checkpoint, cfg_parallel, precision,
-                   compile, timeout_s, shard)
+                   compile, timeout_s, shard, dict(adapters or {}))
         gang._spawn()
         return gang
 
@@ -574,6 +637,8 @@ class Gang:
         self._running: dict[int, dict] = {}
         """Block -> its run: refs, submissions, start time."""
         self._preparing: list[tuple[Any, list[_Submission], float]] = []
+        self._new_adapters: list[tuple[str, str, Any]] = []
+        """(name, run, future) of adapters to load once no block runs."""
         self._next_key = 0
         self._thread = None
         self._closing = False
@@ -588,7 +653,7 @@ class Gang:
         topology = self.specs[0] if len(self.specs) == 1 else "auto"
         self.actors = [cls.remote(self.run_dir, self.checkpoint, r, self.world_size, topology, self.device,
                                   True, self.cfg_parallel, precision=self.precision, compile=self.compile,
-                                  load=False, shard=self.shard)
+                                  load=False, shard=self.shard, adapters=self.adapters)
                        for r in range(self.world_size)]
         address = "127.0.0.1" if not gpu else ray.get(self.actors[0].node_address.remote())
         port = free_port()
@@ -609,6 +674,9 @@ class Gang:
         if isinstance(job, Job):
             try:
                 self.rules.check(job)
+                if job.adapter is not None and job.adapter not in self.adapters:
+                    raise ValueError(f"adapter: {job.adapter[:40]!r}; this gang serves "
+                                     f"{', '.join(map(repr, self.adapters)) or 'none'} (and the run's own: none given)")
             except ValueError as e:
                 future.set_result(JobResult(error=str(e)))
                 future.key = -1
@@ -640,6 +708,27 @@ class Gang:
         self._wake.set()
         return state
 
+    def add_adapter(self, name: str, run_dir: str, timeout_s: float = 600.0) -> None:
+        """Serve LoRA run ``run_dir`` (of the served run's base) as adapter ``name`` from now on,
+        without a restart: checked here, loaded on every rank once the running blocks end
+        (no new block starts meanwhile). ValueError in one line for a run that cannot be."""
+        import concurrent.futures
+        import threading
+
+        from knapray.driver.trained import check_adapter, read_run
+
+        if name in self.adapters:
+            raise ValueError(f"adapter {name!r}: served already ({self.adapters[name]})")
+        check_adapter(read_run(self.run_dir, self.checkpoint), name, run_dir)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._new_adapters.append((name, run_dir, done))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve_forever, name="knapray-gang", daemon=True)
+                self._thread.start()
+        self._wake.set()
+        done.result(timeout=timeout_s)
+
     def generate(self, jobs: list, decode: bool = True) -> list[JobResult]:
         """One result per job, in order: every job submitted, all waited for."""
         futures = [self.submit(job, decode) for job in jobs]
@@ -669,10 +758,27 @@ class Gang:
                     last_progress = time.monotonic()
                 if self.broken and not self._running:
                     self._restart_now()
-                if not self.broken:
+                if self._new_adapters:  # no block starts until they are loaded
+                    if not self._running:
+                        self._load_new_adapters()
+                elif not self.broken:
                     self._start_blocks()
             except ray.exceptions.RayError as e:  # rank 0 lost while preparing, say
                 self._lose_everything_running(f"{type(e).__name__}")
+
+    def _load_new_adapters(self) -> None:
+        import ray
+
+        with self._lock:
+            todo, self._new_adapters = self._new_adapters, []
+        for name, run, done in todo:
+            try:
+                ray.get([a.add_adapter.remote(name, run) for a in self.actors], timeout=self.timeout_s)
+                self.adapters[name] = run
+                done.set_result(None)
+            except Exception as e:  # noqa: BLE001 - the caller gets it; a rank may hold it half: restart
+                self.broken = True
+                done.set_exception(e if isinstance(e, ValueError) else RuntimeError(f"{type(e).__name__}: {e}"))
 
     def _intake(self) -> None:
         import ray

@@ -54,3 +54,67 @@ def load_weights(cfg: Any, path: str, ema: bool = True, device: str = "cpu", dty
     safe_load(state, path, group)
     model.load_state_dict(state[prefix], strict=not lora)
     return model.eval(), used_ema
+
+
+def served_base(cfg: Any, path: str) -> str | None:
+    """The fingerprint of the base a LoRA run was trained on (its checkpoint's record), or
+    None for a run without adapters: what every adapter served beside it must share."""
+    if not cfg.model.lora.enabled:
+        return None
+    from knapray.worker.checkpoint import read_trainer_state
+
+    return (read_trainer_state(path).get("lora_base") or {}).get("fingerprint")
+
+
+def load_adapter(model: Any, served: tuple[Any, str], name: str, run_dir: str, *, device: str, dtype: Any = None,
+                 ema: bool = True) -> str:
+    """The adapters of LoRA run ``run_dir`` as adapter ``name`` of ``model`` (which holds the
+    served run ``served`` = (config, checkpoint path): a LoRA run of the same base, the same
+    architecture), on ``device`` in ``dtype``; returns the checkpoint read. ValueError in one
+    line naming ``name`` and what differs."""
+    from knapray.models.families import get_family
+    from knapray.models.lora import add_named_adapter, as_trained
+    from knapray.worker.checkpoint import safe_load, saved_keys
+
+    cfg, path = check_adapter(served, name, run_dir)
+    add_named_adapter(model, cfg.model.lora, dict(get_family(cfg.model.family).lora_presets), name)
+    params = {n: p for n, p in model.named_parameters() if f".lora_A.{name}." in n or f".lora_B.{name}." in n}
+    for p in params.values():
+        p.data = p.data.to(device=device, dtype=dtype or p.dtype)
+    used_ema = ema and any(k.startswith("ema.") for k in saved_keys(path))
+    prefix = "ema" if used_ema else "model"
+    # The checkpoint names them as adapter "default"; DCP reads each into this adapter's tensor.
+    safe_load({prefix: {as_trained(n, name): p for n, p in params.items()}}, path)
+    return path
+
+
+def check_adapter(served: tuple[Any, str], name: str, run_dir: str) -> tuple[Any, str]:
+    """(config, checkpoint) of LoRA run ``run_dir``, checked to serve as adapter ``name``
+    beside ``served`` = (config, checkpoint path) of the served run, reading no weights:
+    a LoRA run of the same base (its model.pretrained's fingerprint) and architecture.
+    ValueError in one line naming ``name`` and what differs."""
+    import dataclasses
+
+    from knapray.models.lora import ADAPTER
+    from knapray.worker.checkpoint import check_checkpoint
+
+    base_cfg, base_path = served
+    if name == ADAPTER or not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise ValueError(f"adapter name {name!r}: letters, digits, '.', '_' or '-', and not {ADAPTER!r}")
+    cfg, path = read_run(run_dir)
+    check_checkpoint(path)
+    where = f"adapter {name} ({run_dir})"
+    if not cfg.model.lora.enabled:
+        raise ValueError(f"{where}: not a LoRA run (its model.lora.rank is 0): only adapters are served beside a run")
+    want = served_base(base_cfg, base_path)
+    if want is None:
+        raise ValueError(f"{where}: the served run {base_cfg.run.name!r} has no adapters of its own, so no base to "
+                         "share; serve a LoRA run of the same base with --run")
+    if served_base(cfg, path) != want:
+        raise ValueError(f"{where}: trained on another base than the served run (its model.pretrained's "
+                         "fingerprint differs)")
+    mine, theirs = dataclasses.replace(cfg.model, lora=base_cfg.model.lora), base_cfg.model
+    if mine != theirs:
+        diff = next(f.name for f in dataclasses.fields(theirs) if getattr(mine, f.name) != getattr(theirs, f.name))
+        raise ValueError(f"{where}: model.{diff} differs from the served run's")
+    return cfg, path

@@ -33,6 +33,8 @@ class Job:
     seed: int = 0
     like: int | None = None
     """A corpus sample id whose text embeddings replace the caption."""
+    adapter: str | None = None
+    """A served LoRA adapter by name (``knapray serve --lora NAME=RUN``); None: the run's own."""
 
 
 @dataclass(frozen=True)

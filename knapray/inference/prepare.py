@@ -5,6 +5,7 @@ batch and every job's result is the single-process sampler's."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -65,6 +66,8 @@ def resolve_jobs(cfg: Any, jobs: list[Job], text_encoder: Any, unconditional: tu
     out: list[DenoiseJob | str] = list(conds)
     for i, z in zip(ok, noise):
         job = jobs[i]
-        out[i] = denoise_job(m, z, conds[i], steps=job.steps, shift=job.shift, unconditional=unconditional,
-                             guidance=job.guidance if job.guidance is not None else default_guidance(m))
+        out[i] = dataclasses.replace(
+            denoise_job(m, z, conds[i], steps=job.steps, shift=job.shift, unconditional=unconditional,
+                        guidance=job.guidance if job.guidance is not None else default_guidance(m)),
+            adapter=job.adapter)
     return out

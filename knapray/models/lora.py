@@ -38,7 +38,8 @@ BASE = ".base_layer"
 def target_modules(model: nn.Module, cfg: LoraConfig, presets: dict[str, tuple[str, ...]]) -> list[str]:
     """Names of ``model``'s linear layers the targets select (presets expanded); ValueError
     naming a target that selects nothing."""
-    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    linears = [name for name, m in model.named_modules()
+               if (isinstance(m, nn.Linear) and not name.endswith(BASE)) or _is_lora_layer(m)]
     chosen: list[str] = []
     for target in cfg.targets:
         patterns = presets.get(target, (target,))
@@ -49,6 +50,11 @@ def target_modules(model: nn.Module, cfg: LoraConfig, presets: dict[str, tuple[s
                              f"(presets: {valid}; or a regular expression over names such as {linears[0]!r})")
         chosen += [n for n in hits if n not in chosen]
     return chosen
+
+
+def _is_lora_layer(m: nn.Module) -> bool:
+    """A linear layer peft wrapped already (another adapter's): it takes more adapters."""
+    return hasattr(m, "lora_A") and hasattr(m, "base_layer")
 
 
 def inject(model: nn.Module, cfg: LoraConfig, presets: dict[str, tuple[str, ...]]) -> list[str]:
@@ -66,6 +72,53 @@ def inject(model: nn.Module, cfg: LoraConfig, presets: dict[str, tuple[str, ...]
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter(name))
     return names
+
+
+def add_named_adapter(model: nn.Module, cfg: LoraConfig, presets: dict[str, tuple[str, ...]], name: str) -> list[str]:
+    """Another LoRA adapter, ``name``, beside those the model has (a served run's: several
+    adapters of one base, one active at a time, ``use_adapter``), on the layers ``cfg``
+    targets, frozen like everything else; returns the wrapped modules' names."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import inject_adapter_in_model
+
+    if not name or not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name == ADAPTER:
+        raise ValueError(f"adapter name {name!r}: letters, digits, '.', '_' or '-', and not {ADAPTER!r}")
+    names = target_modules(model, cfg, presets)
+    peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha or cfg.rank, lora_dropout=0.0,
+                              target_modules=names, bias="none", init_lora_weights=False)
+    import warnings
+
+    with warnings.catch_warnings():  # several adapters in one model is the point here
+        warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
+        inject_adapter_in_model(peft_cfg, model, adapter_name=name)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return names
+
+
+def adapters_of(model: nn.Module) -> list[str]:
+    """The adapters the model holds, in the order they came."""
+    from peft.tuners.lora import LoraLayer
+
+    out: list[str] = []
+    for m in model.modules():
+        if isinstance(m, LoraLayer):
+            out += [n for n in m.lora_A if n not in out]
+    return out
+
+
+def use_adapter(model: nn.Module, name: str | None) -> None:
+    """Make adapter ``name`` the active one on every LoRA layer (a layer it does not target
+    computes its base alone); None: every layer its base (the adapters off)."""
+    from peft.tuners.lora import LoraLayer
+
+    if name is not None and name not in adapters_of(model):
+        raise ValueError(f"adapter {name!r}: this model holds {adapters_of(model)}")
+    for m in model.modules():
+        if isinstance(m, LoraLayer):
+            m.enable_adapters(name is not None)
+            if name is not None:
+                m.set_adapter(name if name in m.lora_A else [])
 
 
 def hold_base_in(model: nn.Module, dtype: torch.dtype) -> int:
@@ -87,6 +140,13 @@ def hold_base_in(model: nn.Module, dtype: torch.dtype) -> int:
 def is_adapter(name: str) -> bool:
     """Is parameter ``name`` a LoRA adapter's (``...lora_A.default.weight``)?"""
     return ".lora_A." in name or ".lora_B." in name
+
+
+def as_trained(name: str, adapter: str) -> str:
+    """Parameter ``name`` of adapter ``adapter`` under the name its run's checkpoint gives it
+    (the run trained it as ``default``)."""
+    return name.replace(f".lora_A.{adapter}.", f".lora_A.{ADAPTER}.").replace(f".lora_B.{adapter}.",
+                                                                          f".lora_B.{ADAPTER}.")
 
 
 def has_adapters(model: nn.Module) -> bool:

@@ -79,6 +79,8 @@ class DenoiseJob:
     """(text, pooled) of the unconditional pass when ``cfg_scale != 1``."""
     guidance_input: float | None = None
     """The embedded guidance input of a model that takes one (FLUX.1-dev)."""
+    adapter: str | None = None
+    """The LoRA adapter it runs with, of those a served model holds (None: the model's own)."""
 
     @property
     def steps(self) -> int:

@@ -179,3 +179,105 @@ def test_a_rank_stuck_in_a_collective_fails_its_bag_within_the_timeout(ray_sessi
         assert float(np.abs(again.latent - ref).max() / np.abs(ref).max()) <= 1e-5
     finally:
         g.close()
+
+
+# ---- several LoRA adapters of one base -------------------------------------------------------
+
+
+def _lora_run(root, corpus, base, name: str, rank: int, targets: str, seed: int):
+    """A LoRA run directory of the tiny Flux ``base`` as a trainer leaves one (config.json, a
+    checkpoint of its adapters with the base's record), its adapters drawn at random so that
+    every one of them changes what the model computes."""
+    import json
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from knapray.config.run import load_config
+    from knapray.driver.run_dir import RUN_FORMAT
+    from knapray.models.families import build_model
+    from knapray.models.lora import init_adapters, is_adapter
+    from knapray.weights.checks import base_record
+    from knapray.worker.checkpoint import COMPLETE, TRAINER_STATE
+
+    cfg = load_config(None, [f"data.corpus={corpus}", "model.family=flux", f"model.pretrained={base}",
+                             "model.in_channels=4", "model.hidden_size=32", "model.num_heads=2",
+                             "model.depth_double=1", "model.depth_single=1", "model.text_dim=24",
+                             "model.pooled_dim=20", "model.rope_axes_dim=[4,6,6]", "model.guidance_embeds=true",
+                             f"model.lora.rank={rank}", f"model.lora.targets=[{targets}]", f"run.name={name}"])
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    model.to_empty(device="cpu")
+    init_adapters(model, cfg.model.lora, seed)
+    gen = torch.Generator().manual_seed(seed)
+    adapters = {n: p.detach().clone() for n, p in model.named_parameters() if is_adapter(n)}
+    for n, p in adapters.items():
+        if ".lora_B." in n:
+            p.normal_(0, 0.2, generator=gen)
+    run = root / "runs" / name
+    step = run / "checkpoints" / "step-000000001"
+    dcp.save({"model": adapters}, checkpoint_id=str(step), no_dist=True)
+    (step / TRAINER_STATE).write_text(json.dumps({"step": 1, "lora_base": base_record(cfg.model)}))
+    (step / COMPLETE).write_text("")
+    (run / "config.json").write_text(json.dumps({"format_version": RUN_FORMAT, **cfg.to_dict()}))
+    return str(run)
+
+
+def _alone(run: str, job) -> np.ndarray:
+    """The job's latent from one process holding ``run`` as it was trained (its adapter the
+    model's own), as ``knapray sample`` draws it."""
+    from knapray.driver.trained import load_weights, read_run
+    from knapray.inference.conditioning import corpus_text
+    from knapray.models.sampling import denoise_job, job_noise
+    from knapray.worker.denoise import denoise_local
+
+    cfg, ckpt = read_run(run)
+    model, _ = load_weights(cfg, ckpt)
+    m = cfg.model
+    cond = corpus_text(cfg.data.corpus, job.like, m.text_dim, m.pooled_dim)
+    (noise,) = job_noise(m, [(1, job.height // 8, job.width // 8)], [job.seed])
+    (z,) = denoise_local(model, [denoise_job(m, noise, cond, steps=job.steps, guidance=3.5, shift=None,
+                                             unconditional=None)])
+    return z
+
+
+@pytest.mark.timeout(300)
+def test_one_base_serves_several_adapters_each_as_alone(ray_session, tmp_path):
+    """A served LoRA run (its own adapter, rank 4 on attention), a second adapter given at
+    start (rank 8 on every linear layer) and a third added while the gang serves: a batch
+    asking for all three gives each job what its run alone gives it; an unknown adapter, or
+    a run of another base, is refused in one line."""
+    from flux_utils import save_tiny_flux
+
+    from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
+    from knapray.driver.gang import Gang
+    from knapray.inference.jobs import Job
+
+    corpus = tmp_path / "corpus"
+    build_synthetic(SyntheticConfig(mix="g2b2i128f1s0", steps=1, scale=4, channels=4, text_dim=24, pooled_dim=20,
+                                    max_text_tokens=16, shards=1), corpus, progress=False)
+    base = save_tiny_flux(tmp_path / "base", 2, 16, (4, 6, 6), 1, 1, True, text_dim=24, pooled_dim=20)
+    own = _lora_run(tmp_path, corpus, base, "own", 4, "attention", 1)
+    second = _lora_run(tmp_path, corpus, base, "second", 8, "all-linear", 2)
+    third = _lora_run(tmp_path, corpus, base, "third", 2, "attention", 3)
+    other = _lora_run(tmp_path, corpus, save_tiny_flux(tmp_path / "other", 2, 16, (4, 6, 6), 1, 1, True, seed=9,
+                                                       text_dim=24, pooled_dim=20), "other", 4, "attention", 4)
+    g = Gang.start(own, 2, device="cpu", adapters={"second": second})
+    try:
+        g.add_adapter("third", third)
+        jobs = [Job(None, 32, 32, steps=3, seed=11, like=0),
+                Job(None, 16, 32, steps=2, seed=12, like=1, adapter="second"),
+                Job(None, 32, 16, steps=3, seed=13, like=2, adapter="third"),
+                Job(None, 32, 32, steps=3, seed=11, like=0, adapter="second")]
+        results = g.generate(jobs, decode=False)
+        for job, r, run in zip(jobs, results, (own, second, third, second)):
+            assert r.error is None, r.error
+            ref = _alone(run, job)
+            assert float(np.abs(r.latent - ref).max() / np.abs(ref).max()) <= 1e-5, job.adapter
+        assert float(np.abs(results[0].latent - results[3].latent).max()) > 1e-3  # the adapters differ
+        (bad,) = g.generate([Job(None, 32, 32, steps=2, like=0, adapter="nope")])
+        assert "adapter: 'nope'" in bad.error and "'second', 'third'" in bad.error
+        with pytest.raises(ValueError, match="another base"):
+            g.add_adapter("other", other)
+    finally:
+        g.close()
