@@ -6,6 +6,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
+# Where torch comes from: pip's own index (the CPU build here), or on a GPU machine a CUDA wheel
+# index: make setup TORCH_INDEX=https://download.pytorch.org/whl/cu130 (README)
+TORCH_INDEX ?=
 
 .PHONY: run test test-quick setup clean bench plan-demo gpu-check gpu-bench
 
@@ -14,7 +17,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
+	$(BIN)/python -m pip install -q $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)") "$(TORCH_PIN)"
 	$(BIN)/python -m pip install -q -e ".[test]"
 	touch $(STAMP)
 

@@ -185,6 +185,8 @@ RULES = (
     Rule(r"^knapray (train --config jobs/configs/wan_t2v_14b\.yaml|export --run /mnt/shared/knapray-runs/wan22)",
          "parse", "Wan 2.2's two 14B experts on a GPU cluster; tests/dist/test_wan_ingest.py trains, exports and loads a "
          "tiny Wan, tests/unit/test_timestep_range.py the range"),
+    Rule(r"^knapray train .* --steps 8$", "error", "an example of a flag knapray train does not take"),
+    Rule(r"^knapray sample .*--captoin", "error", "an example of a misspelt flag"),
     Rule(r"^knapray train .*model\.text_dim=4096 --check", "error", "an example of a refused config",
          extra=("--set", "data.corpus={W}/demo-corpus")),
     Rule(r"^knapray train .*--check", "run", "the demo corpus replaced by a small one",
@@ -351,7 +353,10 @@ def _run_here(argv: list[str], work: Path, monkeypatch, capfd) -> tuple[int, str
     if argv[0] == "knapray":
         from knapray.cli import main
 
-        code = main(argv[1:])
+        try:
+            code = main(argv[1:])
+        except SystemExit as e:  # a flag the command does not take: argparse exits itself
+            code = e.code
     elif argv[0] == "torchrun":
         from knapray.commands.torchrun import main
 
