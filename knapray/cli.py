@@ -13,7 +13,8 @@ COMMANDS = (
             "--check: pre-flight only"),
     Command("synthetic", "knapray.commands.synthetic", "build a synthetic corpus from a mix of the paper's data codes"),
     Command("ingest", "knapray.commands.ingest", "encode a folder of images/videos into a corpus", run="cli"),
-    Command("sample", "knapray.commands.sample", "sample images from a trained run's checkpoint (PNG grid)", run="cli"),
+    Command("sample", "knapray.commands.sample", "sample images from a trained run's checkpoint (each at full "
+            "resolution in a folder with a PNG grid, or the grid alone)", run="cli"),
     Command("serve", "knapray.commands.serve", "serve a trained run over HTTP on Ray Serve (POST /v1/generate)",
             run="cli"),
     Command("plan", "knapray.commands.plan", "plan steps of a data mix and report balance"),
