@@ -3,8 +3,8 @@
 
 - fp32 eager (a CPU's default) against bf16 compiled (a GPU's: bf16 weights, fp32 residual
   stream, the blocks compiled and warmed up), per step, and their ratio;
-- the first-block step cache (``--step-cache``, off by default in ``knapray sample``) at
-  each threshold given: its speedup over the same run uncached and its latents' error.
+- the first-block step cache (``--step-cache``, off by default in ``knapray sample``) at a
+  threshold: its speedup over the same run uncached and its latents' error.
 
 On a CPU the ratio catches regressions (bf16 matrix products are slow on most CPUs: a ratio
 below 1 there says nothing about a GPU); ``make gpu-bench``'s sampling section gives the
@@ -21,17 +21,25 @@ from knapray.testing.sample_bench import CPU_SHAPE
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from knapray.commands.flags import add_json, int_at_least
-    from knapray.limits import MAX_MODEL_WIDTH
+    from knapray.commands.flags import add_json, float_in, int_at_least, step_count
 
-    for name, most in (("hidden", MAX_MODEL_WIDTH), ("heads", MAX_MODEL_WIDTH), ("double", 1024), ("single", 1024),
-                       ("side", 4096), ("text", 4096), ("steps", 1000)):
-        p.add_argument(f"--{name}", type=int_at_least(0 if name in ("double", "single", "text") else 1, most),
+    p.add_argument("--hidden", type=int_at_least(1), default=CPU_SHAPE["hidden"],
+                   help=f"width (default {CPU_SHAPE['hidden']})")
+    p.add_argument("--heads", type=int_at_least(1), default=CPU_SHAPE["heads"],
+                   help=f"heads (default {CPU_SHAPE['heads']})")
+    for name in ("double", "single", "side", "text"):
+        p.add_argument(f"--{name}", type=int_at_least(0 if name != "side" else 16, MAX_SIZES[name]),
                        default=CPU_SHAPE[name], help=f"default {CPU_SHAPE[name]}")
-    p.add_argument("--repeat", type=int_at_least(1, 100), default=3, help="timed loops, median taken (default 3)")
-    p.add_argument("--step-cache", default="0.1,0.3", metavar="T,T",
-                   help="first-block cache thresholds to time (default 0.1,0.3; empty: none)")
+    p.add_argument("--steps", type=step_count, default=CPU_SHAPE["steps"],
+                   help=f"Euler steps of the loop (default {CPU_SHAPE['steps']}, at most {MAX_SIZES['steps']})")
+    p.add_argument("--repeat", type=int_at_least(1), default=3,
+                   help=f"timed loops, median taken (default 3, at most {MAX_SIZES['repeat']})")
+    p.add_argument("--step-cache", type=float_in(gt=0), default=0.3, metavar="THRESHOLD",
+                   help="the first-block cache's threshold the cached loop is timed at (default 0.3)")
     add_json(p)
+
+
+MAX_SIZES = {"double": 1024, "single": 1024, "side": 4096, "text": 4096, "steps": 1000, "repeat": 100}
 
 
 def _error(message: str) -> int:
@@ -39,20 +47,18 @@ def _error(message: str) -> int:
     return 2
 
 
-def _thresholds(text: str) -> list[float]:
-    out = []
-    for part in (t for t in text.split(",") if t.strip()):
-        value = float(part)  # ValueError names the text
-        if not 0 < value <= 10:
-            raise ValueError(f"--step-cache {part}: a threshold in (0, 10]")
-        out.append(value)
-    return out
-
-
 def _config(args: argparse.Namespace):
     """A FLUX.1-dev-shaped model of the flags' size."""
+    from knapray.limits import MAX_MODEL_WIDTH
     from knapray.testing.sample_bench import flux_config
 
+    for flag, value, most in (("--hidden", args.hidden, MAX_MODEL_WIDTH), ("--heads", args.heads, MAX_MODEL_WIDTH),
+                              ("--steps", args.steps, MAX_SIZES["steps"]), ("--repeat", args.repeat,
+                                                                             MAX_SIZES["repeat"])):
+        if value > most:
+            raise ValueError(f"{flag} {value}: at most {most}")
+    if not 0 < args.step_cache <= 10:
+        raise ValueError(f"--step-cache {args.step_cache:g}: a threshold in (0, 10]")
     if args.hidden % args.heads or (args.hidden // args.heads) % 8:
         raise ValueError(f"--hidden {args.hidden} over --heads {args.heads}: heads of a multiple of 8 channels")
     if args.side % 16:
@@ -64,10 +70,10 @@ def cli(args: argparse.Namespace) -> int:
     from knapray.testing.sample_bench import prepared, relative, request, time_knapray
 
     try:
-        thresholds = _thresholds(args.step_cache)
         cfg = _config(args)
     except ValueError as e:
-        return _error(str(e).replace("could not convert string to float: ", "--step-cache: not a number: "))
+        return _error(str(e))
+    thresholds = [args.step_cache]
     job = request(cfg, args.side, args.text, args.steps)
     print(f"knapray bench sample: FLUX.1-dev-shaped, d={args.hidden}, {args.heads} heads, "
           f"{args.double + args.single} blocks, one {args.side}x{args.side} request ({job.tokens} tokens), "

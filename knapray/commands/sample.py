@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> dict:
     world = getattr(args, "world_size", 1)
     what = LocalSampling(run_dir=args.run, checkpoint=args.checkpoint, jobs=jobs, topology=plan.topology or "g1n1",
                          device=device, ema=not args.no_ema, cfg_parallel=not args.no_cfg_parallel,
-                         precision=args.precision, compile={"auto": None, "on": True, "off": False}[args.compile],
+                         precision=args.precision, compile=True if args.compile else False if args.eager else None,
                          seed=args.seed, max_text_tokens=args.max_text_tokens, step_cache=args.step_cache,
                          shard=args.shard)
     got = sample_local(what, world)
@@ -221,8 +221,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                    help="compute dtype of the model's weights and blocks (auto: bf16 on a GPU, fp32 on the CPU); "
                    "the latents and the Euler update are fp32 always")
-    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
-                   help="torch.compile the blocks (auto: on a GPU)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the blocks (default: on a GPU only)")
+    p.add_argument("--eager", action="store_true", help="never compile the blocks (not even on a GPU)")
     p.add_argument("--shard", choices=("auto", "off", "bags"), default="auto",
                    help="the transformer whole on every rank, or sharded (FSDP2) over each bag's ranks (auto: sharded "
                    "only where its weights would not fit one GPU; bags need 2 ranks or more)")

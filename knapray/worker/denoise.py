@@ -492,8 +492,9 @@ def _text(job: DenoiseJob, kind: int) -> np.ndarray:
 
 def _item(job: DenoiseJob, kind: int, latent: torch.Tensor) -> dict:
     text, pooled = (job.text, job.pooled) if kind != UNCOND else job.unconditional
-    item = {"latent": latent, "text": torch.as_tensor(text, dtype=torch.float32),
-            "pooled": torch.as_tensor(pooled, dtype=torch.float32), "timestep": 1.0}
+    # Copies: a job that came through Ray holds read-only arrays (a tensor may not share them).
+    item = {"latent": latent, "text": torch.tensor(np.asarray(text), dtype=torch.float32),
+            "pooled": torch.tensor(np.asarray(pooled), dtype=torch.float32), "timestep": 1.0}
     if job.guidance_input is not None:
         item["guidance"] = job.guidance_input
     return item
@@ -503,7 +504,7 @@ def _tokens(job: DenoiseJob, cfg) -> torch.Tensor:
     """The job's noise as image tokens (N, patch_dim) on the host, as packing lays them out."""
     from knapray.models.packing import patchify
 
-    return patchify(torch.from_numpy(np.ascontiguousarray(job.noise, dtype=np.float32)), cfg.patch_size)[0]
+    return patchify(torch.tensor(np.asarray(job.noise, dtype=np.float32)), cfg.patch_size)[0]
 
 
 def _pack(jobs: list[DenoiseJob], passes: list[tuple[int, int]], cfg):

@@ -60,13 +60,14 @@ def test_a_shared_flag_means_the_same_in_every_subcommand(parsers):
 def test_each_benchmark_has_only_its_own_flags(parsers):
     benches = {n: set(_options(p)) for n, p in parsers.items() if n.startswith("bench ")}
     assert sorted(benches) == ["bench coordinator", "bench data", "bench kernels", "bench ledger", "bench planner",
-                               "bench rivals", "bench serve", "bench step"]
+                               "bench rivals", "bench sample", "bench serve", "bench step"]
     assert set(_options(parsers["bench"])) == {"-h", "--help"}
     # --ranks: world sizes (planner, coordinator); --dir: where a bench writes its files (ledger, data);
     # --hidden, --heads, --warmup: the model's width and heads, untimed first runs (step, kernels);
-    # --world-size, --mix, --scale: gloo processes and the data codes they train on (step, rivals)
+    # --world-size, --mix, --scale: gloo processes and the data codes they train on (step, rivals);
+    # --repeat: timed repetitions, the median taken (kernels, sample)
     common = {"-h", "--help", "--steps", "--seed", "--json", "--ranks", "--dir", "--hidden", "--heads", "--warmup",
-              "--world-size", "--mix", "--scale"}
+              "--world-size", "--mix", "--scale", "--repeat"}
     for (a, fa), (b, fb) in itertools.combinations(benches.items(), 2):
         assert fa & fb <= common, (a, b, fa & fb - common)
     assert "--sizes" in benches["bench ledger"] and "--fsdp" in benches["bench step"]

@@ -185,8 +185,8 @@ def test_bench_sample_prints_the_ratio_last(capsys):
     assert out["ratio"] > 0 and [r["name"] for r in out["rows"]] == ["fp32 eager", "bf16 compiled"]
     (cached,) = out["step_cache"]
     assert cached["cached_steps"] == 2 and cached["full_steps"] == 1 and cached["error"] > 0  # skipped, and it shows
-    assert main(["bench", "sample", "--step-cache", "x", "--json"]) == 2
-    assert capsys.readouterr().err.strip().startswith("knapray bench sample: error: --step-cache")
+    assert main(["bench", "sample", "--step-cache", "11", "--json"]) == 2
+    assert capsys.readouterr().err.strip().startswith("knapray bench sample: error: --step-cache 11")
 
 
 def test_a_job_stopped_between_steps_leaves_and_the_others_go_on():
