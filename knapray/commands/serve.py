@@ -3,9 +3,9 @@
     knapray serve --run runs/NAME --world-size 4
     curl -X POST localhost:8000/v1/generate -d '{"caption": "a red bicycle", "size": "512x512"}' -o out.png
 
-Requests arriving within ``--window-ms`` are sampled together by a gang of ``--world-size``
-workers that hold the model once (knapray/driver/serving.py has the routes and answers;
-docs/serving.md the routes, limits, cancelling, keys and metrics). Every flag and the run
+Each request's jobs go at once to a gang of ``--world-size`` workers that hold the model once
+and run requests continuously on blocks of ranks (knapray/driver/serving.py has the routes and
+answers; docs/serving.md the routes, limits, cancelling, keys and metrics). Every flag and the run
 (its config, checkpoint and corpus record) are checked before Ray starts; the embedded Ray
 listens on 127.0.0.1 only (``knapray.local_ray``), the HTTP server on ``--host``. It serves
 until Ctrl-C. ``--config-out FILE`` writes a Serve config for ``serve deploy`` on a cluster
@@ -22,7 +22,6 @@ import time
 from knapray.limits import MAX_IMAGE_SIDE, MAX_IMAGE_TOKENS, MAX_SAMPLE_REQUESTS
 
 MAX_QUEUE = 1 << 16
-MAX_WINDOW_MS = 60_000
 MAX_SERVE_STEPS = 10_000
 MAX_REQUEST_TIMEOUT_S = 86_400
 API_KEY_ENV = "KNAPRAY_API_KEY"
@@ -35,16 +34,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", help="checkpoint directory (default: the run's newest)")
     add_world_size(p, default=1, help="workers of the gang that holds the model once (default 1)")
     p.add_argument("--topology", default=None,
-                   help="bags of the gang, e.g. g2n1+g1n2 (default: halving bags), or auto (chosen per batch)")
+                   help="the gang's blocks: a topology whose bags they are, e.g. g2n1+g1n2; default auto: every "
+                   "aligned power-of-two block of a node, the gang's scheduler choosing per request")
     add_device(p, help="where the gang runs (auto: cuda when Ray has GPUs)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: every one)")
     p.add_argument("--port", type=int_at_least(1, 65535), default=8000, help="HTTP port (default 8000)")
-    p.add_argument("--window-ms", type=int_at_least(0, MAX_WINDOW_MS), default=50,
-                   help="how long a request waits for others to share its batch (default 50)")
-    p.add_argument("--max-batch", type=int_at_least(1, MAX_SAMPLE_REQUESTS), default=16,
-                   help="requests sampled together, at most (default 16)")
     p.add_argument("--max-queue", type=int_at_least(1, MAX_QUEUE), default=256,
-                   help="requests waiting, at most; more are answered 503 (default 256)")
+                   help="jobs submitted to the gang and not yet answered (waiting or running), at most; more are "
+                   "answered 503 (default 256)")
     p.add_argument("--max-steps", type=int_at_least(1, MAX_SERVE_STEPS), default=100,
                    help="Euler steps a request may ask for, at most (default 100; more is answered 400)")
     p.add_argument("--max-request-side", type=int_at_least(1, MAX_IMAGE_SIDE), default=None,
@@ -55,8 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-n", type=int_at_least(1, MAX_SAMPLE_REQUESTS), default=4,
                    help="images one /v1/images/generations request may ask for (n), at most (default 4)")
     p.add_argument("--request-timeout", type=seconds_in(MAX_REQUEST_TIMEOUT_S), default=300.0, metavar="SECONDS",
-                   help="a request not answered this long after it arrived is answered 504: dropped if still queued, "
-                   "its result discarded if running (default 300)")
+                   help="a request not answered this long after it arrived is answered 504 and cancelled: dropped if "
+                   "still queued, stopped between two steps if running (default 300)")
     p.add_argument("--api-key", default=None,
                    help=f"a bearer token every route but /health requires (default: ${API_KEY_ENV}, else none; "
                    "prefer the variable: a flag is seen by this machine's other users in ps)")
@@ -89,7 +86,7 @@ def serve_options(args: argparse.Namespace):
     except ImportError as e:  # ray[serve], PyAV: the serve extra
         raise ValueError(f"knapray serve needs the serve extra: pip install -e '.[serve]' ({e})") from None
 
-    if args.topology not in (None, "auto"):  # auto: chosen per batch among candidate_topologies
+    if args.topology not in (None, "auto"):  # auto: the gang's aligned blocks (gang_blocks)
         try:
             Topology.parse(args.topology, args.world_size)
         except ValueError as e:
@@ -102,10 +99,9 @@ def serve_options(args: argparse.Namespace):
         raise ValueError(f"--max-n {args.max_n}: more than --max-queue {args.max_queue}; a request of n images "
                          "queues n jobs")
     return ServeOptions(run=args.run, world_size=args.world_size, topology=args.topology, device=args.device,
-                        checkpoint=args.checkpoint, window_ms=args.window_ms, max_batch=args.max_batch,
-                        max_queue=args.max_queue, max_steps=args.max_steps, max_side=args.max_request_side,
-                        max_frames=args.max_request_frames, max_n=args.max_n, request_timeout_s=args.request_timeout,
-                        api_key=key)
+                        checkpoint=args.checkpoint, max_queue=args.max_queue, max_steps=args.max_steps,
+                        max_side=args.max_request_side, max_frames=args.max_request_frames, max_n=args.max_n,
+                        request_timeout_s=args.request_timeout, api_key=key)
 
 
 def check_run(run_dir: str, checkpoint: str | None, world_size: int = 1, topology: str | None = None,

@@ -1,14 +1,17 @@
 """``knapray serve``: a trained run behind HTTP on Ray Serve.
 
 One deployment (one replica) owns a *gang*: N Ray actors forming one process group (NCCL
-on GPUs, gloo on CPUs) that hold the model once (``knapray.driver.gang.Gang``). Requests
-arriving within a window (``window_ms``, at most ``max_batch`` jobs and
-``MAX_SAMPLE_BATCH_TOKENS`` image tokens) are handed to the gang together, which plans and
-samples them as one batch; the gang runs in a thread, so the event loop keeps answering.
+on GPUs, gloo on CPUs) that hold the model once (``knapray.driver.gang.Gang``). Every job a
+request brings goes to the gang as soon as it is accepted (``gang.submit``: a future per
+job); the gang's own scheduler (``knapray.planning.scheduler``) runs it on a block of ranks,
+each block taking the next jobs as soon as it finishes. The replica never batches: it awaits
+each job's future, answers it, and cancels it (``gang.cancel``) at its deadline, on DELETE or
+when its client goes.
 
 A served run has limits no request may pass (``ServeLimits``: steps, image side, frames,
 images per request, a deadline), set at start and shown by ``GET /v1/models``; what a
-request may cost is bounded before it is queued, and the queue is bounded too.
+request may cost is bounded before it is submitted, and so are the jobs submitted and not
+yet answered (``max_queue``).
 
 Routes (docs/serving.md has them in full):
 
@@ -24,18 +27,18 @@ Routes (docs/serving.md has them in full):
   ``size``, ``response_format`` ``b64_json``; knapray's ``steps``, ``guidance``, ``shift``,
   ``seed``, ``like`` as extra fields); errors in OpenAI's shape.
 - ``GET /v1/models``: the served model and its limits, in OpenAI's list shape.
-- ``GET /v1/jobs/{id}``: 202 while a job waits or runs, then its answer as above;
-  ``DELETE /v1/jobs/{id}``: a queued job is cancelled (never drawn), a running one is not.
-- ``GET /health``: 200 while the gang is up, 503 while it is down or restarting.
+- ``GET /v1/jobs/{id}``: 202 while a job is queued, running or stopping, then its answer as
+  above; ``DELETE /v1/jobs/{id}``: a queued job is dropped, a running one stopped between two
+  of its steps.
+- ``GET /health``: 200 while the gang is up, 503 while it restarts.
 - ``GET /metrics``: Prometheus text (``ServeMetrics``).
 
 With an API key (``api_key``, or ``KNAPRAY_API_KEY`` in the replica's environment) every
 route but ``/health`` answers 401 without ``Authorization: Bearer KEY``. A client that
-disconnects while its job is queued cancels it.
+disconnects cancels its jobs, waiting or running.
 
-A job whose worker was lost mid-batch (``JobResult.lost``, or the whole ``generate``
-raising) is retried once, in a later batch, after ``gang.restart()``; lost a second time it
-is answered 503, and only that job: the others of its batch are answered as usual.
+A job whose block lost a rank (``JobResult.lost``) is submitted again once (the gang
+restarts itself); lost a second time it is answered 503, and only that job.
 
 ``build_app(options)`` is what ``knapray serve`` runs embedded (``serve.run``);
 ``app_builder(args)`` is the import path of a Serve config for ``serve deploy`` on a
@@ -52,6 +55,7 @@ import importlib
 import io
 import json
 import os
+import threading
 import time
 import uuid
 from dataclasses import dataclass, fields
@@ -62,11 +66,12 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 
 from knapray.inference.jobs import Job, RunRules
-from knapray.limits import MAX_IMAGE_SIDE, MAX_IMAGE_TOKENS, MAX_SAMPLE_BATCH_TOKENS, MAX_SAMPLE_REQUESTS
+from knapray.limits import MAX_IMAGE_SIDE, MAX_IMAGE_TOKENS, MAX_SAMPLE_REQUESTS
 
 DEFAULT_GANG = "knapray.driver.gang:Gang"
 """Import path of the gang class: ``start(run_dir, world_size, topology=, device=,
-checkpoint=)``, ``rules``, ``generate(jobs)``, ``restart()``, ``close()``."""
+checkpoint=)``, ``rules``, ``submit(job)`` (a future with a ``key``), ``cancel(key)``,
+``broken``, ``close()``; ``state(key)`` where it has one (what a poll says)."""
 JOB_FIELDS = ("caption", "size", "width", "height", "frames", "steps", "guidance", "shift", "seed", "like", "wait")
 """What a ``POST /v1/generate`` body may hold."""
 IMAGES_FIELDS = ("model", "prompt", "n", "size", "response_format", "output_format", "user", "steps", "guidance",
@@ -78,7 +83,9 @@ MAX_BODY_BYTES = 1 << 20
 """A request body: a caption of ``MAX_TEXT_LENGTH`` characters, JSON-escaped, fits."""
 MAX_QUEUE = 1 << 16
 """Largest ``max_queue``."""
-MAX_WINDOW_MS = 60_000
+SPARE_REQUESTS = 128
+"""Requests a replica takes beyond twice its queue: ``/health``, polls, DELETE, and the
+400s and 503s it answers at once."""
 MAX_SERVE_STEPS = 10_000
 """Largest ``max_steps`` (samplers take 1 to 1,000)."""
 MAX_REQUEST_TIMEOUT_S = 86_400
@@ -92,7 +99,9 @@ valid side below ``max_side``."""
 KEPT_RESULTS = 1024
 """Answers of finished ``wait: false`` jobs kept for polling (the oldest go first)."""
 VIDEO_FPS = 16
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+RANKS_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+RESTART_POLL_S = 0.05
+"""How often the replica looks at ``gang.broken`` (its restarts are counted as it flips back)."""
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 STAGE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -102,7 +111,7 @@ STAGE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ServeOptions:
-    """What one served run is: the run, its gang, how requests are gathered and what one may ask."""
+    """What one served run is: the run, its gang, how many jobs it holds and what one may ask."""
 
     run: str
     """The run directory (``runs/NAME``); on a cluster, a path every node reads."""
@@ -114,12 +123,9 @@ class ServeOptions:
     """auto | cpu | cuda (auto: cuda when the cluster has GPUs)."""
     checkpoint: str | None = None
     """A checkpoint directory; None: the run's newest complete one."""
-    window_ms: int = 50
-    """How long the first request of a batch waits for others."""
-    max_batch: int = 16
-    """Jobs planned together, at most."""
     max_queue: int = 256
-    """Jobs waiting, at most; more are answered 503."""
+    """Jobs submitted to the gang and not yet answered (waiting or running), at most; more
+    are answered 503."""
     max_steps: int = 100
     """Euler steps a request may ask for, at most."""
     max_side: int | None = None
@@ -129,8 +135,8 @@ class ServeOptions:
     max_n: int = 4
     """Images one ``/v1/images/generations`` request may ask for (``n``), at most."""
     request_timeout_s: float = 300.0
-    """A job not answered this long after it arrived is answered 504: dropped if still
-    queued, its result discarded if running."""
+    """A job not answered this long after it arrived is answered 504 and cancelled: dropped
+    if still queued, stopped between two steps if running."""
     api_key: str | None = None
     """Bearer token every route but ``/health`` requires; None: ``KNAPRAY_API_KEY`` of the
     replica's environment, or none."""
@@ -144,8 +150,7 @@ class ServeOptions:
 
         if not isinstance(self.run, str) or not self.run:
             raise ValueError(f"run: {self.run!r}; a run directory")
-        for name, lo, hi in (("world_size", 1, MAX_WORLD_SIZE), ("window_ms", 0, MAX_WINDOW_MS),
-                             ("max_batch", 1, MAX_SAMPLE_REQUESTS), ("max_queue", 1, MAX_QUEUE),
+        for name, lo, hi in (("world_size", 1, MAX_WORLD_SIZE), ("max_queue", 1, MAX_QUEUE),
                              ("max_steps", 1, MAX_SERVE_STEPS), ("max_side", 1, MAX_IMAGE_SIDE),
                              ("max_frames", 1, MAX_IMAGE_TOKENS), ("max_n", 1, MAX_SAMPLE_REQUESTS)):
             value = getattr(self, name)
@@ -368,12 +373,6 @@ def _check(job: Job, rules: RunRules, limits: ServeLimits | None, named_size: bo
         raise ValueError(text) from None
 
 
-def job_tokens(job: Job, rules: RunRules) -> int:
-    """Image tokens of a checked job (what bounds a batch)."""
-    mw, mh = rules.multiple
-    return job.frames * (job.width // mw) * (job.height // mh)
-
-
 # ---- answers ------------------------------------------------------------------------------------
 
 
@@ -466,9 +465,9 @@ def media_answer(frames: Any) -> Answer:
 # ---- metrics ------------------------------------------------------------------------------------
 
 
-GANG_STAGES = ("encode", "denoise", "decode")
-"""Per-job seconds a gang may report (``JobResult.seconds``: its captions encoded, its
-Euler loop, its latent decoded); each is a histogram when reported."""
+GANG_STAGES = ("queue", "encode", "denoise", "decode")
+"""Per-job seconds a gang reports (``JobResult.seconds``: its wait for a block, its captions
+encoded, its Euler loop, its latent decoded); each is a histogram."""
 
 
 class ServeMetrics:
@@ -479,27 +478,39 @@ class ServeMetrics:
 
         self.registry = CollectorRegistry()
         r = self.registry
-        self.queue = Gauge("knapray_serve_queue_length", "jobs waiting for a batch", registry=r)
-        self.batch = Histogram("knapray_serve_batch_size", "jobs handed to the gang together", buckets=BATCH_BUCKETS,
-                               registry=r)
+        self.queue = Gauge("knapray_serve_queue_length", "jobs submitted to the gang and not yet answered (waiting "
+                           "or running: what max_queue bounds)", registry=r)
+        self.running = Gauge("knapray_serve_running", "of those, jobs running on a block of the gang", registry=r)
         self.latency = Histogram("knapray_serve_latency_seconds", "a job's arrival to its answer",
                                  buckets=LATENCY_BUCKETS, registry=r)
-        self.queued = Histogram("knapray_serve_queue_seconds", "a job's arrival to its batch's start (per job)",
-                                buckets=STAGE_BUCKETS, registry=r)
-        self.gang = Histogram("knapray_serve_gang_seconds", "the gang's generate call of a batch (per batch)",
-                              buckets=STAGE_BUCKETS, registry=r)
         self.stages = {s: Histogram(f"knapray_serve_{s}_seconds", f"a job's {s} seconds, as the gang reports them "
                                     "(per job)", buckets=STAGE_BUCKETS, registry=r) for s in GANG_STAGES}
+        self.ranks = Histogram("knapray_serve_block_ranks", "ranks of the block that ran a job (per job)",
+                               buckets=RANKS_BUCKETS, registry=r)
         self.media = Histogram("knapray_serve_media_seconds", "a job's picture written as PNG or MP4 (per job)",
                                buckets=STAGE_BUCKETS, registry=r)
         self.requests = Counter("knapray_serve_requests", "answers of the POST routes by route and status code",
                                 ["route", "code"], registry=r)
-        self.cancelled = Counter("knapray_serve_cancelled", "queued jobs cancelled, never drawn: by DELETE, or "
-                                 "their client gone", ["reason"], registry=r)
-        self.expired = Counter("knapray_serve_expired", "jobs past their deadline (504): dropped from the queue, or "
-                               "their result discarded when the gang answers", ["state"], registry=r)
-        self.retries = Counter("knapray_serve_retries", "jobs retried after their worker was lost", registry=r)
-        self.restarts = Counter("knapray_serve_gang_restarts", "gang restarts after a loss", registry=r)
+        self.cancelled = Counter("knapray_serve_cancelled", "jobs cancelled by DELETE or their client gone: dropped "
+                                 "while queued, or stopped while running", ["reason", "state"], registry=r)
+        self.expired = Counter("knapray_serve_expired", "jobs past their deadline (504): dropped while queued, or "
+                               "stopped while running", ["state"], registry=r)
+        self.lost = Counter("knapray_serve_lost", "jobs whose block lost a rank (each attempt)", registry=r)
+        self.retries = Counter("knapray_serve_retries", "jobs submitted again after their block lost a rank",
+                               registry=r)
+        self.restarts = Counter("knapray_serve_gang_restarts", "gang restarts (it restarts itself after a loss)",
+                                registry=r)
+
+    def observe(self, result: Any) -> None:
+        """What the gang reports of one attempt of a job: its stage seconds, its block's ranks."""
+        for stage, seconds in (getattr(result, "seconds", None) or {}).items():
+            if stage in self.stages:
+                self.stages[stage].observe(seconds)
+        ranks = getattr(result, "ranks", None)
+        if ranks:
+            self.ranks.observe(len(ranks))
+        if getattr(result, "lost", False):
+            self.lost.inc()
 
     def text(self) -> bytes:
         from prometheus_client import generate_latest
@@ -510,20 +521,32 @@ class ServeMetrics:
 # ---- the deployment -----------------------------------------------------------------------------
 
 
+CANCEL_REASONS = ("delete", "disconnect")
+"""Why a client's job is cancelled (a third reason, ``deadline``, answers 504)."""
+
+
 @dataclass(eq=False)
 class Pending:
-    """A job waiting for (or in) a batch."""
+    """A job this replica submitted to the gang, until the gang is done with it and it is answered."""
 
     id: str
     job: Job
-    tokens: int
     arrived: float
     future: asyncio.Future
+    """Its answer (an ``Answer``)."""
+    key: int = -1
+    """The gang's key of its current attempt (``cancel`` takes it)."""
+    result: Any = None
+    """The gang's future of its current attempt (``concurrent.futures.Future`` of a ``JobResult``)."""
     attempts: int = 0
-    state: str = "queued"
-    """queued, running, done, cancelled, expired."""
+    state: str = "submitted"
+    """submitted (the gang says whether queued or running), stopping, done, cancelled, expired."""
+    stop: str | None = None
+    """Why it was cancelled (``CANCEL_REASONS`` or ``deadline``): a lost result is then not retried."""
     timer: asyncio.TimerHandle | None = None
     """Its deadline."""
+    task: asyncio.Task | None = None
+    """What awaits the gang's result and answers it."""
 
 
 api = FastAPI(title="knapray serve")
@@ -532,7 +555,7 @@ api = FastAPI(title="knapray serve")
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=MAX_QUEUE)
 @serve.ingress(api)
 class Generator:
-    """The ingress: validates requests, gathers them into batches for the gang it owns."""
+    """The ingress: validates requests, submits each job to the gang it owns, answers it."""
 
     def __init__(self, options: ServeOptions) -> None:
         from knapray.driver.run_dir import read_run_config
@@ -546,11 +569,9 @@ class Generator:
             raise ValueError(f"require_api_key: no API key; set {API_KEY_ENV} in the replica's environment "
                              "(runtime_env.env_vars, or the nodes')")
         self.metrics = ServeMetrics()
-        self._pending: collections.deque[Pending] = collections.deque()
+        self._held: dict[str, Pending] = {}
+        """Jobs submitted and not done with: the gang holds them, or their answer is being written."""
         self._jobs: collections.OrderedDict[str, Pending] = collections.OrderedDict()  # wait: false jobs
-        self._wake: asyncio.Event | None = None
-        self._batcher: asyncio.Task | None = None
-        self._gang_up = False
         self.created = int(time.time())
         family = read_run_config(options.run).model.family
         self._gang = resolve_gang_class(options.gang).start(
@@ -558,7 +579,8 @@ class Generator:
             checkpoint=options.checkpoint)
         self.rules: RunRules = self._gang.rules
         self.limits = ServeLimits.of(options, self.rules, family)
-        self._gang_up = True
+        self._closed = threading.Event()
+        threading.Thread(target=self._count_restarts, name="knapray-restarts", daemon=True).start()
 
     @staticmethod
     def _device(device: str) -> str:
@@ -567,6 +589,16 @@ class Generator:
         import ray
 
         return "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+
+    def _count_restarts(self) -> None:
+        """The gang restarts itself after a loss (``broken`` while it does): one restart each
+        time ``broken`` flips back."""
+        was = False
+        while not self._closed.wait(RESTART_POLL_S):
+            now = bool(getattr(self._gang, "broken", False))
+            if was and not now:
+                self.metrics.restarts.inc()
+            was = now
 
     # ---- routes ----
 
@@ -589,7 +621,7 @@ class Generator:
             return denied.openai()
         model = {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "knapray",
                  "limits": {**self.limits.to_dict(), "max_queue": self.options.max_queue,
-                            "max_batch": self.options.max_batch, "max_body_bytes": MAX_BODY_BYTES}}
+                            "max_body_bytes": MAX_BODY_BYTES}}
         return JSONResponse({"object": "list", "data": [model]})
 
     @api.get("/v1/jobs/{job_id}")
@@ -601,7 +633,7 @@ class Generator:
         if p is None:
             return self._unknown(job_id).response()
         if not p.future.done():
-            return JSONResponse({"job": job_id, "status": p.state}, status_code=202)
+            return JSONResponse({"job": job_id, "status": self._status(p)}, status_code=202)
         return p.future.result().response()
 
     @api.delete("/v1/jobs/{job_id}")
@@ -612,21 +644,24 @@ class Generator:
         p = self._jobs.get(job_id)
         if p is None:
             return self._unknown(job_id).response()
-        if p.state == "queued":
-            self._cancel(p, "delete")
-        if p.state == "cancelled":
-            return JSONResponse({"job": job_id, "status": "cancelled"})
-        if p.state == "running":
-            return Answer.error(409, f"job {job_id}: running on the gang; a running job is not cancelled (it is "
-                                     f"answered, or its deadline of {self.limits.request_timeout_s:g} s ends it)"
-                                ).response()
+        if not p.future.done() and p.state != "stopping":
+            if self._cancel(p, "delete") == "done":  # the gang has its result: its answer is being written
+                try:
+                    await asyncio.wait_for(asyncio.shield(p.future), 60)
+                except asyncio.TimeoutError:
+                    pass
+        if p.state in ("cancelled", "stopping"):
+            return JSONResponse({"job": job_id, "status": p.state})
+        if not p.future.done():
+            return Answer.error(409, f"job {job_id}: finished on the gang, its answer being written; nothing to "
+                                     "cancel").response()
         return Answer.error(409, f"job {job_id}: already answered ({p.state}, HTTP {p.future.result().status}); "
                                  "nothing to cancel").response()
 
     @api.get("/health")
     async def health(self) -> Response:
-        up = self._gang_up
-        return JSONResponse({"status": "up" if up else "down", "queue": len(self._pending),
+        up = not getattr(self._gang, "broken", False)
+        return JSONResponse({"status": "up" if up else "restarting", "queue": len(self._held),
                              "world_size": self.options.world_size}, status_code=200 if up else 503)
 
     @api.get("/metrics")
@@ -636,7 +671,10 @@ class Generator:
         denied = self._denied(request)
         if denied:
             return denied.response()
-        self.metrics.queue.set(len(self._pending))
+        self.metrics.queue.set(len(self._held))
+        if hasattr(self._gang, "state"):
+            self.metrics.running.set(sum(self._status(p) == "running" for p in self._held.values()
+                                         if not p.future.done()))
         return Response(content=self.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     # ---- requests in ----
@@ -681,7 +719,7 @@ class Generator:
         full = self._full(1)
         if full:
             return full
-        (p,) = self._enqueue([job])
+        (p,) = self._submit([job])
         if not wait:
             self._keep(p)
             return Answer.document(202, {"job": p.id, "poll": f"/v1/jobs/{p.id}"})
@@ -698,7 +736,7 @@ class Generator:
         full = self._full(len(jobs))
         if full:
             return full
-        answers = await self._wait(self._enqueue(jobs))
+        answers = await self._wait(self._submit(jobs))
         failed = next((a for a in answers if a.status != 200), None)
         if failed is not None:
             return failed
@@ -710,9 +748,9 @@ class Generator:
                                  "data": [{"b64_json": base64.b64encode(a.body).decode()} for a in answers]})
 
     def _full(self, n: int) -> Answer | None:
-        if len(self._pending) + n > self.options.max_queue:
-            return Answer.error(503, f"queue: {len(self._pending)} jobs waiting; at most {self.options.max_queue} "
-                                     "(max_queue): try again later")
+        if len(self._held) + n > self.options.max_queue:
+            return Answer.error(503, f"queue: {len(self._held)} jobs submitted and not answered; at most "
+                                     f"{self.options.max_queue} (max_queue): try again later")
         return None
 
     def _keep(self, p: Pending) -> None:
@@ -726,12 +764,12 @@ class Generator:
 
     async def _wait(self, ps: list[Pending]) -> list[Answer]:
         """The answers of ``ps``. The client gone (Serve cancels its request) cancels those
-        still queued; a running one is drawn and its result discarded."""
+        not answered: dropped if queued, stopped between two steps if running."""
         try:
             return list(await asyncio.shield(asyncio.gather(*(p.future for p in ps))))
         except asyncio.CancelledError:
             for p in ps:
-                if p.state == "queued":
+                if not p.future.done() and p.state != "stopping":
                     self._cancel(p, "disconnect")
             raise
 
@@ -748,146 +786,120 @@ class Generator:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _enqueue(self, jobs: list[Job]) -> list[Pending]:
+    # ---- jobs on the gang ----
+
+    def _submit(self, jobs: list[Job]) -> list[Pending]:
+        """Each job submitted to the gang now, with its deadline and the task that answers it."""
         loop = asyncio.get_running_loop()
-        if self._batcher is None or self._batcher.done():
-            self._wake = asyncio.Event()
-            self._batcher = loop.create_task(self._batches())
         now = time.monotonic()
         ps = []
         for job in jobs:
-            p = Pending(uuid.uuid4().hex, job, job_tokens(job, self.rules), now, loop.create_future())
+            p = Pending(uuid.uuid4().hex, job, now, loop.create_future())
+            self._held[p.id] = p
             p.timer = loop.call_later(self.limits.request_timeout_s, self._expire, p)
-            self._pending.append(p)
+            try:
+                self._attempt(p)
+            except Exception as e:  # the gang took no job: nothing to await
+                self._held.pop(p.id)
+                self._answer(p, Answer.error(503, f"gang: it took no job ({type(e).__name__}: {str(e)[:200]}); "
+                                                  "try again later"))
+            else:
+                p.task = loop.create_task(self._follow(p))
             ps.append(p)
-        self.metrics.queue.set(len(self._pending))
-        self._wake.set()
+        self.metrics.queue.set(len(self._held))
         return ps
 
-    def _cancel(self, p: Pending, reason: str) -> None:
-        """A queued job out of the queue, never drawn."""
-        self._pending.remove(p)
-        self.metrics.queue.set(len(self._pending))
-        self.metrics.cancelled.labels(reason=reason).inc()
-        self._answer(p, Answer.error(410, f"job {p.id}: cancelled before it ran ({reason})"), "cancelled")
+    def _attempt(self, p: Pending) -> None:
+        p.result = self._gang.submit(p.job)
+        p.key = getattr(p.result, "key", -1)
+        p.attempts += 1
+
+    async def _follow(self, p: Pending) -> None:
+        """Await the gang's result of ``p`` (submitted again once if its block lost a rank) and
+        answer it, unless it was answered already (its deadline, a cancel)."""
+        try:
+            while True:
+                result = await asyncio.wrap_future(p.result)
+                self.metrics.observe(result)
+                if not (getattr(result, "lost", False) and p.attempts < 2 and p.stop is None
+                        and not p.future.done()):
+                    break
+                self.metrics.retries.inc()
+                self._attempt(p)
+            if not p.future.done():
+                await self._settle(p, result)
+        except Exception as e:  # never leave a client waiting on a job this replica dropped
+            self._answer(p, Answer.error(500, f"job: {type(e).__name__}: {str(e)[:300]}"))
+        finally:
+            self._held.pop(p.id, None)
+            self.metrics.queue.set(len(self._held))
+
+    async def _settle(self, p: Pending, result: Any) -> None:
+        if getattr(result, "lost", False):
+            if p.stop in CANCEL_REASONS:  # cancelled while it waited to be submitted again
+                self.metrics.cancelled.labels(reason=p.stop, state="queued").inc()
+                self._answer(p, self._cancelled(p, p.stop, "queued"), "cancelled")
+            else:
+                self._answer(p, Answer.error(503, "job: its block lost a rank twice (submitted again once; the gang "
+                                                  "restarts itself); try again"))
+        elif getattr(result, "cancelled", False) and p.stop in CANCEL_REASONS:
+            self._answer(p, self._cancelled(p, p.stop, "running"), "cancelled")
+        elif result.error is not None:
+            self._answer(p, Answer.error(500, f"job: {result.error}"))
+        else:
+            t0 = time.monotonic()
+            try:
+                answer = await asyncio.to_thread(media_answer, result.frames)
+            except Exception as e:
+                answer = Answer.error(500, f"result: could not encode it ({type(e).__name__}: {str(e)[:200]})")
+            self.metrics.media.observe(time.monotonic() - t0)
+            self._answer(p, answer)
+
+    def _status(self, p: Pending) -> str:
+        """What a poll says of a job not answered: queued, running or stopping (``submitted``
+        where the gang cannot tell whether it waits or runs)."""
+        if p.state != "submitted":
+            return p.state
+        state = getattr(self._gang, "state", None)
+        if state is None:
+            return "submitted"
+        return "queued" if state(p.key) in ("new", "waiting") else "running"
+
+    def _cancel(self, p: Pending, reason: str) -> str:
+        """Cancel a job not answered (``CANCEL_REASONS``): ``dropped`` (it waited: answered 410
+        now), ``stopping`` (it runs: answered 410 once its block stops it), or ``done`` (the
+        gang has its result; the job is answered from it)."""
+        p.stop = reason
+        said = self._gang.cancel(p.key) if p.key >= 0 else "done"
+        if said == "dropped":
+            self.metrics.cancelled.labels(reason=reason, state="queued").inc()
+            self._answer(p, self._cancelled(p, reason, "queued"), "cancelled")
+        elif said == "stopping":
+            self.metrics.cancelled.labels(reason=reason, state="running").inc()
+            p.state = "stopping"
+        else:
+            said = "done"
+        return said
+
+    @staticmethod
+    def _cancelled(p: Pending, reason: str, state: str) -> Answer:
+        when = "before it ran" if state == "queued" else "while it ran: stopped between two steps"
+        return Answer.error(410, f"job {p.id}: cancelled {when} ({reason})")
 
     def _expire(self, p: Pending) -> None:
-        """Its deadline: a queued job is dropped; a running one is answered now, its result
-        discarded when the gang gives it."""
+        """Its deadline: the job is answered 504 now, and cancelled on the gang: dropped if
+        queued, stopped between two steps if running."""
         if p.future.done():
             return
         t = self.limits.request_timeout_s
-        if p.state == "queued":
-            self._pending.remove(p)
-            self.metrics.queue.set(len(self._pending))
-            text = f"job: still queued after {t:g} s (--request-timeout); dropped, never drawn"
+        p.stop = "deadline"
+        said = self._gang.cancel(p.key) if p.key >= 0 else "done"
+        if said == "dropped":
+            state, text = "queued", f"job: still queued after {t:g} s (--request-timeout); dropped, never drawn"
         else:
-            text = f"job: running past {t:g} s (--request-timeout); its result will be discarded"
-        self.metrics.expired.labels(state=p.state).inc()
+            state, text = "running", f"job: running past {t:g} s (--request-timeout); stopped between two steps"
+        self.metrics.expired.labels(state=state).inc()
         self._answer(p, Answer.error(504, text), "expired")
-
-    # ---- batches ----
-
-    async def _next_batch(self) -> list[Pending]:
-        """The jobs that arrived within the window after the first (at most ``max_batch``
-        and ``MAX_SAMPLE_BATCH_TOKENS`` image tokens; the rest wait for the next batch)."""
-        loop = asyncio.get_running_loop()
-        while not self._pending:
-            self._wake.clear()
-            await self._wake.wait()
-        deadline = loop.time() + self.options.window_ms / 1000
-        while len(self._pending) < self.options.max_batch and (left := deadline - loop.time()) > 0:
-            self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), left)
-            except asyncio.TimeoutError:
-                break
-        batch, tokens, now = [], 0, time.monotonic()
-        while self._pending and len(batch) < self.options.max_batch and (
-                not batch or tokens + self._pending[0].tokens <= MAX_SAMPLE_BATCH_TOKENS):
-            p = self._pending.popleft()
-            p.state = "running"  # out of the queue: no longer cancelled by DELETE or a client gone
-            self.metrics.queued.observe(now - p.arrived)
-            batch.append(p)
-            tokens += p.tokens
-        self.metrics.queue.set(len(self._pending))
-        return batch
-
-    async def _batches(self) -> None:
-        while True:
-            batch = await self._next_batch()
-            if not batch:  # every job of the window was cancelled or expired
-                continue
-            try:
-                await self._run_batch(batch)
-            except Exception as e:  # never leave a client waiting on a job this loop dropped
-                for p in batch:
-                    self._answer(p, Answer.error(500, f"batch: {type(e).__name__}: {str(e)[:300]}"))
-
-    async def _run_batch(self, batch: list[Pending]) -> None:
-        if not self._gang_up:  # a restart failed after the last loss: try again before this batch
-            await self._restart()
-            if not self._gang_up:
-                for p in batch:
-                    self._answer(p, Answer.error(503, "gang: its workers are down and a restart failed; "
-                                                      "try again later"))
-                return
-        self.metrics.batch.observe(len(batch))
-        t0 = time.monotonic()
-        results = await asyncio.to_thread(self._generate_on_gang, [p.job for p in batch])
-        self.metrics.gang.observe(time.monotonic() - t0)
-        lost = []
-        for p, result in zip(batch, results):
-            for stage, seconds in (getattr(result, "seconds", None) or {}).items():
-                if stage in self.metrics.stages:
-                    self.metrics.stages[stage].observe(seconds)
-            if p.future.done():  # past its deadline: answered 504 already, the result discarded
-                continue
-            if getattr(result, "lost", False):
-                lost.append(p)
-            elif result.error is not None:
-                self._answer(p, Answer.error(500, f"job: {result.error}"))
-            else:
-                t1 = time.monotonic()
-                try:
-                    answer = await asyncio.to_thread(media_answer, result.frames)
-                except Exception as e:
-                    answer = Answer.error(500, f"result: could not encode it ({type(e).__name__}: {str(e)[:200]})")
-                self.metrics.media.observe(time.monotonic() - t1)
-                self._answer(p, answer)
-        if lost:
-            await self._restart()
-        for p in reversed(lost):  # retried once, ahead of the jobs that arrived since
-            if p.future.done():
-                continue
-            if p.attempts >= 1:
-                self._answer(p, Answer.error(503, "job: its worker was lost twice (retried once after a gang "
-                                                  "restart); try again"))
-                continue
-            p.attempts += 1
-            p.state = "queued"
-            self.metrics.retries.inc()
-            self._pending.appendleft(p)
-        self.metrics.queue.set(len(self._pending))
-
-    def _generate_on_gang(self, jobs: list[Job]) -> list[Any]:
-        """One result per job; the gang raising (its workers gone) loses every job."""
-        try:
-            results = list(self._gang.generate(jobs))
-            if len(results) != len(jobs):
-                raise RuntimeError(f"the gang answered {len(results)} results for {len(jobs)} jobs")
-            return results
-        except Exception as e:
-            return [_Lost(f"{type(e).__name__}: {str(e)[:300]}") for _ in jobs]
-
-    async def _restart(self) -> None:
-        self._gang_up = False
-        self.metrics.restarts.inc()
-        try:
-            await asyncio.to_thread(self._gang.restart)
-            self._gang_up = True
-        except Exception:
-            self._gang_up = False
 
     def _answer(self, p: Pending, answer: Answer, state: str = "done") -> None:
         if p.future.done():
@@ -899,6 +911,9 @@ class Generator:
         self.metrics.latency.observe(time.monotonic() - p.arrived)
 
     def __del__(self) -> None:
+        closed = getattr(self, "_closed", None)
+        if closed is not None:
+            closed.set()
         gang = getattr(self, "_gang", None)
         if gang is not None:
             try:
@@ -907,22 +922,15 @@ class Generator:
                 pass
 
 
-@dataclass(frozen=True)
-class _Lost:
-    error: str
-    frames: Any = None
-    lost: bool = True
-
-
 # ---- applications -------------------------------------------------------------------------------
 
 
 def build_app(options: ServeOptions):
     """The Serve application of ``options`` (``serve.run(build_app(...))``). The replica takes
-    its queue, a batch and as many again (requests it answers at once: 400, 503, /health);
-    Serve's proxy holds at most ``max_queue`` more and answers the rest 503 itself, so a
-    flood is bounded before it reaches the replica too."""
-    return Generator.options(max_ongoing_requests=2 * options.max_queue + 2 * MAX_SAMPLE_REQUESTS,
+    twice its queue and ``SPARE_REQUESTS`` (requests it answers at once: 400, 503, /health,
+    polls); Serve's proxy holds at most ``max_queue`` more and answers the rest 503 itself,
+    so a flood is bounded before it reaches the replica too."""
+    return Generator.options(max_ongoing_requests=2 * options.max_queue + SPARE_REQUESTS,
                              max_queued_requests=options.max_queue).bind(options)
 
 

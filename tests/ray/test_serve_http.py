@@ -1,13 +1,14 @@
 """``knapray serve`` over real HTTP: a local Ray Serve deployment answers concurrent
-requests (good, malformed, oversized, lost by a worker once and twice) each as it should,
+requests (good, malformed, oversized, lost by a block once and twice) each as it should,
 keeps serving after the bad ones, and counts them in its metrics; a flood of requests (the
 extremes of every field, more than its queue holds, a client gone while queued) leaves it
-answering; queued jobs are cancelled (DELETE, a client gone) and deadlines kept; the
-official ``openai`` client draws from it and reads its errors; every route but /health
-wants its key. The gang is a stand-in with the real one's API (``FakeGang``: gradient
-images, a worker lost on request), so that this runs in seconds;
-``test_the_real_gang_serves_a_trained_run`` serves the real one. Then the Serve config for
-``serve deploy`` and the command's checks before Ray starts."""
+answering; jobs are cancelled (DELETE, a client gone: dropped while queued, stopped between
+two steps while running) and deadlines kept; the official ``openai`` client draws from it
+and reads its errors; every route but /health wants its key. The gang is a stand-in with the
+real one's API (``FakeGang``: continuous blocks in threads, gradient images, a block losing
+a job on request), so that this runs in seconds; ``test_the_real_gang_serves_a_trained_run``
+serves the real one. Then the Serve config for ``serve deploy`` and the command's checks
+before Ray starts."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -44,29 +45,65 @@ needs_serve = pytest.mark.skipif(
 class FakeResult:
     """``knapray.driver.gang.JobResult``'s fields."""
 
-    frames: np.ndarray | None
+    frames: np.ndarray | None = None
     error: str | None = None
+    latent: np.ndarray | None = None
     lost: bool = False
-    seconds: dict | None = None
+    cancelled: bool = False
+    seconds: dict = field(default_factory=dict)
+    ranks: tuple = ()
 
 
+RUN_S = 0.3
 HOLD_S = 3.0
 SLOW_S = 1.0
+STEP_S = 0.05
+"""A step of the stand-in's blocks (a cancelled job leaves between two)."""
+PACK = 8
+"""Jobs a block of the stand-in runs packed in one loop, at most."""
+RESTART_S = 0.3
+ENCODE_S, DECODE_S = 0.01, 0.04
 KEY = "test-key-0123456789"
 """The API key of the stand-in's deployment."""
 
 
-class FakeGang:
-    """``knapray.driver.gang.Gang``'s API in one process: the run's real rules, a gradient
-    (T, H, W, 3) per job after a short wait, with its stage seconds; caption "lose once" is
-    lost by its worker the first time, "lose always" every time, "fail" fails, "hold" holds
-    the gang ``HOLD_S``, "slow" ``SLOW_S``; a caption "trace:PATH" is written to PATH when drawn."""
+@dataclass(eq=False)
+class FakeJob:
+    key: int
+    job: object
+    future: concurrent.futures.Future
+    arrival: float
+    state: str = "waiting"
+    """waiting, running, done (as ``Gang.state`` says)."""
+    stop: bool = False
+    started: float = 0.0
 
-    def __init__(self, rules) -> None:
+
+class FakeGang:
+    """``knapray.driver.gang.Gang``'s API in one process: the run's real rules; one block per
+    rank (two), each taking the waiting jobs (up to ``PACK``) as soon as it is free and running
+    them packed in one loop of ``STEP_S`` steps, a job leaving after its own time (``RUN_S``;
+    a caption with the word "hold" ``HOLD_S``, "slow" ``SLOW_S``; "stubborn": ``HOLD_S`` in one
+    step, so that a cancel takes effect only at its end) with a gradient (T, H, W, 3) and its
+    stage seconds. ``cancel`` drops a waiting job, or stops a running one between two steps.
+    Caption "lose once" is lost by its block at its first step the first time, "lose always"
+    every time (only that job: the stand-in is deterministic), and the gang is then ``broken``
+    until its running blocks end and ``RESTART_S`` more (it restarts itself); "fail" fails. A
+    word "trace:PATH" appends to PATH "drawn" when the job starts, then "stopped" or "done"."""
+
+    def __init__(self, rules, blocks: int) -> None:
         self.rules = rules
-        self.seen: collections.Counter = collections.Counter()
+        self.broken = False
         self.restarts = 0
-        self.lock = threading.Lock()
+        self.seen: collections.Counter = collections.Counter()
+        self.cv = threading.Condition()
+        self.waiting: collections.deque[FakeJob] = collections.deque()
+        self.jobs: dict[int, FakeJob] = {}
+        self.next_key = 0
+        self.busy = 0
+        self.restarting = False
+        for b in range(blocks):
+            threading.Thread(target=self._block, args=(b,), name=f"fake-block-{b}", daemon=True).start()
 
     @classmethod
     def start(cls, run_dir, world_size, *, topology=None, device="cpu", checkpoint=None):
@@ -74,37 +111,139 @@ class FakeGang:
         from knapray.inference.jobs import run_rules
 
         assert (world_size, device) == (2, "cpu"), (world_size, device)
-        return cls(run_rules(read_run_config(run_dir)))
+        return cls(run_rules(read_run_config(run_dir)), world_size)
 
-    def generate(self, jobs):
-        assert self.lock.acquire(blocking=False), "generate called while a batch runs"
+    # ---- the API ----
+
+    def submit(self, job, decode=True):
+        future = concurrent.futures.Future()
         try:
-            captions = {job.caption for job in jobs}
-            time.sleep(HOLD_S if "hold" in captions else SLOW_S if "slow" in captions else 0.3)
-            out = []
-            for job in jobs:
-                self.seen[job.caption] += 1
-                if job.caption and job.caption.startswith("trace:"):
-                    with open(job.caption[len("trace:"):], "a") as f:
-                        f.write("drawn\n")
-                if job.caption == "lose always" or (job.caption == "lose once" and self.seen[job.caption] == 1):
-                    out.append(FakeResult(None, "worker 1 died", lost=True))
-                elif job.caption == "fail":
-                    out.append(FakeResult(None, "out of memory"))
-                else:
-                    ramp = np.linspace(0, 255, job.width, dtype=np.float32).astype(np.uint8)
-                    frame = np.broadcast_to(ramp[None, :, None], (job.height, job.width, 3))
-                    out.append(FakeResult(np.stack([frame] * job.frames),
-                                          seconds={"encode": 0.01, "denoise": 0.25, "decode": 0.04}))
-            return out
-        finally:
-            self.lock.release()
+            self.rules.check(job)
+        except ValueError as e:
+            future.key = -1
+            future.set_result(FakeResult(error=str(e)))
+            return future
+        with self.cv:
+            future.key = key = self.next_key
+            self.next_key += 1
+            self.jobs[key] = s = FakeJob(key, job, future, time.monotonic())
+            self.waiting.append(s)
+            self.cv.notify_all()
+        return future
 
-    def restart(self) -> None:
-        self.restarts += 1
+    def cancel(self, key):
+        with self.cv:
+            s = self.jobs.get(key)
+            if s is None:
+                return "unknown"
+            if s.state == "running":
+                s.stop = True
+                return "stopping"
+            self.waiting.remove(s)
+        self._resolve(s, FakeResult(error="cancelled", cancelled=True, seconds={"encode": ENCODE_S}))
+        return "dropped"
+
+    def state(self, key):
+        with self.cv:
+            s = self.jobs.get(key)
+            return "unknown" if s is None else s.state
+
+    def generate(self, jobs, decode=True):
+        return [f.result() for f in [self.submit(job, decode) for job in jobs]]
 
     def close(self) -> None:
         pass
+
+    # ---- its blocks ----
+
+    def _resolve(self, s: FakeJob, result: FakeResult) -> None:
+        with self.cv:
+            s.state = "done"
+            self.jobs.pop(s.key, None)
+        if not s.future.done():  # not cancelled by its awaiter going away (the replica shutting down)
+            s.future.set_result(result)
+
+    def _block(self, b: int) -> None:
+        while True:
+            with self.cv:
+                while self.broken or not self.waiting:
+                    self.cv.wait()
+                loop = [self.waiting.popleft() for _ in range(min(PACK, len(self.waiting)))]
+                self.busy += 1
+                now = time.monotonic()
+                for s in loop:
+                    s.state, s.started = "running", now
+                    self.seen[s.job.caption] += 1
+            for s in loop:
+                _trace(s.job.caption, "drawn")
+            self._run(b, loop)
+            with self.cv:
+                self.busy -= 1
+                self.cv.notify_all()
+
+    def _run(self, b: int, loop: list[FakeJob]) -> None:
+        first = True
+        while loop:
+            words = {w for s in loop for w in (s.job.caption or "").split()}
+            time.sleep(HOLD_S if "stubborn" in words else STEP_S)
+            now = time.monotonic()
+            for s in list(loop):
+                caption, ran = s.job.caption or "", now - s.started
+                seconds = {"queue": s.started - s.arrival, "encode": ENCODE_S}
+                with self.cv:
+                    stop = s.stop
+                lost = caption == "lose always" or (caption == "lose once" and self.seen[caption] == 1)
+                if stop:
+                    result = FakeResult(error="cancelled", cancelled=True, seconds={**seconds, "denoise": ran})
+                    _trace(caption, "stopped")
+                elif first and lost:
+                    result = FakeResult(error="rank 1 died", lost=True, seconds=seconds)
+                    self._lose()
+                elif first and caption == "fail":
+                    result = FakeResult(error="out of memory", seconds=seconds)
+                elif ran >= _duration(caption) - 1e-3:
+                    ramp = np.linspace(0, 255, s.job.width, dtype=np.float32).astype(np.uint8)
+                    frame = np.broadcast_to(ramp[None, :, None], (s.job.height, s.job.width, 3))
+                    result = FakeResult(np.stack([frame] * s.job.frames), seconds={
+                        **seconds, "denoise": _duration(caption), "decode": DECODE_S})
+                    _trace(caption, "done")
+                else:
+                    continue
+                result.ranks = (b,)
+                loop.remove(s)
+                self._resolve(s, result)
+            first = False
+
+    def _lose(self) -> None:
+        """Broken until the running blocks end, then restarted ``RESTART_S`` later."""
+        with self.cv:
+            self.broken = True
+            if self.restarting:
+                return
+            self.restarting = True
+
+        def restart() -> None:
+            with self.cv:
+                self.cv.wait_for(lambda: self.busy == 0)
+            time.sleep(RESTART_S)
+            with self.cv:
+                self.broken, self.restarting = False, False
+                self.restarts += 1
+                self.cv.notify_all()
+
+        threading.Thread(target=restart, name="fake-restart", daemon=True).start()
+
+
+def _duration(caption: str) -> float:
+    words = caption.split()
+    return HOLD_S if "hold" in words or "stubborn" in words else SLOW_S if "slow" in words else RUN_S
+
+
+def _trace(caption: str | None, what: str) -> None:
+    for word in (caption or "").split():
+        if word.startswith("trace:"):
+            with open(word[len("trace:"):], "a") as f:
+                f.write(what + "\n")
 
 
 # ---- HTTP --------------------------------------------------------------------------------------------
@@ -145,9 +284,8 @@ def _metric(text: str, name: str, labels: str = "") -> float:
 
 @pytest.fixture(scope="module")
 def served(ray_session, tmp_path_factory):
-    """A local deployment of the stand-in gang (2 workers, a 0.4 s window, batches of 8, a
-    queue of 64, sides up to 512, an API key); Serve shut down at the end (Ray is the
-    session's)."""
+    """A local deployment of the stand-in gang (2 workers: two blocks, a queue of 64, sides up
+    to 512, an API key); Serve shut down at the end (Ray is the session's)."""
     from ray import serve
 
     from dist_utils import sampling_run_dir
@@ -157,8 +295,8 @@ def served(ray_session, tmp_path_factory):
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        serve.run(build_app(ServeOptions(run=str(run), world_size=2, device="cpu", window_ms=400, max_batch=8,
-                                         max_queue=64, max_side=512, api_key=KEY, gang="test_serve_http:FakeGang")),
+        serve.run(build_app(ServeOptions(run=str(run), world_size=2, device="cpu", max_queue=64, max_side=512,
+                                         api_key=KEY, gang="test_serve_http:FakeGang")),
                   name="knapray-test", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -214,7 +352,7 @@ CASES = {
     "lost once": ({"caption": "lose once", "size": "32x32"}, "", 200,
                   lambda kind, body: kind == "image/png" and _png_size(body) == (32, 32)),
     "lost twice": ({"caption": "lose always", "size": "32x32"}, "", 503,
-                   lambda kind, body: "lost twice" in _error(body)),
+                   lambda kind, body: "lost a rank twice" in _error(body)),
     "gang error": ({"caption": "fail", "size": "32x32"}, "", 500,
                    lambda kind, body: _error(body) == "job: out of memory"),
     "async": ({"caption": "later", "size": "16x16", "wait": False}, "", 202,
@@ -224,7 +362,7 @@ CASES = {
 }
 TO_GANG = ("image", "clip", "lost once", "lost once", "lost twice", "lost twice", "gang error", "async",
            "async by query")
-"""Jobs handed to the gang: the lost ones twice."""
+"""Jobs submitted to the gang: the lost ones twice."""
 
 
 @pytest.mark.ray
@@ -251,9 +389,9 @@ def test_concurrent_requests_each_get_their_answer(served):
     status, _, body = _call(f"{served}/v1/jobs/{'0' * 32}")
     assert status == 404 and _error(body).startswith("job: no job")
 
-    # Still serving after every bad request and the lost worker.
-    status, _, body = _call(f"{served}/health")
-    assert status == 200 and json.loads(body)["status"] == "up", body
+    # Still serving after every bad request and the lost block, once the gang has restarted itself.
+    status, _, body = _until(lambda: (got := _call(f"{served}/health"))[0] == 200 and got, timeout=10)
+    assert json.loads(body)["status"] == "up", body
     status, kind, body = _call(f"{served}/v1/generate", json.dumps({"size": "16x16"}).encode())
     assert status == 200 and kind == "image/png"
 
@@ -263,20 +401,20 @@ def test_concurrent_requests_each_get_their_answer(served):
     by_code = collections.Counter(str(c[2]) for c in CASES.values()) + collections.Counter({"200": 1})
     for code, n in by_code.items():
         assert _metric(text, "knapray_serve_requests_total", f'{{code="{code}",route="generate"}}') == n, code
-    jobs = len(TO_GANG) + 1  # and the request after them
-    assert _metric(text, "knapray_serve_batch_size_sum") == jobs
-    batches = _metric(text, "knapray_serve_batch_size_count")
-    assert 3 <= batches <= jobs - 3, batches  # gathered: the concurrent ones shared batches (the lost, retried, later)
+    jobs = len(TO_GANG) + 1  # and the request after them: every one started on a block
     assert _metric(text, "knapray_serve_latency_seconds_count") == len(set(TO_GANG)) + 1  # one answer each
+    assert _metric(text, "knapray_serve_lost_total") == 3
     assert _metric(text, "knapray_serve_retries_total") == 2
-    assert _metric(text, "knapray_serve_gang_restarts_total") >= 2
-    assert _metric(text, "knapray_serve_queue_length") == 0
-    assert _metric(text, "knapray_serve_queue_seconds_count") == jobs
-    assert _metric(text, "knapray_serve_gang_seconds_count") == batches
-    drawn = jobs - 4  # no picture: the three lost draws and the failed one
-    for stage, seconds in (("encode", 0.01), ("denoise", 0.25), ("decode", 0.04)):
-        assert _metric(text, f"knapray_serve_{stage}_seconds_count") == drawn, stage
+    assert _metric(text, "knapray_serve_gang_restarts_total") >= 2  # the retry of "lose always" lost after one
+    assert _metric(text, "knapray_serve_queue_length") == 0 and _metric(text, "knapray_serve_running") == 0
+    for stage in ("queue", "encode"):
+        assert _metric(text, f"knapray_serve_{stage}_seconds_count") == jobs, stage
+    assert _metric(text, "knapray_serve_block_ranks_count") == _metric(text, "knapray_serve_block_ranks_sum") == jobs
+    drawn = jobs - 4  # no picture: the three lost attempts and the failed one
+    for stage, seconds in (("encode", ENCODE_S * jobs / drawn), ("denoise", RUN_S), ("decode", DECODE_S)):
         assert _metric(text, f"knapray_serve_{stage}_seconds_sum") == pytest.approx(drawn * seconds), stage
+    for stage in ("denoise", "decode"):
+        assert _metric(text, f"knapray_serve_{stage}_seconds_count") == drawn, stage
     assert _metric(text, "knapray_serve_media_seconds_count") == drawn
 
 
@@ -306,30 +444,40 @@ def _counter(served: str, name: str, labels: str = "") -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def _hold(served: str) -> threading.Thread:
-    """A thread whose request holds the stand-in gang ``HOLD_S``, returned once its batch runs."""
-    batched = _counter(served, "knapray_serve_queue_seconds_count")
-    t = threading.Thread(target=_post, args=(served, {"caption": "hold", "size": "16x16"}), daemon=True)
-    t.start()
-    _until(lambda: _counter(served, "knapray_serve_queue_seconds_count") > batched)
-    return t
+def _hold(served: str, where: Path, words: str = "hold", blocks: int = 2) -> list[threading.Thread]:
+    """Threads whose requests (caption ``words``) hold ``blocks`` of the stand-in's blocks,
+    returned once each runs (sent one after another: each takes the block left free)."""
+    threads = []
+    for i in range(blocks):
+        trace = where / f"{words.replace(' ', '-')}-{i}"
+        t = threading.Thread(target=_post, args=(served, {"caption": f"{words} trace:{trace}", "size": "16x16"}),
+                             daemon=True)
+        t.start()
+        _until(trace.exists)
+        threads.append(t)
+    return threads
 
 
 def _queue(served: str) -> int:
     return json.loads(_call(f"{served}/health", key=None)[2])["queue"]
 
 
-def _gone_while_queued(served: str, doc: dict) -> None:
-    """A client that sends ``doc`` to wait for its answer, sees it queued, and hangs up."""
+def _send_and_hang_up(served: str, doc: dict, until) -> None:
+    """A client that sends ``doc`` to wait for its answer, and hangs up once ``until()``."""
     from urllib.parse import urlsplit
 
     url = urlsplit(served)
     body = json.dumps(doc).encode()
-    queued = _queue(served)
     with socket.create_connection((url.hostname, url.port), timeout=10) as s:
         s.sendall(b"POST /v1/generate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                   + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
-        _until(lambda: _queue(served) > queued)
+        _until(until)
+
+
+def _gone_while_queued(served: str, doc: dict) -> None:
+    """A client that sends ``doc`` to wait for its answer, sees it submitted, and hangs up."""
+    queued = _queue(served)
+    _send_and_hang_up(served, doc, lambda: _queue(served) > queued)
 
 
 @pytest.mark.ray
@@ -350,11 +498,12 @@ def test_a_flood_and_the_extremes_leave_the_server_answering(served, tmp_path):
     alone = sorted(timed() for _ in range(3))[1]
 
     trace = tmp_path / "drawn"
-    hold = _hold(served)
-    cancelled = _counter(served, "knapray_serve_cancelled_total", '{reason="disconnect"}')
+    holds = _hold(served, tmp_path)
+    gone = '{reason="disconnect",state="queued"}'
+    cancelled = _counter(served, "knapray_serve_cancelled_total", gone)
     _gone_while_queued(served, {"caption": f"trace:{trace}", "size": "16x16", "steps": 2})
-    _until(lambda: _counter(served, "knapray_serve_cancelled_total", '{reason="disconnect"}') == cancelled + 1)
-    assert hold.is_alive()  # it was cancelled while the gang still held its batch
+    _until(lambda: _counter(served, "knapray_serve_cancelled_total", gone) == cancelled + 1)
+    assert all(t.is_alive() for t in holds)  # it was dropped while both blocks were still busy
 
     health, flooding = [], threading.Event()
 
@@ -378,13 +527,15 @@ def test_a_flood_and_the_extremes_leave_the_server_answering(served, tmp_path):
         assert status == 400 and _error(body) == f"steps: {doc['steps']}; an integer in [1, 100] (this server's " \
                                                   "--max-steps)", (status, body)
     codes = collections.Counter(status for status, _, _ in answers[2:])
-    assert set(codes) <= {200, 503} and codes[200] >= 64 and codes[503] >= 1, codes
+    # The queue of 64 bounds the jobs submitted and not answered: the two holding the blocks are two of them.
+    assert set(codes) <= {200, 503} and codes[200] >= 64 - len(holds) and codes[503] >= 1, codes
     for status, kind, body in answers[2:]:  # 503: our queue full, or Serve's proxy holding its most
-        assert (status, kind) == (200, "image/png") or _error(body).startswith("queue: ") or \
-            b"max_queued_requests" in body, (status, body[:200])
+        assert (status, kind) == (200, "image/png") or b"max_queued_requests" in body or \
+            _error(body).startswith("queue: "), (status, body[:200])
     assert health and set(health) == {200}, collections.Counter(health)
     after = timed()
-    hold.join()
+    for t in holds:
+        t.join()
     assert not trace.exists(), "the job of the client that hung up was drawn"
     assert after <= 3 * alone, (after, alone)
     print(f"\nalone {alone:.2f} s, after the flood {after:.2f} s; flood {flood_s:.1f} s: {dict(codes)}; "
@@ -395,30 +546,64 @@ def test_a_flood_and_the_extremes_leave_the_server_answering(served, tmp_path):
 @pytest.mark.timeout(120)
 def test_delete_cancels_a_queued_job_and_answers_what_happened(served, tmp_path):
     trace = tmp_path / "drawn"
-    hold = _hold(served)
+    holds = _hold(served, tmp_path)
     status, _, body = _post(served, {"caption": f"trace:{trace}", "size": "16x16", "wait": False})
     assert status == 202, body
     job = json.loads(body)["job"]
+    status, _, body = _call(f"{served}/v1/jobs/{job}")
+    assert status == 202 and json.loads(body) == {"job": job, "status": "queued"}, (status, body)
     deleted = _call(f"{served}/v1/jobs/{job}", method="DELETE")
     assert deleted[0] == 200 and json.loads(deleted[2]) == {"job": job, "status": "cancelled"}, deleted
     status, _, body = _call(f"{served}/v1/jobs/{job}")
     assert status == 410 and _error(body) == f"job {job}: cancelled before it ran (delete)", (status, body)
     assert _call(f"{served}/v1/jobs/{job}", method="DELETE")[0] == 200  # again: the same answer
+    for t in holds:
+        t.join()
 
-    status, _, body = _post(served, {"caption": "slow", "size": "16x16", "wait": False})
-    slow = json.loads(body)["job"]
-    _until(lambda: json.loads(_call(f"{served}/v1/jobs/{slow}")[2]).get("status") == "running", every=0.02)
-    status, _, body = _call(f"{served}/v1/jobs/{slow}", method="DELETE")
-    assert status == 409 and _error(body).startswith(f"job {slow}: running on the gang; a running job is not "
-                                                     "cancelled"), (status, body)
-    _until(lambda: _call(f"{served}/v1/jobs/{slow}")[0] == 200)
-    status, _, body = _call(f"{served}/v1/jobs/{slow}", method="DELETE")
-    assert status == 409 and _error(body) == f"job {slow}: already answered (done, HTTP 200); nothing to cancel"
+    status, _, body = _post(served, {"caption": "done soon", "size": "16x16", "wait": False})
+    done = json.loads(body)["job"]
+    _until(lambda: _call(f"{served}/v1/jobs/{done}")[0] == 200)
+    status, _, body = _call(f"{served}/v1/jobs/{done}", method="DELETE")
+    assert status == 409 and _error(body) == f"job {done}: already answered (done, HTTP 200); nothing to cancel"
     status, _, body = _call(f"{served}/v1/jobs/{'0' * 32}", method="DELETE")
     assert status == 404 and _error(body).startswith("job: no job")
-    hold.join()
     assert not trace.exists(), "a cancelled job was drawn"
-    assert _counter(served, "knapray_serve_cancelled_total", '{reason="delete"}') == 1
+    assert _counter(served, "knapray_serve_cancelled_total", '{reason="delete",state="queued"}') == 1
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(60)
+def test_a_running_job_is_stopped_by_delete_and_by_its_client_gone(served, tmp_path):
+    """A job of ``HOLD_S`` running on the stand-in: DELETE answers "stopping", the gang
+    stops it between two steps, and its answer is 410 within a second, long before it would
+    have finished; a client that hangs up while its job runs stops it too."""
+    trace = tmp_path / "deleted"
+    t0 = time.monotonic()
+    status, _, body = _post(served, {"caption": f"hold trace:{trace}", "size": "16x16", "wait": False})
+    job = json.loads(body)["job"]
+    _until(trace.exists)
+    status, _, body = _call(f"{served}/v1/jobs/{job}")
+    assert status == 202 and json.loads(body)["status"] == "running", (status, body)
+    t1 = time.monotonic()
+    deleted = _call(f"{served}/v1/jobs/{job}", method="DELETE")
+    assert deleted[0] == 200 and json.loads(deleted[2]) == {"job": job, "status": "stopping"}, deleted
+    status, _, body = _until(lambda: (got := _call(f"{served}/v1/jobs/{job}"))[0] != 202 and got)
+    stopped = time.monotonic()
+    assert status == 410 and _error(body) == f"job {job}: cancelled while it ran: stopped between two steps " \
+                                             "(delete)", (status, body)
+    assert stopped - t1 < 1.5 and stopped - t0 < HOLD_S - 1, (stopped - t1, stopped - t0)
+    assert trace.read_text() == "drawn\nstopped\n"  # the stand-in stopped it: not drawn to its end
+    deleted = _call(f"{served}/v1/jobs/{job}", method="DELETE")
+    assert deleted[0] == 200 and json.loads(deleted[2]) == {"job": job, "status": "cancelled"}, deleted
+
+    gone = tmp_path / "gone"
+    t0 = time.monotonic()
+    _send_and_hang_up(served, {"caption": f"hold trace:{gone}", "size": "16x16"}, gone.exists)
+    _until(lambda: gone.read_text() == "drawn\nstopped\n", timeout=HOLD_S + 5)
+    assert time.monotonic() - t0 < HOLD_S - 1
+    for reason in ("delete", "disconnect"):
+        labels = f'{{reason="{reason}",state="running"}}'
+        assert _counter(served, "knapray_serve_cancelled_total", labels) == 1, reason
 
 
 EXTREMES = [
@@ -504,7 +689,7 @@ def test_the_openai_client_draws_and_reads_our_errors(served):
     assert model.id == "r" and model.owned_by == "knapray"
     assert model.model_extra["limits"] == {"max_steps": 100, "max_side": 512, "max_frames": 65536,
                                            "max_image_tokens": 65536, "max_n": 4, "request_timeout_s": 300.0,
-                                           "size_multiple": [16, 16], "max_queue": 64, "max_batch": 8,
+                                           "size_multiple": [16, 16], "max_queue": 64,
                                            "max_body_bytes": 1 << 20}
     got = client.images.generate(model="r", prompt="a red bicycle", n=2, size="64x48", response_format="b64_json",
                                  extra_body={"steps": 2, "seed": 7, "guidance": 1.0})
@@ -525,18 +710,19 @@ def test_the_openai_client_draws_and_reads_our_errors(served):
 
 @pytest.mark.ray
 @pytest.mark.timeout(120)
-def test_a_deadline_drops_a_queued_job_and_answers_a_running_one(served, tmp_path):
-    """``request_timeout_s`` 1.5: a job running past it (the gang held 3 s) is answered 504
-    at its deadline, its result discarded; one queued behind it is dropped, never drawn,
-    whether its client waits or polls."""
+def test_a_deadline_drops_a_queued_job_and_stops_a_running_one(served, tmp_path):
+    """``request_timeout_s`` 1.5: jobs running past it are answered 504 at their deadline and
+    stopped between two steps (two whose single step lasts ``HOLD_S`` stop at its end; one of
+    short steps at once); jobs queued behind the first two are dropped, never drawn, whether
+    their client waits or polls."""
     from ray import serve
 
     from dist_utils import sampling_run_dir
     from knapray.driver.serving import ServeOptions, build_app
 
     run = sampling_run_dir(tmp_path)
-    serve.run(build_app(ServeOptions(run=str(run), world_size=2, device="cpu", window_ms=50, request_timeout_s=1.5,
-                                     api_key=KEY, gang="test_serve_http:FakeGang")),
+    serve.run(build_app(ServeOptions(run=str(run), world_size=2, device="cpu", request_timeout_s=1.5, api_key=KEY,
+                                     gang="test_serve_http:FakeGang")),
               name="knapray-deadline", route_prefix="/deadline")
     short = f"{served}/deadline"
     try:
@@ -547,25 +733,37 @@ def test_a_deadline_drops_a_queued_job_and_answers_a_running_one(served, tmp_pat
             status, _, body = _post(short, doc)
             return status, body, time.monotonic() - t
 
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            running = pool.submit(waited, {"caption": "hold", "size": "16x16"})
-            _until(lambda: _counter(short, "knapray_serve_queue_seconds_count") == 1)
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            blocking = [tmp_path / "b0", tmp_path / "b1"]
+            blockers = []
+            for path in blocking:  # one on each block, each a single step of HOLD_S
+                blockers.append(pool.submit(waited, {"caption": f"stubborn trace:{path}", "size": "16x16"}))
+                _until(path.exists)
             queued = pool.submit(waited, {"caption": f"trace:{trace}", "size": "16x16"})
             status, body = _post(short, {"caption": f"trace:{trace}", "size": "16x16", "wait": False})[::2]
             polled = json.loads(body)["job"]
-            (s1, b1, t1), (s2, b2, t2) = running.result(), queued.result()
-        assert s1 == 504 and _error(b1) == "job: running past 1.5 s (--request-timeout); its result will be discarded"
-        assert 1.4 < t1 < HOLD_S, t1  # answered at its deadline, before the gang answered
+            ran = [b.result() for b in blockers]
+            s2, b2, t2 = queued.result()
+        for s1, b1, t1 in ran:
+            assert s1 == 504 and _error(b1) == "job: running past 1.5 s (--request-timeout); stopped between two steps"
+            assert 1.4 < t1 < HOLD_S, t1  # answered at its deadline, before its step ended
         assert s2 == 504 and _error(b2) == "job: still queued after 1.5 s (--request-timeout); dropped, never drawn"
         assert t2 < HOLD_S, t2
-        status, _, body = _call(f"{short}/v1/jobs/{polled}")
+        status, _, body = _until(lambda: (got := _call(f"{short}/v1/jobs/{polled}"))[0] != 202 and got)
         assert status == 504 and "still queued" in _error(body)
-        _until(lambda: _counter(short, "knapray_serve_gang_seconds_count") == 1)  # the held batch came back
+        for path in blocking:  # stopped at the end of their step
+            _until(lambda path=path: path.read_text() == "drawn\nstopped\n", timeout=HOLD_S + 5)
+
+        held = tmp_path / "held"
+        status, body, took = waited({"caption": f"hold trace:{held}", "size": "16x16"})
+        assert status == 504 and 1.4 < took < HOLD_S and "stopped between two steps" in _error(body), (status, took)
+        _until(lambda: held.read_text() == "drawn\nstopped\n", timeout=5)  # stopped by the stand-in, not run out
+
         assert _post(short, {"caption": "after", "size": "16x16"})[0] == 200
         text = _metrics(short)
-        assert _metric(text, "knapray_serve_expired_total", '{state="running"}') == 1
+        assert _metric(text, "knapray_serve_expired_total", '{state="running"}') == 3
         assert _metric(text, "knapray_serve_expired_total", '{state="queued"}') == 2
-        assert _metric(text, "knapray_serve_media_seconds_count") == 1  # the discarded result was not encoded
+        assert _metric(text, "knapray_serve_media_seconds_count") == 1  # nothing past its deadline was encoded
         assert not trace.exists(), "a job past its deadline in the queue was drawn"
     finally:
         serve.delete("knapray-deadline")
@@ -575,16 +773,16 @@ from knapray.driver.gang import Gang  # noqa: E402
 
 
 class GangLosingRank1(Gang):
-    """The real gang, whose rank 1 is killed (``ray.kill``) as the first batch holding a
-    job of seed 666 starts: that batch loses the jobs of rank 1's bag."""
+    """The real gang, whose rank 1 is killed (``ray.kill``) as the first job of seed 666 is
+    submitted: the block that runs next on rank 1 loses its jobs."""
 
-    def generate(self, jobs, decode=True):
+    def submit(self, job, decode=True):
         import ray
 
-        if any(j.seed == 666 for j in jobs) and not getattr(self, "killed", False):
+        if getattr(job, "seed", None) == 666 and not getattr(self, "killed", False):
             self.killed = True
             ray.kill(self.actors[1])
-        return super().generate(jobs, decode)
+        return super().submit(job, decode)
 
 
 def _trained_run(tmp_path: Path) -> Path:
@@ -619,15 +817,16 @@ def _trained_run(tmp_path: Path) -> Path:
 @pytest.mark.timeout(300)
 def test_the_real_gang_serves_a_trained_run(served, tmp_path):
     """Two Ray actors (gloo) holding a tiny model answer concurrent requests; the same job
-    twice in one batch is the same picture (a job's result is its own, whatever shares the
-    batch), and a bad one is refused without disturbing the others. Then a rank is killed
-    as a batch starts: its jobs are retried on a restarted gang and answered the same."""
+    twice is the same picture (a job's result is its own, whatever block runs it and whatever
+    shares it), and a bad one is refused without disturbing the others. Then rank 1 is killed
+    as a job is submitted: the jobs of the block that ran on it are submitted again once, run
+    on the gang restarted by itself, and answered the same."""
     from ray import serve
 
     from knapray.driver.serving import ServeOptions, build_app
 
     run = _trained_run(tmp_path)
-    serve.run(build_app(ServeOptions(run=str(run), world_size=2, device="cpu", window_ms=500, max_batch=8,
+    serve.run(build_app(ServeOptions(run=str(run), world_size=2, device="cpu",
                                      gang="test_serve_http:GangLosingRank1")),
               name="knapray-real", route_prefix="/real")
     try:
@@ -662,15 +861,19 @@ def test_the_real_gang_serves_a_trained_run(served, tmp_path):
         assert after <= 3 * alone, (after, alone)
         print(f"\nthe real gang: an ordinary request alone {alone:.2f} s, after the extremes {after:.2f} s")
 
-        # Two jobs, one on each rank's bag; rank 1 dies as their batch starts.
-        lost = [{"like": 0, "size": "32x32", "steps": 2, "seed": 666},
-                {"like": 1, "size": "32x32", "steps": 2, "seed": 3}]
+        # Two jobs long enough to overlap (the second then starts on rank 1, if the first did not);
+        # rank 1 dies as the one of seed 666 is submitted: one or both ran on a block of rank 1.
+        lost = [{"like": 0, "size": "32x32", "steps": 20, "seed": 666},
+                {"like": 1, "size": "32x32", "steps": 20, "seed": 3}]
         with concurrent.futures.ThreadPoolExecutor(len(lost)) as pool:
             again = list(pool.map(lambda b: _call(f"{served}/real/v1/generate", json.dumps(b).encode(), 240), lost))
         assert [a[0] for a in again] == [200, 200], [a[2][:300] for a in again]
         text = _call(f"{served}/real/metrics")[2].decode()
-        assert _metric(text, "knapray_serve_retries_total") == 1
-        assert _metric(text, "knapray_serve_gang_restarts_total") == 1
+        lost_jobs = _metric(text, "knapray_serve_lost_total")
+        retries = _metric(text, "knapray_serve_retries_total")
+        assert 1 <= lost_jobs <= 2 and retries == lost_jobs, (lost_jobs, retries)
+        _until(lambda: _counter(f"{served}/real", "knapray_serve_gang_restarts_total") == 1, timeout=5)
+        print(f"the real gang: {lost_jobs:g} of the two jobs lost with rank 1, submitted again once")
         for body, (status, _, picture) in zip(lost, again):  # the restarted gang draws what the first one would
             assert _call(f"{served}/real/v1/generate", json.dumps(body).encode(), 240)[2] == picture
         assert _call(f"{served}/real/health")[0] == 200
@@ -695,7 +898,7 @@ def test_the_shipped_serve_config_deploys_knapray(tmp_path):
 
     for path in (REPO / "jobs" / "serve" / "serve.yaml", tmp_path / "out.yaml"):
         if path.name == "out.yaml":
-            assert main(["serve", "--run", "/mnt/shared/runs/r", "--world-size", "4", "--window-ms", "20",
+            assert main(["serve", "--run", "/mnt/shared/runs/r", "--world-size", "4", "--max-queue", "20",
                          "--config-out", str(path)]) == 0
             assert "\n# listens on 127.0.0.1 only: this machine's clients alone" in path.read_text()
         doc = yaml.safe_load(path.read_text())
@@ -704,7 +907,7 @@ def test_the_shipped_serve_config_deploys_knapray(tmp_path):
         assert application["import_path"] == "knapray.driver.serving:app_builder"
         assert isinstance(call_user_app_builder_with_args_if_necessary(app_builder, application["args"]), Application)
         ServeOptions.from_dict(application["args"])
-    assert application["args"] == {"run": "/mnt/shared/runs/r", "world_size": 4, "window_ms": 20}
+    assert application["args"] == {"run": "/mnt/shared/runs/r", "world_size": 4, "max_queue": 20}
     assert doc["http_options"] == {"host": "127.0.0.1", "port": 8000}  # what was asked for: the default
 
     # Every interface when asked, with a key the file never holds: the replica requires one.
@@ -719,8 +922,10 @@ def test_the_shipped_serve_config_deploys_knapray(tmp_path):
     assert ServeOptions.from_dict(doc["applications"][0]["args"]).require_api_key
     with pytest.raises(ValueError, match="^world_sise: not an option of knapray serve; valid: run, world_size"):
         ServeOptions.from_dict({"run": "r", "world_sise": 2})
-    with pytest.raises(ValueError, match=r"^max_batch: 0; an integer in \[1, 64\]"):
-        ServeOptions(run="r", max_batch=0)
+    with pytest.raises(ValueError, match=r"^max_queue: 0; an integer in \[1, 65536\]"):
+        ServeOptions(run="r", max_queue=0)
+    with pytest.raises(ValueError, match="^window_ms: not an option of knapray serve"):  # no batches: no window
+        ServeOptions.from_dict({"run": "r", "window_ms": 50})
 
 
 @needs_serve
@@ -729,7 +934,7 @@ def test_the_shipped_serve_config_deploys_knapray(tmp_path):
     (["--run", "{run}", "--world-size", "3", "--topology", "g2n1"], ["--topology g2n1", "world size 3"]),
     (["--run", "{run}", "--world-size", "5", "--topology", "g5n1"], ["--topology g5n1", "heads"]),
     (["--run", "{run}", "--checkpoint", "/nonexistent/step-1"], ["--checkpoint /nonexistent/step-1"]),
-    (["--run", "{run}", "--max-batch", "65"], ["--max-batch", "[1, 64]"]),
+    (["--run", "{run}", "--max-queue", "0"], ["--max-queue", "[1, 65536]"]),
     (["--run", "{run}", "--world-size", "65"], ["--world-size 65", "at most 64"]),
     (["--run", "{run}", "--max-steps", "0"], ["--max-steps", "[1, 10000]", "'0'"]),
     (["--run", "{run}", "--max-steps", "1000000000"], ["--max-steps", "[1, 10000]"]),
@@ -770,7 +975,7 @@ def test_the_command_and_the_deployment_share_their_bounds():
     from knapray.commands import serve as command
     from knapray.driver import serving
 
-    for name in ("MAX_QUEUE", "MAX_WINDOW_MS", "MAX_SERVE_STEPS", "MAX_REQUEST_TIMEOUT_S", "API_KEY_ENV"):
+    for name in ("MAX_QUEUE", "MAX_SERVE_STEPS", "MAX_REQUEST_TIMEOUT_S", "API_KEY_ENV"):
         assert getattr(command, name) == getattr(serving, name), name
 
 
