@@ -23,6 +23,7 @@ every rank reports its steps as it takes them, and a bag whose ranks report noth
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import tempfile
 import time
@@ -596,6 +597,8 @@ class Gang:
     """A rank failed: no block starts until the running ones end and the gang restarts."""
     last_blocks: list = field(default_factory=list)
     """The blocks (ranks) of the last requests started."""
+    restarts: int = 0
+    """Restarts since the gang started (after a loss, or asked)."""
 
     @classmethod
     def start(cls, run_dir: str, world_size: int, *, topology: str | None = None, device: str = "cpu",
@@ -694,6 +697,17 @@ class Gang:
         self._wake.set()
         return future
 
+    def state(self, key: int) -> str:
+        """Where a submitted job is: ``waiting`` (for its captions or a block), ``running``,
+        ``done`` (answered) or ``unknown``."""
+        with self._lock:
+            sub = self._subs.get(key)
+            if sub is None:
+                return "unknown"
+            if sub.future.done():
+                return "done"
+            return "running" if sub.state == "running" else "waiting"
+
     def cancel(self, key: int) -> str:
         """Cancel a submitted job: ``dropped`` (it had not started: its result says cancelled),
         ``stopping`` (it runs: its block drops it between two steps), ``done`` or ``unknown``."""
@@ -751,7 +765,6 @@ class Gang:
             try:
                 self._intake()
                 self._prepared()
-                self._apply_cancels()
                 self._finish_blocks()
                 if time.monotonic() - last_progress > self.PROGRESS_S:
                     self._stalls()
@@ -763,8 +776,14 @@ class Gang:
                         self._load_new_adapters()
                 elif not self.broken:
                     self._start_blocks()
+                else:
+                    self._apply_cancels()
             except ray.exceptions.RayError as e:  # rank 0 lost while preparing, say
                 self._lose_everything_running(f"{type(e).__name__}")
+            except Exception as e:  # noqa: BLE001 - a restart that failed: try again, never die
+                logging.getLogger(__name__).error("gang: %s: %s (restarting)", type(e).__name__, str(e)[:300])
+                self._lose_everything_running(f"{type(e).__name__}")
+                time.sleep(min(5.0, self.POLL_S * 20))
 
     def _load_new_adapters(self) -> None:
         import ray
@@ -830,22 +849,27 @@ class Gang:
     def _wait(self, s: _Submission) -> None:
         from knapray.planning.sampling import job_seconds
 
-        if s.future.done():  # cancelled while it was prepared
-            return
+        with self._lock:
+            if s.future.done():  # cancelled while it was prepared
+                return
+            s.state = "waiting"
         d = s.djob
-        s.state = "waiting"
         self.scheduler.add(s.key, s.arrival, job_seconds(d.tokens, d.steps, d.passes, [g for _, g in self.blocks],
                                                           self.cost), d.steps)
 
     def _apply_cancels(self) -> None:
         with self._lock:
-            keys, self._cancels = self._cancels, []
+            self._apply_cancels_locked()
+
+    def _apply_cancels_locked(self) -> None:
+        keys, self._cancels = self._cancels, []
         for key in keys:
             s = self._subs.get(key)
             if s is None or s.future.done():
                 continue
             if self.scheduler.cancel(key) or s.state == "new":
-                self._resolve(s, JobResult(error="cancelled", cancelled=True, seconds=s.seconds))
+                s.state = "done"  # a job still being prepared: dropped when it comes back
+                self._resolve(s, JobResult(error="cancelled", cancelled=True, seconds=s.seconds), locked=True)
             elif s.state == "running":
                 for block, run in self._running.items():
                     if key in [x.key for x in run["subs"]]:
@@ -853,13 +877,20 @@ class Gang:
                         self.actors[first].cancel.remote([key])  # the block's lead decides
 
     def _start_blocks(self) -> None:
-        now = time.monotonic()
-        for block, keys in self.scheduler.decide(now):
+        """Cancels applied, then the scheduler's starts, under the lock: a job ``cancel``
+        called ``dropped`` never starts."""
+        with self._lock:
+            self._apply_cancels_locked()
+            now = time.monotonic()
+            started = self.scheduler.decide(now)
+            for _, keys in started:
+                for k in keys:
+                    self._subs[k].state = "running"
+        for block, keys in started:
             subs = [self._subs[k] for k in keys]
             first, g = self.blocks[block]
             spec, _ = self.where[block]
             for s in subs:
-                s.state = "running"
                 s.seconds["queue"] = now - s.arrival
             djobs = [s.djob for s in subs]
             decode = [s.decode for s in subs]
@@ -931,12 +962,16 @@ class Gang:
             self._lose(block, why)
         self.broken = True
 
-    def _resolve(self, s: _Submission, result: JobResult) -> None:
+    def _resolve(self, s: _Submission, result: JobResult, locked: bool = False) -> None:
+        """Answer ``s`` (first: ``cancel`` on it meanwhile says ``done``), then forget it."""
         s.state = "done"
-        with self._lock:
-            self._subs.pop(s.key, None)
         if not s.future.done():
             s.future.set_result(result)
+        if locked:
+            self._subs.pop(s.key, None)
+            return
+        with self._lock:
+            self._subs.pop(s.key, None)
 
     def restart(self, timeout_s: float = 600.0) -> None:
         """New actors: the old ones are killed first; waiting jobs wait on. With requests in
@@ -957,6 +992,7 @@ class Gang:
     def _restart_now(self) -> None:
         self.close_actors()
         self._spawn()
+        self.restarts += 1
 
     def close_actors(self) -> None:
         import ray
