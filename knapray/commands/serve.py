@@ -57,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None,
                    help=f"a bearer token every route but /health requires (default: ${API_KEY_ENV}, else none; "
                    "prefer the variable: a flag is seen by this machine's other users in ps)")
+    p.add_argument("--lora", action="append", metavar="NAME=RUN", default=None,
+                   help="serve LoRA run RUN (of --run's base) as model NAME beside --run's own (repeat for several; "
+                   "POST /v1/adapters adds one while serving)")
     p.add_argument("--config-out", metavar="FILE",
                    help="write a Serve config for `serve deploy` on a cluster and exit (nothing starts)")
 
@@ -98,10 +101,18 @@ def serve_options(args: argparse.Namespace):
     if args.max_n > args.max_queue:
         raise ValueError(f"--max-n {args.max_n}: more than --max-queue {args.max_queue}; a request of n images "
                          "queues n jobs")
+    adapters = {}
+    for item in args.lora or ():
+        name, sep, run = item.partition("=")
+        if not sep or not name or not run:
+            raise ValueError(f"--lora {item[:60]}: NAME=RUN, a model name and a LoRA run directory")
+        if name in adapters:
+            raise ValueError(f"--lora {name}: given twice")
+        adapters[name] = run
     return ServeOptions(run=args.run, world_size=args.world_size, topology=args.topology, device=args.device,
                         checkpoint=args.checkpoint, max_queue=args.max_queue, max_steps=args.max_steps,
                         max_side=args.max_request_side, max_frames=args.max_request_frames, max_n=args.max_n,
-                        request_timeout_s=args.request_timeout, api_key=key)
+                        request_timeout_s=args.request_timeout, api_key=key, adapters=adapters or None)
 
 
 def check_run(run_dir: str, checkpoint: str | None, world_size: int = 1, topology: str | None = None,
@@ -137,6 +148,14 @@ def check_run(run_dir: str, checkpoint: str | None, world_size: int = 1, topolog
         except ValueError as e:
             raise ValueError(f"--topology {spec}: {e}") from None
     check_checkpoint(path)
+    if options is not None and options.adapters:
+        from knapray.driver.trained import check_adapter
+
+        for name, run in options.adapters.items():  # a LoRA run of this run's base, read without weights
+            try:
+                check_adapter((cfg, path), name, run)
+            except ValueError as e:
+                raise ValueError(f"--lora {name}={run}: {str(e).split(': ', 1)[-1]}") from None
     return path
 
 

@@ -72,7 +72,8 @@ DEFAULT_GANG = "knapray.driver.gang:Gang"
 """Import path of the gang class: ``start(run_dir, world_size, topology=, device=,
 checkpoint=)``, ``rules``, ``submit(job)`` (a future with a ``key``), ``cancel(key)``,
 ``broken``, ``close()``; ``state(key)`` where it has one (what a poll says)."""
-JOB_FIELDS = ("caption", "size", "width", "height", "frames", "steps", "guidance", "shift", "seed", "like", "wait")
+JOB_FIELDS = ("caption", "size", "width", "height", "frames", "steps", "guidance", "shift", "seed", "like", "wait",
+              "model")
 """What a ``POST /v1/generate`` body may hold."""
 IMAGES_FIELDS = ("model", "prompt", "n", "size", "response_format", "output_format", "user", "steps", "guidance",
                  "shift", "seed", "like")
@@ -144,6 +145,9 @@ class ServeOptions:
     """Refuse to start without an API key (a written Serve config that never holds the key)."""
     gang: str = DEFAULT_GANG
     """Import path ``module:Class`` of the gang."""
+    adapters: dict | None = None
+    """LoRA runs of the served run's base, by name (``--lora NAME=RUN``): a request's ``model``
+    picks one (the served run's own name: its own weights)."""
 
     def __post_init__(self) -> None:
         from knapray.limits import MAX_WORLD_SIZE
@@ -176,6 +180,12 @@ class ServeOptions:
             raise ValueError(f"require_api_key: {self.require_api_key!r}; true or false")
         if not isinstance(self.gang, str) or self.gang.count(":") != 1:
             raise ValueError(f"gang: {self.gang!r}; an import path module:Class")
+        if self.adapters is not None:
+            if not isinstance(self.adapters, dict) or not all(
+                    isinstance(k, str) and ADAPTER_NAME.fullmatch(k) and isinstance(v, str) and v
+                    for k, v in self.adapters.items()):
+                raise ValueError(f"adapters: {_short(self.adapters)}; a mapping of adapter names (letters, digits, "
+                                 "'.', '_', '-') to LoRA run directories")
 
     @classmethod
     def from_dict(cls, args: dict[str, Any]) -> "ServeOptions":
@@ -267,6 +277,22 @@ class ServeLimits:
                 "request_timeout_s": self.request_timeout_s, "size_multiple": list(self.multiple)}
 
 
+ADAPTER_NAME = __import__("re").compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+"""What an adapter (a served model's name) may be called."""
+
+
+def served_model(model: Any, own: str, adapters: Any) -> str | None:
+    """The adapter a request's ``model`` asks for: None for the served run itself (its name,
+    or no ``model``); ValueError naming what this server serves."""
+    names = list(adapters or ())
+    if model is None or model == own:
+        return None
+    if isinstance(model, str) and model in names:
+        return model
+    served = ", ".join(repr(m) for m in [own, *names])
+    raise ValueError(f"model: {_short(model)}; this server serves {served}")
+
+
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
@@ -275,9 +301,11 @@ def _short(value: Any) -> str:
 # ---- requests -----------------------------------------------------------------------------------
 
 
-def parse_job(doc: Any, rules: RunRules, limits: ServeLimits | None = None) -> tuple[Job, bool]:
+def parse_job(doc: Any, rules: RunRules, limits: ServeLimits | None = None, own: str | None = None,
+              adapters: Any = None) -> tuple[Job, bool]:
     """(the job of a ``/v1/generate`` body, whether the client waits for it); ValueError
-    naming the first bad field and its valid range."""
+    naming the first bad field and its valid range. ``own``, ``adapters``: the served model's
+    name and its adapters (``model`` picks one)."""
     if not isinstance(doc, dict):
         raise ValueError(f"body: a JSON {type(doc).__name__}; a JSON object with fields {', '.join(JOB_FIELDS)}")
     unknown = [k for k in doc if k not in JOB_FIELDS]
@@ -300,13 +328,18 @@ def parse_job(doc: Any, rules: RunRules, limits: ServeLimits | None = None) -> t
     else:
         width = height = DEFAULT_SIDE if limits is None else limits.default_side
     steps = doc.get("steps", DEFAULT_STEPS if limits is None else min(DEFAULT_STEPS, limits.max_steps))
+    adapter = served_model(doc.get("model"), own, adapters) if own is not None else None
+    if own is None and doc.get("model") is not None:
+        raise ValueError("model: this server takes no model field")
     job = Job(caption=caption, width=width, height=height, frames=doc.get("frames", 1), steps=steps,
-              guidance=doc.get("guidance"), shift=doc.get("shift"), seed=doc.get("seed", 0), like=doc.get("like"))
+              guidance=doc.get("guidance"), shift=doc.get("shift"), seed=doc.get("seed", 0), like=doc.get("like"),
+              adapter=adapter)
     _check(job, rules, limits, "size" in doc)
     return job, wait
 
 
-def parse_images_request(doc: Any, rules: RunRules, limits: ServeLimits, model: str) -> list[Job]:
+def parse_images_request(doc: Any, rules: RunRules, limits: ServeLimits, model: str, adapters: Any = None
+                         ) -> list[Job]:
     """The jobs of an OpenAI ``/v1/images/generations`` body (``n`` of them, seeds ``seed``,
     ``seed + 1``, ...); ValueError naming the first bad field (OpenAI's names: ``prompt``)."""
     if not isinstance(doc, dict):
@@ -314,8 +347,7 @@ def parse_images_request(doc: Any, rules: RunRules, limits: ServeLimits, model: 
     unknown = [k for k in doc if k not in IMAGES_FIELDS]
     if unknown:
         raise ValueError(f"{str(unknown[0])[:60]}: unknown field; valid: {', '.join(IMAGES_FIELDS)}")
-    if doc.get("model") not in (None, model):
-        raise ValueError(f"model: {_short(doc['model'])}; this server serves {model!r}")
+    adapter = served_model(doc.get("model"), model, adapters)
     prompt = doc.get("prompt")
     if not isinstance(prompt, str):
         raise ValueError(f"prompt: {'missing' if prompt is None else 'a JSON ' + type(prompt).__name__}; a string")
@@ -336,11 +368,11 @@ def parse_images_request(doc: Any, rules: RunRules, limits: ServeLimits, model: 
     like = doc.get("like")
     caption = None if like is not None else prompt  # like: a corpus sample's text instead of the prompt
     base = Job(caption=caption, width=width, height=height, steps=doc.get("steps", min(DEFAULT_STEPS, limits.max_steps)),
-               guidance=doc.get("guidance"), shift=doc.get("shift"), seed=seed, like=like)
+               guidance=doc.get("guidance"), shift=doc.get("shift"), seed=seed, like=like, adapter=adapter)
     try:
         _check(base, rules, limits, size not in (None, "auto"))
         jobs = [base] + [Job(caption=caption, width=width, height=height, steps=base.steps, guidance=base.guidance,
-                             shift=base.shift, seed=seed + i, like=like) for i in range(1, n)]
+                             shift=base.shift, seed=seed + i, like=like, adapter=adapter) for i in range(1, n)]
         if n > 1:
             rules.check(jobs[-1])  # the last seed in range
     except ValueError as e:
@@ -576,7 +608,7 @@ class Generator:
         family = read_run_config(options.run).model.family
         self._gang = resolve_gang_class(options.gang).start(
             options.run, options.world_size, topology=options.topology, device=self._device(options.device),
-            checkpoint=options.checkpoint)
+            checkpoint=options.checkpoint, **({"adapters": dict(options.adapters)} if options.adapters else {}))
         self.rules: RunRules = self._gang.rules
         self.limits = ServeLimits.of(options, self.rules, family)
         self._closed = threading.Event()
@@ -619,10 +651,37 @@ class Generator:
         denied = self._denied(request)
         if denied:
             return denied.openai()
+        limits = {**self.limits.to_dict(), "max_queue": self.options.max_queue, "max_body_bytes": MAX_BODY_BYTES}
         model = {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "knapray",
-                 "limits": {**self.limits.to_dict(), "max_queue": self.options.max_queue,
-                            "max_body_bytes": MAX_BODY_BYTES}}
-        return JSONResponse({"object": "list", "data": [model]})
+                 "limits": limits}
+        adapters = [{"id": name, "object": "model", "created": self.created, "owned_by": "knapray",
+                     "parent": self.model_id, "limits": limits} for name in self._adapters()]
+        return JSONResponse({"object": "list", "data": [model, *adapters]})
+
+    @api.post("/v1/adapters")
+    async def add_adapter(self, request: Request) -> Response:
+        """Another LoRA run of the served run's base, served as a model from now on (the gang
+        loads it on every rank between blocks; no restart): ``{"name": ..., "run": ...}``."""
+        denied = self._denied(request)
+        if denied:
+            return denied.openai()
+        doc = await self._document(request, ("name", "run"))
+        if isinstance(doc, Answer):
+            return doc.openai()
+        if not isinstance(doc, dict) or set(doc) != {"name", "run"} or not all(isinstance(v, str) for v in doc.values()):
+            return Answer.error(400, "body: a JSON object {\"name\": NAME, \"run\": RUN_DIRECTORY}").openai()
+        name = doc["name"]
+        if not ADAPTER_NAME.fullmatch(name) or name == self.model_id:
+            return Answer.error(400, f"name: {_short(name)}; letters, digits, '.', '_', '-', not the served run's "
+                                     "own name").openai()
+        try:
+            await asyncio.to_thread(self._gang.add_adapter, name, doc["run"])
+        except ValueError as e:
+            return Answer.error(400, str(e).splitlines()[0][:500]).openai()
+        return JSONResponse({"id": name, "object": "model", "parent": self.model_id})
+
+    def _adapters(self) -> list[str]:
+        return list(getattr(self._gang, "adapters", None) or ())
 
     @api.get("/v1/jobs/{job_id}")
     async def job(self, job_id: str, request: Request) -> Response:
@@ -711,7 +770,7 @@ class Generator:
         if isinstance(doc, Answer):
             return doc
         try:
-            job, wait = parse_job(doc, self.rules, self.limits)
+            job, wait = parse_job(doc, self.rules, self.limits, self.model_id, self._adapters())
         except ValueError as e:
             return Answer.error(400, str(e))
         if request.query_params.get("async", "0").lower() in ("1", "true", "yes"):
@@ -730,7 +789,7 @@ class Generator:
         if isinstance(doc, Answer):
             return doc
         try:
-            jobs = parse_images_request(doc, self.rules, self.limits, self.model_id)
+            jobs = parse_images_request(doc, self.rules, self.limits, self.model_id, self._adapters())
         except ValueError as e:
             return Answer.error(400, str(e))
         full = self._full(len(jobs))

@@ -947,6 +947,8 @@ def test_the_shipped_serve_config_deploys_knapray(tmp_path):
     (["--run", "{run}", "--max-n", "10", "--max-queue", "5"], ["--max-n 10", "--max-queue 5"]),
     (["--run", "{run}", "--api-key", "a key"], ["--api-key", "not a usable API key (5 characters)"]),
     (["--run", "{run}", "--api-key", ""], ["--api-key", "not a usable API key (0 characters)"]),
+    (["--run", "{run}", "--lora", "x"], ["--lora x", "NAME=RUN"]),
+    (["--run", "{run}", "--lora", "a=r", "--lora", "a=s"], ["--lora a", "given twice"]),
 ])
 def test_bad_flags_and_runs_are_one_line_before_ray_starts(argv, names, tmp_path, capsys, monkeypatch):
     from dist_utils import sampling_run_dir
@@ -1015,3 +1017,52 @@ def test_the_served_limits_come_from_the_flags_and_the_run():
     assert [(j.caption, j.seed, j.width, j.height) for j in jobs] == [("a cat", s, 64, 32) for s in (5, 6, 7)]
     (job,) = parse_images_request({"prompt": "ignored", "like": 3, "model": "r"}, rules, limits, "r")
     assert (job.caption, job.like, job.width) == (None, 3, 256)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_several_adapters_of_one_base_served_each_as_alone(served, tmp_path):
+    """``--lora`` beside a served LoRA run, and ``POST /v1/adapters`` while it serves: each
+    request's ``model`` picks an adapter, concurrent requests for different ones each come
+    back as their run alone draws them; ``/v1/models`` lists them; an unknown model is 400."""
+    from flux_utils import save_tiny_flux
+    from ray import serve
+    from test_gang import _alone, _lora_run
+
+    from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
+    from knapray.driver.serving import ServeOptions, build_app
+    from knapray.inference.jobs import Job
+
+    corpus = tmp_path / "corpus"
+    build_synthetic(SyntheticConfig(mix="g2b2i128f1s0", steps=1, scale=4, channels=4, text_dim=24, pooled_dim=20,
+                                    max_text_tokens=16, shards=1), corpus, progress=False)
+    base = save_tiny_flux(tmp_path / "base", 2, 16, (4, 6, 6), 1, 1, True, text_dim=24, pooled_dim=20)
+    own = _lora_run(tmp_path, corpus, base, "own", 4, "attention", 1)
+    second = _lora_run(tmp_path, corpus, base, "second", 8, "all-linear", 2)
+    third = _lora_run(tmp_path, corpus, base, "third", 2, "attention", 3)
+    serve.run(build_app(ServeOptions(run=own, world_size=2, device="cpu", api_key=KEY, adapters={"second": second})),
+              name="knapray-lora", route_prefix="/lora")
+    url = f"{served}/lora"
+    try:
+        status, _, body = _call(f"{url}/v1/adapters", json.dumps({"name": "third", "run": third}).encode(), 120)
+        assert status == 200, body
+        models = [m["id"] for m in json.loads(_call(f"{url}/v1/models")[2])["data"]]
+        assert models == ["own", "second", "third"]
+        asks = [("own", 11, 0), ("second", 12, 1), ("third", 13, 2), ("second", 11, 0)]
+        bodies = [{"model": m, "like": like, "size": "32x32", "steps": 3, "seed": seed} for m, seed, like in asks]
+        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+            answers = list(pool.map(lambda b: _call(f"{url}/v1/generate", json.dumps(b).encode(), 240), bodies))
+        assert [a[0] for a in answers] == [200] * 4, [a[2][:200] for a in answers]
+        runs = {"own": own, "second": second, "third": third}
+        from PIL import Image
+
+        from knapray.inference.images import preview
+
+        for (model, seed, like), (_, _, png) in zip(asks, answers):
+            ref = preview(_alone(runs[model], Job(None, 32, 32, steps=3, seed=seed, like=like)))
+            got = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+            assert np.abs(got.astype(int) - ref[0].astype(int)).max() <= 1, model  # the same picture, rounding aside
+        status, _, body = _call(f"{url}/v1/generate", json.dumps({"model": "nope", "like": 0}).encode())
+        assert status == 400 and _error(body) == "model: 'nope'; this server serves 'own', 'second', 'third'"
+    finally:
+        serve.delete("knapray-lora")
