@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None,
                    help=f"a bearer token every route but /health requires (default: ${API_KEY_ENV}, else none; "
                    "prefer the variable: a flag is seen by this machine's other users in ps)")
-    p.add_argument("--lora", action="append", metavar="NAME=RUN", default=None,
+    p.add_argument("--adapter", action="append", metavar="NAME=RUN", default=None,
                    help="serve LoRA run RUN (of --run's base) as model NAME beside --run's own (repeat for several; "
                    "POST /v1/adapters adds one while serving)")
     p.add_argument("--config-out", metavar="FILE",
@@ -102,12 +102,12 @@ def serve_options(args: argparse.Namespace):
         raise ValueError(f"--max-n {args.max_n}: more than --max-queue {args.max_queue}; a request of n images "
                          "queues n jobs")
     adapters = {}
-    for item in args.lora or ():
+    for item in args.adapter or ():
         name, sep, run = item.partition("=")
         if not sep or not name or not run:
-            raise ValueError(f"--lora {item[:60]}: NAME=RUN, a model name and a LoRA run directory")
+            raise ValueError(f"--adapter {item[:60]}: NAME=RUN, a model name and a LoRA run directory")
         if name in adapters:
-            raise ValueError(f"--lora {name}: given twice")
+            raise ValueError(f"--adapter {name}: given twice")
         adapters[name] = run
     return ServeOptions(run=args.run, world_size=args.world_size, topology=args.topology, device=args.device,
                         checkpoint=args.checkpoint, max_queue=args.max_queue, max_steps=args.max_steps,
@@ -155,7 +155,7 @@ def check_run(run_dir: str, checkpoint: str | None, world_size: int = 1, topolog
             try:
                 check_adapter((cfg, path), name, run)
             except ValueError as e:
-                raise ValueError(f"--lora {name}={run}: {str(e).split(': ', 1)[-1]}") from None
+                raise ValueError(f"--adapter {name}={run}: {str(e).split(': ', 1)[-1]}") from None
     return path
 
 

@@ -146,7 +146,7 @@ class ServeOptions:
     gang: str = DEFAULT_GANG
     """Import path ``module:Class`` of the gang."""
     adapters: dict | None = None
-    """LoRA runs of the served run's base, by name (``--lora NAME=RUN``): a request's ``model``
+    """LoRA runs of the served run's base, by name (``--adapter NAME=RUN``): a request's ``model``
     picks one (the served run's own name: its own weights)."""
 
     def __post_init__(self) -> None:

@@ -947,8 +947,8 @@ def test_the_shipped_serve_config_deploys_knapray(tmp_path):
     (["--run", "{run}", "--max-n", "10", "--max-queue", "5"], ["--max-n 10", "--max-queue 5"]),
     (["--run", "{run}", "--api-key", "a key"], ["--api-key", "not a usable API key (5 characters)"]),
     (["--run", "{run}", "--api-key", ""], ["--api-key", "not a usable API key (0 characters)"]),
-    (["--run", "{run}", "--lora", "x"], ["--lora x", "NAME=RUN"]),
-    (["--run", "{run}", "--lora", "a=r", "--lora", "a=s"], ["--lora a", "given twice"]),
+    (["--run", "{run}", "--adapter", "x"], ["--adapter x", "NAME=RUN"]),
+    (["--run", "{run}", "--adapter", "a=r", "--adapter", "a=s"], ["--adapter a", "given twice"]),
 ])
 def test_bad_flags_and_runs_are_one_line_before_ray_starts(argv, names, tmp_path, capsys, monkeypatch):
     from dist_utils import sampling_run_dir
@@ -1022,7 +1022,7 @@ def test_the_served_limits_come_from_the_flags_and_the_run():
 @pytest.mark.ray
 @pytest.mark.timeout(300)
 def test_several_adapters_of_one_base_served_each_as_alone(served, tmp_path):
-    """``--lora`` beside a served LoRA run, and ``POST /v1/adapters`` while it serves: each
+    """``--adapter`` beside a served LoRA run, and ``POST /v1/adapters`` while it serves: each
     request's ``model`` picks an adapter, concurrent requests for different ones each come
     back as their run alone draws them; ``/v1/models`` lists them; an unknown model is 400."""
     from flux_utils import save_tiny_flux
