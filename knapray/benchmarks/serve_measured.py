@@ -3,7 +3,7 @@ local gloo processes running the code ``knapray serve``'s gang runs (``worker.de
 denoise_bag`` on blocks of ranks), decided by the policy ``knapray serve`` runs and the
 simulator predicts (``planning.scheduler.BagScheduler``):
 
-- ``knapray``: every aligned block of 1, 2 or 4 ranks (``planning.scheduler.aligned_blocks``),
+- ``knapray``: every aligned block of 1, 2 or 4 ranks (``planning.blocks.blocks_of``),
   each request to the block where it would finish earliest, oldest first, with backfilling;
   a block runs one request at a time and takes the next when it finishes;
 - ``usp``: one block of all ranks, first in first out (static USP, as xDiT serves);
@@ -27,7 +27,6 @@ guidance). **Load** is relative to the capacity measured first on one rank per k
 
 from __future__ import annotations
 
-import os
 import queue as queue_module
 import time
 from dataclasses import dataclass
@@ -67,10 +66,10 @@ POLICY_ORDERS = {"knapray": "balanced", "usp": "fifo", "dp": "fifo"}
 def policy_blocks(policy: str, ranks: int) -> tuple[tuple[int, int], ...]:
     """The blocks (first rank, size) a policy serves on (``batches``: the halving bags)."""
     from knapray.planning import Topology
-    from knapray.planning.scheduler import aligned_blocks
+    from knapray.planning.blocks import blocks_of
 
     if policy == "knapray":
-        return aligned_blocks(ranks, tuple(g for g in (1, 2, 4, 8) if g <= ranks and 4 % g == 0))
+        return blocks_of(ranks, tuple(g for g in (1, 2, 4, 8) if g <= ranks and 4 % g == 0))
     if policy == "usp":
         return ((0, ranks),)
     if policy == "dp":

@@ -28,14 +28,15 @@ API_KEY_ENV = "KNAPRAY_API_KEY"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from knapray.commands.flags import add_device, add_world_size, int_at_least
+    from knapray.commands.flags import add_device, add_removed, add_world_size, int_at_least
 
     p.add_argument("--run", required=True, help="run directory (runs/NAME)")
     p.add_argument("--checkpoint", help="checkpoint directory (default: the run's newest)")
     add_world_size(p, default=1, help="workers of the gang that holds the model once (default 1)")
     p.add_argument("--topology", default=None,
                    help="the gang's blocks: a topology whose bags they are, e.g. g2n1+g1n2; default auto: every "
-                   "aligned power-of-two block of a node, the gang's scheduler choosing per request")
+                   "aligned power-of-two block of a node (and of whole nodes) whose size divides the heads, the gang's "
+                   "scheduler choosing per request")
     add_device(p, help="where the gang runs (auto: cuda when Ray has GPUs)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: every one)")
     p.add_argument("--port", type=int_at_least(1, 65535), default=8000, help="HTTP port (default 8000)")
@@ -60,6 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapter", action="append", metavar="NAME=RUN", default=None,
                    help="serve LoRA run RUN (of --run's base) as model NAME beside --run's own (repeat for several; "
                    "POST /v1/adapters adds one while serving)")
+    add_removed(p, "--lora", "serve takes --adapter NAME=RUN (export's --lora is a switch: a flag keeps one meaning)")
     p.add_argument("--config-out", metavar="FILE",
                    help="write a Serve config for `serve deploy` on a cluster and exit (nothing starts)")
 

@@ -52,7 +52,6 @@ import base64
 import collections
 import hmac
 import importlib
-import io
 import json
 import os
 import threading
@@ -65,6 +64,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 
+from knapray.inference.images import encode_clip, encode_png
 from knapray.inference.jobs import Job, RunRules
 from knapray.limits import MAX_IMAGE_SIDE, MAX_IMAGE_TOKENS, MAX_SAMPLE_REQUESTS
 
@@ -99,7 +99,6 @@ DEFAULT_SIDE = 256
 valid side below ``max_side``."""
 KEPT_RESULTS = 1024
 """Answers of finished ``wait: false`` jobs kept for polling (the oldest go first)."""
-VIDEO_FPS = 16
 RANKS_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 RESTART_POLL_S = 0.05
 """How often the replica looks at ``gang.broken`` (its restarts are counted as it flips back)."""
@@ -444,41 +443,6 @@ OPENAI_ERRORS = {400: ("invalid_request_error", None), 401: ("invalid_request_er
                  413: ("invalid_request_error", "request_too_large"), 500: ("server_error", None),
                  503: ("server_error", "overloaded"), 504: ("server_error", "timeout")}
 """An error's (type, code) in OpenAI's shape, by HTTP status."""
-
-
-def encode_png(frame: Any) -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.fromarray(frame).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def encode_clip(frames: Any, fps: int = VIDEO_FPS) -> tuple[bytes, str]:
-    """(bytes, media type) of a clip: MP4 (H.264, yuv420p) with PyAV, else an animated PNG."""
-    import importlib.util
-
-    if importlib.util.find_spec("av") is None:
-        from PIL import Image
-
-        images = [Image.fromarray(f) for f in frames]
-        buf = io.BytesIO()
-        images[0].save(buf, format="PNG", save_all=True, append_images=images[1:], duration=1000 // fps, loop=0)
-        return buf.getvalue(), "image/apng"
-    import av
-    import numpy as np
-
-    t, h, w, _ = frames.shape
-    if h % 2 or w % 2:  # yuv420p halves both sides: pad the last row / column
-        frames = np.pad(frames, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), mode="edge")
-    buf = io.BytesIO()
-    with av.open(buf, mode="w", format="mp4") as out:
-        stream = out.add_stream("libx264" if "libx264" in av.codecs_available else "mpeg4", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
-        for frame in frames:
-            out.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
-        out.mux(stream.encode())
-    return buf.getvalue(), "video/mp4"
 
 
 def media_answer(frames: Any) -> Answer:

@@ -5,7 +5,6 @@ only, and a restarted gang draws them again."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -241,6 +240,23 @@ def _alone(run: str, job) -> np.ndarray:
     return z
 
 
+def _three_lora_runs(root):
+    """A tiny corpus, a tiny Flux base and three LoRA runs of it (``own``: rank 4 on
+    attention; ``second``: rank 8 on every linear layer; ``third``: rank 2 on attention)."""
+    from flux_utils import save_tiny_flux
+
+    from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
+
+    corpus = root / "corpus"
+    build_synthetic(SyntheticConfig(mix="g2b2i128f1s0", steps=1, scale=4, channels=4, text_dim=24, pooled_dim=20,
+                                    max_text_tokens=16, shards=1), corpus, progress=False)
+    base = save_tiny_flux(root / "base", 2, 16, (4, 6, 6), 1, 1, True, text_dim=24, pooled_dim=20)
+    runs = (_lora_run(root, corpus, base, "own", 4, "attention", 1),
+            _lora_run(root, corpus, base, "second", 8, "all-linear", 2),
+            _lora_run(root, corpus, base, "third", 2, "attention", 3))
+    return corpus, base, runs
+
+
 @pytest.mark.timeout(300)
 def test_one_base_serves_several_adapters_each_as_alone(ray_session, tmp_path):
     """A served LoRA run (its own adapter, rank 4 on attention), a second adapter given at
@@ -249,17 +265,10 @@ def test_one_base_serves_several_adapters_each_as_alone(ray_session, tmp_path):
     a run of another base, is refused in one line."""
     from flux_utils import save_tiny_flux
 
-    from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
     from knapray.driver.gang import Gang
     from knapray.inference.jobs import Job
 
-    corpus = tmp_path / "corpus"
-    build_synthetic(SyntheticConfig(mix="g2b2i128f1s0", steps=1, scale=4, channels=4, text_dim=24, pooled_dim=20,
-                                    max_text_tokens=16, shards=1), corpus, progress=False)
-    base = save_tiny_flux(tmp_path / "base", 2, 16, (4, 6, 6), 1, 1, True, text_dim=24, pooled_dim=20)
-    own = _lora_run(tmp_path, corpus, base, "own", 4, "attention", 1)
-    second = _lora_run(tmp_path, corpus, base, "second", 8, "all-linear", 2)
-    third = _lora_run(tmp_path, corpus, base, "third", 2, "attention", 3)
+    corpus, _, (own, second, third) = _three_lora_runs(tmp_path)
     other = _lora_run(tmp_path, corpus, save_tiny_flux(tmp_path / "other", 2, 16, (4, 6, 6), 1, 1, True, seed=9,
                                                        text_dim=24, pooled_dim=20), "other", 4, "attention", 4)
     g = Gang.start(own, 2, device="cpu", adapters={"second": second})

@@ -18,7 +18,6 @@ import concurrent.futures
 import importlib.util
 import io
 import json
-import os
 import re
 import socket
 import threading
@@ -949,6 +948,7 @@ def test_the_shipped_serve_config_deploys_knapray(tmp_path):
     (["--run", "{run}", "--api-key", ""], ["--api-key", "not a usable API key (0 characters)"]),
     (["--run", "{run}", "--adapter", "x"], ["--adapter x", "NAME=RUN"]),
     (["--run", "{run}", "--adapter", "a=r", "--adapter", "a=s"], ["--adapter a", "given twice"]),
+    (["--run", "{run}", "--lora", "a=r"], ["--lora a=r", "--adapter NAME=RUN"]),
 ])
 def test_bad_flags_and_runs_are_one_line_before_ray_starts(argv, names, tmp_path, capsys, monkeypatch):
     from dist_utils import sampling_run_dir
@@ -1025,21 +1025,13 @@ def test_several_adapters_of_one_base_served_each_as_alone(served, tmp_path):
     """``--adapter`` beside a served LoRA run, and ``POST /v1/adapters`` while it serves: each
     request's ``model`` picks an adapter, concurrent requests for different ones each come
     back as their run alone draws them; ``/v1/models`` lists them; an unknown model is 400."""
-    from flux_utils import save_tiny_flux
     from ray import serve
-    from test_gang import _alone, _lora_run
+    from test_gang import _alone, _three_lora_runs
 
-    from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
     from knapray.driver.serving import ServeOptions, build_app
     from knapray.inference.jobs import Job
 
-    corpus = tmp_path / "corpus"
-    build_synthetic(SyntheticConfig(mix="g2b2i128f1s0", steps=1, scale=4, channels=4, text_dim=24, pooled_dim=20,
-                                    max_text_tokens=16, shards=1), corpus, progress=False)
-    base = save_tiny_flux(tmp_path / "base", 2, 16, (4, 6, 6), 1, 1, True, text_dim=24, pooled_dim=20)
-    own = _lora_run(tmp_path, corpus, base, "own", 4, "attention", 1)
-    second = _lora_run(tmp_path, corpus, base, "second", 8, "all-linear", 2)
-    third = _lora_run(tmp_path, corpus, base, "third", 2, "attention", 3)
+    _, _, (own, second, third) = _three_lora_runs(tmp_path)
     serve.run(build_app(ServeOptions(run=own, world_size=2, device="cpu", api_key=KEY, adapters={"second": second})),
               name="knapray-lora", route_prefix="/lora")
     url = f"{served}/lora"
