@@ -530,18 +530,20 @@ BLOCK_NODE = 8
 def gang_blocks(spec: str | None, world: int, heads: int) -> tuple[tuple[tuple[int, int], ...], list[str],
                                                                      list[tuple[str, int]]]:
     """(blocks as (first rank, size), the topologies whose groups hold them, each block's
-    (topology, bag)): for ``auto`` (or None) every aligned power-of-two block of a node whose
-    size divides the heads; for a topology, its bags."""
+    (topology, bag)): for ``auto`` (or None) every aligned power-of-two block of a node, and
+    of whole nodes, whose size divides the heads; for a topology, its bags."""
     from knapray.planning import Topology
-    from knapray.planning.scheduler import aligned_blocks
+    from knapray.planning.blocks import blocks_of
 
     if spec not in (None, "auto"):
         topo = Topology.parse(spec, world_size=world)
         blocks = tuple((int(topo.bag_starts[b]), int(topo.bag_sizes[b])) for b in range(topo.num_bags))
         return blocks, [spec], [(spec, b) for b in range(topo.num_bags)]
     node = min(world, BLOCK_NODE)
-    sizes = tuple(g for g in (1, 2, 4, 8) if g <= node and heads % g == 0)
-    blocks = aligned_blocks(world, sizes, node)
+    sizes = [g for g in (1, 2, 4, 8) if g <= node and heads % g == 0]
+    if world % node == 0:  # whole nodes: 2, 4, ... of them
+        sizes += [g for g in (16, 32, 64) if g <= world and heads % g == 0]
+    blocks = blocks_of(world, tuple(sizes), node)
     specs, where = {}, []
     for first, g in blocks:
         if g not in specs:

@@ -7,6 +7,10 @@ group each, created once for the whole run (``aligned_blocks`` lists them in one
 every rank). Any partition of every node into such blocks is a valid set of bags for a
 step: bags of one step never overlap, so no two collectives of a step share a rank out of
 order, and the groups exist before the first step.
+
+``knapray serve``'s gang forms its blocks the same way (``blocks_of``), and may also form
+blocks of whole nodes (2, 4, ... nodes, aligned at their size): a sampling request's bag
+holds for its whole loop, so a lone clip may take the gang while nothing else waits.
 """
 
 from __future__ import annotations
@@ -36,13 +40,29 @@ def aligned_blocks(world_size: int, gpus_per_node: int, num_heads: int | None = 
     than a node is one node."""
     _check_positive("world_size", world_size)
     node = _node_size(world_size, gpus_per_node)
-    sizes = sorted(block_sizes(node, num_heads), reverse=True)
-    return [
-        (start + off, g)
-        for start in range(0, world_size, node)
-        for g in sizes
-        for off in range(0, node - g + 1, g)
-    ]
+    return list(blocks_of(world_size, tuple(block_sizes(node, num_heads)), node))
+
+
+def blocks_of(ranks: int, sizes: tuple[int, ...], node: int | None = None) -> tuple[tuple[int, int], ...]:
+    """``(first rank, size)`` of every aligned block of the given ``sizes`` (powers of two)
+    over ``ranks`` ranks in nodes of ``node`` (default: all in one; the last node may be
+    short). A size up to a node gives blocks inside every node; a larger one, a power-of-two
+    number of whole nodes, gives blocks of whole nodes aligned at their size. Blocks of
+    whole nodes first (largest first), then node by node, largest first, then by offset."""
+    _check_positive("ranks", ranks)
+    node = node or ranks
+    _check_positive("node", node)
+    out = []
+    for g in sorted(set(sizes), reverse=True):
+        if g < 1 or g & (g - 1) or (g > node and (g % node or g > ranks)):
+            raise ValueError(f"block size {g}: a power of two of at most {node} ranks (a node), or a power-of-two "
+                             f"number of whole nodes of {node} within {ranks} ranks")
+        if g > node:
+            out += [(first, g) for first in range(0, ranks - g + 1, g)]
+    for start in range(0, ranks, node):
+        for g in sorted({g for g in sizes if g <= node}, reverse=True):
+            out += [(start + o, g) for o in range(0, min(node, ranks - start) - g + 1, g)]
+    return tuple(out)
 
 
 @lru_cache(maxsize=64)

@@ -7,8 +7,8 @@ Requests run on *blocks*: ranks that form a bag for a whole denoising loop, on t
 block that finishes takes the next requests at once; no block waits for another, as every
 bag of a batch-by-batch gang waited for the batch's slowest). The blocks a gang can form
 are fixed when it starts (every rank makes each block's process group once): the aligned
-power-of-two blocks of every node whose size the model's heads divide
-(``aligned_blocks``), or one fixed partition (static USP: one block of all; data parallel:
+power-of-two blocks of every node whose size the model's heads divide, and of whole nodes
+(``planning.blocks.blocks_of``), or one fixed partition (static USP: one block of all; data parallel:
 blocks of one).
 
 At every arrival and every completion, while a rank is free and requests wait, ``decide``:
@@ -39,19 +39,6 @@ import numpy as np
 ORDERS = ("balanced", "fifo")
 MAX_PARTITIONS = 4096
 """Partitions ``balanced`` plans over, at most (the most regular ones first)."""
-
-
-def aligned_blocks(ranks: int, sizes: tuple[int, ...], node: int | None = None) -> tuple[tuple[int, int], ...]:
-    """(first rank, size) of every aligned block of the given ``sizes`` (powers of two)
-    inside nodes of ``node`` ranks (default: all in one), smallest blocks first."""
-    node = node or ranks
-    out = []
-    for g in sorted(set(sizes)):
-        if g < 1 or g & (g - 1) or g > node:
-            raise ValueError(f"block size {g}: a power of two of at most {node} ranks (a node)")
-        for start in range(0, ranks, node):
-            out += [(start + o, g) for o in range(0, min(node, ranks - start) - g + 1, g)]
-    return tuple(out)
 
 
 def partitions(blocks: tuple[tuple[int, int], ...], ranks: int, limit: int = MAX_PARTITIONS) -> list[tuple[int, ...]]:

@@ -41,22 +41,20 @@ exchange that combines them left out); every policy takes whichever is faster.
   ``N``, with ``N - gpus_per_node`` peers off the node: the baseline gets no penalty for it.
 - ``dp`` (data parallel): every request on one GPU, FIFO: to the lowest idle rank, or
   when none is idle to the GPU that frees first.
-- ``knapray``: a rolling plan. At every arrival or completion, if requests wait and a GPU
-  is idle, the oldest ``window`` (default ``N``) waiting requests are planned over the
-  whole gang, busy GPUs included at the time they free: for each candidate topology (``k``
-  bags of ``G`` GPUs and the rest in bags of ``s < G``; ``s`` a power of two that divides
-  both models' heads and fits a node, ``G`` such a size or whole nodes; a bag within a
-  node takes the node's GPUs that free first, nodes that free first are used first),
-  requests are assigned largest first to the bag where they would
-  finish earliest (a bag is ready when its last GPU frees), and the topology with the
-  smallest predicted makespan wins (ties: the smaller sum of completions). Each bag runs
-  its requests in the order of ``arrival + seconds on the bag`` (earliest deadline: short
-  requests pass a clip that arrived shortly before them, but re-planning never starves
-  it); of the winning plan only the first request of every bag whose GPUs are all idle
-  now starts; the rest wait for the next event and are planned again. Bags of whole
-  nodes (16, 32 GPUs) are candidates too, priced as static USP is. So at a light load a
-  request gets a big bag (as fast as USP), and as the queue grows the bags shrink towards
-  one request per GPU (no communication).
+- ``knapray``: ``knapray serve``'s gang (``serve_on_blocks``: ``planning.scheduler``'s
+  ``BagScheduler`` in its balanced order). Its blocks are every aligned power-of-two block
+  of a node whose size divides both models' heads, and of 2, 4, ... whole nodes (16 and 32
+  GPUs, priced as static USP is: 24 and 40 heads do not split that many ways, xDiT mixes in
+  ring attention there, and the real gang forms no such block for these models). At every
+  arrival and completion with a GPU free, the oldest waiting requests are planned over
+  every partition of the gang into blocks (largest first to the block where each would
+  finish earliest; the partition of the smallest makespan wins); every block of the winner
+  that is free now runs its requests packed in one loop, the rest are planned again at the
+  next event. So at a light load a request gets a big block (as fast as USP), and as the
+  queue grows requests pack onto single GPUs (no communication).
+- ``batches``: the batch-by-batch gang ``knapray serve`` ran before: when the whole gang is
+  free, the waiting requests are planned over the halving bags, and the next batch waits
+  for the batch's slowest bag.
 
 A request's latency is its completion minus its arrival; throughput is the requests served
 over the time from the first arrival to the last completion. ``ServiceTimes.best`` is the
@@ -303,11 +301,12 @@ def bag_seconds(times: ServiceTimes, sizes: tuple[int, ...]) -> np.ndarray:
 
 def knapray_blocks(times: ServiceTimes) -> tuple[tuple[int, int], ...]:
     """The blocks ``knapray serve``'s gang forms on this gang: every aligned power-of-two
-    block of a node whose size every model's heads divide (``times.sizes`` within a node)."""
-    from .scheduler import aligned_blocks
+    block of a node whose size every model's heads divide, and of 2, 4, ... whole nodes
+    (``times.sizes`` but a gang of whole nodes that is not a power of two of them)."""
+    from .blocks import blocks_of
 
-    node = min(times.gpus, times.gpus_per_node)
-    return aligned_blocks(times.gpus, tuple(g for g in times.sizes if g <= node), node)
+    sizes = tuple(g for g in times.sizes if not g & (g - 1))
+    return blocks_of(times.gpus, sizes, min(times.gpus, times.gpus_per_node))
 
 
 def serve_on_blocks(stream: Stream, times: ServiceTimes, blocks: tuple[tuple[int, int], ...], order: str,

@@ -91,6 +91,21 @@ def test_knapray_bags_stay_in_a_node_or_take_whole_nodes():
     for ranks in served.ranks:
         nodes = {r // 8 for r in ranks}
         assert len(nodes) == 1 or len(ranks) == 8 * len(nodes), ranks
+    light = sv.serve("knapray", sv.request_stream(60, 0.05 * sv.capacity(times), seed=2), times)
+    assert max(len(r) for r in light.ranks) == 32  # a lone clip takes the gang, as static USP would
+
+
+def test_the_gangs_blocks_are_the_simulators():
+    """``knapray serve``'s gang on ``auto`` forms the blocks the simulator plans over: a
+    node's aligned blocks, and whole nodes where the heads split that many ways."""
+    from knapray.driver.gang import gang_blocks
+    from knapray.planning.blocks import blocks_of
+
+    blocks, specs, where = gang_blocks(None, 16, 32)
+    assert blocks == blocks_of(16, (1, 2, 4, 8, 16), 8) and blocks[0] == (0, 16)
+    assert specs[0] == "g16n1" and where[0] == ("g16n1", 0) and len(where) == len(blocks)
+    assert gang_blocks(None, 16, 24)[0] == blocks_of(16, (1, 2, 4, 8), 8)  # Flux's 24 heads: no block of 16
+    assert gang_blocks(None, 4, 24)[0] == ((0, 4), (0, 2), (2, 2), (0, 1), (1, 1), (2, 1), (3, 1))
 
 
 def test_a_light_load_runs_wide_and_a_heavy_one_packs_single_ranks():
@@ -98,22 +113,37 @@ def test_a_light_load_runs_wide_and_a_heavy_one_packs_single_ranks():
     blocks: one request alone takes the block of four (it finishes soonest there); eight at
     once, each twice as fast on four ranks as on one (half the ranks' time wasted), are
     packed two to a rank (the partition of the smallest makespan)."""
-    from knapray.planning.scheduler import BagScheduler, aligned_blocks, partitions
+    from knapray.planning.blocks import blocks_of
+    from knapray.planning.scheduler import BagScheduler, partitions
 
-    blocks = aligned_blocks(4, (1, 2, 4))  # ranks 0..3 alone, then (0, 1), (2, 3), then all four
-    assert blocks == ((0, 1), (1, 1), (2, 1), (3, 1), (0, 2), (2, 2), (0, 4))
-    assert sorted(partitions(blocks, 4)) == sorted([(0, 1, 2, 3), (4, 2, 3), (0, 1, 5), (4, 5), (6,)])
-    seconds = [4.0] * 4 + [2.8] * 2 + [2.0]
+    blocks = blocks_of(4, (1, 2, 4))  # all four, then (0, 1), (2, 3), then ranks 0..3 alone
+    assert blocks == ((0, 4), (0, 2), (2, 2), (0, 1), (1, 1), (2, 1), (3, 1))
+    assert sorted(partitions(blocks, 4)) == sorted([(3, 4, 5, 6), (1, 5, 6), (3, 4, 2), (1, 2), (0,)])
+    seconds = [2.0] + [2.8] * 2 + [4.0] * 4
     alone = BagScheduler(blocks)
     alone.add("one", 0.0, seconds, steps=4)
-    assert alone.decide(0.0) == [(6, ["one"])]
+    assert alone.decide(0.0) == [(0, ["one"])]
     loaded = BagScheduler(blocks)
     for k in range(8):
         loaded.add(k, 0.0, seconds, steps=4)
-    started = loaded.decide(0.0)
-    assert sorted(b for b, _ in started) == [0, 1, 2, 3]
-    assert sorted(len(keys) for _, keys in started) == [2, 2, 2, 2] and loaded.waiting == []
-    assert loaded.decide(0.0) == [] and loaded.finished(2, 8.0) == started[2][1]
+    started = dict(loaded.decide(0.0))
+    assert [blocks[b] for b in sorted(started)] == [(0, 1), (1, 1), (2, 1), (3, 1)]
+    assert sorted(len(keys) for keys in started.values()) == [2, 2, 2, 2] and loaded.waiting == []
+    assert loaded.decide(0.0) == [] and loaded.finished(5, 8.0) == started[5]
+
+
+def test_blocks_of_whole_nodes_and_of_a_short_last_node():
+    from knapray.planning.blocks import aligned_blocks, blocks_of
+
+    # 32 ranks in nodes of 8: the gang of all, two of 16, then every node's own blocks
+    blocks = blocks_of(32, (1, 2, 4, 8, 16, 32), 8)
+    assert blocks[:3] == ((0, 32), (0, 16), (16, 16)) and blocks[3:6] == ((0, 8), (0, 4), (4, 4))
+    assert len(blocks) == 3 + 4 * 15
+    assert blocks_of(12, (1, 2, 4, 8), 8)[-3:] == ((9, 1), (10, 1), (11, 1))  # ranks 8..11: a short node
+    assert list(blocks_of(16, (1, 2, 4, 8), 8)) == aligned_blocks(16, 8)  # training's blocks, the same order
+    for bad in ((3,), (24,), (64,)):
+        with pytest.raises(ValueError, match=f"block size {bad[0]}"):
+            blocks_of(32, bad, 8)
 
 
 def test_a_packed_loop_ends_each_request_after_its_own_steps():
