@@ -772,16 +772,23 @@ from knapray.driver.gang import Gang  # noqa: E402
 
 
 class GangLosingRank1(Gang):
-    """The real gang, whose rank 1 is killed (``ray.kill``) as the first job of seed 666 is
-    submitted: the block that runs next on rank 1 loses its jobs."""
+    """The real gang, whose rank 1 is killed (``ray.kill``) once the first job of seed 666 has
+    been submitted, right after a block on rank 1 has started (that block's or the next one's):
+    whichever way the scheduler places the two jobs, the block running on rank 1 loses its jobs."""
 
     def submit(self, job, decode=True):
+        if getattr(job, "seed", None) == 666:
+            self.armed = True
+        return super().submit(job, decode)
+
+    def _start_blocks(self):
         import ray
 
-        if getattr(job, "seed", None) == 666 and not getattr(self, "killed", False):
-            self.killed = True
-            ray.kill(self.actors[1])
-        return super().submit(job, decode)
+        super()._start_blocks()
+        if getattr(self, "armed", False) and not getattr(self, "killed", False):
+            if any(first <= 1 < first + g for first, g in (self.blocks[b] for b in self._running)):
+                self.killed = True
+                ray.kill(self.actors[1])
 
 
 def _trained_run(tmp_path: Path) -> Path:
