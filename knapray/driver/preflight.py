@@ -324,6 +324,9 @@ def check_lora(cfg: TrainConfig) -> None:
     if not cfg.model.pretrained:
         raise RunError("model.lora trains adapters on a pretrained base: set model.pretrained (a diffusers "
                        "transformer directory or a BFL file), or set model.lora.rank=0 to train every weight")
+    if lora.base_dtype == "fp8" and cfg.parallel.precision == "fp32":
+        raise RunError("model.lora.base_dtype=fp8 turns the base back into bf16 in each matrix product: "
+                       "set parallel.precision to bf16 (or auto, bf16 on a GPU), not fp32")
     import torch
 
     from knapray.models.families import build_model

@@ -14,6 +14,7 @@ from knapray.limits import MAX_MODEL_DEPTH, MAX_MODEL_WIDTH
 
 
 LORA_INITS = ("gaussian", "kaiming")
+LORA_BASE_DTYPES = ("compute", "fp8")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -33,6 +34,11 @@ class LoraConfig:
     init: str = dataclasses.field(default="gaussian", metadata={"choices": LORA_INITS})
     """``lora_A``'s initial values: ``gaussian`` N(0, 1/r) (peft's ``gaussian``) or
     ``kaiming`` (uniform, as nn.Linear's weights); ``lora_B`` starts at zero either way."""
+    base_dtype: str = dataclasses.field(default="compute", metadata={"choices": LORA_BASE_DTYPES})
+    """How the frozen base is held: ``compute`` (its matrices in the run's compute dtype) or
+    ``fp8`` (the linear layers of its blocks in float8 e4m3 with a power-of-two scale per
+    output channel, turned back into bf16 inside each matrix product: half the base's memory;
+    needs ``model.pretrained`` and ``parallel.precision: bf16``; knapray/models/fp8.py)."""
 
     def __post_init__(self) -> None:
         self.targets = tuple(self.targets)
@@ -42,6 +48,8 @@ class LoraConfig:
             raise ValueError(f"lora.alpha must be a finite number >= 0, got {self.alpha!r}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.base_dtype not in LORA_BASE_DTYPES:
+            raise ValueError(f"lora.base_dtype must be one of {list(LORA_BASE_DTYPES)}, got {self.base_dtype!r}")
         if self.init not in LORA_INITS:
             raise ValueError(f"lora.init must be one of {list(LORA_INITS)}, got {self.init!r}")
         if not self.targets or not all(isinstance(t, str) and t for t in self.targets):

@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from knapray.indexing import gather_rows
+from knapray.models.fp8 import input_for
 
 TIME_EMBED_DIM = 256
 """Width of the sinusoidal timestep features fed to the timestep MLP (as in DiT and Flux)."""
@@ -143,8 +144,8 @@ class Modulation(nn.Module):
         """vec_seq (S, dim), seq_index (n,) -> n_chunks tensors of (n, dim).
 
         vec_seq may be fp32 beside bf16 weights (``MMDiT.condition``): it is cast to the
-        weights' dtype here, so its gradient comes back to it in fp32."""
-        per_seq = self.lin(F.silu(vec_seq).to(self.lin.weight.dtype))  # (S, n_chunks*dim)
+        weights' dtype here (a float8 layer casts it itself), so its gradient comes back to it in fp32."""
+        per_seq = self.lin(input_for(self.lin, F.silu(vec_seq)))  # (S, n_chunks*dim)
         return gather_rows(per_seq, seq_index).chunk(self.n_chunks, dim=-1)
 
 

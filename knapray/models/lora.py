@@ -121,17 +121,23 @@ def use_adapter(model: nn.Module, name: str | None) -> None:
                 m.set_adapter(name if name in m.lora_A else [])
 
 
-def hold_base_in(model: nn.Module, dtype: torch.dtype) -> int:
+def hold_base_in(model: nn.Module, dtype: torch.dtype, fp8: tuple[str, ...] = ()) -> int:
     """A LoRA model's frozen weight matrices held in ``dtype``, the run's compute dtype (on
     any device, the meta device before ``parallelize`` included): what the forward computes
     with anyway (FSDP's bf16 gathers, autocast's casts), at half the memory of fp32 copies.
-    Biases and norm gains stay fp32; adapters are trained in fp32. Returns how many
-    parameters it cast (0 for fp32 or a model without adapters)."""
-    if dtype == torch.float32 or not has_adapters(model):
+    Biases and norm gains stay fp32; adapters are trained in fp32. ``fp8``: module-name
+    patterns (the family's ``all-linear`` preset, for ``model.lora.base_dtype: fp8``) whose
+    linear layers are held in float8 instead (``knapray.models.fp8``). Returns how many
+    parameters it cast plus the layers it replaced (0 for fp32 without ``fp8``, or a model without adapters)."""
+    if not has_adapters(model):
         return 0
-    cast = 0
+    from knapray.models.fp8 import FP8, hold_in_fp8
+
+    cast = len(hold_in_fp8(model, fp8, BASE)) if fp8 else 0
+    if dtype == torch.float32:
+        return cast
     for _, p in model.named_parameters():
-        if not p.requires_grad and p.ndim >= 2 and p.dtype != dtype:
+        if not p.requires_grad and p.ndim >= 2 and p.dtype not in (dtype, FP8):
             p.data = p.data.to(dtype)
             cast += 1
     return cast

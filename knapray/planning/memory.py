@@ -437,6 +437,10 @@ class MemoryModel:
     (``knapray.models.families.adapter_counts``). Gradients and AdamW state are theirs alone; the
     frozen base's linear layers are held in the compute dtype (``hold_base_in``), the rest
     of it in fp32, sharded like the rest."""
+    fp8_base: bool = False
+    """``model.lora.base_dtype: fp8``: the frozen base's block linears held in float8, 1 byte
+    a weight plus a 4-byte scale per output row (``knapray.models.fp8``); its embedders and
+    final layer in the compute dtype. FSDP still gathers them in the compute dtype."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.shape, ModelShape):
@@ -557,6 +561,11 @@ class MemoryModel:
         if self.trainable:  # fp32 adapters and small base tensors, the base's linears in the compute dtype
             linear = s.num_linear_params
             params = FP32 * self._sharded(n - linear + t) + self.compute_bytes * self._sharded(linear)
+            if self.fp8_base:
+                blocks = linear - s.root[0]
+                # float8 values and fp32 scales (rows bounded by the weights over the width)
+                params += (1 - self.compute_bytes) * self._sharded(blocks) + FP32 * self._sharded(
+                    -(-blocks // s.hidden_size))
         else:
             params = FP32 * self._sharded(n)
         return MemoryBreakdown(
@@ -693,4 +702,5 @@ def memory_model_for_run(
         ac_every=k,
         precision=precision,
         trainable=trainable,
+        fp8_base=bool(trainable) and cfg.model.lora.enabled and cfg.model.lora.base_dtype == "fp8",
     )

@@ -204,9 +204,10 @@ def run_step(setup: Setup, plan, text_tokens: np.ndarray, batch_host, *, device:
     groups = _groups(setup)  # before FSDP's mesh: every rank creates groups in one order
     with torch.device("meta"):
         model = build_model(model_cfg)  # the run's family: its blocks, its attentions
+    from knapray.models.families import fp8_base_layers
     from knapray.models.lora import hold_base_in
 
-    hold_base_in(model, dtype)  # a LoRA run's frozen base, as the trainer holds it
+    hold_base_in(model, dtype, fp8_base_layers(model_cfg))  # a LoRA run's frozen base, as the trainer holds it
     applied = dataclasses.replace(cfg.parallel, fsdp=fsdp, activation_checkpointing="none") if device_pass \
         else cfg.parallel.for_world(setup.world)
     parallel = parallelize(model, applied, ParallelDims(world_size=setup.world, device_type=device.type,

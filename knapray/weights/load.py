@@ -67,7 +67,14 @@ def load_pretrained(model: nn.Module, cfg: DiTConfig, source: PretrainedSource |
 
     # A LoRA model's base parameters carry ``.base_layer`` in their names; its adapters are
     # not in the checkpoint (``init_adapters`` fills them).
-    params = {base_name(n): p for n, p in model.named_parameters() if not is_adapter(n)}
+    from knapray.models.fp8 import FP8, SCALE, is_scale, quantize_rows
+
+    named = dict(model.named_parameters())
+    params = {base_name(n): p for n, p in named.items() if not is_adapter(n) and not is_scale(n)}
+    # A float8 weight (model.lora.base_dtype: fp8) is quantized row by row as its rows are read,
+    # each row's scale written beside it (the scales are sharded by rows as the weight is).
+    scales = {base_name(n): shard_rows(named[n.removesuffix("weight") + SCALE])
+              for n, p in named.items() if p.dtype == FP8}
     if set(params) != {p.param for p in layout.pieces}:
         raise ValueError(f"the model's parameters differ from family {cfg.family}'s layout: got "
                          f"{sorted(set(params) ^ {p.param for p in layout.pieces})[:3]}")
@@ -89,7 +96,12 @@ def load_pretrained(model: nn.Module, cfg: DiTConfig, source: PretrainedSource |
                     continue  # none of this piece's rows is ours
                 src = piece.src + (lo - piece.dst)
                 data = f.get_slice(source.tensors[piece.key].name)[src : src + (hi - lo)]
-                local[lo - start : hi - start].copy_(data)
+                if piece.param in scales:
+                    values, scale = quantize_rows(data)
+                    local[lo - start : hi - start].copy_(values)
+                    scales[piece.param][0][lo - start : hi - start].copy_(scale)
+                else:
+                    local[lo - start : hi - start].copy_(data)
                 written[piece.param] += hi - lo
                 bytes_read += data.numel() * data.element_size()
                 touched.add(piece.key)

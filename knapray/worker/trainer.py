@@ -222,9 +222,10 @@ class Trainer:
         with torch.device("meta"):
             self.model = build_model(cfg.model)
         if cfg.model.lora.enabled:  # the frozen base in the compute dtype, before FSDP shards it
+            from knapray.models.families import fp8_base_layers
             from knapray.models.lora import hold_base_in
 
-            hold_base_in(self.model, self.dtype)
+            hold_base_in(self.model, self.dtype, fp8_base_layers(cfg.model))
         self.parallel = parallelize(self.model, cfg.parallel.for_world(self.world), self.dims,
                                     compute_dtype=self.dtype)
         if cfg.model.pretrained:

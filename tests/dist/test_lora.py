@@ -186,13 +186,14 @@ def _bf16_base_or_fp32(rank: int, world: int, corpus: str, run_root: str, pretra
 
     out = {}
     held = lora.hold_base_in
-    for name, hold in (("bf16-base", held), ("fp32-base", lambda model, dtype: 0)):
+    for name, hold, extra in (("bf16-base", held, []), ("fp32-base", lambda model, dtype, fp8=(): 0, []),
+                              ("fp8-base", held, ["model.lora.base_dtype=fp8"])):
         lora.hold_base_in = hold
         try:
             trainer = local_trainer(rank, world, corpus, run_root, name, [
                 f"model.pretrained={pretrained}", "model.lora.rank=4", "parallel.fsdp=full",
                 "parallel.precision=bf16", "balance.topology=g2n1", "optim.lr=0.01", "run.max_steps=3",
-                "data.epochs=3", "flow.guidance=3.5"])
+                "data.epochs=3", "flow.guidance=3.5", *extra])
         finally:
             lora.hold_base_in = held
         dtypes = {str(p.dtype) for n, p in trainer.model.named_parameters() if not p.requires_grad and p.ndim >= 2}
@@ -207,7 +208,9 @@ def _bf16_base_or_fp32(rank: int, world: int, corpus: str, run_root: str, pretra
 def test_a_bf16_run_holds_the_frozen_base_in_bf16_and_computes_the_same(tmp_path: Path) -> None:
     """Under bf16 FSDP the forward gathers the base in bf16 anyway: holding its weight
     matrices in bf16 (half the memory) gives the same losses and adapters, bit for bit, as
-    holding fp32 copies."""
+    holding fp32 copies. With ``model.lora.base_dtype: fp8`` the blocks' weights are float8
+    shards (gathered in bf16 by FSDP) and the losses stay within the fp8 bound of
+    tests/unit/test_fp8_base.py."""
     pretrained = save_tiny_flux(tmp_path / "transformer", 2, 16, (4, 6, 6), 1, 1, True, text_dim=16, pooled_dim=12)
     from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
 
@@ -220,3 +223,8 @@ def test_a_bf16_run_holds_the_frozen_base_in_bf16_and_computes_the_same(tmp_path
     assert r0["bf16-base"]["losses"] == r0["fp32-base"]["losses"] and len(r0["bf16-base"]["losses"]) == 3
     for name, value in r0["fp32-base"]["adapters"].items():
         np.testing.assert_array_equal(r0["bf16-base"]["adapters"][name], value, err_msg=name)
+    fp8, bf16 = r0["fp8-base"], r0["bf16-base"]
+    assert fp8["dtypes"] == ["torch.bfloat16", "torch.float8_e4m3fn"]
+    off = [abs(a - b) / abs(b) for a, b in zip(fp8["losses"], bf16["losses"])]
+    print(f"\nfp8 base under FSDP on 2 ranks: losses off the bf16 base's by {max(off):.1e} at most over 3 steps")
+    assert len(off) == 3 and max(off) <= 2e-3 and fp8["losses"] != bf16["losses"], (fp8["losses"], bf16["losses"])

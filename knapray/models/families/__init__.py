@@ -229,6 +229,14 @@ def build_model(cfg: DiTConfig) -> nn.Module:
     return model
 
 
+def fp8_base_layers(cfg: DiTConfig) -> tuple[str, ...]:
+    """Module-name patterns of the layers ``model.lora.base_dtype: fp8`` holds in float8: the
+    family's ``all-linear`` LoRA preset (every linear layer of its blocks); () otherwise."""
+    if not cfg.lora.enabled or cfg.lora.base_dtype != "fp8":
+        return ()
+    return tuple(get_family(cfg.family).lora_presets["all-linear"])
+
+
 def condition_inputs(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
     """The keywords of ``model.condition`` from a ``PackedBatch``; ValueError naming a field
     the family needs that the batch lacks (e.g. guidance for FLUX.1-dev)."""
