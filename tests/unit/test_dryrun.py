@@ -86,26 +86,45 @@ def test_flux_cluster_dry_runs_at_64_ranks(dryrun):
     assert "q, k, v and every matmul in bfloat16 (114 attention calls" in out.stdout
 
 
-@pytest.mark.parametrize("base", ["compute", "fp8"])
-def test_flux_dev_lora_dry_runs_at_8_ranks(dryrun, base):
+def test_flux_dev_lora_dry_runs_at_8_ranks(dryrun):
     """The shipped LoRA config: FLUX.1-dev frozen over 8 GPUs, rank-16 adapters, 4,096 tokens
     per GPU, selective checkpointing: fits 80 GB, the peak within 10% of knapray memory's,
     no reduce-scatter but the blocks' (only they train) and no backward through the
-    embedders or their routing. With ``model.lora.base_dtype=fp8`` the base's shard is
-    float8 (about half of bf16's: 1.41 against 2.79 GiB on 2026-11-29) and the memory model
-    counts it, every matmul still in bf16."""
-    out = dryrun("--config", str(REPO / "jobs" / "configs" / "flux_dev_lora.yaml"), "--world-size", "8", "--json",
-                 "--set", f"model.lora.base_dtype={base}")
+    embedders or their routing."""
+    out = dryrun("--config", str(REPO / "jobs" / "configs" / "flux_dev_lora.yaml"), "--world-size", "8", "--json")
     r = _result(out)
-    sharded = next(float(line.split()[2]) for line in out.stdout.splitlines() if line.strip().startswith("Sharded Param"))
-    assert (1.3 <= sharded <= 1.5) if base == "fp8" else (2.7 <= sharded <= 2.9), out.stdout[-3000:]
-    assert "every matmul in bfloat16" in out.stdout
     assert out.returncode == 0 and r["passed"], out.stdout[-4000:]
     assert abs(r["peak_error"]) <= 0.10 and r["syncs"] == []
     measured = {(c["kind"], c["group"]): c["count"] for c in r["collectives"]}
     assert measured == {(c["kind"], c["group"]): c["count"] for c in r["expected"]}
     assert measured[("_reduce_scatter_base_", 8)] == 19 + 38
     assert "fits 80 GiB: yes" in out.stdout
+
+
+def test_an_fp8_lora_base_dry_runs_and_the_memory_model_counts_it(dryrun):
+    """``model.lora.base_dtype=fp8`` on the shipped LoRA config at FLUX.1-dev's width (2 + 4
+    blocks of its 19 + 38, for time; the whole of it measured 2026-11-29: base shard 1.41 GiB
+    against 2.79 in bf16, peak 5.07 GiB, predicted 5.33, passed): the float8 shards the
+    tracker measures are what the memory model predicts, under 0.6 of a bf16 base's, and
+    every matmul still runs in bf16. (The peak itself is not checked at 6 blocks: the memory
+    model's FSDP buffers are fitted at full depth, -21% off here for either base.)"""
+    from knapray.config.run import load_config
+    from knapray.models.families import adapter_counts
+    from knapray.planning.memory import memory_model_for_run
+
+    depth = ["--set", "model.depth_double=2", "--set", "model.depth_single=4"]
+    out = dryrun("--config", str(REPO / "jobs" / "configs" / "flux_dev_lora.yaml"), "--world-size", "8", "--json",
+                 "--set", "model.lora.base_dtype=fp8", *depth)
+    r = _result(out)
+    assert r["syncs"] == [] and "every matmul in bfloat16" in out.stdout, out.stdout[-4000:]
+    assert [f for f in r["failures"] if not f.startswith("predicted peak")] == [], r["failures"]
+    row = next(line.split() for line in out.stdout.splitlines() if line.strip().startswith("Sharded Param"))
+    measured, predicted = float(row[2]), float(row[4])  # "Sharded Param  M  params  P"
+    assert abs(measured - predicted) <= 0.05 * measured, row
+    cfg = load_config(str(REPO / "jobs" / "configs" / "flux_dev_lora.yaml"), ["model.depth_double=2",
+                                                                               "model.depth_single=4"])
+    bf16 = memory_model_for_run(cfg, world_size=8, trainable=adapter_counts(cfg.model)).breakdown(4096).params
+    assert measured * 2**30 < 0.6 * bf16, (measured, bf16 / 2**30)
 
 
 def test_host_sync_watch_flags_the_step_without_a_layout_and_not_the_trainers():
