@@ -14,14 +14,11 @@ TORCH_INDEX ?=
 
 setup: $(STAMP)
 
-# --no-compile: Python compiles each module when it is first imported, instead of pip
-# compiling every file of every package at install (torch and the test extra into a fresh
-# .venv here, 2026-11-29: 25 s instead of 54).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q --no-compile $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)") "$(TORCH_PIN)"
-	$(BIN)/python -m pip install -q --no-compile -e ".[test]"
+	$(BIN)/python -m pip install -q $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)") "$(TORCH_PIN)"
+	$(BIN)/python -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
 PAPER_MIX := g8b4i256f1s0,g2b5i512f1s0,g2b5i1024f1s0,g4b1i2048f1s0,g1b10i256f4s0,g3b1i512f4s0,g8b2i256f85s1,g4b1i512f85s1

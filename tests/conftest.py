@@ -62,11 +62,9 @@ SLOW_FILES = {
     "test_parallelize.py": 95, "test_runs.py": 95, "test_torchrun.py": 90, "test_grad_truth.py": 75,
     "test_train_ray.py": 70, "test_balanced_sampling.py": 60, "test_driver_death.py": 50, "test_lora.py": 50,
     "test_stopping.py": 40, "test_submit_demo.py": 50,
-    "test_serve_http.py": 85, "test_sample_dryrun.py": 40, "test_wan_ingest.py": 35, "test_gang.py": 100,
-    "test_sampling_engine.py": 46,
+    "test_serve_http.py": 100, "test_sample_dryrun.py": 40, "test_wan_ingest.py": 35, "test_gang.py": 30,
 }
-"""Seconds a file's tests take here (measured with ``--durations``, 2026-11-27; the serving
-files and the sampling engine's 2026-11-29), for the files
+"""Seconds a file's tests take here (measured with ``--durations``, 2026-11-27), for the files
 that take most. ``make test`` runs the suite on several workers, a file per worker at a
 time (``--dist loadfile``): these go first, so the short files fill in around them instead
 of one long file running alone at the end."""
