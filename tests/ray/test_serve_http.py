@@ -771,24 +771,39 @@ def test_a_deadline_drops_a_queued_job_and_stops_a_running_one(served, tmp_path)
 from knapray.driver.gang import Gang  # noqa: E402
 
 
-class GangLosingRank1(Gang):
-    """The real gang, whose rank 1 is killed (``ray.kill``) once the first job of seed 666 has
-    been submitted, right after a block on rank 1 has started (that block's or the next one's):
-    whichever way the scheduler places the two jobs, the block running on rank 1 loses its jobs."""
-
-    def submit(self, job, decode=True):
-        if getattr(job, "seed", None) == 666:
-            self.armed = True
-        return super().submit(job, decode)
+class GangLosingALead(Gang):
+    """The real gang, whose block about to run the first job of seed 666 loses its lead: the
+    lead's actor is killed (``ray.kill``), and known dead, after the scheduler chose the block
+    and before the block is started on it. So the block that takes that job fails, whichever
+    block it is and however fast the job would have run."""
 
     def _start_blocks(self):
         import ray
 
-        super()._start_blocks()
-        if getattr(self, "armed", False) and not getattr(self, "killed", False):
-            if any(first <= 1 < first + g for first, g in (self.blocks[b] for b in self._running)):
-                self.killed = True
-                ray.kill(self.actors[1])
+        decide = self.scheduler.decide
+
+        def deciding(now):
+            started = decide(now)
+            for block, keys in started:
+                if not getattr(self, "killed", False) and any(
+                        getattr(self._subs[k].job, "seed", None) == 666 for k in keys):
+                    self.killed = True
+                    lead = self.actors[self.blocks[block][0]]
+                    ray.kill(lead)
+                    deadline = time.monotonic() + 60
+                    while time.monotonic() < deadline:  # until Ray says it is gone
+                        try:
+                            ray.get(lead.progress.remote(), timeout=10)
+                        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                            break
+                        time.sleep(0.05)
+            return started
+
+        self.scheduler.decide = deciding
+        try:
+            super()._start_blocks()
+        finally:
+            self.scheduler.decide = decide
 
 
 def _trained_run(tmp_path: Path) -> Path:
@@ -824,16 +839,16 @@ def _trained_run(tmp_path: Path) -> Path:
 def test_the_real_gang_serves_a_trained_run(served, tmp_path):
     """Two Ray actors (gloo) holding a tiny model answer concurrent requests; the same job
     twice is the same picture (a job's result is its own, whatever block runs it and whatever
-    shares it), and a bad one is refused without disturbing the others. Then rank 1 is killed
-    as a job is submitted: the jobs of the block that ran on it are submitted again once, run
-    on the gang restarted by itself, and answered the same."""
+    shares it), and a bad one is refused without disturbing the others. Then the lead of the
+    block chosen for a job is killed before the block starts: the jobs of that block are
+    submitted again once, run on the gang restarted by itself, and answered the same."""
     from ray import serve
 
     from knapray.driver.serving import ServeOptions, build_app
 
     run = _trained_run(tmp_path)
     serve.run(build_app(ServeOptions(run=str(run), world_size=2, device="cpu",
-                                     gang="test_serve_http:GangLosingRank1")),
+                                     gang="test_serve_http:GangLosingALead")),
               name="knapray-real", route_prefix="/real")
     try:
         bodies = [{"like": 0, "size": "32x32", "steps": 2, "seed": 5}, {"like": 1, "size": "64x32", "steps": 3},
@@ -867,8 +882,8 @@ def test_the_real_gang_serves_a_trained_run(served, tmp_path):
         assert after <= 3 * alone, (after, alone)
         print(f"\nthe real gang: an ordinary request alone {alone:.2f} s, after the extremes {after:.2f} s")
 
-        # Two jobs long enough to overlap (the second then starts on rank 1, if the first did not);
-        # rank 1 dies as the one of seed 666 is submitted: one or both ran on a block of rank 1.
+        # The block chosen for the job of seed 666 loses its lead before it starts: that job and
+        # the other, if the scheduler packed both into that block, are lost and run again.
         lost = [{"like": 0, "size": "32x32", "steps": 20, "seed": 666},
                 {"like": 1, "size": "32x32", "steps": 20, "seed": 3}]
         with concurrent.futures.ThreadPoolExecutor(len(lost)) as pool:
@@ -879,7 +894,7 @@ def test_the_real_gang_serves_a_trained_run(served, tmp_path):
         retries = _metric(text, "knapray_serve_retries_total")
         assert 1 <= lost_jobs <= 2 and retries == lost_jobs, (lost_jobs, retries)
         _until(lambda: _counter(f"{served}/real", "knapray_serve_gang_restarts_total") == 1, timeout=5)
-        print(f"the real gang: {lost_jobs:g} of the two jobs lost with rank 1, submitted again once")
+        print(f"the real gang: {lost_jobs:g} of the two jobs lost with their block's lead, submitted again once")
         for body, (status, _, picture) in zip(lost, again):  # the restarted gang draws what the first one would
             assert _call(f"{served}/real/v1/generate", json.dumps(body).encode(), 240)[2] == picture
         assert _call(f"{served}/real/health")[0] == 200
