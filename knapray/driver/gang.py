@@ -703,26 +703,26 @@ class Gang:
         """Where a submitted job is: ``waiting`` (for its captions or a block), ``running``,
         ``done`` (answered) or ``unknown``."""
         with self._lock:
-            sub = self._subs.get(key)
-            if sub is None:
-                return "unknown"
-            if sub.future.done():
-                return "done"
-            return "running" if sub.state == "running" else "waiting"
+            return self._state_locked(key)
+
+    def _state_locked(self, key: int) -> str:
+        sub = self._subs.get(key)
+        if sub is None:
+            return "unknown"
+        if sub.future.done():
+            return "done"
+        return "running" if sub.state == "running" else "waiting"
 
     def cancel(self, key: int) -> str:
         """Cancel a submitted job: ``dropped`` (it had not started: its result says cancelled),
         ``stopping`` (it runs: its block drops it between two steps), ``done`` or ``unknown``."""
         with self._lock:
-            sub = self._subs.get(key)
-            if sub is None:
-                return "unknown"
-            if sub.future.done():
-                return "done"
+            state = self._state_locked(key)
+            if state in ("unknown", "done"):
+                return state
             self._cancels.append(key)
-            state = "stopping" if sub.state == "running" else "dropped"
         self._wake.set()
-        return state
+        return "stopping" if state == "running" else "dropped"
 
     def add_adapter(self, name: str, run_dir: str, timeout_s: float = 600.0) -> None:
         """Serve LoRA run ``run_dir`` (of the served run's base) as adapter ``name`` from now on,
