@@ -120,7 +120,7 @@ class Fp8Linear(nn.Module):
 
     @classmethod
     def of(cls, linear: nn.Linear) -> "Fp8Linear":
-        """``linear``'s values quantized (a module with real weights: tests, export checks)."""
+        """``linear``'s values quantized (a module with real weights, as the tests build)."""
         layer = cls.like(linear)
         values, scale = quantize_rows(linear.weight)
         with torch.no_grad():
