@@ -54,7 +54,7 @@ class FakeResult:
 
 
 RUN_S = 0.3
-HOLD_S = 3.0
+HOLD_S = 5.0
 SLOW_S = 1.0
 STEP_S = 0.05
 """A step of the stand-in's blocks (a cancelled job leaves between two)."""
@@ -864,8 +864,9 @@ def test_the_real_gang_serves_a_trained_run(served, tmp_path):
         assert answers[3][0] == 400 and _error(answers[3][2]).startswith("size: 30x32"), answers[3]
         assert _call(f"{served}/real/health")[0] == 200
 
-        # The issue's extremes: 10^5 steps (not waited for) and 10^9 are refused at once; an
-        # ordinary request after them answers as fast as alone.
+        # The issue's extremes: 10^5 steps (not waited for) and 10^9 are refused at once and never
+        # reach the gang (nothing queued, no answer counted), so an ordinary request after them has
+        # nothing ahead of it. (The times are printed, not asserted: this machine's load varies.)
         ordinary = json.dumps({"like": 1, "size": "32x32", "steps": 2, "seed": 9}).encode()
 
         def timed() -> float:
@@ -873,13 +874,19 @@ def test_the_real_gang_serves_a_trained_run(served, tmp_path):
             assert _call(f"{served}/real/v1/generate", ordinary, 240)[0] == 200
             return time.monotonic() - t
 
+        def answered() -> float:
+            return _metric(_call(f"{served}/real/metrics")[2].decode(), "knapray_serve_latency_seconds_count")
+
         alone = timed()
+        before = answered()
         for steps in (100_000, 10**9):
             status, _, body = _call(f"{served}/real/v1/generate", json.dumps(
                 {"like": 0, "size": "32x32", "steps": steps, "wait": steps < 10**9}).encode())
             assert status == 400 and _error(body).startswith(f"steps: {steps}; an integer in [1, 100]"), body
+            assert _queue(f"{served}/real") == 0
+        assert answered() == before
         after = timed()
-        assert after <= 3 * alone, (after, alone)
+        assert answered() == before + 1
         print(f"\nthe real gang: an ordinary request alone {alone:.2f} s, after the extremes {after:.2f} s")
 
         # The block chosen for the job of seed 666 loses its lead before it starts: that job and
