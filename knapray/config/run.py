@@ -339,6 +339,10 @@ class MetricsSection:
     """``metrics:`` Where the step metrics go, how often, and which steps are profiled."""
 
     log_every: int = field(default=1, metadata={"ge": 1, "le": MAX_STEPS})
+    """Read the step numbers every this many steps (and before a checkpoint, at an epoch's
+    end): the losses, timings and non-finite flags of the steps since, in one collective,
+    then every one of them gets its ``metrics.jsonl`` row, the ledger its samples, Ray one
+    report and the log one line. Between two reads the host never waits for the device."""
     tensorboard: str = field(default="auto", metadata={"choices": ("auto", "on", "off")})
     """TensorBoard event files in the run directory (``tensorboard/``): ``auto`` writes them
     when the tensorboard package is installed (a knapray dependency) and warns once where it

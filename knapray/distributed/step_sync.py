@@ -5,7 +5,9 @@ Two kinds of traffic, on two explicitly chosen groups:
 
 - numbers (token counts, the loss, per-rank seconds) travel as ONE float64 tensor on the
   training device through ``group`` (the default group unless told otherwise), so a
-  NCCL-only process group (what Ray Train gives GPU workers) works;
+  NCCL-only process group (what Ray Train gives GPU workers) works; numbers the host has
+  (a step's token counts, whether its plan arrived) travel the same way on ``meta_group``
+  (``host=True``), so agreeing on them never waits for the device;
 - Python objects (lengths for a local plan, the topology rank 0 chose) travel through
   ``meta_group``, a gloo group created for it by ``StepSync.build``: object collectives
   pickle on the CPU, and a NCCL group would need a device round trip for each.
@@ -66,37 +68,51 @@ class StepSync:
         self,
         summed: Mapping[str, Number] | None = None,
         per_rank: Mapping[str, Number] | None = None,
+        *,
+        host: bool = False,
     ) -> tuple[dict[str, float], dict[str, list[float]]]:
         """One all-reduce: ``summed`` values added over ranks, ``per_rank`` values gathered
         (one entry per rank, in rank order). Scalars may be device tensors (no host sync
         before the collective); results come back as Python floats (one host sync).
+        ``host``: every value is host data (Python numbers), reduced on the gloo
+        ``meta_group`` with no device work at all.
 
         Every rank must pass the same names in the same order.
         """
         summed, per_rank = dict(summed or {}), dict(per_rank or {})
         n_sum, w = len(summed), self.world_size
-        parts: list[torch.Tensor] = [self._scalar(v) for v in summed.values()]
+        device, group = (torch.device("cpu"), self.meta_group) if host else (self.device, self.group)
+        if host and any(isinstance(v, torch.Tensor) for v in (*summed.values(), *per_rank.values())):
+            raise TypeError("sum_over_ranks(host=True) takes host numbers, not tensors")
+        parts: list[torch.Tensor] = [self._scalar(v, device) for v in summed.values()]
         for value in per_rank.values():
             # (W,) zeros with this rank's value in its slot: the sum is the gather
-            slot = torch.zeros(w, dtype=torch.float64, device=self.device)
-            slot[self.rank] = self._scalar(value)
+            slot = torch.zeros(w, dtype=torch.float64, device=device)
+            slot[self.rank] = self._scalar(value, device)
             parts.append(slot)
         if not parts:
             return {}, {}
         flat = torch.cat([p.reshape(-1) for p in parts])  # (n_sum + W * n_per_rank,)
-        if self.group is not None:  # also a world of one: the path a GPU check exercises
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-        values = flat.cpu().tolist()
+        if group is not None:  # also a world of one: the path a GPU check exercises
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        values = flat.tolist() if host else flat.cpu().tolist()
         sums = dict(zip(summed, values[:n_sum]))
         gathered = {name: values[n_sum + i * w : n_sum + (i + 1) * w] for i, name in enumerate(per_rank)}
         return sums, gathered
 
-    def _scalar(self, value: Number) -> torch.Tensor:
+    def sum_on_device(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` (a device tensor) summed over ranks in place, left on the device: no
+        host sync (what gates the optimizer step reads it there)."""
+        if self.group is not None:
+            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.group)
+        return value
+
+    def _scalar(self, value: Number, device: torch.device) -> torch.Tensor:
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:
                 raise ValueError(f"sum_over_ranks takes scalars, got a tensor of shape {tuple(value.shape)}")
-            return value.detach().reshape(1).to(device=self.device, dtype=torch.float64)
-        return torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+            return value.detach().reshape(1).to(device=device, dtype=torch.float64)
+        return torch.tensor([float(value)], dtype=torch.float64, device=device)
 
     # ---- Python objects, on the gloo group ------------------------------------------
 

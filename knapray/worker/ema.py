@@ -51,11 +51,24 @@ class EMA:
         return [params[name] for name in self.shadow]
 
     @torch.no_grad()
-    def update(self, model: torch.nn.Module) -> None:
-        """Move the shadow toward the model's current weights (after the optimizer step)."""
+    def update(self, model: torch.nn.Module, skipped: torch.Tensor | None = None) -> None:
+        """Move the shadow toward the model's current weights (after the optimizer step).
+        ``skipped``: a 0-d device float, 1 where that optimizer step was not applied (its
+        gradients not finite): the shadow is then left as it was, decided on the device
+        (the count is taken back with ``uncount`` once the host reads the flag)."""
         weights = [p.detach().float() for p in self._params(model)]  # fp32 params: no copy
-        torch._foreach_lerp_(list(self.shadow.values()), weights, 1.0 - self.current_decay())
+        shadow = list(self.shadow.values())
+        if skipped is None:
+            torch._foreach_lerp_(shadow, weights, 1.0 - self.current_decay())
+        else:  # the weight a device tensor, (1-d)·(1-skipped); on the local shards (the same placements)
+            local = [_local(t) for t in shadow]
+            weight = (1.0 - self.current_decay()) * (1.0 - skipped.to(local[0].device, torch.float32))
+            torch._foreach_lerp_(local, [_local(w) for w in weights], [weight] * len(local))
         self.num_updates += 1
+
+    def uncount(self, updates: int) -> None:
+        """Take back ``updates`` counted by ``update`` whose step was skipped on the device."""
+        self.num_updates -= updates
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """{parameter name: fp32 shadow (the live tensor, DTensor under FSDP2), NUM_UPDATES:
@@ -111,3 +124,10 @@ def build_ema(model: torch.nn.Module, cfg: OptimSection) -> EMA | None:
     """The EMA ``cfg`` asks for (``ema_decay``, ``ema_warmup``), None when ema_decay is 0.
     Build it after the model is sharded and before a checkpoint is loaded into it."""
     return EMA(model, cfg.ema_decay, warmup=cfg.ema_warmup) if cfg.ema_decay > 0 else None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a plain tensor as it is)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t

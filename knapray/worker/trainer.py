@@ -7,14 +7,19 @@ newest checkpoint, topology, process groups, step planner, bad-data guard);
 
 1. take this step's samples (``StepStream``) and fetch its plan (``StepPlanner``: the
    coordinator's, prefetched a step ahead, if it answered);
-2. one small all-reduce on the training device agrees on the step's image tokens,
-   whether every rank has the plan, whether any rank's step failed on the coordinator
-   (then every rank raises ``StepFailed``), and the bad-data counts (``BadDataGuard``);
+2. one small all-reduce of host numbers on the gloo group agrees on the step's image
+   tokens, whether every rank has the plan, whether any rank's step failed on the
+   coordinator (then every rank raises ``StepFailed``), and the bad-data counts
+   (``BadDataGuard``);
 3. if any rank lacks the plan, every rank plans locally from an all-gather of lengths;
 4. balanced forward + backward (``balanced_forward``) under the run's precision,
-   gradients summed over ranks, clip, optimizer step;
-5. one all-reduce gathers the loss and every rank's compute/communication seconds;
-   rank 0 writes the step's metrics and the step goes into the ledger;
+   gradients summed over ranks, clip, optimizer step: whether the loss and the gradients
+   were finite is summed over ranks on the device and gates the update there (the fused
+   optimizer's ``found_inf``), so the step never waits for the device;
+5. every ``metrics.log_every`` steps (and before a checkpoint, at an epoch's and the run's
+   end) one all-reduce reads the steps since the last read: their losses, every rank's
+   compute/communication seconds; rank 0 writes their metrics rows, their samples go
+   into the ledger, Ray gets one report;
 6. every ``checkpoint.every`` steps, and at the end of the run, a checkpoint
    (``Checkpointer``: DCP, atomic, resumable at another world size).
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from dataclasses import dataclass
 import math
 import os
 import time
@@ -172,8 +178,7 @@ class Trainer:
         self._prefetched: tuple | None = None
         """(stream, step, next metadata, host batch): the next step, read while the device
         computed the last one."""
-        self.pending: list[tuple[int, int, Planned, StepMeta]] = []
-        """Those micro-steps, to enter the ledger once their optimizer step is done."""
+        self._unread_state()
 
         self.ledger.open(latest)  # without a coordinator, rank 0's journal
         self.topology = self._choose_topology()
@@ -195,6 +200,21 @@ class Trainer:
                         f"{self.topology} is the base it also tries")
 
     # ---- set-up pieces ------------------------------------------------------------------
+
+    def _unread_state(self) -> None:
+        """What the steps between two reads (``_read``) leave for it."""
+        self.pending: list[_Unread] = []
+        """The micro-steps accumulated, to enter the ledger once their optimizer step is done."""
+        self.unread: list[_Unread] = []
+        """Steps trained whose numbers the host has not read yet."""
+        self.applied: list[tuple[list[_Unread], torch.Tensor]] = []
+        """Optimizer steps done since the last read: their micro-steps, and the device flag
+        (> 0: not applied, its loss or gradients were not finite) that gated them."""
+        self.group_bad = torch.zeros((), device=self.device)
+        """Micro-steps accumulated so far whose loss was not finite on this rank (device)."""
+        self.device_skip = _fused(self.optimizer)
+        """The optimizer skips a non-finite update itself (fused: ``found_inf``); else the
+        host reads the flag first (a CPU, where that costs nothing, or a non-fused GPU run)."""
 
     def _join_world(self) -> list:
         """Every process group, created in one order on every rank (``ParallelDims``): the
@@ -251,8 +271,6 @@ class Trainer:
         self.step, self.epoch, self.resumed_from = 0, 0, None
         self.out_of_data = False
         """An epoch trained no step (``data.epochs: 0`` stops there rather than loop on empty epochs)."""
-        self.group_finite = True
-        """Every loss of the micro-steps accumulated so far was finite (each step's gather says)."""
         self.nonfinite_run: list[list[int]] = []
         """The steps of each of the last optimizer steps in a row not applied (non-finite)."""
         self.last_saved: int | None = None
@@ -349,6 +367,16 @@ class Trainer:
         # all): a long run's summary stays small, and nothing grows with its length here.
         records: collections.deque[dict] = collections.deque(maxlen=RECORDS_RETURNED)
         topologies: dict[str, int] = {}
+
+        def keep(read: list[dict]) -> None:  # step records as they are read
+            if read and not self.startup.written and self.rank == 0:
+                self.startup.mark("first_step")
+                self.startup.write(self.run_dir, step=read[0]["step"], world_size=self.world,
+                                   node_sizes=list(self.node_sizes), topology=read[0]["topology"])
+            for rec in read:
+                records.append(rec)
+                topologies[rec["topology"]] = topologies.get(rec["topology"], 0) + 1
+
         while self._epochs_left() and not self._at_max_steps():
             first_step = self.step
             # What the epoch trained already (a resumed epoch's ledger rows, the rows the
@@ -364,13 +392,10 @@ class Trainer:
             self.planner.begin_epoch(self.step, self.epoch, stream.peek_next())
             while not self._at_max_steps():
                 with self.profiler.step(self.step):
-                    rec = self.train_step(stream)
-                if rec is not None and not self.startup.written and self.rank == 0:
-                    self.startup.mark("first_step")
-                    self.startup.write(self.run_dir, step=rec["step"], world_size=self.world,
-                                       node_sizes=list(self.node_sizes), topology=rec["topology"])
-                if rec is None:  # the epoch is over for every rank
+                    read = self.train_step(stream)
+                if read is None:  # the epoch is over for every rank
                     self._apply_gradients()  # an accumulation group the epoch cut short
+                    keep(self._read())
                     # The end step trained nothing: the next epoch's first step takes its
                     # number (steps count trained steps; the coordinator tells them apart
                     # by epoch).
@@ -381,12 +406,12 @@ class Trainer:
                                        "run.max_steps=%d (data.epochs=0)", self.epoch - 1, cfg.run.max_steps)
                         self.out_of_data = True
                     break
-                records.append(rec)
-                topologies[rec["topology"]] = topologies.get(rec["topology"], 0) + 1
+                keep(read)
                 self.step += 1
                 if self.micro_steps == 0 and self.validator.due(self.step - 1):  # at an optimizer step
                     self.validator.run(self.step - 1, self.model, self.ema, self.sinks)
         self._apply_gradients()
+        keep(self._read())
         last = self.step - 1 if self.step > 0 else None
         if last is not None and self.validator.enabled and self.validator.last_step != last:
             self.validator.run(last, self.model, self.ema, self.sinks)  # the run's last weights too
@@ -412,21 +437,24 @@ class Trainer:
         epochs = self.cfg.data.epochs
         return self.epoch < epochs if epochs else not self.out_of_data
 
-    def train_step(self, stream: StepStream) -> dict | None:
-        """One step; None (on every rank together) when the epoch is over."""
+    def train_step(self, stream: StepStream) -> list[dict] | None:
+        """One step; None (on every rank together) when the epoch is over, else the records
+        of the steps read at this one (``_read``: none between two reads)."""
         cfg, rank, step = self.cfg, self.rank, self.step
         t_step = time.perf_counter()
         current, nxt, host_batch = self._take_batch(stream)
         fetched = self.planner.fetch(step, current.meta, nxt)
         batch = host_batch.to(self.device)
         # Every sequence's text-token count rides along (one slot per sample a rank may hold):
-        # with the plan it tells every rank, on the host, which routed tokens are text.
+        # with the plan it tells every rank, on the host, which routed tokens are text. All
+        # host numbers, agreed on the gloo group: nothing here waits for the device.
         text = host_batch.text_tokens_per_sequence()
         agree, text_slots = self.sync.sum_over_ranks(summed={
-            "img_tokens": batch.x_img.shape[0], "have_plan": fetched.have_plan,
+            "img_tokens": host_batch.x_img.shape[0], "tokens": int(host_batch.seq_lens.sum()),
+            "have_plan": fetched.have_plan,
             "plan_failed": fetched.error is not None, **self.guard.step_counts(stream.stats),
         }, per_rank={f"text_tokens.{i}": int(text[i]) if i < text.size else 0
-                     for i in range(self.samples_per_step)})
+                     for i in range(self.samples_per_step)}, host=True)
         if agree["plan_failed"]:
             self.planner.raise_failed(step, fetched)  # on every rank, with the same message
         self.guard.check(agree, step)
@@ -445,71 +473,103 @@ class Trainer:
                               bag_group=bag_group, route_group=route_group, cross_pad=cross_text_pad(self.cfg.model))
 
         # ---- compute ----
-        with StepTimer(self.device) as timer:
+        timer = StepTimer(self.device)
+        with timer:
             with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.autocast):
                 out = balanced_forward(self.model, batch, run_plan, rank, bag_group=bag_group,
                                        route_group=route_group, layout=layout)
                 loss = flow_loss(out, batch.targets, global_img)
             loss.backward()
-        lr = self.schedule.get_last_lr()[0]  # what this step trains with
-        self.micro_steps += 1
-        self.pending.append((step, self.epoch, planned, current.meta))
-        boundary = self.micro_steps == self.accum
-        # At an accumulation boundary the gradients are summed over ranks now, and whether
-        # any holds a NaN or an inf goes into the step's one gather below: the optimizer
-        # step waits for that answer (a non-finite update is never applied).
-        bad_grads = self._reduce_gradients() if boundary else 0.0
-        # The step's kernels are queued: the host decodes and packs the next step's batch
-        # while the device computes, then waits for the step's own kernels (once) and
-        # gathers the step's numbers in one collective.
-        self._prefetched = (stream, *self._read_batch(stream))
-        took = timer.result()
         # The loss of predicting zero velocity on the same batch: the loss over it is 1.0
         # at initialization (adaLN-zero) and falls as the model learns, free of the
         # step-to-step variance of the data and the timesteps.
         zero_loss = flow_loss(torch.zeros_like(batch.targets), batch.targets, global_img)
-        totals, per_rank = self.sync.sum_over_ranks(
-            summed={"loss": loss.detach(), "zero_loss": zero_loss, "tokens": int(batch.seq_lens.sum()),
-                    "nonfinite_grads": bad_grads},
-            per_rank={"compute_s": took.compute_s, "comm_s": took.comm_s},
-        )
-        nonfinite = not math.isfinite(totals["loss"]) or totals["nonfinite_grads"] != 0
-        self.group_finite = self.group_finite and not nonfinite
-        if boundary:
-            self._apply_gradients(finite=self.group_finite)
-        if self.client is not None:
-            self.client.report_timing_async(step, took.compute_s, took.comm_s, planned.wait_s)
-        self.planner.observe(step, run_plan, per_rank["compute_s"])
-        rec = StepRecord(
-            step=step, loss=totals["loss"], loss_rel=totals["loss"] / max(totals["zero_loss"], 1e-30),
-            tokens=int(totals["tokens"]), seconds=time.perf_counter() - t_step, imbalance=run_plan.imbalance,
-            baseline_imbalance=run_plan.baseline_imbalance, compute_s=per_rank["compute_s"],
-            comm_s=per_rank["comm_s"], wait_plan_s=planned.wait_s, planned_by=planned.planned_by,
-            rank_work=run_plan.rank_work.tolist(), baseline_rank_work=run_plan.baseline_rank_work.tolist(),
-            topology=str(planned.plan.topology), flops=model_flops(run_plan.seq_lens.tolist(), cfg.model), clock=took.clock,
+        loss = loss.detach()
+        self.group_bad = self.group_bad + (~torch.isfinite(loss)).to(self.group_bad.dtype)
+        self.micro_steps += 1
+        entry = _Unread(
+            step=step, epoch=self.epoch, planned=planned, meta=current.meta, plan=run_plan, timer=timer,
+            numbers=torch.stack([loss.float(), zero_loss.detach().float()]), tokens=int(agree["tokens"]),
+            lr=self.schedule.get_last_lr()[0],  # what this step trains with
+            attention=_attention_fields(layout.attention.choice), recompiles=self.parallel.recompiles,
             peak_mem_gib=torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None,
-            epoch=self.epoch, lr=lr, peak_tflops=self.peak_tflops,
-            predicted_compute_s=self._predicted_compute(run_plan), recompiles=self.parallel.recompiles,
-            node_sizes=list(self.node_sizes), **_attention_fields(layout.attention.choice),
-        ).to_json()
-        if nonfinite:
-            rec["nonfinite"] = True  # its loss or its group's gradients: not applied, its samples quarantined
-        if self.metrics is not None:
-            self.metrics.append(rec)
-            self.sinks.log(step, scalars_of(rec))
-            if step % cfg.metrics.log_every == 0:
-                err = rec["prediction_error"]
-                logger.info(
-                    "step %d loss %.4f (rel %.3f) tokens/s %.0f imbalance %.2f->%.3f compute max/mean %.2f wait %.1f%%%s%s",
-                    step, rec["loss"], rec["loss_rel"], rec["tokens_per_s"], rec["baseline_imbalance_planned"],
-                    rec["imbalance_planned"], rec["compute_max_over_mean"], 100 * rec["wait_plan_frac"],
-                    "" if err is None else f" predicted compute off {err:.1%}",
-                    "" if self.per_step_node is None else f" topology {rec['topology']}",
-                )
-        if self.checkpointer.should_save(step, boundary=not self.micro_steps):
+        )
+        self.pending.append(entry)
+        self.unread.append(entry)
+        if self.micro_steps == self.accum:  # an accumulation boundary: the optimizer step
+            self._apply_gradients()
+        # The step's kernels are queued: the host decodes and packs the next step's batch
+        # while the device computes.
+        self._prefetched = (stream, *self._read_batch(stream))
+        entry.started = t_step
+        saving = self.checkpointer.should_save(step, boundary=not self.micro_steps)
+        read = self._read() if saving or step % cfg.metrics.log_every == 0 or (
+            cfg.run.max_steps and step + 1 >= cfg.run.max_steps) else []
+        if saving:
             self._save(step)
-        self.ctx.report({"step": step, **scalars_of(rec)})  # every rank: Ray's report is a barrier
-        return rec
+        return read
+
+    def _read(self) -> list[dict]:
+        """Read the numbers of the steps trained since the last read, in one collective
+        (waiting for the device once): write their metrics rows, commit the optimizer steps
+        done since (the ledger; a non-finite one's samples quarantined) and report to Ray.
+        Every rank calls it at the same steps. Returns the steps' records."""
+        cfg, entries, groups = self.cfg, self.unread, self.applied
+        if not entries and not groups:
+            return []
+        self.unread, self.applied = [], []
+        took = [e.timer.result() for e in entries]
+        summed: dict = {}
+        for i, e in enumerate(entries):
+            summed[f"loss.{i}"], summed[f"zero_loss.{i}"] = e.numbers[0], e.numbers[1]
+        for j, (_, bad) in enumerate(groups):
+            summed[f"bad.{j}"] = bad  # already summed over ranks: > 0 is what counts
+        per_rank = {}
+        for i, t in enumerate(took):
+            per_rank[f"compute_s.{i}"], per_rank[f"comm_s.{i}"] = t.compute_s, t.comm_s
+        totals, gathered = self.sync.sum_over_ranks(summed=summed, per_rank=per_rank)
+        # The steps' wall time: from the first one's start to now (the device's work on them
+        # done), shared evenly (with log_every 1, each step's own, its read included).
+        seconds = (time.perf_counter() - entries[0].started) / len(entries) if entries else 0.0
+        last_of_bad = {members[-1].step for j, (members, _) in enumerate(groups) if totals[f"bad.{j}"] > 0}
+        records = []
+        for i, (e, t) in enumerate(zip(entries, took)):
+            run_plan, planned = e.plan, e.planned
+            loss, zero = totals[f"loss.{i}"], totals[f"zero_loss.{i}"]
+            compute_s = gathered[f"compute_s.{i}"]
+            if self.client is not None:
+                self.client.report_timing_async(e.step, t.compute_s, t.comm_s, planned.wait_s)
+            self.planner.observe(e.step, run_plan, compute_s)
+            rec = StepRecord(
+                step=e.step, loss=loss, loss_rel=loss / max(zero, 1e-30), tokens=e.tokens, seconds=seconds,
+                imbalance=run_plan.imbalance, baseline_imbalance=run_plan.baseline_imbalance, compute_s=compute_s,
+                comm_s=gathered[f"comm_s.{i}"], wait_plan_s=planned.wait_s, planned_by=planned.planned_by,
+                rank_work=run_plan.rank_work.tolist(), baseline_rank_work=run_plan.baseline_rank_work.tolist(),
+                topology=str(planned.plan.topology), flops=model_flops(run_plan.seq_lens.tolist(), cfg.model),
+                clock=t.clock, peak_mem_gib=e.peak_mem_gib, epoch=e.epoch, lr=e.lr, peak_tflops=self.peak_tflops,
+                predicted_compute_s=self._predicted_compute(run_plan), recompiles=e.recompiles,
+                node_sizes=list(self.node_sizes), **e.attention,
+            ).to_json()
+            if not math.isfinite(loss) or e.step in last_of_bad:
+                rec["nonfinite"] = True  # its loss or its group's gradients: not applied, its samples quarantined
+            records.append(rec)
+            if self.metrics is not None:
+                self.metrics.append(rec)
+                self.sinks.log(e.step, scalars_of(rec))
+                if e.step % cfg.metrics.log_every == 0:
+                    err = rec["prediction_error"]
+                    logger.info(
+                        "step %d loss %.4f (rel %.3f) tokens/s %.0f imbalance %.2f->%.3f compute max/mean %.2f wait %.1f%%%s%s",
+                        e.step, rec["loss"], rec["loss_rel"], rec["tokens_per_s"], rec["baseline_imbalance_planned"],
+                        rec["imbalance_planned"], rec["compute_max_over_mean"], 100 * rec["wait_plan_frac"],
+                        "" if err is None else f" predicted compute off {err:.1%}",
+                        "" if self.per_step_node is None else f" topology {rec['topology']}",
+                    )
+        for j, (members, _) in enumerate(groups):
+            self._commit(members, finite=totals[f"bad.{j}"] == 0)
+        if records:
+            self.ctx.report({"step": records[-1]["step"], **scalars_of(records[-1])})  # a barrier under Ray
+        return records
 
     def _read_batch(self, stream: StepStream) -> tuple[DecodedStep, StepMeta, PackedBatch]:
         """The stream's next step, the metadata of the one after, and the step's packed batch
@@ -541,46 +601,64 @@ class Trainer:
         self.parallel.reduce_gradients(group=self.sync.group)
         return self.parallel.nonfinite_gradients()
 
-    def _apply_gradients(self, finite: bool | None = None) -> None:
+    def _apply_gradients(self) -> None:
         """The optimizer step over the micro-steps accumulated so far: gradients (summed over
         ranks by ``_reduce_gradients``) averaged over the micro-steps, clipped, applied; then
-        the LR schedule, the EMA, and the micro-steps enter the ledger (a step is committed
-        once its update is). ``finite``: whether every micro-step's loss and the gradients
-        were finite, as the last step's gather said; None (a group an epoch or the run cut
-        short) reduces and asks the ranks here. A non-finite group is not applied: its
-        samples are quarantined (``non_finite_loss``) and still committed (they were drawn;
-        a resume must not draw them again), and after ``MAX_NONFINITE_STEPS`` such optimizer
-        steps in a row every rank raises ``NonFiniteSteps``."""
+        the LR schedule and the EMA. Whether every micro-step's loss and the gradients were
+        finite is summed over ranks on the device, and a non-finite group is not applied:
+        the fused optimizer skips it on the device (``found_inf``) and the EMA keeps its
+        shadow, so the host never waits here; another optimizer has the host read the flag
+        first. The group waits for the next ``_read`` to enter the ledger (``_commit``)."""
         n = self.micro_steps
         if not n:
             return
-        if finite is None:
-            bad = self.sync.sum_over_ranks(summed={"nonfinite_grads": self._reduce_gradients()})[0]
-            finite = self.group_finite and bad["nonfinite_grads"] == 0
+        bad = self.sync.sum_on_device(self.group_bad + self._reduce_gradients().to(self.group_bad.device))
         if n > 1:  # each micro-step's loss is a mean over its own tokens: average them
             for p in self.model.parameters():
                 if p.grad is not None:
                     p.grad.div_(n)
-        if finite:
+        skipped = (bad > 0).to(torch.float32)
+        if self.device_skip:
+            if self.cfg.optim.grad_clip > 0:
+                self.parallel.clip_grad_norm_(self.cfg.optim.grad_clip)
+            self.optimizer.found_inf = skipped  # read by the fused kernel: no update, its step count kept
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.found_inf
+            if self.ema is not None:
+                self.ema.update(self.model, skipped=skipped)
+        elif not bool(skipped):  # the host reads the flag: free on a CPU, a sync on a GPU
             if self.cfg.optim.grad_clip > 0:
                 self.parallel.clip_grad_norm_(self.cfg.optim.grad_clip)
             self.optimizer.step()
+            if self.ema is not None:
+                self.ema.update(self.model)
+        elif self.ema is not None:
+            self.ema.num_updates += 1  # taken back by _commit, as the device path's count is
         self.schedule.step()  # a skipped update keeps its place in the schedule (a resume counts steps)
-        if finite and self.ema is not None:
-            self.ema.update(self.model)
         self.optimizer.zero_grad(set_to_none=True)
-        steps = [step for step, *_ in self.pending]
+        self.applied.append((list(self.pending), bad))
+        self.pending.clear()
+        self.micro_steps = 0
+        self.group_bad = torch.zeros((), device=self.device)
+
+    def _commit(self, members: list[_Unread], finite: bool) -> None:
+        """An optimizer step's micro-steps enter the ledger (a step is committed once its
+        update is done: applied, or skipped as non-finite with its samples quarantined; they
+        were drawn, a resume must not draw them again). After ``MAX_NONFINITE_STEPS`` skipped
+        optimizer steps in a row every rank raises ``NonFiniteSteps``."""
+        steps = [e.step for e in members]
         if not finite:
-            for step, _, _, meta in self.pending:
-                self.guard.on_nonfinite(step, meta.sample_ids)
+            if self.ema is not None:
+                self.ema.uncount(1)
+            for e in members:
+                self.guard.on_nonfinite(e.step, e.meta.sample_ids)
             logger.warning("steps %s: the loss or the gradients were not finite: their update was not applied and "
                            "this rank's samples of them were quarantined (%s)", steps, self.guard.path)
         self.nonfinite_run = [] if finite else [*self.nonfinite_run, steps]
-        for step, epoch, planned, meta in self.pending:
-            self.ledger.committed(step, epoch, planned, meta)
-        self.pending.clear()
-        self.micro_steps = 0
-        self.group_finite = True
+        for e in members:
+            self.ledger.committed(e.step, e.epoch, e.planned, e.meta)
         if len(self.nonfinite_run) >= MAX_NONFINITE_STEPS:
             raise NonFiniteSteps(
                 f"the loss or the gradients were not finite at steps "
@@ -630,3 +708,31 @@ class Trainer:
 def _attention_fields(choice) -> dict:
     """The step record's ``attention`` and ``attention_reason`` (none: a step without tokens)."""
     return {} if choice is None else {"attention": choice.backend, "attention_reason": choice.reason}
+
+
+@dataclass(eq=False)
+class _Unread:
+    """A step trained whose numbers wait on the device for the next ``Trainer._read``."""
+
+    step: int
+    epoch: int
+    planned: Planned
+    meta: StepMeta
+    plan: BalancePlan
+    """The plan the step ran (the identity plan when balancing is off)."""
+    timer: StepTimer
+    numbers: torch.Tensor
+    """(loss, zero-velocity loss) of this rank, on the device."""
+    tokens: int
+    lr: float
+    attention: dict
+    recompiles: int
+    peak_mem_gib: float | None
+    started: float = 0.0
+    """``time.perf_counter()`` at the step's start."""
+
+
+def _fused(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every group of ``optimizer`` runs torch's fused kernel (which takes
+    ``found_inf`` and skips a non-finite update on the device)."""
+    return all(g.get("fused") for g in optimizer.param_groups)
