@@ -96,6 +96,11 @@ def summarize(kernels: list[Interval], wall_us: float, steps: int, *, top: int =
 def format_summary(s: dict, top: int | None = None) -> str:
     wall, steps = s["wall_ms"], s["steps"]
     lines = [f"profiled steps: {steps}, wall {wall:.1f} ms ({wall / max(steps, 1):.1f} ms per step)"]
+    if "host_syncs_per_step" in s:
+        first = s.get("first_step", 0)
+        lines.append("host syncs per step: " + ", ".join(
+            f"step {first + i}: {n}" for i, n in enumerate(s["host_syncs_per_step"]))
+            + " (values read back, CUDA waits: 0 expected outside a step that reads, every metrics.log_every)")
     total = s["kernel_ms"]
     if not s["top"]:
         return "\n".join(lines + ["no kernels recorded"])
@@ -111,6 +116,20 @@ def format_summary(s: dict, top: int | None = None) -> str:
         name = k["name"] if len(k["name"]) <= 100 else k["name"][:97] + "..."
         lines.append(f"  {k['ms']:9.2f} ms {k['calls']:6d}x  {100 * k['ms'] / total:5.1f}%  {name}")
     return "\n".join(lines)
+
+
+HOST_SYNCS = ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
+"""Profiler events that are the host waiting for the device: a value read back (``.item()``,
+``.tolist()``, ``bool()`` of a tensor) and the CUDA runtime's waits."""
+
+
+def host_syncs_per_step(prof: torch.profiler.profile) -> list[int]:
+    """For each profiled step (its ``knapray_step`` range, in order), how many ``HOST_SYNCS``
+    events started inside it."""
+    events = prof.events()
+    steps = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == "knapray_step")
+    starts = [e.time_range.start for e in events if e.name in HOST_SYNCS]
+    return [sum(a <= t < b for t in starts) for a, b in steps]
 
 
 def _intervals(prof: torch.profiler.profile, device: str) -> tuple[list[Interval], float]:
@@ -176,6 +195,8 @@ class StepProfiler:
         self.prof.export_chrome_trace(os.path.join(self.dir, f"rank{self.rank}.trace.json"))
         kernels, wall = _intervals(self.prof, self.device)
         numbers = summary(kernels, wall, self.steps, device=self.device)
+        numbers["first_step"] = self.window[0]
+        numbers["host_syncs_per_step"] = host_syncs_per_step(self.prof)
         with open_nofollow(os.path.join(self.dir, f"rank{self.rank}.json"), "w") as f:
             json.dump(numbers, f)
         path = os.path.join(self.dir, f"rank{self.rank}.txt")

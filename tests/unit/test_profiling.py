@@ -3,6 +3,8 @@ on CPU (the GPU numbers are in docs/gpu.md, from the GPU check's machine)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -62,6 +64,22 @@ def test_profiler_writes_a_trace_and_a_summary_for_its_window_only(tmp_path):
     assert text.startswith("profiled steps: 2,")
     assert "matmul" in text and "aten::mm" in text
     assert (tmp_path / "profile" / "rank0.trace.json").stat().st_size > 0
+
+
+def test_profile_counts_the_host_syncs_of_each_step(tmp_path):
+    """A step that reads a value back (``.item()``) counts it; one that does not counts 0."""
+    prof = StepProfiler(str(tmp_path), 0, (1, 4), torch.device("cpu"))
+    w = torch.randn(16, 16, requires_grad=True)
+    for step in range(5):
+        with prof.step(step):
+            loss = (torch.randn(8, 16) @ w).square().sum()
+            loss.backward()
+            if step == 2:
+                loss.item(), bool(loss > 0)
+    prof.close()
+    numbers = json.loads((tmp_path / "profile" / "rank0.json").read_text())
+    assert numbers["host_syncs_per_step"] == [0, 2, 0] and numbers["first_step"] == 1
+    assert "host syncs per step: step 1: 0, step 2: 2, step 3: 0" in (tmp_path / "profile" / "rank0.txt").read_text()
 
 
 def test_profiler_off_profiles_nothing(tmp_path):
