@@ -239,3 +239,25 @@ def test_ulysses_attention_records_its_choice() -> None:
     fixed = UlyssesAttention(plan, 0, None, backend="sdpa")
     fixed(q, q, q)
     assert fixed.choice.reason == "set by the caller"
+
+
+def test_the_gpu_extra_brings_fa4_where_it_has_wheels_and_nothing_elsewhere():
+    """``pip install -e '.[gpu]'``: flash-attn-4 (the package of ``FLASH_IMPLS['FA4']``'s
+    module) on Linux x86_64/aarch64, where nvidia-cutlass-dsl has wheels; nothing to build
+    anywhere (FA2's source build is the separate ``fa2`` extra)."""
+    import pathlib
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    from knapray.attention import FLASH_IMPLS
+
+    extras = tomllib.loads((pathlib.Path(__file__).parents[2] / "pyproject.toml").read_text())[
+        "project"]["optional-dependencies"]
+    (gpu,) = (Requirement(r) for r in extras["gpu"])
+    assert gpu.name == "flash-attn-4" and FLASH_IMPLS["FA4"][0].startswith("flash_attn.cute")
+    assert gpu.specifier.contains("4.0.0b36", prereleases=True)
+    linux = {"sys_platform": "linux", "platform_machine": "x86_64"}
+    assert gpu.marker.evaluate(linux) and gpu.marker.evaluate({**linux, "platform_machine": "aarch64"})
+    assert not gpu.marker.evaluate({"sys_platform": "darwin", "platform_machine": "arm64"})
+    assert [Requirement(r).name for r in extras["fa2"]] == ["flash-attn"]
