@@ -179,7 +179,9 @@ def run(args: argparse.Namespace) -> int:
           "cuda): " + ("OK" if not w.device_violations else "; ".join(w.device_violations)))
     dtype_lines = found.dtype_violations
     print(f"  dtype: q, k, v and every matmul in {str(setup.dtype)[6:]} ({step.watch.attention_calls} attention "
-          f"calls, {step.watch.matmuls} matmuls in the measured step): " + ("OK" if not dtype_lines else "; ".join(dtype_lines)))
+          f"calls, {step.watch.matmuls} matmuls in the measured step"
+          + (f"; {step.watch.float8_matmuls} float8 matmuls beside them, parallel.fp8" if step.watch.float8_matmuls
+             else "") + "): " + ("OK" if not dtype_lines else "; ".join(dtype_lines)))
     print(f"  host syncs in the timed region (forward + backward): {len(found.syncs)}"
           + "".join(f"\n    {s}" for s in found.syncs))
     failures = found.failures

@@ -12,6 +12,7 @@ from knapray.planning.checkpointing import AC_MODES, checkpointed_blocks
 FSDP_MODES = ("none", "full", "hybrid")
 PRECISIONS = ("auto", "bf16", "fp32")
 COMPILE_BACKENDS = ("inductor", "aot_eager")
+FP8_SCALINGS = ("tensorwise", "rowwise")
 
 
 def sharding_of(fsdp: str, world_size: int | None) -> str:
@@ -52,16 +53,28 @@ class ParallelConfig:
     """torch.compile's backend: ``inductor`` (generated kernels: what a run wants) or
     ``aot_eager`` (no code generation: compiles fast, for tests and for telling a compiler
     problem from a model one)."""
+    fp8: bool = False
+    """Run the linear layers of the transformer blocks (not their modulation, not the
+    embedders or the final layer) as float8 matmuls, forward and backward (torchao's float8
+    training, ``pip install -e '.[fp8]'``; ``knapray.worker.float8``). Needs bf16 precision;
+    not with LoRA (a LoRA base is held in float8 by ``model.lora.base_dtype: fp8``)."""
+    fp8_scaling: str = dataclasses.field(default="tensorwise", metadata={"choices": FP8_SCALINGS})
+    """``tensorwise`` (one scale per tensor; under FSDP the weights are gathered in float8)
+    or ``rowwise`` (a scale per row of each operand: closer to bf16, gathered in bf16)."""
 
     def __post_init__(self) -> None:
         for name, valid in (("precision", PRECISIONS), ("fsdp", FSDP_MODES), ("activation_checkpointing", AC_MODES),
-                            ("compile_backend", COMPILE_BACKENDS)):
+                            ("compile_backend", COMPILE_BACKENDS), ("fp8_scaling", FP8_SCALINGS)):
             if getattr(self, name) not in valid:
                 raise ValueError(f"{name} must be one of {list(valid)}, got {getattr(self, name)!r}")
         if not isinstance(self.ac_every, int) or isinstance(self.ac_every, bool) or self.ac_every < 1:
             raise ValueError(f"ac_every must be an int >= 1, got {self.ac_every!r}")
-        if not isinstance(self.compile, bool):
-            raise ValueError(f"compile must be a bool, got {self.compile!r}")
+        for name in ("compile", "fp8"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.fp8 and self.precision == "fp32":
+            raise ValueError("fp8 computes the block matmuls in float8 beside bf16: parallel.precision must be bf16 "
+                             "(or auto on GPUs), got fp32")
 
     def for_world(self, world_size: int | None) -> "ParallelConfig":
         """What a world of ``world_size`` ranks applies: one rank shards nothing, FSDP there

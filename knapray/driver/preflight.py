@@ -240,6 +240,7 @@ def check(cfg: TrainConfig, worlds: Iterable[int], *, corpus: CorpusCheck | None
     check_model_size(cfg)
     check_pretrained(cfg)
     check_lora(cfg)
+    check_fp8(cfg)
     if corpus is None:
         corpus = check_corpus(cfg, schema)
     try:
@@ -336,6 +337,34 @@ def check_lora(cfg: TrainConfig) -> None:
             build_model(cfg.model)
     except ValueError as e:
         raise RunError(str(e)) from None
+
+
+def check_fp8(cfg: TrainConfig) -> None:
+    """``parallel.fp8``: bf16 compute (``auto`` is fp32 on a CPU run), no LoRA, torchao
+    importable, and at least one block layer it can run in float8."""
+    par = cfg.parallel
+    if not par.fp8:
+        return
+    if par.precision == "fp32" or (par.precision == "auto" and not cfg.scaling.use_gpu):
+        raise RunError(f"parallel.fp8 computes beside bf16: parallel.precision={par.precision} is fp32 on this run "
+                       "(scaling.use_gpu=false); set parallel.precision=bf16")
+    if cfg.model.lora.enabled:
+        raise RunError("parallel.fp8 trains every block weight in float8; a LoRA run trains adapters only: hold its "
+                       "frozen base in float8 with model.lora.base_dtype=fp8 instead")
+    from knapray.worker.float8 import check_available, float8_layers
+
+    missing = check_available()
+    if missing:
+        raise RunError(missing)
+    import torch
+
+    from knapray.models.families import build_model
+
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    if not float8_layers(model):
+        raise RunError(f"parallel.fp8: no block linear layer of this {cfg.model.family} has both sizes a multiple "
+                       "of 16 (model.hidden_size and the MLP width); nothing would run in float8")
 
 
 def check_corpus(cfg: TrainConfig, schema: _SchemaReader | None = None) -> CorpusCheck:

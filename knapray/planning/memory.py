@@ -121,6 +121,11 @@ SHARDING = ("none", "full", "hybrid")
 CHECKPOINTING = AC_MODES
 PRECISIONS = ("bf16", "fp32")
 ATTENTION = ("kernel", "reference")
+FP8_MODES = ("off", "tensorwise", "rowwise")
+FP8_WORKING_BYTES = 3
+"""``parallel.fp8``'s backward working set, bytes per token and unit of 2d + m (the float8
+copies of a linear's input and output gradient, each with its transpose, at the widest
+linear: in d + m, out d): fitted to ``knapray dryrun`` of flux_cluster.yaml at 64 ranks."""
 
 TIME_EMBED_DIM = 256
 """Width of the timestep features (``knapray.models.layers.TIME_EMBED_DIM``; a test checks
@@ -240,6 +245,17 @@ class ModelShape:
             norms = 4 * d + (2 * d if self.cross_norm else 0) + 6 * d
             return lin, norms, 2 * 10 + 4 + (2 if self.cross_norm else 0) + 1
         return self._count([(d, 3 * d), (d, 3 * d + m), (d + m, d)], 2)
+
+    @property
+    def float8_weights(self) -> tuple[int, int]:
+        """(double block, single block) weights ``parallel.fp8`` runs in float8 (the rule of
+        ``knapray.worker.float8``: block linears over image or all tokens, no modulation, no
+        text-only layer): the image stream's q/k/v, projection and MLP; a single block's two
+        linears; Wan's self-attention, cross-attention query and output, and its FFN."""
+        d, m = self.hidden_size, self.mlp_hidden
+        if self.cross_attention:
+            return 0, 6 * d * d + 2 * d * m
+        return 4 * d * d + 2 * d * m, d * (3 * d + m) + (d + m) * d
 
     @property
     def root(self) -> tuple[int, int, int]:
@@ -437,6 +453,11 @@ class MemoryModel:
     (``knapray.models.families.adapter_counts``). Gradients and AdamW state are theirs alone; the
     frozen base's linear layers are held in the compute dtype (``hold_base_in``), the rest
     of it in fp32, sharded like the rest."""
+    fp8: str = "off"
+    """``parallel.fp8`` (its ``fp8_scaling``, or ``off``): the float8 copies of each float8
+    matmul's operands and their transposes in the backward's working set
+    (``FP8_WORKING_BYTES`` per token and unit of 2d + m); with ``tensorwise`` under FSDP the
+    float8 layers' weights gathered in 1 byte (``ModelShape.float8_weights``)."""
     fp8_base: bool = False
     """``model.lora.base_dtype: fp8``: the frozen base's block linears held in float8, 1 byte
     a weight plus a 4-byte scale per output row (``knapray.models.fp8``); its embedders and
@@ -447,7 +468,7 @@ class MemoryModel:
             object.__setattr__(self, "shape", ModelShape.of(self.shape))
         for name, valid in (
             ("sharding", SHARDING), ("checkpointing", CHECKPOINTING), ("precision", PRECISIONS),
-            ("attention", ATTENTION),
+            ("attention", ATTENTION), ("fp8", FP8_MODES),
         ):
             if getattr(self, name) not in valid:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}; valid: {', '.join(valid)}")
@@ -511,12 +532,16 @@ class MemoryModel:
             # a block's backward: the FFN's and, for each of its two attentions, the gradients
             # of q, k, v and the output (knapray dryrun on Wan 2.1 14B's width: 11 d in all)
             working = image * (3 * d + s.mlp_hidden + 8 * d) * b
+            if self.fp8 != "off":
+                working += image * FP8_WORKING_BYTES * (2 * d + s.mlp_hidden)
             return kept + outside + sequences * s.sequence_bytes(b), recompute, working
         per_block = s.block_bytes(b, self.attention)
         kept = sum(d * b + keep if c else a for a, c in zip(per_block, ckpt))
         saved = tokens * kept + outside + sequences * s.sequence_bytes(b)
         recompute = tokens * max((a - keep for a, c in zip(per_block, ckpt) if c), default=0)
         working = tokens * (d + s.mlp_hidden + 2 * d) * b
+        if self.fp8 != "off":
+            working += tokens * FP8_WORKING_BYTES * (2 * d + s.mlp_hidden)
         return saved, recompute, working
 
     def _autocast_bytes(self) -> int:
@@ -544,11 +569,15 @@ class MemoryModel:
         largest = max(
             sum(s.double_block[:2]) if s.depth_double else 0, sum(s.single_block[:2]) if s.depth_single else 0
         )
+        gathered = p * largest  # a gathered block's bytes
+        if self.fp8 == "tensorwise":  # its float8 layers' weights gathered in 1 byte
+            gathered = max(p * sum(s.double_block[:2]) - (p - 1) * s.float8_weights[0] if s.depth_double else 0,
+                           p * sum(s.single_block[:2]) - (p - 1) * s.float8_weights[1] if s.depth_single else 0)
         if s.cross_attention:
             # Wan (knapray dryrun at 8 and 64 ranks): at the peak one block is gathered in the
             # compute dtype and one reduce-scattered in fp32, nothing prefetched beside them
-            return (p + FP32) * largest + (2 * p + FP32) * sum(s.root[:2])
-        return (3 * p + 8) * largest + (2 * p + FP32) * sum(s.root[:2])
+            return gathered + FP32 * largest + (2 * p + FP32) * sum(s.root[:2])
+        return 3 * gathered + 8 * largest + (2 * p + FP32) * sum(s.root[:2])
 
     def breakdown(self, tokens: int, *, text_tokens: int = 0, sequences: int = 0) -> MemoryBreakdown:
         """Per-GPU bytes of a step in which this rank holds ``tokens`` routed tokens."""
@@ -703,4 +732,5 @@ def memory_model_for_run(
         precision=precision,
         trainable=trainable,
         fp8_base=bool(trainable) and cfg.model.lora.enabled and cfg.model.lora.base_dtype == "fp8",
+        fp8=par.fp8_scaling if par.fp8 else "off",
     )

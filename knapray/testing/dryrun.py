@@ -263,6 +263,7 @@ def run_step(setup: Setup, plan, text_tokens: np.ndarray, batch_host, *, device:
                     if ema is not None:
                         ema.update(model)
                     optimizer.zero_grad(set_to_none=True)
+                    parallel.after_optimizer_step()
             if not device_pass:
                 snap = tracker.get_tracker_snapshot("peak")
                 # {device: {category: bytes}}; categories are enums (their value is torch's name)
@@ -340,6 +341,10 @@ def expected_collectives(setup: Setup, plan, depth: tuple[int, int]) -> dict:
         add("allreduce_", replicate, blocks if frozen_front else units)
         if cfg.optim.grad_clip > 0:
             add("all_reduce", shard, 1)  # the sharded gradients' norm (DTensor.full_tensor)
+        from knapray.worker.float8 import gathers_in_float8
+
+        if cfg.parallel.fp8 and gathers_in_float8(cfg.parallel.fp8_scaling, True):
+            add("all_reduce", shard, 1)  # the next step's float8 scales, every weight's amax at once
     return exp
 
 

@@ -128,11 +128,12 @@ def _per_token_linears(model: nn.Module) -> tuple[str, ...]:
 
 
 def gradient_errors(family: str, mode: str, *, device: str = "cpu", compile: bool = True, width: int = 64,
-                    sequences: int = 3, side: int = 96, seed: int = 0) -> GradientReport:
+                    sequences: int = 3, side: int = 96, seed: int = 0, fp8: str | None = None) -> GradientReport:
     """Compile ``family``'s small model (``small_config``) by ``parallelize`` in bf16 ``mode``
     on ``device``, run one forward and backward on ``long_batch``, and compare every
     parameter's gradient with a float64 eager copy's (same weights: the bf16 parameters'
-    values for ``bf16_params``)."""
+    values for ``bf16_params``). ``fp8``: with ``parallel.fp8`` in that scaling (its block
+    matmuls in float8: the yardstick is then float8's error)."""
     from knapray.config.parallel import ParallelConfig
     from knapray.worker.parallelize import parallelize
 
@@ -150,8 +151,9 @@ def gradient_errors(family: str, mode: str, *, device: str = "cpu", compile: boo
     batch = long_batch(cfg, sequences, side, seed=seed).to(device)
     truth = _grads(reference, batch, None)
     del reference
-    parallelize(model, ParallelConfig(compile=compile))
+    parallelize(model, ParallelConfig(compile=compile, **({"fp8": True, "fp8_scaling": fp8} if fp8 else {})))
     got = _grads(model, batch, torch.bfloat16 if mode == "autocast" else None)
     errors = {n: float((got[n] - truth[n]).norm() / truth[n].norm().clamp_min(1e-30)) for n in truth}
-    return GradientReport(family=family, mode=mode, device=str(device), compiled=compile,
+    return GradientReport(family=family, mode=mode if not fp8 else f"{mode}+fp8-{fp8}", device=str(device),
+                          compiled=compile,
                           tokens=int(batch.is_text.shape[0]), errors=errors, per_token=_per_token_linears(model))

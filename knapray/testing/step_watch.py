@@ -40,6 +40,8 @@ SYNC_OPS = {
     aten.equal.default: "torch.equal (a value read on the host)",
 }
 MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+FLOAT8_MATMULS = {aten._scaled_mm.default}
+"""``parallel.fp8``'s matmuls: counted apart (their operands are float8 by design)."""
 COPIES = {aten._to_copy.default, aten.copy_.default}
 
 # Which argument holds what this rank sends, per c10d op (the others send their first tensor).
@@ -114,13 +116,14 @@ class StepWatch(TorchDispatchMode):
         self.device_violations: list[str] = []
         self.dtype_violations: list[str] = []
         self.matmuls = 0
+        self.float8_matmuls = 0
         self.attention_calls = 0
         self.count_syncs = True
 
     def reset_counts(self) -> None:
         """Forget the collectives counted so far (violations are kept)."""
         self.collectives = Collectives()
-        self.matmuls = self.attention_calls = 0
+        self.matmuls = self.float8_matmuls = self.attention_calls = 0
 
     def check_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Called by the attention kernel with its inputs."""
@@ -152,6 +155,8 @@ class StepWatch(TorchDispatchMode):
                 self._sync(f"{func.__name__} with a boolean mask (output size is data)")
         elif func in COPIES:
             self._copy(func, args, kwargs)
+        elif func in FLOAT8_MATMULS or (func in MATMULS and any(t.__name__.startswith("Float8") for t in types)):
+            self.float8_matmuls += 1  # _scaled_mm, or a matmul of torchao's float8 tensors (it calls _scaled_mm)
         elif func in MATMULS and self.compute_dtype != torch.float32:
             self.matmuls += 1
             floats = [t for t in _tensors(list(args)) if t.is_floating_point()]

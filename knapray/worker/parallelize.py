@@ -131,7 +131,11 @@ def _eager_attention() -> type:
 
 def _token_output(out: torch.Tensor) -> torch.Tensor:
     """An attention output (n, H, D) as the compiled rest of the block takes it: dim 0 a
-    token axis like the block's own token inputs (``_mark_token_axes``)."""
+    token axis like the block's own token inputs (``_mark_token_axes``), in row-major strides
+    (``_dense``): a bag's exchange may hand back a view whose strides depend on the step's
+    split, and the compiled backward of a layer that saves its input (torchao's float8
+    linears, ``parallel.fp8``) asserts the strides it was traced with."""
+    out = _dense(out)
     _mark_token_axes("out", out)
     return out
 
@@ -327,6 +331,16 @@ class ParallelModel:
         """Recompilations so far (0 without compile): a number for per-step metrics."""
         return self.compile_stats.recompiles if self.compile_stats is not None else 0
 
+    def after_optimizer_step(self) -> None:
+        """What the model needs once its weights changed: with ``parallel.fp8`` under FSDP
+        gathering in float8, the next step's scales of every float8 weight, in one pass."""
+        from knapray.worker.float8 import gathers_in_float8
+
+        if self.config.fp8 and gathers_in_float8(self.config.fp8_scaling, self.sharded):
+            from knapray.worker.float8 import after_optimizer_step
+
+            after_optimizer_step(self.model)
+
     def reduce_gradients(self, group: dist.ProcessGroup | None = None) -> None:
         """Sum gradients over ranks. FSDP already did, overlapped with backward (a no-op);
         without FSDP one flat all-reduce over ``group`` (None: the world)."""
@@ -420,6 +434,10 @@ def parallelize(model: nn.Module, parallel: ParallelConfig | None = None, dims: 
         raise TypeError(f"parallelize takes a family's model ({', '.join(c.__name__ for c in model_classes)}), "
                         f"got {type(model).__name__}")
     stats = None
+    if cfg.fp8:  # before compile, checkpointing and FSDP wrap the blocks
+        from knapray.worker.float8 import convert
+
+        convert(model, cfg.fp8_scaling, fsdp=cfg.fsdp != "none")
     if cfg.compile:
         stats = CompileStats(cfg.compile_backend)
         # One compiled function per block class, shared by its blocks (the module is an

@@ -638,6 +638,7 @@ class Trainer:
             self.ema.num_updates += 1  # taken back by _commit, as the device path's count is
         self.schedule.step()  # a skipped update keeps its place in the schedule (a resume counts steps)
         self.optimizer.zero_grad(set_to_none=True)
+        self.parallel.after_optimizer_step()
         self.applied.append((list(self.pending), bad))
         self.pending.clear()
         self.micro_steps = 0
