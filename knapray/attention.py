@@ -451,9 +451,17 @@ def cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: l
             bias = torch.zeros(1, ki.shape[0], dtype=qi.dtype, device=qi.device)  # (1, keys): every query
             bias[0, -1] = math.log(pad_counts[i])
         if qi.shape[0] == 0 or ki.shape[0] == 0:
-            outs.append(torch.zeros_like(qi))
+            outs.append(_zeros_of(qi, ki, vi))
             continue
         # (n, H, D) -> (1, H, n, D)
         o = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (qi, ki, vi)), attn_mask=bias)
         outs.append(o[0].transpose(0, 1))
-    return torch.cat(outs) if outs else torch.zeros_like(q)
+    return torch.cat(outs) if outs else _zeros_of(q, k, v)
+
+
+def _zeros_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Zeros shaped like ``q`` that depend on q, k and v: the projections that made them get
+    a zero gradient rather than none (FSDP reduce-scatters, on every rank, the parameters that
+    have one: torch 2.10 and 2.11 skip those without, and a newer torch's zero-filling cannot
+    make zeros of ``parallel.fp8``'s float8 weights), as on a rank whose rows are all empty."""
+    return q * 0 + (k.sum() + v.sum()) * 0

@@ -26,6 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_device(p)
     p.add_argument("--warmup", type=int_at_least(0), default=3, help="untimed repetitions first (default 3)")
     p.add_argument("--repeat", type=int_at_least(1), default=10, help="timed repetitions, median taken (default 10)")
+    p.add_argument("--fp8", action="store_true",
+                   help="instead: the block's matmuls in float8 (parallel.fp8, torchao) against bf16 at --hidden over "
+                        "the --seq-lens' tokens (default d=5120 over 16,384 tokens: Wan 14B's width)")
     add_json(p)
 
 
@@ -46,6 +49,18 @@ def cli(args: argparse.Namespace) -> int:
         if value > most:
             print(f"knapray bench kernels: error: {flag} {value}: at most {most}", file=sys.stderr)
             return 2
+    if args.fp8:
+        from knapray.testing.kernels import FP8_SHAPE, float8_matmuls, float8_report
+        from knapray.worker.float8 import check_available
+
+        if (missing := check_available()) is not None:
+            print(f"knapray bench kernels: error: --fp8: {missing}", file=sys.stderr)
+            return 2
+        hidden = args.hidden if args.hidden != DEFAULT_HIDDEN else FP8_SHAPE["hidden"]
+        tokens = sum(args.seq_lens) if args.seq_lens else FP8_SHAPE["tokens"]
+        r = float8_matmuls(hidden=hidden, tokens=tokens, device=device, warmup=args.warmup, repeat=args.repeat)
+        print(json.dumps(r) if args.json else float8_report(r))
+        return 0
     try:
         r = run(hidden=args.hidden, heads=args.heads, lengths=tuple(args.seq_lens or DEFAULT_LENGTHS),
                 dtype=dtype, device=device, warmup=args.warmup, repeat=args.repeat)

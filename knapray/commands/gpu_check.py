@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from knapray.testing.gpu_check import (CPU_CHECK, GPU_CHECKS, attention_packages, checkout_commit, gradient_stage,
-                                           run_check, sampling_stage)
+    from knapray.testing.gpu_check import (CPU_CHECK, FP8_STAGE_S, GPU_CHECKS, attention_packages, checkout_commit,
+                                           fp8_stage, gradient_stage, run_check, sampling_stage)
 
     if args.steps < 1 or args.nproc < 1:
         print(f"gpu_check: error: --steps and --nproc must be >= 1, got {args.steps}, {args.nproc}", file=sys.stderr)
@@ -90,6 +90,11 @@ def run(args: argparse.Namespace) -> int:
         failures += run_failures
         report["runs"].append(numbers)
         shutil.rmtree(work / check.name / "checkpoints", ignore_errors=True)  # none by default; never kept
+    if args.bench:  # after the runs: what is left of the time
+        if deadline - time.monotonic() >= FP8_STAGE_S or args.cpu:
+            failures += fp8_stage(report, cpu=args.cpu)
+        else:
+            print(f"== fp8: not run, less than {FP8_STAGE_S} s of the check's {args.timeout} s left", flush=True)
     if not args.out:
         shutil.rmtree(work, ignore_errors=True)
     report["failures"] = failures

@@ -353,6 +353,49 @@ def gradient_stage(report: dict, *, cpu: bool) -> list[str]:
     return failures
 
 
+def fp8_stage(report: dict, *, cpu: bool) -> list[str]:
+    """``parallel.fp8`` on the device: its gradient check against float64 (Flux, tensorwise;
+    bound ``FP8_YARDSTICK``, ratio ``RATIO_BAR``), then a block's matmuls in float8 against
+    bf16 at Wan 14B's width (``knapray.testing.kernels.float8_matmuls``; the speed-up is
+    reported against its goal, not failed). Skipped where torchao is not importable."""
+    from knapray.testing.grad_truth import RATIO_BAR, gradient_errors
+    from knapray.testing.kernels import float8_matmuls, float8_report
+    from knapray.worker.float8 import check_available
+
+    missing = check_available()
+    print("== fp8: parallel.fp8's gradients against float64, then float8 matmuls against bf16", flush=True)
+    if missing:
+        print(f"fp8: not run: {missing}")
+        report["fp8"] = {"skipped": missing}
+        return []
+    failures = []
+    t0 = time.perf_counter()
+    try:
+        r = gradient_errors("flux", "bf16_params", device="cpu" if cpu else "cuda", side=32 if cpu else 96,
+                            fp8="tensorwise")
+        print(f"{r.summary()} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        ok = r.yardstick < FP8_YARDSTICK and r.ratio <= RATIO_BAR
+        report["fp8"] = {"gradients": {"yardstick": r.yardstick, "worst": list(r.worst), "ratio": r.ratio,
+                                       "passed": ok}}
+        if not ok:
+            failures.append(f"fp8 gradients: float8 matmuls {r.yardstick:.3f} (bound {FP8_YARDSTICK}), "
+                            f"ratio {r.ratio:.2f}")
+        m = float8_matmuls(device="cpu" if cpu else "cuda", **({"hidden": 64, "tokens": 256} if cpu else {}))
+        print(float8_report(m), flush=True)
+        report["fp8"]["matmuls"] = m
+    except Exception as e:  # noqa: BLE001 - reported, the bench goes on
+        print(f"fp8: FAILED to run: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        failures.append(f"fp8: {type(e).__name__}")
+    return failures
+
+
+FP8_STAGE_S = 90
+"""Seconds the fp8 stage needs on a GPU (its gradient check and three compiles); not started with less."""
+FP8_YARDSTICK = 0.12
+"""``parallel.fp8``'s float8 matmuls' weight gradients against float64: at most this off
+(e4m3's 3 mantissa bits; 0.07-0.09 measured on CPU, tests/unit/test_float8.py)."""
+
+
 SAMPLE_REHEARSAL = {"hidden": 64, "heads": 2, "double": 1, "single": 1, "side": 64, "text": 8, "steps": 3}
 """The sampling section's shape on the CPU rehearsal (the chain, not the numbers)."""
 

@@ -150,6 +150,75 @@ def run(*, hidden: int = DEFAULT_HIDDEN, heads: int = DEFAULT_HEADS, lengths: tu
             "attention_share": best["seconds"] / (mm + best["seconds"]) if best else None}
 
 
+FP8_SHAPE = {"hidden": 5120, "tokens": 16384}
+"""Wan 2.1 14B's width (40 heads of 128) and a step's ~16k tokens per GPU: where ``make
+gpu-bench`` sets float8 against bf16."""
+FP8_GOAL = 1.25
+"""The speed-up over bf16 the float8 matmuls should reach there (issue goal, a GPU's)."""
+
+
+def float8_matmuls(*, hidden: int = FP8_SHAPE["hidden"], tokens: int = FP8_SHAPE["tokens"],
+                   device: str | torch.device = "cuda", warmup: int = 3, repeat: int = 10) -> dict:
+    """A block's four matrix products (``matmul_shapes``), forward + backward over ``tokens``
+    rows, as the training run computes them: ``nn.Linear`` in bf16 against torchao's
+    ``Float8Linear`` as ``parallel.fp8`` configures it (``knapray.worker.float8``: forward and
+    input gradient in float8, the weight gradient in bf16), each scaling; the four compiled
+    together (one compile per variant: torchao's casts fuse only compiled). The seconds of
+    each variant and the ratios bf16 / float8."""
+    import torch.nn as nn
+    from torchao.float8 import convert_to_float8_training
+
+    from knapray.worker.float8 import SCALINGS, _config
+
+    device = torch.device(device)
+    timed = _timer(device)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    shapes = matmul_shapes(hidden)
+    weights = [(torch.randn(n, k, generator=gen) * k ** -0.5, torch.zeros(n)) for _, k, n in shapes]
+    xs = [(torch.randn(tokens, k, generator=gen) * 0.5).to(device=device, dtype=torch.bfloat16).requires_grad_()
+          for _, k, _ in shapes]
+    gs = [torch.randn(tokens, n, generator=gen).to(device=device, dtype=torch.bfloat16) for _, _, n in shapes]
+    seconds = {}
+    for label, scaling in (("bf16", None), *((s, s) for s in SCALINGS)):
+        layers = nn.ModuleList(nn.Linear(k, n) for _, k, n in shapes)
+        with torch.no_grad():
+            for layer, (w, b) in zip(layers, weights):
+                layer.weight.copy_(w)
+                layer.bias.copy_(b)
+        layers = layers.to(device=device, dtype=torch.bfloat16)
+        if scaling is not None:
+            convert_to_float8_training(layers, config=_config(scaling, fsdp=False))
+        torch._dynamo.reset()  # each variant compiled afresh
+
+        @torch.compile
+        def block(xs, layers=layers):
+            return [layer(x) for layer, x in zip(layers, xs)]
+
+        def step(block=block) -> None:
+            torch.autograd.backward(block(xs), gs)
+            for x in xs:
+                x.grad = None
+
+        seconds[label] = timed(step, warmup, repeat)
+    flops = sum(3 * 2 * tokens * k * n for _, k, n in shapes)
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "hidden": hidden, "tokens": tokens,
+            "shapes": [f"{name} {k}x{n}" for name, k, n in shapes], "model_flops": flops, "seconds": seconds,
+            "speedup": {s: seconds["bf16"] / seconds[s] for s in SCALINGS}, "goal": FP8_GOAL}
+
+
+def float8_report(r: dict) -> str:
+    from knapray.worker.float8 import SCALINGS
+
+    cells = ", ".join(f"{label} {t * 1e3:.3f} ms ({r['model_flops'] / t / 1e12:.1f} model TFLOP/s)"
+                      for label, t in r["seconds"].items())
+    return (f"float8 against bf16 on {r['device']} (torch {r['torch']}): a block's four matmuls "
+            f"({', '.join(r['shapes'])}) over {r['tokens']} tokens, forward + backward, compiled: {cells}\n"
+            "bf16 / float8: " + ", ".join(f"{s} {r['speedup'][s]:.2f}x" for s in SCALINGS)
+            + f" (goal >= {r['goal']:g}x on a GPU; forward and input gradient in float8, the weight gradient in "
+            "bf16: knapray.worker.float8)")
+
+
 def report(r: dict) -> str:
     lines = [f"kernel ceiling on {r['device']} (torch {r['torch']}, {r['dtype']}): d={r['hidden']}, "
              f"{r['heads']} heads, sequences {r['lengths']} ({sum(r['lengths'])} tokens)",

@@ -77,9 +77,8 @@ def convert(model: nn.Module, scaling: str, *, fsdp: bool) -> list[str]:
     names = float8_layers(model)
     chosen = set(names)
     convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in chosen)
-    if not config.enable_fsdp_float8_all_gather:
-        for name in names:
-            _empty_input_in_high_precision(model.get_submodule(name))
+    for name in names:
+        _empty_input_as_zero_rows(model.get_submodule(name))
     return names
 
 
@@ -106,19 +105,22 @@ def _config(scaling: str, fsdp: bool):
     return dataclasses.replace(config, pad_inner_dim=False, enable_fsdp_float8_all_gather=gathers_in_float8(scaling, fsdp))
 
 
-def _empty_input_in_high_precision(layer: nn.Module) -> None:
+def _empty_input_as_zero_rows(layer: nn.Module) -> None:
     """A rank without tokens still runs every layer (FSDP's collectives need every rank's
-    gradients, zeros included), and a float8 scale of zero rows fails (``rowwise``: a max
-    over an empty axis): an empty input takes the plain matmul, whose weight gradient is the
-    zeros FSDP expects. (Weights gathered in float8 take an empty input as it is.)"""
+    gradients, zeros included), and a float8 scale of zero rows fails (a max over nothing):
+    an empty input runs as ``MULTIPLE`` rows of zeros and the output is cut back to none, so
+    the weight's gradient is the zeros FSDP expects, whatever the weight's form (plain, or
+    gathered in float8)."""
     import torch.nn.functional as F
 
     fp8_forward = layer.forward
 
     def forward(x):
-        if x.numel() == 0:
-            return F.linear(x, layer.weight, layer.bias)
-        return fp8_forward(x)
+        if x.numel():
+            return fp8_forward(x)
+        zeros = F.pad(x.reshape(0, x.shape[-1]), (0, 0, 0, MULTIPLE))
+        out = fp8_forward(zeros)
+        return out[:0].reshape(*x.shape[:-1], out.shape[-1])
 
     layer.forward = forward
 

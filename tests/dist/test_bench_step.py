@@ -107,7 +107,8 @@ def test_step_variants_each_alone_then_together():
     assert [v.name for v in vs] == ["fsdp hybrid", "compile inductor", "fsdp hybrid+compile inductor"]
     assert vs[0].describe() == {
         "name": "fsdp hybrid", "precision": "auto", "fsdp": "hybrid", "activation_checkpointing": "none",
-        "ac_every": 2, "compile": False, "compile_backend": "inductor", "gpus_per_node": 2,
+        "ac_every": 2, "compile": False, "compile_backend": "inductor", "fp8": False, "fp8_scaling": "tensorwise",
+        "gpus_per_node": 2,
     }
     assert (vs[2].parallel.fsdp, vs[2].parallel.compile, vs[2].gpus_per_node) == ("hybrid", True, 2)
 

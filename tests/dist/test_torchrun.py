@@ -42,7 +42,8 @@ def test_gpu_check_chain_on_two_gloo_ranks(tmp_path):
 # What the GPU machine lacks: it has torch (CUDA), numpy, pyarrow, pyyaml, matplotlib, pytest
 # and hypothesis, nothing else (no Ray, no TensorBoard, no tqdm, no extras).
 GPU_MACHINE_LACKS = ("ray", "tensorboard", "tqdm", "diffusers", "transformers", "tokenizers", "sentencepiece",
-                     "safetensors", "accelerate", "wandb", "mlflow", "flash_attn", "jsonschema", "pytest_timeout")
+                     "safetensors", "accelerate", "wandb", "mlflow", "flash_attn", "jsonschema", "pytest_timeout",
+                     "torchao")
 
 
 @pytest.mark.dist
@@ -91,7 +92,9 @@ def test_make_gpu_bench_rehearsed_where_only_torch_is_installed(tmp_path):
     wheels.mkdir()
     _wheel(wheels, "flash_attn", "0.0.1")  # a package of that name without the kernels: not used
     out_json = tmp_path / "bench.json"
-    lacks = [m for m in GPU_MACHINE_LACKS if m != "flash_attn"]  # the wheel folder brings it
+    # The wheel folder brings flash_attn (a stand-in here) and torchao (on the GPU machine the real
+    # wheel, carried: parallel.fp8's stage; here the installed one stays visible).
+    lacks = [m for m in GPU_MACHINE_LACKS if m not in ("flash_attn", "torchao")]
     env = dict(os.environ, OMP_NUM_THREADS="1", KNAPRAY_HIDE_MODULES=",".join(lacks),
                PYTHONPATH=os.pathsep.join([str(REPO / "tests" / "bare_torch"), str(REPO)]))
     env.pop("MAKEFLAGS", None)
@@ -103,8 +106,11 @@ def test_make_gpu_bench_rehearsed_where_only_torch_is_installed(tmp_path):
     assert "attention: flash-attn installed, FA3 absent, FA4 absent, torch flash kernels torch's own (FA2)" in text
     assert "== gradients: compiled bf16 against a float64 eager copy" in text and "ratio" in text
     assert "top 10 by total time:" in text and "kernel ceiling" in text
+    assert "== fp8: parallel.fp8's gradients" in text and "+fp8-tensorwise" in text, text[-3000:]
+    assert "bf16 / float8: tensorwise" in text and "host syncs per step:" in text
     report = json.loads(out_json.read_text())
     assert report["gradients"][0]["passed"] and report["gradients"][0]["family"] == "wan"
+    assert report["fp8"]["gradients"]["passed"] and set(report["fp8"]["matmuls"]["speedup"]) == {"tensorwise", "rowwise"}
     (run,) = report["runs"]
     assert run["name"] == "cpu" and run["steps"] == 8 and run["exit_code"] == 0 and not run["failures"]
     assert len(run["profile"]["top"]) >= 10 and run["ceiling"]["tflops"] > 0

@@ -119,3 +119,17 @@ def test_kernel_bench_command_on_cpu(capsys):
                  "--warmup", "0", "--repeat", "1"]) == 0
     out = capsys.readouterr().out
     assert "kernel ceiling on cpu" in out and "float32" in out and "ceiling:" in out
+
+
+def test_kernel_bench_fp8_times_bf16_and_both_scalings(capsys):
+    """``knapray bench kernels --fp8``: the block's four matmuls compiled in bf16 and in float8
+    (each scaling, as parallel.fp8 configures them), ratios printed; on CPU the chain only."""
+    pytest.importorskip("torchao.float8")
+    from knapray.cli import main
+
+    assert main(["bench", "kernels", "--fp8", "--hidden", "64", "--seq-lens", "96", "--device", "cpu", "--warmup",
+                 "0", "--repeat", "1", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert set(r["seconds"]) == {"bf16", "tensorwise", "rowwise"} and all(t > 0 for t in r["seconds"].values())
+    assert r["tokens"] == 96 and r["model_flops"] == 3 * 24 * 96 * 64 * 64  # 24*N*d^2 forward, x3
+    assert r["speedup"]["tensorwise"] == pytest.approx(r["seconds"]["bf16"] / r["seconds"]["tensorwise"])
