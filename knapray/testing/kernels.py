@@ -158,13 +158,15 @@ FP8_GOAL = 1.25
 
 
 def float8_matmuls(*, hidden: int = FP8_SHAPE["hidden"], tokens: int = FP8_SHAPE["tokens"],
-                   device: str | torch.device = "cuda", warmup: int = 3, repeat: int = 10) -> dict:
+                   device: str | torch.device = "cuda", warmup: int = 3, repeat: int = 10,
+                   compile: bool = True) -> dict:
     """A block's four matrix products (``matmul_shapes``), forward + backward over ``tokens``
     rows, as the training run computes them: ``nn.Linear`` in bf16 against torchao's
     ``Float8Linear`` as ``parallel.fp8`` configures it (``knapray.worker.float8``: forward and
     input gradient in float8, the weight gradient in bf16), each scaling; the four compiled
-    together (one compile per variant: torchao's casts fuse only compiled). The seconds of
-    each variant and the ratios bf16 / float8."""
+    together (one compile per variant: torchao's casts fuse only compiled; ``compile=False``:
+    eager, the chain alone, as the CPU rehearsal runs it). The seconds of each variant and the
+    ratios bf16 / float8."""
     import torch.nn as nn
     from torchao.float8 import convert_to_float8_training
 
@@ -188,11 +190,12 @@ def float8_matmuls(*, hidden: int = FP8_SHAPE["hidden"], tokens: int = FP8_SHAPE
         layers = layers.to(device=device, dtype=torch.bfloat16)
         if scaling is not None:
             convert_to_float8_training(layers, config=_config(scaling, fsdp=False))
-        torch._dynamo.reset()  # each variant compiled afresh
-
-        @torch.compile
         def block(xs, layers=layers):
             return [layer(x) for layer, x in zip(layers, xs)]
+
+        if compile:
+            torch._dynamo.reset()  # each variant compiled afresh
+            block = torch.compile(block)
 
         def step(block=block) -> None:
             torch.autograd.backward(block(xs), gs)
@@ -202,7 +205,7 @@ def float8_matmuls(*, hidden: int = FP8_SHAPE["hidden"], tokens: int = FP8_SHAPE
         seconds[label] = timed(step, warmup, repeat)
     flops = sum(3 * 2 * tokens * k * n for _, k, n in shapes)
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "hidden": hidden, "tokens": tokens,
+            "torch": torch.__version__, "hidden": hidden, "tokens": tokens, "compiled": compile,
             "shapes": [f"{name} {k}x{n}" for name, k, n in shapes], "model_flops": flops, "seconds": seconds,
             "speedup": {s: seconds["bf16"] / seconds[s] for s in SCALINGS}, "goal": FP8_GOAL}
 
@@ -213,7 +216,8 @@ def float8_report(r: dict) -> str:
     cells = ", ".join(f"{label} {t * 1e3:.3f} ms ({r['model_flops'] / t / 1e12:.1f} model TFLOP/s)"
                       for label, t in r["seconds"].items())
     return (f"float8 against bf16 on {r['device']} (torch {r['torch']}): a block's four matmuls "
-            f"({', '.join(r['shapes'])}) over {r['tokens']} tokens, forward + backward, compiled: {cells}\n"
+            f"({', '.join(r['shapes'])}) over {r['tokens']} tokens, forward + backward, "
+            f"{'compiled' if r.get('compiled', True) else 'eager'}: {cells}\n"
             "bf16 / float8: " + ", ".join(f"{s} {r['speedup'][s]:.2f}x" for s in SCALINGS)
             + f" (goal >= {r['goal']:g}x on a GPU; forward and input gradient in float8, the weight gradient in "
             "bf16: knapray.worker.float8)")

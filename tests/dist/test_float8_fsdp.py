@@ -32,21 +32,25 @@ def _train(rank: int, world: int, corpus: str, runs: str, name: str, extra: list
             "gathered_in_float8": gathered_in_float8}
 
 
-@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
-def test_float8_under_fsdp_resumes_exactly_and_trains_as_bf16(tmp_path, scaling):
+def test_float8_under_fsdp_resumes_exactly_and_trains_as_bf16(tmp_path):
+    """tensorwise (gathered in float8): bf16's run, the run straight, and stopped + resumed;
+    rowwise (gathered in bf16, the same resume code): straight, against the same bf16 run."""
     corpus = build_tiny_corpus(tmp_path / "corpus", "g1b4i64f1s0,g1b2i128f1s0", steps=4, shards=2, seed=7)
     runs = str(tmp_path / "runs")
-    fp8 = ["parallel.fp8=true", f"parallel.fp8_scaling={scaling}"]
+    fp8 = ["parallel.fp8=true", "parallel.fp8_scaling=tensorwise"]
     bf16 = run_distributed(_train, 2, corpus, runs, "bf16", ["run.max_steps=4"])[0]
     straight = run_distributed(_train, 2, corpus, runs, "straight", [*fp8, "run.max_steps=4"])[0]
     first = run_distributed(_train, 2, corpus, runs, "stopped", [*fp8, "run.max_steps=2"])[0]
     resumed = run_distributed(_train, 2, corpus, runs, "stopped", [*fp8, "run.max_steps=4"])[0]
+    rowwise = run_distributed(_train, 2, corpus, runs, "rowwise", ["parallel.fp8=true", "parallel.fp8_scaling=rowwise",
+                                                                   "run.max_steps=4"])[0]
 
-    assert straight["float8"] == 6 and bf16["float8"] == 0  # the image stream's 4, the single block's 2
-    assert straight["gathered_in_float8"] == (6 if scaling == "tensorwise" else 0)
+    assert straight["float8"] == rowwise["float8"] == 6 and bf16["float8"] == 0  # the image stream's 4, the single's 2
+    assert (straight["gathered_in_float8"], rowwise["gathered_in_float8"]) == (6, 0)
     assert (first["steps"], resumed["steps"]) == (2, 4)
     assert first["losses"] + resumed["losses"] == straight["losses"]  # the checkpoint holds all of it
-    print(f"\n{scaling}: float8 losses {[round(x, 5) for x in straight['losses']]}, "
-          f"bf16 {[round(x, 5) for x in bf16['losses']]}")
-    for a, b in zip(straight["losses"], bf16["losses"]):
-        assert abs(a - b) <= LOSS_BOUND * abs(b), (straight["losses"], bf16["losses"])
+    print(f"\nfloat8 losses: tensorwise {[round(x, 5) for x in straight['losses']]}, rowwise "
+          f"{[round(x, 5) for x in rowwise['losses']]}; bf16 {[round(x, 5) for x in bf16['losses']]}")
+    for run in (straight, rowwise):
+        for a, b in zip(run["losses"], bf16["losses"], strict=True):
+            assert abs(a - b) <= LOSS_BOUND * abs(b), (run["losses"], bf16["losses"])
