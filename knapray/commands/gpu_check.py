@@ -26,8 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--steps", type=int, default=30, help="training steps per run (default 30)")
     p.add_argument("--cpu", action="store_true", help="gloo on CPU with a tiny model (tests the chain)")
-    p.add_argument("--only", action="append", choices=[c.name for c in GPU_CHECKS],
-                   help="run only these GPU checks (default: all)")
+    p.add_argument("--only", action="append", choices=[c.name for c in GPU_CHECKS] + ["fp8"],
+                   help="run only these GPU checks (default: all); fp8: parallel.fp8's stage alone (its gradient "
+                        "check and float8 against bf16), e.g. when make gpu-bench had no time left for it")
     p.add_argument("--profile", action="store_true",
                    help="profile 3 steps after the warm-up (metrics.profile_steps) and print where the device time went")
     p.add_argument("--nproc", type=int, default=1, help="ranks (default 1)")
@@ -63,7 +64,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.cpu and not torch.cuda.is_available():
         print("gpu_check: error: no CUDA device here (use --cpu to check the chain on CPU)", file=sys.stderr)
         return 2
-    checks = [CPU_CHECK] if args.cpu else [c for c in GPU_CHECKS if not args.only or c.name in args.only]
+    fp8_only = bool(args.only) and set(args.only) == {"fp8"}
+    checks = [] if fp8_only else [CPU_CHECK] if args.cpu else [
+        c for c in GPU_CHECKS if not args.only or c.name in args.only]
     topology = args.topology or f"g1n{args.nproc}"
     device = "cpu (gloo)" if args.cpu else f"{torch.cuda.get_device_name(0)} (NCCL)"
     print(f"== knapray GPU check: {device}, torch {torch.__version__}, {args.nproc} rank(s), {args.steps} steps "
@@ -75,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     report = {"device": device, "torch": torch.__version__, "steps": args.steps, "nproc": args.nproc,
               "commit": checkout_commit(), "attention_packages": attention_packages(), "gradients": [], "runs": []}
     print("attention: " + ", ".join(f"{k} {v}" for k, v in report["attention_packages"].items()), flush=True)
-    if args.bench:
+    if args.bench and not fp8_only:
         failures += gradient_stage(report, cpu=args.cpu)
         if not args.no_sampling:
             failures += sampling_stage(report, cpu=args.cpu, deadline=deadline)
@@ -90,11 +93,12 @@ def run(args: argparse.Namespace) -> int:
         failures += run_failures
         report["runs"].append(numbers)
         shutil.rmtree(work / check.name / "checkpoints", ignore_errors=True)  # none by default; never kept
-    if args.bench:  # after the runs: what is left of the time
-        if deadline - time.monotonic() >= FP8_STAGE_S or args.cpu:
+    if args.bench or fp8_only:  # after the runs: what is left of the time
+        if deadline - time.monotonic() >= FP8_STAGE_S or args.cpu or fp8_only:
             failures += fp8_stage(report, cpu=args.cpu)
         else:
-            print(f"== fp8: not run, less than {FP8_STAGE_S} s of the check's {args.timeout} s left", flush=True)
+            print(f"== fp8: not run, less than {FP8_STAGE_S} s of the check's {args.timeout} s left (alone: "
+                  "GPU_BENCH_FLAGS='--only fp8')", flush=True)
     if not args.out:
         shutil.rmtree(work, ignore_errors=True)
     report["failures"] = failures

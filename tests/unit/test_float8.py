@@ -118,3 +118,14 @@ def test_the_dry_run_counts_float8(dryrun):
     assert "float8 matmuls beside them, parallel.fp8" in text and "float8" not in runs["bf16"][1].split("checks")[1]
     # the image stream's and the single blocks' weights gathered in 1 byte: about a quarter less
     assert 0.65 < gathered["tensorwise"] / gathered["bf16"] < 0.8, gathered
+
+
+def test_the_gpu_checks_fp8_stage_runs_alone(capsys):
+    """``python3 -m knapray.commands.gpu_check --only fp8`` (``make gpu-bench GPU_BENCH_FLAGS='--only fp8'``
+    where the bench had no time left for it): that stage alone, no run, no other stage."""
+    from knapray.commands.gpu_check import main
+
+    assert main(["--cpu", "--only", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "== fp8: parallel.fp8's gradients" in out and "bf16 / float8: tensorwise" in out
+    assert "runs: \n" in out and "== gradients" not in out and "GPU CHECK PASSED" in out
