@@ -334,11 +334,11 @@ class ParallelModel:
     def after_optimizer_step(self) -> None:
         """What the model needs once its weights changed: with ``parallel.fp8`` under FSDP
         gathering in float8, the next step's scales of every float8 weight, in one pass."""
-        from knapray.worker.float8 import gathers_in_float8
+        if not self.config.fp8:  # every optimizer step of every run comes here: nothing to import
+            return
+        from knapray.worker.float8 import after_optimizer_step, gathers_in_float8
 
-        if self.config.fp8 and gathers_in_float8(self.config.fp8_scaling, self.sharded):
-            from knapray.worker.float8 import after_optimizer_step
-
+        if gathers_in_float8(self.config.fp8_scaling, self.sharded):
             after_optimizer_step(self.model)
 
     def reduce_gradients(self, group: dist.ProcessGroup | None = None) -> None:
