@@ -15,6 +15,7 @@ import importlib.util
 import logging
 import numbers
 import os
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -105,6 +106,30 @@ def _flat(d: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
+def _wait_past_the_newest_event_file(tb_dir: str) -> None:
+    """Sleep (under a second) until the clock's second is past every event file's in ``tb_dir``.
+
+    TensorBoard reads a directory's event files in name order, and a name is
+    ``events.out.tfevents.<second>.<host>.<pid>.<counter>`` with the counter not padded: two
+    files of one process in one second can sort in the wrong order (``...9`` after ``...10``),
+    and then the resumed run's purge of the redone steps is read before the steps it purges.
+    A later second always sorts later.
+    """
+    newest = -1
+    try:
+        names = os.listdir(tb_dir)
+    except FileNotFoundError:
+        return
+    for name in names:
+        parts = name.split(".")
+        if name.startswith("events.out.tfevents.") and len(parts) > 3 and parts[3].isdigit():
+            newest = max(newest, int(parts[3]))
+    if newest > time.time() + 2:
+        return  # a name from a clock ahead of this one: not worth waiting for
+    while int(time.time()) <= newest:
+        time.sleep(newest + 1 - time.time() + 0.01)
+
+
 class MetricSinks:
     """``log(step, scalars)`` to every sink, ``close()`` at the end of the run.
 
@@ -123,7 +148,9 @@ class MetricSinks:
         if "tensorboard" in self.names:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(os.path.join(run_dir, TENSORBOARD_DIR), purge_step=start_step or None)
+            tb_dir = os.path.join(run_dir, TENSORBOARD_DIR)
+            _wait_past_the_newest_event_file(tb_dir)
+            self._tb = SummaryWriter(tb_dir, purge_step=start_step or None)
         self._wandb = self._mlflow = None
         # A tracker run's id is kept in the run directory: a resumed run logs on to the same run.
         if "wandb" in self.names:

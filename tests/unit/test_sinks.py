@@ -104,6 +104,17 @@ def test_resumed_run_replaces_the_redone_steps(tmp_path) -> None:
     assert _events(cfg.run_dir)["loss"] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0), (5, 15.0)]
 
 
+def test_resume_in_the_same_second_past_a_counter_of_nine(tmp_path, monkeypatch) -> None:
+    """The event file's name ends in a per-process counter, not padded: ``...9`` sorts after
+    ``...10``. A resumed run in the same process and second would have its purge read first."""
+    from tensorboard.summary.writer import event_file_writer
+
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(9))
+    test_resumed_run_replaces_the_redone_steps(tmp_path)
+    names = sorted(os.listdir(os.path.join(tmp_path, "r", TENSORBOARD_DIR)))
+    assert [n.rsplit(".", 1)[1] for n in names] == ["9", "10"]
+
+
 def test_log_checks_values_and_close(tmp_path) -> None:
     sinks = MetricSinks(_cfg(tmp_path))
     for bad, words in [({"loss": "1"}, "metric 'loss': expected a real number, got '1' (str)"),
