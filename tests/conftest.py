@@ -58,7 +58,7 @@ def _ray_installed() -> bool:
 
 
 SLOW_FILES = {
-    "test_elastic.py": 260, "test_faults.py": 250, "test_dryrun.py": 125, "test_readme_commands.py": 110,
+    "test_elastic.py": 110, "test_faults.py": 250, "test_dryrun.py": 125, "test_readme_commands.py": 110,
     "test_parallelize.py": 95, "test_runs.py": 95, "test_torchrun.py": 90, "test_grad_truth.py": 75,
     "test_train_ray.py": 70, "test_balanced_sampling.py": 60, "test_driver_death.py": 50, "test_lora.py": 50,
     "test_stopping.py": 40, "test_submit_demo.py": 50,

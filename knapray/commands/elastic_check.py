@@ -2,6 +2,7 @@
 
     python -m knapray.commands.elastic_check --scenario shrink --out /tmp/elastic-shrink
     python -m knapray.commands.elastic_check --scenario grow --out /tmp/elastic-grow
+    python -m knapray.commands.elastic_check --scenario grow-shrink --nudge --out /tmp/elastic-both
 
 The scenarios, and how fast Ray notices a node coming or going: ``knapray.testing.elastic_check``.
 Prints the result's summary and the recovery phase by phase, and writes the whole result
@@ -22,11 +23,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenario", choices=sorted(SCENARIOS), required=True)
     p.add_argument("--out", required=True, help="directory for the corpus, the run and result.json")
     p.add_argument("--corpus-steps", type=int, default=None,
-                   help="mix steps in the corpus, 11 samples each (default: shrink 4, grow 12: a grow must "
-                        "still have steps left when Ray notices the new nodes)")
+                   help="mix steps in the corpus, 11 samples each (default: shrink 4, grow 12, grow-shrink 16: "
+                        "the run must still have steps left when Ray notices the last change)")
     p.add_argument("--samples-per-step", type=int, default=1)
     p.add_argument("--change-after-step", type=int, default=2,
-                   help="remove/add nodes once this step has been logged")
+                   help="remove/add nodes once this step has been logged (a later change: once the run has "
+                        "trained this many steps at the size the change before it gave)")
     p.add_argument("--start-timeout", type=float, default=0.0,
                    help="scaling.worker_start_timeout_s (0: the launcher's 10 s for elastic runs; 60: Ray's default)")
     p.add_argument("--monitor", type=float, default=2.0, help="scaling.elastic_monitor_interval_s")
@@ -57,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     path = os.path.join(os.path.abspath(args.out), "result.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
-    brief = {k: result.get(k) for k in ("scenario", "ok", "checks", "segments", "change", "steps_after_change",
+    brief = {k: result.get(k) for k in ("scenario", "ok", "checks", "segments", "changes", "steps_after_change",
                                          "final_attempt", "coordinator_placements", "timings_s", "error")}
     brief["ledger"] = {k: v for k, v in result.get("ledger", {}).items() if k != "steps"}
     print(json.dumps(brief, indent=1))

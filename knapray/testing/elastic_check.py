@@ -14,7 +14,12 @@ one of, so a node with k slots runs k training workers), a tiny corpus, and runs
   (4 -> 3 workers, g2n1+g1n2 -> g2n1+g1n1);
 - ``grow``: starts on one node of 2 slots (g2n1), kills the coordinator actor after step 1
   (Ray restarts it on the head; it reloads its state from the run directory while the
-  ranks plan locally), then adds a second node of 2 slots (2 -> 4 workers, g2n2).
+  ranks plan locally), then adds a second node of 2 slots (2 -> 4 workers, g2n2);
+- ``grow-shrink``: both in one run (what the suite runs: one cluster, one start): starts on
+  one node of 3 slots (g2n1+g1n1), kills the coordinator after step 1, adds a node of 1
+  slot (3 -> 4 workers on uneven nodes, g2n1+g1n2 where the rule alone would give g2n2
+  across them), then, a few steps after the run trains at 4, removes it again (4 -> 3,
+  g2n1+g1n1).
 
 Ray Train restarts the group at the new size from the latest checkpoint; every rank
 reports its node id, rank 0 asks the coordinator for the topology of that world on those
@@ -67,11 +72,13 @@ MODEL = [
 ]
 RULE = "bags_of:2"
 SCENARIOS = {
-    # name: (slots per worker node at start, min_workers, max_workers, slots of the node
-    #        added (+), or of the node removed (-); kill the coordinator after this step)
-    "shrink": ((3, 1), 2, 4, -1, None),
-    "grow": ((2,), 2, 4, +2, 1),
+    # name: (slots per worker node at start, min_workers, max_workers, the changes in turn:
+    #        slots of a node added (+) or of one removed (-); kill the coordinator after this step)
+    "shrink": ((3, 1), 2, 4, (-1,), None),
+    "grow": ((2,), 2, 4, (+2,), 1),
+    "grow-shrink": ((3,), 2, 4, (+1, -1), 1),
 }
+CORPUS_STEPS = {"shrink": 4, "grow": 12, "grow-shrink": 16}
 
 
 def _private_ray_env() -> str:
@@ -140,6 +147,25 @@ def bags_within_nodes(segment: dict) -> bool:
     return True
 
 
+def sizes_took_the_path(sizes: list[int], waypoints: list[int]) -> bool:
+    """The world sizes of the attempts, in turn, went from ``waypoints[0]`` to each next one,
+    passing only through sizes between two consecutive waypoints (Ray may notice added nodes
+    one at a time), never away from the next one nor past it."""
+    path = [w for i, w in enumerate(sizes) if i == 0 or w != sizes[i - 1]]
+    if not path or path[0] != waypoints[0]:
+        return False
+    reached = 0
+    for w in path[1:]:
+        if reached + 1 >= len(waypoints):
+            return False
+        a, b = waypoints[reached], waypoints[reached + 1]
+        if w == b:
+            reached += 1
+        elif not min(a, b) < w < max(a, b):
+            return False
+    return reached == len(waypoints) - 1
+
+
 def ledger_check(path: str, all_ids: list[int]) -> dict:
     rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
     counts = Counter(r["sample_id"] for r in rows)
@@ -172,10 +198,11 @@ class Settings:
     out: str
     """Directory for the corpus, the run and (the command's) result.json."""
     corpus_steps: int | None = None
-    """Mix steps in the corpus, 11 samples each (None: shrink 4, grow 12)."""
+    """Mix steps in the corpus, 11 samples each (None: ``CORPUS_STEPS`` of the scenario)."""
     samples_per_step: int = 1
     change_after_step: int = 2
-    """Remove/add nodes once this step has been logged."""
+    """Remove/add nodes once this step has been logged; a later change, once the run has
+    trained this many steps at the size the change before it gave."""
     start_timeout: float = 0.0
     """``scaling.worker_start_timeout_s`` (0: the launcher's 10 s for elastic runs)."""
     monitor: float = 2.0
@@ -203,10 +230,10 @@ def run_scenario(settings: Settings) -> dict:
     from knapray.driver.launch import run_training
     from knapray.worker.step_planner import coordinator_name
 
-    start_slots, min_w, max_w, change, kill_coordinator_after = SCENARIOS[settings.scenario]
+    start_slots, min_w, max_w, changes, kill_coordinator_after = SCENARIOS[settings.scenario]
     out = os.path.abspath(settings.out)
     os.makedirs(out, exist_ok=True)
-    corpus_steps = settings.corpus_steps or {"shrink": 4, "grow": 12}[settings.scenario]
+    corpus_steps = settings.corpus_steps or CORPUS_STEPS[settings.scenario]
     all_ids = build_corpus(os.path.join(out, f"corpus-{corpus_steps}"), corpus_steps)
     storage = os.path.join(out, "runs")
     shutil.rmtree(storage, ignore_errors=True)  # a fresh run, not a resume of an old one
@@ -256,12 +283,12 @@ def run_scenario(settings: Settings) -> dict:
         t_fit = time.perf_counter()
         trainer.start()
 
-        changed_at = None  # (time, last step logged before the change)
-        changed_wall = None  # the same moment in wall-clock seconds (the workers' startup marks are)
+        start_w = sum(start_slots)
+        targets = [start_w + sum(changes[:k + 1]) for k in range(len(changes))]
+        changed: list[dict] = []  # per change made: after_step, at (perf), wall, landed_at_s, landed_step
         fit_wall = time.time()
         placements: list[dict] = []
         first_key = None  # (world size, nodes) of the first attempt
-        at_new_size = False
         # Stuck, not slow: the wait expires after a quiet spell (no new step, no event) longer
         # than --timeout or twice the time the run took to its last progress.
         wait = ProgressDeadline(floor_s=settings.timeout, clock=time.perf_counter)
@@ -274,22 +301,32 @@ def run_scenario(settings: Settings) -> dict:
                 first_key = (records[0]["world_size"], records[0].get("node_sizes"))
                 event("first step", step=records[0]["step"], world_size=first_key[0], node_sizes=first_key[1],
                       topology=records[0].get("topology"))
-            moved = next((r for r in records if (r["world_size"], r.get("node_sizes")) != first_key), None)
-            if changed_at is not None and moved is not None and not at_new_size:
-                at_new_size = True
-                event("training at new size", step=moved["step"], world_size=moved["world_size"],
-                      node_sizes=moved.get("node_sizes"), topology=moved.get("topology"))
+            last = records[-1] if records else None
+            if changed and "landed_step" not in changed[-1] and last is not None \
+                    and last["world_size"] == targets[len(changed) - 1]:
+                changed[-1]["landed_step"] = last["step"]
+                changed[-1]["landed_at_s"] = round(time.perf_counter() - t_begin, 2)
+                event("training at new size", step=last["step"], world_size=last["world_size"],
+                      node_sizes=last.get("node_sizes"), topology=last.get("topology"))
                 placements.append(_placement(cluster, workers, name))  # while the run is live
             step = max((r["step"] for r in records), default=-1)
             if kill_coordinator_after is not None and step >= kill_coordinator_after and not placements:
                 placements.append(_placement(cluster, workers, name))
                 ray.kill(ray.get_actor(name), no_restart=False)  # Ray restarts it (max_restarts=-1)
                 event("killed the coordinator actor", after_step=step, was_on=placements[-1]["coordinator_on"])
-            if changed_at is None and step >= settings.change_after_step and (
-                    kill_coordinator_after is None or placements):
-                if kill_coordinator_after is None:
+            # The next change: the first after step change_after_step (once the coordinator
+            # was killed, where it is), a later one once the run trained that many steps at
+            # the size the one before gave (a checkpoint at that size exists).
+            ready = len(changed) < len(changes) and (
+                step >= settings.change_after_step and (kill_coordinator_after is None or placements)
+                if not changed else
+                "landed_step" in changed[-1] and last is not None and last["world_size"] == targets[len(changed) - 1]
+                and last["step"] >= changed[-1]["landed_step"] + settings.change_after_step)
+            if ready:
+                change = changes[len(changed)]
+                if kill_coordinator_after is None and not changed:
                     placements.append(_placement(cluster, workers, name))
-                changed_wall = time.time()  # when the node is asked to go or to come (its join takes a while)
+                wall = time.time()  # when the node is asked to go or to come (its join takes a while)
                 if change < 0:
                     victim = next(n for n in reversed(workers) if slots[n.node_id] == -change)
                     workers.remove(victim)
@@ -303,7 +340,7 @@ def run_scenario(settings: Settings) -> dict:
                     cluster.wait_for_nodes(timeout=90)
                     event(f"added a worker node of {change} slots", after_step=step,
                           worker_node_slots=[slots[n.node_id] for n in workers])
-                changed_at = (time.perf_counter(), step)
+                changed.append({"change": change, "after_step": step, "at": time.perf_counter(), "wall": wall})
                 if settings.nudge:
                     try:
                         _refresh_autoscaling_view(len(workers) + 1)
@@ -324,41 +361,51 @@ def run_scenario(settings: Settings) -> dict:
             seg["bags_within_nodes"] = bags_within_nodes(seg)
         summary = box.get("summary") or {}
         final = summary.get("records", [])
-        start_w = sum(start_slots)
-        end_w = start_w + change
+        end_w = targets[-1]
         worlds = [s["world_size"] for s in segs]
         after = [s for s in segs if s["world_size"] == end_w]
-        t_new = next((e["t"] for e in events if e["event"] == "training at new size"), None)
+        # The segments after the last change (a run that ends where it started, grow-shrink,
+        # has segments of that size before the changes too).
+        last_change_step = changed[-1]["after_step"] if len(changed) == len(changes) else None
+        after = [s for s in after if last_change_step is not None and s["last_step"] > last_change_step
+                 and s is not segs[0]]
         ledger = ledger_check(RunDir(cfg.run_dir).ledger, all_ids)
         first = segs[0] if segs else {}
-        # Where the real layout mattered: the rule alone (no nodes) would cross one.
-        naive = str(resolve_rule(RULE, start_w).topology)
         checks = {
             "run finished": "summary" in box,
             f"started at world {start_w} on nodes of {sorted(start_slots, reverse=True)} slots":
                 bool(segs) and first["world_size"] == start_w
                 and sorted(first["node_sizes"] or [], reverse=True) == sorted(start_slots, reverse=True),
+            f"made every change ({len(changes)})": len(changed) == len(changes)
+                and all("landed_step" in c for c in changed),
             f"ended at world {end_w}": bool(segs) and segs[-1]["world_size"] == end_w,
-            "world size only moved towards the target": worlds == sorted(worlds, reverse=change < 0),
+            f"world size went {' -> '.join(map(str, [start_w, *targets]))}, only towards each target in turn":
+                sizes_took_the_path(worlds, [start_w, *targets]),
             "every attempt used the rule's topology for its world and nodes":
                 bool(segs) and all(s["topology"] == s["expected_topology"] for s in segs),
             "no bag crossed a node": bool(segs) and all(s["bags_within_nodes"] for s in segs),
             "final attempt ran at the new size": summary.get("world_size") == end_w
                 and summary.get("topology") == (segs[-1]["topology"] if segs else None),
-            "resumed from a checkpoint after the change, with no gap":
-                bool(after) and 0 < after[0]["first_step"] <= segs[segs.index(after[0]) - 1]["last_step"] + 1,
-            "steps trained after the change": sum(s["steps"] for s in after) > 0,
+            "every restart resumed from a checkpoint, with no gap": len(segs) > 1
+                and all(0 < b["first_step"] <= a["last_step"] + 1 for a, b in zip(segs, segs[1:])),
+            "steps trained after the last change": sum(s["steps"] for s in after) > 0,
             "ledger exactly once": ledger["exactly_once"],
             "coordinator on the head node": len(placements) >= 2 and all(p["coordinator_on"] == "head"
                                                                          for p in placements),
         }
-        if len(set(start_slots)) > 1:
-            checks[f"the rule alone ({naive}) would cross a node of the start layout"] = not bags_within_nodes(
-                {**first, "topology": naive}) if segs else False
+        # Where the real layout mattered: the rule alone (no nodes) would cross a node of an uneven one.
+        for nodes in sorted({tuple(sorted(s["node_sizes"] or [])) for s in segs if len(set(s["node_sizes"] or [])) > 1}):
+            naive = str(resolve_rule(RULE, sum(nodes)).topology)
+            checks[f"the rule alone ({naive}) would cross a node of the layout {list(nodes)}"] = not bags_within_nodes(
+                {"topology": naive, "world_size": sum(nodes), "node_sizes": list(nodes)})
         if kill_coordinator_after is not None:
             checks["coordinator killed, restarted by Ray, found on the head again"] = len(placements) >= 2 and any(
                 e["event"] == "killed the coordinator actor" for e in events)
-        recovery = recovery_breakdown(read_startups(cfg.run_dir), fit_wall, changed_wall)
+        recovery = recovery_breakdown(read_startups(cfg.run_dir), fit_wall, [c["wall"] for c in changed])
+        change_rows = [{"change": c["change"], "after_step": c["after_step"], "at_s": round(c["at"] - t_begin, 2),
+                        "new_size_training_at_s": c.get("landed_at_s"),
+                        "seconds_to_new_size": round(c["landed_at_s"] - (c["at"] - t_begin), 2)
+                        if "landed_at_s" in c else None} for c in changed]
         result.update({
             "recovery": recovery,
             "ok": all(checks.values()),
@@ -368,11 +415,7 @@ def run_scenario(settings: Settings) -> dict:
             "topologies": [s["topology"] for s in segs],
             "node_sizes": [s["node_sizes"] for s in segs],
             "coordinator_placements": placements,
-            "change": {"after_step": changed_at[1] if changed_at else None,
-                       "at_s": round(changed_at[0] - t_begin, 2) if changed_at else None,
-                       "new_size_training_at_s": t_new,
-                       "seconds_to_new_size": round(t_new - (changed_at[0] - t_begin), 2)
-                       if changed_at and t_new is not None else None},
+            "changes": change_rows,
             "steps_after_change": sum(s["steps"] for s in after),
             "final_attempt": {"world_size": summary.get("world_size"), "topology": summary.get("topology"),
                               "node_sizes": summary.get("node_sizes"),
@@ -413,9 +456,10 @@ PHASES = (
 )
 
 
-def recovery_breakdown(startups: list[dict], fit_wall: float, changed_wall: float | None) -> dict:
+def recovery_breakdown(startups: list[dict], fit_wall: float, changed_wall: float | list[float] | None) -> dict:
     """Seconds of each phase of the cold start (the first attempt, from the fit's start) and
-    of the first attempt after the change (from the change): ``PHASES``, and the total."""
+    of the first attempt after each change (from the change): ``PHASES``, and the total.
+    ``after_change`` is the last change's; ``after_changes`` has one per change."""
 
     def phases(attempt: dict | None, origin: float | None) -> dict | None:
         if attempt is None or origin is None:
@@ -429,21 +473,28 @@ def recovery_breakdown(startups: list[dict], fit_wall: float, changed_wall: floa
         out["world_size"], out["topology"] = attempt.get("world_size"), attempt.get("topology")
         return out
 
-    after = next((a for a in startups if changed_wall is not None and (a.get("trainer_started") or 0) > changed_wall),
-                 None)
-    return {"cold_start": phases(startups[0] if startups else None, fit_wall), "after_change": phases(after, changed_wall)}
+    walls = [] if changed_wall is None else [changed_wall] if isinstance(changed_wall, (int, float)) else list(changed_wall)
+    after = [phases(next((a for a in startups if (a.get("trainer_started") or 0) > w), None), w) for w in walls]
+    return {"cold_start": phases(startups[0] if startups else None, fit_wall),
+            "after_change": after[-1] if after else None, "after_changes": after}
 
 
 def recovery_table(result: dict) -> str:
     """The recovery of ``result`` (``recovery_breakdown``) and its ledger check, as a table."""
     rec = result.get("recovery") or {}
-    cols = [("cold start", rec.get("cold_start")), ("after the change", rec.get("after_change"))]
-    lines = [f"{'phase':<12} {'cold start':>11} {'after change':>13}  what"]
+    changes = [c for c in rec.get("after_changes") or [rec.get("after_change")]]
+    cols = [rec.get("cold_start"), *changes]
+    heads = ["cold start"] + (["after change"] if len(changes) == 1 else
+                              [f"after change {k + 1}" for k in range(len(changes))])
+    lines = [f"{'phase':<12} {heads[0]:>11} " + " ".join(f"{h:>13}" for h in heads[1:]) + "  what"]
+
+    def row(label: str, key: str, what: str) -> str:
+        vals = [f"{c[key]:.1f} s" if c and c.get(key) is not None else "-" for c in cols]
+        return f"{label:<12} {vals[0]:>11} " + " ".join(f"{v:>13}" for v in vals[1:]) + f"  {what}"
+
     for name, what, _, _ in PHASES:
-        vals = [f"{c[name]:.1f} s" if c and c.get(name) is not None else "-" for _, c in cols]
-        lines.append(f"{name:<12} {vals[0]:>11} {vals[1]:>13}  {what}")
-    vals = [f"{c['total']:.1f} s" if c and c.get("total") is not None else "-" for _, c in cols]
-    lines.append(f"{'total':<12} {vals[0]:>11} {vals[1]:>13}  to the first step")
+        lines.append(row(name, name, what))
+    lines.append(row("total", "total", "to the first step"))
     ledger = result.get("ledger") or {}
     lines.append(f"ledger: {'exactly once' if ledger.get('exactly_once') else 'NOT exactly once'} "
                  f"({ledger.get('rows')} rows for {ledger.get('corpus_samples')} samples)")

@@ -60,3 +60,16 @@ def test_startup_marks_and_the_recovery_breakdown(tmp_path):
     table = recovery_table({"recovery": rec, "ledger": {"exactly_once": True, "rows": 44, "corpus_samples": 44}})
     assert "ray               10.0 s        35.0 s" in table and "total             40.0 s        52.0 s" in table
     assert table.endswith("ledger: exactly once (44 rows for 44 samples)")
+
+
+def test_the_world_size_path_of_an_elastic_run():
+    """Each change's target in turn, through sizes between two targets only (Ray noticing
+    nodes one at a time), never away from the next target nor past it."""
+    from knapray.testing.elastic_check import sizes_took_the_path
+
+    assert sizes_took_the_path([3, 3, 4, 3], [3, 4, 3])
+    assert sizes_took_the_path([2, 3, 4], [2, 4])  # an added node noticed one slot at a time
+    assert not sizes_took_the_path([3, 2, 4, 3], [3, 4, 3])  # away from the target
+    assert not sizes_took_the_path([2, 4, 3], [2, 4])  # past the last one
+    assert not sizes_took_the_path([3, 4], [3, 4, 3])  # a change never landed
+    assert not sizes_took_the_path([4, 3], [3, 4, 3]) and not sizes_took_the_path([], [3])
