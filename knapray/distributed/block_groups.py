@@ -30,29 +30,32 @@ class BlockGroups:
     gpus_per_node: int
     groups: dict[tuple[int, int], dist.ProcessGroup]
     """``(first rank, size)`` of every block of more than one rank holding this rank -> its group."""
+    divisors: bool = False
+    """Blocks of every size dividing the heads (overlapping groups), not only powers of two."""
 
     @classmethod
-    def build(cls, gpus_per_node: int, num_heads: int | None = None) -> "BlockGroups":
+    def build(cls, gpus_per_node: int, num_heads: int | None = None, divisors: bool = False) -> "BlockGroups":
         """Create a group for every aligned block of more than one rank (sizes dividing
-        ``num_heads``, if given). Collective: every rank calls it, and every rank creates
-        every group in the order of ``aligned_blocks``, as ``dist.new_group`` requires."""
+        ``num_heads``, if given; ``divisors``: every such size, not only powers of two).
+        Collective: every rank calls it, and every rank creates every group in the order of
+        ``aligned_blocks``, as ``dist.new_group`` requires."""
         if not dist.is_initialized():
             raise RuntimeError("BlockGroups.build needs an initialized process group")
         world, rank = dist.get_world_size(), dist.get_rank()
         groups = {}
-        for start, size in aligned_blocks(world, gpus_per_node, num_heads):
+        for start, size in aligned_blocks(world, gpus_per_node, num_heads, divisors):
             if size == 1:
                 continue
             group = dist.new_group(list(range(start, start + size)))
             if start <= rank < start + size:
                 groups[(start, size)] = group
-        return cls(rank, world, gpus_per_node, groups)
+        return cls(rank, world, gpus_per_node, groups, divisors)
 
     def bag_group(self, topology: Topology) -> dist.ProcessGroup | None:
         """The group of this rank's bag in a step's topology (None for a bag of one).
         Raises ValueError if the topology's bags are not aligned blocks of this world."""
         topology.check_world_size(self.world_size)
-        check_aligned(topology, self.gpus_per_node)
+        check_aligned(topology, self.gpus_per_node, any_size=self.divisors)
         bag = int(topology.bag_of_rank[self.rank])
         start, size = int(topology.bag_starts[bag]), int(topology.bag_sizes[bag])
         if size == 1:

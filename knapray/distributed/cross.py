@@ -17,6 +17,10 @@ they are one key and value repeated, which ``cross_attention`` counts as one key
 logit gets + log(rows). That key is the same for every sequence: each rank computes it
 for every head and keeps its own block of heads, so it never travels.
 
+A rank that also runs whole sequences of its own beside the bag's (a plan with
+overlapping groups, ``UlyssesLayout.solo``) runs their self- and cross-attention as a bag
+of one, with no exchange.
+
 Plan first (``split_chunks``: which of a chunk's tokens are text, from the plan and
 every sequence's text count, on the host), then execute thinly (``BagCrossAttention``).
 """
@@ -28,6 +32,8 @@ import torch
 import torch.distributed as dist
 
 from knapray.planning import BalancePlan
+
+from knapray.indexing import permute_rows
 
 from .ulysses import UlyssesAttention, UlyssesLayout, check_local, on_device, to_bag, to_tokens
 
@@ -61,12 +67,17 @@ class BagCrossAttention:
         self.image = UlyssesAttention(plan, rank, group, backend=backend, device=device, layout=image)
         self.text = UlyssesLayout.build(plan, rank, device, text_len)
         self.group = group
-        seqs = plan.bag_sequences(image.bag)
-        counts = np.asarray(text_tokens, dtype=np.int64)[seqs]
+        counts = np.asarray(text_tokens, dtype=np.int64)
         self.image_lens = list(image.seq_lens)
         """Image tokens of each of the bag's sequences (host ints, for the split)."""
-        self.text_lens = counts.tolist()
+        self.text_lens = counts[plan.bag_sequences(image.bag)].tolist()
         self.pad_counts = [max(pad_to - t, 0) for t in self.text_lens] if pad_to else None
+        self.own = None
+        """The same three lists for the rank's own whole sequences (``UlyssesLayout.solo``)."""
+        if image.solo is not None:
+            own_text = counts[plan.solo_sequences(rank)].tolist()
+            self.own = (list(image.solo.seq_lens), own_text,
+                        [max(pad_to - t, 0) for t in own_text] if pad_to else None)
 
     @property
     def choice(self):
@@ -92,6 +103,21 @@ class BagCrossAttention:
         check_local(img, q, "image q")
         check_local(txt, k, "text k")
         pad = pad if self.pad_counts is not None else None
+        if img.solo is None:
+            return self._in_bag(q, k, v, pad, img, txt)
+        # The bag's rows first, then the rank's own sequences (a bag of one), and back.
+        qs = permute_rows(q, img.rows, img.rows_inverse)
+        kv = permute_rows(torch.stack((k, v), dim=1), txt.rows, txt.rows_inverse)
+        ni, nt = img.local_tokens, txt.local_tokens
+        bag_out = self._in_bag(qs[:ni], kv[:nt, 0], kv[:nt, 1], pad, img, txt)
+        image_lens, text_lens, pad_counts = self.own
+        own_out = cross_attention(qs[ni:], kv[nt:, 0], kv[nt:, 1], image_lens, text_lens, pad, pad_counts)
+        return permute_rows(torch.cat((bag_out, own_out)), img.rows_inverse, img.rows)
+
+    def _in_bag(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad, img, txt) -> torch.Tensor:
+        """Cross-attention of the bag's sequences (rows of this rank: its chunks of them)."""
+        from knapray.attention import cross_attention
+
         g, p = img.bag_size, img.rank_in_bag
         if g == 1:
             return cross_attention(q, k, v, self.image_lens, self.text_lens, pad, self.pad_counts)

@@ -10,6 +10,11 @@ varlen attention runs over the bag's whole sequences, and a second all-to-all tr
 The token permutation between "grouped by source rank" (what the all-to-all delivers) and
 "grouped by sequence" (what attention needs) comes from the plan, so nothing but q, k, v
 and the output travel. q, k and v move in one exchange.
+
+A plan with overlapping groups (``knapray.planning.overlap``) may also give a rank whole
+sequences of its own beside its share of the bag's (its *solo* bag): the layout then
+lists which of the rank's rows are the bag's and which its own, the bag's rows take the
+exchange above, and the rank's own sequences run as a bag of one, with no exchange.
 """
 
 from __future__ import annotations
@@ -49,6 +54,18 @@ class UlyssesLayout:
     max_seqlen: int
     seq_lens: tuple[int, ...] = ()
     """(S_bag,) tokens of each of the bag's sequences (host ints)."""
+    solo: "UlyssesLayout | None" = None
+    """The rank's own whole sequences beside the bag's (a bag of one), if the plan gives it any."""
+    rows: torch.Tensor | None = None
+    """With ``solo``: (N,) int64, the rank's rows of the bag's sequences, then those of its
+    own, as rows of what it holds (chunk order)."""
+    rows_inverse: torch.Tensor | None = None
+    """The inverse permutation of ``rows``."""
+
+    @property
+    def all_tokens(self) -> int:
+        """Rows this rank holds: the bag's sequences' and its own (``solo``)."""
+        return self.local_tokens + (self.solo.local_tokens if self.solo is not None else 0)
 
     @classmethod
     def build(cls, plan: BalancePlan, rank: int, device: torch.device | str | None = None,
@@ -57,10 +74,28 @@ class UlyssesLayout:
         or suffix of every chunk kept in order (default: all, ``plan.chunk_len``); e.g.
         only the image tokens of every chunk, for attention over a sequence's image
         tokens alone (``knapray.distributed.cross``)."""
-        topo = plan.topology
         chunk_len = plan.chunk_len if chunk_len is None else np.asarray(chunk_len, dtype=np.int64)
-        bag = int(topo.bag_of_rank[rank])
-        g = int(topo.bag_sizes[bag])
+        lay = cls._build_bag(plan, rank, int(plan.topology.bag_of_rank[rank]), chunk_len, device)
+        if not plan.overlapping:
+            return lay
+        solo_bag = plan.topology.solo_bag(rank)
+        recv = plan.recv_chunks(rank)
+        lens = chunk_len[recv]
+        mine = plan.bag[plan.chunk_seq[recv]] == solo_bag
+        if not mine.any():
+            return lay
+        starts = np.cumsum(lens) - lens
+        rows = np.concatenate([concat_ranges(starts[~mine], lens[~mine]), concat_ranges(starts[mine], lens[mine])])
+        return replace(lay, solo=cls._build_bag(plan, rank, solo_bag, chunk_len, device),
+                       rows=host_to_device(rows, device, torch.int64),
+                       rows_inverse=host_to_device(np.argsort(rows, kind="stable"), device, torch.int64))
+
+    @classmethod
+    def _build_bag(cls, plan: BalancePlan, rank: int, bag: int, chunk_len: np.ndarray,
+                   device: torch.device | str | None) -> "UlyssesLayout":
+        """The layout of one bag of ``rank`` (its bag of the topology, or its solo bag)."""
+        topo = plan.topology
+        g = int(topo.all_bag_sizes[bag])
         seqs = plan.bag_sequences(bag)
         # Chunks are sorted by (sequence, chunk) and a sequence on this bag has g of them.
         seq_first = np.cumsum(plan.bag_size_of_seq) - plan.bag_size_of_seq
@@ -79,7 +114,7 @@ class UlyssesLayout:
         def t(a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return host_to_device(a, device, dtype)  # pinned, non-blocking on a GPU
 
-        p = rank - int(topo.bag_starts[bag])
+        p = rank - int(topo.all_bag_starts[bag])
         return cls(
             bag=bag,
             bag_size=g,
@@ -142,35 +177,50 @@ class UlyssesAttention:
         check_qkv(q, k, v)
         check_local(lay, q, "q")
         if self.choice is None:
-            self.choice = choose_backend(lay.seq_lens, q.device, q.dtype, q.shape[1] // lay.bag_size, q.shape[2]) \
+            lens = lay.seq_lens + (lay.solo.seq_lens if lay.solo is not None else ())
+            self.choice = choose_backend(lens, q.device, q.dtype, q.shape[1] // lay.bag_size, q.shape[2]) \
                 if self.backend == "auto" else AttentionChoice(self.backend, "set by the caller")
         backend = self.choice.backend
 
-        def attend(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
+        def attend(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, bag: UlyssesLayout = lay) -> torch.Tensor:
             return varlen_attention(
-                qs, ks, vs, lay.cu_seqlens, lay.max_seqlen, backend=backend, scale=self.scale,
-                seq_lens=lay.seq_lens or None,
+                qs, ks, vs, bag.cu_seqlens, bag.max_seqlen, backend=backend, scale=self.scale,
+                seq_lens=bag.seq_lens or None,
             )
 
-        if lay.bag_size == 1:
-            return attend(q, k, v)
-        qkv = to_bag(torch.stack((q, k, v), dim=1), lay, self.group)  # (T, 3, H/g, D), whole sequences
-        return to_tokens(attend(*qkv.unbind(1)), lay, self.group)
+        def in_bag(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
+            if lay.bag_size == 1:
+                return attend(qs, ks, vs)
+            qkv = to_bag(torch.stack((qs, ks, vs), dim=1), lay, self.group)  # (T, 3, H/g, D), whole sequences
+            return to_tokens(attend(*qkv.unbind(1)), lay, self.group)
+
+        if lay.solo is None:
+            return in_bag(q, k, v)
+        # The bag's rows first, then the rank's own sequences (a bag of one), and back.
+        qkv = permute_rows(torch.stack((q, k, v), dim=1), lay.rows, lay.rows_inverse)
+        n = lay.local_tokens
+        bag_out = in_bag(*qkv[:n].unbind(1))
+        own_out = attend(*qkv[n:].unbind(1), bag=lay.solo)
+        return permute_rows(torch.cat((bag_out, own_out)), lay.rows_inverse, lay.rows)
 
 
 def on_device(lay: UlyssesLayout, device: torch.device) -> UlyssesLayout:
     """``lay`` with its index tensors on ``device`` (moved once, on first use)."""
     if lay.seq_order.device == device:
         return lay
-    return replace(lay, seq_order=lay.seq_order.to(device), rank_order=lay.rank_order.to(device),
-                   cu_seqlens=lay.cu_seqlens.to(device))
+    moved = replace(lay, seq_order=lay.seq_order.to(device), rank_order=lay.rank_order.to(device),
+                    cu_seqlens=lay.cu_seqlens.to(device))
+    if lay.solo is None:
+        return moved
+    return replace(moved, solo=on_device(lay.solo, device), rows=lay.rows.to(device),
+                   rows_inverse=lay.rows_inverse.to(device))
 
 
 def check_local(lay: UlyssesLayout, x: torch.Tensor, name: str) -> None:
     """``x`` (N_p, H, ...) holds this rank's tokens of ``lay`` and heads that split over its bag."""
     n, h = x.shape[:2]
-    if n != lay.local_tokens:
-        raise ValueError(f"this rank holds {lay.local_tokens} routed tokens under the plan, got {name} with {n} rows")
+    if n != lay.all_tokens:
+        raise ValueError(f"this rank holds {lay.all_tokens} routed tokens under the plan, got {name} with {n} rows")
     if h % lay.bag_size:
         raise ValueError(
             f"{h} heads cannot be split over a bag of {lay.bag_size} ranks; the bag size must divide "

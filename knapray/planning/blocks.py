@@ -11,6 +11,11 @@ order, and the groups exist before the first step.
 ``knapray serve``'s gang forms its blocks the same way (``blocks_of``), and may also form
 blocks of whole nodes (2, 4, ... nodes, aligned at their size): a sampling request's bag
 holds for its whole loop, so a lone clip may take the gang while nothing else waits.
+
+A run with overlapping groups (``balance.overlap``) also has blocks of every other size
+that divides the head count, up to a node (``divisors=True``; 24 heads on nodes of 8: 3 and
+6 besides 1, 2, 4, 8), each aligned the same way (a block of ``g`` starts at a multiple of
+``g`` in its node: blocks of 3 at 0 and 3), so a step's demand may ask for groups of 3.
 """
 
 from __future__ import annotations
@@ -20,12 +25,17 @@ from functools import lru_cache
 from .topology import Topology
 
 
-def block_sizes(gpus_per_node: int, num_heads: int | None = None) -> list[int]:
+def block_sizes(gpus_per_node: int, num_heads: int | None = None, divisors: bool = False) -> list[int]:
     """Powers of two up to the node size (that divide ``num_heads``, if given: Ulysses
-    gives each rank of a bag of ``g`` ranks ``num_heads / g`` heads)."""
+    gives each rank of a bag of ``g`` ranks ``num_heads / g`` heads); ``divisors``: every
+    size up to the node that divides ``num_heads``."""
     _check_positive("gpus_per_node", gpus_per_node)
     if num_heads is not None:
         _check_positive("num_heads", num_heads)
+    if divisors:
+        if num_heads is None:
+            raise ValueError("block sizes of every divisor need the head count")
+        return [g for g in range(1, gpus_per_node + 1) if num_heads % g == 0]
     sizes, g = [], 1
     while g <= gpus_per_node:
         if num_heads is None or num_heads % g == 0:
@@ -34,19 +44,21 @@ def block_sizes(gpus_per_node: int, num_heads: int | None = None) -> list[int]:
     return sizes
 
 
-def aligned_blocks(world_size: int, gpus_per_node: int, num_heads: int | None = None) -> list[tuple[int, int]]:
+def aligned_blocks(world_size: int, gpus_per_node: int, num_heads: int | None = None,
+                   divisors: bool = False) -> list[tuple[int, int]]:
     """``(first rank, size)`` of every aligned block of every node, sizes from
     ``block_sizes``: node by node, largest blocks first, then by offset. A world smaller
     than a node is one node."""
     _check_positive("world_size", world_size)
     node = _node_size(world_size, gpus_per_node)
-    return list(blocks_of(world_size, tuple(block_sizes(node, num_heads)), node))
+    return list(blocks_of(world_size, tuple(block_sizes(node, num_heads, divisors)), node, any_size=divisors))
 
 
-def blocks_of(ranks: int, sizes: tuple[int, ...], node: int | None = None) -> tuple[tuple[int, int], ...]:
-    """``(first rank, size)`` of every aligned block of the given ``sizes`` (powers of two)
-    over ``ranks`` ranks in nodes of ``node`` (default: all in one; the last node may be
-    short). A size up to a node gives blocks inside every node; a larger one, a power-of-two
+def blocks_of(ranks: int, sizes: tuple[int, ...], node: int | None = None,
+              any_size: bool = False) -> tuple[tuple[int, int], ...]:
+    """``(first rank, size)`` of every aligned block of the given ``sizes`` (powers of two;
+    ``any_size``: any size up to a node, aligned at a multiple of it) over ``ranks`` ranks
+    in nodes of ``node`` (default: all in one; the last node may be short). A size up to a node gives blocks inside every node; a larger one, a power-of-two
     number of whole nodes, gives blocks of whole nodes aligned at their size. Blocks of
     whole nodes first (largest first), then node by node, largest first, then by offset."""
     _check_positive("ranks", ranks)
@@ -54,7 +66,7 @@ def blocks_of(ranks: int, sizes: tuple[int, ...], node: int | None = None) -> tu
     _check_positive("node", node)
     out = []
     for g in sorted(set(sizes), reverse=True):
-        if g < 1 or g & (g - 1) or (g > node and (g % node or g > ranks)):
+        if g < 1 or (g & (g - 1) and not (any_size and g <= node)) or (g > node and (g % node or g > ranks)):
             raise ValueError(f"block size {g}: a power of two of at most {node} ranks (a node), or a power-of-two "
                              f"number of whole nodes of {node} within {ranks} ranks")
         if g > node:
@@ -87,31 +99,32 @@ def node_partitions(gpus_per_node: int, sizes: tuple[int, ...]) -> tuple[tuple[i
     return tuple(fill(0))
 
 
-def is_aligned_layout(bags: tuple[int, ...] | list[int], gpus_per_node: int) -> bool:
-    """True if ``bags`` (sizes in rank order) are aligned power-of-two blocks, each inside
-    one node (a world smaller than a node is one node)."""
-    return _first_unaligned(list(bags), gpus_per_node) is None
+def is_aligned_layout(bags: tuple[int, ...] | list[int], gpus_per_node: int, any_size: bool = False) -> bool:
+    """True if ``bags`` (sizes in rank order) are aligned power-of-two blocks (``any_size``:
+    aligned blocks of any size), each inside one node (a world smaller than a node is one node)."""
+    return _first_unaligned(list(bags), gpus_per_node, any_size) is None
 
 
-def check_aligned(topology: Topology, gpus_per_node: int) -> None:
+def check_aligned(topology: Topology, gpus_per_node: int, any_size: bool = False) -> None:
     """Raise ValueError naming the first bag of ``topology`` that is not an aligned
-    power-of-two block inside a node."""
-    bad = _first_unaligned(topology.bags, gpus_per_node)
+    power-of-two block inside a node (``any_size``: an aligned block of any size)."""
+    bad = _first_unaligned(topology.bags, gpus_per_node, any_size)
     if bad is not None:
         b, start, g = bad
+        kind = "aligned" if any_size else "aligned power-of-two"
         raise ValueError(
-            f"bag {b} (g{g}, ranks {start}..{start + g - 1}) of {topology} is not an aligned power-of-two "
+            f"bag {b} (g{g}, ranks {start}..{start + g - 1}) of {topology} is not an {kind} "
             f"block of a node of {gpus_per_node} GPUs (a block of g starts at a multiple of g in its node)"
         )
 
 
-def _first_unaligned(bags: list[int], gpus_per_node: int) -> tuple[int, int, int] | None:
+def _first_unaligned(bags: list[int], gpus_per_node: int, any_size: bool = False) -> tuple[int, int, int] | None:
     """(bag, first rank, size) of the first bag that is not an aligned block, or None."""
     node = _node_size(sum(bags), gpus_per_node)
     start = 0
     for b, g in enumerate(bags):
         off = start % node
-        if g < 1 or g & (g - 1) or off % g or off + g > node:
+        if g < 1 or (g & (g - 1) and not any_size) or off % g or off + g > node:
             return b, start, g
         start += g
     return None

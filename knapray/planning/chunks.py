@@ -21,14 +21,16 @@ def make_chunks(
     if n == 0:
         z = np.zeros(0, np.int64)
         return z, z, z.copy(), z.copy()
-    sizes = topology.bag_sizes
+    solo = int(bag.max()) >= topology.num_bags  # some sequences whole on a rank of a larger bag
+    sizes = topology.all_bag_sizes if solo else topology.bag_sizes
     g = sizes[bag]
     base, rem = np.divmod(lens, g)
-    offset = _rotation_offsets(rem, bag, g, topology.num_bags)
-    first_rank = topology.bag_starts[bag]
-    if sizes.min() == sizes.max() and sizes[0] < 2**15:
-        chunk_len, chunk_start, chunk_rank = _grid(base, rem, offset, first_rank, int(sizes[0]))
-        chunk_seq = np.repeat(np.arange(n, dtype=np.int64), int(sizes[0]))
+    offset = _rotation_offsets(rem, bag, g, sizes.size)
+    first_rank = (topology.all_bag_starts if solo else topology.bag_starts)[bag]
+    g0 = int(g[0])
+    if (g0 < 2**15 and sizes.min() == sizes.max()) or (solo and g0 < 2**15 and bool((g == g0).all())):
+        chunk_len, chunk_start, chunk_rank = _grid(base, rem, offset, first_rank, g0)
+        chunk_seq = np.repeat(np.arange(n, dtype=np.int64), g0)
         return chunk_seq, chunk_rank.ravel(), chunk_start.ravel(), chunk_len.ravel()
     chunk_seq = np.repeat(np.arange(n, dtype=np.int64), g)
     seq_first = np.cumsum(g) - g

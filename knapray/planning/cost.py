@@ -482,7 +482,9 @@ def rank_times(
     g_c = bag_size_of_seq[chunk_seq].astype(np.float64)
     comp = model.per_sequence(seq_len_c) + model.linear(chunk_len) + model.attention(seq_len_c) / g_c
     bag_of_rank = topology.bag_of_rank
-    uly = chunk_len * bag_token_s[bag_of_rank[chunk_rank]]
+    # A chunk of a bag of several pays its bag's all-to-alls; a solo sequence (whole on a
+    # rank of a larger bag: g 1) none.
+    uly = chunk_len * bag_token_s[bag_of_rank[chunk_rank]] * (g_c > 1)
     speed = bag_speed[bag_of_rank]
     compute = np.bincount(chunk_rank, weights=comp, minlength=w) / speed
     ulysses = np.bincount(chunk_rank, weights=uly, minlength=w) / speed

@@ -2,7 +2,8 @@
 
 Sequences are numbered globally in ``(home rank, local index)`` order. A sequence placed
 on a bag of ``g`` ranks is cut into ``g`` contiguous chunks, chunk ``c`` running on the
-bag's ``c``-th rank. Chunk arrays are sorted by ``(sequence, chunk)``, so a sequence's
+bag's ``c``-th rank. A sequence on a solo bag (``Topology.solo_bag``: index
+``num_bags + r``) runs whole on rank ``r``, beside that rank's share of its own bag. Chunk arrays are sorted by ``(sequence, chunk)``, so a sequence's
 chunks are consecutive and in rank order, and a rank's chunks, taken in array order,
 are in global sequence order; that is both the order in which an all-to-all delivers
 them (by source rank, then local index) and the order every rank of a bag agrees on for
@@ -65,7 +66,16 @@ class BalancePlan:
 
     @cached_property
     def bag_size_of_seq(self) -> np.ndarray:
-        return self.topology.bag_sizes[self.bag]
+        return self.topology.all_bag_sizes[self.bag] if self.overlapping else self.topology.bag_sizes[self.bag]
+
+    @cached_property
+    def overlapping(self) -> bool:
+        """Whether some sequence runs whole on a rank of a larger bag (a solo bag)."""
+        return bool(self.bag.size) and int(self.bag.max()) >= self.topology.num_bags
+
+    def solo_sequences(self, rank: int) -> np.ndarray:
+        """Global ids of the sequences that run whole on ``rank`` beside its bag's."""
+        return np.flatnonzero(self.bag == self.topology.solo_bag(rank))
 
     @cached_property
     def chunk_src(self) -> np.ndarray:

@@ -1,8 +1,10 @@
 """The newest balancers' ideas as planners in the simulator, under knapray's cost model.
 
-knapray's own planners, ``auto`` (a static topology chosen from recent steps) and
+knapray's own planners, ``auto`` (a static topology chosen from recent steps),
 ``per-step`` (each step's own partition of every node into aligned power-of-two blocks,
-``pertopo``), are compared with what the systems published since KnapFormer do, each
+``pertopo``) and ``overlap`` (long sequences on the bags of either of those or of a
+homogeneous topology, short ones whole on the least loaded GPUs, which may also serve a
+bag: ``overlap``), are compared with what the systems published since KnapFormer do, each
 re-implemented from its paper's description as a planner of one step (none of them ships
 code for this cost model; these are their ideas, not their code):
 
@@ -26,7 +28,8 @@ code for this cost model; these are their ideas, not their code):
   their home), since a ``BalancePlan``'s bags are disjoint.
 
 ``rivals_step`` predicts one step with every planner; ``rivals_table`` runs mixes and
-world sizes and ``rivals_markdown`` writes the table (``knapray simulate --rivals``).
+world sizes and ``rivals_markdown`` writes the table (``knapray simulate --rivals``);
+``random_cases`` draws mixes nobody picked (``simulate --rivals --random N``).
 """
 
 from __future__ import annotations
@@ -39,13 +42,16 @@ import numpy as np
 
 from .autotopo import search_topology
 from .cost import CostModel, StepTimes
-from .mix import MAX_TEXT_TOKENS
+from .mix import MAX_TEXT_TOKENS, parse_code
+from .overlap import demand_layout, divisor_sizes, overlap_plan, step_candidates
 from .pertopo import plan_step
 from .plan import BalancePlan
 from .solver import plan_balance
 from .topology import Topology
 
-PLANNERS = ("knapray_auto", "knapray_per_step", "knapformer", "dynamic_cp", "flexsp", "zellige")
+PLANNERS = ("knapray_auto", "knapray_per_step", "knapray_overlap", "knapformer", "dynamic_cp", "flexsp", "zellige")
+KNAPRAY = ("knapray_auto", "knapray_per_step", "knapray_overlap")
+"""knapray's planners: its best is the fastest of these."""
 MARGINS = (1.0, 1.05, 1.1, 1.2, 1.35)
 """Target step times (x the step's ideal) the demand-driven rivals try; the best is kept."""
 
@@ -81,11 +87,6 @@ def _planned(planner: str, plan: BalancePlan, cost: CostModel) -> Prediction:
     return _prediction(planner, cost.step_times(plan), _compact(plan.topology), plan)
 
 
-def divisor_sizes(gpus_per_node: int, num_heads: int) -> list[int]:
-    """Group sizes FlexSP may use: every size up to a node that divides the head count."""
-    return [g for g in range(1, gpus_per_node + 1) if num_heads % g == 0]
-
-
 def pow2_sizes(gpus_per_node: int, num_heads: int) -> list[int]:
     out, g = [], 1
     while g <= gpus_per_node:
@@ -109,44 +110,6 @@ def dynamic_cp(step: list[list[int]], cost: CostModel) -> Prediction:
     return best
 
 
-def _flexsp_layout(lens: np.ndarray, home_node: np.ndarray, cost: CostModel, world: int, sizes: list[int],
-                   target: float) -> Topology | None:
-    """Groups of the sizes the step's sequences ask for at ``target`` seconds, placed on the
-    nodes whose own sequences ask for them most (``pertopo``'s placement), every node's rest
-    in groups of one."""
-    from .pertopo import _place
-
-    node = min(cost.gpus_per_node, world)
-    n_nodes = world // node
-    times = np.stack([cost.seq_cost(lens, g) for g in sizes])  # (sizes, S)
-    fits = times <= target
-    want = np.asarray(sizes)[np.where(fits.any(axis=0), np.argmax(fits, axis=0), len(sizes) - 1)]
-    counts: dict[int, int] = {}
-    for g in sizes[1:]:
-        need = float(times[sizes.index(g)][want == g].sum())
-        if need > 0:
-            counts[g] = max(1, int(np.ceil(need / target)))
-    # What does not fit the nodes is trimmed, largest groups first.
-    while sum(g * c for g, c in counts.items()) > world and counts:
-        g = max(counts)
-        counts[g] -= 1
-        if not counts[g]:
-            del counts[g]
-    counts[1] = world - sum(g * c for g, c in counts.items())
-    for _ in range(64):  # groups that fit the total but not the nodes: trade the largest for ones
-        bags = _place(counts, node, n_nodes, want, home_node, cost.compute(lens))
-        if bags is not None:
-            return Topology(tuple(bags))
-        g = max(k for k in counts if k > 1) if any(k > 1 for k in counts) else None
-        if g is None:
-            return None
-        counts[g] -= 1
-        counts[1] += g
-        if not counts[g]:
-            del counts[g]
-    return None
-
-
 def flexsp(step: list[list[int]], cost: CostModel) -> Prediction:
     """Variable-size groups chosen per step (any divisor of the heads up to a node)."""
     world = len(step)
@@ -157,7 +120,7 @@ def flexsp(step: list[list[int]], cost: CostModel) -> Prediction:
     ideal = cost.ideal_step_time(lens, world) - cost.fixed_s
     # FlexSP solves for its groups exactly; this heuristic also tries every one-size layout
     # (each a layout FlexSP's solver may pick), so it never trails dynamic CP's choice.
-    layouts = [_flexsp_layout(lens, home_node, cost, world, sizes, ideal * margin) for margin in MARGINS]
+    layouts = [demand_layout(lens, home_node, cost, world, sizes, ideal * margin) for margin in MARGINS]
     layouts += [Topology((g,) * (world // g)) for g in sizes if node % g == 0 and world % g == 0]
     best, seen = None, set()
     for topo in layouts:
@@ -207,8 +170,8 @@ def zellige_times(step: list[list[int]], cost: CostModel, target: float, long_gr
             move(src, r, length)
             continue
         groups[g] = groups.get(g, 0) + 1
-        starts = np.arange(0, world, g)  # aligned blocks inside nodes (g divides the node size)
-        start = int(starts[np.argmin([load[s:s + g].max() for s in starts])])
+        # Aligned blocks inside nodes (g divides the node size): the one whose busiest GPU is least loaded.
+        start = int(np.argmin(load.reshape(-1, g).max(axis=1))) * g
         chunk = float(cost.chunk(np.asarray(length / g), np.asarray(length), np.asarray(g)))
         per_token = cost.ulysses_token_s(g, 0)
         for r in range(start, start + g):
@@ -261,6 +224,11 @@ def rivals_step(step: list[list[int]], cost: CostModel, auto: Topology, fixed: T
         "knapformer": _planned("knapformer", plan_balance(step, fixed, cost, solver="greedy"), cost),
         "knapray_per_step": _planned("knapray_per_step", plan_step(step, cost, base=auto).plan, cost),
     }
+    world = len(step)
+    over = overlap_plan(step, cost, step_candidates(step, cost, auto, out["knapray_per_step"].plan.topology,
+                                                    min(cost.gpus_per_node, world)))
+    out["knapray_overlap"] = _prediction("knapray_overlap", cost.step_times(over), "overlapping: " + _compact(
+        over.topology) + f" + {over.stats['overlap']['solo']} whole", over)
     out["dynamic_cp"] = dynamic_cp(step, cost)
     out["flexsp"] = flexsp(step, cost)
     out["zellige"] = zellige(step, cost)
@@ -317,7 +285,7 @@ def rivals_table(
                     "comm_share": float(np.mean([p.comm_share for p in ps])),
                     "layouts": sorted({p.layout for p in ps}),
                 }
-            best = min(row["planners"][n]["step_s"] for n in ("knapray_auto", "knapray_per_step"))
+            best = min(row["planners"][n]["step_s"] for n in KNAPRAY)
             row["knapray_best_s"] = best
             row["ratios"] = {n: row["planners"][n]["step_s"] / best for n in PLANNERS}
             rows.append(row)
@@ -327,19 +295,19 @@ def rivals_table(
 
 
 def rivals_markdown(rows: list[dict], command: str) -> str:
-    head = ("| mix | GPUs | knapray auto s | knapray per-step s | KnapFormer greedy | dynamic CP | FlexSP-style "
-            "| Zellige-style | comm. share (best knapray / Zellige) | sim s |")
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    head = ("| mix | GPUs | knapray auto s | knapray per-step s | knapray overlap s | KnapFormer greedy | dynamic CP "
+            "| FlexSP-style | Zellige-style | comm. share (best knapray / Zellige) | sim s |")
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in rows:
         p, q = r["planners"], r["ratios"]
-        best = "knapray_auto" if p["knapray_auto"]["step_s"] <= p["knapray_per_step"]["step_s"] else "knapray_per_step"
+        best = min(KNAPRAY, key=lambda n: p[n]["step_s"])
         cells = [f"{p[n]['step_s']:.4f} ({q[n]:.3f}x)" for n in ("knapformer", "dynamic_cp", "flexsp", "zellige")]
         lines.append(
-            f"| {r['mix']} | {r['world_size']} | {p['knapray_auto']['step_s']:.4f} | "
-            f"{p['knapray_per_step']['step_s']:.4f} | " + " | ".join(cells)
+            f"| {r['mix']} | {r['world_size']} | " + " | ".join(f"{p[n]['step_s']:.4f}" for n in KNAPRAY) + " | "
+            + " | ".join(cells)
             + f" | {p[best]['comm_share']:.1%} / {p['zellige']['comm_share']:.1%} | {r['seconds']:.0f} |")
     return (f"Command: `{command}`. Predicted step seconds (means over {rows[0]['steps'] if rows else 0} steps); "
-            "each rival's step time over knapray's best (auto or per-step) in brackets: above 1.000x the rival is "
+            "each rival's step time over knapray's best (auto, per-step or overlap) in brackets: above 1.000x the rival is "
             "slower.\n\n" + "\n".join(lines) + "\n")
 
 
@@ -348,3 +316,62 @@ def _compact(topology: Topology) -> str:
 
     spec = composition_spec(topology)
     return spec if topology.num_groups == 1 else f"{spec} x{topology.num_groups}"
+
+
+# ---- mixes nobody picked ------------------------------------------------------------------
+
+RANDOM_WORLDS = (8, 16, 32, 64, 128, 256)
+IMAGE_SIDES = (256, 384, 512, 640, 768, 1024, 1536, 2048)
+CLIP_SIDES = (256, 384, 512, 768)
+
+
+def random_mix(rng: np.random.Generator, ranks: int = 8) -> str:
+    """A mix of ``ranks`` ranks drawn at random: 1 to 5 parts, each images of a random side
+    and batch (fewer for larger sides) or clips of a random side, length and VAE (3.4x or
+    Wan's causal 4x), 1 or 2 a rank; only codes ``parse_code`` accepts."""
+    while True:
+        k = int(rng.integers(1, min(5, ranks) + 1))
+        cuts = np.sort(rng.choice(np.arange(1, ranks), size=k - 1, replace=False)) if k > 1 else np.zeros(0, int)
+        codes = []
+        for g in np.diff(np.concatenate([[0], cuts, [ranks]])).tolist():
+            if rng.random() < 0.35:
+                vae = int(rng.choice([1, 2]))
+                frames = int(rng.choice([17, 33, 49, 81] if vae == 2 else [17, 33, 49, 85]))
+                codes.append(f"g{g}b{int(rng.integers(1, 3))}i{int(rng.choice(CLIP_SIDES))}f{frames}s{vae}")
+            else:
+                side = int(rng.choice(IMAGE_SIDES))
+                most = max(2, int(32 * (256 / side) ** 2))
+                codes.append(f"g{g}b{int(rng.integers(1, most + 1))}i{side}f1s0")
+        try:
+            for c in codes:
+                parse_code(c)
+        except ValueError:
+            continue
+        return ",".join(codes)
+
+
+def random_cases(n: int, seed: int, worlds: Sequence[int] = RANDOM_WORLDS) -> list[tuple[str, str, int, int]]:
+    """``n`` (mix, model preset, world size, step seed) cases, seeded: a random mix of 8
+    ranks (replicated to the world), either preset, a world from ``worlds``."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        mix = random_mix(rng)
+        model = "flux" if rng.random() < 0.5 else "wan14b"
+        out.append((mix, model, int(rng.choice(worlds)), int(rng.integers(0, 2**31))))
+    return out
+
+
+def random_rivals_table(n: int, seed: int, steps: int = 1, worlds: Sequence[int] = RANDOM_WORLDS,
+                        progress=None) -> list[dict]:
+    """``rivals_table``'s rows for ``random_cases(n, seed)``, one case each; a row's
+    ``behind`` is how far knapray's best trails the best rival (0: it does not)."""
+    rows = []
+    for mix, model, world, step_seed in random_cases(n, seed, worlds):
+        (row,) = rivals_table([(mix, model)], worlds=(world,), steps=steps, seed=step_seed, history_steps=1)
+        row["step_seed"] = step_seed
+        row["behind"] = max(0.0, 1.0 - min(v for k, v in row["ratios"].items() if k not in KNAPRAY))
+        rows.append(row)
+        if progress is not None:
+            progress(row)
+    return rows

@@ -4,6 +4,11 @@ A spec such as ``g8n4`` means 4 bags of 8 GPUs; ``g1n16+g4n2+g8n1`` mixes sizes.
 contiguous rank ranges in spec order. The ranks a spec covers form one *balance group*;
 a world that is a multiple of that size replicates the spec into independent balance
 groups (KnapFormer does the same), each planned on its own.
+
+Besides its bags every rank is a *solo bag* of its own, numbered after the bags
+(``solo_bag(r) = num_bags + r``): a plan may run a sequence whole on a rank that also
+serves a bag of several (the two overlap on that rank; ``knapray.planning.overlap``).
+``all_bag_sizes`` and ``all_bag_starts`` index both kinds.
 """
 
 from __future__ import annotations
@@ -144,8 +149,24 @@ class Topology:
         return np.repeat(np.arange(self.num_groups, dtype=np.int64), len(self.group_bags))
 
     def bag_ranks(self, bag: int) -> range:
+        if bag >= self.num_bags:  # a solo bag
+            return range(bag - self.num_bags, bag - self.num_bags + 1)
         start = int(self.bag_starts[bag])
         return range(start, start + int(self.bag_sizes[bag]))
+
+    def solo_bag(self, rank: int) -> int:
+        """The bag index of ``rank`` alone (overlapping the rank's bag of the topology)."""
+        return self.num_bags + int(rank)
+
+    @cached_property
+    def all_bag_sizes(self) -> np.ndarray:
+        """Size of every bag, then of every solo bag (1): indexed by a plan's ``bag``."""
+        return np.concatenate([self.bag_sizes, np.ones(self.world_size, np.int64)])
+
+    @cached_property
+    def all_bag_starts(self) -> np.ndarray:
+        """First rank of every bag, then of every solo bag (its rank)."""
+        return np.concatenate([self.bag_starts, np.arange(self.world_size, dtype=np.int64)])
 
     def group_ranks(self, group: int) -> range:
         return range(group * self.group_size, (group + 1) * self.group_size)

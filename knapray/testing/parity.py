@@ -10,6 +10,9 @@ of every parameter gradient (``max|a-b| / max|b|`` per tensor; a sharded gradien
 gathered whole first) and of the global gradient norm (sharded: reduced over the mesh).
 
 ``empty_ranks`` hold no sequences; ``textless_ranks`` hold sequences without text tokens.
+A topology ``SPEC/overlap`` runs the plan on ``SPEC`` with every other sequence moved whole
+onto a rank of a bag of several (``overlapped``): groups that overlap, the rank's own
+sequences beside its share of the bag's.
 The coverage fields say what the routed chunks exercised: ranks computing nothing, ranks
 whose chunks hold no text (text weights unused there), ranks without image tokens.
 """
@@ -28,7 +31,7 @@ import torch
 from knapray.distributed.local import free_port, init_local_gloo, spawn_local
 from knapray.models import MMDiT, MMDiTConfig, pack_samples
 from knapray.models.flow import add_noise, flow_loss
-from knapray.planning import Topology, WorkloadModel, identity_plan, plan_balance
+from knapray.planning import BalancePlan, Topology, WorkloadModel, identity_plan, plan_balance
 from knapray.planning.mix import MAX_TEXT_TOKENS
 from knapray.testing.batches import concat_batches, mix_batches
 
@@ -45,6 +48,37 @@ def parity_config(num_heads: int = 4) -> MMDiTConfig:
         in_channels=4, patch_size=(1, 2, 2), hidden_size=16 * num_heads, num_heads=num_heads,
         depth_double=1, depth_single=1, text_dim=16, pooled_dim=16, rope_axes_dim=(4, 6, 6),
     )
+
+
+OVERLAP = "/overlap"
+
+
+def overlapped(plan: BalancePlan) -> BalancePlan:
+    """``plan`` with overlapping groups, for a parity check: every other sequence (by global
+    id) runs whole on a rank of a bag of several ranks in its balance group, the ranks taken
+    in turn from the one after its home (so most of them route), beside that rank's share
+    of its bag (``knapray.planning.overlap.whole_on``). A topology with no bag of several
+    gets no move."""
+    from knapray.planning.overlap import whole_on
+
+    topo = plan.topology
+    moves = {}
+    for s in range(0, plan.num_sequences, 2):
+        home = int(plan.home_rank[s])
+        group = topo.group_ranks(home // topo.group_size)
+        shared = [r for r in group if int(topo.bag_sizes[topo.bag_of_rank[r]]) > 1]
+        if shared:
+            moves[s] = shared[(home + 1 + s // 2) % len(shared)]
+    return whole_on(plan, moves)
+
+
+def plan_of(spec: str, lens: list[list[int]], world: int, model) -> BalancePlan:
+    """The plan a parity case runs: ``identity`` for ``unbalanced``, the solver's on the
+    topology ``spec``, and ``overlapped`` for ``SPEC/overlap``."""
+    if spec == UNBALANCED:
+        return identity_plan(lens, model)
+    plan = plan_balance(lens, Topology.parse(spec.removesuffix(OVERLAP), world_size=world), model)
+    return overlapped(plan) if spec.endswith(OVERLAP) else plan
 
 
 def _build_model(cfg: MMDiTConfig, seed: int) -> MMDiT:
@@ -92,12 +126,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str, specs: list[str], mi
         workload = WorkloadModel(d_model=cfg.hidden_size)
         results = {}
         for spec in specs:
+            plan = plan_of(spec, lens, world, workload)
             if spec == UNBALANCED:
-                plan, bag_group, route_group = identity_plan(lens, workload), None, None
+                bag_group, route_group = None, None
             else:
-                topo = Topology.parse(spec, world_size=world)
-                groups = BagGroups.build(topo, cfg.num_heads)
-                plan = plan_balance(lens, topo, workload)
+                groups = BagGroups.build(plan.topology, cfg.num_heads)
                 bag_group, route_group = groups.bag_group, groups.balance_group
             model.zero_grad(set_to_none=True)
             # The trainer's path: index maps and routing prepared on the host from the plan and
@@ -136,11 +169,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def _coverage(spec: str, lens: list[list[int]], world: int, n_text, cfg: MMDiTConfig) -> dict:
     """What the case exercised: the cases a parity check must cover, counted from the plan
     (every rank derived the same plan from the same lengths)."""
-    workload = WorkloadModel(d_model=cfg.hidden_size)
-    if spec == UNBALANCED:
-        plan = identity_plan(lens, workload)
-    else:
-        plan = plan_balance(lens, Topology.parse(spec, world_size=world), workload)
+    plan = plan_of(spec, lens, world, WorkloadModel(d_model=cfg.hidden_size))
     g = plan.bag_size_of_seq
     recv = plan.recv_counts
     # Text tokens lead each sequence: a chunk holds those of [start, start + len).
@@ -155,6 +184,12 @@ def _coverage(spec: str, lens: list[list[int]], world: int, n_text, cfg: MMDiTCo
         "sequences_shorter_than_bag": int((plan.seq_lens < g).sum()),
         "chunks_without_text": int((plan.chunk_start >= n_text[plan.chunk_seq]).sum()),
         "moved_token_fraction": plan.moved_token_fraction,
+        # Overlapping groups: sequences whole on a rank of a bag of several, and the ranks
+        # that ran both their own and a share of their bag's.
+        "whole_on_shared_ranks": int((plan.bag >= plan.topology.num_bags).sum()),
+        "ranks_running_both": int(sum(
+            1 for r in range(world)
+            if plan.solo_sequences(r).size and plan.bag_sequences(int(plan.topology.bag_of_rank[r])).size)),
     }
 
 
@@ -194,7 +229,7 @@ def run_parity(
 
     cfg = parity_config(num_heads)
     for spec in topologies:
-        topo = Topology.parse(spec, world_size=world_size)  # clear errors before spawning
+        topo = Topology.parse(spec.removesuffix(OVERLAP), world_size=world_size)  # clear errors before spawning
         check_heads(cfg.num_heads, topo)
     for name, ranks in (("empty_ranks", empty_ranks), ("textless_ranks", textless_ranks)):
         bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < world_size)]

@@ -10,7 +10,9 @@ import pytest
 from knapray.cli import main
 from knapray.testing.parity import passed, run_parity
 
-TOPOLOGIES = ["g1n4", "g2n2", "g4n1", "g1n2+g2n1"]
+TOPOLOGIES = ["g1n4", "g2n2", "g4n1", "g1n2+g2n1", "g2n2/overlap", "g4n1/overlap"]
+"""``/overlap``: every other sequence whole on a rank that also computes a share of its bag's
+(groups that overlap on that rank; ``knapray.testing.parity.overlapped``)."""
 # Rank 1 holds nothing; i64 images at scale 4 are one visual token plus 0-3 text tokens,
 # so several sequences are shorter than a bag of 2 or 4; long ones split into chunks
 # whose later parts hold no text.
@@ -31,6 +33,11 @@ def test_balanced_mmdit_matches_single_process_reference():
     assert report["g4n1"]["sequences_shorter_than_bag"] > 0
     assert report["g2n2"]["sequences_shorter_than_bag"] > 0
     assert all(report[c]["chunks_without_text"] > 0 for c in ("g2n2", "g4n1", "g1n2+g2n1"))
+    # Overlapping groups: sequences whole on ranks of bags of several, and ranks that ran
+    # their own beside their share of the bag's.
+    for case in ("g2n2/overlap", "g4n1/overlap"):
+        assert report[case]["whole_on_shared_ranks"] > 0 and report[case]["ranks_running_both"] > 0, report[case]
+        assert report[case.removesuffix("/overlap")]["whole_on_shared_ranks"] == 0
     # Balancing did balance (the same function, computed on other ranks).
     assert report["g4n1"]["imbalance"] < report["unbalanced"]["imbalance"]
     assert report["g1n4"]["moved_token_fraction"] > 0

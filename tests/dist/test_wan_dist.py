@@ -1,6 +1,7 @@
 """Wan balanced on 4 gloo ranks against the same model in one process: self-attention over a
 bag's image tokens and cross-attention of its image queries to its text keys and values
 (``knapray.distributed.cross``), forward and backward, with a rank that holds no sequence,
+groups that overlap (a rank's own whole sequences beside its share of the bag's: ``/overlap``),
 sequences shorter than their bag, a sequence without text and one over the padding length.
 
 Within 1e-5 in fp32 (max |a - b| / max |b| per tensor), without padding and padded to 8
@@ -75,7 +76,8 @@ def _balanced(rank: int, world: int, pad: int, dtype_name: str, topologies: list
 
     from knapray.distributed import BagGroups, split_chunks
     from knapray.models.flow import flow_loss
-    from knapray.planning import Topology, WorkloadModel, plan_balance
+    from knapray.planning import WorkloadModel
+    from knapray.testing.parity import plan_of
     from knapray.testing.reference import _pack
     from knapray.worker.balanced import balanced_forward
 
@@ -86,9 +88,8 @@ def _balanced(rank: int, world: int, pad: int, dtype_name: str, topologies: list
     results = {}
     for topology in topologies:
         model = _model(cfg, dtype)
-        topo = Topology.parse(topology, world_size=world)
-        groups = BagGroups.build(topo, cfg.num_heads)
-        plan = plan_balance([b.seq_lens.tolist() for b in per_rank], topo, WorkloadModel(d_model=cfg.hidden_size))
+        plan = plan_of(topology, [b.seq_lens.tolist() for b in per_rank], world, WorkloadModel(d_model=cfg.hidden_size))
+        groups = BagGroups.build(plan.topology, cfg.num_heads)
         out = balanced_forward(model, batch, plan, rank, bag_group=groups.bag_group, route_group=groups.balance_group)
         flow_loss(out, batch.targets, sum(b.targets.shape[0] for b in per_rank)).backward()
         grads = {}
@@ -101,8 +102,10 @@ def _balanced(rank: int, world: int, pad: int, dtype_name: str, topologies: list
         # A sequence with fewer image tokens than its bag has ranks: some rank holds none of them.
         short = any(np.count_nonzero(image[plan.chunk_seq == s]) < plan.bag_size_of_seq[s]
                     for s in range(len(text_tokens)))
+        both = [r for r in range(world) if plan.solo_sequences(r).size
+                and plan.bag_sequences(int(plan.topology.bag_of_rank[r])).size]
         results[topology] = {"out": out.detach().numpy(), "grads": grads if rank == 0 else None, "bags": bags,
-                             "short": short}
+                             "short": short, "ranks_running_both": both}
     return results
 
 
@@ -128,14 +131,16 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 @pytest.mark.parametrize("pad, dtype, tol", [(0, "float32", 1e-5), (8, "float32", 1e-5), (8, "float64", 1e-10)],
                          ids=["fp32-no-padding", "fp32-padded-to-8", "float64-padded-to-8"])
 def test_wan_balanced_matches_single_process(pad, dtype, tol):
-    topologies = ["g2n2", "g4n1", "g1n2+g2n1"]
+    topologies = ["g2n2", "g4n1", "g1n2+g2n1", "g4n1/overlap"]
     per_rank = run_distributed(_balanced, WORLD, pad, dtype, topologies, timeout_s=240)
     outs, grads = _single(pad, getattr(torch, dtype))
     assert all(np.abs(g).max() > 0 for g in grads.values())  # every parameter has a gradient to compare
     for topology in topologies:
         results = [r[topology] for r in per_rank]
         assert results[1]["out"].shape[0] == 0  # the rank without sequences
-        if topology != "g1n2+g2n1":
+        if topology == "g4n1/overlap":  # ranks running their own sequences beside their share of the bag's
+            assert results[0]["ranks_running_both"], results[0]["bags"]
+        elif topology != "g1n2+g2n1":
             assert results[0]["bags"] == [int(topology[1])]
             assert results[0]["short"]  # a sequence shorter than its bag: some rank gets none of it
         errors = {f"out rank {r}": _rel(results[r]["out"], outs[r]) for r in range(WORLD)}

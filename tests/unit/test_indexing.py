@@ -104,6 +104,15 @@ def test_every_callers_index_pair_is_a_true_inverse() -> None:
         assert _is_inverse(rp.send_index, rp.home_index)
         lay = UlyssesLayout.build(plan, rank)
         assert _is_inverse(lay.seq_order, lay.rank_order)
+    # Groups that overlap: a rank's own whole sequences beside its share of the bag's.
+    from knapray.planning.overlap import whole_on
+
+    over = whole_on(plan, {0: 1, 2: 0, 6: 1})
+    for rank in range(4):
+        lay = UlyssesLayout.build(over, rank)
+        assert _is_inverse(lay.seq_order, lay.rank_order)
+        if rank < 2:  # the bag of 2's ranks hold whole sequences of their own
+            assert _is_inverse(lay.rows, lay.rows_inverse) and _is_inverse(lay.solo.seq_order, lay.solo.rank_order)
     for mask in (np.array([True, False, True, True, False]), np.zeros(4, bool), np.ones(3, bool), np.zeros(0, bool)):
         host = TokenStreams.from_host_mask(mask, "cpu")
         dev = TokenStreams.from_mask(torch.from_numpy(mask))

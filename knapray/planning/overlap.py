@@ -1,0 +1,268 @@
+"""Overlapping groups: long sequences sharded over bags, short ones whole on the least loaded GPUs.
+
+A plan on disjoint bags leaves a bag's spare time unusable for a sequence too short to be
+worth sharding over it: it either pays the bag's all-to-alls or waits for a bag of one.
+Here every rank is also a *solo bag* of its own (``Topology.solo_bag``), which overlaps its
+bag of the topology: a sequence may run whole on a rank that also holds chunks of the
+bag's sequences, and that rank's work is the sum of both (the bag's ranks meet at every
+attention layer, so the bag goes at its most loaded rank's pace; the cost model's
+per-rank sum and its maximum say the same).
+
+``overlap_plan`` builds such plans for one step, for each of some topologies and target
+step times (the step's ideal times a margin):
+
+1. the *long* sequences (one GPU would take more than the target for one) are planned by
+   knapray's solver on the topology's bags, as a plan without overlap would be;
+2. the *short* ones go, longest first, whole to the rank of their balance group that
+   would finish them first under the cost model (its load so far, the sequence's
+   compute, and its routing if the rank is not its home);
+3. the most loaded rank then gives whole sequences away, one at a time, while that lowers
+   the predicted step time.
+
+Every candidate is scored by the cost model's step time over the whole plan (routing
+included), and the best is returned. The plan is a ``BalancePlan`` like any other: the
+router moves its chunks with one all-to-all each way, Ulysses runs inside each bag and a
+rank's solo sequences run as a bag of one beside it (``knapray.distributed.ulysses``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from .chunks import make_chunks
+from .cost import CostModel
+from .lengths import flatten_lengths
+from .plan import BalancePlan
+from .solver import plan_balance
+from .topology import Topology
+
+MARGINS = (0.0, 1.0, 1.05, 1.1, 1.2, 1.35)
+"""Target step times (x the step's ideal) that split long sequences from short ones; at 0
+every sequence is long: the topology's plan without overlap, a candidate too."""
+MOVES_PER_RANK = 2
+"""How many whole-sequence moves off the most loaded rank, per rank, the last stage tries."""
+
+
+def step_candidates(step: Sequence[Sequence[int]], cost: CostModel, base: Topology, chosen: Topology,
+                    per_step_node: int | None) -> list[Topology]:
+    """The topologies a step's overlapping plan is sought on: the one its plan without
+    overlap chose (``chosen``) and the run's (``base``); and where steps choose their own
+    bags (``per_step_node``: ranks per node), every homogeneous partition into aligned
+    power-of-two blocks and the step's demand layouts (the groups of every size dividing
+    the heads that its sequences ask for at each of ``MARGINS``' targets, ``demand_layout``)
+    that are aligned blocks: their groups exist (``BlockGroups.build(divisors=True)``)."""
+    from .blocks import block_sizes, is_aligned_layout
+
+    out = [chosen, base]
+    if per_step_node is None:
+        return list(dict.fromkeys(out))
+    world = len(step)
+    node = min(per_step_node, world)
+    out += [Topology((g,) * (world // g)) for g in block_sizes(node, cost.num_heads) if world % g == 0]
+    lens = np.asarray([x for r in step for x in r], dtype=np.int64)
+    home_node = np.repeat(np.arange(world) // node, [len(r) for r in step])
+    sizes = divisor_sizes(node, cost.num_heads)
+    ideal = cost.ideal_step_time(lens, world) - cost.fixed_s
+    for margin in MARGINS[1:]:
+        topo = demand_layout(lens, home_node, cost, world, sizes, ideal * margin, node)
+        if topo is not None and is_aligned_layout(topo.bags, node, any_size=True):
+            out.append(topo)
+    return list(dict.fromkeys(out))
+
+
+def divisor_sizes(gpus_per_node: int, num_heads: int) -> list[int]:
+    """Group sizes up to a node that divide the head count (FlexSP's: any that Ulysses allows)."""
+    return [g for g in range(1, gpus_per_node + 1) if num_heads % g == 0]
+
+
+def demand_layout(lens: np.ndarray, home_node: np.ndarray, cost: CostModel, world: int, sizes: list[int],
+                   target: float, node: int | None = None) -> Topology | None:
+    """Groups of the sizes the step's sequences ask for at ``target`` seconds, placed on the
+    nodes (of ``node`` ranks; default the cost model's, or the world) whose own sequences
+    ask for them most (``pertopo``'s placement), every node's rest in groups of one; None
+    if they cannot be placed."""
+    from .pertopo import _place
+
+    node = node or min(cost.gpus_per_node, world)
+    n_nodes = world // node
+    times = np.stack([cost.seq_cost(lens, g) for g in sizes])  # (sizes, S)
+    fits = times <= target
+    want = np.asarray(sizes)[np.where(fits.any(axis=0), np.argmax(fits, axis=0), len(sizes) - 1)]
+    counts: dict[int, int] = {}
+    for g in sizes[1:]:
+        need = float(times[sizes.index(g)][want == g].sum())
+        if need > 0:
+            counts[g] = max(1, int(np.ceil(need / target)))
+    # What does not fit the nodes is trimmed, largest groups first.
+    while sum(g * c for g, c in counts.items()) > world and counts:
+        g = max(counts)
+        counts[g] -= 1
+        if not counts[g]:
+            del counts[g]
+    counts[1] = world - sum(g * c for g, c in counts.items())
+    for _ in range(64):  # groups that fit the total but not the nodes: trade the largest for ones
+        bags = _place(counts, node, n_nodes, want, home_node, cost.compute(lens))
+        if bags is not None:
+            return Topology(tuple(bags))
+        g = max(k for k in counts if k > 1) if any(k > 1 for k in counts) else None
+        if g is None:
+            return None
+        counts[g] -= 1
+        counts[1] += g
+        if not counts[g]:
+            del counts[g]
+    return None
+
+
+
+def overlap_plan(
+    step: Sequence[Sequence[int]],
+    cost: CostModel,
+    topologies: Sequence[Topology],
+    margins: Sequence[float] = MARGINS,
+    max_tokens_per_gpu: int | None = None,
+) -> BalancePlan | None:
+    """The best overlapping plan of one step over ``topologies`` x ``margins`` (None when
+    no candidate keeps the memory budget ``max_tokens_per_gpu``). Deterministic in the
+    lengths: every rank that calls it derives the same plan."""
+    t0 = time.perf_counter()
+    best, best_s, best_info = None, np.inf, {}
+    for topo in dict.fromkeys(topologies):  # each once, in the order given
+        lens, home, _ = flatten_lengths(step, topo)
+        ideal = cost.ideal_step_time(lens, topo.world_size) - cost.fixed_s
+        tried: set[bytes] = set()
+        for margin in margins:
+            long = cost.compute(lens) > ideal * margin
+            key = long.tobytes()
+            if key in tried:  # the same split as a smaller margin: the same plan
+                continue
+            tried.add(key)
+            bag = _place(step, lens, home, long, topo, cost)
+            plan = _refined(_plan(topo, cost, step, bag), cost)
+            if max_tokens_per_gpu is not None and int(plan.rank_tokens.max()) > max_tokens_per_gpu:
+                continue
+            s = plan.predicted_step_time
+            if s < best_s - 1e-12:
+                best, best_s, best_info = plan, s, {"topology": topo.spec, "margin": margin,
+                                                    "long": int(long.sum()), "solo": int((plan.bag >= topo.num_bags).sum())}
+    if best is None:
+        return None
+    best.stats.update({"overlap": best_info, "plan_ms": (time.perf_counter() - t0) * 1e3})
+    return best
+
+
+def whole_on(plan: BalancePlan, moves: dict[int, int]) -> BalancePlan:
+    """``plan`` with sequence ``s`` run whole on rank ``r`` for each ``s: r`` of ``moves``
+    (on the rank's solo bag, or on its own bag if that is a bag of one); ``r`` must be in
+    the balance group of ``s``'s home rank (a plan routes only within a group)."""
+    topo = plan.topology
+    bag = plan.bag.copy()
+    for s, r in moves.items():
+        if not 0 <= s < plan.num_sequences or not 0 <= r < topo.world_size:
+            raise ValueError(f"sequence {s} on rank {r}: the plan has {plan.num_sequences} sequences, "
+                             f"{topo.world_size} ranks")
+        if r // topo.group_size != int(plan.home_rank[s]) // topo.group_size:
+            raise ValueError(f"sequence {s} (home rank {int(plan.home_rank[s])}) cannot run on rank {r}: "
+                             f"another balance group of {topo}")
+        bag[s] = _whole_on(topo, r)
+    return _plan(topo, plan.model, _step_of(plan), bag)
+
+
+def _plan(topo: Topology, cost, step: Sequence[Sequence[int]], bag: np.ndarray) -> BalancePlan:
+    lens, home, local = flatten_lengths(step, topo)
+    chunk_seq, chunk_rank, chunk_start, chunk_len = make_chunks(lens, home, bag, topo)
+    return BalancePlan(topology=topo, model=cost, seq_lens=lens, home_rank=home, local_index=local, bag=bag,
+                       chunk_seq=chunk_seq, chunk_rank=chunk_rank, chunk_start=chunk_start, chunk_len=chunk_len,
+                       solver="knapray+overlap", stats={})
+
+
+def _place(step, lens: np.ndarray, home: np.ndarray, long: np.ndarray, topo: Topology, cost: CostModel) -> np.ndarray:
+    """Every sequence's bag: the long ones by the solver on ``topo``'s bags, the short ones
+    whole on a rank (stage 2 of the module doc)."""
+    world = topo.world_size
+    bag = np.empty(lens.size, dtype=np.int64)
+    loads = np.zeros(world)
+    if long.any():
+        counts = [len(r) for r in step]
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        sub = [[int(lens[i]) for i in range(starts[r], starts[r + 1]) if long[i]] for r in range(world)]
+        plan = plan_balance(sub, topo, cost)
+        bag[long] = plan.bag
+        loads = cost.step_times(plan).total - cost.fixed_s
+    short = np.flatnonzero(~long)
+    if not short.size:
+        return bag
+    speed = cost.bag_speed(topo)[topo.bag_of_rank]
+    gpn = cost.gpus_per_node
+    t_intra, t_inter = cost.route_token_s(False), cost.route_token_s(True)
+    node = np.arange(world) // gpn
+    group_of_rank = np.arange(world) // topo.group_size
+    whole = cost.compute(lens[short]) / 1.0
+    ranks_of = [np.asarray(topo.group_ranks(g)) for g in range(topo.num_groups)]
+    for i in np.argsort(-whole, kind="stable"):
+        s = int(short[i])
+        src = int(home[s])
+        ranks = ranks_of[int(group_of_rank[src])]
+        route = np.where(ranks == src, 0.0, np.where(node[ranks] == node[src], t_intra, t_inter) * float(lens[s]))
+        finish = loads[ranks] + whole[i] / speed[ranks] + route
+        r = int(ranks[int(np.argmin(finish))])
+        loads[r] += whole[i] / speed[r] + (0.0 if r == src else route[r - ranks[0]])
+        if r != src:
+            loads[src] += route[r - ranks[0]]  # the sender's side of the exchange
+        bag[s] = _whole_on(topo, r)
+    return bag
+
+
+def _whole_on(topo: Topology, rank: int) -> int:
+    """The bag that runs a sequence whole on ``rank``: its own bag if that is a bag of one."""
+    b = int(topo.bag_of_rank[rank])
+    return b if int(topo.bag_sizes[b]) == 1 else topo.solo_bag(rank)
+
+
+def _refined(plan: BalancePlan, cost: CostModel) -> BalancePlan:
+    """Stage 3: move a whole sequence off the most loaded rank to the rank (of its balance
+    group) that the move leaves least loaded, while the predicted step time drops."""
+    topo = plan.topology
+    best_s = plan.predicted_step_time
+    for _ in range(MOVES_PER_RANK * topo.world_size):
+        total = plan.rank_time
+        worst = int(np.argmax(total))
+        mine = np.flatnonzero((plan.bag_size_of_seq == 1) & np.isin(plan.chunk_rank[_first_chunk(plan)], [worst]))
+        if not mine.size:
+            break
+        group = topo.group_ranks(worst // topo.group_size)
+        others = np.asarray([r for r in group if r != worst])
+        if not others.size:
+            break
+        # Try the worst rank's whole sequences, largest first, on the least loaded ranks.
+        improved = False
+        order = mine[np.argsort(-plan.seq_lens[mine], kind="stable")]
+        targets = others[np.argsort(total[others], kind="stable")[:4]]
+        for s in order[:8].tolist():
+            for r in targets.tolist():
+                bag = plan.bag.copy()
+                bag[s] = _whole_on(topo, r)
+                moved = _plan(topo, cost, _step_of(plan), bag)
+                t = moved.predicted_step_time
+                if t < best_s * (1 - 1e-9):
+                    plan, best_s, improved = moved, t, True
+                    break
+            if improved:
+                break
+        if not improved:
+            break
+    return plan
+
+
+def _first_chunk(plan: BalancePlan) -> np.ndarray:
+    """(S,) index of every sequence's first chunk (chunks are sorted by sequence)."""
+    return np.cumsum(plan.bag_size_of_seq) - plan.bag_size_of_seq
+
+
+def _step_of(plan: BalancePlan) -> list[list[int]]:
+    off = plan.seq_offsets
+    lens = plan.seq_lens.tolist()
+    return [lens[off[r]:off[r + 1]] for r in range(plan.world_size)]
