@@ -35,9 +35,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "GPUs; with --topology per-step: per-step vs static auto on them, alternate:low-res/image+video and "
                    "alternate:low-res*2/image+video*2 (and --mix, if given)")
     p.add_argument("--rivals", action="store_true",
-                   help="knapray (auto, per-step) against the newest balancers' planners (KnapFormer's greedy on "
-                   "fixed bags, dynamic CP, FlexSP-style, Zellige-style overlapping groups: knapray.planning.rivals) "
-                   "on the paper's image and image+video mixes, the Wan mix and two held-out mixes at --worlds")
+                   help="knapray (auto, per-step, overlap) against the newest balancers' planners (KnapFormer's "
+                   "greedy on fixed bags, dynamic CP, FlexSP-style, Zellige-style overlapping groups: "
+                   "knapray.planning.rivals) on the paper's image and image+video mixes, the Wan mix and two "
+                   "held-out mixes at --worlds")
+    p.add_argument("--random", type=int, metavar="N", default=None,
+                   help="--rivals on N mixes drawn at random instead (images and clips of random sizes, both cost "
+                   "presets, 8 to 256 GPUs; one step each; --seed picks them): a row each, and the worst case")
     p.add_argument("--worlds", default="8,32,128,512", help="--rivals: GPU counts, comma-separated (default 8,32,128,512)")
     p.add_argument("--markdown", metavar="FILE", help="--paper-table, --rivals: also write the table to this file")
     p.add_argument("--plot", metavar="PNG", help="write a PNG of predicted per-rank time")
@@ -64,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
     preset = [f"{k}={json.dumps(v)}" for k, v in MODEL_PRESETS[args.model].items()]
     args.cost = preset + list(args.cost)  # --cost after the preset: it overrides it
     cost = cost_model(args)
+    if args.random is not None and not args.rivals:
+        raise ValueError(f"--random {args.random}: mixes drawn at random are for --rivals (knapray simulate --rivals "
+                         f"--random {args.random})")
     if args.rivals:
         return _rivals(args)
     if args.paper_table and args.topology == sim.PER_STEP:
@@ -128,6 +135,31 @@ and two held out: image-only steps alternating with video-heavy ones, and a mix 
 clips (``knapray.planning.mix``'s ``long-video``)."""
 
 
+MAX_RANDOM_MIXES = 10_000
+
+
+def _random_rivals(args: argparse.Namespace) -> int:
+    from knapray.planning.rivals import rivals_markdown, random_rivals_table
+
+    if not 1 <= args.random <= MAX_RANDOM_MIXES:
+        raise ValueError(f"--random {args.random}: a number of mixes from 1 to {MAX_RANDOM_MIXES}")
+    print("  # mix                                        model   GPUs  knapray s  behind  rivals' step over knapray's best",
+          file=sys.stderr)
+    count = iter(range(1, args.random + 1))
+    rows = random_rivals_table(args.random, args.seed, progress=lambda r: print(
+        f"{next(count):>3} {r['mix'][:42]:<42} {r['model']:<7} {r['world_size']:>4} {r['knapray_best_s']:>10.4f} "
+        f"{r['behind']:>6.2%}  " + "  ".join(f"{n} {v:.3f}" for n, v in r["ratios"].items() if not n.startswith("knapray")),
+        file=sys.stderr, flush=True))
+    worst = max(rows, key=lambda r: r["behind"])
+    ahead = sum(1 for r in rows if r["behind"] == 0.0)
+    command = f"knapray simulate --rivals --random {args.random} --seed {args.seed}"
+    text = rivals_markdown(rows, command) + (
+        f"\nknapray's best (auto, per-step or overlap) at or ahead of every rival on {ahead} of {len(rows)} mixes; "
+        f"the worst: {worst['behind']:.3%} behind the best rival on {worst['mix']} ({worst['model']}, "
+        f"{worst['world_size']} GPUs, step seed {worst['step_seed']}).\n")
+    return _table_out(args, text, rows)
+
+
 def _table_out(args: argparse.Namespace, text: str, rows: list[dict]) -> int:
     """A table command's output: the markdown (also to --markdown FILE), then --json's rows."""
     if args.markdown:
@@ -143,6 +175,8 @@ def _rivals(args: argparse.Namespace) -> int:
     from knapray.limits import MAX_WORLD_SIZE
     from knapray.planning.rivals import rivals_markdown, rivals_table
 
+    if args.random is not None:
+        return _random_rivals(args)
     try:
         worlds = tuple(int(w) for w in args.worlds.split(","))
     except ValueError:

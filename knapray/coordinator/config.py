@@ -48,6 +48,12 @@ class BalanceConfig:
     model's)."""
     cost_profile: str = ""
     """A ``knapray calibrate`` profile for ``planner: cost`` (``cost`` overrides it)."""
+    overlap: bool = False
+    """With ``planner: cost``: a sequence may also run whole on a rank that serves a bag of
+    several (groups that overlap on that rank, ``knapray.planning.overlap``), where the cost
+    model predicts the step faster so; with ``topology: per-step`` the step may also take
+    aligned groups of any size that divides the heads (their process groups are made at
+    start)."""
     live_fit: bool = True
     """With ``planner: cost``: re-fit the cost model's compute coefficients and per-rank
     speeds from the measured per-rank times while training (``knapray.planning.livefit``);
@@ -70,6 +76,9 @@ class BalanceConfig:
             raise ValueError(f"unknown solver {self.solver!r}; valid: {', '.join(SOLVERS)}")
         if self.gpus_per_node < 0:
             raise ValueError(f"gpus_per_node must be >= 0 (0: no node boundary), got {self.gpus_per_node}")
+        if self.overlap and self.planner != "cost":
+            raise ValueError(f"overlap chooses where sequences run by predicted step time: it needs planner: cost, "
+                             f"got planner {self.planner!r}")
         if parse_rule(self.topology)[0] == "per_step" and self.planner != "cost":
             raise ValueError(f"topology 'per-step' chooses bags by predicted step time: it needs planner: cost, "
                              f"got planner {self.planner!r}")

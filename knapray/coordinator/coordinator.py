@@ -157,7 +157,7 @@ class BalanceCoordinator:
         node = per_step_node(c.balance.topology, self._world_size,
                              planning_node(self._world_size, c.gpus_per_node, self._node_sizes))
         return plan_from_gathered(lens, self._topology, self._live_model(), c.balance.solver, c.max_tokens_per_gpu,
-                                  node)
+                                  node, overlap=c.balance.overlap)
 
     def _live_model(self) -> WorkloadModel | CostModel:
         """The cost model re-fitted to the measured per-rank times (``LiveFit``: its

@@ -58,6 +58,7 @@ import numpy as np
 
 from knapray.planning import BalancePlan, Topology, WorkloadModel, plan_balance
 from knapray.planning.cost import CostModel
+from knapray.planning.overlap import overlap_plan, step_candidates
 from knapray.planning.pertopo import plan_step
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ def plan_from_gathered(
     max_tokens_per_gpu: int | None = None,
     per_step_node: int | None = None,
     groups: Sequence[int] | None = None,
+    overlap: bool = False,
 ) -> BalancePlan:
     """Plan one step from every rank's lengths, in rank order.
 
@@ -100,6 +102,11 @@ def plan_from_gathered(
 
     ``groups``: only these balance groups of ``topology`` are planned (``plan_balance``);
     not with ``per_step_node``.
+
+    ``overlap`` (``balance.overlap``, a ``CostModel``): the plan above is compared with the
+    best overlapping plan (``knapray.planning.overlap``) on the topologies whose groups the
+    run has (``step_candidates``), within the same memory budget, and the faster kept. Not
+    with ``groups`` (a dry run of one rank plans its own group alone).
     """
     lens = [np.asarray(list(map(int, rank_lens)), dtype=np.int64) for rank_lens in all_lens_per_rank]
     model = model or WorkloadModel()
@@ -109,9 +116,16 @@ def plan_from_gathered(
 
     def plan_on(budget: int | None) -> BalancePlan:
         if per_step_node is None:
-            return plan_balance(lens, topology, model, solver=solver, max_tokens_per_gpu=budget, groups=groups)
-        return plan_step(lens, model, gpus_per_node=per_step_node, base=topology, solver=solver,
-                         max_tokens_per_gpu=budget).plan
+            plan = plan_balance(lens, topology, model, solver=solver, max_tokens_per_gpu=budget, groups=groups)
+        else:
+            plan = plan_step(lens, model, gpus_per_node=per_step_node, base=topology, solver=solver,
+                             max_tokens_per_gpu=budget).plan
+        if overlap and groups is None and isinstance(model, CostModel):
+            over = overlap_plan(lens, model, step_candidates(lens, model, topology, plan.topology, per_step_node),
+                                max_tokens_per_gpu=budget)
+            if over is not None and over.predicted_step_time < plan.predicted_step_time:
+                return over
+        return plan
 
     if max_tokens_per_gpu:
         try:

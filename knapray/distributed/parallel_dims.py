@@ -95,13 +95,14 @@ class ParallelDims:
             raise ValueError(f"FSDP mesh for world_size={self.world_size}, but the default process group has {actual}")
         return init_device_mesh(self.device_type, shape, mesh_dim_names=names)
 
-    def step_groups(self, topology, num_heads: int, per_step_node: int | None = None):
+    def step_groups(self, topology, num_heads: int, per_step_node: int | None = None, divisors: bool = False):
         """3. The topology's bag groups and, for a per-step topology on nodes of
-        ``per_step_node`` ranks, every aligned block's group (``StepGroups``)."""
+        ``per_step_node`` ranks, every aligned block's group (``StepGroups``; ``divisors``:
+        blocks of every size dividing the heads, for overlapping plans)."""
         from . import BagGroups
         from .block_groups import BlockGroups, StepGroups
 
         self._enter("step_groups")
         base = BagGroups.build(topology, num_heads)
-        blocks = BlockGroups.build(per_step_node, num_heads) if per_step_node is not None else None
+        blocks = BlockGroups.build(per_step_node, num_heads, divisors) if per_step_node is not None else None
         return StepGroups(base, blocks)

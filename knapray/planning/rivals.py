@@ -301,9 +301,10 @@ def rivals_markdown(rows: list[dict], command: str) -> str:
     for r in rows:
         p, q = r["planners"], r["ratios"]
         best = min(KNAPRAY, key=lambda n: p[n]["step_s"])
+        mix = r["mix"] if r["model"] == "flux" else f"{r['mix']} ({r['model']})"
         cells = [f"{p[n]['step_s']:.4f} ({q[n]:.3f}x)" for n in ("knapformer", "dynamic_cp", "flexsp", "zellige")]
         lines.append(
-            f"| {r['mix']} | {r['world_size']} | " + " | ".join(f"{p[n]['step_s']:.4f}" for n in KNAPRAY) + " | "
+            f"| {mix} | {r['world_size']} | " + " | ".join(f"{p[n]['step_s']:.4f}" for n in KNAPRAY) + " | "
             + " | ".join(cells)
             + f" | {p[best]['comm_share']:.1%} / {p['zellige']['comm_share']:.1%} | {r['seconds']:.0f} |")
     return (f"Command: `{command}`. Predicted step seconds (means over {rows[0]['steps'] if rows else 0} steps); "

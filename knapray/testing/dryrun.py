@@ -157,7 +157,8 @@ def _groups(setup: Setup):
 
     heads = setup.cfg.model.num_heads
     base = BagGroups.build(setup.topology, heads)
-    blocks = BlockGroups.build(setup.per_step_node, heads) if setup.per_step_node is not None else None
+    blocks = BlockGroups.build(setup.per_step_node, heads, setup.cfg.balance.overlap) \
+        if setup.per_step_node is not None else None
     return StepGroups(base, blocks)
 
 
@@ -386,7 +387,7 @@ def step_inputs(setup: Setup) -> StepInputs:
         group = int(topo.group_of_bag[int(topo.bag_of_rank[setup.rank])])
         planned, groups = topo.group_ranks(group), [group]
     plan = plan_from_gathered(lens, topo, planning_model(cfg), cfg.balance.solver, budget or None,
-                              setup.per_step_node, groups=groups)
+                              setup.per_step_node, groups=groups, overlap=cfg.balance.overlap)
     return StepInputs(samples=samples, text_tokens=text_tokens, plan=plan, batch=host_batch(samples[setup.rank],
                                                                                            cfg.model),
                       planned=planned)

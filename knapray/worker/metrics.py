@@ -49,6 +49,9 @@ class StepRecord:
     attention: str = ""
     """The kernel rank 0's bag ran attention on this step (``knapray.attention.choose_backend``)."""
     attention_reason: str = ""
+    whole_on_shared: int = 0
+    """Sequences the step ran whole on a rank that also served a bag of several (overlapping
+    groups, ``balance.overlap``)."""
     predicted_compute_s: list[float] | None = None
     """Per-rank compute seconds (fixed cost included) the cost model that planned the step
     predicted (``planner: cost``; the live re-fit's model once it has replaced the prior).
@@ -78,6 +81,7 @@ class StepRecord:
             "baseline_rank_work": self.baseline_rank_work,
             "world_size": len(self.rank_work),
             "topology": self.topology,
+            "whole_on_shared": self.whole_on_shared,
             "node_sizes": self.node_sizes,
             "model_tflops": self.flops / self.seconds / 1e12 if self.seconds > 0 else 0.0,
             "model_tflops_per_gpu": self.flops / self.seconds / 1e12 / len(self.rank_work) if self.seconds > 0 else 0.0,

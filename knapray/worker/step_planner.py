@@ -109,15 +109,17 @@ class Planned:
 class StepPlanner:
     def __init__(self, sync: StepSync, topology: Topology, workload, solver: str,
                  client: CoordinatorClient | None, ledger: LedgerKeeper, max_tokens_per_gpu: int | None = None,
-                 live: LiveFit | None = None, per_step_node: int | None = None) -> None:
+                 live: LiveFit | None = None, per_step_node: int | None = None, overlap: bool = False) -> None:
         """``ledger``: this rank's ``LedgerKeeper`` (a local plan's all-gather carries its
         recent steps; rank 0 hands over its rows when the coordinator answers).
         ``max_tokens_per_gpu``: the memory budget local plans keep (as the coordinator's do).
         ``live``: the live re-fit of ``workload`` local plans use (``planner: cost``).
         ``per_step_node``: ranks per node when every step chooses its own bags
-        (``balance.topology: per-step``; ``topology`` is then the base), else None."""
+        (``balance.topology: per-step``; ``topology`` is then the base), else None.
+        ``overlap``: ``balance.overlap`` (local plans may overlap groups, as the coordinator's)."""
         self.sync, self.topology, self.workload, self.solver = sync, topology, workload, solver
         self.per_step_node = per_step_node
+        self.overlap = overlap
         self.live = live
         self.live_disagreements = 0
         """Local plans made with the configured model because the ranks' fits differed."""
@@ -168,7 +170,8 @@ class StepPlanner:
         lens = [g[0] for g in gathered]
         done = is_epoch_done(lens, [g[2] for g in gathered])
         plan = None if done else plan_from_gathered(lens, self.topology, self._local_model([g[4] for g in gathered]),
-                                                    self.solver, self.max_tokens_per_gpu, self.per_step_node)
+                                                    self.solver, self.max_tokens_per_gpu, self.per_step_node,
+                                                    overlap=self.overlap)
         rows = None
         if self.sync.rank == 0:
             rows = ([sid for g in gathered for sid in g[1]], [r for r, g in enumerate(gathered) for _ in g[1]])

@@ -189,7 +189,7 @@ class Trainer:
         self.workload = planning_model(cfg)
         self.planner = StepPlanner(self.sync, self.topology, self.workload, cfg.balance.solver, self.client,
                                    self.ledger, cfg.data.max_tokens_per_gpu or None, live=live_fit(cfg),
-                                   per_step_node=self.per_step_node)
+                                   per_step_node=self.per_step_node, overlap=cfg.balance.overlap)
         self.max_seq_len = self._max_seq_len()
         self._open_outputs()
         self._write_pid()
@@ -332,7 +332,8 @@ class Trainer:
     def _build_groups(self) -> StepGroups:
         """The static topology's groups and, for a per-step run, a group for every aligned
         block of each node: created once, by every rank in the same order."""
-        return self.dims.step_groups(self.topology, self.cfg.model.num_heads, self.per_step_node)
+        return self.dims.step_groups(self.topology, self.cfg.model.num_heads, self.per_step_node,
+                                     divisors=self.cfg.balance.overlap)
 
     def _choose_topology(self) -> Topology:
         """Rank 0 starts the coordinator's run (``LedgerKeeper.begin_run``: the rows the
@@ -545,7 +546,9 @@ class Trainer:
                 imbalance=run_plan.imbalance, baseline_imbalance=run_plan.baseline_imbalance, compute_s=compute_s,
                 comm_s=gathered[f"comm_s.{i}"], wait_plan_s=planned.wait_s, planned_by=planned.planned_by,
                 rank_work=run_plan.rank_work.tolist(), baseline_rank_work=run_plan.baseline_rank_work.tolist(),
-                topology=str(planned.plan.topology), flops=model_flops(run_plan.seq_lens.tolist(), cfg.model),
+                topology=str(planned.plan.topology),
+                whole_on_shared=int((planned.plan.bag >= planned.plan.topology.num_bags).sum()),
+                flops=model_flops(run_plan.seq_lens.tolist(), cfg.model),
                 clock=t.clock, peak_mem_gib=e.peak_mem_gib, epoch=e.epoch, lr=e.lr, peak_tflops=self.peak_tflops,
                 predicted_compute_s=self._predicted_compute(run_plan), recompiles=e.recompiles,
                 node_sizes=list(self.node_sizes), **e.attention,

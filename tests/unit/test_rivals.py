@@ -17,6 +17,7 @@ from knapray.planning.rivals import (
     knapformer_topology,
     rivals_markdown,
     rivals_step,
+    random_cases,
     rivals_table,
     steps_at,
     zellige_times,
@@ -89,3 +90,22 @@ def test_the_table_has_every_planner_and_its_ratio_to_knapray():
     text = rivals_markdown(rows, "knapray simulate --rivals --worlds 8 --steps 1")
     assert "| image+video | 8 |" in text and "Zellige-style" in text
     assert PAPER_MIXES["image+video"]  # the paper's mix, by name
+
+
+def test_simulate_rivals_on_random_mixes(capsys):
+    """``knapray simulate --rivals --random N --seed S``: a row per mix drawn, the worst case
+    named; the same mixes for the same seed."""
+    import json
+
+    from knapray.cli import main
+
+    assert main(["simulate", "--rivals", "--random", "3", "--seed", "5", "--json"]) == 0
+    out = capsys.readouterr().out
+    rows = json.loads(out.strip().splitlines()[-1])["rows"]
+    assert [(r["mix"], r["model"], r["world_size"]) for r in rows] == [c[:3] for c in random_cases(3, 5)]
+    assert "knapray simulate --rivals --random 3 --seed 5" in out and "the worst:" in out
+    assert all(r["behind"] <= 1e-3 and set(r["ratios"]) == set(PLANNERS) for r in rows)
+    assert main(["simulate", "--rivals", "--random", "0"]) == 2
+    assert "--random 0: a number of mixes from 1 to 10000" in capsys.readouterr().err
+    assert main(["simulate", "--random", "3"]) == 2
+    assert "mixes drawn at random are for --rivals" in capsys.readouterr().err
