@@ -1,12 +1,14 @@
 """Rivals benchmark: the planners knapray can execute, run side by side on gloo processes.
 
 ``knapray simulate --rivals`` predicts every planner of ``knapray.planning.rivals`` under
-the calibrated cost model. This runs the ones whose plans are disjoint bags of aligned
-blocks, which knapray's router and Ulysses execute: knapray's ``auto`` and ``per-step``,
-KnapFormer's greedy on fixed homogeneous bags, dynamic CP (one degree per step) and the
-FlexSP-style planner on the steps whose groups happen to be aligned blocks (the Zellige-style
-overlapping groups have no execution path: the simulator found them no faster, see
-docs/results.md). Beside them, the unbalanced step (every rank its own sequences).
+the calibrated cost model. This runs the ones whose plans knapray's router and Ulysses
+execute: knapray's ``auto``, ``per-step`` and ``overlap`` (a rank's own whole sequences
+beside its share of a bag's), KnapFormer's greedy on fixed homogeneous bags, dynamic CP (one
+degree per step) and the FlexSP-style planner on the steps whose groups are aligned blocks
+(of any size dividing the heads: their groups are made at start). The Zellige-style planner's
+groups of several sizes overlapping one another have no execution path; knapray's
+``overlap`` is the part of its idea that does. Beside them, the unbalanced step (every rank
+its own sequences).
 
 ``world_size`` gloo processes, one thread each, run forward + backward + gradient all-reduce
 of a seeded MMDiT. Every step draws one batch per rank from ``mix`` at 1/``scale``
@@ -42,9 +44,10 @@ MIX = ("g1b4i256f1s0,g1b5i512f1s0,g1b5i1024f1s0,g1b1i2048f1s0,"
 SCALE = 4
 MAX_TEXT_TOKENS = 392
 UNBALANCED = "unbalanced"
-EXECUTABLE = ("knapray_auto", "knapray_per_step", "knapformer", "dynamic_cp", "flexsp")
+EXECUTABLE = ("knapray_auto", "knapray_per_step", "knapray_overlap", "knapformer", "dynamic_cp", "flexsp")
 LABELS = {"unbalanced": "none (each rank its own)", "knapray_auto": "knapray auto",
-          "knapray_per_step": "knapray per-step", "knapformer": "KnapFormer greedy, fixed bags",
+          "knapray_per_step": "knapray per-step", "knapray_overlap": "knapray overlap",
+          "knapformer": "KnapFormer greedy, fixed bags",
           "dynamic_cp": "dynamic CP", "flexsp": "FlexSP-style"}
 FLUX_WIDTH = 3072
 HISTORY_SEED = 50_000
@@ -87,7 +90,7 @@ def _plans(lens: list[list[int]], auto, fixed, cost: CostModel) -> dict:
         topo = p.plan.topology
         if topo.bags != auto.bags or topo.group_size != auto.group_size:
             try:
-                check_aligned(topo, cost.gpus_per_node)
+                check_aligned(topo, cost.gpus_per_node, any_size=True)
             except ValueError:
                 continue  # FlexSP-style groups that are not aligned blocks: no groups for them
             if topo.num_groups != 1:
@@ -127,7 +130,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, opts: dict) -> None:
         box = [_topologies(history, cost) if rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         auto, fixed = box[0]
-        groups = StepGroups(BagGroups.build(auto, cfg.num_heads), BlockGroups.build(world, cfg.num_heads))
+        groups = StepGroups(BagGroups.build(auto, cfg.num_heads), BlockGroups.build(world, cfg.num_heads, divisors=True))
         records = []
         for step in range(opts["steps"]):
             batches = draw(step)

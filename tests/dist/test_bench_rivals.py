@@ -21,16 +21,16 @@ def test_every_executable_planner_runs_and_computes_the_same_math(capsys):
     out = capsys.readouterr().out.strip().splitlines()
     r = json.loads(out[-1])
     rows = {row["planner"]: row for row in r["rows"]}
-    assert {"unbalanced", "knapray_auto", "knapray_per_step", "knapformer", "dynamic_cp"} <= set(rows)
+    assert {"unbalanced", "knapray_auto", "knapray_per_step", "knapray_overlap", "knapformer", "dynamic_cp"} <= set(rows)
     assert r["math_ok"] and r["math_rel_max"] <= 1e-4  # a plan moves work, never changes the result
     # Measured thread time follows the plans: every balancer evens the skewed mix out.
     assert rows["unbalanced"]["measured_max_over_mean"] > 1.5
-    for name in ("knapray_auto", "knapray_per_step", "knapformer", "dynamic_cp"):
+    for name in ("knapray_auto", "knapray_per_step", "knapray_overlap", "knapformer", "dynamic_cp"):
         assert rows[name]["measured_max_over_mean"] < 1.25, name
         assert rows[name]["speedup_vs_unbalanced"] > 1.5, name
         assert rows[name]["steps"] == 1
-    best = min(rows["knapray_auto"]["predicted_step_ratio"], rows["knapray_per_step"]["predicted_step_ratio"])
-    assert best == pytest.approx(1.0)
+    best = min(rows[n]["predicted_step_ratio"] for n in ("knapray_auto", "knapray_per_step", "knapray_overlap"))
+    assert best == pytest.approx(1.0) and rows["knapray_overlap"]["predicted_step_ratio"] == pytest.approx(1.0)
     assert any(line.startswith("knapray per-step") for line in out)
 
 
