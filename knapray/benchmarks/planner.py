@@ -16,6 +16,7 @@ import numpy as np
 
 from knapray.planning import PAPER_MIXES, CostModel, Topology, WorkloadModel, plan_balance
 from knapray.planning.mix import mix_world_size, parse_mix
+from knapray.planning.overlap import overlap_plan
 from knapray.planning.runner import mix_steps, plan_run
 
 CASES_32 = [(name, spec, 32) for name in PAPER_MIXES for spec in ("g1n32", "g2n16", "g4n8", "g8n4")]
@@ -116,6 +117,8 @@ def run_scaling(
     knapray and by knapray with the default ``CostModel``, one after the other (so all
     three see the same machine load), and each time is taken both on the wall clock and
     as this process's CPU time (a shared machine inflates the first, not the second).
+    ``overlap ms``: what ``balance.overlap`` adds to the cost-model plan (the best
+    overlapping plan on the same bags, ``knapray.planning.overlap``, given that plan).
 
     ``reference``: another ``plan_balance`` (e.g. an older solver's) that plans every step
     too, right before this one; a second table compares the two (times, and whether every
@@ -131,7 +134,7 @@ def run_scaling(
     header = (
         f"{'mix':<12} {'ranks':>6} {'seqs':>7} | {'greedy':>8} {'knapray':>8} {'worse':>5} | "
         f"{'greedy ms':>9} {'knapray ms':>10} {'ratio':>6} | {'cost ms':>8} {'x wl':>5} | "
-        f"{'cpu ratio':>9} {'cost x wl':>9}"
+        f"{'cpu ratio':>9} {'cost x wl':>9} | {'overlap ms':>10}"
     )
     print(f"\none balance group, bags of {SCALING_BAG}: {steps} step(s) per row, p50 (same steps, side by side)")
     print(header)
@@ -147,6 +150,7 @@ def run_scaling(
             ref_cpu: dict[str, list[float]] = {s: [] for s in solvers}
             same = True
             seqs = 0
+            overlap_ms: list[float] = []
             for lens in mix_steps(PAPER_MIXES[name], steps, seed, world_size=world):
                 seqs = sum(len(r) for r in lens)
                 for key, (m, solver) in solvers.items():
@@ -155,6 +159,10 @@ def run_scaling(
                         ref_wall[key].append(ref_ms)
                         ref_cpu[key].append(ref_cpu_ms)
                     plan, ms, cpu_ms = _timed(plan_balance, lens, topo, m, solver)
+                    if key == "cost":
+                        t0 = time.perf_counter()
+                        overlap_plan(lens, m, [topo], plain=plan)
+                        overlap_ms.append((time.perf_counter() - t0) * 1e3)
                     wall[key].append(ms)
                     cpu[key].append(cpu_ms)
                     imb[key].append(plan.imbalance)
@@ -184,6 +192,7 @@ def run_scaling(
                 "cost_cpu_ms_p50": c50["cost"],
                 "cpu_ratio_vs_greedy": c50["knapray"] / max(c50["greedy"], 1e-9),
                 "cost_cpu_ratio_vs_workload": c50["cost"] / max(c50["knapray"], 1e-9),
+                "overlap_added_ms_p50": statistics.median(overlap_ms),
             }
             if reference is not None:
                 for key in solvers:
@@ -195,7 +204,8 @@ def run_scaling(
                 f"{name:<12} {world:>6} {seqs:>7} | {row['greedy_imbalance_mean']:>8.5f} "
                 f"{row['imbalance_mean']:>8.5f} {worse:>5} | {p50['greedy']:>9.1f} {p50['knapray']:>10.1f} "
                 f"{row['time_ratio_vs_greedy']:>5.1f}x | {p50['cost']:>8.1f} {row['cost_ratio_vs_workload']:>4.1f}x | "
-                f"{row['cpu_ratio_vs_greedy']:>8.1f}x {row['cost_cpu_ratio_vs_workload']:>8.1f}x",
+                f"{row['cpu_ratio_vs_greedy']:>8.1f}x {row['cost_cpu_ratio_vs_workload']:>8.1f}x | "
+                f"{row['overlap_added_ms_p50']:>10.1f}",
                 flush=True,
             )
     print(

@@ -122,7 +122,7 @@ def plan_from_gathered(
                              max_tokens_per_gpu=budget).plan
         if overlap and groups is None and isinstance(model, CostModel):
             over = overlap_plan(lens, model, step_candidates(lens, model, topology, plan.topology, per_step_node),
-                                max_tokens_per_gpu=budget)
+                                max_tokens_per_gpu=budget, plain=plan)
             if over is not None and over.predicted_step_time < plan.predicted_step_time:
                 return over
         return plan

@@ -19,6 +19,11 @@ step times (the step's ideal times a margin):
 3. the most loaded rank then gives whole sequences away, one at a time, while that lowers
    the predicted step time.
 
+Stages 2 and 3 look at every rank for every sequence: in a balance group of more than
+``EXACT_RANKS`` ranks, stage 2 keeps each rank's short sequences at home, largest first,
+up to the target, and deals the rest out longest first to the least loaded rank
+(``construct.least_loaded``: numpy, a round of ranks at a time), and stage 3 is skipped.
+
 Every candidate is scored by the cost model's step time over the whole plan (routing
 included), and the best is returned. The plan is a ``BalancePlan`` like any other: the
 router moves its chunks with one all-to-all each way, Ulysses runs inside each bag and a
@@ -44,6 +49,9 @@ MARGINS = (0.0, 1.0, 1.05, 1.1, 1.2, 1.35)
 every sequence is long: the topology's plan without overlap, a candidate too."""
 MOVES_PER_RANK = 2
 """How many whole-sequence moves off the most loaded rank, per rank, the last stage tries."""
+EXACT_RANKS = 256
+"""Balance groups up to this many ranks get stages 2 and 3 as written; larger ones the
+vectorized placement (see the module doc)."""
 
 
 def step_candidates(step: Sequence[Sequence[int]], cost: CostModel, base: Topology, chosen: Topology,
@@ -124,10 +132,13 @@ def overlap_plan(
     topologies: Sequence[Topology],
     margins: Sequence[float] = MARGINS,
     max_tokens_per_gpu: int | None = None,
+    plain: BalancePlan | None = None,
 ) -> BalancePlan | None:
     """The best overlapping plan of one step over ``topologies`` x ``margins`` (None when
     no candidate keeps the memory budget ``max_tokens_per_gpu``). Deterministic in the
-    lengths: every rank that calls it derives the same plan."""
+    lengths: every rank that calls it derives the same plan. ``plain``: the step's plan
+    without overlap on one of the topologies, if the caller has it (its margin-0 candidate,
+    not planned again)."""
     t0 = time.perf_counter()
     best, best_s, best_info = None, np.inf, {}
     for topo in dict.fromkeys(topologies):  # each once, in the order given
@@ -140,8 +151,12 @@ def overlap_plan(
             if key in tried:  # the same split as a smaller margin: the same plan
                 continue
             tried.add(key)
-            bag = _place(step, lens, home, long, topo, cost)
-            plan = _refined(_plan(topo, cost, step, bag), cost)
+            if plain is not None and plain.topology == topo and long.all():
+                plan = plain
+            elif topo.group_size > EXACT_RANKS:
+                plan = _plan(topo, cost, step, _place_fast(step, lens, home, long, topo, cost, ideal * margin))
+            else:
+                plan = _refined(_plan(topo, cost, step, _place(step, lens, home, long, topo, cost)), cost)
             if max_tokens_per_gpu is not None and int(plan.rank_tokens.max()) > max_tokens_per_gpu:
                 continue
             s = plan.predicted_step_time
@@ -186,12 +201,7 @@ def _place(step, lens: np.ndarray, home: np.ndarray, long: np.ndarray, topo: Top
     bag = np.empty(lens.size, dtype=np.int64)
     loads = np.zeros(world)
     if long.any():
-        counts = [len(r) for r in step]
-        starts = np.concatenate([[0], np.cumsum(counts)])
-        sub = [[int(lens[i]) for i in range(starts[r], starts[r + 1]) if long[i]] for r in range(world)]
-        plan = plan_balance(sub, topo, cost)
-        bag[long] = plan.bag
-        loads = cost.step_times(plan).total - cost.fixed_s
+        bag[long], loads = _long_planned(step, lens, long, topo, cost)
     short = np.flatnonzero(~long)
     if not short.size:
         return bag
@@ -213,6 +223,57 @@ def _place(step, lens: np.ndarray, home: np.ndarray, long: np.ndarray, topo: Top
         if r != src:
             loads[src] += route[r - ranks[0]]  # the sender's side of the exchange
         bag[s] = _whole_on(topo, r)
+    return bag
+
+
+def _long_planned(step, lens: np.ndarray, long: np.ndarray, topo: Topology, cost: CostModel
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """(bags of the long sequences, every rank's seconds under their plan, fixed cost out)."""
+    world = topo.world_size
+    counts = [len(r) for r in step]
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    sub = [[int(lens[i]) for i in range(starts[r], starts[r + 1]) if long[i]] for r in range(world)]
+    plan = plan_balance(sub, topo, cost)
+    return plan.bag, cost.step_times(plan).total - cost.fixed_s
+
+
+def _place_fast(step, lens: np.ndarray, home: np.ndarray, long: np.ndarray, topo: Topology, cost: CostModel,
+                target: float) -> np.ndarray:
+    """Stage 2 for a large balance group (module doc): each rank keeps its short sequences,
+    largest first, while its load stays within ``target``; the rest go, longest first, to
+    the least loaded rank of their group."""
+    from .construct import least_loaded
+
+    world = topo.world_size
+    bag = np.empty(lens.size, dtype=np.int64)
+    loads = np.zeros(world)
+    if long.any():
+        bag[long], loads = _long_planned(step, lens, long, topo, cost)
+    short = np.flatnonzero(~long)
+    if not short.size:
+        return bag
+    speed = cost.bag_speed(topo)[topo.bag_of_rank]
+    src = home[short]
+    work = cost.compute(lens[short]) / speed[src]
+    order = np.lexsort((-work, src))  # by home rank, each rank's largest first
+    w, r = work[order], src[order]
+    first = np.concatenate([[0], np.flatnonzero(r[1:] != r[:-1]) + 1])
+    cs = np.cumsum(w)
+    upto = cs - np.repeat(cs[first] - w[first], np.diff(np.append(first, w.size)))  # each rank's, inclusive
+    stay = loads[r] + upto <= target  # a prefix of each rank's list (its cumulative load only grows)
+    rank_of = np.empty(short.size, dtype=np.int64)
+    rank_of[order[stay]] = r[stay]
+    loads += np.bincount(r[stay], weights=w[stay], minlength=world)
+    moved = order[~stay]
+    for g in range(topo.num_groups):
+        ranks = np.arange(g * topo.group_size, (g + 1) * topo.group_size)
+        mine = moved[src[moved] // topo.group_size == g]
+        if not mine.size:
+            continue
+        mine = mine[np.argsort(-work[mine], kind="stable")]
+        rank_of[mine] = least_loaded(work[mine], ranks, loads[ranks])
+    on_own = topo.bag_sizes[topo.bag_of_rank[rank_of]] == 1
+    bag[short] = np.where(on_own, topo.bag_of_rank[rank_of], topo.num_bags + rank_of)
     return bag
 
 

@@ -127,3 +127,27 @@ def test_no_rival_ahead_by_more_than_a_tenth_of_a_percent_on_200_random_mixes(ca
               f"({worst['mix']}, {worst['model']}, {worst['world_size']} GPUs, step seed {worst['step_seed']})")
     assert len(rows) == 200 and {r["world_size"] for r in rows} >= {8, 256}
     assert worst["behind"] <= 1e-3, worst
+
+
+def test_a_large_group_deals_its_short_sequences_out_in_numpy():
+    """Over ``EXACT_RANKS`` ranks a group keeps each rank's short sequences at home up to the
+    target and deals the rest to the least loaded ranks: every sequence placed once, in its
+    group, whole on one rank; the plan without overlap (``plain``) is reused, never slower."""
+    from knapray.planning.overlap import EXACT_RANKS, _place_fast
+    from knapray.planning.lengths import flatten_lengths
+
+    cost = CostModel()
+    world = 2 * EXACT_RANKS
+    topo = Topology.parse("g8n32", world_size=world)  # 2 balance groups of 256
+    step = steps_at("image+video", world, 1, 0, 392)[0]
+    lens, home, _ = flatten_lengths(step, topo)
+    ideal = cost.ideal_step_time(lens, world) - cost.fixed_s
+    bag = _place_fast(step, lens, home, np.zeros(lens.size, bool), topo, cost, ideal)
+    rank = np.where(bag >= topo.num_bags, bag - topo.num_bags, topo.bag_starts[np.minimum(bag, topo.num_bags - 1)])
+    assert (bag >= topo.num_bags).all() or (topo.bag_sizes[bag[bag < topo.num_bags]] == 1).all()
+    assert np.array_equal(rank // topo.group_size, home // topo.group_size)  # within its balance group
+    assert 0.3 < np.mean(rank == home) < 1  # most stay home; some are dealt out
+    one = Topology.parse("g8n64")  # one group of 512: overlap_plan takes the numpy placement
+    plain = plan_balance(step, one, cost)
+    over = overlap_plan(step, cost, [one], plain=plain)
+    assert over.predicted_step_time <= plain.predicted_step_time
