@@ -301,7 +301,7 @@ def rivals_markdown(rows: list[dict], command: str) -> str:
     for r in rows:
         p, q = r["planners"], r["ratios"]
         best = min(KNAPRAY, key=lambda n: p[n]["step_s"])
-        mix = r["mix"] if r["model"] == "flux" else f"{r['mix']} ({r['model']})"
+        mix = f"{r['mix']} ({r['model']})"
         cells = [f"{p[n]['step_s']:.4f} ({q[n]:.3f}x)" for n in ("knapformer", "dynamic_cp", "flexsp", "zellige")]
         lines.append(
             f"| {mix} | {r['world_size']} | " + " | ".join(f"{p[n]['step_s']:.4f}" for n in KNAPRAY) + " | "

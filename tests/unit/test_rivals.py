@@ -88,7 +88,7 @@ def test_the_table_has_every_planner_and_its_ratio_to_knapray():
     (row,) = rows
     assert set(row["ratios"]) == set(PLANNERS) and min(row["ratios"][n] for n in KNAPRAY) == pytest.approx(1.0)
     text = rivals_markdown(rows, "knapray simulate --rivals --worlds 8 --steps 1")
-    assert "| image+video | 8 |" in text and "Zellige-style" in text
+    assert "| image+video (flux) | 8 |" in text and "Zellige-style" in text
     assert PAPER_MIXES["image+video"]  # the paper's mix, by name
 
 
