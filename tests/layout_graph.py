@@ -83,7 +83,7 @@ def imports(mods: dict[str, pathlib.Path] | None = None) -> list[Import]:
 
 
 def top(name: str) -> str:
-    """The top-level name under knapray (``knapray.planning.solver`` -> ``planning``)."""
+    """The top-level name under knapray (``knapray.planning.balance.solver`` -> ``planning``)."""
     return name.split(".")[1] if "." in name else name
 
 

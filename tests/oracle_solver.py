@@ -1,4 +1,4 @@
-# Frozen copy of knapray/planning/solver.py at commit 1bf50b6 (before the linear-time
+# Frozen copy of knapray/planning/balance/solver.py at commit 1bf50b6 (before the linear-time
 # rewrite of issue 23): a test oracle only. The rewritten solver must make the same plans
 # (tests/unit/test_planner_oracle.py). Never import it from the package; never edit it except to
 # follow a rename of what it imports, and one change of behaviour made to both: the least
@@ -44,11 +44,11 @@ from typing import Sequence, Union
 
 import numpy as np
 
-from knapray.planning.cost import CostModel, StepTimes, rank_times
-from knapray.planning.plan import BalancePlan
-from knapray.planning.refine import lightest
-from knapray.planning.topology import Topology
-from knapray.planning.workload import WorkloadModel
+from knapray.planning.costs.cost import CostModel, StepTimes, rank_times
+from knapray.planning.balance.plan import BalancePlan
+from knapray.planning.balance.refine import lightest
+from knapray.planning.shapes.topology import Topology
+from knapray.planning.costs.workload import WorkloadModel
 
 Model = Union[WorkloadModel, CostModel]
 
@@ -566,7 +566,7 @@ class _Problem:
             t_b = c_items[:, cls[b]] * inv[b]
             l_b = lens[items]
             # Partners: the least loaded bags, where a move or swap helps most.
-            part = lightest(loads, n_partners + 1)  # was argpartition: see knapray.planning.refine.lightest
+            part = lightest(loads, n_partners + 1)  # was argpartition: see knapray.planning.balance.refine.lightest
             part = part[part != b][:n_partners]
             # Moves, all items x all partners at once: (n_b, p).
             g_p = g[part]

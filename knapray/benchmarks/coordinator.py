@@ -3,7 +3,7 @@
 For each world size, a coordinator actor (``create_coordinator``, topology ``g8n{W/8}``)
 and a few driver actors, each playing whole nodes of 8 ranks. Per step the coordinator
 receives what the trainer's ranks send: each node's submissions of the step's lengths
-(the image+video mix of ``knapray.planning.mix``, new draws each step) with their timing
+(the image+video mix of ``knapray.planning.shapes.mix``, new draws each step) with their timing
 reports of the step before, in one ``exchange`` call per node, as a node's ``NodeRelay``
 forwards them (``--ranks-per-call 1``: one call per rank, as ranks without a relay send);
 the answer is a reference, and every simulated node reads the (packed) plan from the
@@ -35,7 +35,7 @@ import time
 
 import numpy as np
 
-from knapray.planning.mix import PAPER_MIXES, mix_world_size, parse_mix, sample_step
+from knapray.planning.shapes.mix import PAPER_MIXES, mix_world_size, parse_mix, sample_step
 
 DEFAULT_RANKS = (32, 128, 512, 1024, 4096)
 RANKS_PER_NODE = 8

@@ -15,9 +15,9 @@ from typing import Callable, Sequence
 import numpy as np
 
 from knapray.planning import PAPER_MIXES, CostModel, Topology, WorkloadModel, plan_balance
-from knapray.planning.mix import mix_world_size, parse_mix
-from knapray.planning.overlap import overlap_plan
-from knapray.planning.runner import mix_steps, plan_run
+from knapray.planning.shapes.mix import mix_world_size, parse_mix
+from knapray.planning.search.overlap import overlap_plan
+from knapray.planning.simulation.runner import mix_steps, plan_run
 
 CASES_32 = [(name, spec, 32) for name in PAPER_MIXES for spec in ("g1n32", "g2n16", "g4n8", "g8n4")]
 CASES_1024 = [
@@ -118,7 +118,7 @@ def run_scaling(
     three see the same machine load), and each time is taken both on the wall clock and
     as this process's CPU time (a shared machine inflates the first, not the second).
     ``overlap ms``: what ``balance.overlap`` adds to the cost-model plan (the best
-    overlapping plan on the same bags, ``knapray.planning.overlap``, given that plan).
+    overlapping plan on the same bags, ``knapray.planning.search.overlap``, given that plan).
 
     ``reference``: another ``plan_balance`` (e.g. an older solver's) that plans every step
     too, right before this one; a second table compares the two (times, and whether every

@@ -1,6 +1,6 @@
 """Rivals benchmark: the planners knapray can execute, run side by side on gloo processes.
 
-``knapray simulate --rivals`` predicts every planner of ``knapray.planning.rivals`` under
+``knapray simulate --rivals`` predicts every planner of ``knapray.planning.simulation.rivals`` under
 the calibrated cost model. This runs the ones whose plans knapray's router and Ulysses
 execute: knapray's ``auto``, ``per-step`` and ``overlap`` (a rank's own whole sequences
 beside its share of a bag's), KnapFormer's greedy on fixed homogeneous bags, dynamic CP (one
@@ -35,7 +35,7 @@ import torch
 
 from knapray.benchmarks.step import LOSS_TOL, step_config, write_records
 from knapray.distributed.local import free_port, init_local_gloo, spawn_local
-from knapray.planning.cost import CostModel
+from knapray.planning.costs.cost import CostModel
 from knapray.limits import MAX_SCALE
 
 MIX = ("g1b4i256f1s0,g1b5i512f1s0,g1b5i1024f1s0,g1b1i2048f1s0,"
@@ -69,8 +69,8 @@ def bench_cost(hidden: int, heads: int, depth: int, world: int) -> CostModel:
 def _topologies(history: list, cost: CostModel):
     """knapray auto's static topology and KnapFormer's fixed bags, chosen from steps drawn
     before the run (as training chooses them)."""
-    from knapray.planning.autotopo import search_topology
-    from knapray.planning.rivals import knapformer_topology
+    from knapray.planning.search.autotopo import search_topology
+    from knapray.planning.simulation.rivals import knapformer_topology
 
     return search_topology(history, len(history[0]), cost, cost.gpus_per_node).topology, \
         knapformer_topology(history, cost)
@@ -80,8 +80,8 @@ def _plans(lens: list[list[int]], auto, fixed, cost: CostModel) -> dict:
     """Every executable planner's plan of the step: name -> (plan, layout). Bags other than
     the run's static ones run on the aligned blocks' groups."""
     from knapray.planning import identity_plan
-    from knapray.planning.blocks import check_aligned
-    from knapray.planning.rivals import rivals_step
+    from knapray.planning.shapes.blocks import check_aligned
+    from knapray.planning.simulation.rivals import rivals_step
 
     out = {UNBALANCED: (identity_plan(lens, cost), "g1")}
     for name, p in rivals_step(lens, cost, auto, fixed).items():

@@ -4,7 +4,7 @@ plan, by static USP (every request over all GPUs, as xDiT runs) and by data para
 request per GPU), side by side: p50 / p99 latency and throughput at each arrival rate, and
 each policy's throughput at equal p99 (the highest rate whose p99 meets a target).
 
-The default run is *predicted*: ``knapray.planning.serving`` simulates the three policies
+The default run is *predicted*: ``knapray.planning.inference.serving`` simulates the three policies
 over 8 and 32 H100s with the ``CostModel``'s constants (its module docstring has the
 formulas and every choice). ``--measure`` also serves the stream, scaled to a CPU, on 4
 local gloo ranks for real, with the code ``knapray serve``'s gang runs
@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from knapray.planning.serving import (
+from knapray.planning.inference.serving import (
     LOOSE_FACTOR, MIX, POLICIES, TIGHT_FACTOR, ServiceTimes, capacity, inference_cost, p99_targets,
     rate_at_p99, request_stream, serve, service_times,
 )
@@ -261,7 +261,7 @@ def cli(args: argparse.Namespace) -> int:
         if load > MAX_RATE:
             raise ValueError(f"--measure-loads {load:g}: a load is a fraction of the measured capacity, at most "
                              f"{MAX_RATE:g}")
-    from knapray.planning.serving import ulysses_layer_fit
+    from knapray.planning.inference.serving import ulysses_layer_fit
 
     overhead = ulysses_layer_fit() if args.ulysses_overhead == "xdit" else 0.0
     out = run(args.gpus, args.rates, args.requests, args.seed, ulysses_layer_s=overhead)

@@ -1,9 +1,9 @@
 """The measured part of ``knapray bench serve``: the mixed stream served for real by ``ranks``
 local gloo processes running the code ``knapray serve``'s gang runs (``worker.denoise.
 denoise_bag`` on blocks of ranks), decided by the policy ``knapray serve`` runs and the
-simulator predicts (``planning.scheduler.BagScheduler``):
+simulator predicts (``planning.inference.scheduler.BagScheduler``):
 
-- ``knapray``: every aligned block of 1, 2 or 4 ranks (``planning.blocks.blocks_of``),
+- ``knapray``: every aligned block of 1, 2 or 4 ranks (``planning.shapes.blocks.blocks_of``),
   each request to the block where it would finish earliest, oldest first, with backfilling;
   a block runs one request at a time and takes the next when it finishes;
 - ``usp``: one block of all ranks, first in first out (static USP, as xDiT serves);
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from knapray.planning.sampling import halving_topology
-from knapray.planning.serving import Served, request_stream
+from knapray.planning.inference.sampling import halving_topology
+from knapray.planning.inference.serving import Served, request_stream
 
 WINDOW = 16
 """The most requests one batch takes."""
@@ -66,7 +66,7 @@ POLICY_ORDERS = {"knapray": "balanced", "usp": "fifo", "dp": "fifo"}
 def policy_blocks(policy: str, ranks: int) -> tuple[tuple[int, int], ...]:
     """The blocks (first rank, size) a policy serves on (``batches``: the halving bags)."""
     from knapray.planning import Topology
-    from knapray.planning.blocks import blocks_of
+    from knapray.planning.shapes.blocks import blocks_of
 
     if policy == "knapray":
         return blocks_of(ranks, tuple(g for g in (1, 2, 4, 8) if g <= ranks and 4 % g == 0))
@@ -234,7 +234,7 @@ def _worker_entry(rank: int, ranks: int, port: int, blocks, inboxes, outbox) -> 
 
 def _serve(gang: _Gang, policy: str, stream, jobs: list, t0: float) -> Served:
     """One stream served in real time on ``gang`` by ``policy``."""
-    from knapray.planning.scheduler import BagScheduler
+    from knapray.planning.inference.scheduler import BagScheduler
 
     n, blocks = len(jobs), gang.blocks
     start, finish = np.full(n, np.nan), np.full(n, np.nan)
@@ -271,7 +271,7 @@ def _serve_batches(gang: _Gang, stream, jobs: list, t0: float) -> Served:
     ``WINDOW``) planned over the halving bags by ``plan_jobs``, each bag's requests packed in
     one loop, and the next batch after the last bag."""
     from knapray.planning import Topology
-    from knapray.planning.sampling import plan_jobs
+    from knapray.planning.inference.sampling import plan_jobs
 
     n = len(jobs)
     start, finish = np.full(n, np.nan), np.full(n, np.nan)

@@ -2,10 +2,10 @@
 
 Calibration times forward + backward of ``MMDiT.blocks`` (every double- and single-stream
 block, attention through ``knapray.attention``) on *packed batches*: every token budget x
-every length mix of ``knapray.planning.costfit.calibration_batches`` (all of one short
+every length mix of ``knapray.planning.fitting.costfit.calibration_batches`` (all of one short
 length, short ones of distinct lengths, about 8 medium, long ones, one long plus short
 ones, log-uniform spread). It fits (see
-``knapray.planning.costfit``)::
+``knapray.planning.fitting.costfit``)::
 
     t(batch) = c + layers · (a·Σ L + b·Σ L² + s·n)
 
@@ -56,8 +56,8 @@ from knapray.attention import LocalAttention, _resolve_backend
 from knapray.models.config import DiTConfig
 from knapray.models.families import FAMILIES, build_model, cross_text_pad, get_family
 from knapray.planning import PAPER_MIXES
-from knapray.planning.cost import MODE_KEYS, PROFILE_FORMAT, CostModel
-from knapray.planning.costfit import (
+from knapray.planning.costs.cost import MODE_KEYS, PROFILE_FORMAT, CostModel
+from knapray.planning.fitting.costfit import (
     calibration_batches,
     fit_packed,
     mean_abs_error,
@@ -113,7 +113,7 @@ def calibration_config(hidden: int, heads: int, depth_double: int, depth_single:
 
 
 def execution_mode(device: torch.device, dtype: str, compile: bool, ac: bool, backend: str) -> dict:
-    """The ``mode`` a profile records (``knapray.planning.cost.MODE_KEYS``)."""
+    """The ``mode`` a profile records (``knapray.planning.costs.cost.MODE_KEYS``)."""
     on_gpu = device.type == "cuda"
     mode = {
         "device": device.type,

@@ -21,7 +21,7 @@ def add_cost_model(p: argparse.ArgumentParser, what: str = "") -> None:
 
 def cost_model(args: argparse.Namespace):
     """CostModel from ``--profile`` and ``--cost`` overrides (defaults: 8xH100, Flux)."""
-    from knapray.planning.cost import CostModel
+    from knapray.planning.costs.cost import CostModel
 
     overrides = {}
     for item in args.cost:

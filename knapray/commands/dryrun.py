@@ -23,7 +23,7 @@ line, before anything runs).
 
 ``--sample``: rank R of an N-rank sampling gang drawing a request per ``--size`` (``knapray
 sample``'s ``--size``, ``--frames`` in latent frames, ``--guidance``, ``--topology``), placed as
-the gang places it (``knapray.planning.sampling_memory``: the transformer whole on every rank
+the gang places it (``knapray.planning.inference.sampling_memory``: the transformer whole on every rank
 as ``worker.denoise.prepare_model`` holds it, the text encoders on rank 0 per ``--encoders``,
 the VAE on each bag lead): each phase the
 rank runs (encode, denoise, decode) measured on fake tensors by torch's ``MemTracker`` beside
@@ -61,7 +61,7 @@ SAMPLE_FLAGS = ("size", "frames", "guidance", "encoders", "topology")
 
 def _add_sample_arguments(p: argparse.ArgumentParser) -> None:
     from knapray.commands.flags import float_in, int_at_least
-    from knapray.planning.sampling_memory import ENCODER_POLICIES
+    from knapray.planning.inference.sampling_memory import ENCODER_POLICIES
     from knapray.testing.sample_dryrun import DEFAULT_ENCODERS, DEFAULT_SIZE
 
     p.add_argument("--sample", action="store_true",
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     corpus = Path(cfg.data.corpus)
     print(f"knapray dryrun: {args.config} as rank {rank} of {world} ({setup.gpus_per_node} per node); torch "
           f"{torch.__version__}; no GPU, no Ray: fake tensors over a fake process group")
-    from knapray.planning.memory import ModelShape
+    from knapray.planning.costs.memory import ModelShape
 
     shape = ModelShape.of(m)
     print(f"model  {shape.num_params / 1e9:.2f} B parameters ({m.depth_double} double + {m.depth_single} single "
@@ -218,13 +218,13 @@ def run_sample(args: argparse.Namespace) -> int:
         return _error(what)
     import torch
 
-    from knapray.planning.sampling_memory import GIB
+    from knapray.planning.inference.sampling_memory import GIB
 
     _print_sample_setup(args, setup, torch.__version__)
     measured = measure(setup)
     found = assess(setup, measured)
     role = setup.role
-    print(f"\nmemory: rank {setup.rank}'s peak by phase, GiB: predicted (knapray.planning.sampling_memory) | "
+    print(f"\nmemory: rank {setup.rank}'s peak by phase, GiB: predicted (knapray.planning.inference.sampling_memory) | "
           f"measured (torch's MemTracker)")
     print(f"  {'phase':<8} {'transformer':>11} {'encoders':>8} {'vae':>6} {'latents':>7} {'working':>7} {'total':>7}"
           f"  | {'weights':>7} {'latents':>7} {'working':>7} {'total':>7} {'error':>7}")
@@ -270,7 +270,7 @@ def run_sample(args: argparse.Namespace) -> int:
 
 def _print_sample_setup(args: argparse.Namespace, setup, torch_version: str) -> None:
     from knapray.models.families import get_family
-    from knapray.planning.sampling_memory import GIB
+    from knapray.planning.inference.sampling_memory import GIB
 
     m, mem, role, job = setup.cfg.model, setup.memory, setup.role, setup.jobs[0]
     print(f"knapray dryrun: {args.config} sampling, as rank {setup.rank} of a gang of {setup.world}; torch "

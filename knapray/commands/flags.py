@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 from knapray.limits import MAX_SEED, MAX_STEPS, MAX_TEXT_LENGTH, MAX_WORLD_SIZE
 from knapray.config.parallel import FSDP_MODES
-from knapray.planning.checkpointing import AC_MODES
+from knapray.planning.costs.checkpointing import AC_MODES
 
 
 class Parser(argparse.ArgumentParser):

@@ -10,7 +10,7 @@ from pathlib import Path
 from knapray.corpus.ingest import EncoderSpec, IngestConfig, ingest
 from knapray.corpus.schema import FAMILIES, TEXT_DTYPES, WAN_TEXT_LENGTH
 from knapray.corpus.stages import FamilyEncoding
-from knapray.planning.mix import MAX_TEXT_TOKENS
+from knapray.planning.shapes.mix import MAX_TEXT_TOKENS
 
 
 DESCRIPTION = (

@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from knapray.planning.memory import GIB, memory_model_for_run
+    from knapray.planning.costs.memory import GIB, memory_model_for_run
     from knapray.driver.preflight import load_run_config
 
     cfg = load_run_config(args.config, args.set)  # a ConfigError (ValueError) names the file or the key

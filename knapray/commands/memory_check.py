@@ -3,7 +3,7 @@
     python -m knapray.commands.memory_check --hidden 3072 --heads 24 --depth-double 3 --depth-single 3 --tokens 16384
 
 Prints, per category (activations, parameters, gradients, optimizer state and on CUDA the
-forward + backward peak), what ``knapray.planning.memory`` predicts beside what
+forward + backward peak), what ``knapray.planning.costs.memory`` predicts beside what
 ``knapray.testing.memory_check`` measures on one packed batch.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from knapray.planning.checkpointing import AC_MODES
+    from knapray.planning.costs.checkpointing import AC_MODES
 
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _report(r: dict[str, Any]) -> None:
-    from knapray.planning.memory import GIB
+    from knapray.planning.costs.memory import GIB
 
     print(f"tokens {r['tokens']}")
     print(f"{'':<16} {'predicted GiB':>14} {'measured GiB':>13} {'pred/meas':>10}")

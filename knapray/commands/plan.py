@@ -34,8 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from knapray.planning import Topology, WorkloadModel
-    from knapray.planning.mix import check_planned, parse_mix
-    from knapray.planning.runner import load_lengths, mix_ranks, mix_steps, plan_run
+    from knapray.planning.shapes.mix import check_planned, parse_mix
+    from knapray.planning.simulation.runner import load_lengths, mix_ranks, mix_steps, plan_run
 
     if (args.mix is None) == (args.lengths is None):
         raise ValueError("give exactly one of --mix CODES or --lengths FILE")
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         world = len(steps[0])
     if args.topology == "auto":
         # Cost model plans on the topology with the lowest predicted step time.
-        from knapray.planning.autotopo import search_topology
+        from knapray.planning.search.autotopo import search_topology
 
         model = cost_model(args)
         choice = search_topology(steps[: args.auto_steps], world, model, args.gpus_per_node)

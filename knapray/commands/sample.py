@@ -56,8 +56,8 @@ class SamplePlan:
     checkpoint: str
     requests: list[Request]
     topology: str | None = None
-    """The bags of ``--world-size N`` > 1 (default ``planning.sampling.halving_topology``), or
-    ``auto`` (chosen for the batch among ``planning.sampling.candidate_topologies``)."""
+    """The bags of ``--world-size N`` > 1 (default ``planning.inference.sampling.halving_topology``), or
+    ``auto`` (chosen for the batch among ``planning.inference.sampling.candidate_topologies``)."""
     folder: str | None = None
     """``--out`` as a folder (each request and the grid), or None: ``--out`` is the grid's file."""
 
@@ -117,7 +117,7 @@ def _topology(args: argparse.Namespace, cfg: Any) -> str | None:
     from knapray.commands.flags import check_local_processes
     from knapray.distributed.groups import check_heads
     from knapray.planning import Topology
-    from knapray.planning.sampling import candidate_topologies, halving_topology
+    from knapray.planning.inference.sampling import candidate_topologies, halving_topology
 
     check_local_processes(world, "knapray sample")
     spec = args.topology or halving_topology(world, cfg.model.num_heads)

@@ -1,5 +1,5 @@
 """``knapray simulate``: predicted step time per rank of unbalanced, greedy and knapray
-plans under the cost model (``knapray.planning.sim``), and the paper tables."""
+plans under the cost model (``knapray.planning.simulation.sim``), and the paper tables."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ MODELS = ("flux", "wan14b")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=MODELS, default="flux",
-                   help="the model's cost-model fields (knapray.planning.cost.MODEL_PRESETS; --cost overrides "
+                   help="the model's cost-model fields (knapray.planning.costs.cost.MODEL_PRESETS; --cost overrides "
                    "them): flux (default: Flux.1, joint attention) or wan14b (Wan 2.1 14B, cross-attention to 512 "
                    "text tokens; a sequence is its visual tokens, e.g. --mix wan)")
     p.add_argument("--mix", help="named mix (low-res, mixed-res, image+video; wan), data codes, or a non-stationary "
@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rivals", action="store_true",
                    help="knapray (auto, per-step, overlap) against the newest balancers' planners (KnapFormer's "
                    "greedy on fixed bags, dynamic CP, FlexSP-style, Zellige-style overlapping groups: "
-                   "knapray.planning.rivals) on the paper's image and image+video mixes, the Wan mix and two "
+                   "knapray.planning.simulation.rivals) on the paper's image and image+video mixes, the Wan mix and two "
                    "held-out mixes at --worlds")
     p.add_argument("--random", type=int, metavar="N", default=None,
                    help="--rivals on N mixes drawn at random instead (images and clips of random sizes, both cost "
@@ -62,8 +62,8 @@ def _rank_speeds(items: list[str] | None, world: int) -> list[float] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from knapray.planning import sim
-    from knapray.planning.cost import MODEL_PRESETS
+    from knapray.planning.simulation import sim
+    from knapray.planning.costs.cost import MODEL_PRESETS
 
     preset = [f"{k}={json.dumps(v)}" for k, v in MODEL_PRESETS[args.model].items()]
     args.cost = preset + list(args.cost)  # --cost after the preset: it overrides it
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     if (args.mix is None) == (args.lengths is None):
         raise ValueError("give exactly one of --mix CODES|NAME, --lengths FILE or --paper-table")
     if args.mix is not None:
-        from knapray.planning.mix import check_planned, parse_mix
+        from knapray.planning.shapes.mix import check_planned, parse_mix
 
         world = args.world_size or sim.schedule_ranks(args.mix)
         for _, codes, _ in sim.parse_schedule(args.mix):  # before any step is drawn
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
             cost = cost.with_rank_speed(speeds)
         result = sim.simulate_mix(args.mix, args.topology, world, cost, steps=args.steps, seed=args.seed)
     else:
-        from knapray.planning.runner import load_lengths
+        from knapray.planning.simulation.runner import load_lengths
 
         steps = load_lengths(args.lengths)
         speeds = _rank_speeds(args.rank_speed, len(steps[0]))
@@ -132,14 +132,14 @@ RIVAL_MIXES = (("mixed-res", "flux"), ("image+video", "flux"), ("wan", "wan14b")
                ("alternate:low-res/image+video", "flux"), ("long-video", "flux"))
 """The paper's image (mixed-res) and image+video mixes, the Wan mix under the Wan 14B model,
 and two held out: image-only steps alternating with video-heavy ones, and a mix of long
-clips (``knapray.planning.mix``'s ``long-video``)."""
+clips (``knapray.planning.shapes.mix``'s ``long-video``)."""
 
 
 MAX_RANDOM_MIXES = 10_000
 
 
 def _random_rivals(args: argparse.Namespace) -> int:
-    from knapray.planning.rivals import rivals_markdown, random_rivals_table
+    from knapray.planning.simulation.rivals import rivals_markdown, random_rivals_table
 
     if not 1 <= args.random <= MAX_RANDOM_MIXES:
         raise ValueError(f"--random {args.random}: a number of mixes from 1 to {MAX_RANDOM_MIXES}")
@@ -173,7 +173,7 @@ def _table_out(args: argparse.Namespace, text: str, rows: list[dict]) -> int:
 
 def _rivals(args: argparse.Namespace) -> int:
     from knapray.limits import MAX_WORLD_SIZE
-    from knapray.planning.rivals import rivals_markdown, rivals_table
+    from knapray.planning.simulation.rivals import rivals_markdown, rivals_table
 
     if args.random is not None:
         return _random_rivals(args)

@@ -9,7 +9,7 @@ import sys
 from knapray.commands.flags import Parser, int_at_least, step_count, text_tokens
 from knapray.corpus.schema import TEXT_DTYPES
 from knapray.limits import MAX_EMBED_DIM, MAX_SCALE, MAX_SEED, MAX_SHARDS
-from knapray.planning.mix import MAX_TEXT_TOKENS, PAPER_MIXES
+from knapray.planning.shapes.mix import MAX_TEXT_TOKENS, PAPER_MIXES
 
 DESCRIPTION = ("Build a synthetic knapray corpus (parquet shards + schema.json) from a "
                "mix of the paper's data codes gGbBiRfFsS.")

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"knapray torchrun: error: {e}", file=sys.stderr)
         return 2
     from knapray.distributed.local import init_from_env, shutdown
-    from knapray.planning.rules import PER_STEP
+    from knapray.planning.search.rules import PER_STEP
 
     from knapray.stopping import stop_on_signals
     from knapray.driver.report import ledger_line, prediction_line, stopped_early_line, write_run_files

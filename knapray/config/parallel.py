@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from knapray.limits import MAX_MICRO_BATCHES
-from knapray.planning.checkpointing import AC_MODES, checkpointed_blocks
+from knapray.planning.costs.checkpointing import AC_MODES, checkpointed_blocks
 
 FSDP_MODES = ("none", "full", "hybrid")
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -43,7 +43,7 @@ class ParallelConfig:
     ``full`` (every block), ``selective`` (every block, but attention's output and
     log-sum-exp are kept, so no attention kernel runs twice: a block keeps about twice
     what ``full`` keeps), ``every_k`` (every ``ac_every``-th block: blocks k-1, 2k-1, ...
-    in double-then-single order, ``knapray.planning.checkpointing.checkpointed_blocks``)."""
+    in double-then-single order, ``knapray.planning.costs.checkpointing.checkpointed_blocks``)."""
     ac_every: int = dataclasses.field(default=2, metadata={"ge": 1, "le": MAX_MICRO_BATCHES})
     """k of ``activation_checkpointing: every_k``."""
     compile: bool = False

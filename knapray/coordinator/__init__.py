@@ -8,7 +8,7 @@ One job per module:
 - ``ledger``: committed rows, in memory as numpy columns, on disk as an append-only
   journal with compacted snapshots; its position is what checkpoints carry;
 - ``stats``: length histogram, imbalance / plan-time / wait samples, per-rank averages
-  and speed factors, and the live re-fit of the cost model (``planning.livefit``) it feeds;
+  and speed factors, and the live re-fit of the cost model (``planning.fitting.livefit``) it feeds;
 - ``store``: the files (journal and snapshot formats, atomic writes; never pickle);
 - ``coordinator``: ``BalanceCoordinator``, which composes them (runs without Ray);
 - ``actor``: the thin async Ray actor and ``create_coordinator``: one ``exchange`` call per
@@ -20,7 +20,7 @@ One job per module:
   (it, the model's facts, the world), ``make_planning_model`` and ``make_live_fit``.
 
 Topology rules (``"g8n4"``, ``"bags_of:N"``, ``"auto"``) are pure planning:
-``knapray.planning.rules``.
+``knapray.planning.search.rules``.
 """
 
 from .actor import create_coordinator

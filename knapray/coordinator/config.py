@@ -9,9 +9,9 @@ from typing import Any
 
 from knapray.limits import MAX_TIMEOUT_S, MAX_WORLD_SIZE
 from knapray.planning import SOLVERS, WorkloadModel
-from knapray.planning.cost import CostModel
-from knapray.planning.livefit import LiveFit
-from knapray.planning.rules import parse_rule
+from knapray.planning.costs.cost import CostModel
+from knapray.planning.fitting.livefit import LiveFit
+from knapray.planning.search.rules import parse_rule
 
 PLANNERS = ("workload", "cost")
 
@@ -50,13 +50,13 @@ class BalanceConfig:
     """A ``knapray calibrate`` profile for ``planner: cost`` (``cost`` overrides it)."""
     overlap: bool = False
     """With ``planner: cost``: a sequence may also run whole on a rank that serves a bag of
-    several (groups that overlap on that rank, ``knapray.planning.overlap``), where the cost
+    several (groups that overlap on that rank, ``knapray.planning.search.overlap``), where the cost
     model predicts the step faster so; with ``topology: per-step`` the step may also take
     aligned groups of any size that divides the heads (their process groups are made at
     start)."""
     live_fit: bool = True
     """With ``planner: cost``: re-fit the cost model's compute coefficients and per-rank
-    speeds from the measured per-rank times while training (``knapray.planning.livefit``);
+    speeds from the measured per-rank times while training (``knapray.planning.fitting.livefit``);
     false plans with it as given. An unbalanced run (``enabled`` false) does not run the
     plans, so its times never fit them."""
     coordinator: bool = True
@@ -92,7 +92,7 @@ class CoordinatorConfig:
     """The run's ``balance`` section: the topology rule (a concrete spec such as ``"g8n4"``,
     replicated over multiples of its size; ``"bags_of:N"``: one balance group of equal
     bags, the largest power of two ``<= N`` dividing the world and ``gpus_per_node``;
-    ``"auto"``; ``"per-step"``: see ``knapray.planning.rules``), the solver, the planner and
+    ``"auto"``; ``"per-step"``: see ``knapray.planning.search.rules``), the solver, the planner and
     its cost model, the live fit."""
     world_size: int | None = None
     """Ranks in the world; None until ``begin_run`` says (elastic runs)."""
@@ -100,7 +100,7 @@ class CoordinatorConfig:
     """Transformer width, for the workload and cost models."""
     attention_kind: str = "joint"
     """``joint`` (Flux) or ``cross`` (Wan: visual tokens cross-attend to a fixed text),
-    for the workload and cost models (``knapray.planning.workload``)."""
+    for the workload and cost models (``knapray.planning.costs.workload``)."""
     num_heads: int | None = None
     double_blocks: int | None = None
     single_blocks: int | None = None

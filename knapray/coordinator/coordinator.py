@@ -14,7 +14,7 @@ restored from its files if the actor restarted, is checked to still hold everyth
 checkpoint covers), then ``truncate(resume_step)``: later rows and every in-flight step
 are dropped and the attempt counter goes up, so samples after the checkpoint are trained
 again and recorded with the new attempt. The topology is re-planned for the new world
-size by the configured rule (``knapray.planning.rules``) and the change is logged.
+size by the configured rule (``knapray.planning.search.rules``) and the change is logged.
 
 Persistence
 -----------
@@ -45,8 +45,8 @@ from typing import Any
 import numpy as np
 
 from knapray.planning import BalancePlan, Topology, WorkloadModel
-from knapray.planning.cost import CostModel
-from knapray.planning.rules import PER_STEP, per_step_node, planning_node, resolve_rule
+from knapray.planning.costs.cost import CostModel
+from knapray.planning.search.rules import PER_STEP, per_step_node, planning_node, resolve_rule
 
 from .config import CoordinatorConfig, make_live_fit, make_planning_model
 from .ledger import Ledger
@@ -313,7 +313,7 @@ class BalanceCoordinator:
     def topology_for(self, world_size: int, node_sizes: Sequence[int] | None = None) -> Topology:
         """The topology for a world of ``world_size`` ranks on nodes of ``node_sizes`` ranks
         (in rank order; None: the config's ``gpus_per_node`` says where nodes are) by the
-        configured rule (``knapray.planning.rules.resolve_rule``; ``"auto"`` judges by
+        configured rule (``knapray.planning.search.rules.resolve_rule``; ``"auto"`` judges by
         recent lengths)."""
         c, rule = self.config, self.config.balance.topology
         choice = resolve_rule(

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from knapray.planning import BalancePlan
-from knapray.planning.livefit import LiveFit, RankFeatures
+from knapray.planning.fitting.livefit import LiveFit, RankFeatures
 
 log = logging.getLogger(__name__)
 

@@ -57,9 +57,9 @@ from typing import Any
 import numpy as np
 
 from knapray.planning import BalancePlan, Topology, WorkloadModel, plan_balance
-from knapray.planning.cost import CostModel
-from knapray.planning.overlap import overlap_plan, step_candidates
-from knapray.planning.pertopo import plan_step
+from knapray.planning.costs.cost import CostModel
+from knapray.planning.search.overlap import overlap_plan, step_candidates
+from knapray.planning.search.pertopo import plan_step
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def plan_from_gathered(
     sees, rather than a run that stops on one unlucky draw.
 
     ``per_step_node``: ranks per node of a run whose steps choose their own bags (rule
-    ``"per-step"``, ``knapray.planning.rules.per_step_node``): the step is planned on the
+    ``"per-step"``, ``knapray.planning.search.rules.per_step_node``): the step is planned on the
     partition of every node into aligned blocks that ``plan_step`` predicts fastest, with
     ``topology`` (the run's static one) among the candidates; the plan's ``topology`` says
     which. Needs a ``CostModel``. None: the step is planned on ``topology``.
@@ -104,7 +104,7 @@ def plan_from_gathered(
     not with ``per_step_node``.
 
     ``overlap`` (``balance.overlap``, a ``CostModel``): the plan above is compared with the
-    best overlapping plan (``knapray.planning.overlap``) on the topologies whose groups the
+    best overlapping plan (``knapray.planning.search.overlap``) on the topologies whose groups the
     run has (``step_candidates``), within the same memory budget, and the faster kept. Not
     with ``groups`` (a dry run of one rank plans its own group alone).
     """

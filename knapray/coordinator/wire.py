@@ -1,7 +1,7 @@
 """A plan as the object store holds it: what the solver chose, not what follows from it.
 
 A ``BalancePlan``'s chunk arrays (``C`` = sequences x bag size entries each) follow from
-its lengths, its bags and its topology (``planning.chunks.make_chunks``), and its
+its lengths, its bags and its topology (``planning.balance.chunks.make_chunks``), and its
 ``home_rank`` / ``local_index`` from how many sequences each rank holds. ``pack`` keeps
 only ``seq_lens``, ``bag`` and those counts (int32 where the values fit), about 1/40 of
 the plan at 1024 ranks; ``unpack`` rebuilds the rest on the rank. ``pack`` rebuilds the
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from knapray.planning import BalancePlan, Topology
-from knapray.planning.chunks import make_chunks
+from knapray.planning.balance.chunks import make_chunks
 
 ARRAYS = ("seq_lens", "home_rank", "local_index", "bag", "chunk_seq", "chunk_rank", "chunk_start", "chunk_len")
 

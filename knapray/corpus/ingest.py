@@ -57,7 +57,7 @@ from knapray.corpus.stages import (
 from knapray.corpus.unconditional import KEY as UNCONDITIONAL_KEY
 from knapray.corpus.unconditional import unconditional_record
 from knapray.corpus.writer import ShardWriter, length_stats, write_schema_json
-from knapray.planning.mix import MAX_TEXT_TOKENS
+from knapray.planning.shapes.mix import MAX_TEXT_TOKENS
 from knapray.progress import progress_bar
 
 __all__ = [

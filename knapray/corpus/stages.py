@@ -40,7 +40,7 @@ from knapray.corpus.media import (
 )
 from knapray.corpus.schema import CORPUS_SCHEMA, visual_token_count
 from knapray.corpus.writer import build_table
-from knapray.planning.sampling_memory import ArchSpec
+from knapray.planning.inference.sampling_memory import ArchSpec
 
 ITEM_SCHEMA = pa.schema([("path", pa.string()), ("source", pa.string()), ("caption", pa.string())])
 DECODED_SCHEMA = pa.schema(
@@ -95,7 +95,7 @@ class FamilyEncoding:
     """Captions cleaned as the pipeline cleans prompts (:func:`knapray.corpus.hf.wan_prompt_clean`)."""
     text_models: tuple[ArchSpec, ...] = ()
     """The pipeline's pretrained text encoders (public architectures, in the order a caption goes
-    through them): what sampling holds on rank 0 (``knapray.planning.sampling_memory``)."""
+    through them): what sampling holds on rank 0 (``knapray.planning.inference.sampling_memory``)."""
     vae: ArchSpec | None = None
     """The pipeline's pretrained VAE, in the dtype the pipeline decodes with."""
 

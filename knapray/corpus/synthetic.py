@@ -23,7 +23,7 @@ from knapray.corpus.schema import KINDS, PATCH, TEXT_DTYPES, visual_token_count
 from knapray.corpus.writer import ShardWriter, build_table, length_stats, write_schema_json
 from knapray.limits import (MAX_CORPUS_SAMPLES, MAX_EMBED_DIM, MAX_SEED, MAX_SHARDS, MAX_STEPS,
                             MAX_TEXT_LENGTH)
-from knapray.planning.mix import MAX_TEXT_TOKENS, PAPER_MIXES, SPATIAL_TOKEN_STRIDE, DataCode, parse_mix
+from knapray.planning.shapes.mix import MAX_TEXT_TOKENS, PAPER_MIXES, SPATIAL_TOKEN_STRIDE, DataCode, parse_mix
 from knapray.progress import progress_bar
 
 VAE_DOWNSAMPLE = SPATIAL_TOKEN_STRIDE // PATCH[1]

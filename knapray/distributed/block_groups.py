@@ -1,7 +1,7 @@
 """Process groups for every aligned power-of-two block of every node, created once.
 
-A topology chosen every step (``knapray.planning.pertopo``) partitions each node into
-aligned blocks (``knapray.planning.blocks``). Creating groups per step would be a
+A topology chosen every step (``knapray.planning.search.pertopo``) partitions each node into
+aligned blocks (``knapray.planning.shapes.blocks``). Creating groups per step would be a
 collective on every rank every step; instead ``BlockGroups.build`` creates one group per
 block of more than one rank at start-up (with 8 GPUs per node: 7 per node), and each step
 looks its bag's group up. Bags of one step never overlap, so the step's Ulysses
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from knapray.planning import Topology
-from knapray.planning.blocks import aligned_blocks, check_aligned
+from knapray.planning.shapes.blocks import aligned_blocks, check_aligned
 
 from .groups import BagGroups
 

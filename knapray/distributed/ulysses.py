@@ -11,7 +11,7 @@ The token permutation between "grouped by source rank" (what the all-to-all deli
 "grouped by sequence" (what attention needs) comes from the plan, so nothing but q, k, v
 and the output travel. q, k and v move in one exchange.
 
-A plan with overlapping groups (``knapray.planning.overlap``) may also give a rank whole
+A plan with overlapping groups (``knapray.planning.search.overlap``) may also give a rank whole
 sequences of its own beside its share of the bag's (its *solo* bag): the layout then
 lists which of the rank's rows are the bag's and which its own, the bag's rows take the
 exchange above, and the rank's own sequences run as a bag of one, with no exchange.

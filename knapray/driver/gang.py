@@ -163,7 +163,7 @@ class SamplerRank:
     def join(self, address: str, port: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         """The world's process group (its collectives give up after ``timeout_s``) and every
         candidate topology's groups, made once for the gang's life."""
-        from knapray.planning.sampling import candidate_topologies
+        from knapray.planning.inference.sampling import candidate_topologies
 
         self.join_blocks(address, port, candidate_topologies(self.spec, self.world_size, self.cfg.model.num_heads),
                          timeout_s)
@@ -413,7 +413,7 @@ def _local_rank(rank: int, world: int, port: int | None, what: LocalSampling, ou
     import json
 
     from knapray.models.sampling import DenoiseJob
-    from knapray.planning.sampling import candidate_topologies
+    from knapray.planning.inference.sampling import candidate_topologies
     from knapray.worker.denoise import SamplingGroups, batch_plan
 
     r = SamplerRank(what.run_dir, what.checkpoint, rank, world, what.topology, what.device, what.ema,
@@ -533,7 +533,7 @@ def gang_blocks(spec: str | None, world: int, heads: int) -> tuple[tuple[tuple[i
     (topology, bag)): for ``auto`` (or None) every aligned power-of-two block of a node, and
     of whole nodes, whose size divides the heads; for a topology, its bags."""
     from knapray.planning import Topology
-    from knapray.planning.blocks import blocks_of
+    from knapray.planning.shapes.blocks import blocks_of
 
     if spec not in (None, "auto"):
         topo = Topology.parse(spec, world_size=world)
@@ -573,7 +573,7 @@ class _Submission:
 @dataclass
 class Gang:
     """``world_size`` Ray actors holding the run's model, one process group, serving requests
-    continuously: each on a block of ranks the serving policy (``planning.scheduler``, the
+    continuously: each on a block of ranks the serving policy (``planning.inference.scheduler``, the
     one the simulator predicts) gives it, a block taking the next requests when it finishes."""
 
     run_dir: str
@@ -628,7 +628,7 @@ class Gang:
     def __post_init__(self) -> None:
         import threading
 
-        from knapray.planning.scheduler import BagScheduler
+        from knapray.planning.inference.scheduler import BagScheduler
         from knapray.worker.denoise import sampling_cost
 
         self.blocks, self.specs, self.where = gang_blocks(self.topology, self.world_size, self.model_cfg.num_heads)
@@ -849,7 +849,7 @@ class Gang:
         self._preparing = still
 
     def _wait(self, s: _Submission) -> None:
-        from knapray.planning.sampling import job_seconds
+        from knapray.planning.inference.sampling import job_seconds
 
         with self._lock:
             if s.future.done():  # cancelled while it was prepared

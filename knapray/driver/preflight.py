@@ -288,7 +288,7 @@ def check_model_size(cfg: TrainConfig) -> None:
     ``MAX_MODEL_PARAMS``: each width and depth is bounded on its own, their product too, so
     that a typo never has workers build a model no memory holds."""
     from knapray.limits import MAX_MODEL_PARAMS
-    from knapray.planning.memory import ModelShape
+    from knapray.planning.costs.memory import ModelShape
 
     params = ModelShape.of(cfg.model).num_params
     if params > MAX_MODEL_PARAMS:

@@ -353,7 +353,7 @@ def check_world(cfg: TrainConfig, world_size: int) -> None:
     """The config fits a world of ``world_size`` ranks: the global batch splits over it,
     a concrete topology covers it, and every bag size divides the head count (a per-step
     topology: the world is whole nodes)."""
-    from knapray.planning.rules import parse_rule, per_step_node
+    from knapray.planning.search.rules import parse_rule, per_step_node
     from knapray.distributed.groups import check_heads
     from knapray.planning import Topology
 

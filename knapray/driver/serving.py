@@ -3,7 +3,7 @@
 One deployment (one replica) owns a *gang*: N Ray actors forming one process group (NCCL
 on GPUs, gloo on CPUs) that hold the model once (``knapray.driver.gang.Gang``). Every job a
 request brings goes to the gang as soon as it is accepted (``gang.submit``: a future per
-job); the gang's own scheduler (``knapray.planning.scheduler``) runs it on a block of ranks,
+job); the gang's own scheduler (``knapray.planning.inference.scheduler``) runs it on a block of ranks,
 each block taking the next jobs as soon as it finishes. The replica never batches: it awaits
 each job's future, answers it, and cancels it (``gang.cancel``) at its deadline, on DELETE or
 when its client goes.

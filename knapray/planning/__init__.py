@@ -1,13 +1,13 @@
 """Pure planning logic (numpy only): workload and cost models, topologies, the balance
 solver, automatic topology."""
 
-from .autotopo import TopologyChoice, choose_topology, search_topology
-from .cost import CostModel, StepTimes
-from .mix import PAPER_MIXES, DataCode, parse_mix, sample_step
-from .plan import BalancePlan
-from .solver import SOLVERS, identity_plan, plan_balance
-from .topology import Topology
-from .workload import WorkloadModel
+from .search.autotopo import TopologyChoice, choose_topology, search_topology
+from .costs.cost import CostModel, StepTimes
+from .shapes.mix import PAPER_MIXES, DataCode, parse_mix, sample_step
+from .balance.plan import BalancePlan
+from .balance.solver import SOLVERS, identity_plan, plan_balance
+from .shapes.topology import Topology
+from .costs.workload import WorkloadModel
 
 __all__ = [
     "BalancePlan",

@@ -7,7 +7,7 @@ import torch
 from knapray.corpus.synthetic import latent_side
 from knapray.data import build_packed_batch
 from knapray.models import DiTConfig, PackedBatch
-from knapray.planning.mix import MAX_TEXT_TOKENS, SPATIAL_TOKEN_STRIDE, parse_mix, rank_codes
+from knapray.planning.shapes.mix import MAX_TEXT_TOKENS, SPATIAL_TOKEN_STRIDE, parse_mix, rank_codes
 
 
 def mix_batches(

@@ -66,8 +66,8 @@ def check_setup(config: str, overrides: list[str], *, world_size: int | None = N
     drawn from ``mix`` (default ``DEFAULT_MIX``), checked (ValueError naming the value, in the
     command's flags) before anything runs."""
     from knapray.coordinator import BalanceCoordinator
-    from knapray.planning.mix import parse_mix
-    from knapray.planning.rules import per_step_node
+    from knapray.planning.shapes.mix import parse_mix
+    from knapray.planning.search.rules import per_step_node
     from knapray.distributed.parallel_dims import ParallelDims
     from knapray.driver.preflight import load_run_config
     from knapray.worker.step_planner import coordinator_config
@@ -109,7 +109,7 @@ def draw_step(mix: str, world: int, budget: int, seed: int) -> list[list[Sample]
     """Every rank's samples: rank r draws code ``r % len(codes)`` of the mix (each code
     repeated for its G ranks), B samples per round, with 0..392 text tokens; as many
     rounds as keep the world's tokens within ``budget`` per rank (one round without one)."""
-    from knapray.planning.mix import MAX_TEXT_TOKENS, SPATIAL_TOKEN_STRIDE, parse_mix
+    from knapray.planning.shapes.mix import MAX_TEXT_TOKENS, SPATIAL_TOKEN_STRIDE, parse_mix
 
     codes = [c for c in parse_mix(mix) for _ in range(c.ranks)]
     per_rank = [codes[r % len(codes)] for r in range(world)]
@@ -301,7 +301,7 @@ def expected_collectives(setup: Setup, plan, depth: tuple[int, int]) -> dict:
     from knapray.distributed.router import RoutePlan
     from knapray.models.families import cross_text_pad
     from knapray.distributed.parallel_dims import ParallelDims
-    from knapray.planning.checkpointing import checkpointed_blocks
+    from knapray.planning.costs.checkpointing import checkpointed_blocks
 
     cfg, rank = setup.cfg, setup.rank
     exp: dict[tuple[str, int], int] = {}
@@ -452,7 +452,7 @@ def assess(setup: Setup, inputs: StepInputs, step: StepResult, device: StepResul
     """``step`` and ``device`` (``measure``) against the memory model's prediction (within
     ``MAX_PEAK_ERROR``), the collectives the plan implies, and the device and dtype checks."""
     from knapray.models.families import adapter_counts
-    from knapray.planning.memory import memory_model_for_run
+    from knapray.planning.costs.memory import memory_model_for_run
 
     cfg, m = setup.cfg, setup.cfg.model
     mem = memory_model_for_run(cfg, world_size=setup.world, gpus_per_node=setup.gpus_per_node,

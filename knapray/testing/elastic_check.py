@@ -130,7 +130,7 @@ def segments(records: list[dict]) -> list[dict]:
 
 def expected_topology(world_size: int, node_sizes: list[int] | None) -> str:
     """What the rule gives a world on those nodes (the coordinator's answer)."""
-    from knapray.planning.rules import resolve_rule
+    from knapray.planning.search.rules import resolve_rule
 
     return str(resolve_rule(RULE, world_size, node_sizes=node_sizes).topology)
 
@@ -225,7 +225,7 @@ def run_scenario(settings: Settings) -> dict:
     import ray
     from ray.cluster_utils import Cluster
 
-    from knapray.planning.rules import resolve_rule
+    from knapray.planning.search.rules import resolve_rule
     from knapray.driver.preflight import load_run_config
     from knapray.driver.launch import run_training
     from knapray.worker.step_planner import coordinator_name

@@ -1,4 +1,4 @@
-"""Measure what ``knapray.planning.memory`` predicts, on the real model.
+"""Measure what ``knapray.planning.costs.memory`` predicts, on the real model.
 
 - ``state_bytes``: parameter, gradient and optimizer-state bytes of the live tensors.
 - ``saved_activation_bytes``: bytes of the distinct storages autograd saves during a
@@ -27,8 +27,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from knapray.models import MMDiT, MMDiTConfig, PackedBatch
-from knapray.planning.checkpointing import SELECTIVE_KEEPS
-from knapray.planning.memory import MemoryModel, ModelShape
+from knapray.planning.costs.checkpointing import SELECTIVE_KEEPS
+from knapray.planning.costs.memory import MemoryModel, ModelShape
 from knapray.config.parallel import ParallelConfig
 from knapray.worker.parallelize import parallelize
 
@@ -132,7 +132,7 @@ def measure_step(
     device = torch.device(device)
     torch.manual_seed(seed)
     model = MMDiT(cfg).to(device=device, dtype=dtype)
-    # The trainer's own checkpointing (the rule of knapray.planning.checkpointing), so the
+    # The trainer's own checkpointing (the rule of knapray.planning.costs.checkpointing), so the
     # blocks measured as recomputed are those the memory model counts and training recomputes.
     parallelize(model, ParallelConfig(activation_checkpointing=checkpointing, ac_every=ac_every))
     batch = cast_batch(batch, dtype).to(device)

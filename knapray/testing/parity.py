@@ -32,7 +32,7 @@ from knapray.distributed.local import free_port, init_local_gloo, spawn_local
 from knapray.models import MMDiT, MMDiTConfig, pack_samples
 from knapray.models.flow import add_noise, flow_loss
 from knapray.planning import BalancePlan, Topology, WorkloadModel, identity_plan, plan_balance
-from knapray.planning.mix import MAX_TEXT_TOKENS
+from knapray.planning.shapes.mix import MAX_TEXT_TOKENS
 from knapray.testing.batches import concat_batches, mix_batches
 
 if TYPE_CHECKING:
@@ -57,9 +57,9 @@ def overlapped(plan: BalancePlan) -> BalancePlan:
     """``plan`` with overlapping groups, for a parity check: every other sequence (by global
     id) runs whole on a rank of a bag of several ranks in its balance group, the ranks taken
     in turn from the one after its home (so most of them route), beside that rank's share
-    of its bag (``knapray.planning.overlap.whole_on``). A topology with no bag of several
+    of its bag (``knapray.planning.search.overlap.whole_on``). A topology with no bag of several
     gets no move."""
-    from knapray.planning.overlap import whole_on
+    from knapray.planning.search.overlap import whole_on
 
     topo = plan.topology
     moves = {}

@@ -7,7 +7,7 @@ the transformer is built on the meta device and cast there to the compute dtype 
 from their public configs (``Family.encoders``: transformers / diffusers classes) on the
 meta device, and each phase the rank runs is measured on fake tensors (``FakeTensorMode``:
 shapes and dtypes, no data) by torch's ``MemTracker``, with exactly what the placement
-policy keeps resident then (``knapray.planning.sampling_memory``):
+policy keeps resident then (``knapray.planning.inference.sampling_memory``):
 
 - *encode* (rank 0): the batch's captions through every text encoder at its length;
 - *denoise*: one step of the rank's bag, as ``worker.denoise`` takes it: the lead's fp32
@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from knapray.limits import MAX_DRYRUN_WORLD, MAX_SAMPLE_REQUESTS
-from knapray.planning.sampling_memory import (
+from knapray.planning.inference.sampling_memory import (
     ENCODER_POLICIES,
     PHASES,
     Alternative,
@@ -55,7 +55,7 @@ from knapray.planning.sampling_memory import (
     bag_steps,
     rank_role,
 )
-from knapray.planning.topology import Topology
+from knapray.planning.shapes.topology import Topology
 from knapray.testing.dryrun import GIB, MAX_PEAK_ERROR
 from knapray.testing.fakes import fake_batch, fake_world, host_batch, kernel_attention, leave_world, on_device, \
     tensors_in, to_empty, Sample
@@ -116,8 +116,8 @@ def check_sample_setup(config: str, overrides: list[str], *, world_size: int | N
     from knapray.inference.jobs import MAX_GUIDANCE
     from knapray.inference.requests import check_sizes, parse_size
     from knapray.models.families import get_family
-    from knapray.planning.sampling import AUTO, halving_topology
-    from knapray.planning.sampling_memory import VAEShape
+    from knapray.planning.inference.sampling import AUTO, halving_topology
+    from knapray.planning.inference.sampling_memory import VAEShape
 
     cfg = load_run_config(config, overrides)
     m = cfg.model

@@ -1,9 +1,9 @@
 """One rank's part of balanced sampling: the batch's jobs planned over the topology's bags
-(``planning.sampling.plan_jobs``, the same plan on every rank), then this rank's bag runs
+(``planning.inference.sampling.plan_jobs``, the same plan on every rank), then this rank's bag runs
 its jobs' denoising loops, with no other bag in step:
 
 - the bag's first rank (the *lead*) holds its jobs' latents and takes every Euler step;
-- each step, the active jobs' passes are one ``BalancePlan`` (``planning.sampling.bag_plan``)
+- each step, the active jobs' passes are one ``BalancePlan`` (``planning.inference.sampling.bag_plan``)
   run by ``balanced_forward`` over the bag: the lead embeds, one all-to-all sends the
   chunks to the bag's ranks, the blocks run with Ulysses over the bag (or, CFG parallel,
   over its halves: conditional passes on one, unconditional on the other), one all-to-all
@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from knapray.models.sampling import DenoiseJob
 from knapray.planning import CostModel, Topology
-from knapray.planning.sampling import COND, SINGLE, UNCOND, JobPlan, bag_plan, cfg_parallel_bag, choose_job_plan, \
+from knapray.planning.inference.sampling import COND, SINGLE, UNCOND, JobPlan, bag_plan, cfg_parallel_bag, choose_job_plan, \
     plan_jobs
 from knapray.transfer import host_to_device
 

@@ -61,7 +61,7 @@ from knapray.config.parallel import ParallelConfig
 from knapray.distributed.grads import allreduce_gradients
 from knapray.distributed.parallel_dims import ParallelDims
 from knapray.models.families import FAMILIES
-from knapray.planning.checkpointing import SELECTIVE_KEEPS
+from knapray.planning.costs.checkpointing import SELECTIVE_KEEPS
 
 FSDP_DTYPES = (torch.float32, torch.bfloat16)
 STAGE_METHODS = ("condition", "embed", "blocks", "head")
@@ -243,7 +243,7 @@ def compute_dtype(precision: str, device: torch.device | str) -> torch.dtype:
 
 def _keep_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """``selective``'s policy: an attention kernel's outputs are kept, everything else is
-    recomputed (``knapray.planning.checkpointing.SELECTIVE_KEEPS``)."""
+    recomputed (``knapray.planning.costs.checkpointing.SELECTIVE_KEEPS``)."""
     name = getattr(getattr(op, "_schema", None), "name", None)
     return CheckpointPolicy.MUST_SAVE if name in SELECTIVE_KEEPS else CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -49,7 +49,7 @@ from knapray.coordinator import (
 from knapray.data import StepMeta
 from knapray.distributed.step_sync import StepSync
 from knapray.planning import BalancePlan, Topology
-from knapray.planning.livefit import LiveFit, RankFeatures
+from knapray.planning.fitting.livefit import LiveFit, RankFeatures
 
 from knapray.config.run import TrainConfig
 from knapray.worker.ledger_keeper import LedgerKeeper

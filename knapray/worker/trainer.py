@@ -56,10 +56,10 @@ from knapray.models.flow import flow_loss
 from knapray.models.packing import PackedBatch
 from knapray.nofollow import open_nofollow
 from knapray.planning import BalancePlan, Topology, identity_plan
-from knapray.planning.blocks import block_sizes
-from knapray.planning.cost import CostModel
-from knapray.planning.rules import per_step_node, planning_node
-from knapray.planning.topology import node_sizes_of
+from knapray.planning.shapes.blocks import block_sizes
+from knapray.planning.costs.cost import CostModel
+from knapray.planning.search.rules import per_step_node, planning_node
+from knapray.planning.shapes.topology import node_sizes_of
 from knapray.worker.timing import StepTimer
 
 from knapray.worker.balanced import balanced_forward, prepare_step

@@ -1,7 +1,7 @@
 """Balanced sampling on 4 gloo ranks against the single-process sampler, per request.
 
 A batch of jobs (each its own size, frames, steps, guidance and seed) is planned over the
-bags of a topology (``planning.sampling.plan_jobs``) and drawn by ``worker.denoise``: each
+bags of a topology (``planning.inference.sampling.plan_jobs``) and drawn by ``worker.denoise``: each
 bag runs its jobs' loops with Ulysses over its ranks, or CFG parallel over its halves.
 Every job's latent must be what ``sample_latents`` gives that one request with its seed
 (fp32, relative 1e-5), for the Flux family (embedded guidance, and a schnell-like variant
@@ -98,7 +98,7 @@ CASES = [
 def test_each_request_is_the_single_process_sample(family, variant, topology, cfg_parallel, n_jobs):
     from knapray.models.sampling import sample_latents
     from knapray.planning import Topology
-    from knapray.planning.sampling import cfg_parallel_bag, plan_jobs
+    from knapray.planning.inference.sampling import cfg_parallel_bag, plan_jobs
 
     model = _model(family, variant)
     jobs = _jobs(model, family)[:n_jobs]

@@ -18,7 +18,7 @@ from knapray.models.flow import flow_loss
 from knapray.coordinator import plan_from_gathered
 from knapray.testing.parity import parity_config
 from knapray.planning import Topology
-from knapray.planning.cost import CostModel
+from knapray.planning.costs.cost import CostModel
 from knapray.testing.batches import concat_batches, mix_batches
 
 WORLD, GPN = 4, 4

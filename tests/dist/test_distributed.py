@@ -60,7 +60,7 @@ def _random_lens(seed: int, min_len: int) -> list[list[int]]:
 def _manual_plan(lens_per_rank: list[list[int]], topology: Topology, bag: list[int]) -> BalancePlan:
     """A plan with a given bag per sequence. plan_balance rejects sequences shorter than
     their bag; this one keeps them, giving chunks of 0 tokens and ranks with none."""
-    from knapray.planning.solver import _flatten, _make_chunks
+    from knapray.planning.balance.solver import _flatten, _make_chunks
 
     lens, home, local = _flatten(lens_per_rank, topology)
     bags = np.asarray(bag, dtype=np.int64)

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from knapray.planning import PAPER_MIXES, CostModel, Topology, identity_plan, plan_balance, sample_step
-from knapray.planning.costfit import scaled_codes
-from knapray.planning.livefit import MAX_CHANGE, MIN_STEPS, SHIFT_STEPS, SKIP_STEPS, LiveFit, RankFeatures, predict
+from knapray.planning.fitting.costfit import scaled_codes
+from knapray.planning.fitting.livefit import MAX_CHANGE, MIN_STEPS, SHIFT_STEPS, SKIP_STEPS, LiveFit, RankFeatures, predict
 
 SHAPE = {"d_model": 256, "double_blocks": 1, "single_blocks": 1, "num_heads": 8}
 PRIOR = CostModel(**SHAPE)

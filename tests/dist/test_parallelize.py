@@ -27,7 +27,7 @@ from knapray.testing.parity import parity_config, passed, run_parity
 from knapray.distributed.parallel_dims import ParallelDims
 from knapray.config.parallel import ParallelConfig
 from knapray.worker.parallelize import parallelize
-from knapray.planning.checkpointing import SELECTIVE_KEEPS
+from knapray.planning.costs.checkpointing import SELECTIVE_KEEPS
 from torch.utils._python_dispatch import TorchDispatchMode
 from knapray.testing.batches import mix_batches
 
@@ -68,7 +68,7 @@ def test_config_rejects_bad_values(kwargs, message):
 def test_one_rank_shards_nothing():
     """FSDP at world 1 would only add casts and copies: the run computes under autocast over
     fp32 parameters instead, and the memory model counts it so."""
-    from knapray.planning.memory import memory_model_for_run
+    from knapray.planning.costs.memory import memory_model_for_run
     from knapray.config.run import load_config
     from knapray.config.parallel import sharding_of
 
@@ -99,9 +99,9 @@ def test_mesh_shapes_and_checkpointed_blocks():
 
 @pytest.mark.parametrize("ac, every", [("every_k", 2), ("every_k", 3), ("full", 2), ("none", 2)])
 def test_trainer_memory_model_and_measurement_checkpoint_the_same_blocks(ac, every):
-    """One rule (knapray.planning.checkpointing): the blocks parallelize wraps are the
+    """One rule (knapray.planning.costs.checkpointing): the blocks parallelize wraps are the
     blocks the memory model counts as recomputed, every_k counting k-1, 2k-1, ..."""
-    from knapray.planning.memory import MemoryModel, ModelShape
+    from knapray.planning.costs.memory import MemoryModel, ModelShape
 
     cfg = dataclasses.replace(parity_config(), depth_double=2, depth_single=3)
     model = MMDiT(cfg)

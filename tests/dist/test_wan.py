@@ -147,7 +147,7 @@ def test_the_memory_model_counts_wans_parameters_exactly(shape):
 
     from knapray.models.families import param_shapes
     from knapray.models.families.wan import WanConfig
-    from knapray.planning.memory import ModelShape
+    from knapray.planning.costs.memory import ModelShape
 
     cfg = WanConfig(**shape)
     shapes = param_shapes(cfg)

@@ -155,7 +155,7 @@ def test_fsdp_step_on_nccl_without_set_reduce_scatter_unused_params(nccl_world, 
 def test_qk_norm_saves_what_the_memory_model_counts_on_cuda():
     from knapray.testing.memory_check import saved_activation_bytes
     from knapray.models.layers import RMSNorm
-    from knapray.planning.memory import ModelShape
+    from knapray.planning.costs.memory import ModelShape
 
     norm = RMSNorm(128).cuda()
     q = torch.randn(1000, 24, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -15,7 +15,7 @@ from knapray.coordinator import CoordinatorClient, create_coordinator, plan_from
 from knapray.coordinator.actor import max_concurrency_for
 from knapray.coordinator.wire import pack, unpack
 from knapray.planning import Topology, WorkloadModel
-from knapray.planning.mix import PAPER_MIXES, parse_mix, sample_step
+from knapray.planning.shapes.mix import PAPER_MIXES, parse_mix, sample_step
 
 PLAN_FIELDS = ("seq_lens", "home_rank", "local_index", "bag", "chunk_seq", "chunk_rank", "chunk_start", "chunk_len")
 

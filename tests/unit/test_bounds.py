@@ -84,7 +84,7 @@ def test_sequences_of_a_step_are_bounded(capsys):
 
 
 def test_a_mix_replicated_past_the_world_bound_is_refused():
-    from knapray.planning.mix import parse_mix, rank_codes
+    from knapray.planning.shapes.mix import parse_mix, rank_codes
 
     with pytest.raises(ValueError, match=f"at most {MAX_WORLD_SIZE} ranks"):
         rank_codes(parse_mix("g8b4i256f1s0"), 8 * MAX_WORLD_SIZE)
@@ -272,7 +272,7 @@ def test_real_large_runs_are_not_refused():
                              "run.max_steps=5000000", "data.max_tokens_per_gpu=1048576", "data.global_batch=65536",
                              "balance.topology=g8n2048", "distributed.timeout_s=604800"])
     assert cfg.scaling.num_workers == 16384
-    from knapray.planning.mix import parse_mix, rank_codes
+    from knapray.planning.shapes.mix import parse_mix, rank_codes
 
     assert len(rank_codes(parse_mix("image+video"), 16384)) == 16384
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from knapray.cli import main
-from knapray.planning.cost import MODE_KEYS, PROFILE_FORMAT, CostModel, check_mode
-from knapray.planning.costfit import (
+from knapray.planning.costs.cost import MODE_KEYS, PROFILE_FORMAT, CostModel, check_mode
+from knapray.planning.fitting.costfit import (
     CALIBRATION_MIXES,
     batch_features,
     calibration_batches,

@@ -12,8 +12,8 @@ import pytest
 
 from knapray.coordinator import BalanceConfig, BalanceCoordinator
 from knapray.planning import PAPER_MIXES, parse_mix, sample_step
-from knapray.planning.cost import CostModel
-from knapray.planning.livefit import MIN_STEPS, SKIP_STEPS, RankFeatures, predict
+from knapray.planning.costs.cost import CostModel
+from knapray.planning.fitting.livefit import MIN_STEPS, SKIP_STEPS, RankFeatures, predict
 
 
 def _plan(coord, step, lens):

@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from knapray.planning import Topology, WorkloadModel, identity_plan, plan_balance
-from knapray.planning.cost import PROFILE_FORMAT, CostModel, rank_times
-from knapray.planning.topology import pack_nodes
+from knapray.planning.costs.cost import PROFILE_FORMAT, CostModel, rank_times
+from knapray.planning.shapes.topology import pack_nodes
 
 # Round numbers: d=100, 2 layers, 1 GFLOP/s, 4 passes, 200 bytes per token (bf16),
 # 1 MB/s inside a node and 0.1 MB/s between nodes, 2 GPUs per node.

@@ -11,9 +11,9 @@ import pytest
 from knapray.cli import main
 from knapray.coordinator.config import CoordinatorConfig, make_planning_model
 from knapray.planning import Topology, WorkloadModel, plan_balance
-from knapray.planning.cost import MODEL_PRESETS, CostModel
-from knapray.planning.mix import parse_code, parse_mix
-from knapray.planning.sim import simulate_mix
+from knapray.planning.costs.cost import MODEL_PRESETS, CostModel
+from knapray.planning.shapes.mix import parse_code, parse_mix
+from knapray.planning.simulation.sim import simulate_mix
 from knapray.worker.step_planner import coordinator_config
 
 LENS = np.array([1.0, 256.0, 1024.0, 21504.0, 48384.0])

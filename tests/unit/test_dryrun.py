@@ -110,7 +110,7 @@ def test_an_fp8_lora_base_dry_runs_and_the_memory_model_counts_it(dryrun):
     model's FSDP buffers are fitted at full depth, -21% off here for either base.)"""
     from knapray.config.run import load_config
     from knapray.models.families import adapter_counts
-    from knapray.planning.memory import memory_model_for_run
+    from knapray.planning.costs.memory import memory_model_for_run
 
     depth = ["--set", "model.depth_double=2", "--set", "model.depth_single=4"]
     out = dryrun("--config", str(REPO / "jobs" / "configs" / "flux_dev_lora.yaml"), "--world-size", "8", "--json",

@@ -127,7 +127,7 @@ def test_a_new_family_is_picked_up_without_editing_callers(tiny, tmp_path) -> No
     from knapray.commands.calibrate import calibration_config
     from knapray.commands.ingest import _family, _max_text_tokens
     from knapray.models.sampling import request_shifts
-    from knapray.planning.memory import ModelShape
+    from knapray.planning.costs.memory import ModelShape
     from knapray.config.run import load_config
     from knapray.worker.parallelize import parallelize
 

@@ -35,7 +35,7 @@ mantissa bits (a relative rounding of up to 2^-4 per operand), e5m2 for the outp
 
 def test_the_float8_layers_are_the_block_linears_over_image_or_all_tokens():
     from knapray.models.families import build_model
-    from knapray.planning.memory import ModelShape
+    from knapray.planning.costs.memory import ModelShape
     from knapray.worker.float8 import float8_layers
 
     for family, want in (

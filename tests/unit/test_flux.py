@@ -217,7 +217,7 @@ def test_a_run_config_takes_the_architecture_from_the_checkpoint(tiny: dict[str,
 
 
 def test_memory_model_counts_flux_parameters_exactly() -> None:
-    from knapray.planning.memory import ModelShape
+    from knapray.planning.costs.memory import ModelShape
 
     for guidance in (False, True):
         cfg = FluxConfig(in_channels=4, hidden_size=48, num_heads=6, depth_double=1, depth_single=2, text_dim=24,

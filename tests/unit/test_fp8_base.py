@@ -187,7 +187,7 @@ def test_flux_dev_base_at_about_half_its_bf16_bytes_and_the_memory_model_counts_
     from knapray.models.families import adapter_counts, build_model, fp8_base_layers
     from knapray.models.fp8 import base_bytes
     from knapray.models.lora import hold_base_in
-    from knapray.planning.memory import memory_model_for_run
+    from knapray.planning.costs.memory import memory_model_for_run
 
     held = {}
     for base in ("compute", "fp8"):

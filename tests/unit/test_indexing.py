@@ -105,7 +105,7 @@ def test_every_callers_index_pair_is_a_true_inverse() -> None:
         lay = UlyssesLayout.build(plan, rank)
         assert _is_inverse(lay.seq_order, lay.rank_order)
     # Groups that overlap: a rank's own whole sequences beside its share of the bag's.
-    from knapray.planning.overlap import whole_on
+    from knapray.planning.search.overlap import whole_on
 
     over = whole_on(plan, {0: 1, 2: 0, 6: 1})
     for rank in range(4):

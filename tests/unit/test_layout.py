@@ -126,3 +126,30 @@ def test_a_worker_that_never_compiles_never_loads_the_compiler():
             "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+PLANNING_FLOORS = (("shapes",), ("costs",), ("balance",), ("search", "fitting"), ("inference", "simulation"))
+"""planning/'s sub-packages, bottom up: a module imports its own sub-package and those on
+lower floors only (siblings on one floor do not import each other); the package's
+``__init__`` is its public face and may import any."""
+
+
+def test_planning_shows_its_parts_with_no_import_running_up(mods, edges):
+    floor = {sub: i for i, subs in enumerate(PLANNING_FLOORS) for sub in subs}
+    flat = [m for m in mods if m.startswith("knapray.planning.") and m.count(".") == 2 and m.split(".")[2] not in floor]
+    assert flat == [], "every planning module lives in a sub-package of PLANNING_FLOORS"
+    assert set(floor) == {m.split(".")[2] for m in mods if m.startswith("knapray.planning.")}
+    for sub in floor:  # each opens with a docstring a reader sees first
+        tree = ast.parse(mods[f"knapray.planning.{sub}"].read_text())
+        assert ast.get_docstring(tree) and len(ast.get_docstring(tree)) > 80, sub
+
+    def sub_of(name: str) -> str | None:
+        parts = name.split(".")
+        return parts[2] if len(parts) > 3 and parts[1] == "planning" else None
+
+    wrong = [_where(e) for e in edges if sub_of(e.source) and sub_of(e.target) and sub_of(e.source) != sub_of(e.target)
+             and floor[sub_of(e.target)] >= floor[sub_of(e.source)]]
+    assert wrong == []
+    # The analysis sees such an import: a fake one from the bottom floor up.
+    fake = [lg.Import("knapray.planning.shapes.mix", "knapray.planning.balance.solver", 1)]
+    assert [e for e in fake if floor[sub_of(e.target)] >= floor[sub_of(e.source)]] == fake

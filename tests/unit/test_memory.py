@@ -1,4 +1,4 @@
-"""The per-GPU memory model (knapray.planning.memory) against the live model, and the
+"""The per-GPU memory model (knapray.planning.costs.memory) against the live model, and the
 ``knapray memory`` command."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from knapray.cli import main
 from knapray.testing.memory_check import measure_step
 from knapray.models import MMDiT, MMDiTConfig, dit_config
-from knapray.planning.memory import (
+from knapray.planning.costs.memory import (
     GIB,
     MemoryModel,
     ModelShape,

@@ -1,8 +1,8 @@
-"""Overlapping groups (``knapray.planning.overlap``): a plan that runs some sequences whole on
+"""Overlapping groups (``knapray.planning.search.overlap``): a plan that runs some sequences whole on
 ranks that also serve a bag of several, its chunks, its predicted times, its trip through
 the coordinator's wire format, the planner that builds it, and the property the planner
 is held to: over mixes drawn at random, knapray's best predicted step is never more than
-0.1% behind any rival planner's (``knapray.planning.rivals``)."""
+0.1% behind any rival planner's (``knapray.planning.simulation.rivals``)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 
 from knapray.coordinator.wire import pack, unpack
 from knapray.planning import Topology, plan_balance
-from knapray.planning.cost import MODEL_PRESETS, CostModel
-from knapray.planning.overlap import overlap_plan, step_candidates, whole_on
-from knapray.planning.rivals import KNAPRAY, random_cases, random_rivals_table, steps_at
+from knapray.planning.costs.cost import MODEL_PRESETS, CostModel
+from knapray.planning.search.overlap import overlap_plan, step_candidates, whole_on
+from knapray.planning.simulation.rivals import KNAPRAY, random_cases, random_rivals_table, steps_at
 
 LENS = [[900, 40, 30], [], [700, 25], [60, 20, 10]]
 
@@ -97,7 +97,7 @@ def test_wan_on_8_gpus_short_images_whole_beside_clip_shards():
 def test_step_candidates_are_topologies_whose_groups_exist():
     """Static: the step's and the run's topology; per-step: also every homogeneous partition
     into aligned blocks and the aligned demand layouts (groups of any head divisor)."""
-    from knapray.planning.blocks import is_aligned_layout
+    from knapray.planning.shapes.blocks import is_aligned_layout
 
     cost = CostModel()  # 24 heads: groups of 3 and 6 are allowed
     step = steps_at("image+video", 16, 1, 0, 392)[0]
@@ -133,8 +133,8 @@ def test_a_large_group_deals_its_short_sequences_out_in_numpy():
     """Over ``EXACT_RANKS`` ranks a group keeps each rank's short sequences at home up to the
     target and deals the rest to the least loaded ranks: every sequence placed once, in its
     group, whole on one rank; the plan without overlap (``plain``) is reused, never slower."""
-    from knapray.planning.overlap import EXACT_RANKS, _place_fast
-    from knapray.planning.lengths import flatten_lengths
+    from knapray.planning.search.overlap import EXACT_RANKS, _place_fast
+    from knapray.planning.shapes.lengths import flatten_lengths
 
     cost = CostModel()
     world = 2 * EXACT_RANKS

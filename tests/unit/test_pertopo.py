@@ -12,17 +12,17 @@ from hypothesis import strategies as st
 
 from knapray.cli import main
 from knapray.planning import Topology, plan_balance
-from knapray.planning.autotopo import search_topology
-from knapray.planning.blocks import (
+from knapray.planning.search.autotopo import search_topology
+from knapray.planning.shapes.blocks import (
     aligned_blocks,
     block_sizes,
     check_aligned,
     is_aligned_layout,
     node_partitions,
 )
-from knapray.planning.cost import CostModel
-from knapray.planning.pertopo import plan_step
-from knapray.planning.sim import parse_schedule, schedule_ranks, schedule_steps, simulate_mix
+from knapray.planning.costs.cost import CostModel
+from knapray.planning.search.pertopo import plan_step
+from knapray.planning.simulation.sim import parse_schedule, schedule_ranks, schedule_steps, simulate_mix
 
 
 def test_aligned_blocks_of_nodes():
@@ -175,8 +175,8 @@ def test_per_step_keeps_the_memory_budget_and_says_when_nothing_can():
 
 def test_rule_per_step_and_the_step_plan_both_paths_use():
     from knapray.coordinator import plan_from_gathered
-    from knapray.planning.rules import parse_rule, per_step_node, resolve_rule
-    from knapray.planning.workload import WorkloadModel
+    from knapray.planning.search.rules import parse_rule, per_step_node, resolve_rule
+    from knapray.planning.costs.workload import WorkloadModel
 
     assert parse_rule("per-step") == ("per_step", None)
     assert per_step_node("per-step", 16, 8) == 8 and per_step_node("per-step", 4, 8) == 4

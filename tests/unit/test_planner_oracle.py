@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from knapray.planning import PAPER_MIXES, CostModel, Topology, WorkloadModel, plan_balance
-from knapray.planning.construct import least_loaded
-from knapray.planning.lengths import flatten_lengths
-from knapray.planning.runner import mix_steps
+from knapray.planning.balance.construct import least_loaded
+from knapray.planning.shapes.lengths import flatten_lengths
+from knapray.planning.simulation.runner import mix_steps
 
 MODEL = WorkloadModel(d_model=3072, gamma=0.4)
 SPECS = ["g1n4", "g2n2", "g4n1", "g8n1", "g2n4", "g1n2+g2n1", "g1n4+g2n2", "g2n1+g1n2+g4n1", "g1n8+g8n1"]

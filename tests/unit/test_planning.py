@@ -20,7 +20,7 @@ from knapray.planning import (
     plan_balance,
     sample_step,
 )
-from knapray.planning.mix import parse_code
+from knapray.planning.shapes.mix import parse_code
 
 MODEL = WorkloadModel(d_model=3072, gamma=0.4)
 SPECS = ["g1n4", "g2n2", "g4n1", "g1n2+g2n1", "g1n1+g2n1+g1n1", "g1n4+g2n2", "g2n1+g1n2+g4n1"]
@@ -186,8 +186,8 @@ def test_node_aware_layout():
 
 def test_real_node_layouts():
     """Where the ranks really are (node ids in rank order) decides where bags may go."""
-    from knapray.planning.rules import resolve_rule
-    from knapray.planning.topology import node_sizes_of, place_on_nodes, split_nodes
+    from knapray.planning.search.rules import resolve_rule
+    from knapray.planning.shapes.topology import node_sizes_of, place_on_nodes, split_nodes
 
     assert node_sizes_of(["a", "a", "a", "b"]) == (3, 1)
     assert node_sizes_of(["a", "b", "a"]) == (1, 1, 1)  # a node's ranks apart: each run on its own
@@ -388,7 +388,7 @@ def test_budget_errors(lens, spec, budget, msg):
 def test_lightest_breaks_ties_by_index_whatever_argpartition_does():
     """Local plans must agree on every rank: the least loaded bags come in (load, index)
     order, not in np.argpartition's CPU-dependent order."""
-    from knapray.planning.refine import lightest
+    from knapray.planning.balance.refine import lightest
 
     loads = np.array([1.0, 0.0, 0.0, 2.0, 0.0, 0.5])
     assert lightest(loads, 2).tolist() == [1, 2]
@@ -405,7 +405,7 @@ def test_auto_on_uneven_nodes_scores_each_largest_bag_by_the_recent_steps():
     """With a length history, auto picks the smallest largest bag within tolerance of the
     best predicted imbalance, bags inside each node: a long sequence among short ones needs
     the node of 4's bag of 4."""
-    from knapray.planning.rules import node_bags, resolve_rule
+    from knapray.planning.search.rules import node_bags, resolve_rule
 
     steps = [[[4000], [64, 64], [64], [64], [64, 64], [64]] for _ in range(4)]  # one long sequence a step
     choice = resolve_rule("auto", 6, node_sizes=(4, 2), history=steps, model=WorkloadModel(d_model=64))

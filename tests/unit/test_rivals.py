@@ -1,4 +1,4 @@
-"""The rivals in the simulator (knapray.planning.rivals): every planner predicts a valid step
+"""The rivals in the simulator (knapray.planning.simulation.rivals): every planner predicts a valid step
 under the same cost model, knapray's per-step never trails the planners whose layouts its
 search covers, and the table runs."""
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from knapray.planning import Topology
-from knapray.planning.cost import MODEL_PRESETS, CostModel
-from knapray.planning.rivals import (
+from knapray.planning.costs.cost import MODEL_PRESETS, CostModel
+from knapray.planning.simulation.rivals import (
     KNAPRAY,
     PLANNERS,
     divisor_sizes,
@@ -22,7 +22,7 @@ from knapray.planning.rivals import (
     steps_at,
     zellige_times,
 )
-from knapray.planning.mix import PAPER_MIXES
+from knapray.planning.shapes.mix import PAPER_MIXES
 
 
 def _step(world: int = 32, seed: int = 0):
@@ -50,7 +50,7 @@ def test_per_step_never_trails_the_layouts_its_search_covers():
     auto topology: it is never predicted slower than either, nor than KnapFormer's greedy."""
     cost = CostModel()
     history = steps_at("image+video", 32, 2, 1000, 392)
-    from knapray.planning.autotopo import search_topology
+    from knapray.planning.search.autotopo import search_topology
 
     auto = search_topology(history, 32, cost, 8).topology
     fixed = knapformer_topology(history, cost)

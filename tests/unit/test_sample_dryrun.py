@@ -1,4 +1,4 @@
-"""``knapray dryrun --sample``: the sampling memory model (``knapray.planning.sampling_memory``,
+"""``knapray dryrun --sample``: the sampling memory model (``knapray.planning.inference.sampling_memory``,
 tests/unit/test_sampling_memory.py) measured on fake tensors.
 
 - the three placements of issue 41: FLUX.1-dev at 1024x1024 on 1 GPU and on 4 (one bag of 4),
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from knapray.planning.memory import GIB
+from knapray.planning.costs.memory import GIB
 from test_dryrun import dryrun  # noqa: F401 - the fixture: knapray dryrun in this process
 
 REPO = Path(__file__).resolve().parents[2]

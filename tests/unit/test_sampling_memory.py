@@ -1,4 +1,4 @@
-"""Sampling's memory: the pure model (``knapray.planning.sampling_memory``): the model's
+"""Sampling's memory: the pure model (``knapray.planning.inference.sampling_memory``): the model's
 categories add up, the encoders' policies and the ranks' roles place what the engine places,
 the families' encoders counted exactly and their working memory as the module docstring
 counts it.
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from knapray.planning import Topology
-from knapray.planning.memory import GIB
-from knapray.planning.sampling_memory import (
+from knapray.planning.costs.memory import GIB
+from knapray.planning.inference.sampling_memory import (
     ArchSpec,
     PhaseBytes,
     SampleJob,

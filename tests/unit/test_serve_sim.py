@@ -1,4 +1,4 @@
-"""The serving simulator (knapray.planning.serving) and `knapray bench serve`: a seeded
+"""The serving simulator (knapray.planning.inference.serving) and `knapray bench serve`: a seeded
 stream, policies that never run two requests on one GPU at once, latencies never below a
 request's own best time, a balanced plan no longer than either baseline's on one batch,
 and bad flags as one line with exit 2."""
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from knapray.cli import main
-from knapray.planning import serving as sv
+from knapray.planning.inference import serving as sv
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,7 @@ def test_the_gangs_blocks_are_the_simulators():
     """``knapray serve``'s gang on ``auto`` forms the blocks the simulator plans over: a
     node's aligned blocks, and whole nodes where the heads split that many ways."""
     from knapray.driver.gang import gang_blocks
-    from knapray.planning.blocks import blocks_of
+    from knapray.planning.shapes.blocks import blocks_of
 
     blocks, specs, where = gang_blocks(None, 16, 32)
     assert blocks == blocks_of(16, (1, 2, 4, 8, 16), 8) and blocks[0] == (0, 16)
@@ -113,8 +113,8 @@ def test_a_light_load_runs_wide_and_a_heavy_one_packs_single_ranks():
     blocks: one request alone takes the block of four (it finishes soonest there); eight at
     once, each twice as fast on four ranks as on one (half the ranks' time wasted), are
     packed two to a rank (the partition of the smallest makespan)."""
-    from knapray.planning.blocks import blocks_of
-    from knapray.planning.scheduler import BagScheduler, partitions
+    from knapray.planning.shapes.blocks import blocks_of
+    from knapray.planning.inference.scheduler import BagScheduler, partitions
 
     blocks = blocks_of(4, (1, 2, 4))  # all four, then (0, 1), (2, 3), then ranks 0..3 alone
     assert blocks == ((0, 4), (0, 2), (2, 2), (0, 1), (1, 1), (2, 1), (3, 1))
@@ -133,7 +133,7 @@ def test_a_light_load_runs_wide_and_a_heavy_one_packs_single_ranks():
 
 
 def test_blocks_of_whole_nodes_and_of_a_short_last_node():
-    from knapray.planning.blocks import aligned_blocks, blocks_of
+    from knapray.planning.shapes.blocks import aligned_blocks, blocks_of
 
     # 32 ranks in nodes of 8: the gang of all, two of 16, then every node's own blocks
     blocks = blocks_of(32, (1, 2, 4, 8, 16, 32), 8)
@@ -147,7 +147,7 @@ def test_blocks_of_whole_nodes_and_of_a_short_last_node():
 
 
 def test_a_packed_loop_ends_each_request_after_its_own_steps():
-    from knapray.planning.scheduler import packed_finish
+    from knapray.planning.inference.scheduler import packed_finish
 
     # 2 s over 4 steps and 7 s over 7 steps: 4 shared steps of 0.5 + 1 s, then 3 of 1 s
     assert packed_finish([2.0, 7.0], [4, 7]).tolist() == pytest.approx([6.0, 9.0])

@@ -10,10 +10,10 @@ import pytest
 
 from knapray.cli import main
 from knapray.planning import PAPER_MIXES, Topology, plan_balance
-from knapray.planning.autotopo import choose_topology, composition_spec, search_topology
-from knapray.planning.cost import CostModel
-from knapray.planning.runner import mix_steps
-from knapray.planning.sim import simulate_mix, table_markdown
+from knapray.planning.search.autotopo import choose_topology, composition_spec, search_topology
+from knapray.planning.costs.cost import CostModel
+from knapray.planning.simulation.runner import mix_steps
+from knapray.planning.simulation.sim import simulate_mix, table_markdown
 
 # Paper mix -> (minimum ratio greedy step / auto step, minimum efficiency of auto).
 ACCEPTANCE = {"low-res": (1.0, 0.95), "mixed-res": (1.02, 0.95), "image+video": (1.02, 0.95)}

@@ -36,7 +36,7 @@ from knapray.models.config import MMDiTConfig
 from knapray.models.layers import MLP, TIME_EMBED_DIM, timestep_embedding
 from knapray.models.mmdit import MMDiT
 from knapray.models.packing import PackedBatch
-from knapray.planning.sampling_memory import ArchSpec
+from knapray.planning.inference.sampling_memory import ArchSpec
 
 DIFFUSERS_CLASS = "FluxTransformer2DModel"
 PATCH = (1, 2, 2)

@@ -53,7 +53,7 @@ from knapray.models.interface import FsdpUnits
 from knapray.models.layers import MLP, timestep_embedding
 from knapray.models.packing import PackedBatch, patchify
 from knapray.models.step_cache import StepCache
-from knapray.planning.sampling_memory import ArchSpec
+from knapray.planning.inference.sampling_memory import ArchSpec
 
 DIFFUSERS_CLASS = "WanTransformer3DModel"
 THETA = 10000.0

@@ -101,7 +101,7 @@ during backward one checkpointed block at a time is recomputed in full (the larg
 is added). ``selective`` also keeps each attention call's output and fp32 log-sum-exp
 (``d*b + 4H`` per query token; Wan's two attentions twice), which its recompute then
 does not allocate again. ``every_k`` checkpoints blocks ``k-1, 2k-1, ...`` in execution order (double
-then single blocks, torchtitan's convention; ``knapray.planning.checkpointing``, the rule
+then single blocks, torchtitan's convention; ``knapray.planning.costs.checkpointing``, the rule
 the trainer applies). The backward working set per token is the
 gradient of the widest Linear input (``(d+m)*b``) plus the residual stream's gradient and
 a modulation gradient held until its chunk's other grads arrive (``2d*b``).

@@ -31,11 +31,11 @@ from typing import Sequence
 import numpy as np
 
 from knapray.planning import PAPER_MIXES, Topology, identity_plan, plan_balance
-from knapray.planning.mix import MAX_TEXT_TOKENS, MIXES
-from knapray.planning.autotopo import composition_spec, search_topology
-from knapray.planning.cost import CostModel, StepTimes
-from knapray.planning.pertopo import plan_step
-from knapray.planning.runner import mix_ranks, mix_steps
+from knapray.planning.shapes.mix import MAX_TEXT_TOKENS, MIXES
+from knapray.planning.search.autotopo import composition_spec, search_topology
+from knapray.planning.costs.cost import CostModel, StepTimes
+from knapray.planning.search.pertopo import plan_step
+from knapray.planning.simulation.runner import mix_ranks, mix_steps
 
 MODES = ("baseline", "greedy", "knapray")
 PER_STEP = "per-step"

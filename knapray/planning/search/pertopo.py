@@ -39,11 +39,11 @@ from typing import Sequence
 import numpy as np
 
 from .autotopo import _demand_seeds, _key, climb
-from .blocks import _node_size, block_sizes
-from .cost import CostModel
-from .plan import BalancePlan
-from .solver import plan_balance
-from .topology import Topology
+from ..shapes.blocks import _node_size, block_sizes
+from ..costs.cost import CostModel
+from ..balance.plan import BalancePlan
+from ..balance.solver import plan_balance
+from ..shapes.topology import Topology
 
 DEMAND_MARGINS = (1.0, 1.03, 1.1, 1.3)
 """Target step times (x the ideal) of the demand compositions."""

@@ -28,10 +28,10 @@ from typing import Sequence
 
 import numpy as np
 
-from .cost import SEQ_COUNTS, CostModel
-from .mix import MAX_TEXT_TOKENS, DataCode, parse_mix, sample_step
-from .solver import plan_balance
-from .topology import Topology
+from ..costs.cost import SEQ_COUNTS, CostModel
+from ..shapes.mix import MAX_TEXT_TOKENS, DataCode, parse_mix, sample_step
+from ..balance.solver import plan_balance
+from ..shapes.topology import Topology
 
 SEQ_TERM_MIN_GAIN = 0.02
 """Relative drop of the leave-one-out error the per-sequence term must bring to be kept."""

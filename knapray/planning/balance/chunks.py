@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .topology import Topology
+from ..shapes.topology import Topology
 
 
 def make_chunks(

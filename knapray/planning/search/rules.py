@@ -12,7 +12,7 @@ topology; the coordinator resolves it again at every (re)start:
   cost model, mixed bag sizes by predicted step time (``choose_topology``); with no length
   history yet, the ``bags_of`` rule with one node's size;
 - ``"per-step"`` (cost model only): every step chooses its own partition of each node into
-  aligned power-of-two blocks (``knapray.planning.pertopo``); the rule's topology is the
+  aligned power-of-two blocks (``knapray.planning.search.pertopo``); the rule's topology is the
   ``"auto"`` one, with nodes of ``gpus_per_node`` ranks (the world if not given), which
   every step also tries as is (``per_step_node`` says a run plans per step, and its node).
 
@@ -38,13 +38,13 @@ from math import gcd
 import numpy as np
 
 from .autotopo import choose_topology
-from .cost import CostModel
-from .solver import plan_balance
-from .topology import Topology, place_on_nodes, split_nodes
-from .workload import WorkloadModel
+from ..costs.cost import CostModel
+from ..balance.solver import plan_balance
+from ..shapes.topology import Topology, place_on_nodes, split_nodes
+from ..costs.workload import WorkloadModel
 
 PER_STEP = "per-step"
-"""The rule whose steps each choose their own bags (``knapray.planning.pertopo``)."""
+"""The rule whose steps each choose their own bags (``knapray.planning.search.pertopo``)."""
 
 AUTO_MAX_BAG = 8
 """Largest bag ``"auto"`` considers without ``gpus_per_node`` (one node)."""

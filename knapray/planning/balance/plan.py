@@ -17,9 +17,9 @@ from functools import cached_property
 
 import numpy as np
 
-from .cost import CostModel, StepTimes
-from .topology import Topology
-from .workload import WorkloadModel
+from ..costs.cost import CostModel, StepTimes
+from ..shapes.topology import Topology
+from ..costs.workload import WorkloadModel
 
 
 @dataclass(frozen=True, eq=False)

@@ -37,12 +37,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .chunks import make_chunks
-from .cost import CostModel
-from .lengths import flatten_lengths
-from .plan import BalancePlan
-from .solver import plan_balance
-from .topology import Topology
+from ..balance.chunks import make_chunks
+from ..costs.cost import CostModel
+from ..shapes.lengths import flatten_lengths
+from ..balance.plan import BalancePlan
+from ..balance.solver import plan_balance
+from ..shapes.topology import Topology
 
 MARGINS = (0.0, 1.0, 1.05, 1.1, 1.2, 1.35)
 """Target step times (x the step's ideal) that split long sequences from short ones; at 0
@@ -62,7 +62,7 @@ def step_candidates(step: Sequence[Sequence[int]], cost: CostModel, base: Topolo
     power-of-two blocks and the step's demand layouts (the groups of every size dividing
     the heads that its sequences ask for at each of ``MARGINS``' targets, ``demand_layout``)
     that are aligned blocks: their groups exist (``BlockGroups.build(divisors=True)``)."""
-    from .blocks import block_sizes, is_aligned_layout
+    from ..shapes.blocks import block_sizes, is_aligned_layout
 
     out = [chosen, base]
     if per_step_node is None:
@@ -242,7 +242,7 @@ def _place_fast(step, lens: np.ndarray, home: np.ndarray, long: np.ndarray, topo
     """Stage 2 for a large balance group (module doc): each rank keeps its short sequences,
     largest first, while its load stays within ``target``; the rest go, longest first, to
     the least loaded rank of their group."""
-    from .construct import least_loaded
+    from ..balance.construct import least_loaded
 
     world = topo.world_size
     bag = np.empty(lens.size, dtype=np.int64)

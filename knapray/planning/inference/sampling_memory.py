@@ -87,9 +87,9 @@ from typing import Any
 
 import numpy as np
 
-from .memory import FRAGMENTATION, FP32, GIB, INDEX, RESERVE_BYTES, ModelShape
+from ..costs.memory import FRAGMENTATION, FP32, GIB, INDEX, RESERVE_BYTES, ModelShape
 from .sampling import COND, SINGLE, UNCOND, bag_plan, cfg_parallel_bag, plan_jobs
-from .topology import Topology
+from ..shapes.topology import Topology
 
 PLACEMENTS = ("replicated", "bag-sharded")
 ENCODER_POLICIES = ("keep", "offload", "free")
@@ -424,7 +424,7 @@ class BagStep:
     pass_jobs: tuple[int, ...]
     """The job of every pass."""
     kinds: tuple[int, ...]
-    """COND / UNCOND / SINGLE per pass (``planning.sampling``)."""
+    """COND / UNCOND / SINGLE per pass (``planning.inference.sampling``)."""
     lens: tuple[int, ...]
     text: tuple[int, ...]
     """Text tokens of every pass."""

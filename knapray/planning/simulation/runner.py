@@ -8,12 +8,12 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .cost import CostModel
-from .mix import MAX_TEXT_TOKENS, mix_world_size, parse_mix, sample_step
-from .plan import BalancePlan
-from .solver import plan_balance
-from .topology import Topology
-from .workload import WorkloadModel
+from ..costs.cost import CostModel
+from ..shapes.mix import MAX_TEXT_TOKENS, mix_world_size, parse_mix, sample_step
+from ..balance.plan import BalancePlan
+from ..balance.solver import plan_balance
+from ..shapes.topology import Topology
+from ..costs.workload import WorkloadModel
 
 
 def mix_steps(

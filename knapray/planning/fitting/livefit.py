@@ -55,7 +55,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .cost import CostModel
+from ..costs.cost import CostModel
 from .costfit import nnls_relative
 
 WINDOW = 64

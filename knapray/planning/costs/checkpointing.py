@@ -10,7 +10,7 @@ recomputes the matrix products and elementwise work and never the attention kern
 
 Everything that applies or models checkpointing asks this function: the trainer's
 ``parallelize`` (``knapray.worker.parallelize``), the memory model
-(``knapray.planning.memory``), its measurement (``knapray.testing.memory_check``) and
+(``knapray.planning.costs.memory``), its measurement (``knapray.testing.memory_check``) and
 calibration (through ``parallelize``), so all four agree on what is recomputed.
 """
 

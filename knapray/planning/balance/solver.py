@@ -47,14 +47,14 @@ import numpy as np
 from .budget import within_budget
 from .chunks import make_chunks
 from .construct import greedy, home_start, lpt
-from .cost import CostModel
+from ..costs.cost import CostModel
 from .home import localize, repair
-from .lengths import flatten_lengths
+from ..shapes.lengths import flatten_lengths
 from .plan import BalancePlan
 from .problem import GroupComm, GroupProblem, Model, NoFit
 from .refine import refine
-from .topology import Topology
-from .workload import WorkloadModel
+from ..shapes.topology import Topology
+from ..costs.workload import WorkloadModel
 
 SOLVERS = ("knapray", "greedy")
 

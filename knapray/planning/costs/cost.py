@@ -79,7 +79,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .topology import Topology
+from ..shapes.topology import Topology
 from .workload import ATTENTION_KINDS
 
 

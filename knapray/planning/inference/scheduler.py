@@ -1,6 +1,6 @@
 """The serving policy: which waiting requests start now, on which ranks (pure: numpy).
 ``knapray serve``'s gang runs it (``driver.gang``), and the serving simulator predicts it
-(``planning.serving``): the same decisions, from real completions in one and from the
+(``planning.inference.serving``): the same decisions, from real completions in one and from the
 predicted ones in the other.
 
 Requests run on *blocks*: ranks that form a bag for a whole denoising loop, on their own (a
@@ -8,7 +8,7 @@ block that finishes takes the next requests at once; no block waits for another,
 bag of a batch-by-batch gang waited for the batch's slowest). The blocks a gang can form
 are fixed when it starts (every rank makes each block's process group once): the aligned
 power-of-two blocks of every node whose size the model's heads divide, and of whole nodes
-(``planning.blocks.blocks_of``), or one fixed partition (static USP: one block of all; data parallel:
+(``planning.shapes.blocks.blocks_of``), or one fixed partition (static USP: one block of all; data parallel:
 blocks of one).
 
 At every arrival and every completion, while a rank is free and requests wait, ``decide``:

@@ -10,9 +10,9 @@ from typing import Union
 import numpy as np
 
 from .chunks import chunk_columns, make_chunks, sort_by_bag
-from .cost import CostModel, StepTimes, rank_times
-from .topology import Topology
-from .workload import WorkloadModel
+from ..costs.cost import CostModel, StepTimes, rank_times
+from ..shapes.topology import Topology
+from ..costs.workload import WorkloadModel
 
 Model = Union[WorkloadModel, CostModel]
 

@@ -41,7 +41,7 @@ exchange that combines them left out); every policy takes whichever is faster.
   ``N``, with ``N - gpus_per_node`` peers off the node: the baseline gets no penalty for it.
 - ``dp`` (data parallel): every request on one GPU, FIFO: to the lowest idle rank, or
   when none is idle to the GPU that frees first.
-- ``knapray``: ``knapray serve``'s gang (``serve_on_blocks``: ``planning.scheduler``'s
+- ``knapray``: ``knapray serve``'s gang (``serve_on_blocks``: ``planning.inference.scheduler``'s
   ``BagScheduler`` in its balanced order). Its blocks are every aligned power-of-two block
   of a node whose size divides both models' heads, and of 2, 4, ... whole nodes (16 and 32
   GPUs, priced as static USP is: 24 and 40 heads do not split that many ways, xDiT mixes in
@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .cost import MODEL_PRESETS, CostModel
+from ..costs.cost import MODEL_PRESETS, CostModel
 
 POLICIES = ("knapray", "usp", "dp", "batches")
 """The serving policies (see the module docstring)."""
@@ -303,7 +303,7 @@ def knapray_blocks(times: ServiceTimes) -> tuple[tuple[int, int], ...]:
     """The blocks ``knapray serve``'s gang forms on this gang: every aligned power-of-two
     block of a node whose size every model's heads divide, and of 2, 4, ... whole nodes
     (``times.sizes`` but a gang of whole nodes that is not a power of two of them)."""
-    from .blocks import blocks_of
+    from ..shapes.blocks import blocks_of
 
     sizes = tuple(g for g in times.sizes if not g & (g - 1))
     return blocks_of(times.gpus, sizes, min(times.gpus, times.gpus_per_node))
@@ -311,7 +311,7 @@ def knapray_blocks(times: ServiceTimes) -> tuple[tuple[int, int], ...]:
 
 def serve_on_blocks(stream: Stream, times: ServiceTimes, blocks: tuple[tuple[int, int], ...], order: str,
                     policy: str, window: int | None = None, mix=MIX) -> Served:
-    """``stream`` served on ``blocks`` ((first rank, size), see ``planning.scheduler``) by
+    """``stream`` served on ``blocks`` ((first rank, size), see ``planning.inference.scheduler``) by
     ``BagScheduler`` in ``order``, as ``knapray serve``'s gang serves: a decision at every
     arrival and completion, a block running one packed loop at a time."""
     from .scheduler import BagScheduler, packed_finish
@@ -372,7 +372,7 @@ def serve_batches(stream: Stream, times: ServiceTimes, window: int = 16) -> Serv
     shares counts), and the next batch waits for the batch's last bag."""
     from .sampling import halving_topology
     from .scheduler import packed_finish
-    from .topology import Topology
+    from ..shapes.topology import Topology
 
     node = min(times.gpus, times.gpus_per_node)
     heads = max(g for g in times.sizes if g <= node)

@@ -7,7 +7,7 @@ groups (KnapFormer does the same), each planned on its own.
 
 Besides its bags every rank is a *solo bag* of its own, numbered after the bags
 (``solo_bag(r) = num_bags + r``): a plan may run a sequence whole on a rank that also
-serves a bag of several (the two overlap on that rank; ``knapray.planning.overlap``).
+serves a bag of several (the two overlap on that rank; ``knapray.planning.search.overlap``).
 ``all_bag_sizes`` and ``all_bag_starts`` index both kinds.
 """
 

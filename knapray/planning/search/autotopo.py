@@ -34,9 +34,9 @@ from typing import Sequence
 
 import numpy as np
 
-from .cost import CostModel
-from .solver import plan_balance
-from .topology import Topology, pack_nodes
+from ..costs.cost import CostModel
+from ..balance.solver import plan_balance
+from ..shapes.topology import Topology, pack_nodes
 
 _IMPROVE_REL = 2e-4  # a move must lower the score by this fraction to count
 _CLIMB_STARTS = 3  # hill climbs start from up to this many of the best seeds,

@@ -25,15 +25,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .chunks import make_chunks
-from .construct import greedy, lpt
-from .cost import CostModel
-from .lengths import flatten_lengths
-from .plan import BalancePlan
-from .problem import GroupComm, GroupProblem
-from .refine import refine
-from .topology import Topology
-from .workload import WorkloadModel
+from ..balance.chunks import make_chunks
+from ..balance.construct import greedy, lpt
+from ..costs.cost import CostModel
+from ..shapes.lengths import flatten_lengths
+from ..balance.plan import BalancePlan
+from ..balance.problem import GroupComm, GroupProblem
+from ..balance.refine import refine
+from ..shapes.topology import Topology
+from ..costs.workload import WorkloadModel
 
 
 @dataclass(frozen=True)

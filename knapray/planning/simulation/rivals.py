@@ -40,14 +40,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .autotopo import search_topology
-from .cost import CostModel, StepTimes
-from .mix import MAX_TEXT_TOKENS, parse_code
-from .overlap import demand_layout, divisor_sizes, overlap_plan, step_candidates
-from .pertopo import plan_step
-from .plan import BalancePlan
-from .solver import plan_balance
-from .topology import Topology
+from ..search.autotopo import search_topology
+from ..costs.cost import CostModel, StepTimes
+from ..shapes.mix import MAX_TEXT_TOKENS, parse_code
+from ..search.overlap import demand_layout, divisor_sizes, overlap_plan, step_candidates
+from ..search.pertopo import plan_step
+from ..balance.plan import BalancePlan
+from ..balance.solver import plan_balance
+from ..shapes.topology import Topology
 
 PLANNERS = ("knapray_auto", "knapray_per_step", "knapray_overlap", "knapformer", "dynamic_cp", "flexsp", "zellige")
 KNAPRAY = ("knapray_auto", "knapray_per_step", "knapray_overlap")
@@ -263,7 +263,7 @@ def rivals_table(
     """One row per (mix, world): every planner's mean predicted step time and communication
     share over ``steps`` steps. ``mixes``: (mix, model preset) pairs (``wan`` plans with the
     Wan 14B cross-attention model)."""
-    from .cost import MODEL_PRESETS
+    from ..costs.cost import MODEL_PRESETS
 
     rows = []
     for world in worlds:
@@ -313,7 +313,7 @@ def rivals_markdown(rows: list[dict], command: str) -> str:
 
 
 def _compact(topology: Topology) -> str:
-    from .autotopo import composition_spec
+    from ..search.autotopo import composition_spec
 
     spec = composition_spec(topology)
     return spec if topology.num_groups == 1 else f"{spec} x{topology.num_groups}"
