@@ -123,6 +123,12 @@ class MMDiT(nn.Module):
         return FsdpUnits(embedders=tuple(m for m in embedders if m is not None),
                          blocks=(*self.double_blocks, *self.single_blocks), final=self.final)
 
+    def positions(self, pos: torch.Tensor, seq_index: torch.Tensor, is_text: torch.Tensor) -> torch.Tensor:
+        """The RoPE ids of whole packed sequences, from the packed (frame, row, column) ids
+        (text at (0, 0, 0)): taken as they are. Called at a sequence's home, before its
+        tokens are routed (a family whose ids depend on the whole sequence derives them here)."""
+        return pos
+
     def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE (cos, sin), each (N, head_dim/2), of integer positions pos (N, 3)."""
         return rope_frequencies(pos, self.cfg.rope_axes_dim, self.cfg.rope_theta)

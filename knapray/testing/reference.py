@@ -66,8 +66,9 @@ def make_inputs(cfg: Any, sequences: int, seed: int) -> list[Inputs]:
     its family's reference takes them: clips or images, a pooled vector or none."""
     from knapray.models.families import get_family
 
-    text_lens = CROSS_TEXT_LENS if cfg.attention_kind == "cross" else TEXT_LENS
-    if get_family(cfg.family).video:
+    fam = get_family(cfg.family)
+    text_lens = CROSS_TEXT_LENS if cfg.attention_kind == "cross" or fam.reference_needs_text else TEXT_LENS
+    if fam.video:
         return _clip_inputs(cfg, sequences, seed, text_lens)
     gen = torch.Generator().manual_seed(seed)
     out = []
@@ -146,7 +147,11 @@ def diffusers_reference(path: str, inputs: list[Inputs], cfg: Any = None) -> tup
         out = fam.diffusers_call(ref, cfg, s)
         ((out - s.target).pow(2).sum() / total).backward()
         outs.append(out.detach())
-    return outs, {k: p.grad.detach().clone() for k, p in ref.named_parameters() if p.grad is not None}
+    # A tensor the outputs do not depend on has no gradient in diffusers' model (Qwen-Image's
+    # last block's text stream: its text tokens are never output); its gradient is zero, and
+    # knapray's must be too.
+    return outs, {k: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                  for k, p in ref.named_parameters()}
 
 
 # ---- the knapray side ---------------------------------------------------------------------

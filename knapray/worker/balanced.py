@@ -173,11 +173,12 @@ def _forward(model: nn.Module, batch: PackedBatch, plan: BalancePlan, rank: int,
              routed_is_text: torch.Tensor | None, cache: StepCache | None = None) -> torch.Tensor:
     vec = model.condition(**condition_inputs(model, batch))  # (S_home, d)
     h = model.embed(batch.x_txt, batch.x_img, batch.is_text, streams=home)  # (N_home, d)
+    pos = model.positions(batch.pos, batch.seq_index, batch.is_text)  # of whole sequences: at home
     if routed_is_text is None:  # the modality travels with the tokens
-        routed = route(rp, rank, {"h": h, "pos": batch.pos, "is_text": batch.is_text}, route_group)
+        routed = route(rp, rank, {"h": h, "pos": pos, "is_text": batch.is_text}, route_group)
         routed_is_text = routed["is_text"]
     else:  # known on the host from the plan: h and pos travel
-        routed = route(rp, rank, {"h": h, "pos": batch.pos}, route_group)
+        routed = route(rp, rank, {"h": h, "pos": pos}, route_group)
     vec_loc = route_sequence_features(rp, rank, vec, route_group)  # (S_loc, d)
     h_loc = model.blocks(routed["h"], vec_loc, rp.token_seq_local, routed["pos"], routed_is_text, attn,
                          streams=routed_streams, **({} if cache is None else {"cache": cache}))

@@ -17,7 +17,8 @@ from knapray.testing.grad_truth import RATIO_BAR, gradient_errors
 
 # Flux in both bf16 modes (autocast: one rank, no FSDP; bf16 parameters: FSDP's), Wan in
 # FSDP's (its autocast mode keeps its tables in fp32 already: ratio 0.47 here, not run).
-@pytest.mark.parametrize("family, mode", [("flux", "autocast"), ("flux", "bf16_params"), ("wan", "bf16_params")])
+@pytest.mark.parametrize("family, mode", [("flux", "autocast"), ("flux", "bf16_params"), ("wan", "bf16_params"),
+                                          ("qwen_image", "bf16_params")])
 def test_compiled_bf16_gradients_as_exact_as_the_matmuls(family: str, mode: str) -> None:
     report = gradient_errors(family, mode, device="cpu", compile=True)
     assert report.tokens > 7000

@@ -80,6 +80,9 @@ class Family:
     """The diffusers model class whose checkpoints hold this family (None: no checkpoint format)."""
     diffusers_call: DiffusersCall | None = None
     """How its diffusers pipeline calls ``diffusers_class`` on one sequence (``knapray reference``)."""
+    reference_needs_text: bool = False
+    """Its diffusers model cannot run a sequence without text tokens (Qwen-Image's RoPE over
+    no text fails; its pipeline never makes one): the reference gives each at least one."""
     reference_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """Config values under which knapray's model computes what a bare call of
     ``diffusers_class`` does (Wan: ``text_pad_to`` 0, no pipeline padding)."""
@@ -187,14 +190,31 @@ def _wan() -> Family:
     )
 
 
-FAMILIES: dict[str, Family] = {"mmdit": _mmdit(), "flux": _flux(), "wan": _wan()}
+def _qwen_image() -> Family:
+    from knapray.models.families import qwen_image, qwen_keys
+
+    return Family(
+        name="qwen_image", title="Qwen-Image", config_cls=qwen_image.QwenImageConfig,
+        model_cls=qwen_image.QwenImageTransformer, condition_fields=qwen_image.condition_fields,
+        exact_against="diffusers 0.42 QwenImageTransformer2DModel (fp32, 1e-5 relative, outputs and gradients)",
+        encoders=FamilyEncoding(family="qwen_image", model="Qwen-Image", pooled=False,
+                                pipeline="QwenImagePipeline"), video=False,
+        sample_shift=lambda cfg: None, sized_config=qwen_image.sized_config, small_config=qwen_image.small_config,
+        diffusers_class=qwen_image.DIFFUSERS_CLASS, diffusers_call=qwen_image.diffusers_call,
+        reference_needs_text=True, layouts=("diffusers",), layout=qwen_keys.qwen_image_layout,
+        section_from_diffusers=qwen_image.section_from_diffusers, to_diffusers=lambda cfg: cfg.to_diffusers(),
+        lora_presets=MMDIT_LORA,
+    )
+
+
+FAMILIES: dict[str, Family] = {"mmdit": _mmdit(), "flux": _flux(), "wan": _wan(), "qwen_image": _qwen_image()}
 FAMILY_NAMES = tuple(FAMILIES)
 
 OTHER_DIFFUSERS_CLASSES = {
     "SD3Transformer2DModel": "Stable Diffusion 3",
     "HunyuanVideoTransformer3DModel": "HunyuanVideo", "CogVideoXTransformer3DModel": "CogVideoX",
     "LTXVideoTransformer3DModel": "LTX-Video", "SanaTransformer2DModel": "Sana", "PixArtTransformer2DModel": "PixArt",
-    "AuraFlowTransformer2DModel": "AuraFlow", "QwenImageTransformer2DModel": "Qwen-Image",
+    "AuraFlowTransformer2DModel": "AuraFlow",
     "HiDreamImageTransformer2DModel": "HiDream", "ChromaTransformer2DModel": "Chroma",
 }
 """Transformer checkpoints knapray recognizes but has no family for (named in errors)."""

@@ -461,6 +461,10 @@ class WanTransformer(nn.Module):
     def param_dtype(self) -> torch.dtype:
         return self.img_in.weight.dtype
 
+    def positions(self, pos: torch.Tensor, seq_index: torch.Tensor, is_text: torch.Tensor) -> torch.Tensor:
+        """Wan's RoPE ids are the packed (frame, row, column) ids as they are."""
+        return pos
+
     def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return flux_rope(pos, self.cfg.rope_axes_dim, THETA)
 
