@@ -296,6 +296,16 @@ def _tracker(model, optimizer, sharded: bool):
 # ---- what the plan implies ------------------------------------------------------------------
 
 
+def _token_embedder_units(model_cfg) -> int:
+    """FSDP units of the model's token embedders: its embedders but the conditioning MLPs
+    (built on the meta device: nothing allocated)."""
+    from knapray.models.families import get_family
+
+    with torch.device("meta"):
+        model = get_family(model_cfg.family).model_cls(model_cfg)
+    return len(model.fsdp_units().embedders) - len(model.conditioning_mlps())
+
+
 def expected_collectives(setup: Setup, plan, depth: tuple[int, int]) -> dict:
     """(kind, group size) -> count of one training step, from the plan and the parallelism."""
     from knapray.distributed.router import RoutePlan
@@ -333,8 +343,10 @@ def expected_collectives(setup: Setup, plan, depth: tuple[int, int]) -> dict:
         (shape, _) = ParallelDims(world_size=setup.world, gpus_per_node=setup.gpus_per_node).mesh_shape(cfg.parallel.fsdp)
         shard, replicate = shape[-1], (shape[0] if len(shape) == 2 else 1)
         m = cfg.model
-        units = 2 + (1 if m.text_dim else 0) + (1 if m.pooled_dim else 0) + blocks + 1
-        embedders = 1 + (1 if m.text_dim else 0)
+        # The token embedders (img_in, txt_in; Qwen-Image's txt_norm too): each a unit of
+        # the model's own (``fsdp_units``), beside the timestep and pooled MLPs.
+        embedders = _token_embedder_units(m)
+        units = 1 + (1 if m.pooled_dim else 0) + embedders + blocks + 1
         # Every unit gathered in forward and again in backward, but the final layer (kept)
         # and, under LoRA, the embedders (no backward); only units that train reduce.
         add("_allgather_base_", shard, 2 * units - 1 - (embedders if frozen_front else 0))

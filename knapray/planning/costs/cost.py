@@ -514,10 +514,14 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         "linear_flops": 2.0 * (6.0 + 2.0 * 13824 / 5120),
         "attention_kind": "cross", "text_tokens": 512,
     },
+    # Qwen-Image (20B): d 3072, 24 heads, 60 double-stream blocks (each token through its
+    # stream's projections and MLP of 4·d, as Flux's), joint attention over text and image.
+    "qwen_image": {"double_blocks": 60, "single_blocks": 0},
 }
 """``CostModel`` fields of named models (``knapray simulate --model``): ``flux`` is the
 defaults (Flux.1: d 3072, 19 + 38 blocks, 24 heads, joint attention); ``wan14b`` is Wan 2.1
-14B (d 5120, 40 blocks, 40 heads, FFN 13824, cross-attention to 512 umT5 tokens)."""
+14B (d 5120, 40 blocks, 40 heads, FFN 13824, cross-attention to 512 umT5 tokens);
+``qwen_image`` is Qwen-Image (d 3072, 60 double-stream blocks, 24 heads, joint attention)."""
 
 
 # ---- execution mode -------------------------------------------------------------------------
