@@ -62,6 +62,14 @@ def save_wan_headers(out: Path) -> Path:
     return save_headers(out, WanTransformer3DModel, {})
 
 
+def save_qwen_image_headers(out: Path) -> Path:
+    """``save_flux_headers`` for Qwen-Image (``QwenImageTransformer2DModel``'s defaults are its
+    20B shape): what pre-flight reads of the Qwen/Qwen-Image pipeline's transformer."""
+    from diffusers import QwenImageTransformer2DModel
+
+    return save_headers(out, QwenImageTransformer2DModel, {})
+
+
 def save_headers(out: Path, cls, config: dict) -> Path:
     """diffusers' ``cls(**config)`` on the meta device as a sparse checkpoint: config.json,
     and a safetensors file of every tensor's header over a hole the size of its bf16 data."""
