@@ -758,7 +758,13 @@ def test_a_deadline_drops_a_queued_job_and_stops_a_running_one(served, tmp_path)
         assert status == 504 and 1.4 < took < HOLD_S and "stopped between two steps" in _error(body), (status, took)
         _until(lambda: held.read_text() == "drawn\nstopped\n", timeout=5)  # stopped by the stand-in, not run out
 
-        assert _post(short, {"caption": "after", "size": "16x16"})[0] == 200
+        # ... and the server goes on answering: an ordinary job is answered. (Its 0.3 s of steps
+        # can pass the 1.5 s deadline on a loaded machine; then it is answered 504 by design,
+        # and another try is made: a 504 is an answer, a 200 must come.)
+        answers = []
+        while len(answers) < 3 and 200 not in answers:
+            answers.append(_post(short, {"caption": "after", "size": "16x16"})[0])
+        assert 200 in answers and set(answers) <= {200, 504}, answers
         text = _metrics(short)
         assert _metric(text, "knapray_serve_expired_total", '{state="running"}') == 3
         assert _metric(text, "knapray_serve_expired_total", '{state="queued"}') == 2
