@@ -156,12 +156,17 @@ def zellige_times(step: list[list[int]], cost: CostModel, target: float, long_gr
         sent[inter, src] += tokens
         recv[inter, dst] += tokens
 
-    order = np.argsort(-cost.compute(lens), kind="stable")
-    for i in order:
-        length, src = int(lens[i]), int(home[i])
-        whole = float(cost.compute(length))
-        g = 1 if whole <= target else long_group or next(
-            (s for s in sizes if float(cost.seq_cost(length, s)) <= target), sizes[-1])
+    # Every sequence's costs at once (the loop below reads them as floats).
+    whole_s = cost.compute(lens)
+    order = np.argsort(-whole_s, kind="stable")
+    fits = np.stack([cost.seq_cost(lens, s) <= target for s in sizes])  # (sizes, S)
+    smallest = np.where(fits.any(axis=0), np.asarray(sizes)[np.argmax(fits, axis=0)], sizes[-1]).tolist()
+    chunks = {g: cost.chunk(lens / g, lens, np.full(lens.size, g)).tolist() for g in sizes[1:]}
+    whole_l, lens_l, home_l = whole_s.tolist(), lens.tolist(), home.tolist()
+    for i in order.tolist():
+        length, src = lens_l[i], home_l[i]
+        whole = whole_l[i]
+        g = 1 if whole <= target else long_group or smallest[i]
         if g == 1:
             r = int(np.argmin(load))
             c = whole / speed[r]
@@ -172,7 +177,7 @@ def zellige_times(step: list[list[int]], cost: CostModel, target: float, long_gr
         groups[g] = groups.get(g, 0) + 1
         # Aligned blocks inside nodes (g divides the node size): the one whose busiest GPU is least loaded.
         start = int(np.argmin(load.reshape(-1, g).max(axis=1))) * g
-        chunk = float(cost.chunk(np.asarray(length / g), np.asarray(length), np.asarray(g)))
+        chunk = chunks[g][i]
         per_token = cost.ulysses_token_s(g, 0)
         for r in range(start, start + g):
             c, u = chunk / speed[r], length / g * per_token / speed[r]
