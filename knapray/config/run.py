@@ -406,6 +406,10 @@ class TrainConfig:
         if not self.data.epochs and not self.run.max_steps:
             raise ValueError("data.epochs=0 trains run.max_steps steps, as many epochs as they take: set "
                              "run.max_steps to the steps to train (or data.epochs to the passes over the corpus)")
+        if self.metrics.validation.every:
+            from knapray.models.families import check_samples
+
+            check_samples(self.model, "metrics.validation.every > 0: validation samples of")
 
     def world_sizes(self) -> list[int]:
         """Every world size the Ray launcher may start this run with: ``scaling.num_workers``, or

@@ -10,8 +10,10 @@ from typing import Any
 def read_run(run_dir: str, checkpoint: str | None = None) -> tuple[Any, str]:
     """(TrainConfig, checkpoint path) of a run directory, read without loading weights."""
     from knapray.driver.run_dir import read_run_config, run_checkpoint
+    from knapray.models.families import check_samples
 
     cfg = read_run_config(run_dir)
+    check_samples(cfg.model, f"run {run_dir}: sampling")
     return cfg, run_checkpoint(run_dir, checkpoint, "sample from")
 
 

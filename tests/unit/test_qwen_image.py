@@ -134,3 +134,17 @@ def test_the_full_size_layout_is_qwen_images_own():
     layout = checkpoint_layout(cfg, "diffusers")
     assert layout.first_mismatch(shapes) is None and len(layout.keys) == len(shapes) == 1933
     assert sum(math.prod(s) for s in shapes.values()) / 1e9 == pytest.approx(20.43, abs=0.01)
+
+
+def test_validation_samples_of_a_qwen_image_run_are_refused_in_one_line() -> None:
+    """knapray cannot sample Qwen-Image yet (its pipeline's schedule and guidance): a run config
+    asking for validation samples is refused when it loads, naming why."""
+    from knapray.config.run import ConfigError, load_config
+
+    base = ["model.family=qwen_image", "model.hidden_size=64", "model.num_heads=2", "model.depth_double=1",
+            "model.text_dim=16", "model.rope_axes_dim=[8,12,12]"]
+    assert load_config(None, base).model.family == "qwen_image"
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*base, "metrics.validation.every=5", "metrics.validation.captions=[a fox]"])
+    assert "validation samples of a Qwen-Image model (model.family qwen_image): not supported yet" in str(e.value)
+    assert "\n" not in str(e.value)

@@ -95,6 +95,9 @@ class Family:
     """A config -> the diffusers config.json it exports with."""
     lora_presets: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     """``model.lora.targets`` preset name -> regular expressions over module names."""
+    not_sampled: str = ""
+    """Why knapray cannot sample it yet ("": it can): ``knapray sample``, ``knapray serve``
+    and validation samples refuse its runs in one line saying so (``check_samples``)."""
 
     def __post_init__(self) -> None:
         """What a registration must hold together (checked when the registry is built)."""
@@ -202,6 +205,8 @@ def _qwen_image() -> Family:
         sample_shift=lambda cfg: None, sized_config=qwen_image.sized_config, small_config=qwen_image.small_config,
         diffusers_class=qwen_image.DIFFUSERS_CLASS, diffusers_call=qwen_image.diffusers_call,
         reference_needs_text=True, layouts=("diffusers",), layout=qwen_keys.qwen_image_layout,
+        not_sampled=("its pipeline's schedule (a dynamic shift to 0.9 at 8,192 image tokens, stretched to end at "
+                     "0.02) and its norm-rescaled classifier-free guidance are not in knapray's sampler yet"),
         section_from_diffusers=qwen_image.section_from_diffusers, to_diffusers=lambda cfg: cfg.to_diffusers(),
         lora_presets=MMDIT_LORA,
     )
@@ -255,6 +260,13 @@ def fp8_base_layers(cfg: DiTConfig) -> tuple[str, ...]:
     if not cfg.lora.enabled or cfg.lora.base_dtype != "fp8":
         return ()
     return tuple(get_family(cfg.family).lora_presets["all-linear"])
+
+
+def check_samples(model_cfg: Any, what: str = "sampling") -> None:
+    """ValueError (one line) if ``model_cfg``'s family cannot be sampled by knapray yet."""
+    fam = get_family(model_cfg.family)
+    if fam.not_sampled:
+        raise ValueError(f"{what} a {fam.title} model (model.family {fam.name}): not supported yet; {fam.not_sampled}")
 
 
 def condition_inputs(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
@@ -315,6 +327,7 @@ def adapter_counts(model_cfg) -> tuple[int, int] | None:
 
 
 __all__ = [
-    "FAMILIES", "FAMILY_NAMES", "Family", "adapter_counts", "build_model", "checkpoint_layout", "condition_inputs",
+    "FAMILIES", "FAMILY_NAMES", "Family", "adapter_counts", "build_model", "check_samples", "checkpoint_layout",
+    "condition_inputs",
     "config_class", "cross_text_pad", "family_of_class", "get_family", "param_shapes",
 ]
