@@ -134,22 +134,37 @@ lower floors only (siblings on one floor do not import each other); the package'
 ``__init__`` is its public face and may import any."""
 
 
+PLANNING_FLOOR = {sub: i for i, subs in enumerate(PLANNING_FLOORS) for sub in subs}
+
+
+def _planning_sub(name: str) -> str | None:
+    """The planning sub-package of a module (``knapray.planning.balance.solver`` -> ``balance``)."""
+    parts = name.split(".")
+    return parts[2] if len(parts) > 3 and parts[1] == "planning" else None
+
+
+def _planning_wrong(edges: list[lg.Import]) -> list[lg.Import]:
+    """Imports between planning sub-packages that go up a floor or across one."""
+    return [e for e in edges if _planning_sub(e.source) and _planning_sub(e.target)
+            and _planning_sub(e.source) != _planning_sub(e.target)
+            and PLANNING_FLOOR[_planning_sub(e.target)] >= PLANNING_FLOOR[_planning_sub(e.source)]]
+
+
 def test_planning_shows_its_parts_with_no_import_running_up(mods, edges):
-    floor = {sub: i for i, subs in enumerate(PLANNING_FLOORS) for sub in subs}
-    flat = [m for m in mods if m.startswith("knapray.planning.") and m.count(".") == 2 and m.split(".")[2] not in floor]
+    flat = [m for m in mods if m.startswith("knapray.planning.") and m.count(".") == 2
+            and m.split(".")[2] not in PLANNING_FLOOR]
     assert flat == [], "every planning module lives in a sub-package of PLANNING_FLOORS"
-    assert set(floor) == {m.split(".")[2] for m in mods if m.startswith("knapray.planning.")}
-    for sub in floor:  # each opens with a docstring a reader sees first
+    assert set(PLANNING_FLOOR) == {m.split(".")[2] for m in mods if m.startswith("knapray.planning.")}
+    for sub in PLANNING_FLOOR:  # each opens with a docstring a reader sees first
         tree = ast.parse(mods[f"knapray.planning.{sub}"].read_text())
         assert ast.get_docstring(tree) and len(ast.get_docstring(tree)) > 80, sub
+    assert [_where(e) for e in _planning_wrong(edges)] == []
 
-    def sub_of(name: str) -> str | None:
-        parts = name.split(".")
-        return parts[2] if len(parts) > 3 and parts[1] == "planning" else None
 
-    wrong = [_where(e) for e in edges if sub_of(e.source) and sub_of(e.target) and sub_of(e.source) != sub_of(e.target)
-             and floor[sub_of(e.target)] >= floor[sub_of(e.source)]]
-    assert wrong == []
-    # The analysis sees such an import: a fake one from the bottom floor up.
-    fake = [lg.Import("knapray.planning.shapes.mix", "knapray.planning.balance.solver", 1)]
-    assert [e for e in fake if floor[sub_of(e.target)] >= floor[sub_of(e.source)]] == fake
+def test_the_planning_floor_check_sees_an_import_up_or_across():
+    up = lg.Import("knapray.planning.shapes.mix", "knapray.planning.balance.solver", 1)
+    across = lg.Import("knapray.planning.search.overlap", "knapray.planning.fitting.livefit", 2)
+    down = lg.Import("knapray.planning.balance.solver", "knapray.planning.shapes.mix", 3)
+    within = lg.Import("knapray.planning.balance.solver", "knapray.planning.balance.refine", 4)
+    root = lg.Import("knapray.planning.simulation.sim", "knapray.planning", 5)
+    assert _planning_wrong([up, across, down, within, root]) == [up, across]

@@ -210,7 +210,7 @@ def _place(step, lens: np.ndarray, home: np.ndarray, long: np.ndarray, topo: Top
     t_intra, t_inter = cost.route_token_s(False), cost.route_token_s(True)
     node = np.arange(world) // gpn
     group_of_rank = np.arange(world) // topo.group_size
-    whole = cost.compute(lens[short]) / 1.0
+    whole = cost.compute(lens[short])
     ranks_of = [np.asarray(topo.group_ranks(g)) for g in range(topo.num_groups)]
     for i in np.argsort(-whole, kind="stable"):
         s = int(short[i])
@@ -291,7 +291,7 @@ def _refined(plan: BalancePlan, cost: CostModel) -> BalancePlan:
     for _ in range(MOVES_PER_RANK * topo.world_size):
         total = plan.rank_time
         worst = int(np.argmax(total))
-        mine = np.flatnonzero((plan.bag_size_of_seq == 1) & np.isin(plan.chunk_rank[_first_chunk(plan)], [worst]))
+        mine = np.flatnonzero((plan.bag_size_of_seq == 1) & (plan.chunk_rank[_first_chunk(plan)] == worst))
         if not mine.size:
             break
         group = topo.group_ranks(worst // topo.group_size)
