@@ -47,7 +47,7 @@ CORPUS_SCHEMA = pa.schema(
     ]
 )
 
-FAMILIES = ("mmdit", "flux", "wan", "qwen_image")
+FAMILIES = ("mmdit", "flux", "wan", "qwen_image", "flux2")
 """Model families a corpus can be made for (schema.json ``family``; a corpus without the
 field was made before it was recorded and fits any family whose widths match). The same
 names as ``knapray.models.families.FAMILY_NAMES`` (a test keeps them equal; this module

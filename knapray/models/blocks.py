@@ -120,8 +120,20 @@ class DoubleStreamBlock(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionFn,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        mods_txt = self.txt.mod(vec_seq, seq_txt)  # 6 x (Nt, d)
-        mods_img = self.img.mod(vec_seq, seq_img)  # 6 x (Ni, d)
+        return self.modulated(h_txt, h_img, self.txt.mod(vec_seq, seq_txt), self.img.mod(vec_seq, seq_img), streams,
+                              rope, attn)
+
+    def modulated(
+        self,
+        h_txt: torch.Tensor,
+        h_img: torch.Tensor,
+        mods_txt: tuple[torch.Tensor, ...],
+        mods_img: tuple[torch.Tensor, ...],
+        streams: TokenStreams,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionFn,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block given each stream's 6 modulation tensors per token, (Nt, d) and (Ni, d)."""
         q_t, k_t, v_t = self.txt.attn_inputs(h_txt, mods_txt[0], mods_txt[1])
         q_i, k_i, v_i = self.img.attn_inputs(h_img, mods_img[0], mods_img[1])
         q, k, v = streams.merge(q_t, q_i), streams.merge(k_t, k_i), streams.merge(v_t, v_i)
@@ -157,14 +169,24 @@ class SingleStreamBlock(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionFn,
     ) -> torch.Tensor:
+        return self.modulated(h, self.mod(vec_seq, seq_index), rope, attn)
+
+    def modulated(self, h: torch.Tensor, mods: tuple[torch.Tensor, ...], rope: tuple[torch.Tensor, torch.Tensor],
+                  attn: AttentionFn) -> torch.Tensor:
+        """The block given its shift, scale and gate per token, each (N, d)."""
         n, d = h.shape
-        shift, scale, gate = self.mod(vec_seq, seq_index)
-        qkv, mlp_in = self.linear1(modulate(self.norm(h), shift, scale)).split([3 * d, self.mlp_hidden], dim=-1)
+        shift, scale, gate = mods
+        qkv, mlp_in = self.linear1(modulate(self.norm(h), shift, scale)).split(
+            [3 * d, self.linear1.out_features - 3 * d], dim=-1)
         # (N, 3*d) -> (N, 3, H, D) -> 3 x (N, H, D)
         q, k, v = qkv.reshape(n, 3, self.num_heads, self.head_dim).unbind(dim=1)
         q, k = apply_rope(self.q_norm(q), *rope), apply_rope(self.k_norm(k), *rope)
         out = attn(q, k, v).reshape(n, d)  # (N, H, D) -> (N, d)
-        return h + gate * self.linear2(torch.cat((out, F.gelu(mlp_in, approximate="tanh")), dim=-1))
+        return h + gate * self.linear2(torch.cat((out, self.activate(mlp_in)), dim=-1))
+
+    def activate(self, mlp_in: torch.Tensor) -> torch.Tensor:
+        """The MLP's activation of ``linear1``'s MLP columns: GELU (tanh)."""
+        return F.gelu(mlp_in, approximate="tanh")
 
 
 class FinalLayer(nn.Module):

@@ -86,6 +86,12 @@ class DiTConfig:
     """How the blocks attend to the text: ``joint`` (text and image tokens of a sequence in
     one attention) or ``cross`` (image tokens cross-attend to the text: Wan). What the
     balance planner's cost model and the memory model price."""
+    rope_axes: ClassVar[int] = 3
+    """Coordinates a token's RoPE id has (``rope_axes_dim``'s length): 3, (t, h, w), or a
+    family's own (FLUX.2: 4, (t, h, w, l), its text tokens along l)."""
+    gated_mlp: ClassVar[bool] = False
+    """The blocks' MLPs are SwiGLU (FLUX.2's: three ``d x mlp_hidden`` matrices, no biases)
+    rather than two matrices around a GELU: what model FLOPs and the memory model count."""
 
     in_channels: int = dataclasses.field(default=4, metadata={"ge": 1, "le": MAX_MODEL_WIDTH})
     """Channels of the latent (C in (C, T, H, W))."""
@@ -106,8 +112,9 @@ class DiTConfig:
     """Width of incoming text-encoder token features; 0 means the model takes no text tokens."""
     pooled_dim: int = dataclasses.field(default=32, metadata={"ge": 0, "le": MAX_MODEL_WIDTH})
     """Width of the pooled conditioning vector per sequence; 0 means none (timestep only)."""
-    rope_axes_dim: tuple[int, int, int] = dataclasses.field(default=(4, 6, 6), metadata={"ge": 0})
-    """Head channels rotated by the t, h, w coordinates; each even, summing to head_dim."""
+    rope_axes_dim: tuple[int, ...] = dataclasses.field(default=(4, 6, 6), metadata={"ge": 0})
+    """Head channels rotated by the t, h, w coordinates (``rope_axes`` of them); each even,
+    summing to head_dim."""
     rope_theta: float = dataclasses.field(default=10000.0, metadata={"gt": 0})
     """RoPE base period."""
     qk_norm: bool = True
@@ -159,8 +166,9 @@ class DiTConfig:
         if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
             raise ValueError(f"rope_theta must be a positive number, got {self.rope_theta!r}")
         axes = self.rope_axes_dim
-        if len(axes) != 3 or any(not isinstance(a, int) or a < 0 or a % 2 for a in axes):
-            raise ValueError(f"rope_axes_dim must be 3 non-negative even ints (t, h, w), got {axes!r}")
+        if len(axes) != self.rope_axes or any(not isinstance(a, int) or a < 0 or a % 2 for a in axes):
+            names = "t, h, w" if self.rope_axes == 3 else "t, h, w, l"
+            raise ValueError(f"rope_axes_dim must be {self.rope_axes} non-negative even ints ({names}), got {axes!r}")
         if sum(axes) != self.head_dim:
             raise ValueError(
                 f"rope_axes_dim {axes!r} sums to {sum(axes)}, must equal head_dim="

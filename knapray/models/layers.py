@@ -110,20 +110,41 @@ def timestep_embedding(
 
 
 class MLP(nn.Module):
-    """Linear -> activation -> Linear. GELU(tanh) in transformer blocks, SiLU in embedders."""
+    """Linear -> activation -> Linear. GELU(tanh) in transformer blocks, SiLU in embedders;
+    ``bias=False``: linears without biases (FLUX.2's)."""
 
-    def __init__(self, in_dim: int, hidden_dim: int, out_dim: int, activation: str = "gelu_tanh") -> None:
+    def __init__(self, in_dim: int, hidden_dim: int, out_dim: int, activation: str = "gelu_tanh", *,
+                 bias: bool = True) -> None:
         super().__init__()
         if activation not in ("gelu_tanh", "silu"):
             raise ValueError(f"unknown activation {activation!r}; valid: ['gelu_tanh', 'silu']")
-        self.fc1 = nn.Linear(in_dim, hidden_dim)
-        self.fc2 = nn.Linear(hidden_dim, out_dim)
+        self.fc1 = nn.Linear(in_dim, hidden_dim, bias=bias)
+        self.fc2 = nn.Linear(hidden_dim, out_dim, bias=bias)
         self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
         h = F.gelu(h, approximate="tanh") if self.activation == "gelu_tanh" else F.silu(h)
         return self.fc2(h)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU: ``fc2(silu(a) * b)`` where ``(a, b)`` are the two halves of ``fc1(x)`` (the gate
+    first), no biases: FLUX.2's feed-forward, ``fc1`` d -> 2·hidden, ``fc2`` hidden -> d."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, 2 * hidden_dim, bias=False)
+        self.fc2 = nn.Linear(hidden_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(swiglu(self.fc1(x)))
+
+
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """``silu(a) * b`` of the halves ``(a, b)`` of x's last dimension."""
+    gate, value = x.chunk(2, dim=-1)
+    return F.silu(gate) * value
 
 
 class Modulation(nn.Module):
@@ -135,18 +156,27 @@ class Modulation(nn.Module):
     in bf16 a long sequence's sum would lose 20-40% of its size.
     """
 
-    def __init__(self, dim: int, n_chunks: int) -> None:
+    def __init__(self, dim: int, n_chunks: int, *, bias: bool = True) -> None:
         super().__init__()
         self.n_chunks = n_chunks
-        self.lin = nn.Linear(dim, n_chunks * dim)
+        self.lin = nn.Linear(dim, n_chunks * dim, bias=bias)
 
-    def forward(self, vec_seq: torch.Tensor, seq_index: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """vec_seq (S, dim), seq_index (n,) -> n_chunks tensors of (n, dim).
+    def per_sequence(self, vec_seq: torch.Tensor) -> torch.Tensor:
+        """vec_seq (S, dim) -> (S, n_chunks·dim): the chunks of every sequence, side by side.
 
         vec_seq may be fp32 beside bf16 weights (``MMDiT.condition``): it is cast to the
         weights' dtype here (a float8 layer casts it itself), so its gradient comes back to it in fp32."""
-        per_seq = self.lin(input_for(self.lin, F.silu(vec_seq)))  # (S, n_chunks*dim)
-        return gather_rows(per_seq, seq_index).chunk(self.n_chunks, dim=-1)
+        return self.lin(input_for(self.lin, F.silu(vec_seq)))
+
+    def forward(self, vec_seq: torch.Tensor, seq_index: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """vec_seq (S, dim), seq_index (n,) -> n_chunks tensors of (n, dim)."""
+        return per_token(self.per_sequence(vec_seq), seq_index, self.n_chunks)
+
+
+def per_token(per_seq: torch.Tensor, seq_index: torch.Tensor, n_chunks: int) -> tuple[torch.Tensor, ...]:
+    """Per-sequence modulation (S, n_chunks·dim) -> ``n_chunks`` tensors (n, dim), row i of
+    each that of token i's sequence (``gather_rows``: its backward sums in fp32)."""
+    return gather_rows(per_seq, seq_index).chunk(n_chunks, dim=-1)
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -61,10 +61,12 @@ class MMDiT(nn.Module):
             if isinstance(module, nn.Linear):
                 if std is None:
                     nn.init.xavier_uniform_(module.weight)
-                    nn.init.zeros_(module.bias)
+                    if module.bias is not None:
+                        nn.init.zeros_(module.bias)
                 else:
                     nn.init.normal_(module.weight, std=std)
-                    nn.init.normal_(module.bias, std=std)
+                    if module.bias is not None:
+                        nn.init.normal_(module.bias, std=std)
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
                 if std is not None:
@@ -76,10 +78,12 @@ class MMDiT(nn.Module):
             nn.init.normal_(embedder.fc2.weight, std=0.02)
         for module in self.modules():
             if isinstance(module, Modulation):
-                nn.init.zeros_(module.lin.weight)
-                nn.init.zeros_(module.lin.bias)
-        nn.init.zeros_(self.final.linear.weight)
-        nn.init.zeros_(self.final.linear.bias)
+                module.lin.weight.zero_()
+                if module.lin.bias is not None:
+                    module.lin.bias.zero_()
+        self.final.linear.weight.zero_()
+        if self.final.linear.bias is not None:
+            self.final.linear.bias.zero_()
 
     @torch.no_grad()
     def initial_values(self, write: Callable[[nn.Parameter, torch.Tensor], None]) -> None:
@@ -94,7 +98,7 @@ class MMDiT(nn.Module):
         order, then ``init_weights()``'s), only the final value of each parameter is kept."""
         linears = [m for m in self.modules() if isinstance(m, nn.Linear)]  # construction order
         for m in linears:  # nn.Linear's own init in the constructor, overwritten below
-            nn.Linear(m.in_features, m.out_features)
+            nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
         redrawn = {id(fc) for e in self.conditioning_mlps() for fc in (e.fc1, e.fc2)}
         zero = {id(m.lin) for m in self.modules() if isinstance(m, Modulation)} | {id(self.final.linear)}
         for m in self.modules():  # init_weights(), in its order
@@ -104,7 +108,8 @@ class MMDiT(nn.Module):
                     w.zero_()
                 if id(m) not in redrawn:
                     write(m.weight, w)
-                write(m.bias, torch.zeros(m.out_features))
+                if m.bias is not None:
+                    write(m.bias, torch.zeros(m.out_features))
             elif isinstance(m, RMSNorm):
                 write(m.weight, torch.ones(m.weight.shape))
         for embedder in self.conditioning_mlps():
@@ -207,13 +212,14 @@ class MMDiT(nn.Module):
         ``streams``: as in ``embed``, for these tokens.
         """
         n, d = h.shape
-        if seq_index.shape != (n,) or is_text.shape != (n,) or pos.shape != (n, 3):
+        axes = len(self.cfg.rope_axes_dim)
+        if seq_index.shape != (n,) or is_text.shape != (n,) or pos.shape != (n, axes):
             raise ValueError(
-                f"for h {tuple(h.shape)} expected seq_index ({n},), is_text ({n},), pos ({n}, 3); got "
+                f"for h {tuple(h.shape)} expected seq_index ({n},), is_text ({n},), pos ({n}, {axes}); got "
                 f"{tuple(seq_index.shape)}, {tuple(is_text.shape)}, {tuple(pos.shape)}"
             )
-        if vec_seq.dim() != 2 or vec_seq.shape[1] != d:
-            raise ValueError(f"vec_seq must be (S_loc, {d}), got {tuple(vec_seq.shape)}")
+        if vec_seq.dim() != 2 or vec_seq.shape[1] != self.cfg.condition_dim:
+            raise ValueError(f"vec_seq must be (S_loc, {self.cfg.condition_dim}), got {tuple(vec_seq.shape)}")
         rope = self.rope(pos)
         h_in, h_0 = h, None
         if len(self.double_blocks):
@@ -221,15 +227,17 @@ class MMDiT(nn.Module):
             # Kept split across all double blocks; only q, k, v are merged for attention.
             h_txt, h_img = streams.split(h)
             seq_txt, seq_img = streams.split(seq_index)
+            inputs = self.double_inputs(vec_seq, seq_txt, seq_img)
             for i, block in enumerate(self.double_blocks):
-                h_txt, h_img = block(h_txt, h_img, vec_seq, seq_txt, seq_img, streams, rope, attn)
+                h_txt, h_img = block(h_txt, h_img, *inputs, streams, rope, attn)
                 if i == 0 and cache is not None:
                     h_0 = streams.merge(h_txt, h_img)
                     if cache.reuse(h_in, h_0):
                         return cache.apply(h_0)
             h = streams.merge(h_txt, h_img)
+        inputs = self.single_inputs(vec_seq, seq_index) if len(self.single_blocks) else ()
         for i, block in enumerate(self.single_blocks):
-            h = block(h, vec_seq, seq_index, rope, attn)
+            h = block(h, *inputs, rope, attn)
             if i == 0 and cache is not None and h_0 is None:
                 h_0 = h
                 if cache.reuse(h_in, h_0):
@@ -237,6 +245,15 @@ class MMDiT(nn.Module):
         if cache is not None:
             cache.store(h_0, h)
         return h
+
+    def double_inputs(self, vec_seq: torch.Tensor, seq_txt: torch.Tensor, seq_img: torch.Tensor) -> tuple:
+        """What every double-stream block takes besides the tokens: the per-sequence vector
+        and each stream's sequence index (each block modulates from them itself)."""
+        return vec_seq, seq_txt, seq_img
+
+    def single_inputs(self, vec_seq: torch.Tensor, seq_index: torch.Tensor) -> tuple:
+        """What every single-stream block takes besides the tokens (``double_inputs``)."""
+        return vec_seq, seq_index
 
     def head(
         self, h: torch.Tensor, vec_seq: torch.Tensor, seq_index: torch.Tensor, is_text: torch.Tensor, *,

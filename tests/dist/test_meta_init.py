@@ -1,5 +1,6 @@
 """Models built on the meta device and initialized after sharding (``materialize``) hold the
-weights ``MMDiT(cfg)`` draws on the CPU from the same seed, bit for bit, sharded or not."""
+weights ``MMDiT(cfg)`` (FLUX.2's model: no biases, a shared modulation) draws on the CPU
+from the same seed, bit for bit, sharded or not."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import torch
 
 from dist_utils import run_distributed
 from knapray.models import MMDiT, MMDiTConfig, dit_config
+from knapray.models.families import get_family
+from knapray.models.families.flux2 import small_config as flux2_small
 from knapray.testing.parity import parity_config
 
 CONFIGS = {
@@ -16,12 +19,13 @@ CONFIGS = {
     "dit": dit_config(hidden_size=32, num_heads=4, rope_axes_dim=(4, 2, 2)),
     "no-pooled-no-qknorm": MMDiTConfig(hidden_size=32, num_heads=4, rope_axes_dim=(4, 2, 2), pooled_dim=0,
                                        qk_norm=False, depth_double=1, depth_single=1),
+    "flux2": flux2_small(64),
 }
 
 
 def _reference(cfg: MMDiTConfig, seed: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     torch.manual_seed(seed)
-    model = MMDiT(cfg)
+    model = get_family(cfg.family).model_cls(cfg)
     return {n: p.detach().clone() for n, p in model.named_parameters()}, torch.rand(4)  # and the RNG after
 
 
@@ -34,7 +38,7 @@ def test_meta_model_materialized_equals_the_cpu_built_one(name):
     ref, ref_after = _reference(cfg, seed=7)
     torch.manual_seed(7)
     with torch.device("meta"):
-        model = MMDiT(cfg)
+        model = get_family(cfg.family).model_cls(cfg)
     parallelize(model, ParallelConfig(activation_checkpointing="full"))
     materialize(model, "cpu")
     got = dict(model.named_parameters())

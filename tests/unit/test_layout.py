@@ -12,7 +12,7 @@ import pytest
 
 import layout_graph as lg
 
-FAMILY_NAMES = {"flux", "wan", "mmdit"}
+FAMILY_NAMES = {"flux", "wan", "mmdit", "qwen_image", "flux2"}
 CLI_HOMES = ("knapray.commands", "knapray.benchmarks", "knapray.cli")
 MAX_UPWARD = 2
 

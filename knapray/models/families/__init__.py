@@ -212,7 +212,26 @@ def _qwen_image() -> Family:
     )
 
 
-FAMILIES: dict[str, Family] = {"mmdit": _mmdit(), "flux": _flux(), "wan": _wan(), "qwen_image": _qwen_image()}
+def _flux2() -> Family:
+    from knapray.models.families import flux2, flux2_keys
+
+    return Family(
+        name="flux2", title="FLUX.2", config_cls=flux2.Flux2Config, model_cls=flux2.Flux2Transformer,
+        condition_fields=flux2.condition_fields,
+        exact_against="diffusers 0.42 Flux2Transformer2DModel (fp32, 1e-5 relative, outputs and gradients)",
+        encoders=FamilyEncoding(family="flux2", model="FLUX.2", pooled=False, pipeline="Flux2Pipeline"), video=False,
+        sample_shift=lambda cfg: None, sized_config=flux2.sized_config, small_config=flux2.small_config,
+        diffusers_class=flux2.DIFFUSERS_CLASS, diffusers_call=flux2.diffusers_call,
+        layouts=("diffusers", "bfl"), layout=flux2_keys.flux2_layout,
+        not_sampled=("its pipeline's schedule (an empirical shift of the image tokens and the step count) and its "
+                     "text encoder's 512 padded Mistral tokens are not in knapray's sampler yet"),
+        section_from_diffusers=flux2.section_from_diffusers, to_diffusers=lambda cfg: cfg.to_diffusers(),
+        lora_presets=MMDIT_LORA,
+    )
+
+
+FAMILIES: dict[str, Family] = {"mmdit": _mmdit(), "flux": _flux(), "wan": _wan(), "qwen_image": _qwen_image(),
+                               "flux2": _flux2()}
 FAMILY_NAMES = tuple(FAMILIES)
 
 OTHER_DIFFUSERS_CLASSES = {
