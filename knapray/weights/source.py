@@ -167,26 +167,46 @@ def _strip_prefix(tensors: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
     return tensors
 
 
+FLUX2_MARK = "single_stream_modulation.lin.weight"
+"""A tensor only FLUX.2's BFL files hold (its shared modulation): FLUX.1's have none."""
+
+
 def bfl_config(tensors: Mapping[str, TensorEntry], where: str) -> dict[str, Any]:
-    """The diffusers-style config of a BFL Flux file, from its tensors' shapes. RoPE axes
-    are not in the file: FLUX.1's (16, 56, 56) for its head size 128, else an error
-    asking for a config.json."""
+    """The diffusers-style config of a BFL FLUX.1 or FLUX.2 file (FLUX.2's holds the shared
+    modulation ``FLUX2_MARK``), from its tensors' shapes. RoPE axes are not in the file:
+    FLUX.1's (16, 56, 56) and FLUX.2's (32, 32, 32, 32) for their head size 128, else an
+    error asking for a config.json."""
+    flux2 = FLUX2_MARK in tensors
+    name_ = "FLUX.2" if flux2 else "Flux.1"
+
     def shape(name: str) -> tuple[int, ...]:
         if name not in tensors:
-            raise ValueError(f"{where}: no tensor {name!r}: not a BFL Flux.1 checkpoint")
+            raise ValueError(f"{where}: no tensor {name!r}: not a BFL {name_} checkpoint")
         return tensors[name].shape
 
     hidden, features = shape("img_in.weight")
     q_norm = "double_blocks.0.img_attn.norm.query_norm.scale"  # (head_dim,): the head size
     head_dim = shape(q_norm if q_norm in tensors else "single_blocks.0.norm.query_norm.scale")[0]
+    axes = [32, 32, 32, 32] if flux2 else [16, 56, 56]
     if head_dim != 128:
-        raise ValueError(f"{where}: head size {head_dim}: a BFL file does not record its RoPE axes (FLUX.1 uses "
-                         "16, 56, 56 for 128); put a diffusers config.json with axes_dims_rope beside the file")
+        raise ValueError(f"{where}: head size {head_dim}: a BFL file does not record its RoPE axes ({name_} uses "
+                         f"{', '.join(map(str, axes))} for 128); put a diffusers config.json with axes_dims_rope "
+                         "beside the file")
 
     def count(pattern: str) -> int:
         found = {int(m.group(1)) for k in tensors for m in [re.match(pattern, k)] if m}
         return max(found) + 1 if found else 0
 
+    if flux2:  # the MLP's width from the single blocks' linear1: q, k, v, then 2 x the MLP's
+        mlp = (shape("single_blocks.0.linear1.weight")[0] - 3 * hidden) // 2 if count(r"single_blocks\.(\d+)\.") \
+            else shape("double_blocks.0.img_mlp.2.weight")[1]
+        return {
+            "_class_name": "Flux2Transformer2DModel", "patch_size": 1, "in_channels": features,
+            "num_layers": count(r"double_blocks\.(\d+)\."), "num_single_layers": count(r"single_blocks\.(\d+)\."),
+            "attention_head_dim": head_dim, "num_attention_heads": hidden // head_dim,
+            "joint_attention_dim": shape("txt_in.weight")[1], "mlp_ratio": mlp / hidden,
+            "guidance_embeds": "guidance_in.in_layer.weight" in tensors, "axes_dims_rope": axes, "rope_theta": 2000,
+        }
     return {
         "_class_name": "FluxTransformer2DModel", "patch_size": 1, "in_channels": features,
         "num_layers": count(r"double_blocks\.(\d+)\."), "num_single_layers": count(r"single_blocks\.(\d+)\."),

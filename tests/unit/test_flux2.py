@@ -134,6 +134,44 @@ def test_bfl_layout_is_what_diffusers_single_file_converter_reads(tiny: dict[str
         assert torch.equal(converted[key], value), key
 
 
+def test_bfl_architecture_is_read_from_the_tensor_shapes() -> None:
+    """A BFL FLUX.2 file without a config.json (head size 128): its architecture from the
+    shapes, told from FLUX.1's by the shared modulation; without guidance ([klein]) too."""
+    from knapray.weights.source import TensorEntry, bfl_config
+
+    for guidance, single in ((True, 2), (False, 0)):
+        cfg = Flux2Config(in_channels=32, hidden_size=256, num_heads=2, depth_double=1, depth_single=single,
+                          text_dim=64, guidance_embeds=guidance)
+        headers = {k: TensorEntry("f", k, "BF16", shape, 0) for k, shape in checkpoint_layout(cfg, "bfl").shapes.items()}
+        config = bfl_config(headers, "f")
+        assert config["_class_name"] == "Flux2Transformer2DModel"
+        assert Flux2Config(**section_from_diffusers(config, "f")) == cfg
+
+
+def test_a_bfl_single_file_loads_the_same_weights(tiny: dict[str, Path], tmp_path: Path) -> None:
+    """The diffusers checkpoint rewritten under BFL's names (one file, ComfyUI's prefix, bf16
+    as BFL ships it) loads into the same parameters."""
+    from safetensors.torch import save_file
+
+    from knapray.testing.reference import load_model
+    from knapray.weights.source import open_pretrained
+
+    path = tiny["dev"]
+    model, cfg, _, _ = load_model(str(path), None)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    bfl = checkpoint_layout(cfg, "bfl").gather(params)
+    folder = tmp_path / "bfl"
+    folder.mkdir()
+    save_file({f"model.diffusion_model.{k}": v.to(torch.bfloat16) for k, v in bfl.items()},
+              folder / "flux2-tiny.safetensors")
+    (folder / "config.json").write_text((path / "config.json").read_text())  # head size 16: RoPE axes from here
+    source = open_pretrained(str(folder))
+    assert source.layout == "bfl" and source.path.endswith("flux2-tiny.safetensors")
+    loaded, _, _, _ = load_model(str(folder), None)
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p, params[name].to(torch.bfloat16).float()), name
+
+
 @pytest.mark.parametrize("key, value, words", [
     ("axes_dims_rope", [16, 56, 56], "axes_dims_rope=[16, 56, 56] must be 4 ints (t, h, w, l)"),
     ("out_channels", 64, "out_channels=64 differs from in_channels=128"),

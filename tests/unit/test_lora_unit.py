@@ -101,7 +101,7 @@ def _randomize_adapters(model, seed: int) -> None:
                 p.copy_(0.2 * torch.randn(p.shape, generator=g))
 
 
-@pytest.mark.parametrize("family", ["flux", "wan", "qwen_image"])
+@pytest.mark.parametrize("family", ["flux", "wan", "qwen_image", "flux2"])
 def test_exported_adapters_load_into_diffusers_with_the_same_outputs(family, tmp_path):
     """Random adapters on every linear layer of the blocks (``all-linear``: for Flux, the
     fused qkv / linear1 / linear2 split over several diffusers layers), exported through the
@@ -129,6 +129,13 @@ def test_exported_adapters_load_into_diffusers_with_the_same_outputs(family, tmp
         torch.manual_seed(0)
         Ref(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
             joint_attention_dim=12, axes_dims_rope=(4, 6, 6)).save_pretrained(tmp_path / "t")
+        path = str(tmp_path / "t")
+    elif family == "flux2":
+        from diffusers import Flux2Transformer2DModel as Ref
+
+        torch.manual_seed(0)
+        Ref(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=12, axes_dims_rope=(4, 4, 4, 4)).save_pretrained(tmp_path / "t")
         path = str(tmp_path / "t")
     else:
         from diffusers import WanTransformer3DModel as Ref
