@@ -39,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora", action="store_true",
                    help="a LoRA run's adapters only, as pytorch_lora_weights.safetensors for a diffusers "
                    "pipeline's load_lora_weights (--dtype and --max-shard-size do not apply)")
+    p.add_argument("--format", choices=("diffusers", "kohya", "comfyui"), default="diffusers",
+                   help="with --lora: diffusers' format (default), kohya's lora_unet_* names with alphas (kohya's "
+                   "sd-scripts, ComfyUI) or ComfyUI's diffusion_model.* names, for Flux.1, FLUX.2 and Qwen-Image")
     p.add_argument("--checkpoint", help="checkpoint directory (default: the run's newest complete one)")
     add_dtype(p, help="dtype of the written tensors (auto = fp32: the trained weights exactly; FLUX.1 ships bf16)")
     p.add_argument("--max-shard-size", type=_size, default="10GB",
@@ -49,14 +52,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from knapray.driver.export import export_run
 
+    if args.format != "diffusers" and not args.lora:
+        raise ValueError(f"--format {args.format}: a LoRA format; add --lora (a full model is written in diffusers' "
+                         "layout)")
+
     if args.lora:
         from knapray.driver.lora_export import export_lora
 
-        r = export_lora(args.run, args.out, ema=args.ema, checkpoint=args.checkpoint)
+        r = export_lora(args.run, args.out, ema=args.ema, checkpoint=args.checkpoint, fmt=args.format)
+        how = {"diffusers": f"scale {r.scale:g} folded into lora_B", "kohya": f"scale {r.scale:g} as alpha / rank",
+               "comfyui": f"scale {r.scale:g} folded into lora_B"}[r.format]
+        load = (f"load with pipe.load_lora_weights({r.out!r})" if r.format == "diffusers" else
+                f"load {r.file} in ComfyUI, or with pipe.load_lora_weights({r.out!r}, "
+                f"weight_name={r.file.rsplit('/', 1)[-1]!r})")
         print(f"wrote {r.out}: {r.family} LoRA adapters after {r.steps} steps ({r.checkpoint})"
-              f"{' (EMA)' if r.ema else ''}, "
-              f"rank {r.rank}, scale {r.scale:g} folded into lora_B, {r.layers} layers as {r.tensors} tensors; "
-              f"load with pipe.load_lora_weights({r.out!r}); {r.seconds:.1f} s")
+              f"{' (EMA)' if r.ema else ''}, in {r.format}'s format, "
+              f"rank {r.rank}, {how}, {r.layers} layers as {r.tensors} tensors; {load}; {r.seconds:.1f} s")
         if args.json:
             print(json.dumps(r.to_json()))
         return 0

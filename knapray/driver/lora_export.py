@@ -10,6 +10,16 @@ is exact (``delta W`` restricted to those rows is ``B[rows] A``). peft's scale
 scale 1. Written: ``<out>/pytorch_lora_weights.safetensors`` with keys
 ``transformer.<diffusers module>.lora_A.weight`` / ``lora_B.weight``, what
 ``FluxPipeline.load_lora_weights(out)`` and ``WanPipeline.load_lora_weights(out)`` read.
+
+The community's formats (``--format``), for a family with an ``original_layout`` (Flux.1
+and FLUX.2: BFL's names; Qwen-Image: its released names), through that layout's pieces:
+
+- ``kohya``: ``lora_unet_<module, dots as underscores>.lora_down.weight`` / ``lora_up.weight``
+  and ``.alpha`` (``alpha / r`` is the scale: ``lora_up`` unscaled), what kohya's
+  sd-scripts write and ComfyUI and diffusers' kohya converters read; ``<out>/lora_kohya.safetensors``;
+- ``comfyui``: ``diffusion_model.<module>.lora_A.weight`` / ``lora_B.weight`` (the scale
+  folded in), the names ComfyUI gives the model's own tensors (ai-toolkit's files);
+  ``<out>/lora_comfyui.safetensors``.
 """
 
 from __future__ import annotations
@@ -20,11 +30,13 @@ import time
 
 import torch
 
-from knapray.models.families import checkpoint_layout, param_shapes
+from knapray.models.families import FAMILIES, checkpoint_layout, get_family, param_shapes
 from knapray.models.lora import ADAPTER
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 """diffusers' name for a saved LoRA (``LORA_WEIGHT_NAME_SAFE``)."""
+FORMATS = {"diffusers": LORA_FILE, "kohya": "lora_kohya.safetensors", "comfyui": "lora_comfyui.safetensors"}
+"""``export --lora --format``: the file each writes (module doc)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,23 +48,42 @@ class LoraExportReport:
     steps: int
     """Steps trained into the adapters (``step + 1``): what the run's progress bar and summary counted."""
     ema: bool
+    format: str
+    """``diffusers``, ``kohya`` or ``comfyui`` (``FORMATS``)."""
+    file: str
+    """The file written."""
     family: str
     rank: int
     scale: float
     layers: int
     """knapray layers with an adapter."""
     tensors: int
-    """Tensors written (two per diffusers layer)."""
+    """Tensors written (two per layer of the format's names; kohya: three, with its alpha)."""
     seconds: float
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
 
-def lora_tensors(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], cfg, scale: float
+def format_layout(cfg, fmt: str):
+    """The checkpoint layout whose names LoRA format ``fmt`` writes for ``cfg``'s family;
+    ValueError (one line) for a format it has none for."""
+    if fmt not in FORMATS:
+        raise ValueError(f"--format {fmt!r}: not a LoRA format; valid: {', '.join(FORMATS)}")
+    if fmt == "diffusers":
+        return checkpoint_layout(cfg)
+    fam = get_family(cfg.family)
+    if fam.original_layout is None:
+        with_names = [f.title for f in FAMILIES.values() if f.original_layout is not None]
+        raise ValueError(f"--format {fmt}: {fam.title} adapters are written in diffusers' format only (--format "
+                         f"diffusers); {fmt} names exist for {', '.join(with_names)}")
+    return checkpoint_layout(cfg, fam.original_layout)
+
+
+def lora_tensors(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], cfg, scale: float, fmt: str = "diffusers"
                  ) -> dict[str, torch.Tensor]:
-    """{diffusers key: tensor} from {knapray module name: (lora_A, lora_B)}."""
-    layout = checkpoint_layout(cfg)
+    """{key of format ``fmt``: tensor} from {knapray module name: (lora_A, lora_B)}."""
+    layout = format_layout(cfg, fmt)
     out: dict[str, torch.Tensor] = {}
     for module, (a, b) in adapters.items():
         pieces = [p for p in layout.pieces if p.param == f"{module}.weight"]
@@ -63,18 +94,28 @@ def lora_tensors(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], cfg, sc
             if owners != {f"{module}.weight"}:
                 raise ValueError(f"{key} is made of {sorted(owners)}: an adapter on {module!r} alone cannot be "
                                  "written for it")
+            folded = 1.0 if fmt == "kohya" else scale  # kohya keeps it as alpha / r
             rows = torch.zeros(layout.shapes[key][0], b.shape[1], dtype=torch.float32)
             for p in layout.pieces_of(key):
-                rows[p.src : p.src + p.rows] = b[p.dst : p.dst + p.rows].float() * scale
-            name = f"transformer.{key.removesuffix('.weight')}"
+                rows[p.src : p.src + p.rows] = b[p.dst : p.dst + p.rows].float() * folded
+            module_key = key.removesuffix(".weight")
+            if fmt == "kohya":
+                name = "lora_unet_" + module_key.replace(".", "_")
+                out[f"{name}.lora_down.weight"] = a.float().clone().contiguous()
+                out[f"{name}.lora_up.weight"] = rows
+                out[f"{name}.alpha"] = torch.tensor(scale * a.shape[0], dtype=torch.float32)
+                continue
+            name = f"{'transformer' if fmt == 'diffusers' else 'diffusion_model'}.{module_key}"
             out[f"{name}.lora_A.weight"] = a.float().clone().contiguous()
             out[f"{name}.lora_B.weight"] = rows
     return out
 
 
-def export_lora(run_dir: str, out: str, *, ema: bool = False, checkpoint: str | None = None) -> LoraExportReport:
-    """Write ``run_dir``'s adapters to the new directory ``out``; ValueError (one line) for a
-    run that trained no adapters or a checkpoint without them."""
+def export_lora(run_dir: str, out: str, *, ema: bool = False, checkpoint: str | None = None,
+                fmt: str = "diffusers") -> LoraExportReport:
+    """Write ``run_dir``'s adapters to the new directory ``out`` in format ``fmt`` (module
+    doc); ValueError (one line) for a run that trained no adapters, a checkpoint without
+    them, or a format its family has no names for."""
     from knapray.driver.export import save_safetensors
     from knapray.worker.checkpoint import read_trainer_state, safe_load, saved_keys
     from knapray.driver.run_dir import read_run_config, run_checkpoint
@@ -83,6 +124,7 @@ def export_lora(run_dir: str, out: str, *, ema: bool = False, checkpoint: str | 
     cfg = read_run_config(run_dir).model
     if not cfg.lora.enabled:
         raise ValueError(f"--lora: run {run_dir} trained every weight (model.lora.rank is 0); export it without --lora")
+    format_layout(cfg, fmt)  # a format the family has names for, before anything is read
     out = os.path.abspath(out)
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ValueError(f"--out {out}: exists and is not an empty directory; choose a new one")
@@ -104,14 +146,15 @@ def export_lora(run_dir: str, out: str, *, ema: bool = False, checkpoint: str | 
     safe_load(state, path)
     adapters = {m: (state[prefix][f"{m}.lora_A.{ADAPTER}.weight"], state[prefix][f"{m}.lora_B.{ADAPTER}.weight"])
                 for m in modules}
-    tensors = lora_tensors(adapters, cfg, cfg.lora.scale)
+    tensors = lora_tensors(adapters, cfg, cfg.lora.scale, fmt)
     partial = out + ".partial"
     os.makedirs(partial, exist_ok=True)
-    save_safetensors(tensors, os.path.join(partial, LORA_FILE))
+    save_safetensors(tensors, os.path.join(partial, FORMATS[fmt]))
     if os.path.isdir(out):
         os.rmdir(out)
     os.rename(partial, out)
     step = read_trainer_state(path)["step"]
-    return LoraExportReport(out=out, checkpoint=path, step=step, steps=step + 1, ema=ema,
+    return LoraExportReport(out=out, checkpoint=path, step=step, steps=step + 1, ema=ema, format=fmt,
+                            file=os.path.join(out, FORMATS[fmt]),
                             family=cfg.family, rank=r, scale=cfg.lora.scale, layers=len(modules),
                             tensors=len(tensors), seconds=time.perf_counter() - t0)

@@ -101,11 +101,20 @@ def _randomize_adapters(model, seed: int) -> None:
                 p.copy_(0.2 * torch.randn(p.shape, generator=g))
 
 
-@pytest.mark.parametrize("family", ["flux", "wan", "qwen_image", "flux2"])
-def test_exported_adapters_load_into_diffusers_with_the_same_outputs(family, tmp_path):
+PIPELINES = {"flux": "FluxPipeline", "qwen_image": "QwenImagePipeline", "flux2": "Flux2Pipeline"}
+"""The pipeline whose ``lora_state_dict`` reads a family's community formats (diffusers'
+kohya and ComfyUI converters)."""
+
+
+@pytest.mark.parametrize("family, fmt", [("flux", "diffusers"), ("wan", "diffusers"), ("qwen_image", "diffusers"),
+                                         ("flux2", "diffusers"), ("flux", "kohya"), ("qwen_image", "kohya"),
+                                         ("flux2", "kohya"), ("qwen_image", "comfyui"), ("flux2", "comfyui")])
+def test_exported_adapters_load_into_diffusers_with_the_same_outputs(family, fmt, tmp_path):
     """Random adapters on every linear layer of the blocks (``all-linear``: for Flux, the
     fused qkv / linear1 / linear2 split over several diffusers layers), exported through the
-    family's layout with alpha / r folded in, loaded by diffusers' ``load_lora_adapter``."""
+    family's layout with alpha / r folded in, loaded by diffusers' ``load_lora_adapter``; in
+    kohya's and ComfyUI's formats (the family's original names), read first by the family
+    pipeline's ``lora_state_dict`` (diffusers' converters of those formats)."""
     pytest.importorskip("diffusers")
     from knapray.testing.reference import _pack, _split, diffusers_call, make_inputs
     from knapray.testing.reference import reference_config
@@ -145,8 +154,12 @@ def test_exported_adapters_load_into_diffusers_with_the_same_outputs(family, tmp
             text_dim=12, freq_dim=32, ffn_dim=48, num_layers=2, cross_attn_norm=True).save_pretrained(tmp_path / "t")
         path = str(tmp_path / "t")
     source = open_pretrained(path)
+    # diffusers' kohya converter of Flux.1 splits a single block's linear1 at FLUX.1's own widths
+    # (3072 x 3 + 12288): at a tiny width the rest of the blocks is what it can read back
+    targets = ((r"double_blocks\..+", r"single_blocks\.\d+\.linear2") if (family, fmt) == ("flux", "kohya")
+               else ("all-linear",))
     cfg = dataclasses.replace(reference_config(source, checkpoint_family(source, family)),
-                              lora=LoraConfig(rank=3, alpha=6, targets=("all-linear",)))
+                              lora=LoraConfig(rank=3, alpha=6, targets=targets))
     model = build_model(cfg)
     model.to_empty(device="cpu")
     load_pretrained(model, cfg)
@@ -155,7 +168,13 @@ def test_exported_adapters_load_into_diffusers_with_the_same_outputs(family, tmp
     adapters = {n.split(".lora_A.")[0]: (p.detach(), params[n.replace(".lora_A.", ".lora_B.")].detach())
                 for n, p in params.items() if ".lora_A." in n}
     ref = Ref.from_pretrained(path, torch_dtype=torch.float32)
-    ref.load_lora_adapter(lora_tensors(adapters, cfg, cfg.lora.scale), prefix="transformer")
+    written = lora_tensors(adapters, cfg, cfg.lora.scale, fmt)
+    if fmt != "diffusers":
+        import diffusers
+
+        _check_original_names(written, cfg, fmt)
+        written = getattr(diffusers, PIPELINES[family]).lora_state_dict(dict(written))
+    ref.load_lora_adapter(written, prefix="transformer")
     inputs = make_inputs(cfg, 2, seed=4)
     with torch.no_grad():
         ours = _split(model(_pack(cfg, inputs)), inputs)
@@ -165,6 +184,38 @@ def test_exported_adapters_load_into_diffusers_with_the_same_outputs(family, tmp
     for a, b, c in zip(ours, theirs, base):
         assert (a - b).norm() / b.norm() <= 1e-5
         assert (c - b).norm() / b.norm() > 1e-2  # the adapters matter
+
+
+def test_a_lora_format_a_family_has_no_names_for_is_refused_in_one_line() -> None:
+    from knapray.driver.lora_export import format_layout
+    from knapray.models.families import get_family
+
+    cfg = get_family("wan").small_config(64)
+    with pytest.raises(ValueError) as e:
+        format_layout(cfg, "kohya")
+    assert str(e.value) == ("--format kohya: Wan adapters are written in diffusers' format only (--format diffusers); "
+                            "kohya names exist for Flux.1, Qwen-Image, FLUX.2")
+    assert format_layout(cfg, "diffusers").name == "diffusers"
+
+
+def _check_original_names(written: dict, cfg, fmt: str) -> None:
+    """Every module a kohya or ComfyUI file names is a tensor of the family's original
+    checkpoint (what ComfyUI matches a LoRA's keys against), with the adapter's shapes."""
+    from knapray.driver.lora_export import format_layout
+
+    shapes = format_layout(cfg, fmt).shapes
+    if fmt == "kohya":
+        by_flat = {"lora_unet_" + k.removesuffix(".weight").replace(".", "_"): v for k, v in shapes.items()}
+        modules = {k.rsplit(".", 2)[0] if k.endswith(".weight") else k.rsplit(".", 1)[0] for k in written}
+        for m in modules:
+            down, up = written[f"{m}.lora_down.weight"], written[f"{m}.lora_up.weight"]
+            assert (up.shape[0], down.shape[1]) == tuple(by_flat[m][:2]) and written[f"{m}.alpha"].dim() == 0
+    else:
+        for k, v in written.items():
+            assert k.startswith("diffusion_model.")
+            module = k.removeprefix("diffusion_model.").rsplit(".", 2)[0]
+            rows, cols = shapes[f"{module}.weight"][:2]
+            assert v.shape[1 if k.endswith("lora_A.weight") else 0] == (cols if k.endswith("lora_A.weight") else rows)
 
 
 def test_adapters_compile_and_checkpoint_as_eager():
@@ -245,3 +296,17 @@ def test_export_lora_names_the_steps_trained_and_writes_a_file_others_can_read(t
     assert json.loads(doc)["steps"] == 2
     assert stat.S_IMODE(os.stat(tmp_path / "out" / "pytorch_lora_weights.safetensors").st_mode) == 0o644
     assert stat.S_IMODE(os.stat(tmp_path / "out").st_mode) == 0o755
+    # kohya's and ComfyUI's formats: BFL's names, each file what the format's readers look for
+    from safetensors.torch import load_file
+
+    for fmt, file, key in (("kohya", "lora_kohya.safetensors", "lora_unet_double_blocks_0_img_attn_qkv.alpha"),
+                           ("comfyui", "lora_comfyui.safetensors",
+                            "diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight")):
+        assert main(["export", "--run", cfg.run_dir, "--out", str(tmp_path / fmt), "--lora", "--format", fmt]) == 0
+        text = capsys.readouterr().out
+        assert f"in {fmt}'s format" in text and f"weight_name='{file}'" in text, text
+        assert key in load_file(tmp_path / fmt / file)
+    # a format without --lora, and a format for a full model: one line each, exit 2
+    assert main(["export", "--run", cfg.run_dir, "--out", str(tmp_path / "x"), "--format", "kohya"]) == 2
+    err = capsys.readouterr().err
+    assert "--format kohya: a LoRA format; add --lora" in err and err.count("\n") == 1

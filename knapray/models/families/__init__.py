@@ -95,6 +95,11 @@ class Family:
     """A config -> the diffusers config.json it exports with."""
     lora_presets: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     """``model.lora.targets`` preset name -> regular expressions over module names."""
+    original_layout: str | None = None
+    """The layout (one of ``layouts``) whose tensor names the community's LoRA files follow
+    (kohya's ``lora_unet_*``, ComfyUI's ``diffusion_model.*``: BFL's for Flux.1 and FLUX.2,
+    the released diffusers names for Qwen-Image); None: ``export --lora`` writes diffusers'
+    format only."""
     not_sampled: str = ""
     """Why knapray cannot sample it yet ("": it can): ``knapray sample``, ``knapray serve``
     and validation samples refuse its runs in one line saying so (``check_samples``)."""
@@ -107,6 +112,8 @@ class Family:
             raise ValueError(f"family {self.name}: give sized_config or calibrate_as, one of them")
         if (self.diffusers_call is None) != (self.diffusers_class is None):
             raise ValueError(f"family {self.name}: a diffusers_class comes with its diffusers_call")
+        if self.original_layout is not None and self.original_layout not in self.layouts:
+            raise ValueError(f"family {self.name}: original_layout {self.original_layout!r} is not one of its layouts")
 
     @property
     def has_checkpoints(self) -> bool:
@@ -170,7 +177,7 @@ def _flux() -> Family:
         diffusers_class=flux.DIFFUSERS_CLASS, diffusers_call=flux.diffusers_call,
         layouts=("diffusers", "bfl"), layout=flux_keys.flux_layout,
         section_from_diffusers=flux.section_from_diffusers, to_diffusers=lambda cfg: cfg.to_diffusers(),
-        lora_presets=MMDIT_LORA,
+        lora_presets=MMDIT_LORA, original_layout="bfl",
     )
 
 
@@ -208,7 +215,7 @@ def _qwen_image() -> Family:
         not_sampled=("its pipeline's schedule (a dynamic shift to 0.9 at 8,192 image tokens, stretched to end at "
                      "0.02) and its norm-rescaled classifier-free guidance are not in knapray's sampler yet"),
         section_from_diffusers=qwen_image.section_from_diffusers, to_diffusers=lambda cfg: cfg.to_diffusers(),
-        lora_presets=MMDIT_LORA,
+        lora_presets=MMDIT_LORA, original_layout="diffusers",
     )
 
 
@@ -226,7 +233,7 @@ def _flux2() -> Family:
         not_sampled=("its pipeline's schedule (an empirical shift of the image tokens and the step count) and its "
                      "text encoder's 512 padded Mistral tokens are not in knapray's sampler yet"),
         section_from_diffusers=flux2.section_from_diffusers, to_diffusers=lambda cfg: cfg.to_diffusers(),
-        lora_presets=MMDIT_LORA,
+        lora_presets=MMDIT_LORA, original_layout="bfl",
     )
 
 
