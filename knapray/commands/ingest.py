@@ -71,6 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--batch-size", type=int_at_least(1), default=16, help="files per decode task / encode call")
     d = p.add_argument_group("data")
     d.add_argument("--caption-column", default="text", help="caption key in metadata.jsonl")
+    d.add_argument("--trigger", default="", help="a trigger word put before every caption ('WORD, caption'; "
+                   "recorded in schema.json). Files under a top-level folder named N_name are N samples each "
+                   "(kohya's repeats)")
     d.add_argument("--max-side", type=int_at_least(1), default=512, help="shrink frames to this longest side (px)")
     d.add_argument("--max-frames", type=int_at_least(1), default=16, help="frames kept per video")
     d.add_argument("--frame-stride", type=int_at_least(1), default=1, help="keep every n-th video frame")
@@ -127,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         max_side=args.max_side, max_frames=args.max_frames, frame_stride=args.frame_stride,
         max_text_tokens=_max_text_tokens(args, family), shards=args.shards, caption_column=args.caption_column,
         batch_size=args.batch_size, workers=args.workers, cpus_per_worker=args.cpus_per_worker,
-        text_dtype=args.text_dtype, follow_symlinks=args.follow_symlinks,
+        text_dtype=args.text_dtype, follow_symlinks=args.follow_symlinks, trigger=args.trigger,
     )
     spec = EncoderSpec(
         vae=args.vae, text_encoder=args.text_encoder, text_tokenizer=args.text_tokenizer,

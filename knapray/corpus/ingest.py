@@ -5,6 +5,11 @@ cropped to multiples of downsample x patch, encoded by a latent encoder (a diffu
 VAE, or the weightless stand-in), and its caption (metadata.jsonl, else a sidecar
 ``<name>.txt``, else empty) by a text encoder (T5/CLIP, or the stand-in).
 
+Two conventions of LoRA datasets (kohya's): ``trigger`` is prepended to every caption
+("trigger, caption"), and a file under a top-level folder named ``<N>_<name>`` is N samples
+(its row written N times under N sample ids: each copy is seen once an epoch, as every
+sample); both recorded in schema.json (``captions.trigger``, ``repeats``).
+
 Two ways to run the same stages (:mod:`knapray.corpus.stages`): in this process
 (``workers=0``: small jobs, tests), or as a Ray Data pipeline whose decoding runs as CPU
 tasks and whose encoding runs in a pool of ``workers`` actors, each holding its own
@@ -14,6 +19,7 @@ the same order: the driver writes the shards either way.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import warnings
@@ -36,11 +42,13 @@ from knapray.corpus.media import (
     VIDEO_DECODERS,
     VIDEO_EXTS,
     fit_frames,
+    folder_repeats,
     list_media,
     media_items,
     pil_image,
     sample_id_for,
     video_decoder,
+    with_trigger,
 )
 from knapray.corpus.schema import CORPUS_SCHEMA, PATCH, TEXT_DTYPES
 from knapray.corpus.stages import (
@@ -94,6 +102,8 @@ class IngestConfig:
     follow_symlinks: bool = False
     """Read files that are symbolic links, wherever they point (default: only regular files
     whose real path lies inside the input folder)."""
+    trigger: str = ""
+    """A word (or words) put before every caption, "trigger, caption" (a LoRA's trigger word)."""
 
     def __post_init__(self) -> None:
         for name in ("max_side", "max_frames", "frame_stride", "shards", "batch_size"):
@@ -109,6 +119,9 @@ class IngestConfig:
             raise ValueError(f"text_dtype must be one of {TEXT_DTYPES}, got {self.text_dtype!r}")
         if not self.caption_column:
             raise ValueError("caption_column must be a non-empty metadata.jsonl key")
+        if self.trigger != self.trigger.strip() or any(c in self.trigger for c in "\n\r\t") or len(self.trigger) > 200:
+            raise ValueError(f"trigger must be one line of at most 200 characters without surrounding spaces, got "
+                             f"{self.trigger[:40]!r}")
 
 
 @dataclass(slots=True)
@@ -121,6 +134,27 @@ class IngestReport:
     """The corpus's schema.json."""
     seconds: float = 0.0
     """Wall time of decoding + encoding + writing (Ray start-up included)."""
+
+
+def _repeated(table: pa.Table, repeats: dict[str, int]) -> pa.Table:
+    """``table``'s rows, each followed by its copies when its file repeats (``folder_repeats``):
+    copy k of ``source`` under the sample id of ``source#k``."""
+    counts = [repeats.get(src, 1) for src in table.column("source").to_pylist()]
+    if all(n == 1 for n in counts):
+        return table
+    rows, ids = [], []
+    for i, (n, src, sid) in enumerate(zip(counts, table.column("source").to_pylist(),
+                                          table.column("sample_id").to_pylist())):
+        rows += [i] * n
+        ids += [sid] + [sample_id_for(f"{src}#{k}") for k in range(1, n)]
+    out = table.take(pa.array(rows, type=pa.int64()))
+    at = out.schema.get_field_index("sample_id")
+    return out.set_column(at, out.schema.field(at), pa.array(ids, type=out.schema.field(at).type))
+
+
+def _repeated_folders(repeats: dict[str, int]) -> dict[str, int]:
+    """{top-level folder: repeats} of the folders whose files repeat."""
+    return dict(sorted({src.partition("/")[0]: n for src, n in repeats.items() if n > 1}.items()))
 
 
 def _gpu_count() -> float:
@@ -254,6 +288,8 @@ def ingest(
     items = [item for item in items if not item.skip]
     if not items:
         raise ValueError(f"every file under {root} was skipped: {dict(skipped)}, e.g. {next(iter(examples.values()))}")
+    repeats = {item.source: folder_repeats(item.source) for item in items}  # before any file is read
+    items = [dataclasses.replace(item, caption=with_trigger(item.caption, cfg.trigger)) for item in items]
     pil_image()
     spec.check()
     family = spec.family
@@ -300,7 +336,7 @@ def ingest(
             if reason:
                 skipped[reason] += 1
                 examples.setdefault(reason, root / source)
-        kept = table.filter(pc.equal(table.column("skip"), "")).drop_columns(["skip"])
+        kept = _repeated(table.filter(pc.equal(table.column("skip"), "")).drop_columns(["skip"]), repeats)
         for sid, source in zip(kept.column("sample_id").to_pylist(), kept.column("source").to_pylist()):
             if sid in seen:
                 raise ValueError(f"sample id collision between {seen[sid]!r} and {source!r}")
@@ -349,7 +385,9 @@ def ingest(
             "encoder": info.latent_record["class"],
             "text_encoder": info.text_record["class"],
             "encoders": {"latent": info.latent_record, "text": info.text_record},
-            "captions": {"column": cfg.caption_column, **dict(captions)},
+            "captions": {"column": cfg.caption_column, **dict(captions), **({"trigger": cfg.trigger} if cfg.trigger
+                                                                               else {})},
+            **({"repeats": _repeated_folders(repeats)} if any(n > 1 for n in repeats.values()) else {}),
             UNCONDITIONAL_KEY: unconditional,
             "video_decoder": decoder,
             **({"family": family.family} if family is not None else {}),

@@ -12,6 +12,7 @@ import hashlib
 import importlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -236,6 +237,31 @@ def fit_frames(frames: list[np.ndarray], multiple: int, max_side: int) -> np.nda
             fr = np.asarray(image.fromarray(fr).resize((nw, nh), image.Resampling.BICUBIC))
         out[i] = fr[top : top + ch, left : left + cw]
     return out
+
+
+MAX_REPEATS = 1000
+"""The most times a folder's files may repeat (``folder_repeats``)."""
+
+
+def folder_repeats(source: str) -> int:
+    """How many samples a file is (kohya's convention): N for a file under a top-level folder
+    named ``<N>_<name>`` (``10_mychar/a.png``), else 1. ValueError (one line) naming the folder
+    for N out of [1, ``MAX_REPEATS``]."""
+    top, sep, _ = source.partition("/")
+    match = re.fullmatch(r"(\d+)_(.+)", top) if sep else None
+    if match is None:
+        return 1
+    n = int(match.group(1))
+    if not 1 <= n <= MAX_REPEATS:
+        raise ValueError(f"folder {top!r}: {n} repeats (its name's <N>_ prefix); valid: 1 to {MAX_REPEATS}")
+    return n
+
+
+def with_trigger(caption: str, trigger: str) -> str:
+    """``trigger`` before ``caption`` ("trigger, caption"; the trigger alone for an empty one)."""
+    if not trigger:
+        return caption
+    return f"{trigger}, {caption}" if caption.strip() else trigger
 
 
 def sample_id_for(relpath: str) -> int:

@@ -450,6 +450,32 @@ def test_metadata_jsonl_captions_win_over_sidecars(tmp_path: Path) -> None:
     assert doc["encoders"]["text"] == {"class": "HashTextEncoder", "dim": 64, "pooled_dim": 32}
 
 
+def test_a_trigger_word_and_folder_repeats_as_kohya_reads_them(tmp_path: Path) -> None:
+    """``--trigger sks``: every caption starts "sks, " (an empty one is "sks"); a top-level
+    folder named ``3_sub``: each of its files is 3 rows under 3 sample ids, the same payload;
+    both recorded in schema.json. A folder of 0 repeats is refused, naming it."""
+    root = _captioned(tmp_path / "in")
+    (root / "sub").rename(root / "3_sub")
+    cfg = ingest_mod.IngestConfig(caption_column="caption", trigger="sks")
+    with pytest.warns(UserWarning, match="name no media file"):
+        report = ingest_mod.ingest(root, tmp_path / "c", cfg, progress=False)
+    rows = read_corpus(tmp_path / "c").to_pylist()
+    assert report.written == len(rows) == 3 + 2 * 3 and len({r["sample_id"] for r in rows}) == 9
+    sources = [r["source"] for r in rows]
+    assert {s: sources.count(s) for s in sources} == {"a.png": 1, "b.png": 1, "c.png": 1, "3_sub/d.png": 3,
+                                                      "3_sub/e.png": 3}
+    # HashTextEncoder: a token per word and per comma: "sks, " two more, "sks" alone one
+    assert {r["source"]: r["text_tokens"] for r in rows} == {"a.png": 5, "b.png": 1, "c.png": 4, "3_sub/d.png": 3,
+                                                             "3_sub/e.png": 1}
+    copies = [r for r in rows if r["source"] == "3_sub/d.png"]
+    assert all(c["latent"] == copies[0]["latent"] and c["text"] == copies[0]["text"] for c in copies)
+    doc = read_schema_json(tmp_path / "c")
+    assert doc["captions"]["trigger"] == "sks" and doc["repeats"] == {"3_sub": 3}
+    (root / "3_sub").rename(root / "0_sub")
+    with pytest.raises(ValueError, match=r"^folder '0_sub': 0 repeats \(its name's <N>_ prefix\); valid: 1 to 1000$"):
+        ingest_mod.ingest(root, tmp_path / "d", cfg, progress=False)
+
+
 @pytest.mark.parametrize(
     ("line", "match"),
     [
