@@ -222,6 +222,9 @@ RULES = (
          "tests/unit/test_simulate.py and tests/unit/test_pertopo.py check their rows"),
     Rule(r"^knapray parity ", "parse", "spawns 4 gloo processes (~20 s each); tests/dist/test_parity.py runs these cases"),
     Rule(r"^knapray memory --config jobs/configs/flux_dev_lora\.yaml", "run"),
+    Rule(r"^knapray export --run runs/NAME --out lora-(kohya|comfy)/ --lora --format", "parse", "a placeholder run "
+         "directory; tests/unit/test_lora_unit.py exports a LoRA run's adapters in both formats and diffusers' "
+         "converters read them back"),
     Rule(r"^knapray export --run runs/NAME --out lora/ --lora", "parse", "a placeholder run directory; "
          "tests/dist/test_lora.py exports a LoRA run it trained and loads it into a FluxPipeline"),
     Rule(r"^knapray calibrate ", "parse", "times the model's blocks for minutes (or on CUDA); tests/unit/test_calibrate.py "
