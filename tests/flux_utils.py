@@ -96,3 +96,40 @@ def save_headers(out: Path, cls, config: dict) -> Path:
         f.truncate(8 + len(blob) + offset)
     assert os.stat(path).st_blocks * 512 < 1 << 24, "the file system wrote the hole: no sparse files here"
     return out
+
+
+def save_tiny_qwen_encoders(root: Path, text_dim: int = 32, channels: int = 4) -> dict[str, Path]:
+    """Qwen-Image's other models, tiny and random, saved as its pipeline folder holds them:
+    ``text_encoder/`` (a Qwen2.5-VL with its tokenizer: a byte-level BPE trained here, with
+    the chat template's special tokens) and ``vae/`` (an AutoencoderKLQwenImage of
+    ``channels`` latent channels with per-channel mean and std)."""
+    import torch
+    from diffusers import AutoencoderKLQwenImage
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2TokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(["a red bicycle on a street at night", "Describe the image by detailing the color"],
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>",
+                                                                                 "<|im_end|>"],
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = Qwen2TokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                   unk_token=None, bos_token=None)
+    torch.manual_seed(0)
+    config = Qwen2_5_VLConfig(
+        text_config={"vocab_size": len(tokenizer), "hidden_size": text_dim, "intermediate_size": 2 * text_dim,
+                     "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+                     "max_position_embeddings": 2048, "bos_token_id": None, "eos_token_id": 0,
+                     "rope_scaling": {"type": "mrope", "mrope_section": [2, 2, 4]}},
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
+                       "out_hidden_size": text_dim, "fullatt_block_indexes": [0]})
+    text = root / "text_encoder"
+    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(text)
+    tokenizer.save_pretrained(text)
+    vae = root / "vae"
+    AutoencoderKLQwenImage(base_dim=8, z_dim=channels, dim_mult=[1, 2, 4, 4], num_res_blocks=1, attn_scales=[],
+                           temperal_downsample=[False, True, True], latents_mean=[0.1, -0.2, 0.3, 0.0][:channels],
+                           latents_std=[1.5, 2.0, 0.5, 1.0][:channels]).save_pretrained(vae)
+    return {"text_encoder": text, "vae": vae}

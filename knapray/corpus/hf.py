@@ -33,9 +33,12 @@ from typing import Any
 import numpy as np
 
 IMAGE_VAES = ("AutoencoderKL",)
-VIDEO_VAES = ("AutoencoderKLWan", "AutoencoderKLHunyuanVideo")
+VIDEO_VAES = ("AutoencoderKLWan", "AutoencoderKLHunyuanVideo", "AutoencoderKLQwenImage")
 T5_TYPES = {"t5": "T5EncoderModel", "mt5": "MT5EncoderModel", "umt5": "UMT5EncoderModel"}
 CLIP_TYPE = "clip_text_model"
+LM_TYPES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+"""Causal language models whose last hidden states are a pipeline's text (Qwen-Image's
+Qwen2.5-VL), read through the family's prompt template (``PromptFormat``)."""
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "spiece.model", "vocab.json")
@@ -156,7 +159,7 @@ def vae_info(path: str | Path, flag: str = "--vae") -> VAEInfo:
             channels = cfg["latent_channels"]
             downsample = 2 ** (len(cfg["block_out_channels"]) - 1)
             temporal = 1
-        elif cls == "AutoencoderKLWan":
+        elif cls in ("AutoencoderKLWan", "AutoencoderKLQwenImage"):  # Qwen-Image's is Wan 2.1's, an image a 1-frame clip
             channels = cfg["z_dim"]
             downsample = 2 ** (len(cfg["dim_mult"]) - 1) * (cfg.get("patch_size") or 1)
             temporal = 2 ** sum(bool(t) for t in cfg["temperal_downsample"])
@@ -320,7 +323,7 @@ class TextModelInfo:
     cls: str
     """transformers class that loads it (T5EncoderModel, CLIPTextModel, ...)."""
     kind: str
-    """'t5' or 'clip'."""
+    """'t5', 'clip' or 'lm' (a causal language model: ``LM_TYPES``)."""
     dim: int
     """Token embedding width."""
     pooled_dim: int
@@ -334,6 +337,7 @@ class TextModelInfo:
         pooled = {
             "t5": "mean of the kept token embeddings",
             "clip": "text_embeds (projection)" if self.cls == "CLIPTextModelWithProjection" else "pooler_output",
+            "lm": "none",
         }[self.kind]
         return {
             "path": self.path, "tokenizer": self.tokenizer, "class": self.cls,
@@ -353,6 +357,10 @@ def text_model_info(path: str | Path, tokenizer: str | Path | None = None, flag:
             cls, kind = T5_TYPES[model_type], "t5"
             dim = pooled = cfg["d_model"]
             max_positions = None
+        elif model_type in LM_TYPES:
+            cls, kind = LM_TYPES[model_type], "lm"
+            dim = pooled = (cfg.get("text_config") or cfg)["hidden_size"]
+            max_positions = None
         elif model_type == CLIP_TYPE:
             projected = "CLIPTextModelWithProjection" in (cfg.get("architectures") or [])
             cls = "CLIPTextModelWithProjection" if projected else "CLIPTextModel"
@@ -362,7 +370,8 @@ def text_model_info(path: str | Path, tokenizer: str | Path | None = None, flag:
         else:
             raise ValueError(
                 f"{flag} {path}: model_type {model_type!r} is not a supported text encoder; supported: "
-                f"{sorted(T5_TYPES)} (T5EncoderModel) and {CLIP_TYPE!r} (CLIPTextModel[WithProjection])"
+                f"{sorted(T5_TYPES)} (T5EncoderModel), {CLIP_TYPE!r} (CLIPTextModel[WithProjection]) and "
+                f"{sorted(LM_TYPES)} (Qwen-Image's text encoder)"
             )
     except KeyError as e:
         raise ValueError(f"{flag} {path}: {model_type} config lacks {e.args[0]!r}") from None
@@ -416,19 +425,27 @@ class HFTextModel:
         caps = [self.info.max_positions, self.tokenizer.model_max_length, max_tokens]
         return int(min((c for c in caps if c is not None and c < 1_000_000), default=1_000_000))
 
-    def run(self, captions: list[str], max_tokens: int | None) -> tuple[list[np.ndarray], np.ndarray | None]:
+    def run(self, captions: list[str], max_tokens: int | None, drop: int = 0
+            ) -> tuple[list[np.ndarray], np.ndarray | None]:
         """Per caption: its real tokens' embeddings (n_i, dim) (padding dropped; special
-        tokens such as T5's </s> and CLIP's start/end kept), and for CLIP the pooled
-        vectors (B, pooled_dim)."""
+        tokens such as T5's </s> and CLIP's start/end kept; the first ``drop``, a prompt
+        template's, left out: ``max_tokens`` counts the rest), and for CLIP the pooled
+        vectors (B, pooled_dim). A language model's are its last hidden states."""
         torch = _import("torch")
         batch = self.tokenizer(
-            captions, padding=True, truncation=True, max_length=self.limit(max_tokens), return_tensors="pt"
+            captions, padding=True, truncation=True, max_length=self.limit(max_tokens) + drop, return_tensors="pt"
         ).to(self.device)
         with torch.inference_mode():
-            out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-        hidden = out.last_hidden_state.float().cpu().numpy()  # (B, L, dim)
+            if self.info.kind == "lm":
+                out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                 output_hidden_states=True)
+                last = out.hidden_states[-1]
+            else:
+                out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+                last = out.last_hidden_state
+        hidden = last.float().cpu().numpy()  # (B, L, dim)
         counts = batch["attention_mask"].sum(dim=1).tolist()
-        tokens = [np.ascontiguousarray(h[:n]) for h, n in zip(hidden, counts)]
+        tokens = [np.ascontiguousarray(h[drop:max(n, drop)]) for h, n in zip(hidden, counts)]
         if self.info.kind != "clip":
             return tokens, None
         pooled = out.text_embeds if self.info.cls == "CLIPTextModelWithProjection" else out.pooler_output
@@ -447,6 +464,8 @@ class HFTextEncoder:
     ``pooled_vector=False`` (Wan: umT5 alone): no pooled vector, ``pooled_dim`` 0, each
     caption's ``pooled`` an empty array. ``wan_prompts``: captions cleaned as
     ``WanPipeline`` cleans prompts (:func:`wan_prompt_clean`) before tokenizing.
+    ``prompt``: the pipeline's template around every caption and the tokens of it dropped
+    from the front (Qwen-Image's): every caption, the empty one too, goes through the model.
     """
 
     def __init__(
@@ -461,6 +480,7 @@ class HFTextEncoder:
         batch_size: int = 32,
         pooled_vector: bool = True,
         wan_prompts: bool = False,
+        prompt: PromptFormat | None = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -468,7 +488,11 @@ class HFTextEncoder:
             raise ValueError(f"--pooled-encoder {pooled}: given for a corpus without a pooled vector (Wan)")
         self.text_info, self.pooled_info = text_encoder_infos(text, text_tokenizer, pooled, pooled_tokenizer)
         self.dtype, self.batch_size = dtype, batch_size
-        self.pooled_vector, self.wan_prompts = pooled_vector, wan_prompts
+        self.pooled_vector, self.wan_prompts, self.prompt = pooled_vector, wan_prompts, prompt
+        if (self.text_info.kind == "lm") != (prompt is not None):
+            raise ValueError(f"--text-encoder {text}: {self.text_info.cls} " + (
+                "is read through its pipeline's prompt template: give the family it is for (--family qwen_image)"
+                if prompt is None else "takes no prompt template (a language model's pipeline has one)"))
         self.text = HFTextModel(self.text_info, device, dtype)
         self.pooled_model = HFTextModel(self.pooled_info, device, dtype) if self.pooled_info else None
         self.dim = self.text_info.dim
@@ -476,7 +500,7 @@ class HFTextEncoder:
 
     def describe(self) -> dict[str, Any]:
         return text_encoder_record(self.text_info, self.pooled_info, self.dtype, pooled_vector=self.pooled_vector,
-                                   wan_prompts=self.wan_prompts)
+                                   wan_prompts=self.wan_prompts, prompt=self.prompt)
 
     def encode(self, caption: str, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
         return self.encode_many([caption], max_tokens)[0]
@@ -491,9 +515,11 @@ class HFTextEncoder:
         if self.wan_prompts:
             captions = [wan_prompt_clean(c) for c in captions]
         texts = [np.zeros((0, self.dim), np.float32) for _ in captions]
-        real = [i for i, c in enumerate(captions) if c.strip()] if max_tokens > 0 else []
+        real = [i for i, c in enumerate(captions) if c.strip() or self.prompt] if max_tokens > 0 else []
         if real:
-            tokens, _ = self.text.run([captions[i] for i in real], max_tokens)
+            fmt = (lambda c: self.prompt.template.format(c)) if self.prompt else (lambda c: c)
+            tokens, _ = self.text.run([fmt(captions[i]) for i in real], max_tokens,
+                                      self.prompt.drop if self.prompt else 0)
             for i, t in zip(real, tokens):
                 texts[i] = t
         if not self.pooled_vector:
@@ -519,7 +545,8 @@ def text_encoder_infos(
 
 
 def text_encoder_record(text: TextModelInfo, pooled: TextModelInfo | None, dtype: str, *,
-                        pooled_vector: bool = True, wan_prompts: bool = False) -> dict[str, Any]:
+                        pooled_vector: bool = True, wan_prompts: bool = False,
+                        prompt: PromptFormat | None = None) -> dict[str, Any]:
     return {
         "class": "HFTextEncoder",
         "dtype": dtype,
@@ -528,7 +555,22 @@ def text_encoder_record(text: TextModelInfo, pooled: TextModelInfo | None, dtype
         "dim": text.dim,
         "pooled_dim": (pooled or text).pooled_dim if pooled_vector else 0,
         **({"prompt_clean": "WanPipeline's prompt_clean"} if wan_prompts else {}),
+        **({"prompt_template": prompt.template, "prompt_drop": prompt.drop} if prompt else {}),
     }
+
+
+@dataclass(frozen=True, slots=True)
+class PromptFormat:
+    """How a pipeline wraps a caption for a language-model text encoder: ``template`` with
+    ``{}`` where the caption goes, and ``drop``, the tokens left out of the front of the
+    hidden states (the template's head: the pipeline's ``prompt_template_encode_start_idx``)."""
+
+    template: str
+    drop: int
+
+    def __post_init__(self) -> None:
+        if self.template.count("{}") != 1 or self.drop < 0:
+            raise ValueError(f"a prompt template has one '{{}}' and drop >= 0, got {self.template!r}, {self.drop}")
 
 
 def wan_prompt_clean(text: str) -> str:

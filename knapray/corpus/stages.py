@@ -98,6 +98,9 @@ class FamilyEncoding:
     through them): what sampling holds on rank 0 (``knapray.planning.inference.sampling_memory``)."""
     vae: ArchSpec | None = None
     """The pipeline's pretrained VAE, in the dtype the pipeline decodes with."""
+    prompt: hf.PromptFormat | None = None
+    """The pipeline's template around a caption for its language-model text encoder, and the
+    template tokens dropped from the front (Qwen-Image's); None: captions as they are."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -211,6 +214,7 @@ class EncoderSpec:
                 self.text_encoder, text_tokenizer=self.text_tokenizer, pooled=self.pooled_encoder,
                 pooled_tokenizer=self.pooled_tokenizer, device=device, dtype=dtype,
                 batch_size=self.text_batch, pooled_vector=self.pooled_vector, wan_prompts=self.clean_prompts,
+                prompt=self.family.prompt if self.family is not None else None,
             )
         elif self.text_encoder_factory:
             text = load_factory(self.text_encoder_factory)()
@@ -234,7 +238,8 @@ class EncoderSpec:
             t, p = hf.text_encoder_infos(self.text_encoder, self.text_tokenizer, self.pooled_encoder,
                                          self.pooled_tokenizer)
             text_record = hf.text_encoder_record(t, p, self.dtype, pooled_vector=self.pooled_vector,
-                                                 wan_prompts=self.clean_prompts)
+                                                 wan_prompts=self.clean_prompts,
+                                                 prompt=self.family.prompt if self.family is not None else None)
             dim, pooled_dim = text_record["dim"], text_record["pooled_dim"]
         else:
             made = (load_factory(self.text_encoder_factory)() if self.text_encoder_factory else

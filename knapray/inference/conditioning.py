@@ -41,15 +41,17 @@ def corpus_text_encoder(corpus: str, device: str = "cpu") -> Any:
         return HashTextEncoder(dim=int(text_rec["dim"]), pooled_dim=int(text_rec["pooled_dim"]))
     if text_rec.get("class") != "HFTextEncoder":
         return None
-    from knapray.corpus.hf import HFTextEncoder
+    from knapray.corpus.hf import HFTextEncoder, PromptFormat
 
     t, p = text_rec["text"], text_rec["pooled"]
+    prompt = (PromptFormat(str(text_rec["prompt_template"]), int(text_rec["prompt_drop"]))
+              if "prompt_template" in text_rec else None)
     separate = p is not None and p["path"] != t["path"]
     # Wan's record: no pooled vector (pooled_dim 0), captions cleaned as WanPipeline cleans them
     return HFTextEncoder(t["path"], text_tokenizer=t["tokenizer"], pooled=p["path"] if separate else None,
                          pooled_tokenizer=p["tokenizer"] if separate else None, device=device,
                          dtype=_half_on_gpu(device), pooled_vector=int(text_rec.get("pooled_dim", 1)) > 0,
-                         wan_prompts="prompt_clean" in text_rec)
+                         wan_prompts="prompt_clean" in text_rec, prompt=prompt)
 
 
 def corpus_decoder(corpus: str, device: str = "cpu") -> Any:

@@ -1,5 +1,6 @@
-"""Qwen-Image from its checkpoint: a tiny diffusers model (``save_pretrained``) fine-tuned by
-knapray on 2 gloo ranks with sequences split over a bag of two and whole on either rank
+"""Qwen-Image from its checkpoint: pictures ingested with its own (tiny) Qwen2.5-VL and VAE
+(``knapray ingest --family qwen_image``), a tiny diffusers model (``save_pretrained``) fine-tuned by
+knapray on them on 2 gloo ranks with sequences split over a bag of two and whole on either rank
 (``model.pretrained``, balanced, FSDP full), exported with ``knapray export``, loaded back by
 diffusers, and the exported folder exact against diffusers' own math (``knapray reference``);
 ``knapray sample`` on the run refuses in one line (not supported yet)."""
@@ -24,7 +25,7 @@ def _save(path: Path) -> Path:
 
     torch.manual_seed(11)
     QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
-                                num_attention_heads=2, joint_attention_dim=16, axes_dims_rope=(4, 6, 6)
+                                num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6)
                                 ).save_pretrained(path)
     return path
 
@@ -48,14 +49,24 @@ def _finetune(rank: int, world: int, corpus: str, runs: str, pretrained: str) ->
 def test_finetuned_from_its_checkpoint_exported_and_loaded_by_diffusers(tmp_path: Path, capsys) -> None:
     from diffusers import QwenImageTransformer2DModel
 
+    import numpy as np
+    from flux_utils import save_tiny_qwen_encoders
+    from PIL import Image
+
     from knapray.cli import main
-    from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
     from knapray.testing.reference import run_reference
 
     pretrained = _save(tmp_path / "transformer")
-    corpus = tmp_path / "corpus"
-    build_synthetic(SyntheticConfig(mix="g1b2i256f1s0,g1b1i512f1s0", steps=4, scale=4, channels=4, text_dim=16,
-                                    pooled_dim=0, shards=2, seed=3), corpus, progress=False)
+    encoders = save_tiny_qwen_encoders(tmp_path / "pipeline")
+    media, corpus = tmp_path / "pictures", tmp_path / "corpus"
+    media.mkdir()
+    rng = np.random.default_rng(3)
+    for i, (h, w) in enumerate([(64, 64), (64, 128), (128, 64), (96, 96)] * 2):
+        Image.fromarray(rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8)).save(media / f"{i}.png")
+        (media / f"{i}.txt").write_text(f"picture number {i} of a red bicycle")
+    assert main(["ingest", "--input", str(media), "--out", str(corpus), "--family", "qwen_image", "--vae",
+                 str(encoders["vae"]), "--text-encoder", str(encoders["text_encoder"]), "--shards", "2",
+                 "--quiet"]) == 0
     losses = run_distributed(_finetune, 2, str(corpus), str(tmp_path / "runs"), str(pretrained), timeout_s=300)
     assert losses[0] == losses[1] and len(losses[0]) == 4  # every rank saw the same summed losses
     assert losses[0][-1] < losses[0][0], losses[0]

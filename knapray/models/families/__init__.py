@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from knapray.corpus.hf import PromptFormat
 from knapray.corpus.stages import FamilyEncoding
 from knapray.models.config import DiTConfig, MMDiTConfig
 from knapray.models.families.layout import Layout
@@ -207,8 +208,8 @@ def _qwen_image() -> Family:
         name="qwen_image", title="Qwen-Image", config_cls=qwen_image.QwenImageConfig,
         model_cls=qwen_image.QwenImageTransformer, condition_fields=qwen_image.condition_fields,
         exact_against="diffusers 0.42 QwenImageTransformer2DModel (fp32, 1e-5 relative, outputs and gradients)",
-        encoders=FamilyEncoding(family="qwen_image", model="Qwen-Image", pooled=False,
-                                pipeline="QwenImagePipeline"), video=False,
+        encoders=FamilyEncoding(family="qwen_image", model="Qwen-Image", pooled=False, pipeline="QwenImagePipeline",
+                                prompt=PromptFormat(qwen_image.PROMPT_TEMPLATE, qwen_image.PROMPT_DROP)), video=False,
         sample_shift=lambda cfg: None, sized_config=qwen_image.sized_config, small_config=qwen_image.small_config,
         diffusers_class=qwen_image.DIFFUSERS_CLASS, diffusers_call=qwen_image.diffusers_call,
         reference_needs_text=True, layouts=("diffusers",), layout=qwen_keys.qwen_image_layout,

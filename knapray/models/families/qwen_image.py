@@ -46,6 +46,13 @@ PATCH = (1, 2, 2)
 """Qwen-Image packs 2x2 latent patches into one token (``QwenImagePipeline._pack_latents``)."""
 THETA = 10000.0
 """``QwenEmbedRope(theta=10000)``: fixed in diffusers."""
+PROMPT_TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, "
+                   "text, spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}"
+                   "<|im_end|>\n<|im_start|>assistant\n")
+"""``QwenImagePipeline.prompt_template_encode``: the chat turn Qwen2.5-VL reads a caption in."""
+PROMPT_DROP = 34
+"""``QwenImagePipeline.prompt_template_encode_start_idx``: the template's tokens before the
+caption, left out of the text features."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
