@@ -120,27 +120,26 @@ class DoubleStreamBlock(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionFn,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.modulated(h_txt, h_img, self.txt.mod(vec_seq, seq_txt), self.img.mod(vec_seq, seq_img), streams,
-                              rope, attn)
+        mods_txt, mods_img = self.txt.mod(vec_seq, seq_txt), self.img.mod(vec_seq, seq_img)  # 6 x (Nt | Ni, d)
+        q, k, v = self.joint_qkv(h_txt, h_img, mods_txt, mods_img, streams, rope)
+        out = attn(q, k, v)  # in forward itself: compiled blocks break their graph here, and resume in this frame
+        return self.joint_out(h_txt, h_img, out, mods_txt, mods_img, streams)
 
-    def modulated(
-        self,
-        h_txt: torch.Tensor,
-        h_img: torch.Tensor,
-        mods_txt: tuple[torch.Tensor, ...],
-        mods_img: tuple[torch.Tensor, ...],
-        streams: TokenStreams,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        attn: AttentionFn,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block given each stream's 6 modulation tensors per token, (Nt, d) and (Ni, d)."""
+    def joint_qkv(self, h_txt: torch.Tensor, h_img: torch.Tensor, mods_txt: tuple[torch.Tensor, ...],
+                  mods_img: tuple[torch.Tensor, ...], streams: TokenStreams, rope: tuple[torch.Tensor, torch.Tensor]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v (N, H, D) of both streams in packed order, after QK-norm and RoPE, given each
+        stream's 6 modulation tensors per token."""
         q_t, k_t, v_t = self.txt.attn_inputs(h_txt, mods_txt[0], mods_txt[1])
         q_i, k_i, v_i = self.img.attn_inputs(h_img, mods_img[0], mods_img[1])
         q, k, v = streams.merge(q_t, q_i), streams.merge(k_t, k_i), streams.merge(v_t, v_i)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        n, n_heads, head_dim = q.shape
-        out = attn(q, k, v).reshape(n, n_heads * head_dim)  # (N, H, D) -> (N, H*D)
-        out_t, out_i = streams.split(out)
+        return apply_rope(q, *rope), apply_rope(k, *rope), v
+
+    def joint_out(self, h_txt: torch.Tensor, h_img: torch.Tensor, out: torch.Tensor, mods_txt: tuple[torch.Tensor, ...],
+                  mods_img: tuple[torch.Tensor, ...], streams: TokenStreams) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each stream's projection and MLP after the joint attention's output ``out`` (N, H, D)."""
+        n, n_heads, head_dim = out.shape
+        out_t, out_i = streams.split(out.reshape(n, n_heads * head_dim))  # (N, H, D) -> (N, H*D)
         return self.txt.finish(h_txt, out_t, mods_txt), self.img.finish(h_img, out_i, mods_img)
 
 
@@ -169,20 +168,26 @@ class SingleStreamBlock(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionFn,
     ) -> torch.Tensor:
-        return self.modulated(h, self.mod(vec_seq, seq_index), rope, attn)
+        q, k, v, mlp_in, gate = self.attn_inputs(h, self.mod(vec_seq, seq_index), rope)
+        out = attn(q, k, v)  # in forward itself: compiled blocks break their graph here, and resume in this frame
+        return self.attn_out(h, out, mlp_in, gate)
 
-    def modulated(self, h: torch.Tensor, mods: tuple[torch.Tensor, ...], rope: tuple[torch.Tensor, torch.Tensor],
-                  attn: AttentionFn) -> torch.Tensor:
-        """The block given its shift, scale and gate per token, each (N, d)."""
+    def attn_inputs(self, h: torch.Tensor, mods: tuple[torch.Tensor, ...], rope: tuple[torch.Tensor, torch.Tensor]
+                    ) -> tuple[torch.Tensor, ...]:
+        """q, k, v (N, H, D) after QK-norm and RoPE, the MLP's columns of ``linear1`` and the
+        gate, given the block's shift, scale and gate per token (each (N, d))."""
         n, d = h.shape
         shift, scale, gate = mods
         qkv, mlp_in = self.linear1(modulate(self.norm(h), shift, scale)).split(
             [3 * d, self.linear1.out_features - 3 * d], dim=-1)
         # (N, 3*d) -> (N, 3, H, D) -> 3 x (N, H, D)
         q, k, v = qkv.reshape(n, 3, self.num_heads, self.head_dim).unbind(dim=1)
-        q, k = apply_rope(self.q_norm(q), *rope), apply_rope(self.k_norm(k), *rope)
-        out = attn(q, k, v).reshape(n, d)  # (N, H, D) -> (N, d)
-        return h + gate * self.linear2(torch.cat((out, self.activate(mlp_in)), dim=-1))
+        return apply_rope(self.q_norm(q), *rope), apply_rope(self.k_norm(k), *rope), v, mlp_in, gate
+
+    def attn_out(self, h: torch.Tensor, out: torch.Tensor, mlp_in: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """The residual update from the attention's output (N, H, D) and the MLP."""
+        n, d = h.shape
+        return h + gate * self.linear2(torch.cat((out.reshape(n, d), self.activate(mlp_in)), dim=-1))
 
     def activate(self, mlp_in: torch.Tensor) -> torch.Tensor:
         """The MLP's activation of ``linear1``'s MLP columns: GELU (tanh)."""

@@ -227,7 +227,7 @@ class MMDiT(nn.Module):
             # Kept split across all double blocks; only q, k, v are merged for attention.
             h_txt, h_img = streams.split(h)
             seq_txt, seq_img = streams.split(seq_index)
-            inputs = self.double_inputs(vec_seq, seq_txt, seq_img)
+            inputs = self.double_inputs(vec_seq, seq_txt, seq_img, h.dtype)
             for i, block in enumerate(self.double_blocks):
                 h_txt, h_img = block(h_txt, h_img, *inputs, streams, rope, attn)
                 if i == 0 and cache is not None:
@@ -235,7 +235,7 @@ class MMDiT(nn.Module):
                     if cache.reuse(h_in, h_0):
                         return cache.apply(h_0)
             h = streams.merge(h_txt, h_img)
-        inputs = self.single_inputs(vec_seq, seq_index) if len(self.single_blocks) else ()
+        inputs = self.single_inputs(vec_seq, seq_index, h.dtype) if len(self.single_blocks) else ()
         for i, block in enumerate(self.single_blocks):
             h = block(h, *inputs, rope, attn)
             if i == 0 and cache is not None and h_0 is None:
@@ -246,12 +246,15 @@ class MMDiT(nn.Module):
             cache.store(h_0, h)
         return h
 
-    def double_inputs(self, vec_seq: torch.Tensor, seq_txt: torch.Tensor, seq_img: torch.Tensor) -> tuple:
+    def double_inputs(self, vec_seq: torch.Tensor, seq_txt: torch.Tensor, seq_img: torch.Tensor,
+                      dtype: torch.dtype) -> tuple:
         """What every double-stream block takes besides the tokens: the per-sequence vector
-        and each stream's sequence index (each block modulates from them itself)."""
+        and each stream's sequence index (each block modulates from them itself). ``dtype``:
+        the residual stream's (what a model that hands the blocks per-token tensors casts
+        them to: under FSDP the parameters outside a unit's forward are its fp32 shards)."""
         return vec_seq, seq_txt, seq_img
 
-    def single_inputs(self, vec_seq: torch.Tensor, seq_index: torch.Tensor) -> tuple:
+    def single_inputs(self, vec_seq: torch.Tensor, seq_index: torch.Tensor, dtype: torch.dtype) -> tuple:
         """What every single-stream block takes besides the tokens (``double_inputs``)."""
         return vec_seq, seq_index
 

@@ -178,7 +178,7 @@ def _dense(x: Any) -> Any:
     return x
 
 
-TEXT_AXES = frozenset({"h_txt", "seq_txt", "txt_idx", "ctx"})
+TEXT_AXES = frozenset({"h_txt", "seq_txt", "txt_idx", "ctx", "mods_txt"})
 """Block arguments (and ``TokenStreams`` fields) whose dim 0 counts text tokens: unbacked in
 the compiled blocks. A rank often holds no text at all (later chunks of long sequences),
 and a backed count would get its own graphs for 0 and for 1 (inductor's kernel choices

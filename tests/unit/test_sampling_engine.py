@@ -90,18 +90,21 @@ def test_the_host_work_watch_catches_a_read_back_and_a_host_built_tensor(monkeyp
     assert any("device sync" in c for c in watch.calls), watch.calls
 
 
-@pytest.fixture(scope="module")
-def compiled_flux():
-    """Flux's small blocks in bf16, compiled by inductor and warmed up, as a GPU rank holds them."""
+@pytest.fixture(scope="module", params=["flux", "flux2"])
+def compiled_flux(request):
+    """Flux's (and FLUX.2's: its shared modulation's text rows unbacked too) small blocks in
+    bf16, compiled by inductor and warmed up, as a GPU rank holds them."""
     from knapray.worker.denoise import prepare_model, warm_up
 
-    model = _small("flux", "dev")
+    model = _small(request.param, "dev")
     handle = prepare_model(model, "cpu", precision="bf16", compile=True)
     warm_up(model)
     return model, handle
 
 
 def test_compiled_sampling_recompiles_at_most_twice_over_30_batches_of_varied_sizes(compiled_flux):
+    """The blocks compile once at warm-up (a block whose attention call sat in a nested
+    method, not in ``forward``, was compiled again from there, its text axis specialized)."""
     from knapray.worker.denoise import denoise_local
 
     model, handle = compiled_flux

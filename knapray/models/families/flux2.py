@@ -58,6 +58,8 @@ class Flux2Config(DiTConfig):
 
     rope_axes: ClassVar[int] = 4
     gated_mlp: ClassVar[bool] = True
+    linear_bias: ClassVar[bool] = False
+    shared_modulation: ClassVar[bool] = True
 
     in_channels: int = dataclasses.field(default=32, metadata={"ge": 1})
     hidden_size: int = dataclasses.field(default=6144, metadata={"ge": 1})
@@ -260,7 +262,9 @@ class Flux2DoubleBlock(DoubleStreamBlock):
     def forward(self, h_txt: torch.Tensor, h_img: torch.Tensor, mods_txt: tuple[torch.Tensor, ...],
                 mods_img: tuple[torch.Tensor, ...], streams, rope: tuple[torch.Tensor, torch.Tensor],
                 attn: AttentionFn) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.modulated(h_txt, h_img, mods_txt, mods_img, streams, rope, attn)
+        q, k, v = self.joint_qkv(h_txt, h_img, mods_txt, mods_img, streams, rope)
+        out = attn(q, k, v)  # in forward itself: compiled blocks break their graph here, and resume in this frame
+        return self.joint_out(h_txt, h_img, out, mods_txt, mods_img, streams)
 
 
 class Flux2SingleBlock(SingleStreamBlock):
@@ -278,7 +282,9 @@ class Flux2SingleBlock(SingleStreamBlock):
 
     def forward(self, h: torch.Tensor, mods: tuple[torch.Tensor, ...], rope: tuple[torch.Tensor, torch.Tensor],
                 attn: AttentionFn) -> torch.Tensor:
-        return self.modulated(h, mods, rope, attn)
+        q, k, v, mlp_in, gate = self.attn_inputs(h, mods, rope)
+        out = attn(q, k, v)  # in forward itself: compiled blocks break their graph here, and resume in this frame
+        return self.attn_out(h, out, mlp_in, gate)
 
     def activate(self, mlp_in: torch.Tensor) -> torch.Tensor:
         return swiglu(mlp_in)
@@ -371,17 +377,18 @@ class Flux2Transformer(MMDiT):
             emb = emb + self.guidance_in(timestep_embedding(guidance).to(dtype))
         return torch.cat((emb, self.modulation(emb)), dim=1).float()
 
-    def double_inputs(self, vec_seq: torch.Tensor, seq_txt: torch.Tensor, seq_img: torch.Tensor) -> tuple:
-        """Each stream's 6 modulation tensors per token, gathered once for every block."""
+    def double_inputs(self, vec_seq: torch.Tensor, seq_txt: torch.Tensor, seq_img: torch.Tensor,
+                      dtype: torch.dtype) -> tuple:
+        """Each stream's 6 modulation tensors per token in the residual stream's ``dtype``,
+        gathered once for every block."""
         d = self.cfg.hidden_size
-        dtype = self.param_dtype
         return (per_token(vec_seq[:, 7 * d:13 * d].to(dtype), seq_txt, 6),
                 per_token(vec_seq[:, d:7 * d].to(dtype), seq_img, 6))
 
-    def single_inputs(self, vec_seq: torch.Tensor, seq_index: torch.Tensor) -> tuple:
+    def single_inputs(self, vec_seq: torch.Tensor, seq_index: torch.Tensor, dtype: torch.dtype) -> tuple:
         """The single blocks' shift, scale and gate per token, gathered once for every block."""
         d = self.cfg.hidden_size
-        return (per_token(vec_seq[:, 13 * d:].to(self.param_dtype), seq_index, 3),)
+        return (per_token(vec_seq[:, 13 * d:].to(dtype), seq_index, 3),)
 
     def forward(self, batch: PackedBatch, attn: AttentionFn | None = None) -> torch.Tensor:
         """Single-process composition; ``attn`` defaults to varlen attention over the batch."""
