@@ -70,6 +70,15 @@ def save_qwen_image_headers(out: Path) -> Path:
     return save_headers(out, QwenImageTransformer2DModel, {})
 
 
+def save_flux2_headers(out: Path) -> Path:
+    """``save_flux_headers`` for FLUX.2 [dev] (``Flux2Transformer2DModel``'s defaults are its
+    32B shape): what pre-flight reads of the black-forest-labs/FLUX.2-dev pipeline's
+    transformer."""
+    from diffusers import Flux2Transformer2DModel
+
+    return save_headers(out, Flux2Transformer2DModel, {})
+
+
 def save_headers(out: Path, cls, config: dict) -> Path:
     """diffusers' ``cls(**config)`` on the meta device as a sparse checkpoint: config.json,
     and a safetensors file of every tensor's header over a hole the size of its bf16 data."""

@@ -10,15 +10,16 @@ import sys
 from .cost import add_cost_model, cost_model
 from .flags import add_gpus_per_node, add_json, add_seed, add_world_size, step_count
 
-MODELS = ("flux", "wan14b", "qwen_image")
+MODELS = ("flux", "wan14b", "qwen_image", "flux2")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=MODELS, default="flux",
                    help="the model's cost-model fields (knapray.planning.costs.cost.MODEL_PRESETS; --cost overrides "
                    "them): flux (default: Flux.1, joint attention), wan14b (Wan 2.1 14B, cross-attention to 512 "
-                   "text tokens; a sequence is its visual tokens, e.g. --mix wan) or qwen_image (Qwen-Image, 60 "
-                   "double-stream blocks, joint attention)")
+                   "text tokens; a sequence is its visual tokens, e.g. --mix wan), qwen_image (Qwen-Image, 60 "
+                   "double-stream blocks, joint attention) or flux2 (FLUX.2 [dev], d 6144, 8 + 48 blocks, 48 heads, "
+                   "SwiGLU MLPs)")
     p.add_argument("--mix", help="named mix (low-res, mixed-res, image+video; wan), data codes, or a non-stationary "
                    "schedule alternate:MIX[*K]/MIX[*K]/... (K steps of each in turn, e.g. "
                    "alternate:low-res/image+video)")

@@ -92,6 +92,12 @@ class DiTConfig:
     gated_mlp: ClassVar[bool] = False
     """The blocks' MLPs are SwiGLU (FLUX.2's: three ``d x mlp_hidden`` matrices, no biases)
     rather than two matrices around a GELU: what model FLOPs and the memory model count."""
+    linear_bias: ClassVar[bool] = True
+    """Every linear layer has a bias (FLUX.2's have none): what the memory model counts."""
+    shared_modulation: ClassVar[bool] = False
+    """One modulation per kind of block for the whole model (FLUX.2's: the image stream's and
+    the text stream's 6·d, the single blocks' 3·d), gathered per token once per step, rather
+    than one in every block: what the memory model counts."""
 
     in_channels: int = dataclasses.field(default=4, metadata={"ge": 1, "le": MAX_MODEL_WIDTH})
     """Channels of the latent (C in (C, T, H, W))."""

@@ -3,7 +3,8 @@
 Per block and forward pass, a sequence of ``L`` tokens costs ``(8 + 4·r)·L·d²`` FLOPs in
 its projections and MLP (q, k, v and output projections 4·d² multiply-adds per token, an
 MLP of ratio ``r`` 2·r·d²; Flux's single-stream blocks fuse the same matrices) and
-``4·L²·d`` in attention (``QKᵀ`` and ``PV``). A training step is forward + backward, three
+``4·L²·d`` in attention (``QKᵀ`` and ``PV``). A gated (SwiGLU) MLP (``cfg.gated_mlp``:
+FLUX.2's) has three ``d x r·d`` matrices, not two: ``(8 + 6·r)·L·d²``. A training step is forward + backward, three
 forward passes' worth. Embeddings, modulation and the final layer are left out (well
 under 1% at Flux's size), and so is recomputation: activation checkpointing adds hardware
 FLOPs, not model FLOPs.
@@ -35,11 +36,17 @@ def model_tflops_bar(plain_bar: float, recomputed_fraction: float) -> float:
     return plain_bar * TRAIN_PASSES / hardware_passes(recomputed_fraction)
 
 
+def _linear_coefficient(cfg: DiTConfig) -> float:
+    """FLOPs per token and d² of a block's projections and MLP: 8 + 4·r, or 8 + 6·r with a
+    gated MLP (its gate, value and output matrices). ``gated_mlp`` is read with a default:
+    callers pass config-like objects too."""
+    return 8 + (6 if getattr(cfg, "gated_mlp", False) else 4) * cfg.mlp_ratio
+
+
 def formula(cfg: DiTConfig) -> str:
-    r = cfg.mlp_ratio
     return (
         f"model FLOPs = 3 (fwd+bwd) x {cfg.depth_double + cfg.depth_single} blocks x "
-        f"sum over sequences of ({8 + 4 * r:g}*L*d^2 + 4*L^2*d), d={cfg.hidden_size}"
+        f"sum over sequences of ({_linear_coefficient(cfg):g}*L*d^2 + 4*L^2*d), d={cfg.hidden_size}"
     )
 
 
@@ -51,7 +58,7 @@ def model_flops(seq_lens: Iterable[int], cfg: DiTConfig, passes: float = TRAIN_P
         n = float(length)
         linear += n
         attn += n * n
-    per_pass = (8 + 4 * cfg.mlp_ratio) * linear * d * d + 4.0 * attn * d
+    per_pass = _linear_coefficient(cfg) * linear * d * d + 4.0 * attn * d
     return passes * (cfg.depth_double + cfg.depth_single) * per_pass
 
 

@@ -296,14 +296,15 @@ def _tracker(model, optimizer, sharded: bool):
 # ---- what the plan implies ------------------------------------------------------------------
 
 
-def _token_embedder_units(model_cfg) -> int:
-    """FSDP units of the model's token embedders: its embedders but the conditioning MLPs
-    (built on the meta device: nothing allocated)."""
+def _embedder_units(model_cfg) -> int:
+    """FSDP units the model runs before its blocks (``fsdp_units().embedders``: the
+    conditioning MLPs, the token embedders; Qwen-Image's txt_norm, FLUX.2's shared
+    modulation), built on the meta device: nothing allocated."""
     from knapray.models.families import get_family
 
     with torch.device("meta"):
         model = get_family(model_cfg.family).model_cls(model_cfg)
-    return len(model.fsdp_units().embedders) - len(model.conditioning_mlps())
+    return len(model.fsdp_units().embedders)
 
 
 def expected_collectives(setup: Setup, plan, depth: tuple[int, int]) -> dict:
@@ -342,14 +343,15 @@ def expected_collectives(setup: Setup, plan, depth: tuple[int, int]) -> dict:
     else:
         (shape, _) = ParallelDims(world_size=setup.world, gpus_per_node=setup.gpus_per_node).mesh_shape(cfg.parallel.fsdp)
         shard, replicate = shape[-1], (shape[0] if len(shape) == 2 else 1)
-        m = cfg.model
-        # The token embedders (img_in, txt_in; Qwen-Image's txt_norm too): each a unit of
-        # the model's own (``fsdp_units``), beside the timestep and pooled MLPs.
-        embedders = _token_embedder_units(m)
-        units = 1 + (1 if m.pooled_dim else 0) + embedders + blocks + 1
+        # The units before the blocks (the conditioning MLPs, the token embedders; Qwen-Image's
+        # txt_norm, FLUX.2's shared modulation): each a unit of the model's own (``fsdp_units``).
+        embedders = _embedder_units(cfg.model)
+        units = embedders + blocks + 1
         # Every unit gathered in forward and again in backward, but the final layer (kept)
-        # and, under LoRA, the embedders (no backward); only units that train reduce.
-        add("_allgather_base_", shard, 2 * units - 1 - (embedders if frozen_front else 0))
+        # and, under LoRA, the embedders (no backward) but the last of them, which FSDP's
+        # backward prefetch gathers after the first block's backward all the same; only
+        # units that train reduce.
+        add("_allgather_base_", shard, 2 * units - 1 - (embedders - 1 if frozen_front else 0))
         add("_reduce_scatter_base_", shard, blocks if frozen_front else units)
         add("allreduce_", replicate, blocks if frozen_front else units)
         if cfg.optim.grad_clip > 0:

@@ -5,8 +5,10 @@
   forward (``saved_tensors_hooks``, deduplicated by storage), parameters left out (also
   those FSDP gathers for the forward). DTensors count by their local shard. Under
   non-reentrant checkpointing the checkpoint saves its block's inputs through the same
-  hooks and nothing from inside the block, which is what "only block inputs kept" means.
-  Checkpointing is applied by the trainer's ``parallelize``.
+  hooks and nothing from inside the block, which is what "only block inputs kept" means;
+  tensors a checkpointed block takes inside a tuple (RoPE's cos/sin, FLUX.2's shared
+  modulation per token) are kept for the recompute by reference, which no hook sees:
+  ``held_args_of`` counts them. Checkpointing is applied by the trainer's ``parallelize``.
 - ``measure_step``: both, on a packed batch, plus on CUDA the peak allocated during
   forward + backward above what was allocated before it.
 
@@ -25,8 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-from knapray.models import MMDiT, MMDiTConfig, PackedBatch
+from knapray.models import DiTConfig, MMDiTConfig, PackedBatch
 from knapray.planning.costs.checkpointing import SELECTIVE_KEEPS
 from knapray.planning.costs.memory import MemoryModel, ModelShape
 from knapray.config.parallel import ParallelConfig
@@ -60,11 +63,14 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
 
 
 def saved_activation_bytes(fn: Callable[[], Any], exclude: Iterable[torch.Tensor] = (),
-                           kept_ops: frozenset[str] = frozenset()) -> tuple[Any, int]:
+                           kept_ops: frozenset[str] = frozenset(),
+                           held_args_of: Iterable[nn.Module] = ()) -> tuple[Any, int]:
     """Run ``fn()`` and return (its result, bytes of the distinct storages it saved for
     backward, leaving out those of ``exclude``, e.g. the parameters). ``kept_ops``: operators
     whose outputs are held beyond the saved tensors (selective checkpointing's cache, which
-    no saved-tensor hook sees): their outputs are counted too."""
+    no saved-tensor hook sees): their outputs are counted too. ``held_args_of``: modules
+    (checkpointed blocks) whose every tensor argument is kept until their backward (a
+    non-reentrant checkpoint holds its arguments for the recompute): counted too."""
     skip = {_storage_key(t)[0] for t in exclude}
     saved: dict[int, int] = {}
 
@@ -77,8 +83,18 @@ def saved_activation_bytes(fn: Callable[[], Any], exclude: Iterable[torch.Tensor
             saved[ptr] = max(saved.get(ptr, 0), nbytes)
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _OutputsOf(kept_ops, pack):
-        out = fn()
+    def held(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor):
+                pack(t)
+
+    handles = [m.register_forward_pre_hook(held, with_kwargs=True) for m in held_args_of]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _OutputsOf(kept_ops, pack):
+            out = fn()
+    finally:
+        for h in handles:
+            h.remove()
     return out, sum(saved.values())
 
 
@@ -116,7 +132,7 @@ def cast_batch(batch: PackedBatch, dtype: torch.dtype) -> PackedBatch:
 
 
 def measure_step(
-    cfg: MMDiTConfig,
+    cfg: DiTConfig,
     batch: PackedBatch,
     *,
     dtype: torch.dtype = torch.float32,
@@ -126,15 +142,21 @@ def measure_step(
     optimizer: bool = True,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """One forward + backward (+ an AdamW step) of ``MMDiT(cfg)`` cast to ``dtype`` on
-    ``batch``; returns measured bytes and the memory model's prediction for the same
-    tokens, sequences and text tokens."""
+    """One forward + backward (+ an AdamW step) of ``cfg``'s model (its family's) cast to
+    ``dtype`` on ``batch``; returns measured bytes and the memory model's prediction for the
+    same tokens, sequences and text tokens. A model that embeds guidance (FLUX.2 [dev]) gets
+    one value per sequence when the batch has none."""
+    from knapray.models.families import build_model, get_family
+
     device = torch.device(device)
     torch.manual_seed(seed)
-    model = MMDiT(cfg).to(device=device, dtype=dtype)
+    model = build_model(cfg).to(device=device, dtype=dtype)
+    if "guidance" in get_family(cfg.family).condition_fields(cfg) and batch.guidance is None:
+        batch = dataclasses.replace(batch, guidance=torch.full((batch.num_sequences,), 4.0))
     # The trainer's own checkpointing (the rule of knapray.planning.costs.checkpointing), so the
     # blocks measured as recomputed are those the memory model counts and training recomputes.
-    parallelize(model, ParallelConfig(activation_checkpointing=checkpointing, ac_every=ac_every))
+    par = ParallelConfig(activation_checkpointing=checkpointing, ac_every=ac_every)
+    parallelize(model, par)
     batch = cast_batch(batch, dtype).to(device)
     params = list(model.parameters())
     cuda = device.type == "cuda"
@@ -143,7 +165,9 @@ def measure_step(
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
     kept = SELECTIVE_KEEPS if checkpointing == "selective" else frozenset()
-    out, saved = saved_activation_bytes(lambda: model(batch), exclude=params, kept_ops=kept)
+    units = model.fsdp_units()
+    recomputed = [b for b, c in zip(units.blocks, par.checkpointed(len(units.blocks))) if c]
+    out, saved = saved_activation_bytes(lambda: model(batch), exclude=params, kept_ops=kept, held_args_of=recomputed)
     loss = (out.float() - batch.targets.float()).pow(2).mean()
     loss.backward()
     result: dict[str, Any] = {"activations": saved}

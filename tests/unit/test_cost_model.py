@@ -39,6 +39,25 @@ def test_compute_terms_by_hand():
     assert flux.attn_s_per_pair == pytest.approx(4 * 3072 * 4 / 400e12)
 
 
+def test_the_flux2_preset_prices_the_models_flops(capsys):
+    """``knapray simulate --model flux2``: FLUX.2 [dev]'s blocks at the FLOPs knapray.models.flops
+    counts for it (a SwiGLU MLP of 3·d: 26·d² per token and layer, not Flux's 24)."""
+    from knapray.cli import main
+    from knapray.models.families.flux2 import Flux2Config
+    from knapray.models.flops import model_flops
+    from knapray.planning.costs.cost import MODEL_PRESETS
+
+    m = CostModel.from_dict(MODEL_PRESETS["flux2"])
+    assert (m.d_model, m.layers, m.num_heads, m.linear_flops) == (6144, 56, 48, 26.0)
+    # the step's compute of a sequence of 4,608 tokens: 3 passes of the model's FLOPs, the
+    # recompute a fourth forward, at flops_per_s
+    n = 4608
+    assert m.compute(n) == pytest.approx(model_flops([n], Flux2Config(), passes=m.passes) / m.flops_per_s)
+    assert main(["simulate", "--model", "flux2", "--mix", "image+video", "--steps", "1", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["modes"]["knapray"]["step_s"] <= r["modes"]["baseline"]["step_s"]
+
+
 def test_ulysses_and_routing_terms_by_hand():
     # Bag of 2 inside a node: each of 12 all-to-alls per layer sends half of a token's
     # 200 bytes at 1 MB/s: 12 x 2 layers x 200 x (1/2) / 1e6 = 2.4e-3 s per chunk token.

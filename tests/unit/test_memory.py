@@ -11,7 +11,9 @@ import torch
 
 from knapray.cli import main
 from knapray.testing.memory_check import measure_step
-from knapray.models import MMDiT, MMDiTConfig, dit_config
+from knapray.models import MMDiTConfig, dit_config
+from knapray.models.families import get_family
+from knapray.models.families.flux2 import Flux2Config
 from knapray.planning.costs.memory import (
     GIB,
     MemoryModel,
@@ -25,9 +27,13 @@ FLUX = MMDiTConfig(
     in_channels=16, patch_size=(1, 2, 2), hidden_size=3072, num_heads=24, depth_double=19, depth_single=38,
     text_dim=4096, pooled_dim=768, rope_axes_dim=(16, 56, 56),
 )
+FLUX2 = Flux2Config()  # FLUX.2 [dev]
+FLUX2_SMALL = dict(hidden_size=64, num_heads=4, depth_double=2, depth_single=2, in_channels=4, text_dim=32,
+                   rope_axes_dim=(4, 4, 4, 4))
 SMALL = {
     "mmdit": MMDiTConfig(hidden_size=64, num_heads=4, depth_double=2, depth_single=2),
     "dit": dit_config(hidden_size=64, num_heads=4),
+    "flux2": Flux2Config(**FLUX2_SMALL),
 }
 # Two packed batches per model: ~200-450 and ~1000-1200 tokens, text and image.
 MIXES = ["g1b3i256f1s0", "g1b2i512f2s0"]
@@ -44,12 +50,19 @@ MIXES = ["g1b3i256f1s0", "g1b2i512f2s0"]
         MMDiTConfig(qk_norm=False, pooled_dim=0, mlp_ratio=2.5),
         MMDiTConfig(text_dim=0, depth_double=3, depth_single=0),
         FLUX,
+        FLUX2,
+        Flux2Config(guidance_embeds=False),
+        SMALL["flux2"],
+        Flux2Config(**{**FLUX2_SMALL, "guidance_embeds": False, "depth_double": 0}),
     ],
-    ids=["mmdit", "dit", "no-qk-norm", "double-only", "flux"],
+    ids=["mmdit", "dit", "no-qk-norm", "double-only", "flux", "flux2-dev", "flux2-no-guidance", "flux2-small",
+         "flux2-small-single-only"],
 )
 def test_parameter_counts_match_the_model(cfg):
-    with torch.device("meta"):  # Flux size without its 48 GB
-        model = MMDiT(cfg)
+    # FLUX.2: no biases, SwiGLU MLPs, one shared modulation (ModelShape.biases, gated_mlp,
+    # shared_modulation, from the config class)
+    with torch.device("meta"):  # Flux size without its 48 GB, FLUX.2 [dev] without its 129 GB
+        model = get_family(cfg.family).model_cls(cfg)
     shape = ModelShape.of(cfg)
     params = list(model.parameters())
     assert shape.num_params == sum(p.numel() for p in params)
@@ -58,6 +71,8 @@ def test_parameter_counts_match_the_model(cfg):
     assert shape.num_linear_params == linear
     if cfg is FLUX:
         assert 11.8e9 < shape.num_params < 12.0e9  # Flux.1: 12 B
+    if cfg is FLUX2:
+        assert shape.num_params == 32_223_281_152 and shape.num_param_tensors == 299  # FLUX.2 [dev]: 32 B
 
 
 # ---- prediction vs measurement (CPU) ------------------------------------------------------

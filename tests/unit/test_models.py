@@ -431,3 +431,33 @@ def test_step_record_throughput_over_wall_time_and_over_forward_backward() -> No
     assert rec["mfu"] == pytest.approx(0.5)
     assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.0 and peak_tflops("NVIDIA H100 PCIe") == 756.0
     assert peak_tflops("NVIDIA GH200 480GB") == 989.0 and peak_tflops("Some GPU") is None
+
+
+def test_model_flops_count_flux2s_gated_mlps() -> None:
+    """FLUX.2 [dev] (32B): SwiGLU MLPs of 3·d, three d x m matrices each, so (8 + 6·3)·L·d²
+    per token and block, not Flux's (8 + 4·r); by hand and from the blocks' own matrices."""
+    from knapray.models.families.flux2 import Flux2Config, Flux2Transformer
+    from knapray.models.flops import attention_share, formula, model_flops
+
+    cfg = Flux2Config()
+    d, m, blocks = 6144, 3 * 6144, 8 + 48
+    # q, k, v and output d x d each; the MLP's gate, value (d -> m) and output (m -> d)
+    per_token = 2 * (4 * d * d + 3 * d * m)
+    assert per_token == 26 * d * d
+    lens = [4096, 1536, 256]
+    attn = 4.0 * sum(n * n for n in lens) * d
+    assert model_flops(lens, cfg) == pytest.approx(3 * blocks * (per_token * sum(lens) + attn), rel=1e-12)
+    assert model_flops(lens, cfg, passes=1) == pytest.approx(blocks * (per_token * sum(lens) + attn), rel=1e-12)
+    assert attention_share(lens, cfg) == pytest.approx(attn / (per_token * sum(lens) + attn), rel=1e-12)
+    assert "(26*L*d^2 + 4*L^2*d), d=6144" in formula(cfg) and "56 blocks" in formula(cfg)
+    # the blocks' matrices: a token through one stream of a double-stream block, or a single one
+    with torch.device("meta"):
+        model = Flux2Transformer(cfg)
+
+    def matmul_flops(module: torch.nn.Module) -> int:
+        return sum(2 * lin.in_features * lin.out_features for lin in module.modules()
+                   if isinstance(lin, torch.nn.Linear))
+
+    assert matmul_flops(model.double_blocks[0].img) == matmul_flops(model.single_blocks[0]) == per_token
+    # Flux's GELU MLP (ratio 4) is still (8 + 4·4)
+    assert "(24*L*d^2" in formula(MMDiTConfig(mlp_ratio=4.0))

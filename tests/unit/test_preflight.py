@@ -69,17 +69,17 @@ def test_every_shipped_config_passes_its_check(config, tmp_path, capsys, monkeyp
     scaling = yaml.safe_load(config.read_text()).get("scaling") or {}
     monkeypatch.setattr(placement, "local_gpus", lambda: scaling.get("num_workers", 4) if scaling.get("use_gpu") else 0)
     pinned = (yaml.safe_load(config.read_text()).get("model") or {})
-    no_pooled = pinned.get("family") in ("wan", "qwen_image")  # umT5 only; Qwen2.5-VL only
+    no_pooled = pinned.get("family") in ("wan", "qwen_image", "flux2")  # umT5; Qwen2.5-VL; Mistral Small 3.1
     defaults = {**DEFAULT_WIDTHS, "pooled_dim": 0} if no_pooled else DEFAULT_WIDTHS
     widths = {k: pinned.get(k, v) for k, v in defaults.items()}
     corpus = _corpus(tmp_path / "corpus", widths)
     pretrained = []
     if pinned.get("pretrained"):  # the real checkpoint's config and headers at full size
         pytest.importorskip("diffusers")
-        from flux_utils import save_flux_headers, save_qwen_image_headers, save_wan_headers
+        from flux_utils import save_flux2_headers, save_flux_headers, save_qwen_image_headers, save_wan_headers
 
-        save = {"wan": save_wan_headers, "qwen_image": save_qwen_image_headers}.get(pinned.get("family"),
-                                                                                   save_flux_headers)
+        save = {"wan": save_wan_headers, "qwen_image": save_qwen_image_headers,
+                "flux2": save_flux2_headers}.get(pinned.get("family"), save_flux_headers)
         pretrained = ["--set", f"model.pretrained={save(tmp_path / 'transformer')}"]
     code, out, err = _run(["train", "--config", str(config), "--set", f"data.corpus={corpus}",
                            "--set", f"run.storage={tmp_path / 'runs'}", *pretrained, "--check"], capsys)

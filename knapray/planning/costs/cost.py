@@ -517,11 +517,18 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     # Qwen-Image (20B): d 3072, 24 heads, 60 double-stream blocks (each token through its
     # stream's projections and MLP of 4·d, as Flux's), joint attention over text and image.
     "qwen_image": {"double_blocks": 60, "single_blocks": 0},
+    # FLUX.2 [dev] (32B): d 6144, 48 heads, 8 + 48 blocks, joint attention; per token q, k,
+    # v, o (4 d²) and a SwiGLU MLP of 3·d (gate, value, output: 9 d²), at 2 FLOPs per
+    # multiply-add (knapray.models.flops: 8 + 6·3)
+    "flux2": {"d_model": 6144, "double_blocks": 8, "single_blocks": 48, "num_heads": 48,
+              "linear_flops": 2.0 * (4.0 + 3.0 * 3.0)},
 }
 """``CostModel`` fields of named models (``knapray simulate --model``): ``flux`` is the
 defaults (Flux.1: d 3072, 19 + 38 blocks, 24 heads, joint attention); ``wan14b`` is Wan 2.1
 14B (d 5120, 40 blocks, 40 heads, FFN 13824, cross-attention to 512 umT5 tokens);
-``qwen_image`` is Qwen-Image (d 3072, 60 double-stream blocks, 24 heads, joint attention)."""
+``qwen_image`` is Qwen-Image (d 3072, 60 double-stream blocks, 24 heads, joint attention);
+``flux2`` is FLUX.2 [dev] (d 6144, 8 + 48 blocks, 48 heads, SwiGLU MLPs of 3·d, joint
+attention)."""
 
 
 # ---- execution mode -------------------------------------------------------------------------

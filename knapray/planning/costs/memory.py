@@ -20,7 +20,10 @@ What a rank holds at its peak, by category:
     gradients and 4 + 4 for the fp32 reduce-scatter inputs of two blocks (one being
     filled, one in flight): ``(3p + 8) x`` the largest block's parameters, ``p`` = 2 (bf16)
     or 4 (fp32); the root module (embedders, final layer) stays gathered all step:
-    ``(2p + 4) x`` its parameters.
+    ``(2p + 4) x`` its parameters. A frozen base (LoRA) has no gradient buffers: two
+    blocks gathered, ``2p x`` the last block's parameters at the backward's start, or
+    more where a larger double block is gathered after enough activations were freed
+    (``MemoryModel._fsdp_bytes``).
 ``activations``
     What autograd keeps from the forward (derived below; checkpointed blocks keep their
     inputs only).
@@ -68,6 +71,15 @@ single-stream block::
        + d)         linear2 output
     + q*2*(u*d + 4d + 4H) + 4H + 2*4
 
+FLUX.2's blocks (``ModelShape.gated_mlp``, ``shared_modulation``) keep no modulation
+vectors of their own: the shared modulation's per-token tensors (a stream's ``6d``, the
+single blocks' ``3d``) are gathered once per step and kept by every block, counted once
+outside the blocks. Their SwiGLU MLPs keep fc1's output (``2m``, the gate and value are
+views of it), silu(gate) (``m``) and the product (``m``, fc2's input): a double block
+``4m + d`` where GELU keeps ``2m + d``; a single block's linear1 output is ``3d + 2m`` and
+it keeps silu(gate) (``m``) beside linear2's input. Measured with saved-tensor hooks
+(tests/unit/test_memory.py: within 1.5%).
+
 ``A`` is what attention keeps: ``4d`` with a kernel (``attention="kernel"``: flash or
 torch varlen save q, k, v and the output; Ulysses saves the exchanged q/k/v buffer and
 the output, over the bag's whole sequences with H/g heads, i.e. the bag's tokens / g,
@@ -94,7 +106,11 @@ fp32 (``4D`` with ``D = d/H``), and index tensors shared by all blocks (int64: t
 merge's order, the sequence index with single blocks, the stream split / merge orders and
 per-stream sequence indices with double blocks: 8 + 8 + 24 B; the head's bool mask, 1 B).
 Per sequence (``sequences``): the conditioning MLPs' saved rows and one SiLU'd
-conditioning row per modulation call (2 per double block, 1 per single block, 1 final).
+conditioning row per modulation call (2 per double block, 1 per single block, 1 final;
+FLUX.2's shared modulation 3 and the final 1). With a shared modulation the gradient of
+its per-token tensors sums over every block of a kind before it reaches the modulation:
+when the base trains, the backward working set holds a stream's ``6d`` (``3d`` with
+single blocks only) per token instead of one block's ``2d``.
 
 Activation checkpointing: a checkpointed block keeps only its input (``d*b`` per token);
 during backward one checkpointed block at a time is recomputed in full (the largest one
@@ -109,6 +125,7 @@ a modulation gradient held until its chunk's other grads arrive (``2d*b``).
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, fields
 from typing import Any
@@ -168,11 +185,21 @@ class ModelShape:
     """Sinusoidal timestep features (Wan's ``freq_dim``)."""
     cross_norm: bool = True
     """Wan's affine LayerNorm before cross-attention."""
+    biases: bool = True
+    """Every linear layer has a bias (``linear_bias``; FLUX.2's have none)."""
+    gated_mlp: bool = False
+    """SwiGLU MLPs (``gated_mlp``; FLUX.2's): ``fc1`` d -> 2m and ``fc2`` m -> d; a single
+    block's ``linear1`` d -> 3d + 2m."""
+    shared_modulation: bool = False
+    """No modulation in the blocks (``shared_modulation``; FLUX.2's): one for the whole
+    model (the image and text streams' 6·d, the single blocks' 3·d), counted with the
+    root; its per-token tensors are gathered once per step and kept by every block."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("qk_norm", "guidance_embeds", "cross_attention", "cross_norm"):
+            if f.name in ("qk_norm", "guidance_embeds", "cross_attention", "cross_norm", "biases", "gated_mlp",
+                          "shared_modulation"):
                 if not isinstance(value, bool):
                     raise ValueError(f"{f.name} must be a bool, got {value!r}")
                 continue
@@ -187,8 +214,8 @@ class ModelShape:
     @classmethod
     def of(cls, cfg: Any) -> ModelShape:
         """From a model config (``knapray.models.config.DiTConfig``, or anything with its
-        field names), read by attribute; ``attention_kind`` is its family's (``joint``
-        when absent)."""
+        field names), read by attribute; ``attention_kind``, ``linear_bias``, ``gated_mlp``
+        and ``shared_modulation`` are its family's (Flux.1's when absent)."""
         if isinstance(cfg, ModelShape):
             return cfg
         d = cfg.hidden_size
@@ -209,6 +236,9 @@ class ModelShape:
             cross_attention=getattr(cfg, "attention_kind", "joint") == "cross",
             time_dim=int(getattr(cfg, "freq_dim", TIME_EMBED_DIM)),
             cross_norm=bool(getattr(cfg, "cross_attn_norm", True)),
+            biases=bool(getattr(cfg, "linear_bias", True)),
+            gated_mlp=bool(getattr(cfg, "gated_mlp", False)),
+            shared_modulation=bool(getattr(cfg, "shared_modulation", False)),
         )
 
     @property
@@ -222,18 +252,25 @@ class ModelShape:
     # ---- parameters (exact: the modules of knapray/models) ------------------------------
 
     def _linear(self, i: int, o: int) -> tuple[int, int]:
-        return i * o + o, 2  # (parameters, tensors)
+        return (i * o + o, 2) if self.biases else (i * o, 1)  # (parameters, tensors)
 
     def _count(self, linears: list[tuple[int, int]], norms: int) -> tuple[int, int, int]:
         """(linear parameters, norm parameters, parameter tensors)."""
         lin = sum(self._linear(i, o)[0] for i, o in linears)
         norm = norms * self.head_dim if self.qk_norm else 0
-        return lin, norm, 2 * len(linears) + (norms if self.qk_norm else 0)
+        return lin, norm, sum(self._linear(i, o)[1] for i, o in linears) + (norms if self.qk_norm else 0)
+
+    @property
+    def _mlp_in(self) -> int:
+        """Width of the MLP's input projection: m, or a gated MLP's gate and value, 2m."""
+        return (2 if self.gated_mlp else 1) * self.mlp_hidden
 
     @property
     def double_block(self) -> tuple[int, int, int]:
         d, m = self.hidden_size, self.mlp_hidden
-        stream = [(d, 6 * d), (d, 3 * d), (d, d), (d, m), (m, d)]
+        stream = [(d, 3 * d), (d, d), (d, self._mlp_in), (m, d)]
+        if not self.shared_modulation:
+            stream.insert(0, (d, 6 * d))
         return self._count(stream * 2, 4)
 
     @property
@@ -244,7 +281,10 @@ class ModelShape:
             lin = sum(self._linear(i, o)[0] for i, o in [(d, d)] * 8 + [(d, m), (m, d)])
             norms = 4 * d + (2 * d if self.cross_norm else 0) + 6 * d
             return lin, norms, 2 * 10 + 4 + (2 if self.cross_norm else 0) + 1
-        return self._count([(d, 3 * d), (d, 3 * d + m), (d + m, d)], 2)
+        lin = [(d, 3 * d + self._mlp_in), (d + m, d)]
+        if not self.shared_modulation:
+            lin.insert(0, (d, 3 * d))
+        return self._count(lin, 2)
 
     @property
     def float8_weights(self) -> tuple[int, int]:
@@ -255,11 +295,11 @@ class ModelShape:
         d, m = self.hidden_size, self.mlp_hidden
         if self.cross_attention:
             return 0, 6 * d * d + 2 * d * m
-        return 4 * d * d + 2 * d * m, d * (3 * d + m) + (d + m) * d
+        return 4 * d * d + d * (self._mlp_in + m), d * (3 * d + self._mlp_in) + (d + m) * d
 
     @property
     def root(self) -> tuple[int, int, int]:
-        """Embedders and the final layer."""
+        """Embedders, the final layer and a shared modulation."""
         d = self.hidden_size
         if self.cross_attention:  # Wan: patch, text MLP, time MLP and its projection, head and its table
             lin = [(self.patch_dim, d), (self.text_dim, d), (d, d), (self.time_dim, d), (d, d), (d, 6 * d),
@@ -272,7 +312,15 @@ class ModelShape:
             lin += [(self.pooled_dim, d), (d, d)]
         if self.guidance_embeds:
             lin += [(TIME_EMBED_DIM, d), (d, d)]
+        if self.shared_modulation:  # the image and text streams', the single blocks'
+            lin += [(d, 6 * d), (d, 6 * d), (d, 3 * d)]
         return self._count(lin, 0)
+
+    @property
+    def shared_modulation_params(self) -> int:
+        """Parameters of a shared modulation (counted in ``root``; 0 without one)."""
+        d = self.hidden_size
+        return sum(self._linear(d, k * d)[0] for k in (6, 6, 3)) if self.shared_modulation else 0
 
     @property
     def num_params(self) -> int:
@@ -319,15 +367,23 @@ class ModelShape:
     def double_block_bytes(self, b: int, attention: str = "kernel") -> int:
         d, m = self.hidden_size, self.mlp_hidden
         qkv_out = 3 * d * b if self.qk_norm and b == FP32 else 0
+        mods = 0 if self.shared_modulation else 6 * d  # shared: gathered once (outside_bytes)
+        # the MLP: fc1's output and fc2's input (GELU: 2m; SwiGLU: fc1's 2m, silu(gate), their
+        # product: 4m), fc2's output
+        mlp = (4 if self.gated_mlp else 2) * m + d
         return (
-            b * (6 * d + 4 * d + 6 * d + 2 * m + d) + qkv_out + self._qk_norm(b)
+            b * (mods + 4 * d + 6 * d + mlp) + qkv_out + self._qk_norm(b)
             + self._attention(b, attention) + 2 * 2 * FP32
         )
 
     def single_block_bytes(self, b: int, attention: str = "kernel") -> int:
         d, m = self.hidden_size, self.mlp_hidden
+        mods = 0 if self.shared_modulation else 3 * d
+        # linear1's output (3d + m, a gated MLP's 3d + 2m), SwiGLU's silu(gate) (the product
+        # goes into linear2's input), linear2's input and output
+        mlp = (3 * d + self._mlp_in) + (m if self.gated_mlp else 0) + (d + m) + d
         return (
-            b * (3 * d + 4 * d + (3 * d + m) + (d + m) + d) + self._qk_norm(b)
+            b * (mods + 4 * d + mlp) + self._qk_norm(b)
             + self._attention(b, attention, single=True) + 2 * FP32
         )
 
@@ -362,6 +418,8 @@ class ModelShape:
         d = self.hidden_size
         shared = INDEX + (INDEX if self.depth_single else 0) + (3 * INDEX if self.depth_double else 0) + 1
         shared += 2 * FP32 * (self.head_dim // 2)  # RoPE cos, sin
+        if self.shared_modulation:  # its per-token tensors, kept by every block (its stream's 6d, the single 3d)
+            shared += b * ((6 * d if self.depth_double else 0) + (3 * d if self.depth_single else 0))
         if image:
             return self.patch_dim * b + 4 * d * b + 2 * FP32 + INDEX + shared
         if self.cross_attention:  # Wan: the text MLP's hidden twice, and the text rows every block reads
@@ -370,11 +428,16 @@ class ModelShape:
 
     def sequence_bytes(self, b: int) -> int:
         """Per-sequence saved bytes: conditioning MLPs and the SiLU'd rows every modulation
-        (2 per double block, 1 per single block, 1 final) feeds its Linear."""
+        (2 per double block, 1 per single block, 1 final; a shared modulation's 3 and the
+        final's) feeds its Linear."""
         d = self.hidden_size
         cond = (TIME_EMBED_DIM + 2 * d) * b + d * b
         if self.pooled_dim:
             cond += (self.pooled_dim + 2 * d) * b
+        if self.guidance_embeds:
+            cond += (TIME_EMBED_DIM + 2 * d) * b
+        if self.shared_modulation:
+            return cond + d * b * 4
         return cond + d * b * (2 * self.depth_double + self.depth_single + 1)
 
 
@@ -539,7 +602,7 @@ class MemoryModel:
         kept = sum(d * b + keep if c else a for a, c in zip(per_block, ckpt))
         saved = tokens * kept + outside + sequences * s.sequence_bytes(b)
         recompute = tokens * max((a - keep for a, c in zip(per_block, ckpt) if c), default=0)
-        working = tokens * (d + s.mlp_hidden + 2 * d) * b
+        working = tokens * (d + s.mlp_hidden + self._modulation_gradient()) * b
         if self.fp8 != "off":
             working += tokens * FP8_WORKING_BYTES * (2 * d + s.mlp_hidden)
         return saved, recompute, working
@@ -553,7 +616,9 @@ class MemoryModel:
         kept = sum(p for p, c in zip(lin, ckpt) if not c) + s.root[0]
         return 2 * (kept + max((p for p, c in zip(lin, ckpt) if c), default=0))
 
-    def _fsdp_bytes(self) -> int:
+    def _fsdp_bytes(self, kept: list[int] | None = None) -> int:
+        """``fsdp_buffers``; ``kept``: what each block keeps until its backward (``_kept``),
+        which a frozen base's term weighs against (below)."""
         # A shard group of one rank gathers and reduces nothing: FSDP2's unsharded parameters
         # and gradients are the sharded ones (measured by knapray dryrun at world 1).
         if self.sharding == "none" or self.shard_size == 1:
@@ -561,11 +626,18 @@ class MemoryModel:
         s = self.shape
         p = self.compute_bytes
         if self.trainable:
-            # A frozen base (LoRA): no gradient buffers beside the adapters'; at the backward's
-            # start, where activations peak, FSDP holds the last block gathered and the one it
-            # prefetches, in the compute dtype (knapray dryrun of jobs/configs/flux_dev_lora.yaml).
-            last = sum(s.single_block[:2]) if s.depth_single else sum(s.double_block[:2])
-            return 2 * p * last
+            # A frozen base (LoRA): no gradient buffers beside the adapters'. While block k is
+            # differentiated FSDP holds it gathered and the one before it prefetched, in the
+            # compute dtype, and the blocks after k have freed what they kept: at the backward's
+            # start (the last block) where activations peak (knapray dryrun of
+            # jobs/configs/flux_dev_lora.yaml), or later where a double block is much larger
+            # than the single ones and few single blocks came before it (FLUX.2's double block
+            # is two of its single ones: knapray dryrun of jobs/configs/flux2_dev_lora.yaml
+            # with 8 + 8 blocks). The excess over the activations counted whole is the term.
+            params = [sum(s.double_block[:2])] * s.depth_double + [sum(s.single_block[:2])] * s.depth_single
+            kept = kept if kept is not None else [0] * len(params)
+            freed = [sum(kept) - done for done in itertools.accumulate(kept)]  # by the blocks after k
+            return max(p * (params[k] + params[max(k - 1, 0)]) - freed[k] for k in range(len(params)))
         largest = max(
             sum(s.double_block[:2]) if s.depth_double else 0, sum(s.single_block[:2]) if s.depth_single else 0
         )
@@ -577,7 +649,11 @@ class MemoryModel:
             # Wan (knapray dryrun at 8 and 64 ranks): at the peak one block is gathered in the
             # compute dtype and one reduce-scattered in fp32, nothing prefetched beside them
             return gathered + FP32 * largest + (2 * p + FP32) * sum(s.root[:2])
-        return 3 * gathered + 8 * largest + (2 * p + FP32) * sum(s.root[:2])
+        # A shared modulation is a unit of its own (FLUX.2's: 15·d² parameters, half a double
+        # block), gathered only in forward and in its backward, after every block's
+        # (knapray dryrun of jobs/configs/flux2_dev_lora.yaml in fp32 without LoRA, 8 + 48
+        # blocks: +19% with it counted as staying gathered, +11% without)
+        return 3 * gathered + 8 * largest + (2 * p + FP32) * (sum(s.root[:2]) - s.shared_modulation_params)
 
     def breakdown(self, tokens: int, *, text_tokens: int = 0, sequences: int = 0) -> MemoryBreakdown:
         """Per-GPU bytes of a step in which this rank holds ``tokens`` routed tokens."""
@@ -602,7 +678,7 @@ class MemoryModel:
             grads=grads,
             optimizer=2 * FP32 * self._sharded(t) + FP32 * t_tensors,
             autocast_weights=self._autocast_bytes(),
-            fsdp_buffers=self._fsdp_bytes(),
+            fsdp_buffers=self._fsdp_bytes(self._kept(tokens, text_tokens)),
             activations=saved,
             recompute=recompute,
             backward_working=working,
@@ -632,6 +708,16 @@ class MemoryModel:
             block = image * s.wan_image_bytes(b) + text_tokens * s.wan_text_bytes(b)
             return [image * (d * b + 2 * keep) if c else block for c in ckpt]
         return [tokens * (d * b + keep if c else a) for a, c in zip(s.block_bytes(b, self.attention), ckpt)]
+
+    def _modulation_gradient(self) -> int:
+        """Per token, the width of the modulation gradient the backward holds: a block's own
+        (2d: a chunk's, until its others arrive) or, with a shared modulation whose base
+        trains, its per-token tensors' gradient, summed over every block of a kind before it
+        reaches the modulation (a stream's 6d through the double blocks, 3d the single)."""
+        s = self.shape
+        if not s.shared_modulation or self.trainable:  # a block's own; a frozen base sums none
+            return 2 * s.hidden_size
+        return (6 if s.depth_double else 3) * s.hidden_size
 
     def _selective_keeps(self, b: int) -> int:
         """Per token and attention call, what a checkpointed block keeps beyond its input."""
