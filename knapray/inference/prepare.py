@@ -15,8 +15,11 @@ from knapray.models.sampling import DenoiseJob, denoise_job, job_noise
 
 
 def default_guidance(model_cfg) -> float:
-    """``--guidance``'s default: FLUX.1-dev's embedded 3.5, else 1 (off)."""
-    return 3.5 if getattr(model_cfg, "guidance_embeds", False) else 1.0
+    """``--guidance``'s default: FLUX.1-dev's embedded 3.5, else the family's classifier-free
+    scale (``Family.cfg_default``: Qwen-Image's pipeline 4.0; 1: off)."""
+    from knapray.models.families import get_family
+
+    return 3.5 if getattr(model_cfg, "guidance_embeds", False) else get_family(model_cfg.family).cfg_default
 
 
 def latent_shape(model_cfg, down: int, job: Job) -> tuple[int, int, int]:

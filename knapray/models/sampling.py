@@ -9,7 +9,9 @@ all of them:
 
 with classifier-free guidance against unconditional embeddings, or a FLUX.1-dev model's
 embedded guidance input; each request's timesteps shifted by its own shift (the family's
-``sample_shift``: FLUX.1-dev from its image tokens; Wan 5.0)."""
+``sample_shift``: FLUX.1-dev and Qwen-Image from its image tokens; Wan 5.0), and as the
+family's pipeline schedules and guides (Qwen-Image: the schedule stretched to end at 0.02,
+the guided prediction rescaled to the conditional one's norm)."""
 
 from __future__ import annotations
 
@@ -20,14 +22,41 @@ import numpy as np
 # torch and the model load in the functions that need them.
 
 
-def flow_timesteps(steps: int, shift: float = 1.0) -> list[float]:
-    """``steps + 1`` times from 1 to 0; ``shift`` > 1 spends more steps at high noise (SD3)."""
+def flow_timesteps(steps: int, shift: float = 1.0, terminal: float | None = None) -> list[float]:
+    """``steps + 1`` times from 1 to 0; ``shift`` > 1 spends more steps at high noise (SD3);
+    ``terminal``: the shifted times before the last stretched so that the one before 0 is
+    ``terminal`` (diffusers' ``shift_terminal``: 1 - t scaled by (1 - terminal) / (1 - t_last))."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     if not shift > 0:
         raise ValueError(f"shift must be > 0, got {shift}")
     ts = np.linspace(1.0, 0.0, steps + 1)
-    return (shift * ts / (1 + (shift - 1) * ts)).tolist()
+    ts = shift * ts / (1 + (shift - 1) * ts)
+    if terminal is not None and steps > 1:
+        if not 0 < terminal < 1:
+            raise ValueError(f"terminal must be in (0, 1), got {terminal}")
+        head = 1.0 - ts[:-1]
+        ts[:-1] = 1.0 - head / (head[-1] / (1.0 - terminal))
+    return ts.tolist()
+
+
+def family_timesteps(cfg, steps: int, shift: float) -> list[float]:
+    """``flow_timesteps`` as ``cfg``'s family's pipeline schedules them (its ``sample_terminal``)."""
+    from knapray.models.families import get_family
+
+    return flow_timesteps(steps, shift, get_family(cfg.family).sample_terminal)
+
+
+def guided(v_c, v_u, scale, renorm: bool):
+    """Classifier-free guidance ``v_u + scale (v_c - v_u)`` of per-token predictions (N, P);
+    ``renorm``: rescaled token by token to ``v_c``'s norm (``Family.cfg_renorm``)."""
+    import torch
+
+    # a tensor of scales (the gang's, per row, on the device) or one number: nothing made on the host
+    mixed = torch.addcmul(v_u, scale, v_c - v_u) if isinstance(scale, torch.Tensor) else v_u + scale * (v_c - v_u)
+    if renorm:
+        mixed = mixed * (v_c.norm(dim=-1, keepdim=True) / mixed.norm(dim=-1, keepdim=True))
+    return mixed
 
 
 def embeds_guidance(model) -> bool:
@@ -50,13 +79,12 @@ def config_shifts(cfg, shapes: list[tuple[int, int, int]], shift: float | None) 
 
     if shift is not None:
         return [shift] * len(shapes)
-    own = get_family(cfg.family).sample_shift(cfg)
+    fam = get_family(cfg.family)
+    own = fam.sample_shift(cfg)
     if own is not None:
         return [own] * len(shapes)
-    from knapray.models.timesteps import ResolutionShift
-
     pt, ph, pw = cfg.patch_size
-    return [ResolutionShift().shift((t // pt) * (h // ph) * (w // pw)) for t, h, w in shapes]
+    return [fam.resolution_shift.shift((t // pt) * (h // ph) * (w // pw)) for t, h, w in shapes]
 
 
 @dataclass(frozen=True, eq=False)
@@ -81,6 +109,8 @@ class DenoiseJob:
     """The embedded guidance input of a model that takes one (FLUX.1-dev)."""
     adapter: str | None = None
     """The LoRA adapter it runs with, of those a served model holds (None: the model's own)."""
+    cfg_renorm: bool = False
+    """Its guided prediction rescaled to the conditional one's norm per token (``guided``)."""
 
     @property
     def steps(self) -> int:
@@ -102,6 +132,8 @@ def denoise_job(cfg, noise: np.ndarray, cond: tuple[np.ndarray, np.ndarray], *, 
     family's shift (None) or ``shift``, classifier-free guidance at ``guidance`` against
     ``unconditional`` (default: no text tokens, zero pooled) unless the model embeds
     guidance, then ``guidance`` is its input."""
+    from knapray.models.families import get_family
+
     embedded = bool(getattr(cfg, "guidance_embeds", False))
     c, t, h, w = noise.shape
     pt, ph, pw = cfg.patch_size
@@ -113,9 +145,10 @@ def denoise_job(cfg, noise: np.ndarray, cond: tuple[np.ndarray, np.ndarray], *, 
             np.zeros((0, cfg.text_dim), np.float32), np.zeros(cfg.pooled_dim, np.float32))
     text, pooled = cond
     return DenoiseJob(noise=np.asarray(noise, np.float32), text=np.asarray(text, np.float32),
-                      pooled=np.asarray(pooled, np.float32), times=tuple(flow_timesteps(steps, s)),
+                      pooled=np.asarray(pooled, np.float32), times=tuple(family_timesteps(cfg, steps, s)),
                       image_tokens=(t // pt) * (h // ph) * (w // pw), cfg_scale=scale, unconditional=uncond,
-                      guidance_input=float(guidance) if embedded else None)
+                      guidance_input=float(guidance) if embedded else None,
+                      cfg_renorm=get_family(cfg.family).cfg_renorm and scale != 1.0)
 
 
 def job_noise(cfg, shapes: list[tuple[int, int, int]], seeds: list[int] | int) -> list[np.ndarray]:
@@ -154,6 +187,7 @@ def _integrate(model, conds, shapes, *, steps: int, seed: int, guidance: float, 
     import torch
 
     from knapray.models import pack_samples
+    from knapray.models.families import get_family
 
     cfg = model.cfg
     device = next(model.parameters()).device
@@ -176,13 +210,14 @@ def _integrate(model, conds, shapes, *, steps: int, seed: int, guidance: float, 
     n = len(conds)
     image_rows = batch.image_seq_index  # (Ni,) request of each image token
     x = batch.x_img.clone()
-    times = torch.tensor([flow_timesteps(steps, s) for s in shifts], dtype=torch.float64, device=device)  # (S, steps+1)
+    times = torch.tensor([family_timesteps(cfg, steps, s) for s in shifts], dtype=torch.float64,
+                         device=device)  # (S, steps+1)
+    renorm = get_family(cfg.family).cfg_renorm
     for i in range(steps):
         v = model(replace(batch, x_img=x, timesteps=times[:, i].float()))  # (Ni, patch_dim)
         if cfg_scale != 1.0:
             cond = image_rows < n
-            v_c, v_u = v[cond], v[~cond]
-            v_g = v_u + cfg_scale * (v_c - v_u)
+            v_g = guided(v[cond], v[~cond], cfg_scale, renorm)
             v = torch.cat((v_g, v_g))  # both halves move together
         dt = (times[:, i] - times[:, i + 1])[image_rows, None].to(x.dtype)  # (Ni, 1): each token its request's step
         x = x - dt * v

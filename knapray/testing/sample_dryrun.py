@@ -469,8 +469,12 @@ def _denoise(model: torch.nn.Module, step: _StepInputs, setup: SampleSetup, watc
     v = v.float()
     n = x.shape[0]
     if step.guided_rows is not None:  # v = v_u + s (v_c - v_u) on the guided rows
+        from knapray.models.families import get_family
+        from knapray.models.sampling import guided
+
         v_c, v_u = v[:n], v[n:]
-        mixed = torch.addcmul(v_u, step.guided_scale, v_c.index_select(0, step.guided_rows) - v_u)
+        mixed = guided(v_c.index_select(0, step.guided_rows), v_u, step.guided_scale,
+                       get_family(model.cfg.family).cfg_renorm)
         v = v_c.index_copy(0, step.guided_rows, mixed)
     torch.addcmul(x, torch.ones(n, 1), v, value=-1.0)
 

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from knapray.models.sampling import DenoiseJob
+from knapray.models.sampling import DenoiseJob, guided
 from knapray.planning import CostModel, Topology
 from knapray.planning.inference.sampling import COND, SINGLE, UNCOND, JobPlan, bag_plan, cfg_parallel_bag, choose_job_plan, \
     plan_jobs
@@ -331,6 +331,8 @@ class _BagLoop:
         self.g = int(topo.bag_sizes[bag])
         self.lead = groups.rank == int(topo.bag_starts[bag])
         self.cfg = model.cfg
+        self.renorm = any(jobs[k].cfg_renorm for k in mine)
+        """The guided rows rescaled to the conditional prediction's norm (one family: all or none)."""
         self.device = next(model.parameters()).device
         self.use_halves = cfg_parallel_bag(self.g, any(jobs[k].passes == 2 for k in mine), cfg_parallel)
         self.attn_group = groups.half if self.use_halves else groups.whole
@@ -459,7 +461,7 @@ class _BagLoop:
         n = x.shape[0]
         if seg.guided_rows is not None:  # v = v_u + s (v_c - v_u) on the guided rows
             v_c, v_u = v[:n], v[n:]
-            mixed = torch.addcmul(v_u, seg.guided_scale, v_c.index_select(0, seg.guided_rows) - v_u)
+            mixed = guided(v_c.index_select(0, seg.guided_rows), v_u, seg.guided_scale, self.renorm)
             v = v_c.index_copy(0, seg.guided_rows, mixed)
         return torch.addcmul(x, seg.step_size[:, i - seg.start: i - seg.start + 1], v, value=-1.0)
 

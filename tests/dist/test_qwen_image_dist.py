@@ -3,7 +3,7 @@
 knapray on them on 2 gloo ranks with sequences split over a bag of two and whole on either rank
 (``model.pretrained``, balanced, FSDP full), exported with ``knapray export``, loaded back by
 diffusers, and the exported folder exact against diffusers' own math (``knapray reference``);
-``knapray sample`` on the run refuses in one line (not supported yet)."""
+``knapray sample`` draws from the run with its pipeline's schedule and guidance."""
 
 from __future__ import annotations
 
@@ -84,8 +84,14 @@ def test_finetuned_from_its_checkpoint_exported_and_loaded_by_diffusers(tmp_path
     unused = ("attn.add_q_proj.", "attn.norm_added_q.", "attn.to_add_out.", "txt_mlp.")
     frozen = {k for k in initial if k.startswith("transformer_blocks.1.") and any(p in k for p in unused)}
     assert set(initial) - changed == frozen, sorted(set(initial) - changed)
-    # Sampling it is refused in one line (its pipeline's schedule and guidance are not knapray's yet).
-    assert main(["sample", "--run", str(run), "--like", "1", "--steps", "2", "--out", str(tmp_path / "s")]) == 2
-    assert "sampling a Qwen-Image model (model.family qwen_image): not supported yet" in capsys.readouterr().err
+    # Sampled with its pipeline's schedule and guidance (4.0 against the empty caption, renormed),
+    # its caption through Qwen2.5-VL and its latents through the corpus's VAE: one picture per request.
+    capsys.readouterr()
+    assert main(["sample", "--run", str(run), "--caption", "a red bicycle", "--size", "64x96", "--steps", "2",
+                 "--out", str(tmp_path / "s")]) == 0, capsys.readouterr().err
+    assert (tmp_path / "s" / "request_0.png").is_file() and (tmp_path / "s" / "grid.png").is_file()
+    from PIL import Image as _Image
+
+    assert _Image.open(tmp_path / "s" / "request_0.png").size == (64, 96)
     report = run_reference([str(out)], sequences=3, seed=1)  # what knapray wrote, against diffusers' math
     assert report[str(out)]["out_rel"] < 1e-5 and report[str(out)]["grad_rel"] < 1e-5, report

@@ -10,6 +10,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -136,15 +137,26 @@ def test_the_full_size_layout_is_qwen_images_own():
     assert sum(math.prod(s) for s in shapes.values()) / 1e9 == pytest.approx(20.43, abs=0.01)
 
 
-def test_validation_samples_of_a_qwen_image_run_are_refused_in_one_line() -> None:
-    """knapray cannot sample Qwen-Image yet (its pipeline's schedule and guidance): a run config
-    asking for validation samples is refused when it loads, naming why."""
-    from knapray.config.run import ConfigError, load_config
+def test_qwen_image_samples_with_its_pipelines_schedule_and_guidance() -> None:
+    """Its schedule: the pipeline's dynamic shift from the image tokens (0.5 at 256, 0.9 at
+    8,192), then stretched so that the last time before 0 is 0.02; guidance 4.0 by default,
+    rescaled to the conditional prediction's norm; validation samples of a run load."""
+    import math
 
+    from knapray.config.run import load_config
+    from knapray.inference.prepare import default_guidance
+    from knapray.models.sampling import config_shifts, denoise_job, flow_timesteps
+
+    cfg = QwenImageConfig(hidden_size=64, num_heads=2, depth_double=1, in_channels=4, text_dim=16,
+                          rope_axes_dim=(8, 12, 12))
+    (shift,) = config_shifts(cfg, [(1, 64, 64)], None)  # 32 x 32 = 1,024 image tokens
+    assert shift == pytest.approx(math.exp(0.5 + (0.9 - 0.5) * (1024 - 256) / (8192 - 256)))
+    job = denoise_job(cfg, np.zeros((4, 1, 64, 64), np.float32), (np.zeros((3, 16), np.float32), np.zeros(0)),
+                      steps=4, guidance=default_guidance(cfg), shift=None, unconditional=None)
+    assert job.times[0] == pytest.approx(1.0) and job.times[-2] == pytest.approx(0.02) and job.times[-1] == 0.0
+    assert job.times[1:-1] != tuple(flow_timesteps(4, shift)[1:-1])  # stretched
+    assert job.cfg_scale == 4.0 and job.cfg_renorm
     base = ["model.family=qwen_image", "model.hidden_size=64", "model.num_heads=2", "model.depth_double=1",
             "model.text_dim=16", "model.rope_axes_dim=[8,12,12]"]
-    assert load_config(None, base).model.family == "qwen_image"
-    with pytest.raises(ConfigError) as e:
-        load_config(None, [*base, "metrics.validation.every=5", "metrics.validation.captions=[a fox]"])
-    assert "validation samples of a Qwen-Image model (model.family qwen_image): not supported yet" in str(e.value)
-    assert "\n" not in str(e.value)
+    assert load_config(None, [*base, "metrics.validation.every=5", "metrics.validation.captions=[a fox]"]
+                       ).metrics.validation.every == 5

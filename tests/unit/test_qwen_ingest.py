@@ -105,3 +105,47 @@ def test_knapray_ingest_writes_a_qwen_image_corpus(encoders: dict[str, Path], tm
     assert main(["ingest", "--input", str(media), "--out", str(tmp_path / "c2"), "--text-encoder",
                  str(encoders["text_encoder"]), "--quiet"]) == 2
     assert "give the family it is for (--family qwen_image)" in capsys.readouterr().err
+
+
+QWEN_SCHEDULER = {"base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_len": 8192, "max_shift": 0.9,
+                  "shift": 1.0, "shift_terminal": 0.02, "time_shift_type": "exponential",
+                  "use_dynamic_shifting": True}
+"""Qwen-Image's scheduler_config.json (the values of the released pipeline folder)."""
+
+
+@pytest.mark.parametrize("steps, scale, size", [(3, 4.0, (64, 96)), (4, 1.0, (96, 64))])
+def test_sampled_latents_are_the_pipelines(encoders: dict[str, Path], tmp_path: Path, steps, scale, size) -> None:
+    """knapray's sampler on a tiny Qwen-Image from its folder against ``QwenImagePipeline``
+    (its scheduler as released: a dynamic shift from the image tokens, stretched to end at
+    0.02; true classifier-free guidance against the empty caption, rescaled to the
+    conditional prediction's norm) from the same noise: the same latents."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+
+    from knapray.corpus.hf import HFTextEncoder
+    from knapray.models.families import get_family
+    from knapray.models.sampling import job_noise, sample_latents
+    from knapray.testing.reference import load_model
+
+    torch.manual_seed(5)
+    QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
+                                num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6)
+                                ).save_pretrained(tmp_path / "transformer")
+    model, cfg, _, _ = load_model(str(tmp_path / "transformer"), None)
+    pipe = _pipeline(encoders)
+    pipe.transformer = QwenImageTransformer2DModel.from_pretrained(tmp_path / "transformer")
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER)
+    height, width = size
+    shape = (1, height // 8, width // 8)
+    text = HFTextEncoder(str(encoders["text_encoder"]), pooled_vector=False,
+                         prompt=get_family("qwen_image").encoders.prompt)
+    cond, uncond = text.encode("a red bicycle", 512), text.encode("", 512)
+    ours = sample_latents(model, [cond], [shape], steps=steps, seed=7, guidance=scale, shift=None,
+                          unconditional=uncond)[0]
+    noise = torch.from_numpy(job_noise(cfg, [shape], 7)[0])  # (C, 1, h, w), as sample_latents draws it
+    packed = pipe._pack_latents(noise[None, :, 0], 1, 4, shape[1], shape[2])
+    with torch.no_grad():
+        out = pipe(prompt="a red bicycle", negative_prompt="" if scale > 1 else None, true_cfg_scale=scale,
+                   height=height, width=width, num_inference_steps=steps, latents=packed, output_type="latent").images
+    want = pipe._unpack_latents(out, height, width, pipe.vae_scale_factor)[0].numpy()  # (C, 1, h, w)
+    assert ours.shape == want.shape
+    assert np.abs(ours - want).max() <= 1e-4 * np.abs(want).max(), np.abs(ours - want).max()

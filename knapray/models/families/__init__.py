@@ -36,6 +36,7 @@ from knapray.corpus.stages import FamilyEncoding
 from knapray.models.config import DiTConfig, MMDiTConfig
 from knapray.models.families.layout import Layout
 from knapray.models.mmdit import MMDiT
+from knapray.models.timesteps import ResolutionShift
 
 Sized = Callable[[int, int, int, int], DiTConfig]
 """(hidden, heads, depth_double, depth_single) -> a config of that size."""
@@ -101,6 +102,18 @@ class Family:
     (kohya's ``lora_unet_*``, ComfyUI's ``diffusion_model.*``: BFL's for Flux.1 and FLUX.2,
     the released diffusers names for Qwen-Image); None: ``export --lora`` writes diffusers'
     format only."""
+    resolution_shift: ResolutionShift = dataclasses.field(default_factory=ResolutionShift)
+    """The per-request shift from its image tokens where ``sample_shift`` gives None (FLUX.1's
+    by default; Qwen-Image's pipeline: 0.5 at 256 tokens to 0.9 at 8,192)."""
+    sample_terminal: float | None = None
+    """The schedule stretched so that its last time before 0 is this (diffusers'
+    ``shift_terminal``: Qwen-Image 0.02); None: as shifted."""
+    cfg_renorm: bool = False
+    """Classifier-free guidance rescaled, token by token, to the conditional prediction's norm
+    (Qwen-Image's pipeline: ``comb * |v_c| / |comb|``)."""
+    cfg_default: float = 1.0
+    """``knapray sample --guidance``'s default for a model without embedded guidance: its
+    pipeline's classifier-free guidance scale (Qwen-Image: 4.0), 1 for off."""
     not_sampled: str = ""
     """Why knapray cannot sample it yet ("": it can): ``knapray sample``, ``knapray serve``
     and validation samples refuse its runs in one line saying so (``check_samples``)."""
@@ -213,8 +226,8 @@ def _qwen_image() -> Family:
         sample_shift=lambda cfg: None, sized_config=qwen_image.sized_config, small_config=qwen_image.small_config,
         diffusers_class=qwen_image.DIFFUSERS_CLASS, diffusers_call=qwen_image.diffusers_call,
         reference_needs_text=True, layouts=("diffusers",), layout=qwen_keys.qwen_image_layout,
-        not_sampled=("its pipeline's schedule (a dynamic shift to 0.9 at 8,192 image tokens, stretched to end at "
-                     "0.02) and its norm-rescaled classifier-free guidance are not in knapray's sampler yet"),
+        resolution_shift=ResolutionShift(base_tokens=256, max_tokens=8192, base_shift=0.5, max_shift=0.9),
+        sample_terminal=0.02, cfg_renorm=True, cfg_default=4.0,
         section_from_diffusers=qwen_image.section_from_diffusers, to_diffusers=lambda cfg: cfg.to_diffusers(),
         lora_presets=MMDIT_LORA, original_layout="diffusers",
     )
