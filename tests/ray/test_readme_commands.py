@@ -255,6 +255,8 @@ RULES = (
          "minutes here; tests/unit/test_dryrun.py runs it"),
     Rule(r"^knapray dryrun --config jobs/configs/qwen_image_lora\.yaml", "parse", "Qwen-Image's 60 blocks on fake "
          "tensors take 77 s here; tests/unit/test_dryrun.py runs the config with 12 of them"),
+    Rule(r"^knapray dryrun --config jobs/configs/flux2_dev_lora\.yaml", "parse", "FLUX.2 [dev]'s 56 blocks on fake "
+         "tensors take 24 s here; tests/unit/test_dryrun.py runs the config with 8 + 8 of them"),
     Rule(r"(?s)^python -c .*FluxTransformer2DModel", "run", "two tiny random Flux checkpoints, saved by diffusers"),
     Rule(r"^knapray reference .*--world-size [2-9]", "parse", "spawns 4 gloo processes; tests/dist/test_flux_dist.py runs "
          "the balanced reference check"),
