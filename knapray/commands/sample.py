@@ -171,7 +171,8 @@ def run(args: argparse.Namespace) -> dict:
     report = {"out": out, "files": files, "checkpoint": plan.checkpoint, "ema": got.ema,
               "requests": len(got.frames), "family": cfg.model.family,
               "guidance": args.guidance if args.guidance is not None else default_guidance(cfg.model),
-              "shifts": config_shifts(cfg.model, shapes, args.shift), "shapes": [list(f.shape) for f in got.frames],
+              "shifts": config_shifts(cfg.model, shapes, args.shift, args.steps),
+              "shapes": [list(f.shape) for f in got.frames],
               "decoder": _decoder_name(cfg), "recompiles": got.recompiles}
     if plan.topology is not None:
         report.update(world_size=world, topology=got.topology, bags=got.bags)

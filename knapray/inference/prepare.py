@@ -15,11 +15,13 @@ from knapray.models.sampling import DenoiseJob, denoise_job, job_noise
 
 
 def default_guidance(model_cfg) -> float:
-    """``--guidance``'s default: FLUX.1-dev's embedded 3.5, else the family's classifier-free
-    scale (``Family.cfg_default``: Qwen-Image's pipeline 4.0; 1: off)."""
+    """``--guidance``'s default: a model's embedded guidance input as its pipeline's (FLUX.1-dev
+    3.5, FLUX.2 [dev] 4.0), else the family's classifier-free scale (``Family.cfg_default``:
+    Qwen-Image's pipeline 4.0; 1: off)."""
     from knapray.models.families import get_family
 
-    return 3.5 if getattr(model_cfg, "guidance_embeds", False) else get_family(model_cfg.family).cfg_default
+    fam = get_family(model_cfg.family)
+    return fam.guidance_input_default if getattr(model_cfg, "guidance_embeds", False) else fam.cfg_default
 
 
 def latent_shape(model_cfg, down: int, job: Job) -> tuple[int, int, int]:

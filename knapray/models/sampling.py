@@ -64,17 +64,20 @@ def embeds_guidance(model) -> bool:
     return bool(getattr(model.cfg, "guidance_embeds", False))
 
 
-def request_shifts(model, shapes: list[tuple[int, int, int]], shift: float | None) -> list[float]:
+def request_shifts(model, shapes: list[tuple[int, int, int]], shift: float | None, steps: int | None = None
+                   ) -> list[float]:
     """``config_shifts`` of ``model``'s config."""
-    return config_shifts(model.cfg, shapes, shift)
+    return config_shifts(model.cfg, shapes, shift, steps)
 
 
-def config_shifts(cfg, shapes: list[tuple[int, int, int]], shift: float | None) -> list[float]:
+def config_shifts(cfg, shapes: list[tuple[int, int, int]], shift: float | None, steps: int | None = None
+                  ) -> list[float]:
     """Each request's timestep shift: ``shift`` for all when given; else the family's
     (``Family.sample_shift``: 1 for the MMDiT and FLUX.1-schnell, which samples unshifted as
     BFL's ``get_schedule(..., shift=not is_schnell)``; Wan 5, its pipelines' ``flow_shift``),
-    or, where that is None (FLUX.1-dev), the per-request resolution shift from its image
-    tokens, as BFL's and diffusers' dev pipelines."""
+    or, where that is None, the per-request shift from its image tokens, as the family's
+    pipeline computes it: FLUX.1-dev's and Qwen-Image's ``resolution_shift``, FLUX.2's
+    ``step_shift`` of the image tokens and ``steps``."""
     from knapray.models.families import get_family
 
     if shift is not None:
@@ -84,7 +87,12 @@ def config_shifts(cfg, shapes: list[tuple[int, int, int]], shift: float | None) 
     if own is not None:
         return [own] * len(shapes)
     pt, ph, pw = cfg.patch_size
-    return [fam.resolution_shift.shift((t // pt) * (h // ph) * (w // pw)) for t, h, w in shapes]
+    tokens = [(t // pt) * (h // ph) * (w // pw) for t, h, w in shapes]
+    if fam.step_shift is not None:
+        if steps is None:
+            raise ValueError(f"{fam.title}'s shift depends on the step count: give steps")
+        return [fam.step_shift(n, steps) for n in tokens]
+    return [fam.resolution_shift.shift(n) for n in tokens]
 
 
 @dataclass(frozen=True, eq=False)
@@ -137,7 +145,7 @@ def denoise_job(cfg, noise: np.ndarray, cond: tuple[np.ndarray, np.ndarray], *, 
     embedded = bool(getattr(cfg, "guidance_embeds", False))
     c, t, h, w = noise.shape
     pt, ph, pw = cfg.patch_size
-    (s,) = config_shifts(cfg, [(t, h, w)], shift)
+    (s,) = config_shifts(cfg, [(t, h, w)], shift, steps)
     scale = 1.0 if embedded else float(guidance)
     uncond = None
     if scale != 1.0:
@@ -199,7 +207,7 @@ def _integrate(model, conds, shapes, *, steps: int, seed: int, guidance: float, 
                       "text": torch.as_tensor(text, dtype=torch.float32),
                       "pooled": torch.as_tensor(pooled, dtype=torch.float32), "timestep": 1.0,
                       **({"guidance": guidance} if embedded else {})})
-    shifts = request_shifts(model, list(shapes), shift)
+    shifts = request_shifts(model, list(shapes), shift, steps)
     cfg_scale = 1.0 if embedded else guidance
     if cfg_scale != 1.0:  # the same requests, unconditioned, for classifier-free guidance
         text_u, pooled_u = unconditional if unconditional is not None else (

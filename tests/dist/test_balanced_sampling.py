@@ -6,7 +6,8 @@ bag runs its jobs' loops with Ulysses over its ranks, or CFG parallel over its h
 Every job's latent must be what ``sample_latents`` gives that one request with its seed
 (fp32, relative 1e-5), for the Flux family (embedded guidance, and a schnell-like variant
 with classifier-free guidance), the Wan family (cross-attention, video frames) and Qwen-Image
-(its pipeline's stretched schedule, guidance rescaled to the conditional prediction's norm).
+(its pipeline's stretched schedule, guidance rescaled to the conditional prediction's norm) and
+FLUX.2 (its empirical shift of the image tokens and the step count, embedded guidance).
 
 The batches cover: a request larger than one rank's token budget (planned onto a bag),
 an empty rank (a bag with no job), a bag in CFG parallel, requests of different step
@@ -52,6 +53,7 @@ JOBS = {
              ((1, 6, 6), 3, 3.5, 4, 7)],
     "wan": [((3, 8, 8), 3, 4.0, 1, 5), ((1, 4, 4), 2, 1.0, 2, 3), ((2, 6, 4), 4, 3.0, 3, 6), ((1, 6, 6), 3, 1.0, 4, 2)],
     "qwen_image": [((1, 16, 16), 3, 4.0, 1, 5), ((1, 4, 4), 2, 1.0, 2, 3), ((1, 8, 12), 4, 4.0, 3, 6)],
+    "flux2": [((1, 16, 16), 3, 4.0, 1, 5), ((1, 4, 4), 2, 4.0, 2, 3), ((1, 8, 12), 4, 2.5, 3, 0)],
 }
 
 
@@ -94,6 +96,7 @@ CASES = [
     ("wan", "cfg", "g2n1+g1n2", True, 2),  # 2 jobs, 3 bags: a rank with nothing to do
     ("wan", "cfg", "g4n1", True, 4),  # CFG parallel on halves of 2 (Ulysses inside each half)
     ("qwen_image", "cfg", "g2n1+g1n2", True, 3),  # its schedule (stretched to 0.02) and renormed guidance
+    ("flux2", "dev", "g2n1+g1n2", True, 3),  # its empirical shift of the tokens and steps, embedded guidance
 ]
 
 

@@ -2,8 +2,8 @@
 fine-tuned by knapray on 2 gloo ranks with sequences split over a bag of two and whole on either
 rank (``model.pretrained``, balanced, FSDP full, overlapping groups), exported with ``knapray
 export``, loaded back by diffusers with every tensor trained, and the exported folder exact
-against diffusers' own math (``knapray reference``); ``knapray sample`` on the run refuses in one
-line (not supported yet)."""
+against diffusers' own math (``knapray reference``); ``knapray sample`` draws from the run with its
+pipeline's shift and guidance."""
 
 from __future__ import annotations
 
@@ -71,8 +71,15 @@ def test_finetuned_from_its_checkpoint_exported_and_loaded_by_diffusers(tmp_path
     assert set(tuned) == set(initial)
     unchanged = sorted(k for k, v in tuned.items() if torch.equal(v, initial[k]))
     assert not unchanged, unchanged  # every tensor feeds the image tokens' output: all trained
-    # Sampling it is refused in one line (its pipeline's schedule and text are not knapray's yet).
-    assert main(["sample", "--run", str(run), "--like", "1", "--steps", "2", "--out", str(tmp_path / "s")]) == 2
-    assert "sampling a FLUX.2 model (model.family flux2): not supported yet" in capsys.readouterr().err
+    # Sampled with its pipeline's schedule (the empirical shift) and guidance input (4.0 by default)
+    capsys.readouterr()
+    assert main(["sample", "--run", str(run), "--like", "1", "--steps", "2", "--out", str(tmp_path / "s"),
+                 "--json"]) == 0, capsys.readouterr().err
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["family"] == "flux2" and report["guidance"] == 4.0 and report["requests"] == 1
+    from knapray.models.families.flux2 import sample_shift_of
+
+    # sample 1's 32 x 32 latent (the preview decoder draws it at its size): 256 tokens of 2x2 patches
+    assert report["shapes"] == [[1, 32, 32, 3]] and report["shifts"] == [pytest.approx(sample_shift_of(256, 2))]
     report = run_reference([str(out)], sequences=3, seed=1)  # what knapray wrote, against diffusers' math
     assert report[str(out)]["out_rel"] < 1e-5 and report[str(out)]["grad_rel"] < 1e-5, report

@@ -12,6 +12,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -204,15 +205,43 @@ def test_the_full_size_layout_is_flux2_devs_own():
     assert sum(math.prod(s) for s in bfl.shapes.values()) == sum(math.prod(s) for s in shapes.values())
 
 
-def test_runs_of_flux2_are_refused_for_sampling_in_one_line() -> None:
-    """knapray cannot sample FLUX.2 yet (its pipeline's schedule and text): a run config asking
-    for validation samples is refused when it loads, naming why; training loads."""
-    from knapray.config.run import ConfigError, load_config
+@pytest.mark.parametrize("steps, tokens", [(3, 24), (28, 24), (3, 4400)])
+def test_the_shift_is_the_pipelines_empirical_one(steps, tokens) -> None:
+    """``Flux2Pipeline``'s mu of the image tokens and the step count (its ``compute_empirical_mu``)."""
+    from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 
-    base = ["model.family=flux2", "model.hidden_size=64", "model.num_heads=2", "model.depth_double=1",
-            "model.depth_single=1", "model.text_dim=16", "model.rope_axes_dim=[8,8,8,8]", "flow.guidance=3.5"]
-    assert load_config(None, base).model.family == "flux2"
-    with pytest.raises(ConfigError) as e:
-        load_config(None, [*base, "metrics.validation.every=5", "metrics.validation.captions=[a fox]"])
-    assert "validation samples of a FLUX.2 model (model.family flux2): not supported yet" in str(e.value)
-    assert "\n" not in str(e.value)
+    from knapray.models.families.flux2 import sample_shift_of
+
+    assert sample_shift_of(tokens, steps) == pytest.approx(math.exp(compute_empirical_mu(tokens, steps)), rel=1e-12)
+
+
+@pytest.mark.parametrize("steps, guidance, size", [(3, 4.0, (64, 96)), (2, 2.5, (96, 64))])
+def test_sampled_latents_are_the_pipelines(tiny: dict[str, Path], steps, guidance, size) -> None:
+    """knapray's sampler on the tiny [dev] model against ``Flux2Pipeline`` (its scheduler as
+    released: the empirical shift from the image tokens and the step count; the embedded
+    guidance input) from the same noise and text features: the same latents."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
+
+    from knapray.inference.prepare import default_guidance
+    from knapray.models.sampling import job_noise, sample_latents
+    from knapray.testing.reference import load_model
+
+    model, cfg, _, _ = load_model(str(tiny["dev"]), None)
+    assert default_guidance(cfg) == 4.0  # the pipeline's guidance_scale
+    height, width = size
+    shape = (1, height // 8, width // 8)
+    text = torch.randn(7, cfg.text_dim, generator=torch.Generator().manual_seed(3))
+    ours = sample_latents(model, [(text.numpy(), np.zeros(0, np.float32))], [shape], steps=steps, seed=7,
+                          guidance=guidance, shift=None)[0]
+    pipe = Flux2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(
+        base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096, max_shift=1.15, shift=3.0,
+        use_dynamic_shifting=True, time_shift_type="exponential"), vae=None, text_encoder=None, tokenizer=None,
+        transformer=Flux2Transformer2DModel.from_pretrained(tiny["dev"]))
+    noise = torch.from_numpy(job_noise(cfg, [shape], 7)[0])[None, :, 0]  # (1, C, h, w), as sample_latents draws it
+    with torch.no_grad():
+        out = pipe(prompt_embeds=text[None], guidance_scale=guidance, height=height, width=width,
+                   num_inference_steps=steps, latents=pipe._patchify_latents(noise), output_type="latent").images
+    ids = pipe._prepare_latent_ids(pipe._patchify_latents(noise))
+    want = pipe._unpatchify_latents(pipe._unpack_latents_with_ids(out, ids))[0, :, None].numpy()
+    assert ours.shape == want.shape
+    assert np.abs(ours - want).max() <= 1e-4 * np.abs(want).max(), np.abs(ours - want).max()

@@ -105,6 +105,12 @@ class Family:
     resolution_shift: ResolutionShift = dataclasses.field(default_factory=ResolutionShift)
     """The per-request shift from its image tokens where ``sample_shift`` gives None (FLUX.1's
     by default; Qwen-Image's pipeline: 0.5 at 256 tokens to 0.9 at 8,192)."""
+    step_shift: Callable[[int, int], float] | None = None
+    """(image tokens, steps) -> the shift, where the pipeline's depends on the step count too
+    (FLUX.2's empirical one); None: ``resolution_shift``."""
+    guidance_input_default: float = 3.5
+    """``knapray sample --guidance``'s default for a model that embeds guidance (FLUX.1-dev's
+    pipeline 3.5; FLUX.2 [dev]'s 4.0)."""
     sample_terminal: float | None = None
     """The schedule stretched so that its last time before 0 is this (diffusers'
     ``shift_terminal``: Qwen-Image 0.02); None: as shifted."""
@@ -244,8 +250,7 @@ def _flux2() -> Family:
         sample_shift=lambda cfg: None, sized_config=flux2.sized_config, small_config=flux2.small_config,
         diffusers_class=flux2.DIFFUSERS_CLASS, diffusers_call=flux2.diffusers_call,
         layouts=("diffusers", "bfl"), layout=flux2_keys.flux2_layout,
-        not_sampled=("its pipeline's schedule (an empirical shift of the image tokens and the step count) and its "
-                     "text encoder's 512 padded Mistral tokens are not in knapray's sampler yet"),
+        step_shift=flux2.sample_shift_of, guidance_input_default=4.0,
         section_from_diffusers=flux2.section_from_diffusers, to_diffusers=lambda cfg: cfg.to_diffusers(),
         lora_presets=MMDIT_LORA, original_layout="bfl",
     )

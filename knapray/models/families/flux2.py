@@ -30,6 +30,7 @@ scale): ``flux2_keys`` maps them.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, ClassVar
 
 import torch
@@ -175,6 +176,21 @@ def section_from_diffusers(config: dict[str, Any], where: str) -> dict[str, Any]
         "rope_theta": float(values["rope_theta"]),
         "guidance_embeds": values["guidance_embeds"],
     }
+
+
+def sample_shift_of(image_tokens: int, steps: int) -> float:
+    """The shift ``Flux2Pipeline`` samples with: e^mu of its ``compute_empirical_mu``, a fit of
+    mu to the image tokens n and the step count s (BFL's): over 4,300 tokens the line
+    mu = a2·n + b2; else mu interpolated in s, linearly, between its fits at 10 and 200 steps
+    (a1·n + b1 and a2·n + b2)."""
+    a1, b1 = 8.73809524e-05, 1.89833333
+    a2, b2 = 0.00016927, 0.45666666
+    at_200 = a2 * image_tokens + b2
+    if image_tokens > 4300:
+        return math.exp(at_200)
+    at_10 = a1 * image_tokens + b1
+    slope = (at_200 - at_10) / 190.0
+    return math.exp(slope * steps + at_200 - 200.0 * slope)
 
 
 def condition_fields(cfg: Flux2Config) -> tuple[str, ...]:
