@@ -142,3 +142,41 @@ def save_tiny_qwen_encoders(root: Path, text_dim: int = 32, channels: int = 4) -
                            temperal_downsample=[False, True, True], latents_mean=[0.1, -0.2, 0.3, 0.0][:channels],
                            latents_std=[1.5, 2.0, 0.5, 1.0][:channels]).save_pretrained(vae)
     return {"text_encoder": text, "vae": vae}
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}[SYSTEM_PROMPT]{{ m['content'][0]['text'] }}"
+                 "[/SYSTEM_PROMPT]{% else %}[INST]{{ m['content'][0]['text'] }}[/INST]{% endif %}{% endfor %}")
+"""A chat template of Mistral's shape (system prompt, then the user's turn) for the tiny tokenizer."""
+
+
+def save_tiny_flux2_text_encoder(root: Path, hidden: int = 8) -> Path:
+    """FLUX.2's text encoder, tiny and random: a Mistral3ForConditionalGeneration of 30 text
+    layers (the pipeline stacks hidden states 10, 20 and 30) of width ``hidden``, with a
+    byte-level BPE tokenizer trained here and a chat template, saved as ``root/text_encoder``
+    (the tokenizer beside the model)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    special = ["<pad>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[IMG]"]
+    bpe.train_from_iterator(["a red bicycle on a street at night", "You are an AI that reasons about images"],
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=special,
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                        chat_template=CHAT_TEMPLATE, model_max_length=1024)
+    torch.manual_seed(0)
+    config = Mistral3Config(
+        text_config={"model_type": "mistral", "vocab_size": len(tokenizer), "hidden_size": hidden,
+                     "intermediate_size": 2 * hidden, "num_hidden_layers": 30, "num_attention_heads": 2,
+                     "num_key_value_heads": 1, "head_dim": hidden // 2, "max_position_embeddings": 1024,
+                     "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+        vision_config={"model_type": "pixtral", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+                       "num_attention_heads": 2, "head_dim": 4, "image_size": 32, "patch_size": 16},
+        image_token_index=7, spatial_merge_size=1)
+    out = root / "text_encoder"
+    Mistral3ForConditionalGeneration(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

@@ -120,7 +120,10 @@ def _family(name: str | None) -> FamilyEncoding | None:
 def _max_text_tokens(args: argparse.Namespace, family: FamilyEncoding | None) -> int:
     if args.max_text_tokens is not None:
         return int(args.max_text_tokens)
-    return (family.text_length if family is not None else 0) or MAX_TEXT_TOKENS
+    if family is None:
+        return MAX_TEXT_TOKENS
+    # the pipeline's own length: Wan's padded text, FLUX.2's padded chat (all of it kept)
+    return family.text_length or (family.prompt.pad_to if family.prompt is not None else 0) or MAX_TEXT_TOKENS
 
 
 def run(args: argparse.Namespace) -> int:

@@ -32,13 +32,13 @@ from typing import Any
 
 import numpy as np
 
-IMAGE_VAES = ("AutoencoderKL",)
+IMAGE_VAES = ("AutoencoderKL", "AutoencoderKLFlux2")
 VIDEO_VAES = ("AutoencoderKLWan", "AutoencoderKLHunyuanVideo", "AutoencoderKLQwenImage")
 T5_TYPES = {"t5": "T5EncoderModel", "mt5": "MT5EncoderModel", "umt5": "UMT5EncoderModel"}
 CLIP_TYPE = "clip_text_model"
-LM_TYPES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
-"""Causal language models whose last hidden states are a pipeline's text (Qwen-Image's
-Qwen2.5-VL), read through the family's prompt template (``PromptFormat``)."""
+LM_TYPES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration"}
+"""Causal language models whose hidden states are a pipeline's text (Qwen-Image's
+Qwen2.5-VL, FLUX.2's Mistral Small 3.1), read through the family's ``PromptFormat``."""
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "spiece.model", "vocab.json")
@@ -132,6 +132,10 @@ class VAEInfo:
     std: tuple[float, ...]
     """Divided by before scaling: one value, or one per channel."""
     config_sha256: str
+    patch_norm: bool = False
+    """Normalized as FLUX.2's pipeline normalizes: each channel of each position in a 2x2
+    patch by the VAE's batch statistics (its weights' ``bn.running_mean``/``running_var``,
+    ``batch_norm_eps``), not by ``shift``/``std``."""
 
     def record(self) -> dict[str, Any]:
         return {
@@ -142,7 +146,8 @@ class VAEInfo:
             "downsample": self.downsample,
             "temporal_downsample": self.temporal_downsample,
             "latent": "posterior mean",
-            "normalization": "(z - shift) / std * scaling_factor",
+            "normalization": ("(z - bn.running_mean) / sqrt(bn.running_var + eps) per channel of each 2x2 patch "
+                              "position" if self.patch_norm else "(z - shift) / std * scaling_factor"),
             "scaling_factor": self.scaling_factor,
             "shift": list(self.shift),
             "std": list(self.std),
@@ -155,7 +160,7 @@ def vae_info(path: str | Path, flag: str = "--vae") -> VAEInfo:
     cfg = read_config(d)
     cls = cfg.get("_class_name")
     try:
-        if cls == "AutoencoderKL":
+        if cls in IMAGE_VAES:  # FLUX.2's normalizes by its batch statistics (``patch_norm``)
             channels = cfg["latent_channels"]
             downsample = 2 ** (len(cfg["block_out_channels"]) - 1)
             temporal = 1
@@ -175,7 +180,11 @@ def vae_info(path: str | Path, flag: str = "--vae") -> VAEInfo:
     except KeyError as e:
         raise ValueError(f"{flag} {path}: {cls} config lacks {e.args[0]!r}") from None
     mean, std = cfg.get("latents_mean"), cfg.get("latents_std")
-    if mean and std:
+    if cls == "AutoencoderKLFlux2":
+        if tuple(cfg.get("patch_size") or (2, 2)) != (2, 2):
+            raise ValueError(f"{flag} {path}: patch_size {cfg.get('patch_size')!r}; FLUX.2's VAE normalizes 2x2 patches")
+        shift, scale = (0.0,), (1.0,)  # its normalization is patch_norm's, from the weights
+    elif mean and std:
         if len(mean) != channels or len(std) != channels:
             raise ValueError(
                 f"{flag} {path}: latents_mean/latents_std have {len(mean)}/{len(std)} values "
@@ -186,8 +195,9 @@ def vae_info(path: str | Path, flag: str = "--vae") -> VAEInfo:
         shift, scale = (float(cfg.get("shift_factor") or 0.0),), (1.0,)
     return VAEInfo(
         path=str(d), cls=cls, channels=int(channels), downsample=int(downsample),
-        temporal_downsample=int(temporal), scaling_factor=float(cfg.get("scaling_factor") or 1.0),
-        shift=shift, std=scale, config_sha256=config_sha256(cfg),
+        temporal_downsample=int(temporal),
+        scaling_factor=1.0 if cls == "AutoencoderKLFlux2" else float(cfg.get("scaling_factor") or 1.0),
+        shift=shift, std=scale, config_sha256=config_sha256(cfg), patch_norm=cls == "AutoencoderKLFlux2",
     )
 
 
@@ -232,6 +242,11 @@ class DiffusersVAE:
         shape = (1, -1, 1, 1) if self.temporal_downsample == 1 else (1, -1, 1, 1, 1)
         self._shift = torch.tensor(self.info.shift, dtype=torch.float32, device=self.device).reshape(shape)
         self._std = torch.tensor(self.info.std, dtype=torch.float32, device=self.device).reshape(shape)
+        if self.info.patch_norm:  # (C·2·2,) statistics of the patchified latent -> (1, C, 1, 2, 1, 2)
+            bn = model.bn
+            tile = (1, self.channels, 1, 2, 1, 2)
+            self._shift = bn.running_mean.float().reshape(tile).to(self.device)
+            self._std = (bn.running_var.float() + float(bn.eps)).sqrt().reshape(tile).to(self.device)
 
     def describe(self) -> dict[str, Any]:
         return {**self.info.record(), "dtype": self.dtype}
@@ -242,7 +257,19 @@ class DiffusersVAE:
         with torch.inference_mode():
             x = x.to(self.device, torch_dtype(self.dtype))
             z = self._model.encode(x).latent_dist.mean.float()
-            return ((z - self._shift) / self._std * self.info.scaling_factor).cpu().numpy()
+            return self._normalized(z).cpu().numpy()
+
+    def _normalized(self, z: Any) -> Any:
+        if not self.info.patch_norm:
+            return (z - self._shift) / self._std * self.info.scaling_factor
+        b, c, h, w = z.shape  # each 2x2 patch position's own statistics: (B, C, h/2, 2, w/2, 2)
+        return ((z.reshape(b, c, h // 2, 2, w // 2, 2) - self._shift) / self._std).reshape(b, c, h, w)
+
+    def _denormalized(self, z: Any) -> Any:
+        if not self.info.patch_norm:
+            return z / self.info.scaling_factor * self._std + self._shift
+        b, c, h, w = z.shape
+        return (z.reshape(b, c, h // 2, 2, w // 2, 2) * self._std + self._shift).reshape(b, c, h, w)
 
     def encode(self, pixels: np.ndarray) -> np.ndarray:
         """(F, H, W, 3) uint8 -> (C, T, H/downsample, W/downsample) float32."""
@@ -255,12 +282,11 @@ class DiffusersVAE:
         z = torch.from_numpy(np.ascontiguousarray(latent, dtype=np.float32)).to(self.device)
         with torch.inference_mode():
             if self.temporal_downsample == 1:
-                z = z.permute(1, 0, 2, 3)  # (C, T, h, w) -> (T, C, h, w): frames as a batch
-                z = z / self.info.scaling_factor * self._std + self._shift
+                z = self._denormalized(z.permute(1, 0, 2, 3))  # (C, T, h, w) -> (T, C, h, w): frames as a batch
                 x = self._model.decode(z.to(torch_dtype(self.dtype))).sample.float()  # (T, 3, H, W)
                 x = x.permute(0, 2, 3, 1)
             else:
-                z = z[None] / self.info.scaling_factor * self._std + self._shift  # (1, C, T, h, w)
+                z = self._denormalized(z[None])  # (1, C, T, h, w)
                 x = self._model.decode(z.to(torch_dtype(self.dtype))).sample.float()[0]  # (3, F, H, W)
                 x = x.permute(1, 2, 3, 0)
         return ((x.clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8).cpu().numpy()
@@ -371,7 +397,7 @@ def text_model_info(path: str | Path, tokenizer: str | Path | None = None, flag:
             raise ValueError(
                 f"{flag} {path}: model_type {model_type!r} is not a supported text encoder; supported: "
                 f"{sorted(T5_TYPES)} (T5EncoderModel), {CLIP_TYPE!r} (CLIPTextModel[WithProjection]) and "
-                f"{sorted(LM_TYPES)} (Qwen-Image's text encoder)"
+                f"{sorted(LM_TYPES)} (Qwen-Image's and FLUX.2's text encoders)"
             )
     except KeyError as e:
         raise ValueError(f"{flag} {path}: {model_type} config lacks {e.args[0]!r}") from None
@@ -412,7 +438,10 @@ class HFTextModel:
     def __init__(self, info: TextModelInfo, device: str, dtype: str) -> None:
         transformers = _import("transformers")
         self.info, self.device = info, device
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(info.tokenizer, local_files_only=True)
+        if (Path(info.tokenizer) / "processor_config.json").is_file():  # FLUX.2's: Mistral's chat template lives there
+            self.tokenizer = transformers.AutoProcessor.from_pretrained(info.tokenizer, local_files_only=True)
+        else:
+            self.tokenizer = transformers.AutoTokenizer.from_pretrained(info.tokenizer, local_files_only=True)
         self.tokenizer.padding_side = "right"  # real tokens first: row i keeps hidden[i, :n_i]
         with _no_loading_bar(transformers):
             model = getattr(transformers, info.cls).from_pretrained(
@@ -422,29 +451,42 @@ class HFTextModel:
 
     def limit(self, max_tokens: int | None) -> int:
         """Tokens kept per caption: ``max_tokens`` capped by what the model and tokenizer take."""
-        caps = [self.info.max_positions, self.tokenizer.model_max_length, max_tokens]
+        tokenizer = getattr(self.tokenizer, "tokenizer", self.tokenizer)  # a processor's own tokenizer
+        caps = [self.info.max_positions, getattr(tokenizer, "model_max_length", None), max_tokens]
         return int(min((c for c in caps if c is not None and c < 1_000_000), default=1_000_000))
 
-    def run(self, captions: list[str], max_tokens: int | None, drop: int = 0
+    def run(self, captions: list[str], max_tokens: int | None, prompt: PromptFormat | None = None
             ) -> tuple[list[np.ndarray], np.ndarray | None]:
         """Per caption: its real tokens' embeddings (n_i, dim) (padding dropped; special
-        tokens such as T5's </s> and CLIP's start/end kept; the first ``drop``, a prompt
-        template's, left out: ``max_tokens`` counts the rest), and for CLIP the pooled
-        vectors (B, pooled_dim). A language model's are its last hidden states."""
+        tokens such as T5's </s> and CLIP's start/end kept), and for CLIP the pooled vectors
+        (B, pooled_dim). A language model's through its pipeline's ``prompt`` format: the
+        template's first tokens left out (``max_tokens`` counts the rest), or a chat padded to
+        ``pad_to`` tokens all kept; its hidden states of ``prompt.layers`` side by side."""
         torch = _import("torch")
-        batch = self.tokenizer(
-            captions, padding=True, truncation=True, max_length=self.limit(max_tokens) + drop, return_tensors="pt"
-        ).to(self.device)
+        drop = prompt.drop if prompt else 0
+        if prompt is not None and prompt.system is not None:
+            chats = [[{"role": "system", "content": [{"type": "text", "text": prompt.system}]},
+                      {"role": "user", "content": [{"type": "text", "text": c.replace("[IMG]", "")}]}]
+                     for c in captions]
+            length = min(self.limit(max_tokens), prompt.pad_to) if prompt.pad_to else self.limit(max_tokens)
+            batch = self.tokenizer.apply_chat_template(
+                chats, add_generation_prompt=False, tokenize=True, return_dict=True, return_tensors="pt",
+                padding="max_length" if prompt.pad_to else True, truncation=True, max_length=length).to(self.device)
+        else:
+            batch = self.tokenizer(
+                [prompt.template.format(c) for c in captions] if prompt else captions, padding=True,
+                truncation=True, max_length=self.limit(max_tokens) + drop, return_tensors="pt").to(self.device)
         with torch.inference_mode():
             if self.info.kind == "lm":
                 out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                 output_hidden_states=True)
-                last = out.hidden_states[-1]
+                                 output_hidden_states=True, use_cache=False)
+                last = torch.cat([out.hidden_states[k] for k in prompt.layers], dim=-1)
             else:
                 out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
                 last = out.last_hidden_state
         hidden = last.float().cpu().numpy()  # (B, L, dim)
-        counts = batch["attention_mask"].sum(dim=1).tolist()
+        counts = ([hidden.shape[1]] * len(captions) if prompt is not None and prompt.pad_to
+                  else batch["attention_mask"].sum(dim=1).tolist())
         tokens = [np.ascontiguousarray(h[drop:max(n, drop)]) for h, n in zip(hidden, counts)]
         if self.info.kind != "clip":
             return tokens, None
@@ -491,11 +533,12 @@ class HFTextEncoder:
         self.pooled_vector, self.wan_prompts, self.prompt = pooled_vector, wan_prompts, prompt
         if (self.text_info.kind == "lm") != (prompt is not None):
             raise ValueError(f"--text-encoder {text}: {self.text_info.cls} " + (
-                "is read through its pipeline's prompt template: give the family it is for (--family qwen_image)"
+                "is read through its pipeline's prompt format: give the family it is for (--family qwen_image or "
+                "flux2)"
                 if prompt is None else "takes no prompt template (a language model's pipeline has one)"))
         self.text = HFTextModel(self.text_info, device, dtype)
         self.pooled_model = HFTextModel(self.pooled_info, device, dtype) if self.pooled_info else None
-        self.dim = self.text_info.dim
+        self.dim = self.text_info.dim * (len(prompt.layers) if prompt else 1)
         self.pooled_dim = (self.pooled_info or self.text_info).pooled_dim if pooled_vector else 0
 
     def describe(self) -> dict[str, Any]:
@@ -517,9 +560,7 @@ class HFTextEncoder:
         texts = [np.zeros((0, self.dim), np.float32) for _ in captions]
         real = [i for i, c in enumerate(captions) if c.strip() or self.prompt] if max_tokens > 0 else []
         if real:
-            fmt = (lambda c: self.prompt.template.format(c)) if self.prompt else (lambda c: c)
-            tokens, _ = self.text.run([fmt(captions[i]) for i in real], max_tokens,
-                                      self.prompt.drop if self.prompt else 0)
+            tokens, _ = self.text.run([captions[i] for i in real], max_tokens, self.prompt)
             for i, t in zip(real, tokens):
                 texts[i] = t
         if not self.pooled_vector:
@@ -552,25 +593,50 @@ def text_encoder_record(text: TextModelInfo, pooled: TextModelInfo | None, dtype
         "dtype": dtype,
         "text": text.record(),
         "pooled": (pooled or text).record() if pooled_vector else None,
-        "dim": text.dim,
+        "dim": text.dim * (len(prompt.layers) if prompt else 1),
         "pooled_dim": (pooled or text).pooled_dim if pooled_vector else 0,
         **({"prompt_clean": "WanPipeline's prompt_clean"} if wan_prompts else {}),
-        **({"prompt_template": prompt.template, "prompt_drop": prompt.drop} if prompt else {}),
+        **(prompt.record() if prompt else {}),
     }
 
 
 @dataclass(frozen=True, slots=True)
 class PromptFormat:
-    """How a pipeline wraps a caption for a language-model text encoder: ``template`` with
-    ``{}`` where the caption goes, and ``drop``, the tokens left out of the front of the
-    hidden states (the template's head: the pipeline's ``prompt_template_encode_start_idx``)."""
+    """How a pipeline feeds a caption to its language-model text encoder, and which of its
+    hidden states are the text: Qwen-Image's ``template`` around the caption with the
+    template's first ``drop`` tokens left out of the last hidden states; FLUX.2's chat (the
+    tokenizer's chat template over a ``system`` message and the caption as the user's turn),
+    every caption padded to ``pad_to`` tokens that are all kept, and the hidden states of
+    ``layers`` side by side."""
 
-    template: str
-    drop: int
+    template: str = "{}"
+    drop: int = 0
+    system: str | None = None
+    """The chat's system message: the caption goes through the tokenizer's chat template."""
+    layers: tuple[int, ...] = (-1,)
+    """Hidden states (indices into the model's ``hidden_states``) concatenated per token."""
+    pad_to: int = 0
+    """Every caption padded (or cut) to this many tokens, the padding's states kept: what a
+    pipeline that attends to its padding hands the transformer (0: the real tokens only)."""
 
     def __post_init__(self) -> None:
-        if self.template.count("{}") != 1 or self.drop < 0:
-            raise ValueError(f"a prompt template has one '{{}}' and drop >= 0, got {self.template!r}, {self.drop}")
+        if self.template.count("{}") != 1 or self.drop < 0 or self.pad_to < 0 or not self.layers:
+            raise ValueError(f"a prompt format has one '{{}}' in its template, drop and pad_to >= 0 and a layer, got "
+                             f"{self.template!r}, {self.drop}, {self.pad_to}, {self.layers!r}")
+        if self.system is not None and (self.template != "{}" or self.drop):
+            raise ValueError("a chat prompt format (system) takes no template of its own")
+
+    def record(self) -> dict[str, Any]:
+        return {"prompt_template": self.template, "prompt_drop": self.drop, "prompt_system": self.system,
+                "prompt_layers": list(self.layers), "prompt_pad_to": self.pad_to}
+
+    @classmethod
+    def from_record(cls, rec: dict[str, Any]) -> PromptFormat | None:
+        """The format a corpus's text record holds (``record``), or None."""
+        if "prompt_template" not in rec:
+            return None
+        return cls(str(rec["prompt_template"]), int(rec["prompt_drop"]), rec.get("prompt_system"),
+                   tuple(int(k) for k in rec.get("prompt_layers", (-1,))), int(rec.get("prompt_pad_to", 0)))
 
 
 def wan_prompt_clean(text: str) -> str:

@@ -44,8 +44,7 @@ def corpus_text_encoder(corpus: str, device: str = "cpu") -> Any:
     from knapray.corpus.hf import HFTextEncoder, PromptFormat
 
     t, p = text_rec["text"], text_rec["pooled"]
-    prompt = (PromptFormat(str(text_rec["prompt_template"]), int(text_rec["prompt_drop"]))
-              if "prompt_template" in text_rec else None)
+    prompt = PromptFormat.from_record(text_rec)
     separate = p is not None and p["path"] != t["path"]
     # Wan's record: no pooled vector (pooled_dim 0), captions cleaned as WanPipeline cleans them
     return HFTextEncoder(t["path"], text_tokenizer=t["tokenizer"], pooled=p["path"] if separate else None,

@@ -245,3 +245,92 @@ def test_sampled_latents_are_the_pipelines(tiny: dict[str, Path], steps, guidanc
     want = pipe._unpatchify_latents(pipe._unpack_latents_with_ids(out, ids))[0, :, None].numpy()
     assert ours.shape == want.shape
     assert np.abs(ours - want).max() <= 1e-4 * np.abs(want).max(), np.abs(ours - want).max()
+
+
+def test_latents_are_its_vaes_normalized_as_the_pipeline(tmp_path: Path) -> None:
+    """FLUX.2's VAE (AutoencoderKLFlux2, tiny and random, its batch statistics set) through
+    knapray's encoder: the latents Flux2Pipeline's ``_encode_vae_image`` makes (2x2 patches
+    normalized channel by channel by the VAE's running mean and variance), un-patchified; and
+    decoding them undoes it as the pipeline does before its VAE's decoder."""
+    from diffusers import AutoencoderKLFlux2, Flux2Pipeline
+
+    from knapray.corpus.hf import DiffusersVAE, vae_info
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLFlux2(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
+                             up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=4,
+                             layers_per_block=1)
+    with torch.no_grad():
+        vae.bn.running_mean.copy_(torch.randn(16) * 0.3)
+        vae.bn.running_var.copy_(torch.rand(16) + 0.5)
+    vae.save_pretrained(tmp_path / "vae")
+    assert vae_info(tmp_path / "vae").patch_norm and vae_info(tmp_path / "vae").downsample == 2
+    ours_vae = DiffusersVAE(str(tmp_path / "vae"))
+    pixels = np.random.default_rng(0).integers(0, 256, size=(1, 16, 24, 3), dtype=np.uint8)
+    ours = ours_vae.encode(pixels)  # (C, 1, 8, 12)
+    pipe = Flux2Pipeline(scheduler=None, vae=vae.eval(), text_encoder=None, tokenizer=None, transformer=None)
+    x = torch.from_numpy(pixels).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+    with torch.no_grad():
+        want = pipe._unpatchify_latents(pipe._encode_vae_image(x, generator=None))[0, :, None].numpy()
+    assert ours.shape == want.shape == (4, 1, 8, 12)
+    assert np.abs(ours - want).max() <= 1e-5 * np.abs(want).max()
+    # decode: the pipeline's denormalization of the patches, then its VAE's decoder
+    z = torch.from_numpy(ours[:, 0])[None]
+    patches = pipe._patchify_latents(z)
+    mean = vae.bn.running_mean.view(1, -1, 1, 1)
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+    with torch.no_grad():
+        image = vae.decode(pipe._unpatchify_latents(patches * std + mean)).sample[0].permute(1, 2, 0)
+    want_px = ((image.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).numpy()
+    assert np.array_equal(ours_vae.decode(ours)[0], want_px)
+
+
+def test_text_features_are_the_pipelines_and_ingest_writes_a_flux2_corpus(tmp_path: Path, capsys) -> None:
+    """FLUX.2's text encoder (a tiny random Mistral3 with a chat template, saved here) through
+    knapray: every caption (the empty one too, several in a batch) what Flux2Pipeline's
+    ``encode_prompt`` gives: its system message and the caption through the chat template,
+    padded to 512 tokens all kept, hidden states 10, 20 and 30 side by side; then ``knapray
+    ingest --family flux2`` with it and FLUX.2's VAE writes a corpus that records both."""
+    image = pytest.importorskip("PIL.Image")
+    from diffusers import AutoencoderKLFlux2, Flux2Pipeline
+    from flux_utils import save_tiny_flux2_text_encoder
+    from transformers import AutoTokenizer, Mistral3ForConditionalGeneration
+
+    from knapray.cli import main
+    from knapray.corpus import read_corpus
+    from knapray.corpus.hf import HFTextEncoder
+    from knapray.models.families import get_family
+
+    text_dir = save_tiny_flux2_text_encoder(tmp_path)
+    pipe = Flux2Pipeline(scheduler=None, vae=None, tokenizer=AutoTokenizer.from_pretrained(text_dir),
+                         text_encoder=Mistral3ForConditionalGeneration.from_pretrained(text_dir), transformer=None)
+    captions = ["a red bicycle", "", "a street at night with a red bicycle"]
+    ours = HFTextEncoder(str(text_dir), pooled_vector=False,
+                         prompt=get_family("flux2").encoders.prompt).encode_many(captions, max_tokens=512)
+    for caption, (text, pooled) in zip(captions, ours):
+        with torch.no_grad():
+            want = pipe.encode_prompt(caption, device="cpu", max_sequence_length=512)[0][0].numpy()
+        assert text.shape == want.shape == (512, 24) and pooled.shape == (0,)
+        assert np.abs(text - want).max() <= 1e-5 * np.abs(want).max(), caption
+
+    torch.manual_seed(0)
+    AutoencoderKLFlux2(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
+                       up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=4,
+                       layers_per_block=1).save_pretrained(tmp_path / "vae")
+    media = tmp_path / "media"
+    media.mkdir()
+    rng = np.random.default_rng(1)
+    for name in ("a.png", "b.png"):
+        image.fromarray(rng.integers(0, 256, size=(32, 48, 3), dtype=np.uint8)).save(media / name)
+        (media / name).with_suffix(".txt").write_text(f"picture {name}")
+    out = tmp_path / "corpus"
+    assert main(["ingest", "--input", str(media), "--out", str(out), "--family", "flux2", "--vae",
+                 str(tmp_path / "vae"), "--text-encoder", str(text_dir), "--text-dtype", "bf16", "--quiet"]) == 0
+    doc = json.loads((out / "schema.json").read_text())
+    assert doc["family"] == "flux2" and doc["dims"]["text_dim"] == 24 and doc["dims"]["pooled_dim"] == 0
+    text = doc["encoders"]["text"]
+    assert text["prompt_layers"] == [10, 20, 30] and text["prompt_pad_to"] == 512
+    assert text["prompt_system"].startswith("You are an AI that reasons about image descriptions")
+    assert doc["encoders"]["latent"]["class"] == "AutoencoderKLFlux2" and "2x2 patch" in doc["encoders"]["latent"][
+        "normalization"]
+    assert [r["text_tokens"] for r in read_corpus(out).to_pylist()] == [512, 512]

@@ -104,7 +104,7 @@ def test_knapray_ingest_writes_a_qwen_image_corpus(encoders: dict[str, Path], tm
     # A Qwen2.5-VL given without the family it is read for: one line naming what to add
     assert main(["ingest", "--input", str(media), "--out", str(tmp_path / "c2"), "--text-encoder",
                  str(encoders["text_encoder"]), "--quiet"]) == 2
-    assert "give the family it is for (--family qwen_image)" in capsys.readouterr().err
+    assert "give the family it is for (--family qwen_image or flux2)" in capsys.readouterr().err
 
 
 QWEN_SCHEDULER = {"base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_len": 8192, "max_shift": 0.9,

@@ -45,6 +45,13 @@ from knapray.models.mmdit import MMDiT
 from knapray.models.packing import PackedBatch
 
 DIFFUSERS_CLASS = "Flux2Transformer2DModel"
+SYSTEM_MESSAGE = ("You are an AI that reasons about image descriptions. You give structured responses focusing on "
+                  "object relationships, object\nattribution and actions without speculation.")
+"""``Flux2Pipeline``'s system message: the chat turn before the caption, for Mistral Small 3.1."""
+TEXT_LAYERS = (10, 20, 30)
+"""The Mistral hidden states the pipeline stacks per token (3 x 5,120 = 15,360 wide)."""
+TEXT_TOKENS = 512
+"""``max_sequence_length``: every caption padded to it, and the transformer attends to all of them."""
 PATCH = (1, 2, 2)
 """FLUX.2 packs 2x2 latent patches into one token (``Flux2Pipeline._patchify_latents``)."""
 THETA = 2000.0
