@@ -150,6 +150,26 @@ def test_a_new_family_is_picked_up_without_editing_callers(tiny, tmp_path) -> No
         calibration_config(32, 2, 1, 1, family="tiny")
 
 
+def test_a_family_it_cannot_sample_is_refused_in_one_line(tiny, monkeypatch) -> None:
+    """A family that declares why knapray cannot sample it (``Family.not_sampled``): a run
+    config asking for validation samples, and sampling a run of it, are refused in one line
+    naming the reason (no family declares one today: Qwen-Image and FLUX.2 sample as their
+    pipelines do)."""
+    from knapray.config.run import ConfigError, load_config
+    from knapray.models.families import check_samples
+
+    assert not any(f.not_sampled for f in FAMILIES.values() if f.name != "tiny")
+    monkeypatch.setitem(FAMILIES, "tiny", dataclasses.replace(tiny, not_sampled="its schedule is not knapray's yet"))
+    base = ["model.family=tiny", "model.hidden_size=32", "model.num_heads=2", "model.rope_axes_dim=[6,6,4]"]
+    assert load_config(None, base).model.family == "tiny"
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*base, "metrics.validation.every=5", "metrics.validation.captions=[a fox]"])
+    assert ("validation samples of a Tiny model (model.family tiny): not supported yet; its schedule is not "
+            "knapray's yet") in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"^run r: sampling a Tiny model \(model.family tiny\): not supported yet"):
+        check_samples(load_config(None, base).model, "run r: sampling")
+
+
 def test_a_family_registration_must_hold_together() -> None:
     with pytest.raises(ValueError, match="its encoders name"):
         dataclasses.replace(TINY, name="other")
