@@ -100,6 +100,24 @@ def test_text_encoder_and_vae_working_memory():
     assert 7.5 < wan.decode_bytes(21, 60, 104) / GIB < 7.7 and 2.5 < wan.decode_bytes(1, 60, 104) / GIB < 2.7
 
 
+@pytest.mark.parametrize("family, cls", [("qwen_image", "AutoencoderKLQwenImage"), ("flux2", "AutoencoderKLFlux2")])
+def test_the_newer_families_vaes_are_counted_as_diffusers_builds_them(family, cls):
+    """Qwen-Image's VAE (Wan 2.1's network under its own name) and FLUX.2's (an AutoencoderKL
+    of 32 channels; its patch statistics are buffers): the parameters diffusers' model of
+    the family's declared config has, built on the meta device."""
+    import diffusers
+    import torch
+
+    from knapray.models.families import get_family
+
+    spec = get_family(family).encoders.vae
+    with torch.device("meta"):
+        model = getattr(diffusers, cls)(**spec.values)
+    shape = VAEShape.of(spec)
+    assert shape.num_params == sum(p.numel() for p in model.parameters())
+    assert shape.video == (family == "qwen_image") and shape.downsample == 8
+
+
 def test_unmodelled_architectures_are_named():
     with pytest.raises(ValueError, match="text encoder GemmaModel: not modelled"):
         TextEncoderShape.of(ArchSpec.of("GemmaModel", {}))

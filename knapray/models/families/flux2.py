@@ -43,6 +43,7 @@ from knapray.models.families.flux import flux_rope
 from knapray.models.layers import MLP, TIME_EMBED_DIM, GatedMLP, LayerNorm, Modulation, per_token, swiglu, timestep_embedding
 from knapray.models.mmdit import MMDiT
 from knapray.models.packing import PackedBatch
+from knapray.planning.inference.sampling_memory import ArchSpec
 
 DIFFUSERS_CLASS = "Flux2Transformer2DModel"
 SYSTEM_MESSAGE = ("You are an AI that reasons about image descriptions. You give structured responses focusing on "
@@ -50,6 +51,10 @@ SYSTEM_MESSAGE = ("You are an AI that reasons about image descriptions. You give
 """``Flux2Pipeline``'s system message: the chat turn before the caption, for Mistral Small 3.1."""
 TEXT_LAYERS = (10, 20, 30)
 """The Mistral hidden states the pipeline stacks per token (3 x 5,120 = 15,360 wide)."""
+VAE = ArchSpec.of("AutoencoderKLFlux2", {
+    "in_channels": 3, "out_channels": 3, "latent_channels": 32, "block_out_channels": [128, 256, 512, 512],
+    "layers_per_block": 2, "use_quant_conv": True, "use_post_quant_conv": True}, dtype="bf16")
+"""FLUX.2's VAE (its pipeline folder's vae/), in bf16 as its pipeline decodes."""
 TEXT_TOKENS = 512
 """``max_sequence_length``: every caption padded to it, and the transformer attends to all of them."""
 PATCH = (1, 2, 2)

@@ -40,6 +40,7 @@ from knapray.models.config import MMDiTConfig
 from knapray.models.layers import MLP, TIME_EMBED_DIM, RMSNorm
 from knapray.models.mmdit import MMDiT
 from knapray.models.packing import PackedBatch
+from knapray.planning.inference.sampling_memory import ArchSpec
 
 DIFFUSERS_CLASS = "QwenImageTransformer2DModel"
 PATCH = (1, 2, 2)
@@ -50,6 +51,10 @@ PROMPT_TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the colo
                    "text, spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}"
                    "<|im_end|>\n<|im_start|>assistant\n")
 """``QwenImagePipeline.prompt_template_encode``: the chat turn Qwen2.5-VL reads a caption in."""
+VAE = ArchSpec.of("AutoencoderKLQwenImage", {
+    "base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
+    "temperal_downsample": [False, True, True], "input_channels": 3}, dtype="bf16")
+"""Qwen-Image's VAE (its pipeline folder's vae/, Wan 2.1's network), as its pipeline decodes: bf16."""
 PROMPT_DROP = 34
 """``QwenImagePipeline.prompt_template_encode_start_idx``: the template's tokens before the
 caption, left out of the text features."""

@@ -220,7 +220,9 @@ class TextEncoderShape:
 
 # ---- VAEs -------------------------------------------------------------------------------------
 
-VAE_CLASSES = ("AutoencoderKL", "AutoencoderKLWan")
+VAE_CLASSES = ("AutoencoderKL", "AutoencoderKLFlux2", "AutoencoderKLWan", "AutoencoderKLQwenImage")
+WAN_VAES = ("AutoencoderKLWan", "AutoencoderKLQwenImage")
+"""Wan 2.1's causal video VAE, and Qwen-Image's, the same network under its own name."""
 CACHE_FRAMES = 2
 """Frames a causal convolution of Wan's VAE keeps of its input (diffusers' ``CACHE_T``)."""
 
@@ -246,26 +248,28 @@ class VAEShape:
     @classmethod
     def of(cls, spec: ArchSpec) -> VAEShape:
         get = spec.get
-        if spec.cls == "AutoencoderKL":
+        if spec.cls in ("AutoencoderKL", "AutoencoderKLFlux2"):  # FLUX.2's: an AutoencoderKL and its patch statistics
             return cls(cls=spec.cls, latent_channels=get("latent_channels"),
                        channels=tuple(get("block_out_channels")), layers_per_block=get("layers_per_block"),
                        in_channels=get("in_channels"), out_channels=get("out_channels"),
                        quant_conv=bool(get("use_quant_conv")), post_quant_conv=bool(get("use_post_quant_conv")),
                        dtype=spec.dtype)
-        if spec.cls == "AutoencoderKLWan":
-            if get("is_residual") or get("attn_scales") or get("patch_size") is not None:
-                raise ValueError("AutoencoderKLWan: only Wan 2.1's VAE (not residual, no attention scales, no "
+        if spec.cls in WAN_VAES:
+            qwen = spec.cls == "AutoencoderKLQwenImage"  # no residual or patch keys; its channels one key
+            if get("attn_scales") or (not qwen and (get("is_residual") or get("patch_size") is not None)):
+                raise ValueError(f"{spec.cls}: only Wan 2.1's VAE (not residual, no attention scales, no "
                                  "patches) is modelled")
             base = get("base_dim")
             return cls(cls=spec.cls, latent_channels=get("z_dim"), channels=tuple(base * u for u in get("dim_mult")),
-                       layers_per_block=get("num_res_blocks"), in_channels=get("in_channels"),
-                       out_channels=get("out_channels"), temporal_down=tuple(get("temperal_downsample")),
-                       dtype=spec.dtype)
+                       layers_per_block=get("num_res_blocks"),
+                       in_channels=get("input_channels") if qwen else get("in_channels"),
+                       out_channels=get("input_channels") if qwen else get("out_channels"),
+                       temporal_down=tuple(get("temperal_downsample")), dtype=spec.dtype)
         raise ValueError(f"VAE {spec.cls}: not modelled; knapray's memory model knows {', '.join(VAE_CLASSES)}")
 
     @property
     def video(self) -> bool:
-        return self.cls == "AutoencoderKLWan"
+        return self.cls in WAN_VAES
 
     @property
     def downsample(self) -> int:
