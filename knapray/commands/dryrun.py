@@ -287,7 +287,7 @@ def _print_sample_setup(args: argparse.Namespace, setup, torch_version: str) -> 
     sizes = ", ".join(f"{w}x{h}" for w, h in setup.sizes)
     frames = f", {setup.frames} latent frames ({mem.vae.frames(setup.frames)} frames)" if setup.frames > 1 and mem.vae \
         else ""
-    guide = (f"FLUX.1-dev's embedded guidance {setup.guidance:g} (1 pass)" if setup.embedded else
+    guide = (f"embedded guidance {setup.guidance:g} (1 pass)" if setup.embedded else
              f"classifier-free guidance {setup.guidance:g} (2 passes)" if job.passes == 2 else "no guidance (1 pass)")
     tokens = "+".join(str(j.image_tokens) for j in setup.jobs)
     print(f"requests {sizes}{frames}: {tokens} image tokens + {job.text_tokens} text tokens a pass, {guide}")

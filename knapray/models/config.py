@@ -98,6 +98,8 @@ class DiTConfig:
     """One modulation per kind of block for the whole model (FLUX.2's: the image stream's and
     the text stream's 6·d, the single blocks' 3·d), gathered per token once per step, rather
     than one in every block: what the memory model counts."""
+    text_norm: ClassVar[bool] = False
+    """The text features pass an RMSNorm with a gain before ``txt_in`` (Qwen-Image's ``txt_norm``)."""
 
     in_channels: int = dataclasses.field(default=4, metadata={"ge": 1, "le": MAX_MODEL_WIDTH})
     """Channels of the latent (C in (C, T, H, W))."""

@@ -48,6 +48,7 @@ from knapray.planning.inference.sampling_memory import (
     Alternative,
     ArchSpec,
     BagStep,
+    LM_CLASSES,
     RankRole,
     SampleJob,
     SamplingMemoryModel,
@@ -106,7 +107,8 @@ def check_sample_setup(config: str, overrides: list[str], *, world_size: int | N
                        topology: str | None = None) -> SampleSetup:
     """The run config ``config`` with ``overrides`` sampling a request of each of ``sizes`` (WxH
     pixels, default one of ``DEFAULT_SIZE``), ``frames`` latent frames each, at ``guidance``
-    (default: the family's: FLUX.1-dev's embedded 3.5, else 1: no classifier-free guidance) on
+    (default: the family's, ``knapray sample``'s: FLUX.1-dev's embedded 3.5, FLUX.2's 4.0,
+    Qwen-Image's classifier-free 4.0, else 1: none) on
     ``world_size`` ranks (default ``scaling.num_workers``) in bags of ``topology`` (default
     ``knapray sample``'s halving bags), as ``rank``, on GPUs of ``gpu_gib``; the encoders
     per ``encoders``. ValueError naming the flag; ``DoesNotFit`` (a ValueError) when the
@@ -145,7 +147,12 @@ def check_sample_setup(config: str, overrides: list[str], *, world_size: int | N
     _, ph, pw = m.patch_size
     check_sizes(pixels, frames, down, (ph, pw))
     embedded = bool(getattr(m, "guidance_embeds", False))
-    scale = (3.5 if embedded else 1.0) if guidance is None else guidance
+    if guidance is None:
+        from knapray.inference.prepare import default_guidance
+
+        scale = default_guidance(m)  # the family pipeline's (an embedded input, or classifier-free guidance)
+    else:
+        scale = guidance
     if not (isinstance(scale, (int, float)) and 0 <= scale <= MAX_GUIDANCE):
         raise ValueError(f"--guidance {scale!r}: a number in [0, {MAX_GUIDANCE:g}]")
     spec = topology or halving_topology(world, m.num_heads)
@@ -163,7 +170,11 @@ def check_sample_setup(config: str, overrides: list[str], *, world_size: int | N
                       image_tokens=frames * (height // (down * ph)) * (width // (down * pw)))
             for width, height in pixels]
     steps = bag_steps(topo, jobs)
-    memory = SamplingMemoryModel.of(m, text_models, vae, encoders=encoders)
+    from knapray.models.families import adapter_counts
+
+    adapters = adapter_counts(m)  # a LoRA run's adapters, held beside the base
+    memory = SamplingMemoryModel.of(m, text_models, vae, encoders=encoders,
+                                    adapter_params=adapters[0] if adapters else 0)
     roles = gang_roles(topo, jobs, steps)
     role = next((r for r in roles if r.rank == rank), None) or rank_role(topo, rank, jobs, steps=steps)
     setup = SampleSetup(cfg=cfg, world=world, rank=rank, gpu_gib=gpu_gib, topology=topo, sizes=pixels,
@@ -226,7 +237,7 @@ def build_text_model(spec: ArchSpec) -> torch.nn.Module:
 
     cls = getattr(transformers, spec.cls)
     with torch.device("meta"):
-        model = cls(cls.config_class(**spec.values))
+        model = cls(cls.config_class(**spec.nested()))
     return model.to(_dtype(spec.dtype)).eval()
 
 
@@ -301,6 +312,7 @@ def measure(setup: SampleSetup) -> SampleMeasured:
         groups = _groups(setup.topology, setup.rank)
         with torch.device("meta"):
             transformer = build_model(setup.cfg.model)
+        transformer.requires_grad_(True)  # a LoRA run's frozen base too: the tracker hooks every parameter
         # the engine's preparation, on the meta device (the parameters become fakes after):
         # weights in bf16 once, the final layer in fp32, the residual stream in fp32 with the
         # blocks under autocast (CPU autocast standing in for CUDA's), not compiled
@@ -448,7 +460,10 @@ def _encode(encoders: list[torch.nn.Module], captions: int, setup: SampleSetup) 
     for model, spec in zip(encoders, setup.text_models):
         ids = torch.zeros(captions, spec.tokens, dtype=torch.int64)
         mask = torch.ones(captions, spec.tokens, dtype=torch.int64)
-        outs.append(model(input_ids=ids, attention_mask=mask))
+        if spec.cls in LM_CLASSES:  # a language model's hidden states, every layer's kept, as the pipelines read them
+            outs.append(model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False))
+        else:
+            outs.append(model(input_ids=ids, attention_mask=mask))
     return outs
 
 

@@ -55,6 +55,14 @@ VAE = ArchSpec.of("AutoencoderKLFlux2", {
     "in_channels": 3, "out_channels": 3, "latent_channels": 32, "block_out_channels": [128, 256, 512, 512],
     "layers_per_block": 2, "use_quant_conv": True, "use_post_quant_conv": True}, dtype="bf16")
 """FLUX.2's VAE (its pipeline folder's vae/), in bf16 as its pipeline decodes."""
+TEXT_MODEL = ArchSpec.of("Mistral3ForConditionalGeneration", {
+    "text_config.vocab_size": 131072, "text_config.hidden_size": 5120, "text_config.intermediate_size": 32768,
+    "text_config.num_hidden_layers": 40, "text_config.num_attention_heads": 32, "text_config.num_key_value_heads": 8,
+    "text_config.head_dim": 128, "vision_config.num_hidden_layers": 24, "vision_config.hidden_size": 1024,
+    "vision_config.intermediate_size": 4096, "vision_config.patch_size": 14, "spatial_merge_size": 2,
+    "multimodal_projector_bias": False, "layers_out": 3, "tie_word_embeddings": False}, tokens=512)
+"""FLUX.2's text encoder (its pipeline folder's text_encoder/: Mistral Small 3.1, 24B), in bf16,
+at its 512 padded tokens, three layers' hidden states per token: what sampling holds on rank 0."""
 TEXT_TOKENS = 512
 """``max_sequence_length``: every caption padded to it, and the transformer attends to all of them."""
 PATCH = (1, 2, 2)

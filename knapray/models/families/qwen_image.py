@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn as nn
@@ -55,6 +55,15 @@ VAE = ArchSpec.of("AutoencoderKLQwenImage", {
     "base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
     "temperal_downsample": [False, True, True], "input_channels": 3}, dtype="bf16")
 """Qwen-Image's VAE (its pipeline folder's vae/, Wan 2.1's network), as its pipeline decodes: bf16."""
+TEXT_MODEL = ArchSpec.of("Qwen2_5_VLForConditionalGeneration", {
+    "text_config.vocab_size": 152064, "text_config.hidden_size": 3584, "text_config.intermediate_size": 18944,
+    "text_config.num_hidden_layers": 28, "text_config.num_attention_heads": 28,
+    "text_config.num_key_value_heads": 4, "vision_config.depth": 32, "vision_config.hidden_size": 1280,
+    "vision_config.intermediate_size": 3420, "vision_config.patch_size": 14, "vision_config.temporal_patch_size": 2,
+    "vision_config.spatial_merge_size": 2, "vision_config.out_hidden_size": 3584, "tie_word_embeddings": False},
+    tokens=512 + 34)
+"""Qwen-Image's text encoder (its pipeline folder's text_encoder/: Qwen2.5-VL 7B), in bf16, a
+caption read at up to 512 tokens after the template's 34: what sampling holds on rank 0."""
 PROMPT_DROP = 34
 """``QwenImagePipeline.prompt_template_encode_start_idx``: the template's tokens before the
 caption, left out of the text features."""
@@ -75,6 +84,7 @@ class QwenImageConfig(MMDiTConfig):
     pooled_dim: int = dataclasses.field(default=0, metadata={"ge": 0})
     rope_axes_dim: tuple[int, int, int] = dataclasses.field(default=(16, 56, 56), metadata={"ge": 0})
     family: str = "qwen_image"
+    text_norm: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         MMDiTConfig.__post_init__(self)

@@ -190,6 +190,8 @@ class ModelShape:
     gated_mlp: bool = False
     """SwiGLU MLPs (``gated_mlp``; FLUX.2's): ``fc1`` d -> 2m and ``fc2`` m -> d; a single
     block's ``linear1`` d -> 3d + 2m."""
+    text_norm: bool = False
+    """An RMSNorm gain over the text features before ``txt_in`` (``text_norm``; Qwen-Image's)."""
     shared_modulation: bool = False
     """No modulation in the blocks (``shared_modulation``; FLUX.2's): one for the whole
     model (the image and text streams' 6·d, the single blocks' 3·d), counted with the
@@ -199,7 +201,7 @@ class ModelShape:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name in ("qk_norm", "guidance_embeds", "cross_attention", "cross_norm", "biases", "gated_mlp",
-                          "shared_modulation"):
+                          "shared_modulation", "text_norm"):
                 if not isinstance(value, bool):
                     raise ValueError(f"{f.name} must be a bool, got {value!r}")
                 continue
@@ -239,6 +241,7 @@ class ModelShape:
             biases=bool(getattr(cfg, "linear_bias", True)),
             gated_mlp=bool(getattr(cfg, "gated_mlp", False)),
             shared_modulation=bool(getattr(cfg, "shared_modulation", False)),
+            text_norm=bool(getattr(cfg, "text_norm", False)),
         )
 
     @property
@@ -314,7 +317,10 @@ class ModelShape:
             lin += [(TIME_EMBED_DIM, d), (d, d)]
         if self.shared_modulation:  # the image and text streams', the single blocks'
             lin += [(d, 6 * d), (d, 6 * d), (d, 3 * d)]
-        return self._count(lin, 0)
+        lin_params, norm_params, tensors = self._count(lin, 0)
+        if self.text_norm:  # Qwen-Image's txt_norm: a gain per text feature
+            return lin_params, norm_params + self.text_dim, tensors + 1
+        return lin_params, norm_params, tensors
 
     @property
     def shared_modulation_params(self) -> int:

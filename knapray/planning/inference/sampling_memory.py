@@ -128,6 +128,23 @@ class ArchSpec:
     def values(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in self.config}
 
+    def nested(self) -> dict[str, Any]:
+        """The config as its library's config class takes it: ``text_config.*`` and
+        ``vision_config.*`` values in their sub-configs (the head's tying in both), knapray's
+        own keys (``layers_out``) left out."""
+        out: dict[str, Any] = {}
+        for key, value in self.values.items():
+            if key == "layers_out":
+                continue
+            head, _, tail = key.partition(".")
+            if tail:
+                out.setdefault(head, {})[tail] = value
+            else:
+                out[key] = value
+        if "tie_word_embeddings" in out and "text_config" in out:
+            out["text_config"]["tie_word_embeddings"] = out["tie_word_embeddings"]
+        return out
+
     def get(self, key: str) -> Any:
         for k, v in self.config:
             if k == key:
@@ -143,11 +160,36 @@ def _frozen(value: Any) -> Any:
 
 T5_CLASSES = ("T5EncoderModel", "UMT5EncoderModel")
 CLIP_CLASSES = ("CLIPTextModel",)
+LM_CLASSES = ("Qwen2_5_VLForConditionalGeneration", "Mistral3ForConditionalGeneration")
+"""Vision-language models whose decoder's hidden states are a pipeline's text (Qwen-Image's
+Qwen2.5-VL, FLUX.2's Mistral Small 3.1): their config's ``text_config.*`` and
+``vision_config.*`` values, the vision tower counted with the rest (the pipelines load it)."""
+
+
+def _vision_params(spec: ArchSpec, text_width: int) -> int:
+    """The vision tower and its projection into the decoder, as transformers builds them."""
+    get = spec.get
+    d, f, layers, patch = (get(f"vision_config.{k}") for k in ("hidden_size", "intermediate_size", "depth" if
+                           spec.cls.startswith("Qwen") else "num_hidden_layers", "patch_size"))
+    if spec.cls.startswith("Qwen"):  # Qwen2.5-VL's ViT: biased q/k/v, proj and SwiGLU; a 2x2 patch merger
+        merged = d * get("vision_config.spatial_merge_size") ** 2
+        per_layer = (d * 3 * d + 3 * d) + (d * d + d) + 2 * (d * f + f) + (f * d + d) + 2 * d
+        embed = 3 * get("vision_config.temporal_patch_size") * patch * patch * d
+        merger = d + (merged * merged + merged) + (merged * get("vision_config.out_hidden_size")
+                                                  + get("vision_config.out_hidden_size"))
+        return embed + layers * per_layer + merger
+    # Pixtral: no biases; Mistral3's projector (a norm, the patch merger, two linears)
+    per_layer = 4 * d * d + 3 * d * f + 2 * d
+    bias = bool(get("multimodal_projector_bias"))
+    projector = d + d * get("spatial_merge_size") ** 2 * d + (d * text_width + (text_width if bias else 0)) + (
+        text_width * text_width + (text_width if bias else 0))
+    return 3 * patch * patch * d + d + layers * per_layer + projector
 
 
 @dataclass(frozen=True, kw_only=True)
 class TextEncoderShape:
-    """What the memory model needs of a text encoder (a T5 / umT5 encoder or a CLIP text model)."""
+    """What the memory model needs of a text encoder (a T5 / umT5 encoder, a CLIP text model,
+    or a vision-language model's decoder: ``LM_CLASSES``)."""
 
     cls: str
     vocab: int
@@ -163,6 +205,16 @@ class TextEncoderShape:
     """T5: relative-attention buckets (layer 0's table; umT5: every layer's)."""
     positions: int = 0
     """CLIP: learned positions."""
+    kv_heads: int = 0
+    """A language model's key/value heads (grouped-query attention)."""
+    qkv_bias: bool = False
+    """Qwen2's biased q, k and v projections."""
+    layers_out: int = 1
+    """Hidden states its pipeline takes side by side per token (FLUX.2's 3)."""
+    extra_params: int = 0
+    """A vision-language model's vision tower and projection (``_vision_params``)."""
+    tied: bool = False
+    """A language model's output head is its embedding (``tie_word_embeddings``)."""
     dtype: str = "bf16"
 
     @classmethod
@@ -179,16 +231,34 @@ class TextEncoderShape:
                        layers=get("num_hidden_layers"), heads=get("num_attention_heads"),
                        head_dim=d // get("num_attention_heads"), tokens=spec.tokens,
                        positions=get("max_position_embeddings"), dtype=spec.dtype)
+        if spec.cls in LM_CLASSES:
+            d, heads = get("text_config.hidden_size"), get("text_config.num_attention_heads")
+            head_dim = dict(spec.config).get("text_config.head_dim") or d // heads
+            return cls(cls=spec.cls, vocab=get("text_config.vocab_size"), width=d,
+                       ffn=get("text_config.intermediate_size"), layers=get("text_config.num_hidden_layers"),
+                       heads=heads, head_dim=head_dim, tokens=spec.tokens, gated=True,
+                       kv_heads=get("text_config.num_key_value_heads"), qkv_bias=spec.cls.startswith("Qwen"),
+                       layers_out=int(dict(spec.config).get("layers_out", 1)), tied=bool(get("tie_word_embeddings")),
+                       extra_params=_vision_params(spec, d), dtype=spec.dtype)
         raise ValueError(f"text encoder {spec.cls}: not modelled; knapray's memory model knows "
-                         f"{', '.join(T5_CLASSES + CLIP_CLASSES)}")
+                         f"{', '.join(T5_CLASSES + CLIP_CLASSES + LM_CLASSES)}")
 
     @property
     def t5(self) -> bool:
         return self.cls in T5_CLASSES
 
     @property
+    def lm(self) -> bool:
+        return self.cls in LM_CLASSES
+
+    @property
     def num_params(self) -> int:
         d, f, inner = self.width, self.ffn, self.heads * self.head_dim
+        if self.lm:  # embedding and an untied head; q, k, v (biased: Qwen2), o; SwiGLU; two RMS norms a layer
+            kv = self.kv_heads * self.head_dim
+            attn = d * inner + 2 * d * kv + inner * d + ((inner + 2 * kv) if self.qkv_bias else 0)
+            tables = (1 if self.tied else 2) * self.vocab * d
+            return tables + self.layers * (attn + 3 * d * f + 2 * d) + d + self.extra_params
         if self.t5:  # no biases; one shared embedding; RMS norms of d
             ffn = (3 if self.gated else 2) * d * f
             tables = (self.layers if self.cls == "UMT5EncoderModel" else 1) * self.buckets * self.heads
@@ -204,6 +274,8 @@ class TextEncoderShape:
     def output_bytes(self, captions: int) -> int:
         """What it returns for ``captions``: the token embeddings (and CLIP's pooled vector)."""
         b = DTYPE_BYTES[self.dtype]
+        if self.lm:
+            return captions * self.tokens * self.width * self.layers_out * b
         return captions * self.tokens * self.width * b + (0 if self.t5 else captions * self.width * b)
 
     def encode_bytes(self, captions: int) -> int:
@@ -215,6 +287,8 @@ class TextEncoderShape:
         if self.t5:
             bias = self.heads * n * n * b + 2 * bsz * self.heads * n * n * b + bsz * n * n  # + the bool mask
             return ids + bias + bsz * n * (3 * self.heads * self.head_dim + 3 * d) * b
+        if self.lm:  # every layer's hidden states kept (output_hidden_states), and one layer's MLP at a time
+            return ids + bsz * n * ((self.layers + 1) * d + 3 * self.ffn + 4 * d) * b
         return ids + bsz * n * (3 * self.ffn + 4 * d) * b
 
 
@@ -289,7 +363,10 @@ class VAEShape:
 
     @property
     def weight_bytes(self) -> int:
-        return self.num_params * DTYPE_BYTES[self.dtype]
+        """Its parameters in its dtype, and FLUX.2's batch statistics (running mean and variance
+        per patchified channel, in its dtype, and the batch counter, an int64)."""
+        stats = 2 * 4 * self.latent_channels * DTYPE_BYTES[self.dtype] + INDEX if self.cls == "AutoencoderKLFlux2" else 0
+        return self.num_params * DTYPE_BYTES[self.dtype] + stats
 
     def _kl_params(self) -> int:
         def conv(i: int, o: int, k: int = 3) -> int:
@@ -581,6 +658,8 @@ class SamplingMemoryModel:
     pooled_dim: int = 0
     placement: str = "replicated"
     encoders: str = "keep"
+    adapter_params: int = 0
+    """A LoRA run's adapters, held in the compute dtype beside the base."""
     reserve_bytes: int = RESERVE_BYTES
     fragmentation: float = FRAGMENTATION
 
@@ -608,14 +687,15 @@ class SamplingMemoryModel:
         """The final layer's parameters (fp32 on a GPU): its modulation and output projection
         (Flux), or its shift/scale table and output projection (Wan)."""
         s = self.shape
-        out = s.hidden_size * s.patch_dim + s.patch_dim
-        return out + (2 * s.hidden_size if s.cross_attention else 2 * s.hidden_size * (s.hidden_size + 1))
+        bias = 1 if s.biases else 0
+        out = s.hidden_size * s.patch_dim + bias * s.patch_dim
+        return out + (2 * s.hidden_size if s.cross_attention else 2 * s.hidden_size * (s.hidden_size + bias))
 
     def transformer_bytes(self, bag_size: int = 1) -> int:
         """The transformer's weights on a rank, bf16 and its final layer fp32: whole
         (replicated), or a ``bag_size``-th of them plus the largest unit gathered (bag-sharded)."""
         s = self.shape
-        total = s.num_params * COMPUTE_BYTES + self.final_params * (STREAM_BYTES - COMPUTE_BYTES)
+        total = (s.num_params + self.adapter_params) * COMPUTE_BYTES + self.final_params * (STREAM_BYTES - COMPUTE_BYTES)
         if self.placement == "replicated" or bag_size == 1:
             return total
         largest = max(sum(s.double_block[:2]) if s.depth_double else 0,
