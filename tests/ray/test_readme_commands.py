@@ -249,6 +249,8 @@ RULES = (
          "--help has the same options, and tests/unit/test_cli_dialect.py checks them"),
     Rule(r"^knapray dryrun --sample .*--gpu-gib 24", "error", "Wan 2.1 14B's sampling gang on 24 GiB GPUs: refused "
          "before anything is built"),
+    Rule(r"^knapray dryrun --sample --config jobs/configs/flux2_dev_lora\.yaml", "parse", "FLUX.2 with its 24B "
+         "text encoder on fake tensors; tests/unit/test_sample_dryrun.py runs this placement"),
     Rule(r"^knapray dryrun --sample ", "parse", "each builds full-size models on fake tensors (13-20 s here); "
          "tests/unit/test_sample_dryrun.py runs the three placements"),
     Rule(r"^knapray dryrun --config jobs/configs/flux_cluster\.yaml", "parse", "the 64-rank Flux dry run takes "
