@@ -27,7 +27,7 @@ WAN_480P = ("--size", "832x480", "--frames", "21", "--guidance", "5")
 QWEN = str(REPO / "jobs" / "configs" / "qwen_image_lora.yaml")
 FLUX2 = str(REPO / "jobs" / "configs" / "flux2_dev_lora.yaml")
 NO_BASE = ("--set", 'model.pretrained=""', "--size", "1024x1024")
-"""The LoRA configs' base folder is a placeholder: the dry run builds the model from its widths."""
+"""The LoRA configs name a base folder for the user to set: the dry run builds the model from its widths."""
 
 
 # ---- the three placements, measured --------------------------------------------------------
