@@ -201,7 +201,7 @@ class FinalLayer(nn.Module):
         super().__init__()
         self.mod = Modulation(cfg.hidden_size, 2)
         self.norm = LayerNorm(cfg.hidden_size)
-        self.linear = nn.Linear(cfg.hidden_size, cfg.patch_dim)
+        self.linear = nn.Linear(cfg.hidden_size, cfg.out_patch_dim)
 
     def forward(self, h_img: torch.Tensor, vec_seq: torch.Tensor, seq_img: torch.Tensor) -> torch.Tensor:
         shift, scale = self.mod(vec_seq, seq_img)

@@ -194,6 +194,12 @@ class DiTConfig:
         return self.in_channels * pt * ph * pw
 
     @property
+    def out_patch_dim(self) -> int:
+        """Features per image token of the model's output (the head's width): ``patch_dim``,
+        unless the family outputs fewer channels than it takes (Wan 2.1 I2V: 16 of 36)."""
+        return self.patch_dim
+
+    @property
     def mlp_hidden(self) -> int:
         return int(self.hidden_size * self.mlp_ratio)
 

@@ -109,10 +109,20 @@ class PackedBatch:
     grids: tuple[tuple[int, int, int], ...] = ()
     """Per sequence, the image token grid (Ti, Hi, Wi), for unpatchify."""
     targets: torch.Tensor | None = None
-    """(Ni, patch_dim) regression target of the image tokens, if set."""
+    """(Ni, out_patch_dim) regression target of the image tokens, if set (the model's
+    output features: ``cfg.out_patch_dim``, fewer than x_img's for Wan 2.1 I2V)."""
     guidance: torch.Tensor | None = None
     """(S,) float guidance strength per sequence, for a model that embeds it (Flux.1-dev);
     None for the others."""
+    image_context: torch.Tensor | None = None
+    """(S, L, image_dim) the conditioning image's encoder tokens per sequence, for a model
+    that cross-attends to them (Wan 2.1 I2V: CLIP ViT-H/14's, L = 257 of 1280); None for
+    the others."""
+    first_frame_timesteps: torch.Tensor | None = None
+    """(S,) float flow-matching time of each sequence's first latent frame, for a model with
+    per-token times (Wan 2.2 TI2V-5B): 0 where an image conditions the sequence (its first
+    frame is the image's clean latent), the sequence's ``timesteps`` where none does; None
+    for the others."""
 
     def __post_init__(self) -> None:
         n, s = self.is_text.shape[0], self.seq_lens.shape[0]
@@ -130,8 +140,15 @@ class PackedBatch:
             )
         if self.guidance is not None and self.guidance.shape != (s,):
             raise ValueError(f"guidance must be ({s},), one value per sequence, got {tuple(self.guidance.shape)}")
-        if self.targets is not None and self.targets.shape != self.x_img.shape:
-            raise ValueError(f"targets {tuple(self.targets.shape)} must match x_img {tuple(self.x_img.shape)}")
+        if self.targets is not None and (self.targets.dim() != 2 or self.targets.shape[0] != self.x_img.shape[0]):
+            raise ValueError(f"targets {tuple(self.targets.shape)} must have one row per x_img row "
+                             f"{tuple(self.x_img.shape)}")
+        if self.image_context is not None and (self.image_context.dim() != 3 or self.image_context.shape[0] != s):
+            raise ValueError(f"image_context must be ({s}, L, image_dim), one per sequence, got "
+                             f"{tuple(self.image_context.shape)}")
+        if self.first_frame_timesteps is not None and self.first_frame_timesteps.shape != (s,):
+            raise ValueError(f"first_frame_timesteps must be ({s},), one value per sequence, got "
+                             f"{tuple(self.first_frame_timesteps.shape)}")
 
     @property
     def num_sequences(self) -> int:
@@ -163,11 +180,14 @@ def pack_samples(samples: Sequence[dict[str, Any]], cfg: DiTConfig) -> PackedBat
     """Pack samples ``{latent (C,T,H,W), text (Lt, text_dim), pooled (pooled_dim,), timestep}``.
 
     ``text`` may have Lt = 0 (or be absent when cfg.text_dim == 0); ``pooled`` may be absent
-    when cfg.pooled_dim == 0; ``guidance`` (a float, for a model that embeds it) is given
-    by every sample or by none. An empty list gives an empty batch (S = 0, N = 0).
+    when cfg.pooled_dim == 0; ``guidance`` (a float, for a model that embeds it),
+    ``image_context`` ((L, image_dim), L the same for all) and ``first_frame_timestep`` (a
+    float) are each given by every sample or by none. An empty list gives an empty batch
+    (S = 0, N = 0).
     Packing runs on the data-loading side: samples are CPU tensors; move the result with ``.to``.
     """
-    x_txt, x_img, is_text, pos, seq_index, lens, grids, tsteps, pooled, guidance = ([] for _ in range(10))
+    x_txt, x_img, is_text, pos, seq_index, lens, grids, tsteps, pooled = ([] for _ in range(9))
+    optional = {"guidance": [], "image_context": [], "first_frame_timestep": []}
     for i, sample in enumerate(samples):
         latent = sample["latent"]
         if latent.dim() != 4 or latent.shape[0] != cfg.in_channels:
@@ -191,9 +211,17 @@ def pack_samples(samples: Sequence[dict[str, Any]], cfg: DiTConfig) -> PackedBat
         grids.append(tuple(s // p for s, p in zip(latent.shape[1:], cfg.patch_size)))
         tsteps.append(float(sample["timestep"]))
         pooled.append(vec)
-        if ("guidance" in sample) != ("guidance" in samples[0]):
-            raise ValueError(f"sample {i}: give guidance for every sample or for none")
-        guidance.append(float(sample.get("guidance", 0.0)))
+        for name, values in optional.items():
+            if (name in sample) != (name in samples[0]):
+                raise ValueError(f"sample {i}: give {name} for every sample or for none")
+            if name == "image_context" and name in sample:
+                ctx = sample[name]
+                if ctx.dim() != 2 or ctx.shape != samples[0][name].shape:
+                    raise ValueError(f"sample {i}: image_context must be (L, image_dim) as sample 0's "
+                                     f"{tuple(samples[0][name].shape)}, got {tuple(ctx.shape)}")
+                values.append(ctx)
+            elif name in sample:
+                values.append(float(sample[name]))
 
     seq_lens = torch.tensor(lens, dtype=torch.int64)
     cu_seqlens = torch.zeros(len(lens) + 1, dtype=torch.int32)
@@ -210,5 +238,8 @@ def pack_samples(samples: Sequence[dict[str, Any]], cfg: DiTConfig) -> PackedBat
         pooled=torch.stack(pooled) if pooled else torch.zeros(0, cfg.pooled_dim),
         seq_lens=seq_lens,
         grids=tuple(grids),
-        guidance=torch.tensor(guidance, dtype=torch.float32) if samples and "guidance" in samples[0] else None,
+        guidance=torch.tensor(optional["guidance"], dtype=torch.float32) if optional["guidance"] else None,
+        image_context=torch.stack(optional["image_context"]) if optional["image_context"] else None,
+        first_frame_timesteps=(torch.tensor(optional["first_frame_timestep"], dtype=torch.float32)
+                               if optional["first_frame_timestep"] else None),
     )

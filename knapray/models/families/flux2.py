@@ -335,7 +335,7 @@ class Flux2Final(FinalLayer):
         self.width = cfg.hidden_size
         self.mod = Modulation(cfg.hidden_size, 2, bias=False)
         self.norm = LayerNorm(cfg.hidden_size)
-        self.linear = nn.Linear(cfg.hidden_size, cfg.patch_dim, bias=False)
+        self.linear = nn.Linear(cfg.hidden_size, cfg.out_patch_dim, bias=False)
 
     def forward(self, h_img: torch.Tensor, vec_seq: torch.Tensor, seq_img: torch.Tensor) -> torch.Tensor:
         return FinalLayer.forward(self, h_img, vec_seq[:, :self.width], seq_img)
