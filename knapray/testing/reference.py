@@ -42,7 +42,11 @@ class Inputs:
     timestep: float
     guidance: float | None
     target: torch.Tensor
-    """(H/2 · W/2, 4·C): the regression target of its image tokens, raster order."""
+    """(H/2 · W/2, 4·C_out): the regression target of its image tokens, raster order."""
+    image_context: torch.Tensor | None = None
+    """(L, image_dim): its conditioning image's tokens, for a model that takes them (Wan I2V)."""
+    first_frame_timestep: float | None = None
+    """Its first latent frame's time, for a model with per-token times (Wan 2.2 TI2V)."""
 
 
 SIZES = ((4, 4), (6, 8), (8, 6), (2, 10), (10, 4), (6, 6))
@@ -82,23 +86,29 @@ def make_inputs(cfg: Any, sequences: int, seed: int) -> list[Inputs]:
             pooled=torch.randn(cfg.pooled_dim, generator=gen),
             timestep=float(torch.rand((), generator=gen)),
             guidance=guidance,
-            target=torch.randn((h // 2) * (w // 2), cfg.patch_dim, generator=gen),
+            target=torch.randn((h // 2) * (w // 2), cfg.out_patch_dim, generator=gen),
         ))
     return out
 
 
 def _clip_inputs(cfg: Any, sequences: int, seed: int, text_lens: tuple[int, ...]) -> list[Inputs]:
-    """Clips of ``VIDEO_GRIDS``, no pooled vector or guidance (Wan's)."""
+    """Clips of ``VIDEO_GRIDS``, no pooled vector or guidance (Wan's); an image context for a
+    model with ``image_dim``; with ``expand_timesteps``, every other sequence conditioned
+    (its first frame at time 0), the others not (their first frame at their time)."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for i in range(sequences):
         grid = VIDEO_GRIDS[i % len(VIDEO_GRIDS)]
         shape = tuple(g * p for g, p in zip(grid, cfg.patch_size))
+        timestep = float(torch.rand((), generator=gen))
+        image_dim = getattr(cfg, "image_dim", 0)
         out.append(Inputs(
             latent=torch.randn(cfg.in_channels, *shape, generator=gen),
             text=torch.randn(text_lens[i % len(text_lens)], cfg.text_dim, generator=gen),
-            pooled=torch.zeros(0), timestep=float(torch.rand((), generator=gen)), guidance=None,
-            target=torch.randn(grid[0] * grid[1] * grid[2], cfg.patch_dim, generator=gen),
+            pooled=torch.zeros(0), timestep=timestep, guidance=None,
+            target=torch.randn(grid[0] * grid[1] * grid[2], cfg.out_patch_dim, generator=gen),
+            image_context=torch.randn(cfg.image_tokens, image_dim, generator=gen) if image_dim else None,
+            first_frame_timestep=(0.0 if i % 2 == 0 else timestep) if getattr(cfg, "expand_timesteps", False) else None,
         ))
     return out
 
@@ -107,10 +117,11 @@ def _pack(cfg: Any, inputs: list[Inputs]):
     """knapray's packed batch of ``inputs`` (x_img the latents' patches, targets set)."""
     from knapray.models import pack_samples
 
+    optional = ("guidance", "image_context", "first_frame_timestep")
     items = [{"latent": s.latent, "text": s.text, "pooled": s.pooled, "timestep": s.timestep,
-              **({"guidance": s.guidance} if s.guidance is not None else {})} for s in inputs]
+              **{name: getattr(s, name) for name in optional if getattr(s, name) is not None}} for s in inputs]
     batch = pack_samples(items, cfg)
-    targets = torch.cat([s.target for s in inputs]) if inputs else torch.zeros(0, cfg.patch_dim)
+    targets = torch.cat([s.target for s in inputs]) if inputs else torch.zeros(0, cfg.out_patch_dim)
     return dataclasses.replace(batch, targets=targets)
 
 

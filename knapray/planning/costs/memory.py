@@ -171,6 +171,13 @@ class ModelShape:
     """MLP hidden width (``int(hidden_size * mlp_ratio)``)."""
     patch_dim: int
     """Features per image token (``in_channels * prod(patch_size)``)."""
+    out_patch_dim: int = 0
+    """Features per output token, the head's width (``out_patch_dim``; Wan 2.1 I2V 14B: 64 of
+    144); 0: ``patch_dim``."""
+    image_dim: int = 0
+    """Wan 2.1 I2V's image-context features (``image_dim``): its embedder (two LayerNorms,
+    image_dim -> image_dim -> d) and, per block, attn2's image keys and values (two d x d
+    linears, an RMSNorm gain); 0: none."""
     text_dim: int = 0
     pooled_dim: int = 0
     qk_norm: bool = True
@@ -231,6 +238,8 @@ class ModelShape:
             depth_single=cfg.depth_single,
             mlp_hidden=int(d * getattr(cfg, "mlp_ratio", 4.0)),
             patch_dim=int(patch),
+            out_patch_dim=int(getattr(cfg, "out_patch_dim", patch)),
+            image_dim=int(getattr(cfg, "image_dim", 0)),
             text_dim=getattr(cfg, "text_dim", 0),
             pooled_dim=getattr(cfg, "pooled_dim", 0),
             qk_norm=bool(getattr(cfg, "qk_norm", True)),
@@ -251,6 +260,11 @@ class ModelShape:
     @property
     def num_blocks(self) -> int:
         return self.depth_double + self.depth_single
+
+    @property
+    def head_width(self) -> int:
+        """The output projection's width: ``out_patch_dim``, or ``patch_dim`` when 0."""
+        return self.out_patch_dim or self.patch_dim
 
     # ---- parameters (exact: the modules of knapray/models) ------------------------------
 
@@ -280,10 +294,12 @@ class ModelShape:
     def single_block(self) -> tuple[int, int, int]:
         d, m = self.hidden_size, self.mlp_hidden
         if self.cross_attention:  # Wan: two attentions (q, k, v, out), the FFN; q/k norms across
-            # heads, the cross-attention LayerNorm's weight and bias, the (1, 6, d) table
-            lin = sum(self._linear(i, o)[0] for i, o in [(d, d)] * 8 + [(d, m), (m, d)])
-            norms = 4 * d + (2 * d if self.cross_norm else 0) + 6 * d
-            return lin, norms, 2 * 10 + 4 + (2 if self.cross_norm else 0) + 1
+            # heads, the cross-attention LayerNorm's weight and bias, the (1, 6, d) table; I2V:
+            # the image context's keys and values and its key norm
+            image = 2 if self.image_dim else 0
+            lin = sum(self._linear(i, o)[0] for i, o in [(d, d)] * (8 + image) + [(d, m), (m, d)])
+            norms = 4 * d + (2 * d if self.cross_norm else 0) + 6 * d + (d if image else 0)
+            return lin, norms, 2 * (10 + image) + 4 + (2 if self.cross_norm else 0) + 1 + (1 if image else 0)
         lin = [(d, 3 * d + self._mlp_in), (d + m, d)]
         if not self.shared_modulation:
             lin.insert(0, (d, 3 * d))
@@ -304,11 +320,16 @@ class ModelShape:
     def root(self) -> tuple[int, int, int]:
         """Embedders, the final layer and a shared modulation."""
         d = self.hidden_size
-        if self.cross_attention:  # Wan: patch, text MLP, time MLP and its projection, head and its table
+        if self.cross_attention:  # Wan: patch, text MLP, time MLP and its projection, head and its table;
+            # I2V: the image embedder's two linears and two LayerNorms
             lin = [(self.patch_dim, d), (self.text_dim, d), (d, d), (self.time_dim, d), (d, d), (d, 6 * d),
-                   (d, self.patch_dim)]
-            return sum(self._linear(i, o)[0] for i, o in lin), 2 * d, 2 * len(lin) + 1
-        lin = [(self.patch_dim, d), (TIME_EMBED_DIM, d), (d, d), (d, 2 * d), (d, self.patch_dim)]
+                   (d, self.head_width)]
+            norms = 2 * d
+            if self.image_dim:
+                lin += [(self.image_dim, self.image_dim), (self.image_dim, d)]
+                norms += 2 * self.image_dim + 2 * d
+            return sum(self._linear(i, o)[0] for i, o in lin), norms, 2 * len(lin) + 1 + (4 if self.image_dim else 0)
+        lin = [(self.patch_dim, d), (TIME_EMBED_DIM, d), (d, d), (d, 2 * d), (d, self.head_width)]
         if self.text_dim:
             lin.append((self.text_dim, d))
         if self.pooled_dim:
@@ -743,7 +764,7 @@ class MemoryModel:
         params = [sum(s.double_block[:2])] * s.depth_double + [sum(s.single_block[:2])] * s.depth_single
         total = sum(params) + sum(s.root[:2])
         grad_of = [grads * p // total for p in params]
-        final = grads * (s.hidden_size * 2 * s.hidden_size + s.hidden_size * s.patch_dim) // total
+        final = grads * (s.hidden_size * 2 * s.hidden_size + s.hidden_size * s.head_width) // total
         alive = max(sum(kept[: k + 1]) + sum(grad_of[k + 1:]) + final for k in range(len(kept)))
         return max(0, block_saved + grads - alive)
 

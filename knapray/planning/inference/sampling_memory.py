@@ -688,7 +688,7 @@ class SamplingMemoryModel:
         (Flux), or its shift/scale table and output projection (Wan)."""
         s = self.shape
         bias = 1 if s.biases else 0
-        out = s.hidden_size * s.patch_dim + bias * s.patch_dim
+        out = s.hidden_size * s.head_width + bias * s.head_width
         return out + (2 * s.hidden_size if s.cross_attention else 2 * s.hidden_size * (s.hidden_size + bias))
 
     def transformer_bytes(self, bag_size: int = 1) -> int:
