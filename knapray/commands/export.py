@@ -76,7 +76,9 @@ def run(args: argparse.Namespace) -> int:
                    dtype="fp32" if args.dtype == "auto" else args.dtype,
                    max_shard_bytes=args.max_shard_size)
     mib = 2**20
-    print(f"wrote {r.out}: {r.family} {'EMA' if r.ema else 'trained'} weights after {r.steps} steps ({r.checkpoint}), "
+    experts = f" of both experts ({', '.join(e + '/' for e in r.experts)}; model_index.json: the boundary)" \
+        if r.experts else ""
+    print(f"wrote {r.out}: {r.family} {'EMA' if r.ema else 'trained'} weights{experts} after {r.steps} steps ({r.checkpoint}), "
           f"{r.tensors} tensors, {r.dtype}, {len(r.shards)} file(s), {r.total_bytes / mib:.1f} MiB; largest file "
           f"{r.largest_shard_bytes / mib:.1f} MiB, at most {r.largest_read_bytes / mib:.1f} MiB of parameters read from the "
           f"checkpoint at once; peak host memory {r.peak_host_bytes / mib:.0f} MiB; {r.seconds:.1f} s")

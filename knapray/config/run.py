@@ -49,7 +49,7 @@ from knapray.limits import (MAX_EPOCHS, MAX_GLOBAL_BATCH, MAX_MICRO_BATCHES, MAX
                             MAX_WORLD_SIZE, SIZE_FORM)
 from knapray.models import DiTConfig, MMDiTConfig
 from knapray.models.flow import TIMESTEP_KINDS
-from knapray.models.timesteps import ResolutionShift, TimestepDistribution
+from knapray.models.timesteps import ExpertSplit, ResolutionShift, TimestepDistribution
 
 from knapray.config.parallel import ParallelConfig
 
@@ -192,6 +192,17 @@ class FlowSection:
     distribution truncated to it. Wan 2.2's two experts split t at a boundary (0.875 for
     T2V A14B): the high-noise expert (``transformer``) trains on [0.875, 1], the low-noise
     one (``transformer_2``) on [0, 0.875] (docs/models.md)."""
+    expert_boundary: float = field(default=0.0, metadata={"ge": 0, "lt": 1})
+    """0: one model. In (0, 1): two experts in one run, as Wan 2.2 A14B's (its
+    model_index.json's ``boundary_ratio``: 0.875 for T2V, 0.9 for I2V): the high-noise one
+    (``transformer``) trained on t in [boundary, 1), the low-noise one (``transformer_2``)
+    on [0, boundary); each optimizer step trains one of them (its own optimizer, EMA and
+    checkpoint parts), chosen from the seed and the step's index (docs/models.md). With
+    ``model.pretrained`` a pipeline folder holding ``transformer/`` and ``transformer_2/``,
+    each starts from its own."""
+    expert_share: float = field(default=0.0, metadata={"ge": 0, "lt": 1})
+    """With two experts, the high-noise one's share of optimizer steps; 0: the share of the
+    timestep distribution at or above the boundary (37% for Wan 2.2 T2V at shift 5)."""
     guidance: float = field(default=3.5, metadata={"ge": 0})
     """The guidance strength a model that embeds one is trained with (FLUX.1-dev; diffusers'
     Flux fine-tuning scripts use 3.5); unused by models without a guidance embedding."""
@@ -206,6 +217,16 @@ class FlowSection:
         if self.resolution_shift and (low, high) != (0.0, 1.0):
             raise ValueError("timestep_range and resolution_shift exclude each other (each sample's shift would "
                              "move the range's bounds)")
+        if self.expert_boundary and ((low, high) != (0.0, 1.0) or self.resolution_shift):
+            raise ValueError(f"expert_boundary={self.expert_boundary} splits the timesteps between two experts: "
+                             "timestep_range must be [0.0, 1.0] and resolution_shift false")
+        if self.expert_share and not self.expert_boundary:
+            raise ValueError(f"expert_share={self.expert_share} is the high-noise expert's share: set "
+                             "expert_boundary (e.g. 0.875) to train two experts")
+
+    def experts(self) -> ExpertSplit | None:
+        """The two experts' split (None: one model)."""
+        return ExpertSplit(self.expert_boundary, self.expert_share) if self.expert_boundary else None
 
     def distribution(self) -> TimestepDistribution:
         """The distribution these fields describe (what ``build_packed_batch`` draws from)."""
@@ -406,6 +427,10 @@ class TrainConfig:
         if not self.data.epochs and not self.run.max_steps:
             raise ValueError("data.epochs=0 trains run.max_steps steps, as many epochs as they take: set "
                              "run.max_steps to the steps to train (or data.epochs to the passes over the corpus)")
+        if self.metrics.validation.every and self.flow.expert_boundary:
+            raise ValueError("metrics.validation samples one model; a run of two experts (flow.expert_boundary="
+                             f"{self.flow.expert_boundary}) has none to validate alone: set metrics.validation.every=0 "
+                             "and sample the run with knapray sample")
         if self.metrics.validation.every:
             from knapray.models.families import check_samples
 

@@ -25,8 +25,10 @@ import time
 import torch
 
 from knapray.models.families import checkpoint_layout, get_family
+from knapray.models.timesteps import EXPERT_NAMES
 from knapray.weights.load import peak_host_bytes
 from knapray.weights.source import DIFFUSERS_INDEX, DIFFUSERS_WEIGHTS
+from knapray.worker.experts import part_suffix
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_MAX_SHARD_BYTES = 10 * 2**30
@@ -54,6 +56,8 @@ class ExportReport:
     """Most checkpoint bytes read at once (fp32 parameters)."""
     seconds: float
     peak_host_bytes: int
+    experts: list[str] = dataclasses.field(default_factory=list)
+    """A run of two experts: the subfolders written (``transformer``, ``transformer_2``)."""
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -103,8 +107,11 @@ def _reads(params: list[str], sizes: dict[str, int], budget: int) -> list[list[s
 def export_run(run_dir: str, out: str, *, ema: bool = False, checkpoint: str | None = None, dtype: str = "fp32",
                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, read_bytes: int = DEFAULT_READ_BYTES) -> ExportReport:
     """Export ``run_dir``'s weights to the new directory ``out``; ValueError (one line) for a
-    run, checkpoint or output that cannot be exported."""
-    from knapray.worker.checkpoint import read_trainer_state, safe_load, saved_keys
+    run, checkpoint or output that cannot be exported. A run of two experts
+    (``flow.expert_boundary``) is written as a pipeline folder's part: ``transformer/``,
+    ``transformer_2/`` and a ``model_index.json`` with the boundary (``boundary_ratio``),
+    which the family's pipeline loads given its other components."""
+    from knapray.worker.checkpoint import read_trainer_state, saved_keys
     from knapray.driver.run_dir import read_run_config, run_checkpoint
 
     t0 = time.perf_counter()
@@ -112,7 +119,8 @@ def export_run(run_dir: str, out: str, *, ema: bool = False, checkpoint: str | N
         raise ValueError(f"--dtype {dtype!r}: valid: {', '.join(DTYPES)}")
     if max_shard_bytes < 1 or read_bytes < 1:
         raise ValueError(f"shard and read sizes must be >= 1 byte, got {max_shard_bytes} and {read_bytes}")
-    cfg = read_run_config(run_dir).model
+    run_cfg = read_run_config(run_dir)
+    cfg = run_cfg.model
     if cfg.lora.enabled:
         raise ValueError(f"run {run_dir} trained LoRA adapters (model.lora.rank {cfg.lora.rank}): export them with "
                          "--lora; the base is model.pretrained, unchanged")
@@ -122,22 +130,54 @@ def export_run(run_dir: str, out: str, *, ema: bool = False, checkpoint: str | N
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ValueError(f"--out {out}: exists and is not an empty directory; choose a new one")
     path = run_checkpoint(run_dir, checkpoint, "export")
-    prefix = "ema" if ema else "model"
+    boundary = run_cfg.flow.expert_boundary
+    # (subfolder, checkpoint prefix) of each model written: one, or the two experts'
+    targets = [("", "ema" if ema else "model")] if not boundary else [
+        (name, ("ema" if ema else "model") + part_suffix(i)) for i, name in enumerate(EXPERT_NAMES)]
     saved = set(saved_keys(path))
     if ema and not any(k.startswith("ema.") for k in saved):
         raise ValueError(f"--ema: checkpoint {path} holds no EMA weights (the run had optim.ema_decay 0)")
-    missing = [p.param for p in layout.pieces if f"{prefix}.{p.param}" not in saved]
-    if missing:
-        raise ValueError(f"checkpoint {path} has no {prefix}.{missing[0]}: not a {cfg.family} run of this shape")
+    for _, prefix in targets:
+        missing = [p.param for p in layout.pieces if f"{prefix}.{p.param}" not in saved]
+        if missing:
+            raise ValueError(f"checkpoint {path} has no {prefix}.{missing[0]}: not a {cfg.family} run of this shape")
     step = read_trainer_state(path)["step"]
 
-    torch_dtype = DTYPES[dtype]
-    plan = _shard_plan(layout, torch_dtype, max_shard_bytes)
-    names = [DIFFUSERS_WEIGHTS] if len(plan) == 1 else [
-        f"diffusion_pytorch_model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
     partial = out + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
+    shards, tensors, total, largest, largest_read = [], 0, 0, 0, 0
+    for sub, prefix in targets:
+        written = _write_model(path, layout, prefix, os.path.join(partial, sub), family.to_diffusers(cfg),
+                               DTYPES[dtype], max_shard_bytes, read_bytes)
+        shards += [os.path.join(sub, n) if sub else n for n in written["shards"]]
+        tensors, total = tensors + written["tensors"], total + written["total"]
+        largest, largest_read = max(largest, written["largest"]), max(largest_read, written["largest_read"])
+    if boundary:
+        index = {"_class_name": family.encoders.pipeline or "DiffusionPipeline",
+                 "boundary_ratio": boundary,
+                 **{name: ["diffusers", family.diffusers_class] for name in EXPERT_NAMES}}
+        with open(os.path.join(partial, "model_index.json"), "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+    if os.path.isdir(out):
+        os.rmdir(out)  # empty, checked above
+    os.rename(partial, out)
+    return ExportReport(out=out, checkpoint=path, step=step, steps=step + 1, ema=ema, family=cfg.family, dtype=dtype,
+                        tensors=tensors, shards=shards, total_bytes=total, largest_shard_bytes=largest,
+                        largest_read_bytes=largest_read, seconds=time.perf_counter() - t0,
+                        peak_host_bytes=peak_host_bytes(), experts=[t[0] for t in targets if t[0]])
+
+
+def _write_model(path: str, layout, prefix: str, directory: str, config: dict, torch_dtype: torch.dtype,
+                 max_shard_bytes: int, read_bytes: int) -> dict:
+    """One diffusers model directory ``directory`` from the checkpoint ``path``'s parameters
+    under ``prefix`` (``model``, ``ema``, ``model_2``...): its shards, config.json and index."""
+    from knapray.worker.checkpoint import safe_load
+
+    os.makedirs(directory, exist_ok=True)
+    plan = _shard_plan(layout, torch_dtype, max_shard_bytes)
+    names = [DIFFUSERS_WEIGHTS] if len(plan) == 1 else [
+        f"diffusion_pytorch_model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
     weight_map, total, largest, largest_read = {}, 0, 0, 0
     shapes = {p.param: _param_shape(layout, p.param) for p in layout.pieces}
     sizes = {n: 4 * math.prod(shape) for n, shape in shapes.items()}  # fp32 in the checkpoint
@@ -152,30 +192,25 @@ def export_run(run_dir: str, out: str, *, ema: bool = False, checkpoint: str | N
                     tensors[p.key][p.src : p.src + p.rows].copy_(state[prefix][p.param][p.dst : p.dst + p.rows])
             largest_read = max(largest_read, sum(sizes[n] for n in read))
             del state
-        save_safetensors(tensors, os.path.join(partial, name))
+        save_safetensors(tensors, os.path.join(directory, name))
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         total, largest = total + nbytes, max(largest, nbytes)
         weight_map.update(dict.fromkeys(keys, name))
         del tensors
-    config = family.to_diffusers(cfg)
+    config = dict(config)
     try:
         import diffusers
 
         config["_diffusers_version"] = diffusers.__version__
     except ImportError:
         pass
-    with open(os.path.join(partial, "config.json"), "w") as f:
+    with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
     if len(plan) > 1:
-        with open(os.path.join(partial, DIFFUSERS_INDEX), "w") as f:
+        with open(os.path.join(directory, DIFFUSERS_INDEX), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
-    if os.path.isdir(out):
-        os.rmdir(out)  # empty, checked above
-    os.rename(partial, out)
-    return ExportReport(out=out, checkpoint=path, step=step, steps=step + 1, ema=ema, family=cfg.family, dtype=dtype,
-                        tensors=len(weight_map), shards=names, total_bytes=total, largest_shard_bytes=largest,
-                        largest_read_bytes=largest_read, seconds=time.perf_counter() - t0,
-                        peak_host_bytes=peak_host_bytes())
+    return {"shards": names, "tensors": len(weight_map), "total": total, "largest": largest,
+            "largest_read": largest_read}
 
 
 def _param_shape(layout, param: str) -> tuple[int, ...]:

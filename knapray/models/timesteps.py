@@ -3,9 +3,11 @@ kinds, then SD3's shift, or Flux's shift computed from each sequence's own image
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from knapray.models.flow import TIMESTEP_KINDS, sample_timesteps
@@ -125,3 +127,50 @@ class TimestepDistribution:
         if image_tokens is None or image_tokens < 0:
             raise ValueError(f"the resolution shift needs the sequence's image tokens, got {image_tokens!r}")
         return shift_timesteps(t, self.resolution.shift(image_tokens))
+
+
+EXPERT_NAMES = ("transformer", "transformer_2")
+"""The two experts' names, as a Wan 2.2 pipeline folder calls them: the high-noise one first."""
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertSplit:
+    """Two experts trained in one run, one per side of a timestep ``boundary`` (Wan 2.2
+    A14B's: ``transformer`` denoises t >= boundary, where t = 1 is noise; ``transformer_2``
+    below). Each optimizer step trains one of them, on timesteps drawn from its side only
+    (the run's distribution truncated there); which one is a function of the run's seed and
+    the optimizer step's index alone, so every rank, a resume and a run at another world size
+    choose alike. ``share``: the high-noise expert's share of optimizer steps (0: the share
+    of the distribution's own timesteps at or above the boundary, so that the pair is trained
+    on the distribution the run would draw for one model)."""
+
+    boundary: float
+    share: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.boundary < 1:
+            raise ValueError(f"the experts' boundary must be in (0, 1), got {self.boundary!r}")
+        if not 0 <= self.share < 1:
+            raise ValueError(f"the high-noise expert's share must be in [0, 1) (0: the timesteps' own), "
+                             f"got {self.share!r}")
+
+    def high_share(self, dist: TimestepDistribution) -> float:
+        """The high-noise expert's share of optimizer steps under ``dist``."""
+        if self.share:
+            return self.share
+        below = float(dist._cdf(torch.tensor(dist._unshift(self.boundary), dtype=torch.float64)))
+        return 1.0 - below
+
+    def distribution(self, expert: int, dist: TimestepDistribution) -> TimestepDistribution:
+        """``dist`` truncated to expert ``expert``'s side (0: [boundary, 1), 1: [0, boundary))."""
+        if dist.truncated or dist.resolution is not None:
+            raise ValueError("two experts split the timesteps at their boundary: the run's distribution must "
+                             "cover [0, 1) without a per-sequence shift")
+        low, high = (self.boundary, 1.0) if expert == 0 else (0.0, self.boundary)
+        return dataclasses.replace(dist, low=low, high=high)
+
+    def expert(self, seed: int, optimizer_step: int, dist: TimestepDistribution) -> int:
+        """The expert optimizer step ``optimizer_step`` trains: 0 (high noise) with
+        probability ``high_share``, from a draw of its own seeded by (seed, step)."""
+        u = np.random.default_rng([int(seed) & 0xFFFFFFFF, int(optimizer_step), 0x5EED]).random()
+        return 0 if u < self.high_share(dist) else 1

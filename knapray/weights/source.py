@@ -4,7 +4,8 @@ Accepted (``model.pretrained``, ``knapray reference --pretrained``):
 
 - a diffusers model directory: ``config.json`` + ``diffusion_pytorch_model.safetensors``,
   or shards listed by ``diffusion_pytorch_model.safetensors.index.json``;
-- a diffusers pipeline directory (``model_index.json``): its ``transformer/`` folder;
+- a diffusers pipeline directory (``model_index.json``): its ``transformer/`` folder (and, for
+  the second of two experts, its ``transformer_2/``: ``expert_path``);
 - BFL's single file (``flux1-dev.safetensors``), given as the file or as a directory that
   holds one ``.safetensors`` file; its architecture is read from the tensors' shapes (or
   from a diffusers-style ``config.json`` beside it, which wins).
@@ -214,6 +215,20 @@ def bfl_config(tensors: Mapping[str, TensorEntry], where: str) -> dict[str, Any]
         "joint_attention_dim": shape("txt_in.weight")[1], "pooled_projection_dim": shape("vector_in.in_layer.weight")[1],
         "guidance_embeds": "guidance_in.in_layer.weight" in tensors, "axes_dims_rope": [16, 56, 56],
     }
+
+
+def expert_path(path: str, expert: int) -> str:
+    """Where expert ``expert`` of a run of two (``flow.expert_boundary``) starts from, given
+    ``model.pretrained``: a pipeline folder's ``transformer/`` (0) or ``transformer_2/`` (1),
+    as Wan 2.2 A14B's holds them; any other checkpoint (a pipeline without a second
+    transformer, a model folder, a file) starts both."""
+    if not path or expert == 0:
+        return path
+    full = os.path.abspath(os.path.expanduser(path))
+    second = os.path.join(full, "transformer_2")
+    if os.path.isdir(full) and os.path.exists(os.path.join(full, "model_index.json")) and os.path.isdir(second):
+        return second
+    return path
 
 
 def open_pretrained(path: str) -> PretrainedSource:

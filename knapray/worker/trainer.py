@@ -27,6 +27,7 @@ newest checkpoint, topology, process groups, step planner, bad-data guard);
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 from dataclasses import dataclass
 import math
@@ -53,6 +54,7 @@ from knapray.distributed.parallel_dims import ParallelDims
 from knapray.models.families import build_model, cross_text_pad
 from knapray.models.flops import model_flops, peak_tflops
 from knapray.models.flow import flow_loss
+from knapray.models.timesteps import EXPERT_NAMES
 from knapray.models.packing import PackedBatch
 from knapray.nofollow import open_nofollow
 from knapray.planning import BalancePlan, Topology, identity_plan
@@ -63,11 +65,12 @@ from knapray.planning.shapes.topology import node_sizes_of
 from knapray.worker.timing import StepTimer
 
 from knapray.worker.balanced import balanced_forward, prepare_step
-from knapray.worker.checkpoint import Checkpointer, training_parts
+from knapray.worker.checkpoint import Checkpointer
 from knapray.config.run import TrainConfig
 from knapray.worker.context import TrainContext
 from knapray.worker.guard import BadDataGuard, NonFiniteSteps, quarantined_duplicates
 from knapray.worker.ema import build_ema
+from knapray.worker.experts import Expert, expert_parts
 from knapray.worker.ledger_keeper import LedgerKeeper
 from knapray.worker.metrics import MetricsFile, StepRecord
 from knapray.worker.optim import LRSchedule, build_optimizer
@@ -149,13 +152,10 @@ class Trainer:
         self.info = corpus_info(cfg.data.corpus)
         check_model_config(self.info, cfg.model)
 
-        self._build_model()
+        self._build_experts()
         self.startup.mark("model_ready")
         # FSDP gathers parameters in the compute dtype itself; without it, bf16 is autocast.
         self.autocast = not self.parallel.sharded and self.dtype != torch.float32
-        self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.ema = build_ema(self.model, cfg.optim)
-        self.timesteps = cfg.flow.distribution()
         self.guidance = cfg.flow.guidance if getattr(cfg.model, "guidance_embeds", False) else None
         self.unconditional = unconditional_embeddings(cfg.data.corpus, self.info.text_dim, self.info.pooled_dim) \
             if cfg.data.caption_dropout > 0 else None
@@ -170,11 +170,7 @@ class Trainer:
         """This rank's side of the sample ledger; a checkpoint holds its state, a resume gives it back."""
         latest = self._restore()
         self.startup.mark("restored")
-        # Optimizer steps so far: checkpoints fall on accumulation boundaries.
-        self.schedule = LRSchedule(self.optimizer, cfg.optim, self._optimizer_steps(cfg.run.max_steps),
-                                   start_step=self._optimizer_steps(self.step))
-        self.micro_steps = 0
-        """Micro-steps whose gradients are accumulated but not yet applied."""
+        self._start_schedules()
         self._prefetched: tuple | None = None
         """(stream, step, next metadata, host batch): the next step, read while the device
         computed the last one."""
@@ -230,36 +226,88 @@ class Trainer:
         check_node_layout(cfg, self.node_sizes)
         return node_ids
 
-    def _build_model(self) -> None:
-        """The model, built on the meta device (no storage), parallelized, then given storage
-        and its weights shard by shard: a pretrained model's from its checkpoint (each rank
-        reads only its shard), else its initial ones (``materialize``: the same weights as
-        building it on the CPU from this seed), without holding the whole model anywhere.
-        (The optimizer and the EMA come after it, over FSDP's sharded parameters, then the
-        checkpoint.)"""
+    def _build_experts(self) -> None:
+        """The run's model, or its two experts (``flow.expert_boundary``), each with its
+        optimizer and EMA; the first one in use."""
+        self.split = self.cfg.flow.experts()
+        """Two experts, one per side of a timestep boundary (Wan 2.2 A14B), or None: one model."""
+        self.experts: list[Expert] = []
+        """The models this run trains, each with its optimizer, EMA, LR schedule and
+        timesteps; a step trains one (``_use``: the trainer's ``model``, ``optimizer``, ...)."""
+        for i in range(2 if self.split else 1):
+            self.experts.append(self._build_expert(i))
+        self._use(0)
+
+    def _start_schedules(self) -> None:
+        """Every expert's LR schedule at the step the run starts at (optimizer steps so far:
+        checkpoints fall on accumulation boundaries; an idle expert's schedule follows the
+        run's optimizer steps too), and the expert that step trains in use."""
+        for e in self.experts:
+            e.schedule = LRSchedule(e.optimizer, self.cfg.optim, self._optimizer_steps(self.cfg.run.max_steps),
+                                    start_step=self._optimizer_steps(self.step))
+        self.micro_steps = 0
+        """Micro-steps whose gradients are accumulated but not yet applied."""
+        self._use(self._expert_for(self.step))
+
+    def _build_expert(self, index: int) -> Expert:
+        """Expert ``index``'s model (the run's only one for index 0 of one), built on the meta
+        device (no storage), parallelized, then given storage and its weights shard by shard:
+        a pretrained model's from its checkpoint (each rank reads only its shard; the second
+        expert from a pipeline's ``transformer_2/``), else its initial ones (``materialize``:
+        the same weights as building it on the CPU from this seed), without holding the whole
+        model anywhere; then its optimizer and EMA over FSDP's sharded parameters (the
+        checkpoint comes after)."""
         cfg = self.cfg
+        model_cfg = cfg.model
+        if index and model_cfg.pretrained:
+            from knapray.weights.source import expert_path
+
+            model_cfg = dataclasses.replace(model_cfg, pretrained=expert_path(model_cfg.pretrained, index))
         torch.manual_seed(cfg.data.seed)  # the same initial model on every rank
         with torch.device("meta"):
-            self.model = build_model(cfg.model)
-        if cfg.model.lora.enabled:  # the frozen base in the compute dtype, before FSDP shards it
+            model = build_model(model_cfg)
+        if model_cfg.lora.enabled:  # the frozen base in the compute dtype, before FSDP shards it
             from knapray.models.families import fp8_base_layers
             from knapray.models.lora import hold_base_in
 
-            hold_base_in(self.model, self.dtype, fp8_base_layers(cfg.model))
-        self.parallel = parallelize(self.model, cfg.parallel.for_world(self.world), self.dims,
-                                    compute_dtype=self.dtype)
-        if cfg.model.pretrained:
-            self._load_pretrained()
+            hold_base_in(model, self.dtype, fp8_base_layers(model_cfg))
+        parallel = parallelize(model, cfg.parallel.for_world(self.world), self.dims, compute_dtype=self.dtype,
+                               mesh=self.experts[0].parallel.mesh if index else None)
+        if model_cfg.pretrained:
+            self._load_pretrained(model, model_cfg)
         else:
-            materialize(self.model, self.device)
-        self.lora_base = None
-        """A LoRA run's base: {path, fingerprint of its safetensors files} (trainer.json; weights.checks.base_record)."""
-        if cfg.model.lora.enabled:
+            materialize(model, self.device)
+        lora_base = None
+        if model_cfg.lora.enabled:
             from knapray.models.lora import init_adapters
             from knapray.weights.checks import base_record
 
-            init_adapters(self.model, cfg.model.lora, cfg.data.seed)
-            self.lora_base = base_record(cfg.model)
+            init_adapters(model, model_cfg.lora, cfg.data.seed)
+            lora_base = base_record(model_cfg)
+        base = cfg.flow.distribution()
+        return Expert(name=EXPERT_NAMES[index] if self.split else "transformer", model=model, parallel=parallel,
+                      optimizer=build_optimizer(model, cfg.optim), ema=build_ema(model, cfg.optim),
+                      timesteps=self.split.distribution(index, base) if self.split else base, lora_base=lora_base)
+
+    def _use(self, index: int) -> None:
+        """Make expert ``index`` the one the steps train: ``model``, ``parallel``,
+        ``optimizer``, ``ema``, ``schedule`` are its (switched only between optimizer steps)."""
+        e = self.experts[index]
+        self.active = index
+        self.model, self.parallel, self.optimizer, self.ema = e.model, e.parallel, e.optimizer, e.ema
+        self.schedule = e.schedule
+        self.lora_base = self.experts[0].lora_base
+        """A LoRA run's base: {path, fingerprint of its safetensors files} (trainer.json; weights.checks.base_record)."""
+
+    def _expert_for(self, step: int) -> int:
+        """The expert step ``step`` trains (0 with one model): inside an accumulation group the
+        group's; a group's first step draws it from the run's seed and that step's number
+        (``ExpertSplit.expert``), so a resume (which starts a group) and every rank agree."""
+        if self.split is None:
+            return 0
+        if self.micro_steps:
+            return self.active
+        return self.split.expert(self.cfg.data.seed, step, self.cfg.flow.distribution())
 
     def _restore(self) -> str | None:
         """The checkpointer, then the newest checkpoint if there is one (its path, else
@@ -267,7 +315,7 @@ class Trainer:
         trainer's own state (step, epoch, the ledger keeper's) is its state dict, in JSON."""
         self.checkpointer = Checkpointer(RunDir(self.run_dir).checkpoints, rank=self.rank,
                                          group=self.sync.meta_group, every=self.cfg.checkpoint.every, state=self,
-                                         parts=training_parts(self.model, self.optimizer, ema=self.ema))
+                                         parts=expert_parts(self.experts))
         self.step, self.epoch, self.resumed_from = 0, 0, None
         self.out_of_data = False
         """An epoch trained no step (``data.epochs: 0`` stops there rather than loop on empty epochs)."""
@@ -313,17 +361,17 @@ class Trainer:
         with open_nofollow(RunDir(self.run_dir).pid_file(self.rank), "w") as f:
             f.write(str(os.getpid()))
 
-    def _load_pretrained(self) -> None:
-        """Allocate the meta-built (sharded) model and fill it from ``model.pretrained``,
+    def _load_pretrained(self, model: torch.nn.Module, model_cfg) -> None:
+        """Allocate the meta-built (sharded) ``model`` and fill it from ``model_cfg.pretrained``,
         unless a checkpoint of this run will overwrite every weight anyway."""
         from knapray.weights.load import load_pretrained
 
         from knapray.worker.checkpoint import completed_checkpoints
 
-        self.model.to_empty(device=self.device)
-        if completed_checkpoints(RunDir(self.run_dir).checkpoints) and not self.cfg.model.lora.enabled:
+        model.to_empty(device=self.device)
+        if completed_checkpoints(RunDir(self.run_dir).checkpoints) and not model_cfg.lora.enabled:
             return  # (a LoRA checkpoint holds the adapters only: the base is always read)
-        report = load_pretrained(self.model, self.cfg.model)
+        report = load_pretrained(model, model_cfg)
         logger.info("rank %d: %s", self.rank, report.line())
 
     def _optimizer_steps(self, steps: int) -> int:
@@ -443,6 +491,7 @@ class Trainer:
         of the steps read at this one (``_read``: none between two reads)."""
         cfg, rank, step = self.cfg, self.rank, self.step
         t_step = time.perf_counter()
+        self._use(self._expert_for(step))  # (between optimizer steps: a group keeps its expert)
         current, nxt, host_batch = self._take_batch(stream)
         fetched = self.planner.fetch(step, current.meta, nxt)
         batch = host_batch.to(self.device)
@@ -494,6 +543,7 @@ class Trainer:
             lr=self.schedule.get_last_lr()[0],  # what this step trains with
             attention=_attention_fields(layout.attention.choice), recompiles=self.parallel.recompiles,
             peak_mem_gib=torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None,
+            expert=self.active,
         )
         self.pending.append(entry)
         self.unread.append(entry)
@@ -501,7 +551,7 @@ class Trainer:
             self._apply_gradients()
         # The step's kernels are queued: the host decodes and packs the next step's batch
         # while the device computes.
-        self._prefetched = (stream, *self._read_batch(stream))
+        self._prefetched = (stream, *self._read_batch(stream, step + 1))
         entry.started = t_step
         saving = self.checkpointer.should_save(step, boundary=not self.micro_steps)
         read = self._read() if saving or step % cfg.metrics.log_every == 0 or (
@@ -555,6 +605,8 @@ class Trainer:
             ).to_json()
             if not math.isfinite(loss) or e.step in last_of_bad:
                 rec["nonfinite"] = True  # its loss or its group's gradients: not applied, its samples quarantined
+            if self.split is not None:
+                rec["expert"] = e.expert  # 0: the high-noise transformer, 1: transformer_2
             records.append(rec)
             if self.metrics is not None:
                 self.metrics.append(rec)
@@ -568,18 +620,21 @@ class Trainer:
                         "" if err is None else f" predicted compute off {err:.1%}",
                         "" if self.per_step_node is None else f" topology {rec['topology']}",
                     )
+                    if self.split is not None:
+                        logger.info("step %d trained expert %s", e.step, self.experts[e.expert].name)
         for j, (members, _) in enumerate(groups):
             self._commit(members, finite=totals[f"bad.{j}"] == 0)
         if records:
             self.ctx.report({"step": records[-1]["step"], **scalars_of(records[-1])})  # a barrier under Ray
         return records
 
-    def _read_batch(self, stream: StepStream) -> tuple[DecodedStep, StepMeta, PackedBatch]:
-        """The stream's next step, the metadata of the one after, and the step's packed batch
-        on the host."""
+    def _read_batch(self, stream: StepStream, step: int) -> tuple[DecodedStep, StepMeta, PackedBatch]:
+        """The stream's next step (step ``step``), the metadata of the one after, and the
+        step's packed batch on the host (its timesteps from the side of the expert it trains)."""
         current = stream.next_step()
+        timesteps = self.experts[self._expert_for(step)].timesteps
         host_batch = build_packed_batch(current.samples, self.cfg.model, seed=self.cfg.data.seed, epoch=self.epoch,
-                                        timesteps=self.timesteps, guidance=self.guidance)
+                                        timesteps=timesteps, guidance=self.guidance)
         return current, stream.peek_next(), host_batch
 
     def _take_batch(self, stream: StepStream) -> tuple[DecodedStep, StepMeta, PackedBatch]:
@@ -589,7 +644,7 @@ class Trainer:
         ahead, self._prefetched = self._prefetched, None
         if ahead is not None and ahead[0] is stream:
             return ahead[1:]
-        return self._read_batch(stream)
+        return self._read_batch(stream, self.step)
 
     def _predicted_compute(self, plan: BalancePlan) -> list[float] | None:
         """Per-rank compute seconds the plan's cost model predicts (``planner: cost``)."""
@@ -639,7 +694,8 @@ class Trainer:
                 self.ema.update(self.model)
         elif self.ema is not None:
             self.ema.num_updates += 1  # taken back by _commit, as the device path's count is
-        self.schedule.step()  # a skipped update keeps its place in the schedule (a resume counts steps)
+        for e in self.experts:  # a skipped update keeps its place in the schedule (a resume counts steps)
+            e.schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.parallel.after_optimizer_step()
         self.applied.append((list(self.pending), bad))
@@ -678,7 +734,15 @@ class Trainer:
         epoch, where it ran, and the ledger's position or the rows it could not hand over."""
         return {"epoch": self.epoch, "world_size": self.world, "topology": self.topology.spec,
                 **self.ledger.state_dict(),  # "ledger" (its position), "ledger_rows" (rows carried)
-                **({"lora_base": self.lora_base} if self.lora_base else {})}
+                **({"lora_base": self.lora_base} if self.lora_base else {}),
+                **({"experts": self._experts_state()} if self.split is not None else {})}
+
+    def _experts_state(self) -> dict:
+        """trainer.json's ``experts``: the boundary, the high-noise expert's share of steps,
+        and each expert's name and LoRA base (``weights.checks.base_record``)."""
+        return {"boundary": self.split.boundary, "share": self.split.high_share(self.cfg.flow.distribution()),
+                "names": [e.name for e in self.experts],
+                "lora_bases": [e.lora_base for e in self.experts]}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume after the checkpoint's step (``trainer.json``, checked as data on read)."""
@@ -734,6 +798,8 @@ class _Unread:
     peak_mem_gib: float | None
     started: float = 0.0
     """``time.perf_counter()`` at the step's start."""
+    expert: int = 0
+    """The expert it trained (``Trainer.experts``)."""
 
 
 def _fused(optimizer: torch.optim.Optimizer) -> bool:

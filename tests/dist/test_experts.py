@@ -1,0 +1,202 @@
+"""Two experts in one run (``flow.expert_boundary``, Wan 2.2 A14B's high- and low-noise
+transformers), on a tiny Wan through the torchrun launcher on gloo ranks: each optimizer step
+trains one expert on timesteps from its side of the boundary, chosen alike on every rank, by a
+resume and at another world size; both are checkpointed (``model``/``model_2``...) and resumed
+bit for bit; ``knapray export`` writes ``transformer/``, ``transformer_2/`` and a
+model_index.json with the boundary, which diffusers' ``WanPipeline`` loads, each transformer
+computing what knapray's expert computes."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+
+pytestmark = pytest.mark.dist
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+BOUNDARY = 0.875
+WAN = ["model.family=wan", "model.hidden_size=32", "model.num_heads=2", "model.depth_single=2", "model.text_dim=16",
+       "model.ffn_dim=32", "model.freq_dim=16", "model.text_pad_to=0"]
+"""A tiny Wan (heads of 16 channels) for the synthetic corpus (text width 16, no pooled vector)."""
+
+
+def _sets(corpus: str, storage, name: str, *extra: str) -> list[str]:
+    return [*WAN, f"data.corpus={corpus}", "data.global_batch=4", "balance.topology=bags_of:2", f"run.storage={storage}",
+            f"run.name={name}", "parallel.precision=fp32", f"flow.expert_boundary={BOUNDARY}", "flow.expert_share=0.5",
+            "optim.ema_decay=0.9", "checkpoint.every=0", *extra]
+
+
+def _train(corpus: str, storage, name: str, *extra: str, nproc: int) -> subprocess.CompletedProcess:
+    cfg = pathlib.Path(storage) / "empty.yaml"
+    cfg.parent.mkdir(parents=True, exist_ok=True)
+    cfg.write_text("{}\n")
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
+    cmd = [sys.executable, *launcher, "-m", "knapray.commands.torchrun", "--config", str(cfg),
+           *(f"--set={o}" for o in _sets(corpus, storage, name, *extra))]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _metrics(run_dir) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _checkpoint(run_dir) -> str:
+    return sorted(glob.glob(os.path.join(run_dir, "checkpoints", "step-*")))[-1]
+
+
+def _tensors(path: str, prefix: str) -> dict[str, torch.Tensor]:
+    """Every tensor the checkpoint ``path`` holds under ``prefix`` (model, model_2, ema_2...)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from knapray.worker.checkpoint import SafeFileSystemReader, safe_load
+
+    meta = SafeFileSystemReader(path).read_metadata().state_dict_metadata
+    state = {prefix: {k[len(prefix) + 1:]: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
+                      if k.startswith(prefix + ".") and isinstance(m, TensorStorageMetadata)}}
+    safe_load(state, path)
+    return state[prefix]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
+
+    out = tmp_path_factory.mktemp("corpus")
+    build_synthetic(SyntheticConfig(mix="g1b3i128f1s0,g1b2i64f1s0,g1b1i256f2s0", steps=10, scale=4, channels=4,
+                                    text_dim=16, pooled_dim=0, shards=3, seed=2), out, progress=False)
+    return str(out)
+
+
+def test_two_experts_resume_bit_for_bit_at_any_world_size_and_export_a_pipeline(corpus, tmp_path):
+    """6 steps on 2 ranks uninterrupted; the same stopped after 3 and resumed on 2 ranks (bit
+    for bit: losses and every expert's weights, optimizer and EMA) and on 1 rank (the same
+    schedule, losses within 1e-5). Both experts trained, each on its steps only."""
+    whole = _train(corpus, tmp_path, "whole", "run.max_steps=6", nproc=2)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    first = _train(corpus, tmp_path, "same", "run.max_steps=3", nproc=2)
+    assert first.returncode == 0, first.stderr[-3000:]
+    shutil.copytree(tmp_path / "same", tmp_path / "other", symlinks=True)
+    for name, nproc in (("same", 2), ("other", 1)):
+        second = _train(corpus, tmp_path, name, "run.max_steps=6", nproc=nproc)
+        assert second.returncode == 0, second.stderr[-3000:]
+        assert f"resuming run '{name}'" in second.stdout
+    ref = _metrics(tmp_path / "whole")
+    schedule = [m["expert"] for m in ref]
+    assert set(schedule) == {0, 1}, schedule  # both trained (share 0.5, this seed)
+    same, other = _metrics(tmp_path / "same"), _metrics(tmp_path / "other")
+    assert [m["expert"] for m in same] == [m["expert"] for m in other] == schedule
+    assert [m["loss"] for m in same] == [m["loss"] for m in ref]  # bit for bit
+    for a, b in zip(other, ref):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
+    ckpt_ref, ckpt_same = _checkpoint(tmp_path / "whole"), _checkpoint(tmp_path / "same")
+    for prefix in ("model", "model_2", "ema", "ema_2", "optimizer", "optimizer_2"):
+        ref_t, got_t = _tensors(ckpt_ref, prefix), _tensors(ckpt_same, prefix)
+        assert ref_t.keys() == got_t.keys() and ref_t, prefix
+        for k in ref_t:
+            assert torch.equal(ref_t[k], got_t[k]), (prefix, k)
+    with open(os.path.join(ckpt_ref, "trainer.json")) as f:
+        state = json.load(f)["experts"]
+    assert state["boundary"] == BOUNDARY and state["share"] == 0.5
+    assert state["names"] == ["transformer", "transformer_2"]
+
+    # export: both experts and the boundary, loaded by WanPipeline; each transformer is the
+    # checkpoint's expert (knapray's forward with its weights against diffusers' on one sequence)
+    from diffusers import UniPCMultistepScheduler, WanPipeline
+
+    from knapray.cli import main
+    from knapray.models.families import build_model, checkpoint_layout, get_family
+    from knapray.driver.run_dir import read_run_config
+    from knapray.testing.reference import Inputs
+
+    out = tmp_path / "exported"
+    assert main(["export", "--run", str(tmp_path / "whole"), "--out", str(out)]) == 0
+    with open(out / "model_index.json") as f:
+        assert json.load(f)["boundary_ratio"] == BOUNDARY
+    pipe = WanPipeline.from_pretrained(out, tokenizer=None, text_encoder=None, vae=None,
+                                       scheduler=UniPCMultistepScheduler())
+    assert pipe.config.boundary_ratio == BOUNDARY
+    cfg = read_run_config(str(tmp_path / "whole")).model
+    family = get_family(cfg.family)
+    gen = torch.Generator().manual_seed(0)
+    seq = Inputs(latent=torch.randn(4, 2, 4, 4, generator=gen), text=torch.randn(5, 16, generator=gen),
+                 pooled=torch.zeros(0), timestep=0.9, guidance=None, target=None)
+    outputs = []
+    for prefix, transformer in (("model", pipe.transformer), ("model_2", pipe.transformer_2)):
+        ours = build_model(cfg)
+        ours.load_state_dict(_tensors(ckpt_ref, prefix))
+        batch = family_batch(cfg, seq)
+        with torch.no_grad():
+            got = ours(batch)
+            want = family.diffusers_call(transformer.float().eval(), cfg, seq)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), prefix
+        outputs.append(got)
+    assert not torch.equal(*outputs)  # two experts, two models
+    assert checkpoint_layout(cfg)  # (the layout the export went through)
+
+
+def family_batch(cfg, seq):
+    """One sequence as knapray's packed batch."""
+    from knapray.models import pack_samples
+
+    return pack_samples([{"latent": seq.latent, "text": seq.text, "pooled": seq.pooled, "timestep": seq.timestep}], cfg)
+
+
+def _sides(rank: int, world: int, corpus: str, runs: str) -> list[tuple[int, int, float, float]]:
+    """Train 6 steps with every packed batch's timesteps recorded: (step, expert of its group,
+    lowest and highest t)."""
+    from dist_utils import local_trainer
+    import knapray.worker.trainer as trainer_module
+
+    seen = []
+    trainer = local_trainer(rank, world, corpus, runs, "sides", [*WAN, "run.max_steps=6",
+                                                                    f"flow.expert_boundary={BOUNDARY}",
+                                                                    "balance.topology=g1n1"])
+    real = trainer_module.build_packed_batch
+
+    def recording(*args, **kwargs):
+        batch = real(*args, **kwargs)
+        seen.append((kwargs["timesteps"].low, kwargs["timesteps"].high, float(batch.timesteps.min()),
+                     float(batch.timesteps.max())))
+        return batch
+
+    trainer_module.build_packed_batch = recording
+    try:
+        trainer.train()
+    finally:
+        trainer_module.build_packed_batch = real
+    return [(lo, hi, tmin, tmax) for lo, hi, tmin, tmax in seen]
+
+
+def test_each_step_draws_timesteps_from_its_experts_side(corpus, tmp_path):
+    """The default share (the distribution's own mass above the boundary: 2.6% for a logit-normal
+    without shift), and every batch's timesteps inside its expert's side."""
+    (seen,) = run_distributed(_sides, 1, corpus, str(tmp_path / "runs"), timeout_s=120)
+    assert seen
+    for low, high, tmin, tmax in seen:
+        assert (low, high) in ((BOUNDARY, 1.0), (0.0, BOUNDARY))
+        assert low <= tmin and tmax < high
+
+
+def test_bad_expert_configs_are_refused_in_one_line(corpus, tmp_path):
+    from knapray.config.run import load_config
+
+    base = [f"data.corpus={corpus}", *WAN]
+    for extra, words in ((["flow.expert_boundary=0.875", "flow.timestep_range=[0.5,1.0]"], "timestep_range"),
+                         (["flow.expert_share=0.3"], "expert_boundary"),
+                         (["flow.expert_boundary=1.0"], "expert_boundary"),
+                         (["flow.expert_boundary=0.875", "metrics.validation.every=5"], "validation")):
+        with pytest.raises(ValueError, match=words) as e:
+            load_config(None, base + extra)
+        assert "\n" not in str(e.value)
