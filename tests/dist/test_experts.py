@@ -1,5 +1,5 @@
 """Two experts in one run (``flow.expert_boundary``, Wan 2.2 A14B's high- and low-noise
-transformers), on a tiny Wan through the torchrun launcher on gloo ranks: each optimizer step
+transformers), on a tiny Wan on gloo ranks: each optimizer step
 trains one expert on timesteps from its side of the boundary, chosen alike on every rank, by a
 resume and at another world size; both are checkpointed (``model``/``model_2``...) and resumed
 bit for bit; ``knapray export`` writes ``transformer/``, ``transformer_2/`` and a
@@ -11,10 +11,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-import pathlib
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -23,28 +20,31 @@ from dist_utils import run_distributed
 
 pytestmark = pytest.mark.dist
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
 BOUNDARY = 0.875
 WAN = ["model.family=wan", "model.hidden_size=32", "model.num_heads=2", "model.depth_single=2", "model.text_dim=16",
        "model.ffn_dim=32", "model.freq_dim=16", "model.text_pad_to=0"]
 """A tiny Wan (heads of 16 channels) for the synthetic corpus (text width 16, no pooled vector)."""
 
 
-def _sets(corpus: str, storage, name: str, *extra: str) -> list[str]:
-    return [*WAN, f"data.corpus={corpus}", "data.global_batch=4", "balance.topology=bags_of:2", f"run.storage={storage}",
-            f"run.name={name}", "parallel.precision=fp32", f"flow.expert_boundary={BOUNDARY}", "flow.expert_share=0.5",
-            "optim.ema_decay=0.9", "checkpoint.every=0", *extra]
+SETS = [*WAN, "data.global_batch=4", "balance.topology=bags_of:2", f"flow.expert_boundary={BOUNDARY}",
+        "flow.expert_share=0.5", "optim.ema_decay=0.9"]
 
 
-def _train(corpus: str, storage, name: str, *extra: str, nproc: int) -> subprocess.CompletedProcess:
-    cfg = pathlib.Path(storage) / "empty.yaml"
-    cfg.parent.mkdir(parents=True, exist_ok=True)
-    cfg.write_text("{}\n")
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
-    cmd = [sys.executable, *launcher, "-m", "knapray.commands.torchrun", "--config", str(cfg),
-           *(f"--set={o}" for o in _sets(corpus, storage, name, *extra))]
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+def _run(rank: int, world: int, corpus: str, runs: str, name: str, steps: int) -> None:
+    """Train run ``name`` to ``steps`` steps on this gloo rank (resuming from its newest
+    checkpoint), its config.json written as a launcher's pre-flight writes it."""
+    from dist_utils import local_trainer
+
+    from knapray.driver.run_dir import write_config
+
+    trainer = local_trainer(rank, world, corpus, runs, name, [*SETS, f"run.max_steps={steps}"])
+    if rank == 0:
+        write_config(trainer.cfg)
+    trainer.train()
+
+
+def _train(corpus: str, runs, name: str, steps: int, nproc: int) -> None:
+    run_distributed(_run, nproc, corpus, str(runs), name, steps, timeout_s=180)
 
 
 def _metrics(run_dir) -> list[dict]:
@@ -80,18 +80,14 @@ def corpus(tmp_path_factory):
 
 
 def test_two_experts_resume_bit_for_bit_at_any_world_size_and_export_a_pipeline(corpus, tmp_path):
-    """6 steps on 2 ranks uninterrupted; the same stopped after 3 and resumed on 2 ranks (bit
+    """6 steps on 2 gloo ranks uninterrupted; the same stopped after 3 and resumed on 2 ranks (bit
     for bit: losses and every expert's weights, optimizer and EMA) and on 1 rank (the same
     schedule, losses within 1e-5). Both experts trained, each on its steps only."""
-    whole = _train(corpus, tmp_path, "whole", "run.max_steps=6", nproc=2)
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    first = _train(corpus, tmp_path, "same", "run.max_steps=3", nproc=2)
-    assert first.returncode == 0, first.stderr[-3000:]
+    _train(corpus, tmp_path, "whole", 6, nproc=2)
+    _train(corpus, tmp_path, "same", 3, nproc=2)
     shutil.copytree(tmp_path / "same", tmp_path / "other", symlinks=True)
-    for name, nproc in (("same", 2), ("other", 1)):
-        second = _train(corpus, tmp_path, name, "run.max_steps=6", nproc=nproc)
-        assert second.returncode == 0, second.stderr[-3000:]
-        assert f"resuming run '{name}'" in second.stdout
+    _train(corpus, tmp_path, "same", 6, nproc=2)
+    _train(corpus, tmp_path, "other", 6, nproc=1)
     ref = _metrics(tmp_path / "whole")
     schedule = [m["expert"] for m in ref]
     assert set(schedule) == {0, 1}, schedule  # both trained (share 0.5, this seed)
