@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 NAME = "export"
 HELP = "write a run's trained (or EMA) weights in the diffusers layout with its config.json"
@@ -65,6 +66,11 @@ def run(args: argparse.Namespace) -> int:
         load = (f"load with pipe.load_lora_weights({r.out!r})" if r.format == "diffusers" else
                 f"load {r.file} in ComfyUI, or with pipe.load_lora_weights({r.out!r}, "
                 f"weight_name={r.file.rsplit('/', 1)[-1]!r})")
+        if r.experts:  # one file per expert, in its folder
+            high, low = (os.path.join(r.out, e) for e in r.experts)
+            load = (f"both experts' adapters: {high}/ and {low}/; load with pipe.load_lora_weights({high!r}) and "
+                    f"pipe.load_lora_weights({low!r}, load_into_transformer_2=True)" if r.format == "diffusers" else
+                    f"both experts' adapters: {high}/ and {low}/, a {r.format} file each")
         print(f"wrote {r.out}: {r.family} LoRA adapters after {r.steps} steps ({r.checkpoint})"
               f"{' (EMA)' if r.ema else ''}, in {r.format}'s format, "
               f"rank {r.rank}, {how}, {r.layers} layers as {r.tensors} tensors; {load}; {r.seconds:.1f} s")

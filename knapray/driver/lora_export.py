@@ -60,6 +60,8 @@ class LoraExportReport:
     tensors: int
     """Tensors written (two per layer of the format's names; kohya: three, with its alpha)."""
     seconds: float
+    experts: list[str] = dataclasses.field(default_factory=list)
+    """A run of two experts: the folders written (``transformer``, ``transformer_2``), a file each."""
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -115,13 +117,19 @@ def export_lora(run_dir: str, out: str, *, ema: bool = False, checkpoint: str | 
                 fmt: str = "diffusers") -> LoraExportReport:
     """Write ``run_dir``'s adapters to the new directory ``out`` in format ``fmt`` (module
     doc); ValueError (one line) for a run that trained no adapters, a checkpoint without
-    them, or a format its family has no names for."""
+    them, or a format its family has no names for. A run of two experts
+    (``flow.expert_boundary``) writes each expert's file in its folder, ``transformer/`` and
+    ``transformer_2/``: diffusers' Wan 2.2 pipelines load the second with
+    ``load_lora_weights(..., load_into_transformer_2=True)``."""
     from knapray.driver.export import save_safetensors
-    from knapray.worker.checkpoint import read_trainer_state, safe_load, saved_keys
+    from knapray.worker.checkpoint import read_trainer_state
+    from knapray.worker.experts import part_suffix
     from knapray.driver.run_dir import read_run_config, run_checkpoint
+    from knapray.models.timesteps import EXPERT_NAMES
 
     t0 = time.perf_counter()
-    cfg = read_run_config(run_dir).model
+    run_cfg = read_run_config(run_dir)
+    cfg = run_cfg.model
     if not cfg.lora.enabled:
         raise ValueError(f"--lora: run {run_dir} trained every weight (model.lora.rank is 0); export it without --lora")
     format_layout(cfg, fmt)  # a format the family has names for, before anything is read
@@ -129,10 +137,43 @@ def export_lora(run_dir: str, out: str, *, ema: bool = False, checkpoint: str | 
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ValueError(f"--out {out}: exists and is not an empty directory; choose a new one")
     path = run_checkpoint(run_dir, checkpoint, "export")
-    prefix = "ema" if ema else "model"
-    saved = saved_keys(path)
-    modules = sorted({k[len(prefix) + 1:].split(".lora_A.")[0] for k in saved
-                      if k.startswith(prefix + ".") and ".lora_A." in k})
+    base = "ema" if ema else "model"
+    # (subfolder, checkpoint prefix) of each expert's adapters: one, or the two experts'
+    targets = [("", base)] if not run_cfg.flow.expert_boundary else [
+        (name, base + part_suffix(i)) for i, name in enumerate(EXPERT_NAMES)]
+    adapters = [_adapters(path, prefix, cfg, ema) for _, prefix in targets]
+    written = [(sub, lora_tensors(a, cfg, cfg.lora.scale, fmt)) for (sub, _), a in zip(targets, adapters)]
+    partial = out + ".partial"
+    os.makedirs(partial, exist_ok=True)
+    for sub, tensors in written:
+        os.makedirs(os.path.join(partial, sub), exist_ok=True)
+        save_safetensors(tensors, os.path.join(partial, sub, FORMATS[fmt]))
+    if os.path.isdir(out):
+        os.rmdir(out)
+    os.rename(partial, out)
+    step = read_trainer_state(path)["step"]
+    return LoraExportReport(out=out, checkpoint=path, step=step, steps=step + 1, ema=ema, format=fmt,
+                            file=os.path.join(out, targets[0][0], FORMATS[fmt]),
+                            family=cfg.family, rank=cfg.lora.rank, scale=cfg.lora.scale,
+                            layers=sum(len(a) for a in adapters),
+                            tensors=sum(len(t) for _, t in written), seconds=time.perf_counter() - t0,
+                            experts=[sub for sub, _ in targets if sub])
+
+
+def _modules_of(path: str, prefix: str) -> list[str]:
+    """The knapray modules with an adapter under ``prefix`` in checkpoint ``path``."""
+    from knapray.worker.checkpoint import saved_keys
+
+    return sorted({k[len(prefix) + 1:].split(".lora_A.")[0] for k in saved_keys(path)
+                   if k.startswith(prefix + ".") and ".lora_A." in k})
+
+
+def _adapters(path: str, prefix: str, cfg, ema: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{knapray module: (lora_A, lora_B)} of checkpoint ``path``'s adapters under ``prefix``
+    (``model``, ``ema``, ``model_2``...), read alone through the safe reader."""
+    from knapray.worker.checkpoint import safe_load
+
+    modules = _modules_of(path, prefix)
     if not modules:
         raise ValueError(f"checkpoint {path} holds no {'EMA ' if ema else ''}adapters ({prefix}.*.lora_A.*)"
                          + (": the run had optim.ema_decay 0" if ema else ""))
@@ -144,17 +185,5 @@ def export_lora(run_dir: str, out: str, *, ema: bool = False, checkpoint: str | 
         state[prefix][f"{m}.lora_A.{ADAPTER}.weight"] = torch.empty(r, cols)
         state[prefix][f"{m}.lora_B.{ADAPTER}.weight"] = torch.empty(rows, r)
     safe_load(state, path)
-    adapters = {m: (state[prefix][f"{m}.lora_A.{ADAPTER}.weight"], state[prefix][f"{m}.lora_B.{ADAPTER}.weight"])
-                for m in modules}
-    tensors = lora_tensors(adapters, cfg, cfg.lora.scale, fmt)
-    partial = out + ".partial"
-    os.makedirs(partial, exist_ok=True)
-    save_safetensors(tensors, os.path.join(partial, FORMATS[fmt]))
-    if os.path.isdir(out):
-        os.rmdir(out)
-    os.rename(partial, out)
-    step = read_trainer_state(path)["step"]
-    return LoraExportReport(out=out, checkpoint=path, step=step, steps=step + 1, ema=ema, format=fmt,
-                            file=os.path.join(out, FORMATS[fmt]),
-                            family=cfg.family, rank=r, scale=cfg.lora.scale, layers=len(modules),
-                            tensors=len(tensors), seconds=time.perf_counter() - t0)
+    return {m: (state[prefix][f"{m}.lora_A.{ADAPTER}.weight"], state[prefix][f"{m}.lora_B.{ADAPTER}.weight"])
+            for m in modules}

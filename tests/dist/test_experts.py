@@ -196,3 +196,109 @@ def test_bad_expert_configs_are_refused_in_one_line(corpus, tmp_path):
         with pytest.raises(ValueError, match=words) as e:
             load_config(None, base + extra)
         assert "\n" not in str(e.value)
+
+
+def _tiny_pipeline(root) -> str:
+    """A Wan 2.2-like pipeline folder of the tiny Wan: model_index.json with the boundary, and
+    two transformers of different random weights."""
+    from diffusers import WanTransformer3DModel
+
+    for i, name in enumerate(("transformer", "transformer_2")):
+        torch.manual_seed(10 + i)
+        WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4,
+                              out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2).save_pretrained(
+            os.path.join(root, name))
+    with open(os.path.join(root, "model_index.json"), "w") as f:
+        json.dump({"_class_name": "WanPipeline", "boundary_ratio": BOUNDARY,
+                   "transformer": ["diffusers", "WanTransformer3DModel"],
+                   "transformer_2": ["diffusers", "WanTransformer3DModel"]}, f)
+    return str(root)
+
+
+def _knapray_expert(run_cfg, pipeline: str, ckpt: str, prefix: str, index: int):
+    """knapray's expert ``index`` of a LoRA run: its base from the pipeline's folder, its
+    adapters from the checkpoint."""
+    import dataclasses
+
+    from knapray.models.families import build_model
+    from knapray.models.lora import init_adapters, is_adapter
+    from knapray.weights.load import load_pretrained
+    from knapray.weights.source import expert_path
+
+    cfg = dataclasses.replace(run_cfg.model, pretrained=expert_path(pipeline, index))
+    model = build_model(cfg)
+    init_adapters(model, cfg.lora, 0)
+    load_pretrained(model, cfg)
+    adapters = {k: v for k, v in _tensors(ckpt, prefix).items() if is_adapter(k)}
+    assert adapters
+    missing, unexpected = model.load_state_dict(adapters, strict=False)
+    assert not unexpected
+    return model.eval()
+
+
+def _lora_run(rank: int, world: int, corpus: str, runs: str, pipeline: str) -> None:
+    from dist_utils import local_trainer
+
+    from knapray.driver.run_dir import write_config
+
+    trainer = local_trainer(rank, world, corpus, runs, "lora", [
+        "model.family=wan", f"model.pretrained={pipeline}", "model.lora.rank=4", "model.text_pad_to=0",
+        "data.global_batch=2", "balance.topology=g1n1", f"flow.expert_boundary={BOUNDARY}", "flow.expert_share=0.5",
+        "run.max_steps=4", "optim.lr=1e-2"])
+    if rank == 0:
+        write_config(trainer.cfg)
+    trainer.train()
+
+
+def test_lora_on_both_experts_from_a_pipeline_folder_exported_as_wan22_loras(corpus, tmp_path):
+    """A LoRA run of two experts from a Wan 2.2-like pipeline folder: each expert's base is its
+    own transformer; ``export --lora`` writes one file per expert, which diffusers' WanPipeline
+    loads (the second with ``load_into_transformer_2``) and computes what knapray's experts do."""
+    from diffusers import UniPCMultistepScheduler, WanPipeline
+
+    from knapray.cli import main
+    from knapray.driver.run_dir import read_run_config
+    from knapray.models.families import get_family
+
+    pipeline = _tiny_pipeline(tmp_path / "wan22")
+    run_distributed(_lora_run, 1, corpus, str(tmp_path / "runs"), pipeline, timeout_s=180)
+    run = tmp_path / "runs" / "lora"
+    assert {m["expert"] for m in _metrics(run)} == {0, 1}
+    out = tmp_path / "adapters"
+    assert main(["export", "--run", str(run), "--out", str(out), "--lora"]) == 0
+    pipe = WanPipeline.from_pretrained(pipeline, tokenizer=None, text_encoder=None, vae=None,
+                                       scheduler=UniPCMultistepScheduler())
+    plain = [pipe.transformer, pipe.transformer_2]
+    x = torch.randn(1, 4, 2, 8, 8, generator=torch.Generator().manual_seed(0))
+    text = torch.randn(1, 5, 16, generator=torch.Generator().manual_seed(1))
+
+    def call(m):
+        with torch.no_grad():
+            return m(hidden_states=x, timestep=torch.tensor([900.0]), encoder_hidden_states=text, return_dict=False)[0]
+
+    before = [call(m) for m in plain]
+    pipe.load_lora_weights(str(out / "transformer"), adapter_name="high")
+    pipe.load_lora_weights(str(out / "transformer_2"), adapter_name="low", load_into_transformer_2=True)
+    run_cfg, ckpt = read_run_config(str(run)), _checkpoint(run)
+    for i, (transformer, prefix) in enumerate(((pipe.transformer, "model"), (pipe.transformer_2, "model_2"))):
+        got = call(transformer)
+        assert not torch.allclose(got, before[i])  # the adapters change it
+        ours = _knapray_expert(run_cfg, pipeline, ckpt, prefix, i)
+        seq_in = _inputs_of(x, text)
+        with torch.no_grad():
+            mine = ours(family_batch(run_cfg.model, seq_in))
+        want = get_family("wan").diffusers_call(transformer, run_cfg.model, seq_in)
+        assert torch.allclose(want, _patch(got, run_cfg.model)), i  # (the same call as above)
+        assert (mine - want).abs().max() <= 1e-5 * want.abs().max(), i
+
+
+def _inputs_of(x, text):
+    from knapray.testing.reference import Inputs
+
+    return Inputs(latent=x[0], text=text[0], pooled=torch.zeros(0), timestep=0.9, guidance=None, target=None)
+
+
+def _patch(out, cfg):
+    from knapray.models.packing import patchify
+
+    return patchify(out[0], cfg.patch_size)[0]
