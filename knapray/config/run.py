@@ -203,6 +203,11 @@ class FlowSection:
     expert_share: float = field(default=0.0, metadata={"ge": 0, "lt": 1})
     """With two experts, the high-noise one's share of optimizer steps; 0: the share of the
     timestep distribution at or above the boundary (37% for Wan 2.2 T2V at shift 5)."""
+    first_frame_share: float = field(default=0.0, metadata={"ge": 0, "le": 1})
+    """For a model with a time per token (``model.expand_timesteps``, Wan 2.2 TI2V-5B): the
+    share of clips trained image-to-video on their own first frame (that latent frame kept
+    clean at time 0 and out of the loss, as TI2V samples from an image); the rest are
+    trained text-to-video. 0: all text-to-video."""
     guidance: float = field(default=3.5, metadata={"ge": 0})
     """The guidance strength a model that embeds one is trained with (FLUX.1-dev; diffusers'
     Flux fine-tuning scripts use 3.5); unused by models without a guidance embedding."""
@@ -427,6 +432,10 @@ class TrainConfig:
         if not self.data.epochs and not self.run.max_steps:
             raise ValueError("data.epochs=0 trains run.max_steps steps, as many epochs as they take: set "
                              "run.max_steps to the steps to train (or data.epochs to the passes over the corpus)")
+        if self.flow.first_frame_share and not getattr(self.model, "expand_timesteps", False):
+            raise ValueError(f"flow.first_frame_share={self.flow.first_frame_share} keeps image-conditioned clips' "
+                             "first frame clean, which needs a model with a time per token: set "
+                             "model.expand_timesteps=true (Wan 2.2 TI2V-5B) or flow.first_frame_share=0")
         if self.metrics.validation.every and self.flow.expert_boundary:
             raise ValueError("metrics.validation samples one model; a run of two experts (flow.expert_boundary="
                              f"{self.flow.expert_boundary}) has none to validate alone: set metrics.validation.every=0 "

@@ -55,6 +55,7 @@ def build_packed_batch(
     epoch: int = 0,
     timesteps: TimestepDistribution = TimestepDistribution(),
     guidance: float | None = None,
+    first_frame_share: float = 0.0,
 ) -> PackedBatch:
     """Pack decoded samples (``DecodedStep.samples``, each with its ``sample_id``) into a noised
     ``PackedBatch`` with targets.
@@ -64,6 +65,12 @@ def build_packed_batch(
     its image tokens; ``x_img`` is then x_t = (1-t)·x0 + t·noise and ``targets`` is
     noise - x0. ``guidance``: every sequence's guidance input (a model that embeds it,
     FLUX.1-dev), None for none. An empty list (a dry rank) gives an empty batch.
+
+    A model with a time per token (``expand_timesteps``, Wan 2.2 TI2V-5B) gets each
+    sequence's first-frame time; ``first_frame_share`` of its clips (drawn per sample from its
+    generator, after its noise) are trained image-to-video on their own first frame: that
+    latent frame stays clean (x_t = x0), its time is 0 and the loss leaves it out
+    (``loss_tokens``); a single-frame sample is always generated whole.
     """
     packed_input, gens = [], []
     for sample in samples:
@@ -98,4 +105,25 @@ def build_packed_batch(
     # (Ni_s, P) per sample, in packing order: the sample's image tokens follow each other
     counts = torch.bincount(clean.image_seq_index, minlength=len(gens)).tolist()
     noise = [torch.randn((n, clean.x_img.shape[1]), generator=g, dtype=clean.x_img.dtype) for n, g in zip(counts, gens)]
-    return add_noise(clean, torch.cat(noise) if noise else torch.zeros_like(clean.x_img))
+    batch = add_noise(clean, torch.cat(noise) if noise else torch.zeros_like(clean.x_img))
+    if not getattr(cfg, "expand_timesteps", False):
+        if first_frame_share:
+            raise ValueError(f"first_frame_share={first_frame_share}: the model has one time per sequence "
+                             "(model.expand_timesteps false); only a model with a time per token keeps a frame clean")
+        return batch
+    return _first_frames(clean, batch, gens, first_frame_share)
+
+
+def _first_frames(clean: PackedBatch, batch: PackedBatch, gens: list[torch.Generator], share: float) -> PackedBatch:
+    """``batch`` with each sequence's first-frame time; the clips drawn image-conditioned
+    (``build_packed_batch``) keep their first latent frame clean and out of the loss."""
+    first = clean.timesteps.clone()
+    if not share:
+        return dataclasses.replace(batch, first_frame_timesteps=first)
+    draws = [float(torch.rand((), generator=g)) for g in gens]
+    conditioned = torch.tensor([d < share and grid[0] > 1 for d, grid in zip(draws, clean.grids)], dtype=torch.bool)
+    first[conditioned] = 0.0
+    img_seq = clean.image_seq_index
+    clean_tokens = conditioned[img_seq] & (clean.pos[~clean.is_text][:, 0] == 0)  # (Ni,)
+    x_img = torch.where(clean_tokens[:, None], clean.x_img, batch.x_img)
+    return dataclasses.replace(batch, x_img=x_img, first_frame_timesteps=first, loss_tokens=~clean_tokens)

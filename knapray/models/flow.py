@@ -33,7 +33,8 @@ def add_noise(batch: PackedBatch, noise: torch.Tensor) -> PackedBatch:
     return dataclasses.replace(batch, x_img=x_t, targets=target)
 
 
-def flow_loss(pred: torch.Tensor, target: torch.Tensor, global_token_count: int) -> torch.Tensor:
+def flow_loss(pred: torch.Tensor, target: torch.Tensor, global_token_count: int,
+              tokens: torch.Tensor | None = None) -> torch.Tensor:
     """Sum of squared errors over local image tokens and features / (global tokens · patch_dim).
 
     ``global_token_count`` is the number of image tokens in the whole step across all ranks
@@ -46,12 +47,19 @@ def flow_loss(pred: torch.Tensor, target: torch.Tensor, global_token_count: int)
 
     Computed in fp32 whatever the dtypes of ``pred`` and ``target`` (a bf16 sum over many
     tokens would lose the loss's low digits), also under autocast; the loss is fp32.
+
+    ``tokens``: (Ni,) bool, the tokens the loss covers (``PackedBatch.loss_tokens``; then
+    ``global_token_count`` counts those), by a product rather than an index, so that the
+    host never waits for the device to count them.
     """
     if pred.shape != target.shape:
         raise ValueError(f"pred {tuple(pred.shape)} and target {tuple(target.shape)} differ")
     if global_token_count < 1:
         raise ValueError(f"global_token_count must be >= 1, got {global_token_count}")
-    sq_err = (pred.float() - target.float()).pow(2).sum()
+    sq = (pred.float() - target.float()).pow(2)
+    if tokens is not None:
+        sq = sq * tokens.to(sq.dtype)[:, None]
+    sq_err = sq.sum()
     return sq_err / (global_token_count * pred.shape[-1])
 
 

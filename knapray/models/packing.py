@@ -123,6 +123,9 @@ class PackedBatch:
     per-token times (Wan 2.2 TI2V-5B): 0 where an image conditions the sequence (its first
     frame is the image's clean latent), the sequence's ``timesteps`` where none does; None
     for the others."""
+    loss_tokens: torch.Tensor | None = None
+    """(Ni,) bool: the image tokens the loss covers, None for all (a sequence whose first
+    latent frame is its conditioning image's clean latent leaves that frame out)."""
 
     def __post_init__(self) -> None:
         n, s = self.is_text.shape[0], self.seq_lens.shape[0]
@@ -146,6 +149,9 @@ class PackedBatch:
         if self.image_context is not None and (self.image_context.dim() != 3 or self.image_context.shape[0] != s):
             raise ValueError(f"image_context must be ({s}, L, image_dim), one per sequence, got "
                              f"{tuple(self.image_context.shape)}")
+        if self.loss_tokens is not None and self.loss_tokens.shape != (self.x_img.shape[0],):
+            raise ValueError(f"loss_tokens must be ({self.x_img.shape[0]},), one per image token, got "
+                             f"{tuple(self.loss_tokens.shape)}")
         if self.first_frame_timesteps is not None and self.first_frame_timesteps.shape != (s,):
             raise ValueError(f"first_frame_timesteps must be ({s},), one value per sequence, got "
                              f"{tuple(self.first_frame_timesteps.shape)}")

@@ -500,7 +500,7 @@ class Trainer:
         # host numbers, agreed on the gloo group: nothing here waits for the device.
         text = host_batch.text_tokens_per_sequence()
         agree, text_slots = self.sync.sum_over_ranks(summed={
-            "img_tokens": host_batch.x_img.shape[0], "tokens": int(host_batch.seq_lens.sum()),
+            "img_tokens": _loss_tokens(host_batch), "tokens": int(host_batch.seq_lens.sum()),
             "have_plan": fetched.have_plan,
             "plan_failed": fetched.error is not None, **self.guard.step_counts(stream.stats),
         }, per_rank={f"text_tokens.{i}": int(text[i]) if i < text.size else 0
@@ -528,12 +528,12 @@ class Trainer:
             with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.autocast):
                 out = balanced_forward(self.model, batch, run_plan, rank, bag_group=bag_group,
                                        route_group=route_group, layout=layout)
-                loss = flow_loss(out, batch.targets, global_img)
+                loss = flow_loss(out, batch.targets, global_img, batch.loss_tokens)
             loss.backward()
         # The loss of predicting zero velocity on the same batch: the loss over it is 1.0
         # at initialization (adaLN-zero) and falls as the model learns, free of the
         # step-to-step variance of the data and the timesteps.
-        zero_loss = flow_loss(torch.zeros_like(batch.targets), batch.targets, global_img)
+        zero_loss = flow_loss(torch.zeros_like(batch.targets), batch.targets, global_img, batch.loss_tokens)
         loss = loss.detach()
         self.group_bad = self.group_bad + (~torch.isfinite(loss)).to(self.group_bad.dtype)
         self.micro_steps += 1
@@ -634,7 +634,8 @@ class Trainer:
         current = stream.next_step()
         timesteps = self.experts[self._expert_for(step)].timesteps
         host_batch = build_packed_batch(current.samples, self.cfg.model, seed=self.cfg.data.seed, epoch=self.epoch,
-                                        timesteps=timesteps, guidance=self.guidance)
+                                        timesteps=timesteps, guidance=self.guidance,
+                                        first_frame_share=self.cfg.flow.first_frame_share)
         return current, stream.peek_next(), host_batch
 
     def _take_batch(self, stream: StepStream) -> tuple[DecodedStep, StepMeta, PackedBatch]:
@@ -771,6 +772,12 @@ class Trainer:
         self.ledger.settle(step)
         self.checkpointer.save(step, barrier=self.sync.barrier)
         self.last_saved, self.saved_epoch = step, self.epoch
+
+
+def _loss_tokens(host_batch: PackedBatch) -> int:
+    """The image tokens a host batch's loss covers (all, or its ``loss_tokens``)."""
+    mask = host_batch.loss_tokens
+    return host_batch.x_img.shape[0] if mask is None else int(mask.sum())
 
 
 def _attention_fields(choice) -> dict:
