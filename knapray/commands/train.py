@@ -216,6 +216,10 @@ def _train(args: argparse.Namespace, cfg, pre, base, address: str | None, signal
           f"{quarantine_line(balanced['run'])}")
     if "prediction_error_last" in s:
         print(f"[knapray] {prediction_line(s)}")
+    experts = [r["expert"] for r in balanced.get("records", []) if "expert" in r]
+    if experts:  # two experts (flow.expert_boundary): how the steps were shared
+        print(f"[knapray] experts: transformer (high noise) trained {experts.count(0)} of these steps, "
+              f"transformer_2 (low noise) {experts.count(1)}")
     early = stopped_early_line(cfg, balanced)
     if early:
         print(f"[knapray] {early}")

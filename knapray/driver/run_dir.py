@@ -23,9 +23,10 @@ from knapray.config.run import TrainConfig
 
 
 RESUME_MODES = ("auto", "never", "must")
-RESUME_KEYS = ("model", "data.corpus", "data.samples_per_step", "data.global_batch", "data.seed")
-"""Config values a resumed run must share with the run it continues: the model's shape
-and the data order. Anything else (learning rate, step limits, topology, world size...)
+RESUME_KEYS = ("model", "data.corpus", "data.samples_per_step", "data.global_batch", "data.seed",
+               "flow.expert_boundary")
+"""Config values a resumed run must share with the run it continues: the model's shape,
+its experts (one model, or two split at a boundary: their checkpoint parts) and the data order. Anything else (learning rate, step limits, topology, world size...)
 may change on resume, and the resume line names what did."""
 RAY_UPLOAD_MARKER = os.path.join("runtime_resources", "working_dir_files")
 DEFAULT_JOB_STORAGE = "~/knapray/runs"

@@ -196,6 +196,12 @@ def test_bad_expert_configs_are_refused_in_one_line(corpus, tmp_path):
         with pytest.raises(ValueError, match=words) as e:
             load_config(None, base + extra)
         assert "\n" not in str(e.value)
+    # a run of two experts resumes as two experts (their checkpoint parts), never as one
+    from knapray.driver.run_dir import config_changes
+
+    one, two = (load_config(None, base + extra).to_dict() for extra in ([], ["flow.expert_boundary=0.875"]))
+    blocking, _ = config_changes(two, one)
+    assert blocking == ["flow.expert_boundary: 0.875 -> 0.0"]
 
 
 def _tiny_pipeline(root) -> str:
