@@ -48,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
         "total_gib": gib["total"], "peak_phase": br.peak_phase, "gpu_gib": args.gpu_gib,
         "usable_gib": mem.usable_bytes(gpu_bytes) / GIB, "fits": mem.fits(tokens, gpu_bytes),
         "max_tokens_per_gpu": fit, "trainable_params": mem.trainable[0] if mem.trainable else mem.shape.num_params,
+        "experts": mem.experts,
     }
     ac = mem.checkpointing + (f" (k={mem.ac_every})" if mem.checkpointing == "every_k" else "")
     print(f"{cfg.run.name}: {mem.shape.num_params / 1e9:.2f} B parameters, {mem.precision}, "
@@ -56,8 +57,14 @@ def run(args: argparse.Namespace) -> int:
     if mem.trainable:
         print(f"LoRA: {mem.trainable[0] / 1e6:.1f} M adapter parameters train (rank {cfg.model.lora.rank}); the base "
               "is frozen: gradients and AdamW state are the adapters' alone")
+    if mem.experts > 1:
+        print(f"two experts (flow.expert_boundary={cfg.flow.expert_boundary}): both resident, each with its parameter "
+              "shards" + (", AdamW state and EMA" if mem.ema else " and AdamW state") + "; a step trains one (its gradients "
+              "alone)")
     print(f"per GPU at {tokens} tokens per GPU:")
     for key, value in result["breakdown"].items():
+        if key == "ema" and not value:
+            continue  # no optim.ema_decay
         note = {"step_buffers": "  (optimizer step, after activations are freed)",
                 "overlap": "  (activations freed in backward before all gradients exist)"}.get(key, "")
         print(f"  {key.replace('_', ' '):<18} {value:>9.2f} GiB{note}")

@@ -242,6 +242,35 @@ def test_run_config_sections_are_read():
     assert (m.sharding, m.checkpointing, m.precision, m.gpus_per_node) == ("none", "none", "fp32", 4)
 
 
+def test_two_experts_hold_two_models_state_and_train_one():
+    """flow.expert_boundary (jobs/configs/wan22_a14b.yaml): both experts' parameter shards,
+    AdamW state and EMA, one's gradients, buffers and activations; full training and LoRA
+    (each expert its own base and adapters)."""
+    from knapray.config.run import load_config
+    from knapray.models.families import adapter_counts
+
+    config = str(Path(__file__).resolve().parents[2] / "jobs" / "configs" / "wan22_a14b.yaml")
+    for sets in ([], ["model.lora.rank=16"]):
+        cfg = load_config(config, sets + ["optim.ema_decay=0.9999"])
+        trainable = adapter_counts(cfg.model)
+        two = memory_model_for_run(cfg, trainable=trainable)
+        cfg.flow.expert_boundary = 0.0
+        one = memory_model_for_run(cfg, trainable=trainable)
+        assert (two.experts, one.experts, two.ema) == (2, 1, True)
+        a, b = two.breakdown(16384), one.breakdown(16384)
+        assert (a.params, a.optimizer, a.ema) == (2 * b.params, 2 * b.optimizer, 2 * b.ema)
+        assert (a.grads, a.fsdp_buffers, a.activations, a.overlap) == (b.grads, b.fsdp_buffers, b.activations,
+                                                                        b.overlap)
+        assert a.total - b.total == b.params + b.optimizer + b.ema
+        t = trainable[0] if trainable else one.shape.num_params
+        assert b.ema == 4 * -(-t // 16)  # an fp32 shadow of the trained parameters' shards
+    # the shipped config: 14,288,491,584 parameters an expert; fits 80 GiB on its 16 GPUs
+    cfg = load_config(config)
+    mem = memory_model_for_run(cfg)
+    assert mem.shape.num_params == 14_288_491_584 and mem.world_size == 16 and not mem.ema
+    assert mem.fits(cfg.data.max_tokens_per_gpu, 80 * GIB)
+
+
 # ---- the command -----------------------------------------------------------------------
 
 

@@ -7,6 +7,14 @@ What a rank holds at its peak, by category:
     fp32 master parameters, their fp32 gradients, AdamW's ``exp_avg`` / ``exp_avg_sq``
     (8 B per parameter) and one fp32 ``step`` scalar per parameter tensor; divided by the
     shard group's size under FSDP2 (``full``: the world, ``hybrid``: a node).
+``ema``
+    ``optim.ema_decay`` > 0: an fp32 shadow of every trained parameter
+    (``knapray.worker.ema``: a clone of each shard, so sharded as the parameters are).
+``experts``
+    Two experts in one run (``flow.expert_boundary``, Wan 2.2 A14B: ``knapray.worker.experts``)
+    keep both models resident all run, each sharded as the run shards: two models' ``params``,
+    ``optimizer`` and ``ema``. A step trains one of them: ``grads`` (set to None after each
+    optimizer step), FSDP's buffers and the activations are the training one's alone.
 ``autocast_weights``
     ``sharding="none"`` with ``precision="bf16"`` runs under ``torch.autocast`` with fp32
     parameters: every Linear's weight and bias is cast to bf16 once per forward and the
@@ -473,8 +481,13 @@ class MemoryBreakdown:
     """Per-GPU bytes by category; ``total`` is the peak over the step's two phases."""
 
     params: int
+    """Every resident model's parameter shards (both experts' with two)."""
     grads: int
+    """The training model's gradients."""
     optimizer: int
+    """Every resident model's AdamW state."""
+    ema: int
+    """Every resident model's EMA shadow (0 without ``optim.ema_decay``)."""
     autocast_weights: int
     fsdp_buffers: int
     activations: int
@@ -491,13 +504,13 @@ class MemoryBreakdown:
     @property
     def backward_peak(self) -> int:
         return (
-            self.params + self.grads + self.optimizer + self.autocast_weights + self.fsdp_buffers
+            self.params + self.grads + self.optimizer + self.ema + self.autocast_weights + self.fsdp_buffers
             + self.activations + self.recompute + self.backward_working - self.overlap
         )
 
     @property
     def step_peak(self) -> int:
-        return self.params + self.grads + self.optimizer + self.step_buffers
+        return self.params + self.grads + self.optimizer + self.ema + self.step_buffers
 
     @property
     def total(self) -> int:
@@ -552,6 +565,12 @@ class MemoryModel:
     """``model.lora.base_dtype: fp8``: the frozen base's block linears held in float8, 1 byte
     a weight plus a 4-byte scale per output row (``knapray.models.fp8``); its embedders and
     final layer in the compute dtype. FSDP still gathers them in the compute dtype."""
+    experts: int = 1
+    """Models the run keeps resident (``flow.expert_boundary``: 2, Wan 2.2 A14B's high- and
+    low-noise transformers, of one architecture): each its parameter shards, AdamW state and
+    EMA; the gradients, buffers and activations are the one training's."""
+    ema: bool = False
+    """``optim.ema_decay`` > 0: an fp32 shadow of each model's trained parameters, sharded."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.shape, ModelShape):
@@ -562,7 +581,9 @@ class MemoryModel:
         ):
             if getattr(self, name) not in valid:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}; valid: {', '.join(valid)}")
-        for name in ("world_size", "gpus_per_node", "ac_every"):
+        if not isinstance(self.ema, bool):
+            raise ValueError(f"ema must be a bool, got {self.ema!r}")
+        for name in ("world_size", "gpus_per_node", "ac_every", "experts"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -700,10 +721,12 @@ class MemoryModel:
                     -(-blocks // s.hidden_size))
         else:
             params = FP32 * self._sharded(n)
+        k = self.experts  # resident models; one trains this step
         return MemoryBreakdown(
-            params=params,
+            params=k * params,
             grads=grads,
-            optimizer=2 * FP32 * self._sharded(t) + FP32 * t_tensors,
+            optimizer=k * (2 * FP32 * self._sharded(t) + FP32 * t_tensors),
+            ema=k * FP32 * self._sharded(t) if self.ema else 0,
             autocast_weights=self._autocast_bytes(),
             fsdp_buffers=self._fsdp_bytes(self._kept(tokens, text_tokens)),
             activations=saved,
@@ -822,7 +845,7 @@ def memory_model_for_run(
     """The memory model of a run config (``knapray.config.run.TrainConfig``); keyword
     arguments override it. Its ``parallel`` section gives sharding, checkpointing and
     precision (``auto``: bf16 on GPUs, ``scaling.use_gpu``, fp32 otherwise), ``scaling`` the
-    world size."""
+    world size, ``flow.expert_boundary`` two resident experts, ``optim.ema_decay`` the EMA."""
     par = cfg.parallel
     precision = par.precision
     if precision == "auto":
@@ -846,4 +869,6 @@ def memory_model_for_run(
         trainable=trainable,
         fp8_base=bool(trainable) and cfg.model.lora.enabled and cfg.model.lora.base_dtype == "fp8",
         fp8=par.fp8_scaling if par.fp8 else "off",
+        experts=2 if cfg.flow.expert_boundary else 1,  # Wan 2.2 A14B's two, both resident
+        ema=cfg.optim.ema_decay > 0,
     )
