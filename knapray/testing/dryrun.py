@@ -21,7 +21,10 @@ Attention is the fused kernel's stand-in: torch's ``varlen_attn`` forward op (it
 implementation) and a backward with flash-attn's gradient shapes; it saves what a fused
 kernel saves (q, k, v, output, logsumexp). A first step on no tokens (every unit still runs,
 on zero rows) does FSDP's lazy initialization and creates AdamW's state; the second, on the
-batch, is measured: a run's steady state.
+batch, is measured: a run's steady state. A run of two experts (``flow.expert_boundary``)
+builds both as the trainer does, each sharded on one mesh with its own AdamW state and EMA,
+gives each its first step, and measures a step of the first with the second resident beside
+it (its parameter shards and AdamW state counted, as every EMA's shadow is).
 """
 
 from __future__ import annotations
@@ -203,16 +206,21 @@ def run_step(setup: Setup, plan, text_tokens: np.ndarray, batch_host, *, device:
     dtype = torch.float32 if device_pass else setup.dtype
     fake_world(setup.rank, setup.world)
     groups = _groups(setup)  # before FSDP's mesh: every rank creates groups in one order
-    with torch.device("meta"):
-        model = build_model(model_cfg)  # the run's family: its blocks, its attentions
     from knapray.models.families import fp8_base_layers
     from knapray.models.lora import hold_base_in
 
-    hold_base_in(model, dtype, fp8_base_layers(model_cfg))  # a LoRA run's frozen base, as the trainer holds it
     applied = dataclasses.replace(cfg.parallel, fsdp=fsdp, activation_checkpointing="none") if device_pass \
         else cfg.parallel.for_world(setup.world)
-    parallel = parallelize(model, applied, ParallelDims(world_size=setup.world, device_type=device.type,
-                                                        gpus_per_node=setup.gpus_per_node), compute_dtype=dtype)
+    # Two experts (flow.expert_boundary) stay resident as the trainer keeps them: the second
+    # on the first's mesh (Trainer._build_expert); the step trains the first.
+    models, parallels = [], []
+    for _ in range(2 if cfg.flow.expert_boundary and not device_pass else 1):
+        with torch.device("meta"):
+            models.append(build_model(model_cfg))  # the run's family: its blocks, its attentions
+        hold_base_in(models[-1], dtype, fp8_base_layers(model_cfg))  # a LoRA run's frozen base, as the trainer holds it
+        parallels.append(parallelize(models[-1], applied, ParallelDims(
+            world_size=setup.world, device_type=device.type, gpus_per_node=setup.gpus_per_node),
+            compute_dtype=dtype, mesh=parallels[0].mesh if parallels else None))
     bag_group, route_group = groups.for_topology(plan.topology)
     routed = routed_text_mask(plan, setup.rank, text_tokens)
     global_img = int(sum(plan.seq_lens) - text_tokens.sum())
@@ -237,17 +245,19 @@ def run_step(setup: Setup, plan, text_tokens: np.ndarray, batch_host, *, device:
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         with fake, kernel_attention(watch):
-            to_empty(model, device, sharded)
+            trained = []  # (model, parallel, optimizer, ema) of every resident model
+            for m, par in zip(models, parallels):
+                to_empty(m, device, sharded)
+                trained.append((m, par, build_optimizer(m, cfg.optim, fused=cfg.scaling.use_gpu and not device_pass),
+                                build_ema(m, cfg.optim)))  # the optimizer as a GPU runs it
             batch = fake_batch(batch_host, device)
             layout = on_device(meta_layout, device)
             autocast = not sharded and dtype != torch.float32
-            optimizer = build_optimizer(model, cfg.optim, fused=cfg.scaling.use_gpu and not device_pass)  # as a GPU runs it
-            ema = build_ema(model, cfg.optim)
-            steps = [(empty_plan, fake_batch(empty_host, device), on_device(empty_layout, device), 1, False),
-                     (plan, batch, layout, max(global_img, 1), True)]
-            for step_plan, step_batch, step_layout, images, measured in steps:
-                tracker = _tracker(model, optimizer, sharded) if measured and not device_pass else \
-                    contextlib.nullcontext()
+            # every resident model's first step (its AdamW state: an idle expert has trained before), then the measured
+            steps = [(t, empty_plan, fake_batch(empty_host, device), on_device(empty_layout, device), 1, False)
+                     for t in trained] + [(trained[0], plan, batch, layout, max(global_img, 1), True)]
+            for (model, parallel, optimizer, ema), step_plan, step_batch, step_layout, images, measured in steps:
+                tracker = _tracker(trained, sharded) if measured and not device_pass else contextlib.nullcontext()
                 with tracker, watch:
                     watch.reset_counts()
                     watch.count_syncs = True  # the trainer's timed region: forward + backward
@@ -281,15 +291,35 @@ def run_step(setup: Setup, plan, text_tokens: np.ndarray, batch_host, *, device:
     return result
 
 
-def _tracker(model, optimizer, sharded: bool):
+def _tracker(trained: list, sharded: bool):
+    """Torch's tracker of the step of ``trained[0]`` ((model, parallel, optimizer, ema)),
+    counting too what every resident model holds all along: an idle expert's parameter
+    shards and AdamW state, every EMA's shadow (made before the tracker: untracked
+    otherwise; ``FSDPMemTracker.track_external`` is a no-op, so they are registered with the
+    tracker's own method, in its categories and one of ours)."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _RefType
+
+    class _Held(_RefType):  # beside the tracker's own categories
+        EMA = "EMA"
+
+    (model, _, optimizer, _), idle = trained[0], trained[1:]
     if sharded:
-        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 
-        return FSDPMemTracker(model, optimizer)
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
-    tracker.track_external(model, optimizer)
+        tracker = FSDPMemTracker(model, optimizer)
+        param, opt = _FSDPRefType.SHARDED_PARAM, _FSDPRefType.OPT
+    else:
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+        param, opt = _MemRefType.PARAM, _MemRefType.OPT
+    tracker._ref_class = (*tracker._ref_class, *_Held)  # the keys of its per-device snapshot
+    for m, _, o, _ in idle:
+        for p in m.parameters():
+            tracker._update_and_maybe_create_winfos(p, param)
+        tracker._track_optimizer_states(opt, o)
+    for *_, ema in trained:
+        for shadow in (ema.shadow.values() if ema is not None else ()):
+            tracker._update_and_maybe_create_winfos(shadow, _Held.EMA)
     return tracker
 
 

@@ -218,3 +218,31 @@ def test_wan_14b_width_dry_runs_on_8_ranks(dryrun):
     measured = {(c["kind"], c["group"]): c["count"] for c in r["collectives"]}
     assert measured == {(c["kind"], c["group"]): c["count"] for c in r["expected"]}
     assert measured[("alltoall_base_", 8)] == 5 * 3 * 4 + 6  # and routing: the bag is the world
+
+
+def test_wan22_a14b_two_experts_dry_run_at_16_ranks(dryrun):
+    """jobs/configs/wan22_a14b.yaml at its 16 ranks and full width, 4 of each expert's 40
+    blocks (for time; the whole of it measured 2026-11-29 with this mix: peak 39.89 GiB,
+    predicted 38.00, -4.8%, passed, its step 99 s), one 15-frame 512-pixel clip per rank
+    (15,558 routed tokens of the 16,384 budget), with an EMA (the config has none) so that
+    it is measured too: both experts resident, each with its parameter shards, AdamW state
+    and EMA, the peak within 10% of knapray memory's (+7.0%), and only the training
+    expert's collectives."""
+    out = dryrun("--config", str(REPO / "jobs" / "configs" / "wan22_a14b.yaml"), "--set", "model.depth_single=4",
+                 "--set", "optim.ema_decay=0.9999", "--mix", "g8b1i512f15s0", "--json")
+    r = _result(out)
+    assert out.returncode == 0 and r["passed"], out.stdout[-4000:]
+    assert r["world_size"] == 16 and abs(r["peak_error"]) <= 0.10 and r["syncs"] == []
+    gib = {k: v / 2**30 for k, v in r["measured"].items()}
+    for measured, predicted in (("Sharded Param", "params"), ("OptState", "optimizer"), ("EMA", "ema")):
+        assert gib[measured] == pytest.approx(r["predicted"][predicted], rel=0.01), (measured, gib, r["predicted"])
+    from knapray.planning.costs.memory import ModelShape
+    from knapray.config.run import load_config
+
+    one = ModelShape.of(load_config(str(REPO / "jobs" / "configs" / "wan22_a14b.yaml"),
+                                    ["model.depth_single=4"]).model).num_params
+    assert gib["Sharded Param"] == pytest.approx(2 * 4 * one / 16 / 2**30, rel=0.01)  # two experts' fp32 shards
+    measured = {(c["kind"], c["group"]): c["count"] for c in r["collectives"]}
+    assert measured == {(c["kind"], c["group"]): c["count"] for c in r["expected"]}
+    # one expert's units reduce: its 4 blocks, 3 embedder units and the final layer
+    assert measured[("_reduce_scatter_base_", 16)] == 4 + 3 + 1
