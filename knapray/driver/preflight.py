@@ -300,13 +300,14 @@ def check_model_size(cfg: TrainConfig) -> None:
 def check_pretrained(cfg: TrainConfig) -> None:
     """``model.pretrained`` (if set) is a checkpoint of the model's family and shape with
     exactly its tensors: from config.json and the safetensors headers (each worker then
-    reads only its shard of the data)."""
+    reads only its shard of the data). A pipeline folder of two experts (``transformer_2/``,
+    Wan 2.2 A14B) needs ``flow.expert_boundary``, and its two transformers one architecture."""
     if not cfg.model.pretrained:
         return
-    from knapray.weights.checks import check_pretrained as check
+    from knapray.weights.checks import check_experts, check_pretrained as check
 
     try:
-        check(cfg.model)
+        check_experts(cfg.model, cfg.flow.expert_boundary, check(cfg.model))
     except ValueError as e:
         raise RunError(f"model.pretrained: {e}") from None
 

@@ -4,6 +4,7 @@ checkpoint is refused (one line naming the first bad key) before any worker star
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from knapray.models.config import DiTConfig
@@ -88,6 +89,62 @@ def check_pretrained(cfg: DiTConfig) -> PretrainedSource:
         raise ValueError(f"model.pretrained {source.path}: {mismatch}")
     check_tensors(source, cfg)
     return source
+
+
+def check_experts(cfg: DiTConfig, boundary: float, first: PretrainedSource | None = None) -> None:
+    """``model.pretrained`` as a run with ``flow.expert_boundary`` = ``boundary`` reads it. A
+    pipeline folder holding ``transformer_2/`` beside ``transformer/`` (Wan 2.2 A14B's low- and
+    high-noise experts) is two experts: trained both in one run only with a boundary
+    (``knapray.worker.experts``), and then its two transformers must be one architecture, the
+    same config.json values and the same tensors (names and shapes): the run builds one model
+    twice. ``first``: ``transformer/`` opened already. ValueError in one line otherwise; any
+    other checkpoint passes (both experts start from it)."""
+    from knapray.weights.source import boundary_ratio, expert_path, open_pretrained
+
+    second = expert_path(cfg.pretrained, 1)
+    if second == cfg.pretrained:
+        return
+    pipeline = os.path.dirname(second)
+    if not boundary:
+        ratio = boundary_ratio(pipeline)
+        setting = f"flow.expert_boundary={ratio:g} (its model_index.json's boundary_ratio)" if ratio else \
+            "flow.expert_boundary (where they switch: Wan 2.2 T2V A14B's is 0.875)"
+        raise ValueError(f"{pipeline} is a pipeline of two experts (transformer/ and transformer_2/): set {setting} "
+                         f"to train both in one run, or point model.pretrained at {os.path.join(pipeline, 'transformer')}"
+                         f" or {second} to train one")
+    first = first if first is not None else open_pretrained(pipeline)
+    other = open_pretrained(second)
+    problem = _architecture_difference(first, other)
+    if problem:
+        raise ValueError(f"{pipeline}: transformer_2/ is not the architecture of transformer/ ({problem}); the two "
+                         "experts of one run are one model built twice")
+    check_tensors(other, cfg)  # their dtypes
+
+
+_ABSENT = object()
+
+
+def _architecture_difference(first: PretrainedSource, second: PretrainedSource) -> str | None:
+    """The first config key (diffusers' name; its bookkeeping keys, ``_diffusers_version``
+    and the like, left out) or tensor (name, then shape) in which ``second`` differs from
+    ``first``, in sorted order, as ``what: A in transformer/, B in transformer_2/``."""
+
+    def architecture(config: dict) -> dict:
+        return {k: v for k, v in config.items() if not k.startswith("_") or k == "_class_name"}
+
+    def shown(value) -> str:
+        return "absent" if value is _ABSENT else repr(value)
+
+    a, b = architecture(first.config), architecture(second.config)
+    for key in sorted(a.keys() | b.keys()):
+        if a.get(key, _ABSENT) != b.get(key, _ABSENT):
+            return f"config {key}: {shown(a.get(key, _ABSENT))} in transformer/, {shown(b.get(key, _ABSENT))} in " \
+                   "transformer_2/"
+    for key in sorted(first.tensors.keys() | second.tensors.keys()):
+        shapes = [list(s.tensors[key].shape) if key in s.tensors else _ABSENT for s in (first, second)]
+        if shapes[0] != shapes[1]:
+            return f"tensor {key!r}: {shown(shapes[0])} in transformer/, {shown(shapes[1])} in transformer_2/"
+    return None
 
 
 def base_record(model_cfg) -> dict | None:

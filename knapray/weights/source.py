@@ -231,6 +231,20 @@ def expert_path(path: str, expert: int) -> str:
     return path
 
 
+def boundary_ratio(path: str) -> float | None:
+    """The timestep where a pipeline folder's two experts switch: its model_index.json's
+    ``boundary_ratio`` (Wan 2.2 A14B's: 0.875 for T2V, 0.9 for I2V); None where it has no
+    number in (0, 1) there."""
+    index = os.path.join(os.path.abspath(os.path.expanduser(path)), "model_index.json")
+    if not os.path.isfile(index):
+        return None
+    doc = _read_json(index, "the pipeline's index")
+    value = doc.get("boundary_ratio") if isinstance(doc, dict) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        return None
+    return float(value)
+
+
 def open_pretrained(path: str) -> PretrainedSource:
     """Read a pretrained checkpoint's config and headers (see the module docstring)."""
     path = os.path.abspath(os.path.expanduser(path))

@@ -80,7 +80,13 @@ def test_every_shipped_config_passes_its_check(config, tmp_path, capsys, monkeyp
 
         save = {"wan": save_wan_headers, "qwen_image": save_qwen_image_headers,
                 "flux2": save_flux2_headers}.get(pinned.get("family"), save_flux_headers)
-        pretrained = ["--set", f"model.pretrained={save(tmp_path / 'transformer')}"]
+        path = save(tmp_path / "pipeline" / "transformer")
+        boundary = (yaml.safe_load(config.read_text()).get("flow") or {}).get("expert_boundary")
+        if boundary:  # two experts: a pipeline folder of both, as Wan2.2-T2V-A14B-Diffusers holds them
+            save(tmp_path / "pipeline" / "transformer_2")
+            (tmp_path / "pipeline" / "model_index.json").write_text(json.dumps({"boundary_ratio": boundary}))
+            path = tmp_path / "pipeline"
+        pretrained = ["--set", f"model.pretrained={path}"]
     code, out, err = _run(["train", "--config", str(config), "--set", f"data.corpus={corpus}",
                            "--set", f"run.storage={tmp_path / 'runs'}", *pretrained, "--check"], capsys)
     assert code == 0, err
@@ -294,3 +300,76 @@ def test_a_cap_by_max_steps_before_the_epochs_are_done_is_said(tmp_path, capsys,
     # 10 samples: 2 steps an epoch, 4 in all, far short of run.max_steps=24 (issue 43)
     assert run_length_note(cfg, 10).startswith("data.epochs=2 ends the run after about 4 steps, far short of "
                                                "run.max_steps=24")
+
+
+# ---- a pipeline folder of two experts (Wan 2.2 A14B's transformer/ and transformer_2/) ------
+
+
+TINY_WAN = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
+                text_dim=16, freq_dim=32, ffn_dim=48, num_layers=1)
+
+
+def _pipeline(path: pathlib.Path, second: dict, *, boundary_ratio: float | None = 0.875,
+              second_config: dict | None = None) -> pathlib.Path:
+    """A pipeline folder: a tiny Wan as transformer/, ``second`` as transformer_2/ (its
+    config.json replaced by ``second_config``'s when given), and model_index.json."""
+    from diffusers import WanTransformer3DModel
+
+    WanTransformer3DModel(**TINY_WAN).save_pretrained(path / "transformer")
+    WanTransformer3DModel(**second).save_pretrained(path / "transformer_2")
+    if second_config is not None:
+        WanTransformer3DModel(**second_config).save_config(path / "transformer_2")
+    index = {"_class_name": "WanPipeline", "transformer": ["diffusers", "WanTransformer3DModel"],
+             "transformer_2": ["diffusers", "WanTransformer3DModel"]}
+    (path / "model_index.json").write_text(json.dumps(
+        {**index, **({"boundary_ratio": boundary_ratio} if boundary_ratio is not None else {})}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def wan_corpus(tmp_path_factory):
+    return _corpus(tmp_path_factory.mktemp("wan-corpus"), {"in_channels": 4, "text_dim": 16, "pooled_dim": 0})
+
+
+def _check_experts(pipeline: pathlib.Path, corpus: str, tmp_path, capsys, *extra: str):
+    config = tmp_path / "wan22.yaml"
+    config.write_text(yaml.safe_dump({"model": {"family": "wan", "pretrained": str(pipeline)},
+                                      "data": {"corpus": corpus}, "run": {"storage": str(tmp_path / "runs")}}))
+    return _run(["train", "--config", str(config), *extra, "--check"], capsys)
+
+
+def test_a_pipeline_of_two_experts_trains_both_only_with_a_boundary(wan_corpus, tmp_path, capsys):
+    """Without flow.expert_boundary a pipeline folder holding transformer_2/ is refused in one
+    line naming its model_index.json's boundary_ratio (or the setting, where it has none)
+    and the two ways on; with it, the pair passes."""
+    pytest.importorskip("diffusers")
+    pipeline = _pipeline(tmp_path / "pipe", TINY_WAN)
+    code, out, err = _check_experts(pipeline, wan_corpus, tmp_path, capsys)
+    assert code == 2 and not out and len(err) == 1, err
+    assert err[0] == (f"knapray train: error: model.pretrained: {pipeline} is a pipeline of two experts (transformer/ "
+                      "and transformer_2/): set flow.expert_boundary=0.875 (its model_index.json's boundary_ratio) to "
+                      f"train both in one run, or point model.pretrained at {pipeline}/transformer or "
+                      f"{pipeline}/transformer_2 to train one"), err
+    code, out, err = _check_experts(pipeline, wan_corpus, tmp_path, capsys, "--set", "flow.expert_boundary=0.875")
+    assert code == 0 and "pre-flight passed" in "\n".join(out), err
+    code, out, err = _check_experts(pipeline / "transformer_2", wan_corpus, tmp_path, capsys)  # one expert alone
+    assert code == 0, err
+    (pipeline / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
+    code, out, err = _check_experts(pipeline, wan_corpus, tmp_path, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert "set flow.expert_boundary (where they switch: Wan 2.2 T2V A14B's is 0.875) to train both" in err[0], err
+
+
+@pytest.mark.parametrize("second, second_config, difference", [
+    (dict(TINY_WAN, num_layers=2), None, "config num_layers: 1 in transformer/, 2 in transformer_2/"),
+    (dict(TINY_WAN, num_layers=2), TINY_WAN,  # the config of transformer/, the tensors of two blocks
+     "tensor 'blocks.1.attn1.norm_k.weight': absent in transformer/, [32] in transformer_2/"),
+], ids=["config", "tensors"])
+def test_two_experts_of_other_architectures_are_refused_by_their_first_difference(
+        second, second_config, difference, wan_corpus, tmp_path, capsys):
+    pytest.importorskip("diffusers")
+    pipeline = _pipeline(tmp_path / "pipe", second, second_config=second_config)
+    code, out, err = _check_experts(pipeline, wan_corpus, tmp_path, capsys, "--set", "flow.expert_boundary=0.875")
+    assert code == 2 and not out and len(err) == 1, err
+    assert err[0] == (f"knapray train: error: model.pretrained: {pipeline}: transformer_2/ is not the architecture of "
+                      f"transformer/ ({difference}); the two experts of one run are one model built twice"), err
