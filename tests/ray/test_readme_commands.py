@@ -182,9 +182,11 @@ RULES = (
     Rule(r"^pip install", "skip", "installs packages: the test extra carries the encoders extra's packages"),
     Rule(r"^knapray ingest .*FLUX\.1-dev", "run", TINY,
          subs=(("/models/FLUX.1-dev", "{W}/models/FLUX.1-dev"), ("~/pictures", "{W}/pictures"))),
-    Rule(r"^knapray (train --config jobs/configs/wan_t2v_14b\.yaml|export --run /mnt/shared/knapray-runs/wan22)",
+    Rule(r"^knapray (train --config jobs/configs/(wan_t2v_14b|wan22_a14b)\.yaml|export --run "
+         r"/mnt/shared/knapray-runs/wan22)",
          "parse", "Wan 2.2's two 14B experts on a GPU cluster; tests/dist/test_wan_ingest.py trains, exports and loads a "
-         "tiny Wan, tests/unit/test_timestep_range.py the range"),
+         "tiny Wan, tests/dist/test_experts.py two tiny experts in one run, tests/unit/test_timestep_range.py the "
+         "range"),
     Rule(r"^knapray train .* --steps 8$", "error", "an example of a flag knapray train does not take"),
     Rule(r"^knapray sample .*--captoin", "error", "an example of a misspelt flag"),
     Rule(r"^knapray train .*model\.text_dim=4096 --check", "error", "an example of a refused config",
