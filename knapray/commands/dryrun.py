@@ -125,6 +125,10 @@ def run(args: argparse.Namespace) -> int:
           f"activation checkpointing {cfg.parallel.activation_checkpointing}"
           + (f" (k={cfg.parallel.ac_every})" if cfg.parallel.activation_checkpointing == "every_k" else "")
           + ("; parallel.compile is left out (eager blocks)" if cfg.parallel.compile else ""))
+    if cfg.flow.expert_boundary:
+        print(f"       two experts of this shape (flow.expert_boundary={cfg.flow.expert_boundary}), both resident with "
+              "their shards" + (", AdamW state and EMA" if cfg.optim.ema_decay else " and AdamW state")
+              + "; the measured step trains the first")
     print(f"data   the corpus ({corpus}{'' if corpus.exists() else ', absent here'}) is not read: lengths from "
           f"--mix {setup.mix}{' (the paper mix)' if args.mix is None else ''}, "
           f"{sum(len(s) for s in samples)} samples over {world} ranks"
