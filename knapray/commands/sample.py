@@ -10,11 +10,14 @@ record) before any weights load.
 
 The model is rebuilt from the run's saved ``config.json`` and loaded from its newest
 checkpoint (``--checkpoint`` picks one), with the EMA weights when the checkpoint has
-them (``--no-ema`` for the raw ones). Captions are encoded with the text encoder the
-corpus records in its ``schema.json`` (a T5/CLIP directory, or the hash stand-in); for a
-corpus without one, ``--like SAMPLE_ID`` borrows a corpus sample's text embeddings. The
-requests, each at its own resolution, are packed into ONE varlen batch (the model's own
-packed attention), and every Euler step is one forward pass over all of them:
+them (``--no-ema`` for the raw ones); a run of two experts (``flow.expert_boundary``, Wan
+2.2 A14B's pair) loads both and denoises a step at t >= the boundary (t of the shifted
+schedule) with the high-noise one, a step below with the low-noise one, as ``WanPipeline``
+switches them. Captions are encoded with the text encoder the corpus records in its
+``schema.json`` (a T5/CLIP directory, or the hash stand-in); for a corpus without one,
+``--like SAMPLE_ID`` borrows a corpus sample's text embeddings. The requests, each at its
+own resolution, are packed into ONE varlen batch (the model's own packed attention), and
+every Euler step is one forward pass over all of them:
 
     x_1 = noise;  x_{t - dt} = x_t - dt * v(x_t, t)      (x_t = (1-t)·x_0 + t·noise)
 
@@ -173,7 +176,8 @@ def run(args: argparse.Namespace) -> dict:
               "guidance": args.guidance if args.guidance is not None else default_guidance(cfg.model),
               "shifts": config_shifts(cfg.model, shapes, args.shift, args.steps),
               "shapes": [list(f.shape) for f in got.frames],
-              "decoder": _decoder_name(cfg), "recompiles": got.recompiles}
+              "decoder": _decoder_name(cfg), "recompiles": got.recompiles,
+              "expert_boundary": cfg.flow.expert_boundary or None}
     if plan.topology is not None:
         report.update(world_size=world, topology=got.topology, bags=got.bags)
     return report
@@ -257,7 +261,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_report(report: dict, as_json: bool) -> None:
     sizes = [f"{w}x{h}" for _, h, w, _ in report["shapes"]]  # (frames, height, width, 3) each
-    weights = f"{'EMA' if report['ema'] else 'raw'} weights of {report['checkpoint']}, decoded by {report['decoder']}"
+    experts = f" (both experts, switched at t = {report['expert_boundary']:g})" if report.get("expert_boundary") else ""
+    weights = (f"{'EMA' if report['ema'] else 'raw'} weights of {report['checkpoint']}{experts}, decoded by "
+               f"{report['decoder']}")
     if report["files"]:
         each = ", ".join(f"{os.path.basename(f)} {size}" for f, size in zip(report["files"], sizes))
         print(f"wrote {os.path.dirname(report['out'])}: {each} at full resolution, and {GRID_FILE} ({weights})")

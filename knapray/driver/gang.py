@@ -5,7 +5,8 @@ jobs together (``worker.denoise``): local processes for ``knapray sample --world
 Where things live (the placement ``knapray dryrun --sample`` counts):
 
 - the transformer on every rank, in the compute dtype (bf16 on a GPU, cast once: no fp32
-  copy), compiled and warmed up on start (``worker.denoise.prepare_model``, ``warm_up``);
+  copy), compiled and warmed up on start (``worker.denoise.prepare_model``, ``warm_up``); a
+  run of two experts, both (``models.sampling.Experts``: a step runs the one of its time);
 - the text encoder on rank 0 only, in bf16 on a GPU: it encodes a batch's captions in one
   call (``inference.prepare.resolve_jobs``). ``encoders``: ``keep`` (resident: serving),
   ``offload`` (on the host between batches, on the device only to encode), ``free``
@@ -40,7 +41,8 @@ DEFAULT_TIMEOUT_S = 300.0
 
 
 class SamplerRank:
-    """One rank: the run's model (loaded once by ``load``), its codecs, its sampling groups."""
+    """One rank: the run's model (loaded once by ``load``; a run of two experts: its
+    ``models.sampling.Experts``), its codecs, its sampling groups."""
 
     def __init__(self, run_dir: str, checkpoint: str | None, rank: int, world_size: int, topology: str,
                  device: str = "cpu", ema: bool = True, cfg_parallel: bool = True, *, precision: str = "auto",
@@ -65,7 +67,9 @@ class SamplerRank:
             torch.cuda.set_device(self.device)  # collectives and current-device tensors (Wan) land here
         self.cfg, self.checkpoint = read_run(run_dir, checkpoint)
         check_checkpoint(self.checkpoint)
-        self.model = self.parallel = self.ema = None
+        self.model = self.ema = None
+        self.parallel: tuple = ()
+        """``parallelize``'s handle of every model the rank holds (two experts: two)."""
         self.groups = None
         self.steps_done, self.last_step_at = 0, time.monotonic()
         """Steps this rank has taken (every rank of a bag takes its bag's), and when the last was."""
@@ -91,11 +95,20 @@ class SamplerRank:
 
         self.model, self.ema = load_weights(self.cfg, self.checkpoint, ema=self.ema_wanted, device=self.device,
                                             dtype=dtype, prepare=prepare, group=group)
-        (self.parallel,) = made
+        self.parallel = tuple(made)
         for name, run in self.adapters.items():
             self._load_adapter(name, run)
-        if self.parallel.compile_stats is not None:
+        if self.compiled:
             self._warm_up()
+
+    @property
+    def compiled(self) -> bool:
+        return any(p.compile_stats is not None for p in self.parallel)
+
+    @property
+    def recompiles(self) -> int:
+        """Recompilations of every model's blocks since they were compiled."""
+        return sum(p.recompiles for p in self.parallel)
 
     def _warm_up(self) -> None:
         """Compiled blocks warmed up once per adapter the rank serves (the active one is part
@@ -115,7 +128,7 @@ class SamplerRank:
         from knapray.driver.trained import load_adapter
         from knapray.worker.parallelize import compute_dtype
 
-        if self.parallel is not None and self.parallel.sharded:
+        if any(p.sharded for p in self.parallel):
             raise ValueError(f"adapter {name}: a model sharded over its bags takes no adapters at run time")
         load_adapter(self.model, (self.cfg, self.checkpoint), name, run, device=self.device,
                      dtype=compute_dtype(self.precision, self.device))
@@ -128,7 +141,7 @@ class SamplerRank:
 
         self._load_adapter(name, run)
         self.adapters[name] = run
-        if self.parallel.compile_stats is not None:
+        if self.compiled:
             use_adapter(self.model, name)
             warm_up(self.model)
 
@@ -140,7 +153,8 @@ class SamplerRank:
             return None
         wanted = self.shard == "bags"
         if self.shard == "auto":
-            wanted = not weights_fit(self.cfg.model, self.device, self.precision)
+            wanted = not weights_fit(self.cfg.model, self.device, self.precision,
+                                     models=2 if self.cfg.flow.expert_boundary else 1)
             import torch
             import torch.distributed as dist
 
@@ -343,9 +357,9 @@ WEIGHTS_SHARE = 0.7
 the encoders, the VAE)."""
 
 
-def weights_fit(model_cfg: Any, device: str, precision: str = "auto") -> bool:
-    """Whether ``model_cfg``'s weights, in the compute dtype, fit ``WEIGHTS_SHARE`` of one
-    ``device`` (any CPU: yes)."""
+def weights_fit(model_cfg: Any, device: str, precision: str = "auto", models: int = 1) -> bool:
+    """Whether the weights of ``models`` models of ``model_cfg`` (a run of two experts holds
+    both), in the compute dtype, fit ``WEIGHTS_SHARE`` of one ``device`` (any CPU: yes)."""
     import torch
 
     from knapray.models.families import param_shapes
@@ -355,7 +369,7 @@ def weights_fit(model_cfg: Any, device: str, precision: str = "auto") -> bool:
         return True
     itemsize = torch.empty((), dtype=compute_dtype(precision, device)).element_size()
     numel = sum(int(np.prod(s)) for s in param_shapes(model_cfg).values())
-    return numel * itemsize <= WEIGHTS_SHARE * torch.cuda.get_device_properties(device).total_memory
+    return models * numel * itemsize <= WEIGHTS_SHARE * torch.cuda.get_device_properties(device).total_memory
 
 
 def _move(encoder: Any, device: str) -> None:
@@ -449,7 +463,7 @@ def _local_rank(rank: int, world: int, port: int | None, what: LocalSampling, ou
         if rank == 0:
             with open(os.path.join(out_dir, "plan.json"), "w") as f:
                 json.dump({"topology": chosen, "bags": plan.bag.tolist(), "tokens": [j.tokens for j in djobs],
-                           "recompiles": r.parallel.recompiles, "ema": bool(r.ema)}, f)
+                           "recompiles": r.recompiles, "ema": bool(r.ema)}, f)
     finally:
         r.leave()
 

@@ -1,6 +1,6 @@
 """A trained run loaded for sampling: its config and checkpoint read without weights
-(``read_run``), then its model with the checkpoint's weights (``load_weights``), as
-``knapray sample`` and the sampling gang (``driver.gang``) load it."""
+(``read_run``), then its model with the checkpoint's weights (``load_weights``; a run of two
+experts, both), as ``knapray sample`` and the sampling gang (``driver.gang``) load it."""
 
 from __future__ import annotations
 
@@ -24,11 +24,35 @@ def load_weights(cfg: Any, path: str, ema: bool = True, device: str = "cpu", dty
     storage where it runs, in its dtype, before the weights are read into it: nothing holds
     a second, fp32 copy (a 12B model is 24 GB in bf16, 48 more in fp32). ``prepare(model)``:
     applied to the meta model first (sharding it over ``group``: every rank of the group then
-    calls this together and reads only its shards)."""
+    calls this together and reads only its shards).
+
+    A run of two experts (``flow.expert_boundary``) gives ``models.sampling.Experts``: both
+    models, each loaded as one model is from its own checkpoint parts (``model`` / ``ema``,
+    then ``model_2`` / ``ema_2``: ``worker.experts.part_suffix``), and the boundary the
+    sampler switches between them at; ``prepare`` is applied to each."""
+    from knapray.worker.checkpoint import saved_keys
+
+    used_ema = ema and any(k.startswith("ema.") for k in saved_keys(path))
+    split = cfg.flow.experts()
+    if split is None:
+        return _load_model(cfg, path, None, used_ema, device, dtype, prepare, group), used_ema
+    from knapray.models.sampling import Experts
+    from knapray.models.timesteps import EXPERT_NAMES
+
+    models = tuple(_load_model(cfg, path, i, used_ema, device, dtype, prepare, group) for i in range(len(EXPERT_NAMES)))
+    return Experts(models, split.boundary), used_ema
+
+
+def _load_model(cfg: Any, path: str, expert: int | None, used_ema: bool, device: str, dtype: Any, prepare: Any,
+                group: Any) -> Any:
+    """The run's model, or its expert ``expert`` (0: the high-noise one), as ``load_weights`` says."""
+    import dataclasses
+
     import torch
 
     from knapray.models.families import build_model
-    from knapray.worker.checkpoint import safe_load, saved_keys
+    from knapray.worker.checkpoint import safe_load
+    from knapray.worker.experts import part_suffix
 
     with torch.device("meta"):
         model = build_model(cfg.model)
@@ -37,25 +61,30 @@ def load_weights(cfg: Any, path: str, ema: bool = True, device: str = "cpu", dty
     if prepare is not None:
         prepare(model)
     model.to_empty(device=device)
-    used_ema = ema and any(k.startswith("ema.") for k in saved_keys(path))
-    prefix = "ema" if used_ema else "model"
+    prefix = ("ema" if used_ema else "model") + part_suffix(expert or 0)
     lora = cfg.model.lora.enabled
     if lora:  # the base from model.pretrained (the one trained on), the adapters from the checkpoint
         from knapray.models.lora import is_adapter
         from knapray.worker.checkpoint import read_trainer_state
         from knapray.weights.checks import base_record
         from knapray.weights.load import load_pretrained
+        from knapray.weights.source import expert_path
 
-        saved, now = read_trainer_state(path).get("lora_base") or {}, base_record(cfg.model)
+        trainer = read_trainer_state(path)
+        model_cfg, saved = cfg.model, trainer.get("lora_base") or {}
+        if expert is not None:  # each expert's own base (a pipeline's transformer/ or transformer_2/)
+            model_cfg = dataclasses.replace(cfg.model, pretrained=expert_path(cfg.model.pretrained, expert))
+            saved = ((trainer.get("experts") or {}).get("lora_bases") or [None] * (expert + 1))[expert] or {}
+        now = base_record(model_cfg)
         if now is None or saved.get("fingerprint") != now["fingerprint"]:
             raise ValueError(f"{path} holds LoRA adapters trained on the base {saved.get('path')!r}, but "
-                             f"model.pretrained {cfg.model.pretrained!r} is another checkpoint now")
-        load_pretrained(model, cfg.model)
+                             f"model.pretrained {model_cfg.pretrained!r} is another checkpoint now")
+        load_pretrained(model, model_cfg)
     # The model's own tensors: DCP reads every saved value into them, converting its dtype.
     state = {prefix: {k: v for k, v in model.state_dict().items() if not lora or is_adapter(k)}}
     safe_load(state, path, group)
     model.load_state_dict(state[prefix], strict=not lora)
-    return model.eval(), used_ema
+    return model.eval()
 
 
 def served_base(cfg: Any, path: str) -> str | None:
@@ -93,8 +122,8 @@ def load_adapter(model: Any, served: tuple[Any, str], name: str, run_dir: str, *
 def check_adapter(served: tuple[Any, str], name: str, run_dir: str) -> tuple[Any, str]:
     """(config, checkpoint) of LoRA run ``run_dir``, checked to serve as adapter ``name``
     beside ``served`` = (config, checkpoint path) of the served run, reading no weights:
-    a LoRA run of the same base (its model.pretrained's fingerprint) and architecture.
-    ValueError in one line naming ``name`` and what differs."""
+    a LoRA run of the same base (its model.pretrained's fingerprint) and architecture, both of
+    one model (not two experts). ValueError in one line naming ``name`` and what differs."""
     import dataclasses
 
     from knapray.models.lora import ADAPTER
@@ -106,6 +135,10 @@ def check_adapter(served: tuple[Any, str], name: str, run_dir: str) -> tuple[Any
     cfg, path = read_run(run_dir)
     check_checkpoint(path)
     where = f"adapter {name} ({run_dir})"
+    for run, c in ((base_cfg.run.name, base_cfg), (run_dir, cfg)):
+        if c.flow.expert_boundary:
+            raise ValueError(f"{where}: run {run} holds two experts (flow.expert_boundary {c.flow.expert_boundary}); "
+                             "adapters are served beside a run of one model, of one")
     if not cfg.model.lora.enabled:
         raise ValueError(f"{where}: not a LoRA run (its model.lora.rank is 0): only adapters are served beside a run")
     want = served_base(base_cfg, base_path)

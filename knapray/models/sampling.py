@@ -11,7 +11,8 @@ with classifier-free guidance against unconditional embeddings, or a FLUX.1-dev 
 embedded guidance input; each request's timesteps shifted by its own shift (the family's
 ``sample_shift``: FLUX.1-dev and Qwen-Image from its image tokens; Wan 5.0), and as the
 family's pipeline schedules and guides (Qwen-Image: the schedule stretched to end at 0.02,
-the guided prediction rescaled to the conditional one's norm)."""
+the guided prediction rescaled to the conditional one's norm). A run of two experts
+(``flow.expert_boundary``, Wan 2.2 A14B) switches between them step by step (``Experts``)."""
 
 from __future__ import annotations
 
@@ -96,6 +97,47 @@ def config_shifts(cfg, shapes: list[tuple[int, int, int]], shift: float | None, 
 
 
 @dataclass(frozen=True, eq=False)
+class Experts:
+    """The models a run samples with: one for every step, or two experts split at a timestep
+    ``boundary`` (a run of ``flow.expert_boundary``, Wan 2.2 A14B's pair). A step starting at
+    time t of the shifted schedule (``flow_timesteps``; 1 is noise) is denoised by
+    ``models[0]``, the high-noise expert (diffusers' ``transformer``), when t >= boundary, and
+    by ``models[1]`` (``transformer_2``) below: ``WanPipeline``'s rule, whose scheduler's
+    timesteps are these shifted times times ``num_train_timesteps`` (1000), compared with
+    ``boundary_ratio`` times the same (its float32 timesteps can differ from these float64
+    times in the last bit: a time within one float32 ulp of the boundary may go the other way).
+    Each request of a packed batch goes by its own time: where they differ, a step runs both
+    experts and takes each token's velocity from its request's."""
+
+    models: tuple
+    boundary: float | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.models) not in (1, 2) or (self.boundary is None) != (len(self.models) == 1):
+            raise ValueError(f"one model, or two experts and their boundary: got {len(self.models)} model(s) and "
+                             f"boundary {self.boundary!r}")
+        if self.boundary is not None and not 0 < self.boundary < 1:
+            raise ValueError(f"the experts' boundary must be in (0, 1), got {self.boundary!r}")
+
+    @property
+    def cfg(self):
+        """The architecture every expert shares."""
+        return self.models[0].cfg
+
+    def expert_at(self, times) -> np.ndarray:
+        """The expert (an index into ``models``) of each of ``times`` (any shape): 0 with one model."""
+        t = np.asarray(times, dtype=np.float64)
+        if self.boundary is None:
+            return np.zeros(t.shape, np.int64)
+        return np.where(t >= self.boundary, 0, 1)
+
+
+def experts_of(model) -> Experts:
+    """``model`` as ``Experts``: a run's experts as they are, one model alone."""
+    return model if isinstance(model, Experts) else Experts((model,))
+
+
+@dataclass(frozen=True, eq=False)
 class DenoiseJob:
     """One request as the ranks of a parallel sampler run it (numpy, picklable): its
     noise, conditioning, timesteps and guidance, resolved on one process for all."""
@@ -175,8 +217,8 @@ def job_noise(cfg, shapes: list[tuple[int, int, int]], seeds: list[int] | int) -
 def sample_latents(model, conds: list[tuple[np.ndarray, np.ndarray]], shapes: list[tuple[int, int, int]],
                    *, steps: int, seed: int, guidance: float = 1.0, shift: float | None = 1.0,
                    unconditional: tuple[np.ndarray, np.ndarray] | None = None) -> list[np.ndarray]:
-    """Euler-integrate the learned velocity of ``model`` (any family's) from noise to data
-    for every request at once.
+    """Euler-integrate the learned velocity of ``model`` (any family's, or a run's ``Experts``)
+    from noise to data for every request at once.
 
     ``conds``: (text (L, text_dim), pooled (pooled_dim,)) per request; ``shapes``: latent
     (T, H, W) per request; ``shift``: None for the family's own (``request_shifts``);
@@ -197,8 +239,9 @@ def _integrate(model, conds, shapes, *, steps: int, seed: int, guidance: float, 
     from knapray.models import pack_samples
     from knapray.models.families import get_family
 
-    cfg = model.cfg
-    device = next(model.parameters()).device
+    experts = experts_of(model)
+    cfg = experts.cfg
+    device = next(experts.models[0].parameters()).device
     gen = torch.Generator().manual_seed(seed)
     embedded = embeds_guidance(model)
     items = []
@@ -218,11 +261,18 @@ def _integrate(model, conds, shapes, *, steps: int, seed: int, guidance: float, 
     n = len(conds)
     image_rows = batch.image_seq_index  # (Ni,) request of each image token
     x = batch.x_img.clone()
-    times = torch.tensor([family_timesteps(cfg, steps, s) for s in shifts], dtype=torch.float64,
-                         device=device)  # (S, steps+1)
+    table = np.array([family_timesteps(cfg, steps, s) for s in shifts], dtype=np.float64)  # (S, steps+1)
+    times = torch.tensor(table, dtype=torch.float64, device=device)
+    which = experts.expert_at(table[:, :-1])  # (S, steps): each request's expert at each step
     renorm = get_family(cfg.family).cfg_renorm
     for i in range(steps):
-        v = model(replace(batch, x_img=x, timesteps=times[:, i].float()))  # (Ni, patch_dim)
+        step = replace(batch, x_img=x, timesteps=times[:, i].float())
+        used = np.unique(which[:, i])
+        if used.size == 1:
+            v = experts.models[int(used[0])](step)  # (Ni, patch_dim)
+        else:  # requests on both sides of the boundary: each token its request's expert
+            high = torch.as_tensor(which[:, i] == 0, device=device)[image_rows, None]
+            v = torch.where(high, experts.models[0](step), experts.models[1](step))
         if cfg_scale != 1.0:
             cond = image_rows < n
             v_g = guided(v[cond], v[~cond], cfg_scale, renorm)

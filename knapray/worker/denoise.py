@@ -8,7 +8,10 @@ its jobs' denoising loops, with no other bag in step:
   chunks to the bag's ranks, the blocks run with Ulysses over the bag (or, CFG parallel,
   over its halves: conditional passes on one, unconditional on the other), one all-to-all
   brings the velocities home;
-- a job leaves the loop after its own steps; the plan of the remaining ones is rebuilt.
+- a job leaves the loop after its own steps; the plan of the remaining ones is rebuilt;
+- a run of two experts (``models.sampling.Experts``) runs each step on the expert of its
+  jobs' times (both, where the bag's jobs are on both sides of the boundary: each pass's rows
+  then take their own expert's velocity); every rank of the bag knows which from the jobs.
 
 A bag of one rank (and one process with no group at all: ``denoise_local``) runs the same
 loop over a plan that moves nothing. Every job's result is the single-process sampler's
@@ -38,7 +41,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from knapray.models.sampling import DenoiseJob, guided
+from knapray.models.sampling import DenoiseJob, experts_of, guided
 from knapray.planning import CostModel, Topology
 from knapray.planning.inference.sampling import COND, SINGLE, UNCOND, JobPlan, bag_plan, cfg_parallel_bag, choose_job_plan, \
     plan_jobs
@@ -205,10 +208,10 @@ def _bf16_matmuls_fp32_stream(model: torch.nn.Module, device_type: str, dtype: t
 
 
 def warm_up(model: torch.nn.Module, steps: int = 1) -> None:
-    """Run the model on a few made-up requests of different sizes (guided and not, with and
-    without text) so that compiled blocks have their graphs before the first real batch:
-    shapes are dynamic, so a later mix of sizes reuses them (a recompile is counted by
-    ``prepare_model``'s handle)."""
+    """Run the model (each of a run's ``Experts``) on a few made-up requests of different sizes
+    (guided and not, with and without text) so that compiled blocks have their graphs before
+    the first real batch: shapes are dynamic, so a later mix of sizes reuses them (a recompile
+    is counted by ``prepare_model``'s handle)."""
     from knapray.models.sampling import denoise_job
 
     cfg = model.cfg
@@ -219,7 +222,8 @@ def warm_up(model: torch.nn.Module, steps: int = 1) -> None:
         cond = (np.zeros((text, cfg.text_dim), np.float32), np.zeros(cfg.pooled_dim, np.float32))
         jobs.append(denoise_job(cfg, noise, cond, steps=steps + k % 2, guidance=guidance, shift=1.0,
                                 unconditional=None))
-    denoise_rank(model, jobs, SamplingGroups.alone())
+    for one in experts_of(model).models:
+        denoise_rank(one, jobs, SamplingGroups.alone())
 
 
 # ---- the denoising loop ------------------------------------------------------------------------
@@ -240,8 +244,9 @@ def denoise_rank(model: torch.nn.Module, jobs: list[DenoiseJob], groups: Samplin
                  on_step: Callable[[int], None] | None = None, step_context: StepContext | None = None,
                  step_cache: float | None = None, stats: dict | None = None) -> dict[int, np.ndarray]:
     """Run the batch ``jobs`` (the same list on every rank of the world) on ``groups``' topology,
-    or (several) on the one ``batch_plan`` chooses. Returns the latents (C, T, H, W) of the
-    jobs whose bag this rank leads, by job index.
+    or (several) on the one ``batch_plan`` chooses, with ``model`` (any family's, or a run's
+    ``models.sampling.Experts``). Returns the latents (C, T, H, W) of the jobs whose bag this
+    rank leads, by job index.
 
     ``on_step(i)``: called after the bag's step ``i`` (a host int; nothing is read from the
     device for it). ``step_context``: entered around every step's body (a test's watch).
@@ -307,8 +312,13 @@ class _Segment:
     """(S_pass, stop - start) fp32: every pass's timestep at each step (the lead's; empty elsewhere)."""
     step_size: torch.Tensor
     """(Ni, stop - start) fp32: each latent row's Euler step at every step of the segment."""
-    cache: Any
-    """The segment's first-block cache (None: off)."""
+    caches: tuple | None
+    """The segment's first-block cache of each expert (a residual is its own model's), or None: off."""
+    calls: tuple[tuple[int, ...], ...]
+    """The experts each step of the segment runs (indices into ``Experts.models``, ascending)."""
+    high_rows: dict[int, torch.Tensor]
+    """(Ni_pass, 1) bool per step (offset in the segment) that runs both experts: the rows of
+    the passes on the high-noise side (the lead's; empty elsewhere)."""
     pass_rows: torch.Tensor | None
     """(Ni_pass,) rows of the latents each pass's image tokens are (None: every pass is a
     job's only or conditional pass, in row order)."""
@@ -327,13 +337,14 @@ class _BagLoop:
         from knapray.models import pack_samples
 
         topo, bag = groups.topology, groups.bag
-        self.model, self.jobs, self.mine, self.groups, self.planner = model, jobs, mine, groups, planner
+        self.experts = experts_of(model)
+        self.jobs, self.mine, self.groups, self.planner = jobs, mine, groups, planner
         self.g = int(topo.bag_sizes[bag])
         self.lead = groups.rank == int(topo.bag_starts[bag])
-        self.cfg = model.cfg
+        self.cfg = self.experts.cfg
         self.renorm = any(jobs[k].cfg_renorm for k in mine)
         """The guided rows rescaled to the conditional prediction's norm (one family: all or none)."""
-        self.device = next(model.parameters()).device
+        self.device = next(self.experts.models[0].parameters()).device
         self.use_halves = cfg_parallel_bag(self.g, any(jobs[k].passes == 2 for k in mine), cfg_parallel)
         self.attn_group = groups.half if self.use_halves else groups.whole
         empty = pack_samples([], self.cfg)
@@ -418,17 +429,23 @@ class _BagLoop:
         layout = prepare_step(host, plan, self.groups.rank, text, self.device, bag_group=self.attn_group,
                               route_group=self.groups.whole, cross_pad=cross_text_pad(cfg))
         empty = torch.zeros(0, device=self.device)
-        cache = None
+        caches = None
         if self.step_cache is not None:
             from knapray.models.step_cache import StepCache
 
-            cache = StepCache(self.step_cache, _bag_sum(self.groups.whole))
-            self.caches.append(cache)
-        if not self.lead:
-            return _Segment(start, stop, active, plan, layout, host.to(self.device), empty, empty, cache, None, None,
-                            None)
-        # Tables, on the host once: every pass's timesteps, every latent row's step sizes.
+            caches = tuple(StepCache(self.step_cache, _bag_sum(self.groups.whole)) for _ in self.experts.models)
+            self.caches.extend(caches)
+        # Tables, on the host once: every pass's timesteps and expert (every rank: each runs the
+        # experts its bag runs), every latent row's step sizes (the lead).
         times = np.array([jobs[k].times[start:stop] for k, _ in passes], dtype=np.float64).reshape(len(passes), -1)
+        which = self.experts.expert_at(times)  # (passes, stop - start)
+        calls = tuple(tuple(np.unique(which[:, j]).tolist()) for j in range(stop - start))
+        if not self.lead:
+            return _Segment(start, stop, active, plan, layout, host.to(self.device), empty, empty, caches, calls, {},
+                            None, None, None)
+        rows_pass = host.image_seq_index.numpy()  # (Ni_pass,) pass of each image row
+        high_rows = {j: host_to_device((which[:, j] == 0)[rows_pass, None], self.device, torch.bool)
+                     for j, used in enumerate(calls) if len(used) > 1}
         counts = [rows[k] for k in active]
         own = np.repeat(np.arange(len(active)), counts)  # (Ni,) job of each latent row
         sizes = np.array([[jobs[k].times[i] - jobs[k].times[i + 1] for i in range(start, stop)] for k in active])
@@ -443,20 +460,23 @@ class _BagLoop:
                                    self.device, torch.float32)
         return _Segment(start, stop, active, plan, layout, host.to(self.device),
                         host_to_device(times, self.device, torch.float32),
-                        host_to_device(sizes[own], self.device, torch.float32), cache, pass_rows, guided_rows, scale)
+                        host_to_device(sizes[own], self.device, torch.float32), caches, calls, high_rows, pass_rows,
+                        guided_rows, scale)
 
     def _step(self, seg: _Segment, i: int, x: torch.Tensor | None) -> torch.Tensor | None:
         """One Euler step of the segment's jobs: device work only."""
         from knapray.worker.balanced import balanced_forward
 
-        batch = seg.batch
+        batch, j = seg.batch, i - seg.start
         if self.lead:
             x_in = x if seg.pass_rows is None else x.index_select(0, seg.pass_rows)
-            batch = replace(batch, x_img=x_in, timesteps=seg.times[:, i - seg.start])
-        v = balanced_forward(self.model, batch, seg.plan, self.groups.rank, bag_group=self.attn_group,
-                             route_group=self.groups.whole, layout=seg.layout, cache=seg.cache)
+            batch = replace(batch, x_img=x_in, timesteps=seg.times[:, j])
+        vs = [balanced_forward(self.experts.models[e], batch, seg.plan, self.groups.rank, bag_group=self.attn_group,
+                               route_group=self.groups.whole, layout=seg.layout,
+                               cache=None if seg.caches is None else seg.caches[e]) for e in seg.calls[j]]
         if not self.lead:
             return x
+        v = vs[0] if len(vs) == 1 else torch.where(seg.high_rows[j], vs[0], vs[1])  # each pass its expert's
         v = v.float()
         n = x.shape[0]
         if seg.guided_rows is not None:  # v = v_u + s (v_c - v_u) on the guided rows
