@@ -174,7 +174,8 @@ def check_sample_setup(config: str, overrides: list[str], *, world_size: int | N
 
     adapters = adapter_counts(m)  # a LoRA run's adapters, held beside the base
     memory = SamplingMemoryModel.of(m, text_models, vae, encoders=encoders,
-                                    adapter_params=adapters[0] if adapters else 0)
+                                    adapter_params=adapters[0] if adapters else 0,
+                                    experts=2 if cfg.flow.expert_boundary else 1)
     roles = gang_roles(topo, jobs, steps)
     role = next((r for r in roles if r.rank == rank), None) or rank_role(topo, rank, jobs, steps=steps)
     setup = SampleSetup(cfg=cfg, world=world, rank=rank, gpu_gib=gpu_gib, topology=topo, sizes=pixels,
@@ -310,31 +311,35 @@ def measure(setup: SampleSetup) -> SampleMeasured:
     out = SampleMeasured(phases={}, watch=watch, seconds=0.0)
     try:
         groups = _groups(setup.topology, setup.rank)
+        # a run of two experts holds both (the step runs one of them: the first stands for it)
         with torch.device("meta"):
-            transformer = build_model(setup.cfg.model)
-        transformer.requires_grad_(True)  # a LoRA run's frozen base too: the tracker hooks every parameter
-        # the engine's preparation, on the meta device (the parameters become fakes after):
-        # weights in bf16 once, the final layer in fp32, the residual stream in fp32 with the
-        # blocks under autocast (CPU autocast standing in for CUDA's), not compiled
-        prepare_model(transformer, device, precision="bf16", compile=False)
+            transformers = [build_model(setup.cfg.model) for _ in range(setup.memory.experts)]
+        transformer = transformers[0]
+        for t in transformers:
+            t.requires_grad_(True)  # a LoRA run's frozen base too: the tracker hooks every parameter
+            # the engine's preparation, on the meta device (the parameters become fakes after):
+            # weights in bf16 once, the final layer in fp32, the residual stream in fp32 with the
+            # blocks under autocast (CPU autocast standing in for CUDA's), not compiled
+            prepare_model(t, device, precision="bf16", compile=False)
         encoders = [build_text_model(s) for s in setup.text_models] if role.encodes else []
         vae = build_vae(setup.vae) if role.lead and setup.vae is not None else None
         step = _step_inputs(setup, groups)
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with fake, kernel_attention(watch):
-            for module in [transformer, *encoders] + ([vae] if vae is not None else []):
+            for module in [*transformers, *encoders] + ([vae] if vae is not None else []):
                 to_empty(module, device)
             keep = encoders if setup.encoders == "keep" else []
             held = [vae] if vae is not None else []
             if encoders:
-                resident = encoders + held + ([] if setup.encoders == "free" else [transformer])
+                resident = encoders + held + ([] if setup.encoders == "free" else transformers)
                 out.phases["encode"] = _phase("encode", resident, [], lambda: _encode(encoders, role.captions, setup))
             inputs = _on_device(step, setup.jobs, device) if step is not None else None
             out.phases["denoise"] = _phase(
-                "denoise", [transformer, *keep, *held], tensors_in(inputs) if inputs else [],
+                "denoise", [*transformers, *keep, *held], tensors_in(inputs) if inputs else [],
                 (lambda: _denoise(transformer, inputs, setup, watch)) if inputs else None)
             if vae is not None:
-                out.phases["decode"] = _phase("decode", [transformer, *keep, vae], [], lambda: _decode(vae, setup))
+                out.phases["decode"] = _phase("decode", [*transformers, *keep, vae], [],
+                                              lambda: _decode(vae, setup))
     except HostSync as e:
         out.error = f"host sync in the denoising step: {e}"
     except UnsupportedOperatorException as e:

@@ -3,8 +3,8 @@ tests/unit/test_sampling_memory.py) measured on fake tensors.
 
 - the three placements of issue 41: FLUX.1-dev at 1024x1024 on 1 GPU and on 4 (one bag of 4),
   Wan 2.1 T2V 14B at 480p, 81 frames, classifier-free guidance, on 8 (one bag of 8, CFG
-  parallel): every phase within 10% of the prediction, every pretrained model's weights
-  exactly as counted, on GPUs of 80 GiB;
+  parallel; and a run of two such experts, both resident): every phase within 10% of the
+  prediction, every pretrained model's weights exactly as counted, on GPUs of 80 GiB;
 - a gang that cannot fit (Wan 14B on 24 GiB) is refused in one line, naming what would
   (the line the docs show);
 - bad flags are one line and exit 2.
@@ -39,8 +39,9 @@ NO_BASE = ("--set", 'model.pretrained=""', "--size", "1024x1024")
     (WAN, "8", "g8n1", WAN_480P),
     (QWEN, "8", "g8n1", NO_BASE),  # Qwen2.5-VL 7B encodes; guidance 4 in CFG parallel halves
     (FLUX2, "8", "g8n1", NO_BASE),  # Mistral Small 3.1 (24B) encodes at 512 tokens, 3 layers kept
+    (WAN, "8", "g8n1", (*WAN_480P, "--set", "flow.expert_boundary=0.875")),  # two 14B experts resident
 ], ids=["flux-dev-1gpu", "flux-dev-4gpu-keep", "wan14b-480p-81f-cfg-8gpu", "qwen-image-lora-8gpu",
-        "flux2-dev-lora-8gpu"])
+        "flux2-dev-lora-8gpu", "wan22-two-experts-480p-81f-cfg-8gpu"])
 def test_placements_within_10_percent(dryrun, config, world, topology, extra):
     out = dryrun("--sample", "--config", config, "--world-size", world, "--topology", topology, "--json", *extra)
     assert out.stdout.strip(), out.stderr[-3000:]
@@ -62,6 +63,10 @@ def test_placements_within_10_percent(dryrun, config, world, topology, extra):
     if config == WAN:  # CFG parallel: rank 0 runs the conditional pass on the first half of its bag
         assert r["passes"] == 2 and r["role"]["routed_tokens"] == (32760 + 512) // 4
         assert r["role"]["home_tokens"] == 2 * (32760 + 512)
+        experts = 2 if "flow.expert_boundary=0.875" in extra else 1
+        denoise = r["phases"][1]["predicted"]["transformer"] * GIB
+        # bf16, the final layer (its 5120 x 64 projection, bias and shift/scale table) in fp32
+        assert denoise == pytest.approx(experts * (14_288_491_584 * 2 + (5120 * 64 + 64 + 2 * 5120) * 2), rel=1e-12)
 
 
 def test_what_does_not_fit_is_refused_in_one_line(dryrun):

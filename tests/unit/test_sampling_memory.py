@@ -85,6 +85,23 @@ def test_bag_sharding_and_alternatives():
     assert replicated.usable_bytes(int(need * GIB)) >= peak > replicated.usable_bytes(int((need - 0.1) * GIB))
 
 
+def test_two_experts_hold_two_transformers_and_work_as_one():
+    """A run of two experts (``flow.expert_boundary``): both transformers resident (whole, or
+    each sharded with one unit gathered at a time), the working memory one model's."""
+    one, two = _flux_model(), _flux_model(experts=2)
+    assert two.transformer_bytes() == 2 * one.transformer_bytes()
+    sharded_one, sharded_two = (replace(m, placement="bag-sharded") for m in (one, two))
+    largest = sharded_one.transformer_bytes(4) - -(-one.transformer_bytes() // 4)
+    assert sharded_two.transformer_bytes(4) == -(-2 * one.transformer_bytes() // 4) + largest
+    topo = Topology.parse("g1n1", world_size=1)
+    lead = rank_role(topo, 0, [FLUX_JOB])
+    b1, b2 = one.breakdown(lead), two.breakdown(lead)
+    for p1, p2 in zip(b1.phases, b2.phases):
+        assert p2.working == p1.working and p2.transformer == (2 * p1.transformer if p1.transformer else 0)
+    with pytest.raises(ValueError, match="experts"):
+        _flux_model(experts=3)
+
+
 def test_text_encoder_and_vae_working_memory():
     """The counts of the module docstring at the sizes measured on fake tensors."""
     from knapray.models.families import get_family

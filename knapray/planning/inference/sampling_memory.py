@@ -9,7 +9,10 @@ The placement policy it counts (what knapray's sampling engine holds where):
   (``--shard off``, and ``auto`` where the weights fit; what ``knapray dryrun --sample``
   measures): every rank of the gang holds the whole model. ``bag-sharded`` (``--shard
   bags``; modelled, not measured): FSDP2 over a bag's ``g`` ranks, a ``g``-th of the weights
-  per rank plus the largest unit gathered (a block, or the embedders and final layer).
+  per rank plus the largest unit gathered (a block, or the embedders and final layer). A run
+  of two experts (``flow.expert_boundary``, Wan 2.2 A14B) holds both transformers, each as
+  one model is held: a trajectory switches between them at the boundary, one forward at a
+  time (the working memory is one model's).
 - **The text encoders** (Flux: T5-XXL and CLIP-L; Wan: umT5-XXL) live on rank 0 only, in
   bf16, and encode the batch's captions together. Policy ``encoders``: ``keep`` (resident
   beside the transformer: serving), ``offload`` (on the host between batches, on the device
@@ -660,6 +663,8 @@ class SamplingMemoryModel:
     encoders: str = "keep"
     adapter_params: int = 0
     """A LoRA run's adapters, held in the compute dtype beside the base."""
+    experts: int = 1
+    """Transformers held: 2 for a run of two experts (both resident, each with its adapters)."""
     reserve_bytes: int = RESERVE_BYTES
     fragmentation: float = FRAGMENTATION
 
@@ -671,6 +676,8 @@ class SamplingMemoryModel:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}; valid: {', '.join(valid)}")
         if not 0 <= self.fragmentation < 1 or self.reserve_bytes < 0:
             raise ValueError("need 0 <= fragmentation < 1 and reserve_bytes >= 0")
+        if self.experts not in (1, 2):
+            raise ValueError(f"experts: 1 (one model) or 2 (two experts), got {self.experts!r}")
 
     @classmethod
     def of(cls, model_cfg: Any, text_models: tuple[ArchSpec, ...] = (), vae: ArchSpec | None = None,
@@ -692,10 +699,12 @@ class SamplingMemoryModel:
         return out + (2 * s.hidden_size if s.cross_attention else 2 * s.hidden_size * (s.hidden_size + bias))
 
     def transformer_bytes(self, bag_size: int = 1) -> int:
-        """The transformer's weights on a rank, bf16 and its final layer fp32: whole
-        (replicated), or a ``bag_size``-th of them plus the largest unit gathered (bag-sharded)."""
+        """The transformers' weights on a rank (``experts`` of them), bf16 and each final layer
+        fp32: whole (replicated), or a ``bag_size``-th of them plus the largest unit gathered
+        (bag-sharded: one unit of one model at a time)."""
         s = self.shape
-        total = (s.num_params + self.adapter_params) * COMPUTE_BYTES + self.final_params * (STREAM_BYTES - COMPUTE_BYTES)
+        one = (s.num_params + self.adapter_params) * COMPUTE_BYTES + self.final_params * (STREAM_BYTES - COMPUTE_BYTES)
+        total = self.experts * one
         if self.placement == "replicated" or bag_size == 1:
             return total
         largest = max(sum(s.double_block[:2]) if s.depth_double else 0,
