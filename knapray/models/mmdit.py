@@ -5,7 +5,7 @@ The model never sees process groups. A distributed executor calls the stages its
     vec = model.condition(timesteps, pooled)            # (S, d), one row per sequence
     h = model.embed(x_txt, x_img, is_text)              # (N, d), per token
     h = model.blocks(h, vec_loc, seq_index_loc, pos, is_text, attn)
-    out_img = model.head(h, vec_loc, seq_index_loc, is_text)
+    out_img = model.head(h_home, vec, seq_index, is_text, pos=pos_home)  # routed home again
 
 Each of embed, blocks and head also takes ``streams=TokenStreams``: ``is_text``'s index maps
 built on the host, so that a training step never waits for the device.
@@ -260,11 +260,12 @@ class MMDiT(nn.Module):
 
     def head(
         self, h: torch.Tensor, vec_seq: torch.Tensor, seq_index: torch.Tensor, is_text: torch.Tensor, *,
-        streams: TokenStreams | None = None,
+        streams: TokenStreams | None = None, pos: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Final adaLN norm + linear on the image tokens -> (Ni, patch_dim), packed order.
         ``streams``: as in ``embed`` (a gather by ``img_idx`` instead of a boolean mask,
-        whose result size the host would wait for)."""
+        whose result size the host would wait for). ``pos``: the tokens' positions, which
+        the executor gives every family's head; this one modulates per sequence and reads none."""
         if streams is not None:
             return self.final(h.index_select(0, streams.img_idx), vec_seq, seq_index.index_select(0, streams.img_idx))
         is_img = ~is_text

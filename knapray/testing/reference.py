@@ -114,7 +114,9 @@ def _clip_inputs(cfg: Any, sequences: int, seed: int, text_lens: tuple[int, ...]
 
 
 def _pack(cfg: Any, inputs: list[Inputs]):
-    """knapray's packed batch of ``inputs`` (x_img the latents' patches, targets set)."""
+    """knapray's packed batch of ``inputs`` (x_img the latents' patches, targets set). No
+    inputs (a rank without sequences): an empty batch with the per-sequence fields the
+    model conditions on, without rows (its ``condition`` still runs every embedder)."""
     from knapray.models import pack_samples
 
     optional = ("guidance", "image_context", "first_frame_timestep")
@@ -122,7 +124,15 @@ def _pack(cfg: Any, inputs: list[Inputs]):
               **{name: getattr(s, name) for name in optional if getattr(s, name) is not None}} for s in inputs]
     batch = pack_samples(items, cfg)
     targets = torch.cat([s.target for s in inputs]) if inputs else torch.zeros(0, cfg.out_patch_dim)
-    return dataclasses.replace(batch, targets=targets)
+    empty = {}
+    if not inputs:
+        if getattr(cfg, "guidance_embeds", False):
+            empty["guidance"] = torch.zeros(0)
+        if getattr(cfg, "image_dim", 0):
+            empty["image_context"] = torch.zeros(0, cfg.image_tokens, cfg.image_dim)
+        if getattr(cfg, "expand_timesteps", False):
+            empty["first_frame_timesteps"] = torch.zeros(0)
+    return dataclasses.replace(batch, targets=targets, **empty)
 
 
 # ---- the reference side (diffusers) ---------------------------------------------------------

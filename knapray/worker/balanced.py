@@ -9,7 +9,8 @@ Per step and rank:
    (joint attention over text and image tokens; for a family that cross-attends to its
    text, Wan, self-attention over the image tokens and cross-attention of image queries to
    text keys: ``knapray.distributed.cross``);
-4. one all-to-all brings the hidden states home, where ``head`` and the loss run.
+4. one all-to-all brings the hidden states home, where ``head`` (given the home tokens'
+   positions) and the loss run.
 
 So the loss, and everything after the model, sees exactly the batch it would have seen
 without balancing; balanced and unbalanced runs compute the same function.
@@ -183,4 +184,5 @@ def _forward(model: nn.Module, batch: PackedBatch, plan: BalancePlan, rank: int,
     h_loc = model.blocks(routed["h"], vec_loc, rp.token_seq_local, routed["pos"], routed_is_text, attn,
                          streams=routed_streams, **({} if cache is None else {"cache": cache}))
     h_home = reverse_route(rp, rank, h_loc, route_group)  # (N_home, d)
-    return model.head(h_home, vec, batch.seq_index, batch.is_text, streams=home)
+    # The home tokens' positions: a family with per-token times picks them by frame (Wan 2.2 TI2V).
+    return model.head(h_home, vec, batch.seq_index, batch.is_text, streams=home, pos=batch.pos)

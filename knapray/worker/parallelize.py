@@ -116,8 +116,9 @@ class _EagerAttention:
     def self_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return _token_output(self.attn.self_attn(q, k, v))
 
-    def cross_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: Any = None) -> torch.Tensor:
-        return _token_output(self.attn.cross_attn(q, k, v, pad))
+    def cross_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: Any = None,
+                   image: Any = None) -> torch.Tensor:
+        return _token_output(self.attn.cross_attn(q, k, v, pad, image=image))
 
 
 @functools.cache

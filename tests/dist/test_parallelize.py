@@ -269,6 +269,35 @@ def test_wan_blocks_compile_and_match_eager_over_varying_steps():
     assert par.recompiles <= 2, par.compile_stats.recompiles
 
 
+def test_wan_i2v_blocks_compile_once_for_any_number_of_image_contexts():
+    """Wan 2.1 I2V's blocks take the image context's S·257 rows beside the tokens: a backed
+    size like the token counts, so steps of 0 to 5 sequences run on the first graphs."""
+    from knapray.models.families.wan import WanConfig, WanTransformer
+    from knapray.testing.reference import _clip_inputs, _pack
+
+    cfg = WanConfig(in_channels=12, out_channels=4, image_dim=24, patch_size=(1, 2, 2), hidden_size=32, num_heads=2,
+                    depth_single=2, text_dim=8, ffn_dim=48, freq_dim=16)
+
+    def build():
+        torch.manual_seed(0)
+        return WanTransformer(cfg)
+
+    eager, model = build(), build()
+    par = parallelize(model, ParallelConfig(compile=True))
+    for step, sequences in enumerate((3, 2, 4, 1, 0, 5, 2)):
+        batch = _pack(cfg, _clip_inputs(cfg, sequences, step, (5, 0, 9, 3)))
+        outs = []
+        for m in (eager, model):
+            m.zero_grad(set_to_none=True)
+            out = m(batch)
+            flow_loss(out, batch.targets, max(batch.x_img.shape[0], 1)).backward()
+            outs.append(out.detach())
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5, msg=f"step {step}")
+        for (name, p), q in zip(eager.named_parameters(), model.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=f"step {step} {name}")
+    assert par.recompiles == 0, par.compile_stats.recompiles
+
+
 # ---- 4 gloo ranks: parity of balanced + FSDP (+ checkpointing) --------------------------
 
 

@@ -201,7 +201,7 @@ def test_i2v_needs_its_text_padded_to_512():
 
 def test_the_conditioning_inputs_are_checked(checkpoints):
     """``condition`` takes exactly the inputs the config declares; the TI2V head needs the
-    tokens' positions; balanced I2V (a bag's attentions) is refused until it takes image keys."""
+    tokens' positions. (Balanced, both run on a bag's attentions: tests/dist/test_wan_dist.py.)"""
     model, cfg = _load(checkpoints["i2v"])
     batch = _pack(cfg, _inputs(cfg, seed=8))
     t = batch.timesteps.double()
@@ -211,15 +211,11 @@ def test_the_conditioning_inputs_are_checked(checkpoints):
         model.condition(t, first_frame_timesteps=t, image_context=batch.image_context.double())
     vec = model.condition(t, image_context=batch.image_context.double())
     assert vec.shape == (4, cfg.condition_dim) == (4, (7 + 257) * 32)
-
-    class Bag:
-        def self_attn(self, q, k, v): ...
-
-        def cross_attn(self, q, k, v, pad=None): ...
-
-    h = model.embed(batch.x_txt.double(), batch.x_img.double(), batch.is_text)
-    with pytest.raises(ValueError, match="single-process only so far"):
-        model.blocks(h, vec, batch.seq_index, batch.pos, batch.is_text, Bag())
+    # a caption over 512 tokens: diffusers would read its last rows as the image's
+    long = _inputs(cfg, seed=8)
+    long[1] = dataclasses.replace(long[1], text=torch.randn(TEXT_LENGTH + 1, cfg.text_dim, dtype=torch.float64))
+    with pytest.raises(ValueError, match="a sequence has 513 text tokens, more than 512"):
+        model(_pack(cfg, long))
 
     ti2v, cfg = _load(checkpoints["ti2v"], expand_timesteps=True)
     batch = _pack(cfg, _inputs(cfg, seed=8))

@@ -10,7 +10,7 @@ executor calls (knapray/worker/balanced.py; ``knapray.models.interface.StageMode
     vec = model.condition(**condition_inputs(model, batch))   # (S, cfg.condition_dim), per sequence
     h = model.embed(x_txt, x_img, is_text)                     # (N, d), per token
     h = model.blocks(h, vec_loc, seq_index_loc, pos, is_text, attn)
-    out_img = model.head(h, vec_loc, seq_index_loc, is_text)
+    out_img = model.head(h_home, vec, seq_index, is_text, pos=pos_home)  # routed home again
 
 and declares the modules ``parallelize`` shards, compiles and checkpoints
 (``model.fsdp_units()``: embedders, blocks, final). Its config class (a
