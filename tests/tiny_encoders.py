@@ -187,3 +187,58 @@ TINY_FLUX_TRANSFORMER = dict(patch_size=1, in_channels=64, num_layers=1, num_sin
                              guidance_embeds=True, axes_dims_rope=(4, 6, 6))
 """The tiny FLUX.1-dev stand-in's transformer: the VAE's 16 latent channels (x 2 x 2), the
 tiny T5's 16 and CLIP's 12 widths."""
+
+
+def save_wan22_layout(root: Path) -> Path:
+    """A Wan2.2-T2V-A14B-Diffusers-shaped pipeline folder of tiny models: ``vae/``
+    (``save_wan``), ``text_encoder/`` + ``tokenizer/`` (umT5, ``save_umt5``), the two experts
+    ``transformer/`` and ``transformer_2/`` (tiny Wans of different random weights taking those
+    widths: ``TINY_WAN_TRANSFORMER``) and model_index.json with A14B's ``boundary_ratio``, so
+    that a command written for the real folder runs with only its root substituted."""
+    import json
+
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    save_wan(root / "vae")
+    save_umt5(root / "text_encoder")
+    (root / "tokenizer").symlink_to(root / "text_encoder", target_is_directory=True)
+    from diffusers import UniPCMultistepScheduler
+
+    UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=12.0).save_pretrained(
+        root / "scheduler")  # (A14B's: shift 12)
+    for i, name in enumerate(("transformer", "transformer_2")):
+        torch.manual_seed(20 + i)
+        WanTransformer3DModel(**TINY_WAN_TRANSFORMER).save_pretrained(root / name)
+    (root / "model_index.json").write_text(json.dumps({
+        "_class_name": "WanPipeline", "boundary_ratio": 0.875, "expand_timesteps": False,
+        "scheduler": ["diffusers", "UniPCMultistepScheduler"], "text_encoder": ["transformers", "UMT5EncoderModel"],
+        "tokenizer": ["transformers", "PreTrainedTokenizerFast"], "transformer": ["diffusers", "WanTransformer3DModel"],
+        "transformer_2": ["diffusers", "WanTransformer3DModel"], "vae": ["diffusers", "AutoencoderKLWan"]}))
+    return root
+
+
+TINY_WAN_TRANSFORMER = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4,
+                            out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2)
+"""The tiny Wan 2.2 stand-in's experts: the tiny AutoencoderKLWan's 4 latent channels, the
+tiny umT5's 16."""
+
+
+def sample_clips(out: Path, frames: tuple[int, ...] = (9, 5)) -> Path:
+    """Clips as multi-frame TIFFs (lossless, read without a video decoder) of random pixels,
+    32 x 48, with captions in metadata.jsonl."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    captions = {}
+    for i, n in enumerate(frames):
+        images = [Image.fromarray(f) for f in rng.integers(0, 256, size=(n, 32, 48, 3), dtype=np.uint8)]
+        images[0].save(out / f"clip{i}.tif", save_all=True, append_images=images[1:])
+        captions[f"clip{i}.tif"] = f"a clip of {n} frames"
+    (out / "metadata.jsonl").write_text("".join(json.dumps({"file_name": k, "text": v}) + "\n"
+                                                for k, v in captions.items()))
+    return out

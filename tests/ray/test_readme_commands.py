@@ -174,6 +174,44 @@ def _four_ranks(work: Path, out: str) -> None:
     assert (work / "grid4.png").stat().st_size > 0
 
 
+def _wan22_stand_in(work: Path) -> None:
+    """The tiny Wan 2.2 A14B stand-in folder and two short clips (9 and 5 frames)."""
+    import tiny_encoders as te
+
+    if not (work / "models" / "Wan2.2-T2V-A14B-Diffusers").exists():
+        te.save_wan22_layout(work / "models" / "Wan2.2-T2V-A14B-Diffusers")
+        te.sample_clips(work / "clips")
+
+
+def _both_experts_trained(work: Path, out: str) -> None:
+    """Each expert trained steps of its own, from its own transformer, and the checkpoint holds
+    both experts' adapters alone."""
+    from knapray.worker.checkpoint import completed_checkpoints, saved_keys
+
+    shared = re.search(r"transformer \(high noise\) trained (\d+) of these steps, transformer_2 \(low noise\) (\d+)", out)
+    assert shared and min(map(int, shared.groups())) >= 1 and sum(map(int, shared.groups())) == 4, out
+    (ckpt,) = completed_checkpoints(str(work / "runs" / "clips-lora" / "checkpoints"))
+    for prefix in ("model.", "model_2."):
+        keys = [k for k in saved_keys(ckpt) if k.startswith(prefix)]
+        assert keys and all(".lora_" in k for k in keys), (prefix, out)
+
+
+def _two_expert_loras(work: Path, out: str) -> None:
+    """One diffusers LoRA file per expert, in its folder."""
+    from safetensors import safe_open
+
+    for expert in ("transformer", "transformer_2"):
+        with safe_open(str(work / "clips-lora" / expert / "pytorch_lora_weights.safetensors"), "pt") as f:
+            keys = list(f.keys())
+        assert keys and all(k.startswith("transformer.") and ".lora_" in k for k in keys), out
+
+
+def _loaded_into_both(work: Path, out: str) -> None:
+    """diffusers' WanPipeline took each expert's adapters into its own transformer."""
+    assert "0.875 dict_keys(['high']) dict_keys(['low'])" in out, out
+
+
+WAN22 = "tiny models in a Wan2.2-T2V-A14B-Diffusers-shaped folder (tests/tiny_encoders.save_wan22_layout)"
 TINY = "tiny models in a FLUX.1-dev-shaped folder (tests/tiny_encoders.save_flux_layout)"
 FAST = "a few steps, 2 workers (bags g2n1), so that it takes seconds"
 RULES = (
@@ -182,6 +220,26 @@ RULES = (
     Rule(r"^pip install", "skip", "installs packages: the test extra carries the encoders extra's packages"),
     Rule(r"^knapray ingest .*FLUX\.1-dev", "run", TINY,
          subs=(("/models/FLUX.1-dev", "{W}/models/FLUX.1-dev"), ("~/pictures", "{W}/pictures"))),
+    Rule(r"^knapray ingest --family wan .*Wan2\.2-T2V-A14B", "run", WAN22,
+         subs=(("/models/Wan2.2-T2V-A14B-Diffusers", "{W}/models/Wan2.2-T2V-A14B-Diffusers"), ("~/clips", "{W}/clips")),
+         extra=("--max-side", "48", "--max-frames", "9"), setup=_wan22_stand_in),
+    Rule(r"^knapray train --config jobs/configs/wan22_a14b\.yaml --set data\.corpus=corpora/clips", "run",
+         "after the ingest above (its corpus); the tiny Wan 2.2 stand-in's experts, so the config's 14B widths are "
+         "set to theirs; 4 steps on 2 CPU workers in fp32, the high-noise expert's share 0.5 (at the config's shift "
+         "it is 37%: 4 steps might all be one expert's)",
+         extra=("--set", "model.pretrained={W}/models/Wan2.2-T2V-A14B-Diffusers", "--set", "model.in_channels=4",
+                "--set", "model.hidden_size=32", "--set", "model.num_heads=2", "--set", "model.depth_single=2",
+                "--set", "model.text_dim=16", "--set", "model.ffn_dim=32", "--set", "model.freq_dim=16",
+                "--set", "flow.expert_share=0.5", "--set", "run.max_steps=4", "--set", "scaling.num_workers=2",
+                "--set", "scaling.use_gpu=false", "--set", "balance.topology=g2n1", "--set", "balance.gpus_per_node=2",
+                "--set", "parallel.precision=fp32", "--set", "scaling.cpus_per_worker=1",
+                "--set", "data.samples_per_step=1"),
+         verify=_both_experts_trained),
+    Rule(r"^knapray export --run runs/clips-lora", "run", "the two-expert LoRA run just trained",
+         verify=_two_expert_loras),
+    Rule(r"(?s)^python -c .*Wan2\.2-T2V-A14B", "run", WAN22,
+         subs=(("/models/Wan2.2-T2V-A14B-Diffusers", "{W}/models/Wan2.2-T2V-A14B-Diffusers"),),
+         verify=_loaded_into_both),
     Rule(r"^knapray (train --config jobs/configs/(wan_t2v_14b|wan22_a14b)\.yaml|export --run "
          r"/mnt/shared/knapray-runs/wan22)",
          "parse", "Wan 2.2's two 14B experts on a GPU cluster; tests/dist/test_wan_ingest.py trains, exports and loads a "
