@@ -180,14 +180,15 @@ def diffusers_reference(path: str, inputs: list[Inputs], cfg: Any = None) -> tup
 
 def reference_config(source: Any, family: str) -> Any:
     """The model config the reference compares: the checkpoint's, with the family's
-    ``reference_overrides`` (Wan: without the text padding its pipeline adds, ``text_pad_to``
+    ``reference_overrides`` (Wan T2V: without the text padding its pipeline adds, ``text_pad_to``
     0: the reference is the model's own call, which takes the text as given; the padding is
-    tests/dist/test_wan.py's float64 check)."""
+    tests/dist/test_wan.py's float64 check. Wan I2V: padded to 512, as diffusers' model needs)."""
     from knapray.models.families import config_class, get_family
     from knapray.weights.checks import section_values
 
-    extra = dict(get_family(family).reference_overrides)
-    return config_class(family)(**section_values(source, family), pretrained=source.path, **extra)
+    values = section_values(source, family)
+    extra = dict(get_family(family).reference_overrides(values))
+    return config_class(family)(**values, pretrained=source.path, **extra)
 
 
 def load_model(path: str, family: str | None, device: str = "cpu", *, parallel: ParallelConfig | None = None,

@@ -57,8 +57,9 @@ def test_every_family_declares_every_fact(name: str) -> None:
         assert isinstance(fam.sized_config(64, 2, 1, 1), fam.config_cls)
     # checkpoints and the reference implementation
     assert isinstance(fam.layouts, tuple) and isinstance(fam.lora_presets, Mapping)
-    assert isinstance(fam.reference_overrides, Mapping)
-    assert set(fam.reference_overrides) <= {f.name for f in dataclasses.fields(fam.config_cls)}
+    overrides = fam.reference_overrides({})
+    assert isinstance(overrides, Mapping)
+    assert set(overrides) <= {f.name for f in dataclasses.fields(fam.config_cls)}
     if fam.has_checkpoints:
         assert isinstance(fam.diffusers_class, str) and fam.layouts
         assert callable(fam.diffusers_call) and callable(fam.layout) and callable(fam.section_from_diffusers)

@@ -85,9 +85,10 @@ class Family:
     reference_needs_text: bool = False
     """Its diffusers model cannot run a sequence without text tokens (Qwen-Image's RoPE over
     no text fails; its pipeline never makes one): the reference gives each at least one."""
-    reference_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    """Config values under which knapray's model computes what a bare call of
-    ``diffusers_class`` does (Wan: ``text_pad_to`` 0, no pipeline padding)."""
+    reference_overrides: Callable[[Mapping[str, Any]], Mapping[str, Any]] = lambda values: {}
+    """The checkpoint's model-section values -> config values under which knapray's model
+    computes what ``diffusers_call`` does (Wan T2V: ``text_pad_to`` 0, no pipeline padding;
+    Wan I2V keeps its 512: diffusers reads the image's rows before the text's last 512)."""
     layouts: tuple[str, ...] = ()
     """Checkpoint layouts it reads (the first is the one ``knapray export`` writes)."""
     layout: Callable[[Any, str, Mapping[str, tuple[int, ...]]], Layout] | None = None
@@ -213,7 +214,7 @@ def _wan() -> Family:
                                 vae=wan.VAE), video=True,
         sample_shift=wan.sample_shift, zero_init=False, sized_config=wan.sized_config, small_config=wan.small_config,
         diffusers_class=wan.DIFFUSERS_CLASS, diffusers_call=wan.diffusers_call,
-        reference_overrides={"text_pad_to": 0},
+        reference_overrides=wan.reference_overrides,
         layouts=("diffusers",), layout=wan_keys.wan_layout,
         section_from_diffusers=wan.section_from_diffusers, to_diffusers=lambda cfg: cfg.to_diffusers(),
         lora_presets=WAN_LORA,

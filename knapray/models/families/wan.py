@@ -60,7 +60,9 @@ gives ``head`` them). Balanced against single-process on 4 gloo ranks
 a near-cancellation over 512 padding rows), 3.1e-14 in float64; TI2V 1.1e-6 in fp32,
 2.0e-15 in float64.
 
-Not yet: Wan 2.1 FLF2V (``pos_embed_seq_len``), Wan 2.2 A14B's two experts.
+Not yet: Wan 2.1 FLF2V (``pos_embed_seq_len``); per-token times in ``knapray reference``
+(it compares a TI2V checkpoint by its call with one time per sequence: ``expand_timesteps``
+is the pipeline's flag, not in the transformer's config.json).
 """
 
 from __future__ import annotations
@@ -292,6 +294,14 @@ def condition_fields(cfg: WanConfig) -> tuple[str, ...]:
     """The sequence's time; its first frame's (``expand_timesteps``); its image context (``image_dim``)."""
     return (("timesteps",) + (("first_frame_timesteps",) if cfg.expand_timesteps else ())
             + (("image_context",) if cfg.image_dim else ()))
+
+
+def reference_overrides(values: dict[str, Any]) -> dict[str, Any]:
+    """What ``knapray reference`` changes in a checkpoint's model-section ``values``: T2V
+    compares the transformer's own call on the text as given (``text_pad_to`` 0); I2V keeps
+    the pipeline's 512 rows, without which diffusers' model cannot tell the image context
+    from the text (``diffusers_call`` pads the text to them)."""
+    return {} if values.get("image_dim") else {"text_pad_to": 0}
 
 
 def sample_shift(cfg: WanConfig) -> float:
