@@ -13,6 +13,13 @@ from typing import Any, ClassVar
 from knapray.limits import MAX_MODEL_DEPTH, MAX_MODEL_WIDTH
 
 
+PIPELINE_EXPAND_TIMESTEPS = "_pipeline_expand_timesteps"
+"""The config key under which a pipeline folder's model_index.json ``expand_timesteps`` (Wan
+2.2 TI2V-5B: a time per token, a fact of the pipeline, not of the transformer's config.json)
+reaches a family's ``section_from_diffusers`` beside config.json's values (a leading ``_``:
+never a config.json key; ``knapray.weights.source.open_pretrained`` puts it there)."""
+
+
 LORA_INITS = ("gaussian", "kaiming")
 LORA_BASE_DTYPES = ("compute", "fp8")
 

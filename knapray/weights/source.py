@@ -26,6 +26,8 @@ import struct
 from collections.abc import Mapping
 from typing import Any
 
+from knapray.models.config import PIPELINE_EXPAND_TIMESTEPS
+
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
 DIFFUSERS_INDEX = DIFFUSERS_WEIGHTS + ".index.json"
 COMFY_PREFIX = "model.diffusion_model."
@@ -245,15 +247,25 @@ def boundary_ratio(path: str) -> float | None:
     return float(value)
 
 
+def _pipeline_facts(path: str) -> dict[str, Any]:
+    """What a pipeline folder's model_index.json says about how its transformer is called:
+    ``expand_timesteps`` when it is there (under ``PIPELINE_EXPAND_TIMESTEPS``)."""
+    doc = _read_json(os.path.join(path, "model_index.json"), "the pipeline's index")
+    value = doc.get("expand_timesteps") if isinstance(doc, dict) else None
+    return {PIPELINE_EXPAND_TIMESTEPS: value} if isinstance(value, bool) else {}
+
+
 def open_pretrained(path: str) -> PretrainedSource:
     """Read a pretrained checkpoint's config and headers (see the module docstring)."""
     path = os.path.abspath(os.path.expanduser(path))
     if not os.path.exists(path):
         raise ValueError(f"{path}: no such file or directory")
+    pipeline: dict[str, Any] = {}
     if os.path.isdir(path) and os.path.exists(os.path.join(path, "model_index.json")):
         sub = os.path.join(path, "transformer")
         if not os.path.isdir(sub):
             raise ValueError(f"{path}: a diffusers pipeline without a transformer/ folder")
+        pipeline = _pipeline_facts(path)
         path = sub
     if os.path.isfile(path):
         if not path.endswith(".safetensors"):
@@ -267,7 +279,7 @@ def open_pretrained(path: str) -> PretrainedSource:
             config = _read_json(config_path, "the model config")
             if not isinstance(config, dict):
                 raise ValueError(f"{config_path}: not a JSON object")
-            return PretrainedSource(path, "diffusers", config, _diffusers_tensors(directory))
+            return PretrainedSource(path, "diffusers", {**config, **pipeline}, _diffusers_tensors(directory))
         files = sorted(os.path.join(directory, f) for f in os.listdir(directory) if f.endswith(".safetensors"))
         if len(files) != 1:
             what = "no .safetensors file" if not files else f"{len(files)} .safetensors files and no shard index"

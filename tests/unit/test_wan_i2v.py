@@ -250,3 +250,28 @@ def test_the_full_size_layouts_are_the_released_models(config, params, tensors):
     assert sum(math.prod(s) for s in ours.values()) == total
     model = ModelShape.of(cfg)
     assert (model.num_params, model.num_param_tensors) == (total, len(ours))
+
+
+def test_a_ti2v_pipeline_folder_says_its_transformer_takes_a_time_per_token(tmp_path):
+    """``expand_timesteps`` is in a pipeline's model_index.json, not in its transformer's
+    config.json: a pipeline folder gives it to the model section; a bare transformer folder
+    leaves the config's own value (the checkpoint does not say)."""
+    import json
+
+    from diffusers import WanTransformer3DModel
+
+    from knapray.weights.checks import section_values
+    from knapray.weights.source import open_pretrained
+
+    WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4,
+                          out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=1).save_pretrained(
+        tmp_path / "ti2v" / "transformer")
+    (tmp_path / "ti2v" / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline",
+                                                                    "expand_timesteps": True}))
+    assert section_values(open_pretrained(str(tmp_path / "ti2v")), "wan")["expand_timesteps"] is True
+    assert "expand_timesteps" not in section_values(open_pretrained(str(tmp_path / "ti2v" / "transformer")), "wan")
+    from knapray.driver.preflight import _arch_from_pretrained
+
+    data = {"model": {"family": "wan", "pretrained": str(tmp_path / "ti2v")}}
+    _arch_from_pretrained(data)  # what the launchers' config loading does with model.pretrained
+    assert data["model"]["expand_timesteps"] is True and data["model"]["in_channels"] == 4

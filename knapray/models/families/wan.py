@@ -78,7 +78,7 @@ import torch.nn.functional as F
 from knapray.attention import AttentionFn, cross_attention, varlen_attention
 from knapray.indexing import gather_rows, permute_rows
 from knapray.models.blocks import TokenStreams
-from knapray.models.config import DiTConfig
+from knapray.models.config import PIPELINE_EXPAND_TIMESTEPS, DiTConfig
 from knapray.models.families.flux import flux_rope
 from knapray.models.interface import FsdpUnits
 from knapray.models.layers import MLP, timestep_embedding
@@ -287,6 +287,9 @@ def section_from_diffusers(config: dict[str, Any], where: str) -> dict[str, Any]
         "rope_max_seq_len": values["rope_max_seq_len"],
         "out_channels": 0 if values["out_channels"] in (None, values["in_channels"]) else values["out_channels"],
         "image_dim": values["image_dim"] or 0,
+        # a pipeline folder's model_index.json says whether its transformer takes a time per
+        # token (TI2V-5B); a bare transformer folder does not say, and leaves the config's value
+        **({"expand_timesteps": config[PIPELINE_EXPAND_TIMESTEPS]} if PIPELINE_EXPAND_TIMESTEPS in config else {}),
     }
 
 
