@@ -161,6 +161,8 @@ def diffusers_reference(path: str, inputs: list[Inputs], cfg: Any = None) -> tup
         source = open_pretrained(path)
         cfg = reference_config(source, checkpoint_family(source, None))
     fam = get_family(cfg.family)
+    if os.path.isfile(os.path.join(path, "model_index.json")):  # a pipeline folder: its transformer
+        path = os.path.join(path, "transformer")
     ref = getattr(diffusers, fam.diffusers_class).from_pretrained(path, torch_dtype=torch.float32)
     total = sum(s.target.numel() for s in inputs)
     outs = []

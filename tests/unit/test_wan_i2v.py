@@ -275,3 +275,9 @@ def test_a_ti2v_pipeline_folder_says_its_transformer_takes_a_time_per_token(tmp_
     data = {"model": {"family": "wan", "pretrained": str(tmp_path / "ti2v")}}
     _arch_from_pretrained(data)  # what the launchers' config loading does with model.pretrained
     assert data["model"]["expand_timesteps"] is True and data["model"]["in_channels"] == 4
+    # knapray reference on the pipeline folder compares per-token times (every other sequence
+    # image-conditioned) with diffusers' transformer given them
+    from knapray.testing.reference import passed, run_reference
+
+    report = run_reference([str(tmp_path / "ti2v")], sequences=4)
+    assert passed(report), report
