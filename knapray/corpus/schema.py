@@ -71,14 +71,31 @@ BF16_TEXT = pa.large_binary()
 concatenation of many 4 MB rows must not overflow 2 GiB)."""
 
 
-def corpus_schema(text_dtype: str = "fp32") -> pa.Schema:
-    """The Arrow schema of a corpus whose text embeddings are stored as ``text_dtype``."""
+CONDITION_FIELDS = (pa.field("condition_channels", pa.int32()), pa.field("condition", FLOAT_LIST))
+"""Columns of a corpus that holds each clip's conditioning latent (image-to-video, Wan 2.1
+I2V): the channels it has, and its (condition_channels, T, H, W) values, T, H, W the
+latent's. Wan 2.1 I2V's are 20: a 4-channel mask of the given frames (1 on the first latent
+frame, 0 after) and the 16-channel VAE latent of the video [first frame, zeros], normalized
+as the latents are. schema.json's ``dims.condition_channels`` says the corpus has them."""
+IMAGE_CONTEXT_FIELDS = (pa.field("image_tokens", pa.int32()), pa.field("image_context", FLOAT_LIST))
+"""Columns of a corpus that holds each clip's conditioning image's encoder tokens (Wan 2.1
+I2V: CLIP ViT-H/14's penultimate hidden states, 257 of 1280): how many, and their
+(image_tokens, image_dim) values. schema.json's ``dims.image_dim`` says the corpus has them."""
+
+
+def corpus_schema(text_dtype: str = "fp32", *, condition: bool = False, image_context: bool = False) -> pa.Schema:
+    """The Arrow schema of a corpus whose text embeddings are stored as ``text_dtype``, with
+    the conditioning latent's columns (``condition``) and the image tokens' (``image_context``)
+    after the others when it holds them."""
     if text_dtype not in TEXT_DTYPES:
         raise ValueError(f"text dtype {text_dtype!r} is not one of {TEXT_DTYPES}")
-    if text_dtype == "fp32":
-        return CORPUS_SCHEMA
-    i = CORPUS_SCHEMA.get_field_index("text")
-    return CORPUS_SCHEMA.set(i, pa.field("text", BF16_TEXT))
+    schema = CORPUS_SCHEMA
+    if text_dtype != "fp32":
+        schema = schema.set(schema.get_field_index("text"), pa.field("text", BF16_TEXT))
+    for wanted, fields in ((condition, CONDITION_FIELDS), (image_context, IMAGE_CONTEXT_FIELDS)):
+        for field in fields if wanted else ():
+            schema = schema.append(field)
+    return schema
 
 
 def bf16_bits(values: np.ndarray) -> np.ndarray:
@@ -99,6 +116,10 @@ def bf16_to_fp32(bits: np.ndarray) -> np.ndarray:
 
 INT_COLUMNS = ("frames", "height", "width", "channels", "visual_tokens", "text_tokens", "seq_len")
 PAYLOAD_COLUMNS = ("latent", "text", "pooled")
+CONDITION_COLUMNS = ("condition", "image_context")
+"""Payload columns a corpus holds or not (image-to-video conditioning); a row that has one
+decodes it, a corpus whose schema.json records it (``condition_channels``, ``image_dim``)
+needs it in every row."""
 
 
 class CorruptSample(ValueError):
@@ -114,6 +135,8 @@ class CorruptSample(ValueError):
         "latent_size",
         "text_size",
         "pooled_size",
+        "condition_size",
+        "image_context_size",
         "non_finite",
         "too_long",  # over the run's memory budget (data.max_tokens_per_gpu x largest bag)
     )
@@ -165,19 +188,28 @@ def validate_row(
     payload: bool = True,
     text_dim: int | None = None,
     pooled_dim: int | None = None,
+    condition_channels: int | None = None,
+    image_dim: int | None = None,
 ) -> None:
     """Raise CorruptSample if ``row`` (a dict from pyarrow ``to_pylist`` or a Ray Data
     batch row) is inconsistent. ``payload=False`` checks only the length columns, as a
     lengths-only corpus has null payload columns. ``text_dim``/``pooled_dim`` (from
-    schema.json) are checked when given."""
-    _check_row(row, payload=payload, text_dim=text_dim, pooled_dim=pooled_dim)
+    schema.json) are checked when given. ``condition_channels``/``image_dim`` (schema.json's,
+    of a corpus that holds them): the row must hold its conditioning latent / image tokens of
+    that width; without them, a row that holds either is checked against its own counts."""
+    _check_row(row, payload=payload, text_dim=text_dim, pooled_dim=pooled_dim,
+               condition_channels=condition_channels, image_dim=image_dim)
 
 
 def _check_row(
-    row: Mapping[str, Any], *, payload: bool, text_dim: int | None, pooled_dim: int | None
+    row: Mapping[str, Any], *, payload: bool, text_dim: int | None, pooled_dim: int | None,
+    condition_channels: int | None = None, image_dim: int | None = None,
 ) -> tuple[dict[str, int], dict[str, np.ndarray]]:
     sid = row.get("sample_id", "<no sample_id>")
     needed = ("sample_id", "kind", *INT_COLUMNS) + (PAYLOAD_COLUMNS if payload else ())
+    if payload:
+        needed += (("condition_channels", "condition") if condition_channels else ()) + \
+                  (("image_tokens", "image_context") if image_dim else ())
     missing = [c for c in needed if c not in row]
     if missing:
         raise CorruptSample(sid, "missing_column", f"row lacks {missing}")
@@ -246,6 +278,7 @@ def _check_row(
             sid, "pooled_size", f"pooled has {pooled_size} values, expected "
             f"{'>= 1' if pooled_dim is None else pooled_dim}"
         )
+    _check_conditions(sid, row, n, arrays, condition_channels, image_dim)
     for name, arr in arrays.items():
         if not _all_finite(arr):
             bad_count = int(arr.size - np.isfinite(arr).sum())
@@ -253,14 +286,44 @@ def _check_row(
     return n, arrays
 
 
+def _check_conditions(sid: Any, row: Mapping[str, Any], n: dict[str, int], arrays: dict[str, np.ndarray],
+                      condition_channels: int | None, image_dim: int | None) -> None:
+    """Adds the row's conditioning latent and image tokens to ``arrays`` (those it holds, and
+    those the corpus records: a null one is missing), each checked against its count column."""
+    for name, count_name, width in (("condition", "condition_channels", condition_channels),
+                                    ("image_context", "image_tokens", image_dim)):
+        flat = _flat(row, name) if name in row else None
+        if flat is None:
+            if width:
+                raise CorruptSample(sid, "missing_payload", f"{name} is null in a corpus that records it")
+            continue
+        count = row.get(count_name)
+        count = -1 if count is None else int(count)
+        if name == "condition":
+            per_channel = n["frames"] * n["height"] * n["width"]
+            ok = count >= 1 and flat.size == count * per_channel and (not width or count == width)
+            want = (f"condition_channels {count} (corpus: {width or 'any'}) x frames x height x width "
+                    f"{n['frames']}x{n['height']}x{n['width']}")
+        else:
+            ok = count >= 1 and flat.size > 0 and flat.size % count == 0 and (not width or flat.size == count * width)
+            want = f"image_tokens {count} (>= 1) x image_dim {width or '?'}"
+        if not ok:
+            raise CorruptSample(sid, f"{name}_size", f"{name} has {flat.size} values, expected {want}")
+        arrays[name] = flat
+
+
 def decode_row(
-    row: Mapping[str, Any], *, text_dim: int | None = None, pooled_dim: int | None = None
+    row: Mapping[str, Any], *, text_dim: int | None = None, pooled_dim: int | None = None,
+    condition_channels: int | None = None, image_dim: int | None = None,
 ) -> dict[str, Any]:
     """Validate a row and return its arrays in model layout: ``latent`` (C, T, H, W),
     ``text`` (text_tokens, text_dim), ``pooled`` (pooled_dim,), all float32, plus the
     id, kind, source and int length columns. A row with zero text tokens decodes to a
-    (0, text_dim) text array, (0, 0) when ``text_dim`` is not given."""
-    n, arrays = _check_row(row, payload=True, text_dim=text_dim, pooled_dim=pooled_dim)
+    (0, text_dim) text array, (0, 0) when ``text_dim`` is not given. A row that holds its
+    conditioning (``validate_row``) also gives ``condition`` (condition_channels, T, H, W)
+    and ``image_context`` (image_tokens, image_dim)."""
+    n, arrays = _check_row(row, payload=True, text_dim=text_dim, pooled_dim=pooled_dim,
+                           condition_channels=condition_channels, image_dim=image_dim)
     if n["text_tokens"]:
         dim = arrays["text"].size // n["text_tokens"]
     else:
@@ -274,12 +337,16 @@ def decode_row(
         "text": arrays["text"].reshape(n["text_tokens"], dim),
         "pooled": arrays["pooled"],
     }
+    if "condition" in arrays:
+        out["condition"] = arrays["condition"].reshape(-1, n["frames"], n["height"], n["width"])
+    if "image_context" in arrays:
+        out["image_context"] = arrays["image_context"].reshape(int(row["image_tokens"]), -1)
     return out
 
 
-def column_types(text_dtype: str = "fp32") -> dict[str, str]:
+def column_types(text_dtype: str = "fp32", *, condition: bool = False, image_context: bool = False) -> dict[str, str]:
     """Column name -> Arrow type name, as written into schema.json."""
-    return {f.name: str(f.type) for f in corpus_schema(text_dtype)}
+    return {f.name: str(f.type) for f in corpus_schema(text_dtype, condition=condition, image_context=image_context)}
 
 
 # ---- schema.json, read as untrusted input --------------------------------------------------
@@ -331,6 +398,11 @@ def schema_doc_problem(doc: Mapping[str, Any]) -> str | None:
             return f"dims.{name} is {_short(dims.get(name))}, not an int >= 1"
     if not count(dims.get("pooled_dim"), 0):  # 0: no pooled vector (Wan)
         return f"dims.pooled_dim is {_short(dims.get('pooled_dim'))}, not an int >= 0"
+    for name in ("condition_channels", "image_dim", "image_tokens"):  # absent or 0: none held
+        if name in dims and not count(dims[name], 0):
+            return f"dims.{name} is {_short(dims[name])}, not an int >= 0"
+    if bool(dims.get("image_dim")) != bool(dims.get("image_tokens")):
+        return "dims.image_dim and dims.image_tokens are not both given (an image context has both)"
     family = doc.get("family")  # absent: made before it was recorded, fits any family
     if family is not None and family not in FAMILIES:
         return f"family is {_short(family)}, not one of {', '.join(FAMILIES)}"

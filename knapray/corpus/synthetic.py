@@ -60,11 +60,22 @@ class SyntheticConfig:
     text_dtype: str = "fp32"
     """How the text embeddings are stored: fp32, or bf16 (half the bytes; rounded as torch
     rounds, read back exactly)."""
+    condition_channels: int = 0
+    """Channels of a conditioning latent written beside each latent (the ``condition``
+    column: standard normal values, (condition_channels, T, H, W)), for image-to-video models
+    (Wan 2.1 I2V takes in_channels = channels + condition_channels); 0: none."""
+    image_dim: int = 0
+    """Width of conditioning image tokens written with each sample (the ``image_context``
+    column: ``image_tokens`` standard normal rows); 0: none."""
+    image_tokens: int = 257
+    """Conditioning image tokens per sample, with ``image_dim`` (Wan 2.1 I2V's CLIP: 257)."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "scale", "channels", "text_dim", "pooled_dim", "shards"):
+        for name in ("steps", "scale", "channels", "text_dim", "pooled_dim", "shards", "condition_channels",
+                     "image_dim", "image_tokens"):
             value = getattr(self, name)
-            low = 0 if name == "pooled_dim" else 1  # 0: no pooled vector, as a Wan corpus (umT5 only)
+            # 0: no pooled vector, as a Wan corpus (umT5 only); no conditioning
+            low = 0 if name in ("pooled_dim", "condition_channels", "image_dim") else 1
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         if self.max_text_tokens < 0:
@@ -86,15 +97,20 @@ class SyntheticConfig:
             )
         for name, high in (("steps", MAX_STEPS), ("channels", MAX_EMBED_DIM), ("text_dim", MAX_EMBED_DIM),
                            ("pooled_dim", MAX_EMBED_DIM), ("shards", MAX_SHARDS), ("max_text_tokens", MAX_TEXT_LENGTH),
-                           ("seed", MAX_SEED)):
+                           ("seed", MAX_SEED), ("condition_channels", MAX_EMBED_DIM), ("image_dim", MAX_EMBED_DIM),
+                           ("image_tokens", MAX_TEXT_LENGTH)):
             if getattr(self, name) > high:
                 raise ValueError(f"{name} must be at most {high}, got {getattr(self, name)!r}")
         samples = self.steps * sum(c.ranks * c.batch for c in codes)
         if samples > MAX_CORPUS_SAMPLES:
             raise ValueError(f"steps={self.steps} of mix {self.mix!r} make {samples} samples; at most "
                              f"{MAX_CORPUS_SAMPLES} (steps <= {max(1, MAX_CORPUS_SAMPLES * self.steps // samples)} here)")
+        if (self.condition_channels or self.image_dim) and not self.payload:
+            raise ValueError("condition_channels and image_dim write payload columns: a lengths-only corpus "
+                             "(payload false) has none")
         if self.payload:
-            values = max(self.channels * c.latent_frames * latent_side(c, self.scale) ** 2 for c in codes)
+            values = max(max(self.channels, self.condition_channels) * c.latent_frames * latent_side(c, self.scale) ** 2
+                         for c in codes)
             if values > MAX_SAMPLE_VALUES:
                 raise ValueError(f"a sample of {values} latent values (channels x frames x height x width); at most "
                                  f"{MAX_SAMPLE_VALUES} with payload (fewer --channels, a larger --scale, or "
@@ -211,6 +227,16 @@ class _PayloadMaker:
         text = 0.5 * rng.standard_normal((text_tokens, cfg.text_dim)) + 0.5 * (self.to_text @ params)
         return latent, text.astype(np.float32), pooled
 
+    def conditioning(self, sample_id: int, frames: int, height: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """The sample's conditioning latent (condition_channels, T, H, W) and image tokens
+        (image_tokens, image_dim), from a stream of their own (the latent, text and pooled
+        arrays are those of a corpus without them)."""
+        cfg = self.cfg
+        rng = np.random.default_rng(np.random.SeedSequence(cfg.seed, spawn_key=(3, sample_id)))
+        condition = rng.standard_normal((cfg.condition_channels, frames, height, width), dtype=np.float32)
+        return condition, rng.standard_normal((cfg.image_tokens if cfg.image_dim else 0, cfg.image_dim),
+                                              dtype=np.float32)
+
 
 def build_synthetic(cfg: SyntheticConfig, out_dir: str | Path, *, progress: bool = True) -> Path:
     """Write the corpus's shards and schema.json into ``out_dir``; returns schema.json."""
@@ -219,7 +245,8 @@ def build_synthetic(cfg: SyntheticConfig, out_dir: str | Path, *, progress: bool
     n = lengths.sample_id.size
     kinds = [kind_of(c) for c in codes]
     names = [c.code for c in codes]
-    writer = ShardWriter(out_dir, rows_per_shard=math.ceil(n / cfg.shards), text_dtype=cfg.text_dtype)
+    writer = ShardWriter(out_dir, rows_per_shard=math.ceil(n / cfg.shards), text_dtype=cfg.text_dtype,
+                         condition=bool(cfg.condition_channels), image_context=bool(cfg.image_dim))
     maker = _PayloadMaker(cfg) if cfg.payload else None
     latent_values = cfg.channels * lengths.frames * lengths.height * lengths.width
     bar = progress_bar(n, "synthetic corpus", "sample", disable=not progress)
@@ -253,7 +280,13 @@ def build_synthetic(cfg: SyntheticConfig, out_dir: str | Path, *, progress: bool
                     lengths.width[sl], lengths.text_tokens[sl],
                 )
             ]
-            table = build_table(columns, *zip(*rows))
+            conditions = [
+                maker.conditioning(int(i), int(t), int(h), int(w))
+                for i, t, h, w in zip(lengths.sample_id[sl], lengths.frames[sl], lengths.height[sl], lengths.width[sl])
+            ] if cfg.condition_channels or cfg.image_dim else []
+            table = build_table(columns, *zip(*rows),
+                                conditions=[c for c, _ in conditions] if cfg.condition_channels else None,
+                                image_contexts=[x for _, x in conditions] if cfg.image_dim else None)
         writer.add(table)
         bar.update(stop - start)
         start = stop
@@ -271,14 +304,26 @@ def build_synthetic(cfg: SyntheticConfig, out_dir: str | Path, *, progress: bool
             "text_dim": cfg.text_dim,
             "pooled_dim": cfg.pooled_dim,
             "vae_downsample": VAE_DOWNSAMPLE,
+            **({"condition_channels": cfg.condition_channels} if cfg.condition_channels else {}),
+            **({"image_dim": cfg.image_dim, "image_tokens": cfg.image_tokens} if cfg.image_dim else {}),
         },
         payload=cfg.payload,
         shards=shards,
         shard_rows=writer.shard_rows,
         counts=counts,
         text_dtype=cfg.text_dtype,
-        extra={"mix": cfg.mix_codes, "scale": cfg.scale, "config": asdict(cfg)},
+        extra={"mix": cfg.mix_codes, "scale": cfg.scale, "config": _recorded_config(cfg)},
     )
+
+
+def _recorded_config(cfg: SyntheticConfig) -> dict[str, Any]:
+    """The config as schema.json records it: without the conditioning fields when it writes no
+    conditioning (a corpus without them is as it was before they existed)."""
+    doc = asdict(cfg)
+    if not (cfg.condition_channels or cfg.image_dim):
+        for name in ("condition_channels", "image_dim", "image_tokens"):
+            del doc[name]
+    return doc
 
 
 DEMO = SyntheticConfig(mix="image+video", steps=2, scale=8, channels=4, text_dim=32, pooled_dim=32)

@@ -11,8 +11,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from knapray.corpus.schema import (BF16_TEXT, CORPUS_SCHEMA, FLOAT_LIST, FORMAT_VERSION, INT_COLUMNS, PATCH,
-                                   SCHEMA_FILE, bf16_bits, column_types, corpus_schema)
+from knapray.corpus.schema import (BF16_TEXT, CONDITION_FIELDS, CORPUS_SCHEMA, FLOAT_LIST, FORMAT_VERSION,
+                                   IMAGE_CONTEXT_FIELDS, INT_COLUMNS, PATCH, SCHEMA_FILE, bf16_bits, column_types,
+                                   corpus_schema)
 
 
 def shard_name(index: int) -> str:
@@ -49,8 +50,10 @@ def bf16_column(column: pa.Array | pa.ChunkedArray) -> pa.Array:
 
 
 def with_text_dtype(table: pa.Table, text_dtype: str) -> pa.Table:
-    """``table`` (in CORPUS_SCHEMA) in the schema of a corpus storing text as ``text_dtype``."""
-    schema = corpus_schema(text_dtype)
+    """``table`` (in CORPUS_SCHEMA, with the conditioning columns it holds) in the schema of a
+    corpus storing text as ``text_dtype``."""
+    names = table.column_names
+    schema = corpus_schema(text_dtype, condition="condition" in names, image_context="image_context" in names)
     if text_dtype == "fp32":
         return table.cast(schema) if not table.schema.equals(schema) else table
     i = table.schema.get_field_index("text")
@@ -62,10 +65,15 @@ def build_table(
     latents: Sequence[np.ndarray] | None = None,
     texts: Sequence[np.ndarray] | None = None,
     pooleds: Sequence[np.ndarray] | None = None,
+    *,
+    conditions: Sequence[np.ndarray] | None = None,
+    image_contexts: Sequence[np.ndarray] | None = None,
 ) -> pa.Table:
     """One table in CORPUS_SCHEMA. ``columns`` holds sample_id, kind, source and the int
     length columns (sequences of equal length); payloads are per-row arrays, or None
-    for a lengths-only table. (``ShardWriter`` stores the text in the corpus's dtype.)"""
+    for a lengths-only table. (``ShardWriter`` stores the text in the corpus's dtype.)
+    ``conditions`` ((C_cond, T, H, W) each) and ``image_contexts`` ((L, image_dim) each)
+    append the conditioning columns (``corpus_schema``'s), their counts taken from the shapes."""
     n = len(columns["sample_id"])
     arrays = [
         pa.array(np.asarray(columns["sample_id"], dtype=np.int64)),
@@ -76,13 +84,19 @@ def build_table(
         _float_lists(texts, n),
         _float_lists(pooleds, n),
     ]
-    return pa.Table.from_arrays(arrays, schema=CORPUS_SCHEMA)
+    table = pa.Table.from_arrays(arrays, schema=CORPUS_SCHEMA)
+    for values, (count, column) in ((conditions, CONDITION_FIELDS), (image_contexts, IMAGE_CONTEXT_FIELDS)):
+        if values is not None:
+            counts = np.array([np.shape(v)[0] for v in values], dtype=np.int32)
+            table = table.append_column(count, pa.array(counts)).append_column(column, _float_lists(values, n))
+    return table
 
 
 class ShardWriter:
     """Streams tables into consecutive shards of at most ``rows_per_shard`` rows."""
 
-    def __init__(self, out_dir: str | Path, rows_per_shard: int, *, text_dtype: str = "fp32") -> None:
+    def __init__(self, out_dir: str | Path, rows_per_shard: int, *, text_dtype: str = "fp32",
+                 condition: bool = False, image_context: bool = False) -> None:
         if rows_per_shard < 1:
             raise ValueError(f"rows_per_shard must be >= 1, got {rows_per_shard}")
         self.out_dir = Path(out_dir)
@@ -95,7 +109,7 @@ class ShardWriter:
             )
         self.rows_per_shard = rows_per_shard
         self.text_dtype = text_dtype
-        self.schema = corpus_schema(text_dtype)
+        self.schema = corpus_schema(text_dtype, condition=condition, image_context=image_context)
         self.paths: list[Path] = []
         self.shard_rows: list[int] = []
         """Rows written to each shard (recorded in schema.json: a reader that cannot read a
@@ -175,7 +189,8 @@ def write_schema_json(
     doc = {
         "format_version": FORMAT_VERSION,
         "builder": builder,
-        "columns": column_types(text_dtype),
+        "columns": column_types(text_dtype, condition=bool(dims.get("condition_channels")),
+                                image_context=bool(dims.get("image_dim"))),
         "text_dtype": text_dtype,
         "dims": {**dims, "patch": list(PATCH)},
         "payload": payload,

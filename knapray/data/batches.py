@@ -47,6 +47,32 @@ def _as_tensor(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array)
 
 
+def _model_input(sample: Mapping[str, Any], latent: np.ndarray, cfg: DiTConfig, sid: Any) -> torch.Tensor:
+    """The sample's model input (C_in, T, H, W): its latent, then, for a model that takes more
+    channels than the latent has (Wan 2.1 I2V), its conditioning latent's. Patchify puts a
+    token's channels outermost in its features, so the input's tokens are the latent's features
+    then the condition's (what ``build_packed_batch`` noises: the first ``out_patch_dim``)."""
+    tensor = _as_tensor(latent)
+    if latent.ndim == 4 and latent.shape[0] < cfg.in_channels:
+        condition = sample.get("condition")
+        if condition is None:
+            raise ValueError(f"sample {sid}: the model takes {cfg.in_channels} channels, the latent has "
+                             f"{latent.shape[0]} and the sample no conditioning latent (a corpus without condition)")
+        if condition.ndim != 4 or condition.shape[1:] != latent.shape[1:]:
+            raise ValueError(f"sample {sid}: condition shape {tuple(condition.shape)} is not (C, T, H, W) with "
+                             f"the latent's (T, H, W)={tuple(latent.shape[1:])}")
+        tensor = torch.cat((tensor, _as_tensor(condition)))  # (C + C_cond, T, H, W)
+    out_channels = cfg.out_patch_dim // math.prod(cfg.patch_size)
+    if tensor.ndim != 4 or tensor.shape[0] != cfg.in_channels or latent.shape[0] != out_channels:
+        extra = tensor.shape[0] - latent.shape[0] if tensor.ndim == 4 else 0
+        with_condition = f" and condition channels {extra}" if extra else ""
+        raise ValueError(
+            f"sample {sid}: latent shape {tuple(latent.shape)}{with_condition} does not match the model's "
+            f"(in_channels={cfg.in_channels}, T, H, W) with {out_channels} output channels"
+        )
+    return tensor
+
+
 def build_packed_batch(
     samples: Sequence[Mapping[str, Any]],
     cfg: DiTConfig,
@@ -71,18 +97,22 @@ def build_packed_batch(
     generator, after its noise) are trained image-to-video on their own first frame: that
     latent frame stays clean (x_t = x0), its time is 0 and the loss leaves it out
     (``loss_tokens``); a single-frame sample is always generated whole.
+
+    A model that takes more channels than the latent has (Wan 2.1 I2V: in_channels = the
+    latent's + the conditioning latent's, ``out_patch_dim`` the latent's) gets each token's
+    noised latent features then its sample's ``condition`` features, as it were the patchified
+    channel concatenation; only the latent is noised (the same draws as a text-to-video model's
+    of the same latent) and ``targets`` cover it alone. A model with ``image_dim`` gets each
+    sample's ``image_context`` (a dry rank's empty batch: (0, image_tokens, image_dim)).
     """
+    image_dim = getattr(cfg, "image_dim", 0)  # a model that cross-attends to image tokens (Wan 2.1 I2V)
     packed_input, gens = [], []
     for sample in samples:
         latent = sample["latent"]
         sid = sample.get("sample_id")
         if sid is None:
             raise ValueError("build_packed_batch needs each sample's sample_id (its noise is drawn from it)")
-        if latent.ndim != 4 or latent.shape[0] != cfg.in_channels:
-            raise ValueError(
-                f"sample {sid}: latent shape {tuple(latent.shape)} does not match the model's "
-                f"(in_channels={cfg.in_channels}, T, H, W)"
-            )
+        latent = _model_input(sample, latent, cfg, sid)
         if any(size % p for size, p in zip(latent.shape[1:], cfg.patch_size)):
             raise ValueError(
                 f"sample {sid}: latent (T, H, W)={tuple(latent.shape[1:])} is not divisible by "
@@ -93,19 +123,32 @@ def build_packed_batch(
         image_tokens = math.prod(size // p for size, p in zip(latent.shape[1:], cfg.patch_size))
         packed_input.append(
             {
-                "latent": _as_tensor(latent),
+                "latent": latent,
                 "text": _as_tensor(sample["text"]),
                 "pooled": _as_tensor(sample["pooled"]),
                 "timestep": float(timesteps.sample(1, generator=gen, image_tokens=image_tokens)[0]),
             }
         )
+        if image_dim:
+            if sample.get("image_context") is None:
+                raise ValueError(f"sample {sid}: the model cross-attends to image tokens (image_dim {image_dim}); "
+                                 "the sample has none (a corpus without image_context)")
+            packed_input[-1]["image_context"] = _as_tensor(sample["image_context"])
     clean = pack_samples(packed_input, cfg)
+    if image_dim and clean.image_context is None:  # a dry rank's empty batch: (0, L, image_dim)
+        clean = dataclasses.replace(clean, image_context=torch.zeros(0, cfg.image_tokens, image_dim))
     if guidance is not None:  # also for an empty batch: the model's condition takes (0,)
         clean = dataclasses.replace(clean, guidance=torch.full((clean.num_sequences,), float(guidance)))
     # (Ni_s, P) per sample, in packing order: the sample's image tokens follow each other
     counts = torch.bincount(clean.image_seq_index, minlength=len(gens)).tolist()
-    noise = [torch.randn((n, clean.x_img.shape[1]), generator=g, dtype=clean.x_img.dtype) for n, g in zip(counts, gens)]
-    batch = add_noise(clean, torch.cat(noise) if noise else torch.zeros_like(clean.x_img))
+    width = cfg.out_patch_dim  # the latent's features: a conditioned input's first ones (channels outermost)
+    noise = [torch.randn((n, width), generator=g, dtype=clean.x_img.dtype) for n, g in zip(counts, gens)]
+    noise = torch.cat(noise) if noise else clean.x_img.new_zeros(0, width)
+    if width == clean.x_img.shape[1]:
+        batch = add_noise(clean, noise)
+    else:  # the condition's features stay as they are, after the noised latent's
+        noised = add_noise(dataclasses.replace(clean, x_img=clean.x_img[:, :width]), noise)
+        batch = dataclasses.replace(noised, x_img=torch.cat((noised.x_img, clean.x_img[:, width:]), dim=1))
     if not getattr(cfg, "expand_timesteps", False):
         if first_frame_share:
             raise ValueError(f"first_frame_share={first_frame_share}: the model has one time per sequence "

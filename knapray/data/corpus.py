@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,13 @@ class CorpusInfo:
     text_pad_to: int | None = None
     """Text rows the corpus's text is meant to be padded to with zeros by the model
     (schema.json ``text_pad_to``: Wan's 512); None where it records none."""
+    condition_channels: int = 0
+    """Channels of each row's conditioning latent (schema.json ``dims.condition_channels``:
+    Wan 2.1 I2V's 20, a mask and the first frame's latent); 0: the corpus holds none."""
+    image_dim: int = 0
+    """Width of each row's conditioning image tokens (``dims.image_dim``: CLIP's 1280); 0: none."""
+    image_tokens: int = 0
+    """Conditioning image tokens per row (``dims.image_tokens``: 257); 0 without ``image_dim``."""
 
 
 def corpus_info(path: str | Path, doc: Mapping[str, Any] | None = None) -> CorpusInfo:
@@ -68,6 +76,9 @@ def corpus_info(path: str | Path, doc: Mapping[str, Any] | None = None) -> Corpu
         text_dtype=str(doc.get("text_dtype", "fp32")),
         family=doc.get("family"),
         text_pad_to=doc.get("text_pad_to"),
+        condition_channels=int(dims.get("condition_channels", 0)),
+        image_dim=int(dims.get("image_dim", 0)),
+        image_tokens=int(dims.get("image_tokens", 0)),
     )
 
 
@@ -92,7 +103,12 @@ def check_model_config(info: CorpusInfo, cfg: DiTConfig) -> None:
             "latents to train on; rebuild it without --no-payload"
         )
     problems = []
-    if info.channels != cfg.in_channels:
+    image_dim = getattr(cfg, "image_dim", 0)  # a family with an image context (Wan 2.1 I2V) or not
+    if image_dim or (info.condition_channels and cfg.in_channels != info.channels):
+        conditioned = _conditioning_problem(info, cfg, image_dim)
+        if conditioned:
+            problems.append(conditioned)
+    elif info.channels != cfg.in_channels:
         problems.append(
             f"latent channels: corpus channels={info.channels}, model in_channels={cfg.in_channels}"
         )
@@ -113,3 +129,23 @@ def check_model_config(info: CorpusInfo, cfg: DiTConfig) -> None:
         )
     if problems:
         raise ValueError(f"corpus {info.path} does not match the model config: " + "; ".join(problems))
+
+
+def _conditioning_problem(info: CorpusInfo, cfg: DiTConfig, image_dim: int) -> str | None:
+    """What keeps a model whose input is more than the latent (image-to-video: the latent's
+    channels, then the conditioning latent's) or that cross-attends to image tokens from
+    training on the corpus, in one line; None when it fits. A model that takes the latent
+    alone trains on a conditioned corpus as on any other (its conditioning unread), and one
+    without an image context leaves the corpus's image tokens unread."""
+    out_channels = cfg.out_patch_dim // math.prod(cfg.patch_size)
+    fits = (cfg.in_channels == info.channels + info.condition_channels and out_channels == info.channels
+            and (not image_dim or (image_dim, getattr(cfg, "image_tokens", 0)) == (info.image_dim, info.image_tokens)))
+    if fits:
+        return None
+    corpus = (f"corpus latent channels {info.channels} + condition channels {info.condition_channels} = "
+              f"{info.channels + info.condition_channels}, image_dim {info.image_dim}"
+              + (f" ({info.image_tokens} tokens)" if info.image_dim else ""))
+    model = (f"model in_channels {cfg.in_channels}, out {out_channels}, image_dim {image_dim}"
+             + (f" ({getattr(cfg, 'image_tokens', 0)} tokens)" if image_dim else ""))
+    return (f"image-to-video conditioning: {corpus}; {model} (a conditioned model takes the latent's and the "
+            "condition's channels, outputs the latent's and cross-attends to the corpus's image tokens)")

@@ -212,7 +212,8 @@ def check_shards(path: str | Path, info: CorpusInfo | None = None) -> tuple[list
     from knapray.corpus.schema import corpus_schema
 
     info = corpus_info(path) if info is None else info
-    wanted = corpus_schema(info.text_dtype)  # the text column's type is schema.json's text_dtype
+    # the text column's type is schema.json's text_dtype; the conditioning columns those its dims record
+    wanted = corpus_schema(info.text_dtype, condition=bool(info.condition_channels), image_context=bool(info.image_dim))
     good, bad = [], []
     for i, file in enumerate(checked_shards(path, info)):
         expected = info.shard_rows[i] if info.shard_rows is not None else None

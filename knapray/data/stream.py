@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 from knapray.corpus import CorruptSample, decode_row
-from knapray.corpus.schema import INT_COLUMNS, PAYLOAD_COLUMNS
+from knapray.corpus.schema import CONDITION_COLUMNS, INT_COLUMNS, PAYLOAD_COLUMNS
 
 from .corpus import CorpusInfo
 
@@ -143,7 +143,7 @@ def arrow_rows(batch: pa.RecordBatch) -> Iterator[Row]:
     columns: dict[str, Any] = {}
     for name in names:
         column = batch.column(name)
-        if name in PAYLOAD_COLUMNS:
+        if name in PAYLOAD_COLUMNS or name in CONDITION_COLUMNS:
             columns[name] = _payload_views(column)
         elif name in INT_COLUMNS or name == "sample_id":
             columns[name] = column.to_numpy(zero_copy_only=column.null_count == 0).tolist()
@@ -201,6 +201,8 @@ class StepStream:
         samples_per_step: int,
         text_dim: int | None = None,
         pooled_dim: int | None = None,
+        condition_channels: int | None = None,
+        image_dim: int | None = None,
         on_corrupt: OnCorrupt | None = None,
         skip_sample_ids: Collection[int] | np.ndarray = (),
         max_seq_len: int | None = None,
@@ -215,6 +217,8 @@ class StepStream:
         self.samples_per_step = samples_per_step
         self.text_dim = text_dim
         self.pooled_dim = pooled_dim
+        self.condition_channels = condition_channels
+        self.image_dim = image_dim
         self.on_corrupt: OnCorrupt = on_corrupt or _log_corrupt
         # Sorted int64: 10 million ids take 80 MB here, a Python set of them ten times that.
         self.skip_sample_ids = np.unique(np.fromiter((int(i) for i in skip_sample_ids), dtype=np.int64)
@@ -227,8 +231,9 @@ class StepStream:
 
     @classmethod
     def for_corpus(cls, source: Iterable[Any], info: CorpusInfo, **kwargs: Any) -> StepStream:
-        """A stream that decodes with the corpus's text and pooled widths."""
-        return cls(source, text_dim=info.text_dim, pooled_dim=info.pooled_dim, **kwargs)
+        """A stream that decodes with the corpus's text, pooled and conditioning widths."""
+        return cls(source, text_dim=info.text_dim, pooled_dim=info.pooled_dim,
+                   condition_channels=info.condition_channels, image_dim=info.image_dim, **kwargs)
 
     def peek_next(self) -> StepMeta:
         """The next step's lengths and ids, before it is taken."""
@@ -284,7 +289,8 @@ class StepStream:
             self.stats.skipped += 1
             return None
         try:
-            sample = decode_row(row, text_dim=self.text_dim, pooled_dim=self.pooled_dim)
+            sample = decode_row(row, text_dim=self.text_dim, pooled_dim=self.pooled_dim,
+                                condition_channels=self.condition_channels, image_dim=self.image_dim)
             if self.caption_dropout is not None and self.caption_dropout.drops(int(sample["sample_id"])):
                 sample = self.caption_dropout.apply(sample)
                 self.stats.captions_dropped += 1

@@ -81,7 +81,8 @@ def read_corpus_dims(corpus: str) -> Mapping[str, Any] | None:
 
 def _dims_from_corpus(data: dict, corpus_dims: Callable[[str], Mapping[str, Any] | None]) -> None:
     """Fill ``model.in_channels`` / ``text_dim`` / ``pooled_dim`` the config leaves out from
-    the corpus's schema.json, when the corpus is there (pre-flight checks the model
+    the corpus's schema.json (in_channels: the latent's channels, and the conditioning
+    latent's for a model with ``image_dim``), when the corpus is there (pre-flight checks the model
     against the corpus either way, so a pinned width that differs is one error line)."""
     data_section = data.get("data") if isinstance(data.get("data"), dict) else {}
     corpus = data_section.get("corpus", DataSection().corpus)
@@ -91,9 +92,16 @@ def _dims_from_corpus(data: dict, corpus_dims: Callable[[str], Mapping[str, Any]
     dims = corpus_dims(corpus)
     if dims is None:
         return  # no corpus (yet): the model keeps its defaults, and the launcher names the path
+    take_channels = "in_channels" not in model
     for field_name, dim in CORPUS_DIMS.items():
         if field_name not in model and isinstance(dims.get(dim), int):
             model[field_name] = dims[dim]
+    # A model with an image context (Wan 2.1 I2V) takes the conditioning latent's channels after the latent's.
+    extra = dims.get("condition_channels")
+    image_dim = model.get("image_dim")
+    if take_channels and isinstance(image_dim, int) and image_dim > 0 and isinstance(extra, int) \
+            and isinstance(model.get("in_channels"), int):
+        model["in_channels"] += extra
 
 
 def _arch_from_pretrained(data: dict) -> None:
@@ -202,13 +210,21 @@ class Preflight:
             f"{m.depth_double}+{m.depth_single} blocks, in_channels {m.in_channels}, text_dim {m.text_dim}, "
             f"pooled_dim {m.pooled_dim}",
             f"corpus {info.path}: {info.num_samples} samples, {shards}; channels {info.channels}, text_dim "
-            f"{info.text_dim}, pooled_dim {info.pooled_dim}, patch {tuple(info.patch)}: the model fits it",
+            f"{info.text_dim}, pooled_dim {info.pooled_dim}, patch {tuple(info.patch)}{_conditioning_text(info)}: "
+            "the model fits it",
             f"world sizes: {_worlds_text(self.worlds, cfg)}: the global batch, topology "
             f"{cfg.balance.topology!r} and heads fit each",
             f"steps: {steps_line(cfg, info.num_samples)}",
             f"run directory: {_would(start.message)}",
         ] + ([f"run directory: {start.torn_metrics.replace('dropped', 'would drop', 1)}"] if start.torn_metrics else []) \
           + ([f"note: {cap}"] if (cap := run_length_note(cfg, info.num_samples)) else [])
+
+
+def _conditioning_text(info: CorpusInfo) -> str:
+    """The corpus's image-to-video conditioning, for the summary ("" when it holds none)."""
+    parts = ([f"condition channels {info.condition_channels}"] if info.condition_channels else []) + \
+            ([f"image tokens {info.image_tokens} x {info.image_dim}"] if info.image_dim else [])
+    return "".join(f", {p}" for p in parts)
 
 
 _WOULD = {"starting": "would start", "resuming": "would resume"}
