@@ -156,3 +156,24 @@ def test_a_sample_without_the_conditioning_the_model_needs_is_named(corpus: Path
         build_packed_batch([{k: v for k, v in sample.items() if k != "condition"}], i2v_config(), seed=0)
     with pytest.raises(ValueError, match="image tokens"):
         build_packed_batch([{k: v for k, v in sample.items() if k != "image_context"}], i2v_config(), seed=0)
+
+
+def test_schema_json_conditioning_dims_are_checked_and_shards_must_hold_their_columns(corpus: Path,
+                                                                                     tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    from knapray.corpus.schema import schema_doc_problem
+    from knapray.data import check_shards
+
+    doc = json.loads((corpus / "schema.json").read_text())
+    assert schema_doc_problem(doc) is None
+    for dims, needle in (({"image_tokens": None}, "dims.image_tokens is null"),
+                         ({"condition_channels": "4"}, "dims.condition_channels is a str"),
+                         ({"image_dim": 0}, "not both given")):
+        assert needle in schema_doc_problem({**doc, "dims": {**doc["dims"], **dims}})
+    # a shard without the condition columns that schema.json records is left out, named
+    for shard in sorted(corpus.glob("part-*.parquet")):
+        pq.write_table(pq.read_table(shard).drop_columns(["condition_channels", "condition"]), tmp_path / shard.name)
+    (tmp_path / "schema.json").write_text(json.dumps(doc))
+    good, bad = check_shards(tmp_path)
+    assert not good and all("condition" in b.reason for b in bad)
