@@ -12,7 +12,9 @@ embedded guidance input; each request's timesteps shifted by its own shift (the 
 ``sample_shift``: FLUX.1-dev and Qwen-Image from its image tokens; Wan 5.0), and as the
 family's pipeline schedules and guides (Qwen-Image: the schedule stretched to end at 0.02,
 the guided prediction rescaled to the conditional one's norm). A run of two experts
-(``flow.expert_boundary``, Wan 2.2 A14B) switches between them step by step (``Experts``)."""
+(``flow.expert_boundary``, Wan 2.2 A14B) switches between them step by step (``Experts``). A
+model with a time per token (``expand_timesteps``, Wan 2.2 TI2V) samples image to video: a
+request's first latent frame is a conditioning image's clean latent, at time 0, never stepped."""
 
 from __future__ import annotations
 
@@ -161,6 +163,10 @@ class DenoiseJob:
     """The LoRA adapter it runs with, of those a served model holds (None: the model's own)."""
     cfg_renorm: bool = False
     """Its guided prediction rescaled to the conditional one's norm per token (``guided``)."""
+    first_frame: np.ndarray | None = None
+    """(C, 1, H, W): the clean latent of the first latent frame (a conditioning image's, for a
+    model with a time per token: ``expand_timesteps``), kept as it is at every step and given
+    time 0, as ``WanImageToVideoPipeline`` keeps its condition; None: every frame denoised."""
 
     @property
     def steps(self) -> int:
@@ -177,15 +183,20 @@ class DenoiseJob:
 
 
 def denoise_job(cfg, noise: np.ndarray, cond: tuple[np.ndarray, np.ndarray], *, steps: int, guidance: float,
-                shift: float | None, unconditional: tuple[np.ndarray, np.ndarray] | None) -> DenoiseJob:
+                shift: float | None, unconditional: tuple[np.ndarray, np.ndarray] | None,
+                first_frame: np.ndarray | None = None) -> DenoiseJob:
     """The ``DenoiseJob`` of one request, resolved as ``sample_latents`` resolves it: the
     family's shift (None) or ``shift``, classifier-free guidance at ``guidance`` against
     ``unconditional`` (default: no text tokens, zero pooled) unless the model embeds
-    guidance, then ``guidance`` is its input."""
+    guidance, then ``guidance`` is its input. ``first_frame``: the clean first latent frame
+    (``check_first_frame``)."""
     from knapray.models.families import get_family
 
     embedded = bool(getattr(cfg, "guidance_embeds", False))
     c, t, h, w = noise.shape
+    if first_frame is not None:
+        check_first_frame(cfg, noise.shape, first_frame)
+        first_frame = np.ascontiguousarray(first_frame, dtype=np.float32)
     pt, ph, pw = cfg.patch_size
     (s,) = config_shifts(cfg, [(t, h, w)], shift, steps)
     scale = 1.0 if embedded else float(guidance)
@@ -198,7 +209,19 @@ def denoise_job(cfg, noise: np.ndarray, cond: tuple[np.ndarray, np.ndarray], *, 
                       pooled=np.asarray(pooled, np.float32), times=tuple(family_timesteps(cfg, steps, s)),
                       image_tokens=(t // pt) * (h // ph) * (w // pw), cfg_scale=scale, unconditional=uncond,
                       guidance_input=float(guidance) if embedded else None,
-                      cfg_renorm=get_family(cfg.family).cfg_renorm and scale != 1.0)
+                      cfg_renorm=get_family(cfg.family).cfg_renorm and scale != 1.0, first_frame=first_frame)
+
+
+def check_first_frame(cfg, shape: tuple[int, ...], first_frame: np.ndarray) -> None:
+    """ValueError unless ``first_frame`` can be the clean first latent frame of a latent of
+    ``shape`` (C, T, H, W): a model with a time per token (``expand_timesteps``; its temporal
+    patch is 1, so the first latent frame is the first frame of tokens), (C, 1, H, W), T >= 2."""
+    if not getattr(cfg, "expand_timesteps", False):
+        raise ValueError("a clean first frame needs a model with a time per token (model.expand_timesteps)")
+    c, t, h, w = shape
+    if tuple(first_frame.shape) != (c, 1, h, w) or t < 2:
+        raise ValueError(f"a first frame must be (C, 1, H, W) = {(c, 1, h, w)} of a latent of 2 frames or more; got "
+                         f"{tuple(first_frame.shape)} for a latent of {t} frame(s)")
 
 
 def job_noise(cfg, shapes: list[tuple[int, int, int]], seeds: list[int] | int) -> list[np.ndarray]:
@@ -216,7 +239,8 @@ def job_noise(cfg, shapes: list[tuple[int, int, int]], seeds: list[int] | int) -
 
 def sample_latents(model, conds: list[tuple[np.ndarray, np.ndarray]], shapes: list[tuple[int, int, int]],
                    *, steps: int, seed: int, guidance: float = 1.0, shift: float | None = 1.0,
-                   unconditional: tuple[np.ndarray, np.ndarray] | None = None) -> list[np.ndarray]:
+                   unconditional: tuple[np.ndarray, np.ndarray] | None = None,
+                   first_frames: list[np.ndarray | None] | None = None) -> list[np.ndarray]:
     """Euler-integrate the learned velocity of ``model`` (any family's, or a run's ``Experts``)
     from noise to data for every request at once.
 
@@ -224,16 +248,19 @@ def sample_latents(model, conds: list[tuple[np.ndarray, np.ndarray]], shapes: li
     (T, H, W) per request; ``shift``: None for the family's own (``request_shifts``);
     ``guidance``: the guidance input of a model that embeds it, else the classifier-free
     guidance scale against ``unconditional`` (default: 0 text tokens, zero pooled).
-    Returns latents (C, T, H, W)."""
+    ``first_frames``: per request, None or the clean first latent frame (C, 1, H, W) that
+    replaces its noise's and stays at time 0 every step (a model with ``expand_timesteps``:
+    image to video); the noise is drawn for every frame all the same. Returns latents
+    (C, T, H, W)."""
     import torch
 
     with torch.no_grad():
         return _integrate(model, conds, shapes, steps=steps, seed=seed, guidance=guidance, shift=shift,
-                          unconditional=unconditional)
+                          unconditional=unconditional, first_frames=first_frames or [None] * len(conds))
 
 
 def _integrate(model, conds, shapes, *, steps: int, seed: int, guidance: float, shift: float | None,
-               unconditional) -> list[np.ndarray]:
+               unconditional, first_frames) -> list[np.ndarray]:
     import torch
 
     from knapray.models import pack_samples
@@ -244,29 +271,41 @@ def _integrate(model, conds, shapes, *, steps: int, seed: int, guidance: float, 
     device = next(experts.models[0].parameters()).device
     gen = torch.Generator().manual_seed(seed)
     embedded = embeds_guidance(model)
+    per_token = bool(getattr(cfg, "expand_timesteps", False))
     items = []
-    for (text, pooled), (t, h, w) in zip(conds, shapes):
-        items.append({"latent": torch.randn(cfg.in_channels, t, h, w, generator=gen),
-                      "text": torch.as_tensor(text, dtype=torch.float32),
+    for (text, pooled), (t, h, w), first in zip(conds, shapes, first_frames, strict=True):
+        latent = torch.randn(cfg.in_channels, t, h, w, generator=gen)
+        if first is not None:
+            check_first_frame(cfg, tuple(latent.shape), first)
+            latent[:, :1] = torch.as_tensor(first, dtype=torch.float32)
+        items.append({"latent": latent, "text": torch.as_tensor(text, dtype=torch.float32),
                       "pooled": torch.as_tensor(pooled, dtype=torch.float32), "timestep": 1.0,
-                      **({"guidance": guidance} if embedded else {})})
+                      **({"guidance": guidance} if embedded else {}),
+                      **({"first_frame_timestep": 1.0} if per_token else {})})
     shifts = request_shifts(model, list(shapes), shift, steps)
     cfg_scale = 1.0 if embedded else guidance
+    conditioned = [first is not None for first in first_frames]
     if cfg_scale != 1.0:  # the same requests, unconditioned, for classifier-free guidance
         text_u, pooled_u = unconditional if unconditional is not None else (
             np.zeros((0, cfg.text_dim), np.float32), np.zeros(cfg.pooled_dim, np.float32))
         items += [dict(it, text=torch.as_tensor(text_u), pooled=torch.as_tensor(pooled_u)) for it in items]
         shifts += shifts
+        conditioned += conditioned
     batch = pack_samples(items, cfg).to(device)
     n = len(conds)
     image_rows = batch.image_seq_index  # (Ni,) request of each image token
     x = batch.x_img.clone()
     table = np.array([family_timesteps(cfg, steps, s) for s in shifts], dtype=np.float64)  # (S, steps+1)
     times = torch.tensor(table, dtype=torch.float64, device=device)
+    # A conditioned request's first frame: time 0 and no step (its tokens are frame 0's: pos[:, 0] == 0)
+    first_times = times * torch.tensor([not c for c in conditioned], dtype=torch.float64, device=device)[:, None]
+    held = torch.tensor(conditioned, dtype=torch.bool, device=device)[image_rows] & (
+        batch.pos[~batch.is_text][:, 0] == 0)  # (Ni,)
     which = experts.expert_at(table[:, :-1])  # (S, steps): each request's expert at each step
     renorm = get_family(cfg.family).cfg_renorm
     for i in range(steps):
-        step = replace(batch, x_img=x, timesteps=times[:, i].float())
+        step = replace(batch, x_img=x, timesteps=times[:, i].float(),
+                       **({"first_frame_timesteps": first_times[:, i].float()} if per_token else {}))
         used = np.unique(which[:, i])
         if used.size == 1:
             v = experts.models[int(used[0])](step)  # (Ni, patch_dim)
@@ -278,7 +317,7 @@ def _integrate(model, conds, shapes, *, steps: int, seed: int, guidance: float, 
             v_g = guided(v[cond], v[~cond], cfg_scale, renorm)
             v = torch.cat((v_g, v_g))  # both halves move together
         dt = (times[:, i] - times[:, i + 1])[image_rows, None].to(x.dtype)  # (Ni, 1): each token its request's step
-        x = x - dt * v
+        x = x - dt.masked_fill(held[:, None], 0.0) * v
     return _unpack(x[image_rows < n].cpu(), batch, n, cfg)
 
 

@@ -9,6 +9,8 @@ its jobs' denoising loops, with no other bag in step:
   over its halves: conditional passes on one, unconditional on the other), one all-to-all
   brings the velocities home;
 - a job leaves the loop after its own steps; the plan of the remaining ones is rebuilt;
+- a job with a clean first frame (``DenoiseJob.first_frame``: image to video, Wan 2.2 TI2V)
+  starts with it in its latent rows; its passes give that frame time 0 and its rows step 0;
 - a run of two experts (``models.sampling.Experts``) runs each step on the expert of its
   jobs' times (both, where the bag's jobs are on both sides of the boundary: each pass's rows
   then take their own expert's velocity); every rank of the bag knows which from the jobs.
@@ -310,6 +312,9 @@ class _Segment:
     """The packed passes on the device (the lead's; the others' is empty)."""
     times: torch.Tensor
     """(S_pass, stop - start) fp32: every pass's timestep at each step (the lead's; empty elsewhere)."""
+    first_times: torch.Tensor | None
+    """(S_pass, stop - start) fp32: every pass's first-frame time (0 for a job with a clean first
+    frame, else its timestep; the lead's, empty elsewhere), or None: a model with one time per sequence."""
     step_size: torch.Tensor
     """(Ni, stop - start) fp32: each latent row's Euler step at every step of the segment."""
     caches: tuple | None
@@ -347,9 +352,13 @@ class _BagLoop:
         self.device = next(self.experts.models[0].parameters()).device
         self.use_halves = cfg_parallel_bag(self.g, any(jobs[k].passes == 2 for k in mine), cfg_parallel)
         self.attn_group = groups.half if self.use_halves else groups.whole
+        self.per_token = bool(getattr(self.cfg, "expand_timesteps", False))
+        """The model takes a first-frame time per sequence (Wan 2.2 TI2V): a conditioned job's is 0."""
         empty = pack_samples([], self.cfg)
         if getattr(self.cfg, "guidance_embeds", False):
             empty = replace(empty, guidance=torch.zeros(0))
+        if self.per_token:
+            empty = replace(empty, first_frame_timesteps=torch.zeros(0))
         self.empty = empty
         self.step_cache = step_cache
         self.stop = stop
@@ -441,8 +450,8 @@ class _BagLoop:
         which = self.experts.expert_at(times)  # (passes, stop - start)
         calls = tuple(tuple(np.unique(which[:, j]).tolist()) for j in range(stop - start))
         if not self.lead:
-            return _Segment(start, stop, active, plan, layout, host.to(self.device), empty, empty, caches, calls, {},
-                            None, None, None)
+            return _Segment(start, stop, active, plan, layout, host.to(self.device), empty,
+                            empty if self.per_token else None, empty, caches, calls, {}, None, None, None)
         rows_pass = host.image_seq_index.numpy()  # (Ni_pass,) pass of each image row
         high_rows = {j: host_to_device((which[:, j] == 0)[rows_pass, None], self.device, torch.bool)
                      for j, used in enumerate(calls) if len(used) > 1}
@@ -450,6 +459,15 @@ class _BagLoop:
         own = np.repeat(np.arange(len(active)), counts)  # (Ni,) job of each latent row
         sizes = np.array([[jobs[k].times[i] - jobs[k].times[i + 1] for i in range(start, stop)] for k in active])
         first = np.cumsum(counts) - counts
+        step_size = sizes[own]  # (Ni, stop - start)
+        first_times = None
+        if self.per_token:
+            # A clean first frame is a job's first rows (raster order, a temporal patch of 1): no step, time 0.
+            for j, k in enumerate(active):
+                if jobs[k].first_frame is not None:
+                    step_size[first[j]: first[j] + _frame_tokens(jobs[k], cfg)] = 0.0
+            kept = np.array([jobs[k].first_frame is None for k, _ in passes], dtype=np.float64)
+            first_times = host_to_device(times * kept[:, None], self.device, torch.float32)
         pass_rows = guided_rows = scale = None
         if guided:
             g_rows = np.concatenate([np.arange(first[active.index(k)], first[active.index(k)] + rows[k])
@@ -459,8 +477,8 @@ class _BagLoop:
             scale = host_to_device(np.repeat([jobs[k].cfg_scale for k in guided], [rows[k] for k in guided])[:, None],
                                    self.device, torch.float32)
         return _Segment(start, stop, active, plan, layout, host.to(self.device),
-                        host_to_device(times, self.device, torch.float32),
-                        host_to_device(sizes[own], self.device, torch.float32), caches, calls, high_rows, pass_rows,
+                        host_to_device(times, self.device, torch.float32), first_times,
+                        host_to_device(step_size, self.device, torch.float32), caches, calls, high_rows, pass_rows,
                         guided_rows, scale)
 
     def _step(self, seg: _Segment, i: int, x: torch.Tensor | None) -> torch.Tensor | None:
@@ -470,7 +488,8 @@ class _BagLoop:
         batch, j = seg.batch, i - seg.start
         if self.lead:
             x_in = x if seg.pass_rows is None else x.index_select(0, seg.pass_rows)
-            batch = replace(batch, x_img=x_in, timesteps=seg.times[:, j])
+            batch = replace(batch, x_img=x_in, timesteps=seg.times[:, j],
+                            **({} if seg.first_times is None else {"first_frame_timesteps": seg.first_times[:, j]}))
         vs = [balanced_forward(self.experts.models[e], batch, seg.plan, self.groups.rank, bag_group=self.attn_group,
                                route_group=self.groups.whole, layout=seg.layout,
                                cache=None if seg.caches is None else seg.caches[e]) for e in seg.calls[j]]
@@ -512,25 +531,39 @@ def _text(job: DenoiseJob, kind: int) -> np.ndarray:
     return job.text if kind != UNCOND else job.unconditional[0]
 
 
-def _item(job: DenoiseJob, kind: int, latent: torch.Tensor) -> dict:
+def _item(job: DenoiseJob, kind: int, latent: torch.Tensor, per_token: bool) -> dict:
     text, pooled = (job.text, job.pooled) if kind != UNCOND else job.unconditional
     # Copies: a job that came through Ray holds read-only arrays (a tensor may not share them).
     item = {"latent": latent, "text": torch.tensor(np.asarray(text), dtype=torch.float32),
             "pooled": torch.tensor(np.asarray(pooled), dtype=torch.float32), "timestep": 1.0}
     if job.guidance_input is not None:
         item["guidance"] = job.guidance_input
+    if per_token:  # the step's times are the segment's tables
+        item["first_frame_timestep"] = 1.0
     return item
 
 
 def _tokens(job: DenoiseJob, cfg) -> torch.Tensor:
-    """The job's noise as image tokens (N, patch_dim) on the host, as packing lays them out."""
+    """The job's starting latent as image tokens (N, patch_dim) on the host, as packing lays them
+    out: its noise, the first frame replaced by its clean one where it has one."""
     from knapray.models.packing import patchify
 
-    return patchify(torch.tensor(np.asarray(job.noise, dtype=np.float32)), cfg.patch_size)[0]
+    latent = torch.tensor(np.asarray(job.noise, dtype=np.float32))
+    if job.first_frame is not None:
+        latent[:, :1] = torch.tensor(np.asarray(job.first_frame, dtype=np.float32))
+    return patchify(latent, cfg.patch_size)[0]
+
+
+def _frame_tokens(job: DenoiseJob, cfg) -> int:
+    """Image tokens of one latent frame of the job (a temporal patch of 1)."""
+    _, ph, pw = cfg.patch_size
+    return (job.noise.shape[2] // ph) * (job.noise.shape[3] // pw)
 
 
 def _pack(jobs: list[DenoiseJob], passes: list[tuple[int, int]], cfg):
     """The passes packed on the host (their latents are the loop's: zeros here)."""
     from knapray.models import pack_samples
 
-    return pack_samples([_item(jobs[k], kind, torch.zeros(jobs[k].noise.shape)) for k, kind in passes], cfg)
+    per_token = bool(getattr(cfg, "expand_timesteps", False))
+    return pack_samples([_item(jobs[k], kind, torch.zeros(jobs[k].noise.shape), per_token) for k, kind in passes],
+                        cfg)
