@@ -86,6 +86,14 @@ SIZE_FORM = r"([0-9]+)x([0-9]+)"
 ``metrics.validation.sizes``, a served request's ``size``, as OpenAI's images API writes it):
 WIDTHxHEIGHT in ASCII digits and a lowercase x; ``512X512`` or ``512 x 512`` is refused."""
 
+MAX_CONDITION_IMAGE_BYTES = 1 << 25
+"""``knapray sample --image``: bytes of a conditioning image's file, 32 MiB (a 4096x4096
+PNG of a photograph is about 30 MB; a served request's image is bounded by its body first)."""
+
+MAX_CONDITION_IMAGE_PIXELS = MAX_IMAGE_SIDE * MAX_IMAGE_SIDE
+"""``knapray sample --image``: pixels of a conditioning image as its header states them, read
+before it is decoded (a small PNG may claim billions): 67,108,864, a side of ``MAX_IMAGE_SIDE``."""
+
 MAX_IMAGE_TOKENS = 1 << 16
 """``knapray sample``: image tokens of one request: 65,536, a 4096x4096 image at a VAE
 factor of 8 and 2x2 patches (FLUX.1 at 2048x2048 holds 16,384)."""

@@ -31,6 +31,12 @@ decoded with the corpus's VAE when it has one, the stand-in pixel encoder's inve
 (synthetic corpora) shown as their first three channels. ``--out FOLDER`` holds each request
 at the size it was drawn (``request_0.png``, a clip as ``request_1.mp4``) and ``grid.png``;
 ``--out FILE.png`` is the grid alone, each request's caption and size over its tile.
+
+A model with a time per token (``model.expand_timesteps``, Wan 2.2 TI2V) samples image to
+video with ``--image PATH`` (one for every request, or one per request): the image, resized to
+the request's size as ``WanImageToVideoPipeline`` resizes it, is encoded by the corpus's VAE
+into the first latent frame, which every Euler step keeps as it is, at time 0 (the other
+frames at the step's t), as that pipeline keeps its condition.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from knapray.inference.images import GRID_FILE, save_grid, save_requests
 from knapray.inference.prepare import default_guidance
 from knapray.inference.requests import Request, check_sizes, pair_requests, parse_size
 from knapray.driver.trained import read_run
+from knapray.limits import MAX_CONDITION_IMAGE_BYTES
 
 # The registry imports this module only for `knapray sample` itself (knapray.models, and
 # so torch, comes with it); `knapray --help` and the planning commands never load it.
@@ -63,6 +70,8 @@ class SamplePlan:
     ``auto`` (chosen for the batch among ``planning.inference.sampling.candidate_topologies``)."""
     folder: str | None = None
     """``--out`` as a folder (each request and the grid), or None: ``--out`` is the grid's file."""
+    images: dict[str, bytes] | None = None
+    """Every ``--image`` file's bytes, by path (read and decoded once here)."""
 
 
 def plan_sampling(args: argparse.Namespace) -> SamplePlan:
@@ -82,12 +91,42 @@ def plan_sampling(args: argparse.Namespace) -> SamplePlan:
     down = int(dims.get("vae_downsample", 8))
     _, ph, pw = cfg.model.patch_size
     check_sizes([size for _, size in pairs], args.frames, down, (ph, pw))
-    requests = [Request(caption=caption, height=h, width=w, frames=args.frames, like=like)
-                for (caption, like), (w, h) in pairs]
+    paths, images = _images(args, cfg, len(pairs))
+    requests = [Request(caption=caption, height=h, width=w, frames=args.frames, like=like, image=path)
+                for ((caption, like), (w, h)), path in zip(pairs, paths)]
     topology = _topology(args, cfg)
     folder = out_folder(args.out) if getattr(args, "out", None) else None
     check_checkpoint(ckpt)  # before anything is built from it: a planted file is refused, never run
-    return SamplePlan(cfg=cfg, checkpoint=ckpt, requests=requests, topology=topology, folder=folder)
+    return SamplePlan(cfg=cfg, checkpoint=ckpt, requests=requests, topology=topology, folder=folder,
+                      images=images or None)
+
+
+def _images(args: argparse.Namespace, cfg: Any, requests: int) -> tuple[list[str | None], dict[str, bytes]]:
+    """(each request's ``--image`` path or None, every image's bytes by path): one image for
+    every request or one per request, for a model that takes one (``RunRules.check_image``),
+    each file read and decoded here (ValueError naming it)."""
+    from knapray.inference.first_frames import image_pixels
+    from knapray.inference.jobs import run_rules
+
+    given = list(getattr(args, "image", None) or [])
+    if not given:
+        return [None] * requests, {}
+    run_rules(cfg).check_image(args.frames, "--image")
+    if len(given) not in (1, requests):
+        raise ValueError(f"{len(given)} --image values and {requests} requests: give one --image for all of them, "
+                         "or one per request (in the order of --caption, then --like)")
+    images: dict[str, bytes] = {}
+    for path in dict.fromkeys(given):
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size > MAX_CONDITION_IMAGE_BYTES:
+                    raise ValueError(f"--image {path}: {size} bytes; at most {MAX_CONDITION_IMAGE_BYTES}")
+                images[path] = f.read()
+        except OSError as e:
+            raise ValueError(f"--image {path}: cannot be read ({e.strerror or type(e).__name__})") from None
+        image_pixels(images[path], f"--image {path}", 16, 16)  # decodes the whole file: refused now, not later
+    return given * requests if len(given) == 1 else given, images
 
 
 def out_folder(out: str) -> str | None:
@@ -154,7 +193,8 @@ def run(args: argparse.Namespace) -> dict:
     dims = corpus_records(cfg.data.corpus)[2]
     down, pt = int(dims.get("vae_downsample", 8)), cfg.model.patch_size[0]
     jobs = [Job(caption=r.caption, width=r.width, height=r.height, frames=r.frames, steps=args.steps,
-                guidance=args.guidance, shift=args.shift, seed=args.seed, like=r.like) for r in plan.requests]
+                guidance=args.guidance, shift=args.shift, seed=args.seed, like=r.like,
+                image=None if r.image is None else plan.images[r.image]) for r in plan.requests]
     world = getattr(args, "world_size", 1)
     what = LocalSampling(run_dir=args.run, checkpoint=args.checkpoint, jobs=jobs, topology=plan.topology or "g1n1",
                          device=device, ema=not args.no_ema, cfg_parallel=not args.no_cfg_parallel,
@@ -164,7 +204,8 @@ def run(args: argparse.Namespace) -> dict:
     got = sample_local(what, world)
     _save_latents(args, got.latents)
     titles = [f"{r.caption or (f'like sample {r.like}' if r.like is not None else 'unconditional')}\n"
-              f"{r.width}x{r.height}" for r in plan.requests]
+              f"{r.width}x{r.height}" + (f" from {os.path.basename(r.image)}" if r.image else "")
+              for r in plan.requests]
     shapes = [(r.frames * pt, r.height // down, r.width // down) for r in plan.requests]
     if plan.folder is None:
         out, files = save_grid(args.out, got.frames, titles), []
@@ -177,7 +218,7 @@ def run(args: argparse.Namespace) -> dict:
               "shifts": config_shifts(cfg.model, shapes, args.shift, args.steps),
               "shapes": [list(f.shape) for f in got.frames],
               "decoder": _decoder_name(cfg), "recompiles": got.recompiles,
-              "expert_boundary": cfg.flow.expert_boundary or None}
+              "expert_boundary": cfg.flow.expert_boundary or None, "images": [r.image for r in plan.requests]}
     if plan.topology is not None:
         report.update(world_size=world, topology=got.topology, bags=got.bags)
     return report
@@ -208,6 +249,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", action="append", metavar="WIDTHxHEIGHT",
                    help="pixels: one for all requests, one per request, or several for one caption (default 256x256)")
     p.add_argument("--frames", type=int_at_least(1), default=1, help="latent frames (videos; default 1)")
+    p.add_argument("--image", action="append", metavar="PATH",
+                   help="a PNG or JPEG whose latent (the corpus's VAE, the image resized to --size) is the first "
+                   "latent frame, kept clean: image to video, for a model with model.expand_timesteps (Wan 2.2 "
+                   "TI2V); one for every request, or one per request (repeat)")
     p.add_argument("--steps", type=step_count, default=28, help="Euler steps (default 28)")
     p.add_argument("--shift", type=float_in(gt=0), default=None,
                    help="timestep shift, > 1 favours high noise (default: 1; FLUX.1-dev: each request's own from "

@@ -238,15 +238,17 @@ class SamplerRank:
 
     def prepare(self, jobs: list[Job], max_text_tokens: int = 256, shared_seed: int | None = None) -> list:
         """Each job's ``DenoiseJob``, or the error (a string) that rules it out; the batch's
-        captions encoded in one call, on this rank's device."""
+        captions encoded in one call, on this rank's device; conditioning images encoded by
+        the VAE this rank decodes with (rank 0 leads a bag: it holds one)."""
         from knapray.inference.conditioning import corpus_records
         from knapray.inference.prepare import resolve_jobs
 
         down = int(corpus_records(self.cfg.data.corpus)[2].get("vae_downsample", 8))
         text = self.text_encoder() if any(j.caption is not None for j in jobs) else None
+        images = self.decoder if any(j.image is not None for j in jobs) else None
         try:
             return resolve_jobs(self.cfg, jobs, text, self.unconditional, down=down, shared_seed=shared_seed,
-                                max_text_tokens=max_text_tokens)
+                                max_text_tokens=max_text_tokens, image_encoder=images)
         finally:
             self.release_text_encoder()
 

@@ -17,7 +17,8 @@ Routes (docs/serving.md has them in full):
 
 - ``POST /v1/generate``: a JSON object (``caption``, ``size`` "WIDTHxHEIGHT" or
   ``width``/``height``, ``frames``, ``steps``, ``guidance``, ``shift``, ``seed``, ``like``;
-  ``"wait": false`` or ``?async=1`` for a job id). The answer is a PNG (``image/png``) for
+  ``image``, a base64 PNG or JPEG for a model with a time per token (Wan 2.2 TI2V: image
+  to video, its latent the first frame); ``"wait": false`` or ``?async=1`` for a job id). The answer is a PNG (``image/png``) for
   an image and an MP4 (``video/mp4``, H.264 by PyAV) for a clip; without PyAV a clip is an
   animated PNG (``image/apng``). A bad request is HTTP 400 with one JSON error naming the
   field and its valid range (the served limits, then ``knapray sample``'s bounds:
@@ -73,7 +74,7 @@ DEFAULT_GANG = "knapray.driver.gang:Gang"
 checkpoint=)``, ``rules``, ``submit(job)`` (a future with a ``key``), ``cancel(key)``,
 ``broken``, ``close()``; ``state(key)`` where it has one (what a poll says)."""
 JOB_FIELDS = ("caption", "size", "width", "height", "frames", "steps", "guidance", "shift", "seed", "like", "wait",
-              "model")
+              "model", "image")
 """What a ``POST /v1/generate`` body may hold."""
 IMAGES_FIELDS = ("model", "prompt", "n", "size", "response_format", "output_format", "user", "steps", "guidance",
                  "shift", "seed", "like")
@@ -332,9 +333,23 @@ def parse_job(doc: Any, rules: RunRules, limits: ServeLimits | None = None, own:
         raise ValueError("model: this server takes no model field")
     job = Job(caption=caption, width=width, height=height, frames=doc.get("frames", 1), steps=steps,
               guidance=doc.get("guidance"), shift=doc.get("shift"), seed=doc.get("seed", 0), like=doc.get("like"),
-              adapter=adapter)
+              adapter=adapter, image=_image(doc.get("image")))
     _check(job, rules, limits, "size" in doc)
     return job, wait
+
+
+def _image(text: Any) -> bytes | None:
+    """A request's ``image``: a PNG or JPEG file in base64 (within the body's bound), or null.
+    What it holds is checked with the job (``RunRules.check``: the model takes one, its header,
+    pixels and bytes bounded)."""
+    if text is None:
+        return None
+    if not isinstance(text, str):
+        raise ValueError(f"image: a JSON {type(text).__name__}; a PNG or JPEG file in base64, or null")
+    try:
+        return base64.b64decode(text, validate=True)
+    except ValueError:
+        raise ValueError(f"image: not base64 ({len(text)} characters); a PNG or JPEG file in base64") from None
 
 
 def parse_images_request(doc: Any, rules: RunRules, limits: ServeLimits, model: str, adapters: Any = None

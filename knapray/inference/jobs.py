@@ -8,7 +8,7 @@ the same ``seed`` (its noise is drawn alone from ``seed``), whatever else shares
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from knapray.limits import MAX_IMAGE_SIDE, MAX_SEED, MAX_STEPS, MAX_TEXT_LENGTH
 
@@ -35,6 +35,9 @@ class Job:
     """A corpus sample id whose text embeddings replace the caption."""
     adapter: str | None = None
     """A served LoRA adapter by name (``knapray serve --lora NAME=RUN``); None: the run's own."""
+    image: bytes | None = field(default=None, repr=False)
+    """A conditioning image, a PNG or JPEG file's bytes: its latent is the first latent frame,
+    kept clean at time 0 (a model with a time per token, Wan 2.2 TI2V); None: from text alone."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,10 @@ class RunRules:
     """The model's patch (height, width)."""
     text_encoder: bool
     """Whether captions can be encoded (the corpus records a text encoder)."""
+    first_frame: bool = False
+    """Whether the model takes a conditioning image as its first latent frame (``model.expand_timesteps``)."""
+    image_encoder: bool = False
+    """Whether the corpus records the latent encoder (its VAE) that encodes such an image."""
 
     @property
     def multiple(self) -> tuple[int, int]:
@@ -81,13 +88,40 @@ class RunRules:
             check_sizes([(job.width, job.height)], job.frames, self.down, self.patch)
         except ValueError as e:  # the sample command's words, with the field names of a job
             raise ValueError(str(e).replace("--size ", "width x height ").replace("--frames", "frames")) from None
+        if job.image is not None:
+            self.check_image(job.frames, "image")
+            if not isinstance(job.image, bytes):
+                raise ValueError(f"image: a {type(job.image).__name__}; the bytes of a PNG or JPEG file")
+            from knapray.inference.first_frames import open_image
+
+            open_image(job.image, "image")
+
+    def check_image(self, frames: int, name: str) -> None:
+        """ValueError naming ``name`` (``--image``, a request's ``image``) where a conditioning
+        image cannot be taken: a model without a time per token, a corpus without its VAE, or
+        a single latent frame (the image would be the whole sample)."""
+        if not self.first_frame:
+            raise ValueError(f"{name}: this run's model takes no conditioning image (model.expand_timesteps is "
+                             "false; only a model with a time per token, Wan 2.2 TI2V, keeps a first frame clean)")
+        if not self.image_encoder:
+            raise ValueError(f"{name}: this run's corpus records no latent encoder (VAE) to encode the image with")
+        if frames < 2:
+            raise ValueError(f"{name}: the image is the first latent frame; give frames 2 or more (got {frames})")
 
 
 def run_rules(cfg) -> RunRules:
     """The ``RunRules`` of a run's config (its corpus's schema.json read, nothing else)."""
     from knapray.inference.conditioning import TEXT_ENCODERS, corpus_records
 
-    text_rec, _, dims = corpus_records(cfg.data.corpus)
+    text_rec, latent_rec, dims = corpus_records(cfg.data.corpus)
     _, ph, pw = cfg.model.patch_size
     return RunRules(down=int(dims.get("vae_downsample", 8)), patch=(int(ph), int(pw)),
-                    text_encoder=text_rec.get("class") in TEXT_ENCODERS)
+                    text_encoder=text_rec.get("class") in TEXT_ENCODERS,
+                    first_frame=bool(getattr(cfg.model, "expand_timesteps", False)),
+                    image_encoder=encodes_images(latent_rec))
+
+
+def encodes_images(latent_rec: dict) -> bool:
+    """Whether a corpus's latent encoder record is one ``inference.conditioning.corpus_decoder``
+    rebuilds (a diffusers VAE, or the stand-in pixel encoder): it encodes a conditioning image."""
+    return "path" in latent_rec or latent_rec.get("class") == "PixelPatchEncoder"

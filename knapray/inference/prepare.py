@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from knapray.inference.jobs import Job
-from knapray.models.sampling import DenoiseJob, denoise_job, job_noise
+from knapray.models.sampling import DenoiseJob, check_first_frame, denoise_job, job_noise
 
 
 def default_guidance(model_cfg) -> float:
@@ -30,12 +30,13 @@ def latent_shape(model_cfg, down: int, job: Job) -> tuple[int, int, int]:
 
 
 def denoise_jobs(cfg: Any, jobs: list[Job], text_encoder: Any, unconditional: tuple[np.ndarray, np.ndarray], *,
-                 down: int, shared_seed: int | None = None, max_text_tokens: int = 256) -> list[DenoiseJob]:
+                 down: int, shared_seed: int | None = None, max_text_tokens: int = 256,
+                 image_encoder: Any = None) -> list[DenoiseJob]:
     """``cfg``: the run's TrainConfig. ``shared_seed``: draw every job's noise in order from
     one generator (``knapray sample``'s batch); None: each from its own ``seed``. The first
     job that cannot be resolved is a ValueError."""
     out = resolve_jobs(cfg, jobs, text_encoder, unconditional, down=down, shared_seed=shared_seed,
-                       max_text_tokens=max_text_tokens)
+                       max_text_tokens=max_text_tokens, image_encoder=image_encoder)
     for got in out:
         if isinstance(got, str):
             raise ValueError(got)
@@ -43,12 +44,16 @@ def denoise_jobs(cfg: Any, jobs: list[Job], text_encoder: Any, unconditional: tu
 
 
 def resolve_jobs(cfg: Any, jobs: list[Job], text_encoder: Any, unconditional: tuple[np.ndarray, np.ndarray], *,
-                 down: int, shared_seed: int | None = None, max_text_tokens: int = 256) -> list[DenoiseJob | str]:
+                 down: int, shared_seed: int | None = None, max_text_tokens: int = 256,
+                 image_encoder: Any = None) -> list[DenoiseJob | str]:
     """Each job's ``DenoiseJob``, or the error (one line) that rules it out alone. Every
     caption of the batch is encoded in one call (``encode_captions``: batched on the
-    encoder's device), ``like`` ids read from the corpus."""
+    encoder's device), ``like`` ids read from the corpus, a conditioning ``image`` encoded
+    by ``image_encoder`` (the corpus's VAE: ``first_frames.first_frame``) at the job's size
+    into its clean first latent frame."""
     from knapray.corpus.encoders import encode_captions
     from knapray.inference.conditioning import corpus_text
+    from knapray.inference.first_frames import first_frame
 
     m = cfg.model
     conds: list[Any] = []
@@ -65,6 +70,18 @@ def resolve_jobs(cfg: Any, jobs: list[Job], text_encoder: Any, unconditional: tu
         encoded = encode_captions(text_encoder, [jobs[i].caption for i in captioned], max_text_tokens)
         for i, cond in zip(captioned, encoded):
             conds[i] = cond
+    firsts: dict[int, np.ndarray] = {}
+    for i, job in enumerate(jobs):
+        if job.image is None or isinstance(conds[i], str):
+            continue
+        if image_encoder is None:
+            conds[i] = "image: this run's corpus records no latent encoder (VAE) to encode it with"
+            continue
+        try:
+            firsts[i] = first_frame(image_encoder, job.image, "image", job.width, job.height)
+            check_first_frame(m, (m.in_channels, *latent_shape(m, down, job)), firsts[i])
+        except ValueError as e:
+            conds[i] = str(e) if str(e).startswith("image: ") else f"image: {e}"
     ok = [i for i, c in enumerate(conds) if not isinstance(c, str)]
     shapes = [latent_shape(m, down, jobs[i]) for i in ok]
     noise = job_noise(m, shapes, shared_seed if shared_seed is not None else [jobs[i].seed for i in ok])
@@ -73,6 +90,7 @@ def resolve_jobs(cfg: Any, jobs: list[Job], text_encoder: Any, unconditional: tu
         job = jobs[i]
         out[i] = dataclasses.replace(
             denoise_job(m, z, conds[i], steps=job.steps, shift=job.shift, unconditional=unconditional,
-                        guidance=job.guidance if job.guidance is not None else default_guidance(m)),
+                        guidance=job.guidance if job.guidance is not None else default_guidance(m),
+                        first_frame=firsts.get(i)),
             adapter=job.adapter)
     return out

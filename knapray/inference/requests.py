@@ -17,6 +17,8 @@ class Request:
     frames: int = 1
     like: int | None = None
     """A corpus sample id whose text embeddings to use instead of a caption."""
+    image: str | None = None
+    """The conditioning image's path (``--image``): its latent is the first latent frame."""
 
 
 def parse_size(text: str) -> tuple[int, int]:
