@@ -16,7 +16,8 @@ from knapray.planning.shapes.mix import MAX_TEXT_TOKENS
 DESCRIPTION = (
     "Encode a folder of images (and videos, if a decoder is installed) into "
     "a knapray corpus: parquet shards + schema.json. Latents from a diffusers VAE (--vae), "
-    "text from T5/CLIP (--text-encoder, --pooled-encoder), all from local directories; "
+    "text from T5/CLIP (--text-encoder, --pooled-encoder), Wan 2.1 I2V conditioning from a CLIP vision "
+    "model (--image-encoder), all from local directories; "
     "without them, weightless stand-ins. Captions from metadata.jsonl, else sidecar .txt."
 )
 
@@ -46,6 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "pooled vector (default: --text-encoder's when CLIP, the token mean when T5)")
     g.add_argument("--pooled-tokenizer", metavar="DIR", help="tokenizer of --pooled-encoder, when not in "
                    "its directory (Flux: tokenizer/)")
+    g.add_argument("--image-encoder", metavar="DIR", help="--family wan: CLIP vision model (CLIPVisionModel, Wan "
+                   "2.1 I2V's image_encoder/): each row also holds its image-to-video conditioning as "
+                   "WanImageToVideoPipeline computes it from the first frame (the condition latent, by --vae, and "
+                   "the image tokens)")
+    g.add_argument("--image-processor", metavar="DIR", help="CLIPImageProcessor of --image-encoder, when not in "
+                   "its directory (Wan 2.1 I2V: image_processor/)")
     add_device(g)
     add_dtype(g, help="model dtype (auto: bf16 on cuda, fp32 on cpu); rows are float32")
     g.add_argument("--vae-batch", type=int_at_least(1), default=8, help="frames per VAE call")
@@ -138,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
     spec = EncoderSpec(
         vae=args.vae, text_encoder=args.text_encoder, text_tokenizer=args.text_tokenizer,
         pooled_encoder=args.pooled_encoder, pooled_tokenizer=args.pooled_tokenizer,
+        image_encoder=args.image_encoder, image_processor=args.image_processor,
         device=args.device, dtype=args.dtype, vae_batch=args.vae_batch, text_batch=args.text_batch,
         encoder_factory=args.encoder_factory, text_encoder_factory=args.text_encoder_factory,
         channels=args.channels, downsample=args.downsample, seed=args.seed,

@@ -294,49 +294,208 @@ class DiffusersVAE:
     def encode_many(self, items: list[np.ndarray]) -> list[np.ndarray]:
         """Encode several files' frames, batching frames (or clips) of one size together."""
         torch = _import("torch")
+        self._check_frames(items)
+        if self.temporal_downsample > 1:
+            return self._clip_latents(items, first_frame_only=False)
+        out: list[np.ndarray | None] = [None] * len(items)
+        # Every frame of every item, grouped by size: (item, frame) per slot.
+        groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for i, px in enumerate(items):
+            f, h, w, _ = px.shape
+            out[i] = np.empty((self.channels, f, h // self.downsample, w // self.downsample), np.float32)
+            groups.setdefault((h, w), []).extend((i, t) for t in range(f))
+        for slots in groups.values():
+            for start in range(0, len(slots), self.batch_frames):
+                chunk = slots[start : start + self.batch_frames]
+                px = np.stack([items[i][t] for i, t in chunk])  # (B, H, W, 3)
+                x = torch.from_numpy(px).permute(0, 3, 1, 2).float() / 127.5 - 1.0  # (B, 3, H, W)
+                z = self._latent(x)  # (B, C, H/d, W/d)
+                for (i, t), zi in zip(chunk, z):
+                    out[i][:, t] = zi  # type: ignore[index]
+        return out  # type: ignore[return-value]
+
+    def encode_first_frames(self, items: list[np.ndarray]) -> list[np.ndarray]:
+        """Per clip ((F, H, W, 3) uint8), the normalized latent of its first frame followed
+        by zero frames (pixel value 0 in [-1, 1]) up to the frames ``encode_many`` keeps:
+        the video ``WanImageToVideoPipeline.prepare_latents`` encodes as its condition
+        (posterior mean, its ``sample_mode="argmax"``). A video VAE only."""
+        if self.temporal_downsample == 1:
+            raise ValueError(f"{self.info.cls} at {self.path} compresses no time: a first-frame condition "
+                             "needs a video VAE (AutoencoderKLWan)")
+        self._check_frames(items)
+        return self._clip_latents(items, first_frame_only=True)
+
+    def _check_frames(self, items: list[np.ndarray]) -> None:
         for px in items:
             if px.ndim != 4 or px.shape[-1] != 3 or px.shape[1] % self.downsample or px.shape[2] % self.downsample:
                 raise ValueError(
                     f"expected (F, H, W, 3) frames with H, W multiples of {self.downsample}, got {px.shape}"
                 )
+
+    def _clip_latents(self, items: list[np.ndarray], *, first_frame_only: bool) -> list[np.ndarray]:
+        """A video VAE's latents of whole clips (cut to ``kept_frames``), clips of one shape
+        batched together; ``first_frame_only``: each clip's first frame, then zeros."""
+        torch = _import("torch")
         out: list[np.ndarray | None] = [None] * len(items)
-        if self.temporal_downsample == 1:
-            # Every frame of every item, grouped by size: (item, frame) per slot.
-            groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
-            for i, px in enumerate(items):
-                f, h, w, _ = px.shape
-                out[i] = np.empty((self.channels, f, h // self.downsample, w // self.downsample), np.float32)
-                groups.setdefault((h, w), []).extend((i, t) for t in range(f))
-            for slots in groups.values():
-                for start in range(0, len(slots), self.batch_frames):
-                    chunk = slots[start : start + self.batch_frames]
-                    px = np.stack([items[i][t] for i, t in chunk])  # (B, H, W, 3)
-                    x = torch.from_numpy(px).permute(0, 3, 1, 2).float() / 127.5 - 1.0  # (B, 3, H, W)
-                    z = self._latent(x)  # (B, C, H/d, W/d)
-                    for (i, t), zi in zip(chunk, z):
-                        out[i][:, t] = zi  # type: ignore[index]
-        else:
-            clips: dict[tuple[int, ...], list[int]] = {}
-            for i, px in enumerate(items):
-                f = kept_frames(px.shape[0], self.temporal_downsample)
-                clips.setdefault((f, *px.shape[1:3]), []).append(i)
-            for (f, _, _), members in clips.items():
-                per_call = max(1, self.batch_frames // f)
-                for start in range(0, len(members), per_call):
-                    chunk = members[start : start + per_call]
-                    px = np.stack([items[i][:f] for i in chunk])  # (B, F, H, W, 3)
-                    x = torch.from_numpy(px).permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0  # (B, 3, F, H, W)
-                    z = self._latent(x)  # (B, C, T, H/d, W/d)
-                    want = 1 + (f - 1) // self.temporal_downsample
-                    if z.shape[2] != want:
-                        raise ValueError(
-                            f"{self.info.cls} at {self.path} turned {f} frames into {z.shape[2]} latent "
-                            f"frames; its config implies {want} (temporal_downsample "
-                            f"{self.temporal_downsample})"
-                        )
-                    for i, zi in zip(chunk, z):
-                        out[i] = np.ascontiguousarray(zi)
+        clips: dict[tuple[int, ...], list[int]] = {}
+        for i, px in enumerate(items):
+            f = kept_frames(px.shape[0], self.temporal_downsample)
+            clips.setdefault((f, *px.shape[1:3]), []).append(i)
+        for (f, h, w), members in clips.items():
+            per_call = max(1, self.batch_frames // f)
+            for start in range(0, len(members), per_call):
+                chunk = members[start : start + per_call]
+                px = np.stack([items[i][: 1 if first_frame_only else f] for i in chunk])  # (B, F or 1, H, W, 3)
+                x = torch.from_numpy(px).permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0  # (B, 3, F or 1, H, W)
+                if first_frame_only:  # the zero frames as floats: 0 is no uint8 pixel value
+                    x = torch.cat([x, x.new_zeros(len(chunk), 3, f - 1, h, w)], dim=2)  # (B, 3, F, H, W)
+                z = self._latent(x)  # (B, C, T, H/d, W/d)
+                want = 1 + (f - 1) // self.temporal_downsample
+                if z.shape[2] != want:
+                    raise ValueError(
+                        f"{self.info.cls} at {self.path} turned {f} frames into {z.shape[2]} latent "
+                        f"frames; its config implies {want} (temporal_downsample "
+                        f"{self.temporal_downsample})"
+                    )
+                for i, zi in zip(chunk, z):
+                    out[i] = np.ascontiguousarray(zi)
         return out  # type: ignore[return-value]
+
+
+# --- image encoder: image-to-video conditioning ----------------------------------------
+
+CLIP_VISION_TYPE = "clip_vision_model"
+PROCESSOR_FILE = "preprocessor_config.json"
+
+
+@dataclass(frozen=True, slots=True)
+class ImageEncoderInfo:
+    path: str
+    processor: str
+    """Directory of its CLIPImageProcessor."""
+    dim: int
+    """Token width (the vision model's hidden_size)."""
+    tokens: int
+    """Tokens per image: (image_size / patch_size)^2 patches and the class token."""
+    image_size: int
+    config_sha256: str
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "path": self.path, "processor": self.processor, "class": "CLIPVisionModel",
+            "config_sha256": self.config_sha256, "dim": self.dim, "tokens": self.tokens,
+            "image_size": self.image_size, "output": "hidden_states[-2] of the first frame",
+        }
+
+
+def _crop_sides(crop: Any) -> tuple[int, int] | None:
+    """A preprocessor_config.json's crop_size ({"height", "width"}, or one int) as (h, w)."""
+    if isinstance(crop, dict) and "height" in crop and "width" in crop:
+        return int(crop["height"]), int(crop["width"])
+    if type(crop) is int:
+        return crop, crop
+    return None
+
+
+def image_encoder_info(path: str | Path, processor: str | Path | None = None,
+                       flag: str = "--image-encoder") -> ImageEncoderInfo:
+    """What a CLIP vision model directory holds (Wan 2.1 I2V's image_encoder/), from its config
+    and its processor's (``processor``, or the model's own directory when None)."""
+    d = model_dir(path, flag)
+    cfg = read_config(d)
+    if cfg.get("model_type") != CLIP_VISION_TYPE:
+        raise ValueError(f"{flag} {path}: model_type {cfg.get('model_type')!r} is not a CLIP vision model "
+                         f"({CLIP_VISION_TYPE!r}: CLIPVisionModel, Wan 2.1 I2V's image_encoder/)")
+    try:
+        dim, size, patch = int(cfg["hidden_size"]), int(cfg["image_size"]), int(cfg["patch_size"])
+    except KeyError as e:
+        raise ValueError(f"{flag} {path}: CLIPVisionModel config lacks {e.args[0]!r}") from None
+    proc_flag = flag.replace("encoder", "processor")
+    proc = Path(processor).expanduser() if processor is not None else d
+    named = f"{proc_flag} {processor}" if processor is not None else f"{flag} {path}"
+    if not proc.is_dir():
+        raise FileNotFoundError(f"{proc_flag} {processor}: no such directory")
+    if not (proc / PROCESSOR_FILE).is_file():
+        raise FileNotFoundError(f"{named}: no {PROCESSOR_FILE}; pass the image processor's directory with "
+                                f"{proc_flag} (Wan 2.1 I2V keeps it in image_processor/)")
+    crop = _crop_sides(json.loads((proc / PROCESSOR_FILE).read_text()).get("crop_size"))
+    if crop is not None and crop != (size, size):
+        raise ValueError(f"{named}: the processor crops {crop[0]}x{crop[1]}, the model takes {size}x{size} images")
+    return ImageEncoderInfo(path=str(d), processor=str(proc.resolve()), dim=dim, tokens=(size // patch) ** 2 + 1,
+                            image_size=size, config_sha256=config_sha256(cfg))
+
+
+class HFImageEncoder:
+    """A loaded CLIPVisionModel with its CLIPImageProcessor: ``WanImageToVideoPipeline.encode_image``."""
+
+    def __init__(self, info: ImageEncoderInfo, device: str, dtype: str) -> None:
+        transformers = _import("transformers")
+        self.info, self.device = info, device
+        self.processor = transformers.CLIPImageProcessor.from_pretrained(info.processor, local_files_only=True)
+        with _no_loading_bar(transformers):
+            model = transformers.CLIPVisionModel.from_pretrained(info.path, local_files_only=True,
+                                                                 dtype=torch_dtype(dtype))
+        self.model = model.to(device).eval()
+
+    def run(self, images: list[np.ndarray]) -> np.ndarray:
+        """(H, W, 3) uint8 images -> (B, tokens, dim) float32: the penultimate hidden states."""
+        torch = _import("torch")
+        if not images:
+            return np.zeros((0, self.info.tokens, self.info.dim), np.float32)
+        pixels = self.processor(images=list(images), return_tensors="pt")["pixel_values"]  # (B, 3, S, S)
+        with torch.inference_mode():
+            out = self.model(pixel_values=pixels.to(self.device, self.model.dtype), output_hidden_states=True)
+        return out.hidden_states[-2].float().cpu().numpy()
+
+
+class WanI2VConditioning:
+    """Each clip's image-to-video conditioning as ``WanImageToVideoPipeline`` computes it for
+    the clip's first frame (Wan 2.1 I2V: no ``expand_timesteps``), the clip's length its
+    ``num_frames``:
+
+    - ``condition`` (temporal_downsample + C, T, h, w): a mask of ``temporal_downsample``
+      channels (the first pixel frame repeated over the first latent frame's slots: 1 on latent
+      frame 0, 0 after), then the corpus VAE's normalized latent of the first frame followed by
+      zero frames (``DiffusersVAE.encode_first_frames``);
+    - ``image_context`` (tokens, dim): the image encoder's penultimate hidden states of the
+      first frame.
+
+    The VAE is the corpus's own (the latents' encoder), not a second copy."""
+
+    def __init__(self, vae: DiffusersVAE, image: str, processor: str | None, device: str, dtype: str) -> None:
+        if vae.temporal_downsample == 1:
+            raise ValueError(f"--image-encoder: the conditioning latent needs a video VAE (AutoencoderKLWan); "
+                             f"--vae {vae.path} is {vae.info.cls}")
+        self.vae, self.dtype = vae, dtype
+        self.info = image_encoder_info(image, processor)
+        self.image = HFImageEncoder(self.info, device, dtype)
+        self.mask_channels = vae.temporal_downsample
+        self.channels = self.mask_channels + vae.channels
+        self.dim, self.tokens = self.info.dim, self.info.tokens
+
+    def describe(self) -> dict[str, Any]:
+        return condition_record(self.info, self.mask_channels, self.vae.channels, self.dtype)
+
+    def encode_many(self, items: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(F, H, W, 3) uint8 clips -> per clip (condition, image_context)."""
+        latents = self.vae.encode_first_frames(items)
+        tokens = self.image.run([px[0] for px in items])
+        out = []
+        for z, t in zip(latents, tokens):
+            mask = np.zeros((self.mask_channels, *z.shape[1:]), np.float32)  # (4, T, h, w)
+            mask[:, 0] = 1.0
+            out.append((np.concatenate([mask, z]), np.ascontiguousarray(t)))
+        return out
+
+
+def condition_record(image: ImageEncoderInfo, mask_channels: int, latent_channels: int, dtype: str) -> dict[str, Any]:
+    """schema.json's ``encoders.image``: the image encoder, and how ``condition`` was made."""
+    return {
+        **image.record(), "dtype": dtype, "pipeline": "WanImageToVideoPipeline",
+        "condition_channels": mask_channels + latent_channels,
+        "condition": f"{mask_channels} mask channels (1 on the first latent frame, 0 after), then the latent "
+                     "encoder's normalized posterior mean of the first frame followed by zero frames (pixel 0)",
+    }
 
 
 # --- text encoders --------------------------------------------------------------------

@@ -10,6 +10,12 @@ Two conventions of LoRA datasets (kohya's): ``trigger`` is prepended to every ca
 (its row written N times under N sample ids: each copy is seen once an epoch, as every
 sample); both recorded in schema.json (``captions.trigger``, ``repeats``).
 
+With an image encoder (a CLIP vision model, for a family whose pipeline takes an image: Wan
+2.1 I2V) each row also holds its clip's conditioning from its first frame, as the family's
+image-to-video pipeline computes it (:class:`knapray.corpus.hf.WanI2VConditioning`): the
+``condition`` latent and the ``image_context`` tokens, their widths in schema.json's dims and
+the image encoder in its ``encoders.image``.
+
 Two ways to run the same stages (:mod:`knapray.corpus.stages`): in this process
 (``workers=0``: small jobs, tests), or as a Ray Data pipeline whose decoding runs as CPU
 tasks and whose encoding runs in a pool of ``workers`` actors, each holding its own
@@ -50,7 +56,7 @@ from knapray.corpus.media import (
     video_decoder,
     with_trigger,
 )
-from knapray.corpus.schema import CORPUS_SCHEMA, PATCH, TEXT_DTYPES
+from knapray.corpus.schema import PATCH, TEXT_DTYPES, corpus_schema
 from knapray.corpus.stages import (
     DecodeOptions,
     EncoderInfo,
@@ -169,6 +175,7 @@ def _run_ray(
     build: Callable[[], tuple[LatentEncoder, TextEncoder]],
     cfg: IngestConfig,
     use_gpu: bool,
+    conditioning: Callable[[LatentEncoder], Any] | None,
 ) -> Iterator[pa.Table]:
     """The stages as a Ray Data pipeline: decode tasks, then an actor pool of encoders.
     Blocks come back in file order (preserve_order), so the shards match the in-process
@@ -190,7 +197,7 @@ def _run_ray(
                         num_cpus=1)
     ds = ds.map_batches(
         EncodeStage,
-        fn_constructor_kwargs={"build": build, "max_text_tokens": cfg.max_text_tokens},
+        fn_constructor_kwargs={"build": build, "max_text_tokens": cfg.max_text_tokens, "conditioning": conditioning},
         batch_size=None,
         batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(size=cfg.workers),
@@ -305,9 +312,10 @@ def ingest(
         build = prebuilt(encoder or standin_encoder, text_encoder or standin_text)
     stage: EncodeStage | None = None
     unconditional = None
+    conditioning = spec.conditioning if spec.image_encoder else None
     if cfg.workers == 0:
-        stage = EncodeStage(build, cfg.max_text_tokens)
-        info = EncoderInfo.of(stage.encoder, stage.text_encoder)
+        stage = EncodeStage(build, cfg.max_text_tokens, conditioning)
+        info = EncoderInfo.of(stage.encoder, stage.text_encoder, stage.conditioning)
         unconditional = unconditional_record(stage.text_encoder, cfg.max_text_tokens)
     elif made:
         built = build()
@@ -321,9 +329,13 @@ def ingest(
     opts = DecodeOptions(max_side=cfg.max_side, max_frames=cfg.max_frames, frame_stride=cfg.frame_stride,
                          multiple=info.downsample * PATCH[1], video_decoder=decoder)
     batches = [items_table(items[i : i + cfg.batch_size]) for i in range(0, len(items), cfg.batch_size)]
-    tables = _run_local(batches, opts, stage) if stage is not None else _run_ray(batches, opts, build, cfg, use_gpu)
+    tables = (_run_local(batches, opts, stage) if stage is not None else
+              _run_ray(batches, opts, build, cfg, use_gpu, conditioning))
 
-    writer = ShardWriter(out_dir, rows_per_shard=math.ceil(len(items) / cfg.shards), text_dtype=cfg.text_dtype)
+    conditioned = info.image_record is not None
+    writer = ShardWriter(out_dir, rows_per_shard=math.ceil(len(items) / cfg.shards), text_dtype=cfg.text_dtype,
+                         condition=conditioned, image_context=conditioned)
+    rows_schema = corpus_schema(condition=conditioned, image_context=conditioned)
     caption_from = {item.source: item.caption_from for item in items}
     seen: dict[int, str] = {}
     kinds: list[str] = []
@@ -345,7 +357,7 @@ def ingest(
         kinds.extend(kept.column("kind").to_pylist())
         seq_lens.extend(kept.column("seq_len").to_pylist())
         # Ray Data hands tables back with every field nullable: restore the corpus schema.
-        writer.add(pa.Table.from_arrays(kept.columns, schema=CORPUS_SCHEMA))
+        writer.add(pa.Table.from_arrays(kept.columns, schema=rows_schema))
     bar.close()
     shards = writer.close()
     if unconditional is None:  # the models live in the Ray actors: one task encodes ""
@@ -369,12 +381,7 @@ def ingest(
     schema_path = write_schema_json(
         out_dir,
         builder="ingest",
-        dims={
-            "channels": info.channels,
-            "text_dim": info.text_dim,
-            "pooled_dim": info.pooled_dim,
-            "vae_downsample": info.downsample,
-        },
+        dims=info.dims(),
         payload=True,
         shards=shards,
         shard_rows=writer.shard_rows,
@@ -384,7 +391,9 @@ def ingest(
             "input": str(root),
             "encoder": info.latent_record["class"],
             "text_encoder": info.text_record["class"],
-            "encoders": {"latent": info.latent_record, "text": info.text_record},
+            **({"image_encoder": info.image_record["class"]} if info.image_record is not None else {}),
+            "encoders": {"latent": info.latent_record, "text": info.text_record,
+                         **({"image": info.image_record} if info.image_record is not None else {})},
             "captions": {"column": cfg.caption_column, **dict(captions), **({"trigger": cfg.trigger} if cfg.trigger
                                                                                else {})},
             **({"repeats": _repeated_folders(repeats)} if any(n > 1 for n in repeats.values()) else {}),

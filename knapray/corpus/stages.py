@@ -57,8 +57,9 @@ DECODED_SCHEMA = pa.schema(
     ]
 )
 ROWS_SCHEMA = CORPUS_SCHEMA.append(pa.field("skip", pa.string(), nullable=False))
-"""EncodeStage's output: corpus rows plus ``skip``; skipped files are rows with zero
-lengths and empty payloads that the writer drops after counting them."""
+"""EncodeStage's output: corpus rows (with the conditioning columns when it has an image
+encoder) plus ``skip``; skipped files are rows with zero lengths and empty payloads that the
+writer drops after counting them."""
 
 
 def load_factory(spec: str) -> Callable[[], Any]:
@@ -101,6 +102,10 @@ class FamilyEncoding:
     prompt: hf.PromptFormat | None = None
     """The pipeline's template around a caption for its language-model text encoder, and the
     template tokens dropped from the front (Qwen-Image's); None: captions as they are."""
+    image_pipeline: str = ""
+    """The diffusers image-to-video pipeline whose conditioning an ingest with an image encoder
+    writes per clip (:class:`knapray.corpus.hf.WanI2VConditioning`: Wan 2.1 I2V's); "": the
+    family takes none."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -119,6 +124,11 @@ class EncoderSpec:
     """CLIP text model directory: its pooled output is ``pooled``."""
     pooled_tokenizer: str | None = None
     """Tokenizer directory for ``pooled_encoder`` when it is not in the model's directory."""
+    image_encoder: str | None = None
+    """CLIPVisionModel directory: with it each row holds its image-to-video conditioning
+    (``condition`` and ``image_context``, the family's ``image_pipeline``'s), from ``vae``."""
+    image_processor: str | None = None
+    """CLIPImageProcessor directory for ``image_encoder`` when it is not in the model's directory."""
     device: str = "auto"
     """auto | cpu | cuda; auto is cuda where torch sees a GPU."""
     dtype: str = "auto"
@@ -153,7 +163,7 @@ class EncoderSpec:
             if getattr(self, a) and getattr(self, b):
                 raise ValueError(f"give {a} or {b}, not both")
         for needs, name in (("text_encoder", "pooled_encoder"), ("text_encoder", "text_tokenizer"),
-                            ("pooled_encoder", "pooled_tokenizer")):
+                            ("pooled_encoder", "pooled_tokenizer"), ("image_encoder", "image_processor")):
             if getattr(self, name) and not getattr(self, needs):
                 raise ValueError(f"{name} is given without {needs}")
         if self.device not in hf.DEVICES:
@@ -165,6 +175,13 @@ class EncoderSpec:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.pooled_encoder and not self.pooled_vector:
             raise ValueError(f"pooled_encoder is given for family {self.family.family}, which has no pooled vector")
+        if self.image_encoder and not (self.family is not None and self.family.image_pipeline):
+            takers = "a family whose pipeline takes an image (--family wan)"
+            raise ValueError(f"--image-encoder {self.image_encoder}: given for "
+                             f"{'family ' + self.family.family if self.family else 'no --family'}; it is for {takers}")
+        if self.image_encoder and not self.vae:
+            raise ValueError(f"--image-encoder {self.image_encoder}: needs --vae (the conditioning latent is the "
+                             "corpus VAE's)")
 
     @property
     def pooled_vector(self) -> bool:
@@ -184,6 +201,13 @@ class EncoderSpec:
         """Whether a VAE or text model is loaded (and so a device matters)."""
         return bool(self.vae or self.text_encoder)
 
+    def conditioning(self, encoder: LatentEncoder) -> hf.WanI2VConditioning:
+        """The image-to-video conditioning encoder over ``encoder`` (the :meth:`build` VAE) and
+        ``image_encoder``, on the encoder's device and dtype."""
+        assert isinstance(encoder, hf.DiffusersVAE) and self.image_encoder
+        return hf.WanI2VConditioning(encoder, self.image_encoder, self.image_processor, encoder.device,
+                                     encoder.dtype)
+
     def resolved(self, device: str) -> EncoderSpec:
         """This spec with ``device`` ('cpu' or 'cuda') and the dtype that goes with it."""
         return replace(self, device=device, dtype=hf.resolve_dtype(self.dtype, device))
@@ -192,8 +216,14 @@ class EncoderSpec:
         """Read the model configs and tokenizer folders (not the weights) and import the
         libraries, so a bad path or a missing extra fails before any work starts."""
         if self.vae:
-            hf.vae_info(self.vae)
+            vae = hf.vae_info(self.vae)
             hf._import("diffusers")
+            if self.image_encoder and vae.temporal_downsample == 1:
+                raise ValueError(f"--image-encoder {self.image_encoder}: the conditioning latent needs a video VAE "
+                                 f"(AutoencoderKLWan); --vae {self.vae} is {vae.cls}")
+        if self.image_encoder:
+            hf.image_encoder_info(self.image_encoder, self.image_processor)
+            hf._import("transformers")
         if self.text_encoder:
             hf.text_encoder_infos(self.text_encoder, self.text_tokenizer, self.pooled_encoder,
                                   self.pooled_tokenizer)
@@ -245,7 +275,12 @@ class EncoderSpec:
             made = (load_factory(self.text_encoder_factory)() if self.text_encoder_factory else
                     self._standin_text())
             dim, pooled_dim, text_record = made.dim, made.pooled_dim, encoder_record(made)
-        return EncoderInfo(channels, downsample, dim, pooled_dim, latent_record, text_record)
+        image = None
+        if self.image_encoder:
+            vae = hf.vae_info(self.vae)  # type: ignore[arg-type]
+            image = hf.condition_record(hf.image_encoder_info(self.image_encoder, self.image_processor),
+                                        vae.temporal_downsample, vae.channels, self.dtype)
+        return EncoderInfo(channels, downsample, dim, pooled_dim, latent_record, text_record, image)
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,11 +293,25 @@ class EncoderInfo:
     pooled_dim: int
     latent_record: dict[str, Any]
     text_record: dict[str, Any]
+    image_record: dict[str, Any] | None = None
+    """The image encoder and how each row's conditioning was made (``hf.condition_record``);
+    None: the rows hold none."""
 
     @staticmethod
-    def of(encoder: LatentEncoder, text: TextEncoder) -> EncoderInfo:
+    def of(encoder: LatentEncoder, text: TextEncoder, conditioning: hf.WanI2VConditioning | None = None
+           ) -> EncoderInfo:
         return EncoderInfo(encoder.channels, encoder.downsample, text.dim, text.pooled_dim,
-                           encoder_record(encoder), encoder_record(text))
+                           encoder_record(encoder), encoder_record(text),
+                           conditioning.describe() if conditioning is not None else None)
+
+    def dims(self) -> dict[str, int]:
+        """schema.json's ``dims`` of these encoders' corpus (with the conditioning's widths)."""
+        dims = {"channels": self.channels, "text_dim": self.text_dim, "pooled_dim": self.pooled_dim,
+                "vae_downsample": self.downsample}
+        if self.image_record is not None:
+            dims.update(condition_channels=int(self.image_record["condition_channels"]),
+                        image_dim=int(self.image_record["dim"]), image_tokens=int(self.image_record["tokens"]))
+        return dims
 
 
 def items_table(items: list[MediaItem]) -> pa.Table:
@@ -354,12 +403,14 @@ class EncodeStage:
     """DECODED_SCHEMA rows -> ROWS_SCHEMA rows. Ray Data builds one per actor (so the
     models load once per actor); the in-process path builds one."""
 
-    def __init__(self, build: Callable[[], tuple[LatentEncoder, TextEncoder]], max_text_tokens: int) -> None:
+    def __init__(self, build: Callable[[], tuple[LatentEncoder, TextEncoder]], max_text_tokens: int,
+                 conditioning: Callable[[LatentEncoder], hf.WanI2VConditioning] | None = None) -> None:
         self.encoder, self.text_encoder = build()
         for obj, proto in ((self.encoder, LatentEncoder), (self.text_encoder, TextEncoder)):
             if not isinstance(obj, proto):
                 raise TypeError(f"{type(obj).__name__} does not implement {proto.__name__}")
         self.max_text_tokens = max_text_tokens
+        self.conditioning = conditioning(self.encoder) if conditioning is not None else None
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         d = batch.to_pydict()
@@ -373,6 +424,7 @@ class EncodeStage:
         texts = encode_captions(self.text_encoder, [d["caption"][i] for i in keep], self.max_text_tokens)
         for text, pooled in texts:
             _check_text(text, pooled, self.text_encoder)
+        conds = self.conditioning.encode_many(frames) if self.conditioning is not None else []
         n = len(d["skip"])
         empty = np.zeros(0, np.float32)
         lat: list[np.ndarray] = [empty] * n
@@ -383,7 +435,11 @@ class EncodeStage:
             **{c: [0] * n for c in ("frames", "height", "width", "channels", "visual_tokens",
                                     "text_tokens", "seq_len")},
         }
-        for i, latent, (text, pooled) in zip(keep, latents, texts):
+        cond: list[np.ndarray] = [empty] * n
+        image: list[np.ndarray] = [empty] * n
+        for k, (i, latent, (text, pooled)) in enumerate(zip(keep, latents, texts)):
+            if conds:
+                cond[i], image[i] = conds[k]
             c, t, h, w = latent.shape
             visual = visual_token_count(t, h, w)
             for name, value in zip(
@@ -392,5 +448,7 @@ class EncodeStage:
             ):
                 cols[name][i] = value
             lat[i], txt[i], pool[i] = latent, text, pooled
-        table = build_table(cols, lat, txt, pool)
+        with_conds = self.conditioning is not None
+        table = build_table(cols, lat, txt, pool, conditions=cond if with_conds else None,
+                            image_contexts=image if with_conds else None)
         return table.append_column(ROWS_SCHEMA.field("skip"), pa.array(d["skip"], pa.string()))

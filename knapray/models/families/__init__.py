@@ -211,7 +211,7 @@ def _wan() -> Family:
         exact_against="diffusers 0.42 WanTransformer3DModel (fp32, 1e-5 relative, outputs and gradients; one rank)",
         encoders=FamilyEncoding(family="wan", model="Wan", pooled=False, text_length=wan.TEXT_LENGTH,
                                 pipeline="WanPipeline", clean_prompts=True, text_models=wan.TEXT_MODELS,
-                                vae=wan.VAE), video=True,
+                                vae=wan.VAE, image_pipeline="WanImageToVideoPipeline"), video=True,
         sample_shift=wan.sample_shift, zero_init=False, sized_config=wan.sized_config, small_config=wan.small_config,
         diffusers_class=wan.DIFFUSERS_CLASS, diffusers_call=wan.diffusers_call,
         reference_overrides=wan.reference_overrides,
