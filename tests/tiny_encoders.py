@@ -1,7 +1,8 @@
 """Tiny randomly initialized encoders saved like real checkpoints, for the adapter tests:
 a diffusers AutoencoderKL (Flux-style shift and scale), a Wan video VAE, a T5 encoder, a
-umT5 encoder and a CLIP text model, each with a tokenizer built here (no network: a WordLevel vocabulary
-of the test captions wrapped in PreTrainedTokenizerFast). Also a folder of the sample
+umT5 encoder and a CLIP text model, each with a tokenizer built here (no network: a WordLevel
+vocabulary of the test captions wrapped in PreTrainedTokenizerFast), and a CLIP vision model
+with its image processor. Also a folder of the sample
 images matplotlib ships, captioned by a metadata.jsonl."""
 
 from __future__ import annotations
@@ -137,6 +138,22 @@ def save_clip(out: Path, *, projection: bool) -> Path:
         tokenizer_object=tok, bos_token=specials[0], eos_token=specials[1], pad_token=specials[1],
         unk_token="<unk>", model_max_length=77,
     ).save_pretrained(out)
+    return out
+
+
+def save_clip_vision(out: Path) -> Path:
+    """CLIPVisionModel (image_size 28, patch_size 14, hidden 8: 5 tokens; Wan 2.1 I2V's image
+    encoder is CLIP ViT-H/14, 257 x 1280) with a CLIPImageProcessor cropping 28x28, as its
+    image_encoder/ and image_processor/ hold them, here in one folder."""
+    import torch
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(3)
+    CLIPVisionModel(CLIPVisionConfig(
+        hidden_size=8, intermediate_size=16, num_hidden_layers=3, num_attention_heads=2, image_size=28,
+        patch_size=14, projection_dim=8,
+    )).save_pretrained(out)
+    CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}).save_pretrained(out)
     return out
 
 

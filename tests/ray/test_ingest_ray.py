@@ -54,3 +54,37 @@ def test_ray_data_actor_pool_writes_the_rows_of_the_in_process_path(ray_session,
         sb = decode_row(b, text_dim=dims["text_dim"], pooled_dim=dims["pooled_dim"])
         for key in ("latent", "text", "pooled"):  # other batches and thread counts: float sums reorder
             np.testing.assert_allclose(sa[key], sb[key], atol=2e-5, err_msg=f"{a['source']} {key}")
+
+
+@pytest.mark.ray
+def test_ray_data_actors_write_the_i2v_conditioning_of_the_in_process_path(ray_session, tmp_path: Path) -> None:
+    """``--family wan --image-encoder``: each actor builds its conditioning over its own Wan VAE
+    and CLIP vision model; rows, dims and records as the in-process path's."""
+    from PIL import Image
+
+    from knapray.models.families import FAMILIES
+
+    media = tmp_path / "media"
+    media.mkdir()
+    rng = np.random.default_rng(0)
+    for name, frames in (("clip9.tif", 9), ("clip5.tif", 5), ("still.png", 1)):
+        images = [Image.fromarray(f) for f in rng.integers(0, 256, size=(frames, 32, 48, 3), dtype=np.uint8)]
+        images[0].save(media / name, save_all=frames > 1, append_images=images[1:])
+    spec = EncoderSpec(vae=str(te.save_wan(tmp_path / "vae")), text_encoder=str(te.save_umt5(tmp_path / "umt5")),
+                       image_encoder=str(te.save_clip_vision(tmp_path / "clip")), device="cpu",
+                       family=FAMILIES["wan"].encoders)
+    cfg = dict(max_side=48, max_frames=9, max_text_tokens=512)
+    ingest(media, tmp_path / "local", IngestConfig(**cfg), encoders=spec, progress=False)
+    ingest(media, tmp_path / "ray", IngestConfig(**cfg, workers=1, batch_size=2), encoders=spec, progress=False)
+    doc, ref_doc = read_schema_json(tmp_path / "ray"), read_schema_json(tmp_path / "local")
+    for key in ("dims", "encoders", "image_encoder", "columns"):
+        assert doc[key] == ref_doc[key], key
+    dims = doc["dims"]
+    assert (dims["condition_channels"], dims["image_dim"], dims["image_tokens"]) == (8, 8, 5)
+    want, have = read_corpus(tmp_path / "local").to_pylist(), read_corpus(tmp_path / "ray").to_pylist()
+    assert [r["source"] for r in have] == [r["source"] for r in want]
+    for a, b in zip(have, want):
+        sa, sb = (decode_row(r, text_dim=dims["text_dim"], pooled_dim=0, condition_channels=8, image_dim=8)
+                  for r in (a, b))
+        for key in ("latent", "condition", "image_context"):
+            np.testing.assert_allclose(sa[key], sb[key], atol=2e-5, err_msg=f"{a['source']} {key}")
