@@ -56,8 +56,9 @@ def _model_input(sample: Mapping[str, Any], latent: np.ndarray, cfg: DiTConfig, 
     if latent.ndim == 4 and latent.shape[0] < cfg.in_channels:
         condition = sample.get("condition")
         if condition is None:
-            raise ValueError(f"sample {sid}: the model takes {cfg.in_channels} channels, the latent has "
-                             f"{latent.shape[0]} and the sample no conditioning latent (a corpus without condition)")
+            raise ValueError(f"sample {sid}: latent shape {tuple(latent.shape)} does not match the model's "
+                             f"(in_channels={cfg.in_channels}, T, H, W), and the sample has no conditioning latent "
+                             "to make up the difference (a corpus without condition)")
         if condition.ndim != 4 or condition.shape[1:] != latent.shape[1:]:
             raise ValueError(f"sample {sid}: condition shape {tuple(condition.shape)} is not (C, T, H, W) with "
                              f"the latent's (T, H, W)={tuple(latent.shape[1:])}")
