@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -169,8 +170,13 @@ class ExpertSplit:
         low, high = (self.boundary, 1.0) if expert == 0 else (0.0, self.boundary)
         return dataclasses.replace(dist, low=low, high=high)
 
-    def expert(self, seed: int, optimizer_step: int, dist: TimestepDistribution) -> int:
-        """The expert optimizer step ``optimizer_step`` trains: 0 (high noise) with
-        probability ``high_share``, from a draw of its own seeded by (seed, step)."""
-        u = np.random.default_rng([int(seed) & 0xFFFFFFFF, int(optimizer_step), 0x5EED]).random()
-        return 0 if u < self.high_share(dist) else 1
+    def chooser(self, seed: int, dist: TimestepDistribution) -> Callable[[int], int]:
+        """``step -> expert``: the expert the optimizer step starting at ``step`` trains, 0 (high
+        noise) with probability ``high_share(dist)`` (computed once), from a draw of its own
+        seeded by (seed, step)."""
+        share, seed = self.high_share(dist), int(seed) & 0xFFFFFFFF
+
+        def expert(step: int) -> int:
+            return 0 if np.random.default_rng([seed, int(step), 0x5EED]).random() < share else 1
+
+        return expert

@@ -236,6 +236,10 @@ class Trainer:
         timesteps; a step trains one (``_use``: the trainer's ``model``, ``optimizer``, ...)."""
         for i in range(2 if self.split else 1):
             self.experts.append(self._build_expert(i))
+        self.lora_base = self.experts[0].lora_base
+        """A LoRA run's base: {path, fingerprint of its safetensors files} (trainer.json; weights.checks.base_record)."""
+        self._choose = self.split.chooser(self.cfg.data.seed, self.cfg.flow.distribution()) if self.split else None
+        """``step -> expert`` of a group starting at ``step`` (``ExpertSplit.chooser``)."""
         self._use(0)
 
     def _start_schedules(self) -> None:
@@ -296,18 +300,14 @@ class Trainer:
         self.active = index
         self.model, self.parallel, self.optimizer, self.ema = e.model, e.parallel, e.optimizer, e.ema
         self.schedule = e.schedule
-        self.lora_base = self.experts[0].lora_base
-        """A LoRA run's base: {path, fingerprint of its safetensors files} (trainer.json; weights.checks.base_record)."""
 
     def _expert_for(self, step: int) -> int:
         """The expert step ``step`` trains (0 with one model): inside an accumulation group the
         group's; a group's first step draws it from the run's seed and that step's number
-        (``ExpertSplit.expert``), so a resume (which starts a group) and every rank agree."""
-        if self.split is None:
+        (``ExpertSplit.chooser``), so a resume (which starts a group) and every rank agree."""
+        if self._choose is None:
             return 0
-        if self.micro_steps:
-            return self.active
-        return self.split.expert(self.cfg.data.seed, step, self.cfg.flow.distribution())
+        return self.active if self.micro_steps else self._choose(step)
 
     def _restore(self) -> str | None:
         """The checkpointer, then the newest checkpoint if there is one (its path, else
