@@ -85,23 +85,31 @@ def small_config(family: str, width: int = 64):
     return get_family(family).small_config(width)
 
 
-def long_batch(cfg, sequences: int = 3, side: int = 96, text: int = 64, seed: int = 0) -> PackedBatch:
-    """``sequences`` images of (side/2)² tokens each (2,304 at side 96) with ``text`` text
-    tokens, noised, with targets."""
+def long_batch(cfg, sequences: int = 3, side: int = 96, text: int = 64, seed: int = 0, frames: int = 1) -> PackedBatch:
+    """``sequences`` clips of ``frames`` latent frames of (side/2)² tokens each (2,304 at side
+    96) with ``text`` text tokens, noised, with targets; for a model with a time per token,
+    every other clip image-conditioned (its first frame at time 0)."""
     from knapray.models import add_noise
 
     gen = torch.Generator().manual_seed(seed)
     samples = []
     for i in range(sequences):
-        sample = {"latent": torch.randn(cfg.in_channels, 1, side, side, generator=gen),
+        sample = {"latent": torch.randn(cfg.in_channels, frames, side, side, generator=gen),
                   "timestep": (i + 1) / (sequences + 1), "text": torch.randn(text, cfg.text_dim, generator=gen)}
+        if getattr(cfg, "expand_timesteps", False):
+            sample["first_frame_timestep"] = 0.0 if i % 2 == 0 else sample["timestep"]
+        if getattr(cfg, "image_dim", 0):  # Wan 2.1 I2V: CLIP-like image tokens
+            sample["image_context"] = torch.randn(cfg.image_tokens, cfg.image_dim, generator=gen)
         if cfg.pooled_dim:
             sample["pooled"] = torch.randn(cfg.pooled_dim, generator=gen)
         if getattr(cfg, "guidance_embeds", False):
             sample["guidance"] = 3.5
         samples.append(sample)
     batch = pack_samples(samples, cfg)
-    return add_noise(batch, torch.randn(batch.x_img.shape, generator=gen))
+    batch = add_noise(batch, torch.randn(batch.x_img.shape, generator=gen))
+    # targets of the model's output features (fewer than its input's for I2V: the latent's
+    # channels come first in a token's features)
+    return dataclasses.replace(batch, targets=batch.targets[:, :cfg.out_patch_dim].contiguous())
 
 
 def _grads(model: nn.Module, batch: PackedBatch, autocast: torch.dtype | None) -> dict[str, torch.Tensor]:
@@ -128,18 +136,23 @@ def _per_token_linears(model: nn.Module) -> tuple[str, ...]:
 
 
 def gradient_errors(family: str, mode: str, *, device: str = "cpu", compile: bool = True, width: int = 64,
-                    sequences: int = 3, side: int = 96, seed: int = 0, fp8: str | None = None) -> GradientReport:
+                    sequences: int = 3, side: int = 96, seed: int = 0, fp8: str | None = None,
+                    config: dict | None = None, frames: int = 1) -> GradientReport:
     """Compile ``family``'s small model (``small_config``) by ``parallelize`` in bf16 ``mode``
     on ``device``, run one forward and backward on ``long_batch``, and compare every
     parameter's gradient with a float64 eager copy's (same weights: the bf16 parameters'
     values for ``bf16_params``). ``fp8``: with ``parallel.fp8`` in that scaling (its block
-    matmuls in float8: the yardstick is then float8's error)."""
+    matmuls in float8: the yardstick is then float8's error). ``config``: fields of the
+    small config set otherwise (a variant: Wan 2.2 TI2V's ``expand_timesteps``); ``frames``:
+    latent frames a sequence has."""
     from knapray.config.parallel import ParallelConfig
     from knapray.worker.parallelize import parallelize
 
     if mode not in MODES:
         raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
     cfg = small_config(family, width)
+    if config:
+        cfg = dataclasses.replace(cfg, **config)
     torch.manual_seed(seed)
     model = build_model(cfg)
     if get_family(family).zero_init:
@@ -148,7 +161,7 @@ def gradient_errors(family: str, mode: str, *, device: str = "cpu", compile: boo
         model = model.to(torch.bfloat16)
     reference = copy.deepcopy(model).double().to(device)
     model = model.to(device)
-    batch = long_batch(cfg, sequences, side, seed=seed).to(device)
+    batch = long_batch(cfg, sequences, side, seed=seed, frames=frames).to(device)
     truth = _grads(reference, batch, None)
     del reference
     parallelize(model, ParallelConfig(compile=compile, **({"fp8": True, "fp8_scaling": fp8} if fp8 else {})))
