@@ -122,11 +122,11 @@ class _CoordinatorActor:
     async def epoch(self) -> int:
         return self._core.epoch
 
-    async def commit_step(self, step) -> None:
-        self._core.commit_step(step)
+    async def commit_step(self, step, experts=None) -> None:
+        self._core.commit_step(step, experts)
 
-    async def record_external(self, step, sample_ids, home_ranks, epoch=None) -> None:
-        self._core.record_external(step, sample_ids, home_ranks, epoch)
+    async def record_external(self, step, sample_ids, home_ranks, epoch=None, expert=0) -> None:
+        self._core.record_external(step, sample_ids, home_ranks, epoch, expert)
 
     async def begin_run(self, world_size, resume_step=None, state=None, node_sizes=None) -> Topology:
         return self._core.begin_run(world_size, resume_step, state, node_sizes)

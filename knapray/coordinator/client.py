@@ -176,25 +176,27 @@ class CoordinatorClient:
         self._requested.clear()
 
     def record_external(self, step: int, sample_ids: Sequence[int], home_ranks: Sequence[int],
-                        epoch: int | None = None) -> None:
-        """Rank 0: ledger rows of a step planned locally while the coordinator was away."""
+                        epoch: int | None = None, expert: int = 0) -> None:
+        """Rank 0: ledger rows of a step planned locally while the coordinator was away
+        (trained by ``expert``)."""
         self._get(
             self._actor().record_external.remote(int(step), [int(i) for i in sample_ids], [int(h) for h in home_ranks],
-                                                 None if epoch is None else int(epoch)),
+                                                 None if epoch is None else int(epoch), int(expert)),
             f"ledger rows of step {step}",
         )
 
-    def commit_async(self, step: int) -> None:
-        """Rank 0, after the optimizer step: steps ``<= step`` are trained. Commits are
+    def commit_async(self, step: int, experts: dict[int, int] | None = None) -> None:
+        """Rank 0, after the optimizer step: steps ``<= step`` are trained (``experts``:
+        step -> the expert that trained it, a run of two experts' recent steps). Commits are
         cumulative, so one lost with an unreachable actor is covered by the next."""
         try:
-            self._actor().commit_step.remote(int(step))
+            self._actor().commit_step.remote(int(step), experts or None)
         except CoordinatorUnavailable:
             pass
 
-    def commit(self, step: int) -> None:
+    def commit(self, step: int, experts: dict[int, int] | None = None) -> None:
         """Like ``commit_async`` but waits: before reading ``state_dict`` for a checkpoint."""
-        self._get(self._actor().commit_step.remote(int(step)), f"commit of step {step}")
+        self._get(self._actor().commit_step.remote(int(step), experts or None), f"commit of step {step}")
 
     def report_timing_async(self, step: int, compute_s: float, comm_s: float, wait_plan_s: float) -> None:
         """Measured seconds of this rank's ``step``: sent with its next submission (no call

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -175,11 +175,13 @@ class BalanceCoordinator:
 
     # ---- ledger -------------------------------------------------------------------------
 
-    def commit_step(self, step: int) -> None:
+    def commit_step(self, step: int, experts: Mapping[int, int] | None = None) -> None:
         """Every planned step ``<= step`` has been applied by the optimizer: record its
-        samples in the ledger (cumulative, idempotent; fsync'd before this returns)."""
+        samples in the ledger (cumulative, idempotent; fsync'd before this returns).
+        ``experts``: step -> the expert that trained it, for a run of two experts (rank 0's
+        recent steps; a step not there was trained by expert 0)."""
         step = check_index("step", step, allow_minus_one=True)
-        self.ledger.commit_through(step)
+        self.ledger.commit_through(step, _experts(experts))
         # Steps still unplanned here were trained from a local fallback plan: their samples
         # never reached the coordinator, so the ledger cannot hold them (``record_external``).
         unplanned = self._steps.drop_unplanned_through(step)
@@ -188,17 +190,18 @@ class BalanceCoordinator:
             log.warning("steps %s committed without a coordinator plan: not in the ledger", unplanned)
 
     def record_external(self, step: int, sample_ids: Sequence[int], home_ranks: Sequence[int],
-                        epoch: int | None = None) -> None:
+                        epoch: int | None = None, expert: int = 0) -> None:
         """Ledger rows of a step the ranks planned without the coordinator (it was
         unreachable): committed as they are, with the current attempt. ``epoch``: the
-        step's epoch as the ranks knew it (None: the coordinator's epoch bookkeeping)."""
+        step's epoch as the ranks knew it (None: the coordinator's epoch bookkeeping);
+        ``expert``: the one that trained it."""
         step = check_index("step", step)
         ids = np.asarray(sample_ids, dtype=np.int64)
         home = np.asarray(home_ranks, dtype=np.int64)
         if ids.shape != home.shape or ids.ndim != 1:
             raise ValueError(f"sample_ids and home_ranks must be equal-length lists, got {ids.shape}, {home.shape}")
         epoch = self._epoch_of(step) if epoch is None else check_index("epoch", epoch)
-        if self.ledger.add(step, epoch, ids, home):
+        if self.ledger.add(step, epoch, ids, home, _expert(expert)):
             self._steps.forget(step)
 
     def _epoch_of(self, step: int) -> int:
@@ -223,7 +226,7 @@ class BalanceCoordinator:
         return self.ledger.rows_list()
 
     def ledger_columns(self) -> dict[str, np.ndarray]:
-        """Every committed row as int64 columns ``step, sample_id, home_rank, attempt, epoch``, by step."""
+        """Every committed row as int64 columns ``step, sample_id, home_rank, attempt, epoch, expert``, by step."""
         return self.ledger.columns()
 
     def epoch_sample_ids(self, epoch: int) -> np.ndarray:
@@ -423,3 +426,20 @@ class BalanceCoordinator:
     def close(self) -> None:
         """Close the ledger's journal (a coordinator object is done; its files stay)."""
         self.ledger.close()
+
+
+def _expert(value: Any) -> int:
+    """An expert number from a rank (a run has at most a few): an int in [0, 255]."""
+    expert = check_index("expert", value)
+    if expert > 255:
+        raise ValueError(f"expert must be in [0, 255], got {expert}")
+    return expert
+
+
+def _experts(experts: Mapping[int, int] | None) -> dict[int, int]:
+    """``step -> expert`` from rank 0 (its recent steps), every key and value checked."""
+    if experts is None:
+        return {}
+    if not isinstance(experts, Mapping) or len(experts) > 1 << 12:
+        raise ValueError(f"experts must be a mapping of at most 4096 steps to experts, got {type(experts).__name__}")
+    return {check_index("step", t): _expert(e) for t, e in experts.items()}

@@ -1,13 +1,16 @@
 """The ledger: which samples were trained in which committed step, exactly once.
 
-Rows are ``(step, sample_id, home_rank, attempt, epoch)``. A planned step's rows are
+Rows are ``(step, sample_id, home_rank, attempt, epoch, expert)``; ``expert`` is the
+model that trained the step (0, or in a run of two experts the one its optimizer step
+trained: ``flow.expert_boundary``). A planned step's rows are
 *staged* until rank 0 commits it (after the optimizer step that consumed it); a commit
 appends one journal record per step and fsyncs it, so a committed step survives the
 coordinator's death. A resume from a checkpoint at step ``c`` *truncates*: rows of steps
 after ``c`` go, the attempt counter goes up, and those steps are trained again and
 recorded with the new attempt. A truncate is a journal record too.
 
-In memory the ledger is columnar numpy (a per-step table ``(step, epoch, attempt, rows)``
+In memory the ledger is columnar numpy (a per-step table ``(step, epoch, attempt, rows,
+expert)``
 and two row columns), so its queries stay fast at ten million rows, and a commit costs
 the same at any ledger size (bytes: one record per step; time: one append and fsync).
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -37,10 +41,10 @@ from .store import COMMIT, SNAPSHOT_FORMAT, TRUNCATE, LedgerFileError, Record, S
 
 log = logging.getLogger(__name__)
 
-_STEP, _EPOCH, _ATTEMPT, _ROWS = range(4)
-COLUMNS = ("step", "sample_id", "home_rank", "attempt", "epoch")
+_STEP, _EPOCH, _ATTEMPT, _ROWS, _EXPERT = range(5)
+COLUMNS = ("step", "sample_id", "home_rank", "attempt", "epoch", "expert")
 """Columns of ``Ledger.columns()`` and keys of ``ledger.jsonl`` rows, in order."""
-_JSONL_ROW = '{"step": %d, "sample_id": %d, "home_rank": %d, "attempt": %d, "epoch": %d}\n'
+_JSONL_ROW = '{"step": %d, "sample_id": %d, "home_rank": %d, "attempt": %d, "epoch": %d, "expert": %d}\n'
 
 
 class _Column:
@@ -95,7 +99,7 @@ class Ledger:
             self._restore()
 
     def _clear(self) -> None:
-        self._table = _Column(np.int64, 4)  # (k, 4): step, epoch, attempt, rows
+        self._table = _Column(np.int64, 5)  # (k, 5): step, epoch, attempt, rows, expert
         self._ids = _Column(np.int64)
         self._home = _Column(np.int32)
         self._index = _Column(np.int64)  # the table's steps, sorted (for membership)
@@ -150,9 +154,11 @@ class Ledger:
         """``step -> (epoch, sample_ids, home_ranks)`` of planned, uncommitted steps."""
         return dict(self._staged)
 
-    def commit_through(self, step: int) -> list[int]:
-        """Every staged step ``<= step`` is trained: one journal record each (fsync'd);
-        the committed step becomes ``step``. Returns the steps whose rows were committed."""
+    def commit_through(self, step: int, experts: Mapping[int, int] | None = None) -> list[int]:
+        """Every staged step ``<= step`` is trained (step ``t`` by expert ``experts[t]``,
+        0 if not there): one journal record each (fsync'd); the committed step becomes
+        ``step``. Returns the steps whose rows were committed."""
+        experts = experts or {}
         due = sorted(t for t in self._staged if t <= step)
         committed = []
         for i, t in enumerate(due):
@@ -162,20 +168,20 @@ class Ledger:
             # The committed step moves past a staged step only once its record is down, so
             # a crash between two records leaves the second one in flight, not lost.
             through = step if i == len(due) - 1 else t
-            self._append(Record(COMMIT, t, epoch, self.attempt, through, ids, home))
+            self._append(Record(COMMIT, t, epoch, self.attempt, through, ids, home, int(experts.get(t, 0))))
             committed.append(t)
         if step > self.committed_step:
             self._append(Record(COMMIT, step, -1, self.attempt, step))  # no rows: the count moves on
         return committed
 
-    def add(self, step: int, epoch: int, sample_ids, home_ranks) -> bool:
+    def add(self, step: int, epoch: int, sample_ids, home_ranks, expert: int = 0) -> bool:
         """Rows of a step planned elsewhere (the ranks, while the coordinator was away),
         committed as they are. False if the step's rows are already here (a resend)."""
         if self.has_step(step):
             return False
         self._staged.pop(step, None)
         self._append(Record(COMMIT, step, int(epoch), self.attempt, step,
-                            np.asarray(sample_ids, np.int64), np.asarray(home_ranks, np.int32)))
+                            np.asarray(sample_ids, np.int64), np.asarray(home_ranks, np.int32), int(expert)))
         return True
 
     def truncate(self, step: int, attempt: int) -> None:
@@ -192,10 +198,13 @@ class Ledger:
 
     def replace(self, table: np.ndarray, sample_ids: np.ndarray, home_ranks: np.ndarray,
                 committed_step: int, attempt: int) -> None:
-        """Hold exactly these rows (``table``: (k, 4) step, epoch, attempt, rows per step),
-        as a new ledger written as one snapshot: for building large ledgers fast
-        (benchmarks)."""
-        table = np.asarray(table, np.int64).reshape(-1, 4)
+        """Hold exactly these rows (``table``: (k, 4) step, epoch, attempt, rows per step, or
+        (k, 5) with the expert), as a new ledger written as one snapshot: for building large
+        ledgers fast (benchmarks)."""
+        table = np.asarray(table, np.int64)
+        table = table.reshape(-1, table.shape[-1] if table.ndim == 2 and table.shape[-1] == 5 else 4)
+        if table.shape[1] == 4:
+            table = np.concatenate([table, np.zeros((len(table), 1), np.int64)], axis=1)
         if int(table[:, _ROWS].sum()) != len(sample_ids) or len(sample_ids) != len(home_ranks):
             raise ValueError(f"{len(sample_ids)} sample ids, {len(home_ranks)} home ranks and "
                              f"{int(table[:, _ROWS].sum())} rows in the step table must agree")
@@ -220,7 +229,7 @@ class Ledger:
         if rec.kind == COMMIT:
             n = rec.sample_ids.size
             if n:
-                self._table.extend([[rec.step, rec.epoch, rec.attempt, n]])
+                self._table.extend([[rec.step, rec.epoch, rec.attempt, n, rec.expert]])
                 self._ids.extend(rec.sample_ids)
                 self._home.extend(rec.home_ranks)
                 index = self._index.view
@@ -342,10 +351,10 @@ class Ledger:
             rows = np.repeat(starts[order] - (np.cumsum(ordered_counts) - ordered_counts), ordered_counts)
             rows += np.arange(rows.size)
         per_row = {name: np.repeat(table[order, col], counts[order])
-                   for name, col in (("step", _STEP), ("attempt", _ATTEMPT), ("epoch", _EPOCH))}
+                   for name, col in (("step", _STEP), ("attempt", _ATTEMPT), ("epoch", _EPOCH), ("expert", _EXPERT))}
         return {"step": per_row["step"], "sample_id": self._ids.view[rows].copy(),
                 "home_rank": self._home.view[rows].astype(np.int64), "attempt": per_row["attempt"],
-                "epoch": per_row["epoch"]}
+                "epoch": per_row["epoch"], "expert": per_row["expert"]}
 
     def rows_list(self) -> list[tuple[int, int, int, int]]:
         """``(step, sample_id, home_rank, attempt)`` per row, by step (small ledgers, tests)."""

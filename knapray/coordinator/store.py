@@ -6,7 +6,9 @@ A state directory holds
     A ledger journal segment; its first record is record number ``n`` (12 digits). An
     8-byte magic, then records, each ``<u32 payload bytes><u32 crc32 of payload><payload>``
     with payload ``<u8 kind><i64 step><i64 epoch><i64 attempt><i64 through><u32 n>``
-    followed by ``n`` int64 sample ids and ``n`` int32 home ranks (little-endian). A record
+    followed by ``n`` int64 sample ids and ``n`` int32 home ranks (little-endian); a
+    ``COMMIT_EXPERT`` record has one more byte after the header, the expert that trained
+    the step (a run of two experts; any other commit was trained by expert 0). A record
     is appended with one ``write`` and fsync'd before the call returns.
 ``snapshot-<n>.npz``
     The ledger after its first ``n`` records: plain numpy arrays, read with
@@ -50,10 +52,12 @@ from knapray.nofollow import open_nofollow
 
 MAGIC = b"KRLJ\x00\x00\x00\x01"
 """First bytes of every journal segment: format name and version 1."""
-SNAPSHOT_FORMAT = 1
-COMMIT, TRUNCATE = 1, 2
+SNAPSHOT_FORMAT = 2
+"""Format 2's step table has the expert column; format 1's (read as expert 0) had not."""
+COMMIT, TRUNCATE, COMMIT_EXPERT = 1, 2, 3
 """Record kinds: a committed step's rows (or, with no rows, only the committed step
-moving on); a cut back to an earlier step with a new attempt."""
+moving on); a cut back to an earlier step with a new attempt; a committed step's rows
+trained by an expert other than 0 (its number follows the header)."""
 MAX_STATE_FILE_BYTES = 1 << 28
 """``run.json`` and ``stats.json`` hold a few steps' sample ids and recent lengths
 (megabytes at a large world); a larger file is not one the coordinator wrote."""
@@ -72,8 +76,9 @@ class LedgerFileError(ValueError):
 @dataclass(frozen=True, slots=True)
 class Record:
     """One journal record. ``COMMIT``: step ``step`` of ``epoch`` trained in ``attempt``
-    with these rows; the committed step is ``through`` after it. ``TRUNCATE``: rows of
-    steps after ``step`` are gone, the committed step is ``step``, the attempt ``attempt``."""
+    with these rows (by ``expert``: written as ``COMMIT_EXPERT`` when it is not 0); the
+    committed step is ``through`` after it. ``TRUNCATE``: rows of steps after ``step`` are
+    gone, the committed step is ``step``, the attempt ``attempt``."""
 
     kind: int
     step: int
@@ -82,14 +87,18 @@ class Record:
     through: int = -1
     sample_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     home_ranks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    expert: int = 0
 
     def encode(self) -> bytes:
         ids = np.ascontiguousarray(self.sample_ids, dtype="<i8")
         home = np.ascontiguousarray(self.home_ranks, dtype="<i4")
         if ids.shape != home.shape or ids.ndim != 1:
             raise ValueError(f"sample ids and home ranks must be equal-length vectors, got {ids.shape}, {home.shape}")
-        payload = _HEAD.pack(self.kind, self.step, self.epoch, self.attempt, self.through, ids.size)
-        payload += ids.tobytes() + home.tobytes()
+        if not 0 <= self.expert < 256 or (self.expert and self.kind != COMMIT):
+            raise ValueError(f"expert {self.expert}: a commit's expert is in [0, 255]")
+        kind = COMMIT_EXPERT if self.expert else self.kind
+        payload = _HEAD.pack(kind, self.step, self.epoch, self.attempt, self.through, ids.size)
+        payload += (bytes([self.expert]) if self.expert else b"") + ids.tobytes() + home.tobytes()
         head = struct.pack("<II", len(payload), zlib.crc32(payload))
         return head + struct.pack("<I", zlib.crc32(head)) + payload
 
@@ -99,13 +108,15 @@ class Record:
         if len(payload) < _HEAD.size:
             raise ValueError(f"record of {len(payload)} bytes is shorter than its {_HEAD.size}-byte header")
         kind, step, epoch, attempt, through, n = _HEAD.unpack_from(payload)
-        if kind not in (COMMIT, TRUNCATE):
+        if kind not in (COMMIT, TRUNCATE, COMMIT_EXPERT):
             raise ValueError(f"unknown record kind {kind}")
-        if len(payload) != _HEAD.size + 12 * n:
-            raise ValueError(f"record says {n} rows but holds {len(payload) - _HEAD.size} bytes of them")
-        ids = np.frombuffer(payload, "<i8", n, _HEAD.size).astype(np.int64)
-        home = np.frombuffer(payload, "<i4", n, _HEAD.size + 8 * n).astype(np.int32)
-        return cls(kind, step, epoch, attempt, through, ids, home)
+        head = _HEAD.size + (kind == COMMIT_EXPERT)
+        if len(payload) != head + 12 * n:
+            raise ValueError(f"record says {n} rows but holds {len(payload) - head} bytes of them")
+        expert = payload[_HEAD.size] if kind == COMMIT_EXPERT else 0
+        ids = np.frombuffer(payload, "<i8", n, head).astype(np.int64)
+        home = np.frombuffer(payload, "<i4", n, head + 8 * n).astype(np.int32)
+        return cls(COMMIT if kind == COMMIT_EXPERT else kind, step, epoch, attempt, through, ids, home, expert)
 
 
 @dataclass(slots=True)
@@ -257,18 +268,23 @@ class StateStore:
         except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error) as e:
             raise LedgerFileError(f"ledger snapshot {path} is unreadable: {e}") from None
         meta, steps, ids, home, cuts = (arrays[k] for k in SNAPSHOT_KEYS)
+        fmt = int(meta[0]) if meta.shape == (5,) else 0
         ok = (
-            meta.shape == (5,) and steps.ndim == 2 and steps.shape[1] == 4 and ids.ndim == 1
+            meta.shape == (5,) and steps.ndim == 2 and steps.shape[1] == {1: 4, 2: 5}.get(fmt, 5) and ids.ndim == 1
             and home.shape == ids.shape and cuts.ndim == 2 and cuts.shape[1] == 2
             and all(np.issubdtype(a.dtype, np.integer) for a in arrays.values())
         )
         if not ok:
             raise LedgerFileError(f"ledger snapshot {path} has arrays of the wrong shape or type")
-        if int(meta[0]) != SNAPSHOT_FORMAT or int(meta[1]) != n:
+        if fmt not in (1, SNAPSHOT_FORMAT) or int(meta[1]) != n:
             raise LedgerFileError(
-                f"ledger snapshot {path}: format {int(meta[0])} after {int(meta[1])} records, "
-                f"expected format {SNAPSHOT_FORMAT} after {n} (its name)"
+                f"ledger snapshot {path}: format {fmt} after {int(meta[1])} records, "
+                f"expected format 1 or {SNAPSHOT_FORMAT} after {n} (its name)"
             )
+        if fmt == 1:  # before the expert column: every step trained by expert 0
+            arrays["steps"] = np.concatenate([steps, np.zeros((len(steps), 1), steps.dtype)], axis=1)
+        elif ((steps[:, 4] < 0) | (steps[:, 4] > 255)).any():
+            raise LedgerFileError(f"ledger snapshot {path}: an expert number outside [0, 255]")
         if int(steps[:, 3].sum()) != ids.size or (steps[:, 3] < 0).any():
             raise LedgerFileError(f"ledger snapshot {path}: per-step row counts do not add up to {ids.size} rows")
         return arrays

@@ -203,8 +203,8 @@ def read_trainer_state(path: str, required: tuple[str, ...] = ("step",)) -> dict
     rows = trainer.get("ledger_rows")
     if rows is not None and not _are_ledger_rows(rows):
         raise CheckpointError(f"checkpoint file {file}: ledger_rows is not a list of {{step, epoch, sample_ids, "
-                              "home_ranks}} (a step and an epoch in range, two lists of one length: int64 ids, ranks "
-                              "of a world)")
+                              "home_ranks, expert}} (a step and an epoch in range, two lists of one length: int64 ids, "
+                              "ranks of a world; expert optional, in [0, 255])")
     return trainer
 
 
@@ -233,8 +233,9 @@ def _kind(value: object) -> str:
 def _are_ledger_rows(rows: object) -> bool:
     """``ledger_rows`` as ``StepPlanner.settle`` writes them: data only, every number in range."""
     return isinstance(rows, list) and all(
-        isinstance(r, dict) and set(r) == {"step", "epoch", "sample_ids", "home_ranks"}
+        isinstance(r, dict) and set(r) - {"expert"} == {"step", "epoch", "sample_ids", "home_ranks"}
         and _int_in(r["step"], _TRAINER_FIELDS["step"]) and _int_in(r["epoch"], _TRAINER_FIELDS["epoch"])
+        and _int_in(r.get("expert", 0), (0, 255))
         and isinstance(r["sample_ids"], list) and isinstance(r["home_ranks"], list)
         and len(r["sample_ids"]) == len(r["home_ranks"])
         and all(_int_in(i, _INT64) for i in r["sample_ids"])

@@ -46,8 +46,8 @@ class LocalLedger:
             ledger.truncate(resume_step, ledger.attempt + 1)
         return cls(ledger)
 
-    def append(self, step: int, epoch: int, sample_ids, home_ranks) -> None:
-        self.ledger.add(step, epoch, sample_ids, home_ranks)
+    def append(self, step: int, epoch: int, sample_ids, home_ranks, expert: int = 0) -> None:
+        self.ledger.add(step, epoch, sample_ids, home_ranks, expert)
 
     def position(self) -> dict:
         return self.ledger.position()
@@ -98,7 +98,7 @@ def committed_ids(run_dir: str, epoch: int, through_step: int | None) -> np.ndar
 
 def write_ledger_jsonl(run_dir: str, path: str) -> int:
     """``ledger.jsonl``: one JSON object per trained sample (step, sample_id, home_rank,
-    attempt, epoch); returns the number of rows (0 without a ledger, and no file)."""
+    attempt, epoch, expert); returns the number of rows (0 without a ledger, and no file)."""
     ledger = read_ledger(run_dir)
     return ledger.write_jsonl(path) if ledger is not None and ledger.rows else 0
 
@@ -119,7 +119,7 @@ def take_over(run_dir: str, checkpoint: str | None) -> list[int]:
     ledger = Ledger(StateStore(ledger_dir(run_dir)))
     try:
         return [int(r["step"]) for r in rows if ledger.add(int(r["step"]), int(r["epoch"]), r["sample_ids"],
-                                                            r["home_ranks"])]
+                                                            r["home_ranks"], int(r.get("expert", 0)))]
     finally:
         ledger.close()
 

@@ -50,8 +50,8 @@ class PlannedStep(Protocol):
     """(sample ids, home ranks) of a locally planned step's samples, on rank 0."""
 
 
-Row = tuple[list[int], list[int], int]
-"""One step's ledger row as rank 0 holds it: (sample ids, home ranks, epoch)."""
+Row = tuple[list[int], list[int], int, int]
+"""One step's ledger row as rank 0 holds it: (sample ids, home ranks, epoch, expert)."""
 
 Recent = dict[int, tuple[int, list[int]]]
 """One rank's recent steps: step -> (epoch, this rank's sample ids)."""
@@ -62,26 +62,29 @@ Recent = dict[int, tuple[int, list[int]]]
 def rows_to_carry(pending: dict[int, Row]) -> list[dict]:
     """``ledger_rows`` of a checkpoint: the rows the coordinator has not taken, by step,
     as JSON data (``checkpoint.read_trainer_state`` checks them on read)."""
-    return [{"step": int(t), "epoch": int(e), "sample_ids": [int(i) for i in ids], "home_ranks": [int(h) for h in home]}
-            for t, (ids, home, e) in sorted(pending.items())]
+    return [{"step": int(t), "epoch": int(e), "sample_ids": [int(i) for i in ids], "home_ranks": [int(h) for h in home],
+             "expert": int(x)} for t, (ids, home, e, x) in sorted(pending.items())]
 
 
 def pending_of(rows: list[dict]) -> dict[int, Row]:
     """Carried ``ledger_rows`` back as rows to hand over (the first of a step wins)."""
     pending: dict[int, Row] = {}
     for r in rows:
-        pending.setdefault(int(r["step"]), (list(r["sample_ids"]), list(r["home_ranks"]), int(r["epoch"])))
+        pending.setdefault(int(r["step"]), (list(r["sample_ids"]), list(r["home_ranks"]), int(r["epoch"]),
+                                            int(r.get("expert", 0))))
     return pending
 
 
-def lost_rows(recents: list[Recent]) -> dict[int, Row]:
+def lost_rows(recents: list[Recent], experts: dict[int, int] | None = None) -> dict[int, Row]:
     """Rows of the steps any rank still remembers (``recents``: every rank's, in rank
     order), which a lost coordinator may never have committed: the ids in rank order, each
-    with its home rank, and the epoch of the first rank that has the step."""
+    with its home rank, the epoch of the first rank that has the step, and its expert
+    (``experts``: step -> expert, rank 0's; 0 where not there)."""
     steps = sorted(set().union(*recents))
+    experts = experts or {}
     return {t: ([sid for r in recents for sid in r.get(t, (None, ()))[1]],
                 [rank for rank, r in enumerate(recents) for _ in r.get(t, (None, ()))[1]],
-                next(r[t][0] for r in recents if t in r))
+                next(r[t][0] for r in recents if t in r), experts.get(t, 0))
             for t in steps}
 
 
@@ -98,7 +101,7 @@ def hand_over(client: CoordinatorClient, rows: list[dict]) -> list[dict]:
     keeps trying (``flush``)."""
     for i, r in enumerate(rows):
         try:
-            client.record_external(r["step"], r["sample_ids"], r["home_ranks"], r["epoch"])
+            client.record_external(r["step"], r["sample_ids"], r["home_ranks"], r["epoch"], r.get("expert", 0))
         except CoordinatorUnavailable:
             return rows[i:]
     return []
@@ -125,6 +128,10 @@ class LedgerKeeper:
         self.recent: Recent = {}
         """This rank's recent steps (a lost coordinator drops commits): each local plan's
         all-gather carries them (``resend``)."""
+        self.experts: dict[int, int] = {}
+        """The expert that trained each recent step (``recent``'s steps; a run of two
+        experts): every commit carries them, so a commit that covers a lost one records its
+        steps' experts too."""
         self._pending: dict[int, Row] = {}
         """Rank 0: rows of locally planned steps the coordinator has not taken yet (and of
         steps a lost coordinator may have dropped)."""
@@ -181,28 +188,36 @@ class LedgerKeeper:
 
     # ---- per step ----------------------------------------------------------------------------
 
-    def committed(self, step: int, epoch: int, planned: PlannedStep, this: StepMeta) -> None:
-        """After the optimizer step that trained ``step`` (in ``epoch``)."""
+    def committed(self, step: int, epoch: int, planned: PlannedStep, this: StepMeta, expert: int = 0) -> None:
+        """After the optimizer step that trained ``step`` (in ``epoch``, by ``expert``)."""
         self.recent[step] = (int(epoch), [int(i) for i in this.sample_ids])
+        self.experts[step] = int(expert)
         if len(self.recent) > RECENT_STEPS:
             self.recent.pop(min(self.recent))
+        while len(self.experts) > RECENT_STEPS:
+            self.experts.pop(min(self.experts))
         if self.rank != 0:
             return
         if self.client is None:
             assert planned.rows is not None and self.journal is not None
-            self.journal.append(step, epoch, *planned.rows)
+            self.journal.append(step, epoch, *planned.rows, expert)
         elif planned.planned_by == "coordinator":
-            self.client.commit_async(step)
+            self.client.commit_async(step, self._experts())
         else:
             assert planned.rows is not None
-            self._pending[step] = (*planned.rows, epoch)
+            self._pending[step] = (*planned.rows, epoch, int(expert))
+
+    def _experts(self) -> dict[int, int] | None:
+        """What a commit carries of ``experts``: None when every recent step was expert 0's
+        (a run of one model sends nothing more than before)."""
+        return dict(self.experts) if any(self.experts.values()) else None
 
     def resend(self, recents: list[Recent]) -> None:
         """Rank 0 with a coordinator, at a locally planned step (``recents``: every rank's
         ``recent``, gathered): the steps the lost coordinator may never have committed, to
         hand over with that step's rows (it ignores rows of steps it has)."""
         if self.rank == 0 and self.client is not None:
-            for t, row in lost_rows(recents).items():
+            for t, row in lost_rows(recents, self.experts).items():
                 self._pending.setdefault(t, row)
 
     def flush(self) -> None:
@@ -234,7 +249,7 @@ class LedgerKeeper:
                                    "planned steps %s; the checkpoint carries them", step, [r["step"] for r in carried])
                 else:
                     try:
-                        self.client.commit(step)
+                        self.client.commit(step, self._experts())
                         position = self.client.state_dict()  # a few numbers: the ledger's position
                     except CoordinatorUnavailable as e:
                         logger.warning("checkpoint at step %d: coordinator commit not confirmed (%s)", step, e)
@@ -251,7 +266,7 @@ class LedgerKeeper:
         if self._pending:
             raise CoordinatorUnavailable(f"ledger rows of steps {sorted(self._pending)} could not be handed over")
         if last_step is not None:
-            self.client.commit(last_step)
+            self.client.commit(last_step, self._experts())
 
     def close(self) -> None:
         """Close the journal (idempotent)."""

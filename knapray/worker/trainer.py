@@ -719,7 +719,7 @@ class Trainer:
                            "this rank's samples of them were quarantined (%s)", steps, self.guard.path)
         self.nonfinite_run = [] if finite else [*self.nonfinite_run, steps]
         for e in members:
-            self.ledger.committed(e.step, e.epoch, e.planned, e.meta)
+            self.ledger.committed(e.step, e.epoch, e.planned, e.meta, e.expert)
         if len(self.nonfinite_run) >= MAX_NONFINITE_STEPS:
             raise NonFiniteSteps(
                 f"the loss or the gradients were not finite at steps "

@@ -96,6 +96,13 @@ def test_two_experts_resume_bit_for_bit_at_any_world_size_and_export_a_pipeline(
     assert [m["loss"] for m in same] == [m["loss"] for m in ref]  # bit for bit
     for a, b in zip(other, ref):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
+    # the ledger records the expert of every step, the same across the resumes
+    from knapray.worker.ledger_files import read_ledger
+
+    for name, rows in (("whole", ref), ("same", same), ("other", other)):
+        cols = read_ledger(str(tmp_path / name)).columns()
+        assert dict(zip(cols["step"].tolist(), cols["expert"].tolist())) == {m["step"]: m["expert"] for m in rows}
+        assert set(cols["attempt"][cols["step"] > 2].tolist()) == ({0} if name == "whole" else {1})
     ckpt_ref, ckpt_same = _checkpoint(tmp_path / "whole"), _checkpoint(tmp_path / "same")
     for prefix in ("model", "model_2", "ema", "ema_2", "optimizer", "optimizer_2"):
         ref_t, got_t = _tensors(ckpt_ref, prefix), _tensors(ckpt_same, prefix)
@@ -119,10 +126,11 @@ def test_two_experts_resume_bit_for_bit_at_any_world_size_and_export_a_pipeline(
     out = tmp_path / "exported"
     assert main(["export", "--run", str(tmp_path / "whole"), "--out", str(out)]) == 0
     with open(out / "model_index.json") as f:
-        assert json.load(f)["boundary_ratio"] == BOUNDARY
+        index = json.load(f)
+    assert index["boundary_ratio"] == BOUNDARY and index["expand_timesteps"] is False  # a time per sequence
     pipe = WanPipeline.from_pretrained(out, tokenizer=None, text_encoder=None, vae=None,
                                        scheduler=UniPCMultistepScheduler())
-    assert pipe.config.boundary_ratio == BOUNDARY
+    assert pipe.config.boundary_ratio == BOUNDARY and pipe.config.expand_timesteps is False
     cfg = read_run_config(str(tmp_path / "whole")).model
     family = get_family(cfg.family)
     gen = torch.Generator().manual_seed(0)

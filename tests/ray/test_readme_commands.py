@@ -194,6 +194,11 @@ def _both_experts_trained(work: Path, out: str) -> None:
     for prefix in ("model.", "model_2."):
         keys = [k for k in saved_keys(ckpt) if k.startswith(prefix)]
         assert keys and all(".lora_" in k for k in keys), (prefix, out)
+    # the coordinator's ledger has each step's expert, as the metrics do
+    run = work / "runs" / "clips-lora"
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    ledger = [json.loads(line) for line in (run / "ledger.jsonl").read_text().splitlines()]
+    assert {r["step"]: r["expert"] for r in ledger} == {m["step"]: m["expert"] for m in metrics}, out
 
 
 def _two_expert_loras(work: Path, out: str) -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from knapray.cli import main
 from knapray.coordinator import BalanceCoordinator, Ledger, LedgerFileError, StateStore
-from knapray.coordinator.store import MAGIC
+from knapray.coordinator.store import COMMIT, MAGIC, Record
 
 MODEL = dict(d_model=256, gamma=0.4)
 
@@ -178,6 +178,53 @@ def test_snapshots_compact_the_journal_and_restore_replays_after_them(tmp_path, 
         fallback = open_ledger(tmp_path, snapshot_every=3)
     assert same(led, fallback)
     assert any("skipping a snapshot" in m and newest in m for m in caplog.messages)
+
+
+def test_each_steps_expert_survives_the_journal_snapshots_and_a_cut(tmp_path):
+    """A run of two experts: the expert of every step through commits (the steps of a
+    cumulative commit each get theirs), ``add``, a snapshot, a restore and a truncate; a
+    one-model run's records are written as before (no expert byte)."""
+    led = open_ledger(tmp_path, snapshot_every=4)
+    for t in range(3):
+        led.stage(t, 0, ids_of(t), [0, 1, 0])
+    led.commit_through(2, {0: 1, 1: 0, 2: 1})
+    led.add(3, 0, ids_of(3), [0, 0, 1], expert=1)
+    for t in range(4, 7):
+        commit(led, t)  # expert 0 (no mapping)
+    led.truncate(5, attempt=1)
+    led.add(6, 0, ids_of(6), [0, 0, 0], expert=1)  # trained again, by the other expert
+    want = {0: 1, 1: 0, 2: 1, 3: 1, 4: 0, 5: 0, 6: 1}
+    cols = led.columns()
+    assert dict(zip(cols["step"].tolist(), cols["expert"].tolist())) == want
+    assert StateStore(str(tmp_path)).snapshots()  # a snapshot was taken on the way
+    led.close()
+    again = open_ledger(tmp_path, snapshot_every=4)
+    assert same(led, again)
+    with pytest.raises(ValueError, match="expert 256"):
+        Record(COMMIT, 9, 0, 0, 9, ids_of(9), np.zeros(3, np.int32), 256).encode()
+    plain = Record(COMMIT, 9, 0, 0, 9, ids_of(9), np.zeros(3, np.int32)).encode()
+    tagged = Record(COMMIT, 9, 0, 0, 9, ids_of(9), np.zeros(3, np.int32), 1).encode()
+    assert len(tagged) == len(plain) + 1 and Record.decode(tagged[12:]).expert == 1
+    assert Record.decode(plain[12:]).expert == 0
+
+
+def test_a_snapshot_of_format_1_reads_as_expert_0(tmp_path):
+    """Snapshots written before the expert column (a (k, 4) step table) still restore."""
+    led = open_ledger(tmp_path)
+    for t in range(3):
+        commit(led, t)
+    led.snapshot()
+    led.close()
+    store = StateStore(str(tmp_path))
+    n, path = store.snapshots()[-1]
+    arrays = dict(np.load(path, allow_pickle=False))
+    arrays["meta"][0] = 1
+    arrays["steps"] = arrays["steps"][:, :4]
+    os.remove(path)
+    store.write_snapshot(n, arrays)
+    again = open_ledger(tmp_path)
+    assert again.rows == 9 and again.columns()["expert"].tolist() == [0] * 9
+    assert np.array_equal(again.columns()["sample_id"], led.columns()["sample_id"])
 
 
 def test_reset_starts_a_new_ledger_and_removes_the_old_files(tmp_path):
@@ -352,12 +399,12 @@ def test_write_ledger_jsonl(tmp_path):
     coord.begin_run(2)
     for t in range(2):
         submit_step(coord, t)
-    coord.commit_step(1)
+    coord.commit_step(1, {1: 1})  # step 1 trained by a second expert (a run of two experts)
     path = tmp_path / "ledger.jsonl"
     assert coord.write_ledger_jsonl(str(path)) == 8
     rows = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [tuple(r.values()) for r in rows] == [row + (0,) for row in coord.ledger_rows()]
-    assert list(rows[0]) == ["step", "sample_id", "home_rank", "attempt", "epoch"]
+    assert [tuple(r.values()) for r in rows] == [row + (0, row[0]) for row in coord.ledger_rows()]
+    assert list(rows[0]) == ["step", "sample_id", "home_rank", "attempt", "epoch", "expert"]
 
 
 # ---- the benchmark ------------------------------------------------------------------------------

@@ -65,17 +65,17 @@ class InProcessClient:
     def forget_requests(self):
         pass
 
-    def record_external(self, step, sample_ids, home_ranks, epoch=None):
+    def record_external(self, step, sample_ids, home_ranks, epoch=None, expert=0):
         if self.refuse_rows:
             raise CoordinatorUnavailable(f"rows of step {step}: away")
-        self.coord.record_external(step, sample_ids, home_ranks, epoch)
+        self.coord.record_external(step, sample_ids, home_ranks, epoch, expert)
         self.handed_over.append(step)
 
-    def commit_async(self, step):
-        self.coord.commit_step(step)
+    def commit_async(self, step, experts=None):
+        self.coord.commit_step(step, experts)
 
-    def commit(self, step):
-        self.coord.commit_step(step)
+    def commit(self, step, experts=None):
+        self.coord.commit_step(step, experts)
 
     def report_timing_async(self, step, compute_s, comm_s, wait_plan_s):
         pass

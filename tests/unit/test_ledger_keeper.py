@@ -42,25 +42,30 @@ class FakeClient:
         self.rows: dict[int, tuple[list[int], list[int], int]] = {}
         self.committed = -1
         self.calls: list[tuple] = []
+        self.experts: dict[int, int] = {}
+        self.sent_experts: list = []
 
     def _check(self, what: str) -> None:
         if self.away:
             raise CoordinatorUnavailable(f"{what}: away")
 
-    def record_external(self, step, sample_ids, home_ranks, epoch=None):
+    def record_external(self, step, sample_ids, home_ranks, epoch=None, expert=0):
         self.calls.append(("record", step))
         self._check(f"rows of step {step}")
         if step in self.refuse:
             raise CoordinatorUnavailable(f"rows of step {step}: refused")
         self.rows.setdefault(step, (list(sample_ids), list(home_ranks), epoch))
+        self.experts[step] = expert
 
-    def commit_async(self, step):
+    def commit_async(self, step, experts=None):
         self.calls.append(("commit_async", step))
+        self.sent_experts.append(experts)
         if not self.away:
             self.committed = max(self.committed, step)
 
-    def commit(self, step):
+    def commit(self, step, experts=None):
         self.calls.append(("commit", step))
+        self.sent_experts.append(experts)
         self._check(f"commit of step {step}")
         self.committed = max(self.committed, step)
 
@@ -88,18 +93,21 @@ def meta(ids) -> StepMeta:
 # ---- decisions on rows ------------------------------------------------------------------------
 
 def test_carried_rows_are_json_data_by_step_and_come_back_as_the_same_rows():
-    pending = {5: ([np.int64(50), 51], [1, np.int32(0)], 0), 2: ([20], [0], 1)}
+    pending = {5: ([np.int64(50), 51], [1, np.int32(0)], 0, 1), 2: ([20], [0], 1, 0)}
     rows = rows_to_carry(pending)
-    assert rows == [{"step": 2, "epoch": 1, "sample_ids": [20], "home_ranks": [0]},
-                    {"step": 5, "epoch": 0, "sample_ids": [50, 51], "home_ranks": [1, 0]}]
+    assert rows == [{"step": 2, "epoch": 1, "sample_ids": [20], "home_ranks": [0], "expert": 0},
+                    {"step": 5, "epoch": 0, "sample_ids": [50, 51], "home_ranks": [1, 0], "expert": 1}]
     assert json.loads(json.dumps(rows)) == rows  # plain ints: trainer.json takes them as they are
-    assert pending_of(rows) == {2: ([20], [0], 1), 5: ([50, 51], [1, 0], 0)}
-    assert pending_of(rows + [{"step": 2, "epoch": 1, "sample_ids": [99], "home_ranks": [0]}])[2] == ([20], [0], 1)
+    assert pending_of(rows) == {2: ([20], [0], 1, 0), 5: ([50, 51], [1, 0], 0, 1)}
+    assert pending_of(rows + [{"step": 2, "epoch": 1, "sample_ids": [99], "home_ranks": [0]}])[2] == ([20], [0], 1, 0)
+    # a checkpoint written before rows carried their expert: expert 0
+    assert pending_of([{"step": 3, "epoch": 0, "sample_ids": [7], "home_ranks": [0]}]) == {3: ([7], [0], 0, 0)}
 
 
 def test_lost_rows_join_every_ranks_recent_ids_in_rank_order():
     recents = [{3: (0, [30, 31]), 4: (0, [40])}, {3: (0, [32])}, {4: (1, [41, 42])}]
-    assert lost_rows(recents) == {3: ([30, 31, 32], [0, 0, 1], 0), 4: ([40, 41, 42], [0, 2, 2], 0)}
+    assert lost_rows(recents) == {3: ([30, 31, 32], [0, 0, 1], 0, 0), 4: ([40, 41, 42], [0, 2, 2], 0, 0)}
+    assert lost_rows(recents, {4: 1})[4] == ([40, 41, 42], [0, 2, 2], 0, 1)  # rank 0's expert of each step
     assert lost_rows([{}, {}]) == {}
 
 
@@ -112,7 +120,7 @@ def test_carried_ids_are_one_epochs_sorted_and_unique():
 
 
 def test_hand_over_stops_at_the_first_row_the_coordinator_does_not_take():
-    rows = rows_to_carry({1: ([1], [0], 0), 2: ([2], [0], 0), 3: ([3], [0], 0)})
+    rows = rows_to_carry({1: ([1], [0], 0, 0), 2: ([2], [0], 0, 0), 3: ([3], [0], 0, 0)})
     client = FakeClient(refuse={2})
     assert hand_over(client, rows) == rows[1:]
     assert sorted(client.rows) == [1]
@@ -134,6 +142,34 @@ def test_rank_0_commits_coordinator_steps_and_holds_local_ones_until_the_coordin
     assert client.rows == {1: ([3, 4, 5], [0, 0, 1], 0)}
     keeper.settle(1)
     assert keeper.state_dict()["ledger_rows"] == []  # nothing left to carry
+
+
+def test_every_path_a_step_takes_to_the_ledger_carries_its_expert(tmp_path):
+    """A run of two experts: a coordinator commit carries rank 0's recent steps' experts
+    (nothing more for a run of one model), a locally planned step's rows carry theirs, and
+    without a coordinator the journal gets them."""
+    client = FakeClient()
+    keeper = LedgerKeeper(0, client, "unused")
+    keeper.committed(0, 0, COORDINATOR, meta([1]))
+    assert client.sent_experts == [None]  # all expert 0: the commit is as it was
+    keeper.committed(1, 0, COORDINATOR, meta([2]), expert=1)
+    keeper.committed(2, 0, local(2, [3], [0]), meta([3]), expert=1)
+    assert client.sent_experts[-1] == {0: 0, 1: 1}
+    keeper.flush()
+    assert client.experts == {2: 1}
+    keeper.settle(2)
+    assert client.sent_experts[-1] == {0: 0, 1: 1, 2: 1}
+    for step in range(3, 3 + RECENT_STEPS):
+        keeper.committed(step, 0, COORDINATOR, meta([step]), expert=step % 2)
+    assert len(client.sent_experts[-1]) == RECENT_STEPS  # bounded: the recent steps only
+
+    run = str(tmp_path)
+    alone = LedgerKeeper(0, None, run)
+    alone.open(None)
+    for step, expert in enumerate([1, 0, 1]):
+        alone.committed(step, 0, local(step, [step], [0]), meta([step]), expert=expert)
+    alone.close()
+    assert read_ledger(run).columns()["expert"].tolist() == [1, 0, 1]
 
 
 def test_other_ranks_only_remember_their_recent_steps():
@@ -192,7 +228,7 @@ def test_a_checkpoint_carries_the_rows_the_coordinator_does_not_take_and_no_posi
         keeper.settle(2)
     assert ("commit", 2) not in client.calls  # a commit would claim steps the coordinator lacks
     assert keeper.state_dict() == {"ledger": None, "ledger_rows": [
-        {"step": 2, "epoch": 0, "sample_ids": [20, 21], "home_ranks": [0, 1]}]}
+        {"step": 2, "epoch": 0, "sample_ids": [20, 21], "home_ranks": [0, 1], "expert": 0}]}
     assert "checkpoint at step 2: the coordinator has not taken the rows of locally planned steps [2]; " \
            "the checkpoint carries them" in caplog.text
     with pytest.raises(CoordinatorUnavailable, match=r"ledger rows of steps \[2\] could not be handed over"):
@@ -241,7 +277,7 @@ def _checkpoint(tmp_path, step: int, epoch: int, ledger: dict) -> str:
 
 
 def test_a_resume_hands_the_carried_rows_over_before_begin_run_and_keeps_what_is_not_taken(tmp_path):
-    rows = rows_to_carry({1: ([10], [0], 0), 2: ([20, 21], [0, 1], 0)})
+    rows = rows_to_carry({1: ([10], [0], 0, 0), 2: ([20, 21], [0, 1], 0, 1)})
     path = _checkpoint(tmp_path, 2, 0, {"ledger": None, "ledger_rows": rows})  # as written before the keeper
     client = FakeClient(refuse={2})
     keeper = LedgerKeeper(0, client, str(tmp_path))
@@ -253,7 +289,7 @@ def test_a_resume_hands_the_carried_rows_over_before_begin_run_and_keeps_what_is
     assert [r["step"] for r in keeper.state_dict()["ledger_rows"]] == [2]
     client.refuse.clear()
     keeper.flush()
-    assert client.rows[2] == ([20, 21], [0, 1], 0)
+    assert client.rows[2] == ([20, 21], [0, 1], 0) and client.experts == {1: 0, 2: 1}  # the expert travels too
     # Every rank skips the carried rows' samples for their epoch (the ledger has no journal here).
     assert LedgerKeeper(1, client, str(tmp_path)).trained_ids(0, None).size == 0
     other = LedgerKeeper(1, client, str(tmp_path))
@@ -263,7 +299,7 @@ def test_a_resume_hands_the_carried_rows_over_before_begin_run_and_keeps_what_is
 
 
 def test_a_resume_with_the_coordinator_away_plans_locally_and_hands_the_rows_over_later(tmp_path):
-    rows = rows_to_carry({4: ([40], [1], 1)})
+    rows = rows_to_carry({4: ([40], [1], 1, 0)})
     client = FakeClient(away=True)
     keeper = LedgerKeeper(0, client, str(tmp_path))
     keeper.load_state_dict({"step": 4, "epoch": 1, "ledger": None, "ledger_rows": rows})

@@ -240,8 +240,11 @@ def test_carried_ledger_rows_are_checked_as_data(planted):
     from knapray.worker import checkpoint
     from knapray.worker.checkpoint import RUN_STATE, read_trainer_state
 
-    good = [{"step": 8, "epoch": 2, "sample_ids": [5, -1], "home_ranks": [0, 3]}]
+    good = [{"step": 8, "epoch": 2, "sample_ids": [5, -1], "home_ranks": [0, 3]},
+            {"step": 9, "epoch": 2, "sample_ids": [6], "home_ranks": [1], "expert": 1}]
     bad = ["rows", [{"step": 8, "epoch": 2, "sample_ids": [5], "home_ranks": [0, 1]}],
+           [{"step": 8, "epoch": 2, "sample_ids": [5], "home_ranks": [0], "expert": 256}],
+           [{"step": 8, "epoch": 2, "sample_ids": [5], "home_ranks": [0], "expert": "1"}],
            [{"step": -1, "epoch": 2, "sample_ids": [], "home_ranks": []}],
            [{"step": 8, "epoch": 2, "sample_ids": ["os.system"], "home_ranks": [0]}],
            [{"step": 8, "epoch": 2, "sample_ids": [1], "home_ranks": [0], "call": "eval"}]]
