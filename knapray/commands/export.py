@@ -82,8 +82,13 @@ def run(args: argparse.Namespace) -> int:
                    dtype="fp32" if args.dtype == "auto" else args.dtype,
                    max_shard_bytes=args.max_shard_size)
     mib = 2**20
-    experts = f" of both experts ({', '.join(e + '/' for e in r.experts)}; model_index.json: the boundary)" \
-        if r.experts else ""
+    if r.experts:
+        experts = (f" of both experts ({', '.join(e + '/' for e in r.experts)}; model_index.json: the boundary"
+                   f"{' and expand_timesteps' if r.expand_timesteps else ''})")
+    elif r.expand_timesteps:  # WanPipeline reads it from model_index.json: a time per token, image to video
+        experts = " in transformer/ (model_index.json: expand_timesteps, a time per token)"
+    else:
+        experts = ""
     print(f"wrote {r.out}: {r.family} {'EMA' if r.ema else 'trained'} weights{experts} after {r.steps} steps ({r.checkpoint}), "
           f"{r.tensors} tensors, {r.dtype}, {len(r.shards)} file(s), {r.total_bytes / mib:.1f} MiB; largest file "
           f"{r.largest_shard_bytes / mib:.1f} MiB, at most {r.largest_read_bytes / mib:.1f} MiB of parameters read from the "

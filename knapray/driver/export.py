@@ -11,6 +11,11 @@ into the shard's tensors and dropped; the shard is written and dropped before th
 So the process holds one output shard plus at most one read's parameters. The directory gets
 ``config.json``, the shard files and, for several shards, the index, as
 ``save_pretrained`` writes them; it is built in ``<out>.partial`` and renamed when done.
+
+What the family's pipeline needs to call the transformer as it was trained, beyond its
+config.json, goes in a pipeline folder: two experts' boundary (``boundary_ratio``), a time
+per token (``expand_timesteps``, Wan 2.2 TI2V); the weights then go to ``transformer/``
+(and ``transformer_2/``) beside a ``model_index.json`` that says it.
 """
 
 from __future__ import annotations
@@ -58,6 +63,9 @@ class ExportReport:
     peak_host_bytes: int
     experts: list[str] = dataclasses.field(default_factory=list)
     """A run of two experts: the subfolders written (``transformer``, ``transformer_2``)."""
+    expand_timesteps: bool = False
+    """A model with a time per token (Wan 2.2 TI2V): written as a pipeline folder, its
+    ``transformer/`` beside a model_index.json with ``expand_timesteps: true``."""
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -110,7 +118,10 @@ def export_run(run_dir: str, out: str, *, ema: bool = False, checkpoint: str | N
     run, checkpoint or output that cannot be exported. A run of two experts
     (``flow.expert_boundary``) is written as a pipeline folder's part: ``transformer/``,
     ``transformer_2/`` and a ``model_index.json`` with the boundary (``boundary_ratio``),
-    which the family's pipeline loads given its other components."""
+    which the family's pipeline loads given its other components; so is a model with a time
+    per token (``model.expand_timesteps``, Wan 2.2 TI2V): ``transformer/`` and a
+    ``model_index.json`` with ``expand_timesteps: true``, without which the pipeline would
+    call it with one time per sequence."""
     from knapray.worker.checkpoint import read_trainer_state, saved_keys
     from knapray.driver.run_dir import read_run_config, run_checkpoint
 
@@ -131,9 +142,11 @@ def export_run(run_dir: str, out: str, *, ema: bool = False, checkpoint: str | N
         raise ValueError(f"--out {out}: exists and is not an empty directory; choose a new one")
     path = run_checkpoint(run_dir, checkpoint, "export")
     boundary = run_cfg.flow.expert_boundary
-    # (subfolder, checkpoint prefix) of each model written: one, or the two experts'
-    targets = [("", "ema" if ema else "model")] if not boundary else [
-        (name, ("ema" if ema else "model") + part_suffix(i)) for i, name in enumerate(EXPERT_NAMES)]
+    expand = bool(getattr(cfg, "expand_timesteps", False))  # a pipeline's flag, not in config.json
+    # (subfolder, checkpoint prefix) of each model written: one (in a pipeline folder's
+    # transformer/ when model_index.json has something to say), or the two experts'
+    experts = EXPERT_NAMES if boundary else EXPERT_NAMES[:1] if expand else ("",)
+    targets = [(name, ("ema" if ema else "model") + part_suffix(i)) for i, name in enumerate(experts)]
     saved = set(saved_keys(path))
     if ema and not any(k.startswith("ema.") for k in saved):
         raise ValueError(f"--ema: checkpoint {path} holds no EMA weights (the run had optim.ema_decay 0)")
@@ -153,10 +166,12 @@ def export_run(run_dir: str, out: str, *, ema: bool = False, checkpoint: str | N
         shards += [os.path.join(sub, n) if sub else n for n in written["shards"]]
         tensors, total = tensors + written["tensors"], total + written["total"]
         largest, largest_read = max(largest, written["largest"]), max(largest_read, written["largest_read"])
-    if boundary:
+    if boundary or expand:
         index = {"_class_name": family.encoders.pipeline or "DiffusionPipeline",
-                 "boundary_ratio": boundary,
-                 **{name: ["diffusers", family.diffusers_class] for name in EXPERT_NAMES}}
+                 **({"boundary_ratio": boundary} if boundary else {}),
+                 # the family's pipeline reads it (WanPipeline's config), false where the model has the switch off
+                 **({"expand_timesteps": expand} if hasattr(cfg, "expand_timesteps") else {}),
+                 **{name: ["diffusers", family.diffusers_class] for name in experts}}
         with open(os.path.join(partial, "model_index.json"), "w") as f:
             json.dump(index, f, indent=2, sort_keys=True)
     if os.path.isdir(out):
@@ -165,7 +180,8 @@ def export_run(run_dir: str, out: str, *, ema: bool = False, checkpoint: str | N
     return ExportReport(out=out, checkpoint=path, step=step, steps=step + 1, ema=ema, family=cfg.family, dtype=dtype,
                         tensors=tensors, shards=shards, total_bytes=total, largest_shard_bytes=largest,
                         largest_read_bytes=largest_read, seconds=time.perf_counter() - t0,
-                        peak_host_bytes=peak_host_bytes(), experts=[t[0] for t in targets if t[0]])
+                        peak_host_bytes=peak_host_bytes(), experts=list(experts) if boundary else [],
+                        expand_timesteps=expand)
 
 
 def _write_model(path: str, layout, prefix: str, directory: str, config: dict, torch_dtype: torch.dtype,
