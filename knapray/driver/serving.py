@@ -22,8 +22,8 @@ Routes (docs/serving.md has them in full):
   an image and an MP4 (``video/mp4``, H.264 by PyAV) for a clip; without PyAV a clip is an
   animated PNG (``image/apng``). A bad request is HTTP 400 with one JSON error naming the
   field and its valid range (the served limits, then ``knapray sample``'s bounds:
-  ``knapray.inference.jobs``); a full queue 503, a body over ``MAX_BODY_BYTES`` 413, a job
-  past its deadline 504.
+  ``knapray.inference.jobs``); a full queue 503, a body over ``MAX_BODY_BYTES`` 413
+  (``MAX_IMAGE_BODY_BYTES`` where the run takes an image), a job past its deadline 504.
 - ``POST /v1/images/generations``: OpenAI's images API (``model``, ``prompt``, ``n``,
   ``size``, ``response_format`` ``b64_json``; knapray's ``steps``, ``guidance``, ``shift``,
   ``seed``, ``like`` as extra fields); errors in OpenAI's shape.
@@ -83,6 +83,10 @@ API_KEY_ENV = "KNAPRAY_API_KEY"
 """The environment variable a replica reads its API key from when its options give none."""
 MAX_BODY_BYTES = 1 << 20
 """A request body: a caption of ``MAX_TEXT_LENGTH`` characters, JSON-escaped, fits."""
+MAX_IMAGE_BODY_BYTES = 1 << 23
+"""A ``POST /v1/generate`` body where the run takes a conditioning image: an image of 6 MiB
+in base64 fits (a 1280x704 frame, Wan 2.2 TI2V-5B's size, is 2.7 MB as a PNG that does not
+compress at all; the 1 MiB of a text request's body holds a 768 KiB image)."""
 MAX_QUEUE = 1 << 16
 """Largest ``max_queue``."""
 SPARE_REQUESTS = 128
@@ -590,6 +594,8 @@ class Generator:
             checkpoint=options.checkpoint, **({"adapters": dict(options.adapters)} if options.adapters else {}))
         self.rules: RunRules = self._gang.rules
         self.limits = ServeLimits.of(options, self.rules, family)
+        self.body_bytes = MAX_IMAGE_BODY_BYTES if self.rules.first_frame else MAX_BODY_BYTES
+        """The largest ``/v1/generate`` body: room for an image where the run takes one."""
         self._closed = threading.Event()
         threading.Thread(target=self._count_restarts, name="knapray-restarts", daemon=True).start()
 
@@ -630,7 +636,7 @@ class Generator:
         denied = self._denied(request)
         if denied:
             return denied.openai()
-        limits = {**self.limits.to_dict(), "max_queue": self.options.max_queue, "max_body_bytes": MAX_BODY_BYTES}
+        limits = {**self.limits.to_dict(), "max_queue": self.options.max_queue, "max_body_bytes": self.body_bytes}
         model = {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "knapray",
                  "limits": limits}
         adapters = [{"id": name, "object": "model", "created": self.created, "owned_by": "knapray",
@@ -734,9 +740,9 @@ class Generator:
         return Answer.error(404, f"job: no job {job_id[:40]!r} here (unknown, or its answer was dropped: "
                                  f"the newest {KEPT_RESULTS} are kept)")
 
-    async def _document(self, request: Request, valid: tuple[str, ...]) -> Any:
-        """The request's JSON body, or the Answer that refuses it."""
-        body = await self._read_body(request)
+    async def _document(self, request: Request, valid: tuple[str, ...], most: int = MAX_BODY_BYTES) -> Any:
+        """The request's JSON body (at most ``most`` bytes), or the Answer that refuses it."""
+        body = await self._read_body(request, most)
         if isinstance(body, Answer):
             return body
         try:
@@ -745,7 +751,7 @@ class Generator:
             return Answer.error(400, f"body: not JSON ({str(e)[:100]}); a JSON object with fields {', '.join(valid)}")
 
     async def _generate(self, request: Request) -> Answer:
-        doc = await self._document(request, JOB_FIELDS)
+        doc = await self._document(request, JOB_FIELDS, self.body_bytes)
         if isinstance(doc, Answer):
             return doc
         try:
@@ -812,15 +818,15 @@ class Generator:
             raise
 
     @staticmethod
-    async def _read_body(request: Request) -> bytes | Answer:
+    async def _read_body(request: Request, most: int) -> bytes | Answer:
         declared = request.headers.get("content-length", "0")
-        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-            return Answer.error(413, f"body: {declared[:20]} bytes; at most {MAX_BODY_BYTES}")
+        if declared.isdigit() and int(declared) > most:
+            return Answer.error(413, f"body: {declared[:20]} bytes; at most {most}")
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                return Answer.error(413, f"body: over {MAX_BODY_BYTES} bytes; at most {MAX_BODY_BYTES}")
+            if size > most:
+                return Answer.error(413, f"body: over {most} bytes; at most {most}")
             chunks.append(chunk)
         return b"".join(chunks)
 
