@@ -14,10 +14,14 @@ family's pipeline schedules and guides (Qwen-Image: the schedule stretched to en
 the guided prediction rescaled to the conditional one's norm). A run of two experts
 (``flow.expert_boundary``, Wan 2.2 A14B) switches between them step by step (``Experts``). A
 model with a time per token (``expand_timesteps``, Wan 2.2 TI2V) samples image to video: a
-request's first latent frame is a conditioning image's clean latent, at time 0, never stepped."""
+request's first latent frame is a conditioning image's clean latent, at time 0, never stepped. A
+model that takes a conditioning image's channels and tokens (Wan 2.1 I2V: ``in_channels`` above
+the latent's, ``image_dim``) gets a request's ``condition`` concatenated to its latent (channel
+dim) at every step and its ``image_context`` on every pass, as ``WanImageToVideoPipeline``."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -167,6 +171,12 @@ class DenoiseJob:
     """(C, 1, H, W): the clean latent of the first latent frame (a conditioning image's, for a
     model with a time per token: ``expand_timesteps``), kept as it is at every step and given
     time 0, as ``WanImageToVideoPipeline`` keeps its condition; None: every frame denoised."""
+    condition: np.ndarray | None = None
+    """(C_cond, T, H, W): channels concatenated after the latent's at every step, on every pass (a
+    model that takes more channels than it predicts, Wan 2.1 I2V: a conditioning image's mask and
+    first-frame latent, ``WanImageToVideoPipeline``'s ``condition``); None: the latent alone."""
+    image_context: np.ndarray | None = None
+    """(L, image_dim): the conditioning image's encoder tokens, on every pass (``model.image_dim``)."""
 
     @property
     def steps(self) -> int:
@@ -184,12 +194,14 @@ class DenoiseJob:
 
 def denoise_job(cfg, noise: np.ndarray, cond: tuple[np.ndarray, np.ndarray], *, steps: int, guidance: float,
                 shift: float | None, unconditional: tuple[np.ndarray, np.ndarray] | None,
-                first_frame: np.ndarray | None = None) -> DenoiseJob:
+                first_frame: np.ndarray | None = None, condition: np.ndarray | None = None,
+                image_context: np.ndarray | None = None) -> DenoiseJob:
     """The ``DenoiseJob`` of one request, resolved as ``sample_latents`` resolves it: the
     family's shift (None) or ``shift``, classifier-free guidance at ``guidance`` against
     ``unconditional`` (default: no text tokens, zero pooled) unless the model embeds
     guidance, then ``guidance`` is its input. ``first_frame``: the clean first latent frame
-    (``check_first_frame``)."""
+    (``check_first_frame``). ``condition``, ``image_context``: a conditioning image's channels
+    and tokens (``check_condition``)."""
     from knapray.models.families import get_family
 
     embedded = bool(getattr(cfg, "guidance_embeds", False))
@@ -197,6 +209,7 @@ def denoise_job(cfg, noise: np.ndarray, cond: tuple[np.ndarray, np.ndarray], *, 
     if first_frame is not None:
         check_first_frame(cfg, noise.shape, first_frame)
         first_frame = np.ascontiguousarray(first_frame, dtype=np.float32)
+    check_condition(cfg, noise.shape, condition, image_context)
     pt, ph, pw = cfg.patch_size
     (s,) = config_shifts(cfg, [(t, h, w)], shift, steps)
     scale = 1.0 if embedded else float(guidance)
@@ -209,7 +222,10 @@ def denoise_job(cfg, noise: np.ndarray, cond: tuple[np.ndarray, np.ndarray], *, 
                       pooled=np.asarray(pooled, np.float32), times=tuple(family_timesteps(cfg, steps, s)),
                       image_tokens=(t // pt) * (h // ph) * (w // pw), cfg_scale=scale, unconditional=uncond,
                       guidance_input=float(guidance) if embedded else None,
-                      cfg_renorm=get_family(cfg.family).cfg_renorm and scale != 1.0, first_frame=first_frame)
+                      cfg_renorm=get_family(cfg.family).cfg_renorm and scale != 1.0, first_frame=first_frame,
+                      condition=None if condition is None else np.ascontiguousarray(condition, dtype=np.float32),
+                      image_context=None if image_context is None else np.ascontiguousarray(image_context,
+                                                                                           dtype=np.float32))
 
 
 def check_first_frame(cfg, shape: tuple[int, ...], first_frame: np.ndarray) -> None:
@@ -224,6 +240,32 @@ def check_first_frame(cfg, shape: tuple[int, ...], first_frame: np.ndarray) -> N
                          f"{tuple(first_frame.shape)} for a latent of {t} frame(s)")
 
 
+def latent_channels(cfg) -> int:
+    """Channels of the latent a model predicts and sampling denoises (Wan 2.1 I2V: 16 of its 36
+    input channels; every other model: all of them)."""
+    return cfg.out_patch_dim // math.prod(cfg.patch_size)
+
+
+def check_condition(cfg, shape: tuple[int, ...], condition: np.ndarray | None,
+                    image_context: np.ndarray | None) -> None:
+    """ValueError unless ``condition`` and ``image_context`` complete the input of a latent of
+    ``shape`` (C, T, H, W) as the model takes it: the channels it takes beyond the latent's,
+    (in_channels - C, T, H, W), and its image tokens, (image_tokens, image_dim); None where it
+    takes none (Wan 2.1 I2V takes both: a request needs its conditioning image)."""
+    extra = cfg.in_channels - latent_channels(cfg)
+    image_dim = int(getattr(cfg, "image_dim", 0) or 0)
+    if (condition is None) != (extra == 0) or (image_context is None) != (image_dim == 0):
+        raise ValueError(f"the model takes {extra} conditioning channels and image tokens of width {image_dim} "
+                         f"(a conditioning image's); got {'no' if condition is None else 'a'} condition and "
+                         f"{'no' if image_context is None else 'an'} image_context")
+    c, t, h, w = shape
+    if condition is not None and tuple(condition.shape) != (extra, t, h, w):
+        raise ValueError(f"a condition must be (C_cond, T, H, W) = {(extra, t, h, w)}; got {tuple(condition.shape)}")
+    if image_context is not None and tuple(image_context.shape) != (cfg.image_tokens, image_dim):
+        raise ValueError(f"an image_context must be (image_tokens, image_dim) = {(cfg.image_tokens, image_dim)}; "
+                         f"got {tuple(image_context.shape)}")
+
+
 def job_noise(cfg, shapes: list[tuple[int, int, int]], seeds: list[int] | int) -> list[np.ndarray]:
     """Noise of every request: one seed for all draws them in order from one generator (as
     ``sample_latents`` does for a batch); one seed per request draws each alone (what
@@ -232,15 +274,16 @@ def job_noise(cfg, shapes: list[tuple[int, int, int]], seeds: list[int] | int) -
 
     if isinstance(seeds, int):
         gen = torch.Generator().manual_seed(seeds)
-        return [torch.randn(cfg.in_channels, *shape, generator=gen).numpy() for shape in shapes]
-    return [torch.randn(cfg.in_channels, *shape, generator=torch.Generator().manual_seed(int(seed))).numpy()
+        return [torch.randn(latent_channels(cfg), *shape, generator=gen).numpy() for shape in shapes]
+    return [torch.randn(latent_channels(cfg), *shape, generator=torch.Generator().manual_seed(int(seed))).numpy()
             for shape, seed in zip(shapes, seeds, strict=True)]
 
 
 def sample_latents(model, conds: list[tuple[np.ndarray, np.ndarray]], shapes: list[tuple[int, int, int]],
                    *, steps: int, seed: int, guidance: float = 1.0, shift: float | None = 1.0,
                    unconditional: tuple[np.ndarray, np.ndarray] | None = None,
-                   first_frames: list[np.ndarray | None] | None = None) -> list[np.ndarray]:
+                   first_frames: list[np.ndarray | None] | None = None,
+                   conditions: list[tuple[np.ndarray, np.ndarray] | None] | None = None) -> list[np.ndarray]:
     """Euler-integrate the learned velocity of ``model`` (any family's, or a run's ``Experts``)
     from noise to data for every request at once.
 
@@ -250,17 +293,20 @@ def sample_latents(model, conds: list[tuple[np.ndarray, np.ndarray]], shapes: li
     guidance scale against ``unconditional`` (default: 0 text tokens, zero pooled).
     ``first_frames``: per request, None or the clean first latent frame (C, 1, H, W) that
     replaces its noise's and stays at time 0 every step (a model with ``expand_timesteps``:
-    image to video); the noise is drawn for every frame all the same. Returns latents
-    (C, T, H, W)."""
+    image to video); the noise is drawn for every frame all the same. ``conditions``: per
+    request, None or (condition (C_cond, T, H, W), image_context (L, image_dim)) of a model that
+    takes a conditioning image's channels and tokens (``check_condition``: Wan 2.1 I2V). Returns
+    latents (C, T, H, W), C the predicted channels (``latent_channels``)."""
     import torch
 
     with torch.no_grad():
         return _integrate(model, conds, shapes, steps=steps, seed=seed, guidance=guidance, shift=shift,
-                          unconditional=unconditional, first_frames=first_frames or [None] * len(conds))
+                          unconditional=unconditional, first_frames=first_frames or [None] * len(conds),
+                          conditions=conditions or [None] * len(conds))
 
 
 def _integrate(model, conds, shapes, *, steps: int, seed: int, guidance: float, shift: float | None,
-               unconditional, first_frames) -> list[np.ndarray]:
+               unconditional, first_frames, conditions) -> list[np.ndarray]:
     import torch
 
     from knapray.models import pack_samples
@@ -273,12 +319,18 @@ def _integrate(model, conds, shapes, *, steps: int, seed: int, guidance: float, 
     embedded = embeds_guidance(model)
     per_token = bool(getattr(cfg, "expand_timesteps", False))
     items = []
-    for (text, pooled), (t, h, w), first in zip(conds, shapes, first_frames, strict=True):
-        latent = torch.randn(cfg.in_channels, t, h, w, generator=gen)
+    for (text, pooled), (t, h, w), first, given in zip(conds, shapes, first_frames, conditions, strict=True):
+        latent = torch.randn(latent_channels(cfg), t, h, w, generator=gen)
         if first is not None:
             check_first_frame(cfg, tuple(latent.shape), first)
             latent[:, :1] = torch.as_tensor(first, dtype=torch.float32)
+        condition, image_context = given if given is not None else (None, None)
+        check_condition(cfg, tuple(latent.shape), condition, image_context)
+        if condition is not None:  # patchified, the condition's features follow the latent's (channels outermost)
+            latent = torch.cat((latent, torch.as_tensor(condition, dtype=torch.float32)))
         items.append({"latent": latent, "text": torch.as_tensor(text, dtype=torch.float32),
+                      **({} if image_context is None else
+                         {"image_context": torch.as_tensor(image_context, dtype=torch.float32)}),
                       "pooled": torch.as_tensor(pooled, dtype=torch.float32), "timestep": 1.0,
                       **({"guidance": guidance} if embedded else {}),
                       **({"first_frame_timestep": 1.0} if per_token else {})})
@@ -294,7 +346,8 @@ def _integrate(model, conds, shapes, *, steps: int, seed: int, guidance: float, 
     batch = pack_samples(items, cfg).to(device)
     n = len(conds)
     image_rows = batch.image_seq_index  # (Ni,) request of each image token
-    x = batch.x_img.clone()
+    width = cfg.out_patch_dim  # the denoised features; a condition's follow, never stepped
+    x, held_input = batch.x_img[:, :width].clone(), batch.x_img[:, width:]
     table = np.array([family_timesteps(cfg, steps, s) for s in shifts], dtype=np.float64)  # (S, steps+1)
     times = torch.tensor(table, dtype=torch.float64, device=device)
     # A conditioned request's first frame: time 0 and no step (its tokens are frame 0's: pos[:, 0] == 0)
@@ -304,7 +357,8 @@ def _integrate(model, conds, shapes, *, steps: int, seed: int, guidance: float, 
     which = experts.expert_at(table[:, :-1])  # (S, steps): each request's expert at each step
     renorm = get_family(cfg.family).cfg_renorm
     for i in range(steps):
-        step = replace(batch, x_img=x, timesteps=times[:, i].float(),
+        x_in = torch.cat((x, held_input), dim=1) if held_input.shape[1] else x
+        step = replace(batch, x_img=x_in, timesteps=times[:, i].float(),
                        **({"first_frame_timesteps": first_times[:, i].float()} if per_token else {}))
         used = np.unique(which[:, i])
         if used.size == 1:
@@ -328,6 +382,6 @@ def _unpack(x, batch, n: int, cfg) -> list[np.ndarray]:
     out, start = [], 0
     for grid in batch.grids[:n]:
         count = grid[0] * grid[1] * grid[2]
-        out.append(unpatchify(x[start : start + count], grid, cfg.patch_size, cfg.in_channels).numpy())
+        out.append(unpatchify(x[start : start + count], grid, cfg.patch_size, latent_channels(cfg)).numpy())
         start += count
     return out

@@ -11,6 +11,9 @@ its jobs' denoising loops, with no other bag in step:
 - a job leaves the loop after its own steps; the plan of the remaining ones is rebuilt;
 - a job with a clean first frame (``DenoiseJob.first_frame``: image to video, Wan 2.2 TI2V)
   starts with it in its latent rows; its passes give that frame time 0 and its rows step 0;
+- a job with a conditioning image's channels and tokens (``DenoiseJob.condition``,
+  ``image_context``: Wan 2.1 I2V) has its condition's features after its latent rows' on every
+  pass (packed once per segment on the device, never stepped) and its image tokens on every pass;
 - a run of two experts (``models.sampling.Experts``) runs each step on the expert of its
   jobs' times (both, where the bag's jobs are on both sides of the boundary: each pass's rows
   then take their own expert's velocity); every rank of the bag knows which from the jobs.
@@ -43,7 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from knapray.models.sampling import DenoiseJob, experts_of, guided
+from knapray.models.sampling import DenoiseJob, experts_of, guided, latent_channels
 from knapray.planning import CostModel, Topology
 from knapray.planning.inference.sampling import COND, SINGLE, UNCOND, JobPlan, bag_plan, cfg_parallel_bag, choose_job_plan, \
     plan_jobs
@@ -218,12 +221,15 @@ def warm_up(model: torch.nn.Module, steps: int = 1) -> None:
 
     cfg = model.cfg
     pt, ph, pw = cfg.patch_size
+    c, image_dim = latent_channels(cfg), int(getattr(cfg, "image_dim", 0) or 0)
     jobs = []
     for k, (side, text, guidance) in enumerate(((4, 3, 2.0), (6, 0, 1.0), (2, 5, 3.0))):
-        noise = np.zeros((cfg.in_channels, pt, side * ph, side * pw), np.float32)
+        noise = np.zeros((c, pt, side * ph, side * pw), np.float32)
         cond = (np.zeros((text, cfg.text_dim), np.float32), np.zeros(cfg.pooled_dim, np.float32))
+        condition = np.zeros((cfg.in_channels - c, *noise.shape[1:]), np.float32) if cfg.in_channels > c else None
+        image = np.zeros((cfg.image_tokens, image_dim), np.float32) if image_dim else None
         jobs.append(denoise_job(cfg, noise, cond, steps=steps + k % 2, guidance=guidance, shift=1.0,
-                                unconditional=None))
+                                unconditional=None, condition=condition, image_context=image))
     for one in experts_of(model).models:
         denoise_rank(one, jobs, SamplingGroups.alone())
 
@@ -317,6 +323,9 @@ class _Segment:
     frame, else its timestep; the lead's, empty elsewhere), or None: a model with one time per sequence."""
     step_size: torch.Tensor
     """(Ni, stop - start) fp32: each latent row's Euler step at every step of the segment."""
+    condition: torch.Tensor | None
+    """(Ni_pass, in_patch_dim - out_patch_dim) fp32: every pass row's conditioning features, which
+    follow its latent's in the model's input (the lead's; None: the model takes the latent alone)."""
     caches: tuple | None
     """The segment's first-block cache of each expert (a residual is its own model's), or None: off."""
     calls: tuple[tuple[int, ...], ...]
@@ -359,6 +368,8 @@ class _BagLoop:
             empty = replace(empty, guidance=torch.zeros(0))
         if self.per_token:
             empty = replace(empty, first_frame_timesteps=torch.zeros(0))
+        if getattr(self.cfg, "image_dim", 0):  # a rank with no rows still takes (0, L, image_dim)
+            empty = replace(empty, image_context=torch.zeros(0, self.cfg.image_tokens, self.cfg.image_dim))
         self.empty = empty
         self.step_cache = step_cache
         self.stop = stop
@@ -451,7 +462,7 @@ class _BagLoop:
         calls = tuple(tuple(np.unique(which[:, j]).tolist()) for j in range(stop - start))
         if not self.lead:
             return _Segment(start, stop, active, plan, layout, host.to(self.device), empty,
-                            empty if self.per_token else None, empty, caches, calls, {}, None, None, None)
+                            empty if self.per_token else None, empty, None, caches, calls, {}, None, None, None)
         rows_pass = host.image_seq_index.numpy()  # (Ni_pass,) pass of each image row
         high_rows = {j: host_to_device((which[:, j] == 0)[rows_pass, None], self.device, torch.bool)
                      for j, used in enumerate(calls) if len(used) > 1}
@@ -476,10 +487,13 @@ class _BagLoop:
             guided_rows = host_to_device(g_rows, self.device, torch.int64)
             scale = host_to_device(np.repeat([jobs[k].cfg_scale for k in guided], [rows[k] for k in guided])[:, None],
                                    self.device, torch.float32)
-        return _Segment(start, stop, active, plan, layout, host.to(self.device),
+        batch = host.to(self.device)
+        width = cfg.out_patch_dim
+        condition = batch.x_img[:, width:].contiguous() if batch.x_img.shape[1] > width else None
+        return _Segment(start, stop, active, plan, layout, batch,
                         host_to_device(times, self.device, torch.float32), first_times,
-                        host_to_device(step_size, self.device, torch.float32), caches, calls, high_rows, pass_rows,
-                        guided_rows, scale)
+                        host_to_device(step_size, self.device, torch.float32), condition, caches, calls, high_rows,
+                        pass_rows, guided_rows, scale)
 
     def _step(self, seg: _Segment, i: int, x: torch.Tensor | None) -> torch.Tensor | None:
         """One Euler step of the segment's jobs: device work only."""
@@ -488,6 +502,8 @@ class _BagLoop:
         batch, j = seg.batch, i - seg.start
         if self.lead:
             x_in = x if seg.pass_rows is None else x.index_select(0, seg.pass_rows)
+            if seg.condition is not None:
+                x_in = torch.cat((x_in, seg.condition), dim=1)
             batch = replace(batch, x_img=x_in, timesteps=seg.times[:, j],
                             **({} if seg.first_times is None else {"first_frame_timesteps": seg.first_times[:, j]}))
         vs = [balanced_forward(self.experts.models[e], batch, seg.plan, self.groups.rank, bag_group=self.attn_group,
@@ -511,7 +527,7 @@ class _BagLoop:
         out = {}
         for k in [k for k in self.mine if k in done]:  # stopped jobs give none
             grid = tuple(s // p for s, p in zip(self.jobs[k].noise.shape[1:], cfg.patch_size))
-            out[k] = unpatchify(done[k].cpu(), grid, cfg.patch_size, cfg.in_channels).numpy()
+            out[k] = unpatchify(done[k].cpu(), grid, cfg.patch_size, latent_channels(cfg)).numpy()
         return out
 
 
@@ -538,6 +554,8 @@ def _item(job: DenoiseJob, kind: int, latent: torch.Tensor, per_token: bool) -> 
             "pooled": torch.tensor(np.asarray(pooled), dtype=torch.float32), "timestep": 1.0}
     if job.guidance_input is not None:
         item["guidance"] = job.guidance_input
+    if job.image_context is not None:  # both passes of a guided job: the pipeline's image_embeds on each
+        item["image_context"] = torch.tensor(np.asarray(job.image_context), dtype=torch.float32)
     if per_token:  # the step's times are the segment's tables
         item["first_frame_timestep"] = 1.0
     return item
@@ -561,9 +579,17 @@ def _frame_tokens(job: DenoiseJob, cfg) -> int:
 
 
 def _pack(jobs: list[DenoiseJob], passes: list[tuple[int, int]], cfg):
-    """The passes packed on the host (their latents are the loop's: zeros here)."""
+    """The passes packed on the host (their latents are the loop's: zeros here; a condition's
+    channels follow them, as they are)."""
     from knapray.models import pack_samples
 
     per_token = bool(getattr(cfg, "expand_timesteps", False))
-    return pack_samples([_item(jobs[k], kind, torch.zeros(jobs[k].noise.shape), per_token) for k, kind in passes],
-                        cfg)
+    return pack_samples([_item(jobs[k], kind, _input(jobs[k]), per_token) for k, kind in passes], cfg)
+
+
+def _input(job: DenoiseJob) -> torch.Tensor:
+    """(C_in, T, H, W): zeros for the latent, then the job's condition where it has one."""
+    zeros = torch.zeros(job.noise.shape)
+    if job.condition is None:
+        return zeros
+    return torch.cat((zeros, torch.tensor(np.asarray(job.condition, dtype=np.float32))))
