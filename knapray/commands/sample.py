@@ -36,7 +36,11 @@ A model with a time per token (``model.expand_timesteps``, Wan 2.2 TI2V) samples
 video with ``--image PATH`` (one for every request, or one per request): the image, resized to
 the request's size as ``WanImageToVideoPipeline`` resizes it, is encoded by the corpus's VAE
 into the first latent frame, which every Euler step keeps as it is, at time 0 (the other
-frames at the step's t), as that pipeline keeps its condition.
+frames at the step's t), as that pipeline keeps its condition. A Wan 2.1 I2V run (``model.image_dim``)
+samples only from an image: resized the same way, it is encoded as ingest encoded its clips'
+first frames (``WanI2VConditioning``: a 4-channel mask and the VAE's latent of the image followed
+by zero frames, concatenated to the latents at every step; the image encoder's tokens, the
+model's image context), with the image encoder the corpus records or ``--image-encoder DIR``.
 """
 
 from __future__ import annotations
@@ -72,6 +76,9 @@ class SamplePlan:
     """``--out`` as a folder (each request and the grid), or None: ``--out`` is the grid's file."""
     images: dict[str, bytes] | None = None
     """Every ``--image`` file's bytes, by path (read and decoded once here)."""
+    image_encoder: tuple[str, str] | None = None
+    """(directory, processor directory) of ``--image-encoder`` (a Wan 2.1 I2V run), checked; None:
+    the corpus's record, where the run needs one."""
 
 
 def plan_sampling(args: argparse.Namespace) -> SamplePlan:
@@ -91,27 +98,49 @@ def plan_sampling(args: argparse.Namespace) -> SamplePlan:
     down = int(dims.get("vae_downsample", 8))
     _, ph, pw = cfg.model.patch_size
     check_sizes([size for _, size in pairs], args.frames, down, (ph, pw))
-    paths, images = _images(args, cfg, len(pairs))
+    encoder = _image_encoder(args, cfg)
+    paths, images = _images(args, cfg, len(pairs), encoder is not None)
     requests = [Request(caption=caption, height=h, width=w, frames=args.frames, like=like, image=path)
                 for ((caption, like), (w, h)), path in zip(pairs, paths)]
     topology = _topology(args, cfg)
     folder = out_folder(args.out) if getattr(args, "out", None) else None
     check_checkpoint(ckpt)  # before anything is built from it: a planted file is refused, never run
     return SamplePlan(cfg=cfg, checkpoint=ckpt, requests=requests, topology=topology, folder=folder,
-                      images=images or None)
+                      images=images or None, image_encoder=encoder)
 
 
-def _images(args: argparse.Namespace, cfg: Any, requests: int) -> tuple[list[str | None], dict[str, bytes]]:
+def _image_encoder(args: argparse.Namespace, cfg: Any) -> tuple[str, str] | None:
+    """``--image-encoder`` (and ``--image-processor``) checked against the run's model (a Wan 2.1
+    I2V run's image tokens: their width and count); None where not given. A recorded encoder
+    that cannot be read is refused here too, where the run samples from an image."""
+    from knapray.inference.conditioning import conditioning_image_encoder
+
+    path, processor = getattr(args, "image_encoder", None), getattr(args, "image_processor", None)
+    if path is None and not (getattr(args, "image", None) and getattr(cfg.model, "image_dim", 0)):
+        if processor is not None:
+            raise ValueError(f"--image-processor {processor}: given without --image-encoder")
+        return None
+    info = conditioning_image_encoder(cfg.data.corpus, cfg.model, path, processor)
+    return None if path is None or info is None else (info.path, info.processor)
+
+
+def _images(args: argparse.Namespace, cfg: Any, requests: int, encoder: bool = False
+            ) -> tuple[list[str | None], dict[str, bytes]]:
     """(each request's ``--image`` path or None, every image's bytes by path): one image for
-    every request or one per request, for a model that takes one (``RunRules.check_image``),
-    each file read and decoded here (ValueError naming it)."""
+    every request or one per request, for a model that takes one (``RunRules.check_image``;
+    ``encoder``: ``--image-encoder`` given), each file read and decoded here (ValueError naming
+    it); a model that needs one (Wan 2.1 I2V) refuses none."""
     from knapray.inference.first_frames import image_pixels
     from knapray.inference.jobs import run_rules
 
     given = list(getattr(args, "image", None) or [])
+    rules = run_rules(cfg, vision_encoder=encoder)
     if not given:
+        if rules.condition:
+            raise ValueError("--image: this run's model (Wan 2.1 I2V, model.image_dim) samples from a conditioning "
+                             "image; give --image PATH (one for every request, or one per request)")
         return [None] * requests, {}
-    run_rules(cfg).check_image(args.frames, "--image")
+    rules.check_image(args.frames, "--image")
     if len(given) not in (1, requests):
         raise ValueError(f"{len(given)} --image values and {requests} requests: give one --image for all of them, "
                          "or one per request (in the order of --caption, then --like)")
@@ -196,11 +225,12 @@ def run(args: argparse.Namespace) -> dict:
                 guidance=args.guidance, shift=args.shift, seed=args.seed, like=r.like,
                 image=None if r.image is None else plan.images[r.image]) for r in plan.requests]
     world = getattr(args, "world_size", 1)
+    image_encoder, image_processor = plan.image_encoder or (None, None)
     what = LocalSampling(run_dir=args.run, checkpoint=args.checkpoint, jobs=jobs, topology=plan.topology or "g1n1",
                          device=device, ema=not args.no_ema, cfg_parallel=not args.no_cfg_parallel,
                          precision=args.precision, compile=True if args.compile else False if args.eager else None,
                          seed=args.seed, max_text_tokens=args.max_text_tokens, step_cache=args.step_cache,
-                         shard=args.shard)
+                         shard=args.shard, image_encoder=image_encoder, image_processor=image_processor)
     got = sample_local(what, world)
     _save_latents(args, got.latents)
     titles = [f"{r.caption or (f'like sample {r.like}' if r.like is not None else 'unconditional')}\n"
@@ -250,9 +280,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pixels: one for all requests, one per request, or several for one caption (default 256x256)")
     p.add_argument("--frames", type=int_at_least(1), default=1, help="latent frames (videos; default 1)")
     p.add_argument("--image", action="append", metavar="PATH",
-                   help="a PNG or JPEG whose latent (the corpus's VAE, the image resized to --size) is the first "
-                   "latent frame, kept clean: image to video, for a model with model.expand_timesteps (Wan 2.2 "
-                   "TI2V); one for every request, or one per request (repeat)")
+                   help="a PNG or JPEG to sample a video from (the image resized to --size): its latent (the "
+                   "corpus's VAE) is the first latent frame, kept clean, for a model with model.expand_timesteps "
+                   "(Wan 2.2 TI2V); its conditioning channels and image tokens for a model with model.image_dim "
+                   "(Wan 2.1 I2V, which needs one); one for every request, or one per request (repeat)")
+    p.add_argument("--image-encoder", metavar="DIR",
+                   help="Wan 2.1 I2V: the CLIPVisionModel that encodes --image into the model's image tokens "
+                   "(default: the one the corpus was ingested with, its schema.json's encoders.image)")
+    p.add_argument("--image-processor", metavar="DIR",
+                   help="the CLIPImageProcessor of --image-encoder where it is not in its directory (a pipeline's "
+                   "image_processor/)")
     p.add_argument("--steps", type=step_count, default=28, help="Euler steps (default 28)")
     p.add_argument("--shift", type=float_in(gt=0), default=None,
                    help="timestep shift, > 1 favours high noise (default: 1; FLUX.1-dev: each request's own from "

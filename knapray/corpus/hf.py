@@ -476,10 +476,14 @@ class WanI2VConditioning:
     def describe(self) -> dict[str, Any]:
         return condition_record(self.info, self.mask_channels, self.vae.channels, self.dtype)
 
-    def encode_many(self, items: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """(F, H, W, 3) uint8 clips -> per clip (condition, image_context)."""
+    def encode_many(self, items: list[np.ndarray], images: list[np.ndarray] | None = None
+                    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(F, H, W, 3) uint8 clips -> per clip (condition, image_context). ``images``: per clip,
+        the (h, w, 3) uint8 image the image encoder reads instead of the clip's first frame
+        (sampling: the conditioning image as given, the clip's first frame its resize, as
+        ``WanImageToVideoPipeline`` reads them)."""
         latents = self.vae.encode_first_frames(items)
-        tokens = self.image.run([px[0] for px in items])
+        tokens = self.image.run([px[0] for px in items] if images is None else images)
         out = []
         for z, t in zip(latents, tokens):
             mask = np.zeros((self.mask_channels, *z.shape[1:]), np.float32)  # (4, T, h, w)

@@ -11,7 +11,9 @@ Where things live (the placement ``knapray dryrun --sample`` counts):
   call (``inference.prepare.resolve_jobs``). ``encoders``: ``keep`` (resident: serving),
   ``offload`` (on the host between batches, on the device only to encode), ``free``
   (``knapray sample``: encode first, free it, then the transformer loads);
-- the VAE on every bag's lead, which decodes its own jobs.
+- the VAE on every bag's lead, which decodes its own jobs; on rank 0 it also encodes the
+  batch's conditioning images, with, for a Wan 2.1 I2V run, the image encoder of its tokens
+  (the corpus's record, or ``image_encoder``: built on first use, kept).
 
 Every rank plans a batch the same way; each bag's lead returns its jobs. A rank that dies
 mid-batch loses the jobs of its bag only: the other bags never talk to it, and the gang
@@ -47,7 +49,8 @@ class SamplerRank:
     def __init__(self, run_dir: str, checkpoint: str | None, rank: int, world_size: int, topology: str,
                  device: str = "cpu", ema: bool = True, cfg_parallel: bool = True, *, precision: str = "auto",
                  compile: bool | None = None, encoders: str = "keep", load: bool = True,
-                 step_cache: float | None = None, shard: str = "auto", adapters: dict | None = None) -> None:
+                 step_cache: float | None = None, shard: str = "auto", adapters: dict | None = None,
+                 image_encoder: str | None = None, image_processor: str | None = None) -> None:
         from knapray.driver.trained import read_run
         from knapray.worker.checkpoint import check_checkpoint
 
@@ -60,6 +63,8 @@ class SamplerRank:
         self.encoders, self.step_cache, self.shard = encoders, step_cache, shard
         self.adapters: dict[str, str] = dict(adapters or {})
         """Name -> LoRA run served beside the run's own model (``add_adapter``)."""
+        self.image_encoder = (image_encoder, image_processor)
+        """A Wan 2.1 I2V run's image encoder (and processor) in place of its corpus's record (None: the record's)."""
         self.device = f"cuda:{_local_device(rank)}" if device.startswith("cuda") else device
         if self.device.startswith("cuda"):
             import torch
@@ -230,6 +235,20 @@ class SamplerRank:
         return corpus_decoder(self.cfg.data.corpus, self.device)
 
     @functools.cached_property
+    def conditioning(self) -> Any:
+        """What encodes a conditioning image: the VAE (a time per token, Wan 2.2 TI2V), or, for a
+        model that takes image tokens (Wan 2.1 I2V), ingest's conditioning encoder over it and the
+        image encoder (None: the corpus records none)."""
+        from knapray.inference.conditioning import conditioning_image_encoder, corpus_conditioning
+
+        if not getattr(self.cfg.model, "image_dim", 0):
+            return self.decoder
+        info = conditioning_image_encoder(self.cfg.data.corpus, self.cfg.model, *self.image_encoder)
+        if info is None or self.decoder is None:
+            return None
+        return corpus_conditioning(self.cfg.data.corpus, self.decoder, info, self.device)
+
+    @functools.cached_property
     def unconditional(self) -> tuple[np.ndarray, np.ndarray]:
         from knapray.corpus.unconditional import unconditional_embeddings
 
@@ -245,7 +264,7 @@ class SamplerRank:
 
         down = int(corpus_records(self.cfg.data.corpus)[2].get("vae_downsample", 8))
         text = self.text_encoder() if any(j.caption is not None for j in jobs) else None
-        images = self.decoder if any(j.image is not None for j in jobs) else None
+        images = self.conditioning if any(j.image is not None for j in jobs) else None
         try:
             return resolve_jobs(self.cfg, jobs, text, self.unconditional, down=down, shared_seed=shared_seed,
                                 max_text_tokens=max_text_tokens, image_encoder=images)
@@ -422,6 +441,10 @@ class LocalSampling:
     """The first-block cache's threshold (``knapray.models.step_cache``; None: off)."""
     shard: str = "auto"
     """``SHARD_POLICIES``."""
+    image_encoder: str | None = None
+    """A Wan 2.1 I2V run's image encoder directory in place of the corpus's record (``--image-encoder``)."""
+    image_processor: str | None = None
+    """Its processor's directory, where not its own (``--image-processor``)."""
 
 
 def _local_rank(rank: int, world: int, port: int | None, what: LocalSampling, out_dir: str) -> None:
@@ -434,7 +457,8 @@ def _local_rank(rank: int, world: int, port: int | None, what: LocalSampling, ou
 
     r = SamplerRank(what.run_dir, what.checkpoint, rank, world, what.topology, what.device, what.ema,
                     what.cfg_parallel, precision=what.precision, compile=what.compile, encoders="free", load=False,
-                    step_cache=what.step_cache, shard=what.shard)
+                    step_cache=what.step_cache, shard=what.shard, image_encoder=what.image_encoder,
+                    image_processor=what.image_processor)
     if port is None:
         r.groups = {what.topology: SamplingGroups.alone()}
     else:

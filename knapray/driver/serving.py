@@ -594,7 +594,7 @@ class Generator:
             checkpoint=options.checkpoint, **({"adapters": dict(options.adapters)} if options.adapters else {}))
         self.rules: RunRules = self._gang.rules
         self.limits = ServeLimits.of(options, self.rules, family)
-        self.body_bytes = MAX_IMAGE_BODY_BYTES if self.rules.first_frame else MAX_BODY_BYTES
+        self.body_bytes = MAX_IMAGE_BODY_BYTES if self.rules.takes_image else MAX_BODY_BYTES
         """The largest ``/v1/generate`` body: room for an image where the run takes one."""
         self._closed = threading.Event()
         threading.Thread(target=self._count_restarts, name="knapray-restarts", daemon=True).start()

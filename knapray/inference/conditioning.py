@@ -1,6 +1,6 @@
 """A corpus's record of how it was encoded (schema.json), rebuilt for sampling: the text
-encoder that embeds captions as the corpus's were, the decoder of its latents, and a
-corpus sample's own text embeddings."""
+encoder that embeds captions as the corpus's were, the decoder of its latents, the image
+encoder of a Wan 2.1 I2V run's conditioning, and a corpus sample's own text embeddings."""
 
 from __future__ import annotations
 
@@ -69,6 +69,55 @@ def corpus_decoder(corpus: str, device: str = "cpu") -> Any:
 
     video = int(latent_rec.get("temporal_downsample", 1)) > 1
     return DiffusersVAE(latent_rec["path"], device=device, dtype="fp32" if video else _half_on_gpu(device))
+
+
+def conditioning_image_encoder(corpus: str, model_cfg: Any, path: str | None = None,
+                               processor: str | None = None) -> Any:
+    """The image encoder of a run whose model takes a conditioning image's tokens
+    (``model.image_dim``: Wan 2.1 I2V), as a ``corpus.hf.ImageEncoderInfo``: ``path``
+    (``--image-encoder``; its processor ``processor``, else its own directory) when given, else
+    the one the corpus records (schema.json ``encoders.image``: what ingest encoded its clips
+    with); None where neither is. ValueError in one line naming a directory that cannot be read
+    or whose tokens are not the model's; ``path`` for a model without image tokens."""
+    from knapray.corpus.hf import image_encoder_info
+
+    image_dim = int(getattr(model_cfg, "image_dim", 0) or 0)
+    if path is None and processor is not None:
+        raise ValueError(f"--image-processor {processor}: given without --image-encoder")
+    if not image_dim:
+        if path is not None:
+            raise ValueError(f"--image-encoder {path}: this run's model takes no image tokens (model.image_dim is 0)")
+        return None
+    if path is not None:
+        flag, where = "--image-encoder", path
+    else:
+        from knapray.corpus import read_schema_json
+
+        record = (read_schema_json(corpus).get("encoders") or {}).get("image") or {}
+        if "path" not in record:
+            return None
+        flag, where, processor = "the corpus's image encoder", record["path"], record.get("processor")
+    try:
+        info = image_encoder_info(where, processor, flag=flag)
+    except (OSError, ValueError) as e:
+        hint = "" if path is not None else " (give --image-encoder DIR, the CLIPVisionModel it was ingested with)"
+        raise ValueError(f"{e}{hint}") from None
+    if (info.dim, info.tokens) != (image_dim, int(model_cfg.image_tokens)):
+        raise ValueError(f"{flag} {where}: {info.tokens} tokens of width {info.dim}; the model takes "
+                         f"{model_cfg.image_tokens} of width {image_dim} (model.image_tokens, model.image_dim)")
+    return info
+
+
+def corpus_conditioning(corpus: str, vae: Any, info: Any, device: str = "cpu") -> Any:
+    """The conditioning image's encoder of a Wan 2.1 I2V run, as ingest built it
+    (``corpus.hf.WanI2VConditioning``): over ``vae`` (the corpus's, ``corpus_decoder``'s: not a
+    second copy) and the image encoder ``info`` (``conditioning_image_encoder``), on ``device`` in
+    the dtype the corpus records for it (fp32 where it records none)."""
+    from knapray.corpus import read_schema_json
+    from knapray.corpus.hf import WanI2VConditioning
+
+    record = (read_schema_json(corpus).get("encoders") or {}).get("image") or {}
+    return WanI2VConditioning(vae, info.path, info.processor, device, record.get("dtype", "fp32"))
 
 
 def _half_on_gpu(device: str) -> str:

@@ -37,7 +37,8 @@ class Job:
     """A served LoRA adapter by name (``knapray serve --lora NAME=RUN``); None: the run's own."""
     image: bytes | None = field(default=None, repr=False)
     """A conditioning image, a PNG or JPEG file's bytes: its latent is the first latent frame,
-    kept clean at time 0 (a model with a time per token, Wan 2.2 TI2V); None: from text alone."""
+    kept clean at time 0 (a model with a time per token, Wan 2.2 TI2V), or its conditioning
+    channels and image tokens (Wan 2.1 I2V, which needs one); None: from text alone."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,16 @@ class RunRules:
     """Whether the model takes a conditioning image as its first latent frame (``model.expand_timesteps``)."""
     image_encoder: bool = False
     """Whether the corpus records the latent encoder (its VAE) that encodes such an image."""
+    condition: bool = False
+    """Whether the model takes a conditioning image's channels and tokens (``model.image_dim``:
+    Wan 2.1 I2V): every job needs an image."""
+    vision_encoder: bool = False
+    """Whether the image encoder of those tokens is known (the corpus's record, or ``--image-encoder``)."""
+
+    @property
+    def takes_image(self) -> bool:
+        """Whether a job may send a conditioning image (Wan 2.2 TI2V, Wan 2.1 I2V)."""
+        return self.first_frame or self.condition
 
     @property
     def multiple(self) -> tuple[int, int]:
@@ -88,6 +99,9 @@ class RunRules:
             check_sizes([(job.width, job.height)], job.frames, self.down, self.patch)
         except ValueError as e:  # the sample command's words, with the field names of a job
             raise ValueError(str(e).replace("--size ", "width x height ").replace("--frames", "frames")) from None
+        if job.image is None and self.condition:
+            raise ValueError("image: this run's model (Wan 2.1 I2V, model.image_dim) samples from a conditioning "
+                             "image; send image (a PNG or JPEG file, base64)")
         if job.image is not None:
             self.check_image(job.frames, "image")
             if not isinstance(job.image, bytes):
@@ -98,27 +112,37 @@ class RunRules:
 
     def check_image(self, frames: int, name: str) -> None:
         """ValueError naming ``name`` (``--image``, a request's ``image``) where a conditioning
-        image cannot be taken: a model without a time per token, a corpus without its VAE, or
-        a single latent frame (the image would be the whole sample)."""
-        if not self.first_frame:
+        image cannot be taken: a model that takes none (neither a time per token nor image
+        tokens), a corpus without its VAE, a Wan 2.1 I2V run whose image encoder is unknown, or,
+        with a time per token, a single latent frame (the image would be the whole sample)."""
+        if not self.takes_image:
             raise ValueError(f"{name}: this run's model takes no conditioning image (model.expand_timesteps is "
-                             "false; only a model with a time per token, Wan 2.2 TI2V, keeps a first frame clean)")
+                             "false and model.image_dim 0; only Wan 2.2 TI2V, a time per token, and Wan 2.1 I2V, "
+                             "image tokens, sample from an image)")
         if not self.image_encoder:
             raise ValueError(f"{name}: this run's corpus records no latent encoder (VAE) to encode the image with")
-        if frames < 2:
+        if self.condition and not self.vision_encoder:
+            raise ValueError(f"{name}: this run's corpus records no image encoder (schema.json encoders.image: an "
+                             "ingest without --image-encoder); give --image-encoder DIR (a CLIPVisionModel)")
+        if self.first_frame and frames < 2:
             raise ValueError(f"{name}: the image is the first latent frame; give frames 2 or more (got {frames})")
 
 
-def run_rules(cfg) -> RunRules:
-    """The ``RunRules`` of a run's config (its corpus's schema.json read, nothing else)."""
+def run_rules(cfg, vision_encoder: bool = False) -> RunRules:
+    """The ``RunRules`` of a run's config (its corpus's schema.json read, nothing else);
+    ``vision_encoder``: an image encoder given beside the corpus's record (``--image-encoder``)."""
+    from knapray.corpus import read_schema_json
     from knapray.inference.conditioning import TEXT_ENCODERS, corpus_records
 
     text_rec, latent_rec, dims = corpus_records(cfg.data.corpus)
+    image_rec = (read_schema_json(cfg.data.corpus).get("encoders") or {}).get("image") or {}
     _, ph, pw = cfg.model.patch_size
     return RunRules(down=int(dims.get("vae_downsample", 8)), patch=(int(ph), int(pw)),
                     text_encoder=text_rec.get("class") in TEXT_ENCODERS,
                     first_frame=bool(getattr(cfg.model, "expand_timesteps", False)),
-                    image_encoder=encodes_images(latent_rec))
+                    image_encoder=encodes_images(latent_rec),
+                    condition=bool(getattr(cfg.model, "image_dim", 0)),
+                    vision_encoder=vision_encoder or "path" in image_rec)
 
 
 def encodes_images(latent_rec: dict) -> bool:

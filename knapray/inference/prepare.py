@@ -49,11 +49,13 @@ def resolve_jobs(cfg: Any, jobs: list[Job], text_encoder: Any, unconditional: tu
     """Each job's ``DenoiseJob``, or the error (one line) that rules it out alone. Every
     caption of the batch is encoded in one call (``encode_captions``: batched on the
     encoder's device), ``like`` ids read from the corpus, a conditioning ``image`` encoded
-    by ``image_encoder`` (the corpus's VAE: ``first_frames.first_frame``) at the job's size
-    into its clean first latent frame."""
+    by ``image_encoder`` at the job's size: into its clean first latent frame by the corpus's
+    VAE (a time per token: ``first_frames.first_frame``), or into its conditioning channels and
+    image tokens by a ``corpus.hf.WanI2VConditioning`` (Wan 2.1 I2V, ``model.image_dim``:
+    ``first_frames.image_condition``; every job needs an image)."""
     from knapray.corpus.encoders import encode_captions
     from knapray.inference.conditioning import corpus_text
-    from knapray.inference.first_frames import first_frame
+    from knapray.inference.first_frames import first_frame, image_condition
 
     m = cfg.model
     conds: list[Any] = []
@@ -71,15 +73,26 @@ def resolve_jobs(cfg: Any, jobs: list[Job], text_encoder: Any, unconditional: tu
         for i, cond in zip(captioned, encoded):
             conds[i] = cond
     firsts: dict[int, np.ndarray] = {}
+    conditions: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    takes_tokens = bool(getattr(m, "image_dim", 0))
     for i, job in enumerate(jobs):
-        if job.image is None or isinstance(conds[i], str):
+        if isinstance(conds[i], str):
+            continue
+        if job.image is None:
+            if takes_tokens:
+                conds[i] = "image: this run's model (Wan 2.1 I2V, model.image_dim) samples from a conditioning image"
             continue
         if image_encoder is None:
-            conds[i] = "image: this run's corpus records no latent encoder (VAE) to encode it with"
+            conds[i] = ("image: this run's corpus records no image encoder to encode it with" if takes_tokens else
+                        "image: this run's corpus records no latent encoder (VAE) to encode it with")
             continue
+        shape = latent_shape(m, down, job)
         try:
-            firsts[i] = first_frame(image_encoder, job.image, "image", job.width, job.height)
-            check_first_frame(m, (m.in_channels, *latent_shape(m, down, job)), firsts[i])
+            if takes_tokens:
+                conditions[i] = image_condition(image_encoder, job.image, "image", job.width, job.height, shape[0])
+            else:
+                firsts[i] = first_frame(image_encoder, job.image, "image", job.width, job.height)
+                check_first_frame(m, (m.in_channels, *shape), firsts[i])
         except ValueError as e:
             conds[i] = str(e) if str(e).startswith("image: ") else f"image: {e}"
     ok = [i for i, c in enumerate(conds) if not isinstance(c, str)]
@@ -88,9 +101,10 @@ def resolve_jobs(cfg: Any, jobs: list[Job], text_encoder: Any, unconditional: tu
     out: list[DenoiseJob | str] = list(conds)
     for i, z in zip(ok, noise):
         job = jobs[i]
+        condition, image_context = conditions.get(i, (None, None))
         out[i] = dataclasses.replace(
             denoise_job(m, z, conds[i], steps=job.steps, shift=job.shift, unconditional=unconditional,
                         guidance=job.guidance if job.guidance is not None else default_guidance(m),
-                        first_frame=firsts.get(i)),
+                        first_frame=firsts.get(i), condition=condition, image_context=image_context),
             adapter=job.adapter)
     return out
