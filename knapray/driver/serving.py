@@ -87,6 +87,9 @@ MAX_IMAGE_BODY_BYTES = 1 << 23
 """A ``POST /v1/generate`` body where the run takes a conditioning image: an image of 6 MiB
 in base64 fits (a 1280x704 frame, Wan 2.2 TI2V-5B's size, is 2.7 MB as a PNG that does not
 compress at all; the 1 MiB of a text request's body holds a 768 KiB image)."""
+DRAINED_BODY_BYTES = 1 << 26
+"""A body over its bound is still read, and dropped, up to this many bytes before its 413 is
+answered (a longer one is answered at once, and the connection closes on what is unread)."""
 MAX_QUEUE = 1 << 16
 """Largest ``max_queue``."""
 SPARE_REQUESTS = 128
@@ -819,15 +822,22 @@ class Generator:
 
     @staticmethod
     async def _read_body(request: Request, most: int) -> bytes | Answer:
+        """The body, or its 413 past ``most`` bytes. A body over the bound is read to its end
+        (and dropped) up to ``DRAINED_BODY_BYTES``: a client that sends it whole before reading
+        (urllib, requests) gets the 413, not a connection reset by the proxy closing on unread bytes."""
         declared = request.headers.get("content-length", "0")
-        if declared.isdigit() and int(declared) > most:
+        if declared.isdigit() and int(declared) > max(most, DRAINED_BODY_BYTES):
             return Answer.error(413, f"body: {declared[:20]} bytes; at most {most}")
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
-            if size > most:
-                return Answer.error(413, f"body: over {most} bytes; at most {most}")
-            chunks.append(chunk)
+            if size > DRAINED_BODY_BYTES:
+                break
+            if size <= most:
+                chunks.append(chunk)
+        if size > most:
+            what = f"{declared[:20]} bytes" if declared.isdigit() else f"over {most} bytes"
+            return Answer.error(413, f"body: {what}; at most {most}")
         return b"".join(chunks)
 
     # ---- jobs on the gang ----

@@ -5,7 +5,9 @@ the tiny Wan 2.2 TI2V run of test_ti2v_sampling.py (a time per token, its corpus
 - a request with a base64 PNG or JPEG is the clip ``knapray sample --image`` draws from that
   file on the same run, seed and steps: the same MP4, byte for byte;
 - a PNG at the size Wan 2.2 TI2V-5B samples (1280x704, 2.7 MB) fits in a request's body;
-  one over the body's bound is 413, bytes that are no image 400 naming ``image``;
+  one over the body's bound is 413 (the body read to its end, so that urllib, which sends it
+  whole first, reads the answer instead of a connection reset), bytes that are no image 400
+  naming ``image``;
 - an ``image`` sent to the text-to-image run is 400 naming ``image``.
 """
 
