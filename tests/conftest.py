@@ -63,6 +63,7 @@ SLOW_FILES = {
     "test_train_ray.py": 70, "test_balanced_sampling.py": 60, "test_driver_death.py": 50, "test_lora.py": 50,
     "test_stopping.py": 40, "test_submit_demo.py": 50,
     "test_serve_http.py": 100, "test_sample_dryrun.py": 40, "test_overlap.py": 45, "test_wan_ingest.py": 35, "test_gang.py": 30,
+    "test_serve_image.py": 40,
 }
 """Seconds a file's tests take here (measured with ``--durations``, 2026-11-27), for the files
 that take most. ``make test`` runs the suite on several workers, a file per worker at a
