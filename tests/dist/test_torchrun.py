@@ -18,27 +18,6 @@ def _run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.dist
-def test_gpu_check_chain_on_two_gloo_ranks(tmp_path):
-    """torch.distributed.run -> knapray.commands.torchrun -> Trainer on 2 ranks, judged as
-    on a GPU: steps ran, loss fell, speed and the FLOP formula printed, a profile written."""
-    out = _run(["-m", "knapray.commands.gpu_check", "--cpu", "--nproc", "2", "--topology", "g2n1",
-                "--steps", "8", "--profile", "--out", str(tmp_path)])
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    text = out.stdout
-    assert "GPU CHECK PASSED" in text
-    assert "steps                8 (thread_time timing, world 2, topology g2n1)" in text
-    for line in ("loss first -> last", "tokens/s", "model TFLOP/s/GPU", "model FLOPs = 3 (fwd+bwd) x 2 blocks"):
-        assert line in text
-    assert (tmp_path / "cpu" / "summary.json").exists() and "cpu: passed" in text
-    # The kernel ceiling measured beside the run, at its shape (on a GPU: the run's share of it)
-    assert "kernel ceiling" in text and "not compared on CPU" in text
-    # --profile: steps 5..7 on every rank (metrics.profile_steps), rank 0's summary printed
-    assert "profile (rank 0):\nprofiled steps: 3," in text
-    for rank in (0, 1):
-        assert (tmp_path / "cpu" / "profile" / f"rank{rank}.trace.json").exists()
-
-
 # What the GPU machine lacks: it has torch (CUDA), numpy, pyarrow, pyyaml, matplotlib, pytest
 # and hypothesis, nothing else (no Ray, no TensorBoard, no tqdm, no extras).
 GPU_MACHINE_LACKS = ("ray", "tensorboard", "tqdm", "diffusers", "transformers", "tokenizers", "sentencepiece",
@@ -50,7 +29,9 @@ GPU_MACHINE_LACKS = ("ray", "tensorboard", "tqdm", "diffusers", "transformers", 
 def test_make_gpu_check_runs_where_only_torch_and_its_basics_are_installed(tmp_path):
     """``make gpu-check``'s two commands in a Python that hides every other package (as the
     GPU machine has none of them): the test collection has no errors, and the training
-    chain runs, without TensorBoard (a warning) and without Ray."""
+    chain (torch.distributed.run -> knapray.commands.torchrun -> Trainer, 2 gloo ranks) runs
+    without TensorBoard (a warning) and without Ray, judged as on a GPU: steps ran, loss fell,
+    speed and the FLOP formula printed, a profile written."""
     env = dict(os.environ, OMP_NUM_THREADS="1", KNAPRAY_HIDE_MODULES=",".join(GPU_MACHINE_LACKS),
                PYTHONPATH=os.pathsep.join([str(REPO / "tests" / "bare_torch"), str(REPO)]))
 
@@ -61,10 +42,22 @@ def test_make_gpu_check_runs_where_only_torch_and_its_basics_are_installed(tmp_p
     assert probe.stdout.strip() == "[None, None, None]", probe.stderr  # the hiding works
     tests = run("-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-p", "no:timeout", "tests")
     assert tests.returncode == 0 and "error" not in tests.stdout.lower(), tests.stdout[-3000:]
-    out = run("-m", "knapray.commands.gpu_check", "--cpu", "--steps", "4", "--out", str(tmp_path))
+    out = run("-m", "knapray.commands.gpu_check", "--cpu", "--nproc", "2", "--topology", "g2n1", "--steps", "8",
+              "--profile", "--out", str(tmp_path))
     assert out.returncode == 0 and "GPU CHECK PASSED" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
     assert "the tensorboard package is not installed" in out.stdout + out.stderr
     assert not (tmp_path / "cpu" / "tensorboard").exists() and (tmp_path / "cpu" / "metrics.jsonl").exists()
+    text = out.stdout
+    assert "steps                8 (thread_time timing, world 2, topology g2n1)" in text
+    for line in ("loss first -> last", "tokens/s", "model TFLOP/s/GPU", "model FLOPs = 3 (fwd+bwd) x 2 blocks"):
+        assert line in text
+    assert (tmp_path / "cpu" / "summary.json").exists() and "cpu: passed" in text
+    # The kernel ceiling measured beside the run, at its shape (on a GPU: the run's share of it)
+    assert "kernel ceiling" in text and "not compared on CPU" in text
+    # --profile: steps 5..7 on every rank (metrics.profile_steps), rank 0's summary printed
+    assert "profile (rank 0):\nprofiled steps: 3," in text
+    for rank in (0, 1):
+        assert (tmp_path / "cpu" / "profile" / f"rank{rank}.trace.json").exists()
 
 
 def _wheel(folder: Path, package: str, version: str) -> Path:
