@@ -97,13 +97,15 @@ class TrajectoryReport:
                 f"{'ok' if self.passed else 'FAIL'}")
 
 
-def small_model(family: str, width: int = 64, seed: int = 0) -> torch.nn.Module:
-    """``family``'s ``small_config`` at ``width`` with weights drawn so that every block
-    contributes (zero-initialized output layers given values), fp32, eval."""
+def small_model(family: str, width: int = 64, seed: int = 0, config: dict | None = None) -> torch.nn.Module:
+    """``family``'s ``small_config`` at ``width`` (``config``: fields set otherwise, a variant
+    such as Wan 2.1 I2V's ``image_dim``) with weights drawn so that every block contributes
+    (zero-initialized output layers given values), fp32, eval."""
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {list(FAMILIES)}, got {family!r}")
     torch.manual_seed(seed)
-    model = build_model(get_family(family).small_config(width))
+    cfg = get_family(family).small_config(width)
+    model = build_model(dataclasses.replace(cfg, **config) if config else cfg)
     if get_family(family).zero_init:
         model.init_weights(std=0.05)
     return model.eval()
@@ -111,14 +113,24 @@ def small_model(family: str, width: int = 64, seed: int = 0) -> torch.nn.Module:
 
 def long_job(cfg, side: int = 96, frames: int = 1, text: int = 64, steps: int = 8, seed: int = 0, guidance: float = 3.5):
     """One request of (side/2)² image tokens per latent frame (2,304 at side 96) with ``text``
-    tokens, ``steps`` steps; classifier-free guidance where the model does not embed it."""
-    from knapray.models.sampling import denoise_job, job_noise
+    tokens, ``steps`` steps; classifier-free guidance where the model does not embed it. A
+    model conditioned on an image gets one drawn at random: a clean first latent frame (a time
+    per token, Wan 2.2 TI2V, ``frames`` >= 2), or the condition's channels and image tokens
+    (Wan 2.1 I2V)."""
+    from knapray.models.sampling import denoise_job, job_noise, latent_channels
 
     rng = np.random.default_rng(seed)
     cond = (rng.standard_normal((text, cfg.text_dim)).astype(np.float32),
             rng.standard_normal(cfg.pooled_dim).astype(np.float32))
     (noise,) = job_noise(cfg, [(frames * cfg.patch_size[0], side, side)], [seed])
-    return denoise_job(cfg, noise, cond, steps=steps, guidance=guidance, shift=None, unconditional=None)
+    image: dict[str, np.ndarray] = {}
+    if getattr(cfg, "expand_timesteps", False) and frames >= 2:
+        image["first_frame"] = rng.standard_normal((noise.shape[0], 1, side, side)).astype(np.float32)
+    if cfg.in_channels > latent_channels(cfg):
+        image["condition"] = rng.standard_normal((cfg.in_channels - latent_channels(cfg), *noise.shape[1:]))
+    if getattr(cfg, "image_dim", 0):
+        image["image_context"] = rng.standard_normal((cfg.image_tokens, cfg.image_dim))
+    return denoise_job(cfg, noise, cond, steps=steps, guidance=guidance, shift=None, unconditional=None, **image)
 
 
 def _one_step(job, x: np.ndarray, i: int):
@@ -146,13 +158,15 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 
 def trajectory_errors(family: str, *, device: str = "cpu", compile: bool = True, width: int = 64, side: int = 96,
                       frames: int = 1, steps: int = 8, seed: int = 0,
-                      variant: Callable[[torch.nn.Module], None] | None = None) -> TrajectoryReport:
+                      variant: Callable[[torch.nn.Module], None] | None = None,
+                      config: dict | None = None) -> TrajectoryReport:
     """``family``'s small model in bf16 (compiled by ``prepare_model`` on ``device``) against
     its float64 eager copy over ``long_job``'s trajectory; see the module docstring.
-    ``variant``: applied to the tested model after it is prepared (a deliberately worse one)."""
+    ``variant``: applied to the tested model after it is prepared (a deliberately worse one);
+    ``config``: fields of the small config set otherwise (``small_model``)."""
     from knapray.worker.denoise import denoise_local, prepare_model
 
-    model = small_model(family, width, seed).to(torch.bfloat16)
+    model = small_model(family, width, seed, config).to(torch.bfloat16)
     truth = copy.deepcopy(model).double().to(device)  # the bf16 weights' values, in float64
     job = long_job(model.cfg, side=side, frames=frames, steps=steps, seed=seed)
     prepare_model(model, device, precision="bf16", compile=compile)

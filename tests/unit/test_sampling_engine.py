@@ -130,6 +130,31 @@ def test_compiled_bf16_sampling_is_as_exact_as_its_matmul_inputs(family, capsys)
     assert report.final_error < 1e-2, report.summary()
 
 
+WAN_IMAGE_TO_VIDEO = {
+    "ti2v": {"expand_timesteps": True},
+    "i2v": {"image_dim": 32, "image_tokens": 64, "in_channels": 8, "out_channels": 4, "text_pad_to": 512},
+}
+"""Wan 2.2 TI2V (a clean first latent frame, a time per token) and Wan 2.1 I2V (4 condition
+channels after the latent's, 64 image tokens of 32 features, text padded to 512)."""
+
+
+@pytest.mark.parametrize("variant", sorted(WAN_IMAGE_TO_VIDEO))
+def test_compiled_bf16_image_to_video_sampling_is_as_exact_as_its_matmul_inputs(variant, capsys):
+    """Sampling from a conditioning image as a GPU rank runs it (bf16, compiled): the clean
+    first frame kept at time 0 (TI2V), the condition's channels concatenated to the latent and
+    the image tokens on every pass (I2V), against float64 eager over a clip of 4 latent frames."""
+    from knapray.testing.sample_truth import RATIO_BAR, trajectory_errors
+
+    report = trajectory_errors("wan", device="cpu", compile=True, steps=4, frames=4, side=48,
+                               config=WAN_IMAGE_TO_VIDEO[variant])
+    with capsys.disabled():
+        print(f"\n{variant}: {report.summary()}")
+    assert report.tokens > 2000 and report.steps == 4 and len(report.errors) == 4
+    assert 1e-4 < min(report.yardstick) and max(report.yardstick) < 2e-2, report.summary()
+    assert max(report.ratios) <= RATIO_BAR, report.summary()
+    assert report.final_error < 1e-2, report.summary()
+
+
 def test_the_forward_truth_fails_on_a_residual_stream_accumulated_in_bf16():
     from knapray.testing.sample_truth import RATIO_BAR, bf16_stream, trajectory_errors
 
