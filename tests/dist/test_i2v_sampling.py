@@ -27,6 +27,7 @@ import tiny_encoders as te
 from dist_utils import run_distributed
 from needs import needs
 from test_experts_sampling import _euler_scheduler
+from test_ti2v_sampling import _padded
 
 pytestmark = [pytest.mark.dist, needs("diffusers", "transformers")]
 
@@ -102,13 +103,6 @@ def _sample(i2v, out, *extra: str) -> np.ndarray:
                  "--steps", str(STEPS), "--guidance", str(GUIDANCE), "--seed", str(SEED), "--out",
                  str(out / "grid.png"), "--latents", str(out / "latents.npz"), *extra]) == 0
     return np.load(out / "latents.npz")["request_0"]
-
-
-def _padded(text: np.ndarray) -> torch.Tensor:
-    """(1, 512, 16): the embeddings with WanPipeline's zero rows (the corpus's text_pad_to)."""
-    from knapray.models.families.wan import TEXT_LENGTH
-
-    return torch.as_tensor(np.pad(text, ((0, TEXT_LENGTH - len(text)), (0, 0))))[None]
 
 
 def _gap(a: np.ndarray, b: np.ndarray) -> float:
