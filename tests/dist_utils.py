@@ -205,3 +205,12 @@ def sampling_run_dir(tmp_path):
                              "model.pooled_dim=12"])
     (run / "config.json").write_text(json.dumps({"format_version": RUN_FORMAT, **cfg.to_dict()}))
     return run
+
+
+def run_metrics(run_dir) -> list[dict]:
+    """A run's ``metrics.jsonl`` rows, in order."""
+    import json
+    import os
+
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]

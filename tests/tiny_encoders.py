@@ -259,3 +259,22 @@ def sample_clips(out: Path, frames: tuple[int, ...] = (9, 5)) -> Path:
     (out / "metadata.jsonl").write_text("".join(json.dumps({"file_name": k, "text": v}) + "\n"
                                                 for k, v in captions.items()))
     return out
+
+
+def write_media(out: Path, frames: dict[str, int], captions: dict[str, str], seed: int = 0) -> dict:
+    """``frames``: file name -> frames, written as random 32 x 48 pixels (a multi-frame TIFF for
+    a clip, a PNG for a still), with ``captions`` in metadata.jsonl. Returns each file's pixels
+    ((frames, 32, 48, 3) uint8), in ``frames``' order from one generator of ``seed``."""
+    import numpy as np
+    from PIL import Image
+
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    pixels = {}
+    for name, n in frames.items():
+        pixels[name] = rng.integers(0, 256, size=(n, 32, 48, 3), dtype=np.uint8)
+        images = [Image.fromarray(f) for f in pixels[name]]
+        images[0].save(out / name, save_all=n > 1, append_images=images[1:])
+    (out / "metadata.jsonl").write_text("".join(json.dumps({"file_name": k, "text": v}) + "\n"
+                                                for k, v in captions.items()))
+    return pixels

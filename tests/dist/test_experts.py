@@ -16,7 +16,7 @@ import shutil
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from dist_utils import run_distributed, run_metrics
 
 pytestmark = pytest.mark.dist
 
@@ -46,10 +46,6 @@ def _run(rank: int, world: int, corpus: str, runs: str, name: str, steps: int) -
 def _train(corpus: str, runs, name: str, steps: int, nproc: int) -> None:
     run_distributed(_run, nproc, corpus, str(runs), name, steps, timeout_s=180)
 
-
-def _metrics(run_dir) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def _checkpoint(run_dir) -> str:
@@ -88,10 +84,10 @@ def test_two_experts_resume_bit_for_bit_at_any_world_size_and_export_a_pipeline(
     shutil.copytree(tmp_path / "same", tmp_path / "other", symlinks=True)
     _train(corpus, tmp_path, "same", 6, nproc=2)
     _train(corpus, tmp_path, "other", 6, nproc=1)
-    ref = _metrics(tmp_path / "whole")
+    ref = run_metrics(tmp_path / "whole")
     schedule = [m["expert"] for m in ref]
     assert set(schedule) == {0, 1}, schedule  # both trained (share 0.5, this seed)
-    same, other = _metrics(tmp_path / "same"), _metrics(tmp_path / "other")
+    same, other = run_metrics(tmp_path / "same"), run_metrics(tmp_path / "other")
     assert [m["expert"] for m in same] == [m["expert"] for m in other] == schedule
     assert [m["loss"] for m in same] == [m["loss"] for m in ref]  # bit for bit
     for a, b in zip(other, ref):
@@ -277,7 +273,7 @@ def test_lora_on_both_experts_from_a_pipeline_folder_exported_as_wan22_loras(cor
     pipeline = _tiny_pipeline(tmp_path / "wan22")
     run_distributed(_lora_run, 1, corpus, str(tmp_path / "runs"), pipeline, timeout_s=180)
     run = tmp_path / "runs" / "lora"
-    assert {m["expert"] for m in _metrics(run)} == {0, 1}
+    assert {m["expert"] for m in run_metrics(run)} == {0, 1}
     out = tmp_path / "adapters"
     assert main(["export", "--run", str(run), "--out", str(out), "--lora"]) == 0
     pipe = WanPipeline.from_pretrained(pipeline, tokenizer=None, text_encoder=None, vae=None,

@@ -30,21 +30,10 @@ DIMS = {"condition_channels": 8, "image_dim": 8, "image_tokens": 5}  # 4 mask + 
 
 @pytest.fixture(scope="module")
 def i2v_corpus(tmp_path_factory):
-    from PIL import Image
-
     root = tmp_path_factory.mktemp("i2v")
     vae, umt5, clip = te.save_wan(root / "vae"), te.save_umt5(root / "umt5"), te.save_clip_vision(root / "clip")
     media = root / "media"
-    media.mkdir()
-    rng = np.random.default_rng(0)
-    pixels = {}
-    for name, frames in FRAMES.items():
-        px = rng.integers(0, 256, size=(frames, 32, 48, 3), dtype=np.uint8)
-        pixels[name] = px
-        images = [Image.fromarray(f) for f in px]
-        images[0].save(media / name, save_all=frames > 1, append_images=images[1:])
-    (media / "metadata.jsonl").write_text(
-        "".join(json.dumps({"file_name": n, "text": c}) + "\n" for n, c in CAPTIONS.items()))
+    pixels = te.write_media(media, FRAMES, CAPTIONS)
     out = root / "corpus"
     base = ["ingest", "--input", str(media), "--vae", str(vae), "--text-encoder", str(umt5), "--max-side", "48",
             "--max-frames", "9", "--device", "cpu", "--quiet"]

@@ -27,7 +27,7 @@ import tiny_encoders as te
 from dist_utils import run_distributed
 from needs import needs
 from test_experts_sampling import _euler_scheduler
-from test_ti2v_sampling import _padded
+from test_ti2v_sampling import _one_line, _padded
 
 pytestmark = [pytest.mark.dist, needs("diffusers", "transformers")]
 
@@ -193,12 +193,6 @@ def test_a_bag_of_guided_and_plain_i2v_jobs_is_the_single_process_sampler(i2v):
     assert worst <= ATOL, worst
     with pytest.raises(ValueError, match="conditioning channels"):
         denoise_job(cfg.model, noise, cond, steps=2, guidance=1.0, shift=None, unconditional=None)
-
-
-def _one_line(capsys, code: int) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
-    return err[0]
 
 
 def test_bad_input_refused_in_one_line_before_anything_loads(i2v, tmp_path, monkeypatch, capsys):

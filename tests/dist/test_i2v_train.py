@@ -4,13 +4,11 @@ same losses as one rank, step for step."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
 
 import pytest
 
-from dist_utils import run_distributed
+from dist_utils import run_distributed, run_metrics
 
 pytestmark = pytest.mark.dist
 
@@ -29,8 +27,7 @@ def _run(rank: int, world: int, corpus: str, runs: str, name: str) -> None:
 
 
 def _losses(run_dir) -> list[float]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line)["loss"] for line in f]
+    return [m["loss"] for m in run_metrics(run_dir)]
 
 
 def test_i2v_from_conditioned_corpus_balanced_as_one_rank(tmp_path):

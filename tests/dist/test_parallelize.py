@@ -196,6 +196,20 @@ def test_selective_checkpointing_keeps_attention_and_recomputes_the_rest(compile
     assert calls == 8 and kernels == ref_kernels  # the blocks re-ran, their attention kernels did not
 
 
+def _same_step(eager, model, batch, step: int) -> None:
+    """One forward and backward of ``batch`` through both models: the compiled one's output
+    and every parameter's gradient are the eager one's (rtol 1e-4, atol 1e-5)."""
+    outs = []
+    for m in (eager, model):
+        m.zero_grad(set_to_none=True)
+        out = m(batch)
+        flow_loss(out, batch.targets, max(batch.x_img.shape[0], 1)).backward()
+        outs.append(out.detach())
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5, msg=f"step {step}")
+    for (name, p), q in zip(eager.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=f"step {step} {name}")
+
+
 def _varying_batches(cfg, steps: int = 50):
     """Packed batches whose token count and sequence mix change every step: empty batches
     (an empty rank), text-less batches, single sequences, 1..~110 tokens."""
@@ -223,15 +237,7 @@ def test_compile_matches_eager_and_recompiles_at_most_twice_over_50_steps():
     assert any(b.num_sequences and not b.is_text.any() for b in batches)
     assert any(b.num_sequences == 1 for b in batches)
     for step, batch in enumerate(batches):
-        outs = []
-        for m in (eager, model):
-            m.zero_grad(set_to_none=True)
-            out = m(batch)
-            flow_loss(out, batch.targets, max(batch.x_img.shape[0], 1)).backward()
-            outs.append(out.detach())
-        torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5, msg=f"step {step}")
-        for (name, p), q in zip(eager.named_parameters(), model.parameters()):
-            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=f"step {step} {name}")
+        _same_step(eager, model, batch, step)
     stats = par.compile_stats
     # Double and single block class, each cut in two by the eager attention. Text counts are
     # unbacked (no graph for a text-less rank), an empty rank runs eagerly; what is left is a
@@ -256,15 +262,7 @@ def test_wan_blocks_compile_and_match_eager_over_varying_steps():
     par = parallelize(model, ParallelConfig(compile=True))
     batches = _varying_batches(cfg, steps=18)
     for step, batch in enumerate(batches):
-        outs = []
-        for m in (eager, model):
-            m.zero_grad(set_to_none=True)
-            out = m(batch)
-            flow_loss(out, batch.targets, max(batch.x_img.shape[0], 1)).backward()
-            outs.append(out.detach())
-        torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5, msg=f"step {step}")
-        for (name, p), q in zip(eager.named_parameters(), model.parameters()):
-            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=f"step {step} {name}")
+        _same_step(eager, model, batch, step)
     assert par.compile_stats.compiles >= 2  # the block, cut by its attentions
     assert par.recompiles <= 2, par.compile_stats.recompiles
 
@@ -286,15 +284,7 @@ def test_wan_i2v_blocks_compile_once_for_any_number_of_image_contexts():
     par = parallelize(model, ParallelConfig(compile=True))
     for step, sequences in enumerate((3, 2, 4, 1, 0, 5, 2)):
         batch = _pack(cfg, _clip_inputs(cfg, sequences, step, (5, 0, 9, 3)))
-        outs = []
-        for m in (eager, model):
-            m.zero_grad(set_to_none=True)
-            out = m(batch)
-            flow_loss(out, batch.targets, max(batch.x_img.shape[0], 1)).backward()
-            outs.append(out.detach())
-        torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5, msg=f"step {step}")
-        for (name, p), q in zip(eager.named_parameters(), model.parameters()):
-            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=f"step {step} {name}")
+        _same_step(eager, model, batch, step)
     assert par.recompiles == 0, par.compile_stats.recompiles
 
 

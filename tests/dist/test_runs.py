@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from knapray.corpus import shard_paths
-from dist_utils import build_tiny_corpus
+from dist_utils import build_tiny_corpus, run_metrics
 from knapray.data import BadShard, local_rows
 from knapray.config.run import load_config
 from knapray.driver.preflight import check_corpus
@@ -61,10 +61,6 @@ def _ledger(run_dir) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _metrics(run_dir) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
 
 # ---- epochs, resume, final checkpoint, exactly once -----------------------------------------
 
@@ -78,7 +74,7 @@ def test_two_epochs_train_every_sample_once_per_epoch(corpus, tmp_path):
     for epoch in (0, 1):
         counts = Counter(r["sample_id"] for r in rows if r["epoch"] == epoch)
         assert sorted(counts) == sorted(ids) and set(counts.values()) == {1}, epoch
-    epochs = [m["epoch"] for m in _metrics(tmp_path / "r")]
+    epochs = [m["epoch"] for m in run_metrics(tmp_path / "r")]
     assert epochs == sorted(epochs) and set(epochs) == {0, 1}
     # What `tensorboard --logdir runs/` shows: every step's scalars.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -101,7 +97,7 @@ def test_resume_continues_at_the_checkpoint_and_trains_each_sample_once(corpus, 
     second = _train(corpus_dir, tmp_path, "run.max_steps=0", "checkpoint.every=2")
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resuming run 'r' from" in second.stdout and "run.max_steps: 3 -> 0" in second.stdout
-    steps = [m["step"] for m in _metrics(tmp_path / "r")]
+    steps = [m["step"] for m in run_metrics(tmp_path / "r")]
     assert steps == list(range(len(steps))) and len(steps) > 3  # no step twice, none missing
     rows = _ledger(tmp_path / "r")
     counts = Counter(r["sample_id"] for r in rows)
@@ -277,8 +273,8 @@ def test_resume_at_another_world_size_continues_the_same_loss_curve(corpus60, tm
     second = _train(corpus60, tmp_path / "split", *common, *sharded, "run.max_steps=6", nproc=3)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resuming run 'r'" in second.stdout
-    ref = _metrics(tmp_path / "whole" / "r")
-    got = _metrics(tmp_path / "split" / "r")
+    ref = run_metrics(tmp_path / "whole" / "r")
+    got = run_metrics(tmp_path / "split" / "r")
     assert [m["step"] for m in got] == [m["step"] for m in ref] == list(range(6))
     assert [m["world_size"] for m in got] == [4, 4, 4, 3, 3, 3]
     for a, b in zip(got, ref):

@@ -4,12 +4,10 @@ step (the clean first frames out of the loss on either), and not the text-to-vid
 
 from __future__ import annotations
 
-import json
-import os
 
 import pytest
 
-from dist_utils import run_distributed
+from dist_utils import run_distributed, run_metrics
 
 pytestmark = pytest.mark.dist
 
@@ -25,8 +23,7 @@ def _run(rank: int, world: int, corpus: str, runs: str, name: str, share: float)
 
 
 def _losses(run_dir) -> list[float]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line)["loss"] for line in f]
+    return [m["loss"] for m in run_metrics(run_dir)]
 
 
 def test_ti2v_first_frames_balanced_as_one_rank(tmp_path):

@@ -32,20 +32,9 @@ LATENT_FRAMES = {"clip9.tif": 3, "clip6.tif": 2, "still.png": 1}  # 9 -> 1 + 2*4
 
 @pytest.fixture(scope="module")
 def wan_corpus(tmp_path_factory):
-    from PIL import Image
-
     root = tmp_path_factory.mktemp("wan")
     vae, umt5, media = te.save_wan(root / "vae"), te.save_umt5(root / "umt5"), root / "media"
-    media.mkdir()
-    rng = np.random.default_rng(0)
-    pixels = {}
-    for name, frames in FRAMES.items():
-        px = rng.integers(0, 256, size=(frames, 32, 48, 3), dtype=np.uint8)
-        pixels[name] = px
-        images = [Image.fromarray(f) for f in px]
-        images[0].save(media / name, save_all=frames > 1, append_images=images[1:])
-    (media / "metadata.jsonl").write_text(
-        "".join(json.dumps({"file_name": n, "text": c}) + "\n" for n, c in CAPTIONS.items()))
+    pixels = te.write_media(media, FRAMES, CAPTIONS)
     out = root / "corpus"
     code = main(["ingest", "--input", str(media), "--out", str(out), "--vae", str(vae), "--text-encoder", str(umt5),
                  "--family", "wan", "--max-side", "48", "--max-frames", "9", "--device", "cpu", "--quiet"])
