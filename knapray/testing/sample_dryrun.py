@@ -57,7 +57,7 @@ from knapray.planning.inference.sampling_memory import (
     rank_role,
 )
 from knapray.planning.shapes.topology import Topology
-from knapray.testing.dryrun import GIB, MAX_PEAK_ERROR
+from knapray.testing.dryrun import GIB, MAX_PEAK_ERROR, whole_peak_only
 from knapray.testing.fakes import fake_batch, fake_world, host_batch, kernel_attention, leave_world, on_device, \
     tensors_in, to_empty, Sample
 
@@ -351,23 +351,12 @@ def measure(setup: SampleSetup) -> SampleMeasured:
 
 
 def _peak_tracker():
-    """torch's ``MemTracker`` keeping the device's peak only: its per-module peaks (a walk over
-    every module it has seen, on every op: most of a phase's time on fake tensors) are not
-    read here. Where a torch names its state otherwise, the tracker as it is."""
-    import copy
-
+    """torch's ``MemTracker`` keeping the device's peak only (``whole_peak_only``)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    class PeakTracker(MemTracker):
-        def _update_peak_stats(self, peak_state) -> None:
-            if not all(hasattr(self, a) for a in ("_curr_mem_snap", "_peak_mem", "_peak_mem_snap")):
-                return super()._update_peak_stats(peak_state)
-            for dev, snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(dev, 0) < snap["Total"]:
-                    self._peak_mem[dev] = snap["Total"]
-                    self._peak_mem_snap[dev] = copy.deepcopy(snap)
-
-    return PeakTracker()
+    tracker = MemTracker()
+    whole_peak_only(tracker)
+    return tracker
 
 
 def _phase(name: str, resident: list, inputs: list, run) -> PhaseMeasured:

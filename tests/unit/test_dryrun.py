@@ -191,6 +191,32 @@ def test_host_sync_watch_flags_the_step_without_a_layout_and_not_the_trainers():
     assert len(watch.syncs) == 1
 
 
+def test_the_tracker_keeping_the_whole_peak_only_measures_torchs_peak():
+    """``whole_peak_only`` drops torch's per-module peaks (a walk over every module on every op):
+    the step's peak, by category, is the tracker's own to the byte."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from knapray.testing.dryrun import whole_peak_only
+
+    def peaks(keep_modules: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+        opt = torch.optim.AdamW(model.parameters())
+        tracker = MemTracker()
+        if not keep_modules:
+            whole_peak_only(tracker)
+        tracker.track_external(model, opt)
+        with tracker:  # one step: the tracker refuses a module called twice
+            model(torch.randn(512, 64)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return tracker.get_tracker_snapshot("peak"), "_update_peak_stats" in vars(tracker)
+
+    (torchs, replaced_torchs), (ours, replaced_ours) = peaks(True), peaks(False)
+    assert not replaced_torchs and replaced_ours  # this torch names what it replaces as 2.10 and 2.11 do
+    assert ours == torchs and next(iter(ours.values()))["Total"] > 512 * 256 * 4
+
+
 def test_host_to_device_on_a_fake_cuda_device():
     import numpy as np
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
