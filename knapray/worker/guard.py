@@ -71,8 +71,12 @@ class BadDataGuard:
             self._shard_rows_lost += bad.rows or 0
 
     def step_counts(self, stats: StreamStats) -> dict[str, int]:
-        """This rank's new bad and read rows since the last call, for the step's all-reduce."""
-        bad, read = stats.corrupt, stats.samples + stats.corrupt
+        """This rank's new bad and read rows since the last call, for the step's all-reduce.
+        Rows skipped as trained already count as read: a resumed epoch reads its bad rows
+        before the checkpoint again (and quarantines them again) but skips its good ones, and
+        without them the fraction of a resume was the bad rows' alone (a run resumed after a
+        worker failure stopped as "mostly bad" on a corpus it had trained on)."""
+        bad, read = stats.corrupt, stats.samples + stats.corrupt + stats.skipped
         lost = self._shard_rows_lost - self._shard_rows_reported
         counts = {"bad_rows": bad - self._reported[0] + lost, "rows": read - self._reported[1] + lost}
         self._reported = (bad, read)

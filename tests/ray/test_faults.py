@@ -1,6 +1,7 @@
-"""Faults (issue 5) on real Ray Train runs with 4 gloo workers: a SIGKILLed worker, a
-killed coordinator, planted bad rows, a mostly-bad corpus. Every run must end with the
-ledger holding every trainable sample exactly once."""
+"""Faults on real Ray Train runs with 4 gloo workers: a coordinator down for a while, then
+a SIGKILLed worker, in one run with planted bad rows; a coordinator gone for good; a
+mostly-bad corpus (2 workers). Every run must end with the ledger holding every trainable
+sample exactly once."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from knapray.corpus import CORPUS_SCHEMA, shard_paths
 from knapray.corpus.synthetic import SyntheticConfig, build_synthetic
 from knapray.testing.chaos import Chaos, check_exactly_once, check_once_per_epoch
 from knapray.config.run import load_config
+
+from dist_utils import run_metrics
 
 pytestmark = pytest.mark.ray
 
@@ -64,22 +67,12 @@ def _run_with_chaos(cfg, **chaos):
     return summary, chaos_thread.log.events
 
 
-def test_worker_sigkill_restarts_from_checkpoint_exactly_once(ray_session, clean_corpus, tmp_path):
-    corpus_dir, ids = clean_corpus
-    cfg = _cfg(corpus_dir, tmp_path, "sigkill", **{"run.max_failures": 1})
-    # Checkpoints after steps 1 and 3: by step 4 Ray Train has registered at least one.
-    summary, events = _run_with_chaos(cfg, kill_worker_at=4, worker_rank=1)
-    assert [e["event"] for e in events] == ["worker_sigkill"]
-    check = check_exactly_once(os.path.join(cfg.run_dir, "ledger.jsonl"), ids)
-    assert check["ok"], check
-    assert check["attempts"][-1] >= 1  # the restart re-trained some steps as a new attempt
-    # The restarted group resumed from a checkpoint, not from scratch.
-    steps = [r["step"] for r in summary["records"]]
-    assert steps[0] > 0 and steps == list(range(steps[0], steps[0] + len(steps)))
-
-
-def test_coordinator_killed_ranks_plan_locally_exactly_once(ray_session, tmp_path_factory, tmp_path):
-    # Same run, also with planted bad rows: they are quarantined with reasons.
+def test_coordinator_down_then_a_worker_sigkilled_exactly_once(ray_session, tmp_path_factory, tmp_path):
+    """One run, three faults in turn, on a corpus with planted bad rows (quarantined with
+    their reasons): the coordinator is killed after step 1 and kept down for 3 steps (its
+    node died), so the ranks plan locally meanwhile, then comes back and reloads its state;
+    after step 8 a worker is SIGKILLed, and Ray Train restarts the group from the latest
+    checkpoint. The ledger holds every trainable sample exactly once."""
     out = tmp_path_factory.mktemp("bad")
     rows = _corpus(out, seed=3, steps=12)  # long enough to see the coordinator come back
     bad = {}
@@ -92,7 +85,7 @@ def test_coordinator_killed_ranks_plan_locally_exactly_once(ray_session, tmp_pat
     # A memory budget of 40 tokens per GPU on bags of 2: anything over 80 tokens is too long.
     too_long = {r["sample_id"] for r in rows if r["seq_len"] > 80 and r["sample_id"] not in bad}
     assert too_long
-    cfg = _cfg(str(out), tmp_path, "coordkill", **{"run.max_failures": 0, "data.max_tokens_per_gpu": 40})
+    cfg = _cfg(str(out), tmp_path, "faults", **{"run.max_failures": 1, "data.max_tokens_per_gpu": 40})
     from knapray.coordinator import create_coordinator
     from knapray.worker.ledger_files import ledger_dir
     from knapray.worker.step_planner import coordinator_config, coordinator_name
@@ -102,14 +95,19 @@ def test_coordinator_killed_ranks_plan_locally_exactly_once(ray_session, tmp_pat
         return create_coordinator(coordinator_name(cfg), config=coordinator_config(cfg, state_dir=ledger_dir(cfg.run_dir)))
 
     summary, events = _run_with_chaos(cfg, kill_coordinator_at=1, coordinator_down_steps=3,
-                                      recreate_coordinator=recreate)
-    assert [e["event"] for e in events] == ["coordinator_killed", "coordinator_recreated"]
-    planned_by = [r["planned_by"] for r in summary["records"]]
+                                      recreate_coordinator=recreate, kill_worker_at=8, worker_rank=1)
+    assert [e["event"] for e in events] == ["coordinator_killed", "coordinator_recreated", "worker_sigkill"], events
+    # Every step's row, the first attempt's kept up to the checkpoint the restart resumed from.
+    planned_by = [m["planned_by"] for m in run_metrics(cfg.run_dir)]
     assert "local" in planned_by, planned_by  # ranks planned without it for a while...
     assert planned_by[-1] == "coordinator", (planned_by, events)  # ...and went back to it once it was restarted
     expected = {r["sample_id"] for r in rows} - set(bad) - too_long
     check = check_exactly_once(os.path.join(cfg.run_dir, "ledger.jsonl"), expected)
     assert check["ok"], check
+    assert check["attempts"][-1] >= 1  # the restart re-trained some steps as a new attempt
+    # The restarted group resumed from a checkpoint, not from scratch.
+    steps = [r["step"] for r in summary["records"]]
+    assert 0 < steps[0] <= events[-1]["after_step"] + 1 and steps == list(range(steps[0], steps[0] + len(steps)))
     quarantine = [json.loads(l) for l in open(os.path.join(cfg.run_dir, "quarantine.jsonl"))]
     reasons = {q["sample_id"]: q["reason"] for q in quarantine}
     assert {k: reasons.get(k) for k in bad} == bad
@@ -155,6 +153,8 @@ def test_mostly_bad_corpus_stops_with_a_clear_error(ray_session, tmp_path_factor
             if i % 4:  # three rows in four
                 row["latent"][0] = math.inf
         pq.write_table(pa.Table.from_pylist(table, schema=CORPUS_SCHEMA), shard)
-    cfg = _cfg(str(out), tmp_path, "mostlybad", **{"run.max_failures": 0})
+    # Two workers are enough: the bad rows are counted over every rank's reads.
+    cfg = _cfg(str(out), tmp_path, "mostlybad", **{"run.max_failures": 0, "scaling.num_workers": 2,
+                                                   "balance.topology": "g2n1"})
     with pytest.raises(WorkerGroupError, match="is mostly bad"):
         run_training(cfg)

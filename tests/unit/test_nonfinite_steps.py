@@ -86,3 +86,21 @@ def test_nonfinite_gradients_is_a_device_flag_of_this_ranks_gradients():
         model.bias.grad = torch.tensor([0.0, bad])
         flag = par.nonfinite_gradients()
         assert flag.shape == () and float(flag) == 1.0, bad
+
+
+def test_a_resumed_epoch_counts_the_rows_it_skips_as_read(tmp_path):
+    """A resumed epoch skips the good rows its checkpoint trained but reads its bad rows
+    before the checkpoint again: the skipped rows count as read, so the fraction is the
+    corpus's and not the bad rows' alone (a run resumed after a worker failure stopped as
+    "mostly bad" on a corpus whose bad rows were a third)."""
+    from knapray.data import StreamStats
+    from knapray.worker.guard import BadCorpus, BadDataGuard
+
+    guard = BadDataGuard(str(tmp_path), rank=0, corpus="c", max_bad_fraction=0.5)
+    counts = guard.step_counts(StreamStats(samples=4, skipped=20, corrupt=12))
+    assert counts == {"bad_rows": 12, "rows": 36}
+    guard.check(counts, step=3)  # 12 of 36 read: not mostly bad (12 of 16 without the skipped)
+    more = guard.step_counts(StreamStats(samples=4, skipped=20, corrupt=40))  # 28 more rows, all bad
+    assert more == {"bad_rows": 28, "rows": 28}
+    with pytest.raises(BadCorpus, match="40 of 64 rows"):
+        guard.check(more, step=4)
