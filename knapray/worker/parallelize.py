@@ -411,6 +411,20 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
     model.initial_values(write)
 
 
+def allow_cached_autograd_functions() -> None:
+    """Let AOTAutograd's cache keep graphs that hold a custom ``torch.autograd.Function``
+    (knapray's row gathers and permutations, the fp8 base's matmul): torch bypasses the cache
+    for them by default (``autograd_function_apply`` is "unsupported"), so every process that
+    compiled a block, a restarted or resumed run's included, traced its joint graph again.
+    Dynamo traces such a Function's forward and backward into subgraphs of the graph, which
+    the cache key hashes, so a changed Function is a different key. The flag is the same in
+    torch 2.10, 2.11 and 2.13 (``torch._functorch.config``); a torch without it is left as is."""
+    import torch._functorch.config as functorch_config
+
+    if hasattr(functorch_config, "autograd_cache_allow_custom_autograd_functions"):
+        functorch_config.autograd_cache_allow_custom_autograd_functions = True
+
+
 def parallelize(model: nn.Module, parallel: ParallelConfig | None = None, dims: ParallelDims | None = None, *,
                 compute_dtype: torch.dtype = torch.float32, mesh=None) -> ParallelModel:
     """Apply compile, activation checkpointing and FSDP (in that order, inside out) to
@@ -441,6 +455,7 @@ def parallelize(model: nn.Module, parallel: ParallelConfig | None = None, dims: 
         convert(model, cfg.fp8_scaling, fsdp=cfg.fsdp != "none")
     if cfg.compile:
         stats = CompileStats(cfg.compile_backend)
+        allow_cached_autograd_functions()
         # One compiled function per block class, shared by its blocks (the module is an
         # input, not a guard); isolated so another model's compiles are not counted here.
         # (``isolate_recompiles`` is newer than torch 2.11: left out where it is missing.)
