@@ -48,9 +48,29 @@ def init_ray(ray: Any, *, address: str | None = None, all_interfaces: bool = Fal
         return ray.init(address=joined, **kwargs)
     with _expected_startups(kwargs.get("num_cpus")):
         if all_interfaces:
-            return ray.init(**kwargs)
-        with loopback_only():
-            return ray.init(**kwargs)
+            context = ray.init(**kwargs)
+        else:
+            with loopback_only():
+                context = ray.init(**kwargs)
+    _STARTED_HERE[0] = _gcs_address(ray)
+    return context
+
+
+_STARTED_HERE: list[str | None] = [None]
+"""The GCS address of the single-machine Ray ``init_ray`` started in this process, if any."""
+
+
+def _gcs_address(ray: Any) -> str | None:
+    try:
+        return ray.get_runtime_context().gcs_address
+    except Exception:  # noqa: BLE001 - a Ray without a runtime context: not known
+        return None
+
+
+def started_here(ray: Any) -> bool:
+    """Whether the Ray this process is connected to is the single-machine one ``init_ray``
+    started in it (not a cluster it joined)."""
+    return _STARTED_HERE[0] is not None and ray.is_initialized() and _gcs_address(ray) == _STARTED_HERE[0]
 
 
 @contextlib.contextmanager

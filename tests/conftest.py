@@ -21,6 +21,10 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (*_PATHS, os.environ.get("PYTHONPATH", "")) if p
 )
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+# The session's Ray is a single-machine Ray, as the one knapray starts itself, where Ray
+# Train's preemption watcher is off (knapray.driver.launch.preemption_watcher): the same here
+# (an actor and ~1.5 CPU-s less per fit). The multi-node elastic scenario keeps Ray's default.
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 # Under pytest-xdist each worker process gets its share of the cores for torch's intra-op
 # threads (torch reads it at its first parallel op; the processes tests start inherit it):
 # two copies of a compiled-gradient test, two threads each on two cores, took 20% longer

@@ -193,10 +193,13 @@ def _fit(cfg: TrainConfig, corpus: CorpusCheck, done_steps: int) -> dict:
                        "ray start --resources), or use 'head' or 'any'")
     coordinator = create_coordinator(coordinator_name(cfg), resources=placement,
                                      config=coordinator_config(cfg, state_dir=ledger_dir(run_dir)))
+    from knapray.local_ray import started_here
+
     start_timeout = worker_start_timeout(cfg, os.environ)
-    # Ray Train reads it in the driver and hands it to its controller (ENV_VARS_TO_PROPAGATE):
+    # Ray Train reads them in the driver and hands them to its controller (ENV_VARS_TO_PROPAGATE):
     # set for this fit only, the driver's environment as it was afterwards.
-    with scoped_env(START_TIMEOUT_ENV, None if start_timeout is None else f"{start_timeout:g}"):
+    with scoped_env(START_TIMEOUT_ENV, None if start_timeout is None else f"{start_timeout:g}"), \
+            scoped_env(PREEMPTION_WATCHER_ENV, preemption_watcher(os.environ, single_machine=started_here(ray))):
         return _fit_in(cfg, corpus, done_steps, coordinator, run_dir)
 
 
@@ -426,6 +429,20 @@ def scoped_env(name: str, value: str | None):
             os.environ.pop(name, None)
         else:
             os.environ[name] = before
+
+
+PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+
+
+def preemption_watcher(environ, *, single_machine: bool) -> str | None:
+    """``RAY_TRAIN_ENABLE_PREEMPTION_WATCHER`` for a fit: "0" on the single-machine Ray knapray
+    started (``knapray train`` without an address, ``make run``), unless the environment sets
+    it; else None (Ray's default, on). The watcher is an actor Ray Train starts beside every
+    fit to poll Ray for nodes being drained; the one node of an embedded Ray is the driver's
+    own, and nothing drains it while the run goes on."""
+    if single_machine and PREEMPTION_WATCHER_ENV not in environ:
+        return "0"
+    return None
 
 
 def worker_start_timeout(cfg: TrainConfig, environ) -> float | None:

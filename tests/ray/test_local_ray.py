@@ -17,6 +17,7 @@ LISTENING = """
 import json, os, sys, time
 import psutil, ray
 from knapray.commands.train import start_ray
+from knapray.local_ray import started_here
 
 start_ray(ray, dict(num_cpus=1, include_dashboard=False, log_to_driver=False), attempts=1)
 
@@ -29,7 +30,7 @@ me = psutil.Process()
 pids = {p.pid for p in me.children(recursive=True)} | {me.pid}
 found = [(c.laddr.ip, c.laddr.port, psutil.Process(c.pid).name()) for c in psutil.net_connections(kind="inet")
          if c.status == psutil.CONN_LISTEN and c.pid in pids]
-print(json.dumps({"node": node, "listening": found}))
+print(json.dumps({"node": node, "listening": found, "started_here": started_here(ray)}))
 ray.shutdown()
 """
 
@@ -53,6 +54,7 @@ def test_the_ray_knapray_train_starts_listens_on_loopback_only():
 
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["node"] == "127.0.0.1", seen
+    assert seen["started_here"] is True  # the single-machine Ray knapray started (its fits: no preemption watcher)
     names = {name for _, _, name in seen["listening"]}
     assert {"gcs_server", "raylet"} <= names, seen  # Ray's servers were found, and...
     others = [s for s in seen["listening"] if s[0] not in ("127.0.0.1", "::ffff:127.0.0.1")]

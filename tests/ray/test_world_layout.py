@@ -10,7 +10,8 @@ import pathlib
 import pytest
 
 from knapray.config.run import ConfigError, load_config
-from knapray.driver.launch import ELASTIC_START_TIMEOUT_S, coordinator_resources, run_complete, worker_start_timeout
+from knapray.driver.launch import (ELASTIC_START_TIMEOUT_S, coordinator_resources, preemption_watcher, run_complete,
+                                   worker_start_timeout)
 from knapray.driver.run_dir import check_world
 from knapray.worker.trainer import TopologyError, check_node_layout
 
@@ -51,6 +52,14 @@ def test_start_timeout_and_coordinator_placement():
     assert coordinator_resources("coordinator_slot") == {"coordinator_slot": 0.001}
     with pytest.raises(ConfigError, match="balance.coordinator_node"):
         load_config(None, ["balance.coordinator_node=''"])
+
+
+def test_the_preemption_watcher_is_off_on_the_single_machine_ray_knapray_started():
+    """Ray Train's preemption watcher (an actor beside every fit) polls for nodes being
+    drained: off where knapray started the Ray on this machine, unless the environment says."""
+    assert preemption_watcher({}, single_machine=True) == "0"
+    assert preemption_watcher({"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "1"}, single_machine=True) is None
+    assert preemption_watcher({}, single_machine=False) is None  # a cluster joined: Ray's default
 
 
 def test_a_run_is_complete_when_its_checkpoint_says_so():
