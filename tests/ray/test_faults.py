@@ -1,7 +1,7 @@
-"""Faults on real Ray Train runs with 4 gloo workers: a coordinator down for a while, then
-a SIGKILLed worker, in one run with planted bad rows; a coordinator gone for good; a
-mostly-bad corpus (2 workers). Every run must end with the ledger holding every trainable
-sample exactly once."""
+"""Faults on real Ray Train runs of gloo workers: a coordinator down for a while, then a
+SIGKILLed worker, in one run with planted bad rows (4 workers); a coordinator gone for good
+(2 workers); a mostly-bad corpus (2 workers). Every run must end with the ledger holding
+every trainable sample exactly once."""
 
 from __future__ import annotations
 
@@ -127,9 +127,12 @@ def test_a_coordinator_gone_for_good_loses_no_ledger_row(ray_session, small_corp
     final checkpoint carries the rows nobody took, and the driver records them: every
     sample once per epoch in both epochs (20 of 176 rows were left before). Killed right
     after step 1's line, while its checkpoint is taken (checkpoint.every=2), or after step
-    4, the last of the first epoch (33 samples, 8 a step)."""
+    4, the last of the first epoch (33 samples, 8 a step: 2 workers of 4, an odd one left
+    at the end of each epoch)."""
     corpus_dir, ids = small_corpus
-    cfg = _cfg(corpus_dir, tmp_path, f"gone{kill_after}", **{"run.max_failures": 0, "data.epochs": 2})
+    cfg = _cfg(corpus_dir, tmp_path, f"gone{kill_after}", **{"run.max_failures": 0, "data.epochs": 2,
+                                                              "scaling.num_workers": 2, "balance.topology": "g2n1",
+                                                              "data.samples_per_step": 4})
     summary, events = _run_with_chaos(cfg, kill_coordinator_at=kill_after, coordinator_gone=True)
     assert [e["event"] for e in events] == ["coordinator_killed"], events
     planned_by = [r["planned_by"] for r in summary["records"]]
