@@ -1,6 +1,6 @@
-"""Training on Ray Train end to end (4 gloo workers): several epochs in one run, uneven
-shards at the end of an epoch, a finished run left alone, a resume with more epochs from
-its final checkpoint, and every sample trained exactly once per epoch."""
+"""Training on Ray Train end to end (2 gloo workers, a bag each): several epochs in one run,
+uneven shards at the end of an epoch, a finished run left alone, a resume with more epochs
+from its final checkpoint, and every sample trained exactly once per epoch."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ MODEL = [
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     out = tmp_path_factory.mktemp("corpus")
-    # 33 samples: 4 ranks x 2 per step do not divide it, so shards run dry unevenly.
+    # 33 samples: 2 ranks x 4 per step do not divide it, so shards run dry unevenly.
     build_synthetic(
         SyntheticConfig(mix="g1b3i128f1s0,g1b2i64f1s0,g1b5i64f1s0,g1b1i256f1s0", steps=3, scale=4,
                         channels=4, text_dim=16, pooled_dim=16, shards=3, seed=1),
@@ -38,9 +38,9 @@ def corpus(tmp_path_factory):
 
 def _sets(corpus_dir, run_root, max_steps, epochs=1):
     return MODEL + [
-        f"data.corpus={corpus_dir}", "data.samples_per_step=2", f"data.epochs={epochs}",
-        "balance.topology=g2n2", "run.name=resume", f"run.storage={run_root}",
-        "scaling.num_workers=4", "scaling.cpus_per_worker=0.5", f"run.max_steps={max_steps}",
+        f"data.corpus={corpus_dir}", "data.samples_per_step=4", f"data.epochs={epochs}",
+        "balance.topology=g1n2", "run.name=resume", f"run.storage={run_root}",
+        "scaling.num_workers=2", "scaling.cpus_per_worker=0.5", f"run.max_steps={max_steps}",
         "checkpoint.every=2", "run.max_failures=0", "distributed.timeout_s=60",
         "balance.coordinator_timeout_s=20",
     ]
