@@ -119,35 +119,3 @@ def test_every_callers_index_pair_is_a_true_inverse() -> None:
         for s in (host, dev):
             assert _is_inverse(torch.cat((s.txt_idx, s.img_idx)), s.unorder)
 
-
-def test_a_graph_holding_knapray_functions_is_kept_by_aot_autograds_cache(monkeypatch) -> None:
-    """torch leaves a graph with a custom ``autograd.Function`` out of AOTAutograd's cache:
-    every process that compiled a block traced its joint graph again. ``parallelize`` lets
-    the cache keep them: the second compile of the same graph (a new process, or here after
-    resetting Dynamo) is a hit, and without the setting it is a bypass."""
-    import torch._functorch.config as functorch_config
-    from torch._dynamo.utils import counters
-
-    from knapray.config.parallel import ParallelConfig
-    from knapray.models import MMDiT
-    from knapray.testing.parity import parity_config
-    from knapray.worker.parallelize import parallelize
-
-    def loss(table, index):
-        return gather_rows(table * 2, index).float().square().sum()
-
-    def compile_twice() -> dict:
-        for _ in range(2):
-            torch._dynamo.reset()
-            counters.clear()
-            table = torch.ones(3, 4, requires_grad=True)
-            torch.compile(loss, backend="inductor")(table, torch.tensor([0, 1, 1, 2])).backward()
-        return dict(counters["aot_autograd"])
-
-    monkeypatch.setattr(functorch_config, "autograd_cache_allow_custom_autograd_functions", False)
-    before = compile_twice()
-    assert before.get("autograd_cache_bypass", 0) >= 1 and not before.get("autograd_cache_hit"), before
-    parallelize(MMDiT(parity_config()), ParallelConfig(compile=True))  # sets it, as every compiled run does
-    assert functorch_config.autograd_cache_allow_custom_autograd_functions
-    after = compile_twice()
-    assert after.get("autograd_cache_hit") == 1 and not after.get("autograd_cache_bypass"), after
