@@ -39,7 +39,8 @@ plan-demo: $(STAMP)
 	$(BIN)/knapray plan --mix "$(PAPER_MIX)" --topology g8n4 --steps 50 --plot runs/plan-demo.png
 
 # The suite on TEST_WORKERS processes (pytest-xdist), a test file per worker at a time, the
-# slowest files first (tests/conftest.py): 2 fit this 2-core machine's CI. TEST_WORKERS=0: one process.
+# files sharing the session's Ray first, the slowest first (tests/conftest.py): 2 fit this
+# 2-core machine's CI. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 # knapray's and the tests' bytecode written first: where PYTHONDONTWRITEBYTECODE is set (this
 # machine sets it) no process writes it, and each of the suite's hundreds of processes (gloo

@@ -94,15 +94,16 @@ def _ray_installed() -> bool:
 
 
 SLOW_FILES = {
-    "test_faults.py": 202, "test_elastic.py": 136, "test_readme_commands.py": 130, "test_gang.py": 120,
-    "test_dryrun.py": 89, "test_balanced_sampling.py": 87, "test_train_ray.py": 86, "test_serve_http.py": 84,
-    "test_runs.py": 82, "test_sampling_engine.py": 80, "test_grad_truth.py": 79, "test_torchrun.py": 76,
-    "test_overlap.py": 52, "test_submit_demo.py": 50, "test_driver_death.py": 48, "test_sample_dryrun.py": 41,
-    "test_parallelize.py": 39, "test_ingest_ray.py": 36, "test_float8.py": 35, "test_stopping.py": 34,
-    "test_serve_image.py": 26, "test_wan_ingest.py": 23, "test_experts.py": 21, "test_lora.py": 19,
-    "test_wan_dist.py": 18, "test_coordinator_scale.py": 18, "test_float8_fsdp.py": 17, "test_coordinator.py": 14,
+    "test_faults.py": 157, "test_readme_commands.py": 145, "test_elastic.py": 135, "test_gang.py": 94,
+    "test_serve_http.py": 89, "test_runs.py": 80, "test_dryrun.py": 72, "test_torchrun.py": 63, "test_train_ray.py": 55,
+    "test_sampling_engine.py": 52, "test_balanced_sampling.py": 50, "test_overlap.py": 49, "test_grad_truth.py": 47,
+    "test_stopping.py": 47, "test_driver_death.py": 42, "test_serve_image.py": 39, "test_submit_demo.py": 37,
+    "test_float8.py": 33, "test_sample_dryrun.py": 30, "test_parallelize.py": 28, "test_ingest_ray.py": 27,
+    "test_wan_dist.py": 24, "test_wan_ingest.py": 23, "test_lora.py": 22, "test_experts.py": 21,
+    "test_float8_fsdp.py": 20, "test_coordinator.py": 18, "test_coordinator_scale.py": 15,
 }
-"""Seconds a file's tests take here (measured with ``--durations=0``, 2026-11-29), for the files
+"""Seconds a file's tests take here (measured with ``--durations=0``, 2026-11-30; the compiled
+tests' scaled to their time since ``knapray.worker.parallelize``'s compile settings), for the files
 that take most. ``make test`` runs the suite on several workers, a file per worker at a
 time (``--dist loadfile``): these go first, so the short files fill in around them instead
 of one long file running alone at the end."""
