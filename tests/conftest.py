@@ -94,19 +94,20 @@ def _ray_installed() -> bool:
 
 
 SLOW_FILES = {
-    "test_faults.py": 157, "test_readme_commands.py": 145, "test_elastic.py": 135, "test_gang.py": 94,
-    "test_serve_http.py": 89, "test_runs.py": 80, "test_dryrun.py": 72, "test_torchrun.py": 63, "test_train_ray.py": 55,
-    "test_sampling_engine.py": 52, "test_balanced_sampling.py": 50, "test_overlap.py": 49, "test_grad_truth.py": 47,
-    "test_stopping.py": 47, "test_driver_death.py": 42, "test_serve_image.py": 39, "test_submit_demo.py": 37,
-    "test_float8.py": 33, "test_sample_dryrun.py": 30, "test_parallelize.py": 28, "test_ingest_ray.py": 27,
-    "test_wan_dist.py": 24, "test_wan_ingest.py": 23, "test_lora.py": 22, "test_experts.py": 21,
-    "test_float8_fsdp.py": 20, "test_coordinator.py": 18, "test_coordinator_scale.py": 15,
+    "test_readme_commands.py": 170, "test_faults.py": 149, "test_elastic.py": 134, "test_sampling_engine.py": 133,
+    "test_grad_truth.py": 126, "test_gang.py": 109, "test_serve_http.py": 94, "test_parallelize.py": 90,
+    "test_torchrun.py": 82, "test_dryrun.py": 79, "test_float8.py": 73, "test_runs.py": 69,
+    "test_balanced_sampling.py": 52, "test_overlap.py": 51, "test_serve_image.py": 46, "test_driver_death.py": 44,
+    "test_submit_demo.py": 40, "test_train_ray.py": 39, "test_sample_dryrun.py": 35, "test_stopping.py": 33,
+    "test_ingest_ray.py": 28, "test_experts.py": 28, "test_wan_ingest.py": 26, "test_float8_fsdp.py": 25,
+    "test_wan_dist.py": 24, "test_lora_unit.py": 23, "test_lora.py": 23, "test_data.py": 20, "test_coordinator.py": 19,
+    "test_profiling.py": 18, "test_coordinator_scale.py": 15,
 }
-"""Seconds a file's tests take here (measured with ``--durations=0``, 2026-11-30; the compiled
-tests' scaled to their time since ``knapray.worker.parallelize``'s compile settings), for the files
-that take most. ``make test`` runs the suite on several workers, a file per worker at a
-time (``--dist loadfile``): these go first, so the short files fill in around them instead
-of one long file running alone at the end."""
+"""Seconds a file's tests take here with torch's compile cache empty, as on a fresh machine or CI
+runner (``--durations=0``, the mean of two fresh-machine runs, 2026-11-30; with the cache warm
+the compiled files take 0.3-0.65 of this). ``make test`` runs the suite on several
+workers, a file per worker at a time (``--dist loadfile``): these go first, so the short files
+fill in around them instead of one long file running alone at the end."""
 
 
 def pytest_collection_modifyitems(config, items):
