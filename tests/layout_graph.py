@@ -19,7 +19,7 @@ PACKAGE = REPO / "knapray"
 
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("attention", "file_errors", "files", "indexing", "limits", "local_ray", "nofollow", "progress",
-              "run_files", "stopping", "transfer")),
+              "quiet_imports", "run_files", "stopping", "transfer")),
     ("planning", ("planning",)),
     ("services", ("coordinator", "corpus", "distributed")),
     ("models", ("models",)),

@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from knapray.quiet_imports import load_torchao_quietly
+
 IMAGE_VAES = ("AutoencoderKL", "AutoencoderKLFlux2")
 VIDEO_VAES = ("AutoencoderKLWan", "AutoencoderKLHunyuanVideo", "AutoencoderKLQwenImage")
 T5_TYPES = {"t5": "T5EncoderModel", "mt5": "MT5EncoderModel", "umt5": "UMT5EncoderModel"}
@@ -47,6 +49,7 @@ _VERSION_KEYS = ("_diffusers_version", "transformers_version", "_name_or_path", 
 
 
 def _import(name: str) -> Any:
+    load_torchao_quietly()  # transformers' and diffusers' quantizers import it where installed
     try:
         return importlib.import_module(name)
     except ImportError as e:

@@ -31,6 +31,7 @@ import torch
 
 from knapray.models.families import checkpoint_layout, get_family
 from knapray.models.timesteps import EXPERT_NAMES
+from knapray.quiet_imports import load_torchao_quietly
 from knapray.weights.load import peak_host_bytes
 from knapray.weights.source import DIFFUSERS_INDEX, DIFFUSERS_WEIGHTS
 from knapray.worker.experts import part_suffix
@@ -215,6 +216,7 @@ def _write_model(path: str, layout, prefix: str, directory: str, config: dict, t
         del tensors
     config = dict(config)
     try:
+        load_torchao_quietly()
         import diffusers
 
         config["_diffusers_version"] = diffusers.__version__

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from knapray.models.config import LoraConfig
+from knapray.quiet_imports import load_torchao_quietly
 
 ADAPTER = "default"
 """peft's adapter name (one adapter per model)."""
@@ -61,6 +62,7 @@ def inject(model: nn.Module, cfg: LoraConfig, presets: dict[str, tuple[str, ...]
     """Wrap the targeted linear layers with peft's LoRA layers (on whatever device the model
     is, the meta device included) and freeze every other parameter; returns the wrapped
     modules' names."""
+    load_torchao_quietly()
     from peft import LoraConfig as PeftLoraConfig
     from peft import inject_adapter_in_model
 
@@ -78,6 +80,7 @@ def add_named_adapter(model: nn.Module, cfg: LoraConfig, presets: dict[str, tupl
     """Another LoRA adapter, ``name``, beside those the model has (a served run's: several
     adapters of one base, one active at a time, ``use_adapter``), on the layers ``cfg``
     targets, frozen like everything else; returns the wrapped modules' names."""
+    load_torchao_quietly()
     from peft import LoraConfig as PeftLoraConfig
     from peft import inject_adapter_in_model
 
@@ -98,6 +101,7 @@ def add_named_adapter(model: nn.Module, cfg: LoraConfig, presets: dict[str, tupl
 
 def adapters_of(model: nn.Module) -> list[str]:
     """The adapters the model holds, in the order they came."""
+    load_torchao_quietly()
     from peft.tuners.lora import LoraLayer
 
     out: list[str] = []
@@ -110,6 +114,7 @@ def adapters_of(model: nn.Module) -> list[str]:
 def use_adapter(model: nn.Module, name: str | None) -> None:
     """Make adapter ``name`` the active one on every LoRA layer (a layer it does not target
     computes its base alone); None: every layer its base (the adapters off)."""
+    load_torchao_quietly()
     from peft.tuners.lora import LoraLayer
 
     if name is not None and name not in adapters_of(model):

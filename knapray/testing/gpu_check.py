@@ -36,6 +36,7 @@ import yaml
 
 from knapray.models.config import MMDiTConfig
 from knapray.models.flops import attention_share, formula, model_tflops_bar
+from knapray.quiet_imports import load_torchao_quietly
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WARMUP_STEPS = 5
@@ -433,6 +434,7 @@ def sampling_stage(report: dict, *, cpu: bool, deadline: float | None = None) ->
         print("== sampling side by side: not run, too little of the bench's time left", flush=True)
         return failures + ["sampling side by side: not run (out of time)"]
     try:
+        load_torchao_quietly()
         import diffusers  # noqa: F401
     except ImportError:
         print("== sampling side by side: not run, diffusers is not importable here (carry its wheels: GPU_WHEELS)")

@@ -30,6 +30,8 @@ from typing import Callable
 
 import torch
 
+from knapray.quiet_imports import load_torchao_quietly
+
 DEFAULT_HIDDEN = 3072
 DEFAULT_HEADS = 24
 MAX_REPEAT = 1000
@@ -168,6 +170,7 @@ def float8_matmuls(*, hidden: int = FP8_SHAPE["hidden"], tokens: int = FP8_SHAPE
     eager, the chain alone, as the CPU rehearsal runs it). The seconds of each variant and the
     ratios bf16 / float8."""
     import torch.nn as nn
+    load_torchao_quietly()
     from torchao.float8 import convert_to_float8_training
 
     from knapray.worker.float8 import SCALINGS, _config

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from knapray.quiet_imports import load_torchao_quietly
+
 if TYPE_CHECKING:
     from knapray.config.parallel import ParallelConfig
 
@@ -150,6 +152,7 @@ def diffusers_reference(path: str, inputs: list[Inputs], cfg: Any = None) -> tup
     """(outputs per sequence, gradient per checkpoint tensor) of diffusers' model at
     ``path`` (fp32), every sequence its own call, the loss summed over them. ``cfg``: the
     model config the inputs were made for (None: the checkpoint's, ``reference_config``)."""
+    load_torchao_quietly()
     import diffusers
 
     from knapray.models.families import get_family
@@ -380,6 +383,7 @@ def run_reference(paths: list[str], *, family: str | None = None, world_size: in
     if sequences < 1:
         raise ValueError(f"sequences must be >= 1, got {sequences}")
     try:
+        load_torchao_quietly()
         import diffusers  # noqa: F401 - the reference implementation
     except ImportError:
         raise ValueError("knapray reference runs diffusers' model: pip install 'knapray[encoders]'") from None

@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from knapray.quiet_imports import load_torchao_quietly
+
 CPU_SHAPE = {"hidden": 256, "heads": 4, "double": 2, "single": 4, "side": 256, "text": 64, "steps": 8}
 """``knapray bench sample``'s default: a Flux-shaped model a CPU runs in seconds, one 256²
 request (256 image + 64 text tokens)."""
@@ -132,6 +134,7 @@ def relative(a: np.ndarray, b: np.ndarray) -> float:
 def diffusers_flux(model: torch.nn.Module) -> torch.nn.Module:
     """diffusers' ``FluxTransformer2DModel`` with ``model``'s weights (the export layout's
     pieces: the same tensors ``knapray export`` writes), on its device in its dtype."""
+    load_torchao_quietly()
     import diffusers
 
     from knapray.models.families import checkpoint_layout

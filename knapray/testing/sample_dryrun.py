@@ -57,6 +57,7 @@ from knapray.planning.inference.sampling_memory import (
     rank_role,
 )
 from knapray.planning.shapes.topology import Topology
+from knapray.quiet_imports import load_torchao_quietly
 from knapray.testing.dryrun import GIB, MAX_PEAK_ERROR, whole_peak_only
 from knapray.testing.fakes import fake_batch, fake_world, host_batch, kernel_attention, leave_world, on_device, \
     tensors_in, to_empty, Sample
@@ -234,6 +235,7 @@ def _option(a: Alternative, encoders: str) -> str:
 
 def build_text_model(spec: ArchSpec) -> torch.nn.Module:
     """A transformers text encoder of ``spec`` on the meta device, in its dtype."""
+    load_torchao_quietly()
     import transformers
 
     cls = getattr(transformers, spec.cls)
@@ -244,6 +246,7 @@ def build_text_model(spec: ArchSpec) -> torch.nn.Module:
 
 def build_vae(spec: ArchSpec) -> torch.nn.Module:
     """A diffusers VAE of ``spec`` on the meta device, in its dtype."""
+    load_torchao_quietly()
     import diffusers
 
     with torch.device("meta"):

@@ -32,6 +32,8 @@ import re
 
 import torch.nn as nn
 
+from knapray.quiet_imports import load_torchao_quietly
+
 SCALINGS = ("tensorwise", "rowwise")
 BLOCK_LINEAR = re.compile(r"^(double_blocks|single_blocks)\.\d+\.")
 MODULATION = re.compile(r"(^|\.)mod\.")
@@ -57,6 +59,7 @@ def float8_layers(model: nn.Module) -> list[str]:
 def check_available() -> str | None:
     """None where torchao's float8 training imports; else one line saying what to install."""
     try:
+        load_torchao_quietly()
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: F401
     except Exception as e:  # ImportError, or a torchao built for another torch
         return (f"parallel.fp8 needs torchao's float8 training (pip install -e '.[fp8]'): "
@@ -70,6 +73,7 @@ def convert(model: nn.Module, scaling: str, *, fsdp: bool) -> list[str]:
     ``fsdp``: the model will be sharded (``tensorwise`` then gathers its weights in float8)."""
     if scaling not in SCALINGS:
         raise ValueError(f"parallel.fp8_scaling must be one of {list(SCALINGS)}, got {scaling!r}")
+    load_torchao_quietly()
     from torchao.float8 import convert_to_float8_training
 
     _no_truth_test_of_the_scale()
@@ -89,6 +93,7 @@ def _config(scaling: str, fsdp: bool):
     with dynamic token counts inductor fixed the padded copy's stride at the count it traced
     (a Ulysses bag's next step failed its stride assertion). The forward and the input
     gradient contract over the layer's own widths (multiples of 16 by the rule): float8."""
+    load_torchao_quietly()
     from torchao.float8 import Float8LinearConfig
     from torchao.float8.config import CastConfig, ScalingType
 
@@ -133,6 +138,7 @@ def gathers_in_float8(scaling: str, fsdp: bool) -> bool:
 def after_optimizer_step(model: nn.Module) -> None:
     """The next step's float8 scales of every FSDP-sharded float8 weight, in one pass (one
     all-reduce of their amaxes) rather than one per weight inside each all-gather."""
+    load_torchao_quietly()
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     precompute_float8_dynamic_scale_for_fsdp(model)
@@ -146,6 +152,7 @@ def _no_truth_test_of_the_scale() -> None:
     all). Replaced, where it is so, by the same flattening with ``is not None``."""
     import inspect
 
+    load_torchao_quietly()
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as Weight
 
     try:
