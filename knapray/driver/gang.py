@@ -608,6 +608,8 @@ class _Submission:
     seconds: dict = field(default_factory=dict)
     state: str = "new"
     """new, waiting, running, done."""
+    prepares: int = 0
+    """Times it was sent to rank 0 to be prepared (``PREPARE_TRIES`` at most)."""
 
 
 @dataclass
@@ -841,11 +843,21 @@ class Gang:
                 self.broken = True
                 done.set_exception(e if isinstance(e, ValueError) else RuntimeError(f"{type(e).__name__}: {e}"))
 
+    PREPARE_TRIES = 2
+    """A job whose preparation rank 0 did not answer (lost, or past ``timeout_s``) waits for the
+    restarted gang and is sent again, once: it never ran, and a job that fails rank 0 twice is
+    answered lost rather than kill every gang to come."""
+
     def _intake(self) -> None:
+        """New submissions taken, unless the gang is broken: then they wait in the inbox for the
+        restarted gang (rank 0, which prepares every job, may be the rank that was lost; a job
+        retried after its block lost a rank arrives here while the gang has not restarted)."""
         import ray
 
         from knapray.models.sampling import DenoiseJob
 
+        if self.broken:
+            return
         with self._lock:
             new, self._inbox = self._inbox, []
         ready = [s for s in new if isinstance(s.job, DenoiseJob)]
@@ -854,8 +866,21 @@ class Gang:
             self._wait(s)
         jobs = [s for s in new if not isinstance(s.job, DenoiseJob)]
         if jobs:  # every new caption of this moment encoded together on rank 0
+            for s in jobs:
+                s.prepares += 1
             self._preparing.append((self.actors[0].prepare.remote([s.job for s in jobs]), jobs, time.monotonic()))
         del ray
+
+    def _prepare_failed(self, subs: list[_Submission], error: str) -> None:
+        """Rank 0 did not prepare ``subs``: the gang restarts; each is sent again after it
+        (back in the inbox, its arrival kept) or, at ``PREPARE_TRIES``, answered lost."""
+        self.broken = True
+        again = [s for s in subs if s.prepares < self.PREPARE_TRIES and not s.future.done()]
+        for s in subs:
+            if s not in again:
+                self._resolve(s, JobResult(error=error, lost=True))
+        with self._lock:
+            self._inbox[:0] = again
 
     def _prepared(self) -> None:
         import ray
@@ -865,18 +890,14 @@ class Gang:
             done, _ = ray.wait([ref], timeout=0)
             if not done:
                 if time.monotonic() - t0 > self.timeout_s:
-                    self.broken = True
-                    for s in subs:
-                        self._resolve(s, JobResult(error="the gang's rank 0 did not answer", lost=True))
+                    self._prepare_failed(subs, "the gang's rank 0 did not answer")
                     continue
                 still.append((ref, subs, t0))
                 continue
             try:
                 out = ray.get(ref)
             except ray.exceptions.RayError as e:
-                self.broken = True
-                for s in subs:
-                    self._resolve(s, JobResult(error=f"the gang's rank 0 failed: {type(e).__name__}", lost=True))
+                self._prepare_failed(subs, f"the gang's rank 0 failed: {type(e).__name__}")
                 continue
             took = time.monotonic() - t0
             for s, p in zip(subs, out):

@@ -1,7 +1,8 @@
 """The sampling gang ``knapray serve`` holds: 4 Ray actors (one gloo world) that each load a
 trained run once and draw batches of jobs planned over bags. Every job's latent is the
 single-process sampler's for its own seed; a rank killed mid-batch loses its bag's jobs
-only, and a restarted gang draws them again."""
+only, a job submitted before the gang has restarted (rank 0, which prepares every job, the
+rank lost) waits for the restarted gang, and it draws them again."""
 
 from __future__ import annotations
 
@@ -77,26 +78,34 @@ def test_a_rank_lost_mid_run_loses_its_blocks_jobs_only(gang, trained):
     from knapray.inference.jobs import Job
 
     run, ids = trained
-    # Four long jobs; the rank that leads the first running block is killed while they run.
+    # Four long jobs; rank 0, the lead of a running block, is killed while they run.
     futures = [gang.submit(Job(None, 32, 32, steps=1500, seed=5 + i, like=ids[i]), decode=False) for i in range(4)]
     deadline = time.monotonic() + 60
     while not gang._running and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(1.0)
-    block, run_ = next(iter(gang._running.items()))
+    block, run_ = next((b, r) for b, r in gang._running.items() if gang.blocks[b][0] == 0)
     victims = {s.key for s in run_["subs"]}
     first, size = gang.blocks[block]
     ray.kill(gang.actors[first])
+    # Rank 0 prepares every job: one submitted now, while the gang has not restarted (its other
+    # blocks still run), waits for the restarted gang and is drawn by it, not lost (before: sent
+    # to the dead rank 0 and answered lost, so that serving's one retry of a job whose block
+    # lost a rank was lost again whenever it came back before the restart).
+    late = gang.submit(Job(None, 32, 32, steps=3, seed=5, like=ids[0]), decode=False)
     results = {f.key: f.result(timeout=180) for f in futures}
     for key, r in results.items():
         if key in victims:
             assert r.lost and r.latent is None and r.ranks == tuple(range(first, first + size))
         else:
             assert not r.lost and r.error is None and r.latent is not None, r.error
+    late = late.result(timeout=180)
+    assert not late.lost and late.error is None, late.error
     again = gang.generate([Job(None, 32, 32, steps=3, seed=5, like=ids[0])], decode=False)[0]  # a restarted gang
     assert not again.lost and again.error is None, again.error
     ref = _reference(run, Job(None, 32, 32, steps=3, seed=5, like=ids[0]))
-    assert float(np.abs(again.latent - ref).max() / np.abs(ref).max()) <= 1e-5
+    for r in (late, again):
+        assert float(np.abs(r.latent - ref).max() / np.abs(ref).max()) <= 1e-5
 
 
 def test_a_job_cancelled_while_it_runs_stops_and_its_block_takes_the_next(gang, trained):
