@@ -138,8 +138,7 @@ def gathers_in_float8(scaling: str, fsdp: bool) -> bool:
 def after_optimizer_step(model: nn.Module) -> None:
     """The next step's float8 scales of every FSDP-sharded float8 weight, in one pass (one
     all-reduce of their amaxes) rather than one per weight inside each all-gather."""
-    load_torchao_quietly()
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp  # torchao: loaded by ``convert``
 
     precompute_float8_dynamic_scale_for_fsdp(model)
 
