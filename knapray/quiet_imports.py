@@ -33,25 +33,22 @@ _DROPPED = {
     "torchao": ("Failed to load ", "Skipping import of cpp extensions"),
     "torch.utils._pytree": ("is an Enum subclass and is now natively supported",),
 }
-"""Logger -> what the dropped records' messages start with (torchao's) or contain (torch's)."""
+"""Logger -> what the messages of its dropped records contain."""
 
 
 class _Drop(logging.Filter):
-    def __init__(self, logger: str, texts: tuple[str, ...]) -> None:
+    def __init__(self, texts: tuple[str, ...]) -> None:
         super().__init__()
-        self.starts = logger == "torchao"
         self.texts = texts
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        if self.starts:
-            return not message.startswith(self.texts)
         return not any(t in message for t in self.texts)
 
 
 @contextlib.contextmanager
 def _extension_lines_dropped() -> Iterator[None]:
-    logger, f = logging.getLogger("torchao"), _Drop("torchao", _DROPPED["torchao"])
+    logger, f = logging.getLogger("torchao"), _Drop(_DROPPED["torchao"])
     logger.addFilter(f)
     try:
         yield
@@ -62,7 +59,7 @@ def _extension_lines_dropped() -> Iterator[None]:
 def _drop_enum_deprecation() -> None:
     logger = logging.getLogger("torch.utils._pytree")
     if not any(isinstance(f, _Drop) for f in logger.filters):
-        logger.addFilter(_Drop("torch.utils._pytree", _DROPPED["torch.utils._pytree"]))
+        logger.addFilter(_Drop(_DROPPED["torch.utils._pytree"]))
 
 
 def load_torchao_quietly() -> None:

@@ -875,9 +875,11 @@ class Gang:
         """Rank 0 did not prepare ``subs``: the gang restarts; each is sent again after it
         (back in the inbox, its arrival kept) or, at ``PREPARE_TRIES``, answered lost."""
         self.broken = True
-        again = [s for s in subs if s.prepares < self.PREPARE_TRIES and not s.future.done()]
+        again = []
         for s in subs:
-            if s not in again:
+            if s.prepares < self.PREPARE_TRIES and not s.future.done():
+                again.append(s)
+            else:
                 self._resolve(s, JobResult(error=error, lost=True))
         with self._lock:
             self._inbox[:0] = again

@@ -101,8 +101,7 @@ def add_named_adapter(model: nn.Module, cfg: LoraConfig, presets: dict[str, tupl
 
 def adapters_of(model: nn.Module) -> list[str]:
     """The adapters the model holds, in the order they came."""
-    load_torchao_quietly()
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # peft: loaded by ``inject`` (a model with adapters)
 
     out: list[str] = []
     for m in model.modules():
@@ -114,8 +113,7 @@ def adapters_of(model: nn.Module) -> list[str]:
 def use_adapter(model: nn.Module, name: str | None) -> None:
     """Make adapter ``name`` the active one on every LoRA layer (a layer it does not target
     computes its base alone); None: every layer its base (the adapters off)."""
-    load_torchao_quietly()
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # peft: loaded by ``inject`` (a model with adapters)
 
     if name is not None and name not in adapters_of(model):
         raise ValueError(f"adapter {name!r}: this model holds {adapters_of(model)}")

@@ -93,8 +93,7 @@ def _config(scaling: str, fsdp: bool):
     with dynamic token counts inductor fixed the padded copy's stride at the count it traced
     (a Ulysses bag's next step failed its stride assertion). The forward and the input
     gradient contract over the layer's own widths (multiples of 16 by the rule): float8."""
-    load_torchao_quietly()
-    from torchao.float8 import Float8LinearConfig
+    from torchao.float8 import Float8LinearConfig  # torchao: loaded by ``convert``, the one caller
     from torchao.float8.config import CastConfig, ScalingType
 
     if scaling == "rowwise":
@@ -151,8 +150,7 @@ def _no_truth_test_of_the_scale() -> None:
     all). Replaced, where it is so, by the same flattening with ``is not None``."""
     import inspect
 
-    load_torchao_quietly()
-    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as Weight
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as Weight  # loaded by ``convert``
 
     try:
         source = inspect.getsource(Weight.__tensor_flatten__)
