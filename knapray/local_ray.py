@@ -67,6 +67,17 @@ def _gcs_address(ray: Any) -> str | None:
         return None
 
 
+def logs_dir() -> str:
+    """The log directory of the Ray session this process is connected to, for a hint in a
+    message (Ray keeps its own and its workers' logs there)."""
+    try:  # not public API; only for the hint
+        from ray._private.worker import _global_node
+
+        return _global_node.get_logs_dir_path()
+    except Exception:  # noqa: BLE001
+        return "the Ray session's logs directory (/tmp/ray/session_latest/logs by default)"
+
+
 def started_here(ray: Any) -> bool:
     """Whether the Ray this process is connected to is the single-machine one ``init_ray``
     started in it (not a cluster it joined)."""

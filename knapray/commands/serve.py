@@ -15,6 +15,7 @@ instead (the run path as given: where the cluster's nodes read it; ``--host`` as
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import socket
 import time
@@ -209,28 +210,36 @@ def cli(args: argparse.Namespace) -> int:
     from ray import serve
 
     from knapray.driver.serving import build_app
-    from knapray.local_ray import init_ray
+    from knapray.local_ray import init_ray, logs_dir, started_here
     from knapray.stopping import exit_code, signal_name, stop_on_signals
 
     with stop_on_signals() as signals:  # SIGTERM (a scheduler, a container's stop) as Ctrl-C
         try:
-            init_ray(ray, include_dashboard=False, configure_logging=False)
+            # Ray's and Serve's own lines (its start, the proxy's and the controller's, each
+            # request's access line) stay in the session's logs, as for knapray train: the
+            # console shows knapray's lines, and the gang's errors reach the clients.
+            init_ray(ray, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
             signals.arm()  # ray.init put its own SIGTERM handler in place
+            logging.getLogger("ray.serve").setLevel(logging.ERROR)
             serve.start(http_options={"host": args.host, "port": args.port})
             serve.run(build_app(options), name="knapray", route_prefix="/")
             host = "localhost" if args.host in ("127.0.0.1", "0.0.0.0") else args.host
             print(f"serving {args.run} ({checkpoint}, {args.world_size} workers) at http://{host}:{args.port}"
                   f"/v1/generate (listening on {listening(args.host)}{'; API key required' if options.api_key else ''}"
-                  "; Ctrl-C stops)", flush=True)
+                  f"; Ctrl-C stops); Ray's, Serve's and the gang's logs: {logs_dir()}", flush=True)
             while True:
                 time.sleep(1)
         except KeyboardInterrupt as e:
-            print(f"\nknapray serve: stopped ({signal_name(e, signals)})", flush=True)
-            return exit_code(e, signals)
+            stopped = e
         finally:
             if ray.is_initialized():
-                serve.shutdown()
+                # An embedded Ray goes with everything in it; Serve's graceful shutdown would only
+                # print its replicas' removal and a retried task of its killed controller.
+                if not started_here(ray):
+                    serve.shutdown()
                 ray.shutdown()
+        print(f"\nknapray serve: stopped ({signal_name(stopped, signals)})", flush=True)
+        return exit_code(stopped, signals)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,7 @@ import os
 import sys
 import time
 
+from knapray.local_ray import logs_dir
 from knapray.nofollow import open_nofollow
 from knapray.run_files import RunDir
 
@@ -177,7 +178,7 @@ def _train(args: argparse.Namespace, cfg, pre, base, address: str | None, signal
                                       stopped_early_line)
 
     print(f"[knapray] Ray {'at ' + address if address else 'embedded'}: {ray.cluster_resources().get('CPU', 0):g} CPUs, "
-          f"{ray.cluster_resources().get('GPU', 0):g} GPUs; Ray's and the workers' logs: {_ray_logs_dir()}", flush=True)
+          f"{ray.cluster_resources().get('GPU', 0):g} GPUs; Ray's and the workers' logs: {logs_dir()}", flush=True)
     t0 = time.perf_counter()
     try:
         balanced = run_training(cfg, checked=pre)
@@ -188,7 +189,7 @@ def _train(args: argparse.Namespace, cfg, pre, base, address: str | None, signal
         why = known_failure(e)
         if why is None:  # past run.max_failures restarts: the first worker's error and where the logs are
             why = (f"{first_failure(e)} (run.max_failures={cfg.run.max_failures}); the workers' logs: "
-                   f"{_ray_logs_dir()}; {interrupted_line(cfg)}")
+                   f"{logs_dir()}; {interrupted_line(cfg)}")
         print(f"knapray train: error: training failed: {why}", file=sys.stderr)
         return 1
     except StartTimeout as e:  # the workers waited past scaling.start_timeout_s: stopped, Ray's reason
@@ -318,7 +319,7 @@ def start_ray(ray, kwargs: dict, attempts: int = 1, all_interfaces: bool = False
             return
         except Exception as e:  # noqa: BLE001 - Ray raises many kinds (ConnectionError, RuntimeError, TimeoutError)
             error = e
-            logs = _ray_logs_dir()
+            logs = logs_dir()
             if not before and ray.is_initialized():  # what this attempt half-started, never a Ray in use before
                 try:
                     ray.shutdown()
@@ -330,15 +331,6 @@ def start_ray(ray, kwargs: dict, attempts: int = 1, all_interfaces: bool = False
     what = str(error).strip().splitlines()[0] if str(error).strip() else ""
     raise RayStartFailed(f"Ray ({where}) did not start after {attempts} attempt(s): {type(error).__name__}"
                          f"{': ' + what[:300] if what else ''}; Ray's logs: {logs}")
-
-
-def _ray_logs_dir() -> str:
-    try:  # not public API; only for the hint
-        from ray._private.worker import _global_node
-
-        return _global_node.get_logs_dir_path()
-    except Exception:  # noqa: BLE001
-        return "the Ray session's logs directory (/tmp/ray/session_latest/logs by default)"
 
 
 if __name__ == "__main__":

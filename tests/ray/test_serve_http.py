@@ -915,6 +915,63 @@ def test_the_real_gang_serves_a_trained_run(served, tmp_path):
         serve.delete("knapray-real")
 
 
+@needs_serve
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_the_command_answers_then_one_ctrl_c_stops_it_with_its_own_lines_alone(tmp_path):
+    """``knapray serve`` as a user runs it, on its own embedded Ray: it answers (health, a 400, a
+    picture), and one SIGINT stops it with exit 130 and nothing of its Ray left running. Its
+    console holds knapray's two lines alone. Before: Serve's start lines ("Connecting to
+    existing Serve app" right after starting it), the proxy's and the controller's, and after
+    "stopped" the replica's removal and "(raylet) Task ServeController.graceful_shutdown
+    failed ... will be retried"."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    run = _trained_run(tmp_path)
+    port = _free_port()
+    ray_tmp = tempfile.mkdtemp(prefix="kr-", dir="/tmp")  # its own Ray (short: Ray's socket paths)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(PYTHONPATH=str(REPO), RAY_TMPDIR=ray_tmp)
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "knapray.cli", "serve", "--run", str(run), "--port", str(port)],
+                                cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _until(lambda: "Ctrl-C stops" in log.read_text() or proc.poll() is not None, timeout=180, every=0.5)
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert _call(f"{url}/health")[0] == 200
+        status, _, body = _call(f"{url}/v1/generate", json.dumps({"like": 0, "steps": 10**9}).encode())
+        assert status == 400 and _error(body).startswith("steps: 1000000000; an integer in [1, 100]"), body
+        status, kind, body = _call(f"{url}/v1/generate", json.dumps({"like": 0, "size": "32x32", "steps": 2}).encode(),
+                                   120)
+        assert status == 200 and kind == "image/png" and _png_size(body) == (4, 4), (status, body[:300])
+        proc.send_signal(signal.SIGINT)  # once
+        assert proc.wait(timeout=60) == 130, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        left = [p for p in os.listdir("/proc") if p.isdigit() and ray_tmp in _cmdline(p)]
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    lines = [line for line in log.read_text().splitlines() if line.strip()]
+    assert len(lines) == 2 and lines[0].startswith(f"serving {run} ") and "Ctrl-C stops" in lines[0], lines
+    assert lines[1] == "knapray serve: stopped (SIGINT)", lines
+    assert not left, f"processes of its Ray still running: {left}"
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 # ---- the Serve config and the command's checks (no Ray started) ---------------------------------------------
 
 
