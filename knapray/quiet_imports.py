@@ -11,14 +11,19 @@ knapray's (torchao 0.18 on torch 2.13, this machine):
   calls none of them: its float8 training is torchao's ``Float8Linear`` over torch's own
   scaled matmul;
 - torch's deprecation warning for each Enum class torchao registers with pytree
-  (``KernelPreference``, ``ScaleCalculationMode``), torchao's to change.
+  (``KernelPreference``, ``ScaleCalculationMode``), torchao's to change;
+- diffusers' "Unable to import `torchao` Tensor objects. This may affect loading checkpoints
+  serialized with `torchao`" (diffusers 0.42 on torchao 0.18, whose ``torchao.dtypes`` no
+  longer has ``NF4Tensor``), when its quantizers are imported by the first model it loads: a
+  VAE at every ``knapray sample`` and ``ingest``. knapray loads no torchao-serialized model.
 
 ``load_torchao_quietly`` imports torchao first with its records about its extensions dropped,
 so that a later import of it (by peft, transformers, diffusers or knapray's float8 code) finds
-it loaded; torch's Enum deprecation is dropped from then on, since torchao's submodules
-register more Enums as they are imported (``ScaleCalculationMode`` by transformers' quantizers,
-after torchao itself). Every other record of either logger is kept (knapray registers no
-Enum), and a torchao that fails to import is left to whatever needs it to report.
+it loaded; torch's Enum deprecation and diffusers' line are dropped from then on, since
+torchao's submodules register more Enums as they are imported (``ScaleCalculationMode`` by
+transformers' quantizers, after torchao itself) and diffusers imports its quantizers later.
+Every other record of these loggers is kept (knapray registers no Enum), and a torchao that
+fails to import is left to whatever needs it to report.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from collections.abc import Iterator
 _DROPPED = {
     "torchao": ("Failed to load ", "Skipping import of cpp extensions"),
     "torch.utils._pytree": ("is an Enum subclass and is now natively supported",),
+    "diffusers.quantizers.torchao.torchao_quantizer": ("Unable to import `torchao` Tensor objects",),
 }
 """Logger -> what the messages of its dropped records contain."""
 
@@ -56,18 +62,25 @@ def _extension_lines_dropped() -> Iterator[None]:
         logger.removeFilter(f)
 
 
-def _drop_enum_deprecation() -> None:
-    logger = logging.getLogger("torch.utils._pytree")
-    if not any(isinstance(f, _Drop) for f in logger.filters):
-        logger.addFilter(_Drop(_DROPPED["torch.utils._pytree"]))
+LASTING = ("torch.utils._pytree", "diffusers.quantizers.torchao.torchao_quantizer")
+"""The loggers whose ``_DROPPED`` records are dropped for good, not only during torchao's import."""
+
+
+def _drop_lasting() -> None:
+    for name in LASTING:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Drop) for f in logger.filters):
+            logger.addFilter(_Drop(_DROPPED[name]))
 
 
 def load_torchao_quietly() -> None:
     """Import torchao, where it is installed and not yet imported, without its import-time
     lines about extensions knapray does not use (module docstring)."""
-    if "torchao" in sys.modules or importlib.util.find_spec("torchao") is None:
+    if importlib.util.find_spec("torchao") is None:
         return
-    _drop_enum_deprecation()
+    _drop_lasting()
+    if "torchao" in sys.modules:
+        return
     with _extension_lines_dropped():
         try:
             import torchao  # noqa: F401
