@@ -78,6 +78,19 @@ def logs_dir() -> str:
         return "the Ray session's logs directory (/tmp/ray/session_latest/logs by default)"
 
 
+def quiet_ray_data() -> None:
+    """Ray Data's lines (a dataset's execution plan, its progress, its size estimates) off this
+    process's console, kept in the session's ``ray-data.log``. Ray Data sets up its logger when
+    ``ray.data`` is first imported, resetting any level given before: imported here first."""
+    import logging
+
+    import ray.data  # noqa: F401 - its import configures the "ray.data" logger changed here
+
+    for handler in logging.getLogger("ray.data").handlers:
+        if handler.name == "console":
+            handler.setLevel(logging.ERROR)
+
+
 def started_here(ray: Any) -> bool:
     """Whether the Ray this process is connected to is the single-machine one ``init_ray``
     started in it (not a cluster it joined)."""

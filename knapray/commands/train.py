@@ -26,7 +26,7 @@ import os
 import sys
 import time
 
-from knapray.local_ray import logs_dir
+from knapray.local_ray import logs_dir, quiet_ray_data
 from knapray.nofollow import open_nofollow
 from knapray.run_files import RunDir
 
@@ -135,8 +135,9 @@ def _run(args: argparse.Namespace, signals) -> int:
         print(f"knapray train: error: {e}", file=sys.stderr)
         return 1
     signals.arm()  # ray.init put its own SIGTERM handler in place
-    for name in ("ray", "ray.train", "ray.data"):
+    for name in ("ray", "ray.train"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    quiet_ray_data()
     if address:  # what the cluster has, and the node types its autoscaler may add
         capacity = cluster_capacity(ray, f"the Ray cluster at {address}")
         try:

@@ -182,10 +182,7 @@ def _run_ray(
     path's row for row."""
     import ray
 
-    from knapray.local_ray import init_ray
-
-    if not ray.is_initialized():
-        init_ray(ray)  # joins the cluster RAY_ADDRESS names, or starts a local one on 127.0.0.1
+    _start_ray(ray)
     if use_gpu and _gpu_count() < cfg.workers:
         warnings.warn(
             f"{cfg.workers} GPU encode workers asked for, the cluster has {_gpu_count():g} GPUs now: "
@@ -200,12 +197,28 @@ def _run_ray(
         fn_constructor_kwargs={"build": build, "max_text_tokens": cfg.max_text_tokens, "conditioning": conditioning},
         batch_size=None,
         batch_format="pyarrow",
-        compute=ray.data.ActorPoolStrategy(size=cfg.workers),
+        # no more encoder actors than batches: the rest would load the models for nothing
+        compute=ray.data.ActorPoolStrategy(size=max(1, min(cfg.workers, len(batches)))),
         num_cpus=cfg.cpus_per_worker,
         num_gpus=1 if use_gpu else 0,
     )
     ds.context.execution_options.preserve_order = True
     yield from ds.iter_batches(batch_size=None, batch_format="pyarrow")
+
+
+def _start_ray(ray: Any) -> None:
+    """Join the cluster ``$RAY_ADDRESS`` names, or start a local Ray on 127.0.0.1, once. Ray's
+    and Ray Data's own lines (its start, the dataset's execution plan and progress, the
+    actors' output) stay in the session's logs, as ``knapray train``'s do: the console shows
+    ingest's progress bar and its summary."""
+    import logging
+
+    from knapray.local_ray import init_ray, quiet_ray_data
+
+    if ray.is_initialized():
+        return
+    init_ray(ray, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
+    quiet_ray_data()
 
 
 def _remote_unconditional(build: Callable[[], tuple[LatentEncoder, TextEncoder]], max_text_tokens: int,
@@ -240,10 +253,7 @@ def _settle_device(cfg: IngestConfig, spec: EncoderSpec) -> tuple[EncoderSpec, b
     if spec.device == "auto":
         import ray
 
-        from knapray.local_ray import init_ray
-
-        if not ray.is_initialized():
-            init_ray(ray)  # joins the cluster RAY_ADDRESS names, or starts a local one on 127.0.0.1
+        _start_ray(ray)
         use_gpu = _gpu_count() > 0
     return spec.resolved("cuda" if use_gpu else "cpu"), use_gpu
 

@@ -142,6 +142,9 @@ def _widths_from_the_corpus(work: Path, out: str) -> None:
     cfg = json.loads((work / "runs" / "pictures" / "config.json").read_text())
     assert (cfg["model"]["in_channels"], cfg["model"]["text_dim"], cfg["model"]["pooled_dim"]) == (16, 16, 12), out
     assert (work / "runs" / "pictures" / "metrics.jsonl").read_text().strip(), out
+    # Ray's and Ray Data's own log lines stay in the session's logs (before: Ray Data's
+    # "Estimated parquet encoding ratio" and "... reader batch size" INFO lines came through).
+    assert not re.search(r"^\d{4}-\d\d-\d\d [\d:,]+\s+(INFO|WARNING) ", out, re.M), out
 
 
 def _lora_trained(work: Path, out: str) -> None:
