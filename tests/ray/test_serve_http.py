@@ -18,6 +18,7 @@ import concurrent.futures
 import importlib.util
 import io
 import json
+import os
 import re
 import socket
 import threading
@@ -925,7 +926,6 @@ def test_the_command_answers_then_one_ctrl_c_stops_it_with_its_own_lines_alone(t
     existing Serve app" right after starting it), the proxy's and the controller's, and after
     "stopped" the replica's removal and "(raylet) Task ServeController.graceful_shutdown
     failed ... will be retried"."""
-    import os
     import shutil
     import signal
     import subprocess
@@ -957,12 +957,22 @@ def test_the_command_answers_then_one_ctrl_c_stops_it_with_its_own_lines_alone(t
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        left = [p for p in os.listdir("/proc") if p.isdigit() and ray_tmp in _cmdline(p)]
+        left = _processes_of(ray_tmp)
+        for _ in range(50):  # the command waited for Ray's shutdown; a worker may take a moment to go
+            if not left:
+                break
+            time.sleep(0.2)
+            left = _processes_of(ray_tmp)
         shutil.rmtree(ray_tmp, ignore_errors=True)
     lines = [line for line in log.read_text().splitlines() if line.strip()]
     assert len(lines) == 2 and lines[0].startswith(f"serving {run} ") and "Ctrl-C stops" in lines[0], lines
     assert lines[1] == "knapray serve: stopped (SIGINT)", lines
     assert not left, f"processes of its Ray still running: {left}"
+
+
+def _processes_of(ray_tmp: str) -> list[str]:
+    """The live processes whose command line names ``ray_tmp`` (a Ray's session under it)."""
+    return [p for p in os.listdir("/proc") if p.isdigit() and ray_tmp in _cmdline(p)]
 
 
 def _cmdline(pid: str) -> str:
