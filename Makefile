@@ -71,16 +71,23 @@ gpu-check:
 #   PYTHON=python3 make gpu-bench [GPU_WHEELS=.whl]
 # compiled bf16 gradients against float64 on the device, then the four GPU-check runs, each
 # profiled (top kernels), with the kernel ceiling beside it; every number in GPU_BENCH_JSON.
-# GPU_WHEELS: a folder of wheels (flash-attn-4, ...) installed first, offline, when it has any.
+# GPU_WHEELS: a folder of wheels (flash-attn-4, ...) installed first, offline, when it has any;
+# its *.tar.xz files are unpacked over them (a wheel too large to carry in one piece, split).
 GPU_BENCH_TIMEOUT ?= 470
 GPU_BENCH_JSON ?= runs/gpu-bench.json
 GPU_BENCH_FLAGS ?=
 GPU_WHEELS ?=
+GPU_WHEELS_DIR ?= /tmp/knapray-gpu-wheels
+# The wheels' folder on the path with what its .pth files add (pip --target runs none of them:
+# nvidia-cutlass-dsl, which FA4 needs, puts its packages on the path so).
+export GPU_WHEELS_PATH := import site, sys; d = sys.argv[1]; old = list(sys.path); site.addsitedir(d); \
+  print(":".join([d] + [p for p in sys.path if p not in old and p != d]))
 gpu-bench:
 	@if [ -n "$(GPU_WHEELS)" ] && ls $(GPU_WHEELS)/*.whl >/dev/null 2>&1; then \
 	  $(PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-	    --target /tmp/knapray-gpu-wheels $(GPU_WHEELS)/*.whl || exit 2; \
-	  export PYTHONPATH=/tmp/knapray-gpu-wheels$${PYTHONPATH:+:$$PYTHONPATH}; \
+	    --target $(GPU_WHEELS_DIR) $(GPU_WHEELS)/*.whl || exit 2; \
+	  for a in $(GPU_WHEELS)/*.tar.xz; do [ ! -f "$$a" ] || tar -xJf "$$a" -C $(GPU_WHEELS_DIR) || exit 2; done; \
+	  export PYTHONPATH=$$($(PYTHON) -c "$$GPU_WHEELS_PATH" $(GPU_WHEELS_DIR))$${PYTHONPATH:+:$$PYTHONPATH}; \
 	fi; \
 	mkdir -p $$(dirname $(GPU_BENCH_JSON)) && \
 	PYTHONUNBUFFERED=1 $(PYTHON) -m knapray.commands.gpu_check --bench --steps 30 --timeout $(GPU_BENCH_TIMEOUT) \

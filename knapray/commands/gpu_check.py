@@ -21,6 +21,10 @@ import time
 from pathlib import Path
 
 
+STAGES = ("gradients", "sampling", "runs", "fp8")
+"""The bench's stages, in the order they run."""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from knapray.testing.gpu_check import GPU_CHECKS
 
@@ -39,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "knapray.testing.grad_truth), then the runs, each profiled")
     p.add_argument("--no-sampling", action="store_true",
                    help="with --bench: leave out the sampling section (its forward truth, and knapray beside diffusers)")
+    p.add_argument("--skip", action="append", default=[], choices=list(STAGES),
+                   help="with --bench: leave out this stage (repeatable), e.g. to split the bench over two calls "
+                        "of the GPU machine: the gradients, the sampling section, the training runs, the fp8 stage")
     p.add_argument("--json", default=None, metavar="FILE", help="write every number of the check to FILE")
     p.add_argument("--timeout", type=int, default=520,
                    help="seconds the check may take from its start, the bench's stages included (default 520: "
@@ -65,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
         print("gpu_check: error: no CUDA device here (use --cpu to check the chain on CPU)", file=sys.stderr)
         return 2
     fp8_only = bool(args.only) and set(args.only) == {"fp8"}
-    checks = [] if fp8_only else [CPU_CHECK] if args.cpu else [
+    skip = set(args.skip) | ({"sampling"} if args.no_sampling else set())
+    checks = [] if fp8_only or "runs" in skip else [CPU_CHECK] if args.cpu else [
         c for c in GPU_CHECKS if not args.only or c.name in args.only]
     topology = args.topology or f"g1n{args.nproc}"
     device = "cpu (gloo)" if args.cpu else f"{torch.cuda.get_device_name(0)} (NCCL)"
@@ -79,8 +87,9 @@ def run(args: argparse.Namespace) -> int:
               "commit": checkout_commit(), "attention_packages": attention_packages(), "gradients": [], "runs": []}
     print("attention: " + ", ".join(f"{k} {v}" for k, v in report["attention_packages"].items()), flush=True)
     if args.bench and not fp8_only:
-        failures += gradient_stage(report, cpu=args.cpu)
-        if not args.no_sampling:
+        if "gradients" not in skip:
+            failures += gradient_stage(report, cpu=args.cpu)
+        if "sampling" not in skip:
             failures += sampling_stage(report, cpu=args.cpu, deadline=deadline)
     for check in checks:
         left = deadline - time.monotonic()
@@ -93,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         failures += run_failures
         report["runs"].append(numbers)
         shutil.rmtree(work / check.name / "checkpoints", ignore_errors=True)  # none by default; never kept
-    if args.bench or fp8_only:  # after the runs: what is left of the time
+    if (args.bench and "fp8" not in skip) or fp8_only:  # after the runs: what is left of the time
         if deadline - time.monotonic() >= FP8_STAGE_S or args.cpu or fp8_only:
             failures += fp8_stage(report, cpu=args.cpu)
         else:

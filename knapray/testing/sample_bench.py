@@ -203,27 +203,35 @@ def flux_side_by_side(shape: dict, device: str, *, repeats: int = 2, compile_dif
     transformer (bf16, eager and compiled) on one FLUX.1-dev-shaped random model."""
     cfg = flux_config(shape["hidden"], shape["heads"], shape["double"], shape["single"])
     job = request(cfg, shape["side"], shape["text"], shape["steps"])
+    from knapray.models.flops import formula, model_flops
+
+    # FLUX.1-dev embeds guidance: one pass per step (a classifier-free-guided model makes two)
+    step_flops = model_flops([job.tokens], cfg, passes=1)
+    log(f"model TFLOP/s = {formula(cfg).replace('3 (fwd+bwd)', '1 (forward)')}, L={job.tokens}: "
+        f"{step_flops / 1e12:.1f} TFLOP a step, over the loop's median seconds per step")
     t0 = time.perf_counter()
     model = prepared(cfg, device, "bf16", compile=True)
     log(f"knapray: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters on {device}, "
         f"{job.tokens} tokens, prepared and warmed up in {time.perf_counter() - t0:.0f} s")
     rows = [time_knapray("knapray bf16 compiled", model, job, repeats=repeats)]
-    log(_line(rows[-1]))
+    log(_line(rows[-1], step_flops))
     ref = diffusers_flux(model)
     rows.append(time_diffusers("diffusers bf16 eager", ref, cfg, job, compiled=False, repeats=repeats))
-    log(_line(rows[-1]))
+    log(_line(rows[-1], step_flops))
     if compile_diffusers:
         rows.append(time_diffusers("diffusers bf16 compiled", ref, cfg, job, compiled=True, repeats=repeats))
-        log(_line(rows[-1]))
+        log(_line(rows[-1], step_flops))
     best = min(rows[1:], key=lambda r: r.seconds)
     ratio = best.seconds / rows[0].seconds
     agree = relative(rows[0].latents, best.latents)
     log(f"knapray over {best.name}: {ratio:.2f}x (>= 1: knapray faster); the two loops' latents differ by "
         f"{agree:.2e} (relative; bf16 both, knapray's stream fp32)")
-    return {"shape": shape, "tokens": job.tokens, "rows": [r.row() for r in rows], "ratio_over_best_diffusers": ratio,
+    return {"shape": shape, "tokens": job.tokens, "step_flops": step_flops,
+            "rows": [dict(r.row(), model_tflops=step_flops / r.per_step / 1e12) for r in rows],
+            "ratio_over_best_diffusers": ratio,
             "best_diffusers": best.name, "agreement": agree}
 
 
-def _line(r: Timing) -> str:
-    return (f"  {r.name:26s} {r.steps} steps: {r.seconds:8.3f} s, {1e3 * r.per_step:8.1f} ms/step "
-            f"(first run {r.first_s:.1f} s)")
+def _line(r: Timing, step_flops: float) -> str:
+    return (f"  {r.name:26s} {r.steps} steps: {r.seconds:8.3f} s, {1e3 * r.per_step:8.1f} ms/step, "
+            f"{step_flops / r.per_step / 1e12:7.1f} model TFLOP/s (first run {r.first_s:.1f} s)")

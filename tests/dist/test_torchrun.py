@@ -60,13 +60,14 @@ def test_make_gpu_check_runs_where_only_torch_and_its_basics_are_installed(tmp_p
         assert (tmp_path / "cpu" / "profile" / f"rank{rank}.trace.json").exists()
 
 
-def _wheel(folder: Path, package: str, version: str) -> Path:
-    """A minimal wheel of an empty ``package`` (what a folder of optional GPU wheels holds)."""
+def _wheel(folder: Path, package: str, version: str, extra: dict[str, str] | None = None) -> Path:
+    """A minimal wheel of an empty ``package`` (what a folder of optional GPU wheels holds),
+    with ``extra`` files beside it (name: text)."""
     import zipfile
 
     dist = f"{package}-{version}"
     path = folder / f"{dist}-py3-none-any.whl"
-    files = {f"{package}/__init__.py": f"__version__ = {version!r}\n",
+    files = {f"{package}/__init__.py": f"__version__ = {version!r}\n", **(extra or {}),
              f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {package}\nVersion: {version}\n",
              f"{dist}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
     files[f"{dist}.dist-info/RECORD"] = "".join(f"{name},,\n" for name in [*files, f"{dist}.dist-info/RECORD"])
@@ -84,6 +85,14 @@ def test_make_gpu_bench_rehearsed_where_only_torch_is_installed(tmp_path):
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     _wheel(wheels, "flash_attn", "0.0.1")  # a package of that name without the kernels: not used
+    # A wheel whose .pth puts a folder of its own on the path (as nvidia-cutlass-dsl does for FA4),
+    # and a split-off piece of it as a .tar.xz laid over: FA3's module is found only through both.
+    _wheel(wheels, "fa_stub", "0.0.1", {"fa_stub.pth": "import sys, os, fa_stub; "
+                                        "sys.path.insert(0, os.path.join(fa_stub.__path__[0], 'dsl'))\n"})
+    piece = tmp_path / "piece"
+    (piece / "fa_stub" / "dsl").mkdir(parents=True)
+    (piece / "fa_stub" / "dsl" / "flash_attn_interface.py").write_text("")
+    subprocess.run(["tar", "-cJf", str(wheels / "fa_stub-dsl.tar.xz"), "-C", str(piece), "fa_stub"], check=True)
     out_json = tmp_path / "bench.json"
     # The wheel folder brings flash_attn (a stand-in here) and torchao (on the GPU machine the real
     # wheel, carried: parallel.fp8's stage; here the installed one stays visible).
@@ -92,11 +101,12 @@ def test_make_gpu_bench_rehearsed_where_only_torch_is_installed(tmp_path):
                PYTHONPATH=os.pathsep.join([str(REPO / "tests" / "bare_torch"), str(REPO)]))
     env.pop("MAKEFLAGS", None)
     out = subprocess.run(["make", "-s", "gpu-bench", f"PYTHON={sys.executable}", f"GPU_WHEELS={wheels}",
+                          f"GPU_WHEELS_DIR={tmp_path / 'site'}",
                           f"GPU_BENCH_JSON={out_json}", f"GPU_BENCH_FLAGS=--cpu --no-sampling --steps 8 --out {tmp_path / 'work'}"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     text = out.stdout
     assert out.returncode == 0 and "GPU CHECK PASSED" in text, text[-3000:] + out.stderr[-3000:]
-    assert "attention: flash-attn installed, FA3 absent, FA4 absent, torch flash kernels torch's own (FA2)" in text
+    assert "attention: flash-attn installed, FA3 installed, FA4 absent, torch flash kernels torch's own (FA2)" in text
     assert "== gradients: compiled bf16 against a float64 eager copy" in text and "ratio" in text
     assert "top 10 by total time:" in text and "kernel ceiling" in text
     assert "== fp8: parallel.fp8's gradients" in text and "+fp8-tensorwise" in text, text[-3000:]
