@@ -163,6 +163,7 @@ def prepare_model(model: torch.nn.Module, device: torch.device | str, *, precisi
     device = torch.device(device)
     dtype = compute_dtype(precision, device)
     if device.type == "cuda" and torch.cuda.is_available():
+        device = indexed(device)
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -183,6 +184,14 @@ def prepare_model(model: torch.nn.Module, device: torch.device | str, *, precisi
     # The weights are in their dtypes already (the final layer fp32, the rest ``dtype``): FSDP
     # gathers each unit in its own, casting nothing.
     return parallelize(model, config, compute_dtype=torch.float32, mesh=mesh)
+
+
+def indexed(device: torch.device) -> torch.device:
+    """``device`` with its index: a bare ``cuda`` is the current CUDA device (torch 2.11's
+    ``torch.cuda.set_device`` refuses a device without an index)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _bf16_matmuls_fp32_stream(model: torch.nn.Module, device_type: str, dtype: torch.dtype) -> None:

@@ -237,3 +237,15 @@ def test_a_job_stopped_between_steps_leaves_and_the_others_go_on():
     for k, ref in zip((0, 2), alone):
         assert float(np.abs(got[k] - ref).max() / np.abs(ref).max()) <= 1e-5
     assert len(seen) == 4  # asked after every step: 2 steps with job 1, 2 more without it
+
+
+def test_a_bare_cuda_device_is_given_the_current_index(monkeypatch):
+    """``prepare_model(model, "cuda")`` (the GPU bench's sampling section) failed on torch 2.11's
+    ``torch.cuda.set_device``: "Expected a torch.device with a specified index". The device is
+    made explicit first."""
+    from knapray.worker.denoise import indexed
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert indexed(torch.device("cuda")) == torch.device("cuda", 3)
+    assert indexed(torch.device("cuda:1")) == torch.device("cuda", 1)
+    assert indexed(torch.device("cpu")) == torch.device("cpu")
