@@ -425,6 +425,40 @@ def allow_cached_autograd_functions() -> None:
         functorch_config.autograd_cache_allow_custom_autograd_functions = True
 
 
+def guard_empty_y_grids() -> bool:
+    """Inductor's 2-D tiled Triton kernels launch on a (x, y, z) grid whose y extent is split
+    into z when it passes CUDA's limit: ``y = ceil(y_blocks / z)`` with ``z = ceil(y_blocks /
+    65535)``. With no y rows (``ynumel`` 0) z is 0, and torch 2.10/2.11's launcher divides by
+    it: ``ZeroDivisionError`` at the launch (fixed upstream after 2.11). knapray's compiled
+    blocks meet it on any call without text (text counts are unbacked sizes): seen on an H200
+    under torch 2.11 in the double block's text q/k norm, on a sampling warm-up request with
+    no text; a training rank whose tokens are all image (later Ulysses chunks) is the same
+    call. Where this torch's launcher lacks the guard, its y extent gets it (0 blocks when z
+    is 0: the launch does nothing, as it should). Returns whether the launcher was patched;
+    idempotent. The launcher runs in the process that launches, so the patch applies there."""
+    try:
+        from torch._inductor.runtime import triton_heuristics
+    except ImportError:  # a torch without inductor's runtime: nothing to guard
+        return False
+    grid = getattr(triton_heuristics, "Grid2DWithYZOverflow", None)
+    if grid is None or getattr(grid.generate, "_knapray_guarded", False):
+        return False
+    unguarded = grid.generate
+
+    def generate(self, *args, **kwargs):
+        unguarded(self, *args, **kwargs)
+        y = self.y_grid
+        if isinstance(y, str) and "y_grid_div_" in y and "y_grid_div_ ==" not in y:
+            if getattr(self, "mode", "python") == "python":
+                self.y_grid = f"(0 if y_grid_div_ == 0 else {y})"
+            else:
+                self.y_grid = f"(y_grid_div_ == 0 ? 0 : {y})"
+
+    generate._knapray_guarded = True
+    grid.generate = generate
+    return True
+
+
 def specialize_floats() -> None:
     """Dynamo takes the blocks' float attributes as constants (``specialize_float``). A block
     class's forward is compiled once with the module as an input, so each norm's ``eps`` came
@@ -473,6 +507,7 @@ def parallelize(model: nn.Module, parallel: ParallelConfig | None = None, dims: 
         stats = CompileStats(cfg.compile_backend)
         allow_cached_autograd_functions()
         specialize_floats()
+        guard_empty_y_grids()
         # One compiled function per block class, shared by its blocks (the module is an
         # input, not a guard); isolated so another model's compiles are not counted here.
         # (``isolate_recompiles`` is newer than torch 2.11: left out where it is missing.)

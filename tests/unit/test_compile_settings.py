@@ -4,6 +4,7 @@ attributes taken as constants, so that no block is traced and compiled twice."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from knapray.indexing import gather_rows
@@ -77,3 +78,39 @@ def test_a_blocks_float_attributes_do_not_make_it_compile_twice() -> None:
         specialize_floats()
         assert dynamo_config.specialize_float
         assert backend_calls() == 1
+
+
+def test_an_empty_y_grid_launches_nothing_where_the_launcher_divides_by_zero(monkeypatch):
+    """torch 2.10/2.11's grid for a 2-D tiled Triton kernel divided by zero when the kernel had
+    no y rows (on an H200, torch 2.11: a compiled double block called without text, in its text
+    q/k norm). Here the unguarded grid (that torch's code, put back in place) fails the same way
+    at ``ynumel`` 0; after ``guard_empty_y_grids`` it is a launch of no blocks, and a grid with
+    rows is what it was."""
+    from torch._inductor.runtime import triton_heuristics as th
+
+    from knapray.worker.parallelize import guard_empty_y_grids
+
+    grid = th.Grid2DWithYZOverflow
+
+    def unguarded(self, meta):  # as torch 2.10 and 2.11 generate it
+        self.x_grid = self.ceildiv("xnumel", meta.get("XBLOCK"))
+        self.prefix = [self.assign_tmp("y_grid_raw_", self.ceildiv("ynumel", meta.get("YBLOCK"))),
+                       self.assign_tmp("y_grid_div_", self.ceildiv("y_grid_raw_", th.get_max_y_grid()))]
+        self.y_grid = self.ceildiv("y_grid_raw_", "y_grid_div_")
+        self.z_grid = "y_grid_div_"
+
+    monkeypatch.setattr(grid, "generate", unguarded)
+    meta = {"XBLOCK": 64, "YBLOCK": 16}
+
+    def launch(ynumel: int) -> tuple[int, int, int]:
+        g = grid(inductor_meta={})
+        g.generate(meta)
+        return g.eval_slow({**meta, "xnumel": 128, "ynumel": ynumel})
+
+    with pytest.raises(ZeroDivisionError):
+        launch(0)
+    big = 16 * 65535 * 3  # y blocks past CUDA's limit: split into z
+    before = launch(100), launch(big)
+    assert guard_empty_y_grids() and not guard_empty_y_grids()  # patched once
+    assert launch(0) == (2, 0, 0)
+    assert (launch(100), launch(big)) == before == ((2, 7, 1), (2, 65535, 3))
