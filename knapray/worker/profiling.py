@@ -123,11 +123,20 @@ HOST_SYNCS = ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaEventSy
 ``.tolist()``, ``bool()`` of a tensor) and the CUDA runtime's waits."""
 
 
+def _step_ranges(events) -> list:
+    """The host's ``knapray_step`` ranges. On CUDA the profiler also shows each range on the
+    device's timeline (under the same name, later: the kernels run behind the host), which
+    counted each step twice: 6 "steps" for 3, and a wall time that held both."""
+    from torch.autograd import DeviceType
+
+    return [e for e in events if e.name == "knapray_step" and e.device_type == DeviceType.CPU]
+
+
 def host_syncs_per_step(prof: torch.profiler.profile) -> list[int]:
     """For each profiled step (its ``knapray_step`` range, in order), how many ``HOST_SYNCS``
     events started inside it."""
     events = prof.events()
-    steps = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == "knapray_step")
+    steps = sorted((e.time_range.start, e.time_range.end) for e in _step_ranges(events))
     starts = [e.time_range.start for e in events if e.name in HOST_SYNCS]
     return [sum(a <= t < b for t in starts) for a, b in steps]
 
@@ -138,8 +147,7 @@ def _intervals(prof: torch.profiler.profile, device: str) -> tuple[list[Interval
     from torch.autograd import DeviceType
 
     events = prof.events()
-    steps = [e for e in events if e.name == "knapray_step"]
-    wall = sum(e.time_range.elapsed_us() for e in steps)
+    wall = sum(e.time_range.elapsed_us() for e in _step_ranges(events))
     if device == "cuda":
         # A record_function range (ours, the optimizer's) also shows on the device's timeline
         # under its own name: only names no CPU event has are kernels.

@@ -133,3 +133,27 @@ def test_kernel_bench_fp8_times_bf16_and_both_scalings(capsys):
     assert set(r["seconds"]) == {"bf16", "tensorwise", "rowwise"} and all(t > 0 for t in r["seconds"].values())
     assert r["tokens"] == 96 and r["model_flops"] == 3 * 24 * 96 * 64 * 64  # 24*N*d^2 forward, x3
     assert r["speedup"]["tensorwise"] == pytest.approx(r["seconds"]["bf16"] / r["seconds"]["tensorwise"])
+
+
+def test_each_step_is_counted_once_where_the_device_timeline_repeats_its_range():
+    """On CUDA a ``record_function`` range is also an event of the device's timeline: the H200's
+    3 profiled steps came out as 6 (host syncs "per step" for steps 5-10) with a wall time holding
+    both. Only the host's ranges are steps."""
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+
+    from knapray.worker.profiling import _intervals, host_syncs_per_step
+
+    def event(name, start, end, device=DeviceType.CPU):
+        return NS(name=name, device_type=device, self_cpu_time_total=0,
+                  time_range=NS(start=start, end=end, elapsed_us=lambda: end - start))
+
+    events = [event("knapray_step", 0, 100), event("knapray_step", 100, 200),
+              event("knapray_step", 40, 150, DeviceType.CUDA), event("knapray_step", 150, 260, DeviceType.CUDA),
+              event("aten::_local_scalar_dense", 120, 121), event("cudaStreamSynchronize", 130, 140),
+              event("nvjet_gemm", 50, 140, DeviceType.CUDA)]
+    prof = NS(events=lambda: events)
+    assert host_syncs_per_step(prof) == [0, 2]
+    kernels, wall = _intervals(prof, "cuda")
+    assert wall == 200 and [k.name for k in kernels] == ["nvjet_gemm"]
