@@ -326,6 +326,16 @@ GRADIENT_CASES = (("flux", "bf16_params"), ("wan", "bf16_params"), ("flux", "aut
 cluster config) for both families, and Flux under autocast (the runs without FSDP)."""
 
 
+def _failed(what: str, e: BaseException) -> None:
+    """A stage's failure in the bench's log: one line, then where it was raised (the last
+    frames of its traceback: on the GPU machine there is no second look)."""
+    import traceback
+
+    print(f"{what}: FAILED to run: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    frames = traceback.extract_tb(e.__traceback__)[-6:]
+    print("".join("    " + line for line in traceback.format_list(frames)), end="", flush=True)
+
+
 def gradient_stage(report: dict, *, cpu: bool) -> list[str]:
     """Compiled bf16 gradients against float64 on the device (``knapray.testing.grad_truth``):
     one line per case, the numbers into ``report``; the failures."""
@@ -341,7 +351,7 @@ def gradient_stage(report: dict, *, cpu: bool) -> list[str]:
             # On CPU (the rehearsal) shorter sequences: the chain, not the numbers, is checked.
             r = gradient_errors(family, mode, device="cpu" if cpu else "cuda", side=32 if cpu else 96)
         except Exception as e:  # noqa: BLE001 - one case's failure is reported, the bench goes on
-            print(f"{family} {mode}: FAILED to run: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            _failed(f"{family} {mode}", e)
             failures.append(f"gradients {family} {mode}: {type(e).__name__}")
             report["gradients"].append({"family": family, "mode": mode, "error": repr(e)})
             continue
@@ -387,7 +397,7 @@ def fp8_stage(report: dict, *, cpu: bool) -> list[str]:
         print(float8_report(m), flush=True)
         report["fp8"]["matmuls"] = m
     except Exception as e:  # noqa: BLE001 - reported, the bench goes on
-        print(f"fp8: FAILED to run: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        _failed("fp8", e)
         failures.append(f"fp8: {type(e).__name__}")
     return failures
 
@@ -422,7 +432,7 @@ def sampling_stage(report: dict, *, cpu: bool, deadline: float | None = None) ->
         try:
             r = trajectory_errors(family, device=device, compile=True, side=32 if cpu else 96)
         except Exception as e:  # noqa: BLE001 - reported, the bench goes on
-            print(f"{family}: FAILED to run: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            _failed(family, e)
             failures.append(f"sampling truth {family}: {type(e).__name__}")
             continue
         print(f"{r.summary()} ({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -443,7 +453,7 @@ def sampling_stage(report: dict, *, cpu: bool, deadline: float | None = None) ->
         out["flux"] = flux_side_by_side(SAMPLE_REHEARSAL if cpu else FLUX_DEV, device, repeats=1 if cpu else 2,
                                         log=lambda line: print(line, flush=True))
     except Exception as e:  # noqa: BLE001
-        print(f"sampling side by side: FAILED to run: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        _failed("sampling side by side", e)
         failures.append(f"sampling side by side: {type(e).__name__}")
     return failures
 
