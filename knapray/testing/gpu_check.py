@@ -219,6 +219,7 @@ def run_check(check: Check, work: Path, *, steps: int, nproc: int, topology: str
         print(f"corpus: {check.mix} at 1/{check.scale} scale built in {time.perf_counter() - t0:.1f} s", flush=True)
     config = write_config(check, corpus, work, steps=steps, topology=topology, cpu=cpu, profile=profile)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           f"--log-dir={work / 'torchrun-logs'}",  # not a torchelastic_* folder left in /tmp
            "-m", "knapray.commands.torchrun", "--config", str(config)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p),
                PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", _host_threads(nproc, cpu)))

@@ -50,7 +50,9 @@ def _train(corpus_dir, storage, *extra, nproc: int = 1) -> subprocess.CompletedP
     cfg = pathlib.Path(storage) / "empty.yaml"
     cfg.parent.mkdir(parents=True, exist_ok=True)
     cfg.write_text("{}\n")
-    launcher = (["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else [])
+    # torchrun's own logs in the test's folder (by default a torchelastic_* folder in /tmp, never removed)
+    launcher = (["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                 f"--log-dir={pathlib.Path(storage) / 'torchrun-logs'}"] if nproc > 1 else [])
     cmd = [sys.executable, *launcher, "-m", "knapray.commands.torchrun", "--config", str(cfg), *args]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

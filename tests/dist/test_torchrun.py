@@ -196,8 +196,8 @@ def test_a_corpus_found_mostly_bad_under_torchrun_is_one_line(tmp_path):
     cfg.write_text(f"data:\n  corpus: {corpus}\n  samples_per_step: 2\nbalance:\n  topology: g1n2\n"
                    f"run:\n  name: bad\n  storage: {tmp_path}\nmodel:\n  hidden_size: 32\n  num_heads: 2\n"
                    "  depth_double: 1\n  depth_single: 1\n  rope_axes_dim: [4, 6, 6]\n")
-    out = _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "knapray.commands.torchrun",
-                "--config", str(cfg)])
+    out = _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", f"--log-dir={tmp_path / 'logs'}",
+                "-m", "knapray.commands.torchrun", "--config", str(cfg)])
     assert out.returncode != 0
     # torchrun itself reports its ranks' non-zero exits with a traceback of its own launcher;
     # none comes from a rank (no frame of knapray's code), and knapray says it once.
@@ -246,7 +246,7 @@ def test_a_full_disk_at_the_journal_under_torchrun_is_one_line_naming_it(tmp_pat
                    "  rope_axes_dim: [4, 6, 6]\n  text_dim: 16\n  pooled_dim: 16\ndistributed:\n  timeout_s: 60\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(inject), str(REPO)]), OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          "-m", "knapray.commands.torchrun", "--config", str(cfg)],
+                          f"--log-dir={tmp_path / 'logs'}", "-m", "knapray.commands.torchrun", "--config", str(cfg)],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0, out.stdout[-2000:]
     journal = tmp_path / "full" / "ledger" / "journal-000000000000.bin"
