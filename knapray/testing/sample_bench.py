@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from knapray.models.flops import formula, model_flops
 from knapray.quiet_imports import load_torchao_quietly
 
 CPU_SHAPE = {"hidden": 256, "heads": 4, "double": 2, "single": 4, "side": 256, "text": 64, "steps": 8}
@@ -203,8 +204,6 @@ def flux_side_by_side(shape: dict, device: str, *, repeats: int = 2, compile_dif
     transformer (bf16, eager and compiled) on one FLUX.1-dev-shaped random model."""
     cfg = flux_config(shape["hidden"], shape["heads"], shape["double"], shape["single"])
     job = request(cfg, shape["side"], shape["text"], shape["steps"])
-    from knapray.models.flops import formula, model_flops
-
     # FLUX.1-dev embeds guidance: one pass per step (a classifier-free-guided model makes two)
     step_flops = model_flops([job.tokens], cfg, passes=1)
     log(f"model TFLOP/s = {formula(cfg).replace('3 (fwd+bwd)', '1 (forward)')}, L={job.tokens}: "

@@ -434,8 +434,10 @@ def guard_empty_y_grids() -> bool:
     under torch 2.11 in the double block's text q/k norm, on a sampling warm-up request with
     no text; a training rank whose tokens are all image (later Ulysses chunks) is the same
     call. Where this torch's launcher lacks the guard, its y extent gets it (0 blocks when z
-    is 0: the launch does nothing, as it should). Returns whether the launcher was patched;
-    idempotent. The launcher runs in the process that launches, so the patch applies there."""
+    is 0: the launch does nothing, as it should; a torch whose launcher has the guard keeps
+    its expression). Returns whether the grid was wrapped by this call (False: wrapped
+    already, or no such grid); the launcher is made in the process that launches, so the
+    wrapping applies there."""
     try:
         from torch._inductor.runtime import triton_heuristics
     except ImportError:  # a torch without inductor's runtime: nothing to guard
