@@ -243,6 +243,21 @@ def check_local_processes(world: int, what: str) -> None:
                          f"{MAX_LOCAL_PROCESSES}")
 
 
+def gang_device(device: str, world: int, gpus: int, where: str) -> str:
+    """``--device`` for ``world`` ranks that each take a GPU of their own, where ``where`` has
+    ``gpus`` of them: ``auto`` is cuda where there are any. A rank on a GPU another rank holds
+    (NCCL refuses it) or on none (a process that fails after it started, or a Ray actor that
+    waits for good) is refused here, in one line (ValueError), before anything starts."""
+    if device == "auto":
+        device = "cuda" if gpus else "cpu"
+    if device == "cuda" and not gpus:
+        raise ValueError(f"--device cuda: {where} has no CUDA device that torch can use; --device cpu (or auto)")
+    if device == "cuda" and world > gpus:
+        raise ValueError(f"--world-size {world}: each rank takes a GPU of its own, and {where} has {gpus}; "
+                         f"--world-size {gpus} or fewer, or --device cpu")
+    return device
+
+
 def add_gpus_per_node(p: argparse.ArgumentParser, *, help: str) -> None:
     p.add_argument("--gpus-per-node", type=ranks, default=None, metavar="N", help=help)
 

@@ -69,6 +69,8 @@ class SamplePlan:
     cfg: Any
     checkpoint: str
     requests: list[Request]
+    device: str = "cpu"
+    """``--device`` resolved (``auto``: cuda where there is a GPU), every rank with a GPU of its own."""
     topology: str | None = None
     """The bags of ``--world-size N`` > 1 (default ``planning.inference.sampling.halving_topology``), or
     ``auto`` (chosen for the batch among ``planning.inference.sampling.candidate_topologies``)."""
@@ -90,6 +92,10 @@ def plan_sampling(args: argparse.Namespace) -> SamplePlan:
     prompts: list[tuple[str | None, int | None]] = [(c, None) for c in (args.caption or [])]
     prompts += [(None, int(i)) for i in (args.like or [])]
     pairs = pair_requests(prompts or [(None, None)], sizes)
+    from knapray.commands.flags import gang_device
+    from knapray.driver.placement import local_gpus
+
+    device = gang_device(getattr(args, "device", "auto"), getattr(args, "world_size", 1), local_gpus(), "this machine")
     cfg, ckpt = read_run(args.run, args.checkpoint)
     text_rec, _, dims = corpus_records(cfg.data.corpus)
     if args.caption and text_rec.get("class") not in TEXT_ENCODERS:
@@ -105,7 +111,7 @@ def plan_sampling(args: argparse.Namespace) -> SamplePlan:
     topology = _topology(args, cfg)
     folder = out_folder(args.out) if getattr(args, "out", None) else None
     check_checkpoint(ckpt)  # before anything is built from it: a planted file is refused, never run
-    return SamplePlan(cfg=cfg, checkpoint=ckpt, requests=requests, topology=topology, folder=folder,
+    return SamplePlan(cfg=cfg, checkpoint=ckpt, requests=requests, device=device, topology=topology, folder=folder,
                       images=images or None, image_encoder=encoder)
 
 
@@ -210,15 +216,13 @@ def run(args: argparse.Namespace) -> dict:
     bags (``driver.gang.sample_local``: rank 0 encodes the captions together and frees its
     encoder, every rank loads the model in the compute dtype, each bag's lead decodes its
     own requests), then the grid as one process draws it."""
-    import torch
-
     from knapray.driver.gang import LocalSampling, sample_local
     from knapray.inference.jobs import Job
     from knapray.models.sampling import config_shifts
 
     plan = plan_sampling(args)  # every argument checked before anything loads
     cfg = plan.cfg
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = plan.device
     dims = corpus_records(cfg.data.corpus)[2]
     down, pt = int(dims.get("vae_downsample", 8)), cfg.model.patch_size[0]
     jobs = [Job(caption=r.caption, width=r.width, height=r.height, frames=r.frames, steps=args.steps,

@@ -191,6 +191,31 @@ def write_config(path: str, options, host: str, port: int) -> None:
         yaml.safe_dump(serve_config(options, host=host, port=port), f, sort_keys=False)
 
 
+def check_cluster_gpus(ray, options) -> None:
+    """On a cluster joined through ``$RAY_ADDRESS``: a gang on GPUs (``--device cuda``, or
+    ``auto`` where the cluster has any) whose ranks, a GPU each, never fit the cluster's nodes
+    and those its autoscaler reported it may add would wait for good: one line (ValueError).
+    A cluster that reports no node types may still add some: its wait is not refused."""
+    from knapray.driver.placement import cluster_capacity, slots
+    from knapray.local_ray import address_given
+
+    if address_given() is None:
+        return  # the embedded Ray: checked before it started
+    capacity = cluster_capacity(ray, "the Ray cluster at $RAY_ADDRESS")
+    gpus = capacity.total().get("GPU", 0.0)
+    if options.device == "cpu" or (options.device == "auto" and not gpus) or capacity.autoscaler_unknown:
+        return
+    rank = {"GPU": 1.0, "CPU": 1.0}  # what each of the gang's actors asks on GPUs (driver.gang)
+    room = sum(slots(n, rank) for n in capacity.nodes)
+    if any(t.max_count < 0 and slots(t.resources, rank) for t in capacity.node_types):
+        return
+    room += sum(slots(t.resources, rank) * t.max_count for t in capacity.node_types)
+    if room < options.world_size:
+        raise ValueError(f"--world-size {options.world_size}: each rank of the gang takes a GPU and a CPU, and "
+                         f"{capacity.where} holds {room} such ranks at once, with every node its autoscaler may add; "
+                         f"--world-size {room} or fewer, or --device cpu")
+
+
 def cli(args: argparse.Namespace) -> int:
     """``knapray serve``."""
     from knapray.commands.flags import check_local_processes
@@ -203,6 +228,15 @@ def cli(args: argparse.Namespace) -> int:
               f"{args.run} readable there{key}); it listens on {listening(args.host)}")
         return 0
     check_local_processes(args.world_size, "knapray serve (embedded Ray)")
+    from knapray.local_ray import address_given
+
+    if address_given() is None:  # an embedded Ray has this machine's GPUs, and nothing adds more
+        from dataclasses import replace
+
+        from knapray.commands.flags import gang_device
+        from knapray.driver.placement import EMBEDDED, local_gpus
+
+        options = replace(options, device=gang_device(args.device, args.world_size, local_gpus(), EMBEDDED))
     checkpoint = check_run(args.run, args.checkpoint, args.world_size, args.topology, options)
     check_port(args.host, args.port)
 
@@ -220,6 +254,7 @@ def cli(args: argparse.Namespace) -> int:
             # console shows knapray's lines, and the gang's errors reach the clients.
             init_ray(ray, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
             signals.arm()  # ray.init put its own SIGTERM handler in place
+            check_cluster_gpus(ray, options)
             logging.getLogger("ray.serve").setLevel(logging.ERROR)
             serve.start(http_options={"host": args.host, "port": args.port})
             serve.run(build_app(options), name="knapray", route_prefix="/")

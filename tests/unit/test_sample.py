@@ -45,6 +45,7 @@ def run_dir(tmp_path):
     (["--caption", "b", "--size", "512x512", "--size", "512x512", "--size", "64x64"], ["2 requests", "3 --size"]),
     (["--size", "512"], ["WIDTHxHEIGHT"]),
     (["--checkpoint", "/nonexistent/step-1"], ["/nonexistent/step-1", "no .metadata"]),
+    (["--device", "cuda"], ["--device cuda", "no CUDA device"]),  # this machine has none
 ])
 def test_arguments_are_checked_before_anything_loads(run_dir, extra, names, monkeypatch, capsys):
     import knapray.driver.gang as gang
@@ -208,3 +209,67 @@ def test_a_validation_size_has_the_same_spelling():
 
     with pytest.raises(ConfigError, match="validation.sizes.*512X512"):
         load_run_config(None, ["metrics.validation.sizes=[512X512]"])
+
+
+def test_sampling_ranks_each_have_a_gpu_of_their_own_or_are_refused_before_anything_starts(run_dir, monkeypatch,
+                                                                                            capsys):
+    """``--world-size 4`` on a machine with 2 GPUs put two ranks on one GPU (NCCL refuses it)
+    or a rank on a device that is not there, after the processes had started; ``auto`` is
+    cuda where there is a GPU. Refused in one line, and ``knapray serve`` on an embedded Ray
+    (whose gang's actors would otherwise wait for GPUs for good) the same way."""
+    import knapray.driver.gang as gang
+    import knapray.driver.placement as placement
+    from knapray.commands.flags import gang_device
+
+    assert gang_device("auto", 4, 0, "here") == "cpu" and gang_device("auto", 2, 2, "here") == "cuda"
+    assert gang_device("cpu", 8, 2, "here") == "cpu" and gang_device("cuda", 1, 1, "here") == "cuda"
+    with pytest.raises(ValueError, match=r"^--device cuda: here has no CUDA device"):
+        gang_device("cuda", 1, 0, "here")
+    with pytest.raises(ValueError, match=r"^--world-size 4: each rank takes a GPU of its own, and here has 2; "
+                                         r"--world-size 2 or fewer, or --device cpu$"):
+        gang_device("auto", 4, 2, "here")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("ranks started before the devices were checked")
+
+    monkeypatch.setattr(gang, "sample_local", refuse)
+    monkeypatch.setattr(placement, "local_gpus", lambda: 2)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for command in (["sample", "--run", str(run_dir), "--caption", "a"], ["serve", "--run", str(run_dir)]):
+        code = main([*command, "--world-size", "4", "--device", "cuda"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and "--world-size 4: each rank takes a GPU of its own" in err[0], err
+    monkeypatch.setattr(placement, "local_gpus", lambda: 0)
+    assert main(["serve", "--run", str(run_dir), "--device", "cuda"]) == 2
+    assert "--device cuda: the embedded Ray on this machine has no CUDA device" in capsys.readouterr().err
+
+
+def test_a_cluster_that_never_holds_the_gangs_gpus_is_refused(monkeypatch):
+    """On a cluster joined through $RAY_ADDRESS the gang's ranks (a GPU and a CPU each) are
+    checked against its nodes and the node types its autoscaler reported; one that reports
+    none may still add nodes, and is let wait."""
+    import knapray.driver.placement as placement
+    from knapray.commands.serve import check_cluster_gpus
+    from knapray.driver.serving import ServeOptions
+
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    nodes = ({"CPU": 8.0}, {"CPU": 8.0, "GPU": 1.0})
+
+    def cluster(*types, unknown=False):
+        monkeypatch.setattr(placement, "cluster_capacity", lambda ray, where: placement.Capacity(
+            where, nodes=nodes, node_types=tuple(types), autoscaler_unknown=unknown))
+
+    four = ServeOptions(run="r", world_size=4, device="cuda")
+    cluster(placement.NodeType("gpu1", {"CPU": 4.0, "GPU": 1.0}, 2))
+    with pytest.raises(ValueError, match=r"^--world-size 4: each rank of the gang takes a GPU and a CPU, and "
+                                         r"the Ray cluster at \$RAY_ADDRESS holds 3 such ranks at once"):
+        check_cluster_gpus(None, four)
+    check_cluster_gpus(None, ServeOptions(run="r", world_size=3, device="cuda"))
+    check_cluster_gpus(None, ServeOptions(run="r", world_size=4, device="cpu"))
+    cluster(placement.NodeType("gpu8", {"CPU": 64.0, "GPU": 8.0}, -1))  # no bound: it may add enough
+    check_cluster_gpus(None, four)
+    cluster(unknown=True)
+    check_cluster_gpus(None, four)
+    cluster()  # no GPU anywhere and none reported to come: auto is cpu there
+    nodes = ({"CPU": 8.0},)
+    check_cluster_gpus(None, ServeOptions(run="r", world_size=4, device="auto"))
