@@ -363,6 +363,14 @@ class SamplerRank:
 
         return ray.util.get_node_ip_address()
 
+    def rendezvous(self, gpu: bool) -> tuple[str, int]:
+        """Where the gang's rank 0 (this actor) holds the process groups' store: its node's
+        address (127.0.0.1 for a CPU gang, which runs on one machine) and a port free on that
+        node. The port is picked here, on the node that binds it, not on the driver's."""
+        from knapray.distributed.local import free_port
+
+        return (self.node_address() if gpu else "127.0.0.1"), free_port()
+
     def leave(self) -> None:
         import torch.distributed as dist
 
@@ -693,8 +701,6 @@ class Gang:
     def _spawn(self) -> None:
         import ray
 
-        from knapray.distributed.local import free_port
-
         gpu = self.device.startswith("cuda")
         cls = _actor_class().options(num_gpus=1 if gpu else 0, num_cpus=0 if not gpu else 1)
         topology = self.specs[0] if len(self.specs) == 1 else "auto"
@@ -702,8 +708,7 @@ class Gang:
                                   True, self.cfg_parallel, precision=self.precision, compile=self.compile,
                                   load=False, shard=self.shard, adapters=self.adapters)
                        for r in range(self.world_size)]
-        address = "127.0.0.1" if not gpu else ray.get(self.actors[0].node_address.remote())
-        port = free_port()
+        address, port = ray.get(self.actors[0].rendezvous.remote(gpu))
         ray.get([a.join_blocks.remote(address, port, self.specs, self.timeout_s) for a in self.actors])
         ray.get([a.load.remote() for a in self.actors])
         self.broken = False
