@@ -187,15 +187,26 @@ class RMSNormStandIn(torch.autograd.Function):
     fp32. On the CPU torch runs the composite of elementwise ops instead, which saves an fp32
     copy of a bf16 input and makes fp32 temporaries of its size in backward.
 
-    Forward is torch's own ``_fused_rms_norm`` (its meta function on fake tensors; its CPU
-    kernel on real ones). Backward on fake tensors is the fused backward's meta function
-    (torch has no CPU kernel of it): the two gradients, allocated and nothing else; on real
-    tensors it is computed in fp32 (what the unit test compares with ``F.rms_norm``)."""
+    On fake tensors forward allocates the kernel's two outputs (the normalized tensor, rstd
+    per row in fp32) and backward is the fused backward's meta function (torch has no CPU
+    kernel of it): the two gradients, nothing else. On real tensors forward is torch's own
+    ``_fused_rms_norm`` (its CPU kernel) and backward is computed in fp32: what the unit test
+    compares with ``F.rms_norm``."""
 
     @staticmethod
     def forward(ctx, x, normalized_shape, weight, eps):
-        with torch.no_grad():
-            out, rstd = torch.ops.aten._fused_rms_norm(x, list(normalized_shape), weight, eps)
+        from torch._subclasses.fake_tensor import is_fake
+
+        if is_fake(x):
+            # the kernel's outputs and nothing else (fake tensors run _fused_rms_norm through
+            # its CPU decomposition, whose fp32 temporaries of the input's size CUDA never makes)
+            rows = x.shape[:x.dim() - len(normalized_shape)]
+            out = torch.empty_like(x)
+            rstd = x.new_empty((*rows, *[1] * len(normalized_shape)),
+                               dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+        else:
+            with torch.no_grad():
+                out, rstd = torch.ops.aten._fused_rms_norm(x, list(normalized_shape), weight, eps)
         ctx.normalized_shape = list(normalized_shape)
         ctx.save_for_backward(x, rstd, weight)  # weight: the module's own gain, not a new tensor
         return out
