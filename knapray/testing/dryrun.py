@@ -19,9 +19,11 @@ tensors; a *device pass* runs the forward of the same plan, unsharded, with one 
 each kind, on fake **CUDA** tensors, where placement and dtype errors of the GPU path show.
 Attention is the fused kernel's stand-in: torch's ``varlen_attn`` forward op (its own fake
 implementation) and a backward with flash-attn's gradient shapes; it saves what a fused
-kernel saves (q, k, v, output, logsumexp). A first step on no tokens (every unit still runs,
-on zero rows) does FSDP's lazy initialization and creates AdamW's state; the second, on the
-batch, is measured: a run's steady state. A run of two experts (``flow.expert_boundary``)
+kernel saves (q, k, v, output, logsumexp). ``F.rms_norm`` (Wan's q and k norms) is CUDA's
+fused kernel's stand-in too (``fakes.kernel_rms_norm``): it saves the input and a per-row
+rstd, where the CPU's composite keeps fp32 copies of the input's size. A first step on no
+tokens (every unit still runs, on zero rows) does FSDP's lazy initialization and creates
+AdamW's state; the second, on the batch, is measured: a run's steady state. A run of two experts (``flow.expert_boundary``)
 builds both as the trainer does, each sharded on one mesh with its own AdamW state and EMA,
 gives each its first step, and measures a step of the first with the second resident beside
 it (its parameter shards and AdamW state counted, as every EMA's shadow is).
@@ -39,8 +41,8 @@ import numpy as np
 import torch
 
 from knapray.limits import MAX_DRYRUN_PER_STEP_WORLD, MAX_DRYRUN_WORLD
-from knapray.testing.fakes import Sample, fake_batch, fake_world, host_batch, kernel_attention, leave_world, on_device, \
-    to_empty
+from knapray.testing.fakes import Sample, fake_batch, fake_world, host_batch, kernel_attention, kernel_rms_norm, \
+    leave_world, on_device, to_empty
 
 GIB = 2**30
 MAX_PEAK_ERROR = 0.10
@@ -244,7 +246,7 @@ def run_step(setup: Setup, plan, text_tokens: np.ndarray, batch_host, *, device:
                                 bag_group=bag_group, route_group=route_group, cross_pad=cross_text_pad(model_cfg))
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     try:
-        with fake, kernel_attention(watch):
+        with fake, kernel_attention(watch), kernel_rms_norm():
             trained = []  # (model, parallel, optimizer, ema) of every resident model
             for m, par in zip(models, parallels):
                 to_empty(m, device, sharded)

@@ -1,7 +1,7 @@
 """What the dry runs (``knapray dryrun``: a training step, ``--sample``: a sampling gang's rank)
 share to run full-size models in one process without a GPU: torch's fake process group,
 models built on the meta device given fake parameters, batches and step layouts as fake
-tensors, and the fused attention kernel's stand-in."""
+tensors, and stand-ins of the fused attention and RMSNorm kernels."""
 
 from __future__ import annotations
 
@@ -175,3 +175,89 @@ def kernel_attention(watch):
         yield
     finally:
         attention.varlen_attention = original
+
+
+# ---- RMSNorm: CUDA's fused kernel's stand-in ------------------------------------------------
+
+
+class RMSNormStandIn(torch.autograd.Function):
+    """What ``F.rms_norm`` runs on CUDA with the gain in the input's dtype: torch's fused
+    kernel (``aten::_fused_rms_norm``), which saves the input and a per-row fp32 rstd and
+    whose backward makes the input's gradient and the gain's, nothing of the input's size in
+    fp32. On the CPU torch runs the composite of elementwise ops instead, which saves an fp32
+    copy of a bf16 input and makes fp32 temporaries of its size in backward.
+
+    On fake tensors forward allocates the kernel's two outputs (the normalized tensor, rstd
+    per row in fp32) and backward is the fused backward's meta function (torch has no CPU
+    kernel of it): the two gradients, nothing else. On real tensors forward is torch's own
+    ``_fused_rms_norm`` (its CPU kernel) and backward is computed in fp32: what the unit test
+    compares with ``F.rms_norm``."""
+
+    @staticmethod
+    def forward(ctx, x, normalized_shape, weight, eps):
+        from torch._subclasses.fake_tensor import is_fake
+
+        if is_fake(x):
+            # the kernel's outputs and nothing else (fake tensors run _fused_rms_norm through
+            # its CPU decomposition, whose fp32 temporaries of the input's size CUDA never makes)
+            rows = x.shape[:x.dim() - len(normalized_shape)]
+            out = torch.empty_like(x)
+            rstd = x.new_empty((*rows, *[1] * len(normalized_shape)),
+                               dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+        else:
+            with torch.no_grad():
+                out, rstd = torch.ops.aten._fused_rms_norm(x, list(normalized_shape), weight, eps)
+        ctx.normalized_shape = list(normalized_shape)
+        ctx.save_for_backward(x, rstd, weight)  # weight: the module's own gain, not a new tensor
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torch._subclasses.fake_tensor import is_fake
+
+        x, rstd, weight = ctx.saved_tensors
+        need_x, _, need_w, _ = ctx.needs_input_grad
+        if is_fake(x):
+            gx, gw = torch.ops.aten._fused_rms_norm_backward(grad, x, ctx.normalized_shape, rstd, weight,
+                                                              [need_x, need_w and weight is not None])
+            return gx, None, gw, None
+        dims = tuple(range(x.dim() - len(ctx.normalized_shape), x.dim()))
+        lead = tuple(range(x.dim() - len(ctx.normalized_shape)))
+        # rstd is (rows..., 1, ...): broadcast over the normalized dims
+        rstd = rstd.view(*x.shape[:len(lead)], *([1] * len(dims)))
+        xhat = x.float() * rstd
+        g = grad.float()
+        gxhat = g * weight.float() if weight is not None else g
+        # d/dx of x * rstd: rstd * (g' - xhat * mean(g' * xhat)) over the normalized dims
+        gx = rstd * (gxhat - xhat * (gxhat * xhat).mean(dims, keepdim=True)) if need_x else None
+        gw = (g * xhat).sum(lead) if need_w and weight is not None else None
+        return (gx.to(x.dtype) if gx is not None else None, None,
+                gw.to(weight.dtype) if gw is not None else None, None)
+
+
+def fused_rms_norm(input, normalized_shape, weight=None, eps=None):
+    """``F.rms_norm`` as CUDA runs it: the fused kernel's stand-in where CUDA calls the
+    kernel (no gain, or the gain in the input's dtype, outside autocast), torch's own
+    ``F.rms_norm`` otherwise."""
+    device = input.device.type
+    autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+    if (weight is not None and weight.dtype != input.dtype) or autocast:
+        return _RMS_NORM(input, normalized_shape, weight, eps)
+    return RMSNormStandIn.apply(input, tuple(normalized_shape), weight, eps)
+
+
+_RMS_NORM = torch.nn.functional.rms_norm
+
+
+@contextlib.contextmanager
+def kernel_rms_norm():
+    """``torch.nn.functional.rms_norm`` (what a model calls as ``F.rms_norm``) routed to
+    ``fused_rms_norm`` inside the block, restored after."""
+    import torch.nn.functional as F
+
+    original = F.rms_norm
+    F.rms_norm = fused_rms_norm
+    try:
+        yield
+    finally:
+        F.rms_norm = original

@@ -240,10 +240,28 @@ def test_wan_14b_width_dry_runs_on_8_ranks(dryrun):
                  "scaling.num_workers=8", "--mix", "g8b1i512f17s0", "--json")
     r = _result(out)
     assert out.returncode == 0 and r["passed"], out.stdout[-4000:]
-    assert abs(r["peak_error"]) <= 0.10 and r["syncs"] == []
+    # RMSNorm as CUDA's fused kernel (the dry run's stand-in): 14.73 GiB measured, 14.84 predicted
+    # (2026-11-30; with the CPU's composite norm and the terms fit to it: 16.18 and 17.18)
+    assert abs(r["peak_error"]) <= 0.05 and r["syncs"] == []
     measured = {(c["kind"], c["group"]): c["count"] for c in r["collectives"]}
     assert measured == {(c["kind"], c["group"]): c["count"] for c in r["expected"]}
     assert measured[("alltoall_base_", 8)] == 5 * 3 * 4 + 6  # and routing: the bag is the world
+
+
+def test_wan_14b_width_lora_dry_run_on_8_ranks(dryrun):
+    """The same step with LoRA rank 16 (a frozen bf16 base): no reduce-scatter, and the peak
+    within 7% of knapray memory's (10.08 GiB measured, 10.54 predicted, +4.6%, 2026-11-30;
+    +27.5% before Wan's terms were refit to the fused RMSNorm), at the FFN's backward of a
+    recomputed block."""
+    config = str(REPO / "jobs" / "configs" / "wan_t2v_14b.yaml")
+    out = dryrun("--config", config, "--world-size", "8", "--set", "model.depth_single=4", "--set",
+                 "scaling.num_workers=8", "--set", "model.lora.rank=16", "--mix", "g8b1i512f17s0", "--json")
+    r = _result(out)
+    assert out.returncode == 0 and r["passed"], out.stdout[-4000:]
+    assert abs(r["peak_error"]) <= 0.07 and r["syncs"] == []
+    assert r["predicted"]["grads"] < 0.01 and "Reduce Scatter" not in {k for k, v in r["measured"].items() if v}
+    measured = {(c["kind"], c["group"]): c["count"] for c in r["collectives"]}
+    assert measured == {(c["kind"], c["group"]): c["count"] for c in r["expected"]}
 
 
 def test_wan22_a14b_two_experts_dry_run_at_16_ranks(dryrun):

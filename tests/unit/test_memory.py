@@ -271,6 +271,30 @@ def test_two_experts_hold_two_models_state_and_train_one():
     assert mem.fits(cfg.data.max_tokens_per_gpu, 80 * GIB)
 
 
+@pytest.mark.parametrize("lora, tokens, text, sequences, measured", [
+    (False, 16_579, 16_083, 288, 7.92),  # the default mix: text-heavy
+    (False, 17_541, 1_061, 8, 14.73),  # g8b1i512f17s0: 17-frame clips
+    (True, 16_579, 16_083, 288, 3.82),
+    (True, 17_541, 1_061, 8, 10.08),
+])
+def test_wan_terms_predict_the_dry_runs_peaks(lora, tokens, text, sequences, measured):
+    """Wan 2.1 14B's width, 4 blocks, rank 0 of 8: the peaks knapray dryrun measured with
+    RMSNorm as CUDA's fused kernel (2026-11-30, docs/gpu.md), within 5%. The LoRA text-heavy
+    row's peak is the cross-attention's backward on the text rows (a frozen base has no
+    reduce-scatter to hide it); a full fine-tune's text rows add nothing over FSDP's."""
+    from knapray.config.run import load_config
+    from knapray.models.families import adapter_counts
+
+    config = str(Path(__file__).resolve().parents[2] / "jobs" / "configs" / "wan_t2v_14b.yaml")
+    cfg = load_config(config, ["model.depth_single=4"] + (["model.lora.rank=16"] if lora else []))
+    mem = memory_model_for_run(cfg, world_size=8, gpus_per_node=8, trainable=adapter_counts(cfg.model))
+    pred = mem.breakdown(tokens, text_tokens=text, sequences=sequences)
+    assert pred.total / GIB == pytest.approx(measured, rel=0.05)
+    d, b, image = mem.shape.hidden_size, mem.compute_bytes, tokens - text
+    text_working = pred.backward_working - image * 16 * d  # bf16: 16·d bytes per image token
+    assert text_working == (text * 4 * d * b if lora else 0)
+
+
 # ---- the command -----------------------------------------------------------------------
 
 

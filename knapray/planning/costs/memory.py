@@ -195,7 +195,8 @@ class ModelShape:
     """Wan's blocks (``depth_single`` of them): self-attention over the image tokens,
     cross-attention to the text, an FFN, a modulation table; its parameters are counted as
     such, and its activations by image and text tokens (``wan_image_bytes``,
-    ``wan_text_bytes``; ``knapray dryrun`` of Wan 2.1 14B at 64 ranks: within 2%)."""
+    ``wan_text_bytes``; ``knapray dryrun`` of Wan 2.1 14B's width, 4 blocks, 8 ranks, full and
+    LoRA, text- and image-heavy steps: within 5%, docs/gpu.md)."""
     time_dim: int = TIME_EMBED_DIM
     """Sinusoidal timestep features (Wan's ``freq_dim``)."""
     cross_norm: bool = True
@@ -423,22 +424,28 @@ class ModelShape:
         )
 
     def wan_image_bytes(self, b: int) -> int:
-        """Per image token, the bytes one Wan block saves (attention as a fused kernel): 15
-        tensors of d in the compute dtype (y, q, k, v before and after their norms and
-        RoPE, the attentions' outputs, the cross-attention input), 10 of d in fp32 (its
-        FP32LayerNorms' inputs and outputs, the modulation factors, the gated residuals),
-        under bf16 4 more fp32 copies of d (the RMSNorms' upcasts), the FFN's hidden twice,
-        and RoPE's cos/sin cast to the compute dtype for q and k. Counted with saved-tensor
-        hooks on a WanBlock (bf16: 84.2·d + 2·m·b + 2·head_dim·b per token, this 86·d)."""
+        """Per image token, the bytes one Wan block saves (attention as a fused kernel): 11
+        tensors of d in the compute dtype (the projections' inputs, v, what the attention
+        kernels keep, the output projections' inputs, the cross-attention input), 10 of d in
+        fp32 (its FP32LayerNorms' inputs and outputs, the modulation factors, the gated
+        residuals), the FFN's hidden twice, RoPE's cos/sin cast to the compute dtype for q and
+        k, and its three RMSNorms (self-attention's q and k, cross-attention's q) as CUDA's
+        fused kernel runs them (the gain in the input's dtype): each keeps its input and an
+        fp32 rstd per row. Counted with saved-tensor hooks on a WanBlock under torch's CPU
+        composite RMSNorm (bf16: 84.2·d + 2·m·b + 2·head_dim·b per token; 86·d counted), which
+        keeps an fp32 copy of the input and the fp32 normed tensor (8·d) where the fused
+        kernel keeps 2·d: 68·d under bf16 (``knapray dryrun`` stands in for the fused kernel)."""
         d, m = self.hidden_size, self.mlp_hidden
-        upcasts = 4 * FP32 if b < FP32 else 0
-        return d * (15 * b + 10 * FP32 + upcasts) + 2 * m * b + 2 * self.head_dim * b + 3 * 8 + 4 * FP32
+        norms = 3 * (b * d + FP32)
+        return d * (11 * b + 10 * FP32) + norms + 2 * m * b + 2 * self.head_dim * b + 3 * 8 + FP32
 
     def wan_text_bytes(self, b: int) -> int:
         """Per text token, the bytes one Wan block saves: its rows (with the padding row)
-        into the cross-attention's key and value projections, k before and after its norm,
-        v, and under bf16 the norm's fp32 upcast (hooks: 14·d in bf16, 20·d in fp32)."""
-        return self.hidden_size * (5 * b + (FP32 if b < FP32 else 0)) + FP32
+        into the cross-attention's key and value projections, k before its norm (what the
+        fused RMSNorm keeps, with an fp32 rstd) and after it, v: 4 tensors of d in the
+        compute dtype (hooks under the CPU's composite norm: 14·d in bf16, whose norm kept
+        8·d in fp32 where the fused kernel keeps 2·d)."""
+        return 4 * self.hidden_size * b + FP32
 
     def block_bytes(self, b: int, attention: str = "kernel") -> list[int]:
         """Per-token saved bytes of every block, in execution order."""
@@ -640,9 +647,22 @@ class MemoryModel:
             # a checkpointed block keeps its input (and under selective both attentions' outputs)
             kept = sum(image * (d * b + 2 * keep) if c else block for c in ckpt)
             recompute = block - image * 2 * keep if any(ckpt) else 0
-            # a block's backward: the FFN's and, for each of its two attentions, the gradients
-            # of q, k, v and the output (knapray dryrun on Wan 2.1 14B's width: 11 d in all)
-            working = image * (3 * d + s.mlp_hidden + 8 * d) * b
+            # A block's backward starts at its FFN, with all it saved recomputed (the peak of
+            # image-heavy steps: knapray dryrun of Wan 2.1 14B's width, 4 blocks, 8 ranks, 17-frame
+            # clips, LoRA rank 16, at fc2's backward): the block output's gradient in the compute
+            # dtype and as the fp32 of the residual sum, the FFN output's gradient in fp32 and cast
+            # back, and the gate's gradient in fp32 (bf16: 16·d bytes, the tally of live tensors).
+            up = FP32 if b < FP32 else 0  # a cast that in fp32 is its source
+            working = image * (b + up + FP32 + (b if up else 0) + FP32) * d
+            # The cross-attention's backward on the text rows: the gradient of the stacked keys and
+            # values back from the bag (the all-to-all's receive buffer, (Tt, 2, d)) and its
+            # reordering, whose views are k's and v's gradients, in the compute dtype while those go
+            # back through the norm and the projections: 4·d·b per text token (the peak of the
+            # text-heavy step, default mix, LoRA rank 16: at attn2.to_v's backward, the tally of
+            # live tensors). A full fine-tune's peak is at a block's end instead, where FSDP's fp32
+            # reduce-scatter input of the block just differentiated (in ``fsdp_buffers``) is alive
+            # and these are not: the excess over it counts.
+            working += max(0, text_tokens * 4 * d * b - self._wan_reduce_scatter_bytes())
             if self.fp8 != "off":
                 working += image * FP8_WORKING_BYTES * (2 * d + s.mlp_hidden)
             return kept + outside + sequences * s.sequence_bytes(b), recompute, working
@@ -696,12 +716,19 @@ class MemoryModel:
         if s.cross_attention:
             # Wan (knapray dryrun at 8 and 64 ranks): at the peak one block is gathered in the
             # compute dtype and one reduce-scattered in fp32, nothing prefetched beside them
-            return gathered + FP32 * largest + (2 * p + FP32) * sum(s.root[:2])
+            return gathered + self._wan_reduce_scatter_bytes() + (2 * p + FP32) * sum(s.root[:2])
         # A shared modulation is a unit of its own (FLUX.2's: 15·d² parameters, half a double
         # block), gathered only in forward and in its backward, after every block's
         # (knapray dryrun of jobs/configs/flux2_dev_lora.yaml in fp32 without LoRA, 8 + 48
         # blocks: +19% with it counted as staying gathered, +11% without)
         return 3 * gathered + 8 * largest + (2 * p + FP32) * (sum(s.root[:2]) - s.shared_modulation_params)
+
+    def _wan_reduce_scatter_bytes(self) -> int:
+        """Wan under FSDP with its base training: the fp32 reduce-scatter input of one block
+        (a gradient per parameter); 0 for a frozen base or a shard group of one rank."""
+        if self.sharding == "none" or self.shard_size == 1 or self.trainable:
+            return 0
+        return FP32 * sum(self.shape.single_block[:2])
 
     def breakdown(self, tokens: int, *, text_tokens: int = 0, sequences: int = 0) -> MemoryBreakdown:
         """Per-GPU bytes of a step in which this rank holds ``tokens`` routed tokens."""
