@@ -194,6 +194,10 @@ def flash_impl() -> str | None:
 FLASH_IMPLS = {"FA3": ("flash_attn_interface", (9,)), "FA4": ("flash_attn.cute.interface", (9, 10))}
 """Implementation -> (the module it needs, the compute capabilities it runs on), in the
 order they are tried: FA3 is Hopper's own, FA4 Hopper's and Blackwell's."""
+FLASH_UNUSABLE: dict[str, str] = {}
+"""Implementation -> why its installed package was not used (it failed to load or to
+activate: on the H200, FA4 whose cutlass DSL lacked its compiler library raised "No CTK
+flavor installed"). torch's FA2 stays; the reason is logged once and shown by the GPU check."""
 
 
 def restore_flash_impl() -> bool:
@@ -232,7 +236,13 @@ def activate_flash_impl(device: torch.device | str) -> str | None:
             if importlib.util.find_spec(module) is None:
                 continue
             activate_flash_attention_impl(impl)
-        except (ImportError, RuntimeError, ValueError):  # a package that does not load here
+        except Exception as e:  # noqa: BLE001 - an optional kernel that does not load never stops a run
+            if impl not in FLASH_UNUSABLE:
+                FLASH_UNUSABLE[impl] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                import logging
+
+                logging.getLogger(__name__).warning("%s is installed but does not load here (%s): torch's FA2 stays",
+                                                    impl, FLASH_UNUSABLE[impl])
             continue
         return impl
     return None

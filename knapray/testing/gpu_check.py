@@ -467,7 +467,7 @@ def attention_packages() -> dict[str, str]:
 
     import torch
 
-    from knapray.attention import activate_flash_impl
+    from knapray.attention import FLASH_UNUSABLE, activate_flash_impl
 
     found = {}
     for label, module in (("flash-attn", "flash_attn"), ("FA3", "flash_attn_interface"), ("FA4", "flash_attn.cute")):
@@ -477,6 +477,8 @@ def attention_packages() -> dict[str, str]:
             found[label] = "absent"
     impl = activate_flash_impl("cuda") if torch.cuda.is_available() else None
     found["torch flash kernels"] = impl or "torch's own (FA2)"
+    for name, why in FLASH_UNUSABLE.items():
+        found[f"{name} not loadable"] = why
     return found
 
 

@@ -227,6 +227,38 @@ def test_an_activated_flash_impl_takes_every_step(fresh_shapes, monkeypatch) -> 
     assert fresh_shapes.activate_flash_impl("cpu") is None  # nothing to route off CUDA
 
 
+def test_a_flash_impl_that_does_not_load_leaves_fa2_and_says_why(monkeypatch, caplog) -> None:
+    """FA4 installed but broken (on the H200: its cutlass DSL without the compiler library,
+    "No CTK flavor installed"; any error, an OSError of a shared library too) never stops a
+    run: torch's FA2 stays, and the reason is kept and logged once."""
+    import importlib.util
+    import logging
+
+    import torch.nn.attention as nn_attention
+
+    import knapray.attention as attention
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(nn_attention, "list_flash_attention_impls", lambda: ["FA3", "FA4"], raising=False)
+    monkeypatch.setattr(nn_attention, "current_flash_attention_impl", lambda: None, raising=False)
+    monkeypatch.setattr(attention, "FLASH_UNUSABLE", {})
+
+    def find_spec(name, *args):
+        if name == "flash_attn_interface":
+            return None  # FA3 not installed
+        raise OSError("libcute_dsl_runtime.so: cannot open shared object file")
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    with caplog.at_level(logging.WARNING, logger="knapray.attention"):
+        assert attention.activate_flash_impl("cuda:0") is None
+        assert attention.activate_flash_impl("cuda:0") is None
+    assert attention.FLASH_UNUSABLE == {"FA4": "OSError: libcute_dsl_runtime.so: cannot open shared object file"}
+    assert [r.getMessage() for r in caplog.records] == [
+        "FA4 is installed but does not load here (OSError: libcute_dsl_runtime.so: cannot open shared object "
+        "file): torch's FA2 stays"]
+
+
 def test_ulysses_attention_records_its_choice() -> None:
     from knapray.distributed import UlyssesAttention
     from knapray.planning import Topology, WorkloadModel, plan_balance
