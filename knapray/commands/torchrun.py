@@ -50,6 +50,12 @@ def check_launch(cfg: TrainConfig) -> None:
     """What must hold before any rank joins the world (ValueError naming the value)."""
     if cfg.scaling.use_gpu and not torch.cuda.is_available():
         raise ValueError("scaling.use_gpu is true but CUDA is not available here; set scaling.use_gpu=false")
+    local, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count() if cfg.scaling.use_gpu else 0
+    if cfg.scaling.use_gpu and local > gpus:
+        # each rank binds the GPU of its local rank: more ranks than GPUs on the node failed
+        # each extra rank at an invalid device ordinal, after the world had been formed
+        raise ValueError(f"scaling.use_gpu: torchrun starts {local} ranks on this node (--nproc-per-node), each on "
+                         f"a GPU of its own, and it has {gpus}; --nproc-per-node {gpus} or fewer")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -259,3 +259,24 @@ def test_a_full_disk_at_the_journal_under_torchrun_is_one_line_naming_it(tmp_pat
         out.stderr[-4000:]
     assert all(line.startswith("knapray torchrun: rank 1 stopped: a collective failed")
                for line in out.stderr.splitlines() if "Connection closed by peer" in line), out.stderr[-4000:]
+
+
+def test_more_ranks_on_a_node_than_its_gpus_is_one_line_before_the_world_forms(monkeypatch):
+    """``torchrun --nproc-per-node 4`` of a GPU run on a node of 2 GPUs: each rank binds the
+    GPU of its local rank, and ranks 2 and 3 failed at an invalid device ordinal after the world
+    had formed. ``check_launch`` (every rank, before joining) refuses it in one line."""
+    import torch
+
+    from knapray.commands.torchrun import check_launch
+    from knapray.config.run import load_config
+
+    cfg = load_config(None, ["scaling.use_gpu=true"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    check_launch(cfg)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match=r"^scaling.use_gpu: torchrun starts 4 ranks on this node \(--nproc-per-node\), "
+                                         r"each on a GPU of its own, and it has 2; --nproc-per-node 2 or fewer$"):
+        check_launch(cfg)
+    check_launch(load_config(None, ["scaling.use_gpu=false"]))  # a CPU run: any number of ranks
