@@ -410,6 +410,12 @@ FP8_YARDSTICK = 0.12
 (e4m3's 3 mantissa bits; 0.07-0.09 measured on CPU, tests/unit/test_float8.py)."""
 
 
+SAMPLING_TRUTHS = (("flux", None), ("wan", None), ("wan", {"text_pad_to": 128}))
+"""The sampling section's forward truths: each family's small model, and Wan with its text
+padded (its cross-attention then adds one key per sequence for the padding rows, with a float
+bias in SDPA's mask: a path whose GPU kernels the small config, unpadded, never takes)."""
+
+
 SAMPLE_REHEARSAL = {"hidden": 64, "heads": 2, "double": 1, "single": 1, "side": 64, "text": 8, "steps": 3}
 """The sampling section's shape on the CPU rehearsal (the chain, not the numbers)."""
 
@@ -428,19 +434,21 @@ def sampling_stage(report: dict, *, cpu: bool, deadline: float | None = None) ->
           "knapray beside diffusers (knapray.testing.sample_bench)", flush=True)
     out = report.setdefault("sampling", {"truth": [], "flux": None})
     failures = []
-    for family in ("flux", "wan"):
+    for family, config in SAMPLING_TRUTHS:
+        name = family + (f" ({', '.join(f'{k} {v}' for k, v in config.items())})" if config else "")
         t0 = time.perf_counter()
         try:
-            r = trajectory_errors(family, device=device, compile=True, side=32 if cpu else 96)
+            r = trajectory_errors(family, device=device, compile=True, side=32 if cpu else 96, config=config)
         except Exception as e:  # noqa: BLE001 - reported, the bench goes on
-            _failed(family, e)
-            failures.append(f"sampling truth {family}: {type(e).__name__}")
+            _failed(name, e)
+            failures.append(f"sampling truth {name}: {type(e).__name__}")
             continue
-        print(f"{r.summary()} ({time.perf_counter() - t0:.0f} s)", flush=True)
-        out["truth"].append({"family": family, "tokens": r.tokens, "errors": r.errors, "yardstick": r.yardstick,
-                             "ratios": r.ratios, "final_error": r.final_error, "passed": r.passed})
+        print(f"{r.summary()}{f' [{name}]' if config else ''} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        out["truth"].append({"family": family, "config": config, "tokens": r.tokens, "errors": r.errors,
+                             "yardstick": r.yardstick, "ratios": r.ratios, "final_error": r.final_error,
+                             "passed": r.passed})
         if not r.passed:
-            failures.append(f"sampling truth {family}: ratio {max(r.ratios):.2f}")
+            failures.append(f"sampling truth {name}: ratio {max(r.ratios):.2f}")
     if deadline is not None and deadline - time.monotonic() < 120:
         print("== sampling side by side: not run, too little of the bench's time left", flush=True)
         return failures + ["sampling side by side: not run (out of time)"]
