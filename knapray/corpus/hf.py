@@ -25,6 +25,8 @@ import html
 import importlib
 import json
 import re
+import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -209,6 +211,24 @@ def kept_frames(frames: int, temporal: int) -> int:
     return 1 + (frames - 1) // temporal * temporal
 
 
+_MODEL_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LOCKS_LOCK = threading.Lock()
+
+
+def model_lock(model: Any) -> threading.Lock:
+    """One lock per VAE model: a video VAE is not reentrant. diffusers' ``AutoencoderKLWan``
+    keeps its causal convolutions' caches on the module (``clear_cache`` at the start of every
+    encode and decode, then one latent frame at a time through them), so an encode that starts
+    while a decode runs empties the decode's caches: its next latent frame decodes as a first
+    frame (1 frame, not 4), and a 9-frame clip came back with 6. A serving rank does both at
+    once (a request's conditioning image encoded while another's latent decodes)."""
+    with _LOCKS_LOCK:
+        lock = _MODEL_LOCKS.get(model)
+        if lock is None:
+            lock = _MODEL_LOCKS[model] = threading.Lock()
+        return lock
+
+
 @dataclass(slots=True)
 class DiffusersVAE:
     """A :class:`~knapray.corpus.encoders.LatentEncoder` over a diffusers VAE directory.
@@ -259,7 +279,8 @@ class DiffusersVAE:
         torch = _import("torch")
         with torch.inference_mode():
             x = x.to(self.device, torch_dtype(self.dtype))
-            z = self._model.encode(x).latent_dist.mean.float()
+            with model_lock(self._model):
+                z = self._model.encode(x).latent_dist.mean.float()
             return self._normalized(z).cpu().numpy()
 
     def _normalized(self, z: Any) -> Any:
@@ -283,7 +304,7 @@ class DiffusersVAE:
         inverse normalization, then the VAE's decoder (an image VAE frame by frame)."""
         torch = _import("torch")
         z = torch.from_numpy(np.ascontiguousarray(latent, dtype=np.float32)).to(self.device)
-        with torch.inference_mode():
+        with torch.inference_mode(), model_lock(self._model):
             if self.temporal_downsample == 1:
                 z = self._denormalized(z.permute(1, 0, 2, 3))  # (C, T, h, w) -> (T, C, h, w): frames as a batch
                 x = self._model.decode(z.to(torch_dtype(self.dtype))).sample.float()  # (T, 3, H, W)

@@ -186,6 +186,31 @@ def test_wan_video_vae_compresses_time_and_normalizes_per_channel(models: dict[s
     np.testing.assert_allclose(clip_latent, ((z - mean) / std).numpy(), atol=ATOL)
 
 
+def test_a_video_vae_decodes_and_encodes_at_once_as_it_does_alone(models: dict[str, Path]) -> None:
+    """A serving rank decodes one request's latent while it encodes another's conditioning
+    image with the same VAE. diffusers' AutoencoderKLWan keeps its causal caches on the module
+    and empties them when a call starts: run together without the lock (``hf.model_lock``),
+    every one of 20 tries here gave 6 frames for 3 latent frames, not 9, and the encode 6 latent
+    frames for 9. Each call now has the model alone: the same frames as a decode alone."""
+    import threading
+
+    enc = hf.DiffusersVAE(str(models["wan"]))
+    rng = np.random.default_rng(0)
+    latent = rng.standard_normal((4, 3, 8, 8)).astype(np.float32)
+    pixels = rng.integers(0, 256, size=(9, 64, 64, 3), dtype=np.uint8)
+    alone, first_alone = enc.decode(latent), enc.encode_first_frames([pixels])[0]
+    assert alone.shape == (9, 64, 64, 3)
+    for _ in range(3):
+        got: dict[str, np.ndarray] = {}
+        threads = [threading.Thread(target=lambda: got.update(d=enc.decode(latent))),
+                   threading.Thread(target=lambda: got.update(e=enc.encode_first_frames([pixels])[0]))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert np.array_equal(got["d"], alone) and np.array_equal(got["e"], first_alone)
+
+
 def test_hunyuan_video_vae_compresses_time_and_scales(models: dict[str, Path]) -> None:
     info = hf.vae_info(models["hunyuan"])
     assert (info.channels, info.downsample, info.temporal_downsample, info.scaling_factor) == (4, 4, 4, 0.5)
