@@ -29,6 +29,7 @@ import functools
 import logging
 import os
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,6 +80,10 @@ class SamplerRank:
         self.steps_done, self.last_step_at = 0, time.monotonic()
         """Steps this rank has taken (every rank of a bag takes its bag's), and when the last was."""
         self._text: Any = None
+        self._preparing = threading.Lock()
+        """One ``prepare`` at a time: the gang may send the next arrivals' before the last's
+        ended (the actor runs calls at once), and one's end moves the text encoder to the host
+        (``encoders: offload``) while the other encodes on the device."""
         if load:
             self.load()
 
@@ -263,13 +268,14 @@ class SamplerRank:
         from knapray.inference.prepare import resolve_jobs
 
         down = int(corpus_records(self.cfg.data.corpus)[2].get("vae_downsample", 8))
-        text = self.text_encoder() if any(j.caption is not None for j in jobs) else None
-        images = self.conditioning if any(j.image is not None for j in jobs) else None
-        try:
-            return resolve_jobs(self.cfg, jobs, text, self.unconditional, down=down, shared_seed=shared_seed,
-                                max_text_tokens=max_text_tokens, image_encoder=images)
-        finally:
-            self.release_text_encoder()
+        with self._preparing:
+            text = self.text_encoder() if any(j.caption is not None for j in jobs) else None
+            images = self.conditioning if any(j.image is not None for j in jobs) else None
+            try:
+                return resolve_jobs(self.cfg, jobs, text, self.unconditional, down=down, shared_seed=shared_seed,
+                                    max_text_tokens=max_text_tokens, image_encoder=images)
+            finally:
+                self.release_text_encoder()
 
     # ---- a batch ------------------------------------------------------------------------------
 

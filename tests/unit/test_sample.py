@@ -273,3 +273,38 @@ def test_a_cluster_that_never_holds_the_gangs_gpus_is_refused(monkeypatch):
     cluster()  # no GPU anywhere and none reported to come: auto is cpu there
     nodes = ({"CPU": 8.0},)
     check_cluster_gpus(None, ServeOptions(run="r", world_size=4, device="auto"))
+
+
+def test_a_rank_prepares_one_batch_at_a_time(run_dir, monkeypatch):
+    """The gang sends the next arrivals' ``prepare`` to rank 0 before the last one's ended (its
+    actor runs calls at once); one's end moves the text encoder to the host (``encoders:
+    offload``) or drops it while the other encodes. Two at once on one rank run one after the
+    other: never two inside at the same time."""
+    import threading
+    import time
+
+    import knapray.driver.gang as gang
+    import knapray.inference.prepare as prepare
+    import knapray.worker.checkpoint as checkpoint
+    from knapray.inference.jobs import Job
+
+    monkeypatch.setattr(checkpoint, "check_checkpoint", lambda path: None)  # the stand-in run has no weights
+    rank = gang.SamplerRank(str(run_dir), None, 0, 1, "g1n1", load=False)
+    inside, most = [0], [0]
+
+    def resolve(*args, **kwargs):
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        time.sleep(0.2)
+        inside[0] -= 1
+        return []
+
+    monkeypatch.setattr(prepare, "resolve_jobs", resolve)
+    monkeypatch.setattr(gang.SamplerRank, "unconditional", None)
+    job = Job(caption=None, width=64, height=64, like=0)
+    threads = [threading.Thread(target=rank.prepare, args=([job],)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most[0] == 1
