@@ -196,20 +196,15 @@ def check_cluster_gpus(ray, options) -> None:
     ``auto`` where the cluster has any) whose ranks, a GPU each, never fit the cluster's nodes
     and those its autoscaler reported it may add would wait for good: one line (ValueError).
     A cluster that reports no node types may still add some: its wait is not refused."""
-    from knapray.driver.placement import cluster_capacity, slots
+    from knapray.driver.placement import cluster_capacity, room_for
     from knapray.local_ray import address_given
 
     if address_given() is None:
         return  # the embedded Ray: checked before it started
     capacity = cluster_capacity(ray, "the Ray cluster at $RAY_ADDRESS")
-    gpus = capacity.total().get("GPU", 0.0)
-    if options.device == "cpu" or (options.device == "auto" and not gpus) or capacity.autoscaler_unknown:
+    if options.device == "cpu" or (options.device == "auto" and not capacity.total().get("GPU", 0.0)):
         return
-    rank = {"GPU": 1.0, "CPU": 1.0}  # what each of the gang's actors asks on GPUs (driver.gang)
-    room = sum(slots(n, rank) for n in capacity.nodes)
-    if any(t.max_count < 0 and slots(t.resources, rank) for t in capacity.node_types):
-        return
-    room += sum(slots(t.resources, rank) * t.max_count for t in capacity.node_types)
+    room = room_for({"GPU": 1.0, "CPU": 1.0}, capacity)  # what each of the gang's actors asks on GPUs
     if room < options.world_size:
         raise ValueError(f"--world-size {options.world_size}: each rank of the gang takes a GPU and a CPU, and "
                          f"{capacity.where} holds {room} such ranks at once, with every node its autoscaler may add; "

@@ -111,15 +111,24 @@ def check_placement(cfg: TrainConfig, capacity: Capacity, worlds: Iterable[int])
             return  # an autoscaler may add a node nobody here can see: the start timeout bounds the wait
         raise RunError(_no_node(cfg, capacity, request, kinds))
     need = min(int(w) for w in worlds)
+    room = room_for(request, capacity)
+    if room < need:
+        raise RunError(_too_many(cfg, capacity, request, need, int(room)))
+
+
+def room_for(request: Mapping[str, float], capacity: Capacity) -> float:
+    """How many workers asking ``request`` the cluster holds at once, with every node its
+    autoscaler may add; ``math.inf`` where that is unbounded (a node type without a maximum
+    that holds one, or a cluster that reports no node types)."""
+    if capacity.autoscaler_unknown:
+        return math.inf
     room = sum(slots(n, request) for n in capacity.nodes)
-    unbounded = False
     for t in capacity.node_types:
         per_node = slots(t.resources, request)
         if per_node and t.max_count < 0:
-            unbounded = True
+            return math.inf
         room += per_node * max(t.max_count, 0)
-    if not unbounded and not capacity.autoscaler_unknown and room < need:
-        raise RunError(_too_many(cfg, capacity, request, need, room))
+    return room
 
 
 def _asked_by(cfg: TrainConfig) -> str:
