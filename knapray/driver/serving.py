@@ -488,6 +488,25 @@ GANG_STAGES = ("queue", "encode", "denoise", "decode")
 encoded, its Euler loop, its latent decoded); each is a histogram."""
 
 
+class RestartWatch:
+    """Restarts of a gang seen since the last look. The gang counts its own (``Gang.restarts``),
+    so none is missed; watching ``broken`` flip back (the fallback, for a gang without the
+    count) misses a restart whose gang broke again before the next look."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+        self.was_broken = False
+
+    def look(self, gang) -> int:
+        count = getattr(gang, "restarts", None)
+        if isinstance(count, int) and not isinstance(count, bool):
+            new, self.seen = max(0, count - self.seen), max(self.seen, count)
+            return new
+        broken = bool(getattr(gang, "broken", False))
+        new, self.was_broken = int(self.was_broken and not broken), broken
+        return new
+
+
 class ServeMetrics:
     """This replica's Prometheus metrics, in a registry of its own (``GET /metrics``)."""
 
@@ -611,14 +630,12 @@ class Generator:
         return "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
 
     def _count_restarts(self) -> None:
-        """The gang restarts itself after a loss (``broken`` while it does): one restart each
-        time ``broken`` flips back."""
-        was = False
+        """The restarts metric follows the gang (``RestartWatch``), looked at every ``RESTART_POLL_S``."""
+        watch = RestartWatch()
         while not self._closed.wait(RESTART_POLL_S):
-            now = bool(getattr(self._gang, "broken", False))
-            if was and not now:
-                self.metrics.restarts.inc()
-            was = now
+            new = watch.look(self._gang)
+            if new:
+                self.metrics.restarts.inc(new)
 
     # ---- routes ----
 
