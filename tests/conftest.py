@@ -128,3 +128,39 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("ray") is not None:
             item.add_marker(skip)
+
+
+def _tree_cpu_s() -> float:
+    """CPU seconds of this test process and every process under it, the ended ones its
+    descendants waited for included (``children_*``)."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system + t.children_user + t.children_system
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return total
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """``KNAPRAY_TEST_CPU=FILE``: one JSON line per test with its wall and CPU seconds (this
+    process and its descendants: the ranks, commands and Ray processes it started), to see
+    where a CPU-bound suite's time goes; ``--durations`` shows wall time only."""
+    out = os.environ.get("KNAPRAY_TEST_CPU")
+    if not out:
+        yield
+        return
+    import json
+    import time
+
+    c0, t0 = _tree_cpu_s(), time.monotonic()
+    yield
+    row = {"test": item.nodeid, "wall_s": round(time.monotonic() - t0, 2), "cpu_s": round(_tree_cpu_s() - c0, 2),
+           "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}
+    with open(out, "a") as f:
+        f.write(json.dumps(row) + "\n")
