@@ -130,27 +130,55 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def _tree_cpu_s() -> float:
-    """CPU seconds of this test process and every process under it, the ended ones its
-    descendants waited for included (``children_*``)."""
-    import psutil
 
-    me = psutil.Process()
-    total = 0.0
-    for p in [me, *me.children(recursive=True)]:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system + t.children_user + t.children_system
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            pass
-    return total
+class _TreeCPU:
+    """CPU seconds of this test process and every process under it while a test runs: a
+    thread looks at them every ``every`` seconds and keeps each one's last CPU time. Ray's
+    processes are under it (the raylet starts every worker), but the raylet reaps its ended
+    workers without adding their time to its own, so a process's time is taken while it
+    lives (a process's last ``every`` seconds are missed)."""
+
+    def __init__(self, every: float = 0.25) -> None:
+        import threading
+
+        import psutil
+
+        self.me, self.every = psutil.Process(), every
+        self.base: dict = {}
+        self.last: dict = {}
+        self.stop = threading.Event()
+        self._look(into=self.base)
+        self.thread = threading.Thread(target=self._run, name="test-cpu", daemon=True)
+        self.thread.start()
+
+    def _look(self, into: dict) -> None:
+        import psutil
+
+        for p in [self.me, *self.me.children(recursive=True)]:
+            try:
+                with p.oneshot():
+                    t = p.cpu_times()
+                    into[(p.pid, p.create_time())] = t.user + t.system
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                pass
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.every):
+            self._look(into=self.last)
+
+    def seconds(self) -> float:
+        self.stop.set()
+        self.thread.join()
+        self._look(into=self.last)
+        return sum(cpu - self.base.get(key, 0.0) for key, cpu in self.last.items())
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """``KNAPRAY_TEST_CPU=FILE``: one JSON line per test with its wall and CPU seconds (this
-    process and its descendants: the ranks, commands and Ray processes it started), to see
-    where a CPU-bound suite's time goes; ``--durations`` shows wall time only."""
+    process and the processes under it: ranks, commands, compilers and Ray's processes,
+    ``_TreeCPU``), to see where a CPU-bound suite's time goes (``--durations`` shows wall
+    time only)."""
     out = os.environ.get("KNAPRAY_TEST_CPU")
     if not out:
         yield
@@ -158,9 +186,9 @@ def pytest_runtest_protocol(item, nextitem):
     import json
     import time
 
-    c0, t0 = _tree_cpu_s(), time.monotonic()
+    cpu, t0 = _TreeCPU(), time.monotonic()
     yield
-    row = {"test": item.nodeid, "wall_s": round(time.monotonic() - t0, 2), "cpu_s": round(_tree_cpu_s() - c0, 2),
+    row = {"test": item.nodeid, "wall_s": round(time.monotonic() - t0, 2), "cpu_s": round(cpu.seconds(), 2),
            "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}
     with open(out, "a") as f:
         f.write(json.dumps(row) + "\n")
