@@ -183,7 +183,10 @@ def choose_backend(seq_lens: Sequence[int], device: torch.device, dtype: torch.d
 
 
 def flash_impl() -> str | None:
-    """The FA3/FA4 implementation torch's flash kernels are routed to (None: torch's own FA2)."""
+    """The FA3/FA4 implementation torch's flash kernels are routed to (None: torch's own FA2).
+    torch 2.11 and later record an activated implementation only when its registration returns
+    a handle (2.10 records it either way); torch's own FA3 and FA4 registrations return one in
+    2.10, 2.11 and 2.13 (their sources read), so this names what is active in each."""
     try:
         from torch.nn.attention import current_flash_attention_impl
     except ImportError:  # torch without the registry
