@@ -72,7 +72,8 @@ from knapray.limits import MAX_IMAGE_SIDE, MAX_IMAGE_TOKENS, MAX_SAMPLE_REQUESTS
 DEFAULT_GANG = "knapray.driver.gang:Gang"
 """Import path of the gang class: ``start(run_dir, world_size, topology=, device=,
 checkpoint=)``, ``rules``, ``submit(job)`` (a future with a ``key``), ``cancel(key)``,
-``broken``, ``close()``; ``state(key)`` where it has one (what a poll says)."""
+``broken``, ``restarts`` (how many times it restarted itself), ``close()``; ``state(key)`` where
+it has one (what a poll says)."""
 JOB_FIELDS = ("caption", "size", "width", "height", "frames", "steps", "guidance", "shift", "seed", "like", "wait",
               "model", "image")
 """What a ``POST /v1/generate`` body may hold."""
@@ -109,7 +110,7 @@ KEPT_RESULTS = 1024
 """Answers of finished ``wait: false`` jobs kept for polling (the oldest go first)."""
 RANKS_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 RESTART_POLL_S = 0.05
-"""How often the replica looks at ``gang.broken`` (its restarts are counted as it flips back)."""
+"""How often the replica looks at ``gang.restarts`` for the restarts metric (``RestartWatch``)."""
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 STAGE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -489,21 +490,15 @@ encoded, its Euler loop, its latent decoded); each is a histogram."""
 
 
 class RestartWatch:
-    """Restarts of a gang seen since the last look. The gang counts its own (``Gang.restarts``),
-    so none is missed; watching ``broken`` flip back (the fallback, for a gang without the
-    count) misses a restart whose gang broke again before the next look."""
+    """Restarts of a gang since the last look, from the gang's own count (``Gang.restarts``).
+    Watching ``broken`` flip back between two looks missed a restart whose gang broke again
+    before the next look."""
 
     def __init__(self) -> None:
         self.seen = 0
-        self.was_broken = False
 
     def look(self, gang) -> int:
-        count = getattr(gang, "restarts", None)
-        if isinstance(count, int) and not isinstance(count, bool):
-            new, self.seen = max(0, count - self.seen), max(self.seen, count)
-            return new
-        broken = bool(getattr(gang, "broken", False))
-        new, self.was_broken = int(self.was_broken and not broken), broken
+        new, self.seen = max(0, gang.restarts - self.seen), max(self.seen, gang.restarts)
         return new
 
 
