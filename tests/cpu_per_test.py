@@ -1,7 +1,7 @@
 """A pytest plugin that writes, for every test, the CPU seconds it took and its wall seconds:
 where the suite's time goes.
 
-    PYTHONPATH=tests CPU_PER_TEST=/tmp/cpu.txt python -m pytest -p cpu_per_test tests
+    PYTHONPATH=tests CPU_PER_TEST=/tmp/cpu.txt OMP_NUM_THREADS=1 python -m pytest -p cpu_per_test tests
 
 Each line: the machine's CPU-s, this process's, this process's and every process under it
 (``TreeCPU``), wall s, the test's id. The machine's counts every process a test starts (gloo
