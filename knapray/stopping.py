@@ -6,7 +6,9 @@ saying where the run stopped, exit code 128 + the signal (130, 143). Inside
 ``stop_on_signals()`` either signal raises ``Stop`` (a ``KeyboardInterrupt``, so what
 catches Ctrl-C catches it) in the main thread, once; a second signal while the first is
 handled is remembered, not raised (``StopSignals.count``), so the clean-up it interrupts
-is not itself interrupted.
+is not itself interrupted. A ``Stop`` that Python dropped (raised inside a fork hook or a
+``__del__``) is raised again where the command next looks (``StopSignals.raise_if_seen``),
+and Python's "Exception ignored" traceback for it is not printed.
 
 ``stop_with_parent()``: a driver started by another process that a scheduler may stop
 alone (the ``/bin/sh -c`` that ``ray job submit`` runs an entrypoint in) is sent SIGTERM
@@ -81,6 +83,15 @@ class StopSignals:
             self.first = int(signum)
             raise Stop(signum)
 
+    def raise_if_seen(self) -> None:
+        """Raise the first signal's ``Stop`` again, where the code would go on only if none came.
+        Python drops an exception raised where it cannot propagate ("Exception ignored in":
+        a fork hook such as the one ``logging`` runs after each fork ``ray.init`` makes, a
+        ``__del__``): a signal handled there would be forgotten, and the later ones are only
+        counted."""
+        if self.first is not None:
+            raise Stop(self.first)
+
 
 @contextlib.contextmanager
 def stop_on_signals(signals: tuple[int, ...] = SIGNALS) -> Iterator[StopSignals]:
@@ -92,12 +103,20 @@ def stop_on_signals(signals: tuple[int, ...] = SIGNALS) -> Iterator[StopSignals]
         yield seen
         return
     before = {s: signal.getsignal(s) for s in signals}
+    hook = sys.unraisablehook
+
+    def quiet(unraisable) -> None:  # a Stop Python dropped: raise_if_seen raises it, no traceback
+        if not isinstance(unraisable.exc_value, Stop):
+            hook(unraisable)
+
+    sys.unraisablehook = quiet
     seen.arm()
     try:
         yield seen
     finally:
         for s, handler in before.items():
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        sys.unraisablehook = hook
 
 
 PR_SET_PDEATHSIG = 1
