@@ -7,8 +7,8 @@ saying where the run stopped, exit code 128 + the signal (130, 143). Inside
 catches Ctrl-C catches it) in the main thread, once; a second signal while the first is
 handled is remembered, not raised (``StopSignals.count``), so the clean-up it interrupts
 is not itself interrupted. A ``Stop`` that Python dropped (raised inside a fork hook or a
-``__del__``) is raised again where the command next looks (``StopSignals.raise_if_seen``),
-and Python's "Exception ignored" traceback for it is not printed.
+``__del__``) is raised again at once (``StopSignals.dropped``), without Python's "Exception
+ignored" traceback.
 
 ``stop_with_parent()``: a driver started by another process that a scheduler may stop
 alone (the ``/bin/sh -c`` that ``ray job submit`` runs an entrypoint in) is sent SIGTERM
@@ -68,6 +68,9 @@ class StopSignals:
         self.count = 0
         self.first: int | None = None
         self.armed = False
+        self._again = False
+        self._in_hook = False
+        self._timer: threading.Timer | None = None
 
     def arm(self) -> None:
         """Install the handlers (again: ``ray.init`` puts its own SIGTERM handler in place,
@@ -78,19 +81,44 @@ class StopSignals:
             self.armed = True
 
     def handle(self, signum, frame) -> None:
+        if self._again:  # the Stop raised before was dropped: the same one again, not a new signal
+            if self._in_hook:  # still inside the hook that saw it dropped: again once it has returned
+                self._later()
+                return
+            self._again = False
+            raise Stop(self.first)
         self.count += 1
         if self.count == 1:
             self.first = int(signum)
             raise Stop(signum)
 
-    def raise_if_seen(self) -> None:
-        """Raise the first signal's ``Stop`` again, where the code would go on only if none came.
-        Python drops an exception raised where it cannot propagate ("Exception ignored in":
-        a fork hook such as the one ``logging`` runs after each fork ``ray.init`` makes, a
-        ``__del__``): a signal handled there would be forgotten, and the later ones are only
-        counted."""
-        if self.first is not None:
-            raise Stop(self.first)
+    def dropped(self) -> None:
+        """Python dropped the ``Stop`` the handler raised: it was raised where an exception
+        cannot propagate ("Exception ignored in": a fork hook, such as the one ``logging`` runs
+        after each fork ``ray.init`` makes, or a ``__del__``). Raise it again in the main thread
+        as soon as it is out of there; without this the run went on, and later signals were
+        only counted."""
+        self._again = True
+        self._later()
+
+    def _later(self) -> None:
+        # From another thread, to the main thread: a signal tripped from within the hook would
+        # run its handler at once, still in the hook, and be dropped again; a real signal also
+        # wakes a main thread asleep in a system call (interrupt_main would not).
+        main = threading.main_thread().ident
+
+        def again() -> None:
+            if self._again:  # not after stop_on_signals ended (its handlers are gone)
+                signal.pthread_kill(main, self.first)
+
+        self._timer = threading.Timer(0.001, again)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _end(self) -> None:
+        self._again = False
+        if self._timer is not None:
+            self._timer.cancel()
 
 
 @contextlib.contextmanager
@@ -105,8 +133,14 @@ def stop_on_signals(signals: tuple[int, ...] = SIGNALS) -> Iterator[StopSignals]
     before = {s: signal.getsignal(s) for s in signals}
     hook = sys.unraisablehook
 
-    def quiet(unraisable) -> None:  # a Stop Python dropped: raise_if_seen raises it, no traceback
-        if not isinstance(unraisable.exc_value, Stop):
+    def quiet(unraisable) -> None:  # a Stop Python dropped: raised again, without Python's traceback
+        if isinstance(unraisable.exc_value, Stop) and seen.first is not None:
+            seen._in_hook = True
+            try:
+                seen.dropped()
+            finally:
+                seen._in_hook = False
+        else:
             hook(unraisable)
 
     sys.unraisablehook = quiet
@@ -114,6 +148,7 @@ def stop_on_signals(signals: tuple[int, ...] = SIGNALS) -> Iterator[StopSignals]
     try:
         yield seen
     finally:
+        seen._end()
         for s, handler in before.items():
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)
         sys.unraisablehook = hook

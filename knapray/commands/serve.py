@@ -249,7 +249,6 @@ def cli(args: argparse.Namespace) -> int:
             # console shows knapray's lines, and the gang's errors reach the clients.
             init_ray(ray, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
             signals.arm()  # ray.init put its own SIGTERM handler in place
-            signals.raise_if_seen()  # a Ctrl-C that landed in a fork hook of ray.init's was dropped
             check_cluster_gpus(ray, options)
             logging.getLogger("ray.serve").setLevel(logging.ERROR)
             serve.start(http_options={"host": args.host, "port": args.port})
@@ -259,7 +258,6 @@ def cli(args: argparse.Namespace) -> int:
                   f"/v1/generate (listening on {listening(args.host)}{'; API key required' if options.api_key else ''}"
                   f"; Ctrl-C stops); Ray's, Serve's and the gang's logs: {logs_dir()}", flush=True)
             while True:
-                signals.raise_if_seen()  # one Python dropped (Serve's processes forked above)
                 time.sleep(1)
         except KeyboardInterrupt as e:
             stopped = e

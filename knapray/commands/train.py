@@ -135,7 +135,6 @@ def _run(args: argparse.Namespace, signals) -> int:
         print(f"knapray train: error: {e}", file=sys.stderr)
         return 1
     signals.arm()  # ray.init put its own SIGTERM handler in place
-    signals.raise_if_seen()  # a Ctrl-C that landed in a fork hook of ray.init's was dropped
     for name in ("ray", "ray.train"):
         logging.getLogger(name).setLevel(logging.ERROR)
     quiet_ray_data()
