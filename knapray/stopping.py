@@ -6,9 +6,9 @@ saying where the run stopped, exit code 128 + the signal (130, 143). Inside
 ``stop_on_signals()`` either signal raises ``Stop`` (a ``KeyboardInterrupt``, so what
 catches Ctrl-C catches it) in the main thread, once; a second signal while the first is
 handled is remembered, not raised (``StopSignals.count``), so the clean-up it interrupts
-is not itself interrupted. A ``Stop`` that Python dropped (raised inside a fork hook or a
-``__del__``) is raised again at once (``StopSignals.dropped``), without Python's "Exception
-ignored" traceback.
+is not itself interrupted. A ``Stop`` nobody handles (Python lost it in a fork hook or a
+``__del__``, or a library's bare ``except:`` swallowed it) is raised again every half second
+until something does (``StopSignals._watch``), without Python's "Exception ignored" traceback.
 
 ``stop_with_parent()``: a driver started by another process that a scheduler may stop
 alone (the ``/bin/sh -c`` that ``ray job submit`` runs an entrypoint in) is sent SIGTERM
@@ -63,14 +63,16 @@ def signal_name(error: BaseException, signals: "StopSignals | None" = None) -> s
 class StopSignals:
     """What ``stop_on_signals`` saw: ``count`` signals, the first ``first`` (a signal number)."""
 
+    RESEND_S = 0.5
+    """How often the first signal's ``Stop`` is looked for, and raised again when lost."""
+
     def __init__(self, signals: tuple[int, ...] = SIGNALS) -> None:
         self.signals = signals
         self.count = 0
         self.first: int | None = None
         self.armed = False
         self._again = False
-        self._in_hook = False
-        self._timer: threading.Timer | None = None
+        self._done = threading.Event()
 
     def arm(self) -> None:
         """Install the handlers (again: ``ray.init`` puts its own SIGTERM handler in place,
@@ -81,44 +83,49 @@ class StopSignals:
             self.armed = True
 
     def handle(self, signum, frame) -> None:
-        if self._again:  # the Stop raised before was dropped: the same one again, not a new signal
-            if self._in_hook:  # still inside the hook that saw it dropped: again once it has returned
-                self._later()
-                return
+        if self._again:  # the Stop raised before was lost: the same one again, not a new signal
             self._again = False
             raise Stop(self.first)
         self.count += 1
         if self.count == 1:
             self.first = int(signum)
+            threading.Thread(target=self._watch, name="knapray-stop", daemon=True).start()
             raise Stop(signum)
 
-    def dropped(self) -> None:
-        """Python dropped the ``Stop`` the handler raised: it was raised where an exception
-        cannot propagate ("Exception ignored in": a fork hook, such as the one ``logging`` runs
-        after each fork ``ray.init`` makes, or a ``__del__``). Raise it again in the main thread
-        as soon as it is out of there; without this the run went on, and later signals were
-        only counted."""
-        self._again = True
-        self._later()
+    def taken(self) -> None:
+        """The command has the ``Stop`` and stops: no more looking for it (call where it is
+        handled and the command goes on inside ``stop_on_signals``)."""
+        self._done.set()
 
-    def _later(self) -> None:
-        # From another thread, to the main thread: a signal tripped from within the hook would
-        # run its handler at once, still in the hook, and be dropped again; a real signal also
-        # wakes a main thread asleep in a system call (interrupt_main would not).
+    def _watch(self) -> None:
+        """Raise the first signal's ``Stop`` again while nobody handles it. Python loses an
+        exception raised where it cannot propagate ("Exception ignored in": a fork hook, such
+        as the one ``logging`` runs after each fork ``ray.init`` makes, or a ``__del__``), and
+        a library's bare ``except:`` (an optional import, for one) swallows it: the command
+        went on to train to the end, and later signals were only counted. Sent to the main
+        thread as a signal, from here: it wakes a system call there too."""
         main = threading.main_thread().ident
-
-        def again() -> None:
-            if self._again:  # not after stop_on_signals ended (its handlers are gone)
+        while not self._done.wait(self.RESEND_S):
+            if not _handling_interrupt(main):
+                self._again = True
                 signal.pthread_kill(main, self.first)
 
-        self._timer = threading.Timer(0.001, again)
-        self._timer.daemon = True
-        self._timer.start()
 
-    def _end(self) -> None:
-        self._again = False
-        if self._timer is not None:
-            self._timer.cancel()
+def _handling_interrupt(thread: int) -> bool:
+    """Whether ``thread`` is in an ``except`` or ``finally`` block of a ``KeyboardInterrupt``
+    (a ``Stop``, or what it became: an error raised while handling it has it as its context)."""
+    current = getattr(sys, "_current_exceptions", None)
+    if current is None:  # not in this Python: assume handled, never raise twice
+        return True
+    error = current().get(thread)
+    if isinstance(error, tuple):  # Python 3.10, 3.11: exc_info
+        error = error[1]
+    seen = 0
+    while error is not None and seen < 16:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        error, seen = error.__context__, seen + 1
+    return False
 
 
 @contextlib.contextmanager
@@ -133,14 +140,8 @@ def stop_on_signals(signals: tuple[int, ...] = SIGNALS) -> Iterator[StopSignals]
     before = {s: signal.getsignal(s) for s in signals}
     hook = sys.unraisablehook
 
-    def quiet(unraisable) -> None:  # a Stop Python dropped: raised again, without Python's traceback
-        if isinstance(unraisable.exc_value, Stop) and seen.first is not None:
-            seen._in_hook = True
-            try:
-                seen.dropped()
-            finally:
-                seen._in_hook = False
-        else:
+    def quiet(unraisable) -> None:  # a Stop Python lost: raised again (StopSignals._watch), no traceback
+        if not isinstance(unraisable.exc_value, Stop):
             hook(unraisable)
 
     sys.unraisablehook = quiet
@@ -148,7 +149,7 @@ def stop_on_signals(signals: tuple[int, ...] = SIGNALS) -> Iterator[StopSignals]
     try:
         yield seen
     finally:
-        seen._end()
+        seen.taken()
         for s, handler in before.items():
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)
         sys.unraisablehook = hook

@@ -260,6 +260,7 @@ def cli(args: argparse.Namespace) -> int:
             while True:
                 time.sleep(1)
         except KeyboardInterrupt as e:
+            signals.taken()  # stopping: Ray's shutdown below is not to be interrupted again
             stopped = e
         finally:
             if ray.is_initialized():
