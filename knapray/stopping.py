@@ -73,6 +73,7 @@ class StopSignals:
         self.armed = False
         self._again = False
         self._done = threading.Event()
+        self._lock = threading.Lock()  # taken() and a resend, never at once
 
     def arm(self) -> None:
         """Install the handlers (again: ``ray.init`` puts its own SIGTERM handler in place,
@@ -95,7 +96,8 @@ class StopSignals:
     def taken(self) -> None:
         """The command has the ``Stop`` and stops: no more looking for it (call where it is
         handled and the command goes on inside ``stop_on_signals``)."""
-        self._done.set()
+        with self._lock:  # a resend under way lands here, while the handlers are still these
+            self._done.set()
 
     def _watch(self) -> None:
         """Raise the first signal's ``Stop`` again while nobody handles it. Python loses an
@@ -106,9 +108,10 @@ class StopSignals:
         thread as a signal, from here: it wakes a system call there too."""
         main = threading.main_thread().ident
         while not self._done.wait(self.RESEND_S):
-            if not _handling_interrupt(main):
-                self._again = True
-                signal.pthread_kill(main, self.first)
+            with self._lock:
+                if not self._done.is_set() and not _handling_interrupt(main):
+                    self._again = True
+                    signal.pthread_kill(main, self.first)
 
 
 def _handling_interrupt(thread: int) -> bool:
