@@ -17,12 +17,19 @@ An embedded Ray expects up to 4 Python processes per logical CPU to start togeth
 startup concurrency (2)" when a command's zero- and half-CPU actors (training workers, the
 coordinator and a relay; a serving gang, Serve's controller and proxy) started at once, as
 they do by design. A value the user set is kept; a cluster's raylets are never ours to set.
+
+A SIGTERM handler the command has installed (``knapray.stopping``: SIGTERM stops a run as
+Ctrl-C does) stays in place while ``ray.init`` runs: Ray's own, ``sys.exit(15)``, replaced it
+for the start, so a SIGTERM then exited 15 instead of 143, and one handled inside a fork hook
+was dropped, leaving the command talking to a Ray whose processes the same signal had
+stopped, for 60 s, then exit 1.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,8 +52,9 @@ def init_ray(ray: Any, *, address: str | None = None, all_interfaces: bool = Fal
     Ray's default). Returns what ``ray.init`` returns."""
     joined = address_given(address)
     if joined is not None:
-        return ray.init(address=joined, **kwargs)
-    with _expected_startups(kwargs.get("num_cpus")):
+        with keeping_sigterm_handler():
+            return ray.init(address=joined, **kwargs)
+    with _expected_startups(kwargs.get("num_cpus")), keeping_sigterm_handler():
         if all_interfaces:
             context = ray.init(**kwargs)
         else:
@@ -109,6 +117,28 @@ def _expected_startups(num_cpus: int | None) -> Iterator[None]:
         yield
     finally:
         os.environ.pop(STARTUP_ENV, None)
+
+
+@contextlib.contextmanager
+def keeping_sigterm_handler() -> Iterator[None]:
+    """Inside: ``ray.init`` leaves a SIGTERM handler this process installed in place (Ray
+    installs its own through ``ray._private.utils.set_sigterm_handler``, looked up when it
+    starts); with the default handler, or a Ray without that function, Ray does as it does."""
+    try:
+        from ray._private import utils as ray_utils
+    except ImportError:
+        yield
+        return
+    mine = signal.getsignal(signal.SIGTERM)
+    own = getattr(ray_utils, "set_sigterm_handler", None)
+    if own is None or mine in (signal.SIG_DFL, signal.SIG_IGN, None):
+        yield
+        return
+    ray_utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        ray_utils.set_sigterm_handler = own
 
 
 @contextlib.contextmanager

@@ -76,8 +76,9 @@ class StopSignals:
         self._lock = threading.Lock()  # taken() and a resend, never at once
 
     def arm(self) -> None:
-        """Install the handlers (again: ``ray.init`` puts its own SIGTERM handler in place,
-        ``sys.exit(15)``, which left Ray's native stack dump and exit 134 behind)."""
+        """Install the handlers (again after ``ray.init``: a Ray whose own SIGTERM handler,
+        ``sys.exit(15)``, ``local_ray.init_ray`` could not keep out, replaced them; it left Ray's
+        native stack dump and exit 134 behind)."""
         if threading.current_thread() is threading.main_thread():
             for s in self.signals:
                 signal.signal(s, self.handle)

@@ -248,7 +248,7 @@ def cli(args: argparse.Namespace) -> int:
             # request's access line) stay in the session's logs, as for knapray train: the
             # console shows knapray's lines, and the gang's errors reach the clients.
             init_ray(ray, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
-            signals.arm()  # ray.init put its own SIGTERM handler in place
+            signals.arm()  # in case ray.init put its own SIGTERM handler in place (init_ray keeps it out)
             check_cluster_gpus(ray, options)
             logging.getLogger("ray.serve").setLevel(logging.ERROR)
             serve.start(http_options={"host": args.host, "port": args.port})

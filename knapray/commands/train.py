@@ -134,7 +134,7 @@ def _run(args: argparse.Namespace, signals) -> int:
     except RayStartFailed as e:
         print(f"knapray train: error: {e}", file=sys.stderr)
         return 1
-    signals.arm()  # ray.init put its own SIGTERM handler in place
+    signals.arm()  # in case ray.init put its own SIGTERM handler in place (init_ray keeps it out)
     for name in ("ray", "ray.train"):
         logging.getLogger(name).setLevel(logging.ERROR)
     quiet_ray_data()

@@ -14,12 +14,16 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 LISTENING = """
-import json, os, sys, time
+import json, os, signal, sys, time
 import psutil, ray
 from knapray.commands.train import start_ray
 from knapray.local_ray import started_here
 
+def stop(signum, frame):  # the command's own (knapray.stopping's, in knapray train)
+    raise KeyboardInterrupt
+signal.signal(signal.SIGTERM, stop)
 start_ray(ray, dict(num_cpus=1, include_dashboard=False, log_to_driver=False), attempts=1)
+kept = signal.getsignal(signal.SIGTERM) is stop
 
 @ray.remote
 def where():
@@ -30,7 +34,7 @@ me = psutil.Process()
 pids = {p.pid for p in me.children(recursive=True)} | {me.pid}
 found = [(c.laddr.ip, c.laddr.port, psutil.Process(c.pid).name()) for c in psutil.net_connections(kind="inet")
          if c.status == psutil.CONN_LISTEN and c.pid in pids]
-print(json.dumps({"node": node, "listening": found, "started_here": started_here(ray)}))
+print(json.dumps({"node": node, "listening": found, "started_here": started_here(ray), "sigterm_kept": kept}))
 ray.shutdown()
 """
 
@@ -55,6 +59,9 @@ def test_the_ray_knapray_train_starts_listens_on_loopback_only():
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["node"] == "127.0.0.1", seen
     assert seen["started_here"] is True  # the single-machine Ray knapray started (its fits: no preemption watcher)
+    # ray.init left the command's SIGTERM handler in place (Ray's own, sys.exit(15), replaced it
+    # for the start: a SIGTERM then exited 15, or, handled in a fork hook, was dropped)
+    assert seen["sigterm_kept"] is True
     names = {name for _, _, name in seen["listening"]}
     assert {"gcs_server", "raylet"} <= names, seen  # Ray's servers were found, and...
     others = [s for s in seen["listening"] if s[0] not in ("127.0.0.1", "::ffff:127.0.0.1")]
