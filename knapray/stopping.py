@@ -87,6 +87,8 @@ class StopSignals:
     def handle(self, signum, frame) -> None:
         if self._again:  # the Stop raised before was lost: the same one again, not a new signal
             self._again = False
+            if self._done.is_set():  # it came after the command took its Stop or left: nothing to do
+                return
             raise Stop(self.first)
         self.count += 1
         if self.count == 1:
@@ -97,7 +99,7 @@ class StopSignals:
     def taken(self) -> None:
         """The command has the ``Stop`` and stops: no more looking for it (call where it is
         handled and the command goes on inside ``stop_on_signals``)."""
-        with self._lock:  # a resend under way lands here, while the handlers are still these
+        with self._lock:  # after this no resend is sent, and one under way is ignored (handle)
             self._done.set()
 
     def _watch(self) -> None:

@@ -160,8 +160,8 @@ LOST_STOPS = {
 def test_a_stop_nobody_handles_is_raised_again(where):
     """The first signal's ``Stop``, lost where it was raised, is raised again within a second
     (waking the main thread from a system call), once, without Python's traceback of the lost
-    one; one being handled (in an ``except`` block) or taken is not raised twice. In a process
-    of its own: signal handlers live in the main thread."""
+    one; one being handled (in an ``except`` block) or taken (``taken()``) is not raised again.
+    In a process of its own: signal handlers live in the main thread."""
     import subprocess
     import sys
     import time
@@ -185,12 +185,20 @@ with stop_on_signals() as signals:
         signals.taken()
     time.sleep(1.5)  # going on after taking it
     print("handled once", code, signals.count, flush=True)
+with stop_on_signals() as signals:
+    try:
+        signal.raise_signal(signal.SIGINT)
+    except:  # noqa: E722 - swallowed, then taken: the command says it is stopping
+        pass
+    signals.taken()
+    time.sleep(1.5)
+    print("taken", flush=True)
 """
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert time.monotonic() - t0 < 20  # woken from its sleep, not at its end
-    assert out.stdout == "raised 130 1\nhandled once 143 1\n", out.stdout  # not "went on"
+    assert out.stdout == "raised 130 1\nhandled once 143 1\ntaken\n", out.stdout  # not "went on"
     assert out.stderr == "", out.stderr  # no "Exception ignored" traceback
 
 
