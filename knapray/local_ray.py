@@ -23,6 +23,18 @@ Ctrl-C does) stays in place while ``ray.init`` runs: Ray's own, ``sys.exit(15)``
 for the start, so a SIGTERM then exited 15 instead of 143, and one handled inside a fork hook
 was dropped, leaving the command talking to a Ray whose processes the same signal had
 stopped, for 60 s, then exit 1.
+
+An embedded Ray's processes (its GCS, raylet, agents, and the workers the raylet starts) run
+in a session of their own (``own_session``), as Ray does on Windows: a signal to the
+command's process group (``timeout``, a terminal, a process manager stopping a group) reaches
+the command, which stops the run and then its Ray, not Ray's processes under a run still
+going (before: the run went silent, the driver talked to a dead GCS for 60 s and exited 1
+with no line, Ray's processes left behind). A command killed outright still takes its GCS
+and raylet with it (Ray's fate-sharing: Linux's parent-death signal; only where Ray has that
+does this apply); the raylet's dashboard and runtime-env agents outlive it, as they did.
+SIGINT and SIGTERM are held while the embedded ``ray.init`` runs (``held_stop_signals``) and
+delivered as it returns: one that arrived inside it stopped a half-started Ray, and exited
+134 after Ray's native stack dump (Ray installs a crash handler for SIGTERM as it connects).
 """
 
 from __future__ import annotations
@@ -30,6 +42,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -54,13 +68,13 @@ def init_ray(ray: Any, *, address: str | None = None, all_interfaces: bool = Fal
     if joined is not None:
         with keeping_sigterm_handler():
             return ray.init(address=joined, **kwargs)
-    with _expected_startups(kwargs.get("num_cpus")), keeping_sigterm_handler():
+    with _expected_startups(kwargs.get("num_cpus")), held_stop_signals(), keeping_sigterm_handler(), own_session():
         if all_interfaces:
             context = ray.init(**kwargs)
         else:
             with loopback_only():
                 context = ray.init(**kwargs)
-    _STARTED_HERE[0] = _gcs_address(ray)
+        _STARTED_HERE[0] = _gcs_address(ray)  # before a held signal is delivered, at the end of the block
     return context
 
 
@@ -139,6 +153,68 @@ def keeping_sigterm_handler() -> Iterator[None]:
         yield
     finally:
         ray_utils.set_sigterm_handler = own
+
+
+HELD = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def held_stop_signals() -> Iterator[None]:
+    """Inside (in the main thread): SIGINT and SIGTERM blocked, kept pending; at the end the
+    handlers this process had before are put back (Ray's crash handler, installed for SIGTERM
+    as its core worker starts, replaced) and the signals unblocked, so one that arrived is
+    delivered to them then. Child processes started inside unblock them first
+    (``own_session``)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    handlers = {s: signal.getsignal(s) for s in HELD}
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, HELD)
+    try:
+        yield
+    finally:
+        for s, handler in handlers.items():
+            if handler is not None:
+                signal.signal(s, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+@contextlib.contextmanager
+def own_session() -> Iterator[None]:
+    """Inside: each process a Ray start spawns (``ray._private.services.ConsolePopen``) starts
+    a session of its own, with SIGTERM unblocked (``held_stop_signals``; Ray's own start blocks
+    SIGINT in it, as before), where Ray shares their fate with this process through the
+    kernel (Linux); elsewhere, or with a Ray without that class, nothing changes."""
+    try:
+        from ray._private import services
+        from ray._private import utils as ray_utils
+    except ImportError:
+        yield
+        return
+    base = getattr(services, "ConsolePopen", None)
+    detect = getattr(ray_utils, "detect_fate_sharing_support", None)
+    if base is None or detect is None or not sys.platform.startswith("linux") or not detect():
+        yield
+        return
+
+    class _OwnSession(base):
+        def __init__(self, *args, **kwargs):
+            given = kwargs.get("preexec_fn")
+
+            def preexec():
+                if given is not None:
+                    given()
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+            kwargs["preexec_fn"] = preexec
+            kwargs["start_new_session"] = True
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = _OwnSession
+    try:
+        yield
+    finally:
+        services.ConsolePopen = base
 
 
 @contextlib.contextmanager

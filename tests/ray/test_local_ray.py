@@ -1,6 +1,7 @@
-"""A single-machine Ray that knapray starts listens on 127.0.0.1 only (issue 43, item 5): the
-GCS, the raylet, the dashboard agent and the workers of ``make run``'s and ``knapray train``'s
-embedded Ray listened on every interface. ``--ray-all-interfaces`` keeps Ray's default."""
+"""A single-machine Ray that knapray starts listens on 127.0.0.1 only: the GCS, the raylet,
+the dashboard agent and the workers of ``make run``'s and ``knapray train``'s embedded Ray
+listened on every interface. ``--ray-all-interfaces`` keeps Ray's default. Its processes run
+in a session of their own, and a stop signal that arrives while it starts waits for the start."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 LISTENING = """
-import json, os, signal, sys, time
+import json, os, signal, sys, time, traceback
 import psutil, ray
 from knapray.commands.train import start_ray
 from knapray.local_ray import started_here
@@ -22,7 +23,23 @@ from knapray.local_ray import started_here
 def stop(signum, frame):  # the command's own (knapray.stopping's, in knapray train)
     raise KeyboardInterrupt
 signal.signal(signal.SIGTERM, stop)
-start_ray(ray, dict(num_cpus=1, include_dashboard=False, log_to_driver=False), attempts=1)
+
+class SignalledAsItReturns:  # ray, whose init ends with a SIGTERM to this process (its core worker is up)
+    def __getattr__(self, name):
+        return getattr(ray, name)
+
+    def init(self, **kwargs):
+        context = ray.init(**kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)  # where it would be handled, were it not held
+        return context
+
+try:
+    start_ray(SignalledAsItReturns(), dict(num_cpus=1, include_dashboard=False, log_to_driver=False), attempts=1)
+    stopped = "not stopped"
+except KeyboardInterrupt as e:
+    inside = any(f.f_code is SignalledAsItReturns.init.__code__ for f, _ in traceback.walk_tb(e.__traceback__))
+    stopped = "inside ray.init" if inside else "after it"
 kept = signal.getsignal(signal.SIGTERM) is stop
 
 @ray.remote
@@ -34,7 +51,9 @@ me = psutil.Process()
 pids = {p.pid for p in me.children(recursive=True)} | {me.pid}
 found = [(c.laddr.ip, c.laddr.port, psutil.Process(c.pid).name()) for c in psutil.net_connections(kind="inet")
          if c.status == psutil.CONN_LISTEN and c.pid in pids]
-print(json.dumps({"node": node, "listening": found, "started_here": started_here(ray), "sigterm_kept": kept}))
+sessions = {psutil.Process(pid).name(): os.getsid(pid) for pid in pids if pid != me.pid}
+print(json.dumps({"node": node, "listening": found, "started_here": started_here(ray), "sigterm_kept": kept,
+                  "stopped": stopped, "own_session": {n: s != os.getsid(0) for n, s in sessions.items()}}))
 ray.shutdown()
 """
 
@@ -62,6 +81,14 @@ def test_the_ray_knapray_train_starts_listens_on_loopback_only():
     # ray.init left the command's SIGTERM handler in place (Ray's own, sys.exit(15), replaced it
     # for the start: a SIGTERM then exited 15, or, handled in a fork hook, was dropped)
     assert seen["sigterm_kept"] is True
+    # A SIGTERM that arrived inside ray.init was held, and handled by the command's handler as
+    # ray.init returned, not inside it (where it stopped a half-started Ray: exit 134), and
+    # Ray's native crash handler, which it installs for SIGTERM as it connects, printed nothing.
+    assert seen["stopped"] == "after it", seen
+    assert "SIGTERM received" not in out.stderr, out.stderr[-3000:]
+    # Ray's processes in a session of their own: a SIGTERM to the command's process group
+    # reaches the command alone, which stops the run, then them.
+    assert {"gcs_server", "raylet"} <= set(seen["own_session"]) and all(seen["own_session"].values()), seen
     names = {name for _, _, name in seen["listening"]}
     assert {"gcs_server", "raylet"} <= names, seen  # Ray's servers were found, and...
     others = [s for s in seen["listening"] if s[0] not in ("127.0.0.1", "::ffff:127.0.0.1")]
