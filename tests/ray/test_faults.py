@@ -1,6 +1,6 @@
 """Faults on real Ray Train runs of gloo workers: a coordinator down for a while, then a
-SIGKILLed worker, in one run with planted bad rows (4 workers); a coordinator gone for good
-(2 workers); a mostly-bad corpus (2 workers). Every run must end with the ledger holding
+SIGKILLed worker, in one run with planted bad rows; a coordinator gone for good; a mostly-bad
+corpus (2 workers each). Every run must end with the ledger holding
 every trainable sample exactly once."""
 
 from __future__ import annotations
@@ -85,7 +85,11 @@ def test_coordinator_down_then_a_worker_sigkilled_exactly_once(ray_session, tmp_
     # A memory budget of 40 tokens per GPU on bags of 2: anything over 80 tokens is too long.
     too_long = {r["sample_id"] for r in rows if r["seq_len"] > 80 and r["sample_id"] not in bad}
     assert too_long
-    cfg = _cfg(str(out), tmp_path, "faults", **{"run.max_failures": 1, "data.max_tokens_per_gpu": 40})
+    # 2 workers in one bag of 2 (8 samples a step, as 4 workers of 2 would draw): every fault
+    # here is one rank's or the coordinator's, and 2 fewer worker processes per attempt.
+    cfg = _cfg(str(out), tmp_path, "faults", **{"run.max_failures": 1, "data.max_tokens_per_gpu": 40,
+                                                "scaling.num_workers": 2, "balance.topology": "g2n1",
+                                                "data.samples_per_step": 4})
     from knapray.coordinator import create_coordinator
     from knapray.worker.ledger_files import ledger_dir
     from knapray.worker.step_planner import coordinator_config, coordinator_name
