@@ -200,7 +200,11 @@ def _train(args: argparse.Namespace, cfg, pre, base, address: str | None, signal
         name = signal_name(e, None if isinstance(e, Interrupted) else signals)
         how = "interrupted" if name == "SIGINT" else f"stopped by {name}"
         print(f"\nknapray train: {how}: {interrupted_line(cfg)}", file=sys.stderr, flush=True)
-        return exit_code(e, None if isinstance(e, Interrupted) else signals)
+        code = exit_code(e, None if isinstance(e, Interrupted) else signals)
+        if getattr(e, "ray_lost", False):  # its servers stopped too: Ray's exit would wait 60 s on them, then exit 1
+            sys.stdout.flush()
+            os._exit(code)
+        return code
     except OSError as e:  # the environment (a disk, a mount): one line naming the path
         print(f"knapray train: error: {e}", file=sys.stderr)
         return 1

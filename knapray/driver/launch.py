@@ -303,10 +303,10 @@ def _fit_or_stop(trainer: Any, cfg: TrainConfig, ray: Any, total: int, done_step
             # Ray's get turns the Stop a handler raised inside it into a plain KeyboardInterrupt:
             # which signal it was is what the handler saw first.
             signum = signals.first or (e.signum if isinstance(e, Stop) else signal.SIGINT)
-            _abort(ray, trainer, cfg, signals)
+            answered = _abort_within(ray, trainer, cfg, signals, ABORT_WAIT_S + ABORT_SLACK_S)
             if stopping.reason is not None:
                 raise StartTimeout(stopping.reason) from None
-            raise Interrupted(cfg.run_dir, signum) from None
+            raise Interrupted(cfg.run_dir, signum, ray_lost=not answered) from None
         finally:
             watch.stop()
 
@@ -322,6 +322,23 @@ class _Stopping:
 
         self.reason = reason
         _thread.interrupt_main(signal.SIGINT)
+
+
+ABORT_SLACK_S = 5.0
+"""How much longer than ``ABORT_WAIT_S`` stopping the run may take before the driver stops
+waiting on Ray: a signal sent to every process of a job (a Slurm step's) stops the Ray's GCS
+too, and each call to it then waited 60 s before Ray ended the process, exit 1, no line."""
+
+
+def _abort_within(ray: Any, trainer: Any, cfg: TrainConfig, signals, limit_s: float) -> bool:
+    """``_abort`` on a thread of its own, waited for up to ``limit_s``: whether it finished
+    (False: Ray did not answer; the run's workers went with its servers)."""
+    import threading
+
+    thread = threading.Thread(target=_abort, args=(ray, trainer, cfg, signals), name="knapray-abort", daemon=True)
+    thread.start()
+    thread.join(limit_s)
+    return not thread.is_alive()
 
 
 def _abort(ray: Any, trainer: Any, cfg: TrainConfig, signals) -> None:
@@ -375,9 +392,11 @@ class Interrupted(KeyboardInterrupt):
     """The driver was stopped by a signal (``signum``: SIGINT or SIGTERM) while the workers
     trained or waited; they were stopped."""
 
-    def __init__(self, run_dir: str, signum: int = signal.SIGINT) -> None:
+    def __init__(self, run_dir: str, signum: int = signal.SIGINT, ray_lost: bool = False) -> None:
         super().__init__(run_dir)
         self.signum = int(signum)
+        self.ray_lost = ray_lost
+        """Ray did not answer while the run was stopped: the caller should not wait on it again."""
 
 
 class StartTimeout(RuntimeError):

@@ -206,9 +206,10 @@ def test_ctrl_c_or_sigterm_while_starting_is_one_line_and_exit_130_or_143(tmp_pa
     """SIGINT while the command imports, checks or starts Ray, and SIGTERM while Ray starts
     (where Ray's own handler, ``sys.exit(15)``, replaced knapray's: exit 15, or a SIGTERM
     dropped in a fork hook and 60 s of talking to the Ray it had stopped): no traceback. And
-    SIGTERM to the command's process group while its workers start: before, the signal stopped
-    Ray's processes too, and the command talked to them for 60 s, then exited 1 without a word
-    (``local_ray.own_session``)."""
+    SIGTERM to every process of the command's tree while its workers start: the signal stops
+    Ray's servers too, and the command talked to them for 60 s, then exited 1 without a word;
+    now it stops waiting on them (``launch.ABORT_SLACK_S``)."""
+    import contextlib
     import os
     import signal
     import subprocess
@@ -223,19 +224,25 @@ def test_ctrl_c_or_sigterm_while_starting_is_one_line_and_exit_130_or_143(tmp_pa
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"data:\n  corpus: {corpus}\nrun:\n  storage: {tmp_path / 'runs'}\nscaling:\n  num_workers: 2\n"
                    "balance:\n  topology: g2n1\n")
-    # while importing torch and checking; while starting Ray; to the command's whole process
-    # group while its workers start (None: at "waiting for step 0"), as `timeout` or a process
-    # manager does
+    # while importing torch and checking; while starting Ray; to every process of the command's
+    # tree while its workers start (None: at "waiting for step 0"), as a Slurm step's cgroup
+    # gets it (a process group's signal reaches the command alone: test_local_ray.py)
     for delay, sig in ((1.0, signal.SIGINT), (3.0, signal.SIGINT), (3.0, signal.SIGTERM), (None, signal.SIGTERM)):
         proc = subprocess.Popen([sys.executable, "-m", "knapray.cli", "train", "--config", str(cfg)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=delay is None)
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
         if delay is None:
             lines = []
             while not any("waiting for step 0" in line for line in lines[-1:]):
                 lines.append(proc.stdout.readline())
                 assert lines[-1], "".join(lines)  # the command ended before its workers started
-            os.killpg(proc.pid, sig)
+            import psutil
+
+            tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+            assert len(tree) > 3  # the command, its Ray's servers and their processes
+            for each in tree:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    each.send_signal(sig)
         else:
             time.sleep(delay)
             proc.send_signal(sig)
