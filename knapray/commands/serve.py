@@ -163,7 +163,12 @@ def check_run(run_dir: str, checkpoint: str | None, world_size: int = 1, topolog
 
 
 def check_port(host: str, port: int) -> None:
+    """``host:port`` can be listened on now, as Serve's HTTP server listens (``SO_REUSEADDR``):
+    a port a server listens on is refused, one whose last connections linger in TIME_WAIT
+    after a server on it stopped is not (without it, ``knapray serve`` run again right after
+    one was stopped refused its port for a minute)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as e:

@@ -233,3 +233,28 @@ def test_the_xdit_fitted_overhead_reproduces_the_published_ratio():
     assert sv.request_seconds(kind, 4, flux) < t4
     with_o = sv.service_times(8, ulysses_layer_s=o)
     assert np.all(with_o.on_gang > sv.service_times(8).on_gang) and np.all(with_o.on_one == sv.service_times(8).on_one)
+
+
+def test_a_port_is_refused_while_a_server_listens_and_not_after_it_stopped():
+    """``knapray serve`` checks its port before anything starts: refused while another server
+    listens on it; taken right after a server on it stopped, its last connection left in
+    TIME_WAIT (its side closed first), as Serve's own HTTP server takes it. Before, the check
+    refused the port for a minute after a stopped ``knapray serve``."""
+    import socket
+
+    from knapray.commands.serve import check_port
+
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    with pytest.raises(ValueError, match=rf"--port {port}: cannot listen on 127.0.0.1:{port}"):
+        check_port("127.0.0.1", port)
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = server.accept()
+    conn.close()  # the server's side first: its end of the connection waits in TIME_WAIT
+    client.recv(1)
+    client.close()
+    server.close()
+    check_port("127.0.0.1", port)  # no error
