@@ -34,7 +34,9 @@ and raylet with it (Ray's fate-sharing: Linux's parent-death signal; only where 
 does this apply); the raylet's dashboard and runtime-env agents outlive it, as they did.
 SIGINT and SIGTERM are held while the embedded ``ray.init`` runs (``held_stop_signals``) and
 delivered as it returns: one that arrived inside it stopped a half-started Ray, and exited
-134 after Ray's native stack dump (Ray installs a crash handler for SIGTERM as it connects).
+134 after Ray's native stack dump. Ray installs a crash handler for SIGTERM as its core worker
+connects, which, where another thread of the process takes the signal, prints that dump and
+sets an alarm that aborts the process 3 s later: the alarm is cancelled (the dump stays).
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ def init_ray(ray: Any, *, address: str | None = None, all_interfaces: bool = Fal
     if joined is not None:
         with keeping_sigterm_handler():
             return ray.init(address=joined, **kwargs)
-    with _expected_startups(kwargs.get("num_cpus")), held_stop_signals(), keeping_sigterm_handler(), own_session():
+    with _expected_startups(kwargs.get("num_cpus")), own_session() as wrapped, held_stop_signals(wrapped), \
+            keeping_sigterm_handler():
         if all_interfaces:
             context = ray.init(**kwargs)
         else:
@@ -159,45 +162,65 @@ HELD = (signal.SIGINT, signal.SIGTERM)
 
 
 @contextlib.contextmanager
-def held_stop_signals() -> Iterator[None]:
-    """Inside (in the main thread): SIGINT and SIGTERM blocked, kept pending; at the end the
+def held_stop_signals(children_unblock: bool = True) -> Iterator[None]:
+    """Inside (in the main thread): SIGINT and SIGTERM held. Blocked in this thread (and in the
+    threads Ray starts from it), and recorded by a handler of this context's where another
+    thread of the process takes one (one started earlier, as a math library's): at the end the
     handlers this process had before are put back (Ray's crash handler, installed for SIGTERM
-    as its core worker starts, replaced) and the signals unblocked, so one that arrived is
-    delivered to them then. Child processes started inside unblock them first
-    (``own_session``)."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+    as its core worker starts, replaced), the signals unblocked, and each one that arrived is
+    delivered to them then. Only where the processes Ray starts inside unblock SIGTERM first
+    (``children_unblock``: ``own_session`` is in place), else nothing is held."""
+    if not children_unblock or threading.current_thread() is not threading.main_thread() \
+            or not hasattr(signal, "pthread_sigmask"):
         yield
         return
     handlers = {s: signal.getsignal(s) for s in HELD}
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, HELD)
+    held = [s for s, handler in handlers.items() if handler is not None]  # one set outside Python: left alone
+    arrived: list[int] = []
+
+    def record(signum, frame) -> None:
+        if signum not in arrived:
+            arrived.append(signum)
+
+    for s in held:
+        signal.signal(s, record)
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
     try:
         yield
     finally:
-        for s, handler in handlers.items():
-            if handler is not None:
-                signal.signal(s, handler)
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        for s in held:
+            signal.signal(s, handlers[s])
+        if arrived and hasattr(signal, "alarm"):
+            # Another thread took it, maybe through Ray's crash handler, which printed its stack
+            # dump, passed the signal on, and set an alarm that aborts the process 3 s later
+            # (exit 134 after the command's own line): cancelled (before a handler can raise).
+            signal.alarm(0)
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)  # one pending here goes to them now
+        for s in arrived:  # one another thread took
+            signal.raise_signal(s)
 
 
 @contextlib.contextmanager
-def own_session() -> Iterator[None]:
+def own_session() -> Iterator[bool]:
     """Inside: each process a Ray start spawns (``ray._private.services.ConsolePopen``) starts
-    a session of its own, with SIGTERM unblocked (``held_stop_signals``; Ray's own start blocks
-    SIGINT in it, as before), where Ray shares their fate with this process through the
-    kernel (Linux); elsewhere, or with a Ray without that class, nothing changes."""
+    with SIGTERM unblocked (``held_stop_signals``; Ray's own start blocks SIGINT in it, as
+    before), and in a session of its own where Ray shares its fate with this process through
+    the kernel (Linux). Yields whether the spawns are wrapped (False: a Ray without that class,
+    or not POSIX: nothing changes)."""
     try:
         from ray._private import services
         from ray._private import utils as ray_utils
     except ImportError:
-        yield
+        yield False
         return
     base = getattr(services, "ConsolePopen", None)
-    detect = getattr(ray_utils, "detect_fate_sharing_support", None)
-    if base is None or detect is None or not sys.platform.startswith("linux") or not detect():
-        yield
+    if base is None or not hasattr(signal, "pthread_sigmask"):
+        yield False
         return
+    detect = getattr(ray_utils, "detect_fate_sharing_support", None)
+    new_session = sys.platform.startswith("linux") and detect is not None and bool(detect())
 
-    class _OwnSession(base):
+    class _Spawned(base):
         def __init__(self, *args, **kwargs):
             given = kwargs.get("preexec_fn")
 
@@ -207,12 +230,13 @@ def own_session() -> Iterator[None]:
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
             kwargs["preexec_fn"] = preexec
-            kwargs["start_new_session"] = True
+            if new_session:
+                kwargs["start_new_session"] = True
             super().__init__(*args, **kwargs)
 
-    services.ConsolePopen = _OwnSession
+    services.ConsolePopen = _Spawned
     try:
-        yield
+        yield True
     finally:
         services.ConsolePopen = base
 
