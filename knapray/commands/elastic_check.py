@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenario", choices=sorted(SCENARIOS), required=True)
     p.add_argument("--out", required=True, help="directory for the corpus, the run and result.json")
     p.add_argument("--corpus-steps", type=int, default=None,
-                   help="mix steps in the corpus, 11 samples each (default: shrink 4, grow 12, grow-shrink 16: "
+                   help="mix steps in the corpus, 11 samples each (default: shrink 4, grow 12, grow-shrink 8: "
                         "the run must still have steps left when Ray notices the last change)")
     p.add_argument("--samples-per-step", type=int, default=1)
     p.add_argument("--change-after-step", type=int, default=2,

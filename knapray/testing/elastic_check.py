@@ -78,7 +78,7 @@ SCENARIOS = {
     "grow": ((2,), 2, 4, (+2,), 1),
     "grow-shrink": ((3,), 2, 4, (+1, -1), 1),
 }
-CORPUS_STEPS = {"shrink": 4, "grow": 12, "grow-shrink": 16}
+CORPUS_STEPS = {"shrink": 4, "grow": 12, "grow-shrink": 8}
 
 
 def _private_ray_env() -> str:
