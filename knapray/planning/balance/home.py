@@ -217,6 +217,8 @@ def localize(p: GroupProblem, assign: np.ndarray) -> np.ndarray:
     away, t_home = away[order], t_home[order]
     home, cur = p.home_bag[away], assign[away]
     t_cur = p.t(away, cur)
+    if away.size <= _SCALAR_VISITS:
+        return _localize_scalar(assign, loads.tolist(), cap, away, home, t_home, cur, t_cur)
     out = None
     pos, block, n = 0, 256, away.size
     while pos < n:
@@ -234,3 +236,28 @@ def localize(p: GroupProblem, assign: np.ndarray) -> np.ndarray:
         out[away[i]] = h
         pos, block = i + 1, 256
     return assign if out is None else out
+
+
+_SCALAR_VISITS = 4096
+"""``localize`` visits up to this many sequences one by one (a test and a move cost a few
+Python operations, where each numpy call on a block costs a microsecond or more)."""
+
+
+def _localize_scalar(
+    assign: np.ndarray, load: list[float], cap: float, away: np.ndarray, home: np.ndarray, t_home: np.ndarray,
+    cur: np.ndarray, t_cur: np.ndarray,
+) -> np.ndarray:
+    """``localize``'s visits in visiting order, on Python floats: the same test and the same
+    two updates per move, in the same double arithmetic, so the same moves."""
+    movers = []
+    for i, (h, th) in enumerate(zip(home.tolist(), t_home.tolist())):
+        if load[h] + th <= cap:
+            load[h] = load[h] + th
+            c = int(cur[i])
+            load[c] -= float(t_cur[i])
+            movers.append(i)
+    if not movers:
+        return assign
+    out = assign.copy()
+    out[away[movers]] = home[movers]
+    return out

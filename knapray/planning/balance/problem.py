@@ -126,6 +126,7 @@ class GroupProblem:
         self.offset: np.ndarray | None = None
         """(k,) fixed seconds added to each bag's load (its ranks' routing), or None."""
         self._times: dict[int, tuple[np.ndarray, StepTimes]] = {}
+        self._bag_types: tuple[np.ndarray, np.ndarray] | None = None
 
     def t(self, s, b):
         """Time of sequence(s) ``s`` on bag(s) ``b`` (broadcasting)."""
@@ -133,9 +134,14 @@ class GroupProblem:
 
     def bag_types(self) -> tuple[np.ndarray, np.ndarray]:
         """Bags on which every sequence takes the same time (one class and speed):
-        ``(types, type_of_bag)``, ``types[i] = (class, 1/speed)``, in increasing order."""
-        types, type_of_bag = np.unique(np.column_stack([self.cls, self.inv_speed]), axis=0, return_inverse=True)
-        return types, type_of_bag.reshape(-1)
+        ``(types, type_of_bag)``, ``types[i] = (class, 1/speed)``, in increasing order.
+        Made once per problem (classes and speeds are fixed); callers only read them."""
+        if self._bag_types is None:
+            types, type_of_bag = np.unique(
+                np.column_stack([self.cls, self.inv_speed]), axis=0, return_inverse=True
+            )
+            self._bag_types = (types, type_of_bag.reshape(-1))
+        return self._bag_types
 
     def by_bag(self, assign: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(order, bounds)``: bag ``j`` holds ``order[bounds[j]:bounds[j + 1]]``, in

@@ -16,6 +16,7 @@ import numpy as np
 from .problem import GroupProblem
 
 _STOP_REL = 1e-7  # stop refining once the makespan is this close to the ideal
+_SORT_ALL_BAGS = 512  # ``lightest`` sorts every load up to this many bags
 
 
 def lightest(loads: np.ndarray, k: int) -> np.ndarray:
@@ -26,6 +27,11 @@ def lightest(loads: np.ndarray, k: int) -> np.ndarray:
     k = min(k, loads.size)
     if k <= 0:
         return np.zeros(0, np.int64)
+    if loads.size <= _SORT_ALL_BAGS:
+        # The same k: a stable sort is (load, index) order, and the bags at most as loaded
+        # as the k-th are its first ones. A whole sort of a few hundred loads costs less
+        # than the selection's several calls.
+        return loads.argsort(kind="stable")[:k]
     kth = np.partition(loads, k - 1)[k - 1]
     cand = np.flatnonzero(loads <= kth)
     return cand[np.argsort(loads[cand], kind="stable")][:k]
@@ -98,14 +104,19 @@ def _refine_general(p: GroupProblem, loads: np.ndarray, members: _Members, max_i
     g = p.g
     lens, cost, cls, inv = p.lens, p.cost, p.cls, p.inv_speed
     n_partners = min(p.k - 1, 4)
-    # Each bag's members with their cost rows; only the two bags a step touches are rebuilt.
-    cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    # Where every sequence is at least as long as the largest bag (the common case) the
+    # size tests pass everywhere: they are left out, which masks nothing more.
+    fits_all = bool(lens.size) and bool(lens.min() >= g.max())
+    # Each bag's members with their cost rows, their times on the bag itself and their
+    # lengths; only the two bags a step touches are rebuilt.
+    cache: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
 
-    def arrays(j: int) -> tuple[np.ndarray, np.ndarray]:
+    def arrays(j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         got = cache.get(j)
         if got is None:
             idx = members[j]
-            got = cache[j] = (idx, cost[idx])
+            rows = cost[idx]
+            got = cache[j] = (idx, rows, rows[:, cls[j]] * inv[j], lens[idx])
         return got
 
     iters = 0
@@ -114,40 +125,43 @@ def _refine_general(p: GroupProblem, loads: np.ndarray, members: _Members, max_i
         top = loads[b]
         if top <= stop or not members[b].size:
             break
-        items, c_items = arrays(b)  # (n_b,), (n_b, classes)
-        t_b = c_items[:, cls[b]] * inv[b]
-        l_b = lens[items]
+        items, c_items, t_b, l_b = arrays(b)  # (n_b,), (n_b, classes), (n_b,), (n_b,)
         # Partners: the least loaded bags, where a move or swap helps most.
         part = lightest(loads, n_partners + 1)
         part = part[part != b][:n_partners]
         # Moves, all items x all partners at once: (n_b, p).
-        g_p = g[part]
-        new = np.maximum(top - t_b[:, None], loads[part][None, :] + c_items[:, cls[part]] * inv[part])
-        new[l_b[:, None] < g_p[None, :]] = np.inf
-        flat = int(np.argmin(new))
+        t_p = c_items[:, cls[part]] * inv[part]  # (n_b, p) s on each partner
+        new = np.maximum(top - t_b[:, None], loads[part][None, :] + t_p)
+        if not fits_all:
+            too_short = l_b[:, None] < g[part][None, :]
+            new[too_short] = np.inf
+        flat = int(new.argmin())
         best_val = float(new.flat[flat])
         action = ("move", int(items[flat // part.size]), int(part[flat % part.size]))
         # Swaps: item s of b with a lighter item t of a partner. Swaps look at the two least
         # loaded partners only: they are where the best swaps land, and the candidate set
-        # stays small on every iteration.
-        part = part[np.argsort(loads[part], kind="stable")][:2]
+        # stays small on every iteration (``lightest`` lists them by load already).
+        part = part[:2]
         cand = [arrays(j) for j in part.tolist()]
         cand_t = [c[0] for c in cand]
         sizes = [c.size for c in cand_t]
         if sum(sizes) * items.size <= 4096:
+            # Per partner, the move's columns repeated for its members: the same products.
             t_all = np.concatenate(cand_t)
             c_all = np.concatenate([c[1] for c in cand])
-            j_all = np.repeat(part, sizes)
+            j_all = part.repeat(sizes)
             t_tb = c_all[:, cls[b]] * inv[b]  # (n_t,) t on b
-            t_tj = c_all[np.arange(t_all.size), cls[j_all]] * inv[j_all]  # (n_t,) t on its own bag
-            t_sj = c_items[:, cls[j_all]] * inv[j_all]  # (n_b, n_t) s on t's bag
+            t_tj = np.concatenate([c[2] for c in cand])  # (n_t,) t on its own bag
+            t_sj = t_p[:, : part.size].repeat(sizes, axis=1)  # (n_b, n_t) s on t's bag
             d_b = t_b[:, None] - t_tb[None, :]  # what b sheds
             new = np.maximum(top - d_b, loads[j_all][None, :] + t_sj - t_tj[None, :])
-            g_j = g[j_all][None, :]
-            bad = (d_b <= 0) | (l_b[:, None] < g_j) | (lens[t_all][None, :] < g[b])
+            bad = d_b <= 0
+            if not fits_all:
+                bad |= too_short[:, : part.size].repeat(sizes, axis=1)
+                bad |= np.concatenate([c[3] for c in cand])[None, :] < g[b]
             new[bad] = np.inf
             if new.size:
-                flat = int(np.argmin(new))
+                flat = int(new.argmin())
                 if new.flat[flat] < best_val:
                     i, t = divmod(flat, t_all.size)
                     best_val = float(new.flat[flat])
@@ -157,7 +171,7 @@ def _refine_general(p: GroupProblem, loads: np.ndarray, members: _Members, max_i
                 if not oth.size:
                     continue
                 t_ob = cost[oth, cls[b]] * inv[b]
-                srt = np.argsort(t_ob, kind="stable")
+                srt = t_ob.argsort(kind="stable")
                 t_sorted = t_ob[srt]
                 t_sj = c_items[:, cls[j]] * inv[j]
                 # The swap that leaves both bags equal, if costs on j scale like on b.
@@ -170,7 +184,7 @@ def _refine_general(p: GroupProblem, loads: np.ndarray, members: _Members, max_i
                     new = np.maximum(top - d_b, loads[j] + t_sj - cost[t_items, cls[j]] * inv[j])
                     valid = (d_b > 0) & (l_b >= g[j]) & (lens[t_items] >= g[b])
                     new = np.where(valid, new, np.inf)
-                    i = int(np.argmin(new))
+                    i = int(new.argmin())
                     if new[i] < best_val:
                         best_val = float(new[i])
                         action = ("swap", int(items[i]), int(t_items[i]), j)
@@ -222,7 +236,7 @@ def _refine_one_kind(p: GroupProblem, loads: np.ndarray, members: _Members, max_
         flat = int(new.argmin())
         best_val = float(new.flat[flat])
         action = ("move", int(items[flat // part.size]), int(part[flat % part.size]))
-        part = part[np.argsort(loads[part], kind="stable")][:2]
+        part = part[:2]  # the two least loaded (``lightest``'s order)
         cand = [arrays(j) for j in part.tolist()]
         sizes = [c[0].size for c in cand]
         # Exchanges with d <= 0 are not masked out: their value is at least top, so they
@@ -230,7 +244,7 @@ def _refine_one_kind(p: GroupProblem, loads: np.ndarray, members: _Members, max_
         if sum(sizes) * items.size <= 4096:
             t_all = np.concatenate([c[0] for c in cand])
             w_t = np.concatenate([c[1] for c in cand])
-            j_all = np.repeat(part, sizes)
+            j_all = part.repeat(sizes)
             d_b = t_b[:, None] - w_t[None, :]
             new = np.maximum(top - d_b, loads[j_all][None, :] + t_b[:, None] - w_t[None, :])
             if new.size:
@@ -243,7 +257,7 @@ def _refine_one_kind(p: GroupProblem, loads: np.ndarray, members: _Members, max_
             for j, (oth, t_ob) in zip(part.tolist(), cand):
                 if not oth.size:
                     continue
-                srt = np.argsort(t_ob, kind="stable")
+                srt = t_ob.argsort(kind="stable")
                 t_sorted = t_ob[srt]
                 # The swap that leaves both bags equal (t_b / t_b = 1 on equal bags).
                 target = (loads[j] + t_b - top + t_b) / (1.0 + t_b / np.maximum(t_b, 1e-300))

@@ -40,7 +40,8 @@ test checks against a frozen copy of the old solver (tests/oracle_solver.py).
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from contextlib import contextmanager
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -122,7 +123,7 @@ def plan_balance(
                 f"{budget * topology.world_size}"
             )
         try:
-            sub_bag, sub_stats = _solve_group(
+            sub_bag, sub_stats = _solve_group_once(
                 lens[lo:hi],
                 home[lo:hi] - ranks.start,
                 np.asarray(topology.group_bags, dtype=np.int64),
@@ -201,6 +202,51 @@ def _check_budget(max_tokens_per_gpu: int | None, lens: np.ndarray, topology: To
 
 
 # ---- one balance group -----------------------------------------------------------------
+
+_MEMO: dict | None = None
+"""Balance groups solved inside ``memoized()``, by their inputs; None outside it."""
+
+
+@contextmanager
+def memoized() -> Iterator[None]:
+    """Inside the block, a balance group planned again with the same inputs (lengths,
+    homes, bags, the same model object, solver, budget and communication terms) gets a
+    copy of the first solution instead of being solved again: the solver is deterministic,
+    so the plan is the same. For callers that plan one step many times over (the
+    simulator's planners try overlapping sets of topologies on every step)."""
+    global _MEMO
+    outer = _MEMO
+    if outer is None:
+        _MEMO = {}
+    try:
+        yield
+    finally:
+        _MEMO = outer
+
+
+def _solve_group_once(
+    lens: np.ndarray,
+    home: np.ndarray,
+    bag_sizes: np.ndarray,
+    model: Model,
+    solver: str,
+    max_tokens_per_gpu: int | None,
+    comm: GroupComm | None = None,
+) -> tuple[np.ndarray, dict]:
+    """``_solve_group``, through the memo of ``memoized()`` when one is open."""
+    memo = _MEMO
+    if memo is None:
+        return _solve_group(lens, home, bag_sizes, model, solver, max_tokens_per_gpu, comm)
+    key = (
+        lens.dtype.str, lens.tobytes(), home.dtype.str, home.tobytes(), tuple(bag_sizes.tolist()), id(model),
+        solver, max_tokens_per_gpu,
+        None if comm is None else (comm.bag_token_s.tobytes(), comm.bag_speed.tobytes(), comm.rank_offset),
+    )
+    hit = memo.get(key)
+    if hit is None or hit[0] is not model:
+        hit = memo[key] = (model, *_solve_group(lens, home, bag_sizes, model, solver, max_tokens_per_gpu, comm))
+    return hit[1].copy(), dict(hit[2])
+
 
 
 def _solve_group(

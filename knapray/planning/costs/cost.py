@@ -474,13 +474,16 @@ def rank_times(
 
     ``bag_token_s`` / ``bag_speed`` (per bag of ``topology``) can be passed precomputed."""
     w = topology.world_size
-    if bag_token_s is None:
-        bag_token_s = model.bag_ulysses_token_s(topology)
-    if bag_speed is None:
-        bag_speed = model.bag_speed(topology)
+    if bag_token_s is None or bag_speed is None:
+        token_s, speed = _bag_terms(model, topology)
+        bag_token_s = token_s if bag_token_s is None else bag_token_s
+        bag_speed = speed if bag_speed is None else bag_speed
     seq_len_c = seq_lens[chunk_seq].astype(np.float64)
     g_c = bag_size_of_seq[chunk_seq].astype(np.float64)
-    comp = model.per_sequence(seq_len_c) + model.linear(chunk_len) + model.attention(seq_len_c) / g_c
+    comp = model.linear(chunk_len)
+    if model.seq_s:  # (0 + x is x: without a per-sequence term the sum is the same)
+        comp = model.per_sequence(seq_len_c) + comp
+    comp += model.attention(seq_len_c) / g_c
     bag_of_rank = topology.bag_of_rank
     # A chunk of a bag of several pays its bag's all-to-alls; a solo sequence (whole on a
     # rank of a larger bag: g 1) none.
@@ -503,6 +506,25 @@ def rank_times(
             parts.append(np.maximum(sent, recv) * t)
         route = np.maximum(parts[0], parts[1])
     return StepTimes(compute, ulysses, route, model.fixed_s)
+
+
+_BAG_TERMS: dict[tuple[int, Topology], tuple[CostModel, np.ndarray, np.ndarray]] = {}
+_BAG_TERMS_MAX = 1024
+
+
+def _bag_terms(model: CostModel, topology: Topology) -> tuple[np.ndarray, np.ndarray]:
+    """``(model.bag_ulysses_token_s(topology), model.bag_speed(topology))``, kept per model
+    object and topology: a search scores many plans on the same few topologies. Only
+    ``rank_times`` reads them, and it only indexes them (the arrays are never written)."""
+    key = (id(model), topology)
+    hit = _BAG_TERMS.get(key)
+    if hit is not None and hit[0] is model:
+        return hit[1], hit[2]
+    if len(_BAG_TERMS) >= _BAG_TERMS_MAX:
+        _BAG_TERMS.clear()
+    terms = (model.bag_ulysses_token_s(topology), model.bag_speed(topology))
+    _BAG_TERMS[key] = (model, *terms)
+    return terms
 
 
 MODEL_PRESETS: dict[str, dict[str, Any]] = {

@@ -209,20 +209,34 @@ def _place(step, lens: np.ndarray, home: np.ndarray, long: np.ndarray, topo: Top
     gpn = cost.gpus_per_node
     t_intra, t_inter = cost.route_token_s(False), cost.route_token_s(True)
     node = np.arange(world) // gpn
-    group_of_rank = np.arange(world) // topo.group_size
+    size = topo.group_size
     whole = cost.compute(lens[short])
-    ranks_of = [np.asarray(topo.group_ranks(g)) for g in range(topo.num_groups)]
-    for i in np.argsort(-whole, kind="stable"):
-        s = int(short[i])
-        src = int(home[s])
-        ranks = ranks_of[int(group_of_rank[src])]
-        route = np.where(ranks == src, 0.0, np.where(node[ranks] == node[src], t_intra, t_inter) * float(lens[s]))
-        finish = loads[ranks] + whole[i] / speed[ranks] + route
-        r = int(ranks[int(np.argmin(finish))])
-        loads[r] += whole[i] / speed[r] + (0.0 if r == src else route[r - ranks[0]])
+    # A group's ranks are the slice [lo, lo + size): its loads and speeds are views. A
+    # sender's per-token routing seconds to each rank of its group (0 to itself) are made
+    # once: 0 x tokens is the 0 a per-sequence expression would give.
+    per_token: dict[int, np.ndarray] = {}
+    whole_on = np.where(topo.bag_sizes[topo.bag_of_rank] == 1, topo.bag_of_rank, topo.num_bags + np.arange(world))
+    whole_l, short_l, home_l, lens_l = whole.tolist(), short.tolist(), home.tolist(), lens.tolist()
+    speed_l, whole_on_l = speed.tolist(), whole_on.tolist()
+    unit_speed = bool(np.all(speed == 1.0))
+    for i in np.argsort(-whole, kind="stable").tolist():
+        s = short_l[i]
+        src = home_l[s]
+        lo = src // size * size
+        fac = per_token.get(src)
+        if fac is None:
+            ranks = np.arange(lo, lo + size)
+            fac = per_token[src] = np.where(ranks == src, 0.0, np.where(node[ranks] == node[src], t_intra, t_inter))
+        route = fac * float(lens_l[s])
+        w = whole_l[i]
+        # At speed 1 everywhere the division is exact (w / 1 is w): left out.
+        finish = loads[lo : lo + size] + (w if unit_speed else w / speed[lo : lo + size]) + route
+        q = int(finish.argmin())
+        r = lo + q
+        loads[r] += w / speed_l[r] + (0.0 if r == src else route[q])
         if r != src:
-            loads[src] += route[r - ranks[0]]  # the sender's side of the exchange
-        bag[s] = _whole_on(topo, r)
+            loads[src] += route[q]  # the sender's side of the exchange
+        bag[s] = whole_on_l[r]
     return bag
 
 

@@ -46,7 +46,7 @@ from ..shapes.mix import MAX_TEXT_TOKENS, parse_code
 from ..search.overlap import demand_layout, divisor_sizes, overlap_plan, step_candidates
 from ..search.pertopo import plan_step
 from ..balance.plan import BalancePlan
-from ..balance.solver import plan_balance
+from ..balance.solver import memoized, plan_balance
 from ..shapes.topology import Topology
 
 PLANNERS = ("knapray_auto", "knapray_per_step", "knapray_overlap", "knapformer", "dynamic_cp", "flexsp", "zellige")
@@ -144,17 +144,20 @@ def zellige_times(step: list[list[int]], cost: CostModel, target: float, long_gr
     lens = np.asarray([x for r in step for x in r], dtype=np.int64)
     home = np.repeat(np.arange(world), [len(r) for r in step])
     speed = cost.speeds(world)
-    compute, ulysses = np.zeros(world), np.zeros(world)
-    sent, recv = np.zeros((2, world)), np.zeros((2, world))  # [intra, inter] tokens
+    # Per-rank sums as Python floats (the same additions, in the same order, as on arrays);
+    # ``load`` stays an array for the least loaded rank and block.
+    compute, ulysses = [0.0] * world, [0.0] * world
+    sent, recv = [[0.0] * world for _ in range(2)], [[0.0] * world for _ in range(2)]  # [intra, inter] tokens
     load = np.zeros(world)
+    speed_l = speed.tolist()
     groups: dict[int, int] = {}
 
     def move(src: int, dst: int, tokens: float) -> None:
         if src == dst:
             return
         inter = int(src // gpn != dst // gpn)
-        sent[inter, src] += tokens
-        recv[inter, dst] += tokens
+        sent[inter][src] += tokens
+        recv[inter][dst] += tokens
 
     # Every sequence's costs at once (the loop below reads them as floats).
     whole_s = cost.compute(lens)
@@ -163,28 +166,37 @@ def zellige_times(step: list[list[int]], cost: CostModel, target: float, long_gr
     smallest = np.where(fits.any(axis=0), np.asarray(sizes)[np.argmax(fits, axis=0)], sizes[-1]).tolist()
     chunks = {g: cost.chunk(lens / g, lens, np.full(lens.size, g)).tolist() for g in sizes[1:]}
     whole_l, lens_l, home_l = whole_s.tolist(), lens.tolist(), home.tolist()
+    token_s: dict[int, float] = {}  # Ulysses seconds per token on a group of each size
     for i in order.tolist():
         length, src = lens_l[i], home_l[i]
         whole = whole_l[i]
         g = 1 if whole <= target else long_group or smallest[i]
         if g == 1:
-            r = int(np.argmin(load))
-            c = whole / speed[r]
+            r = int(load.argmin())
+            c = whole / speed_l[r]
             compute[r] += c
             load[r] += c
-            move(src, r, length)
+            if r != src:  # ``move``, inline: most sequences take this branch
+                inter = int(src // gpn != r // gpn)
+                sent[inter][src] += length
+                recv[inter][r] += length
             continue
         groups[g] = groups.get(g, 0) + 1
         # Aligned blocks inside nodes (g divides the node size): the one whose busiest GPU is least loaded.
-        start = int(np.argmin(load.reshape(-1, g).max(axis=1))) * g
+        start = int(load.reshape(-1, g).max(axis=1).argmin()) * g
         chunk = chunks[g][i]
-        per_token = cost.ulysses_token_s(g, 0)
+        per_token = token_s.get(g)
+        if per_token is None:
+            per_token = token_s[g] = cost.ulysses_token_s(g, 0)
+        share, uly = length / g, length / g * per_token  # the same for every rank of the group
         for r in range(start, start + g):
-            c, u = chunk / speed[r], length / g * per_token / speed[r]
+            c, u = chunk / speed_l[r], uly / speed_l[r]
             compute[r] += c
             ulysses[r] += u
             load[r] += c + u
-            move(src, r, length / g)
+            move(src, r, share)
+    compute, ulysses = np.asarray(compute), np.asarray(ulysses)
+    sent, recv = np.asarray(sent), np.asarray(recv)
     t_intra, t_inter = cost.route_token_s(False), cost.route_token_s(True)
     route = np.maximum(np.maximum(sent[0], recv[0]) * t_intra, np.maximum(sent[1], recv[1]) * t_inter)
     layout = "overlapping: " + (", ".join(f"{n} group(s) of {g}" for g, n in sorted(groups.items(), reverse=True))
@@ -278,9 +290,12 @@ def rivals_table(
             text = 0 if c.attention_kind == "cross" else MAX_TEXT_TOKENS  # a cross-attention model charges the text
             evaluated = steps_at(mix, world, steps, seed, text)
             history = steps_at(mix, world, history_steps, seed + 1000, text)
-            auto = search_topology(history, world, c, c.gpus_per_node).topology
-            fixed = knapformer_topology(history, c)
-            preds = [rivals_step(s, c, auto, fixed) for s in evaluated]
+            # The planners plan the same balance groups on the same topologies again and
+            # again (every rival that tries g8n4 on the step): each is solved once.
+            with memoized():
+                auto = search_topology(history, world, c, c.gpus_per_node).topology
+                fixed = knapformer_topology(history, c)
+                preds = [rivals_step(s, c, auto, fixed) for s in evaluated]
             row = {"mix": mix, "model": model, "world_size": world, "steps": steps,
                    "seconds": time.perf_counter() - t0, "planners": {}}
             for name in PLANNERS:
