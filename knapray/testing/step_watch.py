@@ -51,6 +51,36 @@ _SENT = {"alltoall_base_": 1, "_allgather_base_": 1, "allgather_into_tensor_coal
 _KNAPRAY = str(Path(__file__).resolve().parents[1])
 
 
+_KIND: dict[int, tuple] = {}
+"""id of an op -> (the op, what ``StepWatch`` watches it for: ``_kind``); the op is kept, so
+its id is never another's."""
+_DTENSOR_TYPES: dict[tuple, bool] = {}
+"""The ``types`` a mode is called with -> whether one is a DTensor (left to DTensor)."""
+
+
+def _kind(func) -> str | None:
+    """What ``StepWatch`` watches op ``func`` for, None for nothing."""
+    if func.namespace in ("c10d", "_c10d_functional"):
+        return "collective"
+    if func in SYNC_OPS:
+        return "sync"
+    if func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default):
+        return "index"
+    if func in COPIES:
+        return "copy"
+    if func in FLOAT8_MATMULS:
+        return "float8"
+    if func in MATMULS:
+        return "matmul"
+    return None
+
+
+def _has_dtensor(types) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(issubclass(t, DTensor) for t in types)
+
+
 def _where() -> str:
     """The innermost knapray source line on the stack (outside this module)."""
     for frame in reversed(traceback.extract_stack()[:-2]):
@@ -140,30 +170,41 @@ class StepWatch(TorchDispatchMode):
             where.append(line)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.distributed.tensor import DTensor
-
-        if any(issubclass(t, DTensor) for t in types):
+        # Every op of a step comes here (some 200,000 in a full-width dry run), most watched for
+        # nothing: what an op is watched for and whether its types hold a DTensor are looked up
+        # by the op's identity and the types' tuple, each worked out once (an op's own hash is
+        # a Python call).
+        seen = _KIND.get(id(func))
+        if seen is None or seen[0] is not func:
+            seen = _KIND[id(func)] = (func, _kind(func))
+        subclass = _DTENSOR_TYPES.get(types)
+        if subclass is None:
+            subclass = _DTENSOR_TYPES[types] = _has_dtensor(types)
+        if subclass:
             return NotImplemented
         kwargs = kwargs or {}
-        ns = func.namespace
-        if ns in ("c10d", "_c10d_functional"):
+        if seen[1] is not None:
+            self._watch(seen[1], func, types, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _watch(self, kind: str, func, types, args, kwargs) -> None:
+        if kind == "collective":
             self._collective(func, args, kwargs)
-        elif func in SYNC_OPS:
+        elif kind == "sync":
             self._sync(SYNC_OPS[func])
-        elif func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default):
+        elif kind == "index":
             if any(t.dtype == torch.bool for t in _tensors(args[1])):
                 self._sync(f"{func.__name__} with a boolean mask (output size is data)")
-        elif func in COPIES:
+        elif kind == "copy":
             self._copy(func, args, kwargs)
-        elif func in FLOAT8_MATMULS or (func in MATMULS and any(t.__name__.startswith("Float8") for t in types)):
+        elif kind == "float8" or (kind == "matmul" and any(t.__name__.startswith("Float8") for t in types)):
             self.float8_matmuls += 1  # _scaled_mm, or a matmul of torchao's float8 tensors (it calls _scaled_mm)
-        elif func in MATMULS and self.compute_dtype != torch.float32:
+        elif kind == "matmul" and self.compute_dtype != torch.float32:
             self.matmuls += 1
             floats = [t for t in _tensors(list(args)) if t.is_floating_point()]
             if any(t.dtype != self.compute_dtype for t in floats):
                 self._note(self.dtype_violations, f"{func.__name__} on {sorted({str(t.dtype) for t in floats})}, "
                                                   f"not {self.compute_dtype}")
-        return func(*args, **kwargs)
 
     def _collective(self, func, args, kwargs) -> None:
         name = func._opname
