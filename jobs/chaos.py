@@ -85,4 +85,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from knapray.stopping import run_main
+
+    run_main(main)

@@ -88,5 +88,13 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+def run() -> None:
+    """The ``knapray`` command (pyproject's script): ``main`` as the process, which ends
+    without the interpreter's teardown (``knapray.stopping.run_main``)."""
+    from knapray.stopping import run_main
+
+    run_main(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -316,4 +316,6 @@ def _count(n: int, what: str) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from knapray.stopping import run_main
+
+    run_main(main)

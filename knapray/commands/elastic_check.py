@@ -69,4 +69,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from knapray.stopping import run_main
+
+    run_main(main)

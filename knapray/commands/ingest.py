@@ -160,4 +160,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from knapray.stopping import run_main
+
+    run_main(main)

@@ -64,4 +64,6 @@ def _report(r: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from knapray.stopping import run_main
+
+    run_main(main)

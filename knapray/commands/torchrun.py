@@ -198,4 +198,6 @@ def _first_line(error: BaseException) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from knapray.stopping import run_main
+
+    run_main(main)

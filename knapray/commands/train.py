@@ -339,4 +339,6 @@ def start_ray(ray, kwargs: dict, attempts: int = 1, all_interfaces: bool = False
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from knapray.stopping import run_main
+
+    run_main(main)
