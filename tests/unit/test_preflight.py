@@ -105,6 +105,8 @@ def test_check_reports_what_it_checked_and_starts_nothing(demo_corpus, tmp_path,
     assert any("text_dim 16, pooled_dim 16" in line for line in out), out  # the corpus's widths
     # The same through jobs/train.py (the ray job submit entrypoint) and the torchrun launcher.
     monkeypatch.setattr(sys, "argv", ["jobs/train.py", *base])
+    # (its process ends by os._exit once its work is out: here, as sys.exit, in this one)
+    monkeypatch.setattr("knapray.stopping.exit_now", sys.exit)
     with pytest.raises(SystemExit) as e:
         runpy.run_path(str(REPO / "jobs" / "train.py"), run_name="__main__")
     assert e.value.code == 0 and "pre-flight passed" in capsys.readouterr().out
