@@ -215,9 +215,9 @@ def _place(step, lens: np.ndarray, home: np.ndarray, long: np.ndarray, topo: Top
     # sender's per-token routing seconds to each rank of its group (0 to itself) are made
     # once: 0 x tokens is the 0 a per-sequence expression would give.
     per_token: dict[int, np.ndarray] = {}
-    whole_on = np.where(topo.bag_sizes[topo.bag_of_rank] == 1, topo.bag_of_rank, topo.num_bags + np.arange(world))
+    whole_on: dict[int, int] = {}  # rank -> ``_whole_on``, for the ranks chosen
     whole_l, short_l, home_l, lens_l = whole.tolist(), short.tolist(), home.tolist(), lens.tolist()
-    speed_l, whole_on_l = speed.tolist(), whole_on.tolist()
+    speed_l = speed.tolist()
     unit_speed = bool(np.all(speed == 1.0))
     for i in np.argsort(-whole, kind="stable").tolist():
         s = short_l[i]
@@ -236,7 +236,10 @@ def _place(step, lens: np.ndarray, home: np.ndarray, long: np.ndarray, topo: Top
         loads[r] += w / speed_l[r] + (0.0 if r == src else route[q])
         if r != src:
             loads[src] += route[q]  # the sender's side of the exchange
-        bag[s] = whole_on_l[r]
+        b = whole_on.get(r)
+        if b is None:
+            b = whole_on[r] = _whole_on(topo, r)
+        bag[s] = b
     return bag
 
 
