@@ -122,6 +122,27 @@ def started_here(ray: Any) -> bool:
     return _STARTED_HERE[0] is not None and ray.is_initialized() and _gcs_address(ray) == _STARTED_HERE[0]
 
 
+def gone_here(ray: Any) -> bool:
+    """Whether the single-machine Ray ``init_ray`` started in this process is gone: its GCS
+    refuses connections (a signal to every process of the command's tree stopped it). Its
+    other servers go with it (Ray's fate-sharing), so nothing asked of it will answer, and a
+    driver thread of Ray's then polls the dead GCS without pause (a core busy until the
+    process ends). False for a cluster this process joined, where the GCS may be elsewhere
+    and come back."""
+    import socket
+
+    if not started_here(ray):
+        return False
+    host, _, port = (_STARTED_HERE[0] or "").rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=1.0):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError):  # a timeout, an odd address: not known to be gone
+        return False
+
+
 @contextlib.contextmanager
 def _expected_startups(num_cpus: int | None) -> Iterator[None]:
     """Inside: the raylet started expects 4 worker processes per logical CPU (``num_cpus``, else

@@ -331,14 +331,26 @@ too, and each call to it then waited 60 s before Ray ended the process, exit 1, 
 
 
 def _abort_within(ray: Any, trainer: Any, cfg: TrainConfig, signals, limit_s: float) -> bool:
-    """``_abort`` on a thread of its own, waited for up to ``limit_s``: whether it finished
-    (False: Ray did not answer; the run's workers went with its servers)."""
+    """``_abort`` on a thread of its own, waited for up to ``limit_s``, or until the
+    single-machine Ray this command started is gone (``local_ray.gone_here``: the signal
+    stopped its servers too, and nothing more will answer): whether it finished (False: Ray
+    did not answer; the run's workers went with its servers)."""
     import threading
+
+    from knapray.local_ray import gone_here
 
     thread = threading.Thread(target=_abort, args=(ray, trainer, cfg, signals), name="knapray-abort", daemon=True)
     thread.start()
-    thread.join(limit_s)
+    deadline = time.monotonic() + limit_s
+    while thread.is_alive() and time.monotonic() < deadline:
+        thread.join(min(ABORT_POLL_S, max(0.0, deadline - time.monotonic())))
+        if thread.is_alive() and gone_here(ray):
+            return False
     return not thread.is_alive()
+
+
+ABORT_POLL_S = 0.5
+"""How often a stopping driver checks whether its own Ray is gone while it waits."""
 
 
 def _abort(ray: Any, trainer: Any, cfg: TrainConfig, signals) -> None:
