@@ -115,8 +115,19 @@ def _run(args: argparse.Namespace, signals) -> int:
         _passed(lines)
         return 0
     if done_at is not None and not args.check:
-        # A finished run resubmitted: say so, start nothing, compare nothing.
+        # A finished run resubmitted: say so, start nothing, compare nothing; the run files of
+        # one whose driver was stopped after its last checkpoint are written now.
+        from knapray.driver.launch import finish_run_files
+
+        try:
+            finished = finish_run_files(cfg)
+        except RunError as e:  # its lock held by a live process
+            print(f"knapray train: error: {e}", file=sys.stderr)
+            return 2
         _nothing_trained(cfg, done_at, len(read_metrics(cfg.run_dir)))
+        if finished is not None:
+            print(f"[knapray] wrote the run files its stopped driver had not: summary.json, ledger.jsonl "
+                  f"({finished['ledger_rows']} rows), rank_work.png in {cfg.run_dir}", flush=True)
         return 0
 
     import ray

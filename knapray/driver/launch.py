@@ -135,13 +135,16 @@ def run_training(cfg: TrainConfig, *, checked: Preflight | None = None) -> dict:
         print(f"[knapray] {start.message}", flush=True)
         saved = None if start.resume_from is None else read_trainer_state(start.resume_from)
         if saved is not None and run_complete(cfg, saved):
-            # Nothing left to train: no worker starts, and nothing is rewritten.
+            # Nothing left to train: no worker starts, and nothing is rewritten (the run
+            # files a stopped driver left unwritten are written, after the lock's release).
             summary = {"records": [], "world_size": saved.get("world_size"), "topology": saved.get("topology"),
-                       "run": {"summary": summarize(read_metrics(cfg.run_dir))}}
+                       "run": {"summary": summarize(read_metrics(cfg.run_dir))}, "complete": True}
         else:
             summary = _fit(cfg, pre.corpus, checkpoint_step(start.resume_from) + 1)
     finally:
         lock.release()
+    if summary.pop("complete", False):
+        finish_run_files(cfg)
     # Rank 0 rewrites metrics.jsonl back to the resumed checkpoint, so every step after it
     # was trained by this call (earlier attempts of a restarted group included).
     covered = checkpoint_step(start.resume_from)
@@ -159,6 +162,31 @@ def completed_run(cfg: TrainConfig, start: RunStart) -> int | None:
         return None
     saved = read_trainer_state(start.resume_from)
     return int(saved["step"]) if run_complete(cfg, saved) else None
+
+
+def finish_run_files(cfg: TrainConfig) -> dict | None:
+    """A complete run whose driver stopped after its last checkpoint but before its run files
+    (a signal in between): the ledger rows its last checkpoint carried recorded (the
+    coordinator went with the run's Ray), then ``summary.json``, ``ledger.jsonl`` and the
+    per-rank plot written, under the run's lock. Returns the run-level summary, or None when
+    the run has its files already (they are left as they are)."""
+    from knapray.driver.run_dir import RunLock
+    from knapray.worker.checkpoint import completed_checkpoints
+    from knapray.worker.ledger_files import take_over
+
+    run = RunDir(cfg.run_dir)
+    if os.path.exists(run.summary):
+        return None
+    lock = RunLock(cfg.run_dir).acquire()
+    try:
+        newest = completed_checkpoints(run.checkpoints)
+        if os.path.exists(run.summary) or not newest:  # finished meanwhile, or nothing to finish
+            return None
+        take_over(cfg.run_dir, newest[-1])
+        saved = read_trainer_state(newest[-1])
+        return write_run_files(cfg, {"topology": saved.get("topology"), "world_size": saved.get("world_size")})
+    finally:
+        lock.release()
 
 
 def run_complete(cfg: TrainConfig, saved: dict) -> bool:

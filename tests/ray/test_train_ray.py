@@ -90,8 +90,15 @@ def test_two_epochs_then_one_more_on_the_finished_run_exactly_once(ray_session, 
     again = run_training(_cfg(corpus_dir, tmp_path, max_steps=0, epochs=2))
     assert (again["new_steps"], again["records"], again["resumed_from_step"]) == (0, [], steps[-1])
     assert _ledger(tmp_path) == rows
-    # ... and `knapray train` says so before it starts Ray, with no unbalanced run either.
+    # ... and `knapray train` says so before it starts Ray, with no unbalanced run either;
+    # a run whose driver was stopped after its last checkpoint, before its run files (a
+    # signal in between), gets them now: its ledger's rows as they were, its summary, its plot.
     from knapray.commands import train as job
+
+    run_dir = tmp_path / "resume"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for name in ("summary.json", "ledger.jsonl", "rank_work.png"):
+        (run_dir / name).unlink()
 
     empty = tmp_path / "empty.yaml"
     empty.write_text("{}\n")
@@ -101,6 +108,11 @@ def test_two_epochs_then_one_more_on_the_finished_run_exactly_once(ray_session, 
     assert f"nothing trained: run 'resume' was already complete (its checkpoint at step {steps[-1]}" in out
     assert "0 new steps" in out and "balanced run" not in out
     assert not (tmp_path / "resume-unbalanced").exists()
+    assert f"wrote the run files its stopped driver had not: summary.json, ledger.jsonl ({len(rows)} rows)" in out
+    assert _ledger(tmp_path) == rows and (run_dir / "rank_work.png").stat().st_size > 0
+    again_summary = json.loads((run_dir / "summary.json").read_text())
+    for key in ("summary", "topology", "world_size", "ledger_rows", "ledger_missing_steps"):
+        assert again_summary[key] == summary[key], key
 
     # One more epoch on the finished run: epoch 2 is trained, from the next step on, as a
     # new attempt; no step is written twice.
