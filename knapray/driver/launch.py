@@ -134,16 +134,17 @@ def run_training(cfg: TrainConfig, *, checked: Preflight | None = None) -> dict:
     try:
         print(f"[knapray] {start.message}", flush=True)
         saved = None if start.resume_from is None else read_trainer_state(start.resume_from)
-        if saved is not None and run_complete(cfg, saved):
+        complete = saved is not None and run_complete(cfg, saved)
+        if complete:
             # Nothing left to train: no worker starts, and nothing is rewritten (the run
             # files a stopped driver left unwritten are written, after the lock's release).
             summary = {"records": [], "world_size": saved.get("world_size"), "topology": saved.get("topology"),
-                       "run": {"summary": summarize(read_metrics(cfg.run_dir))}, "complete": True}
+                       "run": {"summary": summarize(read_metrics(cfg.run_dir))}}
         else:
             summary = _fit(cfg, pre.corpus, checkpoint_step(start.resume_from) + 1)
     finally:
         lock.release()
-    if summary.pop("complete", False):
+    if complete:
         finish_run_files(cfg)
     # Rank 0 rewrites metrics.jsonl back to the resumed checkpoint, so every step after it
     # was trained by this call (earlier attempts of a restarted group included).
