@@ -7,6 +7,8 @@ folder (pip's ``find-links``), a mirror (``index-url``, ``extra-index-url``) or 
 PyPI instead of a CPU build on disk. This prints those of pip's settings (its configuration
 files and ``PIP_*`` variables, as ``pip config list`` shows them, the later source winning)
 as uv's flags. With extra indexes uv is told to compare every index's versions, as pip does.
+pip's ``cert`` has no flag every uv takes (``--native-tls``, renamed ``--system-certs``): where
+uv cannot reach an index over TLS, the Makefile installs with pip.
 
 Usage: ``python tools/pip_sources.py [--no-index-url]``; ``--no-index-url`` leaves out pip's
 indexes (the Makefile's torch step with its own ``TORCH_INDEX``). Exit 0 always: where pip
@@ -59,8 +61,6 @@ def uv_args(settings: dict[str, str], with_indexes: bool = True) -> list[str]:
         args += ["--index-strategy", "unsafe-best-match"]
     if settings.get("no-index", "").lower() in ("1", "true", "yes", "on"):
         args.append("--no-index")
-    if "cert" in settings:  # pip's own CA bundle: uv reads the system's store instead of its own
-        args.append("--native-tls")
     return args
 
 
