@@ -34,7 +34,10 @@ RAY_TMP=$(mktemp -d /tmp/knapray-ray-XXXXXX)
 # --block keeps `ray start` in the foreground; stopping it (its own process group) stops
 # exactly the processes it started. RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 gives the node the
 # address 127.0.0.1, which binds every server of the head to the loopback interface.
-RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 setsid ray start --head --block --port "$GCS_PORT" --dashboard-port "$DASH_PORT" \
+# RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0: on SIGTERM the head stops at once; Ray's default
+# first drains the node for up to 30 s (for Serve proxies still routing to it: there are none
+# here), so every run of this script waited out the 10 s below and killed it.
+RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 setsid ray start --head --block --port "$GCS_PORT" --dashboard-port "$DASH_PORT" \
     --include-dashboard=true --dashboard-agent-listen-port "$AGENT_PORT" --dashboard-agent-grpc-port "$AGENT_GRPC_PORT" \
     --runtime-env-agent-port "$RUNTIME_ENV_PORT" --metrics-export-port "$METRICS_PORT" \
     --node-manager-port "$NODE_MANAGER_PORT" --object-manager-port "$OBJECT_MANAGER_PORT" \
@@ -46,6 +49,9 @@ HEAD_PID=$!
 cleanup() {
     kill -TERM -- "-$HEAD_PID" 2>/dev/null || true
     for _ in $(seq 50); do kill -0 "$HEAD_PID" 2>/dev/null || break; sleep 0.2; done
+    if kill -0 "$HEAD_PID" 2>/dev/null; then
+        echo "[submit_demo] the Ray head did not stop within 10 s of SIGTERM; killing it" >&2
+    fi
     kill -KILL -- "-$HEAD_PID" 2>/dev/null || true
     wait "$HEAD_PID" 2>/dev/null || true
 }
@@ -65,9 +71,17 @@ print(f"dashboard agents on HTTP ports {ports}")
 sys.exit(0 if int(sys.argv[2]) in ports else 1)
 PROBE
 }
+# Whether something listens on 127.0.0.1:PORT: a bare Python, no Ray import. The checks above
+# start a Python that imports Ray (1-2 CPU-s each): they wait until both ports listen, so that
+# the wait does not take the cores the head is starting on.
+port_open() {
+    python -c "import socket, sys; socket.create_connection(('127.0.0.1', int(sys.argv[1])), 1).close()" "$1" \
+        >"$RAY_TMP/ready.log" 2>&1
+}
 HEAD_TIMEOUT_S=${KNAPRAY_HEAD_TIMEOUT_S:-120}
 deadline=$((SECONDS + HEAD_TIMEOUT_S))
-until timeout 15 ray job list --address "http://127.0.0.1:$DASH_PORT" >"$RAY_TMP/ready.log" 2>&1 && agent_ready; do
+until port_open "$DASH_PORT" && port_open "$AGENT_PORT" \
+    && timeout 15 ray job list --address "http://127.0.0.1:$DASH_PORT" >"$RAY_TMP/ready.log" 2>&1 && agent_ready; do
     if ! kill -0 "$HEAD_PID" 2>/dev/null; then
         echo "[submit_demo] error: the Ray head exited before its jobs API answered; its log ($RAY_TMP/head.log) ends:" >&2
         tail -n 20 "$RAY_TMP/head.log" >&2
@@ -80,7 +94,7 @@ until timeout 15 ray job list --address "http://127.0.0.1:$DASH_PORT" >"$RAY_TMP
         tail -n 5 "$RAY_TMP/ready.log" >&2
         exit 1
     fi
-    sleep 1
+    sleep 0.5
 done
 echo "[submit_demo] private Ray head on 127.0.0.1, ports $GCS_PORT (GCS) / $DASH_PORT (jobs) / $AGENT_PORT" \
      "(dashboard agent), takes jobs after ${SECONDS}s (its temp dir: $RAY_TMP)"

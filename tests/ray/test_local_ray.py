@@ -66,46 +66,58 @@ ray.shutdown()
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("signal_to", ["main", "another thread"])
-def test_the_ray_knapray_train_starts_listens_on_loopback_only(signal_to):
+def test_the_ray_knapray_train_starts_listens_on_loopback_only():
     """The embedded Ray as ``knapray train`` starts it; a SIGTERM arrives as ``ray.init`` ends,
     to the main thread (which holds it) or to another thread of the process (which Ray's crash
     handler, installed as its core worker starts, takes: its stack dump printed, then an alarm
-    set to abort the process 3 s later: exit 134 after the command's line)."""
+    set to abort the process 3 s later: exit 134 after the command's line). The two cases run
+    at once, each its own process and Ray (most of each is waiting: Ray's start, the 3.5 s
+    past the alarm)."""
+    import json
     import os
     import shutil
     import tempfile
 
-    ray_tmp = tempfile.mkdtemp(prefix="kr-", dir="/tmp")  # short: Ray's socket paths have a length limit
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(PYTHONPATH=str(REPO), RAY_TMPDIR=ray_tmp, SIGNAL_TO=signal_to)
+    started = {}
+    for signal_to in ("main", "another thread"):
+        ray_tmp = tempfile.mkdtemp(prefix="kr-", dir="/tmp")  # short: Ray's socket paths have a length limit
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env.update(PYTHONPATH=str(REPO), RAY_TMPDIR=ray_tmp, SIGNAL_TO=signal_to)
+        proc = subprocess.Popen([sys.executable, "-c", LISTENING], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        started[signal_to] = (proc, ray_tmp)
+    outs = {}
     try:
-        out = subprocess.run([sys.executable, "-c", LISTENING], cwd=REPO, env=env, capture_output=True, text=True,
-                             timeout=240)
+        for signal_to, (proc, _) in started.items():
+            stdout, stderr = proc.communicate(timeout=240)
+            outs[signal_to] = (proc.returncode, stdout, stderr)
     finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert out.returncode == 0, out.stderr[-3000:]  # not -6: Ray's crash handler's alarm, cancelled
-    import json
-
-    seen = json.loads(out.stdout.strip().splitlines()[-1])
-    assert seen["node"] == "127.0.0.1", seen
-    assert seen["started_here"] is True  # the single-machine Ray knapray started (its fits: no preemption watcher)
-    # ray.init left the command's SIGTERM handler in place (Ray's own, sys.exit(15), replaced it
-    # for the start: a SIGTERM then exited 15, or, handled in a fork hook, was dropped)
-    assert seen["sigterm_kept"] is True
-    # A SIGTERM that arrived inside ray.init was held, and handled by the command's handler as
-    # ray.init returned, not inside it (where it stopped a half-started Ray: exit 134), and
-    # Ray's native crash handler, which it installs for SIGTERM as it connects, printed nothing.
-    assert seen["stopped"] == "after it", seen
-    if signal_to == "main":  # held there: Ray's crash handler never ran
-        assert "SIGTERM received" not in out.stderr, out.stderr[-3000:]
-    # Ray's processes in a session of their own: a SIGTERM to the command's process group
-    # reaches the command alone, which stops the run, then them.
-    assert {"gcs_server", "raylet"} <= set(seen["own_session"]) and all(seen["own_session"].values()), seen
-    names = {name for _, _, name in seen["listening"]}
-    assert {"gcs_server", "raylet"} <= names, seen  # Ray's servers were found, and...
-    others = [s for s in seen["listening"] if s[0] not in ("127.0.0.1", "::ffff:127.0.0.1")]
-    assert not others, f"listening beyond the loopback interface: {others}"  # ... none listens elsewhere
+        for proc, ray_tmp in started.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            shutil.rmtree(ray_tmp, ignore_errors=True)
+    for signal_to, (code, stdout, stderr) in outs.items():
+        assert code == 0, (signal_to, stderr[-3000:])  # not -6: Ray's crash handler's alarm, cancelled
+        seen = json.loads(stdout.strip().splitlines()[-1])
+        assert seen["node"] == "127.0.0.1", seen
+        assert seen["started_here"] is True  # the single-machine Ray knapray started (its fits: no preemption watcher)
+        # ray.init left the command's SIGTERM handler in place (Ray's own, sys.exit(15), replaced it
+        # for the start: a SIGTERM then exited 15, or, handled in a fork hook, was dropped)
+        assert seen["sigterm_kept"] is True
+        # A SIGTERM that arrived inside ray.init was held, and handled by the command's handler as
+        # ray.init returned, not inside it (where it stopped a half-started Ray: exit 134), and
+        # Ray's native crash handler, which it installs for SIGTERM as it connects, printed nothing.
+        assert seen["stopped"] == "after it", (signal_to, seen)
+        if signal_to == "main":  # held there: Ray's crash handler never ran
+            assert "SIGTERM received" not in stderr, stderr[-3000:]
+        # Ray's processes in a session of their own: a SIGTERM to the command's process group
+        # reaches the command alone, which stops the run, then them.
+        assert {"gcs_server", "raylet"} <= set(seen["own_session"]) and all(seen["own_session"].values()), seen
+        names = {name for _, _, name in seen["listening"]}
+        assert {"gcs_server", "raylet"} <= names, seen  # Ray's servers were found, and...
+        others = [s for s in seen["listening"] if s[0] not in ("127.0.0.1", "::ffff:127.0.0.1")]
+        assert not others, f"listening beyond the loopback interface: {others}"  # ... none listens elsewhere
 
 
 class _FakeRay:
