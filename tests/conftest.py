@@ -41,9 +41,25 @@ def _start_ray():
     import ray
 
     if not ray.is_initialized():
+        _fast_worker_start()
         ray.init(num_cpus=6, include_dashboard=False, namespace="knapray-test", log_to_driver=False,
                  configure_logging=False)
     return ray
+
+
+def _fast_worker_start():
+    """Every Python worker a Ray started by this process runs ``tests/ray_worker_start.py``
+    first, in place of Ray's ``setup_worker.py``, which imports Ray only to set the worker's
+    environment and exec it (0.5 CPU-s a worker, hundreds of workers in the suite). Ray reads
+    the file name when a node starts (``ray._private.node``); Ray's own program stays the
+    fallback for anything but a plain Python worker."""
+    from ray._private import ray_constants
+
+    ours = str(TESTS_DIR / "ray_worker_start.py")
+    if ray_constants.SETUP_WORKER_FILENAME != ours:
+        os.environ["KNAPRAY_TEST_RAY_SETUP_WORKER"] = os.path.join(
+            os.path.dirname(ray_constants.__file__), "workers", ray_constants.SETUP_WORKER_FILENAME)
+        ray_constants.SETUP_WORKER_FILENAME = ours
 
 
 @pytest.fixture(scope="session")
