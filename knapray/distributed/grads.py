@@ -53,3 +53,67 @@ def allreduce_gradients(
         p.grad = flat[offset : offset + n].view_as(g).to(g.dtype)
         offset += n
     return flat[offset:].cpu() if extras is not None else None
+
+@torch.no_grad()
+def global_grad_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of ``grads`` taken whole, the same 0-d float32 tensor on every rank: a
+    DTensor gradient (FSDP's shards, HSDP's replicated shards) counts its local tensor, whose
+    squares are summed over each mesh dimension it is sharded on (replicas count once), one
+    all-reduce per such set of groups; a plain gradient counts whole (a replicated
+    parameter's gradient is the same on every rank).
+
+    The norm of ``torch.nn.utils.get_total_norm`` and ``full_tensor``, computed on the local
+    tensors: DTensor's dispatch of the foreach ops over hundreds of gradients costs seconds
+    of host time at its first step (its sharding propagation: 12 of a 64-rank dry run's 83 s)
+    and a wrap per tensor every step. A gradient with a Partial placement (not FSDP's) is
+    left to DTensor."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    local: dict[tuple, tuple[torch.device, list[torch.Tensor]]] = {}
+    whole: list[torch.Tensor] = []  # squared norms already over every rank
+    for g in grads:
+        groups: tuple = ()
+        if isinstance(g, DTensor):
+            if any(isinstance(p, Partial) for p in g.placements):
+                whole.append(torch.linalg.vector_norm(g, dtype=torch.float32).full_tensor().square())
+                continue
+            groups = tuple(g.device_mesh.get_group(d) for d, p in enumerate(g.placements) if p.is_shard())
+            g = g.to_local()
+        # the key is made on every rank alike (the parameters' order), an empty shard's too:
+        # every rank joins every all-reduce
+        _, tensors = local.setdefault(groups, (g.device, []))
+        if g.numel():
+            tensors.append(g)
+    parts = [s.reshape(()) for s in whole]
+    for groups, (device, tensors) in local.items():
+        part = torch.zeros((), dtype=torch.float32, device=device)
+        by_kind: dict[tuple, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_kind.setdefault((t.device, t.dtype), []).append(t)
+        for (_, dtype), kind in by_kind.items():  # a half-precision gradient's norm taken in float32
+            norms = torch._foreach_norm(kind, 2, dtype=torch.float32) if dtype in (torch.bfloat16, torch.float16) \
+                else torch._foreach_norm(kind)
+            part = part + torch.stack(norms).to(device=device, dtype=torch.float32).square().sum()
+        for group in groups:
+            dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group)
+        parts.append(part)
+    if not parts:
+        return torch.zeros(())
+    device = parts[0].device
+    return torch.stack([p.to(device) for p in parts]).sum().sqrt()
+
+
+@torch.no_grad()
+def clip_by_norm_(grads: Iterable[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
+    """Scale ``grads`` in place by ``max_norm / total`` where that is below 1 (torch's
+    ``clip_grads_with_norm_``), a DTensor's through its local tensor; no host sync."""
+    from torch.distributed.tensor import DTensor
+
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        t = g.to_local() if isinstance(g, DTensor) else g
+        if t.numel():
+            by_kind.setdefault((t.device, t.dtype), []).append(t)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for (device, dtype), tensors in by_kind.items():
+        torch._foreach_mul_(tensors, coef.to(device=device, dtype=dtype))

@@ -412,7 +412,7 @@ def expected_collectives(setup: Setup, plan, depth: tuple[int, int]) -> dict:
         add("_reduce_scatter_base_", shard, blocks if frozen_front else units)
         add("allreduce_", replicate, blocks if frozen_front else units)
         if cfg.optim.grad_clip > 0:
-            add("all_reduce", shard, 1)  # the sharded gradients' norm (DTensor.full_tensor)
+            add("allreduce_", shard, 1)  # the sharded gradients' squared norm (distributed.grads.global_grad_norm)
         from knapray.worker.float8 import gathers_in_float8
 
         if cfg.parallel.fp8 and gathers_in_float8(cfg.parallel.fp8_scaling, True):

@@ -58,7 +58,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from knapray.config.parallel import ParallelConfig
-from knapray.distributed.grads import allreduce_gradients
+from knapray.distributed.grads import allreduce_gradients, clip_by_norm_, global_grad_norm
 from knapray.distributed.parallel_dims import ParallelDims
 from knapray.models.families import FAMILIES
 from knapray.planning.costs.checkpointing import SELECTIVE_KEEPS
@@ -371,17 +371,14 @@ class ParallelModel:
 
 
 def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` that also takes FSDP's DTensor gradients: their
-    local norms are partial, ``full_tensor`` sums their squares over the mesh."""
-    from torch.distributed.tensor import DTensor
-
-    params = [p for p in params if p.grad is not None]
-    if not params:
+    """``torch.nn.utils.clip_grad_norm_`` that also takes FSDP's DTensor gradients, on their
+    local tensors: the squares of a sharded gradient summed over the mesh dimensions it is
+    sharded on (``distributed.grads.global_grad_norm``)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
         return torch.zeros(())
-    total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    total = global_grad_norm(grads)
+    clip_by_norm_(grads, max_norm, total)
     return total
 
 

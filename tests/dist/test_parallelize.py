@@ -430,3 +430,50 @@ def test_bf16_params_under_fsdp_train_close_to_fp32_with_clipping():
     # Clipped by 0.5 / norm: undo it to compare with the unclipped reference.
     grads = torch.cat([torch.from_numpy(res[0]["grads"][n]).flatten() for n in ref_grads]) * (res[0]["norm"] / 0.5)
     assert rel(grads, torch.cat([g.flatten() for g in ref_grads.values()])) < GRAD_RTOL
+
+
+def _grad_norm_worker(rank: int, world: int) -> dict:
+    """Gradients of every kind a step may hold, built the same on every rank, their norm and
+    clip on local tensors (``clip_grad_norm_``) against the whole tensors' in float64."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    from knapray.worker.parallelize import clip_grad_norm_
+
+    gen = torch.Generator().manual_seed(7)
+    flat = init_device_mesh("cpu", (world,))
+    hybrid = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    whole = [torch.randn(10, 3, generator=gen), torch.randn(2, 5, generator=gen),  # uneven; ranks 2, 3 hold nothing
+             torch.randn(7, generator=gen).to(torch.bfloat16), torch.randn(9, 4, generator=gen),
+             torch.randn(3, 3, generator=gen), torch.randn(6, generator=gen)]
+    partial_local = torch.randn(4, 4, generator=torch.Generator().manual_seed(100 + rank))
+    grads = [distribute_tensor(whole[0], flat, [Shard(0)]), distribute_tensor(whole[1], flat, [Shard(0)]),
+             distribute_tensor(whole[2], flat, [Shard(0)]),
+             distribute_tensor(whole[3], hybrid, [Replicate(), Shard(0)]),  # HSDP
+             DTensor.from_local(partial_local, flat, [Partial()]), whole[5].clone()]  # a replicated plain one
+    full = [g.full_tensor() if isinstance(g, DTensor) else g.clone() for g in grads]
+    expected = torch.cat([f.double().reshape(-1) for f in full]).norm().item()
+    from types import SimpleNamespace
+
+    params = [SimpleNamespace(grad=g) for g in grads]  # only .grad is read
+    max_norm = expected / 4
+    norm = clip_grad_norm_(params, max_norm)
+    after = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in params]
+    scale = [(a.double().norm() / f.double().norm()).item() for a, f in zip(after, full)]
+    return {"norm": norm.item(), "expected": expected, "scale": scale, "max_norm": max_norm,
+            "empty": [int(g.to_local().numel() == 0) for g in grads[:3]]}
+
+
+@pytest.mark.dist
+def test_the_gradient_norm_on_local_shards_is_the_whole_tensors_norm():
+    """FSDP's uneven shards (ranks with none), HSDP's replicated shards (counted once), a
+    bf16 gradient, a Partial DTensor and a replicated plain gradient: the norm taken on
+    local tensors is the norm of the whole tensors on every rank, and the clip scales each
+    by max_norm / norm."""
+    res = run_distributed(_grad_norm_worker, 4)
+    assert any(r["empty"][1] for r in res)  # a rank that holds no shard joins the reduction
+    for r in res:
+        assert r["norm"] == pytest.approx(r["expected"], rel=1e-5)
+        assert r["norm"] == pytest.approx(res[0]["norm"], rel=1e-7)
+        # bf16 rounds the scaled gradient: 2^-8 relative
+        assert r["scale"] == pytest.approx([r["max_norm"] / r["expected"]] * len(r["scale"]), rel=4e-3)

@@ -322,7 +322,7 @@ RULES = (
     Rule(r"^knapray dryrun --sample ", "parse", "each builds full-size models on fake tensors (13-20 s here); "
          "tests/unit/test_sample_dryrun.py runs the three placements"),
     Rule(r"^knapray dryrun --config jobs/configs/flux_cluster\.yaml", "parse", "the 64-rank Flux dry run takes "
-         "minutes here; tests/unit/test_dryrun.py runs it"),
+         "35 s here; tests/unit/test_dryrun.py runs it"),
     Rule(r"^knapray dryrun --config jobs/configs/qwen_image_lora\.yaml", "parse", "Qwen-Image's 60 blocks on fake "
          "tensors take 77 s here; tests/unit/test_dryrun.py runs the config with 12 of them"),
     Rule(r"^knapray dryrun --config jobs/configs/flux2_dev_lora\.yaml", "parse", "FLUX.2 [dev]'s 56 blocks on fake "

@@ -82,7 +82,8 @@ def test_flux_cluster_dry_runs_at_64_ranks(dryrun):
     # Ulysses on the bag of 8: q/k/v and output exchanges, forward, recompute and backward,
     # for 57 blocks; routing over the world; FSDP within the node, HSDP's all-reduce across.
     assert measured[("alltoall_base_", 8)] == 6 * 57 and measured[("alltoall_base_", 64)] == 6
-    assert measured[("_reduce_scatter_base_", 8)] == measured[("allreduce_", 8)] == 57 + 5
+    # HSDP's all-reduce across the nodes (8 of them), then the gradients' norm within the node
+    assert measured[("_reduce_scatter_base_", 8)] == measured[("allreduce_", 8)] - 1 == 57 + 5
     assert "q, k, v and every matmul in bfloat16 (114 attention calls" in out.stdout
 
 
