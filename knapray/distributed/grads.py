@@ -54,6 +54,7 @@ def allreduce_gradients(
         offset += n
     return flat[offset:].cpu() if extras is not None else None
 
+
 @torch.no_grad()
 def global_grad_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
     """The L2 norm of ``grads`` taken whole, the same 0-d float32 tensor on every rank: a
