@@ -16,6 +16,13 @@ when that parent dies, so it does not train on for a job marked failed.
 
 ``run_main(main)``: a command's process ends once its work is out (``exit_now``), without
 the interpreter's teardown of the thousands of modules torch and Ray bring.
+
+``drive_in_child(last_words)``: the rest of a command runs in a child process, and the
+command's own process waits for it and ends with its exit code. A driver that started its own
+Ray is ended by Ray, at once and without a word (``_Exit(1)``), when Ray's servers stop under
+it: a signal sent to every process of the command's tree (a Slurm step's cgroup, a process
+manager) stops them too. The waiting process, which holds no Ray, then says how the run
+stopped and ends with 128 + the signal, as the driver would have.
 """
 
 from __future__ import annotations
@@ -239,4 +246,118 @@ def exit_now(code: int) -> NoReturn:
         import ctypes
 
         ctypes.CDLL(None).fflush(None)
+    said(code)
     os._exit(code)
+
+
+def exit_at_once(code: int) -> NoReturn:
+    """End this process with status ``code`` now: its streams flushed, nothing else run (Ray's
+    exit hook would wait on servers that are gone)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    said(code)
+    os._exit(code)
+
+
+# ---- a driver in a process of its own ----------------------------------------------------
+
+_TELL: list[int | None] = [None]
+"""In a child of ``drive_in_child``: the pipe to the waiting parent."""
+
+
+def said(code: int) -> None:
+    """The command's last words are out and it ends with ``code``: told to the process waiting
+    for it (``drive_in_child``), which then adds none of its own; nothing elsewhere."""
+    fd = _TELL[0]
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.write(fd, f"{int(code)}\n".encode())
+
+
+def drive_in_child(last_words: Callable[["int | None", int], str]) -> None:
+    """POSIX: fork; the child returns from here and runs the rest of the command, the parent
+    waits for it and never returns. The parent forwards SIGINT and SIGTERM to the child, which
+    runs in a process group of its own (a terminal's Ctrl-C, or a signal to the command's
+    group, reaches it once, through the parent) and is sent SIGTERM if the parent dies. When
+    the child ends having said its last words (``said``: ``exit_now`` does), the parent ends
+    with the code it told; when it ends without them (Ray ended it, or a kill), the parent
+    prints ``last_words(signal, status)`` (``signal``: the first one the parent was sent, else
+    None; ``status``: the child's exit code, negative for the signal that killed it) on
+    stderr and ends with 128 + that signal, else with the child's status (128 + a killing
+    signal). Elsewhere (no fork), and in a child of its own, it returns at once."""
+    if not hasattr(os, "fork") or _TELL[0] is not None or threading.current_thread() is not threading.main_thread():
+        return
+    for stream in (sys.stdout, sys.stderr):  # nothing buffered here is written twice
+        with contextlib.suppress(Exception):
+            stream.flush()
+    read, write = os.pipe()
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)  # none lost between the fork and the handlers
+    try:
+        import warnings
+
+        with warnings.catch_warnings():  # 3.12's warning on a fork with threads (a math library's, idle)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+    except OSError:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        os.close(read)
+        os.close(write)
+        return
+    if pid == 0:
+        os.close(read)
+        _TELL[0] = write
+        with contextlib.suppress(OSError):
+            os.setpgid(0, 0)
+        _stop_with(os.getppid())
+        hook = sys.excepthook
+
+        def told(kind, value, tb) -> None:  # a traceback is its last words: exit 1
+            hook(kind, value, tb)
+            if not issubclass(kind, KeyboardInterrupt):
+                said(1)
+
+        sys.excepthook = told
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        return
+    os.close(write)
+    _wait_for(pid, read, before, last_words)
+
+
+def _stop_with(parent: int) -> None:
+    """Linux: SIGTERM this process when ``parent`` dies (now, if it died already)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _wait_for(pid: int, read: int, mask, last_words: Callable[["int | None", int], str]) -> NoReturn:
+    got: list[int] = []
+
+    def forward(signum, frame) -> None:
+        got.append(int(signum))
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+    for s in SIGNALS:
+        signal.signal(s, forward)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    _, status = os.waitpid(pid, 0)  # a handler that returns: the wait goes on (PEP 475)
+    os.set_blocking(read, False)
+    told = b""
+    with contextlib.suppress(OSError):  # nothing written (BlockingIOError): nothing said
+        told = os.read(read, 4096)
+    code = os.waitstatus_to_exitcode(status)
+    lines = told.decode(errors="replace").split()
+    if lines:
+        os._exit(int(lines[-1]))
+    if code == 0 and not got:
+        os._exit(0)
+    with contextlib.suppress(Exception):
+        print(last_words(got[0] if got else None, code), file=sys.stderr, flush=True)
+    os._exit(128 + got[0] if got else (code if code > 0 else 128 - code))

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     """``knapray train`` (``knapray.cli``) and ``jobs/train.py`` past their flags: SIGINT and
     SIGTERM stop it alike from here on."""
-    from knapray.stopping import exit_code, signal_name, stop_on_signals, stop_with_parent
+    from knapray.stopping import exit_code, said, signal_name, stop_on_signals, stop_with_parent
 
     stop_with_parent()  # a ray job submit entrypoint: SIGTERM when its shell dies
     signals = None
@@ -68,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM before training started (imports, pre-flight, Ray's start)
         name = signal_name(e, signals)
         how = "interrupted" if name == "SIGINT" else f"stopped by {name}"
-        print(f"\nknapray train: {how} before training started; nothing was trained", file=sys.stderr)
+        print(f"\nknapray train: {how} before training started; nothing was trained", file=sys.stderr, flush=True)
+        said(exit_code(e, signals))  # should Ray end this process now, its words are out
         return exit_code(e, signals)
 
 
@@ -130,6 +131,13 @@ def _run(args: argparse.Namespace, signals) -> int:
                   f"({finished['ledger_rows']} rows), rank_work.png in {cfg.run_dir}", flush=True)
         return 0
 
+    if not address:
+        # Ray ends a driver whose own servers stop under it at once and without a word (exit 1):
+        # a signal to every process of the command's tree stops them too. The driver runs in a
+        # child, and this process, which holds no Ray, says how the run stopped if it cannot.
+        from knapray.stopping import drive_in_child
+
+        drive_in_child(lambda signum, status: _driver_gone(cfg, signum, status))
     import ray
 
     # Ray's own INFO/WARNING lines stay in its session logs; the console shows knapray's
@@ -171,6 +179,22 @@ def _passed(lines: list[str]) -> None:
         print(f"  {line}")
 
 
+def _driver_gone(cfg, signum: int | None, status: int) -> str:
+    """The line for a driver (``stopping.drive_in_child``) that ended without its own: stopped
+    by ``signum`` (what the waiting process was sent), else ended with ``status``."""
+    import signal
+
+    from knapray.driver.launch import interrupted_line
+
+    if signum is not None:
+        how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+        return f"\nknapray train: {how}: {interrupted_line(cfg)}"
+    how = (f"was killed by {signal.Signals(-status).name}" if status < 0 else
+           f"ended with exit status {status} without a word (Ray ends it so when its own servers stop; their "
+           f"logs: {logs_dir()})")
+    return f"knapray train: error: the driver process {how}; {interrupted_line(cfg)}"
+
+
 def embedded_cpus(cfg, num_cpus: int | None) -> int:
     """Logical CPUs of the embedded Ray: ``--num-cpus``, else room for every worker and two
     more (Ray Data's readers, the coordinator) and at least 4."""
@@ -184,7 +208,7 @@ def _train(args: argparse.Namespace, cfg, pre, base, address: str | None, signal
 
     from knapray.driver.launch import Interrupted, StartTimeout, interrupted_line, run_training
     from knapray.driver.run_dir import RunError
-    from knapray.stopping import exit_code, signal_name
+    from knapray.stopping import exit_at_once, exit_code, said, signal_name
     from knapray.worker.guard import BadCorpus
     from knapray.driver.report import (comparison_lines, ledger_line, plot_comparison, prediction_line, quarantine_line,
                                       stopped_early_line)
@@ -212,9 +236,9 @@ def _train(args: argparse.Namespace, cfg, pre, base, address: str | None, signal
         how = "interrupted" if name == "SIGINT" else f"stopped by {name}"
         print(f"\nknapray train: {how}: {interrupted_line(cfg)}", file=sys.stderr, flush=True)
         code = exit_code(e, None if isinstance(e, Interrupted) else signals)
+        said(code)  # should Ray end this process now, its words are out and its code known
         if getattr(e, "ray_lost", False):  # its servers stopped too: Ray's exit would wait 60 s on them, then exit 1
-            sys.stdout.flush()
-            os._exit(code)
+            exit_at_once(code)
         return code
     except OSError as e:  # the environment (a disk, a mount): one line naming the path
         print(f"knapray train: error: {e}", file=sys.stderr)

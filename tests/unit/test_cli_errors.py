@@ -208,7 +208,11 @@ def test_ctrl_c_or_sigterm_while_starting_is_one_line_and_exit_130_or_143(tmp_pa
     dropped in a fork hook and 60 s of talking to the Ray it had stopped): no traceback. And
     SIGTERM to every process of the command's tree while its workers start: the signal stops
     Ray's servers too, and the command talked to them for 60 s, then exited 1 without a word;
-    now it stops waiting on them at once (``local_ray.gone_here``)."""
+    now it stops waiting on them at once (``local_ray.gone_here``). Ray itself then ended the
+    driver once in 10-20 runs, exit 1 with no line, or with its native stack dump (a
+    placement-group question cut short): the driver runs in a child whose end the command's
+    process says (``stopping.drive_in_child``), and asks Ray nothing until it knows whether
+    Ray's servers are going too (``launch.SETTLE_S``)."""
     import contextlib
     import os
     import signal

@@ -75,3 +75,77 @@ def test_an_error_still_ends_with_its_traceback(tmp_path):
                            "def main():\n    raise ValueError('bad value')\nrun_main(main)"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "ValueError: bad value" in done.stderr
+
+
+DRIVER = textwrap.dedent("""
+    import os, signal, sys, time
+    from knapray.stopping import drive_in_child, run_main, stop_on_signals
+
+    mode = sys.argv[1]
+
+
+    def main():
+        with stop_on_signals() as signals:
+            drive_in_child(lambda signum, status: f"last words: {signum} {status}")
+            try:
+                print(os.getpid(), os.getpgid(0), flush=True)
+                if mode == "said":
+                    return 3
+                if mode == "killed":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if mode == "wordless":
+                    os._exit(1)
+                time.sleep(30)
+                return 0
+            except KeyboardInterrupt:
+                signals.taken()
+                time.sleep(0.5)  # a second signal would be counted here
+                if mode == "ray ends it":  # as Ray ends a driver whose own servers stopped: no words
+                    os._exit(1)
+                print(f"stopped: {signals.count} signal(s)", file=sys.stderr, flush=True)
+                return 128 + signals.first
+
+
+    run_main(main)
+""")
+
+
+def _driver(mode: str, signal_to=None) -> tuple[int, int, int, str]:
+    """The driver script in ``mode``; ``signal_to(parent, child, child's group)`` once the child
+    runs. (exit code, the parent's pid, the child's pid, stderr)."""
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    child, group = (int(x) for x in proc.stdout.readline().split())
+    if signal_to is not None:
+        signal_to(proc.pid, child, group)
+    _, err = proc.communicate(timeout=60)
+    return proc.returncode, proc.pid, child, err
+
+
+def test_a_driver_in_a_child_ends_the_command_with_its_words_or_the_parents():
+    """``stopping.drive_in_child``: the child's own end (its code, its words) is the command's;
+    one it could not say (Ray's ``_Exit(1)``, a kill) is said by the parent, with 128 + the
+    signal the command was sent; a signal to the command, or to its process group, reaches the
+    child once; the child stops when the parent is killed."""
+    import os
+    import signal
+    import time
+
+    code, parent, child, err = _driver("said")
+    assert (code, err) == (3, "") and child != parent
+    code, _, _, err = _driver("killed")
+    assert (code, err.strip()) == (128 + 9, "last words: None -9")
+    code, _, _, err = _driver("wordless")
+    assert (code, err.strip()) == (1, "last words: None 1")
+    # a signal to the command alone: forwarded, the child stops with its own words
+    code, _, _, err = _driver("stopped", lambda p, c, g: os.kill(p, signal.SIGTERM))
+    assert (code, err.strip()) == (143, "stopped: 1 signal(s)")
+    # to the command's process group (a terminal's Ctrl-C): the child, in a group of its own, gets it once
+    code, parent, child, err = _driver("stopped", lambda p, c, g: (os.killpg(p, signal.SIGINT), time.sleep(0.1)))
+    assert (code, err.strip()) == (130, "stopped: 1 signal(s)")
+    # to every process of the tree, the child then ended wordlessly by Ray: the parent's words, 143
+    code, _, _, err = _driver("ray ends it", lambda p, c, g: (os.kill(p, signal.SIGTERM), os.kill(c, signal.SIGTERM)))
+    assert (code, err.strip()) == (143, "last words: 15 1")
+    # the parent killed outright: the child is sent SIGTERM and stops (its stderr closed: it ended)
+    code, _, child, err = _driver("stopped", lambda p, c, g: os.kill(p, signal.SIGKILL))
+    assert code == -9 and err.strip() == "stopped: 1 signal(s)"
