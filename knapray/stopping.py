@@ -202,6 +202,7 @@ def run_main(main: Callable[[], "int | None"]) -> NoReturn:
     """The ``__main__`` of a command: ``sys.exit(main())``, ended by ``exit_now``. A
     ``SystemExit`` with a status (argparse's usage error) ends the same way; an exception
     goes on as under ``sys.exit``, with its traceback and Python's own exit."""
+    _OWN_PROCESS[0] = True
     try:
         code = main()
     except SystemExit as e:
@@ -262,6 +263,9 @@ def exit_at_once(code: int) -> NoReturn:
 
 # ---- a driver in a process of its own ----------------------------------------------------
 
+_OWN_PROCESS = [False]
+"""Whether this process is a command's own (``run_main`` runs it)."""
+
 _TELL: list[int | None] = [None]
 """In a child of ``drive_in_child``: the pipe to the waiting parent."""
 
@@ -285,8 +289,11 @@ def drive_in_child(last_words: Callable[["int | None", int], str]) -> None:
     prints ``last_words(signal, status)`` (``signal``: the first one the parent was sent, else
     None; ``status``: the child's exit code, negative for the signal that killed it) on
     stderr and ends with 128 + that signal, else with the child's status (128 + a killing
-    signal). Elsewhere (no fork), and in a child of its own, it returns at once."""
-    if not hasattr(os, "fork") or _TELL[0] is not None or threading.current_thread() is not threading.main_thread():
+    signal). It forks only a command's own process (``run_main``), never a program that called
+    the command's ``main`` (a test's), and returns at once elsewhere (no fork, not the main
+    thread) and in a child of its own."""
+    if not _OWN_PROCESS[0] or not hasattr(os, "fork") or _TELL[0] is not None \
+            or threading.current_thread() is not threading.main_thread():
         return
     for stream in (sys.stdout, sys.stderr):  # nothing buffered here is written twice
         with contextlib.suppress(Exception):

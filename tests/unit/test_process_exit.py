@@ -91,6 +91,8 @@ DRIVER = textwrap.dedent("""
                 print(os.getpid(), os.getpgid(0), flush=True)
                 if mode == "said":
                     return 3
+                if mode == "main called":
+                    return 4
                 if mode == "killed":
                     os.kill(os.getpid(), signal.SIGKILL)
                 if mode == "wordless":
@@ -106,6 +108,8 @@ DRIVER = textwrap.dedent("""
                 return 128 + signals.first
 
 
+    if mode == "main called":  # by a program of its own (a test): not forked
+        sys.exit(main())
     run_main(main)
 """)
 
@@ -126,13 +130,16 @@ def test_a_driver_in_a_child_ends_the_command_with_its_words_or_the_parents():
     """``stopping.drive_in_child``: the child's own end (its code, its words) is the command's;
     one it could not say (Ray's ``_Exit(1)``, a kill) is said by the parent, with 128 + the
     signal the command was sent; a signal to the command, or to its process group, reaches the
-    child once; the child stops when the parent is killed."""
+    child once; the child stops when the parent is killed; a program that calls the command's
+    ``main`` itself is not forked."""
     import os
     import signal
     import time
 
     code, parent, child, err = _driver("said")
     assert (code, err) == (3, "") and child != parent
+    code, parent, child, err = _driver("main called")
+    assert (code, err) == (4, "") and child == parent
     code, _, _, err = _driver("killed")
     assert (code, err.strip()) == (128 + 9, "last words: None -9")
     code, _, _, err = _driver("wordless")
