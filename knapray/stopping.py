@@ -179,20 +179,9 @@ def stop_with_parent() -> bool:
     """Linux, in a ``ray job submit`` entrypoint: SIGTERM this process when its parent (the
     job's ``/bin/sh -c``) dies, as it would be stopped with it. True when armed. A parent
     that died while this was being armed sends SIGTERM now."""
-    if RAY_JOB_ENV not in os.environ or not sys.platform.startswith("linux"):
+    if RAY_JOB_ENV not in os.environ:
         return False
-    import ctypes
-
-    parent = os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
-            return False
-    except (OSError, AttributeError):
-        return False
-    if os.getppid() != parent:  # it died before the request was in place
-        os.kill(os.getpid(), signal.SIGTERM)
-    return True
+    return _stop_with(os.getppid())
 
 
 # ---- ending the process ----------------------------------------------------------------
@@ -331,16 +320,21 @@ def drive_in_child(last_words: Callable[["int | None", int], str]) -> None:
     _wait_for(pid, read, before, last_words)
 
 
-def _stop_with(parent: int) -> None:
-    """Linux: SIGTERM this process when ``parent`` dies (now, if it died already)."""
+def _stop_with(parent: int) -> bool:
+    """Linux: SIGTERM this process when its parent, ``parent``, dies (now, if it died before
+    the request was in place). Whether it was armed."""
     if not sys.platform.startswith("linux"):
-        return
+        return False
     import ctypes
 
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    try:
+        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
     if os.getppid() != parent:
         os.kill(os.getpid(), signal.SIGTERM)
+    return True
 
 
 def _wait_for(pid: int, read: int, mask, last_words: Callable[["int | None", int], str]) -> NoReturn:
