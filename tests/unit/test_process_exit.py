@@ -134,10 +134,11 @@ def test_a_driver_in_a_child_ends_the_command_with_its_words_or_the_parents():
     ``main`` itself is not forked."""
     import os
     import signal
-    import time
 
-    code, parent, child, err = _driver("said")
+    found = []
+    code, parent, child, err = _driver("said", lambda p, c, g: found.append((os.getpgid(p), g)))
     assert (code, err) == (3, "") and child != parent
+    assert found == [(parent, child)]  # the command leads its own group (start_new_session), the child another
     code, parent, child, err = _driver("main called")
     assert (code, err) == (4, "") and child == parent
     code, _, _, err = _driver("killed")
@@ -148,7 +149,7 @@ def test_a_driver_in_a_child_ends_the_command_with_its_words_or_the_parents():
     code, _, _, err = _driver("stopped", lambda p, c, g: os.kill(p, signal.SIGTERM))
     assert (code, err.strip()) == (143, "stopped: 1 signal(s)")
     # to the command's process group (a terminal's Ctrl-C): the child, in a group of its own, gets it once
-    code, parent, child, err = _driver("stopped", lambda p, c, g: (os.killpg(p, signal.SIGINT), time.sleep(0.1)))
+    code, _, _, err = _driver("stopped", lambda p, c, g: os.killpg(p, signal.SIGINT))
     assert (code, err.strip()) == (130, "stopped: 1 signal(s)")
     # to every process of the tree, the child then ended wordlessly by Ray: the parent's words, 143
     code, _, _, err = _driver("ray ends it", lambda p, c, g: (os.kill(p, signal.SIGTERM), os.kill(c, signal.SIGTERM)))
