@@ -107,6 +107,18 @@ class StopSignals:
             threading.Thread(target=self._watch, name="knapray-stop", daemon=True).start()
             raise Stop(signum)
 
+    def heard(self, inner: "StopSignals") -> None:
+        """The signals an inner ``stop_on_signals`` saw count here too: after its first, the
+        next signal is a second one (counted), not a first whose new ``Stop`` would replace the
+        one the command is handling. A signal sent to every process of a command's tree reaches
+        a driver in a child twice (``drive_in_child``'s parent forwards it), the second often
+        after the inner handlers are gone: its ``Stop`` took the place of the run's
+        ``Interrupted``, and the command waited 9 s in Ray's exit hook on the servers the signal
+        had stopped."""
+        if inner.count:
+            self.first = self.first if self.first is not None else inner.first
+            self.count += inner.count
+
     def taken(self) -> None:
         """The command has the ``Stop`` and stops: no more looking for it (call where it is
         handled and the command goes on inside ``stop_on_signals``)."""
@@ -167,6 +179,9 @@ def stop_on_signals(signals: tuple[int, ...] = SIGNALS) -> Iterator[StopSignals]
         yield seen
     finally:
         seen.taken()
+        outers = [getattr(handler, "__self__", None) for handler in before.values()]
+        for outer in {id(o): o for o in outers if isinstance(o, StopSignals)}.values():
+            outer.heard(seen)  # before its handlers are back
         for s, handler in before.items():
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)
         sys.unraisablehook = hook

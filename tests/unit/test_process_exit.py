@@ -4,6 +4,7 @@ and loses nothing a normal exit keeps: its status, what it wrote to a file it le
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import textwrap
@@ -157,3 +158,35 @@ def test_a_driver_in_a_child_ends_the_command_with_its_words_or_the_parents():
     # the parent killed outright: the child is sent SIGTERM and stops (its stderr closed: it ended)
     code, _, child, err = _driver("stopped", lambda p, c, g: os.kill(p, signal.SIGKILL))
     assert code == -9 and err.strip() == "stopped: 1 signal(s)"
+
+
+NESTED = textwrap.dedent("""
+    import os, signal, time
+    from knapray.stopping import stop_on_signals
+
+    with stop_on_signals() as outer:
+        try:
+            with stop_on_signals() as inner:  # the run's (launch._fit_or_stop)
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+        except KeyboardInterrupt as e:
+            caught = type(e).__name__
+        try:  # its second copy (drive_in_child's parent forwards what the whole tree got)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)
+            print(caught, inner.count, outer.count, outer.first, "went on")
+        except KeyboardInterrupt:
+            print(caught, inner.count, outer.count, outer.first, "a new Stop")
+""")
+
+
+def test_a_signal_after_an_inner_stop_is_a_second_one_not_a_new_stop():
+    """The signals a run's own handlers (an inner ``stop_on_signals``) saw count in the
+    command's (the outer): the next one is counted, never a new ``Stop`` in place of the
+    stop the command is handling. A signal to every process of a driver's tree arrives twice
+    (the waiting parent forwards it); the second, a new ``Stop``, replaced the run's
+    ``Interrupted`` and its "Ray is gone" with it: the command waited 9 s on Ray's exit hook
+    (once in 30 runs of the tree-SIGTERM test under load)."""
+    out = subprocess.run([sys.executable, "-c", NESTED], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["Stop", "1", "2", str(int(signal.SIGTERM)), "went", "on"], out.stdout
