@@ -287,7 +287,9 @@ def drive_in_child(last_words: Callable[["int | None", int], str]) -> None:
     """POSIX: fork; the child returns from here and runs the rest of the command, the parent
     waits for it and never returns. The parent forwards SIGINT and SIGTERM to the child, which
     runs in a process group of its own (a terminal's Ctrl-C, or a signal to the command's
-    group, reaches it once, through the parent) and is sent SIGTERM if the parent dies. When
+    group, reaches it once, through the parent) and is sent SIGTERM if the parent dies; a
+    terminal's Ctrl-Z stops the child's group, then the parent, and ``fg`` or ``bg`` resumes
+    both, as it would the command in one process. When
     the child ends having said its last words (``said``: ``exit_now`` does), the parent ends
     with the code it told; when it ends without them (Ray ended it, or a kill), the parent
     prints ``last_words(signal, status)`` (``signal``: the first one the parent was sent, else
@@ -360,6 +362,17 @@ def _wait_for(pid: int, read: int, mask, last_words: Callable[["int | None", int
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signum)
 
+    def suspend(signum, frame) -> None:  # Ctrl-Z: the child's group stops, then this process
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGTSTP)
+        os.kill(os.getpid(), signal.SIGSTOP)  # (a SIGTSTP of its own would be dropped in an orphaned group)
+
+    def resume(signum, frame) -> None:  # fg or bg: the child's group goes on too
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGCONT)
+
+    signal.signal(signal.SIGTSTP, suspend)
+    signal.signal(signal.SIGCONT, resume)
     for s in SIGNALS:
         signal.signal(s, forward)
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)

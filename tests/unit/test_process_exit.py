@@ -127,6 +127,20 @@ def _driver(mode: str, signal_to=None) -> tuple[int, int, int, str]:
     return proc.returncode, proc.pid, child, err
 
 
+def _state(pid: int, leaving: str = "") -> str:
+    """The process's state letter (``/proc``: T is stopped), once it is not ``leaving`` (or
+    after 10 s); the first letter other than S, R or D seen, if ``leaving`` is empty."""
+    import time
+
+    deadline = time.monotonic() + 10
+    while True:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+        if time.monotonic() > deadline or (state != leaving if leaving else state not in "SRD"):
+            return state
+        time.sleep(0.02)
+
+
 def test_a_driver_in_a_child_ends_the_command_with_its_words_or_the_parents():
     """``stopping.drive_in_child``: the child's own end (its code, its words) is the command's;
     one it could not say (Ray's ``_Exit(1)``, a kill) is said by the parent, with 128 + the
@@ -155,6 +169,20 @@ def test_a_driver_in_a_child_ends_the_command_with_its_words_or_the_parents():
     # to every process of the tree, the child then ended wordlessly by Ray: the parent's words, 143
     code, _, _, err = _driver("ray ends it", lambda p, c, g: (os.kill(p, signal.SIGTERM), os.kill(c, signal.SIGTERM)))
     assert (code, err.strip()) == (143, "last words: 15 1")
+    # a terminal's Ctrl-Z (SIGTSTP to the command's group): the child's group stops, then the
+    # command; fg (SIGCONT to the command's group) resumes both; the child then stops on one signal
+    states = []
+
+    def suspend_resume(p, c, g):
+        os.killpg(p, signal.SIGTSTP)
+        states.append((_state(p), _state(c)))
+        os.killpg(p, signal.SIGCONT)
+        states.append((_state(p, "T"), _state(c, "T")))
+        os.kill(p, signal.SIGTERM)
+
+    code, _, _, err = _driver("stopped", suspend_resume)
+    assert (code, err.strip()) == (143, "stopped: 1 signal(s)")
+    assert states[0] == ("T", "T") and "T" not in states[1], states
     # the parent killed outright: the child is sent SIGTERM and stops (its stderr closed: it ended)
     code, _, child, err = _driver("stopped", lambda p, c, g: os.kill(p, signal.SIGKILL))
     assert code == -9 and err.strip() == "stopped: 1 signal(s)"
