@@ -46,6 +46,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -141,6 +142,25 @@ def gone_here(ray: Any) -> bool:
         return True
     except (OSError, ValueError):  # a timeout, an odd address: not known to be gone
         return False
+
+
+SETTLE_S = 1.0
+"""How long a command stopped by a signal waits to see whether the Ray it started stops too
+(``gone_within``) before it asks anything of it or shuts it down: a signal sent to every
+process of the command's tree stops Ray's servers as well, and a question or a shutdown
+their stop cuts short waits on them, or ends the command from inside Ray."""
+
+
+def gone_within(ray: Any, limit_s: float) -> bool:
+    """Whether the Ray this process started is gone (``gone_here``) within ``limit_s``: a
+    signal sent to every process of a command's tree reaches its Ray's servers at the same
+    time as the command, and they take a moment to go."""
+    deadline = time.monotonic() + limit_s
+    while not gone_here(ray):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 @contextlib.contextmanager

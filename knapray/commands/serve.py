@@ -244,9 +244,10 @@ def cli(args: argparse.Namespace) -> int:
     from ray import serve
 
     from knapray.driver.serving import build_app
-    from knapray.local_ray import init_ray, logs_dir, started_here
-    from knapray.stopping import exit_code, signal_name, stop_on_signals
+    from knapray.local_ray import SETTLE_S, gone_within, init_ray, logs_dir, started_here
+    from knapray.stopping import exit_at_once, exit_code, signal_name, stop_on_signals
 
+    stopped = None
     with stop_on_signals() as signals:  # SIGTERM (a scheduler, a container's stop) as Ctrl-C
         try:
             # Ray's and Serve's own lines (its start, the proxy's and the controller's, each
@@ -268,13 +269,21 @@ def cli(args: argparse.Namespace) -> int:
             signals.taken()  # stopping: Ray's shutdown below is not to be interrupted again
             stopped = e
         finally:
-            if ray.is_initialized():
+            # A SIGTERM to every process of the command's tree (a Slurm step's) stops its
+            # embedded Ray's servers too: Ray's shutdown then waited 7-8 s on them, and its exit
+            # hook would again. A terminal's Ctrl-C reaches the command alone (Ray's processes
+            # run in a session of their own): no wait for that.
+            gone = started_here(ray) and stopped is not None and signal_name(stopped, signals) == "SIGTERM" \
+                and gone_within(ray, SETTLE_S)
+            if ray.is_initialized() and not gone:
                 # An embedded Ray goes with everything in it; Serve's graceful shutdown would only
                 # print its replicas' removal and a retried task of its killed controller.
                 if not started_here(ray):
                     serve.shutdown()
                 ray.shutdown()
         print(f"\nknapray serve: stopped ({signal_name(stopped, signals)})", flush=True)
+        if gone:
+            exit_at_once(exit_code(stopped, signals))
         return exit_code(stopped, signals)
 
 

@@ -367,10 +367,10 @@ def _abort_within(ray: Any, trainer: Any, cfg: TrainConfig, signals, limit_s: fl
     did not answer; the run's workers went with its servers)."""
     import threading
 
-    from knapray.local_ray import gone_here, started_here
+    from knapray.local_ray import SETTLE_S, gone_here, gone_within, started_here
 
-    if started_here(ray) and _gone_within(ray, SETTLE_S):
-        return False
+    if started_here(ray) and gone_within(ray, SETTLE_S):  # a question their stop cuts short ends
+        return False  # the driver from inside Ray (a failed check in its placement group table)
     thread = threading.Thread(target=_abort, args=(ray, trainer, cfg, signals), name="knapray-abort", daemon=True)
     thread.start()
     deadline = time.monotonic() + limit_s
@@ -384,23 +384,6 @@ def _abort_within(ray: Any, trainer: Any, cfg: TrainConfig, signals, limit_s: fl
 ABORT_POLL_S = 0.5
 """How often a stopping driver checks whether its own Ray is gone while it waits."""
 
-SETTLE_S = 1.0
-"""How long a stopping driver of the Ray it started waits to see whether that Ray stops too
-before it asks anything of it: a signal sent to every process of the command's tree stops
-Ray's servers as well, and a question to the GCS that their stop cuts short ends the driver
-from inside Ray (a failed check in its placement group table: a native stack dump, exit 1)."""
-
-
-def _gone_within(ray: Any, limit_s: float) -> bool:
-    """Whether the Ray this process started is gone (``local_ray.gone_here``) within ``limit_s``."""
-    from knapray.local_ray import gone_here
-
-    deadline = time.monotonic() + limit_s
-    while not gone_here(ray):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 def _abort(ray: Any, trainer: Any, cfg: TrainConfig, signals) -> None:

@@ -212,7 +212,7 @@ def test_ctrl_c_or_sigterm_while_starting_is_one_line_and_exit_130_or_143(tmp_pa
     driver once in 10-20 runs, exit 1 with no line, or with its native stack dump (a
     placement-group question cut short): the driver runs in a child whose end the command's
     process says (``stopping.drive_in_child``), and asks Ray nothing until it knows whether
-    Ray's servers are going too (``launch.SETTLE_S``)."""
+    Ray's servers are going too (``local_ray.SETTLE_S``)."""
     import contextlib
     import os
     import signal
