@@ -385,7 +385,6 @@ ABORT_POLL_S = 0.5
 """How often a stopping driver checks whether its own Ray is gone while it waits."""
 
 
-
 def _abort(ray: Any, trainer: Any, cfg: TrainConfig, signals) -> None:
     """Stop the run's controller and its workers: ask it to abort, wait up to ``ABORT_WAIT_S``
     (a second signal: no longer; no worker placed yet: not at all, it would not answer), then
