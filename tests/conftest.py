@@ -52,7 +52,9 @@ def _fast_worker_start():
     first, in place of Ray's ``setup_worker.py``, which imports Ray only to set the worker's
     environment and exec it (0.5 CPU-s a worker, hundreds of workers in the suite). Ray reads
     the file name when a node starts (``ray._private.node``); Ray's own program stays the
-    fallback for anything but a plain Python worker."""
+    fallback for anything but a plain Python worker. That program has a plain worker forked
+    from a server that imported torch, Ray, Ray Train and Ray Data once
+    (``_start_fork_server``)."""
     from ray._private import ray_constants
 
     ours = str(TESTS_DIR / "ray_worker_start.py")
@@ -60,6 +62,29 @@ def _fast_worker_start():
         os.environ["KNAPRAY_TEST_RAY_SETUP_WORKER"] = os.path.join(
             os.path.dirname(ray_constants.__file__), "workers", ray_constants.SETUP_WORKER_FILENAME)
         ray_constants.SETUP_WORKER_FILENAME = ours
+    _start_fork_server()
+
+
+_FORK_SERVER: list = []
+
+
+def _start_fork_server() -> None:
+    """The fork server of this test process's Ray workers (``tests/ray_worker_fork.py``),
+    started once, before the first Ray this process starts, with this process's
+    environment; it ends with this process. ``KNAPRAY_TEST_NO_FORK=1`` leaves it out (every
+    worker then a fresh interpreter, as Ray starts them)."""
+    if _FORK_SERVER or os.environ.get("KNAPRAY_TEST_NO_FORK") == "1":
+        return
+    import subprocess
+    import tempfile
+
+    path = os.path.join(tempfile.mkdtemp(prefix="knapray-fork-"), "server")
+    os.environ["KNAPRAY_TEST_RAY_FORK_SERVER"] = path
+    server = subprocess.Popen([sys.executable, str(TESTS_DIR / "ray_worker_fork.py"), path],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+    _FORK_SERVER.append(server)
+    if server.stdout.readline().strip() != "ready":
+        os.environ.pop("KNAPRAY_TEST_RAY_FORK_SERVER")
 
 
 @pytest.fixture(scope="session")

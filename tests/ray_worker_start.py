@@ -7,7 +7,10 @@ default_worker.py ...``; Ray's program imports Ray (0.5 CPU-s here) only to read
 emptied) and exec the worker through ``bash -c``. This does the same for a Python worker
 whose context has nothing but ``env_vars`` and the same interpreter, and hands anything
 else (a command prefix, another interpreter, another entry point, Java) to Ray's own
-program unchanged."""
+program unchanged. Where the test process started a fork server
+(``KNAPRAY_TEST_RAY_FORK_SERVER``, tests/ray_worker_fork.py), a plain worker is a fork of
+it instead of an exec, this process staying as the pid the raylet started until the
+worker ends; a request the server refuses is exec'd as before."""
 
 import argparse
 import json
@@ -31,6 +34,12 @@ def main(argv: list[str]) -> None:
         os.execv(sys.executable, [sys.executable, rays, *argv])
     for key, value in (context.get("env_vars") or {}).items():
         os.environ[key] = re.sub(r"\$\{[A-Z0-9_]+\}", "", os.path.expandvars(value))
+    server = os.environ.get("KNAPRAY_TEST_RAY_FORK_SERVER")
+    if server:
+        import ray_worker_fork
+
+        if ray_worker_fork.ask(server, rest):
+            return
     os.execv(sys.executable, [sys.executable, *rest])
 
 

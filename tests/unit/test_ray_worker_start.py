@@ -20,6 +20,7 @@ def _run(tmp_path, context: dict, language: str = "PYTHON") -> dict:
     rays.write_text(ECHO % "rays")
     env = {**os.environ, "KNAPRAY_TEST_RAY_SETUP_WORKER": str(rays), "HOME_X": "home"}
     env.pop("A", None)
+    env.pop("KNAPRAY_TEST_RAY_FORK_SERVER", None)  # the exec path (the fork server's: test_ray_worker_fork.py)
     out = subprocess.run(
         [sys.executable, str(START), f"--serialized-runtime-env-context={json.dumps(context)}",
          f"--language={language}", str(worker), "--node-ip-address=127.0.0.1", "--x", "a b"],
