@@ -23,9 +23,9 @@ hands most of its workers one environment (its job's), so each level-1 server's 
 are paid once and its workers' not at all.
 
 A request the fork could not honour exactly gets ``no`` and the small process execs the
-worker itself, as without this server: anything in its environment other than Ray's own
-variables differing from the server's (what torch and the C libraries read as they load),
-or a server that is not there."""
+worker itself, as without this server: a variable that the interpreter, torch or the C
+libraries read as they load (``AS_THEY_LOAD``) differing from the server's, or a server
+that is not there."""
 
 from __future__ import annotations
 
@@ -48,13 +48,18 @@ RAY_SIDE = ("ray", "ray._private.node", "ray._private.parameter", "ray._private.
 (``default_worker.py``'s) and what Ray Train's workers and controller and Ray Data's tasks
 import on top."""
 
-OWN = ("KNAPRAY_TEST_RAY_FORK_SERVER", "KNAPRAY_TEST_RAY_SETUP_WORKER", "KNAPRAY_TEST_RAY_FORK_DEBUG", "PYTEST_CURRENT_TEST", "COLUMNS", "LINES")
+AS_THEY_LOAD = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "GOMP", "OPENBLAS", "TORCH", "PYTORCH", "CUDA",
+                "NVIDIA", "NCCL", "TRITON", "ARROW", "NUMPY", "PANDAS", "MALLOC", "GLIBC", "TMPDIR", "TEMP", "TMP",
+                "XDG_")
+"""Prefixes of the variables that the interpreter, its C libraries and level 0's imports
+(``BASE``) read as they load, not later: a worker asking for other values of these than
+level 0 started with is refused. The rest (Ray's own, a test's ``GLOO_SOCKET_IFNAME`` or
+``KNAPRAY_*``, a runtime environment's ``env_vars``) a level-1 server takes as the worker has
+them, before it imports Ray's side."""
 
 
-def _ours(key: str) -> bool:
-    """Variables a worker's environment may differ in from level 0's: Ray's own (``SPT_NOENV``: its
-    process titles)."""
-    return key.startswith(("RAY_", "SPT_")) or key in OWN
+def _as_they_load(env: dict) -> dict:
+    return {k: v for k, v in env.items() if k.startswith(AS_THEY_LOAD)}
 
 
 def _send(conn: socket.socket, obj) -> None:
@@ -246,7 +251,7 @@ def serve(path: str) -> None:
     listener.listen(64)
     listener.settimeout(1.0)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the level-1 servers
-    mine = {k: v for k, v in os.environ.items() if not _ours(k)}
+    mine = _as_they_load(os.environ)
     level1: dict[str, tuple[int, str]] = {}
     print("ready", flush=True)
     try:
@@ -260,9 +265,10 @@ def serve(path: str) -> None:
             try:
                 request, fds = _recv_request(conn)
                 env = request["env"]
-                if len(fds) != 3 or {k: v for k, v in env.items() if not _ours(k)} != mine:
-                    _debug("refused", {k: (env.get(k), mine.get(k)) for k in set(env) | set(mine)
-                                       if not _ours(k) and env.get(k) != mine.get(k)})
+                theirs = _as_they_load(env)
+                if len(fds) != 3 or theirs != mine:
+                    _debug("refused", {k: (theirs.get(k), mine.get(k)) for k in set(theirs) | set(mine)
+                                       if theirs.get(k) != mine.get(k)})
                     _send(conn, "no")
                     continue
                 key = hashlib.sha256(json.dumps(sorted(env.items())).encode()).hexdigest()[:16]
@@ -282,7 +288,7 @@ def serve(path: str) -> None:
                     _level1(sub, (conn, request, fds), env)
                 sub.close()
                 level1[key] = (pid, where)
-                _debug("level 1", pid, key, {k: v for k, v in env.items() if _ours(k)})
+                _debug("level 1", pid, key, {k: v for k, v in env.items() if k.startswith(("RAY_", "KNAPRAY"))})
             except (OSError, EOFError, ValueError):
                 pass
             finally:

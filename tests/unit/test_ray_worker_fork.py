@@ -28,7 +28,7 @@ def stop(signum, frame):
     sys.exit(0)
 signal.signal(signal.SIGTERM, stop)
 print(json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "argv": sys.argv[1:], "cwd": os.getcwd(),
-                  "X": os.environ.get("RAY_X_FOR_THE_WORKER"), "job": os.environ.get("RAY_JOB_ID"),
+                  "X": os.environ.get("X_FOR_THE_WORKER"), "job": os.environ.get("RAY_JOB_ID"),
                   "warm": "ray.train" in sys.modules, "id": UniqueID.from_random().hex()}), flush=True)
 open(out + ".ready", "w").close()
 time.sleep(float(sys.argv[2]))
@@ -55,7 +55,7 @@ def _small(server, out: pathlib.Path, sleep="0", extra=None, cwd=None, wait=True
     script; its standard output (the worker's) goes to ``out``.stdout, a file, so that
     waiting for the small process does not wait for the worker through a pipe."""
     path, env, worker = server
-    env = {**env, "RAY_JOB_ID": "01000000", "RAY_X_FOR_THE_WORKER": "x", **(extra or {})}
+    env = {**env, "RAY_JOB_ID": "01000000", "X_FOR_THE_WORKER": "x", **(extra or {})}
     cmd = [sys.executable, "-c", ASK % (str(TESTS), path), str(worker), str(out), sleep]
     with open(f"{out}.stdout", "w") as stdout:
         proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=stdout, stdin=subprocess.DEVNULL)
