@@ -70,10 +70,10 @@ _FORK_SERVER: list = []
 
 def _start_fork_server() -> None:
     """The fork server of this test process's Ray workers (``tests/ray_worker_fork.py``),
-    started once, before the first Ray this process starts, with this process's
-    environment; it ends with this process. ``KNAPRAY_TEST_NO_FORK=1`` leaves it out (every
+    started before the first Ray this process starts, with this process's environment (and
+    again before a later one if it ended); it ends with this process. ``KNAPRAY_TEST_NO_FORK=1`` leaves it out (every
     worker then a fresh interpreter, as Ray starts them)."""
-    if _FORK_SERVER or os.environ.get("KNAPRAY_TEST_NO_FORK") == "1":
+    if (_FORK_SERVER and _FORK_SERVER[-1].poll() is None) or os.environ.get("KNAPRAY_TEST_NO_FORK") == "1":
         return
     import subprocess
     import tempfile

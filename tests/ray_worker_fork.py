@@ -102,6 +102,9 @@ def _become_worker(request: dict, fds: list[int], conn: socket.socket) -> None:
     code = 1
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
@@ -131,6 +134,18 @@ def _become_worker(request: dict, fds: list[int], conn: socket.socket) -> None:
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""Ignored by the servers, which end with the test process (level 0) or with level 0 or their
+raylet (level 1); a worker gets Python's own handling of them back."""
+
+
+def _log(path: str, line: str) -> None:
+    """The servers' log beside level 0's socket (``SOCKET.log``): what went wrong, for a
+    test that finds the session's workers not forked."""
+    with open(f"{path}.log", "a") as f:
+        print(f"{os.getpid()} {line}", file=f)
 
 
 def _debug(*what) -> None:
@@ -244,6 +259,8 @@ def _level1(listener: socket.socket, first: tuple, env: dict) -> None:
 def serve(path: str) -> None:
     """Level 0: import ``BASE``, then answer requests until the process that started it ends."""
     parent = os.getppid()
+    for s in STOPS:  # the test process's group may get a terminal's Ctrl-C; this ends with that process
+        signal.signal(s, signal.SIG_IGN)
     for name in BASE:
         __import__(name)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -289,13 +306,14 @@ def serve(path: str) -> None:
                 sub.close()
                 level1[key] = (pid, where)
                 _debug("level 1", pid, key, {k: v for k, v in env.items() if k.startswith(("RAY_", "KNAPRAY"))})
-            except (OSError, EOFError, ValueError):
-                pass
+            except Exception as e:  # noqa: BLE001 - one bad request: its small process execs its worker
+                _log(path, f"request failed: {e!r}")
             finally:
                 for fd in fds:
                     os.close(fd)
                 conn.close()
     finally:
+        _log(path, "level 0 ends")
         for _pid, where in level1.values():
             if os.path.exists(where):
                 os.unlink(where)

@@ -23,13 +23,15 @@ WORKER = """
 import json, os, signal, sys, time
 from ray._raylet import UniqueID
 out = sys.argv[1]
+defaults = (signal.getsignal(signal.SIGINT) is signal.default_int_handler
+            and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL == signal.getsignal(signal.SIGHUP))
 def stop(signum, frame):
     open(out + ".signal", "w").write(str(signum))
     sys.exit(0)
 signal.signal(signal.SIGTERM, stop)
 print(json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "argv": sys.argv[1:], "cwd": os.getcwd(),
                   "X": os.environ.get("X_FOR_THE_WORKER"), "job": os.environ.get("RAY_JOB_ID"),
-                  "warm": "ray.train" in sys.modules, "id": UniqueID.from_random().hex()}), flush=True)
+                  "warm": "ray.train" in sys.modules, "defaults": defaults, "id": UniqueID.from_random().hex()}), flush=True)
 open(out + ".ready", "w").close()
 time.sleep(float(sys.argv[2]))
 open(out + ".done", "w").close()
@@ -77,6 +79,7 @@ def test_a_worker_is_a_fork_of_a_warm_server_with_the_small_processs_argv_stream
         assert g["argv"] == [str(tmp_path / f"w{i}"), "0.3"] and g["cwd"] == str(tmp_path)
         assert g["X"] == "x" and g["job"] == "01000000"
         assert g["warm"]  # Ray Train was imported by the server, not by the worker
+        assert g["defaults"]  # Python's own Ctrl-C and SIGTERM, not the servers' (which ignore them)
         assert (tmp_path / f"w{i}.done").exists()  # the small process ended after its worker
     assert got[0]["ppid"] == got[1]["ppid"] != got[0]["pid"]  # both forks of one level-1 server
     assert got[0]["id"] != got[1]["id"]  # each fork draws its own ids from Ray's generator
