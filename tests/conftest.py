@@ -52,9 +52,9 @@ def _fast_worker_start():
     first, in place of Ray's ``setup_worker.py``, which imports Ray only to set the worker's
     environment and exec it (0.5 CPU-s a worker, hundreds of workers in the suite). Ray reads
     the file name when a node starts (``ray._private.node``); Ray's own program stays the
-    fallback for anything but a plain Python worker. That program has a plain worker forked
-    from a server that imported torch, Ray, Ray Train and Ray Data once
-    (``_start_fork_server``)."""
+    fallback for anything but a plain Python worker. With ``KNAPRAY_TEST_FORK=1`` that program
+    has a plain worker forked from a server that imported torch, Ray, Ray Train and Ray Data
+    once (``_start_fork_server``)."""
     from ray._private import ray_constants
 
     ours = str(TESTS_DIR / "ray_worker_start.py")
@@ -68,12 +68,25 @@ def _fast_worker_start():
 _FORK_SERVER: list = []
 
 
+def _stop_fork_servers() -> None:
+    """At this process's exit: its fork servers stopped and their directories gone."""
+    import shutil
+
+    for server in _FORK_SERVER:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+        shutil.rmtree(os.path.dirname(server.args[-1]), ignore_errors=True)
+
+
 def _start_fork_server() -> None:
     """The fork server of this test process's Ray workers (``tests/ray_worker_fork.py``),
     started before the first Ray this process starts, with this process's environment (and
-    again before a later one if it ended); it ends with this process. ``KNAPRAY_TEST_NO_FORK=1`` leaves it out (every
-    worker then a fresh interpreter, as Ray starts them)."""
-    if (_FORK_SERVER and _FORK_SERVER[-1].poll() is None) or os.environ.get("KNAPRAY_TEST_NO_FORK") == "1":
+    again before a later one if it ended); it ends with this process. Only with
+    ``KNAPRAY_TEST_FORK=1``: in ``make test`` only the first Ray of a test process had its
+    workers forked (docs/testing.md), so it is off there (every worker a fresh interpreter,
+    as Ray starts them) until that is understood."""
+    if (_FORK_SERVER and _FORK_SERVER[-1].poll() is None) or os.environ.get("KNAPRAY_TEST_FORK") != "1":
         return
     import subprocess
     import tempfile
@@ -83,6 +96,10 @@ def _start_fork_server() -> None:
     server = subprocess.Popen([sys.executable, str(TESTS_DIR / "ray_worker_fork.py"), path],
                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
     _FORK_SERVER.append(server)
+    if len(_FORK_SERVER) == 1:
+        import atexit
+
+        atexit.register(_stop_fork_servers)
     if server.stdout.readline().strip() != "ready":
         os.environ.pop("KNAPRAY_TEST_RAY_FORK_SERVER")
 

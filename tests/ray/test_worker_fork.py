@@ -1,5 +1,5 @@
 """The session's Ray on the fork server (tests/ray_worker_fork.py): its workers are forks of a
-warm server, as the suite's timing assumes (docs/testing.md), and each draws its own random
+warm server (with ``KNAPRAY_TEST_FORK=1``: docs/testing.md), and each draws its own random
 ids from Ray, as Ray assumes of separate processes. The server alone:
 tests/unit/test_ray_worker_fork.py."""
 
@@ -26,7 +26,7 @@ class _Who:
         return _who()
 
 
-@pytest.mark.skipif(os.environ.get("KNAPRAY_TEST_NO_FORK") == "1", reason="the fork server left out")
+@pytest.mark.skipif(os.environ.get("KNAPRAY_TEST_FORK") != "1", reason="the fork server is on with KNAPRAY_TEST_FORK=1")
 def test_the_sessions_workers_are_forks_that_draw_their_own_ids(ray_session):
     ray = ray_session
     got = ray.get([ray.remote(num_cpus=1)(_who).remote() for _ in range(2)])
