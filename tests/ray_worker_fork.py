@@ -214,6 +214,7 @@ def _level1(listener: socket.socket, first: tuple, env: dict) -> None:
     """A level-1 server, in a fork of level 0: this environment, Ray's side imported in it,
     then a fork per request (the first one, ``(conn, request, fds)``, handed over by level
     0). Ends with level 0 or with the raylet whose workers it starts; never returns."""
+    level0_path = listener.getsockname().rsplit(".", 1)[0]
     try:
         level0 = os.getppid()
         os.environ.clear()
@@ -221,7 +222,7 @@ def _level1(listener: socket.socket, first: tuple, env: dict) -> None:
         _import_ray_side()
         refuse = not _forks_draw_apart()  # then each small process execs its worker
         if refuse:
-            _debug("forks would draw the same random ids from Ray: level-1 server refuses", os.getpid())
+            _log(level0_path, "forks would draw the same random ids from Ray: this level-1 server refuses")
         raylet = int(env.get("RAY_RAYLET_PID") or 0)
         pending: tuple | None = first
         listener.settimeout(1.0)
@@ -252,6 +253,8 @@ def _level1(listener: socket.socket, first: tuple, env: dict) -> None:
                 for fd in fds:
                     os.close(fd)
                 conn.close()
+    except BaseException as e:  # noqa: BLE001 - its small processes exec their workers
+        _log(level0_path, f"level-1 server failed: {e!r}")
     finally:
         os._exit(0)
 
@@ -284,8 +287,8 @@ def serve(path: str) -> None:
                 env = request["env"]
                 theirs = _as_they_load(env)
                 if len(fds) != 3 or theirs != mine:
-                    _debug("refused", {k: (theirs.get(k), mine.get(k)) for k in set(theirs) | set(mine)
-                                       if theirs.get(k) != mine.get(k)})
+                    _log(path, "refused: " + repr({k: (theirs.get(k), mine.get(k)) for k in set(theirs) | set(mine)
+                                                   if theirs.get(k) != mine.get(k)}))
                     _send(conn, "no")
                     continue
                 key = hashlib.sha256(json.dumps(sorted(env.items())).encode()).hexdigest()[:16]

@@ -95,6 +95,7 @@ def test_another_job_gets_its_own_level_1_server(server, tmp_path):
 def test_an_environment_that_differs_beyond_rays_own_is_refused(server, tmp_path):
     _small(server, tmp_path / "w", extra={"OMP_NUM_THREADS": "7"})
     assert _said(tmp_path / "w") == "refused" and not (tmp_path / "w.ready").exists()
+    assert "refused: {'OMP_NUM_THREADS': ('7'," in pathlib.Path(server[0] + ".log").read_text()  # and says why
 
 
 def test_a_signal_to_the_small_process_reaches_its_worker(server, tmp_path):
